@@ -1,0 +1,22 @@
+"""foldkv: folded KV pages for Gemma 4's k_eq_v global attention (layout, prep, references, generated kernels)."""
+
+from .config import GEMMA4_31B, PRESETS, AttentionGeometry, ConfigError, geometry_from_config, resolve_geometry
+from .layout import (
+    KvFormat,
+    folded_row_sources,
+    rotated_columns,
+    row_width,
+    rows_to_head_order,
+    score_window,
+    score_window_columns,
+    unrotated_columns,
+    value_window,
+    value_window_columns,
+    value_window_to_head,
+)
+from .pool import BlockTable, PagedKvLayout, PagedKvPool, check_block_table
+from .prep import fill_sequences, fold_query, prep_and_store, prep_query, prep_rows, prep_rows_and_query, rope_cos_sin
+from .reference import dense_attention_reference, paged_attention_reference
+from .validate import FoldKvInputError
+
+__version__ = "0.1.0"

@@ -1,0 +1,48 @@
+"""The one place TileLang is imported and configured: target, pass configs and compile flags shared by JIT and AOT.
+
+Every kernel factory takes its pass configs from `PASS_CONFIGS` so the AOT build can map the same settings to nvcc
+flags (a setting it cannot map is an error there, not a silent difference).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+TILELANG_VERSION = "0.1.15"
+# Hopper: wgmma and TMA need the arch-specific target.
+DEFAULT_ARCH = os.environ.get("FOLDKV_CUDA_ARCH", "sm_90a")
+
+
+class TileLangUnavailable(ImportError):
+    """TileLang is not installed; kernels cannot be generated (the torch references still work)."""
+
+
+@functools.lru_cache(maxsize=None)
+def require_tilelang():
+    """Import TileLang lazily, with a clear error when it is missing or the wrong version."""
+    try:
+        import tilelang  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        raise TileLangUnavailable(
+            f"TileLang is needed to generate foldkv kernels: pip install 'foldkv[kernels]' (tilelang=={TILELANG_VERSION});"
+            f" import failed with: {exc}"
+        ) from exc
+    if getattr(tilelang, "__version__", "").split("+")[0] != TILELANG_VERSION:
+        raise TileLangUnavailable(f"foldkv kernels are written for tilelang {TILELANG_VERSION}, found {tilelang.__version__}")
+    return tilelang
+
+
+def target(arch: str = DEFAULT_ARCH):
+    """The CUDA target for an arch such as 'sm_90a'; explicit so that generation works without a GPU."""
+    tilelang = require_tilelang()
+    from tvm.target import Target
+
+    return Target({"kind": "cuda", "arch": arch})
+
+
+def pass_configs() -> dict:
+    """Pass configs every foldkv kernel is built with (JIT and AOT alike). Keys are TileLang PassConfigKey values."""
+    require_tilelang()
+    # Fast math stays off: exp2/log2 accuracy is part of the gates, and the AOT build passes the same flags.
+    return {"tl.enable_fast_math": False}

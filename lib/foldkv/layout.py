@@ -1,0 +1,105 @@
+"""Page formats and column maps: which head columns a page row stores, in which order, and how to undo it.
+
+A split row is [K (head order, D) | V (head order, D)]. A folded row is [K_rot (R) | V_unrot (D-R) | V_rot (R)], so the
+score operand is row[0:D] (matched by the folded query [q_rot | q_unrot * w_k]) and the value operand is row[R:R+D],
+whose output comes back in "value-window order" and is put back in head order by `value_window_to_head`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from .config import AttentionGeometry
+
+
+class KvFormat(str, enum.Enum):
+    """What a page row stores; fixed for a pool's life."""
+
+    SPLIT = "split"
+    FOLDED = "folded"
+
+    @classmethod
+    def parse(cls, value: "KvFormat | str") -> "KvFormat":
+        if isinstance(value, KvFormat):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise ValueError(f"unknown KV format {value!r}: expected one of {[f.value for f in cls]}") from None
+
+
+def rotated_columns(geom: AttentionGeometry) -> torch.Tensor:
+    """Head columns proportional RoPE rotates, ascending: [0, R/2) and [D/2, D/2 + R/2) (128 of 512 for the 31B)."""
+    half, pairs = geom.head_dim // 2, geom.rotary_pairs
+    return torch.cat([torch.arange(pairs), torch.arange(half, half + pairs)])
+
+
+def unrotated_columns(geom: AttentionGeometry) -> torch.Tensor:
+    """Head columns RoPE leaves as they are (zero frequency), ascending: there K == V * w_k exactly."""
+    mask = torch.ones(geom.head_dim, dtype=torch.bool)
+    mask[rotated_columns(geom)] = False
+    return torch.nonzero(mask).flatten()
+
+
+def row_width(geom: AttentionGeometry, fmt: KvFormat | str) -> int:
+    """Columns per token per KV head: 2D for split (1024), D + R for folded (640)."""
+    fmt = KvFormat.parse(fmt)
+    return 2 * geom.head_dim if fmt is KvFormat.SPLIT else geom.head_dim + geom.rotary_width
+
+
+def score_window(geom: AttentionGeometry, fmt: KvFormat | str) -> slice:
+    """Row columns the score (q.K) reads: a D-wide contiguous window."""
+    return slice(0, geom.head_dim)
+
+
+def value_window(geom: AttentionGeometry, fmt: KvFormat | str) -> slice:
+    """Row columns the value (P.V) reads: a D-wide contiguous window."""
+    fmt = KvFormat.parse(fmt)
+    start = geom.head_dim if fmt is KvFormat.SPLIT else geom.rotary_width
+    return slice(start, start + geom.head_dim)
+
+
+def folded_row_sources(geom: AttentionGeometry) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each folded-row column p: (is_key[p], head_column[p]). K_rot, then V_unrot, then V_rot."""
+    rot, unrot = rotated_columns(geom), unrotated_columns(geom)
+    head_col = torch.cat([rot, unrot, rot])
+    is_key = torch.zeros(head_col.numel(), dtype=torch.bool)
+    is_key[: rot.numel()] = True
+    return is_key, head_col
+
+
+def value_window_columns(geom: AttentionGeometry, fmt: KvFormat | str) -> torch.Tensor:
+    """Head column held at each position of the value window (identity for split; unrot then rot for folded)."""
+    if KvFormat.parse(fmt) is KvFormat.SPLIT:
+        return torch.arange(geom.head_dim)
+    return torch.cat([unrotated_columns(geom), rotated_columns(geom)])
+
+
+def score_window_columns(geom: AttentionGeometry, fmt: KvFormat | str) -> torch.Tensor:
+    """Head column held at each position of the score window (identity for split; rot then unrot for folded)."""
+    if KvFormat.parse(fmt) is KvFormat.SPLIT:
+        return torch.arange(geom.head_dim)
+    return torch.cat([rotated_columns(geom), unrotated_columns(geom)])
+
+
+def value_window_to_head(geom: AttentionGeometry, fmt: KvFormat | str) -> torch.Tensor:
+    """Index `inv` with out_head = out_window[..., inv]: the inverse of `value_window_columns`."""
+    cols = value_window_columns(geom, fmt)
+    inv = torch.empty_like(cols)
+    inv[cols] = torch.arange(cols.numel())
+    return inv
+
+
+def rows_to_head_order(rows: torch.Tensor, geom: AttentionGeometry, fmt: KvFormat | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recover (K, V) in head order from page rows [..., row_width]. For folded rows, K's unrotated columns cannot be
+    recovered without w_k, so K is returned with only its rotated columns (the rest NaN) - callers use `V * w_k`."""
+    fmt = KvFormat.parse(fmt)
+    d = geom.head_dim
+    if fmt is KvFormat.SPLIT:
+        return rows[..., :d], rows[..., d:]
+    v = rows[..., value_window(geom, fmt)][..., value_window_to_head(geom, fmt).to(rows.device)]
+    k = torch.full_like(v, float("nan"))
+    k[..., rotated_columns(geom).to(rows.device)] = rows[..., : geom.rotary_width]
+    return k, v

@@ -1,0 +1,233 @@
+"""The paged KV pool: its layout (page size, format, row width, bytes), its tensor, a page allocator and block tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .config import GEMMA4_31B, AttentionGeometry
+from .layout import KvFormat, row_width
+from .validate import FoldKvInputError, check_index_range, check_tensor
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class PagedKvLayout:
+    """One global layer's pool: `num_pages` pages of `page_size` tokens, each [num_kv_heads, page_size, row_width].
+
+    The tensor is [num_pages, num_kv_heads, page_size, row_width]: one (page, KV head) is a contiguous
+    page_size x row_width tile, the unit a decode CTA streams.
+    """
+
+    geometry: AttentionGeometry = GEMMA4_31B
+    format: KvFormat = KvFormat.FOLDED
+    page_size: int = 64
+    num_pages: int = 0
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "format", KvFormat.parse(self.format))
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise FoldKvInputError(f"page_size={self.page_size} must be a positive power of two")
+        if self.num_pages < 0:
+            raise FoldKvInputError(f"num_pages={self.num_pages} must be >= 0")
+        if self.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            raise FoldKvInputError(f"pool dtype {self.dtype} is not a floating type foldkv stores")
+
+    @property
+    def row_width(self) -> int:
+        return row_width(self.geometry, self.format)
+
+    @property
+    def element_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies in this layer's pool (all KV heads)."""
+        return self.geometry.num_kv_heads * self.row_width * self.element_bytes
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.num_pages, self.geometry.num_kv_heads, self.page_size, self.row_width)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.page_size * self.bytes_per_token
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-int(tokens) // self.page_size)
+
+    def with_pages(self, num_pages: int) -> "PagedKvLayout":
+        return PagedKvLayout(self.geometry, self.format, self.page_size, num_pages, self.dtype)
+
+    @classmethod
+    def for_tokens(cls, tokens: int, **kw) -> "PagedKvLayout":
+        """A layout with just enough pages for `tokens` tokens."""
+        base = cls(**kw)
+        return base.with_pages(base.pages_for(tokens))
+
+
+@dataclass
+class BlockTable:
+    """Pages of each request of a batch: page_ids [batch, max_pages] int32 (entries past a request's pages are
+    padding and never read) and seq_lens [batch] int32."""
+
+    page_ids: torch.Tensor
+    seq_lens: torch.Tensor
+
+    @property
+    def batch(self) -> int:
+        return int(self.seq_lens.numel())
+
+    def to(self, device: torch.device | str) -> "BlockTable":
+        return BlockTable(self.page_ids.to(device), self.seq_lens.to(device))
+
+    def pages_of(self, request: int, page_size: int) -> torch.Tensor:
+        n = -(-int(self.seq_lens[request]) // page_size)
+        return self.page_ids[request, :n]
+
+
+def check_block_table(layout: PagedKvLayout, table: BlockTable, *, max_batch: int | None = None,
+                      max_len: int | None = None, device: torch.device | str | None = None) -> None:
+    """Refuse a block table that would read outside the pool or past a request's pages."""
+    check_tensor("page_ids", table.page_ids, dtype=torch.int32, device=device)
+    check_tensor("seq_lens", table.seq_lens, dtype=torch.int32, device=device)
+    if table.page_ids.dim() != 2 or table.seq_lens.dim() != 1 or table.page_ids.shape[0] != table.seq_lens.shape[0]:
+        raise FoldKvInputError(
+            f"page_ids {list(table.page_ids.shape)} and seq_lens {list(table.seq_lens.shape)} must be [batch, pages]"
+            " and [batch]"
+        )
+    batch = table.batch
+    if batch == 0:
+        raise FoldKvInputError("empty batch")
+    if max_batch is not None and batch > max_batch:
+        raise FoldKvInputError(f"batch of {batch} requests exceeds the limit of {max_batch}")
+    lens = table.seq_lens.cpu()
+    if int(lens.min()) < 1:
+        raise FoldKvInputError(f"seq_lens holds {int(lens.min())}: every request needs at least one token")
+    if max_len is not None and int(lens.max()) > max_len:
+        raise FoldKvInputError(f"seq_lens holds {int(lens.max())}, above the limit of {max_len} tokens")
+    need = (lens + layout.page_size - 1) // layout.page_size
+    if int(need.max()) > table.page_ids.shape[1]:
+        r = int(torch.argmax(need))
+        raise FoldKvInputError(
+            f"request {r} has {int(lens[r])} tokens but its block table holds only {table.page_ids.shape[1]} pages of"
+            f" {layout.page_size}"
+        )
+    ids = table.page_ids.cpu()
+    used = torch.arange(ids.shape[1])[None, :] < need[:, None]
+    check_index_range("page_ids (within each request's pages)", ids[used], 0, layout.num_pages)
+
+
+class PagedKvPool:
+    """A layer's pool tensor with a free-page allocator. The format is fixed for the pool's life."""
+
+    def __init__(self, layout: PagedKvLayout, device: torch.device | str = "cpu", fill: float | None = None,
+                 data: torch.Tensor | None = None):
+        self.layout = layout
+        if data is not None:
+            check_tensor("pool data", data, dtype=layout.dtype, shape=layout.shape, contiguous=True)
+            self.data = data
+        else:
+            self.data = torch.empty(layout.shape, dtype=layout.dtype, device=device)
+            if fill is not None:
+                self.data.fill_(fill)
+        self._free = list(range(layout.num_pages - 1, -1, -1))
+
+    # --- properties -------------------------------------------------------------------------------------------
+    @property
+    def format(self) -> KvFormat:
+        return self.layout.format
+
+    @property
+    def geometry(self) -> AttentionGeometry:
+        return self.layout.geometry
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    # --- allocation -------------------------------------------------------------------------------------------
+    def allocate(self, seq_lens: Sequence[int], *, scatter_seed: int | None = None, pad_pages: int = 0,
+                 pad_value: int = -1) -> BlockTable:
+        """Pages for a batch of requests of `seq_lens` tokens. With `scatter_seed`, pages are drawn in a random
+        order (scattered page tables). `pad_pages` extra columns hold `pad_value` (never read)."""
+        lens = [int(n) for n in seq_lens]
+        if not lens or min(lens) < 1:
+            raise FoldKvInputError(f"seq_lens {lens[:8]} must be a non-empty list of positive lengths")
+        need = [self.layout.pages_for(n) for n in lens]
+        if sum(need) > len(self._free):
+            raise FoldKvInputError(
+                f"{sum(need)} pages needed for {len(lens)} requests, {len(self._free)} free of {self.layout.num_pages}"
+            )
+        if scatter_seed is not None:
+            g = torch.Generator().manual_seed(scatter_seed)
+            order = torch.randperm(len(self._free), generator=g).tolist()
+            self._free = [self._free[i] for i in order]
+        width = max(need) + pad_pages
+        ids = torch.full((len(lens), width), pad_value, dtype=torch.int32)
+        for r, n in enumerate(need):
+            ids[r, :n] = torch.tensor([self._free.pop() for _ in range(n)], dtype=torch.int32)
+        return BlockTable(ids, torch.tensor(lens, dtype=torch.int32))
+
+    def release(self, table: BlockTable) -> None:
+        for r in range(table.batch):
+            self._free.extend(int(p) for p in table.pages_of(r, self.layout.page_size))
+
+    # --- rows -------------------------------------------------------------------------------------------------
+    def token_slots(self, table: BlockTable, request: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, offset) of each token given its request index and position; refuses a position past the request's
+        pages."""
+        request = request.to("cpu", torch.long)
+        positions = positions.to("cpu", torch.long)
+        check_index_range("request index", request, 0, table.batch)
+        check_index_range("positions", positions, 0, self.geometry.max_position)
+        cap = table.page_ids.shape[1] * self.layout.page_size
+        if positions.numel() and int(positions.max()) >= cap:
+            raise FoldKvInputError(f"position {int(positions.max())} is past the {cap} tokens the block table holds")
+        lens = table.seq_lens.cpu().long()[request]
+        if positions.numel() and bool((positions >= lens).any()):
+            i = int(torch.nonzero(positions >= lens)[0])
+            raise FoldKvInputError(
+                f"token {i} at position {int(positions[i])} is past its request's length {int(lens[i])}"
+            )
+        page_col = positions // self.layout.page_size
+        pages = table.page_ids.cpu().long()[request, page_col]
+        check_index_range("page_ids of the written tokens", pages, 0, self.layout.num_pages)
+        return pages, positions % self.layout.page_size
+
+    def gather(self, table: BlockTable, request: int) -> torch.Tensor:
+        """Rows of one request in token order: [seq_len, num_kv_heads, row_width]."""
+        n = int(table.seq_lens[request])
+        pages = table.pages_of(request, self.layout.page_size).to(self.device, torch.long)
+        rows = self.data[pages].permute(0, 2, 1, 3).reshape(-1, self.geometry.num_kv_heads, self.layout.row_width)
+        return rows[:n]
+
+    # --- reports ----------------------------------------------------------------------------------------------
+    def report(self) -> dict:
+        lay = self.layout
+        return {
+            "format": lay.format.value,
+            "page_size": lay.page_size,
+            "num_pages": lay.num_pages,
+            "free_pages": self.free_pages,
+            "row_width": lay.row_width,
+            "bytes_per_token": lay.bytes_per_token,
+            "pool_bytes": lay.nbytes,
+            "pool_gib": lay.nbytes / GIB,
+            "dtype": str(lay.dtype).replace("torch.", ""),
+            "device": str(self.device),
+        }
+
+    def __repr__(self) -> str:
+        r = self.report()
+        return (f"PagedKvPool({r['format']}, {r['num_pages']} pages x {r['page_size']}, row {r['row_width']},"
+                f" {r['pool_gib']:.3f} GiB {r['dtype']} on {r['device']})")

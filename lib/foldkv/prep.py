@@ -1,0 +1,164 @@
+"""The prep in torch: q/k RMSNorm, v-norm, proportional RoPE, the fold of w_k into the query, and the store of rows.
+
+This is the semantic definition the fused GPU prep kernel is held to. Arithmetic is float32 (as transformers does it
+for a float32 model; float64 for float64 inputs) with one rounding to the pool dtype at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import AttentionGeometry
+from .layout import KvFormat, rotated_columns, score_window_columns, unrotated_columns, value_window_columns
+from .pool import BlockTable, PagedKvPool
+from .validate import FoldKvInputError, check_index_range, check_tensor
+
+FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def rope_inv_freq(geom: AttentionGeometry, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[D/2] float32 inverse frequencies of proportional RoPE: R/2 non-zero, the rest zero (transformers' formula:
+    the exponent divides by the full head_dim, not the rotary width)."""
+    pairs = geom.rotary_pairs
+    rotated = 1.0 / (geom.rope_theta ** (torch.arange(0, 2 * pairs, 2, dtype=torch.int64).float() / geom.head_dim))
+    inv = torch.cat([rotated, torch.zeros(geom.head_dim // 2 - pairs)])
+    return inv.to(device)
+
+
+def rope_cos_sin(geom: AttentionGeometry, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D] float32 for integer positions [T], computed as transformers computes them (float32 angles)."""
+    inv = rope_inv_freq(geom, positions.device)
+    freqs = positions.to(torch.float32)[:, None] * inv[None, :]  # [T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
+    return emb.cos(), emb.sin()
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 for float64 inputs (the exactness tests), float32 otherwise (as transformers computes norms)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Gemma 4 RMSNorm: x * (mean(x^2) + eps)^-0.5 [* weight] (weight used as is, no 1 + w), in compute_dtype(x)."""
+    x = x.to(compute_dtype(x))
+    out = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    return out if weight is None else out * weight.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cos/sin [T, D]: x*cos + rotate_half(x)*sin with rotate_half pairing (d, d + D/2)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def _check_prep_inputs(geom: AttentionGeometry, q, kv, q_norm_w, k_norm_w, positions) -> None:
+    check_tensor("q", q, dtype=FLOAT_TYPES, shape=(None, geom.num_q_heads, geom.head_dim))
+    t = q.shape[0]
+    check_tensor("kv", kv, dtype=FLOAT_TYPES, device=q.device, shape=(t, geom.num_kv_heads, geom.head_dim))
+    check_tensor("q_norm_weight", q_norm_w, dtype=FLOAT_TYPES, device=q.device, shape=(geom.head_dim,))
+    check_tensor("k_norm_weight", k_norm_w, dtype=FLOAT_TYPES, device=q.device, shape=(geom.head_dim,))
+    check_tensor("positions", positions, dtype=(torch.int32, torch.int64), device=q.device, shape=(t,))
+    check_index_range("positions", positions, 0, geom.max_position)
+
+
+def prep_query(geom: AttentionGeometry, fmt: KvFormat | str, q: torch.Tensor, q_norm_weight: torch.Tensor,
+               k_norm_weight: torch.Tensor, positions: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Raw q [T, Hq, D] -> the format's query [T, Hq, D], rounded once to `out_dtype`.
+
+    split:  RoPE(q_norm(q))
+    folded: [RoPE(q_n)[rot] | q_n[unrot] * w_k[unrot]]  (score-window order; RoPE is the identity on unrot)
+    """
+    fmt = KvFormat.parse(fmt)
+    cos, sin = rope_cos_sin(geom, positions)  # [T, D] each
+    q_rope = apply_rope(rms_norm(q, geom.rms_norm_eps, q_norm_weight), cos, sin)  # [T, Hq, D]
+    if fmt is KvFormat.SPLIT:
+        return q_rope.to(out_dtype)
+    dev = q.device
+    rot, unrot = rotated_columns(geom).to(dev), unrotated_columns(geom).to(dev)
+    w_unrot = k_norm_weight.to(q_rope.dtype)[unrot]  # [D - R]
+    return torch.cat([q_rope[..., rot], q_rope[..., unrot] * w_unrot], dim=-1).to(out_dtype)  # [T, Hq, D]
+
+
+def prep_rows(geom: AttentionGeometry, fmt: KvFormat | str, kv: torch.Tensor, k_norm_weight: torch.Tensor,
+              positions: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Raw kv [T, Hkv, D] -> page rows [T, Hkv, row_width], rounded once to `out_dtype`.
+
+    split:  [RoPE(k_norm(kv)) | v_norm(kv)]            (1024 columns)
+    folded: [RoPE(k_norm(kv))[rot] | V[unrot] | V[rot]] (640 columns; V = v_norm(kv), no scale)
+    """
+    fmt = KvFormat.parse(fmt)
+    cos, sin = rope_cos_sin(geom, positions)  # [T, D] each
+    v = rms_norm(kv, geom.rms_norm_eps)  # [T, Hkv, D]
+    if fmt is KvFormat.SPLIT:
+        k_rope = apply_rope(rms_norm(kv, geom.rms_norm_eps, k_norm_weight), cos, sin)  # [T, Hkv, D]
+        return torch.cat([k_rope, v], dim=-1).to(out_dtype)
+    rot = rotated_columns(geom).to(kv.device)
+    # RoPE only on the rotated columns: the pairs (d, d + D/2) with d < R/2 are all inside `rot`
+    k_rot = apply_rope(v * k_norm_weight.to(v.dtype), cos, sin)[..., rot]  # [T, Hkv, R]
+    return torch.cat([k_rot, v[..., value_window_columns(geom, fmt).to(kv.device)]], dim=-1).to(out_dtype)
+
+
+def prep_rows_and_query(geom: AttentionGeometry, fmt: KvFormat | str, q: torch.Tensor, kv: torch.Tensor,
+                        q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, positions: torch.Tensor,
+                        out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both halves of the prep, after checking every input: (query [T, Hq, D], rows [T, Hkv, row_width])."""
+    _check_prep_inputs(geom, q, kv, q_norm_weight, k_norm_weight, positions)
+    return (prep_query(geom, fmt, q, q_norm_weight, k_norm_weight, positions, out_dtype),
+            prep_rows(geom, fmt, kv, k_norm_weight, positions, out_dtype))
+
+
+def fold_query(geom: AttentionGeometry, query_split: torch.Tensor, k_norm_weight: torch.Tensor) -> torch.Tensor:
+    """A split-form query [.., D] (already normed and rotated) in the folded score-window order with w_k folded in."""
+    cols = score_window_columns(geom, KvFormat.FOLDED).to(query_split.device)
+    scale = torch.ones(geom.head_dim, dtype=torch.float64, device=query_split.device)
+    unrot = unrotated_columns(geom).to(query_split.device)
+    scale[unrot] = k_norm_weight.double()[unrot]
+    return query_split.double()[..., cols] * scale[cols]
+
+
+def prep_and_store(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, positions: torch.Tensor,
+                   q: torch.Tensor, kv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor) -> torch.Tensor:
+    """Prep T tokens (token i belongs to batch entry request[i] at position positions[i]), write their rows into
+    the pool in its format and return the query in that format's form [T, Hq, D] (pool dtype).
+
+    Everything is checked before the first write: on a refusal the pool is unchanged.
+    """
+    geom = pool.geometry
+    check_tensor("q", q, dtype=FLOAT_TYPES, device=pool.device, shape=(None, geom.num_q_heads, geom.head_dim))
+    check_tensor("request", request, dtype=(torch.int32, torch.int64), shape=(q.shape[0],))
+    pages, offsets = pool.token_slots(table, request, positions)
+    query, rows = prep_rows_and_query(geom, pool.format, q, kv, q_norm_weight, k_norm_weight,
+                                      positions.to(q.device), out_dtype=pool.layout.dtype)
+    dev = pool.device
+    pool.data[pages.to(dev), :, offsets.to(dev), :] = rows
+    return query
+
+
+def write_tokens(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, positions: torch.Tensor,
+                 rows: torch.Tensor) -> None:
+    """Store already-prepped rows [T, Hkv, row_width] (pool dtype) at (request, position) slots."""
+    geom = pool.geometry
+    check_tensor("rows", rows, dtype=pool.layout.dtype, device=pool.device,
+                 shape=(positions.shape[0], geom.num_kv_heads, pool.layout.row_width))
+    pages, offsets = pool.token_slots(table, request, positions)
+    pool.data[pages.to(pool.device), :, offsets.to(pool.device), :] = rows
+
+
+def fill_sequences(pool: PagedKvPool, table: BlockTable, kv: list[torch.Tensor], k_norm_weight: torch.Tensor) -> None:
+    """Prep and store whole sequences: kv[r] [seq_len_r, Hkv, D] raw projections at positions 0..seq_len_r-1."""
+    geom = pool.geometry
+    if len(kv) != table.batch:
+        raise FoldKvInputError(f"{len(kv)} sequences for a block table of {table.batch} requests")
+    for r, x in enumerate(kv):
+        if x.shape[0] != int(table.seq_lens[r]):
+            raise FoldKvInputError(f"sequence {r} has {x.shape[0]} tokens, its block table says {int(table.seq_lens[r])}")
+    check_tensor("k_norm_weight", k_norm_weight, dtype=FLOAT_TYPES, shape=(geom.head_dim,))
+    for r, x in enumerate(kv):
+        check_tensor(f"kv[{r}]", x, dtype=FLOAT_TYPES, shape=(None, geom.num_kv_heads, geom.head_dim))
+    for r, x in enumerate(kv):
+        n = x.shape[0]
+        pos = torch.arange(n, device=x.device)
+        rows = prep_rows(geom, pool.format, x, k_norm_weight.to(x.device), pos, out_dtype=pool.layout.dtype)
+        write_tokens(pool, table, torch.full((n,), r, dtype=torch.long), pos.cpu(), rows.to(pool.device))

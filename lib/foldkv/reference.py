@@ -1,0 +1,83 @@
+"""Float64 references: a dense Gemma 4 global attention from raw inputs, and a gather attention over either pool format.
+
+`paged_attention_reference` is the oracle every kernel is gated against: it reads the pool exactly as stored (bf16
+rows upcast to float64), so the only error left in a comparison is the kernel's own arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import AttentionGeometry
+from .layout import KvFormat, score_window, value_window, value_window_to_head
+from .pool import BlockTable, PagedKvPool, check_block_table
+from .prep import apply_rope, rms_norm, rope_cos_sin
+from .validate import FoldKvInputError, check_tensor
+
+
+def dense_attention_reference(geom: AttentionGeometry, q: torch.Tensor, kv: torch.Tensor, q_norm_weight: torch.Tensor,
+                              k_norm_weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Causal global attention of one sequence, float64 from raw projections (RoPE angles as the model computes
+    them, in float32). q [T, Hq, D], kv [T, Hkv, D], positions [T] -> out [T, Hq, D] float64, head order."""
+    eps = geom.rms_norm_eps
+    cos, sin = (t.double() for t in rope_cos_sin(geom, positions))  # [T, D]
+    qn = apply_rope(rms_norm(q.double(), eps, q_norm_weight.double()).double(), cos, sin)  # [T, Hq, D]
+    k = apply_rope(rms_norm(kv.double(), eps, k_norm_weight.double()).double(), cos, sin)  # [T, Hkv, D]
+    v = rms_norm(kv.double(), eps).double()  # [T, Hkv, D]
+    g = geom.group_size
+    k = k.repeat_interleave(g, dim=1)  # [T, Hq, D]
+    v = v.repeat_interleave(g, dim=1)  # [T, Hq, D]
+    scores = torch.einsum("qhd,khd->hqk", qn, k)  # [Hq, T, T]; scaling is 1.0 for Gemma 4
+    mask = positions[None, :] > positions[:, None]  # [T, T] key after query
+    scores = scores.masked_fill(mask[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # [Hq, T, T]
+    return torch.einsum("hqk,khd->qhd", probs, v)  # [T, Hq, D]
+
+
+def _query_lens(table: BlockTable, q_lens: torch.Tensor | None) -> torch.Tensor:
+    if q_lens is None:
+        return torch.ones(table.batch, dtype=torch.long)
+    q_lens = q_lens.to("cpu", torch.long)
+    if q_lens.shape != (table.batch,) or bool((q_lens < 1).any()) or bool((q_lens > table.seq_lens.cpu()).any()):
+        raise FoldKvInputError("q_lens must be [batch] with 1 <= q_len <= seq_len for every request")
+    return q_lens
+
+
+def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: BlockTable,
+                              q_lens: torch.Tensor | None = None, *, query_block: int = 512,
+                              device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of queries against a paged pool, in float64, for either format.
+
+    query [sum(q_lens), Hq, D] is in the pool format's form (split: head order; folded: score-window order, w_k
+    folded in). Request r's q_lens[r] queries (default 1: decode) sit at its last positions and attend causally,
+    bottom-right aligned. Returns (out [Tq, Hq, D] float64 in head order, lse [Tq, Hq] float64, natural log).
+    """
+    geom, fmt = pool.geometry, pool.format
+    check_block_table(pool.layout, table)
+    q_lens = _query_lens(table, q_lens)
+    check_tensor("query", query, shape=(int(q_lens.sum()), geom.num_q_heads, geom.head_dim))
+    dev = torch.device(device) if device is not None else pool.device
+    g, sw, vw = geom.group_size, score_window(geom, fmt), value_window(geom, fmt)
+    to_head = value_window_to_head(geom, fmt).to(dev)
+    out = torch.empty(query.shape, dtype=torch.float64, device=dev)
+    lse = torch.empty(query.shape[:2], dtype=torch.float64, device=dev)
+    start = 0
+    for r in range(table.batch):
+        n, m = int(table.seq_lens[r]), int(q_lens[r])
+        rows = pool.gather(table, r).to(dev, torch.float64)  # [n, Hkv, W]
+        keys = rows[..., sw].repeat_interleave(g, dim=1)  # [n, Hq, D]
+        vals = rows[..., vw].repeat_interleave(g, dim=1)  # [n, Hq, D] (value-window order)
+        for b0 in range(0, m, query_block):
+            b1 = min(m, b0 + query_block)
+            qb = query[start + b0:start + b1].to(dev, torch.float64)  # [b, Hq, D]
+            scores = torch.einsum("qhd,khd->hqk", qb, keys)  # [Hq, b, n]
+            qpos = torch.arange(n - m + b0, n - m + b1, device=dev)  # [b]
+            mask = torch.arange(n, device=dev)[None, :] > qpos[:, None]  # [b, n]
+            scores = scores.masked_fill(mask[None], float("-inf"))
+            lse_b = torch.logsumexp(scores, dim=-1)  # [Hq, b]
+            probs = torch.exp(scores - lse_b[..., None])  # [Hq, b, n]
+            o = torch.einsum("hqk,khd->qhd", probs, vals)  # [b, Hq, D] value-window order
+            out[start + b0:start + b1] = o[..., to_head]
+            lse[start + b0:start + b1] = lse_b.transpose(0, 1)
+        start += m
+    return out, lse

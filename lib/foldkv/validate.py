@@ -1,0 +1,50 @@
+"""Argument checks shared by the prep, the references and every kernel launcher: refuse before anything runs."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+class FoldKvInputError(ValueError):
+    """Bad input refused before any launch or write; the message names the argument."""
+
+
+def check_tensor(
+    name: str,
+    t: torch.Tensor,
+    *,
+    dtype: torch.dtype | Sequence[torch.dtype] | None = None,
+    device: torch.device | str | None = None,
+    shape: Sequence[int | None] | None = None,
+    contiguous: bool = False,
+) -> None:
+    """Raise FoldKvInputError unless `t` is a tensor of the given dtype(s), device, shape (None = any) and layout."""
+    if not isinstance(t, torch.Tensor):
+        raise FoldKvInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in allowed:
+            raise FoldKvInputError(f"{name} has dtype {t.dtype}; expected {' or '.join(map(str, allowed))}")
+    if device is not None and torch.device(device) != t.device:
+        want = torch.device(device)
+        same = want.type == t.device.type and (want.index is None or want.index == t.device.index)
+        if not same:
+            raise FoldKvInputError(f"{name} is on {t.device}; expected {want}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+            pretty = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise FoldKvInputError(f"{name} has shape {list(t.shape)}; expected {pretty}")
+    if contiguous and not t.is_contiguous():
+        raise FoldKvInputError(f"{name} must be contiguous (call .contiguous() first)")
+
+
+def check_index_range(name: str, t: torch.Tensor, low: int, high: int) -> None:
+    """Every element of integer tensor `t` in [low, high)."""
+    if t.numel() == 0:
+        return
+    lo, hi = int(t.min()), int(t.max())
+    if lo < low or hi >= high:
+        bad = lo if lo < low else hi
+        raise FoldKvInputError(f"{name} holds {bad}, outside [{low}, {high})")
