@@ -1,0 +1,56 @@
+"""Shared test plumbing: named skip helpers for hardware and tools, and FOLDKV_REQUIRE_GPU turning skips into failures."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+REQUIRE_GPU = os.environ.get("FOLDKV_REQUIRE_GPU", "") == "1"
+
+
+def skip_or_fail(reason: str) -> None:
+    """Skip, or fail when FOLDKV_REQUIRE_GPU=1 (on the H200 a skipped GPU test is a missing result)."""
+    if REQUIRE_GPU:
+        pytest.fail(f"FOLDKV_REQUIRE_GPU=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_cuda() -> torch.device:
+    if not torch.cuda.is_available():
+        skip_or_fail("no CUDA device")
+    return torch.device("cuda")
+
+
+def require_hopper() -> torch.device:
+    dev = require_cuda()
+    if torch.cuda.get_device_capability(dev) < (9, 0):
+        skip_or_fail(f"needs sm_90 (Hopper), found {torch.cuda.get_device_name(dev)}")
+    return dev
+
+
+def require_tilelang() -> None:
+    if importlib.util.find_spec("tilelang") is None:
+        skip_or_fail("tilelang is not installed (pip install 'foldkv[kernels]')")
+
+
+def require_module(name: str) -> None:
+    if importlib.util.find_spec(name) is None:
+        skip_or_fail(f"{name} is not installed")
+
+
+@pytest.fixture
+def cuda_device() -> torch.device:
+    """A Hopper CUDA device with TileLang, or skip (fail under FOLDKV_REQUIRE_GPU=1)."""
+    dev = require_hopper()
+    require_tilelang()
+    return dev
+
+
+def pytest_collection_modifyitems(config, items):
+    # Every test marked gpu gets the cuda_device check even if it forgets to ask for the fixture.
+    for item in items:
+        if item.get_closest_marker("gpu") is not None and "cuda_device" not in getattr(item, "fixturenames", ()):
+            item.fixturenames.append("cuda_device")
