@@ -16,7 +16,8 @@ from .layout import (
 )
 from .pool import BlockTable, PagedKvLayout, PagedKvPool, check_block_table
 from .prep import fill_sequences, fold_query, prep_and_store, prep_query, prep_rows, prep_rows_and_query, rope_cos_sin
-from .reference import dense_attention_reference, paged_attention_reference
+from .reference import check_pool_format, dense_attention_reference, paged_attention_reference
+from . import floor
 from .validate import FoldKvInputError
 
 __version__ = "0.1.0"

@@ -75,6 +75,22 @@ def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     return cfg["text_config"] if isinstance(cfg.get("text_config"), Mapping) else cfg
 
 
+def _global_head_shape(tc: Mapping[str, Any], layer_types: list | None, source: str) -> tuple[int, int]:
+    """(head_dim, num_kv_heads) of the global layers, from any of the forms a Gemma 4 config takes: a serialized
+    `per_layer_config` (keyed by global layer index), or `global_head_dim` / `num_global_key_value_heads` (transformers'
+    defaults: 512 and the sliding layers' KV head count)."""
+    per_layer = tc.get("per_layer_config")
+    if isinstance(per_layer, Mapping) and per_layer:
+        shapes = {(int(v.get("head_dim", 0)), int(v.get("num_key_value_heads", tc.get("num_key_value_heads", 0))))
+                  for v in per_layer.values() if isinstance(v, Mapping)}
+        if len(shapes) != 1:
+            raise ConfigError(f"{source}: global layers disagree on head shape: {sorted(shapes)}")
+        return shapes.pop()
+    head_dim = int(tc.get("global_head_dim") or 512)
+    num_kv = int(tc.get("num_global_key_value_heads") or tc.get("num_key_value_heads") or 0)
+    return head_dim, num_kv
+
+
 def geometry_from_config(config: str | os.PathLike | Mapping[str, Any], name: str | None = None) -> AttentionGeometry:
     """Read the global-layer geometry from a Gemma 4 `config.json` (a path, a model directory or a dict).
 
@@ -116,9 +132,8 @@ def geometry_from_config(config: str | os.PathLike | Mapping[str, Any], name: st
             f"{source}: global-layer rope_type is {rope_type!r}; foldkv needs 'proportional' RoPE (a partial rotary"
             " width with the unrotated columns left as they are)"
         )
-    head_dim = int(tc.get("global_head_dim") or tc.get("head_dim") or 0)
+    head_dim, num_kv = _global_head_shape(tc, layer_types, source)
     num_q = int(tc.get("num_attention_heads", 0))
-    num_kv = int(tc.get("num_global_key_value_heads") or tc.get("num_key_value_heads") or 0)
     factor = float(rope.get("partial_rotary_factor", 1.0))
     try:
         return AttentionGeometry(

@@ -15,6 +15,17 @@ from .prep import apply_rope, rms_norm, rope_cos_sin
 from .validate import FoldKvInputError, check_tensor
 
 
+def check_pool_format(pool: PagedKvPool, fmt: KvFormat | str | None) -> None:
+    """Refuse a pool whose format (or whose tensor's row width) is not what the reader was built for."""
+    if fmt is not None and KvFormat.parse(fmt) is not pool.format:
+        raise FoldKvInputError(
+            f"a {pool.format.value} pool was handed to a {KvFormat.parse(fmt).value} reader: the page format is fixed"
+            " for a pool's life, build the query with the pool's own format"
+        )
+    if tuple(pool.data.shape) != pool.layout.shape:
+        raise FoldKvInputError(f"pool tensor has shape {list(pool.data.shape)}; its layout says {list(pool.layout.shape)}")
+
+
 def dense_attention_reference(geom: AttentionGeometry, q: torch.Tensor, kv: torch.Tensor, q_norm_weight: torch.Tensor,
                               k_norm_weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Causal global attention of one sequence, float64 from raw projections (RoPE angles as the model computes
@@ -44,18 +55,22 @@ def _query_lens(table: BlockTable, q_lens: torch.Tensor | None) -> torch.Tensor:
 
 
 def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: BlockTable,
-                              q_lens: torch.Tensor | None = None, *, query_block: int = 512,
+                              q_lens: torch.Tensor | None = None, *, fmt: KvFormat | str | None = None,
+                              query_block: int = 512,
                               device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of queries against a paged pool, in float64, for either format.
 
     query [sum(q_lens), Hq, D] is in the pool format's form (split: head order; folded: score-window order, w_k
     folded in). Request r's q_lens[r] queries (default 1: decode) sit at its last positions and attend causally,
     bottom-right aligned. Returns (out [Tq, Hq, D] float64 in head order, lse [Tq, Hq] float64, natural log).
+    `fmt`, when given, is the format the caller's query is in: a pool of the other format is refused.
     """
+    check_pool_format(pool, fmt)
     geom, fmt = pool.geometry, pool.format
     check_block_table(pool.layout, table)
     q_lens = _query_lens(table, q_lens)
-    check_tensor("query", query, shape=(int(q_lens.sum()), geom.num_q_heads, geom.head_dim))
+    check_tensor("query", query, dtype=(torch.float64, torch.float32, torch.bfloat16, torch.float16),
+                 shape=(int(q_lens.sum()), geom.num_q_heads, geom.head_dim))
     dev = torch.device(device) if device is not None else pool.device
     g, sw, vw = geom.group_size, score_window(geom, fmt), value_window(geom, fmt)
     to_head = value_window_to_head(geom, fmt).to(dev)
