@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""The main job: execute every notebook headless with papermill into papermill_runs/<tag>/ and say what ran.
+
+Each notebook writes `<out_dir>/<notebook>.json` (foldkv.report.RunRecord) whose `sections` say "ran", "failed: ..."
+or "not run: <reason>"; this driver collects them into SUMMARY.md and lists every GPU section that did not run.
+
+    python3 scripts/run_batch.py                    # all notebooks, tag = <machine>-<date>
+    python3 scripts/run_batch.py --smoke --out-root /tmp/x   # tiny parameters (what the tests run)
+    python3 scripts/run_batch.py --only 02 04 --tag h200-20261129
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import glob
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = os.path.join(ROOT, "notebooks")
+
+# Parameters per notebook (by file-name prefix) for the small run the tests make; a full run uses each notebook's
+# own defaults. Keep these small: CI is a 2-core CPU machine.
+SMOKE_PARAMETERS: dict[str, dict] = {
+    "01": {"context_lengths": [97, 16384], "sweep": [1024, 4096, 16384]},
+}
+
+
+def machine_tag() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            name = torch.cuda.get_device_name().lower()
+            kind = "h200" if "h200" in name else name.split()[-1]
+            return f"{kind}-{dt.date.today():%Y%m%d}"
+    except Exception:
+        pass
+    return f"cpu-{dt.date.today():%Y%m%d}"
+
+
+def notebook_paths(only: list[str] | None) -> list[str]:
+    paths = sorted(glob.glob(os.path.join(NOTEBOOKS, "[0-9][0-9]_*.ipynb")))
+    if only:
+        paths = [p for p in paths if any(os.path.basename(p).startswith(o) for o in only)]
+    if not paths:
+        raise SystemExit(f"no notebooks matched {only!r} in {NOTEBOOKS}")
+    return paths
+
+
+def run(paths: list[str], out_dir: str, smoke: bool, extra: dict, progress: bool = True) -> list[dict]:
+    import papermill as pm
+
+    os.makedirs(out_dir, exist_ok=True)
+    results = []
+    for i, path in enumerate(paths, 1):
+        stem = os.path.splitext(os.path.basename(path))[0]
+        params = {"out_dir": out_dir}
+        if smoke:
+            params.update(SMOKE_PARAMETERS.get(stem[:2], {}))
+        params.update(extra.get(stem[:2], {}))
+        print(f"[batch {i}/{len(paths)}] {stem} -> {out_dir}", flush=True)
+        t0 = time.time()
+        entry = {"notebook": stem, "output": os.path.join(out_dir, f"{stem}.ipynb"), "parameters": params}
+        try:
+            pm.execute_notebook(path, entry["output"], parameters=params, kernel_name="python3", cwd=ROOT,
+                                progress_bar=progress)
+            entry["status"] = "ok"
+        except Exception as exc:  # papermill still writes the executed notebook up to the failing cell
+            entry["status"] = f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ''}"
+        entry["seconds"] = round(time.time() - t0, 1)
+        record = os.path.join(out_dir, f"{stem}.json")
+        entry["sections"] = json.load(open(record))["sections"] if os.path.exists(record) else {}
+        results.append(entry)
+    return results
+
+
+def summarize(results: list[dict], out_dir: str) -> str:
+    lines = ["# papermill batch", "", f"out: `{os.path.relpath(out_dir, ROOT)}`", "",
+             "| notebook | status | seconds | sections ran | sections not run |", "|---|---|---|---|---|"]
+    not_run = []
+    for r in results:
+        ran = [s for s, v in r["sections"].items() if v == "ran"]
+        nr = [(s, v) for s, v in r["sections"].items() if v.startswith("not run")]
+        failed = [(s, v) for s, v in r["sections"].items() if v.startswith("failed")]
+        not_run += [(r["notebook"], s, v) for s, v in nr + failed]
+        lines.append(f"| {r['notebook']} | {r['status']} | {r['seconds']} | {len(ran)} | {len(nr)} |")
+    lines += ["", "## Sections that did not run (or failed)", ""]
+    lines += [f"- {nb} / {s}: {v}" for nb, s, v in not_run] or ["- none: every section ran"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tag", default=None, help="run tag (folder under the out root); default <machine>-<date>")
+    ap.add_argument("--out-root", default=os.path.join(ROOT, "papermill_runs"))
+    ap.add_argument("--only", nargs="*", help="notebook prefixes to run, e.g. 01 03")
+    ap.add_argument("--smoke", action="store_true", help="tiny parameters (what the tests run)")
+    ap.add_argument("--params", default=None, help='JSON {"02": {"name": value}} of extra parameters per notebook')
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    tag = args.tag or machine_tag()
+    out_dir = os.path.join(args.out_root, tag)
+    extra = json.loads(args.params) if args.params else {}
+    results = run(notebook_paths(args.only), out_dir, args.smoke, extra, progress=not args.no_progress)
+    summary = summarize(results, out_dir)
+    with open(os.path.join(out_dir, "SUMMARY.md"), "w") as fh:
+        fh.write(summary)
+    with open(os.path.join(out_dir, "summary.json"), "w") as fh:
+        json.dump(results, fh, indent=1)
+    print("\n" + summary)
+    return 0 if all(r["status"] == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
