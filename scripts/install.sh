@@ -14,6 +14,5 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
 "$PY" -m pip install -q -e ".[test,notebooks,kernels,aot]"
-"$PY" -m ipykernel install --user --name python3 --display-name "Python 3 (foldkv)" >/dev/null
 mkdir -p build && touch "$stamp"
 echo "[install] done: torch $("$PY" -c 'import torch; print(torch.__version__)'), tilelang $("$PY" -c 'import tilelang; print(tilelang.__version__)' 2>/dev/null | tail -1)"

@@ -51,8 +51,27 @@ def notebook_paths(only: list[str] | None) -> list[str]:
     return paths
 
 
+KERNEL_NAME = "foldkv-batch"
+
+
+def ensure_kernelspec() -> str:
+    """A kernelspec for *this* interpreter, found first through JUPYTER_PATH, so the notebooks run in the environment
+    the batch was started from whatever other `python3` kernels the machine has registered."""
+    kdir = os.path.join(ROOT, "build", "jupyter", "kernels", KERNEL_NAME)
+    os.makedirs(kdir, exist_ok=True)
+    spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": f"foldkv batch ({sys.executable})", "language": "python"}
+    with open(os.path.join(kdir, "kernel.json"), "w") as fh:
+        json.dump(spec, fh)
+    jp = os.path.join(ROOT, "build", "jupyter")
+    os.environ["JUPYTER_PATH"] = jp + (os.pathsep + os.environ["JUPYTER_PATH"] if os.environ.get("JUPYTER_PATH") else "")
+    return KERNEL_NAME
+
+
 def run(paths: list[str], out_dir: str, smoke: bool, extra: dict, progress: bool = True) -> list[dict]:
     import papermill as pm
+
+    kernel = ensure_kernelspec()
 
     os.makedirs(out_dir, exist_ok=True)
     results = []
@@ -66,7 +85,7 @@ def run(paths: list[str], out_dir: str, smoke: bool, extra: dict, progress: bool
         t0 = time.time()
         entry = {"notebook": stem, "output": os.path.join(out_dir, f"{stem}.ipynb"), "parameters": params}
         try:
-            pm.execute_notebook(path, entry["output"], parameters=params, kernel_name="python3", cwd=ROOT,
+            pm.execute_notebook(path, entry["output"], parameters=params, kernel_name=kernel, cwd=ROOT,
                                 progress_bar=progress)
             entry["status"] = "ok"
         except Exception as exc:  # papermill still writes the executed notebook up to the failing cell
