@@ -155,6 +155,10 @@ class PagedKvPool:
     def free_pages(self) -> int:
         return len(self._free)
 
+    def unused_page_ids(self) -> list[int]:
+        """Pages no block table holds (ascending)."""
+        return sorted(self._free)
+
     # --- allocation -------------------------------------------------------------------------------------------
     def allocate(self, seq_lens: Sequence[int], *, scatter_seed: int | None = None, pad_pages: int = 0,
                  pad_value: int = -1) -> BlockTable:

@@ -76,23 +76,23 @@ def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: Blo
     to_head = value_window_to_head(geom, fmt).to(dev)
     out = torch.empty(query.shape, dtype=torch.float64, device=dev)
     lse = torch.empty(query.shape[:2], dtype=torch.float64, device=dev)
+    hkv = geom.num_kv_heads
     start = 0
     for r in range(table.batch):
         n, m = int(table.seq_lens[r]), int(q_lens[r])
         rows = pool.gather(table, r).to(dev, torch.float64)  # [n, Hkv, W]
-        keys = rows[..., sw].repeat_interleave(g, dim=1)  # [n, Hq, D]
-        vals = rows[..., vw].repeat_interleave(g, dim=1)  # [n, Hq, D] (value-window order)
+        keys, vals = rows[..., sw], rows[..., vw]  # [n, Hkv, D] each (values in value-window order)
         for b0 in range(0, m, query_block):
             b1 = min(m, b0 + query_block)
-            qb = query[start + b0:start + b1].to(dev, torch.float64)  # [b, Hq, D]
-            scores = torch.einsum("qhd,khd->hqk", qb, keys)  # [Hq, b, n]
+            qb = query[start + b0:start + b1].to(dev, torch.float64).view(b1 - b0, hkv, g, -1)  # [b, Hkv, g, D]
+            scores = torch.einsum("qhgd,khd->hgqk", qb, keys)  # [Hkv, g, b, n]
             qpos = torch.arange(n - m + b0, n - m + b1, device=dev)  # [b]
             mask = torch.arange(n, device=dev)[None, :] > qpos[:, None]  # [b, n]
-            scores = scores.masked_fill(mask[None], float("-inf"))
-            lse_b = torch.logsumexp(scores, dim=-1)  # [Hq, b]
-            probs = torch.exp(scores - lse_b[..., None])  # [Hq, b, n]
-            o = torch.einsum("hqk,khd->qhd", probs, vals)  # [b, Hq, D] value-window order
+            scores = scores.masked_fill(mask, float("-inf"))
+            lse_b = torch.logsumexp(scores, dim=-1)  # [Hkv, g, b]
+            probs = torch.exp(scores - lse_b[..., None])  # [Hkv, g, b, n]
+            o = torch.einsum("hgqk,khd->qhgd", probs, vals).reshape(b1 - b0, hkv * g, -1)  # [b, Hq, D] window order
             out[start + b0:start + b1] = o[..., to_head]
-            lse[start + b0:start + b1] = lse_b.transpose(0, 1)
+            lse[start + b0:start + b1] = lse_b.reshape(hkv * g, b1 - b0).transpose(0, 1)
         start += m
     return out, lse
