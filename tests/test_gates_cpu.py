@@ -68,3 +68,14 @@ def test_folded_and_split_share_raw_inputs(name):
     assert res["rel_split_vs_truth"] > 0  # the bf16 pool really rounds
     # and the check can fail: an arm that is off by 2% is caught
     assert not gates.folded_vs_split((rf * 1.02).to(torch.bfloat16), rs.to(torch.bfloat16), truth)["passed"]
+
+
+@pytest.mark.parametrize("name", ["ragged4", "ragged"])
+def test_refusal_table_on_cpu(name):
+    # The launchers check everything before looking at the device, so the whole refusal table runs here: each
+    # invalid input is refused with its own message and nothing is written.
+    inputs = gates.make_inputs(CASES[name], "split", "cpu", seed=2)
+    rows = gates.run_refusals(inputs)
+    assert len(rows) >= 9
+    failed = [r for r in rows if not r["passed"]]
+    assert not failed, failed

@@ -229,3 +229,130 @@ def summary_row(case: Case, fmt: KvFormat, arm: str, res: dict) -> dict:
            "batch": len(case.seq_lens)}
     row.update({k: v for k, v in res.items() if k != "outputs"})
     return row
+
+
+# --- arms: the kernels under test, as launch(inputs, out, lse) -> (out, lse) ------------------------------------------
+def decode_arm(backend: str = "jit") -> Callable:
+    def launch(inputs: GateInputs, out: torch.Tensor, lse: torch.Tensor):
+        from .kernels.decode import decode, plan_decode
+
+        plan = plan_decode(inputs.pool.layout, inputs.case.seq_lens, device=inputs.pool.device,
+                           chunk_tokens=inputs.case.chunk_tokens)
+        return decode(inputs.pool, inputs.query, inputs.table, plan=plan, out=out, lse=lse, backend=backend)
+
+    return launch
+
+
+def prefill_arm(backend: str = "jit") -> Callable:
+    def launch(inputs: GateInputs, out: torch.Tensor, lse: torch.Tensor):
+        from .kernels.prefill import prefill
+
+        return prefill(inputs.pool, inputs.query, inputs.table, inputs.q_lens, out=out, lse=lse, backend=backend)
+
+    return launch
+
+
+def arm_for(case: Case, backend: str = "jit") -> Callable:
+    return decode_arm(backend) if case.kind == "decode" else prefill_arm(backend)
+
+
+# --- refusals: invalid inputs, the error each gets, and that nothing was written --------------------------------------
+def _other(fmt: KvFormat) -> KvFormat:
+    return KvFormat.SPLIT if fmt is KvFormat.FOLDED else KvFormat.FOLDED
+
+
+def _table_with(inputs: GateInputs, page_ids=None, seq_lens=None) -> BlockTable:
+    t = inputs.table
+    return BlockTable(t.page_ids.clone() if page_ids is None else page_ids,
+                      t.seq_lens.clone() if seq_lens is None else seq_lens)
+
+
+def _set(t: torch.Tensor, index, value) -> torch.Tensor:
+    t = t.clone()
+    t[index] = value
+    return t
+
+
+def _many_requests(inputs: GateInputs, n: int) -> dict:
+    t = inputs.table
+    return {"table": BlockTable(t.page_ids[:1].repeat(n, 1).contiguous(), t.seq_lens[:1].repeat(n).contiguous()),
+            "query": inputs.query[:1].repeat(n, 1, 1).contiguous()}
+
+
+# name -> (what is wrong, make the call's overrides from valid inputs, expected message fragment)
+DECODE_REFUSALS: dict[str, tuple[str, Callable[[GateInputs], dict], str]] = {
+    "page-id-past-pool": ("a page id = num_pages", lambda i: {"table": _table_with(
+        i, page_ids=_set(i.table.page_ids, (0, 0), i.pool.layout.num_pages))}, "page_ids"),
+    "page-id-negative": ("a page id = -5", lambda i: {"table": _table_with(
+        i, page_ids=_set(i.table.page_ids, (0, 0), -5))}, "holds -5"),
+    "length-past-pages": ("seq_len beyond the pages its row holds", lambda i: {"table": _table_with(
+        i, seq_lens=_set(i.table.seq_lens, 0, i.table.page_ids.shape[1] * 64 + 1))}, "pages"),
+    "batch-33": ("33 requests (limit 32)", lambda i: _many_requests(i, 33), "1 to 32"),
+    "length-above-limit": ("a length of 262,145", lambda i: {"table": _table_with(
+        i, page_ids=torch.zeros(1, 4097, dtype=torch.int32, device=i.pool.device),
+        seq_lens=torch.tensor([262_145], dtype=torch.int32, device=i.pool.device)),
+        "query": i.query[:1].contiguous()}, "262144"),
+    "query-float32": ("query in float32", lambda i: {"query": i.query.float()}, "dtype"),
+    "query-noncontiguous": ("query with a transposed layout", lambda i: {
+        "query": i.query.transpose(0, 1).contiguous().transpose(0, 1)}, "contiguous"),
+    "query-heads": ("16 query heads", lambda i: {"query": i.query[:, :16].contiguous()}, "shape"),
+    "query-on-cpu": ("query on the CPU, pool on the GPU", lambda i: {"query": i.query.cpu()}, "cpu"),
+    "pool-other-format": ("a pool of the other format than the kernel asked for",
+                          lambda i: {"kv_format": _other(i.format)}, "pool"),
+    "page-ids-int64": ("page ids in int64", lambda i: {"table": _table_with(
+        i, page_ids=i.table.page_ids.long())}, "dtype"),
+    "out-float32": ("an output buffer in float32", lambda i: {"out": torch.zeros(
+        i.query.shape, dtype=torch.float32, device=i.pool.device)}, "out"),
+}
+
+PREFILL_REFUSALS: dict[str, tuple[str, Callable[[GateInputs], dict], str]] = {
+    "page-id-past-pool": DECODE_REFUSALS["page-id-past-pool"],
+    "page-id-negative": DECODE_REFUSALS["page-id-negative"],
+    "length-past-pages": DECODE_REFUSALS["length-past-pages"],
+    "query-float32": DECODE_REFUSALS["query-float32"],
+    "query-on-cpu": DECODE_REFUSALS["query-on-cpu"],
+    "query-heads": DECODE_REFUSALS["query-heads"],
+    "q-len-above-seq-len": ("a chunk longer than its request", lambda i: {"q_lens": _set(
+        i.q_lens, 0, int(i.table.seq_lens[0]) + 1)}, "q_len"),
+    "q-len-zero": ("a request with no queries", lambda i: {"q_lens": _set(i.q_lens, 0, 0)}, "q_len"),
+    "q-lens-sum": ("query rows not the sum of q_lens", lambda i: {"query": i.query[:-1].contiguous()}, "query"),
+}
+
+
+def run_refusals(inputs: GateInputs, backend: str = "jit") -> list[dict]:
+    """Try each invalid input of the inputs' kind on its launcher: each must raise FoldKvInputError naming the fault
+    before anything is launched, leaving the pool and the (poisoned) outputs bit-for-bit unchanged."""
+    from .validate import FoldKvInputError
+
+    kind = inputs.case.kind
+    table = DECODE_REFUSALS if kind == "decode" else PREFILL_REFUSALS
+    geom, dev = inputs.pool.geometry, inputs.pool.device
+    rows = []
+    for name, (what, make, expect) in table.items():
+        out, lse = poisoned_outputs(inputs.query.shape[0], geom, dev, pad_rows=0)
+        args = {"pool": inputs.pool, "query": inputs.query, "table": inputs.table, "out": out, "lse": lse}
+        if kind == "prefill":
+            args["q_lens"] = inputs.q_lens
+        args.update(make(inputs))
+        if kind == "decode" and args["table"].batch != inputs.table.batch:  # other batch: outputs to match
+            args["out"], args["lse"] = poisoned_outputs(args["table"].batch, geom, dev, pad_rows=0)
+        out_before, lse_before = _bits(args["out"]).clone(), _bits(args["lse"]).clone()
+        pool_before = _bits(inputs.pool.data).clone()
+        try:
+            if kind == "decode":
+                from .kernels.decode import decode
+
+                decode(**args, backend=backend)
+            else:
+                from .kernels.prefill import prefill
+
+                prefill(**args, backend=backend)
+            refused, message = False, "accepted"
+        except FoldKvInputError as exc:
+            refused, message = True, str(exc)
+        untouched = (torch.equal(_bits(inputs.pool.data), pool_before) and torch.equal(_bits(args["out"]), out_before)
+                     and torch.equal(_bits(args["lse"]), lse_before))
+        rows.append({"kind": kind, "refusal": name, "input": what, "message": message, "refused": refused,
+                     "names_the_fault": expect.lower() in message.lower(), "nothing_written": untouched,
+                     "passed": refused and untouched and expect.lower() in message.lower()})
+    return rows
