@@ -356,3 +356,36 @@ def run_refusals(inputs: GateInputs, backend: str = "jit") -> list[dict]:
                      "names_the_fault": expect.lower() in message.lower(), "nothing_written": untouched,
                      "passed": refused and untouched and expect.lower() in message.lower()})
     return rows
+
+
+# --- CPU gates ---------------------------------------------------------------------------------------------------------
+def fold_identity(seed: int, tokens: tuple[int, ...] = (1, 54, 97), geom: AttentionGeometry = GEMMA4_31B) -> list[dict]:
+    """In float64 the fold is an identity: folded-pool attention == split-pool attention == dense attention from raw
+    inputs, up to float64 rounding. One row per sequence length (causal prefill of the whole sequence)."""
+    from .reference import dense_attention_reference
+    from .prep import prep_and_store
+
+    rows = []
+    for t in tokens:
+        g = torch.Generator().manual_seed(seed + t)
+        q = torch.randn(t, geom.num_q_heads, geom.head_dim, generator=g, dtype=torch.float64)
+        kv = torch.randn(t, geom.num_kv_heads, geom.head_dim, generator=g, dtype=torch.float64)
+        qw = torch.rand(geom.head_dim, generator=g, dtype=torch.float64) * 0.5 + 0.75
+        kw = torch.rand(geom.head_dim, generator=g, dtype=torch.float64) * 0.5 + 0.75
+        pos = torch.arange(t)
+        dense = dense_attention_reference(geom, q, kv, qw, kw, pos)
+        outs = {}
+        for fmt in KvFormat:
+            pool = PagedKvPool(PagedKvLayout(geom, fmt, page_size=16, num_pages=2 * (t // 16 + 1),
+                                             dtype=torch.float64), fill=float("nan"))
+            table = pool.allocate([t], scatter_seed=seed)
+            query = prep_and_store(pool, table, torch.zeros(t, dtype=torch.long), pos, q, kv, qw, kw)
+            outs[fmt], _ = paged_attention_reference(pool, query, table, q_lens=torch.tensor([t]))
+        scale = float(dense.abs().max())
+        row = {"tokens": t,
+               "split_vs_dense": float((outs[KvFormat.SPLIT] - dense).abs().max()) / scale,
+               "folded_vs_dense": float((outs[KvFormat.FOLDED] - dense).abs().max()) / scale,
+               "folded_vs_split": float((outs[KvFormat.FOLDED] - outs[KvFormat.SPLIT]).abs().max()) / scale}
+        row["passed"] = max(row["split_vs_dense"], row["folded_vs_dense"], row["folded_vs_split"]) < 1e-12
+        rows.append(row)
+    return rows
