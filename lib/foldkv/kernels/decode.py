@@ -1,0 +1,146 @@
+"""Paged split-KV decode for either page format: checks, the plan, and the three launches (partial, merge_groups,
+merge_final) through a backend that supplies one callable per kernel name.
+
+    plan = plan_decode(pool.layout, seq_lens, device=pool.device)       # host, once per step shape
+    out, lse = decode(pool, query, table, plan=plan)                     # [B, 32, 512] bf16 head order, [B, 32] f32
+
+A decode step launches, in order on the current stream (no host synchronisation, so it can be captured in a CUDA
+graph once its inputs have been checked; pass `check=False` inside the capture):
+    kernels["decode_partial_<format>"](query, pool.data, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse)
+    kernels["merge_groups"](part_o, part_lse, group_first, group_count)
+    kernels["merge_final"](part_o, part_lse, group_first, req_group_first, req_group_count, value_head_column, out, lse)
+Shapes and dtypes of each argument are in the docstrings of decode_partial_split.py, decode_partial_folded.py and
+merge.py. A backend is a function (geometry, format) -> {kernel name: callable}; "jit" builds them with TileLang here,
+"aot" is registered by `foldkv.aot` (importing it must call `register_backend("aot", factory)`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Callable
+
+import torch
+
+from ..config import AttentionGeometry
+from ..layout import KvFormat
+from ..pool import BlockTable, PagedKvPool, check_block_table
+from ..validate import FoldKvInputError, check_tensor
+from . import decode_partial_folded, decode_partial_split, merge  # noqa: F401  (registers the variants)
+from .plan import MAX_BATCH, MAX_LEN, DecodePlan, plan_decode
+from .registry import get
+
+KernelSet = dict[str, Callable]
+_BACKENDS: dict[str, Callable[[AttentionGeometry, KvFormat], KernelSet]] = {}
+
+
+def partial_kernel_name(fmt: KvFormat | str) -> str:
+    return f"decode_partial_{KvFormat.parse(fmt).value}"
+
+
+def kernel_names(fmt: KvFormat | str) -> tuple[str, str, str]:
+    """The kernels a decode step over `fmt` pages launches, in launch order."""
+    return (partial_kernel_name(fmt), "merge_groups", "merge_final")
+
+
+def register_backend(name: str, factory: Callable[[AttentionGeometry, KvFormat], KernelSet]) -> None:
+    """Make `backend=name` available: factory(geom, fmt) returns a callable for each of `kernel_names(fmt)`."""
+    _BACKENDS[name] = factory
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_kernels(geom: AttentionGeometry, fmt: KvFormat) -> KernelSet:
+    return {name: get(name).build(geom) for name in kernel_names(fmt)}
+
+
+register_backend("jit", _jit_kernels)
+
+
+def _kernels(backend: str, geom: AttentionGeometry, fmt: KvFormat) -> KernelSet:
+    if backend not in _BACKENDS and backend == "aot":
+        importlib.import_module("foldkv.aot")  # registers "aot" on import
+    if backend not in _BACKENDS:
+        raise FoldKvInputError(f"unknown decode backend {backend!r}; known: {sorted(_BACKENDS)}")
+    kernels = _BACKENDS[backend](geom, fmt)
+    missing = [n for n in kernel_names(fmt) if n not in kernels]
+    if missing:
+        raise FoldKvInputError(f"backend {backend!r} supplies no kernel {missing} for {fmt.value} pages")
+    return kernels
+
+
+def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, plan: DecodePlan | None,
+                  out: torch.Tensor | None, lse: torch.Tensor | None, kv_format, read_table: bool) -> None:
+    """Every refusal happens here, before any launch or write."""
+    if not isinstance(pool, PagedKvPool):
+        raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
+    lay, geom, dev = pool.layout, pool.geometry, pool.device
+    if kv_format is not None and KvFormat.parse(kv_format) is not pool.format:
+        raise FoldKvInputError(f"a {KvFormat.parse(kv_format).value} decode was asked of a {pool.format.value} pool")
+    check_tensor("pool data", pool.data, dtype=torch.bfloat16, shape=lay.shape, contiguous=True)
+    if not isinstance(table, BlockTable):
+        raise FoldKvInputError(f"table must be a BlockTable, got {type(table).__name__}")
+    batch = table.batch
+    if not 1 <= batch <= MAX_BATCH:
+        raise FoldKvInputError(f"batch of {batch} requests: decode takes 1 to {MAX_BATCH}")
+    check_tensor("page_ids", table.page_ids, dtype=torch.int32, device=dev, contiguous=True)
+    check_tensor("seq_lens", table.seq_lens, dtype=torch.int32, device=dev, contiguous=True)
+    check_tensor("query", query, dtype=torch.bfloat16, device=dev, shape=(batch, geom.num_q_heads, geom.head_dim),
+                 contiguous=True)
+    if out is not None:
+        check_tensor("out", out, dtype=torch.bfloat16, device=dev, shape=(batch, geom.num_q_heads, geom.head_dim),
+                     contiguous=True)
+    if lse is not None:
+        check_tensor("lse", lse, dtype=torch.float32, device=dev, shape=(batch, geom.num_q_heads), contiguous=True)
+    if plan is not None:
+        if not isinstance(plan, DecodePlan):
+            raise FoldKvInputError(f"plan must be a DecodePlan from plan_decode, got {type(plan).__name__}")
+        if plan.layout.format is not pool.format or plan.layout.page_size != lay.page_size \
+                or plan.layout.geometry != geom:
+            raise FoldKvInputError(
+                f"plan was made for {plan.layout.format.value} pages of {plan.layout.page_size}, the pool holds"
+                f" {pool.format.value} pages of {lay.page_size}"
+            )
+        if plan.batch != batch:
+            raise FoldKvInputError(f"plan covers {plan.batch} requests, the block table {batch}")
+        if plan.device != dev and not (plan.device.type == dev.type and plan.device.index in (None, dev.index)):
+            raise FoldKvInputError(f"plan tensors are on {plan.device}, the pool on {dev}")
+    if read_table:  # reads page ids and lengths back to the host: skipped inside a graph capture (check=False)
+        check_block_table(lay, table, max_batch=MAX_BATCH, max_len=MAX_LEN, device=dev)
+        if plan is not None and tuple(int(n) for n in table.seq_lens.cpu().tolist()) != plan.seq_lens:
+            raise FoldKvInputError("plan was made for other sequence lengths than the block table's")
+    if dev.type != "cuda":  # last, so that the checks above can be exercised on a CPU-only machine
+        raise FoldKvInputError(f"pool is on {dev}; decode runs on a CUDA device")
+
+
+def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: DecodePlan | None = None,
+           out: torch.Tensor | None = None, lse: torch.Tensor | None = None, backend: str = "jit",
+           kv_format: KvFormat | str | None = None, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of one query per request against the paged pool, in the pool's format.
+
+    query [B, 32, 512] bf16 in the format's form (prep_query); returns (out [B, 32, 512] bf16 head order,
+    lse [B, 32] float32 natural log), written into `out` / `lse` when given. Bad input raises FoldKvInputError
+    before anything is launched. `check=False` skips only the checks that read device memory back to the host
+    (page ids in range, lengths within the table, the plan's lengths): for use inside a CUDA-graph capture of a
+    step whose inputs were checked once outside it.
+    """
+    _check_inputs(pool, query, table, plan, out, lse, kv_format, read_table=check)
+    geom = pool.geometry
+    if plan is None:
+        if not check:
+            raise FoldKvInputError("check=False needs a plan (making one reads the lengths on the host)")
+        plan = plan_decode(pool.layout, table.seq_lens, device=pool.device)
+    kernels = _kernels(backend, geom, pool.format)
+    if out is None:
+        out = torch.empty(table.batch, geom.num_q_heads, geom.head_dim, dtype=torch.bfloat16, device=pool.device)
+    if lse is None:
+        lse = torch.empty(table.batch, geom.num_q_heads, dtype=torch.float32, device=pool.device)
+    partial, merge_groups, merge_final = (kernels[n] for n in kernel_names(pool.format))
+    partial(query, pool.data, table.page_ids, plan.chunk_req, plan.chunk_start, plan.chunk_len, plan.part_o,
+            plan.part_lse)
+    merge_groups(plan.part_o, plan.part_lse, plan.group_first, plan.group_count)
+    merge_final(plan.part_o, plan.part_lse, plan.group_first, plan.req_group_first, plan.req_group_count,
+                plan.value_head_column, out, lse)
+    return out, lse
+
+
+__all__ = ["DecodePlan", "plan_decode", "decode", "register_backend", "kernel_names", "partial_kernel_name"]

@@ -1,0 +1,211 @@
+"""The two-level merge of split-KV decode partials: level one in place inside each merge group, level two into the output.
+
+A partial is (o [Hq, D] float32, normalised; lse [Hq] float32, base-2 log-sum-exp of that chunk's scores). Merging n
+partials: m = max lse_i, w_i = 2^(lse_i - m), o = sum w_i o_i / sum w_i, lse = log2(sum w_i) + m.
+
+Level one (`merge_groups`) merges the members of each group into the group's FIRST slot: it stores where it has just
+read. Every thread reads every member's LSE (the first slot's too) while thread 0 writes the merged LSE back into the
+first slot, so the store must wait until all reads are done: an unconditional `__syncthreads()` sits between the
+reads and the store. Each output scalar has a single writer (thread t owns columns [t*V, t*V+V) of o; thread 0 owns
+the LSE). `cuda_checks.check_in_place_merge` verifies this on the emitted CUDA source of every build; the build flag
+`barrier=False` exists only so the CPU tests can show that check refusing a kernel without the barrier.
+
+Level two (`merge_final`) merges each request's group slots into the output, puts the columns back in head order
+(`value_head_column[p]`: the head column of value-window position p; identity for split) and converts the LSE to
+natural log. Both levels load UNROLL partials per round trip (independent, predicated loads; online rescale between
+blocks): a merge is a chain of memory latencies, so this is what its time depends on.
+
+Kernel argument order (what a backend's callable takes, all CUDA tensors):
+    merge_groups(part_o [S, Hq, D] f32, part_lse [S, Hq] f32, group_first [G] i32, group_count [G] i32)
+    merge_final(part_o [S, Hq, D] f32, part_lse [S, Hq] f32, group_first [G] i32, req_group_first [B] i32,
+                req_group_count [B] i32, value_head_column [D] i32, out [B, Hq, D] bf16, lse [B, Hq] f32)
+S, G and B are dynamic; grids are (G, Hq) and (B, Hq).
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which use closure values
+
+import functools
+import math
+
+from ..config import AttentionGeometry
+from .registry import KernelVariant, register
+from .tl import pass_configs, require_tilelang, target
+
+MERGE_THREADS = 128
+UNROLL = 8  # partials loaded per round trip
+LN2 = math.log(2.0)
+
+
+def _cols_per_thread(geom: AttentionGeometry, threads: int) -> int:
+    if geom.head_dim % threads:
+        raise ValueError(f"head_dim {geom.head_dim} is not a multiple of the merge's {threads} threads")
+    return geom.head_dim // threads
+
+
+def merge_groups_program(geom: AttentionGeometry, *, threads: int = MERGE_THREADS, barrier: bool = True):
+    """The TileLang prim_func of the in-place level-one merge. `barrier=False` drops the `__syncthreads()` between
+    the group's reads and the store: a deliberately broken kernel, for the barrier check's red test only."""
+    require_tilelang()
+    import tilelang.language as T
+
+    hq, d = geom.num_q_heads, geom.head_dim
+    vec = _cols_per_thread(geom, threads)
+    num_slots, num_groups = T.dynamic("num_slots"), T.dynamic("num_groups")
+    f32, i32 = "float32", "int32"
+    merge_partials = _merge_partials_macro(vec)
+
+    @T.prim_func
+    def merge_groups(
+        part_o: T.Tensor((num_slots, hq, d), f32),  # [S, Hq, D] partial outputs (normalised)
+        part_lse: T.Tensor((num_slots, hq), f32),  # [S, Hq] base-2 LSE
+        group_first: T.Tensor((num_groups,), i32),  # [G] first slot of each group (the merged slot)
+        group_count: T.Tensor((num_groups,), i32),  # [G] members, consecutive slots from group_first
+    ):
+        with T.Kernel(num_groups, hq, threads=threads) as (g, h):
+            tx = T.get_thread_binding(0)
+            acc = T.alloc_local((vec,), f32)  # this thread's columns of the merged o (unnormalised)
+            lse_blk = T.alloc_local((UNROLL,), f32)
+            o_blk = T.alloc_local((UNROLL, vec), f32)
+            state = T.alloc_local((2,), f32)  # running max, running weight sum
+            first = group_first[g]
+            count = group_count[g]
+            # --- reads: every member's LSE and this thread's columns of every member's o ---
+            merge_partials(part_o, part_lse, h, tx, first, count, acc, lse_blk, o_blk, state)
+            # --- all reads of the group's slots are done before anyone stores into its first slot ---
+            if barrier:
+                T.sync_threads()
+            # --- store: one writer per scalar (thread tx owns its columns, thread 0 the LSE) ---
+            for j in T.vectorized(vec):
+                part_o[first, h, tx * vec + j] = acc[j] / state[1]
+            if tx == 0:
+                part_lse[first, h] = T.log2(state[1]) + state[0]
+
+    return merge_groups
+
+
+def _merge_partials_macro(vec: int):
+    """Online merge of the `count` partials at slots first .. first + count - 1, UNROLL at a time: the loads of a
+    block are independent (predicated past `count`), so a block costs one round trip to memory instead of UNROLL
+    dependent ones. Leaves (running max, weight sum) in `state` and the unnormalised columns in `acc`."""
+    import tilelang.language as T
+
+    f32 = "float32"
+
+    @T.macro
+    def merge_partials(part_o, part_lse, h, tx, first, count, acc, lse_blk, o_blk, state):
+        state[0] = -T.infinity(f32)
+        state[1] = 0.0
+        for j in T.serial(vec):
+            acc[j] = 0.0
+        for b in T.serial(T.ceildiv(count, UNROLL)):
+            for u in T.unroll(UNROLL):
+                slot = first + b * UNROLL + u
+                lse_blk[u] = T.if_then_else(b * UNROLL + u < count, part_lse[slot, h], -T.infinity(f32))
+                for j in T.vectorized(vec):
+                    o_blk[u, j] = T.if_then_else(b * UNROLL + u < count, part_o[slot, h, tx * vec + j], 0.0)
+            block_max = T.alloc_var(f32)
+            block_max = state[0]
+            for u in T.unroll(UNROLL):
+                block_max = T.max(block_max, lse_blk[u])
+            rescale = T.exp2(state[0] - block_max)  # 0 on the first block (state[0] = -inf)
+            state[1] = state[1] * rescale
+            for j in T.serial(vec):
+                acc[j] = acc[j] * rescale
+            for u in T.unroll(UNROLL):
+                weight = T.exp2(lse_blk[u] - block_max)  # 0 past count
+                state[1] = state[1] + weight
+                for j in T.vectorized(vec):
+                    acc[j] = acc[j] + weight * o_blk[u, j]
+            state[0] = block_max
+
+    return merge_partials
+
+
+def merge_final_program(geom: AttentionGeometry, *, threads: int = MERGE_THREADS):
+    """The TileLang prim_func of the level-two merge into the output (head order, natural-log LSE)."""
+    require_tilelang()
+    import tilelang.language as T
+
+    hq, d = geom.num_q_heads, geom.head_dim
+    vec = _cols_per_thread(geom, threads)
+    num_slots, num_groups, batch = T.dynamic("num_slots"), T.dynamic("num_groups"), T.dynamic("batch")
+    f32, i32, bf16 = "float32", "int32", "bfloat16"
+
+    @T.prim_func
+    def merge_final(
+        part_o: T.Tensor((num_slots, hq, d), f32),  # [S, Hq, D] after level one: each group's first slot merged
+        part_lse: T.Tensor((num_slots, hq), f32),  # [S, Hq] base-2 LSE
+        group_first: T.Tensor((num_groups,), i32),  # [G] merged slot of each group
+        req_group_first: T.Tensor((batch,), i32),  # [B] first group of each request
+        req_group_count: T.Tensor((batch,), i32),  # [B] groups of each request (consecutive)
+        value_head_column: T.Tensor((d,), i32),  # [D] head column of value-window position p
+        out: T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] head order
+        lse: T.Tensor((batch, hq), f32),  # [B, Hq] natural log
+    ):
+        with T.Kernel(batch, hq, threads=threads) as (r, h):
+            tx = T.get_thread_binding(0)
+            acc = T.alloc_local((vec,), f32)
+            lse_blk = T.alloc_local((UNROLL,), f32)
+            o_blk = T.alloc_local((UNROLL, vec), f32)
+            state = T.alloc_local((2,), f32)
+            block_max = T.alloc_var(f32)
+            g0 = req_group_first[r]
+            ng = req_group_count[r]
+            state[0] = -T.infinity(f32)
+            state[1] = 0.0
+            for j in T.serial(vec):
+                acc[j] = 0.0
+            for b in T.serial(T.ceildiv(ng, UNROLL)):
+                for u in T.unroll(UNROLL):
+                    live = b * UNROLL + u < ng
+                    slot = group_first[T.min(g0 + b * UNROLL + u, g0 + ng - 1)]
+                    lse_blk[u] = T.if_then_else(live, part_lse[slot, h], -T.infinity(f32))
+                    for j in T.vectorized(vec):
+                        o_blk[u, j] = T.if_then_else(live, part_o[slot, h, tx * vec + j], 0.0)
+                block_max = state[0]
+                for u in T.unroll(UNROLL):
+                    block_max = T.max(block_max, lse_blk[u])
+                rescale = T.exp2(state[0] - block_max)
+                state[1] = state[1] * rescale
+                for j in T.serial(vec):
+                    acc[j] = acc[j] * rescale
+                for u in T.unroll(UNROLL):
+                    weight = T.exp2(lse_blk[u] - block_max)
+                    state[1] = state[1] + weight
+                    for j in T.vectorized(vec):
+                        acc[j] = acc[j] + weight * o_blk[u, j]
+                state[0] = block_max
+            for j in T.serial(vec):
+                out[r, h, value_head_column[tx * vec + j]] = T.cast(acc[j] / state[1], bf16)
+            if tx == 0:
+                lse[r, h] = (T.log2(state[1]) + state[0]) * LN2
+
+    return merge_final
+
+
+@functools.lru_cache(maxsize=None)
+def build_merge_groups(geom: AttentionGeometry, *, barrier: bool = True, check: bool = True):
+    """Compile the level-one merge and run the emitted-source barrier check on it (raises if it fails)."""
+    tilelang = require_tilelang()
+    kernel = tilelang.compile(merge_groups_program(geom, barrier=barrier), target=target(),
+                              pass_configs=pass_configs())
+    if check:
+        from .cuda_checks import check_in_place_merge
+
+        check_in_place_merge("merge_groups", kernel.get_kernel_source())
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def build_merge_final(geom: AttentionGeometry):
+    tilelang = require_tilelang()
+    return tilelang.compile(merge_final_program(geom), target=target(), pass_configs=pass_configs())
+
+
+MERGE_GROUPS = register(KernelVariant("merge_groups", "merge_groups", None, build_merge_groups, in_place_merge=True,
+                                      params={"threads": MERGE_THREADS}))
+MERGE_FINAL = register(KernelVariant("merge_final", "merge_final", None, build_merge_final,
+                                     params={"threads": MERGE_THREADS}))
+
+__all__ = ["merge_groups_program", "merge_final_program", "build_merge_groups", "build_merge_final",
+           "MERGE_GROUPS", "MERGE_FINAL"]

@@ -1,0 +1,236 @@
+"""CPU tests of split-KV decode: the emitted-CUDA barrier check red/green on real generated source, the plan, and
+the refusals that need no GPU (every check runs before the device check)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import require_tilelang
+
+import foldkv
+from foldkv import BlockTable, FoldKvInputError, KvFormat, PagedKvLayout, PagedKvPool
+from foldkv.kernels import cuda_checks, merge, registry
+from foldkv.kernels.decode import decode, kernel_names
+from foldkv.kernels.plan import MAX_LEN, plan_decode
+
+GEOM = foldkv.GEMMA4_31B
+FORMATS = [KvFormat.SPLIT, KvFormat.FOLDED]
+
+
+# --- the barrier check on real generated source -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def merge_groups_source() -> str:
+    require_tilelang()
+    return merge.build_merge_groups(GEOM).get_kernel_source()
+
+
+def test_barrier_check_passes_generated_merge(merge_groups_source):
+    report = cuda_checks.check_in_place_merge("merge_groups", merge_groups_source)
+    assert set(report.in_place_buffers) == {"part_o", "part_lse"}
+    assert report.last_read < report.barrier < report.first_store
+
+
+def test_barrier_check_refuses_merge_generated_without_barrier():
+    require_tilelang()
+    with pytest.raises(cuda_checks.BarrierCheckError, match="merge_groups"):
+        merge.build_merge_groups(GEOM, barrier=False)  # the check runs at generation time
+    source = merge.build_merge_groups(GEOM, barrier=False, check=False).get_kernel_source()
+    with pytest.raises(cuda_checks.BarrierCheckError, match=r"merge_groups.*none between them"):
+        cuda_checks.check_in_place_merge("merge_groups", source)
+
+
+def test_barrier_check_refuses_conditional_barrier(merge_groups_source):
+    # the same generated kernel with its barrier reached only by some threads
+    source = merge_groups_source.replace("__syncthreads();", "if (threadIdx.x < 64) { __syncthreads(); }", 1)
+    assert source != merge_groups_source
+    with pytest.raises(cuda_checks.BarrierCheckError, match="only inside a conditional"):
+        cuda_checks.check_in_place_merge("merge_groups", source)
+
+
+def test_barrier_check_names_missing_kernel(merge_groups_source):
+    with pytest.raises(cuda_checks.BarrierCheckError, match="merge_final"):
+        cuda_checks.check_in_place_merge("merge_final", merge_groups_source)
+
+
+def test_every_in_place_variant_is_checked_at_generation():
+    in_place = [v for v in registry.all_variants() if v.in_place_merge]
+    assert [v.name for v in in_place] == ["merge_groups"]
+    assert in_place[0].build is merge.build_merge_groups  # whose default (check=True) runs the barrier check
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernel_argument_order_matches_launcher(fmt):
+    """The argument order decode.py passes (and an AOT backend must follow) is the prim_funcs' parameter order."""
+    require_tilelang()
+    from foldkv.kernels import decode_partial_folded, decode_partial_split
+
+    program = {KvFormat.SPLIT: decode_partial_split.decode_partial_split_program,
+               KvFormat.FOLDED: decode_partial_folded.decode_partial_folded_program}[fmt]
+    names = lambda f: [f.buffer_map[p].name for p in f.params]  # noqa: E731
+    assert names(program(GEOM)) == ["query", "pool", "page_ids", "chunk_req", "chunk_start", "chunk_len",
+                                    "part_o", "part_lse"]
+    assert names(merge.merge_groups_program(GEOM)) == ["part_o", "part_lse", "group_first", "group_count"]
+    assert names(merge.merge_final_program(GEOM)) == ["part_o", "part_lse", "group_first", "req_group_first",
+                                                      "req_group_count", "value_head_column", "out", "lse"]
+    assert kernel_names(fmt)[0] == f"decode_partial_{fmt.value}"
+
+
+# --- the plan ----------------------------------------------------------------------------------------------------
+def _layout(fmt=KvFormat.FOLDED, pages=0):
+    return PagedKvLayout(GEOM, fmt, 64, pages)
+
+
+@pytest.mark.parametrize("lens", [[1], [63], [64], [65], [10602], [163336], [1, 97, 16384, 54, 262144]])
+@pytest.mark.parametrize("chunk_tokens", [None, 64, 512, 4096])
+@pytest.mark.parametrize("merge_group", [None, 1, 3])
+def test_plan_covers_every_token_once(lens, chunk_tokens, merge_group):
+    plan = plan_decode(_layout(), lens, device="cpu", chunk_tokens=chunk_tokens, merge_group=merge_group)
+    covered = [[] for _ in lens]
+    for r, start, n in plan.chunks:
+        assert start % 64 == 0 and 1 <= n <= plan.chunk_tokens
+        covered[r].append((start, n))
+    for r, n in enumerate(lens):
+        spans = covered[r]
+        assert spans[0][0] == 0 and sum(s for _, s in spans) == n
+        assert all(a + la == b for (a, la), (b, _) in zip(spans, spans[1:]))  # consecutive, no gap or overlap
+    # groups: consecutive slots of one request, at most merge_group each, every slot in exactly one group
+    seen = []
+    for first, count in plan.groups:
+        assert 1 <= count <= plan.merge_group
+        assert len({plan.chunks[s][0] for s in range(first, first + count)}) == 1
+        seen += range(first, first + count)
+    assert seen == list(range(plan.num_chunks))
+    for r, (g0, ng) in enumerate(plan.request_groups):
+        slots = [s for g in range(g0, g0 + ng) for s in range(plan.groups[g][0], sum(plan.groups[g]))]
+        assert [plan.chunks[s][0] for s in slots] == [r] * len(slots) and len(slots) == len(covered[r])
+    # device tensors hold the same lists
+    assert plan.chunk_len.tolist() == [n for _, _, n in plan.chunks]
+    assert plan.group_first.tolist() == [f for f, _ in plan.groups]
+    assert plan.req_group_count.tolist() == [n for _, n in plan.request_groups]
+    assert plan.part_o.shape == (plan.num_chunks, 32, 512) and plan.part_lse.shape == (plan.num_chunks, 32)
+
+
+@pytest.mark.parametrize("lens", [[10602], [40002], [81653], [163336], [1, 97, 16384, 54], [262144] * 32])
+def test_default_chunking_fills_one_wave(lens):
+    plan = plan_decode(_layout(), lens, device="cpu", num_sms=132)
+    ctas = plan.num_chunks * GEOM.num_kv_heads
+    assert ctas <= 132 or plan.num_chunks == len(lens)
+    smaller = plan.chunk_tokens - 64  # one page less per chunk would not fit in one wave
+    if smaller >= 64:
+        assert sum(math.ceil(n / smaller) for n in lens) * GEOM.num_kv_heads > 132
+
+
+def test_plan_chunk_boundary():
+    plan = plan_decode(_layout(), [511, 512, 513], device="cpu", chunk_tokens=512)
+    assert plan.chunks == [(0, 0, 511), (1, 0, 512), (2, 0, 512), (2, 512, 1)]
+
+
+def test_value_head_column_per_format():
+    assert plan_decode(_layout(KvFormat.SPLIT), [5], device="cpu").value_head_column.tolist() == list(range(512))
+    cols = plan_decode(_layout(KvFormat.FOLDED), [5], device="cpu").value_head_column
+    assert torch.equal(cols.long(), foldkv.value_window_columns(GEOM, KvFormat.FOLDED))
+
+
+@pytest.mark.parametrize("lens,chunk,match", [
+    ([], None, "batch of 0"),
+    ([5] * 33, None, "batch of 33"),
+    ([0], None, "seq_lens holds 0"),
+    ([MAX_LEN + 1], None, "262144"),
+    ([100], 96, "multiple of the page size"),
+    ([100], 0, "multiple of the page size"),
+])
+def test_plan_refusals(lens, chunk, match):
+    with pytest.raises(FoldKvInputError, match=match):
+        plan_decode(_layout(), lens, device="cpu", chunk_tokens=chunk)
+
+
+# --- launcher refusals, all before the device check --------------------------------------------------------------
+def _cpu_case(fmt=KvFormat.FOLDED, lens=(70, 5)):
+    pool = PagedKvPool(_layout(fmt, 8), fill=0.5)
+    table = pool.allocate(list(lens), scatter_seed=3)
+    query = torch.randn(len(lens), 32, 512).to(torch.bfloat16)
+    out = torch.full((len(lens), 32, 512), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((len(lens), 32), float("nan"))
+    return pool, table, query, out, lse
+
+
+def _refused(match, pool, query, table, out, lse, **kw):
+    before = (pool.data.clone(), out.clone(), lse.clone())
+    with pytest.raises(FoldKvInputError, match=match):
+        decode(pool, query, table, out=out, lse=lse, **kw)
+    assert torch.equal(pool.data, before[0])
+    assert torch.equal(out.view(torch.int16), before[1].view(torch.int16))  # NaN poison untouched, bit for bit
+    assert torch.equal(lse.view(torch.int32), before[2].view(torch.int32))
+
+
+def test_valid_cpu_input_reaches_only_the_device_check():
+    pool, table, query, out, lse = _cpu_case()
+    _refused("decode runs on a CUDA device", pool, query, table, out, lse)
+
+
+def test_refuses_page_id_out_of_range():
+    pool, table, query, out, lse = _cpu_case()
+    table.page_ids[1, 0] = 8
+    _refused(r"page_ids.*outside \[0, 8\)", pool, query, table, out, lse)
+
+
+def test_refuses_length_above_pages():
+    pool, table, query, out, lse = _cpu_case()
+    table.seq_lens[0] = 64 * table.page_ids.shape[1] + 1
+    _refused("block table holds only", pool, query, table, out, lse)
+
+
+def test_refuses_batch_above_limit():
+    pool = PagedKvPool(_layout(KvFormat.FOLDED, 40), fill=0.5)
+    table = pool.allocate([3] * 33)
+    q = torch.zeros(33, 32, 512, dtype=torch.bfloat16)
+    out = torch.full((33, 32, 512), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((33, 32), float("nan"))
+    _refused("batch of 33", pool, q, table, out, lse)
+
+
+def test_refuses_length_above_limit():
+    pool, table, query, out, lse = _cpu_case()
+    table = BlockTable(torch.zeros(2, 4097, dtype=torch.int32), torch.tensor([MAX_LEN + 1, 5], dtype=torch.int32))
+    _refused("above the limit", pool, query, table, out, lse)
+
+
+@pytest.mark.parametrize("bad", ["dtype", "shape", "noncontiguous", "page_ids_dtype", "out_dtype", "lse_shape"])
+def test_refuses_bad_tensors(bad):
+    pool, table, query, out, lse = _cpu_case()
+    if bad == "dtype":
+        query = query.float()
+    elif bad == "shape":
+        query = query[:, :16]
+    elif bad == "noncontiguous":
+        query = torch.randn(2, 512, 32).to(torch.bfloat16).transpose(1, 2)
+    elif bad == "page_ids_dtype":
+        table = BlockTable(table.page_ids.long(), table.seq_lens)
+    elif bad == "out_dtype":
+        out = out.float()
+    elif bad == "lse_shape":
+        lse = lse[:, :8]
+    _refused({"dtype": "query has dtype", "shape": "query has shape", "noncontiguous": "contiguous",
+              "page_ids_dtype": "page_ids has dtype", "out_dtype": "out has dtype", "lse_shape": "lse has shape"}[bad],
+             pool, query, table, out, lse)
+
+
+def test_refuses_pool_of_other_format():
+    pool, table, query, out, lse = _cpu_case(KvFormat.SPLIT)
+    _refused("folded decode was asked of a split pool", pool, query, table, out, lse, kv_format="folded")
+    folded_plan = plan_decode(_layout(KvFormat.FOLDED), [70, 5], device="cpu")
+    _refused("plan was made for folded pages", pool, query, table, out, lse, plan=folded_plan)
+
+
+def test_refuses_plan_for_other_lengths():
+    pool, table, query, out, lse = _cpu_case()
+    plan = plan_decode(pool.layout, [70, 6], device="cpu")
+    _refused("other sequence lengths", pool, query, table, out, lse, plan=plan)
+
+
+def test_refuses_unknown_backend():
+    pool, table, query, out, lse = _cpu_case()
+    with pytest.raises(FoldKvInputError, match="decode runs on a CUDA device"):
+        decode(pool, query, table, backend="nope")  # checks first: nothing is looked up for refused input
