@@ -1,0 +1,183 @@
+"""Prefill harness: one 8,192-token chunk at the end of a 163,336-token context, one layer (GQA 8, hd 512), our
+generated split and folded prefill (each tiling in --tilings) against FlashInfer's paged prefill (causal, hd512) on a
+split pool of the same values, arms interleaved in one process by `foldkv.bench.run_cell` (pools rotated past L2,
+outputs poisoned and checked against a float32 reference before timing, median over rounds). Also times the fused
+prep of the same chunk against the torch prep. Prints a table last: ms, TFLOP/s, % of the measured bf16 matmul rate.
+
+    python bench/prefill_harness.py --out $OUT/prefill.json        # on the H200 (source .devsite/env.sh first)
+    python bench/prefill_harness.py --resources                     # CPU: registers / smem / spills per variant
+
+FLOPs counted: 4 * C * (K - C/2) * 32 * 512 (causal chunk of C queries ending at K). Notes: bench/PREFILL_NOTES.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+import foldkv
+from foldkv import KvFormat, bench
+from foldkv.bench import ArmSpec, AttentionCase, run_cell
+from foldkv.peers import ArmImpl
+
+GEOM = foldkv.GEMMA4_31B
+MATMUL_RATE_TFLOPS = 790.0  # the brief's measured bf16 dense-MMA rate of this H200 (also re-measured in the run)
+DEFAULT_TILINGS = {"folded": ["bn64s1", "bn64s1-shared"], "split": ["bn64s1"]}
+
+
+def parse_tiling(tag: str) -> dict:
+    m = re.fullmatch(r"bn(\d+)s(\d+)(?:-(\w+))?", tag)
+    if not m:
+        raise SystemExit(f"tiling {tag!r} is not of the form bn<block_N>s<num_stages>[-<folded tiles>]")
+    params = {"block_N": int(m.group(1)), "num_stages": int(m.group(2))}
+    if m.group(3):
+        params["tiles"] = m.group(3)
+    return params
+
+
+def generated_arm(fmt: KvFormat, tag: str) -> ArmSpec:
+    params = parse_tiling(tag)
+
+    def build(case: AttentionCase) -> ArmImpl:
+        from foldkv.kernels.prefill import prefill
+
+        pools, query, table = case.pools(fmt), case.query(fmt), case.table
+        q_lens = torch.tensor(case.q_lens, dtype=torch.int32, device=case.device)
+        out = torch.empty(query.shape, dtype=torch.bfloat16, device=case.device)  # [T, Hq, D]
+        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=case.device)  # [T, Hq]
+        calls = [lambda p=p: prefill(p, query, table, q_lens, out=out, lse=lse, params=params) for p in pools]
+        return ArmImpl(calls, out, graph=False, why_eager="prefill launches are milliseconds long: timed eagerly",
+                       info={"params": params, "lse": lse})
+
+    return ArmSpec(f"{fmt.value}_{tag}".replace("-", "_"), f"generated {fmt.value} prefill {tag} (JIT)", fmt.value, False, build,
+                   generated=True)
+
+
+def time_prep(device, chunk: int, rounds: int = 20) -> dict:
+    """Fused prep vs torch prep of one chunk (T tokens into a folded and a split pool), CUDA events, median."""
+    from foldkv.kernels.prep_kernel import prep_and_store_gpu
+
+    res = {}
+    g = torch.Generator(device=device).manual_seed(0)
+    for fmt in (KvFormat.FOLDED, KvFormat.SPLIT):
+        pool = foldkv.PagedKvPool(foldkv.PagedKvLayout(GEOM, fmt, 64, chunk // 64 + 1), device=device, fill=0.0)
+        table = pool.allocate([chunk])
+        table_dev = table.to(device)
+        request = torch.zeros(chunk, dtype=torch.int32, device=device)
+        positions = torch.arange(chunk, dtype=torch.int32, device=device)
+        q = torch.randn(chunk, GEOM.num_q_heads, GEOM.head_dim, generator=g, device=device).bfloat16()
+        kv = torch.randn(chunk, GEOM.num_kv_heads, GEOM.head_dim, generator=g, device=device).bfloat16()
+        w = torch.rand(GEOM.head_dim, generator=g, device=device) + 0.5
+        arms = {"fused": lambda: prep_and_store_gpu(pool, table_dev, request, positions, q, kv, w, w),
+                "torch": lambda: foldkv.prep_and_store(pool, table_dev, request, positions, q, kv, w, w)}
+        samples = {k: [] for k in arms}
+        for fn in arms.values():
+            fn()
+        torch.cuda.synchronize()
+        for r in range(rounds):
+            for k in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                arms[k]()
+                b.record()
+                torch.cuda.synchronize()
+                samples[k].append(a.elapsed_time(b) * 1e3)
+        res[fmt.value] = {k: bench.summarize(v) for k, v in samples.items()}
+    return res
+
+
+def resources() -> None:
+    """Registers / shared memory / spills of every prefill tiling and the prep kernels, from ptxas on this machine."""
+    from foldkv.kernels import prefill_folded, prefill_split, prep_kernel
+    from foldkv.kernels.tl import require_tilelang
+
+    tl_dir = os.path.dirname(require_tilelang().__file__)
+    kernels = []
+    for fmt, mod in ((KvFormat.FOLDED, prefill_folded), (KvFormat.SPLIT, prefill_split)):
+        for tag in DEFAULT_TILINGS[fmt.value]:
+            kernels.append((f"prefill_{fmt.value}_{tag}", mod.build(GEOM, **parse_tiling(tag))))
+    for fmt in KvFormat:
+        kernels.append((f"prep_{fmt.value}", prep_kernel.build(GEOM, fmt)))
+    for name, k in kernels:
+        src = k.get_kernel_source()
+        smem = max([int(x) for x in re.findall(r"buf_dyn_shmem \+ (\d+)", src)] or [0])
+        with tempfile.TemporaryDirectory() as d:
+            cu = os.path.join(d, "k.cu")
+            open(cu, "w").write(src)
+            r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90a", "--cubin", "-O3", "-Xptxas", "-v", "-w",
+                                f"-I{tl_dir}/src", f"-I{tl_dir}/3rdparty/cutlass/include", "-o",
+                                os.path.join(d, "k.cubin"), cu], capture_output=True, text=True)
+        info = " ".join(line.split(":", 1)[-1].strip() for line in r.stderr.splitlines()
+                        if "registers" in line or "spill" in line)
+        lb = re.search(r"__launch_bounds__\((\d+)", src)
+        print(f"{name:28s} threads {lb.group(1) if lb else '?':>4s}  dyn smem >= {smem // 1024} KiB + last buffer | {info}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--context", type=int, default=163_336)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tilings", nargs="*", default=None, help="e.g. folded:bn64s1 split:bn32s2")
+    ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--resources", action="store_true", help="CPU: ptxas report of every variant, then exit")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.resources:
+        resources()
+        return
+
+    dev = torch.device("cuda")
+    tilings = DEFAULT_TILINGS if not args.tilings else {}
+    for t in args.tilings or []:
+        f, tag = t.split(":")
+        tilings.setdefault(f, []).append(tag)
+    arms = [] if args.no_flashinfer else ["fi_prefill"]
+    for fmt in (KvFormat.FOLDED, KvFormat.SPLIT):
+        for tag in tilings.get(fmt.value, []):
+            spec = generated_arm(fmt, tag)
+            bench.PREFILL_ARMS[spec.name] = spec  # this run's arms (the module-level table is the harness's registry)
+            arms.append(spec.name)
+
+    roof = bench.measure_matmul_roof(dev)
+    print(f"bf16 matmul roof measured: {roof['tflops']:.0f} TFLOP/s", flush=True)
+    case = AttentionCase([args.context], q_lens=[args.chunk], device=dev)
+    cell = run_cell(f"prefill_{args.chunk}_at_{args.context}", "prefill", case, arms, rounds=args.rounds, warmup=1,
+                    matmul_roof=roof, log=lambda s: print(s, flush=True))
+    case.release()
+    prep = time_prep(dev, args.chunk)
+    result = {"env": bench.environment(dev), "matmul_roof": roof, "cell": cell, "prep": prep}
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(bench._clean(result), fh, indent=1)
+
+    flops = cell["flops"]
+    print(f"\n{args.chunk}-token chunk ending at {args.context}, one layer: {flops / 1e12:.2f} TFLOP counted")
+    print(f"{'arm':22s} {'status':8s} {'median ms':>10s} {'p10-p90 ms':>16s} {'TFLOP/s':>8s} {'%790':>6s} "
+          f"{'%meas':>6s} {'rel err':>8s}  vs FlashInfer")
+    fi = cell["arms"].get("fi_prefill", {})
+    for name, a in cell["arms"].items():
+        if a.get("status") != "ok":
+            print(f"{name:22s} {a.get('status', '?'):8s} {a.get('reason', '')[:150]}")
+            continue
+        us = a["us"]
+        tf = a["tflops"]["median"]
+        vs = ""
+        if fi.get("status") == "ok" and name != "fi_prefill":
+            vs = f"x{fi['us']['median'] / us['median']:.2f} faster"
+        print(f"{name:22s} {'ok':8s} {us['median'] / 1e3:10.2f} {us['p10'] / 1e3:7.2f}-{us['p90'] / 1e3:<8.2f} "
+              f"{tf:8.1f} {100 * tf / MATMUL_RATE_TFLOPS:6.1f} {a.get('pct_matmul_roof', float('nan')):6.1f} "
+              f"{a['check']['rel_err']:8.2e}  {vs}")
+    for fmt, r in prep.items():
+        print(f"prep {fmt:7s} {args.chunk} tokens: fused {r['fused']['median']:.1f} us, torch {r['torch']['median']:.1f} us")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The paged causal prefill launcher: checks, the tile plan, and the call of a backend's kernel for the pool format.
+
+`prefill(pool, query, table, q_lens)` runs request r's q_lens[r] queries (its last positions, bottom-right causal)
+against its pages and returns (out [sum(q_lens), 32, 512] bf16 head order, lse [sum(q_lens), 32] float32 natural
+log). A backend supplies one callable per kernel name ("prefill_split", "prefill_folded"), taking the argument order
+documented in each variant's module: "jit" compiles them with TileLang here, "aot" loads prebuilt ones via
+`foldkv.aot.aot_kernel(name, geometry, fmt, page_size)` from the active AOT build.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from ..config import AttentionGeometry
+from ..layout import KvFormat
+from ..pool import BlockTable, PagedKvPool, check_block_table
+from ..validate import FoldKvInputError, check_tensor
+from . import prefill_folded, prefill_split, registry
+
+TOKENS_PER_TILE = 8  # query tokens per CTA: 8 tokens x 8 heads of one KV group = 64 MMA rows
+_VARIANT_MODULES = {KvFormat.SPLIT: prefill_split, KvFormat.FOLDED: prefill_folded}
+
+
+def variant_name(fmt: KvFormat | str) -> str:
+    return f"prefill_{KvFormat.parse(fmt).value}"
+
+
+for _fmt, _mod in _VARIANT_MODULES.items():
+    registry.register(registry.KernelVariant(
+        name=variant_name(_fmt), family="prefill", format=_fmt,
+        build=functools.partial(_mod.build, **_mod.DEFAULTS), params=dict(_mod.DEFAULTS),
+    ))
+
+
+# --- backends: (name, geom, params) -> callable with the variant's argument order ----------------------------------
+_JIT_CACHE: dict = {}
+
+
+def _jit_backend(name: str, geom: AttentionGeometry, params: dict) -> Callable:
+    key = (name, geom, tuple(sorted(params.items())))
+    if key not in _JIT_CACHE:
+        fmt = KvFormat.SPLIT if name == variant_name(KvFormat.SPLIT) else KvFormat.FOLDED
+        _JIT_CACHE[key] = _VARIANT_MODULES[fmt].build(geom, **params)
+    return _JIT_CACHE[key]
+
+
+def _aot_backend(name: str, geom: AttentionGeometry, params: dict) -> Callable:
+    from .. import aot  # imports neither TileLang nor cuda-python until a cubin is loaded
+
+    built = dict(registry.get(name).params, page_size=params["page_size"])
+    if params != built:
+        raise FoldKvInputError(f"backend 'aot' holds {name} built with {built}; asked for {params}")
+    fmt = KvFormat.SPLIT if name == variant_name(KvFormat.SPLIT) else KvFormat.FOLDED
+    return aot.aot_kernel(name, geometry=geom, fmt=fmt, page_size=params["page_size"])
+
+
+BACKENDS: dict[str, Callable] = {"jit": _jit_backend, "aot": _aot_backend}
+
+
+# --- plan --------------------------------------------------------------------------------------------------------
+def tile_plan(q_lens: torch.Tensor, tokens_per_tile: int = TOKENS_PER_TILE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_start [B], tile_req [NT], tile_tok [NT]) int32 on the CPU: request r's queries start at row q_start[r] of
+    the query; tile t covers tokens tile_tok[t] .. +tokens_per_tile of request tile_req[t]."""
+    q_lens = q_lens.to("cpu", torch.int64)
+    q_start = torch.cumsum(q_lens, 0) - q_lens  # [B]
+    tiles = (q_lens + tokens_per_tile - 1) // tokens_per_tile  # [B]
+    tile_req = torch.repeat_interleave(torch.arange(q_lens.numel()), tiles)  # [NT]
+    first = torch.cumsum(tiles, 0) - tiles  # [B] first tile of each request
+    tile_tok = (torch.arange(int(tiles.sum())) - first[tile_req]) * tokens_per_tile  # [NT]
+    return q_start.int(), tile_req.int(), tile_tok.int()
+
+
+def _check(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: torch.Tensor, out, lse, params) -> int:
+    """Everything that can be refused, before any launch; the device comes last so the CPU tests reach the rest."""
+    geom = pool.geometry
+    if pool.layout.dtype != torch.bfloat16:
+        raise FoldKvInputError(f"prefill reads bf16 pools; this one is {pool.layout.dtype}")
+    if pool.layout.page_size % params["block_N"]:
+        raise FoldKvInputError(
+            f"page_size {pool.layout.page_size} is not a multiple of the kernel's key tile of {params['block_N']}"
+        )
+    check_block_table(pool.layout, table)
+    check_tensor("q_lens", q_lens, dtype=(torch.int32, torch.int64), shape=(table.batch,))
+    ql = q_lens.cpu()
+    if bool((ql < 1).any()) or bool((ql > table.seq_lens.cpu()).any()):
+        r = int(torch.nonzero((ql < 1) | (ql > table.seq_lens.cpu()))[0])
+        raise FoldKvInputError(
+            f"q_lens[{r}] = {int(ql[r])} must be in 1..seq_len = {int(table.seq_lens[r])} (queries are the request's"
+            " last positions)"
+        )
+    total = int(ql.sum())
+    check_tensor("query", query, dtype=torch.bfloat16, device=pool.device,
+                 shape=(total, geom.num_q_heads, geom.head_dim), contiguous=True)
+    if out is not None:
+        check_tensor("out", out, dtype=torch.bfloat16, device=pool.device,
+                     shape=(total, geom.num_q_heads, geom.head_dim), contiguous=True)
+    if lse is not None:
+        check_tensor("lse", lse, dtype=torch.float32, device=pool.device, shape=(total, geom.num_q_heads),
+                     contiguous=True)
+    if pool.device.type != "cuda":
+        raise FoldKvInputError(f"prefill runs on CUDA; the pool is on {pool.device}")
+    return total
+
+
+def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: torch.Tensor, *,
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, backend: str = "jit",
+            params: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal paged prefill for a ragged batch. query [sum(q_lens), 32, 512] bf16 in the pool format's form.
+
+    Returns (out [sum(q_lens), 32, 512] bf16 head order, lse [sum(q_lens), 32] float32 natural log); `out`/`lse`
+    given are written in place. `params` overrides the variant's tuning constants (the benchmark uses it).
+    """
+    if backend not in BACKENDS:
+        raise FoldKvInputError(f"backend {backend!r} is not one of {sorted(BACKENDS)}")
+    if not isinstance(pool, PagedKvPool):
+        raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
+    name = variant_name(pool.format)
+    p = dict(registry.get(name).params)
+    p.update(params or {})
+    p["page_size"] = pool.layout.page_size
+    total = _check(pool, query, table, q_lens, out, lse, p)
+    geom, dev = pool.geometry, pool.device
+    q_start, tile_req, tile_tok = tile_plan(q_lens)
+    if out is None:
+        out = torch.empty((total, geom.num_q_heads, geom.head_dim), dtype=torch.bfloat16, device=dev)
+    if lse is None:
+        lse = torch.empty((total, geom.num_q_heads), dtype=torch.float32, device=dev)
+    kernel = BACKENDS[backend](name, geom, p)
+    kernel(query, pool.data, table.page_ids.to(dev, torch.int32).contiguous(),
+           table.seq_lens.to(dev, torch.int32).contiguous(), q_start.to(dev), q_lens.to(dev, torch.int32),
+           tile_req.to(dev), tile_tok.to(dev), out, lse)
+    return out, lse

@@ -1,0 +1,164 @@
+"""CPU tests of the prefill and the fused prep: the tile plan, the registry entries, generation of every variant for
+sm_90a without a GPU (argument order, wgmma + TMA in the emitted CUDA, no spills), and the refusals that need no GPU
+(every check runs before the device check)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import require_tilelang
+
+import foldkv
+from foldkv import FoldKvInputError, KvFormat, PagedKvLayout, PagedKvPool
+from foldkv.kernels import prefill_folded, prefill_split, registry
+from foldkv.kernels.prefill import TOKENS_PER_TILE, prefill, tile_plan, variant_name
+from foldkv.kernels.prep_kernel import prep_and_store_gpu
+
+GEOM = foldkv.GEMMA4_31B
+FORMATS = [KvFormat.SPLIT, KvFormat.FOLDED]
+PREFILL_ARGS = ["Q", "Pool", "PageIds", "SeqLens", "QStart", "QLens", "TileReq", "TileTok", "Out", "Lse"]
+PREP_ARGS = ["Qraw", "KVraw", "QNormW", "KNormW", "InvFreq", "Positions", "SlotPage", "SlotOffset", "Pool", "QueryOut"]
+
+
+# --- the tile plan -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("q_lens", [[1], [8], [9], [54, 1, 97, 16384, 7]])
+def test_tile_plan_covers_every_query_once(q_lens):
+    q_start, tile_req, tile_tok = tile_plan(torch.tensor(q_lens))
+    assert q_start.tolist() == [sum(q_lens[:r]) for r in range(len(q_lens))]
+    covered = [[0] * m for m in q_lens]
+    for r, t0 in zip(tile_req.tolist(), tile_tok.tolist()):
+        assert 0 <= t0 < q_lens[r] and t0 % TOKENS_PER_TILE == 0
+        for t in range(t0, min(t0 + TOKENS_PER_TILE, q_lens[r])):
+            covered[r][t] += 1
+    assert all(c == 1 for req in covered for c in req)
+    assert tile_req.dtype == tile_tok.dtype == q_start.dtype == torch.int32
+
+
+def test_registry_holds_every_variant():
+    names = {v.name: v for v in registry.all_variants()}
+    for fmt in FORMATS:
+        assert names[variant_name(fmt)].family == "prefill" and names[variant_name(fmt)].format is fmt
+        assert names[f"prep_{fmt.value}"].family == "prep" and names[f"prep_{fmt.value}"].format is fmt
+    assert names["prefill_folded"].params == prefill_folded.DEFAULTS
+    assert names["prefill_split"].params == prefill_split.DEFAULTS
+
+
+# --- generation for sm_90a, no GPU ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["prefill_split", "prefill_folded", "prep_split", "prep_folded"])
+def generated(request):
+    require_tilelang()
+    return request.param, registry.get(request.param).build(GEOM)
+
+
+def test_generated_kernel(generated):
+    name, kernel = generated
+    params = [kernel.prim_func.buffer_map[p].name for p in kernel.prim_func.params]
+    src = kernel.get_kernel_source()
+    if name.startswith("prefill"):
+        assert params == PREFILL_ARGS  # the order prefill() passes and an AOT backend must follow
+        assert "wgmma" in src and "tma_load" in src, "expected Hopper wgmma + TMA loads"
+    else:
+        assert params == PREP_ARGS
+        assert "__fmul_rn" in src and "__fadd_rn" in src, "RoPE must keep torch's rounding order (no FMA)"
+        assert "__cosf" not in src and "__sinf" not in src, "fast-math trig would break bit equality"
+
+
+# --- refusals without a GPU ------------------------------------------------------------------------------------------
+def _cpu_case(fmt=KvFormat.FOLDED, seq_lens=(70, 5), q_lens=(6, 5), page_size=64):
+    pool = PagedKvPool(PagedKvLayout(GEOM, fmt, page_size, 8), fill=0.5)
+    table = pool.allocate(list(seq_lens), pad_pages=1, pad_value=-1)
+    query = torch.randn(sum(q_lens), GEOM.num_q_heads, GEOM.head_dim).to(torch.bfloat16)
+    return pool, query, table, torch.tensor(q_lens, dtype=torch.int32)
+
+
+def test_valid_cpu_input_reaches_only_the_device_check():
+    pool, query, table, q_lens = _cpu_case()
+    with pytest.raises(FoldKvInputError, match="prefill runs on CUDA"):
+        prefill(pool, query, table, q_lens)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("q_len_zero", r"q_lens\[1\] = 0"),
+    ("q_len_past_seq", r"q_lens\[0\] = 71 must be in 1..seq_len = 70"),
+    ("query_rows", r"query has shape \[10, 32, 512\]"),
+    ("query_dtype", "query has dtype torch.float32"),
+    ("query_noncontiguous", "query must be contiguous"),
+    ("lse_dtype", "lse has dtype"),
+    ("page_id", "page_ids"),
+    ("page_size", "not a multiple of the kernel's key tile"),
+    ("pool_dtype", "reads bf16 pools"),
+    ("backend", "backend 'triton'"),
+])
+def test_prefill_refusals(bad, match):
+    pool, query, table, q_lens = _cpu_case()
+    kw = {}
+    if bad == "q_len_zero":
+        q_lens = torch.tensor([6, 0], dtype=torch.int32)
+    elif bad == "q_len_past_seq":
+        q_lens = torch.tensor([71, 5], dtype=torch.int32)
+    elif bad == "query_rows":
+        query = query[:-1]
+    elif bad == "query_dtype":
+        query = query.float()
+    elif bad == "query_noncontiguous":
+        query = query.transpose(0, 1).contiguous().transpose(0, 1)
+    elif bad == "lse_dtype":
+        kw["lse"] = torch.empty(11, 32, dtype=torch.float64)
+    elif bad == "page_id":
+        table.page_ids[0, 0] = 99
+    elif bad == "page_size":
+        pool, query, table, q_lens = _cpu_case(page_size=32)
+    elif bad == "pool_dtype":
+        pool = PagedKvPool(PagedKvLayout(GEOM, KvFormat.FOLDED, 64, 8, torch.float32), fill=0.5)
+    else:
+        kw["backend"] = "triton"
+    with pytest.raises(FoldKvInputError, match=match):
+        prefill(pool, query, table, q_lens, **kw)
+
+
+def _prep_case():
+    pool = PagedKvPool(PagedKvLayout(GEOM, KvFormat.FOLDED, 64, 4), fill=0.25)
+    table = pool.allocate([70, 3])
+    request = torch.tensor([0, 0, 1], dtype=torch.int32)
+    positions = torch.tensor([68, 69, 2], dtype=torch.int32)
+    q = torch.randn(3, GEOM.num_q_heads, GEOM.head_dim).to(torch.bfloat16)
+    kv = torch.randn(3, GEOM.num_kv_heads, GEOM.head_dim).to(torch.bfloat16)
+    w = torch.rand(GEOM.head_dim)
+    return pool, table, request, positions, q, kv, w, w.clone()
+
+
+@pytest.mark.parametrize("bad,match", [
+    (None, "fused prep runs on CUDA"),
+    ("position_past_len", "past its request's length"),
+    ("kv_dtype", "kv has dtype"),
+    ("q_dtype", "q has dtype torch.float64"),
+    ("request_len", r"request has shape \[2\]"),
+    ("backend", "backend 'cuda'"),
+])
+def test_prep_refusals_leave_pool_unchanged(bad, match):
+    pool, table, request, positions, q, kv, qw, kw = _prep_case()
+    extra = {}
+    if bad == "position_past_len":
+        positions = torch.tensor([68, 70, 2], dtype=torch.int32)
+    elif bad == "kv_dtype":
+        kv = kv.float()
+    elif bad == "q_dtype":
+        q, kv = q.double(), kv.double()
+    elif bad == "request_len":
+        request = request[:2]
+    elif bad == "backend":
+        extra["backend"] = "cuda"
+    before = pool.data.clone()
+    with pytest.raises(FoldKvInputError, match=match):
+        prep_and_store_gpu(pool, table, request, positions, q, kv, qw, kw, **extra)
+    assert torch.equal(pool.data, before)
+
+
+def test_launchers_import_without_tilelang():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['tilelang'] = None\n"  # any TileLang import now raises
+            "import foldkv.kernels.prefill, foldkv.kernels.prep_kernel\n"
+            "from foldkv.kernels import registry; assert 'prefill_folded' in {v.name for v in registry.all_variants()}")
+    subprocess.run([sys.executable, "-c", code], check=True)
