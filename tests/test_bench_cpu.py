@@ -1,0 +1,397 @@
+"""The benchmark harness on the CPU: byte and FLOP model, statistics, arm interleaving and failure recording, the
+accuracy check, JSON round trip, redraw selection, and notebooks/04_benchmarks.ipynb executed headless (cpu and
+redraw modes) into a temp dir. No timing is asserted: CPU timings here only exercise the pipeline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from conftest import require_module
+from foldkv import bench
+from foldkv.peers import ArmImpl, ArmUnavailable
+
+NOTEBOOK = os.path.join(bench.repo_root(), "notebooks", "04_benchmarks.ipynb")
+HQ, HKV, D, R = 32, 4, 512, 128  # the 31B global layer, written out so the model is checked from first principles
+
+
+# --- byte / FLOP model --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("context", [1, 54, 10_602, 163_336])
+def test_decode_bytes_counts_pool_rows_query_and_outputs(context):
+    folded = bench.decode_bytes([context], "folded")
+    split = bench.decode_bytes([context], "split")
+    assert folded["kv"] == context * HKV * (D + R) * 2
+    assert split["kv"] == context * HKV * (2 * D) * 2
+    assert folded["query"] == folded["out"] == HQ * D * 2 and folded["lse"] == HQ * 4
+    assert folded["total"] == folded["kv"] + 2 * HQ * D * 2 + HQ * 4
+    assert folded["kv"] * 8 == split["kv"] * 5  # 640 / 1024 columns
+
+
+def test_decode_bytes_of_a_ragged_batch_and_a_prefill_chunk():
+    lens = [97, 16384, 54]
+    b = bench.decode_bytes(lens, "folded")
+    assert b["kv"] == sum(lens) * HKV * 640 * 2 and b["query"] == 3 * HQ * D * 2
+    p = bench.decode_bytes([40_002], "split", q_lens=[8192])
+    assert p["query"] == p["out"] == 8192 * HQ * D * 2 and p["lse"] == 8192 * HQ * 4
+
+
+@pytest.mark.parametrize("chunk,context", [(8192, 8192), (8192, 131_072), (97, 16384), (1, 54)])
+def test_prefill_flops_matches_the_causal_count(chunk, context):
+    # query i of the chunk sits at position context - chunk + i and attends to that many keys + 1
+    keys = sum(context - chunk + i + 1 for i in range(chunk))
+    exact = 4 * keys * HQ * D  # two matmuls x 2 FLOPs per multiply-add
+    model = bench.prefill_flops(chunk, context)
+    assert model == int(4 * chunk * (context - chunk / 2) * HQ * D)
+    assert abs(model - exact) <= 4 * HQ * D * chunk / 2 + 1  # the formula drops the diagonal's half row
+
+
+def test_prefill_flops_refuses_a_chunk_longer_than_its_context():
+    with pytest.raises(ValueError):
+        bench.prefill_flops(100, 54)
+
+
+@pytest.mark.parametrize("context", [1, 64, 65, 163_336])
+def test_pool_bytes_at_counts_whole_pages_per_layer(context):
+    pages = -(-context // 64)
+    assert bench.pool_bytes_at(context, "folded") == pages * 64 * HKV * 640 * 2
+    assert bench.pool_bytes_at(context, "split", layers=10) == 10 * pages * 64 * HKV * 1024 * 2
+
+
+def test_ragged_lengths_are_seeded_odd_and_within_the_spread():
+    a = bench.ragged_lengths(32, 16384, seed=3)
+    assert a == bench.ragged_lengths(32, 16384, seed=3) and a != bench.ragged_lengths(32, 16384, seed=4)
+    assert len(a) == 32 and all(n % 2 == 1 and 4096 <= n <= 28673 for n in a)
+    assert len(set(a)) > 16
+
+
+# --- statistics ---------------------------------------------------------------------------------------------------
+def test_summarize_median_percentiles_and_iqr():
+    s = bench.summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert s["n"] == 5 and s["median"] == 3.0 and s["min"] == 1.0 and s["max"] == 5.0 and s["mean"] == 3.0
+    assert s["q1"] == 2.0 and s["q3"] == 4.0 and s["iqr"] == 2.0
+    assert s["p10"] == pytest.approx(1.4) and s["p90"] == pytest.approx(4.6)
+    assert bench.summarize([])["median"] is None
+
+
+def test_paired_ratios_and_pct_of_roof():
+    r = bench.paired_ratios([1.0, 2.0, 4.0], [2.0, 2.0, 12.0])
+    assert r["median"] == 2.0 and r["min"] == 1.0 and r["max"] == 3.0
+    assert bench.pct_of_roof(10**9, 1e6, 1.0) == pytest.approx(100.0)  # 1 GB in 1 s at a 1 GB/s roof
+    assert bench.pct_of_roof(4_469 * 10**6, 2000.0, 4469.0) == pytest.approx(50.0)
+    assert bench.pct_of_roof(1, None, 1.0) is None
+
+
+@pytest.mark.parametrize("value,want", [([1, 2], [1, 2]), ("[1024, 2048]", [1024, 2048]), ("4,16", [4, 16]), (8, [8])])
+def test_as_list_reads_papermill_strings(value, want):
+    assert bench.as_list(value) == want
+
+
+# --- run_cell on the CPU: interleaving, failures, checks -----------------------------------------------------------
+def _register(monkeypatch, name, build, *, fmt="folded", peer=False, generated=False):
+    spec = bench.ArmSpec(name, name, fmt, peer, build, cpu_ok=True, generated=generated)
+    monkeypatch.setitem(bench.DECODE_ARMS, name, spec)
+
+
+def _torch_like(log, tag, scale=1.0):
+    """An arm that computes the right answer (through the torch peer) and logs each call."""
+    from foldkv.peers import torch_decode_arm
+
+    def build(case):
+        inner = torch_decode_arm(case.pools("split"), case.query("split"), case.table_cpu)
+
+        def call(c):
+            log.append(tag)
+            c()
+            if scale != 1.0:
+                inner.out.mul_(scale)
+
+        return ArmImpl([lambda c=c: call(c) for c in inner.calls], inner.out, graph=False)
+
+    return build
+
+
+def test_rounds_interleave_arms_with_alternating_order(monkeypatch):
+    log: list[str] = []
+    _register(monkeypatch, "a", _torch_like(log, "a"))
+    _register(monkeypatch, "b", _torch_like(log, "b"))
+    case = bench.AttentionCase([97], device="cpu", rotate_bytes=0, min_copies=1, max_copies=1)
+    res = bench.run_cell("t", "decode", case, ["a", "b"], rounds=4, warmup=0, log=lambda s: None)
+    # build-time: a's check call, then b's; then rounds a b | b a | a b | b a
+    assert log == ["a", "b", "a", "b", "b", "a", "a", "b", "b", "a"]
+    for n in ("a", "b"):
+        assert res["arms"][n]["status"] == "ok" and res["arms"][n]["us"]["n"] == 4
+        assert len(res["arms"][n]["samples_us"]) == 4
+    assert set(res["speedup"]["a"]) == {"b"} and res["speedup"]["a"]["b"]["paired"]["n"] == 4
+
+
+def test_failing_arms_are_recorded_and_the_others_still_run(monkeypatch):
+    def missing(case):
+        raise ArmUnavailable("flashinfer is not importable (test)")
+
+    def broken(case):
+        raise RuntimeError("kernel exploded")
+
+    def import_error(case):
+        raise ImportError("no module named foldkv.kernels.decode (test)")
+
+    _register(monkeypatch, "missing", missing)
+    _register(monkeypatch, "broken", broken)
+    _register(monkeypatch, "importerr", import_error)
+    case = bench.AttentionCase([54], device="cpu", rotate_bytes=0, min_copies=1, max_copies=1)
+    res = bench.run_cell("t", "decode", case, ["missing", "broken", "importerr", "torch", "fi_tc", "nope"],
+                         rounds=2, warmup=0, log=lambda s: None)
+    arms = res["arms"]
+    assert arms["missing"]["status"] == "not run" and "flashinfer is not importable" in arms["missing"]["reason"]
+    assert arms["broken"]["status"] == "error" and "RuntimeError: kernel exploded" in arms["broken"]["reason"]
+    assert arms["importerr"]["status"] == "not run"
+    assert arms["fi_tc"]["status"] == "not run" and "CUDA" in arms["fi_tc"]["reason"]
+    assert arms["nope"]["status"] == "not run" and "no decode arm named" in arms["nope"]["reason"]
+    assert arms["torch"]["status"] == "ok" and arms["torch"]["check"]["ok"]
+    table = bench.markdown_table({"cells": [res]}, "t")
+    assert "kernel exploded" in table and "not run: flashinfer is not importable" in table
+
+
+@pytest.mark.parametrize("seq_lens", [[54], [97, 130, 1]])
+def test_torch_arms_on_split_and_folded_pools_agree_with_the_float32_reference(seq_lens):
+    # Both pools are prepped from the same raw projections: a format mix-up or a wrong column map shows here.
+    case = bench.AttentionCase(seq_lens, device="cpu", rotate_bytes=0, min_copies=1, max_copies=2)
+    res = bench.run_cell("t", "decode", case, ["torch", "torch_folded"], rounds=1, warmup=0, log=lambda s: None)
+    for n in ("torch", "torch_folded"):
+        chk = res["arms"][n]["check"]
+        assert chk["written"] and chk["ok"] and chk["rel_err"] < 2e-2, (n, chk)
+        assert chk["rows_checked"] == len(seq_lens)
+
+
+def test_the_check_catches_unwritten_and_wrong_outputs(monkeypatch):
+    log: list[str] = []
+    _register(monkeypatch, "wrong", _torch_like(log, "w", scale=1.5))
+
+    def lazy(case):
+        out = torch.empty(len(case.seq_lens), HQ, D, dtype=torch.bfloat16)
+        return ArmImpl([lambda: out[:, :, :8].zero_()], out, graph=False)  # writes only part of its output
+
+    _register(monkeypatch, "lazy", lazy)
+    case = bench.AttentionCase([97], device="cpu", rotate_bytes=0, min_copies=1, max_copies=1)
+    res = bench.run_cell("t", "decode", case, ["wrong", "lazy"], rounds=1, warmup=0, log=lambda s: None)
+    assert not res["arms"]["wrong"]["check"]["ok"] and res["arms"]["wrong"]["check"]["rel_err"] > 0.3
+    assert not res["arms"]["lazy"]["check"]["written"] and not res["arms"]["lazy"]["check"]["ok"]
+    assert "check failed" in res["arms"]["lazy"]["warning"]
+
+
+def test_copies_rotate_past_the_l2():
+    case = bench.AttentionCase([1024], device="cpu")  # default: 4 x 60 MB across the copies
+    one = case.layout("folded").nbytes
+    n = case.copies_for("folded")
+    assert n * one >= bench.DEFAULT_ROTATE_BYTES and (n - 1) * one < bench.DEFAULT_ROTATE_BYTES
+    big = bench.AttentionCase([163_336], device="cpu")
+    assert big.copies_for("split") == 2  # one copy is far past L2; still two, so no call re-reads the last one's pages
+
+
+# --- JSON, verdicts, redraw ----------------------------------------------------------------------------------------
+def _cell(name, context, arms: dict[str, tuple[list[float], dict]], kind="decode"):
+    """A cell as run_cell writes it, from given samples (for the reading functions)."""
+    cell = {"cell": name, "kind": kind, "context": context, "batch": 1, "seq_lens": [context], "arms": {},
+            "speedup": {}}
+    for n, (samples, meta) in arms.items():
+        b = bench.decode_bytes([context], meta["format"])["total"]
+        cell["arms"][n] = {"name": n, "status": "ok", "samples_us": samples, "us": bench.summarize(samples),
+                           "bytes": b, "floor_us": b / 4000e3, "check": {"ok": True},
+                           "pct_roof": bench.summarize([bench.pct_of_roof(b, s, 4000.0) for s in samples]), **meta}
+    for a in arms:
+        cell["speedup"][a] = {b: {"ratio_of_medians": cell["arms"][b]["us"]["median"] / cell["arms"][a]["us"]["median"],
+                                  "paired": bench.paired_ratios(arms[a][0], arms[b][0])} for b in arms if b != a}
+    return cell
+
+
+def _doc(cells, *, device="NVIDIA H200", mode="gpu", created="2026-11-29T10:00:00+00:00", smoke=False):
+    return {"schema": bench.SCHEMA, "created": created, "mode": mode, "params": {"smoke": smoke},
+            "env": {"device_name": device}, "roof": {"read": {"gbps": 4000.0, "method": "triton_stream_sum"}},
+            "cells": cells}
+
+
+FOLDED = {"format": "folded", "generated": True, "peer": False}
+PEER = {"format": "split", "generated": False, "peer": True}
+
+
+def test_verdicts_and_conclusions_name_cells_where_folded_is_not_ahead():
+    ahead = _cell("single/40002", 40_002, {"folded_jit": ([60.0, 61.0, 59.0], FOLDED), "fi_tc": ([90.0, 92.0, 91.0], PEER)})
+    behind = _cell("sweep/1024", 1024, {"folded_jit": ([12.0, 12.5, 11.8], FOLDED), "fi_tc": ([9.0, 9.1, 9.2], PEER)})
+    doc = _doc([ahead, behind])
+    v = {x["cell"]: x for x in bench.verdicts(doc)}
+    assert [e["peer"] for e in v["single/40002"]["ahead"]] == ["fi_tc"] and not v["single/40002"]["behind"]
+    (e,) = v["sweep/1024"]["behind"]
+    assert e["peer"] == "fi_tc" and e["speedup"] < 1 and "byte floor" in e["reason"]
+    text = "\n".join(bench.conclusions(doc))
+    assert "single/40002" in text and "ahead of fi_tc 1.5" in text
+    assert "sweep/1024" in text and "NOT ahead of fi_tc" in text
+
+
+def test_results_round_trip_through_strict_json(tmp_path):
+    doc = _doc([_cell("single/54", 54, {"folded_jit": ([3.0, 3.5], FOLDED)})])
+    doc["cells"][0]["arms"]["folded_jit"]["check"]["rel_err"] = float("nan")  # NaN must become null, not 'NaN'
+    path = bench.save_results(doc, tmp_path / "r" / bench.RESULTS_NAME)
+    text = open(path).read()
+    assert "NaN" not in text
+    back = bench.load_results(path)
+    assert back["cells"][0]["arms"]["folded_jit"]["check"]["rel_err"] is None
+    assert back["cells"][0]["arms"]["folded_jit"]["us"] == doc["cells"][0]["arms"]["folded_jit"]["us"]
+    with pytest.raises(ValueError):
+        bench.load_results(bench.save_results({"schema": "other"}, tmp_path / "x.json"))
+
+
+def test_find_results_picks_the_newest_full_h200_gpu_run(tmp_path):
+    cell = [_cell("single/54", 54, {"folded_jit": ([3.0], FOLDED)})]
+    for tag, kw in {"a": {}, "b": {"created": "2026-11-29T12:00:00+00:00"},
+                    "c": {"created": "2026-11-30T00:00:00+00:00", "smoke": True},
+                    "d": {"created": "2026-11-30T00:00:00+00:00", "mode": "cpu", "device": "CPU"},
+                    "e": {"created": "2026-11-30T00:00:00+00:00", "device": "NVIDIA H100"}}.items():
+        bench.save_results(_doc(cell, **kw), tmp_path / tag / bench.RESULTS_NAME)
+    found = bench.find_results("*/04_benchmarks.json", root=str(tmp_path))
+    assert found["path"].endswith(os.path.join("b", bench.RESULTS_NAME)) and not found["committed"]
+    assert bench.find_results("nothing/*.json", root=str(tmp_path)) is None
+    assert "nothing to redraw" in bench.redraw_banner(None, "nothing/*.json")
+    assert "REDRAWING" in bench.redraw_banner(found, "x") and "NOT committed" in bench.redraw_banner(found, "x")
+
+
+def test_committed_runs_win_and_are_never_overwritten(tmp_path):
+    if subprocess.run(["git", "--version"], capture_output=True).returncode != 0:
+        pytest.skip("git is not installed")
+    root = str(tmp_path)
+    subprocess.run(["git", "init", "-q", root], check=True)
+    cell = [_cell("single/54", 54, {"folded_jit": ([3.0], FOLDED)})]
+    bench.save_results(_doc(cell, created="2026-11-01T00:00:00+00:00"), tmp_path / "old" / bench.RESULTS_NAME)
+    bench.save_results(_doc(cell, created="2026-11-29T00:00:00+00:00"), tmp_path / "new" / bench.RESULTS_NAME)
+    subprocess.run(["git", "-C", root, "add", "old"], check=True)  # tracked in this temp repo only
+    found = bench.find_results("*/04_benchmarks.json", root=root)
+    assert found["committed"] and found["path"].endswith(os.path.join("old", bench.RESULTS_NAME))
+    path, why = bench.results_path("old", root=root)
+    assert "_scratch" in path and "never overwritten" in why
+    path, why = bench.results_path("new", root=root)
+    assert path == os.path.join(root, "new", bench.RESULTS_NAME)
+
+
+# --- the notebook, headless -----------------------------------------------------------------------------------------
+SMALL = {"single_lengths": [97], "sweep_lengths": [54, 130], "batch_sizes": [3], "batch_mean_len": 120,
+         "prefill_chunk": 16, "prefill_contexts": [70], "rounds": 2, "prefill_rounds": 1, "warmup": 0,
+         "decode_arms": ["fi_cuda", "torch", "torch_folded", "folded_jit"]}
+
+
+def _papermill(out_nb, params):
+    require_module("papermill")
+    require_module("ipykernel")
+    require_module("matplotlib")
+    import papermill
+
+    papermill.execute_notebook(NOTEBOOK, str(out_nb), parameters=params, kernel_name="python3",
+                               cwd=os.path.dirname(NOTEBOOK), progress_bar=False)
+    nb = json.load(open(out_nb))
+    return "\n".join("".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", ""))
+                     for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", []))
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("nb04")
+    text = _papermill(d / "cpu.ipynb", {"mode": "cpu", "out_dir": str(d / "run"), **SMALL})
+    return d, text, bench.load_results(d / "run" / bench.RESULTS_NAME)
+
+
+@pytest.mark.slow
+def test_notebook_cpu_mode_records_every_cell_and_arm(cpu_run):
+    _, text, doc = cpu_run
+    assert "NOT a benchmark" in text and doc["mode"] == "cpu"
+    names = [c["cell"] for c in doc["cells"]]
+    assert names[:3] == ["single/97", "sweep/54", "sweep/130"] and names[3].startswith("batch/3x")
+    assert names[4] == "prefill/16@70"
+    for c in doc["cells"][:4]:
+        assert c["arms"]["torch"]["status"] == "ok" and c["arms"]["torch"]["check"]["ok"], c["arms"]["torch"]
+        assert c["arms"]["torch_folded"]["check"]["ok"]
+        assert c["arms"]["fi_cuda"]["status"] == "not run" and c["arms"]["folded_jit"]["status"] == "not run"
+        assert c["arms"]["torch"]["us"]["n"] == 2
+        assert c["bytes"]["folded"] == bench.decode_bytes(c["seq_lens"], "folded")["total"]
+        assert c["arms"]["torch_folded"]["bytes"] == c["bytes"]["folded"]
+    prefill = doc["cells"][4]
+    assert prefill["flops"] == bench.prefill_flops(16, 70) and prefill["q_lens"] == [16]
+    assert doc["roof"]["read"]["gbps"] > 0 and "read_end" in doc["roof"]
+    assert doc["conclusions"] == bench.conclusions(doc)  # computed from the data, not typed
+    assert any("fi_cuda: not run" in s for s in doc["conclusions"])
+
+
+@pytest.mark.slow
+def test_notebook_redraws_without_a_gpu_and_says_so(cpu_run, tmp_path):
+    d, _, doc = cpu_run
+    # an H200-looking copy of the CPU run in a runs folder: auto mode on this CPU machine must pick it and say so
+    fake = dict(doc, mode="gpu", env=dict(doc["env"], device_name="NVIDIA H200 (test copy)"))
+    bench.save_results(fake, tmp_path / "runs" / "t1" / bench.RESULTS_NAME)
+    if torch.cuda.is_available():
+        pytest.skip("auto mode measures on a machine with CUDA")
+    text = _papermill(tmp_path / "redraw.ipynb", {"mode": "auto", "results_glob": str(tmp_path / "runs" / "*" / bench.RESULTS_NAME),
+                                                  "out_dir": str(tmp_path / "out"), **SMALL})
+    assert "REDRAWING" in text and "H200 results" in text and "NOT committed" in text
+    assert "MEASURING" not in text
+    record = json.load(open(tmp_path / "out" / "04_benchmarks.redraw.json"))
+    assert record["mode"] == "redraw" and record["source"].endswith(os.path.join("t1", bench.RESULTS_NAME))
+    assert record["conclusions"] == bench.conclusions(bench.load_results(record["source"]))
+    empty = _papermill(tmp_path / "none.ipynb", {"mode": "redraw", "results_glob": str(tmp_path / "nothing" / "*.json")})
+    assert "nothing to redraw" in empty and "no results to plot" in empty
+
+
+def test_a_run_resumes_the_cells_of_an_earlier_one(tmp_path):
+    earlier = _doc([_cell("single/54", 54, {"folded_jit": ([3.0], FOLDED)}),
+                    _cell("sweep/97", 97, {"folded_jit": ([4.0], FOLDED)})])
+    path = bench.save_results(earlier, tmp_path / bench.RESULTS_NAME)
+    run = bench.BenchRun("cpu", mode="cpu", params={})
+    assert run.resume(path) == 2
+    run.cell("sweep/97", "decode", [97], ["torch"], rounds=1, warmup=0, case_kw=dict(rotate_bytes=0, min_copies=1))
+    assert [c["cell"] for c in run.cells] == ["single/54", "sweep/97"]
+    assert run.cells[0]["from_run"] == earlier["created"] and "from_run" not in run.cells[1]
+    assert run.cells[1]["arms"]["torch"]["status"] == "ok"
+    assert run.results["resumed_from"][0]["cells"] == 2
+
+
+@pytest.mark.parametrize("kind,arm", [("decode", "folded_jit"), ("decode", "split_jit"), ("prefill", "folded_jit"),
+                                      ("prefill", "split_jit")])
+def test_generated_arms_pass_the_launchers_checks_up_to_the_device(kind, arm):
+    # On the CPU the launchers refuse only at their last check, the device: every argument the harness builds
+    # (pool copies, query, table, plan, guarded out/lse views, check=False calls) got past all the others.
+    from foldkv import FoldKvInputError
+
+    lens, q_lens = ([97, 130, 1000], None) if kind == "decode" else ([500], [64])
+    case = bench.AttentionCase(lens, q_lens=q_lens, device="cpu", rotate_bytes=0, min_copies=1, max_copies=1)
+    registry = bench.DECODE_ARMS if kind == "decode" else bench.PREFILL_ARMS
+    try:
+        impl = registry[arm].build(case)
+    except ArmUnavailable as exc:
+        pytest.skip(str(exc))
+    for call in impl.calls + (impl.timed_calls or []):
+        with pytest.raises(FoldKvInputError, match="CUDA"):
+            call()
+
+
+def test_an_arm_failing_mid_rounds_is_recorded_and_dropped(monkeypatch):
+    log: list[str] = []
+    good = _torch_like(log, "g")
+
+    def flaky(case):
+        impl = good(case)
+        calls = {"n": 0}
+        inner = impl.calls[0]
+
+        def call():
+            calls["n"] += 1
+            if calls["n"] > 2:  # the check and the first round pass, then it fails
+                raise RuntimeError("launch failed (test)")
+            inner()
+
+        return ArmImpl([call], impl.out, graph=False)
+
+    _register(monkeypatch, "flaky", flaky)
+    case = bench.AttentionCase([54], device="cpu", rotate_bytes=0, min_copies=1, max_copies=1)
+    res = bench.run_cell("t", "decode", case, ["flaky", "torch"], rounds=3, warmup=0, log=lambda s: None)
+    assert res["arms"]["flaky"]["status"] == "error" and "failed while timing" in res["arms"]["flaky"]["reason"]
+    assert res["arms"]["torch"]["status"] == "ok" and res["arms"]["torch"]["us"]["n"] == 3
+    assert "flaky" not in res["speedup"] and res["speedup"]["torch"] == {}
