@@ -1,0 +1,327 @@
+"""The drift study's machinery on the CPU: the synthetic checkpoint through from_pretrained, the hooked model's torch
+reference arms against the model's own attention (and broken arms caught), and the notebook run headless.
+
+The model is the synthetic Gemma 4 shrunk further (hidden 64, vocab 128) but with the 31B global geometry (32 x 512
+query heads, 4 KV heads, k_eq_v, proportional RoPE 0.25), so every global-layer shape is the real one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import require_module
+
+import foldkv
+import foldkv.prep
+import foldkv.reference
+from foldkv.layout import KvFormat, score_window
+
+TINY = dict(hidden_size=64, intermediate_size=128, vocab_size=128)
+# A float32 model against float32 pools: the only differences left are float32 reordering (the reference attention
+# is float64): measured <= 1.7e-5 on logits of magnitude ~12 (lengths 1, 70, 200), the incumbent's own walk vs single
+# pass <= 1.6e-5. 2e-4 leaves ~12x room; every broken arm below moves the logits by > 0.1 (measured 1 to 10).
+FLOAT32_TOL = 2e-4
+NOTEBOOK = os.path.join(os.path.dirname(__file__), os.pardir, "notebooks", "03_drift_study.ipynb")
+
+
+def _sha(path: str) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    require_module("transformers")
+    require_module("safetensors")
+    from foldkv.synthetic import make_synthetic_checkpoint
+
+    return make_synthetic_checkpoint(tmp_path_factory.mktemp("synthetic"), seed=3, **TINY)
+
+
+@pytest.fixture(scope="module")
+def model32(checkpoint):
+    from foldkv.model import load_model
+
+    return load_model(checkpoint, dtype=torch.float32)
+
+
+@pytest.fixture
+def hooked(model32):
+    from foldkv.model import hook_global_attention
+
+    hook = hook_global_attention(model32, ref_pool_dtype=torch.float32, scatter_seed=11)
+    yield model32, hook
+    hook.unhook()
+
+
+def _prompt(n: int, vocab: int = TINY["vocab_size"], seed: int = 5) -> torch.Tensor:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# --- the synthetic checkpoint ---------------------------------------------------------------------------------------
+
+def test_synthetic_checkpoint_round_trip(checkpoint, model32, tmp_path):
+    from safetensors.torch import load_file
+
+    from foldkv.model import global_layer_indices, text_model_of
+    from foldkv.synthetic import describe_checkpoint, make_synthetic_checkpoint
+
+    assert sorted(os.listdir(checkpoint)) == ["config.json", "model.safetensors"]
+    geom = foldkv.geometry_from_config(checkpoint)  # the config as written on disk, read the way foldkv reads a real one
+    assert (geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.partial_rotary_factor, geom.rotary_width) == \
+        (32, 4, 512, 0.25, 128)
+    assert describe_checkpoint(checkpoint)["kind"] == "synthetic"
+
+    # every stored tensor arrives unchanged through from_pretrained (bf16 on disk -> float32 exactly)
+    stored = load_file(os.path.join(checkpoint, "model.safetensors"))
+    state = model32.state_dict()
+    assert set(stored) <= set(state)
+    for name, tensor in stored.items():
+        assert torch.equal(state[name], tensor.float()), name
+
+    text = text_model_of(model32)
+    glob = global_layer_indices(text)
+    assert glob == [1, 3]
+    for i in glob:
+        attn = text.layers[i].self_attn
+        assert attn.head_dim == 512 and attn.q_proj.out_features == 32 * 512 and attn.k_proj.out_features == 4 * 512
+        assert attn.v_proj is None  # k_eq_v
+        w_k = attn.k_norm.weight.detach()
+        assert float(w_k.std()) > 0.2 and float((w_k - 1).abs().min()) < float((w_k - 1).abs().max())
+    # deterministic from the seed; another seed gives other weights
+    same = make_synthetic_checkpoint(tmp_path / "same", seed=3, **TINY)
+    other = make_synthetic_checkpoint(tmp_path / "other", seed=4, **TINY)
+    assert _sha(os.path.join(same, "model.safetensors")) == _sha(os.path.join(checkpoint, "model.safetensors"))
+    assert _sha(os.path.join(other, "model.safetensors")) != _sha(os.path.join(checkpoint, "model.safetensors"))
+
+
+def test_synthetic_logits_are_not_degenerate(model32):
+    with torch.no_grad():
+        logits = model32(input_ids=_prompt(48)[None]).logits[0].float()  # [48, V]
+    assert 1.0 < float(logits.std()) < 20.0
+    assert len(set(logits.argmax(-1).tolist())) > 10  # the argmax is not one token
+    top = logits.topk(2, dim=-1).values
+    margins = top[:, 0] - top[:, 1]
+    assert float(margins.min()) < 0.5 < float(margins.max())  # close calls exist, so the argmax claim is tested
+
+
+# --- the hooked model -----------------------------------------------------------------------------------------------
+
+def test_hook_keeps_weights_and_incumbent_unchanged(model32):
+    from foldkv.model import FoldKvGlobalAttention, hook_global_attention, text_model_of, walk
+
+    keys = list(model32.state_dict())
+    prompt = _prompt(20)
+    plain = walk(model32, None, "incumbent", prompt, 2)
+    hook = hook_global_attention(model32)
+    try:
+        assert list(model32.state_dict()) == keys  # the wrapper adopts the submodules under the same names
+        assert all(isinstance(text_model_of(model32).layers[i].self_attn, FoldKvGlobalAttention) for i in (1, 3))
+        through = walk(model32, hook, "incumbent", prompt, 2)
+        assert torch.equal(through.logits, plain.logits) and torch.equal(through.fed, plain.fed)
+    finally:
+        hook.unhook()
+    assert not any(isinstance(m, FoldKvGlobalAttention) for m in model32.modules())
+
+
+@pytest.mark.parametrize("arm", ["ref-split", "ref-folded"])
+@pytest.mark.parametrize("length", [1, 70])  # one token; past a page (64) so the walk spans scattered pages
+def test_reference_arms_reproduce_incumbent_logits(hooked, arm, length):
+    from foldkv.model import walk
+
+    model, hook = hooked
+    steps = 3
+    prompt = _prompt(length)
+    inc = walk(model, hook, "incumbent", prompt, steps)
+    got = walk(model, hook, arm, prompt, steps, feed=inc.fed)
+    assert got.logits.shape == inc.logits.shape == (steps + 1, TINY["vocab_size"])
+    gap = (got.logits - inc.logits).abs().amax(-1)  # [steps + 1]
+    assert bool(torch.isfinite(got.logits).all())
+    assert float(gap.max()) < FLOAT32_TOL, gap.tolist()
+    assert torch.equal(got.logits.argmax(-1), inc.logits.argmax(-1))
+    # the pool holds exactly the walk's tokens: every row written is finite, every other slot still holds the poison
+    for layer in hook.runtime.layers:
+        pool, table = layer.pool, layer.table
+        assert int(table.seq_lens[0]) == length + steps == layer.length
+        assert pool.format is (KvFormat.SPLIT if arm == "ref-split" else KvFormat.FOLDED)
+        written = torch.zeros(pool.data.shape[:3], dtype=torch.bool)  # [pages, heads, slots]
+        for pos in range(length + steps):
+            written[int(table.page_ids[0, pos // pool.layout.page_size]), :, pos % pool.layout.page_size] = True
+        assert bool(torch.isfinite(pool.data[written]).all())
+        assert bool(torch.isnan(pool.data[~written]).all())
+
+
+def _fold_without_w_k(monkeypatch):
+    orig = foldkv.prep.prep_query
+
+    def broken(geom, fmt, q, q_norm_weight, k_norm_weight, positions, out_dtype=torch.bfloat16):
+        return orig(geom, fmt, q, q_norm_weight, torch.ones_like(k_norm_weight), positions, out_dtype)
+
+    monkeypatch.setattr(foldkv.prep, "prep_query", broken)
+
+
+def _values_left_in_window_order(monkeypatch):
+    monkeypatch.setattr(foldkv.reference, "value_window_to_head", lambda geom, fmt: torch.arange(geom.head_dim))
+
+
+def _values_read_from_key_window(monkeypatch):
+    monkeypatch.setattr(foldkv.reference, "value_window", score_window)
+
+
+@pytest.mark.parametrize("arm,breakage", [
+    ("ref-folded", _fold_without_w_k),
+    ("ref-folded", _values_left_in_window_order),
+    ("ref-split", _values_read_from_key_window),
+], ids=["fold-without-w_k", "value-window-order", "split-values-from-keys"])
+def test_broken_arm_is_caught(hooked, monkeypatch, arm, breakage):
+    """The comparison the study makes flags a wrong fold or a wrong column map by orders of magnitude."""
+    from foldkv.model import walk
+
+    model, hook = hooked
+    prompt = _prompt(40)
+    inc = walk(model, hook, "incumbent", prompt, 2)
+    breakage(monkeypatch)
+    got = walk(model, hook, arm, prompt, 2, feed=inc.fed)
+    gap = (got.logits - inc.logits).abs().amax(-1)
+    assert float(gap.min()) > 100 * FLOAT32_TOL, gap.tolist()
+
+
+def test_kernel_arms_refuse_cleanly_on_cpu(hooked):
+    from foldkv.model import ArmUnavailable, walk
+
+    model, hook = hooked
+    for arm in ("split", "folded"):
+        with pytest.raises(ArmUnavailable, match="CUDA"):
+            walk(model, hook, arm, _prompt(4), 1)
+    assert hook.runtime.arm.name == "incumbent"
+
+
+# --- the study's bookkeeping ----------------------------------------------------------------------------------------
+
+def test_prompt_token_ids_are_deterministic_and_exact():
+    from foldkv.drift import prompt_token_ids
+
+    a = prompt_token_ids("hello", 97, 128)
+    assert a.shape == (97,) and a.dtype == torch.long and torch.equal(a, prompt_token_ids("hello", 97, 128))
+    assert a[:5].tolist() == [3 + b % 125 for b in b"hello"]
+    assert int(a.min()) >= 3 and int(a.max()) < 128
+    assert not torch.equal(a, prompt_token_ids("world", 97, 128))
+
+
+def test_summary_and_drift_line_from_data():
+    from foldkv.drift import drift_line, summarize
+
+    cells = [
+        {"margin": [1.0, 0.05, 2.0], "neutral": [0.0, 0.01, 0.02],
+         "arms": {"ref-folded": {"status": "ran", "gap": [0.03, 0.04, 0.0], "argmax_equal": [True, False, True]}},
+         "pairs": {}},
+        {"margin": [3.0, 3.0, 3.0], "neutral": [0.0, 0.0, 0.03],
+         "arms": {"ref-folded": {"status": "ran", "gap": [0.3, 0.01, 0.02], "argmax_equal": [True, True, True]}},
+         "pairs": {}},
+    ]
+    results = {"parameters": {"arms": ["folded", "ref-folded"]}, "cells": cells,
+               "arm_status": {"folded": "not run: no GPU", "ref-folded": "ran"}}
+    summary = summarize(results)
+    assert summary["folded"] == {"status": "not run: no GPU"}
+    rf = summary["ref-folded"]
+    assert (rf["argmax_equal"], rf["argmax_of"]) == (5, 6) and rf["gap"]["max"] == 0.3
+    assert summary["neutral"]["gap"]["max"] == 0.03
+    line = drift_line(results)
+    assert line["value"] == 1.0  # 1-2-5 ceiling of 2 x 0.3
+    assert line["value"] >= max(g for c in cells for g in c["arms"]["ref-folded"]["gap"])
+    assert [(f["cell"], f["step"], f["explained"]) for f in line["flips"]] == [(0, 1, True)]
+
+
+# --- the notebook, headless -----------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_notebook_runs_headless(tmp_path):
+    require_module("papermill")
+    require_module("transformers")
+    out_dir = tmp_path / "run"
+    executed = tmp_path / "03_drift_study.ipynb"
+    params = {"lengths": [5, 66], "sweep_lengths": [3], "steps": 2, "prompts": ["ab", "the cat"],
+              "synthetic_config": TINY, "seed": 1, "out_dir": str(out_dir)}
+    cmd = [sys.executable, "-m", "papermill", NOTEBOOK, str(executed), "--no-progress-bar", "-k", "python3"]
+    for k, v in params.items():
+        cmd += ["-y", json.dumps({k: v})]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    with open(out_dir / "drift_results.json") as fh:
+        res = json.load(fh)
+    assert res["model"]["kind"] == "synthetic" and res["model"]["geometry"]["head_dim"] == 512
+    assert len(res["cells"]) == 2 * 2 + 1
+    for arm in ("split", "folded"):  # a CPU: the kernel arms say why they did not run
+        assert res["arm_status"][arm].startswith("not run") and "CUDA" in res["arm_status"][arm]
+    for arm in ("ref-split", "ref-folded"):
+        assert res["arm_status"][arm] == "ran"
+        assert res["summary"][arm]["argmax_of"] == len(res["cells"]) * 3
+    for cell in res["cells"]:
+        assert len(cell["neutral"]) == len(cell["margin"]) == 3
+        for arm in ("ref-split", "ref-folded"):
+            gap = cell["arms"][arm]["gap"]
+            assert len(gap) == 3 and all(g is not None and math.isfinite(g) for g in gap)
+            assert max(gap) <= res["drift_line"]["value"]
+        assert "ref-folded vs ref-split" in cell["pairs"]
+    assert res["drift_line"]["reasoning"]
+    with open(executed) as fh:
+        text = fh.read()
+    assert "SYNTHETIC checkpoint" in text and "Arms that did not run here" in text
+
+
+def test_kernel_arm_plumbing_with_stand_in_launchers(hooked, monkeypatch):
+    """The kernel arms' path through the hook, on the CPU: the launchers are replaced by stand-ins that hold every
+    call to the documented contract (bf16 pool and query, int32 tables, prefill q_lens, `backend=`) and answer with
+    the float64 oracle rounded to bf16, as a kernel does. The arm must then track the bf16-pool reference arm."""
+    import foldkv.model as fm
+
+    model, hook = hooked
+    calls = {"prep": 0, "decode": 0, "prefill": 0}
+
+    def check_common(pool, query, table, rows):
+        assert pool.layout.dtype == torch.bfloat16 and query.dtype == torch.bfloat16
+        assert query.shape == (rows, 32, 512)
+        assert table.page_ids.dtype == torch.int32 and table.seq_lens.dtype == torch.int32
+
+    def prep_stand_in(pool, table, request, positions, q, kv, q_norm_weight, k_norm_weight, *, backend):
+        assert backend == "jit" and positions.dtype == torch.int32 and request.dtype == torch.int32
+        calls["prep"] += 1
+        return foldkv.prep_and_store(pool, table, request, positions, q, kv, q_norm_weight, k_norm_weight)
+
+    def decode_stand_in(pool, query, table, *, backend):
+        check_common(pool, query, table, 1)
+        calls["decode"] += 1
+        out, lse = foldkv.paged_attention_reference(pool, query, table)
+        return out.to(torch.bfloat16), lse.float()
+
+    def prefill_stand_in(pool, query, table, q_lens, *, backend):
+        assert q_lens.dtype == torch.int32 and q_lens.tolist() == [int(table.seq_lens[0])]
+        check_common(pool, query, table, int(q_lens.sum()))
+        calls["prefill"] += 1
+        out, lse = foldkv.paged_attention_reference(pool, query, table, q_lens)
+        return out.to(torch.bfloat16), lse.float()
+
+    stand_ins = {"decode": decode_stand_in, "prefill": prefill_stand_in, "prep_kernel": prep_stand_in}
+    monkeypatch.setattr(fm, "check_arm_available", lambda arm, device: None)
+    monkeypatch.setattr(fm, "_import_kernel", lambda module, attr: stand_ins[module])
+    prompt, steps = _prompt(70), 3
+    inc = fm.walk(model, hook, "incumbent", prompt, steps)
+    ker = fm.walk(model, hook, "folded", prompt, steps, feed=inc.fed)
+    assert ker.prep == "kernel"
+    n_global = len(hook.global_layers)
+    assert calls == {"prep": n_global * (steps + 1), "decode": n_global * steps, "prefill": n_global}
+    hook.runtime.ref_pool_dtype = torch.bfloat16
+    ref = fm.walk(model, hook, "ref-folded", prompt, steps, feed=inc.fed)
+    # Same bf16 pool rows; the one difference is the attention output rounded to bf16 before o_proj. Measured 0.022
+    # (the bf16 pool alone moves ref-folded from the float32 incumbent by 0.045); a wrong column map moves it by > 1.
+    assert float((ker.logits - ref.logits).abs().max()) < 0.1
+    assert bool(torch.isfinite(ker.logits).all())
