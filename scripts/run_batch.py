@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The main job: execute every notebook headless with papermill into papermill_runs/<tag>/ and say what ran.
 
-Each notebook writes `<out_dir>/<notebook>.json` (foldkv.report.RunRecord) whose `sections` say "ran", "failed: ..."
+Each notebook writes `<out_dir>/<notebook>.record.json` (foldkv.report.RunRecord) whose `sections` say "ran", "failed: ..."
 or "not run: <reason>"; this driver collects them into SUMMARY.md and lists every GPU section that did not run.
 
     python3 scripts/run_batch.py                    # all notebooks, tag = <machine>-<date>
@@ -26,6 +26,10 @@ NOTEBOOKS = os.path.join(ROOT, "notebooks")
 # own defaults. Keep these small: CI is a 2-core CPU machine.
 SMOKE_PARAMETERS: dict[str, dict] = {
     "01": {"context_lengths": [97, 16384], "sweep": [1024, 4096, 16384]},
+    "02": {"case_set": "smoke"},
+    "03": {"lengths": [5, 66], "sweep_lengths": [3], "steps": 2, "prompts": ["ab", "the cat"],
+           "synthetic_config": {"hidden_size": 64, "intermediate_size": 128, "vocab_size": 128}, "seed": 1},
+    "04": {"smoke": True},
 }
 
 
@@ -91,8 +95,10 @@ def run(paths: list[str], out_dir: str, smoke: bool, extra: dict, progress: bool
         except Exception as exc:  # papermill still writes the executed notebook up to the failing cell
             entry["status"] = f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ''}"
         entry["seconds"] = round(time.time() - t0, 1)
-        record = os.path.join(out_dir, f"{stem}.json")
-        entry["sections"] = json.load(open(record))["sections"] if os.path.exists(record) else {}
+        record = os.path.join(out_dir, f"{stem}.record.json")
+        entry["sections"] = json.load(open(record)).get("sections", {}) if os.path.exists(record) else {}
+        if not entry["sections"] and entry["status"] == "ok":
+            entry["status"] = "failed: the notebook wrote no record of its sections"
         results.append(entry)
     return results
 

@@ -38,14 +38,14 @@ def test_batch_runs_every_notebook(batch):
     assert [r["notebook"] for r in summary] == NOTEBOOKS
     for r in summary:
         assert r["status"] == "ok"
-        assert (out / f"{r['notebook']}.ipynb").exists() and (out / f"{r['notebook']}.json").exists()
+        assert (out / f"{r['notebook']}.ipynb").exists() and (out / f"{r['notebook']}.record.json").exists()
         assert r["sections"], f"{r['notebook']} recorded no sections"
         assert not any(v.startswith("failed") for v in r["sections"].values()), r["sections"]
     assert "Sections that did not run" in (out / "SUMMARY.md").read_text()
 
 
 def _record(out, stem):
-    return json.loads((out / f"{stem}.json").read_text())
+    return json.loads((out / f"{stem}.record.json").read_text())
 
 
 def test_byte_floor_records(batch):

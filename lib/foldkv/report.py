@@ -37,8 +37,8 @@ def environment() -> dict:
 class RunRecord:
     """A notebook's record: `sections` maps a section name to "ran", "failed: ..." or "not run: <reason>".
 
-    `save()` writes `<out_dir>/<notebook>.json`; the batch driver reads every record's sections to say plainly which
-    GPU sections did not run.
+    `save()` writes `<out_dir>/<notebook>.record.json`; the batch driver reads every record's sections to say plainly
+    which GPU sections did not run. (Notebooks with a richer results file of their own write that beside it.)
     """
 
     def __init__(self, notebook: str, out_dir: str | os.PathLike, parameters: dict | None = None):
@@ -79,7 +79,7 @@ class RunRecord:
         return False
 
     def path(self) -> str:
-        return os.path.join(self.out_dir, f"{self.notebook}.json")
+        return os.path.join(self.out_dir, f"{self.notebook}.record.json")
 
     def save(self) -> str:
         os.makedirs(self.out_dir, exist_ok=True)
