@@ -131,13 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = os.path.join(args.out_root, tag)
     extra = json.loads(args.params) if args.params else {}
     results = run(notebook_paths(args.only), out_dir, args.smoke, extra, progress=not args.no_progress)
+    status = 0 if all(r["status"] == "ok" for r in results) else 1
+    previous = os.path.join(out_dir, "summary.json")
+    if args.only and os.path.exists(previous):  # a run in parts (--only) keeps the other notebooks' entries
+        done = {r["notebook"] for r in results}
+        results = sorted([r for r in json.load(open(previous)) if r["notebook"] not in done] + results,
+                         key=lambda r: r["notebook"])
     summary = summarize(results, out_dir)
     with open(os.path.join(out_dir, "SUMMARY.md"), "w") as fh:
         fh.write(summary)
     with open(os.path.join(out_dir, "summary.json"), "w") as fh:
         json.dump(results, fh, indent=1)
     print("\n" + summary)
-    return 0 if all(r["status"] == "ok" for r in results) else 1
+    return status
 
 
 if __name__ == "__main__":
