@@ -56,7 +56,7 @@ def _query_lens(table: BlockTable, q_lens: torch.Tensor | None) -> torch.Tensor:
 
 def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: BlockTable,
                               q_lens: torch.Tensor | None = None, *, fmt: KvFormat | str | None = None,
-                              query_block: int = 512,
+                              query_block: int | None = None,
                               device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of queries against a paged pool, in float64, for either format.
 
@@ -82,8 +82,10 @@ def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: Blo
         n, m = int(table.seq_lens[r]), int(q_lens[r])
         rows = pool.gather(table, r).to(dev, torch.float64)  # [n, Hkv, W]
         keys, vals = rows[..., sw], rows[..., vw]  # [n, Hkv, D] each (values in value-window order)
-        for b0 in range(0, m, query_block):
-            b1 = min(m, b0 + query_block)
+        # queries per block: the float64 score block [Hq, b, n] stays near 2 GiB however long the context
+        block = query_block or max(16, min(512, (1 << 31) // (n * geom.num_q_heads * 8)))
+        for b0 in range(0, m, block):
+            b1 = min(m, b0 + block)
             qb = query[start + b0:start + b1].to(dev, torch.float64).view(b1 - b0, hkv, g, -1)  # [b, Hkv, g, D]
             scores = torch.einsum("qhgd,khd->hgqk", qb, keys)  # [Hkv, g, b, n]
             qpos = torch.arange(n - m + b0, n - m + b1, device=dev)  # [b]
