@@ -1,0 +1,617 @@
+"""AOT build: every registered kernel variant -> its emitted CUDA source, a cubin compiled by nvcc with the flags the
+JIT uses, and one manifest.json saying how to launch each cubin without TileLang.
+
+The flags. TileLang 0.1.15 (execution backend tvm_ffi) compiles device code in
+`tilelang.cuda.backend.tilelang_callback_cuda_compile`, which calls `tilelang.contrib.nvcc.compile_cuda` as
+
+    nvcc -ccbin=<c++> --cubin -O3 -lineinfo -arch=sm_XX -std=c++20 -I<tl_templates> -I<cutlass>
+         [TL_DEVICE_COMPILE_FLAGS...] [--use_fast_math] [--ptxas-options=--register-usage-level=N] -o out.cubin src.cu
+
+`nvcc_command` / `nvcc_options` rebuild that command from the pass configs; every pass config is either mapped to its
+flag (`FLAG_PASS_CONFIGS`), known to act only before code generation (its effect is already in the emitted source:
+`LOWERING_ONLY_PASS_CONFIGS`), or refused (`AotBuildError`). tests/test_aot_cpu.py checks, config by config, that the
+command equals the one TileLang's callback runs (its nvcc call intercepted).
+
+One nvcc run per kernel. While the build runs, TileLang's device-compile callback is replaced by
+`device_compiles_through_aot`: the JIT compile of each variant (made fresh, TileLang's cache off) runs our command on
+the exact code TileLang hands to nvcc, with the pass configs of that compile; the same bytes become the JIT kernel's
+cubin and the AOT file. The written .cu is that code (`get_kernel_source()`).
+
+The launch. The JIT kernel's device IR (the one that produced its source) gives grid and block (expressions over the
+dynamic shape symbols), dynamic shared memory and the kernel parameter order; a re-lowering of its PrimFunc gives the
+host IR (TMA descriptor arguments, which host value feeds which parameter); TileLang's NVRTC-wrapper parser (the one
+behind its cuda-python launcher) reads both. They go into the manifest as data, evaluated by the loader.
+
+TileLang is imported only inside the functions here (via `foldkv.kernels.tl.require_tilelang()`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+import time
+from typing import Any, Callable, Iterable
+
+from ..config import AttentionGeometry, resolve_geometry
+from ..kernels import registry
+from ..kernels.registry import KernelVariant
+
+from .verify import MANIFEST_NAME, MANIFEST_VERSION
+
+# --- pass configs -> nvcc flags ------------------------------------------------------------------------------------
+# Mapped to nvcc options by TileLang's device-compile callback (cuda/backend.py).
+FLAG_PASS_CONFIGS = ("tl.enable_fast_math", "tl.ptxas_register_usage_level", "tl.device_compile_flags")
+# Read only by lowering / code generation passes: their effect is in the emitted source. Listed by hand (not taken
+# from the enum) so that a key a future TileLang adds is refused until someone checks where it acts.
+LOWERING_ONLY_PASS_CONFIGS = frozenset({
+    "tl.Simplify", "transitively_prove_inequalities", "convert_boolean_to_and_of_ors",
+    "apply_constraints_to_boolean_branches", "propagate_knowns_to_prove_conditional",
+    "propagate_knowns_to_simplify_expressions", "enable_simplify_let_inline",
+    "tl.disable_buffer_init_check", "tl.disable_data_race_check", "tl.disable_prelower_semantic_check",
+    "tl.disable_warp_specialized", "tl.enable_auto_schedule", "tl.enable_auto_warp_specialization",
+    "tl.emit_line_directives", "tl.config_index_bitwidth", "tl.enable_reducer_plan_verbose", "tl.layout_cost_model",
+    "tl.reducer_force_baseline", "tl.disable_tma_lower", "tl.disable_safe_memory_legalize", "tl.disable_vectorize_256",
+    "tl.enable_fp32x2_reduction", "tl.enable_async_copy", "tl.enable_lower_ldgstg", "tl.enable_lower_ldgstg_predicated",
+    "tl.enable_vectorize_planner_verbose", "tl.disable_wgmma", "tl.debug_merge_shared_memory_allocations",
+    "tl.enable_aggressive_shared_memory_merge", "tl.disable_shared_memory_reuse", "tl.disable_shuffle_elect",
+    "tl.disable_loop_unswitching", "tl.loop_unswitching_allow_non_trivial_else",
+    "tl.if_stmt_binding_inline_replayable_binds", "tl.disable_thread_storage_sync", "tl.force_let_inline",
+    "tl.ast_print_enable", "tl.layout_visualization_enable", "tl.layout_visualization_formats",
+    "tl.storage_rewrite_detect_inplace", "tir.enable_equiv_terms_in_cse_tir", "tirx.disable_cse_tir", "tirx.Simplify",
+    "tirx.disable_storage_rewrite", "tirx.disable_vectorize", "tirx.use_async_copy", "tirx.enable_debug",
+    "tirx.merge_static_smem", "tirx.noalias", "tl.disable_out_of_bound_warning", "tl.enable_dump_ir",
+    "tl.dump_ir_path", "tl.pass_profile", "tl.pass_profile_threshold_ms",
+})
+# Refused on purpose: a custom lowering pass is Python we cannot record; kernels_output_dir changes where nvcc reads
+# the source (so the -lineinfo file name), which we do not reproduce.
+REFUSED_PASS_CONFIGS = {
+    "tirx.add_lower_pass": "a custom lowering pass cannot be recorded in a manifest",
+    "cuda.kernels_output_dir": "it changes nvcc's source path (and so the line info) in a way the AOT build does not copy",
+}
+
+
+class AotBuildError(RuntimeError):
+    """The AOT build cannot reproduce the JIT exactly (or a kernel fails a check); nothing is written for it."""
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _json_value(x) for k, x in v.items()}
+    if hasattr(v, "value") and isinstance(getattr(v, "value"), (bool, int, float, str)):  # tvm IntImm / enums
+        return v.value
+    return str(v)
+
+
+def classify_pass_configs(pass_configs: dict) -> tuple[dict, dict]:
+    """Split pass configs into (flag configs, lowering-only configs); raise AotBuildError on any other key."""
+    flags, lowering = {}, {}
+    for key, value in pass_configs.items():
+        key = getattr(key, "value", key)
+        if key in FLAG_PASS_CONFIGS:
+            flags[key] = value
+        elif key in LOWERING_ONLY_PASS_CONFIGS:
+            lowering[key] = value
+        elif key in REFUSED_PASS_CONFIGS:
+            raise AotBuildError(f"pass config {key!r} is not supported by the AOT build: {REFUSED_PASS_CONFIGS[key]}")
+        else:
+            raise AotBuildError(
+                f"pass config {key!r} has no known nvcc mapping: the AOT build cannot prove it compiles what the JIT"
+                " compiles (add it to FLAG_PASS_CONFIGS with its flag, or to LOWERING_ONLY_PASS_CONFIGS after checking"
+                " that only lowering passes read it)"
+            )
+    return flags, lowering
+
+
+def _device_compile_flag_tokens(value: Any) -> list[str]:
+    """TL_DEVICE_COMPILE_FLAGS as TileLang splits it: a string is shlex-split; a list's strings are shlex-split."""
+    if not value:
+        return []
+    if isinstance(value, str):
+        return shlex.split(value)
+    tokens: list[str] = []
+    for flag in value:
+        tokens.extend(shlex.split(flag) if isinstance(flag, str) else [str(flag)])
+    return tokens
+
+
+def nvcc_options(pass_configs: dict, *, template_dir: str, cutlass_dir: str) -> list[str]:
+    """The options TileLang's device-compile callback passes to nvcc after `--cubin -O3 -lineinfo -arch=...`."""
+    flags, _ = classify_pass_configs(pass_configs)
+    options = ["-std=c++20", "-I" + template_dir, "-I" + cutlass_dir]
+    options += _device_compile_flag_tokens(flags.get("tl.device_compile_flags"))
+    if bool(flags.get("tl.enable_fast_math", False)):
+        options.append("--use_fast_math")
+    level = flags.get("tl.ptxas_register_usage_level")
+    if level is not None:
+        options.append(f"--ptxas-options=--register-usage-level={int(level)}")
+    return options
+
+
+def nvcc_command(nvcc: str, ccbin: str, arch: str, options: list[str], src: str, out: str) -> list[str]:
+    """The full command, in the order `tilelang.contrib.nvcc.compile_cuda` builds it (cubin, single arch)."""
+    if not re.fullmatch(r"sm_[0-9]+[a-z]?", arch):
+        raise AotBuildError(f"arch {arch!r} is not an SM token such as 'sm_90a'")
+    return [nvcc, f"-ccbin={ccbin}", "--cubin", "-O3", "-lineinfo", f"-arch={arch}", *options, "-o", out, src]
+
+
+def nvcc_version(nvcc: str) -> str:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"release [0-9.]+, V([0-9.]+)", out)
+    if not m:
+        raise AotBuildError(f"cannot read the nvcc version from {out!r}")
+    return m.group(1)
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def geometry_record(geom: AttentionGeometry) -> dict:
+    """The geometry fields kernels are specialised on (the `name` label is kept apart: it does not change a kernel)."""
+    return {f.name: getattr(geom, f.name) for f in dataclasses.fields(geom) if f.compare}
+
+
+# --- barrier check -------------------------------------------------------------------------------------------------
+def default_barrier_check() -> Callable[[str, str], Any]:
+    """The emitted-source barrier check of the decode issue: `check_in_place_merge(kernel, source)` from
+    foldkv.kernels.cuda_checks (raises BarrierCheckError). No TileLang needed: it reads the CUDA text."""
+    from ..kernels.cuda_checks import check_in_place_merge
+
+    return check_in_place_merge
+
+
+def run_barrier_check(name: str, source: str, symbols: Iterable[str], check: Callable[[str, str], Any]) -> list:
+    """Run `check(symbol, source)` on every kernel symbol of an in-place merge; AotBuildError if any fails."""
+    reports = []
+    for sym in symbols:
+        try:
+            reports.append(check(sym, source))
+        except Exception as exc:
+            raise AotBuildError(f"{name}: emitted source of {sym} fails the in-place barrier check: {exc}") from exc
+    return reports
+
+
+# --- extraction from one JIT kernel --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class ExtractedKernel:
+    source: str
+    pass_configs: dict
+    params: list[dict]
+    dynamic_symbols: list[dict]
+    out_idx: list[int]
+    launches: list[dict]
+    tensor_maps: list[dict]
+
+
+def _pyexpr(expr) -> str:
+    from tilelang.jit.adapter.utils import pythonic_expr
+
+    return pythonic_expr(expr, None, ignore_cast=True, floor_div_op="//")
+
+
+def extract(jit_kernel) -> ExtractedKernel:
+    """Source and launch description of a compiled TileLang JIT kernel (see the module docstring)."""
+    _tl()()
+    from tilelang import tvm
+    from tilelang.engine.lower import lower_with_context
+    from tilelang.jit.abi import prepare_tvm_ffi_callee_allocated_outputs
+    from tilelang.jit.adapter.nvrtc.wrapper import TLNVRTCSourceWrapper
+
+    if getattr(jit_kernel, "execution_backend", None) != "tvm_ffi":
+        raise AotBuildError(
+            f"kernel was built with execution backend {getattr(jit_kernel, 'execution_backend', None)!r}; the AOT build"
+            " reproduces the default tvm_ffi backend's nvcc compile only"
+        )
+    jit_source = jit_kernel.get_kernel_source()
+    pass_configs = dict(jit_kernel.pass_configs or {})
+    if jit_kernel.compile_flags:  # JITKernel folds compile_flags into TL_DEVICE_COMPILE_FLAGS the same way
+        cur = pass_configs.get("tl.device_compile_flags")
+        cur = [] if cur is None else [cur] if isinstance(cur, str) else list(cur)
+        pass_configs["tl.device_compile_flags"] = [*cur, *jit_kernel.compile_flags]
+    classify_pass_configs(pass_configs)
+
+    out_idx = list(getattr(jit_kernel.adapter, "result_idx", None) or [])
+    func = jit_kernel.prim_func
+    func, _ = prepare_tvm_ffi_callee_allocated_outputs(
+        func, out_idx or None,
+        supports_callee_allocated_outputs=jit_kernel.execution_backend_spec.supports_callee_allocated_outputs,
+    )
+    # Host IR (TMA descriptor arguments, which host values feed which kernel parameter) comes from a re-lowering.
+    with tvm.transform.PassContext(opt_level=3, config=pass_configs), jit_kernel.target:
+        art = lower_with_context(func, jit_kernel.backend_context)
+    # Device IR: the JIT's own when it was compiled in this process (it is what produced jit_source). Lowering is not
+    # deterministic across processes (e.g. which of two reduction workspaces gets which name), so a kernel TileLang
+    # loaded from its disk cache is accepted only if the re-lowering reproduces its source byte for byte.
+    jit_artifact = getattr(jit_kernel, "artifact", None)
+    if jit_artifact is not None and jit_artifact.device_mod is not None:
+        device_mod = jit_artifact.device_mod
+        _check_same_launch(device_mod, art.device_mod)
+    elif art.kernel_source == jit_source:
+        device_mod = art.device_mod
+    else:
+        raise AotBuildError(
+            "the JIT kernel came from TileLang's cache and re-lowering it gives a different source; build the kernel"
+            " fresh (the AOT build disables TileLang's cache while it builds)"
+        )
+
+    captured: dict = {}
+
+    class _Capture(TLNVRTCSourceWrapper):
+        def create_dispatch_func(self, code, function_informations):
+            captured["infos"] = function_informations
+            return super().create_dispatch_func(code, function_informations)
+
+        def generate_tma_descriptor_args(self, desc_name_map, desc_name_var_map):
+            from tilelang.jit.adapter.utils import parse_tma_descriptor_args
+
+            if self.tma_descriptor_args:
+                captured["tma"] = parse_tma_descriptor_args(
+                    self.tma_descriptor_args, desc_name_map, desc_name_var_map, self._pythonic_expr)
+                captured["desc_names"] = dict(desc_name_map)
+            return super().generate_tma_descriptor_args(desc_name_map, desc_name_var_map)
+
+    mod = tvm.IRModule({func.attrs["global_symbol"]: func})
+    w = _Capture(mod, jit_source, jit_kernel.target, device_mod, art.host_mod, pass_configs)
+    if any((w.l2_persistent_map or {}).values()):
+        raise AotBuildError("kernel uses an L2 persistent access window; the AOT loader does not set one up")
+
+    prim = w.prim_func
+    # JIT-level parameters, in call order.
+    params = []
+    seen_dyn: dict[str, dict] = {}
+    for i, p in enumerate(prim.params):
+        if p in prim.buffer_map:
+            b = prim.buffer_map[p]
+            shape = [int(s) if isinstance(s, tvm.tirx.IntImm) else _pyexpr(s) for s in b.shape]
+            strides = [int(s) if isinstance(s, tvm.tirx.IntImm) else _pyexpr(s) for s in b.strides]
+            params.append({"name": b.name, "data": b.data.name, "kind": "tensor", "dtype": str(b.dtype),
+                           "shape": shape, "strides": strides})
+            for d, s in enumerate(b.shape):
+                if isinstance(s, tvm.tirx.Var) and s.name not in seen_dyn:
+                    seen_dyn[s.name] = {"name": s.name, "dtype": str(s.dtype), "param": i, "dim": d}
+            for d, s in enumerate(b.strides):
+                if isinstance(s, tvm.tirx.Var) and s.name not in seen_dyn:
+                    seen_dyn[s.name] = {"name": s.name, "dtype": str(s.dtype), "param": i, "stride": d}
+        else:
+            params.append({"name": p.name, "kind": "scalar", "dtype": str(p.dtype)})
+    dyn = list(seen_dyn.values())
+    for sym, dtype in w.get_dynamic_symbolic_set(prim):
+        if sym not in seen_dyn:
+            raise AotBuildError(f"dynamic symbol {sym} is not bound by any tensor shape")
+
+    data_to_param = {p["data"]: p["name"] for p in params if p["kind"] == "tensor"}
+    scalar_names = {p["name"] for p in params if p["kind"] == "scalar"} | set(seen_dyn)
+    desc_names = captured.get("desc_names", {})
+
+    launches = []
+    infos = captured.get("infos") or {}
+    if not infos:
+        raise AotBuildError("no device kernel launch found in the host IR")
+    for fname in w.function_names:
+        if fname not in infos:
+            continue
+        info = infos[fname]
+        if w.use_cooperative_groups.get(fname):
+            raise AotBuildError(f"{fname} uses a cooperative launch; the AOT loader does not do those")
+        device_func = device_mod[fname]
+        kparams = [str(x.name) if hasattr(x, "name") else str(x) for x in device_func.params]
+        code = jit_source
+        from tilelang.jit.adapter.utils import match_declare_kernel
+
+        declaration = code[match_declare_kernel(code, fname + "("):].split(";")[0]
+        # Argument order and kinds come from the kernel's C declaration, as TileLang's own launchers read them.
+        fargs = [{"name": p["data"] if p["kind"] == "tensor" else p["name"],
+                  "type": "ptr" if p["kind"] == "tensor" else p["dtype"]} for p in params]
+        fargs += [{"name": d["name"], "type": d["dtype"]} for d in dyn if d["name"] not in {a["name"] for a in fargs}]
+        from tilelang.jit.adapter.utils import parse_function_call_args
+
+        call = parse_function_call_args(declaration, fargs, info["function_params"], dict(desc_names), {},
+                                        lambda n, t: (n, t))
+        args = []
+        for name, typ in call:
+            if typ == "ptr":
+                args.append({"kind": "pointer", "param": data_to_param[name]})
+            elif typ == "None":
+                args.append({"kind": "tensor_map", "name": name})
+            elif name in scalar_names:
+                args.append({"kind": "scalar", "name": name, "dtype": typ})
+            else:
+                raise AotBuildError(f"{fname}: kernel argument {name!r} is neither a tensor, a scalar nor a TMA map")
+        if len(args) != len(kparams):
+            raise AotBuildError(f"{fname}: parsed {len(args)} arguments for {len(kparams)} kernel parameters")
+        smem = info["dynamic_smem_buf"]
+        launches.append({
+            "symbol": fname,
+            "grid": [_pyexpr(x) for x in info["grid_info"]],
+            "block": [_pyexpr(x) for x in info["block_info"]],
+            "dynamic_smem_bytes": 0 if smem is None else int(smem),
+            "cluster_dims": w.cluster_dims.get(fname),
+            "pdl": fname in (w.pdl_sync_map or {}),
+            "args": args,
+        })
+
+    tensor_maps = []
+    for t in captured.get("tma", []) or []:
+        if t.is_img2col:
+            raise AotBuildError(f"TMA descriptor {t.handle_name} is im2col; the AOT loader encodes tiled maps only")
+        addr = t.global_address
+        if addr not in data_to_param:
+            raise AotBuildError(f"TMA descriptor {t.handle_name} addresses {addr!r}, not a tensor parameter")
+        tensor_maps.append({
+            "name": t.handle_name, "param": data_to_param[addr], "dtype": int(t.dtype), "rank": t.tensor_rank,
+            "global_dim": t.global_dim, "global_stride": t.global_stride, "box_dim": t.box_dim,
+            "element_strides": t.element_strides, "interleave": int(t.interleave), "swizzle": int(t.swizzle),
+            "l2_promotion": int(t.l2_promotion), "oob_fill": int(t.oob_fill),
+        })
+    return ExtractedKernel(jit_source, pass_configs, params, dyn, out_idx, launches, tensor_maps)
+
+
+def _launch_record(device_mod) -> dict:
+    """Per device function: thread extents, dynamic shared memory, cluster dims and parameter names, as strings."""
+    rec = {}
+    for gv, f in device_mod.functions.items():
+        attrs = f.attrs or {}
+        ext = {str(k): _pyexpr(v) for k, v in (attrs.get("thread_extent") or {}).items()}
+        rec[gv.name_hint] = (ext, str(attrs.get("dyn_shared_memory_buf")), str(attrs.get("cluster_dims")),
+                             [str(getattr(p, "name", p)) for p in f.params])
+    return rec
+
+
+def _check_same_launch(jit_device_mod, relowered_device_mod) -> None:
+    a, b = _launch_record(jit_device_mod), _launch_record(relowered_device_mod)
+    if a != b:
+        raise AotBuildError(f"re-lowering changed the launch (JIT {a} vs re-lowered {b}); refusing to guess")
+
+
+def _tl():
+    from ..kernels.tl import require_tilelang
+
+    return require_tilelang
+
+
+def build_fresh(variant: KernelVariant, geom: AttentionGeometry, fill_tilelang_cache: bool = False):
+    """The variant's JIT kernel compiled in this process, so that it carries the device IR that produced its source
+    (see `extract`): TileLang's disk cache is off while the builder runs, and a kernel a builder returns from an
+    in-memory cache (no IR) is compiled again from its PrimFunc with the same target, pass configs and flags.
+
+    `fill_tilelang_cache` leaves the cache on, so each kernel compiled here (a miss: start from an empty cache) is
+    also saved there with the very cubin the AOT build writes: a JIT process that loads that cache then runs exactly
+    the AOT binaries, which is what makes "AOT == JIT, bit for bit" a comparison of one compilation."""
+    tilelang = _tl()()
+    from tilelang.env import env as tl_env
+
+    was_enabled = tl_env.is_cache_enabled()
+    if not fill_tilelang_cache:
+        tl_env.disable_cache()
+    try:
+        kernel = variant.build(geom)
+        art = getattr(kernel, "artifact", None)
+        if art is None or art.device_mod is None:
+            kernel = tilelang.compile(
+                kernel.prim_func, out_idx=list(getattr(kernel.adapter, "result_idx", None) or []) or None,
+                execution_backend=kernel.execution_backend, target=kernel.target,
+                pass_configs=dict(kernel.pass_configs or {}), compile_flags=kernel.compile_flags,
+            )
+        return kernel
+    finally:
+        if was_enabled:
+            tl_env.enable_cache()
+
+
+# --- the build -----------------------------------------------------------------------------------------------------
+def _toolchain() -> dict:
+    """nvcc, host compiler and include dirs exactly as TileLang's JIT resolves them."""
+    _tl()()
+    from tilelang.contrib.cc import get_cplus_compiler
+    from tilelang.contrib.nvcc import get_nvcc_compiler
+    from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
+
+    nvcc = get_nvcc_compiler()
+    return {"nvcc": nvcc, "ccbin": get_cplus_compiler(), "template_dir": TILELANG_TEMPLATE_PATH,
+            "cutlass_dir": CUTLASS_INCLUDE_DIR, "nvcc_version": nvcc_version(nvcc)}
+
+
+def compile_cubin(source: str, arch: str, options: list[str], tc: dict) -> bytes:
+    """nvcc the source to a cubin. The source file sits at a path named after its sha256, with a fixed mtime (both
+    are recorded in the cubin's line info), so the same source, options and nvcc give the same bytes on every build."""
+    digest = sha256_bytes(source.encode())[:16]
+    work = os.path.join(tempfile.gettempdir(), f"foldkv_aot_{digest}")
+    os.makedirs(work, exist_ok=True)
+    src = os.path.join(work, "tvm_kernels.cu")
+    tmp_src = f"{src}.{os.getpid()}.tmp"
+    with open(tmp_src, "w") as fh:
+        fh.write(source)
+    os.utime(tmp_src, (SOURCE_MTIME, SOURCE_MTIME))  # the line info records the source's mtime too
+    os.replace(tmp_src, src)  # same content whoever writes it
+    with tempfile.TemporaryDirectory(prefix="foldkv_aot_out_") as out_dir:
+        out = os.path.join(out_dir, "tvm_kernels.cubin")
+        cmd = nvcc_command(tc["nvcc"], tc["ccbin"], arch, options, src, out)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise AotBuildError(f"nvcc failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+        with open(out, "rb") as fh:
+            return fh.read()
+
+
+SOURCE_MTIME = 1_000_000_000  # 2001-09-09: any fixed time
+
+
+@contextlib.contextmanager
+def device_compiles_through_aot(arch: str, tc: dict, store: dict):
+    """While active, TileLang's device-compile callback is this build's nvcc command: each JIT compile in the process
+    runs `nvcc_command` with `nvcc_options(pass configs the JIT compile saw)` and the cubin is kept in `store`
+    (sha256 of the source -> (cubin, options)). One nvcc run serves both the JIT kernel and the AOT file, so the
+    cubin written is the one the JIT kernel of this process loaded. TileLang's own callback is put back afterwards.
+    (test_aot_cpu.py checks that `nvcc_command` is the command TileLang's callback runs for the same configs.)"""
+    import tvm_ffi
+    from tilelang.cuda.backend import tilelang_callback_cuda_compile as tilelang_compile
+    from tilelang.contrib.nvcc import get_target_arch_and_code, get_target_code_list
+
+    name = "tilelang_callback_cuda_compile"
+
+    def compile_for_aot(code, target, pass_config=None):
+        target_arch, target_code = get_target_arch_and_code(target)
+        if f"sm_{target_arch}" != arch or len(get_target_code_list(target_code)) > 1:
+            return tilelang_compile(code, target, pass_config)  # not a kernel of this build
+        cfg = {str(k): v for k, v in dict(pass_config or {}).items()}
+        options = nvcc_options(cfg, template_dir=tc["template_dir"], cutlass_dir=tc["cutlass_dir"])
+        cubin = compile_cubin(code, arch, options, tc)
+        store[sha256_bytes(code.encode())] = (cubin, options)
+        return bytearray(cubin)
+
+    tvm_ffi.register_global_func(name, f=compile_for_aot, override=True)
+    try:
+        yield store
+    finally:
+        tvm_ffi.register_global_func(name, f=tilelang_compile, override=True)
+
+
+def _portable_options(options: list[str], tc: dict) -> list[str]:
+    """Options as recorded in the manifest: machine paths replaced by names, so two machines' builds compare."""
+    return [o.replace(tc["template_dir"], "$TL_TEMPLATES").replace(tc["cutlass_dir"], "$CUTLASS") for o in options]
+
+
+def build(
+    out_dir: str | os.PathLike,
+    *,
+    arch: str = "sm_90a",
+    geometry: AttentionGeometry | str | None = None,
+    variants: Iterable[KernelVariant] | None = None,
+    barrier_check: Callable[[str, str], Any] | None = None,
+    log: Callable[[str], None] | None = print,
+    fill_tilelang_cache: bool = False,
+) -> dict:
+    """Generate, check and compile every variant (default: all registered ones) into `out_dir`; return the manifest.
+
+    Nothing is written for a build that fails: files go to a staging folder that replaces `out_dir` at the end.
+    """
+    from ..kernels.tl import target as tl_target
+
+    geom = resolve_geometry(geometry)
+    variants = list(registry.all_variants() if variants is None else variants)
+    if not variants:
+        raise AotBuildError("no kernel variants are registered")
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        raise AotBuildError(f"duplicate variant names: {names}")
+    tc = _toolchain()
+    tilelang = _tl()()
+    log = log or (lambda s: None)
+    check = None  # resolved on first in-place merge kernel, so a build without one does not need cuda_checks
+
+    out_dir = os.fspath(out_dir)
+    _check_out_dir(out_dir)
+    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
+    os.makedirs(parent, exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=".aot_stage_", dir=parent)
+    t_start = time.perf_counter()
+    try:
+        target_arch = str(tl_target(arch).attrs["arch"])
+        entries, compiled = [], {}
+        with device_compiles_through_aot(target_arch, tc, compiled):
+            for v in variants:
+                t0 = time.perf_counter()
+                kernel = build_fresh(v, geom, fill_tilelang_cache)
+                target = getattr(kernel, "target", None)
+                k_arch = str(target.attrs.get("arch")) if target is not None and "arch" in target.attrs else None
+                if k_arch != target_arch:
+                    raise AotBuildError(f"{v.name}: the builder compiled for {k_arch}, the AOT build is for {target_arch}"
+                                        " (builders use foldkv.kernels.tl.target(): set FOLDKV_CUDA_ARCH to the"
+                                        " same arch)")
+                ex = extract(kernel)
+                if v.in_place_merge:  # the build refuses to write an in-place merge that fails the check
+                    if check is None:
+                        check = barrier_check or default_barrier_check()
+                    run_barrier_check(v.name, ex.source, [ln["symbol"] for ln in ex.launches], check)
+                options = nvcc_options(ex.pass_configs, template_dir=tc["template_dir"], cutlass_dir=tc["cutlass_dir"])
+                src_bytes = ex.source.encode()
+                got = compiled.get(sha256_bytes(src_bytes))
+                if got is None:
+                    raise AotBuildError(f"{v.name}: the JIT compile of this source did not go through the AOT nvcc")
+                cubin, jit_options = got
+                if jit_options != options:
+                    raise AotBuildError(f"{v.name}: the JIT compile saw nvcc options {jit_options}, the kernel's pass"
+                                        f" configs give {options}")
+                base = v.name
+                if not re.fullmatch(r"[A-Za-z0-9_.-]+", base):
+                    raise AotBuildError(f"variant name {base!r} is not a safe file name")
+                with open(os.path.join(stage, base + ".cu"), "wb") as fh:
+                    fh.write(src_bytes)
+                with open(os.path.join(stage, base + ".cubin"), "wb") as fh:
+                    fh.write(cubin)
+                _, lowering = classify_pass_configs(ex.pass_configs)
+                entries.append({
+                    "name": v.name,
+                    "family": v.family,
+                    "format": None if v.format is None else getattr(v.format, "value", str(v.format)),
+                    "in_place_merge": bool(v.in_place_merge),
+                    "barrier_checked": bool(v.in_place_merge),
+                    "variant_params": _json_value(v.params),
+                    "source": base + ".cu",
+                    "cubin": base + ".cubin",
+                    "source_sha256": sha256_bytes(src_bytes),
+                    "cubin_sha256": sha256_bytes(cubin),
+                    "pass_configs": _json_value(ex.pass_configs),
+                    "lowering_only_pass_configs": sorted(lowering),
+                    "nvcc_options": _portable_options(options, tc),
+                    "params": ex.params,
+                    "dynamic_symbols": ex.dynamic_symbols,
+                    "out_idx": ex.out_idx,
+                    "launches": ex.launches,
+                    "tensor_maps": ex.tensor_maps,
+                })
+                log(f"[aot] {v.name}: generated and compiled in {time.perf_counter() - t0:.1f}s, {len(cubin)} B cubin")
+        formats = sorted({e["format"] for e in entries if e["format"] is not None})
+        manifest = {
+            "manifest_version": MANIFEST_VERSION,
+            "foldkv_version": _foldkv_version(),
+            "tilelang_version": tilelang.__version__,
+            "nvcc_version": tc["nvcc_version"],
+            "arch": target_arch,
+            "nvcc_command": ["nvcc", "-ccbin=<c++>", "--cubin", "-O3", "-lineinfo", f"-arch={target_arch}",
+                             "<nvcc_options>", "-o", "<name>.cubin", "<name>.cu"],
+            "execution_backend_reproduced": "tvm_ffi",
+            "geometry": geometry_record(geom),
+            "geometry_name": geom.name,
+            "formats": formats,
+            "kernels": entries,
+            "build_seconds": round(time.perf_counter() - t_start, 1),
+        }
+        with open(os.path.join(stage, MANIFEST_NAME), "w") as fh:
+            json.dump(manifest, fh, indent=1, sort_keys=False)
+            fh.write("\n")
+        _check_out_dir(out_dir)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(stage, out_dir)
+        stage = None
+        log(f"[aot] wrote {len(entries)} kernels to {out_dir} in {manifest['build_seconds']}s")
+        return manifest
+    finally:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+def _check_out_dir(out_dir: str) -> None:
+    """Only an empty folder or a previous build (it has a manifest) may be replaced."""
+    if os.path.exists(out_dir) and not (
+            os.path.isdir(out_dir) and (not os.listdir(out_dir) or os.path.exists(os.path.join(out_dir, MANIFEST_NAME)))):
+        raise AotBuildError(f"{out_dir} exists and is not an AOT build folder; refusing to overwrite it")
+
+
+def _foldkv_version() -> str:
+    from .. import __version__
+
+    return __version__

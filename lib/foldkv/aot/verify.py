@@ -1,0 +1,196 @@
+"""Check an AOT build folder against its manifest: every listed source and cubin present with its recorded sha256,
+cubins that are CUDA ELF images, nothing unlisted, launch records complete, in-place merges passing the barrier check
+again. Needs neither TileLang nor a GPU nor cuda-python (the loader runs the same checks before it loads anything).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from typing import Any
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 1
+ELF_MAGIC = b"\x7fELF"
+EM_CUDA = 190  # ELF e_machine of a cubin
+
+_REQUIRED_TOP = ("manifest_version", "tilelang_version", "nvcc_version", "arch", "geometry", "formats", "kernels")
+_REQUIRED_KERNEL = ("name", "family", "format", "in_place_merge", "source", "cubin", "source_sha256", "cubin_sha256",
+                    "nvcc_options", "params", "dynamic_symbols", "out_idx", "launches", "tensor_maps")
+_REQUIRED_LAUNCH = ("symbol", "grid", "block", "dynamic_smem_bytes", "args")
+
+
+class AotVerifyError(RuntimeError):
+    """An AOT build folder does not match its manifest (the message lists every problem)."""
+
+
+def read_manifest(build_dir: str | os.PathLike) -> dict:
+    path = os.path.join(os.fspath(build_dir), MANIFEST_NAME)
+    if not os.path.isfile(path):
+        raise AotVerifyError(f"no {MANIFEST_NAME} in {os.fspath(build_dir)!r}: not an AOT build folder")
+    try:
+        with open(path) as fh:
+            manifest = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise AotVerifyError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise AotVerifyError(f"{path} does not hold a JSON object")
+    return manifest
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _cubin_problem(path: str) -> str | None:
+    with open(path, "rb") as fh:
+        head = fh.read(20)
+    if len(head) < 20 or head[:4] != ELF_MAGIC:
+        return "is not an ELF image"
+    little = head[5] == 1
+    machine = int.from_bytes(head[18:20], "little" if little else "big")
+    if machine != EM_CUDA:
+        return f"is an ELF for machine {machine}, not CUDA ({EM_CUDA})"
+    return None
+
+
+def elf_sections(data: bytes) -> dict[str, bytes]:
+    """Section name -> contents of a 64-bit little-endian ELF (a cubin). Lets two cubins be compared on their code
+    (`.text.<kernel>`) and kernel info (`.nv.info*`, `.nv.constant*`) while ignoring line info, which records the path
+    and mtime of the source file nvcc read."""
+    import struct
+
+    if data[:4] != ELF_MAGIC or data[4] != 2 or data[5] != 1:
+        raise AotVerifyError("not a 64-bit little-endian ELF image")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    strtab = headers[shstrndx]
+    names = data[strtab[4]:strtab[4] + strtab[5]]
+    out = {}
+    for h in headers:
+        name = names[h[0]:names.index(b"\0", h[0])].decode()
+        out[name] = b"" if h[1] == 8 else data[h[4]:h[4] + h[5]]  # SHT_NOBITS holds no bytes
+    return out
+
+
+def code_sections(data: bytes) -> dict[str, bytes]:
+    """The sections of a cubin that decide what runs: kernel code, kernel info, constant banks, shared layout."""
+    return {k: v for k, v in elf_sections(data).items()
+            if k.startswith((".text.", ".nv.info", ".nv.constant", ".nv.shared", ".nv.global"))}
+
+
+def manifest_problems(manifest: dict) -> list[str]:
+    """Structural problems of a manifest (missing fields, bad names); [] when it is well formed."""
+    problems = []
+    for key in _REQUIRED_TOP:
+        if key not in manifest:
+            problems.append(f"manifest lacks {key!r}")
+    if manifest.get("manifest_version") != MANIFEST_VERSION:
+        problems.append(f"manifest_version {manifest.get('manifest_version')!r}, this foldkv reads {MANIFEST_VERSION}")
+    kernels = manifest.get("kernels")
+    if not isinstance(kernels, list) or not kernels:
+        problems.append("manifest lists no kernels")
+        return problems
+    names = set()
+    for k in kernels:
+        name = k.get("name", "?")
+        if name in names:
+            problems.append(f"kernel {name!r} listed twice")
+        names.add(name)
+        for key in _REQUIRED_KERNEL:
+            if key not in k:
+                problems.append(f"{name}: lacks {key!r}")
+        for key in ("source", "cubin"):
+            f = k.get(key, "")
+            if not isinstance(f, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", f) or f.startswith("."):
+                problems.append(f"{name}: {key} {f!r} is not a plain file name in the build folder")
+        for ln in k.get("launches", []):
+            for key in _REQUIRED_LAUNCH:
+                if key not in ln:
+                    problems.append(f"{name}: a launch lacks {key!r}")
+        if not k.get("launches"):
+            problems.append(f"{name}: no launches")
+        if k.get("in_place_merge") and not k.get("barrier_checked"):
+            problems.append(f"{name}: in-place merge without a recorded barrier check")
+    return problems
+
+
+def file_problems(build_dir: str | os.PathLike, manifest: dict) -> list[str]:
+    """Files that are missing, changed (sha256), not cubins, or not listed in the manifest."""
+    build_dir = os.fspath(build_dir)
+    problems, listed = [], {MANIFEST_NAME}
+    for k in manifest.get("kernels", []):
+        name = k.get("name", "?")
+        for key in ("source", "cubin"):
+            fname = k.get(key)
+            if not isinstance(fname, str):
+                continue
+            listed.add(fname)
+            path = os.path.join(build_dir, fname)
+            if not os.path.isfile(path):
+                problems.append(f"{name}: {key} file {fname} is missing")
+                continue
+            digest = sha256_file(path)
+            if digest != k.get(f"{key}_sha256"):
+                problems.append(f"{name}: {fname} has sha256 {digest[:16]}..., the manifest records"
+                                f" {str(k.get(f'{key}_sha256'))[:16]}...: the file changed after the build")
+            elif key == "cubin":
+                bad = _cubin_problem(path)
+                if bad:
+                    problems.append(f"{name}: {fname} {bad}")
+    for fname in sorted(os.listdir(build_dir)):
+        if fname not in listed:
+            problems.append(f"{fname} is in the build folder but not in the manifest")
+    return problems
+
+
+def barrier_problems(build_dir: str | os.PathLike, manifest: dict) -> list[str]:
+    """Re-run the emitted-source barrier check on every in-place merge's source (text only, no TileLang)."""
+    from ..kernels.cuda_checks import check_in_place_merge
+
+    problems = []
+    for k in manifest.get("kernels", []):
+        if not k.get("in_place_merge"):
+            continue
+        path = os.path.join(os.fspath(build_dir), k.get("source", ""))
+        if not os.path.isfile(path):
+            continue  # reported by file_problems
+        with open(path) as fh:
+            source = fh.read()
+        for ln in k.get("launches", []):
+            try:
+                check_in_place_merge(ln["symbol"], source)
+            except Exception as exc:
+                problems.append(f"{k['name']}: barrier check fails on {ln.get('symbol')}: {exc}")
+    return problems
+
+
+def verify(build_dir: str | os.PathLike, *, check_barriers: bool = True) -> dict:
+    """Return the manifest of a build that matches it; raise AotVerifyError listing every problem otherwise."""
+    manifest = read_manifest(build_dir)
+    problems = manifest_problems(manifest)
+    if not problems:
+        problems += file_problems(build_dir, manifest)
+    if not problems and check_barriers:
+        problems += barrier_problems(build_dir, manifest)
+    if problems:
+        raise AotVerifyError(f"AOT build {os.fspath(build_dir)!r} does not match its manifest:\n  - "
+                             + "\n  - ".join(problems))
+    return manifest
+
+
+def summary(manifest: dict) -> dict[str, Any]:
+    return {
+        "arch": manifest.get("arch"),
+        "tilelang": manifest.get("tilelang_version"),
+        "nvcc": manifest.get("nvcc_version"),
+        "formats": manifest.get("formats"),
+        "kernels": [k["name"] for k in manifest.get("kernels", [])],
+    }

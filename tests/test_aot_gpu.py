@@ -1,0 +1,186 @@
+"""AOT vs JIT on the GPU: every gate case of decode and prefill, both formats, gives bit-identical outputs and LSE
+through the AOT cubins (cuda-python driver launches) and the TileLang JIT; the fused prep writes bit-identical rows;
+a cold process that imports only the AOT path (TileLang blocked) decodes correctly.
+
+    FOLDKV_REQUIRE_GPU=1 python3 -m pytest tests/test_aot_gpu.py
+
+The AOT build is made once per module (every registered kernel, `foldkv.aot.build.build`), or taken from
+$FOLDKV_AOT_TEST_DIR when that folder holds a build (it is verified first). Gate inputs come from `foldkv.gates`
+(hostile pools: NaN/Inf in unused pages, poisoned page-table padding, NaN-poisoned outputs with rows past the plan).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import require_hopper, require_module, require_tilelang
+
+from foldkv import GEMMA4_31B, KvFormat
+from foldkv import gates
+
+pytestmark = pytest.mark.gpu
+FORMATS = [KvFormat.SPLIT, KvFormat.FOLDED]
+GATE_SIZE = os.environ.get("FOLDKV_GATE_CASES", "full")  # "smoke" shrinks the long lengths
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.fixture(scope="module")
+def aot_build(tmp_path_factory):
+    """The AOT build every test here uses (made for sm_90a, the default geometry), made the active build."""
+    require_hopper()
+    require_tilelang()
+    require_module("cuda.bindings")
+    from foldkv import aot
+
+    from tilelang.env import env as tl_env
+
+    # TileLang lowering is not deterministic across processes (e.g. which of two reduction workspaces gets which
+    # name), so the JIT arm must run what the build compiled. Either the build was made with --fill-tilelang-cache
+    # into the TileLang cache this process uses (FOLDKV_AOT_TEST_DIR, as the H200 run does: one compilation serves
+    # both arms), or the build is made here with TileLang's cache off and the launchers' in-process caches emptied,
+    # so its fresh compiles fill the builders' caches.
+    cache_was_on = tl_env.is_cache_enabled()
+    path = os.environ.get("FOLDKV_AOT_TEST_DIR")
+    if not (path and os.path.exists(os.path.join(path, "manifest.json"))):
+        tl_env.disable_cache()
+        _clear_jit_caches()
+        path = str(tmp_path_factory.mktemp("aot") / "build")
+        aot.build(path, arch="sm_90a", log=None)
+    b = aot.use_build(path)
+    yield b
+    aot.use_build(None)
+    if cache_was_on:
+        tl_env.enable_cache()
+
+
+def _clear_jit_caches() -> None:
+    """Forget every JIT kernel the launchers and builders hold from earlier tests of the session."""
+    from foldkv.kernels import decode, decode_partial_folded, decode_partial_split, merge, prefill, prep_kernel
+
+    for mod in (decode, decode_partial_folded, decode_partial_split, merge, prefill, prep_kernel):
+        for obj in vars(mod).values():
+            if callable(getattr(obj, "cache_clear", None)):
+                obj.cache_clear()
+        cache = getattr(mod, "_JIT_CACHE", None)
+        if isinstance(cache, dict):
+            cache.clear()
+
+
+def _aot_vs_jit(case: gates.Case, fmt: KvFormat, device, seed: int) -> dict:
+    """Both arms on the same hostile inputs; each held to the float64 reference by gates.run_case (poisoned outputs,
+    rows past the plan untouched, pool untouched); then their outputs and LSE compared bit for bit."""
+    inp = gates.make_inputs(case, fmt, device, seed)
+    jit = gates.run_case(inp, gates.arm_for(case, "jit"))
+    aot = gates.run_case(inp, gates.arm_for(case, "aot"))
+    (jo, jl), (ao, al) = jit["outputs"], aot["outputs"]
+    row = {"case": case.name, "format": fmt.value, "jit_passed": jit["passed"], "aot_passed": aot["passed"],
+           "out_bit_identical": torch.equal(bits(jo), bits(ao)), "lse_bit_identical": torch.equal(bits(jl), bits(al)),
+           "out_mismatches": int((bits(jo) != bits(ao)).sum()), "lse_mismatches": int((bits(jl) != bits(al)).sum())}
+    print(json.dumps(row))
+    return row
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+@pytest.mark.parametrize("case", gates.decode_cases(GATE_SIZE), ids=lambda c: c.name)
+def test_decode_aot_bit_identical_to_jit(aot_build, cuda_device, case, fmt):
+    row = _aot_vs_jit(case, fmt, cuda_device, seed=11)
+    assert row["jit_passed"] and row["aot_passed"], row
+    assert row["out_bit_identical"] and row["lse_bit_identical"], row
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+@pytest.mark.parametrize("case", gates.prefill_cases(GATE_SIZE), ids=lambda c: c.name)
+def test_prefill_aot_bit_identical_to_jit(aot_build, cuda_device, case, fmt):
+    row = _aot_vs_jit(case, fmt, cuda_device, seed=13)
+    assert row["jit_passed"] and row["aot_passed"], row
+    assert row["out_bit_identical"] and row["lse_bit_identical"], row
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+@pytest.mark.parametrize("tokens", [1, 97], ids=lambda n: f"T{n}")
+def test_prep_aot_bit_identical_to_jit(aot_build, cuda_device, fmt, tokens):
+    """The fused prep through both backends into two copies of one NaN-filled pool: same rows, same query, bit for
+    bit, and nothing else in the pool written."""
+    from foldkv.kernels.prep_kernel import prep_and_store_gpu
+    from foldkv.pool import PagedKvLayout, PagedKvPool
+
+    geom = GEMMA4_31B
+    g = torch.Generator().manual_seed(tokens)
+    lay = PagedKvLayout(geom, fmt, page_size=64, num_pages=6)
+    pools = [PagedKvPool(lay, device=cuda_device, fill=float("nan")) for _ in range(2)]
+    table = pools[0].allocate([300], scatter_seed=3).to(cuda_device)
+    positions = torch.randperm(300, generator=g)[:tokens].int()
+    request = torch.zeros(tokens, dtype=torch.int32)
+    q = torch.randn(tokens, geom.num_q_heads, geom.head_dim, generator=g).to(cuda_device, torch.bfloat16)
+    kv = torch.randn(tokens, geom.num_kv_heads, geom.head_dim, generator=g).to(cuda_device, torch.bfloat16)
+    qw = (torch.rand(geom.head_dim, generator=g) + 0.5).to(cuda_device)
+    kw = (torch.rand(geom.head_dim, generator=g) + 0.5).to(cuda_device)
+    outs = [prep_and_store_gpu(p, table, request, positions, q, kv, qw, kw, backend=b)
+            for p, b in zip(pools, ["jit", "aot"])]
+    torch.cuda.synchronize()
+    assert torch.equal(bits(outs[0]), bits(outs[1]))
+    assert torch.equal(bits(pools[0].data), bits(pools[1].data))
+    written = ~torch.isnan(pools[1].data.float())
+    assert int(written.any(-1).any(1).sum()) == tokens  # one row (all KV heads) per token, nothing else
+
+
+def test_aot_kernel_refuses_a_pool_of_another_geometry_on_device(aot_build, cuda_device):
+    from foldkv import AttentionGeometry, FoldKvInputError
+    from foldkv.aot import AotMismatchError, aot_kernel
+
+    with pytest.raises(AotMismatchError):
+        aot_kernel("decode_partial_folded", geometry=AttentionGeometry(num_q_heads=16, num_kv_heads=2),
+                   fmt="folded")
+    with pytest.raises(AotMismatchError):
+        aot_kernel("decode_partial_split", geometry=GEMMA4_31B, fmt="folded")
+    k = aot_kernel("merge_groups", geometry=GEMMA4_31B)
+    part_o = torch.zeros(4, 16, 512, device=cuda_device)  # 16 heads: the build has 32
+    with pytest.raises(FoldKvInputError, match="part_o has shape"):
+        k(part_o, torch.zeros(4, 16, device=cuda_device), torch.zeros(1, dtype=torch.int32, device=cuda_device),
+          torch.ones(1, dtype=torch.int32, device=cuda_device))
+
+
+COLD_SCRIPT = r"""
+import json, sys
+class BlockTileLang:  # any TileLang / TVM import in this process is an error
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('tilelang', 'tvm'):
+            raise ImportError('cold AOT process must not import ' + name)
+sys.meta_path.insert(0, BlockTileLang())
+import torch
+import foldkv
+from foldkv import KvFormat, gates, paged_attention_reference
+from foldkv.kernels.decode import decode
+fmt = KvFormat(sys.argv[1])
+inp = gates.make_inputs(gates.Case("cold", (1000, 77, 4097)), fmt, "cuda", seed=21)
+out_buf, lse_buf = gates.poisoned_outputs(3, inp.pool.geometry, inp.pool.device, pad_rows=0)
+out, lse = decode(inp.pool, inp.query, inp.table, out=out_buf, lse=lse_buf, backend="aot")
+torch.cuda.synchronize()
+ref, ref_lse = paged_attention_reference(inp.pool, inp.query, inp.table, None)
+res = gates.compare(out, ref)
+res["lse_max_abs"] = float((lse.double() - ref_lse).abs().max())
+res["tilelang_imported"] = any(m.split('.')[0] in ('tilelang', 'tvm') for m in sys.modules)
+res["cuda_bindings_used"] = 'cuda.bindings.driver' in sys.modules
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+def test_cold_process_decodes_through_aot_only(aot_build, cuda_device, fmt):
+    env = dict(os.environ, FOLDKV_AOT_DIR=aot_build.dir)
+    res = subprocess.run([sys.executable, "-c", COLD_SCRIPT, fmt.value], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    row = json.loads(res.stdout.strip().splitlines()[-1])
+    print(json.dumps(row))
+    assert not row["tilelang_imported"] and row["cuda_bindings_used"]
+    assert row["elementwise_ok"] and row["rel_ok"] and row["lse_max_abs"] < 1e-2, row
