@@ -99,6 +99,8 @@ def run(paths: list[str], out_dir: str, smoke: bool, extra: dict, progress: bool
         entry["sections"] = json.load(open(record)).get("sections", {}) if os.path.exists(record) else {}
         if not entry["sections"] and entry["status"] == "ok":
             entry["status"] = "failed: the notebook wrote no record of its sections"
+        with open(os.path.join(out_dir, f"{stem}.batch.json"), "w") as fh:  # this notebook's line of the summary
+            json.dump(entry, fh, indent=1)
         results.append(entry)
     return results
 
@@ -126,17 +128,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny parameters (what the tests run)")
     ap.add_argument("--params", default=None, help='JSON {"02": {"name": value}} of extra parameters per notebook')
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--summarize", action="store_true", help="run nothing: rewrite SUMMARY.md from the tag's entries")
     args = ap.parse_args(argv)
     tag = args.tag or machine_tag()
     out_dir = os.path.join(args.out_root, tag)
     extra = json.loads(args.params) if args.params else {}
-    results = run(notebook_paths(args.only), out_dir, args.smoke, extra, progress=not args.no_progress)
-    status = 0 if all(r["status"] == "ok" for r in results) else 1
-    previous = os.path.join(out_dir, "summary.json")
-    if args.only and os.path.exists(previous):  # a run in parts (--only) keeps the other notebooks' entries
-        done = {r["notebook"] for r in results}
-        results = sorted([r for r in json.load(open(previous)) if r["notebook"] not in done] + results,
-                         key=lambda r: r["notebook"])
+    if args.summarize:
+        status = 0
+    else:
+        results = run(notebook_paths(args.only), out_dir, args.smoke, extra, progress=not args.no_progress)
+        status = 0 if all(r["status"] == "ok" for r in results) else 1
+    # The summary covers every notebook run into this tag, also in parts (--only) or side by side.
+    os.makedirs(out_dir, exist_ok=True)
+    results = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out_dir, "*.batch.json")))]
     summary = summarize(results, out_dir)
     with open(os.path.join(out_dir, "SUMMARY.md"), "w") as fh:
         fh.write(summary)
