@@ -16,22 +16,22 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUTD/gpu.txt"
 t0=$(date +%s)
 A=${PHASE_A_S:-310}; B=${PHASE_B_S:-230}
-batch() { python3 scripts/run_batch.py --tag "$TAG" --no-progress "$@"; }
+BATCH="python3 scripts/run_batch.py --tag $TAG --no-progress"
 
 (FOLDKV_REQUIRE_GPU=1 FOLDKV_GATE_CASES=smoke FOLDKV_AOT_TEST_DIR=$PWD/build/aot timeout $A \
    python3 -m pytest -m gpu -v -ra --tb=short -p no:cacheprovider > "$OUTD/pytest_gpu.log" 2>&1; echo "pytest rc=$?" >> "$OUTD/pytest_gpu.log") &
 (timeout $A python3 scripts/run_batch.py --only 04 --smoke --out-root /tmp/smoke --tag s --no-progress \
    --params '{"04": {"mode": "gpu", "aot_dir": "build/aot"}}' > "$OUTD/nb04_smoke.log" 2>&1) &
-(timeout $A batch --only 03 --params '{"03": {"kernel_backend": "jit"}}' > "$OUTD/batch_03.log" 2>&1) &
-timeout $A batch --only 01 02 --params '{"02": {"aot_dir": "build/aot", "sanitizer_timeout_s": 100}}' > "$OUTD/batch_0102.log" 2>&1
+(timeout $A $BATCH --only 03 --params '{"03": {"kernel_backend": "jit"}}' > "$OUTD/batch_03.log" 2>&1) &
+timeout $A $BATCH --only 01 02 --params '{"02": {"aot_dir": "build/aot", "sanitizer_timeout_s": 100}}' > "$OUTD/batch_0102.log" 2>&1
 echo "batch 01 02 rc=$? at $(( $(date +%s) - t0 )) s"
 wait
 echo "phase A done at $(( $(date +%s) - t0 )) s"
 
-timeout $B batch --only 04 --params '{"04": {"mode": "gpu", "aot_dir": "build/aot", "rounds": 15, "prefill_rounds": 4,
+timeout $B $BATCH --only 04 --params '{"04": {"mode": "gpu", "aot_dir": "build/aot", "rounds": 15, "prefill_rounds": 4,
    "sweep_lengths": [1024, 4096, 16384, 65536, 262144], "prefill_contexts": [16384, 81653, 163336]}}' \
    > "$OUTD/batch_04.log" 2>&1
 echo "batch 04 rc=$? at $(( $(date +%s) - t0 )) s"
-batch --summarize > /dev/null 2>&1
+$BATCH --summarize > /dev/null 2>&1
 tar -czf "$OUTD/runs.tgz" papermill_runs/"$TAG"
 tail -4 "$OUTD/pytest_gpu.log"; cat papermill_runs/"$TAG"/SUMMARY.md 2>/dev/null

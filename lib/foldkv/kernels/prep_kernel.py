@@ -207,7 +207,8 @@ def prep_and_store_gpu(pool: PagedKvPool, table: BlockTable, request: torch.Tens
                  shape=(None, geom.num_q_heads, geom.head_dim))
     check_tensor("kv", kv, dtype=q.dtype, device=pool.device, shape=(q.shape[0], geom.num_kv_heads, geom.head_dim))
     check_tensor("request", request, dtype=(torch.int32, torch.int64), shape=(q.shape[0],))
-    _check_prep_inputs(geom, q, kv, q_norm_weight, k_norm_weight, positions)
+    # positions may live on either device, as for the torch prep_and_store
+    _check_prep_inputs(geom, q, kv, q_norm_weight, k_norm_weight, positions.to(q.device))
     pages, offsets = pool.token_slots(table, request, positions)  # refuses positions past a request's pages
     if pool.device.type != "cuda":  # last, so the CPU tests reach every other refusal
         raise FoldKvInputError(f"the fused prep runs on CUDA; the pool is on {pool.device}")
