@@ -46,7 +46,7 @@ def test_folded_no_less_accurate_than_split(cuda_device, name):
     rs = gates.run_case(split, gates.arm_for(case))
     rf = gates.run_case(folded, gates.arm_for(case))
     res = gates.folded_vs_split(rf["outputs"][0], rs["outputs"][0], gates.unrounded_truth(split))
-    assert res["passed"], res
+    assert res["passed"], res  # per case within 2x; the run-wide ratio is notebook 02's gate
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -56,14 +56,16 @@ def _query_lens(table: BlockTable, q_lens: torch.Tensor | None) -> torch.Tensor:
 
 def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: BlockTable,
                               q_lens: torch.Tensor | None = None, *, fmt: KvFormat | str | None = None,
-                              query_block: int | None = None,
-                              device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                              query_block: int | None = None, device: torch.device | str | None = None,
+                              abs_weighted: bool = False) -> tuple[torch.Tensor, ...]:
     """Attention of queries against a paged pool, in float64, for either format.
 
     query [sum(q_lens), Hq, D] is in the pool format's form (split: head order; folded: score-window order, w_k
     folded in). Request r's q_lens[r] queries (default 1: decode) sit at its last positions and attend causally,
     bottom-right aligned. Returns (out [Tq, Hq, D] float64 in head order, lse [Tq, Hq] float64, natural log).
     `fmt`, when given, is the format the caller's query is in: a pool of the other format is refused.
+    `abs_weighted` also returns P @ |V| [Tq, Hq, D] (head order): the scale of the error a kernel makes by rounding
+    the probabilities P to bf16 before the P.V product.
     """
     check_pool_format(pool, fmt)
     geom, fmt = pool.geometry, pool.format
@@ -76,6 +78,7 @@ def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: Blo
     to_head = value_window_to_head(geom, fmt).to(dev)
     out = torch.empty(query.shape, dtype=torch.float64, device=dev)
     lse = torch.empty(query.shape[:2], dtype=torch.float64, device=dev)
+    pv_abs = torch.empty(query.shape, dtype=torch.float64, device=dev) if abs_weighted else None
     hkv = geom.num_kv_heads
     start = 0
     for r in range(table.batch):
@@ -95,6 +98,9 @@ def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: Blo
             probs = torch.exp(scores - lse_b[..., None])  # [Hkv, g, b, n]
             o = torch.einsum("hgqk,khd->qhgd", probs, vals).reshape(b1 - b0, hkv * g, -1)  # [b, Hq, D] window order
             out[start + b0:start + b1] = o[..., to_head]
+            if abs_weighted:
+                oa = torch.einsum("hgqk,khd->qhgd", probs, vals.abs()).reshape(b1 - b0, hkv * g, -1)  # [b, Hq, D]
+                pv_abs[start + b0:start + b1] = oa[..., to_head]
             lse[start + b0:start + b1] = lse_b.reshape(hkv * g, b1 - b0).transpose(0, 1)
         start += m
-    return out, lse
+    return (out, lse, pv_abs) if abs_weighted else (out, lse)
