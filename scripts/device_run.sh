@@ -28,8 +28,8 @@ echo "batch 01 02 rc=$? at $(( $(date +%s) - t0 )) s"
 wait
 echo "phase A done at $(( $(date +%s) - t0 )) s"
 
-timeout $B $BATCH --only 04 --params '{"04": {"mode": "gpu", "aot_dir": "build/aot", "rounds": 15, "prefill_rounds": 4,
-   "sweep_lengths": [1024, 4096, 16384, 65536, 262144], "prefill_contexts": [16384, 81653, 163336]}}' \
+timeout $B $BATCH --only 04 --params '{"04": {"mode": "gpu", "aot_dir": "build/aot",
+   "prefill_contexts": [16384, 81653, 163336]}}' \
    > "$OUTD/batch_04.log" 2>&1
 echo "batch 04 rc=$? at $(( $(date +%s) - t0 )) s"
 $BATCH --summarize > /dev/null 2>&1

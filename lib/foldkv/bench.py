@@ -1111,7 +1111,11 @@ def conclusions(results: dict) -> list[str]:
             lines.append(f"{v['cell']}: {v['note']}.")
             continue
         fa = c["arms"][v["folded"]]
-        pct = f", {fa['pct_roof']['median']:.0f}% of roof" if fa.get("pct_roof") else ""
+        if c.get("kind") == "prefill" and fa.get("tflops"):  # compute-bound: against the measured bf16 MMA rate
+            pct = f", {fa['tflops']['median']:.0f} TFLOP/s" + (
+                f" ({fa['pct_matmul_roof']:.0f}% of the measured bf16 matmul rate)" if fa.get("pct_matmul_roof") else "")
+        else:
+            pct = f", {fa['pct_roof']['median']:.0f}% of roof" if fa.get("pct_roof") else ""
         head = f"{v['cell']} (context {v['context']}, batch {v['batch']}): {v['folded']} {fa['us']['median']:.1f} µs{pct}"
         if v["ahead"]:
             head += "; ahead of " + ", ".join(f"{e['peer']} {e['speedup']:.2f}x" for e in v["ahead"])
