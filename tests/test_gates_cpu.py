@@ -92,3 +92,15 @@ def test_bf16_ulp_and_the_derived_bound():
     assert not gates.compare(one_ulp_off, ref)["issue_bound_ok"]  # 0.0078 > 0.002 + 0.0048
     assert gates.compare(one_ulp_off, ref, pv_abs=torch.zeros_like(ref))["elementwise_ok"]
     assert not gates.compare(ref + 3 * 2**-7, ref, pv_abs=torch.zeros_like(ref))["elementwise_ok"]
+
+
+def test_agree_allows_one_rounding_each_side_and_no_more():
+    ref = torch.full((1000,), 1.2, dtype=torch.float64)
+    pv = torch.zeros_like(ref)
+    up, down = ref.clone(), ref.clone()
+    up[0], down[0] = 1.2 + 2**-7, 1.2 - 2**-7  # each one ulp off, on opposite sides: two ulps apart
+    assert not gates.compare(up, down, pv)["elementwise_ok"]  # one bound for two roundings would refuse them
+    assert gates.agree(up, down, ref, pv)["passed"]
+    far = ref.clone()
+    far[0] = 1.2 + 4 * 2**-7
+    assert not gates.agree(far, down, ref, pv)["passed"]

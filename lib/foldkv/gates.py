@@ -186,6 +186,19 @@ def compare(out: torch.Tensor, ref: torch.Tensor, pv_abs: torch.Tensor | None = 
     }
 
 
+def agree(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, pv_abs: torch.Tensor) -> dict:
+    """Two bf16 kernel outputs of the same attention (e.g. a prefill's last row and a decode of that token): each
+    within the derived bound of the float64 reference, and so their difference within the sum of the two bounds
+    (each may be an ulp off on either side: comparing them with one bound would hold two roundings to one)."""
+    ca, cb = compare(a, ref, pv_abs), compare(b, ref, pv_abs)
+    r = ref.double()
+    bound = ABS_TOL + REL_TOL * r.abs() + bf16_ulp(r) + P_ROUNDING * pv_abs.double()
+    diff = (a.double() - b.double()).abs()
+    both_ok = ca["elementwise_ok"] and cb["elementwise_ok"] and ca["rel_ok"] and cb["rel_ok"]
+    return {"max_abs": float(diff.max()), "rel": float(diff.norm() / r.norm()), "a_vs_ref": ca["max_abs"],
+            "b_vs_ref": cb["max_abs"], "passed": both_ok and bool((diff <= 2 * bound).all())}
+
+
 def run_case(inputs: GateInputs, launch: Callable, pad_rows: int = 3) -> dict:
     """Launch one kernel arm on a gate's inputs with poisoned outputs; check it against the float64 reference, that
     every planned row is written and finite, and that every row past the plan is bit-for-bit untouched."""
