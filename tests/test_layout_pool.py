@@ -45,14 +45,9 @@ def _random_inputs(t, seed, dtype=torch.float64):
 
 
 def _pool_attention(fmt, q, kv, qw, kw, pool_dtype, page_size=16, seed=0):
-    t = q.shape[0]
-    pool = fk.PagedKvPool(fk.PagedKvLayout(G, fmt, page_size=page_size, num_pages=2 * (t // page_size + 1),
-                                           dtype=pool_dtype), fill=float("nan"))
-    table = pool.allocate([t], scatter_seed=seed)
-    pos = torch.arange(t)
-    query = fk.prep_and_store(pool, table, torch.zeros(t, dtype=torch.long), pos, q, kv, qw, kw)
-    out, lse = fk.paged_attention_reference(pool, query, table, q_lens=torch.tensor([t]))
-    return out, lse, pool, table
+    from foldkv import gates
+
+    return gates.sequence_pool_attention(G, fmt, q, kv, qw, kw, pool_dtype, page_size=page_size, seed=seed)
 
 
 def test_fold_identity_float64():

@@ -15,7 +15,7 @@ import torch
 from .config import GEMMA4_31B, AttentionGeometry
 from .layout import KvFormat
 from .pool import BlockTable, PagedKvLayout, PagedKvPool
-from .prep import fill_sequences, prep_query
+from .prep import fill_sequences, prep_and_store, prep_query
 from .reference import paged_attention_reference
 
 # Tolerance. The issue's bound is |d| <= ABS + REL * |ref| elementwise and relative Frobenius error <= FRO; it is
@@ -403,11 +403,25 @@ def run_refusals(inputs: GateInputs, backend: str = "jit") -> list[dict]:
 
 
 # --- CPU gates ---------------------------------------------------------------------------------------------------------
+def sequence_pool_attention(geom: AttentionGeometry, fmt: KvFormat | str, q: torch.Tensor, kv: torch.Tensor,
+                            q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, pool_dtype: torch.dtype,
+                            page_size: int = 16, seed: int = 0):
+    """One whole sequence (raw q [T, Hq, D], kv [T, Hkv, D] at positions 0..T-1) prepped into a NaN-filled pool of
+    scattered pages, then attended causally by the paged reference: (out, lse, pool, table)."""
+    t = q.shape[0]
+    pool = PagedKvPool(PagedKvLayout(geom, fmt, page_size=page_size, num_pages=2 * (t // page_size + 1),
+                                     dtype=pool_dtype), fill=float("nan"))
+    table = pool.allocate([t], scatter_seed=seed)
+    query = prep_and_store(pool, table, torch.zeros(t, dtype=torch.long), torch.arange(t), q, kv, q_norm_weight,
+                           k_norm_weight)
+    out, lse = paged_attention_reference(pool, query, table, q_lens=torch.tensor([t]))
+    return out, lse, pool, table
+
+
 def fold_identity(seed: int, tokens: tuple[int, ...] = (1, 54, 97), geom: AttentionGeometry = GEMMA4_31B) -> list[dict]:
     """In float64 the fold is an identity: folded-pool attention == split-pool attention == dense attention from raw
     inputs, up to float64 rounding. One row per sequence length (causal prefill of the whole sequence)."""
     from .reference import dense_attention_reference
-    from .prep import prep_and_store
 
     rows = []
     for t in tokens:
@@ -416,15 +430,8 @@ def fold_identity(seed: int, tokens: tuple[int, ...] = (1, 54, 97), geom: Attent
         kv = torch.randn(t, geom.num_kv_heads, geom.head_dim, generator=g, dtype=torch.float64)
         qw = torch.rand(geom.head_dim, generator=g, dtype=torch.float64) * 0.5 + 0.75
         kw = torch.rand(geom.head_dim, generator=g, dtype=torch.float64) * 0.5 + 0.75
-        pos = torch.arange(t)
-        dense = dense_attention_reference(geom, q, kv, qw, kw, pos)
-        outs = {}
-        for fmt in KvFormat:
-            pool = PagedKvPool(PagedKvLayout(geom, fmt, page_size=16, num_pages=2 * (t // 16 + 1),
-                                             dtype=torch.float64), fill=float("nan"))
-            table = pool.allocate([t], scatter_seed=seed)
-            query = prep_and_store(pool, table, torch.zeros(t, dtype=torch.long), pos, q, kv, qw, kw)
-            outs[fmt], _ = paged_attention_reference(pool, query, table, q_lens=torch.tensor([t]))
+        dense = dense_attention_reference(geom, q, kv, qw, kw, torch.arange(t))
+        outs = {fmt: sequence_pool_attention(geom, fmt, q, kv, qw, kw, torch.float64, seed=seed)[0] for fmt in KvFormat}
         scale = float(dense.abs().max())
         row = {"tokens": t,
                "split_vs_dense": float((outs[KvFormat.SPLIT] - dense).abs().max()) / scale,
