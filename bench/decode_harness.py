@@ -1,7 +1,8 @@
-"""Decode harness: one request at the 31B shape, one layer, end to end (partial + both merges), median of CUDA-graph
+"""Decode harness: one request at the 31B shape, one layer, end to end (partial + merges), median of CUDA-graph
 replays with inputs rotated past L2, arms interleaved in one run. Prints a table: us, GB/s, % of the read roof.
 
-Arms: our generated kernels on a folded pool and on a split pool (each tiling given by --tilings), and FlashInfer's
+Arms: our generated kernels on a folded pool and on a split pool (tags: a partial tiling such as tm64s2; a 'v3' suffix
+= version 3's query load by all threads), and FlashInfer's
 paged decode (tensor-core and CUDA-core paths) on a split pool of the same bytes (its HND layout:
 [pages, 2, Hkv, page, D]). Each arm is checked against a float32 torch reference before it is timed.
 
@@ -33,16 +34,20 @@ GEOM = foldkv.GEMMA4_31B
 READ_ROOF_GBS = 4469.0  # streaming read roof measured on this H200 (shared/device/README.md)
 L2_BYTES = 60 << 20
 LENGTHS = (10602, 40002, 81653, 163336)
-DEFAULT_TILINGS = {"folded": ["tm64s2", "hm64s2"], "split": ["tm64s1", "hm32s2"]}
+DEFAULT_TILINGS = {"folded": ["tm64s2", "tm64s2v3"], "split": ["tm64s1", "tm64s1v3"]}
 BUILDERS = {KvFormat.FOLDED: decode_partial_folded.build_decode_partial_folded,
             KvFormat.SPLIT: decode_partial_split.build_decode_partial_split}
 
 
 def parse_tiling(tag: str) -> dict:
-    """'tm64s2' -> token-major operands (wgmma), block_n=64, num_stages=2; 'hm32s3' -> head-major (mma.sync)."""
+    """'tm64s2' -> token-major operands (wgmma), block_n=64, num_stages=2; 'hm32s3' -> head-major (mma.sync);
+    a 'v3' suffix -> version 3's query load (all threads, then a block barrier) instead of a TMA."""
+    v3 = tag.endswith("v3")
+    tag = tag[:-2] if v3 else tag
     order = {"tm": "token_major", "hm": "head_major"}[tag[:2]]
     bn, st = tag[2:].split("s")
-    return dict(operand_order=order, block_n=int(bn), num_stages=int(st))
+    return dict(operand_order=order, block_n=int(bn), num_stages=int(st),
+                **(dict(query_tma=False) if v3 else {}))
 
 
 def smem_bytes(fmt: KvFormat, block_n: int, num_stages: int, **_) -> int:

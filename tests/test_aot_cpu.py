@@ -510,10 +510,15 @@ def _launch_every_kernel_on_a_recording_driver(out) -> None:
             k.launch(values, env, 0, 0)
         finally:
             loader._driver = old
-        launches = [c for c in drv.calls if c[0] == "cuLaunchKernel"]
+        launches = [c for c in drv.calls if c[0] in ("cuLaunchKernel", "cuLaunchKernelEx")]
         assert len(launches) == len(k.entry["launches"]), name
-        for (_, args), ln in zip(launches, k.entry["launches"]):
-            assert len(args[9][0]) == len(ln["args"]), name
+        programmatic = drv.real.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        for (call, args), ln in zip(launches, k.entry["launches"]):
+            params = args[9] if call == "cuLaunchKernel" else args[2]
+            assert len(params[0]) == len(ln["args"]), name
+            # a kernel that waits on griddepcontrol is launched as a programmatic dependent launch, no other is
+            pdl = call == "cuLaunchKernelEx" and any(a.id == programmatic for a in args[0].attrs)
+            assert pdl == bool(ln["pdl"]), name
         assert len([c for c in drv.calls if c[0] == "cuTensorMapEncodeTiled"]) == len(k.entry["tensor_maps"]), name
 
 
@@ -563,6 +568,10 @@ class RecordingDriver:
             "cuLaunchKernel": lambda fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra: (
                 isinstance(fn, real.CUfunction) and isinstance(stream, real.CUstream)
                 and all(isinstance(x, int) and x > 0 for x in (gx, gy, gz, bx, by, bz))
+                and isinstance(params, tuple) and len(params) == 2 and len(params[0]) == len(params[1])),
+            "cuLaunchKernelEx": lambda cfg, fn, params, extra: (
+                isinstance(cfg, real.CUlaunchConfig) and isinstance(fn, real.CUfunction)
+                and cfg.numAttrs == len(cfg.attrs) and cfg.gridDimX > 0 and cfg.blockDimX > 0
                 and isinstance(params, tuple) and len(params) == 2 and len(params[0]) == len(params[1])),
         }
 

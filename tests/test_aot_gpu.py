@@ -98,6 +98,38 @@ def test_decode_aot_bit_identical_to_jit(aot_build, cuda_device, case, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+@pytest.mark.parametrize("lens", [[10602], [54, 16384, 97]], ids=lambda n: f"B{len(n)}")
+def test_decode_aot_steps_chained_in_a_graph_match_jit(aot_build, cuda_device, fmt, lens):
+    """Four AOT decode steps sharing one plan, captured in one CUDA graph, each step's partial overwriting the slots
+    the previous step's merge reads: every step's output equals the JIT decode of its query bit for bit, on every
+    replay."""
+    from foldkv.kernels.decode import decode, plan_decode
+
+    case = gates.Case(name="graph-chain", seq_lens=tuple(lens))
+    inp = gates.make_inputs(case, fmt, cuda_device, seed=17)
+    g = torch.Generator(device=cuda_device).manual_seed(17)
+    queries = [torch.randn(inp.query.shape, generator=g, device=cuda_device).to(torch.bfloat16) for _ in range(4)]
+    plan = plan_decode(inp.pool.layout, lens, device=cuda_device)
+    want = [decode(inp.pool, q, inp.table, plan=plan, backend="jit") for q in queries]
+    decode(inp.pool, queries[0], inp.table, plan=plan, backend="aot")  # checked once, loads the cubins
+    outs = [(torch.empty_like(o), torch.empty_like(l)) for o, l in want]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for q, (o, l) in zip(queries, outs):
+            decode(inp.pool, q, inp.table, plan=plan, out=o, lse=l, backend="aot", check=False)
+    for _ in range(3):
+        for o, l in outs:
+            o.fill_(float("nan"))
+            l.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for (o, l), (wo, wl) in zip(outs, want):
+            assert torch.equal(bits(o), bits(wo)) and torch.equal(bits(l), bits(wl))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
 @pytest.mark.parametrize("case", gates.prefill_cases(GATE_SIZE), ids=lambda c: c.name)
 def test_prefill_aot_bit_identical_to_jit(aot_build, cuda_device, case, fmt):
     row = _aot_vs_jit(case, fmt, cuda_device, seed=13)

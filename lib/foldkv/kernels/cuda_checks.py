@@ -8,9 +8,11 @@ actually runs), not on the Python program, so a barrier dropped or moved by a co
 
 What it requires, for the kernel named in the call:
 - "in-place buffers" are the kernel's non-const pointer parameters that the body both reads and stores;
-- there is a `__syncthreads();` at the top level of the kernel body (brace depth 1: not inside an `if`, a loop or a
-  nested block, so every thread reaches it);
-- that barrier lies after the last read of every in-place buffer and before the first store to any of them.
+- for each in-place buffer, every store and every read of it are separated, in source order, by a `__syncthreads();`
+  at the top level of the kernel body (brace depth 1: not inside an `if`, a loop or a nested block, so every thread
+  reaches it). For the merge that is: the group's reads, barrier, the store into the first slot; and, in the fused
+  merge, the store, barrier, level two's reads of the merged slots.
+The rule reads the body as straight-line code, which the merges are (their loops hold reads only).
 Anything else raises `BarrierCheckError` naming the kernel.
 """
 
@@ -26,9 +28,10 @@ class BarrierCheckError(RuntimeError):
 class BarrierReport:
     kernel: str
     in_place_buffers: tuple[str, ...]
-    last_read: int  # character offsets in the kernel body
-    barrier: int
+    last_read: int  # character offsets in the kernel body: the last read before the first store (level one)
+    barrier: int  # the first unconditional barrier between them
     first_store: int
+    pairs_checked: int  # (read, store) pairs of one buffer found separated by an unconditional barrier
 
 
 _SYNC = "__syncthreads();"
@@ -97,29 +100,33 @@ def _depth_at(body: str, pos: int) -> int:
 
 def check_in_place_merge(kernel: str, source: str) -> BarrierReport:
     """Raise BarrierCheckError (naming `kernel`) unless every store to an in-place buffer of `kernel` is separated
-    from all reads of those buffers by an unconditional `__syncthreads()`; return what was found otherwise."""
+    from every read of that buffer by an unconditional `__syncthreads()`; return what was found otherwise."""
     params, body = kernel_definition(source, kernel)
-    in_place, reads, stores = [], [], []
+    accesses = {}
     for name in _mutable_pointer_params(params):
         r, s = _accesses(body, name)
         if r and s:
-            in_place.append(name)
-            reads += r
-            stores += s
-    if not in_place:
+            accesses[name] = (r, s)
+    if not accesses:
         raise BarrierCheckError(f"{kernel}: registered as an in-place merge but no buffer is both read and stored")
-    last_read, first_store = max(reads), min(stores)
-    if first_store < last_read:
-        raise BarrierCheckError(
-            f"{kernel}: a store to {in_place} comes before the last read of the group (store at {first_store}, read"
-            f" at {last_read}): no barrier can order them"
-        )
-    barriers = [m.start() for m in re.finditer(re.escape(_SYNC), body) if last_read < m.start() < first_store]
+    barriers = [m.start() for m in re.finditer(re.escape(_SYNC), body)]
     unconditional = [b for b in barriers if _depth_at(body, b) == 1]
-    if not unconditional:
-        where = "only inside a conditional or loop" if barriers else "none"
-        raise BarrierCheckError(
-            f"{kernel}: the store to the merged slot of {in_place} is not separated from the group's reads by an"
-            f" unconditional __syncthreads() ({where} between them)"
-        )
-    return BarrierReport(kernel, tuple(in_place), last_read, unconditional[0], first_store)
+    pairs = 0
+    for name, (reads, stores) in accesses.items():
+        for s in stores:
+            for r in reads:
+                lo, hi = min(r, s), max(r, s)
+                if any(lo < b < hi for b in unconditional):
+                    pairs += 1
+                    continue
+                where = "only inside a conditional or loop" if any(lo < b < hi for b in barriers) else "none"
+                order = "after a read of it" if r < s else "before a read of it"
+                raise BarrierCheckError(
+                    f"{kernel}: the store to {name} at {s} is {order} at {r} with no unconditional"
+                    f" __syncthreads() between them ({where} between them)"
+                )
+    in_place = tuple(accesses)
+    first_store = min(s for _, stores in accesses.values() for s in stores)
+    last_read = max(r for reads, _ in accesses.values() for r in reads if r < first_store)
+    barrier = min(b for b in unconditional if last_read < b < first_store)
+    return BarrierReport(kernel, in_place, last_read, barrier, first_store, pairs)

@@ -36,20 +36,24 @@ LOG2E = math.log2(math.e)
 # token_major (default): S^T = K Q^T and O^T = V^T P^T, so the MMA's M is the 64 tokens of a tile and Hopper's wgmma
 # applies (M >= 64); head_major: S = Q K^T with the 8 heads padded to M = 16, mma.sync (version 1, kept for the
 # benchmark: its score gemm is a 32-long dependent chain of mma.sync per warp, which bounds the consumer).
-DEFAULTS = dict(page_size=64, block_n=64, num_stages=2, threads=128, block_h=16, operand_order="token_major")
+# query_tma: the query tile by TMA, so the producer's first pool load need not wait for all threads to load it
+# (version 4, ~1 us at short lengths; DECODE_NOTES.md run 5).
+DEFAULTS = dict(page_size=64, block_n=64, num_stages=2, threads=128, block_h=16, operand_order="token_major",
+                query_tma=True)
 
 
 def decode_partial_folded_program(geom: AttentionGeometry, *, operand_order: str = "token_major", **tiling):
     """The TileLang prim_func of the folded partial kernel for one geometry, operand order and tiling."""
     if operand_order == "token_major":
         return _token_major_program(geom, **tiling)
-    if operand_order == "head_major":
+    if operand_order == "head_major":  # version 1: all threads load the query
+        tiling = {k: v for k, v in tiling.items() if k != "query_tma"}
         return _head_major_program(geom, **tiling)
     raise ValueError(f"operand_order={operand_order!r}: expected 'token_major' or 'head_major'")
 
 
 def _token_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, num_stages: int = 2,
-                         threads: int = 128, block_h: int = 16):
+                         threads: int = 128, block_h: int = 16, query_tma: bool = True):
     """Scores and output transposed (tokens x heads): every gemm has M = block_n tokens (wgmma, async, operands
     from shared memory), N = 16 padded heads; the softmax reduces over the token dimension (dim 0)."""
     require_tilelang()
@@ -75,7 +79,9 @@ def _token_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_
         part_lse: T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
     ):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
-            q_rot = T.alloc_shared((block_h, rot), bf16)  # [16, R]   rows >= 8 are zero padding
+            # rows >= 8 of the query tiles: the next KV head's queries (TMA; zero past the last head) or zeros
+            # (version 3); either way their columns of S^T and O^T are never stored
+            q_rot = T.alloc_shared((block_h, rot), bf16)  # [16, R]
             q_unrot = T.alloc_shared((block_h, unrot), bf16)  # [16, D-R]
             k_rot = T.alloc_shared((block_n, rot), bf16)  # [N, R]   row[0:R]
             v_unrot = T.alloc_shared((block_n, unrot), bf16)  # [N, D-R] row[R:D]: a key column and a value column
@@ -93,10 +99,14 @@ def _token_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_
             req = chunk_req[c]
             start = chunk_start[c]
             n_tok = chunk_len[c]
-            for i, j in T.Parallel(block_h, rot):
-                q_rot[i, j] = T.if_then_else(i < group, query[req, kvh * group + i, j], T.cast(0, bf16))
-            for i, j in T.Parallel(block_h, unrot):
-                q_unrot[i, j] = T.if_then_else(i < group, query[req, kvh * group + i, rot + j], T.cast(0, bf16))
+            if query_tma:  # one TMA per window: the producer's first pool load does not wait for it
+                T.copy(query[req, kvh * group:kvh * group + block_h, 0:rot], q_rot)
+                T.copy(query[req, kvh * group:kvh * group + block_h, rot:d], q_unrot)
+            else:  # version 3: every thread loads, then a block barrier before the pipeline starts
+                for i, j in T.Parallel(block_h, rot):
+                    q_rot[i, j] = T.if_then_else(i < group, query[req, kvh * group + i, j], T.cast(0, bf16))
+                for i, j in T.Parallel(block_h, unrot):
+                    q_unrot[i, j] = T.if_then_else(i < group, query[req, kvh * group + i, rot + j], T.cast(0, bf16))
             T.fill(acc_o_unrot, 0)
             T.fill(acc_o_rot, 0)
             T.fill(denom, 0)

@@ -33,20 +33,24 @@ LOG2E = math.log2(math.e)
 # one stage fits; K and V are separate buffers that the warp-specialised pipeline releases separately (K after the
 # score gemm, V after P V), so the next K load overlaps the current softmax and P V: measured fastest (run 2, notes).
 # head_major: S = Q K^T with the 8 heads padded to M = 16 (mma.sync), warps split the tokens (version 1).
-DEFAULTS = dict(page_size=64, block_n=64, num_stages=1, threads=128, block_h=16, operand_order="token_major")
+# query_tma: the query tile by TMA, so the producer's first pool load need not wait for all threads to load it
+# (version 4, ~1 us at short lengths; DECODE_NOTES.md run 5).
+DEFAULTS = dict(page_size=64, block_n=64, num_stages=1, threads=128, block_h=16, operand_order="token_major",
+                query_tma=True)
 
 
 def decode_partial_split_program(geom: AttentionGeometry, *, operand_order: str = "head_major", **tiling):
     """The TileLang prim_func of the split partial kernel for one geometry, operand order and tiling."""
     if operand_order == "token_major":
         return _token_major_program(geom, **tiling)
-    if operand_order == "head_major":
+    if operand_order == "head_major":  # version 1: all threads load the query
+        tiling = {k: v for k, v in tiling.items() if k != "query_tma"}
         return _head_major_program(geom, **tiling)
     raise ValueError(f"operand_order={operand_order!r}: expected 'token_major' or 'head_major'")
 
 
 def _token_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, num_stages: int = 1,
-                         threads: int = 128, block_h: int = 16):
+                         threads: int = 128, block_h: int = 16, query_tma: bool = True):
     """Scores and output transposed (tokens x heads): gemms with M = block_n tokens (wgmma); see the folded file."""
     require_tilelang()
     import tilelang.language as T
@@ -71,7 +75,9 @@ def _token_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_
         part_lse: T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
     ):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
-            q_s = T.alloc_shared((block_h, d), bf16)  # [16, D]  rows >= 8 are zero padding
+            # rows >= 8 of q_s: the next KV head's queries (TMA; zero past the last head) or zeros (version 3);
+            # either way their columns of S^T and O^T are never stored
+            q_s = T.alloc_shared((block_h, d), bf16)  # [16, D]
             k_s = T.alloc_shared((block_n, d), bf16)  # [N, D]   row[0:D]
             v_s = T.alloc_shared((block_n, d), bf16)  # [N, D]   row[D:2D]
             p_shared = T.alloc_shared((block_n, block_h), bf16)  # P^T [N, 16]
@@ -86,8 +92,11 @@ def _token_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_
             req = chunk_req[c]
             start = chunk_start[c]
             n_tok = chunk_len[c]
-            for i, j in T.Parallel(block_h, d):
-                q_s[i, j] = T.if_then_else(i < group, query[req, kvh * group + i, j], T.cast(0, bf16))
+            if query_tma:  # one TMA: the producer's first pool load does not wait for it
+                T.copy(query[req, kvh * group:kvh * group + block_h, 0:d], q_s)
+            else:  # version 3: every thread loads, then a block barrier before the pipeline starts
+                for i, j in T.Parallel(block_h, d):
+                    q_s[i, j] = T.if_then_else(i < group, query[req, kvh * group + i, j], T.cast(0, bf16))
             T.fill(acc_o, 0)
             T.fill(denom, 0)
             T.fill(head_max, -T.infinity(f32))
