@@ -128,6 +128,26 @@ def partial_only_arm(fmt, tag, length, device, gen):
     return steps, nbytes, float("nan"), "partial kernel only", pool
 
 
+def stream_read_arm(fmt, length, device, gen):
+    """No attention at all: the Triton streaming sum of foldkv.bench (the read-roof kernel) over the bytes a decode
+    step of `fmt` reads at `length`, rotated past L2 like the other arms. What any single kernel reading those
+    bytes costs here: the floor plus one launch, ramp and drain."""
+    from foldkv.bench import _triton_stream_read
+
+    lay = PagedKvLayout(GEOM, fmt, 64, 0)
+    nbytes = length * lay.bytes_per_token
+    elems = -(-nbytes // 2 // 4096) * 4096  # whole 4096-element blocks
+    rot = max(2, math.ceil(4 * L2_BYTES / nbytes))
+    bufs = [torch.randn(elems, generator=gen, device=device).to(torch.bfloat16) for _ in range(rot)]
+    part = torch.empty(torch.cuda.get_device_properties(device).multi_processor_count * 4, dtype=torch.float32,
+                       device=device)
+    run = _triton_stream_read()
+    run(bufs[0], part)
+    err = abs(float(part.sum()) - float(bufs[0].float().sum())) / max(1.0, float(bufs[0].float().abs().sum()))
+    steps = [lambda b=b: run(b, part) for b in bufs]
+    return steps, nbytes, err, f"{elems * 2 / 1e6:.1f} MB streamed", bufs
+
+
 def flashinfer_arms(length, device, gen):
     """FlashInfer tensor-core and CUDA-core paged decode on an HND split pool of the same bytes, rotated too."""
     import flashinfer
@@ -208,7 +228,7 @@ def time_arms(arms: dict, rounds: int) -> dict:
     return {name: (statistics.median(t), min(t), runners[name][2]) for name, t in times.items()}
 
 
-def bench(lengths, tilings, rounds, with_flashinfer, out_json, partial_only=()):
+def bench(lengths, tilings, rounds, with_flashinfer, out_json, partial_only=(), stream_read=()):
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
@@ -222,6 +242,8 @@ def bench(lengths, tilings, rounds, with_flashinfer, out_json, partial_only=()):
         for spec in partial_only:
             fmt_name, tag = spec.split(":")
             arms[f"{fmt_name}_{tag}_partial"] = partial_only_arm(KvFormat.parse(fmt_name), tag, length, device, gen)
+        for fmt_name in stream_read:
+            arms[f"stream_read_{fmt_name}_bytes"] = stream_read_arm(KvFormat.parse(fmt_name), length, device, gen)
         if with_flashinfer:
             try:
                 arms.update(flashinfer_arms(length, device, gen))
@@ -274,6 +296,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--partial-only", nargs="*", default=["folded:tm64s2", "split:tm64s1"],
                     help="format:tiling arms timed without the merges")
+    ap.add_argument("--stream-read", nargs="*", default=[], choices=["folded", "split"],
+                    help="a plain streaming read of the bytes a decode of that format reads (the per-kernel floor)")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--resources", action="store_true", help="print the resource report (CPU, nvcc) and exit")
@@ -283,7 +307,8 @@ def main(argv=None):
         return resources(tilings)
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --resources on a CPU machine")
-    bench(args.lengths, tilings, args.rounds, not args.no_flashinfer, args.json, args.partial_only)
+    bench(args.lengths, tilings, args.rounds, not args.no_flashinfer, args.json, args.partial_only,
+          args.stream_read)
 
 
 if __name__ == "__main__":
