@@ -1,7 +1,8 @@
-"""GPU gates of split-KV decode (both formats) against the float64 `paged_attention_reference`: scattered page
-tables, rows past each sequence poisoned with NaN, outputs poisoned before the run and a guard row after them,
-lengths 1 / 63 / 64 / 65, a chunk boundary +-1, 10602, 163336 and ragged batches; refusals leave outputs untouched;
-a CUDA-graph replay of a step equals the eager step bit for bit."""
+"""GPU gates of split-KV decode (both formats) through `foldkv.gates` (the notebook's gates: float64 reference, hostile
+pools with NaN/Inf pages and poisoned page-table padding, NaN-poisoned outputs with rows past the plan that must stay
+untouched): lengths 1 / 63 / 64 / 65, a chunk boundary +-1, 10602, 163336, ragged batches and plans with many merge
+groups, the other operand order; a rerun is bit-identical; refusals leave pool and outputs untouched; a CUDA-graph
+replay of a step equals the eager step bit for bit."""
 
 from __future__ import annotations
 
@@ -12,68 +13,32 @@ import pytest
 import torch
 
 import foldkv
-from foldkv import FoldKvInputError, KvFormat, PagedKvLayout, PagedKvPool
+from foldkv import FoldKvInputError, KvFormat, PagedKvLayout, gates
 from foldkv.kernels.decode import decode, plan_decode
 
 pytestmark = pytest.mark.gpu
 
 GEOM = foldkv.GEMMA4_31B
 FORMATS = [KvFormat.SPLIT, KvFormat.FOLDED]
-# bf16 output (relative rounding 2^-9) and bf16 probabilities in P.V: about 3e-3 of the norm is expected
-REL_TOL, ABS_TOL, LSE_TOL = 1e-2, 4e-2, 2e-3
 GATE_LOG = os.environ.get("FOLDKV_DECODE_GATE_LOG")  # one JSON line per gated case, for the notes
 
 
-def make_case(fmt: KvFormat, lens: list[int], seed: int, device: torch.device):
-    """A pool with `lens` random sequences prepped into scattered pages (every other row NaN), their queries at
-    the last positions in the format's form, and the block table on the device."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    pages = sum(-(-n // 64) for n in lens)
-    pool = PagedKvPool(PagedKvLayout(GEOM, fmt, 64, pages + 7), device=device, fill=float("nan"))
-    table = pool.allocate(lens, scatter_seed=seed, pad_pages=2, pad_value=-1)
-    q_norm_w = torch.rand(GEOM.head_dim, generator=gen, device=device) * 0.15 + 0.05  # scores of a few units
-    k_norm_w = torch.rand(GEOM.head_dim, generator=gen, device=device) + 0.5
-    kv = [torch.randn(n, GEOM.num_kv_heads, GEOM.head_dim, generator=gen, device=device) for n in lens]
-    foldkv.fill_sequences(pool, table, kv, k_norm_w)
-    q = torch.randn(len(lens), GEOM.num_q_heads, GEOM.head_dim, generator=gen, device=device)
-    positions = torch.tensor(lens, device=device) - 1
-    query = foldkv.prep_query(GEOM, fmt, q, q_norm_w, k_norm_w, positions).contiguous()
-    return pool, query, table.to(device)
-
-
-def poisoned_outputs(batch: int, device):
-    """out/lse as views of buffers one row longer, all NaN: the guard row must stay NaN."""
-    out_buf = torch.full((batch + 1, GEOM.num_q_heads, GEOM.head_dim), float("nan"), dtype=torch.bfloat16,
-                         device=device)
-    lse_buf = torch.full((batch + 1, GEOM.num_q_heads), float("nan"), dtype=torch.float32, device=device)
-    return out_buf, lse_buf
+def make_case(fmt: KvFormat, lens: list[int], seed: int, device: torch.device, **plan_kw) -> gates.GateInputs:
+    return gates.make_inputs(gates.Case(f"{len(lens)}x{max(lens)}", tuple(lens), **plan_kw), fmt, device, seed)
 
 
 def gate(fmt, lens, seed, device, backend="jit", **plan_kw):
-    pool, query, table = make_case(fmt, lens, seed, device)
-    plan = plan_decode(pool.layout, lens, device=device, **plan_kw)
-    out_buf, lse_buf = poisoned_outputs(len(lens), device)
-    out, lse = decode(pool, query, table, plan=plan, out=out_buf[:-1], lse=lse_buf[:-1], backend=backend)
-    torch.cuda.synchronize()
-    assert out.data_ptr() == out_buf.data_ptr() and lse.data_ptr() == lse_buf.data_ptr()
-    assert torch.isfinite(out).all() and torch.isfinite(lse).all(), "an output element was not written"
-    assert torch.isnan(out_buf[-1]).all() and torch.isnan(lse_buf[-1]).all(), "written past the batch"
-
-    ref_out, ref_lse = foldkv.paged_attention_reference(pool, query, table)  # float64, head order, natural log
-    err = out.double() - ref_out
-    rel = float(err.norm() / ref_out.norm())
-    max_abs = float(err.abs().max())
-    lse_err = float((lse.double() - ref_lse).abs().max())
-    row = dict(format=fmt.value, backend=backend, lens=lens if len(lens) <= 8 else f"{len(lens)} requests", plan=plan_kw,
-               chunks=plan.num_chunks, groups=plan.num_groups, max_abs=max_abs, rel=rel, lse_max_abs=lse_err)
+    """`foldkv.gates.run_case` on one decode case, then the same call again: a moving result is a race."""
+    inputs = make_case(fmt, lens, seed, device, **plan_kw)
+    res = gates.run_case(inputs, gates.decode_arm(backend))
+    row = gates.summary_row(inputs.case, fmt, backend, res)
     if GATE_LOG:
         with open(GATE_LOG, "a") as fh:
             fh.write(json.dumps(row) + "\n")
-    assert rel < REL_TOL and max_abs < ABS_TOL and lse_err < LSE_TOL * max(1.0, float(ref_lse.abs().max())), row
-
-    # same inputs again: a moving result is a race
-    out2, lse2 = decode(pool, query, table, plan=plan, backend=backend)
-    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+    assert res["passed"], row
+    out, lse = res["outputs"]
+    again = gates.run_case(inputs, gates.decode_arm(backend))["outputs"]
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
 
 
 @pytest.mark.parametrize("length", [1, 63, 64, 65, 10602, 163336])
@@ -121,11 +86,11 @@ def test_other_operand_order(cuda_device, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cuda_graph_replay_matches_eager(cuda_device, fmt):
     lens = [10602, 97]
-    pool, query, table = make_case(fmt, lens, 3, cuda_device)
+    inputs = make_case(fmt, lens, 3, cuda_device)
+    pool, query, table = inputs.pool, inputs.query, inputs.table
     plan = plan_decode(pool.layout, lens, device=cuda_device)
     eager_out, eager_lse = decode(pool, query, table, plan=plan)  # checked once, compiles the kernels
-    out, lse = poisoned_outputs(len(lens), cuda_device)
-    out, lse = out[:-1], lse[:-1]
+    out, lse = gates.poisoned_outputs(len(lens), GEOM, cuda_device, pad_rows=0)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
@@ -143,9 +108,9 @@ def test_cuda_graph_replay_matches_eager(cuda_device, fmt):
 def test_refusals_write_nothing(cuda_device, bad):
     fmt = KvFormat.FOLDED
     lens = [130, 5]
-    pool, query, table = make_case(fmt, lens, 2, cuda_device)
-    plan, out, lse = plan_decode(pool.layout, lens, device=cuda_device), None, None
-    out_buf, lse_buf = poisoned_outputs(len(lens), cuda_device)
+    inputs = make_case(fmt, lens, 2, cuda_device)
+    pool, query, table = inputs.pool, inputs.query, inputs.table
+    out_buf, lse_buf = gates.poisoned_outputs(len(lens), GEOM, cuda_device, pad_rows=1)
     kw = {}
     if bad == "page_id":
         table.page_ids[0, 1] = pool.layout.num_pages

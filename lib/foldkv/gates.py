@@ -43,6 +43,7 @@ class Case:
     seq_lens: tuple[int, ...]
     q_lens: tuple[int, ...] | None = None  # None: decode
     chunk_tokens: int | None = None  # decode chunking override (to put a length on a chunk boundary)
+    merge_group: int | None = None  # decode merge-group override (more merge groups than the default plan makes)
     score_scale: float = 1.0
     scattered: bool = True
 
@@ -281,7 +282,7 @@ def decode_arm(backend: str = "jit") -> Callable:
         from .kernels.decode import decode, plan_decode
 
         plan = plan_decode(inputs.pool.layout, inputs.case.seq_lens, device=inputs.pool.device,
-                           chunk_tokens=inputs.case.chunk_tokens)
+                           chunk_tokens=inputs.case.chunk_tokens, merge_group=inputs.case.merge_group)
         return decode(inputs.pool, inputs.query, inputs.table, plan=plan, out=out, lse=lse, backend=backend)
 
     return launch
