@@ -52,7 +52,7 @@ def merge_groups_program(geom: AttentionGeometry, *, threads: int = MERGE_THREAD
     vec = _cols_per_thread(geom, threads)
     num_slots, num_groups = T.dynamic("num_slots"), T.dynamic("num_groups")
     f32, i32 = "float32", "int32"
-    merge_partials = _merge_partials_macro(vec)
+    merge_partials = _merge_partials_macro(vec, via_group_first=False)
 
     @T.prim_func
     def merge_groups(
@@ -70,7 +70,7 @@ def merge_groups_program(geom: AttentionGeometry, *, threads: int = MERGE_THREAD
             first = group_first[g]
             count = group_count[g]
             # --- reads: every member's LSE and this thread's columns of every member's o ---
-            merge_partials(part_o, part_lse, h, tx, first, count, acc, lse_blk, o_blk, state)
+            merge_partials(part_o, part_lse, group_first, h, tx, first, count, acc, lse_blk, o_blk, state)
             # --- all reads of the group's slots are done before anyone stores into its first slot ---
             if barrier:
                 T.sync_threads()
@@ -83,26 +83,32 @@ def merge_groups_program(geom: AttentionGeometry, *, threads: int = MERGE_THREAD
     return merge_groups
 
 
-def _merge_partials_macro(vec: int):
-    """Online merge of the `count` partials at slots first .. first + count - 1, UNROLL at a time: the loads of a
-    block are independent (predicated past `count`), so a block costs one round trip to memory instead of UNROLL
-    dependent ones. Leaves (running max, weight sum) in `state` and the unnormalised columns in `acc`."""
+def _merge_partials_macro(vec: int, *, via_group_first: bool):
+    """Online merge of `count` partials, UNROLL at a time: the loads of a block are independent (predicated past
+    `count`), so a block costs one round trip to memory instead of UNROLL dependent ones. Member i is slot first + i
+    (level one: a group's members), or slot group_first[first + i] (level two: `first` is the request's first group;
+    the index is clamped to the last group so that no load past the request's groups is issued). Leaves (running max,
+    weight sum) in `state` and the unnormalised columns in `acc`."""
     import tilelang.language as T
 
     f32 = "float32"
 
+    def slot_of(group_first, first, count, member):
+        return group_first[T.min(first + member, first + count - 1)] if via_group_first else first + member
+
     @T.macro
-    def merge_partials(part_o, part_lse, h, tx, first, count, acc, lse_blk, o_blk, state):
+    def merge_partials(part_o, part_lse, group_first, h, tx, first, count, acc, lse_blk, o_blk, state):
         state[0] = -T.infinity(f32)
         state[1] = 0.0
         for j in T.serial(vec):
             acc[j] = 0.0
         for b in T.serial(T.ceildiv(count, UNROLL)):
             for u in T.unroll(UNROLL):
-                slot = first + b * UNROLL + u
-                lse_blk[u] = T.if_then_else(b * UNROLL + u < count, part_lse[slot, h], -T.infinity(f32))
+                live = b * UNROLL + u < count
+                slot = slot_of(group_first, first, count, b * UNROLL + u)
+                lse_blk[u] = T.if_then_else(live, part_lse[slot, h], -T.infinity(f32))
                 for j in T.vectorized(vec):
-                    o_blk[u, j] = T.if_then_else(b * UNROLL + u < count, part_o[slot, h, tx * vec + j], 0.0)
+                    o_blk[u, j] = T.if_then_else(live, part_o[slot, h, tx * vec + j], 0.0)
             block_max = T.alloc_var(f32)
             block_max = state[0]
             for u in T.unroll(UNROLL):
@@ -130,6 +136,7 @@ def merge_final_program(geom: AttentionGeometry, *, threads: int = MERGE_THREADS
     vec = _cols_per_thread(geom, threads)
     num_slots, num_groups, batch = T.dynamic("num_slots"), T.dynamic("num_groups"), T.dynamic("batch")
     f32, i32, bf16 = "float32", "int32", "bfloat16"
+    merge_slots = _merge_partials_macro(vec, via_group_first=True)  # the same online merge as level one
 
     @T.prim_func
     def merge_final(
@@ -148,33 +155,8 @@ def merge_final_program(geom: AttentionGeometry, *, threads: int = MERGE_THREADS
             lse_blk = T.alloc_local((UNROLL,), f32)
             o_blk = T.alloc_local((UNROLL, vec), f32)
             state = T.alloc_local((2,), f32)
-            block_max = T.alloc_var(f32)
-            g0 = req_group_first[r]
-            ng = req_group_count[r]
-            state[0] = -T.infinity(f32)
-            state[1] = 0.0
-            for j in T.serial(vec):
-                acc[j] = 0.0
-            for b in T.serial(T.ceildiv(ng, UNROLL)):
-                for u in T.unroll(UNROLL):
-                    live = b * UNROLL + u < ng
-                    slot = group_first[T.min(g0 + b * UNROLL + u, g0 + ng - 1)]
-                    lse_blk[u] = T.if_then_else(live, part_lse[slot, h], -T.infinity(f32))
-                    for j in T.vectorized(vec):
-                        o_blk[u, j] = T.if_then_else(live, part_o[slot, h, tx * vec + j], 0.0)
-                block_max = state[0]
-                for u in T.unroll(UNROLL):
-                    block_max = T.max(block_max, lse_blk[u])
-                rescale = T.exp2(state[0] - block_max)
-                state[1] = state[1] * rescale
-                for j in T.serial(vec):
-                    acc[j] = acc[j] * rescale
-                for u in T.unroll(UNROLL):
-                    weight = T.exp2(lse_blk[u] - block_max)
-                    state[1] = state[1] + weight
-                    for j in T.vectorized(vec):
-                        acc[j] = acc[j] + weight * o_blk[u, j]
-                state[0] = block_max
+            merge_slots(part_o, part_lse, group_first, h, tx, req_group_first[r], req_group_count[r], acc, lse_blk,
+                        o_blk, state)
             for j in T.serial(vec):
                 out[r, h, value_head_column[tx * vec + j]] = T.cast(acc[j] / state[1], bf16)
             if tx == 0:
