@@ -54,6 +54,24 @@ def test_barrier_check_names_missing_kernel(merge_groups_source):
         cuda_checks.check_in_place_merge("merge_final", merge_groups_source)
 
 
+def test_barrier_check_reports_a_kernel_that_stores_before_it_reads():
+    """Store, barrier, read back: every pair is separated, so it passes; there is no read before the first store to
+    report (the check's report says so instead of failing)."""
+    source = """extern "C" __global__ void __launch_bounds__(128, 1) k_kernel(float* __restrict__ buf) {
+  buf[threadIdx.x] = 1.0f;
+  __syncthreads();
+  float x = buf[127 - threadIdx.x];
+  __syncthreads();
+  buf[threadIdx.x] = x;
+}
+"""
+    report = cuda_checks.check_in_place_merge("k", source)
+    assert report.in_place_buffers == ("buf",) and report.last_read is None and report.barrier is None
+    assert report.pairs_checked == 2
+    with pytest.raises(cuda_checks.BarrierCheckError, match="none between them"):
+        cuda_checks.check_in_place_merge("k", source.replace("__syncthreads();", "", 1))
+
+
 def test_every_in_place_variant_is_checked_at_generation():
     in_place = [v for v in registry.all_variants() if v.in_place_merge]
     assert [v.name for v in in_place] == ["merge_groups"]

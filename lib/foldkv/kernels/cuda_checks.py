@@ -16,6 +16,8 @@ The rule reads the body as straight-line code, which the merges are (their loops
 Anything else raises `BarrierCheckError` naming the kernel.
 """
 
+from __future__ import annotations
+
 import re
 from dataclasses import dataclass
 
@@ -28,9 +30,9 @@ class BarrierCheckError(RuntimeError):
 class BarrierReport:
     kernel: str
     in_place_buffers: tuple[str, ...]
-    last_read: int  # character offsets in the kernel body: the last read before the first store (level one)
-    barrier: int  # the first unconditional barrier between them
-    first_store: int
+    last_read: int | None  # character offsets in the kernel body: the last read before the first store (None: the
+    barrier: int | None  # kernel stores before it reads), the first unconditional barrier between them,
+    first_store: int  # the first store
     pairs_checked: int  # (read, store) pairs of one buffer found separated by an unconditional barrier
 
 
@@ -127,6 +129,6 @@ def check_in_place_merge(kernel: str, source: str) -> BarrierReport:
                 )
     in_place = tuple(accesses)
     first_store = min(s for _, stores in accesses.values() for s in stores)
-    last_read = max(r for reads, _ in accesses.values() for r in reads if r < first_store)
-    barrier = min(b for b in unconditional if last_read < b < first_store)
+    last_read = max((r for reads, _ in accesses.values() for r in reads if r < first_store), default=None)
+    barrier = None if last_read is None else min(b for b in unconditional if last_read < b < first_store)
     return BarrierReport(kernel, in_place, last_read, barrier, first_store, pairs)
