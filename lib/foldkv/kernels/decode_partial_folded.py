@@ -36,8 +36,7 @@ LOG2E = math.log2(math.e)
 # token_major (default): S^T = K Q^T and O^T = V^T P^T, so the MMA's M is the 64 tokens of a tile and Hopper's wgmma
 # applies (M >= 64); head_major: S = Q K^T with the 8 heads padded to M = 16, mma.sync (version 1, kept for the
 # benchmark: its score gemm is a 32-long dependent chain of mma.sync per warp, which bounds the consumer).
-# query_tma: the query tile by TMA, so the producer's first pool load need not wait for all threads to load it
-# (version 4, ~1 us at short lengths; DECODE_NOTES.md run 5).
+# query_tma: the query tiles by TMA (_load_query_macro).
 DEFAULTS = dict(page_size=64, block_n=64, num_stages=2, threads=128, block_h=16, operand_order="token_major",
                 query_tma=True)
 
@@ -46,8 +45,7 @@ def decode_partial_folded_program(geom: AttentionGeometry, *, operand_order: str
     """The TileLang prim_func of the folded partial kernel for one geometry, operand order and tiling."""
     if operand_order == "token_major":
         return _token_major_program(geom, **tiling)
-    if operand_order == "head_major":  # version 1: all threads load the query
-        tiling = {k: v for k, v in tiling.items() if k != "query_tma"}
+    if operand_order == "head_major":
         return _head_major_program(geom, **tiling)
     raise ValueError(f"operand_order={operand_order!r}: expected 'token_major' or 'head_major'")
 
@@ -66,6 +64,7 @@ def _token_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_
                                                                        "num_chunks"))
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     scale = LOG2E  # Gemma 4 global attention: scaling 1.0, so exp(s) = exp2(s * log2 e)
+    load_query = _load_query_macro(geom, block_h, query_tma)
 
     @T.prim_func
     def decode_partial_folded(
@@ -79,9 +78,7 @@ def _token_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_
         part_lse: T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
     ):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
-            # rows >= 8 of the query tiles: the next KV head's queries (TMA; zero past the last head) or zeros
-            # (version 3); either way their columns of S^T and O^T are never stored
-            q_rot = T.alloc_shared((block_h, rot), bf16)  # [16, R]
+            q_rot = T.alloc_shared((block_h, rot), bf16)  # [16, R]   rows >= 8: see _load_query_macro
             q_unrot = T.alloc_shared((block_h, unrot), bf16)  # [16, D-R]
             k_rot = T.alloc_shared((block_n, rot), bf16)  # [N, R]   row[0:R]
             v_unrot = T.alloc_shared((block_n, unrot), bf16)  # [N, D-R] row[R:D]: a key column and a value column
@@ -99,14 +96,7 @@ def _token_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_
             req = chunk_req[c]
             start = chunk_start[c]
             n_tok = chunk_len[c]
-            if query_tma:  # one TMA per window: the producer's first pool load does not wait for it
-                T.copy(query[req, kvh * group:kvh * group + block_h, 0:rot], q_rot)
-                T.copy(query[req, kvh * group:kvh * group + block_h, rot:d], q_unrot)
-            else:  # version 3: every thread loads, then a block barrier before the pipeline starts
-                for i, j in T.Parallel(block_h, rot):
-                    q_rot[i, j] = T.if_then_else(i < group, query[req, kvh * group + i, j], T.cast(0, bf16))
-                for i, j in T.Parallel(block_h, unrot):
-                    q_unrot[i, j] = T.if_then_else(i < group, query[req, kvh * group + i, rot + j], T.cast(0, bf16))
+            load_query(query, req, kvh, q_rot, q_unrot)
             T.fill(acc_o_unrot, 0)
             T.fill(acc_o_rot, 0)
             T.fill(denom, 0)
@@ -160,7 +150,7 @@ def _token_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_
 
 
 def _head_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 32, num_stages: int = 3,
-                        threads: int = 128, block_h: int = 16):
+                        threads: int = 128, block_h: int = 16, query_tma: bool = True):
     """Version 1: scores [16 padded heads, N] with mma.sync (M = 16), warps split the tokens."""
     require_tilelang()
     import tilelang.language as T
@@ -172,6 +162,7 @@ def _head_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_n
                                                                        "num_chunks"))
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     scale = LOG2E  # Gemma 4 global attention: scaling 1.0, so exp(s) = exp2(s * log2 e)
+    load_query = _load_query_macro(geom, block_h, query_tma)
 
     @T.prim_func
     def decode_partial_folded(
@@ -185,7 +176,7 @@ def _head_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_n
         part_lse: T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
     ):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
-            q_rot = T.alloc_shared((block_h, rot), bf16)  # [16, R]   rows >= 8 are zero padding
+            q_rot = T.alloc_shared((block_h, rot), bf16)  # [16, R]   rows >= 8: see _load_query_macro
             q_unrot = T.alloc_shared((block_h, unrot), bf16)  # [16, D-R]
             k_rot = T.alloc_shared((block_n, rot), bf16)  # [N, R]   row[0:R]
             v_unrot = T.alloc_shared((block_n, unrot), bf16)  # [N, D-R] row[R:D]: a key column and a value column
@@ -203,10 +194,7 @@ def _head_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_n
             req = chunk_req[c]
             start = chunk_start[c]
             n_tok = chunk_len[c]
-            for i, j in T.Parallel(block_h, rot):
-                q_rot[i, j] = T.if_then_else(i < group, query[req, kvh * group + i, j], T.cast(0, bf16))
-            for i, j in T.Parallel(block_h, unrot):
-                q_unrot[i, j] = T.if_then_else(i < group, query[req, kvh * group + i, rot + j], T.cast(0, bf16))
+            load_query(query, req, kvh, q_rot, q_unrot)
             T.fill(acc_o_unrot, 0)
             T.fill(acc_o_rot, 0)
             T.fill(denom, 0)
@@ -257,6 +245,32 @@ def _head_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_n
                     part_lse[c, kvh * group + i] = T.log2(denom[i]) + row_max[i] * scale
 
     return decode_partial_folded
+
+
+def _load_query_macro(geom: AttentionGeometry, block_h: int, query_tma: bool):
+    """The KV head's 8 query heads into the two padded [16, R] / [16, D-R] score-window tiles, for either operand
+    order. query_tma (default): one TMA per window, so the producer's first pool load does not wait for the query
+    (version 4, ~1 us at short lengths; DECODE_NOTES.md run 5); rows >= 8 are then the next KV head's queries (zero
+    past the last head). Otherwise (version 3) every thread loads, rows >= 8 zero, then a block barrier. Either way
+    the padded rows' scores and outputs are never stored."""
+    import tilelang.language as T
+
+    rot, d, group = geom.rotary_width, geom.head_dim, geom.group_size
+    unrot = d - rot
+
+    @T.macro
+    def load_query(query, req, kvh, q_rot, q_unrot):
+        if query_tma:
+            T.copy(query[req, kvh * group:kvh * group + block_h, 0:rot], q_rot)
+            T.copy(query[req, kvh * group:kvh * group + block_h, rot:d], q_unrot)
+        else:
+            for i, j in T.Parallel(block_h, rot):
+                q_rot[i, j] = T.if_then_else(i < group, query[req, kvh * group + i, j], T.cast(0, "bfloat16"))
+            for i, j in T.Parallel(block_h, unrot):
+                q_unrot[i, j] = T.if_then_else(i < group, query[req, kvh * group + i, rot + j],
+                                               T.cast(0, "bfloat16"))
+
+    return load_query
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,8 +33,7 @@ LOG2E = math.log2(math.e)
 # one stage fits; K and V are separate buffers that the warp-specialised pipeline releases separately (K after the
 # score gemm, V after P V), so the next K load overlaps the current softmax and P V: measured fastest (run 2, notes).
 # head_major: S = Q K^T with the 8 heads padded to M = 16 (mma.sync), warps split the tokens (version 1).
-# query_tma: the query tile by TMA, so the producer's first pool load need not wait for all threads to load it
-# (version 4, ~1 us at short lengths; DECODE_NOTES.md run 5).
+# query_tma: the query tile by TMA (_load_query_macro).
 DEFAULTS = dict(page_size=64, block_n=64, num_stages=1, threads=128, block_h=16, operand_order="token_major",
                 query_tma=True)
 
@@ -43,8 +42,7 @@ def decode_partial_split_program(geom: AttentionGeometry, *, operand_order: str 
     """The TileLang prim_func of the split partial kernel for one geometry, operand order and tiling."""
     if operand_order == "token_major":
         return _token_major_program(geom, **tiling)
-    if operand_order == "head_major":  # version 1: all threads load the query
-        tiling = {k: v for k, v in tiling.items() if k != "query_tma"}
+    if operand_order == "head_major":
         return _head_major_program(geom, **tiling)
     raise ValueError(f"operand_order={operand_order!r}: expected 'token_major' or 'head_major'")
 
@@ -62,6 +60,7 @@ def _token_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_
                                                                        "num_chunks"))
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     scale = LOG2E
+    load_query = _load_query_macro(geom, block_h, query_tma)
 
     @T.prim_func
     def decode_partial_split(
@@ -75,9 +74,7 @@ def _token_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_
         part_lse: T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
     ):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
-            # rows >= 8 of q_s: the next KV head's queries (TMA; zero past the last head) or zeros (version 3);
-            # either way their columns of S^T and O^T are never stored
-            q_s = T.alloc_shared((block_h, d), bf16)  # [16, D]
+            q_s = T.alloc_shared((block_h, d), bf16)  # [16, D]  rows >= 8: see _load_query_macro
             k_s = T.alloc_shared((block_n, d), bf16)  # [N, D]   row[0:D]
             v_s = T.alloc_shared((block_n, d), bf16)  # [N, D]   row[D:2D]
             p_shared = T.alloc_shared((block_n, block_h), bf16)  # P^T [N, 16]
@@ -92,11 +89,7 @@ def _token_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_
             req = chunk_req[c]
             start = chunk_start[c]
             n_tok = chunk_len[c]
-            if query_tma:  # one TMA: the producer's first pool load does not wait for it
-                T.copy(query[req, kvh * group:kvh * group + block_h, 0:d], q_s)
-            else:  # version 3: every thread loads, then a block barrier before the pipeline starts
-                for i, j in T.Parallel(block_h, d):
-                    q_s[i, j] = T.if_then_else(i < group, query[req, kvh * group + i, j], T.cast(0, bf16))
+            load_query(query, req, kvh, q_s)
             T.fill(acc_o, 0)
             T.fill(denom, 0)
             T.fill(head_max, -T.infinity(f32))
@@ -139,7 +132,7 @@ def _token_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_
 
 
 def _head_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 32, num_stages: int = 2,
-                        threads: int = 128, block_h: int = 16):
+                        threads: int = 128, block_h: int = 16, query_tma: bool = True):
     """Scores [16 padded heads, N] with mma.sync (M = 16), warps split the tokens."""
     require_tilelang()
     import tilelang.language as T
@@ -151,6 +144,7 @@ def _head_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_n
                                                                        "num_chunks"))
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     scale = LOG2E  # Gemma 4 global attention: scaling 1.0, so exp(s) = exp2(s * log2 e)
+    load_query = _load_query_macro(geom, block_h, query_tma)
 
     @T.prim_func
     def decode_partial_split(
@@ -164,7 +158,7 @@ def _head_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_n
         part_lse: T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
     ):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
-            q_s = T.alloc_shared((block_h, d), bf16)  # [16, D]  rows >= 8 are zero padding
+            q_s = T.alloc_shared((block_h, d), bf16)  # [16, D]  rows >= 8: see _load_query_macro
             k_s = T.alloc_shared((block_n, d), bf16)  # [N, D]   row[0:D]
             v_s = T.alloc_shared((block_n, d), bf16)  # [N, D]   row[D:2D]
             p_shared = T.alloc_shared((block_h, block_n), bf16)  # probabilities, shared by the warps' P.V gemm
@@ -179,8 +173,7 @@ def _head_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_n
             req = chunk_req[c]
             start = chunk_start[c]
             n_tok = chunk_len[c]
-            for i, j in T.Parallel(block_h, d):
-                q_s[i, j] = T.if_then_else(i < group, query[req, kvh * group + i, j], T.cast(0, bf16))
+            load_query(query, req, kvh, q_s)
             T.fill(acc_o, 0)
             T.fill(denom, 0)
             T.fill(row_max, -T.infinity(f32))
@@ -220,6 +213,26 @@ def _head_major_program(geom: AttentionGeometry, *, page_size: int = 64, block_n
                     part_lse[c, kvh * group + i] = T.log2(denom[i]) + row_max[i] * scale
 
     return decode_partial_split
+
+
+def _load_query_macro(geom: AttentionGeometry, block_h: int, query_tma: bool):
+    """The KV head's 8 query heads into the padded [16, D] tile, for either operand order. query_tma (default): one
+    TMA, so the producer's first pool load does not wait for the query (version 4; DECODE_NOTES.md run 5); rows >= 8
+    are then the next KV head's queries (zero past the last head). Otherwise (version 3) every thread loads, rows
+    >= 8 zero, then a block barrier. Either way the padded rows' scores and outputs are never stored."""
+    import tilelang.language as T
+
+    d, group = geom.head_dim, geom.group_size
+
+    @T.macro
+    def load_query(query, req, kvh, q_s):
+        if query_tma:
+            T.copy(query[req, kvh * group:kvh * group + block_h, 0:d], q_s)
+        else:
+            for i, j in T.Parallel(block_h, d):
+                q_s[i, j] = T.if_then_else(i < group, query[req, kvh * group + i, j], T.cast(0, "bfloat16"))
+
+    return load_query
 
 
 @functools.lru_cache(maxsize=None)
