@@ -1,4 +1,10 @@
-"""foldkv: folded KV pages for Gemma 4's k_eq_v global attention (layout, prep, references, generated kernels)."""
+"""foldkv: folded KV pages for Gemma 4's k_eq_v global attention (layout, prep, references, generated kernels).
+
+Shapes in the docstrings: T tokens, B requests, Hq query heads, Hkv KV heads, D head_dim, R rotated columns
+(32, 4, 512, 128 for the 31B); a page row is row_width = 2D (split) or D + R (folded) wide. The entry points:
+PagedKvPool / PagedKvLayout / BlockTable (pool.py), prep_and_store (prep.py), paged_attention_reference
+(reference.py); the kernels' launchers are foldkv.kernels.decode.decode and foldkv.kernels.prefill.prefill.
+"""
 
 from .config import GEMMA4_31B, PRESETS, AttentionGeometry, ConfigError, geometry_from_config, resolve_geometry
 from .layout import (

@@ -33,7 +33,8 @@ class DecodeBytes:
 
 def decode_bytes(geom: AttentionGeometry, fmt: KvFormat | str, context: int, *, batch: int = 1,
                  bandwidth_gbps: float, page_size: int = 64, elem_bytes: int = 2) -> DecodeBytes:
-    """Bytes one decode step reads for `batch` requests of `context` tokens, and the floor time at a bandwidth."""
+    """Bytes one decode step reads for `batch` requests of `context` tokens, and the floor time at a bandwidth
+    (GB/s). Plain numbers, no tensors: `elem_bytes` is the stored element's size (2: bf16)."""
     if context < 1 or batch < 1 or bandwidth_gbps <= 0:
         raise ValueError(f"context={context}, batch={batch}, bandwidth_gbps={bandwidth_gbps} must all be positive")
     lay = PagedKvLayout(geom, KvFormat.parse(fmt), page_size=page_size)

@@ -31,13 +31,14 @@ class KvFormat(str, enum.Enum):
 
 
 def rotated_columns(geom: AttentionGeometry) -> torch.Tensor:
-    """Head columns proportional RoPE rotates, ascending: [0, R/2) and [D/2, D/2 + R/2) (128 of 512 for the 31B)."""
+    """Head columns proportional RoPE rotates, ascending: [0, R/2) and [D/2, D/2 + R/2) (128 of 512 for the 31B).
+    [R] int64 on the CPU, as are all the column maps here."""
     half, pairs = geom.head_dim // 2, geom.rotary_pairs
     return torch.cat([torch.arange(pairs), torch.arange(half, half + pairs)])
 
 
 def unrotated_columns(geom: AttentionGeometry) -> torch.Tensor:
-    """Head columns RoPE leaves as they are (zero frequency), ascending: there K == V * w_k exactly."""
+    """Head columns RoPE leaves as they are (zero frequency), ascending: there K == V * w_k exactly. [D - R] int64."""
     mask = torch.ones(geom.head_dim, dtype=torch.bool)
     mask[rotated_columns(geom)] = False
     return torch.nonzero(mask).flatten()
@@ -62,7 +63,8 @@ def value_window(geom: AttentionGeometry, fmt: KvFormat | str) -> slice:
 
 
 def folded_row_sources(geom: AttentionGeometry) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each folded-row column p: (is_key[p], head_column[p]). K_rot, then V_unrot, then V_rot."""
+    """For each folded-row column p: (is_key[p], head_column[p]), [D + R] bool and [D + R] int64 on the CPU.
+    K_rot, then V_unrot, then V_rot."""
     rot, unrot = rotated_columns(geom), unrotated_columns(geom)
     head_col = torch.cat([rot, unrot, rot])
     is_key = torch.zeros(head_col.numel(), dtype=torch.bool)
@@ -71,21 +73,23 @@ def folded_row_sources(geom: AttentionGeometry) -> tuple[torch.Tensor, torch.Ten
 
 
 def value_window_columns(geom: AttentionGeometry, fmt: KvFormat | str) -> torch.Tensor:
-    """Head column held at each position of the value window (identity for split; unrot then rot for folded)."""
+    """Head column held at each position of the value window (identity for split; unrot then rot for folded):
+    [D] int64."""
     if KvFormat.parse(fmt) is KvFormat.SPLIT:
         return torch.arange(geom.head_dim)
     return torch.cat([unrotated_columns(geom), rotated_columns(geom)])
 
 
 def score_window_columns(geom: AttentionGeometry, fmt: KvFormat | str) -> torch.Tensor:
-    """Head column held at each position of the score window (identity for split; rot then unrot for folded)."""
+    """Head column held at each position of the score window (identity for split; rot then unrot for folded):
+    [D] int64."""
     if KvFormat.parse(fmt) is KvFormat.SPLIT:
         return torch.arange(geom.head_dim)
     return torch.cat([rotated_columns(geom), unrotated_columns(geom)])
 
 
 def value_window_to_head(geom: AttentionGeometry, fmt: KvFormat | str) -> torch.Tensor:
-    """Index `inv` with out_head = out_window[..., inv]: the inverse of `value_window_columns`."""
+    """Index `inv` [D] int64 with out_head = out_window[..., inv]: the inverse of `value_window_columns`."""
     cols = value_window_columns(geom, fmt)
     inv = torch.empty_like(cols)
     inv[cols] = torch.arange(cols.numel())
@@ -93,8 +97,9 @@ def value_window_to_head(geom: AttentionGeometry, fmt: KvFormat | str) -> torch.
 
 
 def rows_to_head_order(rows: torch.Tensor, geom: AttentionGeometry, fmt: KvFormat | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Recover (K, V) in head order from page rows [..., row_width]. For folded rows, K's unrotated columns cannot be
-    recovered without w_k, so K is returned with only its rotated columns (the rest NaN) - callers use `V * w_k`."""
+    """Recover (K, V) [..., D] each, in head order, from page rows [..., row_width] (same dtype and device; split:
+    views of the rows). For folded rows, K's unrotated columns cannot be recovered without w_k, so K is returned
+    with only its rotated columns (the rest NaN) - callers use `V * w_k`."""
     fmt = KvFormat.parse(fmt)
     d = geom.head_dim
     if fmt is KvFormat.SPLIT:

@@ -18,8 +18,9 @@ GIB = 1 << 30
 class PagedKvLayout:
     """One global layer's pool: `num_pages` pages of `page_size` tokens, each [num_kv_heads, page_size, row_width].
 
-    The tensor is [num_pages, num_kv_heads, page_size, row_width]: one (page, KV head) is a contiguous
-    page_size x row_width tile, the unit a decode CTA streams.
+    The tensor is [num_pages, num_kv_heads, page_size, row_width] of `dtype` (bf16 by default; the kernels read
+    bf16 only, the references any of bf16/fp16/float32/float64): one (page, KV head) is a contiguous
+    page_size x row_width tile, the unit a decode CTA streams. row_width is 2D (split) or D + R (folded).
     """
 
     geometry: AttentionGeometry = GEMMA4_31B
@@ -66,7 +67,8 @@ class PagedKvLayout:
 
     @classmethod
     def for_tokens(cls, tokens: int, **kw) -> "PagedKvLayout":
-        """A layout with just enough pages for `tokens` tokens."""
+        """A layout with just enough pages for `tokens` tokens; `kw` are the other fields (geometry, format,
+        page_size, dtype)."""
         base = cls(**kw)
         return base.with_pages(base.pages_for(tokens))
 
@@ -74,7 +76,10 @@ class PagedKvLayout:
 @dataclass
 class BlockTable:
     """Pages of each request of a batch: page_ids [batch, max_pages] int32 (entries past a request's pages are
-    padding and never read) and seq_lens [batch] int32."""
+    padding and never read) and seq_lens [batch] int32, the tokens each request holds.
+
+    `PagedKvPool.allocate` makes both on the CPU; the kernels need them on the pool's device (`.to(device)`), the
+    prep and the references read them on any device."""
 
     page_ids: torch.Tensor
     seq_lens: torch.Tensor
@@ -93,7 +98,9 @@ class BlockTable:
 
 def check_block_table(layout: PagedKvLayout, table: BlockTable, *, max_batch: int | None = None,
                       max_len: int | None = None, device: torch.device | str | None = None) -> None:
-    """Refuse a block table that would read outside the pool or past a request's pages."""
+    """Refuse a block table that would read outside the pool or past a request's pages (FoldKvInputError): int32
+    page_ids [batch, pages] and seq_lens [batch], on `device` when given, 1 <= seq_len (<= max_len), page ids of
+    each request's pages in [0, num_pages)."""
     check_tensor("page_ids", table.page_ids, dtype=torch.int32, device=device)
     check_tensor("seq_lens", table.seq_lens, dtype=torch.int32, device=device)
     if table.page_ids.dim() != 2 or table.seq_lens.dim() != 1 or table.page_ids.shape[0] != table.seq_lens.shape[0]:
@@ -124,7 +131,10 @@ def check_block_table(layout: PagedKvLayout, table: BlockTable, *, max_batch: in
 
 
 class PagedKvPool:
-    """A layer's pool tensor with a free-page allocator. The format is fixed for the pool's life."""
+    """A layer's pool tensor with a free-page allocator. The format is fixed for the pool's life.
+
+    data: [num_pages, Hkv, page_size, row_width] of layout.dtype on `device` (uninitialised unless `fill` is given),
+    or the given `data` tensor (layout dtype and shape, contiguous; its device is the pool's)."""
 
     def __init__(self, layout: PagedKvLayout, device: torch.device | str = "cpu", fill: float | None = None,
                  data: torch.Tensor | None = None):
@@ -162,7 +172,8 @@ class PagedKvPool:
     # --- allocation -------------------------------------------------------------------------------------------
     def allocate(self, seq_lens: Sequence[int], *, scatter_seed: int | None = None, pad_pages: int = 0,
                  pad_value: int = -1) -> BlockTable:
-        """Pages for a batch of requests of `seq_lens` tokens. With `scatter_seed`, pages are drawn in a random
+        """Pages for a batch of requests of `seq_lens` tokens: a BlockTable of int32 CPU tensors, page_ids
+        [batch, max pages + pad_pages], seq_lens [batch]. With `scatter_seed`, pages are drawn in a random
         order (scattered page tables). `pad_pages` extra columns hold `pad_value` (never read)."""
         lens = [int(n) for n in seq_lens]
         if not lens or min(lens) < 1:
@@ -183,13 +194,14 @@ class PagedKvPool:
         return BlockTable(ids, torch.tensor(lens, dtype=torch.int32))
 
     def release(self, table: BlockTable) -> None:
+        """Return each request's pages, those its seq_len covers now (ceil(seq_len / page_size)), to the free list."""
         for r in range(table.batch):
             self._free.extend(int(p) for p in table.pages_of(r, self.layout.page_size))
 
     # --- rows -------------------------------------------------------------------------------------------------
     def token_slots(self, table: BlockTable, request: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page, offset) of each token given its request index and position; refuses a position past the request's
-        pages."""
+        """(page, offset) of each token given its request index and position: request, positions [T] integer on
+        any device -> pages, offsets [T] int64 on the CPU. Refuses a position at or past the request's length."""
         request = request.to("cpu", torch.long)
         positions = positions.to("cpu", torch.long)
         check_index_range("request index", request, 0, table.batch)
@@ -209,7 +221,8 @@ class PagedKvPool:
         return pages, positions % self.layout.page_size
 
     def gather(self, table: BlockTable, request: int) -> torch.Tensor:
-        """Rows of one request in token order: [seq_len, num_kv_heads, row_width]."""
+        """Rows of one request in token order: [seq_len, num_kv_heads, row_width], a copy in the pool's dtype on its
+        device."""
         n = int(table.seq_lens[request])
         pages = table.pages_of(request, self.layout.page_size).to(self.device, torch.long)
         rows = self.data[pages].permute(0, 2, 1, 3).reshape(-1, self.geometry.num_kv_heads, self.layout.row_width)

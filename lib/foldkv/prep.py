@@ -26,7 +26,8 @@ def rope_inv_freq(geom: AttentionGeometry, device: torch.device | str = "cpu") -
 
 
 def rope_cos_sin(geom: AttentionGeometry, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, D] float32 for integer positions [T], computed as transformers computes them (float32 angles)."""
+    """cos, sin [T, D] float32 on positions' device for integer positions [T], computed as transformers computes them
+    (float32 angles)."""
     inv = rope_inv_freq(geom, positions.device)
     freqs = positions.to(torch.float32)[:, None] * inv[None, :]  # [T, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
@@ -65,8 +66,10 @@ def _check_prep_inputs(geom: AttentionGeometry, q, kv, q_norm_w, k_norm_w, posit
 
 def prep_query(geom: AttentionGeometry, fmt: KvFormat | str, q: torch.Tensor, q_norm_weight: torch.Tensor,
                k_norm_weight: torch.Tensor, positions: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Raw q [T, Hq, D] -> the format's query [T, Hq, D], rounded once to `out_dtype`.
+    """Raw q [T, Hq, D] -> the format's query [T, Hq, D], rounded once to `out_dtype`, on q's device.
 
+    q: float32/bf16/fp16/float64; q_norm_weight, k_norm_weight: [D] float (k_norm_weight is read by folded only);
+    positions: [T] int32/int64; all on q's device. Nothing is checked here (prep_rows_and_query checks).
     split:  RoPE(q_norm(q))
     folded: [RoPE(q_n)[rot] | q_n[unrot] * w_k[unrot]]  (score-window order; RoPE is the identity on unrot)
     """
@@ -83,8 +86,10 @@ def prep_query(geom: AttentionGeometry, fmt: KvFormat | str, q: torch.Tensor, q_
 
 def prep_rows(geom: AttentionGeometry, fmt: KvFormat | str, kv: torch.Tensor, k_norm_weight: torch.Tensor,
               positions: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Raw kv [T, Hkv, D] -> page rows [T, Hkv, row_width], rounded once to `out_dtype`.
+    """Raw kv [T, Hkv, D] -> page rows [T, Hkv, row_width], rounded once to `out_dtype`, on kv's device.
 
+    kv: float32/bf16/fp16/float64; k_norm_weight: [D] float; positions: [T] int32/int64; all on kv's device.
+    Nothing is checked here (prep_rows_and_query checks).
     split:  [RoPE(k_norm(kv)) | v_norm(kv)]            (1024 columns)
     folded: [RoPE(k_norm(kv))[rot] | V[unrot] | V[rot]] (640 columns; V = v_norm(kv), no scale)
     """
@@ -103,14 +108,19 @@ def prep_rows(geom: AttentionGeometry, fmt: KvFormat | str, kv: torch.Tensor, k_
 def prep_rows_and_query(geom: AttentionGeometry, fmt: KvFormat | str, q: torch.Tensor, kv: torch.Tensor,
                         q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, positions: torch.Tensor,
                         out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both halves of the prep, after checking every input: (query [T, Hq, D], rows [T, Hkv, row_width])."""
+    """Both halves of the prep, after checking every input: (query [T, Hq, D], rows [T, Hkv, row_width]), both
+    `out_dtype` on q's device.
+
+    q [T, Hq, D], kv [T, Hkv, D], q_norm_weight [D], k_norm_weight [D]: each float32/bf16/fp16/float64;
+    positions [T] int32/int64 in [0, max_position); all on q's device. Refusals raise FoldKvInputError."""
     _check_prep_inputs(geom, q, kv, q_norm_weight, k_norm_weight, positions)
     return (prep_query(geom, fmt, q, q_norm_weight, k_norm_weight, positions, out_dtype),
             prep_rows(geom, fmt, kv, k_norm_weight, positions, out_dtype))
 
 
 def fold_query(geom: AttentionGeometry, query_split: torch.Tensor, k_norm_weight: torch.Tensor) -> torch.Tensor:
-    """A split-form query [.., D] (already normed and rotated) in the folded score-window order with w_k folded in."""
+    """A split-form query [..., D] (already normed and rotated) in the folded score-window order with w_k folded in:
+    [..., D] float64 on query_split's device. k_norm_weight: [D] float on the same device."""
     cols = score_window_columns(geom, KvFormat.FOLDED).to(query_split.device)
     scale = torch.ones(geom.head_dim, dtype=torch.float64, device=query_split.device)
     unrot = unrotated_columns(geom).to(query_split.device)
@@ -121,9 +131,21 @@ def fold_query(geom: AttentionGeometry, query_split: torch.Tensor, k_norm_weight
 def prep_and_store(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, positions: torch.Tensor,
                    q: torch.Tensor, kv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor) -> torch.Tensor:
     """Prep T tokens (token i belongs to batch entry request[i] at position positions[i]), write their rows into
-    the pool in its format and return the query in that format's form [T, Hq, D] (pool dtype).
+    the pool in its format and return the query in that format's form.
 
-    Everything is checked before the first write: on a refusal the pool is unchanged.
+    pool: any PagedKvPool (format, dtype and device are the pool's).
+    table: BlockTable (page_ids [batch, pages], seq_lens [batch] int32, any device); positions[i] must be below
+        seq_lens[request[i]]: a request's length counts the tokens being stored.
+    request: [T] int32/int64, any device, values in [0, batch).
+    positions: [T] int32/int64, any device, values in [0, max_position).
+    q: [T, Hq, D] raw q projection, float32/bf16/fp16/float64, on the pool's device.
+    kv: [T, Hkv, D] raw k projection (k_eq_v: V is built from it too), float32/bf16/fp16/float64, on q's device.
+    q_norm_weight, k_norm_weight: [D] float32/bf16/fp16/float64 on q's device (Gemma 4's q_norm / k_norm weights).
+    Returns the query [T, Hq, D] in the pool's dtype on the pool's device: split, RoPE'd head order; folded,
+    score-window order with w_k folded in. The rows [T, Hkv, row_width] go to pool.data[page, :, offset, :].
+    Arithmetic is float32 (float64 for float64 inputs), rounded once to the pool dtype.
+
+    Everything is checked before the first write (FoldKvInputError): on a refusal the pool is unchanged.
     """
     geom = pool.geometry
     check_tensor("q", q, dtype=FLOAT_TYPES, device=pool.device, shape=(None, geom.num_q_heads, geom.head_dim))
@@ -138,7 +160,8 @@ def prep_and_store(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, 
 
 def write_tokens(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, positions: torch.Tensor,
                  rows: torch.Tensor) -> None:
-    """Store already-prepped rows [T, Hkv, row_width] (pool dtype) at (request, position) slots."""
+    """Store already-prepped rows [T, Hkv, row_width] (pool dtype, on the pool's device) at (request, position)
+    slots; request, positions: [T] int32/int64 on any device."""
     geom = pool.geometry
     check_tensor("rows", rows, dtype=pool.layout.dtype, device=pool.device,
                  shape=(positions.shape[0], geom.num_kv_heads, pool.layout.row_width))
@@ -147,7 +170,9 @@ def write_tokens(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, po
 
 
 def fill_sequences(pool: PagedKvPool, table: BlockTable, kv: list[torch.Tensor], k_norm_weight: torch.Tensor) -> None:
-    """Prep and store whole sequences: kv[r] [seq_len_r, Hkv, D] raw projections at positions 0..seq_len_r-1."""
+    """Prep and store whole sequences: kv[r] [seq_len_r, Hkv, D] raw projections (float32/bf16/fp16/float64, any
+    device) at positions 0..seq_len_r-1, one per request of `table`, seq_len_r == table.seq_lens[r].
+    k_norm_weight: [D] float, any device. Rows are prepped on kv[r]'s device and stored in the pool's dtype."""
     geom = pool.geometry
     if len(kv) != table.batch:
         raise FoldKvInputError(f"{len(kv)} sequences for a block table of {table.batch} requests")

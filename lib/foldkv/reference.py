@@ -29,7 +29,8 @@ def check_pool_format(pool: PagedKvPool, fmt: KvFormat | str | None) -> None:
 def dense_attention_reference(geom: AttentionGeometry, q: torch.Tensor, kv: torch.Tensor, q_norm_weight: torch.Tensor,
                               k_norm_weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Causal global attention of one sequence, float64 from raw projections (RoPE angles as the model computes
-    them, in float32). q [T, Hq, D], kv [T, Hkv, D], positions [T] -> out [T, Hq, D] float64, head order."""
+    them, in float32). q [T, Hq, D], kv [T, Hkv, D], q_norm_weight [D], k_norm_weight [D] (any float dtype),
+    positions [T] integer, all on one device -> out [T, Hq, D] float64 in head order on that device. Unchecked."""
     eps = geom.rms_norm_eps
     cos, sin = (t.double() for t in rope_cos_sin(geom, positions))  # [T, D]
     qn = apply_rope(rms_norm(q.double(), eps, q_norm_weight.double()).double(), cos, sin)  # [T, Hq, D]
@@ -60,9 +61,12 @@ def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: Blo
                               abs_weighted: bool = False) -> tuple[torch.Tensor, ...]:
     """Attention of queries against a paged pool, in float64, for either format.
 
-    query [sum(q_lens), Hq, D] is in the pool format's form (split: head order; folded: score-window order, w_k
-    folded in). Request r's q_lens[r] queries (default 1: decode) sit at its last positions and attend causally,
-    bottom-right aligned. Returns (out [Tq, Hq, D] float64 in head order, lse [Tq, Hq] float64, natural log).
+    query [sum(q_lens), Hq, D] float64/float32/bf16/fp16, any device, is in the pool format's form (split: head
+    order; folded: score-window order, w_k folded in: what prep_and_store returns). table: BlockTable (int32, any
+    device). q_lens: [batch] integer, any device; request r's q_lens[r] queries (default 1: decode) sit at its last
+    positions and attend causally, bottom-right aligned. The pool may be of any dtype; its rows are upcast as stored.
+    `device` is where the float64 arithmetic runs (default: the pool's device).
+    Returns (out [Tq, Hq, D] float64 in head order, lse [Tq, Hq] float64, natural log), both on `device`.
     `fmt`, when given, is the format the caller's query is in: a pool of the other format is refused.
     `abs_weighted` also returns P @ |V| [Tq, Hq, D] (head order): the scale of the error a kernel makes by rounding
     the probabilities P to bf16 before the P.V product.

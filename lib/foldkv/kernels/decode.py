@@ -117,8 +117,12 @@ def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: D
            kv_format: KvFormat | str | None = None, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query per request against the paged pool, in the pool's format.
 
-    query [B, 32, 512] bf16 in the format's form (prep_query); returns (out [B, 32, 512] bf16 head order,
-    lse [B, 32] float32 natural log), written into `out` / `lse` when given. Bad input raises FoldKvInputError
+    pool: bf16, contiguous, on a CUDA device (Hopper for the generated kernels). table: BlockTable whose page_ids
+    [B, pages] and seq_lens [B] are int32, contiguous, on the pool's device; 1 <= B <= 32 requests of 1 to 262,144
+    tokens. query: [B, Hq, D] bf16, contiguous, on the pool's device, in the format's form (what prep_and_store or
+    prep_query returns). plan: from plan_decode(pool.layout, seq_lens, device=pool.device) for these lengths (made
+    here when None). Returns (out [B, Hq, D] bf16 head order, lse [B, Hq] float32 natural log) on the pool's device,
+    written into `out` / `lse` (same shapes and dtypes, contiguous) when given. Bad input raises FoldKvInputError
     before anything is launched. `check=False` skips only the checks that read device memory back to the host
     (page ids in range, lengths within the table, the plan's lengths): for use inside a CUDA-graph capture of a
     step whose inputs were checked once outside it.

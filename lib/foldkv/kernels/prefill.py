@@ -108,10 +108,15 @@ def _check(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: to
 def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: torch.Tensor, *,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, backend: str = "jit",
             params: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal paged prefill for a ragged batch. query [sum(q_lens), 32, 512] bf16 in the pool format's form.
+    """Causal paged prefill for a ragged batch: request r's q_lens[r] queries are its last positions.
 
-    Returns (out [sum(q_lens), 32, 512] bf16 head order, lse [sum(q_lens), 32] float32 natural log); `out`/`lse`
-    given are written in place. `params` overrides the variant's tuning constants (the benchmark uses it).
+    pool: bf16 on a CUDA device (Hopper for the generated kernels), page_size a multiple of the kernel's key tile
+    (64). table: BlockTable, int32, any device (copied to the pool's). q_lens: [B] int32/int64, any device,
+    1 <= q_lens[r] <= seq_lens[r]. query: [sum(q_lens), Hq, D] bf16, contiguous, on the pool's device, in the pool
+    format's form (what prep_and_store returns), request by request. Returns (out [sum(q_lens), Hq, D] bf16 head
+    order, lse [sum(q_lens), Hq] float32 natural log) on the pool's device; `out`/`lse` given (same shapes and
+    dtypes, contiguous) are written in place. `params` overrides the variant's tuning constants (the benchmark uses
+    it). Bad input raises FoldKvInputError before anything is launched.
     """
     if backend not in BACKENDS:
         raise FoldKvInputError(f"backend {backend!r} is not one of {sorted(BACKENDS)}")
