@@ -26,7 +26,7 @@ elif [ -n "${VIRTUAL_ENV:-}" ]; then
 elif [ -n "${CONDA_PREFIX:-}" ] && [ "${CONDA_DEFAULT_ENV:-base}" != base ]; then
   PY=$CONDA_PREFIX/bin/python; WHY="the active conda env ${CONDA_DEFAULT_ENV} ($CONDA_PREFIX)"
 else
-  PY=$ROOT/.venv/bin/python; WHY="this repo's .venv (no venv or conda env active, no PYTHON given)"
+  PY=$ROOT/.venv/bin/python; WHY="this repo's .venv: no venv or conda env active, no PYTHON given"
 fi
 if [ "${1:-}" = "--which" ]; then
   echo "$PY"
