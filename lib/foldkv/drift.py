@@ -28,6 +28,7 @@ import torch
 
 from .model import ARM_SPECS, ArmUnavailable, check_arm_available, hook_global_attention, load_model, single_pass, walk
 from .synthetic import describe_checkpoint, make_synthetic_checkpoint
+from .validate import check_device
 
 PAIRS = (("ref-folded", "ref-split"), ("folded", "split"), ("split", "ref-split"), ("folded", "ref-folded"))
 QUANTILES = (0.5, 0.9, 0.99, 1.0)
@@ -40,7 +41,7 @@ PARTIAL_NAME = "drift_results.partial.json"
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    return check_device(device)
 
 
 def resolve_dtype(dtype: str | torch.dtype = "auto") -> torch.dtype:

@@ -139,9 +139,12 @@ def nvcc_options(pass_configs: dict, *, template_dir: str, cutlass_dir: str) -> 
     return options
 
 
+SM_ARCH = r"sm_[0-9]+[a-z]?"  # an nvcc -arch token such as sm_90a
+
+
 def nvcc_command(nvcc: str, ccbin: str, arch: str, options: list[str], src: str, out: str) -> list[str]:
     """The full command, in the order `tilelang.contrib.nvcc.compile_cuda` builds it (cubin, single arch)."""
-    if not re.fullmatch(r"sm_[0-9]+[a-z]?", arch):
+    if not re.fullmatch(SM_ARCH, arch):
         raise AotBuildError(f"arch {arch!r} is not an SM token such as 'sm_90a'")
     return [nvcc, f"-ccbin={ccbin}", "--cubin", "-O3", "-lineinfo", f"-arch={arch}", *options, "-o", out, src]
 
