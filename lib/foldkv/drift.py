@@ -58,7 +58,10 @@ def prepare_model(model_path: str | None, *, device: torch.device, dtype: torch.
     `synthetic_config` overrides its small dimensions) and loads it through the same from_pretrained path a real
     checkpoint takes."""
     if model_path is None:
-        synthetic_dir = synthetic_dir or tempfile.mkdtemp(prefix="foldkv_synthetic_")
+        if synthetic_dir is None:  # a temp dir, removed once the model is in memory (info["path"] names it)
+            with tempfile.TemporaryDirectory(prefix="foldkv_synthetic_") as tmp:
+                return prepare_model(None, device=device, dtype=dtype, seed=seed, attn_implementation=attn_implementation,
+                                     synthetic_dir=tmp, synthetic_config=synthetic_config)
         model_path = make_synthetic_checkpoint(synthetic_dir, seed=seed, **(synthetic_config or {}))
     model = load_model(model_path, device=device, dtype=dtype, attn_implementation=attn_implementation)
     tokenizer = None
