@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import dataclass, field
@@ -160,4 +161,11 @@ def resolve_geometry(spec: str | os.PathLike | Mapping[str, Any] | AttentionGeom
         return spec
     if isinstance(spec, str) and spec in PRESETS:
         return PRESETS[spec]
+    if isinstance(spec, str) and not os.path.exists(spec):  # neither a preset nor a path: most likely a preset typo
+        close = difflib.get_close_matches(spec, PRESETS, n=1)
+        raise ConfigError(
+            f"unknown geometry {spec!r}: not a preset ({', '.join(sorted(PRESETS))}) nor a path that exists."
+            f"{f' Did you mean {close[0]!r}?' if close else ''} A path to a Gemma 4 config.json (or to the model folder"
+            " that holds it) is accepted too."
+        )
     return geometry_from_config(spec)

@@ -28,6 +28,7 @@ import torch
 
 from .model import ARM_SPECS, ArmUnavailable, check_arm_available, hook_global_attention, load_model, single_pass, walk
 from .synthetic import describe_checkpoint, make_synthetic_checkpoint
+from .validate import check_device
 
 PAIRS = (("ref-folded", "ref-split"), ("folded", "split"), ("split", "ref-split"), ("folded", "ref-folded"))
 QUANTILES = (0.5, 0.9, 0.99, 1.0)
@@ -40,7 +41,7 @@ PARTIAL_NAME = "drift_results.partial.json"
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    return check_device(device)
 
 
 def resolve_dtype(dtype: str | torch.dtype = "auto") -> torch.dtype:
@@ -57,7 +58,10 @@ def prepare_model(model_path: str | None, *, device: torch.device, dtype: torch.
     `synthetic_config` overrides its small dimensions) and loads it through the same from_pretrained path a real
     checkpoint takes."""
     if model_path is None:
-        synthetic_dir = synthetic_dir or tempfile.mkdtemp(prefix="foldkv_synthetic_")
+        if synthetic_dir is None:  # a temp dir, removed once the model is in memory (info["path"] names it)
+            with tempfile.TemporaryDirectory(prefix="foldkv_synthetic_") as tmp:
+                return prepare_model(None, device=device, dtype=dtype, seed=seed, attn_implementation=attn_implementation,
+                                     synthetic_dir=tmp, synthetic_config=synthetic_config)
         model_path = make_synthetic_checkpoint(synthetic_dir, seed=seed, **(synthetic_config or {}))
     model = load_model(model_path, device=device, dtype=dtype, attn_implementation=attn_implementation)
     tokenizer = None

@@ -47,6 +47,7 @@ from .layout import KvFormat
 from .pool import BlockTable, PagedKvLayout, PagedKvPool
 from .prep import prep_and_store, rope_inv_freq
 from .reference import paged_attention_reference
+from .validate import check_device
 
 
 @dataclass(frozen=True)
@@ -312,7 +313,7 @@ def hook_global_attention(model: nn.Module, *, device: torch.device | str | None
     text_model = text_model_of(model)
     if int(getattr(text_model.config, "num_kv_shared_layers", 0) or 0):
         raise ConfigError("num_kv_shared_layers > 0: layers reusing a global layer's KV are not served by foldkv")
-    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    dev = check_device(device) if device is not None else next(model.parameters()).device
     runtime = FoldKvRuntime(device=dev, **runtime_kw)
     hook = FoldKvHook(model, runtime)
     for i in global_layer_indices(text_model):
@@ -338,6 +339,7 @@ def load_model(model_path: str | os.PathLike, *, device: torch.device | str = "c
     `AutoModelForCausalLM` (its text tower is the same Gemma4TextModel, hooked the same way)."""
     from transformers import AutoConfig, AutoModelForCausalLM, Gemma4ForCausalLM
 
+    device = check_device(device)  # before reading any weights
     cfg = AutoConfig.from_pretrained(os.fspath(model_path))
     cls = Gemma4ForCausalLM if cfg.model_type == "gemma4_text" else AutoModelForCausalLM
     model = cls.from_pretrained(os.fspath(model_path), dtype=dtype, attn_implementation=attn_implementation)

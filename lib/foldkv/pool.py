@@ -9,7 +9,7 @@ import torch
 
 from .config import GEMMA4_31B, AttentionGeometry
 from .layout import KvFormat, row_width
-from .validate import FoldKvInputError, check_index_range, check_tensor
+from .validate import FoldKvInputError, check_device, check_index_range, check_tensor
 
 GIB = 1 << 30
 
@@ -89,6 +89,7 @@ class BlockTable:
         return int(self.seq_lens.numel())
 
     def to(self, device: torch.device | str) -> "BlockTable":
+        device = check_device(device)
         return BlockTable(self.page_ids.to(device), self.seq_lens.to(device))
 
     def pages_of(self, request: int, page_size: int) -> torch.Tensor:
@@ -143,7 +144,7 @@ class PagedKvPool:
             check_tensor("pool data", data, dtype=layout.dtype, shape=layout.shape, contiguous=True)
             self.data = data
         else:
-            self.data = torch.empty(layout.shape, dtype=layout.dtype, device=device)
+            self.data = torch.empty(layout.shape, dtype=layout.dtype, device=check_device(device))
             if fill is not None:
                 self.data.fill_(fill)
         self._free = list(range(layout.num_pages - 1, -1, -1))

@@ -11,6 +11,32 @@ class FoldKvInputError(ValueError):
     """Bad input refused before any launch or write; the message names the argument."""
 
 
+def check_device(device: torch.device | str) -> torch.device:
+    """`device` as a torch.device, refused (FoldKvInputError) when this torch cannot reach it. Every foldkv entry point
+    that puts tensors on a caller's device goes through here, so a CPU-only torch answers in foldkv's words rather
+    than with torch's bare "Torch not compiled with CUDA enabled" AssertionError from deep inside an allocation."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise FoldKvInputError(f"device {device!r} is not a torch device ({exc})") from None
+    if dev.type != "cuda":
+        return dev
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            raise FoldKvInputError(
+                f"device {str(dev)!r}: CUDA is not available in this torch build (torch {torch.__version__}, CPU only):"
+                " use device='cpu', or install a CUDA build of torch (README: torch, and GPU users)"
+            )
+        raise FoldKvInputError(
+            f"device {str(dev)!r}: torch {torch.__version__} is built for CUDA {torch.version.cuda} but sees no CUDA"
+            " device (no GPU, no driver, or CUDA_VISIBLE_DEVICES hides it): use device='cpu' or run where a GPU is"
+        )
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise FoldKvInputError(f"device {str(dev)!r} does not exist: torch sees {count} CUDA device(s)")
+    return dev
+
+
 def check_tensor(
     name: str,
     t: torch.Tensor,

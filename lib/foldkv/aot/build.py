@@ -139,9 +139,12 @@ def nvcc_options(pass_configs: dict, *, template_dir: str, cutlass_dir: str) -> 
     return options
 
 
+SM_ARCH = r"sm_[0-9]+[a-z]?"  # an nvcc -arch token such as sm_90a
+
+
 def nvcc_command(nvcc: str, ccbin: str, arch: str, options: list[str], src: str, out: str) -> list[str]:
     """The full command, in the order `tilelang.contrib.nvcc.compile_cuda` builds it (cubin, single arch)."""
-    if not re.fullmatch(r"sm_[0-9]+[a-z]?", arch):
+    if not re.fullmatch(SM_ARCH, arch):
         raise AotBuildError(f"arch {arch!r} is not an SM token such as 'sm_90a'")
     return [nvcc, f"-ccbin={ccbin}", "--cubin", "-O3", "-lineinfo", f"-arch={arch}", *options, "-o", out, src]
 
@@ -427,15 +430,12 @@ def compile_cubin(source: str, arch: str, options: list[str], tc: dict) -> bytes
     """nvcc the source to a cubin. The source file sits at a path named after its sha256, with a fixed mtime (both
     are recorded in the cubin's line info), so the same source, options and nvcc give the same bytes on every build."""
     digest = sha256_bytes(source.encode())[:16]
-    work = os.path.join(tempfile.gettempdir(), f"foldkv_aot_{digest}")
-    os.makedirs(work, exist_ok=True)
-    src = os.path.join(work, "tvm_kernels.cu")
-    tmp_src = f"{src}.{os.getpid()}.tmp"
-    with open(tmp_src, "w") as fh:
-        fh.write(source)
-    os.utime(tmp_src, (SOURCE_MTIME, SOURCE_MTIME))  # the line info records the source's mtime too
-    os.replace(tmp_src, src)  # same content whoever writes it
-    with tempfile.TemporaryDirectory(prefix="foldkv_aot_out_") as out_dir:
+    with _locked_fixed_dir(os.path.join(tempfile.gettempdir(), f"foldkv_aot_{digest}")) as work, \
+            tempfile.TemporaryDirectory(prefix="foldkv_aot_out_") as out_dir:
+        src = os.path.join(work, "tvm_kernels.cu")
+        with open(src, "w") as fh:
+            fh.write(source)
+        os.utime(src, (SOURCE_MTIME, SOURCE_MTIME))  # the line info records the source's mtime too
         out = os.path.join(out_dir, "tvm_kernels.cubin")
         cmd = nvcc_command(tc["nvcc"], tc["ccbin"], arch, options, src, out)
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -446,6 +446,32 @@ def compile_cubin(source: str, arch: str, options: list[str], tc: dict) -> bytes
 
 
 SOURCE_MTIME = 1_000_000_000  # 2001-09-09: any fixed time
+
+
+@contextlib.contextmanager
+def _locked_fixed_dir(path: str):
+    """The folder `path` (a fixed name: the cubin records it), made for one nvcc run and removed after it. An
+    exclusive flock on the folder serialises processes compiling the same source, so none removes it under another;
+    a process that gets the lock on a folder already removed (and maybe made again) starts over."""
+    import fcntl
+
+    while True:
+        os.makedirs(path, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = os.path.samestat(os.fstat(fd), os.stat(path))
+            except FileNotFoundError:
+                current = False
+            if current:
+                try:
+                    yield path
+                finally:
+                    shutil.rmtree(path, ignore_errors=True)
+                return
+        finally:
+            os.close(fd)  # releases the lock
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import torch
 
 from ..layout import value_window_columns
 from ..pool import PagedKvLayout
-from ..validate import FoldKvInputError
+from ..validate import FoldKvInputError, check_device
 
 MAX_BATCH = 32
 MAX_LEN = 262_144
@@ -93,7 +93,7 @@ def plan_decode(layout: PagedKvLayout, seq_lens, *, device, chunk_tokens: int | 
     """Cut each request into chunks of `chunk_tokens` (a multiple of the page size; default: one wave of CTAs on
     `device`), group them for the merge and put the plan's tensors and workspace on `device`."""
     lens = _parse_lens(seq_lens)
-    device = torch.device(device)
+    device = check_device(device)
     page = layout.page_size
     if num_sms is None:
         num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
