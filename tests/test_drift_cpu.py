@@ -240,6 +240,195 @@ def test_summary_and_drift_line_from_data():
     assert [(f["cell"], f["step"], f["explained"]) for f in line["flips"]] == [(0, 1, True)]
 
 
+# --- the checks: each can fail ---------------------------------------------------------------------------------------
+
+def _study(gaps: dict[str, list[list]], neutral: list[list], *, arm_eq=None, neutral_eq=None, pairs=None,
+           dtype="float32") -> dict:
+    """A results dict as run_study makes it: `gaps[arm][cell]` per step, the neutral per cell and step."""
+    cells = []
+    for i, nv in enumerate(neutral):
+        n = len(nv)
+        cells.append({"group": "grid", "prompt_index": 0, "length": 50 + i, "steps": n - 1, "margin": [1.0] * n,
+                      "neutral": nv, "neutral_argmax_equal": (neutral_eq or {}).get(i, [True] * n),
+                      "incumbent_nonfinite_steps": [], "logit_absmax": 12.0,
+                      "arms": {a: {"status": "ran", "gap": g[i], "nonfinite_steps": [],
+                                   "argmax_equal": (arm_eq or {}).get((a, i), [True] * n)} for a, g in gaps.items()},
+                      "pairs": (pairs or {}).get(i, {})})
+    return {"parameters": {"arms": list(gaps), "dtype": dtype}, "cells": cells,
+            "arm_status": {a: "ran" for a in gaps}}
+
+
+NEUTRAL = [[0.0, 1e-5, 2e-5, 1e-5], [1e-5, 2e-5, 1e-5, 3e-5]]
+GOOD = [[1e-5, 2e-5, 1e-5, 3e-5], [2e-5, 1e-5, 4e-5, 2e-5]]
+
+
+def test_finite_max_keeps_a_nan_at_any_step():
+    from foldkv.drift import finite_max
+
+    assert max([0.1, float("nan"), 0.2]) == 0.2  # why finite_max exists: max() drops a NaN that is not first
+    assert math.isnan(finite_max([0.1, float("nan"), 0.2])) and math.isnan(finite_max([0.1, None]))
+    assert finite_max([0.1, float("inf")]) == float("inf") and finite_max([0.1, 0.3]) == 0.3
+
+
+def test_checks_pass_a_clean_study():
+    from foldkv.drift import check_study
+
+    checks = check_study(_study({"folded": GOOD}, NEUTRAL))
+    assert checks["passed"] and checks["sections"]["folded"]["passed"] is True, checks
+    assert checks["sections"]["folded"]["argmax"]["p"] == 1.0
+
+
+def _poison_arm_gap(r, v):
+    r["cells"][1]["arms"]["folded"]["gap"][2] = v
+
+
+@pytest.mark.parametrize("where,poison,section,named", [
+    ("arm gap NaN at a late step", lambda r: _poison_arm_gap(r, float("nan")), "folded", "cell 1 (grid, prompt 0, length 51), steps [2]"),
+    ("arm gap None (a NaN read back from JSON)", lambda r: _poison_arm_gap(r, None), "folded", "cell 1"),
+    ("arm gap Inf", lambda r: _poison_arm_gap(r, float("inf")), "folded", "steps [2]"),
+    ("arm logit Inf (the gap finite)", lambda r: r["cells"][0]["arms"]["folded"]["nonfinite_steps"].append(3),
+     "folded", "cell 0 (grid, prompt 0, length 50), steps [3]"),
+    ("pair gap NaN", lambda r: r["cells"][0]["pairs"].update({"folded vs split": {"gap": [0.0, float("nan"), 0, 0]}}),
+     "folded", "steps [1]"),
+    ("incumbent neutral NaN", lambda r: r["cells"][1]["neutral"].__setitem__(3, float("nan")), "incumbent", "steps [3]"),
+    ("incumbent margin NaN", lambda r: r["cells"][0]["margin"].__setitem__(1, float("nan")), "incumbent", "steps [1]"),
+    ("incumbent logits Inf", lambda r: r["cells"][0]["incumbent_nonfinite_steps"].append(0), "incumbent", "steps [0]"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_a_nan_or_inf_anywhere_fails_its_section(where, poison, section, named):
+    from foldkv.drift import check_study
+
+    results = _study({"folded": [list(g) for g in GOOD], "ref-folded": [list(g) for g in GOOD]},
+                     [list(n) for n in NEUTRAL])
+    poison(results)
+    checks = check_study(results)
+    sec = checks["sections"][section]
+    assert sec["passed"] is False and not checks["passed"], (where, checks)
+    assert any("NaN/Inf" in f and named in f for f in sec["failures"]), (where, sec["failures"])
+    assert checks["sections"]["ref-folded"]["passed"] is True  # the clean arm is not blamed
+
+
+@pytest.mark.parametrize("q,step", [("p50", None), ("max", (1, 3))])
+def test_gap_check_fails_an_arm_past_two_neutrals(q, step):
+    from foldkv.drift import GAP_FACTOR, check_study, dtype_ulp
+
+    slack = dtype_ulp("float32", 12.0)
+    nmax = max(max(n) for n in NEUTRAL)
+    if q == "max":  # exactly at the limit passes; one step past it fails
+        at = [list(g) for g in GOOD]
+        at[step[0]][step[1]] = GAP_FACTOR * nmax + slack
+        assert check_study(_study({"folded": at}, NEUTRAL))["sections"]["folded"]["passed"]
+        at[step[0]][step[1]] = GAP_FACTOR * nmax + 2 * slack + 1e-7
+        broken = at
+    else:  # every step 3x its neutral neighbourhood: the median moves
+        broken = [[3 * 2e-5 + g for g in c] for c in GOOD]
+    checks = check_study(_study({"folded": broken}, NEUTRAL))
+    sec = checks["sections"]["folded"]
+    assert sec["passed"] is False and any(f.startswith(f"gap {q}") for f in sec["failures"]), sec
+    # the same numbers on an arm that is not gated are reported, not failed
+    loose = check_study(_study({"ref-folded": broken}, NEUTRAL))["sections"]["ref-folded"]
+    assert loose["passed"] is True and loose["not_gated_over"]
+
+
+def test_argmax_check_fails_an_arm_that_flips_more_than_the_single_pass():
+    from foldkv.drift import check_study
+
+    flips = {("folded", 0): [False, False, False, True], ("folded", 1): [True, True, True, True]}
+    neutral_flips = {0: [True, True, False, True]}
+    # 2 arm-only flips against 1 single-pass-only: chance
+    assert check_study(_study({"folded": GOOD}, NEUTRAL, arm_eq=flips, neutral_eq=neutral_flips))["passed"]
+    # 16 steps flipped by the arm alone, none by the single pass alone: P = 2^-16; the gaps themselves are small
+    many = {("folded", i): [False] * 4 for i in range(4)}
+    res = _study({"folded": [[1e-5] * 4] * 4}, [[2e-5] * 4] * 4, arm_eq=many)
+    sec = check_study(res)["sections"]["folded"]
+    assert sec["passed"] is False and sec["argmax"]["arm_only_flips"] == 16, sec
+    assert any(f.startswith("argmax") for f in sec["failures"])
+
+
+def test_committed_h200_study_passes_the_checks():
+    from foldkv.drift import check_study, gated_arms
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "papermill_runs", "h200-20261129-s2", "drift_results.json")
+    with open(path) as fh:
+        results = json.load(fh)
+    checks = check_study(results)
+    assert checks["passed"], checks
+    for arm in gated_arms():
+        assert checks["sections"][arm]["passed"] is True and checks["sections"][arm]["gated"]
+
+
+def test_record_sections_fail_the_notebook_on_a_failed_check(tmp_path):
+    from foldkv.drift import check_study, record_sections
+    from foldkv.report import RunRecord
+
+    results = _study({"folded": [list(g) for g in GOOD], "split": [list(g) for g in GOOD]}, NEUTRAL)
+    results["parameters"]["arms"].append("ref-split")
+    results["arm_status"]["ref-split"] = "not run: no GPU"
+    results["checks"] = check_study(results)
+    clean = record_sections(RunRecord("03_drift_study", tmp_path), results)
+    assert clean == {"incumbent": "ran", "arm:folded": "ran", "arm:split": "ran", "arm:ref-split": "not run: no GPU"}
+    _poison_arm_gap(results, float("nan"))
+    results["checks"] = check_study(results)
+    broken = record_sections(RunRecord("03_drift_study", tmp_path), results)
+    assert broken["arm:folded"].startswith("failed: NaN/Inf logits: cell 1") and broken["arm:split"] == "ran"
+
+
+def _decode_dropping_newest_key(monkeypatch):
+    import foldkv.model as fm
+    from foldkv.pool import BlockTable
+
+    orig = fm.paged_attention_reference
+
+    def dropping(pool, query, table, q_lens=None, **kw):
+        if q_lens is None:  # a decode: every key but the one just stored
+            table = BlockTable(table.page_ids, table.seq_lens - 1)
+        return orig(pool, query, table, q_lens, **kw)
+
+    monkeypatch.setattr(fm, "paged_attention_reference", dropping)
+
+
+def _decode_nan_at_step_2(monkeypatch):
+    import foldkv.model as fm
+
+    orig = fm.paged_attention_reference
+
+    def nan_at(pool, query, table, q_lens=None, **kw):
+        out, lse = orig(pool, query, table, q_lens, **kw)
+        if q_lens is None and int(table.seq_lens[0]) == STUDY_LENGTH + 2:  # the decode of step 2
+            out = out.clone()
+            out[0, 5, 7] = float("nan")
+        return out, lse
+
+    monkeypatch.setattr(fm, "paged_attention_reference", nan_at)
+
+
+STUDY_LENGTH = 40
+
+
+@pytest.mark.parametrize("breakage", [None, _decode_dropping_newest_key, _decode_nan_at_step_2],
+                         ids=["reference", "drops-newest-key", "nan-at-step-2"])
+def test_study_checks_catch_a_broken_decode(checkpoint, monkeypatch, breakage):
+    """The red twin on the model: float32 model and pools, the reference decode as the gated arm. As is it passes;
+    with its newest key dropped it fails the gap check; with a NaN in one decode step's output it fails the finite
+    check at that step."""
+    from foldkv.drift import run_study
+
+    if breakage is not None:
+        breakage(monkeypatch)
+    res = run_study(model_path=checkpoint, prompts=["ab", "the cat"], lengths=[STUDY_LENGTH], sweep_lengths=[],
+                    steps=3, arms=["ref-folded"], device="cpu", dtype="float32", seed=3, log=lambda *_: None)
+    from foldkv.drift import check_study
+
+    sec = check_study(res, gated=["ref-folded"])["sections"]["ref-folded"]
+    if breakage is None:
+        assert sec["passed"] is True, sec
+    elif breakage is _decode_dropping_newest_key:
+        assert sec["passed"] is False and any(f.startswith("gap") for f in sec["failures"]), sec
+        assert not any("NaN" in f for f in sec["failures"])
+    else:
+        assert sec["passed"] is False, sec
+        assert any(f"length {STUDY_LENGTH}), steps [2" in f for f in sec["failures"]), sec["failures"]
+
+
 # --- the notebook, headless -----------------------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -266,16 +455,21 @@ def test_notebook_runs_headless(tmp_path):
         assert res["arm_status"][arm] == "ran"
         assert res["summary"][arm]["argmax_of"] == len(res["cells"]) * 3
     for cell in res["cells"]:
-        assert len(cell["neutral"]) == len(cell["margin"]) == 3
+        assert len(cell["neutral"]) == len(cell["margin"]) == len(cell["neutral_argmax_equal"]) == 3
         for arm in ("ref-split", "ref-folded"):
             gap = cell["arms"][arm]["gap"]
             assert len(gap) == 3 and all(g is not None and math.isfinite(g) for g in gap)
-            assert max(gap) <= res["drift_line"]["value"]
+            assert cell["arms"][arm]["nonfinite_steps"] == []
         assert "ref-folded vs ref-split" in cell["pairs"]
     assert res["drift_line"]["reasoning"]
+    assert res["checks"]["passed"], res["checks"]
+    with open(out_dir / "03_drift_study.record.json") as fh:
+        sections = json.load(fh)["sections"]
+    assert sections["incumbent"] == sections["arm:ref-split"] == sections["arm:ref-folded"] == "ran", sections
+    assert sections["arm:folded"].startswith("not run")
     with open(executed) as fh:
         text = fh.read()
-    assert "SYNTHETIC checkpoint" in text and "Arms that did not run here" in text
+    assert "SYNTHETIC checkpoint" in text and "Arms that did not run here" in text and "Checks" in text
 
 
 def test_kernel_arm_plumbing_with_stand_in_launchers(hooked, monkeypatch):

@@ -10,6 +10,14 @@ Definitions (per cell and step s = 0..steps; step 0 is the prefill's last positi
                      nothing but the order of operations; an arm's gap is judged beside it.
 - margin[s]        = top-1 minus top-2 logit of the incumbent: an argmax flip needs 2 * gap >= margin.
 - pairs            = the same max |Δ| between two arms (folded vs split, kernel vs its torch reference).
+
+The checks (`check_study`, per arm; a failed check fails the arm's section of the notebook's record):
+- finite (every arm): every logit of every arm at every step is finite (and the incumbent's own logits, margins and
+  neutral); a NaN or Inf anywhere fails, with the cell and step named.
+- gap (kernel arms): the arm's gap distribution is no worse than the neutral figure allows (see `GAP_FACTOR`).
+- argmax (kernel arms): the arm's argmax disagrees with the incumbent no more often than the incumbent's own single
+  pass does, beyond what chance allows (see `ARGMAX_ALPHA`).
+The drift line (`drift_line`) is descriptive: it is placed above what was measured, so it is no check.
 """
 
 from __future__ import annotations
@@ -32,6 +40,28 @@ from .validate import check_device
 
 PAIRS = (("ref-folded", "ref-split"), ("folded", "split"), ("split", "ref-split"), ("folded", "ref-folded"))
 QUANTILES = (0.5, 0.9, 0.99, 1.0)
+
+# The gap check. The neutral figure |walk - single pass| is the distance between two orderings of the incumbent's own
+# arithmetic. An arm that is "a reordering, no less accurate than the incumbent" sits, like the single pass, one such
+# distance from the walk; by the triangle inequality |arm - walk| <= |arm - single| + |single - walk|, i.e. at most two
+# neutral distances even in the worst alignment. So each of the arm's gap quantiles (p50, p90, max) must be at most
+# GAP_FACTOR x the neutral quantile, plus GAP_SLACK_ULPS ulp of the model dtype at the largest |logit|: gaps are
+# differences of logits rounded to that dtype, so two samples' quantiles can differ by one quantum, and a neutral of
+# exactly 0 (walk and single pass bit-identical) would otherwise allow no rounding at all. Not fitted to a run; on the
+# H200 with the notebook's defaults (bf16, 14 cells x 17 steps; neutral p50/p90/max 0.156/0.188/0.25, |logit| <= 16.5,
+# so limits 0.438/0.5/0.625) the kernel arms reach at most 0.188/0.219/0.3125, and the same reference decode with its
+# newest key dropped reaches 0.211/0.558/1.75 and fails (p90 and max).
+# Gated: the kernel arms (ARM_SPECS backend "kernel"). The torch reference arms are measured against the same limits
+# but not gated: on a CPU the incumbent's walk and single pass are often bit-identical in bf16 (neutral p50 = 0), so
+# the neutral does not gauge the bf16 roundings a float64 reference rounded once to bf16 makes elsewhere.
+GAP_FACTOR = 2.0
+GAP_SLACK_ULPS = 1
+GAP_QUANTILES = ("p50", "p90", "max")
+# The argmax check: McNemar's exact test, steps where the arm flips the incumbent's argmax and the single pass does
+# not (b) against the reverse (c). Under "the arm is another reordering like the single pass" b ~ Binomial(b + c, 1/2);
+# the arm fails when P(X >= b) < ARGMAX_ALPHA (one-sided: only more flips are a fault). With b + c = 10 flips all the
+# arm's, P = 2^-10 < 1e-3: a handful of near-tie flips, which both orderings make, never fails it.
+ARGMAX_ALPHA = 1e-3
 RESULTS_NAME = "drift_results.json"
 PARTIAL_NAME = "drift_results.partial.json"
 
@@ -120,6 +150,11 @@ def _margins(logits: torch.Tensor) -> list[float]:
     return (top[:, 0] - top[:, 1]).tolist()
 
 
+def _nonfinite_steps(logits: torch.Tensor) -> list[int]:
+    """Steps (rows) holding any NaN or Inf logit."""
+    return torch.nonzero(~torch.isfinite(logits.float()).all(dim=-1)).flatten().tolist()
+
+
 def run_cell(model, hook, prompt_ids: torch.Tensor, steps: int, arms: Sequence[str], arm_status: dict[str, str],
              *, log=print) -> dict[str, Any]:
     """Walk the incumbent greedily, then every arm teacher-forced on the same tokens, and the incumbent's single pass
@@ -135,6 +170,9 @@ def run_cell(model, hook, prompt_ids: torch.Tensor, steps: int, arms: Sequence[s
         "incumbent_argmax": inc.logits.argmax(-1).tolist(),
         "margin": _margins(inc.logits),
         "neutral": _row_gaps(inc.logits, one),
+        "neutral_argmax_equal": (one.argmax(-1) == inc.logits.argmax(-1)).tolist(),
+        "incumbent_nonfinite_steps": sorted(set(_nonfinite_steps(inc.logits)) | set(_nonfinite_steps(one))),
+        "logit_absmax": float(inc.logits.float().abs().amax()),
         "arms": {},
         "pairs": {},
         "seconds": {"incumbent": time.perf_counter() - t0},
@@ -169,7 +207,7 @@ def run_cell(model, hook, prompt_ids: torch.Tensor, steps: int, arms: Sequence[s
             "prep": w.prep,
             "gap": gap,
             "argmax_equal": (w.logits.argmax(-1) == inc.logits.argmax(-1)).tolist(),
-            "nan_steps": [s for s, g in enumerate(gap) if math.isnan(g)],
+            "nonfinite_steps": _nonfinite_steps(w.logits),
         }
         cell["seconds"][arm] = time.perf_counter() - t1
     for a, b in PAIRS:
@@ -247,9 +285,9 @@ def run_study(*, model_path: str | None, prompts: Sequence[str], lengths: Sequen
             os.makedirs(out_dir, exist_ok=True)
             with open(os.path.join(out_dir, PARTIAL_NAME), "w") as fh:
                 json.dump(_json_safe({"model": info, "arm_status": arm_status, "cells": cells[: i + 1]}), fh)
-        worst = {a: max(r["gap"]) for a, r in cell["arms"].items() if r["status"] == "ran"}
+        worst = {a: finite_max(r["gap"]) for a, r in cell["arms"].items() if r["status"] == "ran"}
         log(f"cell {i} ({cell['group']}, prompt {cell['prompt_index']}, length {cell['length']}): neutral max"
-            f" {max(cell['neutral']):.3g}; " + ", ".join(f"{a} max {g:.3g}" for a, g in worst.items()))
+            f" {finite_max(cell['neutral']):.3g}; " + ", ".join(f"{a} max {g:.3g}" for a, g in worst.items()))
     results = {
         "model": info,
         "parameters": {"prompts": list(prompts), "lengths": list(lengths), "sweep_lengths": list(sweep_lengths),
@@ -264,6 +302,7 @@ def run_study(*, model_path: str | None, prompts: Sequence[str], lengths: Sequen
     }
     results["summary"] = summarize(results)
     results["drift_line"] = drift_line(results)
+    results["checks"] = check_study(results)
     hook.unhook()
     if out_dir is not None:
         os.makedirs(out_dir, exist_ok=True)
@@ -278,9 +317,23 @@ def run_study(*, model_path: str | None, prompts: Sequence[str], lengths: Sequen
 
 # --- summaries -----------------------------------------------------------------------------------------------------
 
+def _is_finite(x) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def finite_max(values: Sequence[float | None]) -> float:
+    """The max of `values`, NaN when any is NaN or None (a NaN written to JSON reads back as None). Python's max()
+    keeps a NaN only when it comes first, so a NaN at any later step would otherwise vanish from a maximum."""
+    vals = [math.nan if v is None else float(v) for v in values]
+    if any(math.isnan(v) for v in vals):
+        return math.nan
+    return max(vals, default=math.nan)
+
+
 def _quantiles(values: Sequence[float]) -> dict[str, float]:
-    vals = torch.tensor([v for v in values if v is not None and not math.isnan(v)], dtype=torch.float64)
-    out = {"n": len(values), "nan": sum(1 for v in values if v is None or math.isnan(v))}
+    """Quantiles of the finite values; `nonfinite` counts the rest (NaN, Inf, None), which the checks fail on."""
+    vals = torch.tensor([v for v in values if _is_finite(v)], dtype=torch.float64)
+    out = {"n": len(values), "nonfinite": sum(1 for v in values if not _is_finite(v))}
     for q in QUANTILES:
         key = "max" if q == 1.0 else f"p{q * 100:g}"
         out[key] = float(torch.quantile(vals, q)) if vals.numel() else float("nan")
@@ -342,17 +395,18 @@ def _nice_ceil(x: float) -> float:
 
 
 def drift_line(results: dict, headroom: float = 2.0) -> dict[str, Any]:
-    """A drift line placed above everything measured, with the reasoning computed from the data.
+    """A drift line placed above everything measured, with the reasoning computed from the data. It describes the
+    run; it is no check (it sits above every finite gap by construction): `check_study` is.
 
     line = the 1-2-5 value at or above `headroom` x the largest gap of any arm against the incumbent (and of the
     neutral figure). The headroom is the margin for cells not run; the reasoning compares the line with the neutral
     spread and with the incumbent's top-1/top-2 margins (a step whose margin is below 2 x line could flip argmax
     under a drift of the line's size), and explains every argmax flip observed by its margin."""
     arms = [a for a in results["parameters"]["arms"] if a != "incumbent"]
-    worst = {a: max(gaps_of(results, a)) for a in arms if gaps_of(results, a)}
-    nan_arms = [a for a in worst if math.isnan(worst[a])]
-    finite = {a: g for a, g in worst.items() if not math.isnan(g)}
-    neutral = [g for g in gaps_of(results, "neutral") if not math.isnan(g)]
+    worst = {a: finite_max(gaps_of(results, a)) for a in arms if gaps_of(results, a)}
+    nan_arms = [a for a in worst if not math.isfinite(worst[a])]
+    finite = {a: g for a, g in worst.items() if math.isfinite(g)}
+    neutral = [g for g in gaps_of(results, "neutral") if _is_finite(g)]
     neutral_max = max(neutral) if neutral else float("nan")
     top = max(list(finite.values()) + ([neutral_max] if neutral else []), default=float("nan"))
     line = _nice_ceil(headroom * top)
@@ -378,7 +432,7 @@ def drift_line(results: dict, headroom: float = 2.0) -> dict[str, Any]:
                      + (" (bit-identical here: this model's walk and single pass round the same way)"
                         if neutral_max == 0 else ""))
         for a, g in finite.items():
-            med = float(torch.tensor([x for x in gaps_of(results, a) if not math.isnan(x)]).median())
+            med = float(torch.tensor([x for x in gaps_of(results, a) if _is_finite(x)]).median())
             if neutral_max > 0 and neutral_med > 0:
                 lines.append(f"{a}: median gap {med:.3g} = {med / neutral_med:.3g} x the neutral median;"
                              f" max {g:.3g} = {g / neutral_max:.3g} x the neutral max")
@@ -396,9 +450,144 @@ def drift_line(results: dict, headroom: float = 2.0) -> dict[str, Any]:
     else:
         lines.append("no argmax flip in any arm that ran")
     if nan_arms:
-        lines.append(f"NaN logits in {nan_arms}: those arms read unwritten (poisoned) rows or produced NaN; not bounded")
+        lines.append(f"NaN/Inf logits in {nan_arms}: those arms read unwritten (poisoned) rows or produced NaN;"
+                     " not bounded (the finite check fails them)")
     return {"value": line, "headroom": headroom, "largest_gap": top, "per_arm_max": worst, "neutral_max": neutral_max,
             "steps_with_margin_below_2x_line": near, "flips": flips, "reasoning": lines}
+
+
+# --- the checks ----------------------------------------------------------------------------------------------------
+
+def dtype_ulp(dtype: str | torch.dtype, x: float) -> float:
+    """The spacing of `dtype` numbers at |x|: eps x 2^floor(log2 |x|) (bf16: 2^-7 at [1, 2)); 0 at x == 0."""
+    dt = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
+    return torch.finfo(dt).eps * 2.0 ** math.floor(math.log2(abs(x))) if x else 0.0
+
+
+def binomial_tail(b: int, n: int) -> float:
+    """P(X >= b) for X ~ Binomial(n, 1/2)."""
+    return sum(math.comb(n, i) for i in range(b, n + 1)) / 2**n if n else 1.0
+
+
+def _where(cell: dict, i: int) -> str:
+    return f"cell {i} ({cell.get('group', '?')}, prompt {cell.get('prompt_index', '?')}, length {cell['length']})"
+
+
+def gated_arms() -> tuple[str, ...]:
+    """The arms the gap and argmax checks gate: the generated kernels."""
+    return tuple(a for a, spec in ARM_SPECS.items() if spec.backend == "kernel")
+
+
+def check_study(results: dict, gated: Sequence[str] | None = None) -> dict[str, Any]:
+    """The study's checks, per section: `incumbent` (its logits, margins and neutral gaps finite) and each arm that
+    ran (finite; and for the arms in `gated`, default `gated_arms()`, gap and argmax: see the module docstring and
+    GAP_FACTOR / ARGMAX_ALPHA; other arms get those figures too, marked not gated). Returns {"sections": {name:
+    {"passed": True | False | None, "failures": [...], ...}}, "passed": ...}; None: the arm never ran (its status
+    says why), so nothing was checked. Reads results as run_study returns them or as drift_results.json holds them."""
+    gated = gated_arms() if gated is None else tuple(gated)
+    cells = results["cells"]
+    dtype = results["parameters"].get("dtype", "bfloat16")
+    sections: dict[str, Any] = {}
+
+    bad_inc = []
+    for i, cell in enumerate(cells):
+        steps = set(cell.get("incumbent_nonfinite_steps", []))
+        steps |= {s for key in ("margin", "neutral") for s, v in enumerate(cell[key]) if not _is_finite(v)}
+        if "logit_absmax" in cell and not _is_finite(cell["logit_absmax"]):
+            steps |= set(range(cell["steps"] + 1))
+        if steps:
+            bad_inc.append(f"NaN/Inf in the incumbent's logits or neutral gap: {_where(cell, i)}, steps {sorted(steps)}")
+    sections["incumbent"] = {"passed": not bad_inc, "failures": bad_inc}
+
+    neutral = _quantiles(gaps_of(results, "neutral"))
+    absmax = [c["logit_absmax"] for c in cells if _is_finite(c.get("logit_absmax"))]
+    slack = GAP_SLACK_ULPS * dtype_ulp(dtype, max(absmax)) if absmax else 0.0
+    slack_note = (f"{GAP_SLACK_ULPS} {dtype} ulp at the largest |logit| {max(absmax):.3g}" if absmax else
+                  "0: the results record no logit magnitude (a stricter limit, not a looser one)")
+    neutral_argmax = all("neutral_argmax_equal" in c for c in cells)
+
+    for arm in [a for a in results["parameters"]["arms"] if a != "incumbent"]:
+        ran = [(i, c, c["arms"][arm]) for i, c in enumerate(cells) if c.get("arms", {}).get(arm, {}).get("status") == "ran"]
+        errored = [i for i, c in enumerate(cells) if arm in c.get("arms", {}) and c["arms"][arm].get("status") != "ran"]
+        if not ran:
+            sections[arm] = {"passed": None if not errored else False,
+                             "failures": [f"errored in cells {errored}"] if errored else [],
+                             "status": results.get("arm_status", {}).get(arm, "not run")}
+            continue
+        failures = [f"errored in cells {errored}: {cells[errored[0]]['arms'][arm]['status']}"] if errored else []
+        for i, cell, rec in ran:
+            steps = set(rec.get("nonfinite_steps", rec.get("nan_steps", [])))
+            steps |= {s for s, g in enumerate(rec["gap"]) if not _is_finite(g)}
+            for name, pair in cell.get("pairs", {}).items():
+                if arm in name.split(" vs "):
+                    steps |= {s for s, g in enumerate(pair["gap"]) if not _is_finite(g)}
+            if steps:
+                failures.append(f"NaN/Inf logits: {_where(cell, i)}, steps {sorted(steps)}")
+        over = []  # gap and argmax findings: failures for a gated arm, notes for another
+        q_arm = _quantiles([g for _, _, rec in ran for g in rec["gap"]])
+        gap = {}
+        for q in GAP_QUANTILES:
+            limit = GAP_FACTOR * neutral[q] + slack if math.isfinite(neutral[q]) else slack
+            gap[q] = {"arm": q_arm[q], "neutral": neutral[q], "limit": limit}
+            if not q_arm[q] <= limit:
+                over.append(f"gap {q} {q_arm[q]:.4g} > {GAP_FACTOR:g} x neutral {q} {neutral[q]:.4g}"
+                                f" + slack {slack:.3g} = {limit:.4g}")
+        if neutral_argmax:
+            b = sum(1 for _, c, rec in ran for a, n in zip(rec["argmax_equal"], c["neutral_argmax_equal"]) if n and not a)
+            c_ = sum(1 for _, c, rec in ran for a, n in zip(rec["argmax_equal"], c["neutral_argmax_equal"]) if a and not n)
+            p = binomial_tail(b, b + c_)
+            argmax = {"arm_only_flips": b, "neutral_only_flips": c_, "p": p}
+            if p < ARGMAX_ALPHA:
+                over.append(f"argmax: {b} steps flipped by the arm alone against {c_} by the single pass alone"
+                                f" (P = {p:.2g} < {ARGMAX_ALPHA:g} under 'the arm is another reordering')")
+        else:
+            argmax = "not checked: the results record no single-pass argmax (neutral_argmax_equal)"
+        if arm in gated:
+            failures += over
+        sections[arm] = {"passed": not failures, "failures": failures, "gap": gap, "argmax": argmax,
+                         "gated": arm in gated, "not_gated_over": [] if arm in gated else over}
+    return {"gap_factor": GAP_FACTOR, "slack": slack, "slack_note": slack_note, "argmax_alpha": ARGMAX_ALPHA,
+            "neutral": neutral, "sections": sections,
+            "passed": all(v["passed"] is not False for v in sections.values())}
+
+
+def checks_table(checks: dict) -> str:
+    """Markdown: per section pass / FAIL / not checked, the gap quantiles against their limits, the argmax test."""
+    rows = ["| section | result | gap p50 / p90 / max (limit) | argmax: arm-only vs neutral-only flips (P) | failures |",
+            "|---|---|---|---|---|"]
+    for name, sec in checks["sections"].items():
+        result = {True: "pass", False: "FAIL", None: "not checked"}[sec["passed"]]
+        gap = " / ".join(f"{v['arm']:.3g} ({v['limit']:.3g})" for v in sec["gap"].values()) if "gap" in sec else ""
+        am = sec.get("argmax", "")
+        am = f"{am['arm_only_flips']} vs {am['neutral_only_flips']} (P {am['p']:.2g})" if isinstance(am, dict) else am
+        why = "; ".join(sec["failures"]) or sec.get("status", "")
+        if "gated" in sec and not sec["gated"]:
+            result += " (gap, argmax not gated)"
+            why = "; ".join([why] * bool(why) + [f"not gated: {x}" for x in sec["not_gated_over"]])
+        rows.append(f"| {name} | {result} | {gap} | {am} | {why} |")
+    return "\n".join(rows)
+
+
+def record_sections(record, results: dict) -> dict[str, str]:
+    """Write the study's sections into a `foldkv.report.RunRecord`: `incumbent` and `arm:<name>` each "ran", "not run:
+    ..." or "failed: ..." (an arm that errored, or any failed check; the failures named). Returns the sections."""
+    checks = results.get("checks") or check_study(results)
+    inc = checks["sections"]["incumbent"]
+    if inc["passed"]:
+        record.ran("incumbent")
+    else:
+        record.failed("incumbent", "; ".join(inc["failures"]))
+    for arm, status in results["arm_status"].items():
+        sec = checks["sections"].get(arm, {})
+        if status.startswith("not run"):
+            record.not_run(f"arm:{arm}", status)
+        elif sec.get("passed") is False:
+            record.failed(f"arm:{arm}", "; ".join(sec["failures"]))
+        elif status == "ran":
+            record.ran(f"arm:{arm}", gap=sec.get("gap"), argmax=sec.get("argmax"), gated=sec.get("gated"))
+        else:
+            record.failed(f"arm:{arm}", status)
+    return dict(record.sections)
 
 
 # --- presentation helpers -------------------------------------------------------------------------------------------

@@ -28,6 +28,25 @@ from .reference import paged_attention_reference
 #    output element moves by at most 2^-8 * sum_j p_j |v_j| (= 2^-8 * (P @ |V|), computed by the reference).
 P_ROUNDING = 2.0**-8
 ABS_TOL, REL_TOL, FRO_TOL = 2e-3, 4e-3, 3e-3
+
+# LSE bound, derived per row like the output's (`lse_bound`). The kernels compute the LSE in float32 from the same bf16
+# q and k the float64 reference reads (products of two bf16 are exact in float32), so only their arithmetic errs. With
+# r = 2^-23 the most one float32 rounding moves a value, relative to it (one ulp, so adders that truncate are covered):
+#  - scores: the tensor cores add the D = 512 products in MMA steps of K = 16 columns into a float32 accumulator, at
+#    most two roundings per step (the step's own sum, its add into the accumulator), each of a partial sum bounded by
+#    a_j = sum_d |q_d k_jd|; so |score error_j| <= (2 D / 16) r a_j, and the LSE, a p-weighted mean in its scores to
+#    first order, moves by <= (2 D / 16) r sum_j p_j a_j (`score_abs_p` from the reference);
+#  - the exp2 domain: scaling by log2 e, subtracting the running max, adding the max back, the final x ln 2: at most
+#    six roundings of values bounded by 2 (max_j a_j + |lse|) (`score_abs_max`);
+#  - the sum of exps: n positive terms, summed in tiles of at most 128 (a reduction of depth <= 128), carried across
+#    tiles of at least 32 keys by `denom * rescale + tile_sum` (three roundings and one exp2 per tile), then three
+#    merge levels; each exp2 / log2 is the hardware approximation (relative / absolute error <= 2^-22). A relative
+#    error rho in the sum moves the log by <= rho.
+# A worst case: typical gate rows get 7e-4 to 1e-3 (peaked 3e-3, spread 1e-4; 3.8e-3 at 163,336 keys, from the carry
+# across tiles), where the committed H200 gates measured at most 9e-5; a decode missing one of 65 keys exceeds it.
+LSE_ROUNDING = 2.0**-23
+LSE_MMA_K, LSE_TILE_MAX, LSE_TILE_MIN, LSE_MERGE_LEVELS = 16, 128, 32, 3
+LSE_APPROX = 2.0**-22
 POISON_PAGE_IDS = (-(2**31), 2**31 - 1, -1)  # entries past the real ones in page tables and plans
 OUT_POISON = float("nan")
 
@@ -200,6 +219,36 @@ def agree(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, pv_abs: torch.Ten
             "b_vs_ref": cb["max_abs"], "passed": both_ok and bool((diff <= 2 * bound).all())}
 
 
+def lse_bound(score_abs_p: torch.Tensor, score_abs_max: torch.Tensor, lse_ref: torch.Tensor, n_keys: torch.Tensor,
+              head_dim: int) -> torch.Tensor:
+    """The derived bound [Tq, Hq] on |kernel LSE - reference LSE| (natural log) for each row, from the reference's
+    score_abs_p / score_abs_max / lse [Tq, Hq] and the keys each row sees, n_keys [Tq]. See LSE_ROUNDING above."""
+    r = LSE_ROUNDING
+    scores = (2 * head_dim / LSE_MMA_K) * r * score_abs_p.double()
+    shift = 6 * r * 2 * (score_abs_max.double() + lse_ref.double().abs())
+    tiles = torch.ceil(n_keys.double().to(lse_ref.device) / LSE_TILE_MIN)[:, None]  # [Tq, 1]
+    sums = (LSE_TILE_MAX + 3 * tiles + 3 * LSE_MERGE_LEVELS) * r + (tiles + 2 * LSE_MERGE_LEVELS + 1) * LSE_APPROX
+    return scores + shift + sums
+
+
+def row_key_counts(table: BlockTable, q_lens: torch.Tensor | None) -> torch.Tensor:
+    """[Tq] the number of keys each query row sees: its request's length for a decode; causal for a prefill chunk."""
+    seq = table.seq_lens.cpu().long()
+    if q_lens is None:
+        return seq
+    return torch.cat([torch.arange(n - m + 1, n + 1) for n, m in zip(seq.tolist(), q_lens.cpu().long().tolist())])
+
+
+def compare_lse(lse: torch.Tensor, ref_lse: torch.Tensor, bound: torch.Tensor) -> dict:
+    """A kernel's LSE against the reference's, row by row within `bound` (lse_bound)."""
+    if not bool(torch.isfinite(lse).all()):
+        return {"lse_max_abs": math.inf, "lse_worst_fraction_of_bound": math.inf, "lse_ok": False}
+    diff = (lse.double() - ref_lse.double()).abs()
+    frac = float((diff / bound).max())
+    return {"lse_max_abs": float(diff.max()), "lse_bound_min": float(bound.min()), "lse_worst_fraction_of_bound": frac,
+            "lse_ok": frac <= 1.0}
+
+
 def run_case(inputs: GateInputs, launch: Callable, pad_rows: int = 3) -> dict:
     """Launch one kernel arm on a gate's inputs with poisoned outputs; check it against the float64 reference, that
     every planned row is written and finite, and that every row past the plan is bit-for-bit untouched."""
@@ -210,16 +259,17 @@ def run_case(inputs: GateInputs, launch: Callable, pad_rows: int = 3) -> dict:
     pool_before = _bits(inputs.pool.data).clone()
     out, lse = launch(inputs, out_buf[:tokens], lse_buf[:tokens])
     torch.cuda.synchronize() if inputs.pool.device.type == "cuda" else None
-    ref, ref_lse, pv_abs = paged_attention_reference(inputs.pool, inputs.query, inputs.table, inputs.q_lens,
-                                                     abs_weighted=True)
+    ref, ref_lse, pv_abs, s_abs_p, s_abs_max = paged_attention_reference(
+        inputs.pool, inputs.query, inputs.table, inputs.q_lens, abs_weighted=True, score_abs=True)
     res = compare(out, ref, pv_abs)
-    res["lse_max_abs"] = float((lse.double() - ref_lse).abs().max()) if bool(torch.isfinite(lse).all()) else math.inf
+    res.update(compare_lse(lse, ref_lse, lse_bound(s_abs_p, s_abs_max, ref_lse, row_key_counts(inputs.table, inputs.q_lens),
+                                                   geom.head_dim)))
     res["all_written"] = bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
     res["past_plan_untouched"] = (torch.equal(_bits(out_buf[tokens:]), tail_out)
                                   and torch.equal(_bits(lse_buf[tokens:]), tail_lse))
     res["pool_untouched"] = torch.equal(_bits(inputs.pool.data), pool_before)
     res["passed"] = all(res[k] for k in ("elementwise_ok", "rel_ok", "all_written", "past_plan_untouched",
-                                         "pool_untouched")) and res["lse_max_abs"] < 1e-2
+                                         "pool_untouched", "lse_ok"))
     res["outputs"] = (out.detach().clone(), lse.detach().clone())
     return res
 
@@ -245,9 +295,16 @@ def unrounded_truth(inputs: GateInputs) -> torch.Tensor:
 
 
 # Folding moves the bf16 rounding (w_k into the query instead of into K); the two formats' rounding errors have the
-# same statistics, so per case either can come out ahead (the first H200 run: folded/split error ratios 0.60 to 1.68
-# over 20 cases, geometric mean 1.006). The claim "folding costs no accuracy" is tested on the run as a whole (the
-# geometric mean ratio) and a broken fold is caught per case (a wrong fold is off by far more than 2x).
+# same statistics, so per case either can come out ahead. The committed H200 records
+# (papermill_runs/h200-20261129*/02_correctness_gates.record.json, 20 cases) hold the case that broke the earlier
+# per-case rule "folded <= 1.25 x split + 1e-3": the peaked decode, folded 1.48e-2 against split 8.86e-3 (ratio 1.68,
+# 3.8e-3 over that bound). Why a decode can: it has one query row per request, so the query-side rounding (where the
+# fold puts w_k) is a sample of 32 x 512 numbers, against every key's in the split format. The same records show it:
+# the log of the folded/split ratio has standard deviation 0.25 over the 13 decode cases and 0.035 over the 7 prefill
+# cases (many query rows), mean 0.006 over all 20 (geometric mean ratio 1.006). Hence two rules:
+#  - per case, ratio <= 2 (log 2 = 2.8 decode standard deviations): a broken fold is off by far more;
+#  - over the run, geometric mean ratio <= 1.1 (log 1.1 = 2.1 standard errors of the mean log ratio, 0.20 / sqrt(20)):
+#    "folding costs no accuracy" is a claim about the formats, tested where the per-case noise averages out.
 FOLD_CASE_RATIO, FOLD_MEAN_RATIO = 2.0, 1.1
 
 

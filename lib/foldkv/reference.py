@@ -58,7 +58,7 @@ def _query_lens(table: BlockTable, q_lens: torch.Tensor | None) -> torch.Tensor:
 def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: BlockTable,
                               q_lens: torch.Tensor | None = None, *, fmt: KvFormat | str | None = None,
                               query_block: int | None = None, device: torch.device | str | None = None,
-                              abs_weighted: bool = False) -> tuple[torch.Tensor, ...]:
+                              abs_weighted: bool = False, score_abs: bool = False) -> tuple[torch.Tensor, ...]:
     """Attention of queries against a paged pool, in float64, for either format.
 
     query [sum(q_lens), Hq, D] float64/float32/bf16/fp16, any device, is in the pool format's form (split: head
@@ -70,6 +70,9 @@ def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: Blo
     `fmt`, when given, is the format the caller's query is in: a pool of the other format is refused.
     `abs_weighted` also returns P @ |V| [Tq, Hq, D] (head order): the scale of the error a kernel makes by rounding
     the probabilities P to bf16 before the P.V product.
+    `score_abs` also returns (after pv_abs when both are asked) score_abs_p [Tq, Hq] = sum_j p_j sum_d |q_d k_jd| and
+    score_abs_max [Tq, Hq] = max_j sum_d |q_d k_jd| over the keys each query sees: the scales of the error a kernel
+    makes in its LSE by accumulating the scores q.k in float32 (see foldkv.gates.lse_bound).
     """
     check_pool_format(pool, fmt)
     geom, fmt = pool.geometry, pool.format
@@ -83,6 +86,8 @@ def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: Blo
     out = torch.empty(query.shape, dtype=torch.float64, device=dev)
     lse = torch.empty(query.shape[:2], dtype=torch.float64, device=dev)
     pv_abs = torch.empty(query.shape, dtype=torch.float64, device=dev) if abs_weighted else None
+    s_abs_p = torch.empty(query.shape[:2], dtype=torch.float64, device=dev) if score_abs else None
+    s_abs_max = torch.empty(query.shape[:2], dtype=torch.float64, device=dev) if score_abs else None
     hkv = geom.num_kv_heads
     start = 0
     for r in range(table.batch):
@@ -106,5 +111,9 @@ def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: Blo
                 oa = torch.einsum("hgqk,khd->qhgd", probs, vals.abs()).reshape(b1 - b0, hkv * g, -1)  # [b, Hq, D]
                 pv_abs[start + b0:start + b1] = oa[..., to_head]
             lse[start + b0:start + b1] = lse_b.reshape(hkv * g, b1 - b0).transpose(0, 1)
+            if score_abs:
+                sa = torch.einsum("qhgd,khd->hgqk", qb.abs(), keys.abs()).masked_fill(mask, 0.0)  # [Hkv, g, b, n]
+                s_abs_p[start + b0:start + b1] = (probs * sa).sum(-1).reshape(hkv * g, b1 - b0).transpose(0, 1)
+                s_abs_max[start + b0:start + b1] = sa.amax(-1).reshape(hkv * g, b1 - b0).transpose(0, 1)
         start += m
-    return (out, lse, pv_abs) if abs_weighted else (out, lse)
+    return (out, lse) + ((pv_abs,) if abs_weighted else ()) + ((s_abs_p, s_abs_max) if score_abs else ())
