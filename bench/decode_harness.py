@@ -258,9 +258,11 @@ def bench(lengths, tilings, rounds, with_flashinfer, out_json, partial_only=(), 
             print(f"  {length:>7} {name:<24} {med:8.1f} us  rel_err {err:.2e}  {info}", flush=True)
         del arms
         torch.cuda.empty_cache()
-    if out_json:
+    if out_json:  # the rows with the code they measured (commit, dirty flag, sha256 of each kernel built)
+        from foldkv.report import provenance
+
         with open(out_json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+            json.dump({"provenance": provenance(), "rows": rows}, fh, indent=1)
     print(f"\n{'tokens':>7} {'arm':<24} {'us':>8} {'floor':>7} {'GB/s':>7} {'%roof':>6} {'rel_err':>8} graph")
     for r in rows:
         print(f"{r['length']:>7} {r['arm']:<24} {r['us']:8.1f} {r['floor_us']:7.1f} {r['gbs']:7.0f} "

@@ -155,6 +155,9 @@ def main() -> None:
     prep = time_prep(dev, args.chunk)
     result = {"env": bench.environment(dev), "matmul_roof": roof, "cell": cell, "prep": prep}
     if args.out:
+        from foldkv.report import provenance
+
+        result["provenance"] = provenance()  # commit, dirty flag, sha256 of each kernel built
         with open(args.out, "w") as fh:
             json.dump(bench._clean(result), fh, indent=1)
 

@@ -1,22 +1,42 @@
 #!/usr/bin/env bash
 # The H200 run behind papermill_runs/h200-*/: the GPU tests and the papermill batch (scripts/run_batch.py), in one
-# device call. Correctness work runs side by side (GPU tests; notebooks 01+02 and 03; a smoke pass of 04 that also
-# builds FlashInfer's JIT modules); the benchmarks notebook then runs alone, so nothing else shares the GPU while it
-# times. Prepare on the CPU machine first: scripts/prepare_device_run.sh.
+# device call. First TileLang's JIT compiles every kernel the run uses into a fresh, empty cache on this machine
+# (scripts/jit_build_all.py, timed: $OUT/jit_build.json, also in notebook 02's record); the AOT cubins come from the
+# CPU machine (build/aot), so "AOT == JIT" compares two independent compilations. Then correctness work runs side by
+# side (GPU tests; notebooks 01+02 and 03; a smoke pass of 04 that also builds FlashInfer's JIT modules), loading the
+# JIT kernels from that cache; the benchmarks notebook then runs alone, so nothing else shares the GPU while it times.
+# Prepare on the CPU machine first: scripts/prepare_device_run.sh.
 #
-#   bash scripts/device_run.sh TAG      # on the device machine, repo root; carried: .devsite .tilelang_cache build/aot
+#   bash scripts/device_run.sh TAG      # on the device machine, repo root; carried: .devsite build/aot
+#   CACHE_MODE=shared bash scripts/device_run.sh TAG   # option: load the carried .tilelang_cache that
+#                                       # `prepare_device_run.sh --shared-cache` filled from the AOT build (one compilation)
 # Results: papermill_runs/TAG/ (tarred to $OUT/runs.tgz) and the logs in $OUT.
+# Time caps (seconds): JIT_S for the JIT compiles, PHASE_A_S for the side-by-side phase, PHASE_B_S for notebook 04;
+# their sum stays under the device's 600 s per command.
 set -u
 TAG=${1:-h200-$(date +%Y%m%d)}
 OUTD=${OUT:-/tmp/foldkv_out}
 mkdir -p "$OUTD"
 source .devsite/env.sh
-export PYTHONPATH=$PWD/lib:$PYTHONPATH TILELANG_CACHE_DIR=$PWD/.tilelang_cache FOLDKV_AOT_DIR=$PWD/build/aot
+CACHE_MODE=${CACHE_MODE:-fresh}
+if [ "$CACHE_MODE" = shared ]; then
+  [ -d .tilelang_cache ] || { echo "CACHE_MODE=shared needs the carried .tilelang_cache (prepare_device_run.sh --shared-cache)"; exit 2; }
+  JIT_CACHE=$PWD/.tilelang_cache
+else
+  JIT_CACHE=$(mktemp -d /tmp/foldkv_jit_cache_XXXXXX)  # fresh and empty: never the carried one
+  trap 'rm -rf "$JIT_CACHE"' EXIT
+fi
+export PYTHONPATH=$PWD/lib:$PYTHONPATH TILELANG_CACHE_DIR=$JIT_CACHE FOLDKV_AOT_DIR=$PWD/build/aot
+export FOLDKV_JIT_CACHE_MODE=$CACHE_MODE FOLDKV_JIT_BUILD_RECORD=$OUTD/jit_build.json
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUTD/gpu.txt"
 t0=$(date +%s)
-A=${PHASE_A_S:-310}; B=${PHASE_B_S:-230}
+J=${JIT_S:-120}; A=${PHASE_A_S:-270}; B=${PHASE_B_S:-180}
 BATCH="python3 scripts/run_batch.py --tag $TAG --no-progress"
+
+timeout $J python3 scripts/jit_build_all.py --record "$FOLDKV_JIT_BUILD_RECORD" \
+   $([ "${DECODE_HARNESS:-0}" = 1 ] && echo --decode-harness) > "$OUTD/jit_build.log" 2>&1
+echo "jit build rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/jit_build.log")"
 
 (FOLDKV_REQUIRE_GPU=1 FOLDKV_GATE_CASES=smoke FOLDKV_AOT_TEST_DIR=$PWD/build/aot timeout $A \
    python3 -m pytest -m gpu -v -ra --tb=short -p no:cacheprovider > "$OUTD/pytest_gpu.log" 2>&1; echo "pytest rc=$?" >> "$OUTD/pytest_gpu.log") &
@@ -33,5 +53,6 @@ timeout $B $BATCH --only 04 --params '{"04": {"mode": "gpu", "aot_dir": "build/a
    > "$OUTD/batch_04.log" 2>&1
 echo "batch 04 rc=$? at $(( $(date +%s) - t0 )) s"
 $BATCH --summarize > /dev/null 2>&1
+cp "$FOLDKV_JIT_BUILD_RECORD" papermill_runs/"$TAG"/ 2>/dev/null
 tar -czf "$OUTD/runs.tgz" papermill_runs/"$TAG"
 tail -4 "$OUTD/pytest_gpu.log"; cat papermill_runs/"$TAG"/SUMMARY.md 2>/dev/null

@@ -298,6 +298,105 @@ def test_build_refuses_an_in_place_kernel_without_barrier(tmp_path):
     assert [p for p in os.listdir(tmp_path) if p.startswith(".aot_stage_")] == []  # staging removed
 
 
+def _handed_out_before_the_build(barrier: bool = True):
+    """A variant whose builder hands out a kernel compiled before the build started (by TileLang's own nvcc), as a
+    memoised builder does after a notebook cell has already built it: the case that made notebook 02 fail."""
+    from foldkv.kernels.registry import KernelVariant
+
+    earlier = build_inplace_test_kernel(GEMMA4_31B, barrier=barrier)
+    variant = KernelVariant("aot_test_inplace", "test", None, lambda g: earlier, in_place_merge=True,
+                            params={"cols": TEST_KERNEL_COLS})
+    return earlier, variant
+
+
+def test_build_compiles_its_own_kernel_when_the_builder_hands_out_an_earlier_one(tmp_path, tiny_build):
+    """The build does not take a kernel compiled before it (in this process or from a cache): it compiles the
+    variant again through its own nvcc, and writes the same source and the same cubin as a build from scratch.
+    Its nvcc work folder is gone afterwards."""
+    require_tilelang_and_nvcc()
+    import hashlib
+    import tempfile
+
+    from foldkv.aot.build import build
+
+    earlier, variant = _handed_out_before_the_build()
+    manifest = build(tmp_path / "b", arch="sm_90a", variants=[variant], log=None)
+    (k,) = manifest["kernels"]
+    source = earlier.get_kernel_source()
+    assert k["source_sha256"] == hashlib.sha256(source.encode()).hexdigest()
+    (tiny,) = tiny_build[1]["kernels"]
+    assert (k["source_sha256"], k["cubin_sha256"]) == (tiny["source_sha256"], tiny["cubin_sha256"])
+    verify(tmp_path / "b")
+    work = os.path.join(tempfile.gettempdir(), f"foldkv_aot_{k['source_sha256'][:16]}")
+    assert not os.path.exists(work), f"the build left its nvcc folder {work}"
+
+
+def test_filling_tilelangs_cache_refuses_a_kernel_compiled_before_the_build(tmp_path):
+    """With fill_tilelang_cache the cache must receive the build's own cubin, so a kernel the builder compiled
+    earlier is refused (nothing written), not silently stored beside a cubin it does not match."""
+    require_tilelang_and_nvcc()
+    from foldkv.aot.build import AotBuildError, build
+
+    _, variant = _handed_out_before_the_build()
+    with pytest.raises(AotBuildError, match="compiled before this build"):
+        build(tmp_path / "b", arch="sm_90a", variants=[variant], log=None, fill_tilelang_cache=True)
+    assert not (tmp_path / "b").exists()
+
+
+def test_build_without_nvcc_says_so_before_writing(tmp_path, monkeypatch):
+    """No nvcc: NvccUnavailable (what notebook 02 records as "not run: no nvcc"), raised before anything is
+    written; it is an AotBuildError, so a caller that does not single it out still sees a build error."""
+    require_tilelang()
+    import importlib
+
+    build_module = importlib.import_module("foldkv.aot.build")  # the module (foldkv.aot.build is the function)
+    monkeypatch.setattr(build_module, "find_nvcc", lambda: None)
+    with pytest.raises(build_module.NvccUnavailable, match="no nvcc"):
+        build_module.build(tmp_path / "b", arch="sm_90a", variants=inplace_variants(), log=None)
+    assert issubclass(build_module.NvccUnavailable, build_module.AotBuildError)
+    assert os.listdir(tmp_path) == []
+
+
+def test_manifest_records_the_commit_it_was_built_from(tiny_build):
+    from foldkv.report import checkout_root
+
+    _, manifest = tiny_build
+    made = manifest["provenance"]
+    head = subprocess.run(["git", "-C", checkout_root(), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert made["git_commit"] == head.stdout.strip() and isinstance(made["dirty"], bool)
+
+
+def test_records_list_the_kernels_built_and_loaded(tiny_build, tmp_path, monkeypatch):
+    """A record saved after a JIT builder handed out a kernel lists the sha256 of its CUDA source; after the AOT
+    loader handed out a kernel, the manifest's sha256 of its source and cubin. Before, neither (the red twin)."""
+    require_tilelang_and_nvcc()
+    import hashlib
+
+    from foldkv.kernels import registry
+    from foldkv.report import RunRecord
+
+    monkeypatch.setattr(registry, "_HANDED_OUT", {})
+    out, manifest = tiny_build
+    (entry,) = manifest["kernels"]
+
+    def saved_kernels(name):
+        with open(RunRecord(name, tmp_path).save()) as fh:
+            return json.load(fh)["provenance"]["kernels"]
+
+    assert saved_kernels("before") == []
+    builder = registry.hands_out("aot_test_{flavour}")(
+        lambda geom, flavour="inplace": build_inplace_test_kernel(geom))
+    kernel = builder(GEMMA4_31B)
+    AotBuild(out).kernel("aot_test_inplace")
+    kernels = {(k["name"], k["backend"]): k for k in saved_kernels("after")}
+    jit = kernels[("aot_test_inplace", "jit")]
+    assert jit["source_sha256"] == hashlib.sha256(kernel.get_kernel_source().encode()).hexdigest()
+    assert jit["arguments"] == {"geom": GEMMA4_31B.name, "flavour": "inplace"}
+    aot = kernels[("aot_test_inplace", "aot")]
+    assert (aot["source_sha256"], aot["cubin_sha256"]) == (entry["source_sha256"], entry["cubin_sha256"])
+    assert aot["built_from_commit"] == manifest["provenance"]["git_commit"]
+
+
 def test_build_refuses_to_overwrite_a_folder_that_is_not_a_build(tmp_path):
     require_tilelang_and_nvcc()
     from foldkv.aot.build import AotBuildError, build

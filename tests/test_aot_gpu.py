@@ -43,11 +43,10 @@ def aot_build(tmp_path_factory):
 
     from tilelang.env import env as tl_env
 
-    # TileLang lowering is not deterministic across processes (e.g. which of two reduction workspaces gets which
-    # name), so the JIT arm must run what the build compiled. Either the build was made with --fill-tilelang-cache
-    # into the TileLang cache this process uses (FOLDKV_AOT_TEST_DIR, as the H200 run does: one compilation serves
-    # both arms), or the build is made here with TileLang's cache off and the launchers' in-process caches emptied,
-    # so its fresh compiles fill the builders' caches.
+    # With FOLDKV_AOT_TEST_DIR (the H200 run: cubins built on the CPU machine, the JIT compiled on the device from an
+    # empty cache) the two arms are independent compilations. Without it the build is made here with TileLang's cache
+    # off and the launchers' in-process caches emptied, so its fresh compiles fill the builders' caches (TileLang
+    # lowering is not deterministic across processes: e.g. which of two reduction workspaces gets which name).
     cache_was_on = tl_env.is_cache_enabled()
     path = os.environ.get("FOLDKV_AOT_TEST_DIR")
     if not (path and os.path.exists(os.path.join(path, "manifest.json"))):

@@ -307,6 +307,9 @@ def run_study(*, model_path: str | None, prompts: Sequence[str], lengths: Sequen
     if out_dir is not None:
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, RESULTS_NAME)
+        from .report import provenance
+
+        results["provenance"] = provenance()  # commit, dirty flag, sha256 of every kernel the study ran
         with open(path, "w") as fh:
             json.dump(_json_safe(results), fh, indent=1)
         results["json_path"] = os.path.abspath(path)

@@ -6,11 +6,73 @@ import datetime as _dt
 import json
 import os
 import platform
+import subprocess
 from typing import Any, Iterable, Sequence
 
 import torch
 
 NOT_RUN_NO_CUDA = "not run: no CUDA device"
+# Run outputs live under papermill_runs/: a run that writes its own records there does not make the code dirty.
+PROVENANCE_IGNORED_DIRS = ("papermill_runs/",)
+MAX_DIRTY_PATHS = 20
+
+
+def checkout_root() -> str:
+    """The folder foldkv is imported from, two levels above the package (lib/foldkv -> the checkout)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _git(root: str, *args: str) -> str:
+    return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, check=True, timeout=30).stdout
+
+
+def checkout_state(repo: str | os.PathLike | None = None) -> dict:
+    """The code a record was made with: `git_commit` (HEAD of the checkout, None with `git_reason` when foldkv is not
+    imported from the top of a git checkout), `dirty` (tracked files changed against HEAD, staged or not, outside
+    papermill_runs/) and up to MAX_DIRTY_PATHS of those paths (`dirty_paths_total` counts them all)."""
+    root = os.path.abspath(os.fspath(repo) if repo is not None else checkout_root())
+    state: dict[str, Any] = {"git_commit": None, "dirty": None, "dirty_paths": [], "dirty_paths_total": None}
+    try:
+        top = _git(root, "rev-parse", "--show-toplevel").strip()
+        if os.path.realpath(top) != os.path.realpath(root):
+            state["git_reason"] = f"{root} is not the top of a git checkout (it lies inside {top})"
+            return state
+        state["git_commit"] = _git(root, "rev-parse", "HEAD").strip()
+        status = _git(root, "status", "--porcelain=v1", "-z", "--untracked-files=no")
+    except FileNotFoundError:
+        state["git_reason"] = "git is not installed"
+        return state
+    except subprocess.CalledProcessError as exc:
+        state["git_reason"] = f"{root} is not a git checkout with a commit: {(exc.stderr or '').strip()[:200]}"
+        return state
+    except subprocess.TimeoutExpired:
+        state["git_reason"] = "git did not answer within 30 s"
+        return state
+    paths, fields = [], status.split("\0")
+    i = 0
+    while i < len(fields):
+        entry = fields[i]
+        i += 1
+        if len(entry) < 4:
+            continue
+        if entry[0] in "RC":  # a rename or copy: the next field is the old path
+            i += 1
+        path = entry[3:]
+        if not path.startswith(PROVENANCE_IGNORED_DIRS):
+            paths.append(path)
+    state["dirty"] = bool(paths)
+    state["dirty_paths"] = sorted(paths)[:MAX_DIRTY_PATHS]
+    state["dirty_paths_total"] = len(paths)
+    return state
+
+
+def provenance(repo: str | os.PathLike | None = None) -> dict:
+    """What every record carries, taken when it is saved: `checkout_state()` plus `kernels`, each kernel this
+    process built (JIT: the sha256 of the CUDA source TileLang generated) or loaded (AOT: the manifest's sha256 of
+    the source and the cubin, and the commit the build was made from), as noted by `foldkv.kernels.registry`."""
+    from .kernels.registry import kernels_handed_out
+
+    return {**checkout_state(repo), "kernels": kernels_handed_out()}
 
 
 def environment() -> dict:
@@ -83,6 +145,7 @@ class RunRecord:
 
     def save(self) -> str:
         os.makedirs(self.out_dir, exist_ok=True)
+        self.data["provenance"] = provenance()
         with open(self.path(), "w") as fh:
             json.dump(self.data, fh, indent=1, default=_jsonable)
         return self.path()

@@ -30,6 +30,7 @@ from . import build as _build_module  # no TileLang at import: it is imported in
 
 build = _build_module.build
 AotBuildError = _build_module.AotBuildError
+NvccUnavailable = _build_module.NvccUnavailable
 
 
 def _decode_backend(geometry, fmt) -> dict:
@@ -55,6 +56,6 @@ _register_backends()
 
 __all__ = [
     "AOT_DIR_ENV", "AotBuild", "AotBuildError", "AotKernel", "AotLaunchError", "AotMismatchError", "AotVerifyError",
-    "active_build", "aot_kernel", "arch_runs_on", "build", "check_build_matches", "check_pool_matches",
+    "NvccUnavailable", "active_build", "aot_kernel", "arch_runs_on", "build", "check_build_matches", "check_pool_matches",
     "manifest_summary", "read_manifest", "use_build", "verify",
 ]

@@ -13,7 +13,8 @@ flag (`FLAG_PASS_CONFIGS`), known to act only before code generation (its effect
 command equals the one TileLang's callback runs (its nvcc call intercepted).
 
 One nvcc run per kernel. While the build runs, TileLang's device-compile callback is replaced by
-`device_compiles_through_aot`: the JIT compile of each variant (made fresh, TileLang's cache off) runs our command on
+`device_compiles_through_aot`: the JIT compile of each variant (made fresh by the build whatever the builders' memo or TileLang's caches hold:
+`build_fresh`) runs our command on
 the exact code TileLang hands to nvcc, with the pass configs of that compile; the same bytes become the JIT kernel's
 cubin and the AOT file. The written .cu is that code (`get_kernel_source()`).
 
@@ -43,6 +44,7 @@ from typing import Any, Callable, Iterable
 from ..config import AttentionGeometry, resolve_geometry
 from ..kernels import registry
 from ..kernels.registry import KernelVariant
+from ..report import checkout_state
 
 from .verify import MANIFEST_NAME, MANIFEST_VERSION
 
@@ -80,6 +82,11 @@ REFUSED_PASS_CONFIGS = {
 
 class AotBuildError(RuntimeError):
     """The AOT build cannot reproduce the JIT exactly (or a kernel fails a check); nothing is written for it."""
+
+
+class NvccUnavailable(AotBuildError):
+    """There is no nvcc where TileLang looks for one (CUDA_HOME / CUDA_PATH, nvcc on PATH, /usr/local/cuda): the
+    build cannot run here, which is a reason to skip it, not a failure of the kernels."""
 
 
 def _json_value(v: Any) -> Any:
@@ -384,29 +391,51 @@ def _tl():
     return require_tilelang
 
 
-def build_fresh(variant: KernelVariant, geom: AttentionGeometry, fill_tilelang_cache: bool = False):
-    """The variant's JIT kernel compiled in this process, so that it carries the device IR that produced its source
-    (see `extract`): TileLang's disk cache is off while the builder runs, and a kernel a builder returns from an
-    in-memory cache (no IR) is compiled again from its PrimFunc with the same target, pass configs and flags.
+def build_fresh(variant: KernelVariant, geom: AttentionGeometry, compiled_order: list[str],
+                fill_tilelang_cache: bool = False):
+    """The variant's JIT kernel, compiled by this build: its device compile ran through `device_compiles_through_aot`
+    during this call (its source's sha256 is in `compiled_order` past the length it had on entry), so its cubin is the
+    one the AOT build writes and the kernel carries the device IR that produced its source (see `extract`).
 
-    `fill_tilelang_cache` leaves the cache on, so each kernel compiled here (a miss: start from an empty cache) is
-    also saved there with the very cubin the AOT build writes: a JIT process that loads that cache then runs exactly
-    the AOT binaries, which is what makes "AOT == JIT, bit for bit" a comparison of one compilation."""
+    A builder may hand out a kernel compiled before the build started: its own in-process cache (the builders are
+    memoised) or TileLang's memory or disk cache. Such a kernel never reached this build's nvcc, so it is compiled
+    again from its PrimFunc, with the same target, pass configs and flags and TileLang's cache off (which bypasses
+    the memory cache too). Whatever this process compiled earlier, or any cache holds, the build compiles its own.
+
+    `fill_tilelang_cache` leaves TileLang's cache on, so each kernel compiled here is also saved there with the very
+    cubin the AOT build writes (a JIT process that loads that cache runs exactly the AOT binaries). It therefore needs
+    the builder to compile (an empty cache, a process that has not built the kernel yet); a kernel that came from a
+    cache is refused rather than leaving the cache holding a cubin this build did not make."""
     tilelang = _tl()()
     from tilelang.env import env as tl_env
+
+    def compiled_here(kernel, since: int) -> bool:
+        art = getattr(kernel, "artifact", None)
+        return (art is not None and art.device_mod is not None
+                and sha256_bytes(kernel.get_kernel_source().encode()) in compiled_order[since:])
 
     was_enabled = tl_env.is_cache_enabled()
     if not fill_tilelang_cache:
         tl_env.disable_cache()
     try:
+        since = len(compiled_order)
         kernel = variant.build(geom)
-        art = getattr(kernel, "artifact", None)
-        if art is None or art.device_mod is None:
-            kernel = tilelang.compile(
-                kernel.prim_func, out_idx=list(getattr(kernel.adapter, "result_idx", None) or []) or None,
-                execution_backend=kernel.execution_backend, target=kernel.target,
-                pass_configs=dict(kernel.pass_configs or {}), compile_flags=kernel.compile_flags,
-            )
+        if compiled_here(kernel, since):
+            return kernel
+        if fill_tilelang_cache:
+            raise AotBuildError(
+                f"{variant.name}: the builder handed out a kernel compiled before this build (this process built it"
+                " already, or TileLang's cache holds it); filling TileLang's cache needs a fresh process and an empty"
+                " TILELANG_CACHE_DIR, so that the cache receives the cubin this build writes")
+        since = len(compiled_order)  # TileLang's cache is off here: this compiles, bypassing memory and disk
+        kernel = tilelang.compile(
+            kernel.prim_func, out_idx=list(getattr(kernel.adapter, "result_idx", None) or []) or None,
+            execution_backend=kernel.execution_backend, target=kernel.target,
+            pass_configs=dict(kernel.pass_configs or {}), compile_flags=kernel.compile_flags,
+        )
+        if not compiled_here(kernel, since):
+            raise AotBuildError(f"{variant.name}: a fresh compile with TileLang's cache off did not go through the"
+                                " AOT nvcc")
         return kernel
     finally:
         if was_enabled:
@@ -414,21 +443,36 @@ def build_fresh(variant: KernelVariant, geom: AttentionGeometry, fill_tilelang_c
 
 
 # --- the build -----------------------------------------------------------------------------------------------------
+def find_nvcc() -> str | None:
+    """The nvcc TileLang's JIT would run (its CUDA_HOME resolution), or None when there is none."""
+    _tl()()
+    from tilelang.contrib.nvcc import get_nvcc_compiler
+
+    try:
+        nvcc = get_nvcc_compiler()
+    except RuntimeError:  # TileLang found no CUDA installation
+        return None
+    return nvcc if os.path.isfile(nvcc) and os.access(nvcc, os.X_OK) else None
+
+
 def _toolchain() -> dict:
-    """nvcc, host compiler and include dirs exactly as TileLang's JIT resolves them."""
+    """nvcc, host compiler and include dirs exactly as TileLang's JIT resolves them (NvccUnavailable without nvcc)."""
     _tl()()
     from tilelang.contrib.cc import get_cplus_compiler
-    from tilelang.contrib.nvcc import get_nvcc_compiler
     from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
-    nvcc = get_nvcc_compiler()
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise NvccUnavailable("no nvcc: TileLang finds none (set CUDA_HOME to a CUDA toolkit, or put nvcc on PATH)")
     return {"nvcc": nvcc, "ccbin": get_cplus_compiler(), "template_dir": TILELANG_TEMPLATE_PATH,
             "cutlass_dir": CUTLASS_INCLUDE_DIR, "nvcc_version": nvcc_version(nvcc)}
 
 
 def compile_cubin(source: str, arch: str, options: list[str], tc: dict) -> bytes:
     """nvcc the source to a cubin. The source file sits at a path named after its sha256, with a fixed mtime (both
-    are recorded in the cubin's line info), so the same source, options and nvcc give the same bytes on every build."""
+    are recorded in the cubin's line info), so the same source, options and nvcc give the same bytes on every build.
+
+    That folder is removed afterwards (`_locked_fixed_dir`)."""
     digest = sha256_bytes(source.encode())[:16]
     with _locked_fixed_dir(os.path.join(tempfile.gettempdir(), f"foldkv_aot_{digest}")) as work, \
             tempfile.TemporaryDirectory(prefix="foldkv_aot_out_") as out_dir:
@@ -475,10 +519,11 @@ def _locked_fixed_dir(path: str):
 
 
 @contextlib.contextmanager
-def device_compiles_through_aot(arch: str, tc: dict, store: dict):
+def device_compiles_through_aot(arch: str, tc: dict, store: dict, order: list | None = None):
     """While active, TileLang's device-compile callback is this build's nvcc command: each JIT compile in the process
     runs `nvcc_command` with `nvcc_options(pass configs the JIT compile saw)` and the cubin is kept in `store`
-    (sha256 of the source -> (cubin, options)). One nvcc run serves both the JIT kernel and the AOT file, so the
+    (sha256 of the source -> (cubin, options)), the sha256 also appended to `order` (when given) so a caller can tell
+    which compiles ran during a call. One nvcc run serves both the JIT kernel and the AOT file, so the
     cubin written is the one the JIT kernel of this process loaded. TileLang's own callback is put back afterwards.
     (test_aot_cpu.py checks that `nvcc_command` is the command TileLang's callback runs for the same configs.)"""
     import tvm_ffi
@@ -494,7 +539,10 @@ def device_compiles_through_aot(arch: str, tc: dict, store: dict):
         cfg = {str(k): v for k, v in dict(pass_config or {}).items()}
         options = nvcc_options(cfg, template_dir=tc["template_dir"], cutlass_dir=tc["cutlass_dir"])
         cubin = compile_cubin(code, arch, options, tc)
-        store[sha256_bytes(code.encode())] = (cubin, options)
+        digest = sha256_bytes(code.encode())
+        store[digest] = (cubin, options)
+        if order is not None:
+            order.append(digest)
         return bytearray(cubin)
 
     tvm_ffi.register_global_func(name, f=compile_for_aot, override=True)
@@ -545,11 +593,11 @@ def build(
     t_start = time.perf_counter()
     try:
         target_arch = str(tl_target(arch).attrs["arch"])
-        entries, compiled = [], {}
-        with device_compiles_through_aot(target_arch, tc, compiled):
+        entries, compiled, compiled_order = [], {}, []
+        with device_compiles_through_aot(target_arch, tc, compiled, compiled_order):
             for v in variants:
                 t0 = time.perf_counter()
-                kernel = build_fresh(v, geom, fill_tilelang_cache)
+                kernel = build_fresh(v, geom, compiled_order, fill_tilelang_cache)
                 target = getattr(kernel, "target", None)
                 k_arch = str(target.attrs.get("arch")) if target is not None and "arch" in target.attrs else None
                 if k_arch != target_arch:
@@ -614,6 +662,7 @@ def build(
             "formats": formats,
             "kernels": entries,
             "build_seconds": round(time.perf_counter() - t_start, 1),
+            "provenance": checkout_state(),  # the commit and dirty flag of the code the kernels were generated from
         }
         with open(os.path.join(stage, MANIFEST_NAME), "w") as fh:
             json.dump(manifest, fh, indent=1, sort_keys=False)

@@ -23,6 +23,7 @@ from dataclasses import fields
 from typing import Any, Sequence
 
 from ..config import AttentionGeometry
+from ..kernels.registry import note_kernel
 from ..layout import KvFormat
 from ..validate import FoldKvInputError
 from .verify import AotVerifyError, verify
@@ -438,6 +439,10 @@ class AotBuild:
         k = self._kernels.get(name)
         if k is None:
             k = self._kernels[name] = AotKernel(self, self._entries[name])
+            entry, built_from = self._entries[name], self.manifest.get("provenance") or {}
+            note_kernel(name, "aot", entry["source_sha256"], cubin_sha256=entry["cubin_sha256"],
+                        aot_dir=os.path.abspath(self.dir), built_from_commit=built_from.get("git_commit"),
+                        built_from_dirty=built_from.get("dirty"))
         return k
 
 

@@ -25,7 +25,7 @@ import torch
 
 from ..config import GEMMA4_31B, AttentionGeometry
 from ..layout import KvFormat
-from .registry import KernelVariant, register
+from .registry import KernelVariant, hands_out, register
 from .tl import pass_configs, require_tilelang, target
 
 LOG2E = math.log2(math.e)
@@ -236,6 +236,7 @@ def _load_query_macro(geom: AttentionGeometry, block_h: int, query_tma: bool):
 
 
 @functools.lru_cache(maxsize=None)
+@hands_out("decode_partial_split")
 def build_decode_partial_split(geom: AttentionGeometry, **params):
     tilelang = require_tilelang()
     cfg = {**DEFAULTS, **params}

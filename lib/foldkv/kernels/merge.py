@@ -28,7 +28,7 @@ import functools
 import math
 
 from ..config import AttentionGeometry
-from .registry import KernelVariant, register
+from .registry import KernelVariant, hands_out, register
 from .tl import pass_configs, require_tilelang, target
 
 MERGE_THREADS = 128
@@ -166,6 +166,7 @@ def merge_final_program(geom: AttentionGeometry, *, threads: int = MERGE_THREADS
 
 
 @functools.lru_cache(maxsize=None)
+@hands_out("merge_groups")
 def build_merge_groups(geom: AttentionGeometry, *, barrier: bool = True, check: bool = True):
     """Compile the level-one merge and run the emitted-source barrier check on it (raises if it fails)."""
     tilelang = require_tilelang()
@@ -179,6 +180,7 @@ def build_merge_groups(geom: AttentionGeometry, *, barrier: bool = True, check: 
 
 
 @functools.lru_cache(maxsize=None)
+@hands_out("merge_final")
 def build_merge_final(geom: AttentionGeometry):
     tilelang = require_tilelang()
     return tilelang.compile(merge_final_program(geom), target=target(), pass_configs=pass_configs())

@@ -17,6 +17,7 @@ arrangement) plus the producer warpgroup TileLang adds for the TMA loads.
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
 
 from ..config import GEMMA4_31B, AttentionGeometry
+from .registry import hands_out
 from .tl import pass_configs, require_tilelang, target
 
 # Tuning constants baked into a build (the registry records them; the AOT build compiles the same).
@@ -32,6 +33,7 @@ def _check_geometry(geom: AttentionGeometry) -> None:
         )
 
 
+@hands_out("prefill_split")
 def build(geom: AttentionGeometry = GEMMA4_31B, *, page_size: int = 64, block_N: int = 64, num_stages: int = 1,
           threads: int = 256, arch: str | None = None):
     """Compile (JIT) the split prefill kernel for `geom`; returns a TileLang kernel taking the arguments above."""

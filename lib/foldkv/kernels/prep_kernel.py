@@ -44,6 +44,7 @@ def _check_geometry(geom: AttentionGeometry) -> None:
         raise NotImplementedError(f"prep kernel needs head_dim a multiple of 256 and rotary pairs <= D/4; got {geom}")
 
 
+@registry.hands_out("prep_{fmt}")
 def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.FOLDED, *, page_size: int = 64,
           in_dtype: str = "bfloat16", threads: int = 128, arch: str | None = None):
     """Compile (JIT) the fused prep for one pool format; returns a TileLang kernel taking the arguments above."""
