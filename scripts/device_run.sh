@@ -7,7 +7,7 @@
 # JIT kernels from that cache; the benchmarks notebook then runs alone, so nothing else shares the GPU while it times.
 # Prepare on the CPU machine first: scripts/prepare_device_run.sh.
 #
-#   bash scripts/device_run.sh TAG      # on the device machine, repo root; carried: .devsite build/aot
+#   bash scripts/device_run.sh TAG      # on the device machine, repo root; carried: .devsite build/aot build/checkout.json
 #   CACHE_MODE=shared bash scripts/device_run.sh TAG   # option: load the carried .tilelang_cache that
 #                                       # `prepare_device_run.sh --shared-cache` filled from the AOT build (one compilation)
 # Results: papermill_runs/TAG/ (tarred to $OUT/runs.tgz) and the logs in $OUT.

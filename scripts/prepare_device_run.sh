@@ -2,12 +2,12 @@
 # On the CPU machine, before scripts/device_run.sh: stage the device bundles, then build every kernel once for sm_90a
 # into build/aot (the AOT build) and verify it. The device compiles the JIT kernels itself, from an empty TileLang
 # cache (scripts/device_run.sh), so notebook 02's "AOT == JIT" compares two independent compilations.
-#   Carry: .devsite build/aot
+#   Carry: .devsite build/aot build/checkout.json
 #
 # --shared-cache (the old mode, an option only): the AOT build also fills .tilelang_cache with the very cubins it
 # writes, and the JIT kernels the GPU tests add are compiled into it here; the device then loads that cache
 # (CACHE_MODE=shared bash scripts/device_run.sh TAG), so "AOT == JIT" compares one compilation through two loaders.
-#   Carry: .devsite .tilelang_cache build/aot
+#   Carry: .devsite .tilelang_cache build/aot build/checkout.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHARED=0
@@ -18,14 +18,17 @@ for arg in "$@"; do
   esac
 done
 [ -f .devsite/env.sh ] || ../shared/device/stage.sh --peers
+PY=$(bash scripts/install.sh --which)   # the interpreter `make install` set up (torch, TileLang, nvcc bindings)
 rm -rf .tilelang_cache build/aot
 if [ "$SHARED" = 1 ]; then
   export TILELANG_CACHE_DIR=$PWD/.tilelang_cache
-  python3 -m foldkv aot build --arch sm_90a --out build/aot --fill-tilelang-cache
+  "$PY" -m foldkv aot build --arch sm_90a --out build/aot --fill-tilelang-cache
   # the extra variants the GPU tests (and, DECODE_HARNESS=1, bench/decode_harness.py) compile, into the same cache
-  FOLDKV_JIT_CACHE_MODE=shared python3 scripts/jit_build_all.py $([ "${DECODE_HARNESS:-0}" = 1 ] && echo --decode-harness)
+  FOLDKV_JIT_CACHE_MODE=shared "$PY" scripts/jit_build_all.py $([ "${DECODE_HARNESS:-0}" = 1 ] && echo --decode-harness)
 else
-  python3 -m foldkv aot build --arch sm_90a --out build/aot
+  "$PY" -m foldkv aot build --arch sm_90a --out build/aot
 fi
-python3 -m foldkv aot verify build/aot
+"$PY" -m foldkv aot verify build/aot
+# the device gets the working tree without .git: this stamp names the commit there (foldkv.report.checkout_state)
+"$PY" -c "from foldkv.report import write_checkout_stamp; print('stamped', write_checkout_stamp())"
 du -sh .devsite build/aot $([ "$SHARED" = 1 ] && echo .tilelang_cache)

@@ -74,6 +74,37 @@ def test_not_a_checkout_says_why(tmp_path, repo):
     assert sub["git_commit"] is None and "not the top" in sub["git_reason"]
 
 
+def _copy_without_git(repo, dest):
+    import shutil
+
+    shutil.copytree(repo, dest, ignore=shutil.ignore_patterns(".git"))
+    return dest
+
+
+def test_copy_without_git_takes_the_commit_from_the_stamp(tmp_path, repo):
+    """The device machine gets the working tree without .git: the stamp written beforehand names the commit."""
+    report.write_checkout_stamp(repo)
+    copy = _copy_without_git(repo, tmp_path / "copy")
+    state = report.checkout_state(copy)
+    assert state["git_commit"] == git(repo, "rev-parse", "HEAD") and state["dirty"] is False, state
+    assert "hash the same" in state["git_reason"]
+
+
+def test_copy_changed_after_the_stamp_says_dirty(tmp_path, repo):
+    """Red twin: a listed file edited after the stamp makes the copy dirty, whatever the stamp said."""
+    report.write_checkout_stamp(repo)
+    copy = _copy_without_git(repo, tmp_path / "copy")
+    (copy / "lib" / "code.py").write_text("x = 3\n")
+    state = report.checkout_state(copy)
+    assert state["git_commit"] == git(repo, "rev-parse", "HEAD") and state["dirty"] is True, state
+    assert "DIFFER" in state["git_reason"]
+
+
+def test_copy_without_git_or_stamp_names_no_commit(tmp_path, repo):
+    state = report.checkout_state(_copy_without_git(repo, tmp_path / "copy"))
+    assert state["git_commit"] is None and state["dirty"] is None
+
+
 def test_this_checkout_is_the_default():
     state = report.checkout_state()
     assert state["git_commit"] == git(report.checkout_root(), "rev-parse", "HEAD")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import os
 import platform
@@ -15,6 +16,9 @@ NOT_RUN_NO_CUDA = "not run: no CUDA device"
 # Run outputs live under papermill_runs/: a run that writes its own records there does not make the code dirty.
 PROVENANCE_IGNORED_DIRS = ("papermill_runs/",)
 MAX_DIRTY_PATHS = 20
+# A copy of the checkout without .git (the device machine gets the working tree only) takes its commit from this file,
+# written in the checkout beforehand by `write_checkout_stamp()` (scripts/prepare_device_run.sh does).
+CHECKOUT_STAMP = os.path.join("build", "checkout.json")
 
 
 def checkout_root() -> str:
@@ -41,10 +45,10 @@ def checkout_state(repo: str | os.PathLike | None = None) -> dict:
         status = _git(root, "status", "--porcelain=v1", "-z", "--untracked-files=no")
     except FileNotFoundError:
         state["git_reason"] = "git is not installed"
-        return state
+        return _from_stamp(root, state)
     except subprocess.CalledProcessError as exc:
         state["git_reason"] = f"{root} is not a git checkout with a commit: {(exc.stderr or '').strip()[:200]}"
-        return state
+        return _from_stamp(root, state)
     except subprocess.TimeoutExpired:
         state["git_reason"] = "git did not answer within 30 s"
         return state
@@ -63,6 +67,54 @@ def checkout_state(repo: str | os.PathLike | None = None) -> dict:
     state["dirty"] = bool(paths)
     state["dirty_paths"] = sorted(paths)[:MAX_DIRTY_PATHS]
     state["dirty_paths_total"] = len(paths)
+    return state
+
+
+def _files_sha256(root: str, paths: Sequence[str]) -> str:
+    """One sha256 over the listed files' names and bytes as they are under `root` (a missing file counts as empty)."""
+    h = hashlib.sha256()
+    for rel in paths:
+        h.update(rel.encode() + b"\0")
+        full = os.path.join(root, rel)
+        if os.path.isfile(full):
+            with open(full, "rb") as fh:
+                h.update(hashlib.sha256(fh.read()).digest())
+    return h.hexdigest()
+
+
+def write_checkout_stamp(repo: str | os.PathLike | None = None) -> str:
+    """Write CHECKOUT_STAMP in a git checkout: its `checkout_state()` and a sha256 over its tracked files outside
+    papermill_runs/, so that a copy of the tree without .git can still say which commit it is and whether any of
+    those files changed since (see `checkout_state`). Returns the path."""
+    root = os.path.abspath(os.fspath(repo) if repo is not None else checkout_root())
+    state = checkout_state(root)
+    if state["git_commit"] is None:
+        raise RuntimeError(f"cannot stamp {root}: {state.get('git_reason')}")
+    files = [p for p in _git(root, "ls-files", "-z").split("\0") if p and not p.startswith(PROVENANCE_IGNORED_DIRS)]
+    stamp = {**state, "files": files, "files_sha256": _files_sha256(root, files),
+             "utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    path = os.path.join(root, CHECKOUT_STAMP)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(stamp, fh, indent=1)
+    return path
+
+
+def _from_stamp(root: str, state: dict) -> dict:
+    """No git here: take the commit from CHECKOUT_STAMP if the checkout carries one; the copy is dirty when the stamp
+    says so or when any file it lists hashes differently here."""
+    path = os.path.join(root, CHECKOUT_STAMP)
+    if not os.path.isfile(path):
+        return state
+    with open(path) as fh:
+        stamp = json.load(fh)
+    same = _files_sha256(root, stamp["files"]) == stamp["files_sha256"]
+    state.update(git_commit=stamp["git_commit"], dirty=bool(stamp["dirty"]) or not same,
+                 dirty_paths=stamp["dirty_paths"], dirty_paths_total=stamp["dirty_paths_total"],
+                 git_reason=f"{state['git_reason']}; commit from {CHECKOUT_STAMP} (written {stamp['utc']}), whose "
+                            f"{len(stamp['files'])} tracked files {'hash the same' if same else 'DIFFER'} here")
+    if not same:
+        state["dirty_paths"] = state["dirty_paths"] + ["(files changed since the stamp)"]
     return state
 
 
