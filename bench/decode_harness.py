@@ -1,8 +1,9 @@
 """Decode harness: one request at the 31B shape, one layer, end to end (partial + merges), median of CUDA-graph
 replays with inputs rotated past L2, arms interleaved in one run. Prints a table: us, GB/s, % of the read roof.
 
-Arms: our generated kernels on a folded pool and on a split pool (tags: a partial tiling such as tm64s2; a 'v3' suffix
-= version 3's query load by all threads), and FlashInfer's
+Arms: our generated kernels on a folded pool and on a split pool (tags: a partial tiling such as tm64s2 = the library
+partial; hm32s3 = the head-major order of bench/versions/decode_partial_head_major.py; a 'v3' suffix = the query load
+by all threads of bench/versions/decode_partial_query_all_threads.py), and FlashInfer's
 paged decode (tensor-core and CUDA-core paths) on a split pool of the same bytes (its HND layout:
 [pages, 2, Hkv, page, D]). Each arm is checked against a float32 torch reference before it is timed.
 
@@ -28,26 +29,32 @@ import torch
 import foldkv
 from foldkv import KvFormat, PagedKvLayout, PagedKvPool
 from foldkv.kernels import decode as dec
-from foldkv.kernels import decode_partial_folded, decode_partial_split, merge
+from foldkv.kernels import decode_partial, merge
+from versions import decode_partial_head_major, decode_partial_query_all_threads  # bench/versions/
 
 GEOM = foldkv.GEMMA4_31B
 READ_ROOF_GBS = 4469.0  # streaming read roof measured on this H200 (shared/device/README.md)
 L2_BYTES = 60 << 20
 LENGTHS = (10602, 40002, 81653, 163336)
 DEFAULT_TILINGS = {"folded": ["tm64s2", "tm64s2v3"], "split": ["tm64s1", "tm64s1v3"]}
-BUILDERS = {KvFormat.FOLDED: decode_partial_folded.build_decode_partial_folded,
-            KvFormat.SPLIT: decode_partial_split.build_decode_partial_split}
 
 
-def parse_tiling(tag: str) -> dict:
-    """'tm64s2' -> token-major operands (wgmma), block_n=64, num_stages=2; 'hm32s3' -> head-major (mma.sync);
-    a 'v3' suffix -> version 3's query load (all threads, then a block barrier) instead of a TMA."""
+def parse_tiling(tag: str) -> tuple:
+    """'tm64s2' -> (the library partial's builder, block_n=64, num_stages=2); 'hm32s3' -> the head-major version's
+    builder; a 'v3' suffix (token-major only) -> the version whose query is loaded by all threads."""
     v3 = tag.endswith("v3")
     tag = tag[:-2] if v3 else tag
-    order = {"tm": "token_major", "hm": "head_major"}[tag[:2]]
-    bn, st = tag[2:].split("s")
-    return dict(operand_order=order, block_n=int(bn), num_stages=int(st),
-                **(dict(query_tma=False) if v3 else {}))
+    order, (bn, st) = tag[:2], tag[2:].split("s")
+    if order not in ("tm", "hm") or (v3 and order != "tm"):
+        raise SystemExit(f"tiling {tag!r}: expected tm<block_n>s<stages>[v3] or hm<block_n>s<stages>")
+    build = (decode_partial_head_major.build if order == "hm" else
+             decode_partial_query_all_threads.build if v3 else decode_partial.build_decode_partial)
+    return build, dict(block_n=int(bn), num_stages=int(st))
+
+
+def build_partial(fmt: KvFormat, tag: str):
+    build, tiling = parse_tiling(tag)
+    return build(GEOM, fmt, **tiling)
 
 
 def smem_bytes(fmt: KvFormat, block_n: int, num_stages: int, **_) -> int:
@@ -59,13 +66,17 @@ def smem_bytes(fmt: KvFormat, block_n: int, num_stages: int, **_) -> int:
 def backend_for(fmt: KvFormat, tag: str) -> str:
     """Register (once) a JIT backend whose partial kernel has tiling `tag`; the merges are the registered ones."""
     name = f"jit-{fmt.value}-{tag}"
-    if name not in dec._BACKENDS:
+    if name not in _REGISTERED:
         def factory(geom, f, _tag=tag, _fmt=fmt):
-            assert f is _fmt
-            return {dec.partial_kernel_name(f): BUILDERS[f](geom, **parse_tiling(_tag)),
+            assert f is _fmt and geom == GEOM
+            return {dec.partial_kernel_name(f): build_partial(f, _tag),
                     "merge_groups": merge.build_merge_groups(geom), "merge_final": merge.build_merge_final(geom)}
         dec.register_backend(name, factory)
+        _REGISTERED.add(name)
     return name
+
+
+_REGISTERED: set[str] = set()  # backends this process registered with foldkv.kernels.decode
 
 
 # --- inputs ----------------------------------------------------------------------------------------------------
@@ -122,7 +133,7 @@ def partial_only_arm(fmt, tag, length, device, gen):
     """The partial kernel alone (no merges): end to end minus this is what the two merges cost."""
     pool, tables, queries, nbytes = make_rotations(fmt, length, device, gen)
     plan = dec.plan_decode(pool.layout, [length], device=device)
-    partial = dec._kernels(backend_for(fmt, tag), GEOM, fmt)[dec.partial_kernel_name(fmt)]
+    partial = build_partial(fmt, tag)
     steps = [lambda i=i: partial(queries[i], pool.data, tables[i].page_ids, plan.chunk_req, plan.chunk_start,
                                  plan.chunk_len, plan.part_o, plan.part_lse) for i in range(len(tables))]
     return steps, nbytes, float("nan"), "partial kernel only", pool
@@ -275,8 +286,8 @@ def resources(tilings):
     """nvcc -Xptxas -v on each variant's emitted CUDA: registers, stack, spills; shared memory from the tiling."""
     from tilelang.contrib.nvcc import default_compile_options, get_nvcc_compiler
 
-    todo = [(f"decode_partial_{f}_{t}", BUILDERS[KvFormat.parse(f)](GEOM, **parse_tiling(t)),
-             smem_bytes(KvFormat.parse(f), **parse_tiling(t))) for f, tags in tilings.items() for t in tags]
+    todo = [(f"decode_partial_{f}_{t}", build_partial(KvFormat.parse(f), t),
+             smem_bytes(KvFormat.parse(f), **parse_tiling(t)[1])) for f, tags in tilings.items() for t in tags]
     todo += [("merge_groups", merge.build_merge_groups(GEOM), 0), ("merge_final", merge.build_merge_final(GEOM), 0)]
     for name, kernel, smem in todo:
         with tempfile.TemporaryDirectory() as tmp:
@@ -293,8 +304,8 @@ def resources(tilings):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="*", default=list(LENGTHS))
-    ap.add_argument("--folded", nargs="*", default=DEFAULT_TILINGS["folded"], help="folded tilings, e.g. bn32s3")
-    ap.add_argument("--split", nargs="*", default=DEFAULT_TILINGS["split"], help="split tilings")
+    ap.add_argument("--folded", nargs="*", default=DEFAULT_TILINGS["folded"], help="folded tilings, e.g. tm64s2 hm64s2 tm64s2v3")
+    ap.add_argument("--split", nargs="*", default=DEFAULT_TILINGS["split"], help="split tilings, e.g. tm64s1 hm32s2")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--partial-only", nargs="*", default=["folded:tm64s2", "split:tm64s1"],
                     help="format:tiling arms timed without the merges")

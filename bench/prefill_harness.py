@@ -1,5 +1,6 @@
 """Prefill harness: one 8,192-token chunk at the end of a 163,336-token context, one layer (GQA 8, hd 512), our
-generated split and folded prefill (each tiling in --tilings) against FlashInfer's paged prefill (causal, hd512) on a
+generated split and folded prefill (each tiling in --tilings; a "-shared" suffix on a folded tiling = the
+shared-tile version in bench/versions/prefill_shared_tiles.py) against FlashInfer's paged prefill (causal, hd512) on a
 split pool of the same values, arms interleaved in one process by `foldkv.bench.run_cell` (pools rotated past L2,
 outputs poisoned and checked against a float32 reference before timing, median over rounds). Also times the fused
 prep of the same chunk against the torch prep. Prints a table last: ms, TFLOP/s, % of the measured bf16 matmul rate.
@@ -13,6 +14,7 @@ FLOPs counted: 4 * C * (K - C/2) * 32 * 512 (causal chunk of C queries ending at
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -25,25 +27,37 @@ import torch
 import foldkv
 from foldkv import KvFormat, bench
 from foldkv.bench import ArmSpec, AttentionCase, run_cell
+from foldkv.kernels import prefill as prefill_launcher
 from foldkv.peers import ArmImpl
+from versions import prefill_shared_tiles  # bench/versions/
 
 GEOM = foldkv.GEMMA4_31B
 MATMUL_RATE_TFLOPS = 790.0  # the brief's measured bf16 dense-MMA rate of this H200 (also re-measured in the run)
 DEFAULT_TILINGS = {"folded": ["bn64s1", "bn64s1-shared"], "split": ["bn64s1"]}
 
 
-def parse_tiling(tag: str) -> dict:
+VERSIONS = {"shared": prefill_shared_tiles.build}  # tiling suffix -> a folded version's build(geom, **params)
+
+
+def parse_tiling(tag: str) -> tuple[dict, str]:
+    """'bn64s1' -> ({block_N: 64, num_stages: 1}, the library's "jit" backend); 'bn64s1-shared' -> the same params
+    and a backend that builds bench/versions/prefill_shared_tiles.py (registered in the launcher's BACKENDS)."""
     m = re.fullmatch(r"bn(\d+)s(\d+)(?:-(\w+))?", tag)
-    if not m:
-        raise SystemExit(f"tiling {tag!r} is not of the form bn<block_N>s<num_stages>[-<folded tiles>]")
+    if not m or (m.group(3) and m.group(3) not in VERSIONS):
+        raise SystemExit(f"tiling {tag!r} is not of the form bn<block_N>s<num_stages>[-{'|'.join(VERSIONS)}]")
     params = {"block_N": int(m.group(1)), "num_stages": int(m.group(2))}
-    if m.group(3):
-        params["tiles"] = m.group(3)
-    return params
+    if not m.group(3):
+        return params, "jit"
+    backend = f"jit-{m.group(3)}"
+    build = functools.lru_cache(maxsize=None)(lambda geom, items: VERSIONS[m.group(3)](geom, **dict(items)))
+    prefill_launcher.BACKENDS.setdefault(backend, lambda name, geom, p: build(geom, tuple(sorted(p.items()))))
+    return params, backend
 
 
 def generated_arm(fmt: KvFormat, tag: str) -> ArmSpec:
-    params = parse_tiling(tag)
+    params, backend = parse_tiling(tag)
+    if backend != "jit" and fmt is not KvFormat.FOLDED:
+        raise SystemExit(f"tiling {tag!r} is a folded-only version")
 
     def build(case: AttentionCase) -> ArmImpl:
         from foldkv.kernels.prefill import prefill
@@ -52,7 +66,8 @@ def generated_arm(fmt: KvFormat, tag: str) -> ArmSpec:
         q_lens = torch.tensor(case.q_lens, dtype=torch.int32, device=case.device)
         out = torch.empty(query.shape, dtype=torch.bfloat16, device=case.device)  # [T, Hq, D]
         lse = torch.empty(query.shape[:2], dtype=torch.float32, device=case.device)  # [T, Hq]
-        calls = [lambda p=p: prefill(p, query, table, q_lens, out=out, lse=lse, params=params) for p in pools]
+        calls = [lambda p=p: prefill(p, query, table, q_lens, out=out, lse=lse, params=params, backend=backend)
+                 for p in pools]
         return ArmImpl(calls, out, graph=False, why_eager="prefill launches are milliseconds long: timed eagerly",
                        info={"params": params, "lse": lse})
 
@@ -95,14 +110,17 @@ def time_prep(device, chunk: int, rounds: int = 20) -> dict:
 
 def resources() -> None:
     """Registers / shared memory / spills of every prefill tiling and the prep kernels, from ptxas on this machine."""
-    from foldkv.kernels import prefill_folded, prefill_split, prep_kernel
+    from foldkv.kernels import prefill_attention, prep_kernel
     from foldkv.kernels.tl import require_tilelang
 
     tl_dir = os.path.dirname(require_tilelang().__file__)
     kernels = []
-    for fmt, mod in ((KvFormat.FOLDED, prefill_folded), (KvFormat.SPLIT, prefill_split)):
+    for fmt in (KvFormat.FOLDED, KvFormat.SPLIT):
         for tag in DEFAULT_TILINGS[fmt.value]:
-            kernels.append((f"prefill_{fmt.value}_{tag}", mod.build(GEOM, **parse_tiling(tag))))
+            params, backend = parse_tiling(tag)
+            build = (functools.partial(prefill_attention.build, fmt=fmt) if backend == "jit"
+                     else VERSIONS[tag.split("-")[1]])
+            kernels.append((f"prefill_{fmt.value}_{tag}", build(GEOM, **params)))
     for fmt in KvFormat:
         kernels.append((f"prep_{fmt.value}", prep_kernel.build(GEOM, fmt)))
     for name, k in kernels:

@@ -34,8 +34,7 @@ t0=$(date +%s)
 J=${JIT_S:-120}; A=${PHASE_A_S:-270}; B=${PHASE_B_S:-180}
 BATCH="python3 scripts/run_batch.py --tag $TAG --no-progress"
 
-timeout $J python3 scripts/jit_build_all.py --record "$FOLDKV_JIT_BUILD_RECORD" \
-   $([ "${DECODE_HARNESS:-0}" = 1 ] && echo --decode-harness) > "$OUTD/jit_build.log" 2>&1
+timeout $J python3 scripts/jit_build_all.py --record "$FOLDKV_JIT_BUILD_RECORD" > "$OUTD/jit_build.log" 2>&1
 echo "jit build rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/jit_build.log")"
 
 (FOLDKV_REQUIRE_GPU=1 FOLDKV_GATE_CASES=smoke FOLDKV_AOT_TEST_DIR=$PWD/build/aot timeout $A \

@@ -2,13 +2,13 @@
 """Compile, through TileLang's JIT, every kernel a device run uses, once, into TILELANG_CACHE_DIR, several at a time;
 record whether the cache started empty and how long the compiles took.
 
-    python3 scripts/jit_build_all.py --record $OUT/jit_build.json [--workers 12] [--decode-harness]
+    python3 scripts/jit_build_all.py --record $OUT/jit_build.json [--workers 12]
 
 scripts/device_run.sh runs it first, on the device, with a fresh cache: the GPU tests and notebooks that then run side
 by side load these kernels instead of racing to compile them, and notebook 02's "AOT == JIT" compares this machine's
 JIT compile with the AOT cubins built elsewhere. The kernels: every registered variant (the default geometry and the
-synthetic checkpoint's, which the drift tests use), plus the variants the GPU tests add (the decode partials' other
-operand order, the fused prep on float32 inputs) and, with --decode-harness, bench/decode_harness.py's version-3 arms.
+synthetic checkpoint's, which the drift tests use), plus the variants the GPU tests add (bench/versions/: the variants
+that lost, which the harness times too; the fused prep on float32 inputs).
 """
 
 from __future__ import annotations
@@ -22,22 +22,17 @@ import os
 import sys
 import time
 
-# (label, geometry, module, function, keyword arguments); "variant" builds registry.get(function).build(geometry)
+# (label, geometry, module, function, keyword arguments). module "variant": registry.get(function).build(geometry);
+# "versions/<file>": bench/versions/<file>.py's function(geometry, **kwargs) (the variants that lost, which the GPU
+# tests gate and the harness times); otherwise foldkv.kernels.<module>.<function>(geometry, **kwargs).
 GPU_TEST_EXTRAS = [
-    ("decode_partial_split head_major", "gemma4", "decode_partial_split", "build_decode_partial_split",
-     dict(operand_order="head_major", block_n=32, num_stages=2)),
-    ("decode_partial_folded head_major", "gemma4", "decode_partial_folded", "build_decode_partial_folded",
-     dict(operand_order="head_major", block_n=32, num_stages=3)),
+    *[(f"{version} {fmt}", "gemma4", f"versions/{version}", "build", dict(fmt=fmt))
+      for version in ("decode_partial_head_major", "decode_partial_query_all_threads") for fmt in ("split", "folded")],
+    ("prefill_shared_tiles", "gemma4", "versions/prefill_shared_tiles", "build", {}),
     ("prep_split float32", "gemma4", "prep_kernel", "build", dict(fmt="split", page_size=64, in_dtype="float32",
                                                                   threads=128)),
     ("prep_folded float32", "gemma4", "prep_kernel", "build", dict(fmt="folded", page_size=64, in_dtype="float32",
                                                                    threads=128)),
-]
-DECODE_HARNESS_EXTRAS = [
-    ("decode_partial_split token_major v3", "gemma4", "decode_partial_split", "build_decode_partial_split",
-     dict(operand_order="token_major", block_n=64, num_stages=1, query_tma=False)),
-    ("decode_partial_folded token_major v3", "gemma4", "decode_partial_folded", "build_decode_partial_folded",
-     dict(operand_order="token_major", block_n=64, num_stages=2, query_tma=False)),
 ]
 
 
@@ -49,17 +44,26 @@ def _geometry(key: str):
     return foldkv.GEMMA4_31B if key == "gemma4" else geometry_from_config(synthetic_config(), name="synthetic")
 
 
-def tasks(decode_harness: bool) -> list[list[tuple]]:
+def tasks() -> list[list[tuple]]:
     """Two waves: the default geometry's kernels, then the synthetic geometry's (a kernel whose program is the same
     for both is then a cache hit in the second wave instead of two processes compiling it at once)."""
     from foldkv.kernels import registry
 
     names = [v.name for v in registry.all_variants()]
     first = [(name, "gemma4", "variant", name, {}) for name in names] + GPU_TEST_EXTRAS
-    if decode_harness:
-        first += DECODE_HARNESS_EXTRAS
     second = [(f"{name} synthetic", "synthetic", "variant", name, {}) for name in names]
     return [first, second]
+
+
+def _bench_version(name: str):
+    """bench/versions/<name>.py as a module (the same loader as tests/conftest.py's bench_version)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "versions", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"bench_versions_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def build_one(task: tuple) -> dict:
@@ -73,6 +77,8 @@ def build_one(task: tuple) -> dict:
     t0 = time.perf_counter()
     if module == "variant":
         kernel = registry.get(function).build(geom)
+    elif module.startswith("versions/"):
+        kernel = getattr(_bench_version(module.split("/", 1)[1]), function)(geom, **kwargs)
     else:
         kernel = getattr(importlib.import_module(f"foldkv.kernels.{module}"), function)(geom, **kwargs)
     return {"kernel": label, "seconds": round(time.perf_counter() - t0, 1),
@@ -87,7 +93,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--record", help="write the record (JSON) here too")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
-    ap.add_argument("--decode-harness", action="store_true", help="also the version-3 arms of bench/decode_harness.py")
     args = ap.parse_args(argv)
 
     cache_dir = os.environ.get("TILELANG_CACHE_DIR")
@@ -95,7 +100,7 @@ def main(argv=None) -> int:
         print("jit_build_all: set TILELANG_CACHE_DIR (the cache the later processes load)", file=sys.stderr)
         return 2
     before = cache_entries(cache_dir)
-    waves = tasks(args.decode_harness)
+    waves = tasks()
     record = {"cache_dir": cache_dir, "cache_mode": os.environ.get("FOLDKV_JIT_CACHE_MODE", "fresh"),
               "cache_entries_before": before, "cache_started_empty": before == 0, "workers": args.workers,
               "kernels": [], "failed": []}

@@ -23,8 +23,8 @@ rm -rf .tilelang_cache build/aot
 if [ "$SHARED" = 1 ]; then
   export TILELANG_CACHE_DIR=$PWD/.tilelang_cache
   "$PY" -m foldkv aot build --arch sm_90a --out build/aot --fill-tilelang-cache
-  # the extra variants the GPU tests (and, DECODE_HARNESS=1, bench/decode_harness.py) compile, into the same cache
-  FOLDKV_JIT_CACHE_MODE=shared "$PY" scripts/jit_build_all.py $([ "${DECODE_HARNESS:-0}" = 1 ] && echo --decode-harness)
+  # the extra variants the GPU tests (bench/versions, float32 prep) compile, into the same cache
+  FOLDKV_JIT_CACHE_MODE=shared "$PY" scripts/jit_build_all.py
 else
   "$PY" -m foldkv aot build --arch sm_90a --out build/aot
 fi

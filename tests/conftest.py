@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +40,15 @@ def require_tilelang() -> None:
 def require_module(name: str) -> None:
     if importlib.util.find_spec(name) is None:
         skip_or_fail(f"{name} is not installed")
+
+
+def bench_version(name: str):
+    """The module bench/versions/<name>.py: a kernel variant that lost, kept beside the harness that times it."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "versions" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_versions_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture

@@ -63,9 +63,9 @@ def aot_build(tmp_path_factory):
 
 def _clear_jit_caches() -> None:
     """Forget every JIT kernel the launchers and builders hold from earlier tests of the session."""
-    from foldkv.kernels import decode, decode_partial_folded, decode_partial_split, merge, prefill, prep_kernel
+    from foldkv.kernels import decode, decode_partial, merge, prefill, prep_kernel
 
-    for mod in (decode, decode_partial_folded, decode_partial_split, merge, prefill, prep_kernel):
+    for mod in (decode, decode_partial, merge, prefill, prep_kernel):
         for obj in vars(mod).values():
             if callable(getattr(obj, "cache_clear", None)):
                 obj.cache_clear()

@@ -82,12 +82,10 @@ def test_every_in_place_variant_is_checked_at_generation():
 def test_kernel_argument_order_matches_launcher(fmt):
     """The argument order decode.py passes (and an AOT backend must follow) is the prim_funcs' parameter order."""
     require_tilelang()
-    from foldkv.kernels import decode_partial_folded, decode_partial_split
+    from foldkv.kernels.decode_partial import decode_partial_program
 
-    program = {KvFormat.SPLIT: decode_partial_split.decode_partial_split_program,
-               KvFormat.FOLDED: decode_partial_folded.decode_partial_folded_program}[fmt]
     names = lambda f: [f.buffer_map[p].name for p in f.params]  # noqa: E731
-    assert names(program(GEOM)) == ["query", "pool", "page_ids", "chunk_req", "chunk_start", "chunk_len",
+    assert names(decode_partial_program(GEOM, fmt)) == ["query", "pool", "page_ids", "chunk_req", "chunk_start", "chunk_len",
                                     "part_o", "part_lse"]
     assert names(merge.merge_groups_program(GEOM)) == ["part_o", "part_lse", "group_first", "group_count"]
     assert names(merge.merge_final_program(GEOM)) == ["part_o", "part_lse", "group_first", "req_group_first",

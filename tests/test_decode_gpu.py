@@ -65,21 +65,22 @@ def test_full_batch_many_groups(cuda_device, fmt):
     gate(fmt, lens, seed=5, device=cuda_device, chunk_tokens=128, merge_group=4)
 
 
+@pytest.mark.parametrize("version", ["decode_partial_head_major", "decode_partial_query_all_threads"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_other_operand_order(cuda_device, fmt):
-    """The non-default operand order of each format's partial (head-major mma.sync for both), same merges: both
-    orders compute the same function."""
-    from foldkv.kernels import decode_partial_folded, decode_partial_split, merge
+def test_bench_versions_compute_the_same_function(cuda_device, fmt, version):
+    """The partials that lost (bench/versions: the head-major operand order, the query loaded by all threads), each
+    with the library's merges through the public backend hook, pass the same gate as the library's partial: the
+    harness times a correct kernel."""
+    from conftest import bench_version
+
+    from foldkv.kernels import merge
     from foldkv.kernels.decode import partial_kernel_name, register_backend
 
-    other = {KvFormat.SPLIT: (decode_partial_split.build_decode_partial_split,
-                              dict(operand_order="head_major", block_n=32, num_stages=2)),
-             KvFormat.FOLDED: (decode_partial_folded.build_decode_partial_folded,
-                               dict(operand_order="head_major", block_n=32, num_stages=3))}[fmt]
-    register_backend(f"test-other-{fmt.value}", lambda geom, f: {
-        partial_kernel_name(f): other[0](geom, **other[1]), "merge_groups": merge.build_merge_groups(geom),
+    build = bench_version(version).build
+    register_backend(f"test-{version}-{fmt.value}", lambda geom, f: {
+        partial_kernel_name(f): build(geom, f), "merge_groups": merge.build_merge_groups(geom),
         "merge_final": merge.build_merge_final(geom)})
-    gate(fmt, [1, 65, 1025, 10602, 64], seed=13, device=cuda_device, backend=f"test-other-{fmt.value}",
+    gate(fmt, [1, 65, 1025, 10602, 64], seed=13, device=cuda_device, backend=f"test-{version}-{fmt.value}",
          chunk_tokens=512, merge_group=3)
 
 

@@ -10,7 +10,7 @@ from conftest import require_tilelang
 
 import foldkv
 from foldkv import FoldKvInputError, KvFormat, PagedKvLayout, PagedKvPool
-from foldkv.kernels import prefill_folded, prefill_split, registry
+from foldkv.kernels import prefill_attention, registry
 from foldkv.kernels.prefill import TOKENS_PER_TILE, prefill, tile_plan, variant_name
 from foldkv.kernels.prep_kernel import prep_and_store_gpu
 
@@ -39,8 +39,7 @@ def test_registry_holds_every_variant():
     for fmt in FORMATS:
         assert names[variant_name(fmt)].family == "prefill" and names[variant_name(fmt)].format is fmt
         assert names[f"prep_{fmt.value}"].family == "prep" and names[f"prep_{fmt.value}"].format is fmt
-    assert names["prefill_folded"].params == prefill_folded.DEFAULTS
-    assert names["prefill_split"].params == prefill_split.DEFAULTS
+    assert names["prefill_folded"].params == names["prefill_split"].params == prefill_attention.DEFAULTS
 
 
 # --- generation for sm_90a, no GPU ----------------------------------------------------------------------------------

@@ -9,8 +9,7 @@ graph once its inputs have been checked; pass `check=False` inside the capture):
     kernels["decode_partial_<format>"](query, pool.data, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse)
     kernels["merge_groups"](part_o, part_lse, group_first, group_count)
     kernels["merge_final"](part_o, part_lse, group_first, req_group_first, req_group_count, value_head_column, out, lse)
-Shapes and dtypes of each argument are in the docstrings of decode_partial_split.py, decode_partial_folded.py and
-merge.py. A backend is a function (geometry, format) -> {kernel name: callable}; "jit" builds them with TileLang here,
+Shapes and dtypes of each argument are in the docstrings of decode_partial.py and merge.py. A backend is a function (geometry, format) -> {kernel name: callable}; "jit" builds them with TileLang here,
 "aot" is registered by `foldkv.aot` (importing it must call `register_backend("aot", factory)`).
 """
 
@@ -26,7 +25,7 @@ from ..config import AttentionGeometry
 from ..layout import KvFormat
 from ..pool import BlockTable, PagedKvPool, check_block_table
 from ..validate import FoldKvInputError, check_tensor
-from . import decode_partial_folded, decode_partial_split, merge  # noqa: F401  (registers the variants)
+from . import decode_partial, merge  # noqa: F401  (registers the variants)
 from .plan import MAX_BATCH, MAX_LEN, DecodePlan, plan_decode
 from .registry import get
 

@@ -3,13 +3,12 @@
 `prefill(pool, query, table, q_lens)` runs request r's q_lens[r] queries (its last positions, bottom-right causal)
 against its pages and returns (out [sum(q_lens), 32, 512] bf16 head order, lse [sum(q_lens), 32] float32 natural
 log). A backend supplies one callable per kernel name ("prefill_split", "prefill_folded"), taking the argument order
-documented in each variant's module: "jit" compiles them with TileLang here, "aot" loads prebuilt ones via
+documented in prefill_attention.py: "jit" compiles them with TileLang here, "aot" loads prebuilt ones via
 `foldkv.aot.aot_kernel(name, geometry, fmt, page_size)` from the active AOT build.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import torch
@@ -18,21 +17,13 @@ from ..config import AttentionGeometry
 from ..layout import KvFormat
 from ..pool import BlockTable, PagedKvPool, check_block_table
 from ..validate import FoldKvInputError, check_tensor
-from . import prefill_folded, prefill_split, registry
+from . import prefill_attention, registry  # prefill_attention registers the variants
 
 TOKENS_PER_TILE = 8  # query tokens per CTA: 8 tokens x 8 heads of one KV group = 64 MMA rows
-_VARIANT_MODULES = {KvFormat.SPLIT: prefill_split, KvFormat.FOLDED: prefill_folded}
 
 
 def variant_name(fmt: KvFormat | str) -> str:
     return f"prefill_{KvFormat.parse(fmt).value}"
-
-
-for _fmt, _mod in _VARIANT_MODULES.items():
-    registry.register(registry.KernelVariant(
-        name=variant_name(_fmt), family="prefill", format=_fmt,
-        build=functools.partial(_mod.build, **_mod.DEFAULTS), params=dict(_mod.DEFAULTS),
-    ))
 
 
 # --- backends: (name, geom, params) -> callable with the variant's argument order ----------------------------------
@@ -43,7 +34,7 @@ def _jit_backend(name: str, geom: AttentionGeometry, params: dict) -> Callable:
     key = (name, geom, tuple(sorted(params.items())))
     if key not in _JIT_CACHE:
         fmt = KvFormat.SPLIT if name == variant_name(KvFormat.SPLIT) else KvFormat.FOLDED
-        _JIT_CACHE[key] = _VARIANT_MODULES[fmt].build(geom, **params)
+        _JIT_CACHE[key] = prefill_attention.build(geom, fmt, **params)
     return _JIT_CACHE[key]
 
 

@@ -33,6 +33,7 @@ from ..pool import BlockTable, PagedKvPool
 from ..prep import _check_prep_inputs, rope_inv_freq
 from ..validate import FoldKvInputError, check_tensor
 from . import registry
+from .macros import rope_pair
 from .tl import pass_configs, require_tilelang, target
 
 DEFAULTS = dict(page_size=64, in_dtype="bfloat16", threads=128)
@@ -104,10 +105,7 @@ def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.F
                         qn_hi = T.ieee_mul(T.ieee_mul(x_hi[z, j], ss[z]), QNormW[j + HALF])
                         if j < PAIRS:
                             ang = T.ieee_mul(pos, InvFreq[j])
-                            c = T.cos(ang)
-                            s = T.sin(ang)
-                            r_lo = T.ieee_add(T.ieee_mul(qn_lo, c), T.ieee_mul(-qn_hi, s))
-                            r_hi = T.ieee_add(T.ieee_mul(qn_hi, c), T.ieee_mul(qn_lo, s))
+                            r_lo, r_hi = rope_pair(qn_lo, qn_hi, ang)
                             if folded:  # score-window order: [rot lo | rot hi | unrot ...]
                                 QueryOut[bt, bh, j] = T.cast(r_lo, out_dtype)
                                 QueryOut[bt, bh, PAIRS + j] = T.cast(r_hi, out_dtype)
@@ -133,10 +131,7 @@ def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.F
                         k_hi = T.ieee_mul(v_hi, KNormW[j + HALF])
                         if j < PAIRS:
                             ang = T.ieee_mul(pos, InvFreq[j])
-                            c = T.cos(ang)
-                            s = T.sin(ang)
-                            r_lo = T.ieee_add(T.ieee_mul(k_lo, c), T.ieee_mul(-k_hi, s))
-                            r_hi = T.ieee_add(T.ieee_mul(k_hi, c), T.ieee_mul(k_lo, s))
+                            r_lo, r_hi = rope_pair(k_lo, k_hi, ang)
                             if folded:  # [K_rot lo | K_rot hi | V_unrot ... | V_rot lo | V_rot hi]
                                 Pool[page, h, off, j] = T.cast(r_lo, out_dtype)
                                 Pool[page, h, off, PAIRS + j] = T.cast(r_hi, out_dtype)
@@ -224,3 +219,37 @@ def prep_and_store_gpu(pool: PagedKvPool, table: BlockTable, request: torch.Tens
            positions.to(dev, torch.int32), pages.to(dev, torch.int32), offsets.to(dev, torch.int32),
            pool.data, query)
     return query
+
+
+def main(fmt: KvFormat | str = KvFormat.FOLDED, tokens: int = 8192):
+    """Build the prep for `fmt`; on a GPU, prep `tokens` tokens of one request with it and with the torch prep,
+    count the elements that differ (the bound is in the module docstring), then time it."""
+    fmt = KvFormat.parse(fmt)
+    geom = GEMMA4_31B
+    print(f"prep_{fmt.value} {DEFAULTS}: {len(build(geom, fmt, **DEFAULTS).get_kernel_source())} chars of CUDA")
+    if not torch.cuda.is_available():
+        print("no CUDA device: built, not checked or timed")
+        return
+    from ..pool import PagedKvLayout
+    from ..prep import prep_and_store
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    pools = [PagedKvPool(PagedKvLayout(geom, fmt, 64, tokens // 64 + 1), device=dev, fill=0.0) for _ in range(2)]
+    table = pools[0].allocate([tokens]).to(dev)
+    request = torch.zeros(tokens, dtype=torch.int32, device=dev)
+    positions = torch.arange(tokens, dtype=torch.int32, device=dev)
+    q = torch.randn(tokens, geom.num_q_heads, geom.head_dim, generator=gen, device=dev).bfloat16()
+    kv = torch.randn(tokens, geom.num_kv_heads, geom.head_dim, generator=gen, device=dev).bfloat16()
+    w = torch.rand(geom.head_dim, generator=gen, device=dev) + 0.5
+    got = prep_and_store_gpu(pools[0], table, request, positions, q, kv, w, w)
+    want = prep_and_store(pools[1], table, request, positions, q, kv, w, w)
+    print(f"query: {int((got != want).sum())} of {got.numel()} elements differ; "
+          f"pool: {int((pools[0].data != pools[1].data).sum())} of {pools[0].data.numel()}")
+    from tilelang.profiler import do_bench  # TileLang's timer, in ms
+    us = do_bench(lambda: prep_and_store_gpu(pools[0], table, request, positions, q, kv, w, w)) * 1e3
+    print(f"{us:.1f} us per {tokens}-token prep")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""Split-KV decode partial, for either page format: one CTA = one chunk of one request's pages x one KV head.
+
+A format is two parts (`format_parts`): how a tile is loaded (the row's column runs, one shared tile and one TMA copy
+each) and which window feeds which gemm (the score window row[0:D] against the query, the value window into the
+output):
+    SPLIT  [K (D) | V (D)], 1024 columns for the 31B: a K tile row[0:D] and a V tile row[D:2D]; scores from K,
+           values from V (head order).
+    FOLDED [K_rot (R) | V_unrot (D-R) | V_rot (R)], 640 columns: three tiles, the middle one used twice,
+               score  = q_rot . K_rot + q_unrot' . V_unrot   (the folded query carries w_k on its unrotated columns)
+               output = P . [V_unrot | V_rot]                (value-window order: unrot columns, then rot)
+           so the 8 query heads of the KV head read 640 columns per token instead of 1024. The output stays in
+           value-window order here; `merge_final` puts it back in head order.
+
+The gemms are token-major, S^T = K Q^T and O^T = V^T P^T, so the MMA's M is a tile's 64 tokens and Hopper's wgmma
+applies (M >= 64), N = the 8 query heads padded to 16 (the smallest wgmma N); the softmax reduces over the token
+dimension (dim 0). The query arrives by TMA, so the producer's first pool load does not wait for it. The 8 query
+heads are loaded once and reused for every K/V byte; online softmax in the exp2 domain; the partial output
+(normalised, float32) and its base-2 LSE go to the chunk's slot. The operand order and query load that lost are in
+bench/versions/ with their numbers (bench/DECODE_NOTES.md).
+
+Kernel argument order (what a backend's callable takes):
+    decode_partial_<format>(query [B, Hq, D] bf16, pool [P, Hkv, page, W] bf16, page_ids [B, MP] i32,
+                            chunk_req [C] i32, chunk_start [C] i32, chunk_len [C] i32,
+                            part_o [C, Hq, D] f32, part_lse [C, Hq] f32)
+query in the format's form (split: head order; folded: score-window order), W the format's row width, part_o in
+value-window order. B, P, MP, C are dynamic; the grid is (C, Hkv). chunk_start is a multiple of the page size,
+chunk_len >= 1.
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which use closure values
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import GEMMA4_31B, AttentionGeometry
+from ..layout import KvFormat, row_width
+from . import macros
+from .registry import KernelVariant, hands_out, register
+from .tl import pass_configs, require_tilelang, target
+
+# block_n = 64 tokens (the wgmma M). Folded: two stages of 80 KB fit in shared memory. Split: a 64-row tile is 128 KB,
+# so one stage; K and V are separate buffers the warp-specialised pipeline releases separately (K after the score
+# gemm, V after P V), so the next K load still overlaps the current softmax and P V (bench/DECODE_NOTES.md).
+DEFAULTS = {
+    KvFormat.SPLIT: dict(page_size=64, block_n=64, num_stages=1, threads=128, block_h=16),
+    KvFormat.FOLDED: dict(page_size=64, block_n=64, num_stages=2, threads=128, block_h=16),
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """A shared tile holding columns [lo, hi) of the query or of a row."""
+    tile: Any
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One gemm of a window: `row_tile` against the query piece (scores) or into the accumulator (values); an
+    accumulator holds output columns [col, col + rows)."""
+    row_tile: Any
+    other: Any
+    col: int = 0
+
+
+@dataclass(frozen=True)
+class FormatParts:
+    query: tuple  # Runs of the query's score window
+    row: tuple  # Runs of the row: how a tile is loaded, one TMA copy each, in load order
+    scores: tuple  # Gemms: S^T += row_tile other^T, summed over the score window
+    values: tuple  # Gemms: acc (other) += row_tile^T P^T over the value window
+
+
+def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, block_h: int):
+    """The format's tiles (allocated under the names the emitted CUDA uses) and its windows, as a macro."""
+    import tilelang.language as T
+
+    d, rot = geom.head_dim, geom.rotary_width
+    unrot = d - rot
+    bf16, f32 = "bfloat16", "float32"
+
+    @T.macro
+    def split_parts():
+        q_s = T.alloc_shared((block_h, d), bf16)  # [16, D]  rows >= 8: see macros.load_group_query_macro
+        k_s = T.alloc_shared((block_n, d), bf16)  # [N, D]   row[0:D]
+        v_s = T.alloc_shared((block_n, d), bf16)  # [N, D]   row[D:2D]
+        acc_o = T.alloc_fragment((d, block_h), f32)  # O^T [D, 16]
+        return FormatParts(query=(Run(q_s, 0, d),), row=(Run(k_s, 0, d), Run(v_s, d, 2 * d)),
+                           scores=(Gemm(k_s, q_s),), values=(Gemm(v_s, acc_o),))
+
+    @T.macro
+    def folded_parts():
+        q_rot = T.alloc_shared((block_h, rot), bf16)  # [16, R]   rows >= 8: see macros.load_group_query_macro
+        q_unrot = T.alloc_shared((block_h, unrot), bf16)  # [16, D-R]
+        k_rot = T.alloc_shared((block_n, rot), bf16)  # [N, R]   row[0:R]
+        v_unrot = T.alloc_shared((block_n, unrot), bf16)  # [N, D-R] row[R:D]: a key column and a value column
+        v_rot = T.alloc_shared((block_n, rot), bf16)  # [N, R]   row[D:D+R]
+        acc_o_unrot = T.alloc_fragment((unrot, block_h), f32)  # O^T [D-R, 16]
+        acc_o_rot = T.alloc_fragment((rot, block_h), f32)  # O^T [R, 16]
+        return FormatParts(query=(Run(q_rot, 0, rot), Run(q_unrot, rot, d)),
+                           row=(Run(k_rot, 0, rot), Run(v_unrot, rot, d), Run(v_rot, d, d + rot)),
+                           scores=(Gemm(k_rot, q_rot), Gemm(v_unrot, q_unrot)),
+                           values=(Gemm(v_unrot, acc_o_unrot), Gemm(v_rot, acc_o_rot, unrot)))
+
+    return {KvFormat.SPLIT: split_parts, KvFormat.FOLDED: folded_parts}[fmt]
+
+
+def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_n: int = 64,
+                           num_stages: int = 1, threads: int = 128, block_h: int = 16):
+    """The TileLang prim_func of the partial kernel for one geometry, page format and tiling."""
+    require_tilelang()
+    import tilelang.language as T
+
+    fmt = KvFormat.parse(fmt)
+    hq, hkv, d, group = geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.group_size
+    width = row_width(geom, fmt)
+    assert page_size % block_n == 0 and block_h >= group
+    batch, num_pages, max_pages, num_chunks = (T.dynamic(n) for n in ("batch", "num_pages", "max_pages",
+                                                                       "num_chunks"))
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    scale = macros.LOG2E
+    format_parts = format_parts_macro(geom, fmt, block_n, block_h)
+    load_query = macros.load_group_query_macro(group, block_h)
+    online_softmax = macros.online_softmax_macro(key_dim=0)
+    mask_scores = macros.mask_scores_macro()
+    zero_rows = macros.zero_rows_macro()
+
+    @T.prim_func
+    def decode_partial(
+        query: T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] query in the format's form
+        pool: T.Tensor((num_pages, hkv, page_size, width), bf16),  # [P, Hkv, page, W]
+        page_ids: T.Tensor((batch, max_pages), i32),  # [B, MP]
+        chunk_req: T.Tensor((num_chunks,), i32),  # [C] request of chunk c
+        chunk_start: T.Tensor((num_chunks,), i32),  # [C] first token (multiple of page_size)
+        chunk_len: T.Tensor((num_chunks,), i32),  # [C] tokens in the chunk (>= 1)
+        part_o: T.Tensor((num_chunks, hq, d), f32),  # [C, Hq, D] value-window order
+        part_lse: T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
+    ):
+        with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
+            parts = format_parts()
+            p_shared = T.alloc_shared((block_n, block_h), bf16)  # P^T [N, 16], the B operand of O^T += V^T P^T
+            acc_s = T.alloc_fragment((block_n, block_h), f32)  # S^T [N, 16] scores, then probabilities
+            head_max = T.alloc_fragment((block_h,), f32)
+            head_max_prev = T.alloc_fragment((block_h,), f32)
+            rescale = T.alloc_fragment((block_h,), f32)
+            head_sum = T.alloc_fragment((block_h,), f32)
+            denom = T.alloc_fragment((block_h,), f32)
+
+            req = chunk_req[c]
+            start = chunk_start[c]
+            n_tok = chunk_len[c]
+            load_query(query, req, kvh, parts.query)
+            for out in parts.values:
+                T.fill(out.other, 0)
+            T.fill(denom, 0)
+            T.fill(head_max, -T.infinity(f32))
+
+            for k in T.Pipelined(T.ceildiv(n_tok, block_n), num_stages=num_stages):
+                tok = start + k * block_n
+                page = page_ids[req, tok // page_size]
+                off = tok % page_size
+                for run in parts.row:
+                    T.copy(pool[page, kvh, off:off + block_n, run.lo:run.hi], run.tile)
+                T.clear(acc_s)
+                for score in parts.scores:
+                    T.gemm(score.row_tile, score.other, acc_s, transpose_B=True)  # S^T [N, 16] += K Q^T
+                mask_scores(acc_s, lambda i, j: k * block_n + i < n_tok)  # tokens past the chunk: probability 0
+                online_softmax(acc_s, p_shared, head_max, head_max_prev, rescale, head_sum, denom)
+                for out in parts.values:
+                    for i, j in T.Parallel(out.other.shape[0], block_h):
+                        out.other[i, j] *= rescale[j]
+                if (k + 1) * block_n > n_tok:
+                    for out in parts.values:
+                        zero_rows(out.row_tile, lambda i: k * block_n + i < n_tok)
+                for out in parts.values:
+                    T.gemm(out.row_tile, p_shared, out.other, transpose_A=True)  # O^T [cols, 16] += V^T P^T
+
+            for out in parts.values:
+                for i, j in T.Parallel(out.other.shape[0], block_h):
+                    if j < group:
+                        part_o[c, kvh * group + j, out.col + i] = out.other[i, j] / denom[j]
+            for j in T.Parallel(block_h):
+                if j < group:
+                    part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * scale
+
+    return decode_partial.with_attr("global_symbol", f"decode_partial_{fmt.value}")
+
+
+@functools.lru_cache(maxsize=None)
+@hands_out("decode_partial_{fmt}")
+def build_decode_partial(geom: AttentionGeometry, fmt: KvFormat | str, **tiling):
+    """Compile (JIT) the partial kernel for `geom` and `fmt` with the format's DEFAULTS, overridden by `tiling`."""
+    tilelang = require_tilelang()
+    fmt = KvFormat.parse(fmt)
+    cfg = {**DEFAULTS[fmt], **tiling}
+
+    @tilelang.jit(target=target(), pass_configs=pass_configs())
+    def decode_partial(page_size, block_n, num_stages, threads, block_h):
+        return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
+                                      threads=threads, block_h=block_h)
+
+    return decode_partial(**cfg)
+
+
+for _fmt in KvFormat:
+    register(KernelVariant(f"decode_partial_{_fmt.value}", "decode_partial", _fmt,
+                           functools.partial(build_decode_partial, fmt=_fmt), params=dict(DEFAULTS[_fmt])))
+
+
+def main(fmt: KvFormat | str = KvFormat.FOLDED, seq_len: int = 10602, **tiling):
+    """Build with the format's defaults (or `tiling`); on a GPU, check one whole-sequence chunk against the float64
+    reference and time the partial kernel alone."""
+    import torch
+
+    import foldkv
+
+    fmt = KvFormat.parse(fmt)
+    geom = GEMMA4_31B
+    kernel = build_decode_partial(geom, fmt, **tiling)
+    print(f"decode_partial_{fmt.value} {dict(DEFAULTS[fmt], **tiling)}: {len(kernel.get_kernel_source())} chars of CUDA")
+    if not torch.cuda.is_available():
+        print("no CUDA device: built, not checked or timed")
+        return kernel
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    layout = foldkv.PagedKvLayout(geom, fmt, 64, -(-seq_len // 64))
+    pool = foldkv.PagedKvPool(layout, device=dev)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=gen, device=dev).to(torch.bfloat16))
+    table = pool.allocate([seq_len]).to(dev)
+    query = (torch.randn(1, geom.num_q_heads, geom.head_dim, generator=gen, device=dev) * 0.05).to(torch.bfloat16)
+    one = lambda v: torch.tensor([v], dtype=torch.int32, device=dev)  # noqa: E731  (one chunk: the whole sequence)
+    part_o = torch.full((1, geom.num_q_heads, geom.head_dim), float("nan"), device=dev)
+    part_lse = torch.full((1, geom.num_q_heads), float("nan"), device=dev)
+    run = lambda: kernel(query, pool.data, table.page_ids, one(0), one(0), one(seq_len), part_o, part_lse)  # noqa: E731
+    run()
+    want, want_lse = foldkv.paged_attention_reference(pool, query, table)
+    got = part_o[..., foldkv.value_window_to_head(geom, fmt).to(dev)].double()
+    err = float((got - want).norm() / want.norm())
+    lse_err = float((part_lse.double() * macros.LN2 - want_lse).abs().max())
+    print(f"relative error {err:.2e}, max LSE error {lse_err:.2e} (natural log)")
+    from tilelang.profiler import do_bench  # TileLang's timer, in ms
+    print(f"{do_bench(run) * 1e3:.1f} us per partial ({seq_len} tokens, one chunk)")
+    return kernel
+
+
+if __name__ == "__main__":
+    main()
