@@ -5,6 +5,7 @@ Committed runs under papermill_runs/ are never touched. Assertions are on what e
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -61,3 +62,94 @@ def test_byte_floor_records(batch):
     tokens = rec["results"]["budget"]["tokens"]
     assert tokens["folded"] > tokens["split"] > 0
     assert "62.5%" in rec["results"]["conclusion"]
+
+
+@functools.lru_cache(maxsize=None)
+def _run_batch_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_batch", os.path.join(ROOT, "scripts", "run_batch.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- parameters given as papermill's -p text ----------------------------------------------------------------------
+def _papermill_cli(notebook, out_dir, params: dict, timeout=600):
+    """Run one notebook as a user would: `python -m papermill IN OUT -p name value ...`, every value as text."""
+    kernel = _kernel()
+    args = [sys.executable, "-m", "papermill", os.path.join(ROOT, "notebooks", f"{notebook}.ipynb"),
+            str(out_dir / f"{notebook}.ipynb"), "-k", kernel, "--cwd", ROOT, "--no-progress-bar",
+            "-p", "out_dir", str(out_dir)]
+    for name, value in params.items():
+        args += ["-p", name, value if isinstance(value, str) else json.dumps(value)]
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    return _run_batch_module().ensure_kernelspec()  # this interpreter's kernel, found through JUPYTER_PATH
+
+
+def _smoke(prefix):
+    return _run_batch_module().SMOKE_PARAMETERS[prefix]
+
+
+# The smoke batch's parameters, each passed as text the way `-p` passes it, plus one override per notebook that
+# changes what it records.
+OVERRIDES = {
+    "01_byte_floor": {"bandwidth_gbps": "3000"},
+    "02_correctness_gates": {"formats": '["folded"]'},
+    "03_drift_study": {"arms": '["ref-split", "ref-folded"]'},
+    "04_benchmarks": {"smoke": "true", "sections": '["single", "sweep"]', "decode_arms": "torch,fi_tc"},
+}
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_text_overrides_take_effect(notebook, tmp_path):
+    require_module("papermill")
+    params = {**_smoke(notebook[:2]), **OVERRIDES[notebook]}
+    proc = _papermill_cli(notebook, tmp_path, params)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rec = _record(tmp_path, notebook)
+    got = rec["parameters"]
+    if notebook == "01_byte_floor":
+        assert got["context_lengths"] == [97, 16384] and got["bandwidth_gbps"] == 3000.0
+        assert [r["context"] for r in rec["results"]["floor_table"]["rows"]] == [97, 97, 16384, 16384]
+    elif notebook == "02_correctness_gates":
+        assert got["formats"] == ["folded"] and got["case_set"] == "smoke"
+    elif notebook == "03_drift_study":
+        assert got["arms"] == ["ref-split", "ref-folded"]
+        assert sorted(s for s in rec["sections"] if s.startswith("arm:")) == ["arm:ref-folded", "arm:ref-split"]
+        study = json.loads((tmp_path / "drift_results.json").read_text())["parameters"]
+        assert study["lengths"] == [5, 66] and study["prompts"] == ["ab", "the cat"]
+        assert study["synthetic_config"] == _smoke("03")["synthetic_config"]
+    else:
+        assert got["smoke"] is True and got["sections"] == ["single", "sweep"]
+        assert got["decode_arms"] == ["torch", "fi_tc"]
+
+
+# One out-of-range value per notebook: refused at the cell right after the parameters, before any work.
+BAD_OVERRIDES = {
+    "01_byte_floor": ("context_lengths", "[2048, 1000000]",
+                      "context_lengths: 1000000 is past the model's max_position 262144"),
+    "02_correctness_gates": ("formats", '["folded", "paged"]', "formats: unknown value 'paged'"),
+    "03_drift_study": ("lengths", "[5, 0]", "lengths: 0 is not positive"),
+    "04_benchmarks": ("sections", '["single", "prefil"]', "sections: unknown value 'prefil'"),
+}
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_bad_override_is_refused_at_the_setup_cell(notebook, tmp_path):
+    require_module("papermill")
+    name, value, message = BAD_OVERRIDES[notebook]
+    proc = _papermill_cli(notebook, tmp_path, {name: value}, timeout=300)
+    assert proc.returncode != 0, f"{notebook} accepted {name}={value}"
+    assert "ParameterError" in proc.stderr and message in proc.stderr, proc.stderr[-3000:]
+    nb = json.loads((tmp_path / f"{notebook}.ipynb").read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]  # papermill adds markdown banners on a failure
+    injected = next(i for i, c in enumerate(code) if "injected-parameters" in c["metadata"].get("tags", []))
+    failed = [i for i, c in enumerate(code) if any(o.get("output_type") == "error" for o in c.get("outputs", []))]
+    assert failed == [injected + 1], f"the error is in code cell(s) {failed}, not the setup cell {injected + 1}"
+    assert all(c.get("execution_count") is None for c in code[injected + 2:]), "cells after the setup cell ran"
+    assert not list(tmp_path.glob("*.record.json")) and not list(tmp_path.glob("*.json")), "work ran before the refusal"

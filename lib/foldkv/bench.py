@@ -100,17 +100,6 @@ def ragged_lengths(batch: int, mean: int, seed: int = 0, spread: float = 0.75) -
     return [max(1, int(mean * (1 - spread + 2 * spread * float(x)))) | 1 for x in u]
 
 
-def as_list(value: Any, item: type = int) -> list:
-    """A notebook parameter as a list: a list, a JSON/YAML-ish string "[1, 2]" or "1,2" (papermill -p passes
-    strings), or a single value."""
-    if isinstance(value, str):
-        text = value.strip()
-        value = json.loads(text) if text.startswith("[") else [v for v in text.split(",") if v.strip()]
-    if not isinstance(value, (list, tuple)):
-        value = [value]
-    return [item(v.strip()) if isinstance(v, str) else item(v) for v in value]
-
-
 # ====================================================================================================================
 # Statistics
 # ====================================================================================================================
