@@ -74,6 +74,15 @@ def _run_batch_module():
     return module
 
 
+# --- saved notebooks carry no stray warnings -----------------------------------------------------------------
+def test_saved_notebooks_carry_no_tqdm_warning(batch):
+    _, out, summary = batch
+    for r in summary:
+        nb = json.loads((out / f"{r['notebook']}.ipynb").read_text())
+        texts = ["".join(o.get("text", "")) + json.dumps(o.get("data", {})) + "".join(o.get("traceback", []))
+                 for c in nb["cells"] for o in c.get("outputs", [])]
+        assert not any("TqdmWarning" in t or "IProgress not found" in t for t in texts), r["notebook"]
+
 # --- parameters given as papermill's -p text ----------------------------------------------------------------------
 def _papermill_cli(notebook, out_dir, params: dict, timeout=600):
     """Run one notebook as a user would: `python -m papermill IN OUT -p name value ...`, every value as text."""
