@@ -64,6 +64,7 @@ def test_byte_floor_records(batch):
     assert "62.5%" in rec["results"]["conclusion"]
 
 
+# --- a run that measured nothing says so; saved notebooks carry no stray warnings ---------------------------------
 @functools.lru_cache(maxsize=None)
 def _run_batch_module():
     import importlib.util
@@ -74,7 +75,38 @@ def _run_batch_module():
     return module
 
 
-# --- saved notebooks carry no stray warnings -----------------------------------------------------------------
+def _committed_benchmark_run():
+    """The run notebook 04 redraws on a machine without CUDA (None if no H200 results are committed)."""
+    from foldkv import bench
+
+    found = bench.find_results("papermill_runs/*/04_benchmarks.json")
+    return bench.run_name(found["path"]) if found else None
+
+
+def test_cpu_benchmarks_say_they_are_redrawn(batch):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: notebook 04 measures instead of redrawing")
+    _, out, _ = batch
+    source = _committed_benchmark_run()
+    assert source, "no committed H200 results to redraw: the redraw path is not exercised"
+    rec = _record(out, "04_benchmarks")
+    assert rec["parameters"]["mode"] == "redraw"  # the smoke parameters ({"smoke": True}) resolve to redraw on a CPU
+    assert rec["sections"] == {s: f"redrawn from {source}" for s in ("single", "sweep", "batch", "prefill")}
+    summary = (out / "SUMMARY.md").read_text()
+    assert "| notebook | status | seconds | ran | redrawn | not run | failed |" in summary
+    row = next(line for line in summary.splitlines() if line.startswith("| 04_benchmarks |"))
+    assert row.split(" | ")[1] == f"redrawn from {source}", row
+    assert row.endswith("| 0 | 4 | 0 | 0 |"), row
+    # every plot title carries the mark: the plotting cell marks each figure it shows
+    nb = json.loads((out / "04_benchmarks.ipynb").read_text())
+    plot_cells = ["".join(c["source"]) for c in nb["cells"] if "plt.show()" in "".join(c["source"])]
+    assert plot_cells and all(src.count("plt.show()") == src.count("bench.mark_redrawn(fig, redrawn_run)")
+                              for src in plot_cells)
+    images = sum("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", []))
+    assert images >= 2, "the redrawn plots were not drawn"
+
+
 def test_saved_notebooks_carry_no_tqdm_warning(batch):
     _, out, summary = batch
     for r in summary:
@@ -82,6 +114,54 @@ def test_saved_notebooks_carry_no_tqdm_warning(batch):
         texts = ["".join(o.get("text", "")) + json.dumps(o.get("data", {})) + "".join(o.get("traceback", []))
                  for c in nb["cells"] for o in c.get("outputs", [])]
         assert not any("TqdmWarning" in t or "IProgress not found" in t for t in texts), r["notebook"]
+
+
+def test_record_redrawn_and_summary_columns(tmp_path):
+    from foldkv.report import REDRAWN_FROM, RunRecord
+
+    run_batch = _run_batch_module()
+    assert run_batch.REDRAWN_FROM == REDRAWN_FROM
+    rec = RunRecord("04_benchmarks", tmp_path)
+    rec.redrawn("single", "h200-x", results_file="papermill_runs/h200-x/04_benchmarks.json")
+    rec.not_run("sweep", "no cells")
+    with pytest.raises(ValueError, match="redrawn from which run"):
+        rec.redrawn("batch", " ")
+    assert rec.sections == {"single": "redrawn from h200-x", "sweep": "not run: no cells"}
+    entry = {"notebook": "04_benchmarks", "status": "ok", "seconds": 1.0, "sections": rec.sections}
+    measured = {"notebook": "01_byte_floor", "status": "ok", "seconds": 1.0,
+                "sections": {"a": "ran", "b": "failed: x", "c": "not run: y"}}
+    nothing = {"notebook": "05_x", "status": "ok", "seconds": 1.0, "sections": {"a": "not run: no CUDA device"}}
+    broke = {"notebook": "06_x", "status": "failed: PapermillExecutionError: x", "seconds": 1.0, "sections": {}}
+    text = run_batch.summarize([measured, entry, nothing, broke], str(tmp_path))
+    assert "| 01_byte_floor | ok | 1.0 | 1 | 0 | 1 | 1 |" in text
+    assert "| 04_benchmarks | redrawn from h200-x | 1.0 | 0 | 1 | 1 | 0 |" in text
+    assert "| 05_x | not run: no section ran | 1.0 | 0 | 0 | 1 | 0 |" in text
+    assert "| 06_x | failed: PapermillExecutionError: x | 1.0 | 0 | 0 | 0 | 0 |" in text
+    assert "- 04_benchmarks / single: redrawn from h200-x" in text and "- 01_byte_floor / b: failed: x" in text
+    both = dict(measured, sections={"a": "ran", "b": "redrawn from h200-x"})
+    assert "| 01_byte_floor | ok; part redrawn from h200-x |" in run_batch.summarize([both], str(tmp_path))
+
+
+def test_mark_redrawn_titles_every_axes():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from foldkv import bench
+
+    fig, ax = plt.subplots(1, 2)
+    ax[0].set_title("decode, one request")
+    bench.mark_redrawn(fig, "h200-x")
+    assert [a.get_title() for a in ax] == ["decode, one request\n(redrawn from h200-x, not measured now)",
+                                           "(redrawn from h200-x, not measured now)"]
+    fig2, ax2 = plt.subplots()
+    ax2.set_title("measured now")
+    bench.mark_redrawn(fig2, None)  # a measured run's plots carry no mark
+    assert ax2.get_title() == "measured now"
+    plt.close("all")
+    assert bench.run_name("/x/papermill_runs/h200-20261129-s2/04_benchmarks.json") == "h200-20261129-s2"
+
 
 # --- parameters given as papermill's -p text ----------------------------------------------------------------------
 def _papermill_cli(notebook, out_dir, params: dict, timeout=600):

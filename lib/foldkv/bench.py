@@ -1132,6 +1132,22 @@ def open_results(path: str, *, root: str | None = None) -> dict:
     return {"path": p, "committed": p in _tracked([p], root), "results": load_results(p)}
 
 
+def run_name(path: str | os.PathLike) -> str:
+    """The run a results file belongs to: the name of its folder (its tag under papermill_runs/, e.g. h200-20261129-s2)."""
+    return os.path.basename(os.path.dirname(os.path.abspath(os.fspath(path))))
+
+
+def mark_redrawn(fig: Any, source_run: str | None) -> None:
+    """Add "(redrawn from <run>, not measured now)" to the title of every axes of a matplotlib figure drawn from an
+    earlier run's results; `source_run` None (measured now) leaves the figure as it is."""
+    if not source_run:
+        return
+    mark = f"(redrawn from {source_run}, not measured now)"
+    for ax in fig.axes:
+        title = ax.get_title()
+        ax.set_title(f"{title}\n{mark}" if title else mark)
+
+
 def redraw_banner(found: dict | None, results_glob: str) -> str:
     if found is None:
         return (f"No CUDA device here, and no H200 results matched {results_glob!r}: nothing to redraw. "
