@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The main job: execute every notebook headless with papermill into papermill_runs/<tag>/ and say what ran.
 
-Each notebook writes `<out_dir>/<notebook>.record.json` (foldkv.report.RunRecord) whose `sections` say "ran", "failed: ..."
-or "not run: <reason>"; this driver collects them into SUMMARY.md and lists every GPU section that did not run.
+Each notebook writes `<out_dir>/<notebook>.record.json` (foldkv.report.RunRecord) whose `sections` say "ran", "redrawn from
+<run>", "failed: ..." or "not run: <reason>"; this driver collects them into SUMMARY.md (a notebook that measured nothing
+and redrew an earlier run says "redrawn from <run>") and lists every section that did not run.
 
     python3 scripts/run_batch.py                    # all notebooks, tag = <machine>-<date>
     python3 scripts/run_batch.py --smoke --out-root /tmp/x   # tiny parameters (what the tests run)
@@ -105,18 +106,44 @@ def run(paths: list[str], out_dir: str, smoke: bool, extra: dict, progress: bool
     return results
 
 
+REDRAWN_FROM = "redrawn from"  # foldkv.report.REDRAWN_FROM (this driver reads records without importing foldkv)
+
+
+def section_counts(sections: dict) -> dict[str, list]:
+    """A record's sections by status: ran / redrawn (from an earlier run) / not run / failed."""
+    groups: dict[str, list] = {"ran": [], "redrawn": [], "not run": [], "failed": []}
+    for name, status in sections.items():
+        key = ("ran" if status == "ran" else "redrawn" if status.startswith(REDRAWN_FROM)
+               else "failed" if status.startswith("failed") else "not run")
+        groups[key].append((name, status))
+    return groups
+
+
+def notebook_status(entry: dict) -> str:
+    """What the summary says of a notebook: papermill's failure as is; else "ok", "redrawn from <run>" when it
+    measured nothing and showed an earlier run's results, or "not run: no section ran"."""
+    if entry["status"] != "ok":
+        return entry["status"]
+    groups = section_counts(entry["sections"])
+    sources = sorted({s[len(REDRAWN_FROM):].strip() for _, s in groups["redrawn"]})
+    if groups["ran"]:
+        return "ok" if not sources else f"ok; part {REDRAWN_FROM} {', '.join(sources)}"
+    if sources:
+        return f"{REDRAWN_FROM} {', '.join(sources)}"
+    return "not run: no section ran"
+
+
 def summarize(results: list[dict], out_dir: str) -> str:
     lines = ["# papermill batch", "", f"out: `{os.path.relpath(out_dir, ROOT)}`", "",
-             "| notebook | status | seconds | sections ran | sections not run |", "|---|---|---|---|---|"]
-    not_run = []
+             "| notebook | status | seconds | ran | redrawn | not run | failed |", "|---|---|---|---|---|---|---|"]
+    not_measured = []
     for r in results:
-        ran = [s for s, v in r["sections"].items() if v == "ran"]
-        nr = [(s, v) for s, v in r["sections"].items() if v.startswith("not run")]
-        failed = [(s, v) for s, v in r["sections"].items() if v.startswith("failed")]
-        not_run += [(r["notebook"], s, v) for s, v in nr + failed]
-        lines.append(f"| {r['notebook']} | {r['status']} | {r['seconds']} | {len(ran)} | {len(nr)} |")
-    lines += ["", "## Sections that did not run (or failed)", ""]
-    lines += [f"- {nb} / {s}: {v}" for nb, s, v in not_run] or ["- none: every section ran"]
+        groups = section_counts(r["sections"])
+        not_measured += [(r["notebook"], s, v) for key in ("redrawn", "not run", "failed") for s, v in groups[key]]
+        lines.append(f"| {r['notebook']} | {notebook_status(r)} | {r['seconds']} | "
+                     + " | ".join(str(len(groups[k])) for k in ("ran", "redrawn", "not run", "failed")) + " |")
+    lines += ["", "## Sections that did not run (redrawn, not run or failed)", ""]
+    lines += [f"- {nb} / {s}: {v}" for nb, s, v in not_measured] or ["- none: every section ran"]
     return "\n".join(lines) + "\n"
 
 

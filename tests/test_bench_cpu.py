@@ -85,11 +85,6 @@ def test_paired_ratios_and_pct_of_roof():
     assert bench.pct_of_roof(1, None, 1.0) is None
 
 
-@pytest.mark.parametrize("value,want", [([1, 2], [1, 2]), ("[1024, 2048]", [1024, 2048]), ("4,16", [4, 16]), (8, [8])])
-def test_as_list_reads_papermill_strings(value, want):
-    assert bench.as_list(value) == want
-
-
 # --- run_cell on the CPU: interleaving, failures, checks -----------------------------------------------------------
 def _register(monkeypatch, name, build, *, fmt="folded", peer=False, generated=False):
     spec = bench.ArmSpec(name, name, fmt, peer, build, cpu_ok=True, generated=generated)

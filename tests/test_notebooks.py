@@ -5,6 +5,7 @@ Committed runs under papermill_runs/ are never touched. Assertions are on what e
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -92,3 +93,183 @@ def test_aot_gate_builds_from_an_empty_tilelang_cache(batch):
     assert len(prov["git_commit"]) == 40 and isinstance(prov["dirty"], bool)
     assert {k["name"] for k in prov["kernels"]} >= {"merge_groups"}
     assert all(len(k["source_sha256"]) == 64 for k in prov["kernels"])
+
+
+# --- a run that measured nothing says so; saved notebooks carry no stray warnings ---------------------------------
+@functools.lru_cache(maxsize=None)
+def _run_batch_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_batch", os.path.join(ROOT, "scripts", "run_batch.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _committed_benchmark_run():
+    """The run notebook 04 redraws on a machine without CUDA (None if no H200 results are committed)."""
+    from foldkv import bench
+
+    found = bench.find_results("papermill_runs/*/04_benchmarks.json")
+    return bench.run_name(found["path"]) if found else None
+
+
+def test_cpu_benchmarks_say_they_are_redrawn(batch):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: notebook 04 measures instead of redrawing")
+    _, out, _ = batch
+    source = _committed_benchmark_run()
+    assert source, "no committed H200 results to redraw: the redraw path is not exercised"
+    rec = _record(out, "04_benchmarks")
+    assert rec["parameters"]["mode"] == "redraw"  # the smoke parameters ({"smoke": True}) resolve to redraw on a CPU
+    assert rec["sections"] == {s: f"redrawn from {source}" for s in ("single", "sweep", "batch", "prefill")}
+    summary = (out / "SUMMARY.md").read_text()
+    assert "| notebook | status | seconds | ran | redrawn | not run | failed |" in summary
+    row = next(line for line in summary.splitlines() if line.startswith("| 04_benchmarks |"))
+    assert row.split(" | ")[1] == f"redrawn from {source}", row
+    assert row.endswith("| 0 | 4 | 0 | 0 |"), row
+    # every plot title carries the mark: the plotting cell marks each figure it shows
+    nb = json.loads((out / "04_benchmarks.ipynb").read_text())
+    plot_cells = ["".join(c["source"]) for c in nb["cells"] if "plt.show()" in "".join(c["source"])]
+    assert plot_cells and all(src.count("plt.show()") == src.count("bench.mark_redrawn(fig, redrawn_run)")
+                              for src in plot_cells)
+    images = sum("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", []))
+    assert images >= 2, "the redrawn plots were not drawn"
+
+
+def test_saved_notebooks_carry_no_tqdm_warning(batch):
+    _, out, summary = batch
+    for r in summary:
+        nb = json.loads((out / f"{r['notebook']}.ipynb").read_text())
+        texts = ["".join(o.get("text", "")) + json.dumps(o.get("data", {})) + "".join(o.get("traceback", []))
+                 for c in nb["cells"] for o in c.get("outputs", [])]
+        assert not any("TqdmWarning" in t or "IProgress not found" in t for t in texts), r["notebook"]
+
+
+def test_record_redrawn_and_summary_columns(tmp_path):
+    from foldkv.report import REDRAWN_FROM, RunRecord
+
+    run_batch = _run_batch_module()
+    assert run_batch.REDRAWN_FROM == REDRAWN_FROM
+    rec = RunRecord("04_benchmarks", tmp_path)
+    rec.redrawn("single", "h200-x", results_file="papermill_runs/h200-x/04_benchmarks.json")
+    rec.not_run("sweep", "no cells")
+    with pytest.raises(ValueError, match="redrawn from which run"):
+        rec.redrawn("batch", " ")
+    assert rec.sections == {"single": "redrawn from h200-x", "sweep": "not run: no cells"}
+    entry = {"notebook": "04_benchmarks", "status": "ok", "seconds": 1.0, "sections": rec.sections}
+    measured = {"notebook": "01_byte_floor", "status": "ok", "seconds": 1.0,
+                "sections": {"a": "ran", "b": "failed: x", "c": "not run: y"}}
+    nothing = {"notebook": "05_x", "status": "ok", "seconds": 1.0, "sections": {"a": "not run: no CUDA device"}}
+    broke = {"notebook": "06_x", "status": "failed: PapermillExecutionError: x", "seconds": 1.0, "sections": {}}
+    text = run_batch.summarize([measured, entry, nothing, broke], str(tmp_path))
+    assert "| 01_byte_floor | ok | 1.0 | 1 | 0 | 1 | 1 |" in text
+    assert "| 04_benchmarks | redrawn from h200-x | 1.0 | 0 | 1 | 1 | 0 |" in text
+    assert "| 05_x | not run: no section ran | 1.0 | 0 | 0 | 1 | 0 |" in text
+    assert "| 06_x | failed: PapermillExecutionError: x | 1.0 | 0 | 0 | 0 | 0 |" in text
+    assert "- 04_benchmarks / single: redrawn from h200-x" in text and "- 01_byte_floor / b: failed: x" in text
+    both = dict(measured, sections={"a": "ran", "b": "redrawn from h200-x"})
+    assert "| 01_byte_floor | ok; part redrawn from h200-x |" in run_batch.summarize([both], str(tmp_path))
+
+
+def test_mark_redrawn_titles_every_axes():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from foldkv import bench
+
+    fig, ax = plt.subplots(1, 2)
+    ax[0].set_title("decode, one request")
+    bench.mark_redrawn(fig, "h200-x")
+    assert [a.get_title() for a in ax] == ["decode, one request\n(redrawn from h200-x, not measured now)",
+                                           "(redrawn from h200-x, not measured now)"]
+    fig2, ax2 = plt.subplots()
+    ax2.set_title("measured now")
+    bench.mark_redrawn(fig2, None)  # a measured run's plots carry no mark
+    assert ax2.get_title() == "measured now"
+    plt.close("all")
+    assert bench.run_name("/x/papermill_runs/h200-20261129-s2/04_benchmarks.json") == "h200-20261129-s2"
+
+
+# --- parameters given as papermill's -p text ----------------------------------------------------------------------
+def _papermill_cli(notebook, out_dir, params: dict, timeout=600):
+    """Run one notebook as a user would: `python -m papermill IN OUT -p name value ...`, every value as text."""
+    kernel = _kernel()
+    args = [sys.executable, "-m", "papermill", os.path.join(ROOT, "notebooks", f"{notebook}.ipynb"),
+            str(out_dir / f"{notebook}.ipynb"), "-k", kernel, "--cwd", ROOT, "--no-progress-bar",
+            "-p", "out_dir", str(out_dir)]
+    for name, value in params.items():
+        args += ["-p", name, value if isinstance(value, str) else json.dumps(value)]
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    return _run_batch_module().ensure_kernelspec()  # this interpreter's kernel, found through JUPYTER_PATH
+
+
+def _smoke(prefix):
+    return _run_batch_module().SMOKE_PARAMETERS[prefix]
+
+
+# The smoke batch's parameters, each passed as text the way `-p` passes it, plus one override per notebook that
+# changes what it records.
+OVERRIDES = {
+    "01_byte_floor": {"bandwidth_gbps": "3000"},
+    "02_correctness_gates": {"formats": '["folded"]'},
+    "03_drift_study": {"arms": '["ref-split", "ref-folded"]'},
+    "04_benchmarks": {"smoke": "true", "sections": '["single", "sweep"]', "decode_arms": "torch,fi_tc"},
+}
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_text_overrides_take_effect(notebook, tmp_path):
+    require_module("papermill")
+    params = {**_smoke(notebook[:2]), **OVERRIDES[notebook]}
+    proc = _papermill_cli(notebook, tmp_path, params)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rec = _record(tmp_path, notebook)
+    got = rec["parameters"]
+    if notebook == "01_byte_floor":
+        assert got["context_lengths"] == [97, 16384] and got["bandwidth_gbps"] == 3000.0
+        assert [r["context"] for r in rec["results"]["floor_table"]["rows"]] == [97, 97, 16384, 16384]
+    elif notebook == "02_correctness_gates":
+        assert got["formats"] == ["folded"] and got["case_set"] == "smoke"
+    elif notebook == "03_drift_study":
+        assert got["arms"] == ["ref-split", "ref-folded"]
+        assert sorted(s for s in rec["sections"] if s.startswith("arm:")) == ["arm:ref-folded", "arm:ref-split"]
+        study = json.loads((tmp_path / "drift_results.json").read_text())["parameters"]
+        assert study["lengths"] == [5, 66] and study["prompts"] == ["ab", "the cat"]
+        assert study["synthetic_config"] == _smoke("03")["synthetic_config"]
+    else:
+        assert got["smoke"] is True and got["sections"] == ["single", "sweep"]
+        assert got["decode_arms"] == ["torch", "fi_tc"]
+
+
+# One out-of-range value per notebook: refused at the cell right after the parameters, before any work.
+BAD_OVERRIDES = {
+    "01_byte_floor": ("context_lengths", "[2048, 1000000]",
+                      "context_lengths: 1000000 is past the model's max_position 262144"),
+    "02_correctness_gates": ("formats", '["folded", "paged"]', "formats: unknown value 'paged'"),
+    "03_drift_study": ("lengths", "[5, 0]", "lengths: 0 is not positive"),
+    "04_benchmarks": ("sections", '["single", "prefil"]', "sections: unknown value 'prefil'"),
+}
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_bad_override_is_refused_at_the_setup_cell(notebook, tmp_path):
+    require_module("papermill")
+    name, value, message = BAD_OVERRIDES[notebook]
+    proc = _papermill_cli(notebook, tmp_path, {name: value}, timeout=300)
+    assert proc.returncode != 0, f"{notebook} accepted {name}={value}"
+    assert "ParameterError" in proc.stderr and message in proc.stderr, proc.stderr[-3000:]
+    nb = json.loads((tmp_path / f"{notebook}.ipynb").read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]  # papermill adds markdown banners on a failure
+    injected = next(i for i, c in enumerate(code) if "injected-parameters" in c["metadata"].get("tags", []))
+    failed = [i for i, c in enumerate(code) if any(o.get("output_type") == "error" for o in c.get("outputs", []))]
+    assert failed == [injected + 1], f"the error is in code cell(s) {failed}, not the setup cell {injected + 1}"
+    assert all(c.get("execution_count") is None for c in code[injected + 2:]), "cells after the setup cell ran"
+    assert not list(tmp_path.glob("*.record.json")) and not list(tmp_path.glob("*.json")), "work ran before the refusal"

@@ -100,17 +100,6 @@ def ragged_lengths(batch: int, mean: int, seed: int = 0, spread: float = 0.75) -
     return [max(1, int(mean * (1 - spread + 2 * spread * float(x)))) | 1 for x in u]
 
 
-def as_list(value: Any, item: type = int) -> list:
-    """A notebook parameter as a list: a list, a JSON/YAML-ish string "[1, 2]" or "1,2" (papermill -p passes
-    strings), or a single value."""
-    if isinstance(value, str):
-        text = value.strip()
-        value = json.loads(text) if text.startswith("[") else [v for v in text.split(",") if v.strip()]
-    if not isinstance(value, (list, tuple)):
-        value = [value]
-    return [item(v.strip()) if isinstance(v, str) else item(v) for v in value]
-
-
 # ====================================================================================================================
 # Statistics
 # ====================================================================================================================
@@ -1145,6 +1134,22 @@ def open_results(path: str, *, root: str | None = None) -> dict:
     root = root or repo_root()
     p = os.path.abspath(path if os.path.isabs(path) else os.path.join(root, path))
     return {"path": p, "committed": p in _tracked([p], root), "results": load_results(p)}
+
+
+def run_name(path: str | os.PathLike) -> str:
+    """The run a results file belongs to: the name of its folder (its tag under papermill_runs/, e.g. h200-20261129-s2)."""
+    return os.path.basename(os.path.dirname(os.path.abspath(os.fspath(path))))
+
+
+def mark_redrawn(fig: Any, source_run: str | None) -> None:
+    """Add "(redrawn from <run>, not measured now)" to the title of every axes of a matplotlib figure drawn from an
+    earlier run's results; `source_run` None (measured now) leaves the figure as it is."""
+    if not source_run:
+        return
+    mark = f"(redrawn from {source_run}, not measured now)"
+    for ax in fig.axes:
+        title = ax.get_title()
+        ax.set_title(f"{title}\n{mark}" if title else mark)
 
 
 def redraw_banner(found: dict | None, results_glob: str) -> str:

@@ -248,9 +248,6 @@ def run_study(*, model_path: str | None, prompts: Sequence[str], lengths: Sequen
               out_dir: str | None = None, log=print) -> dict[str, Any]:
     """Run every cell, summarise, place the drift line, and write `out_dir/drift_results.json`.
     `lengths` / `sweep_lengths` None take `default_lengths(device)`."""
-    # papermill's `-p name '[...]'` passes a string: accept JSON text for the list/dict parameters
-    prompts, lengths, sweep_lengths, arms, synthetic_config = (
-        json.loads(x) if isinstance(x, str) else x for x in (prompts, lengths, sweep_lengths, arms, synthetic_config))
     for arm in arms:
         if arm not in ARM_SPECS:
             raise ValueError(f"unknown arm {arm!r}; expected some of {list(ARM_SPECS)}")

@@ -127,6 +127,9 @@ def provenance(repo: str | os.PathLike | None = None) -> dict:
     return {**checkout_state(repo), "kernels": kernels_handed_out()}
 
 
+REDRAWN_FROM = "redrawn from"  # a section's status "redrawn from <run>": shown again from that run, not measured now
+
+
 def environment() -> dict:
     """Where a record was made: enough to tell an H200 run from a CPU one."""
     env = {
@@ -149,7 +152,8 @@ def environment() -> dict:
 
 
 class RunRecord:
-    """A notebook's record: `sections` maps a section name to "ran", "failed: ..." or "not run: <reason>".
+    """A notebook's record: `sections` maps a section name to "ran", "redrawn from <run>" (results of an earlier run
+    shown again, nothing measured now), "failed: ..." or "not run: <reason>".
 
     `save()` writes `<out_dir>/<notebook>.record.json`; the batch driver reads every record's sections to say plainly
     which GPU sections did not run. (Notebooks with a richer results file of their own write that beside it.)
@@ -176,6 +180,14 @@ class RunRecord:
 
     def ran(self, section: str, **results: Any) -> None:
         self.sections[section] = "ran"
+        if results:
+            self.results.setdefault(section, {}).update(results)
+
+    def redrawn(self, section: str, source_run: str, **results: Any) -> None:
+        """The section shows the results of `source_run` (a run tag, e.g. h200-20261129-s2): nothing measured now."""
+        if not str(source_run).strip():
+            raise ValueError(f"{section}: redrawn from which run? source_run is empty")
+        self.sections[section] = f"{REDRAWN_FROM} {source_run}"
         if results:
             self.results.setdefault(section, {}).update(results)
 
