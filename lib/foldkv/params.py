@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .config import GEMMA4_31B, PRESETS, AttentionGeometry, ConfigError, geometry_from_config, resolve_geometry
+from .config import GEMMA4_31B, AttentionGeometry, ConfigError, geometry_from_config, resolve_geometry
 from .layout import KvFormat
 from .validate import FoldKvInputError
 
@@ -311,9 +311,8 @@ def _geometry_01(values: dict) -> AttentionGeometry:
     spec = values["geometry"]
     try:
         return resolve_geometry(spec)
-    except ConfigError as exc:
-        presets = "" if os.path.exists(spec) else f" (presets: {sorted(PRESETS)}, or a config.json / model directory)"
-        raise ParameterError(f"geometry: {exc}{presets}") from None
+    except ConfigError as exc:  # its message lists the presets and says a config.json path is accepted
+        raise ParameterError(f"geometry: {exc}") from None
 
 
 def _geometry_03(values: dict) -> AttentionGeometry:
