@@ -63,20 +63,9 @@ def smem_bytes(fmt: KvFormat, block_n: int, num_stages: int, **_) -> int:
     return num_stages * block_n * width * 2 + 16 * GEOM.head_dim * 2 + 16 * block_n * 2
 
 
-def backend_for(fmt: KvFormat, tag: str) -> str:
-    """Register (once) a JIT backend whose partial kernel has tiling `tag`; the merges are the registered ones."""
-    name = f"jit-{fmt.value}-{tag}"
-    if name not in _REGISTERED:
-        def factory(geom, f, _tag=tag, _fmt=fmt):
-            assert f is _fmt and geom == GEOM
-            return {dec.partial_kernel_name(f): build_partial(f, _tag),
-                    "merge_groups": merge.build_merge_groups(geom), "merge_final": merge.build_merge_final(geom)}
-        dec.register_backend(name, factory)
-        _REGISTERED.add(name)
-    return name
-
-
-_REGISTERED: set[str] = set()  # backends this process registered with foldkv.kernels.decode
+def kernels_for(fmt: KvFormat, tag: str) -> dict:
+    """The launcher's `kernels=` for tiling `tag`: its partial kernel; the merges come from the library's resolver."""
+    return {dec.partial_kernel_name(fmt): build_partial(fmt, tag)}
 
 
 # --- inputs ----------------------------------------------------------------------------------------------------
@@ -117,13 +106,13 @@ def rel_err(a, b) -> float:
 # --- arms ------------------------------------------------------------------------------------------------------
 def foldkv_arm(fmt, tag, length, device, gen):
     pool, tables, queries, nbytes = make_rotations(fmt, length, device, gen)
-    backend = backend_for(fmt, tag)
+    kernels = kernels_for(fmt, tag)
     plan = dec.plan_decode(pool.layout, [length], device=device)
     out = torch.empty(1, GEOM.num_q_heads, GEOM.head_dim, dtype=torch.bfloat16, device=device)
     lse = torch.empty(1, GEOM.num_q_heads, dtype=torch.float32, device=device)
-    o, _ = dec.decode(pool, queries[0], tables[0], plan=plan, backend=backend)  # checked call, compiles
+    o, _ = dec.decode(pool, queries[0], tables[0], plan=plan, kernels=kernels)  # checked call, compiles
     err = rel_err(o, torch_reference(pool, queries[0], tables[0]))
-    steps = [lambda i=i: dec.decode(pool, queries[i], tables[i], plan=plan, out=out, lse=lse, backend=backend,
+    steps = [lambda i=i: dec.decode(pool, queries[i], tables[i], plan=plan, out=out, lse=lse, kernels=kernels,
                                     check=False) for i in range(len(tables))]
     info = f"{plan.num_chunks} chunks x {plan.chunk_tokens} tok, {plan.num_groups} groups"
     return steps, nbytes, err, info, pool

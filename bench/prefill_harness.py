@@ -27,7 +27,6 @@ import torch
 import foldkv
 from foldkv import KvFormat, bench
 from foldkv.bench import ArmSpec, AttentionCase, run_cell
-from foldkv.kernels import prefill as prefill_launcher
 from foldkv.peers import ArmImpl
 from versions import prefill_shared_tiles  # bench/versions/
 
@@ -39,34 +38,33 @@ DEFAULT_TILINGS = {"folded": ["bn64s1", "bn64s1-shared"], "split": ["bn64s1"]}
 VERSIONS = {"shared": prefill_shared_tiles.build}  # tiling suffix -> a folded version's build(geom, **params)
 
 
-def parse_tiling(tag: str) -> tuple[dict, str]:
-    """'bn64s1' -> ({block_N: 64, num_stages: 1}, the library's "jit" backend); 'bn64s1-shared' -> the same params
-    and a backend that builds bench/versions/prefill_shared_tiles.py (registered in the launcher's BACKENDS)."""
+def parse_tiling(tag: str) -> tuple[dict, str | None]:
+    """'bn64s1' -> ({block_N: 64, num_stages: 1}, None: the library's kernel); 'bn64s1-shared' -> the same params and
+    "shared": the version in bench/versions/prefill_shared_tiles.py, run through the launcher's `kernels=`."""
     m = re.fullmatch(r"bn(\d+)s(\d+)(?:-(\w+))?", tag)
     if not m or (m.group(3) and m.group(3) not in VERSIONS):
         raise SystemExit(f"tiling {tag!r} is not of the form bn<block_N>s<num_stages>[-{'|'.join(VERSIONS)}]")
-    params = {"block_N": int(m.group(1)), "num_stages": int(m.group(2))}
-    if not m.group(3):
-        return params, "jit"
-    backend = f"jit-{m.group(3)}"
-    build = functools.lru_cache(maxsize=None)(lambda geom, items: VERSIONS[m.group(3)](geom, **dict(items)))
-    prefill_launcher.BACKENDS.setdefault(backend, lambda name, geom, p: build(geom, tuple(sorted(p.items()))))
-    return params, backend
+    return {"block_N": int(m.group(1)), "num_stages": int(m.group(2))}, m.group(3)
 
 
 def generated_arm(fmt: KvFormat, tag: str) -> ArmSpec:
-    params, backend = parse_tiling(tag)
-    if backend != "jit" and fmt is not KvFormat.FOLDED:
+    params, version = parse_tiling(tag)
+    if version is not None and fmt is not KvFormat.FOLDED:
         raise SystemExit(f"tiling {tag!r} is a folded-only version")
 
     def build(case: AttentionCase) -> ArmImpl:
-        from foldkv.kernels.prefill import prefill
+        from foldkv.kernels.prefill import prefill, variant_name
+        from foldkv.kernels.resolve import kernel_params
 
+        kernels = None
+        if version is not None:  # the version built with the params the launcher asks for this pool
+            asked = kernel_params(variant_name(fmt), {**params, "page_size": case.page_size})
+            kernels = {variant_name(fmt): VERSIONS[version](case.geom, **asked)}
         pools, query, table = case.pools(fmt), case.query(fmt), case.table
         q_lens = torch.tensor(case.q_lens, dtype=torch.int32, device=case.device)
         out = torch.empty(query.shape, dtype=torch.bfloat16, device=case.device)  # [T, Hq, D]
         lse = torch.empty(query.shape[:2], dtype=torch.float32, device=case.device)  # [T, Hq]
-        calls = [lambda p=p: prefill(p, query, table, q_lens, out=out, lse=lse, params=params, backend=backend)
+        calls = [lambda p=p: prefill(p, query, table, q_lens, out=out, lse=lse, params=params, kernels=kernels)
                  for p in pools]
         return ArmImpl(calls, out, graph=False, why_eager="prefill launches are milliseconds long: timed eagerly",
                        info={"params": params, "lse": lse})
@@ -117,9 +115,8 @@ def resources() -> None:
     kernels = []
     for fmt in (KvFormat.FOLDED, KvFormat.SPLIT):
         for tag in DEFAULT_TILINGS[fmt.value]:
-            params, backend = parse_tiling(tag)
-            build = (functools.partial(prefill_attention.build, fmt=fmt) if backend == "jit"
-                     else VERSIONS[tag.split("-")[1]])
+            params, version = parse_tiling(tag)
+            build = (functools.partial(prefill_attention.build, fmt=fmt) if version is None else VERSIONS[version])
             kernels.append((f"prefill_{fmt.value}_{tag}", build(GEOM, **params)))
     for fmt in KvFormat:
         kernels.append((f"prep_{fmt.value}", prep_kernel.build(GEOM, fmt)))

@@ -73,7 +73,7 @@ def inplace_variants(barrier: bool = True):
     from foldkv.kernels.registry import KernelVariant
 
     return [KernelVariant("aot_test_inplace", "test", None,
-                          lambda g: build_inplace_test_kernel(g, barrier=barrier), in_place_merge=True,
+                          lambda g, cols: build_inplace_test_kernel(g, barrier=barrier), in_place_merge=True,
                           params={"cols": TEST_KERNEL_COLS})]
 
 
@@ -304,7 +304,7 @@ def _handed_out_before_the_build(barrier: bool = True):
     from foldkv.kernels.registry import KernelVariant
 
     earlier = build_inplace_test_kernel(GEMMA4_31B, barrier=barrier)
-    variant = KernelVariant("aot_test_inplace", "test", None, lambda g: earlier, in_place_merge=True,
+    variant = KernelVariant("aot_test_inplace", "test", None, lambda g, cols: earlier, in_place_merge=True,
                             params={"cols": TEST_KERNEL_COLS})
     return earlier, variant
 
@@ -505,9 +505,33 @@ def test_active_build_needs_a_folder(monkeypatch):
         aot.aot_kernel("merge_groups")
 
 
+def test_resolver_checks_every_param_against_a_real_manifest(tiny_build, monkeypatch):
+    """`resolve.kernel(..., backend="aot")` on a real build: the kernel built with the asked params loads (once: the
+    cache), one asked with another value of a param the manifest recorded is refused before loading (the red twin)."""
+    from foldkv import aot
+    from foldkv.kernels import registry, resolve
+
+    out, manifest = tiny_build
+    (variant,) = inplace_variants()
+    monkeypatch.setitem(registry._BY_NAME, variant.name, variant)
+    assert manifest["kernels"][0]["variant_params"] == {"cols": TEST_KERNEL_COLS}
+    resolve.clear_cache()
+    aot.use_build(out)
+    try:
+        k = resolve.kernel("aot_test_inplace", GEMMA4_31B, backend="aot")
+        assert k.name == "aot_test_inplace"
+        assert resolve.kernel("aot_test_inplace", GEMMA4_31B, {"cols": TEST_KERNEL_COLS}, backend="aot") is k
+        with pytest.raises(AotMismatchError, match=f"cols built {TEST_KERNEL_COLS}, asked {2 * TEST_KERNEL_COLS}"):
+            resolve.kernel("aot_test_inplace", GEMMA4_31B, {"cols": 2 * TEST_KERNEL_COLS}, backend="aot")
+    finally:
+        aot.use_build(None)
+        resolve.clear_cache()
+
+
 def test_importing_foldkv_aot_needs_neither_tilelang_nor_cuda_python():
     """A blocker refuses any import of tilelang, tvm or cuda.bindings; foldkv, foldkv.aot and the loader's checks
-    still import and work, and the decode launcher has its "aot" backend."""
+    still import and work. No import cycle: foldkv.aot imports no launcher, the launchers import no foldkv.aot (the
+    resolver imports it when it is first asked for an AOT kernel)."""
     code = r"""
 import sys
 class Block:
@@ -516,9 +540,15 @@ class Block:
             raise ImportError('blocked ' + name)
 sys.meta_path.insert(0, Block())
 import foldkv, foldkv.aot
+launchers = ('foldkv.kernels.decode', 'foldkv.kernels.prefill', 'foldkv.kernels.prep_kernel', 'foldkv.kernels.resolve')
+assert not [m for m in launchers if m in sys.modules], [m for m in launchers if m in sys.modules]
 from foldkv.aot import check_build_matches, AotMismatchError
-from foldkv.kernels import decode
-assert 'aot' in decode._BACKENDS
+for m in list(sys.modules):
+    if m.startswith('foldkv.aot'):
+        del sys.modules[m]
+from foldkv.kernels import decode, prefill, prep_kernel, resolve
+assert not [m for m in sys.modules if m.startswith('foldkv.aot')]
+assert resolve.BACKENDS == ('jit', 'aot')
 try:
     check_build_matches({'arch': 'sm_90a', 'formats': ['split'], 'geometry': {}, 'kernels': []}, fmt='folded')
 except AotMismatchError:

@@ -62,16 +62,10 @@ def aot_build(tmp_path_factory):
 
 
 def _clear_jit_caches() -> None:
-    """Forget every JIT kernel the launchers and builders hold from earlier tests of the session."""
-    from foldkv.kernels import decode, decode_partial, merge, prefill, prep_kernel
+    """Forget every kernel the launchers hold from earlier tests of the session (they all resolve through one cache)."""
+    from foldkv.kernels import resolve
 
-    for mod in (decode, decode_partial, merge, prefill, prep_kernel):
-        for obj in vars(mod).values():
-            if callable(getattr(obj, "cache_clear", None)):
-                obj.cache_clear()
-        cache = getattr(mod, "_JIT_CACHE", None)
-        if isinstance(cache, dict):
-            cache.clear()
+    resolve.clear_cache()
 
 
 def _aot_vs_jit(case: gates.Case, fmt: KvFormat, device, seed: int) -> dict:

@@ -75,7 +75,8 @@ def test_barrier_check_reports_a_kernel_that_stores_before_it_reads():
 def test_every_in_place_variant_is_checked_at_generation():
     in_place = [v for v in registry.all_variants() if v.in_place_merge]
     assert [v.name for v in in_place] == ["merge_groups"]
-    assert in_place[0].build is merge.build_merge_groups  # whose default (check=True) runs the barrier check
+    assert in_place[0].build_function() is merge.build_merge_groups  # whose default (check=True) runs the check
+    assert "check" not in in_place[0].params and "barrier" not in in_place[0].params
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -248,5 +249,46 @@ def test_refuses_plan_for_other_lengths():
 
 def test_refuses_unknown_backend():
     pool, table, query, out, lse = _cpu_case()
-    with pytest.raises(FoldKvInputError, match="decode runs on a CUDA device"):
-        decode(pool, query, table, backend="nope")  # checks first: nothing is looked up for refused input
+    _refused(r"unknown backend 'nope'; known: \['jit', 'aot'\]", pool, query, table, out, lse, backend="nope")
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("other_name", r"kernels= names \['prefill_folded'\]; this launch uses \['decode_partial_folded'"),
+    ("not_callable", r"kernels= gives \['merge_final'\] a value that is not callable"),
+])
+def test_refuses_bad_kernel_overrides(bad, match):
+    pool, table, query, out, lse = _cpu_case()
+    kernels = {"prefill_folded": lambda *a: None} if bad == "other_name" else {"merge_final": "merge_final"}
+    _refused(match, pool, query, table, out, lse, kernels=kernels)
+
+
+def _forbid_builds(monkeypatch):
+    """Any kernel build or load from here on fails the test: a refusal must come before the resolver builds."""
+    from foldkv.kernels import resolve
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError(f"a kernel was resolved for refused input: {args}")
+
+    monkeypatch.setattr(resolve, "kernel", no_kernel)
+
+
+@pytest.mark.parametrize("page_size", [32, 128])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_refuses_pool_of_other_page_size(monkeypatch, fmt, page_size):
+    """The partial indexes pages with the page size baked into it (64): a pool of other pages is refused before any
+    kernel is built, on any device, with every output and the pool untouched."""
+    _forbid_builds(monkeypatch)
+    pool = PagedKvPool(PagedKvLayout(GEOM, fmt, page_size, 8), fill=0.5)
+    table = pool.allocate([70, 5], scatter_seed=3)
+    query = torch.randn(2, 32, 512).to(torch.bfloat16)
+    out = torch.full((2, 32, 512), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((2, 32), float("nan"))
+    _refused(f"the pool's pages hold {page_size} tokens; decode_partial_{fmt.value} is built for pages of 64",
+             pool, query, table, out, lse)
+
+
+def test_pool_of_the_kernels_page_size_passes_the_page_check(monkeypatch):
+    """The red twin's control: the same case with pages of 64 gets past the page-size check (to the device check)."""
+    _forbid_builds(monkeypatch)
+    pool, table, query, out, lse = _cpu_case()
+    _refused("decode runs on a CUDA device", pool, query, table, out, lse)

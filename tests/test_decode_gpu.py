@@ -27,17 +27,28 @@ def make_case(fmt: KvFormat, lens: list[int], seed: int, device: torch.device, *
     return gates.make_inputs(gates.Case(f"{len(lens)}x{max(lens)}", tuple(lens), **plan_kw), fmt, device, seed)
 
 
-def gate(fmt, lens, seed, device, backend="jit", **plan_kw):
+def decode_with(kernels: dict):
+    """A gates arm: the library's decode with `kernels=` replacing some of its kernels (the public experiment hook)."""
+    def launch(inputs: gates.GateInputs, out: torch.Tensor, lse: torch.Tensor):
+        plan = plan_decode(inputs.pool.layout, inputs.case.seq_lens, device=inputs.pool.device,
+                           chunk_tokens=inputs.case.chunk_tokens, merge_group=inputs.case.merge_group)
+        return decode(inputs.pool, inputs.query, inputs.table, plan=plan, out=out, lse=lse, kernels=kernels)
+
+    return launch
+
+
+def gate(fmt, lens, seed, device, backend="jit", kernels=None, **plan_kw):
     """`foldkv.gates.run_case` on one decode case, then the same call again: a moving result is a race."""
     inputs = make_case(fmt, lens, seed, device, **plan_kw)
-    res = gates.run_case(inputs, gates.decode_arm(backend))
-    row = gates.summary_row(inputs.case, fmt, backend, res)
+    arm = gates.decode_arm(backend) if kernels is None else decode_with(kernels)
+    res = gates.run_case(inputs, arm)
+    row = gates.summary_row(inputs.case, fmt, backend if kernels is None else "+".join(kernels), res)
     if GATE_LOG:
         with open(GATE_LOG, "a") as fh:
             fh.write(json.dumps(row) + "\n")
     assert res["passed"], row
     out, lse = res["outputs"]
-    again = gates.run_case(inputs, gates.decode_arm(backend))["outputs"]
+    again = gates.run_case(inputs, arm)["outputs"]
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)
 
 
@@ -69,18 +80,14 @@ def test_full_batch_many_groups(cuda_device, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_bench_versions_compute_the_same_function(cuda_device, fmt, version):
     """The partials that lost (bench/versions: the head-major operand order, the query loaded by all threads), each
-    with the library's merges through the public backend hook, pass the same gate as the library's partial: the
-    harness times a correct kernel."""
+    with the library's merges through the launcher's public `kernels=` hook, pass the same gate as the library's
+    partial: the harness times a correct kernel."""
     from conftest import bench_version
 
-    from foldkv.kernels import merge
-    from foldkv.kernels.decode import partial_kernel_name, register_backend
+    from foldkv.kernels.decode import partial_kernel_name
 
-    build = bench_version(version).build
-    register_backend(f"test-{version}-{fmt.value}", lambda geom, f: {
-        partial_kernel_name(f): build(geom, f), "merge_groups": merge.build_merge_groups(geom),
-        "merge_final": merge.build_merge_final(geom)})
-    gate(fmt, [1, 65, 1025, 10602, 64], seed=13, device=cuda_device, backend=f"test-{version}-{fmt.value}",
+    partial = bench_version(version).build(GEOM, fmt)
+    gate(fmt, [1, 65, 1025, 10602, 64], seed=13, device=cuda_device, kernels={partial_kernel_name(fmt): partial},
          chunk_tokens=512, merge_group=3)
 
 

@@ -87,6 +87,8 @@ def test_valid_cpu_input_reaches_only_the_device_check():
     ("page_size", "not a multiple of the kernel's key tile"),
     ("pool_dtype", "reads bf16 pools"),
     ("backend", "backend 'triton'"),
+    ("kernels", r"kernels= names \['prefill_split'\]; this launch uses \['prefill_folded'\]"),
+    ("param", r"prefill_folded has no parameter \['block_n'\]"),
 ])
 def test_prefill_refusals(bad, match):
     pool, query, table, q_lens = _cpu_case()
@@ -109,6 +111,10 @@ def test_prefill_refusals(bad, match):
         pool, query, table, q_lens = _cpu_case(page_size=32)
     elif bad == "pool_dtype":
         pool = PagedKvPool(PagedKvLayout(GEOM, KvFormat.FOLDED, 64, 8, torch.float32), fill=0.5)
+    elif bad == "kernels":
+        kw["kernels"] = {"prefill_split": lambda *args: None}
+    elif bad == "param":
+        kw["params"] = {"block_n": 32}  # the prefill's key tile is block_N
     else:
         kw["backend"] = "triton"
     with pytest.raises(FoldKvInputError, match=match):
@@ -133,6 +139,7 @@ def _prep_case():
     ("q_dtype", "q has dtype torch.float64"),
     ("request_len", r"request has shape \[2\]"),
     ("backend", "backend 'cuda'"),
+    ("kernels", r"kernels= names \['prep_split'\]; this launch uses \['prep_folded'\]"),
 ])
 def test_prep_refusals_leave_pool_unchanged(bad, match):
     pool, table, request, positions, q, kv, qw, kw = _prep_case()
@@ -147,6 +154,8 @@ def test_prep_refusals_leave_pool_unchanged(bad, match):
         request = request[:2]
     elif bad == "backend":
         extra["backend"] = "cuda"
+    elif bad == "kernels":
+        extra["kernels"] = {"prep_split": lambda *args: None}
     before = pool.data.clone()
     with pytest.raises(FoldKvInputError, match=match):
         prep_and_store_gpu(pool, table, request, positions, q, kv, qw, kw, **extra)

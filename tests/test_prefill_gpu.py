@@ -55,17 +55,21 @@ def test_prefill_matches_reference(cuda_device, fmt, case):
 
 @pytest.mark.parametrize("case", ["mid_page_chunk", "ragged_batch"])
 def test_bench_version_shared_tiles_matches_reference(cuda_device, case):
-    """bench/versions/prefill_shared_tiles.py (the folded tiling that lost) through the launcher's public backend
-    table: the same gate as the library's prefill, so the harness times a correct kernel."""
+    """bench/versions/prefill_shared_tiles.py (the folded tiling that lost) through the launcher's public `kernels=`
+    hook: the same gate as the library's prefill, so the harness times a correct kernel."""
     from conftest import bench_version
 
-    from foldkv.kernels import prefill as launcher
+    from foldkv.kernels.resolve import kernel_params
 
-    build = bench_version("prefill_shared_tiles").build
-    launcher.BACKENDS.setdefault("test-shared-tiles", lambda name, geom, params: build(geom, **params))
+    shared = bench_version("prefill_shared_tiles").build(GEOM, **kernel_params("prefill_folded"))
+
+    def launch(inputs: gates.GateInputs, out: torch.Tensor, lse: torch.Tensor):
+        return prefill(inputs.pool, inputs.query, inputs.table, inputs.q_lens, out=out, lse=lse,
+                       kernels={"prefill_folded": shared})
+
     inputs = make_case(KvFormat.FOLDED, case, seed=3, device=cuda_device)
-    res = gates.run_case(inputs, gates.prefill_arm("test-shared-tiles"))
-    assert res["passed"], gates.summary_row(inputs.case, KvFormat.FOLDED, "test-shared-tiles", res)
+    res = gates.run_case(inputs, launch)
+    assert res["passed"], gates.summary_row(inputs.case, KvFormat.FOLDED, "shared-tiles", res)
 
 
 @pytest.mark.parametrize("bad", ["q_len_past_seq", "query_rows", "query_dtype", "page_id", "out_shape", "backend"])

@@ -133,10 +133,8 @@ def test_records_carry_provenance_at_save_time(tmp_path, monkeypatch):
 
 
 def test_every_registered_builder_notes_what_it_hands_out():
-    """Each registered variant's builder (through lru_cache / functools.partial) is wrapped by registry.hands_out, so
-    every launcher, test and harness that builds a kernel puts its hash in the records."""
+    """Each registered variant's builder is wrapped by registry.hands_out, so every launcher, test and harness that
+    builds a kernel puts its hash in the records."""
     for v in registry.all_variants():
-        fn = v.build
-        fn = getattr(fn, "func", fn)  # functools.partial
-        fn = fn if hasattr(fn, "hands_out") else getattr(fn, "__wrapped__", fn)  # lru_cache
-        assert getattr(fn, "hands_out", None), f"{v.name}: builder {fn} does not note its kernels"
+        fn = v.build_function()
+        assert getattr(fn, "hands_out", None), f"{v.name}: builder {v.builder} does not note its kernels"

@@ -21,7 +21,7 @@ folded hm64s2 spills 56 B. The library keeps token-major for both formats.
 
     python bench/versions/decode_partial_head_major.py     # build both formats
 The kernels take the library partial's argument order, so `decode_harness.py` (tags hmXsY) times them through
-`foldkv.kernels.decode.register_backend`.
+the decode launcher's public `kernels=` (with the library's merges).
 """
 
 import functools

@@ -17,7 +17,7 @@ the buffers' release points, not L2 bytes. The windows layout costs 1,024 column
 HBM and runs at split's speed. Not tried: two stages at block_N 48, or splitting P.V so V_unrot is released first.
 
     python bench/versions/prefill_shared_tiles.py      # build (the library prefill's argument order)
-`prefill_harness.py` (tag bn64s1-shared) times it through the prefill launcher's public backend table.
+`prefill_harness.py` (tag bn64s1-shared) times it through the prefill launcher's public `kernels=`.
 """
 
 from foldkv.config import GEMMA4_31B, AttentionGeometry

@@ -4,6 +4,9 @@
     python -m foldkv aot verify DIR                        # needs neither
     foldkv.aot.use_build(DIR); launcher(..., backend="aot")  # needs cuda-python + a GPU, never TileLang
 
+The launchers reach the active build through `foldkv.kernels.resolve.kernel(..., backend="aot")`, which imports this
+package when it is first asked for an AOT kernel; this package imports no launcher.
+
 Importing this package imports neither TileLang nor cuda-python: `build()` imports TileLang when it runs, the loader
 imports `cuda.bindings.driver` when it first loads a cubin.
 
@@ -31,27 +34,6 @@ from . import build as _build_module  # no TileLang at import: it is imported in
 build = _build_module.build
 AotBuildError = _build_module.AotBuildError
 NvccUnavailable = _build_module.NvccUnavailable
-
-
-def _decode_backend(geometry, fmt) -> dict:
-    """backend="aot" for `foldkv.kernels.decode`: one AOT kernel per name the decode step launches."""
-    from ..kernels.decode import kernel_names
-
-    return {name: aot_kernel(name, geometry=geometry, fmt=fmt) for name in kernel_names(fmt)}
-
-
-def _register_backends() -> None:
-    # decode.py asks that importing foldkv.aot registers "aot"; prefill and prep look the AOT kernels up themselves.
-    try:
-        from ..kernels import decode
-    except ModuleNotFoundError as exc:  # the decode launcher not written yet
-        if exc.name != "foldkv.kernels.decode":
-            raise
-        return
-    decode.register_backend("aot", _decode_backend)
-
-
-_register_backends()
 
 
 __all__ = [

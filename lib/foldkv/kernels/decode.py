@@ -1,5 +1,5 @@
 """Paged split-KV decode for either page format: checks, the plan, and the three launches (partial, merge_groups,
-merge_final) through a backend that supplies one callable per kernel name.
+merge_final), each kernel from the one resolver (`foldkv.kernels.resolve`).
 
     plan = plan_decode(pool.layout, seq_lens, device=pool.device)       # host, once per step shape
     out, lse = decode(pool, query, table, plan=plan)                     # [B, 32, 512] bf16 head order, [B, 32] f32
@@ -9,28 +9,23 @@ graph once its inputs have been checked; pass `check=False` inside the capture):
     kernels["decode_partial_<format>"](query, pool.data, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse)
     kernels["merge_groups"](part_o, part_lse, group_first, group_count)
     kernels["merge_final"](part_o, part_lse, group_first, req_group_first, req_group_count, value_head_column, out, lse)
-Shapes and dtypes of each argument are in the docstrings of decode_partial.py and merge.py. A backend is a function (geometry, format) -> {kernel name: callable}; "jit" builds them with TileLang here,
-"aot" is registered by `foldkv.aot` (importing it must call `register_backend("aot", factory)`).
+Shapes and dtypes of each argument are in the docstrings of decode_partial.py and merge.py. The kernels come from
+`foldkv.kernels.resolve.kernel(name, geometry, backend=backend)` with their registered params ("jit": built here with
+TileLang; "aot": from the active AOT build), or from `kernels={name: callable}` for the names given there (an
+experiment's partial, say); the pool's page size must be the partial's.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
-from ..config import AttentionGeometry
 from ..layout import KvFormat
 from ..pool import BlockTable, PagedKvPool, check_block_table
 from ..validate import FoldKvInputError, check_tensor
-from . import decode_partial, merge  # noqa: F401  (registers the variants)
+from . import resolve
 from .plan import MAX_BATCH, MAX_LEN, DecodePlan, plan_decode
-from .registry import get
-
-KernelSet = dict[str, Callable]
-_BACKENDS: dict[str, Callable[[AttentionGeometry, KvFormat], KernelSet]] = {}
 
 
 def partial_kernel_name(fmt: KvFormat | str) -> str:
@@ -42,39 +37,22 @@ def kernel_names(fmt: KvFormat | str) -> tuple[str, str, str]:
     return (partial_kernel_name(fmt), "merge_groups", "merge_final")
 
 
-def register_backend(name: str, factory: Callable[[AttentionGeometry, KvFormat], KernelSet]) -> None:
-    """Make `backend=name` available: factory(geom, fmt) returns a callable for each of `kernel_names(fmt)`."""
-    _BACKENDS[name] = factory
-
-
-@functools.lru_cache(maxsize=None)
-def _jit_kernels(geom: AttentionGeometry, fmt: KvFormat) -> KernelSet:
-    return {name: get(name).build(geom) for name in kernel_names(fmt)}
-
-
-register_backend("jit", _jit_kernels)
-
-
-def _kernels(backend: str, geom: AttentionGeometry, fmt: KvFormat) -> KernelSet:
-    if backend not in _BACKENDS and backend == "aot":
-        importlib.import_module("foldkv.aot")  # registers "aot" on import
-    if backend not in _BACKENDS:
-        raise FoldKvInputError(f"unknown decode backend {backend!r}; known: {sorted(_BACKENDS)}")
-    kernels = _BACKENDS[backend](geom, fmt)
-    missing = [n for n in kernel_names(fmt) if n not in kernels]
-    if missing:
-        raise FoldKvInputError(f"backend {backend!r} supplies no kernel {missing} for {fmt.value} pages")
-    return kernels
-
-
 def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, plan: DecodePlan | None,
-                  out: torch.Tensor | None, lse: torch.Tensor | None, kv_format, read_table: bool) -> None:
-    """Every refusal happens here, before any launch or write."""
+                  out: torch.Tensor | None, lse: torch.Tensor | None, kv_format, read_table: bool,
+                  backend: str, kernels) -> None:
+    """Every refusal happens here, before any kernel is built or launched and before any write."""
     if not isinstance(pool, PagedKvPool):
         raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
+    resolve.check_backend(backend)
+    resolve.check_kernels(kernel_names(pool.format), kernels)
     lay, geom, dev = pool.layout, pool.geometry, pool.device
     if kv_format is not None and KvFormat.parse(kv_format) is not pool.format:
         raise FoldKvInputError(f"a {KvFormat.parse(kv_format).value} decode was asked of a {pool.format.value} pool")
+    partial = partial_kernel_name(pool.format)
+    kernel_page = resolve.kernel_params(partial)["page_size"]
+    if lay.page_size != kernel_page:  # the partial indexes pages with the page size baked into it
+        raise FoldKvInputError(f"the pool's pages hold {lay.page_size} tokens; {partial} is built for pages of"
+                               f" {kernel_page}")
     check_tensor("pool data", pool.data, dtype=torch.bfloat16, shape=lay.shape, contiguous=True)
     if not isinstance(table, BlockTable):
         raise FoldKvInputError(f"table must be a BlockTable, got {type(table).__name__}")
@@ -113,7 +91,8 @@ def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, pla
 
 def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: DecodePlan | None = None,
            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, backend: str = "jit",
-           kv_format: KvFormat | str | None = None, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+           kv_format: KvFormat | str | None = None, check: bool = True,
+           kernels: Mapping[str, Callable] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query per request against the paged pool, in the pool's format.
 
     pool: bf16, contiguous, on a CUDA device (Hopper for the generated kernels). table: BlockTable whose page_ids
@@ -124,20 +103,23 @@ def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: D
     written into `out` / `lse` (same shapes and dtypes, contiguous) when given. Bad input raises FoldKvInputError
     before anything is launched. `check=False` skips only the checks that read device memory back to the host
     (page ids in range, lengths within the table, the plan's lengths): for use inside a CUDA-graph capture of a
-    step whose inputs were checked once outside it.
+    step whose inputs were checked once outside it. backend: "jit" or "aot". kernels: {kernel name: callable taking
+    that kernel's arguments} replacing the backend's kernel of that name (an experiment's variant; names from
+    `kernel_names(pool.format)`).
     """
-    _check_inputs(pool, query, table, plan, out, lse, kv_format, read_table=check)
+    _check_inputs(pool, query, table, plan, out, lse, kv_format, read_table=check, backend=backend,
+                  kernels=kernels)
     geom = pool.geometry
     if plan is None:
         if not check:
             raise FoldKvInputError("check=False needs a plan (making one reads the lengths on the host)")
         plan = plan_decode(pool.layout, table.seq_lens, device=pool.device)
-    kernels = _kernels(backend, geom, pool.format)
+    partial, merge_groups, merge_final = resolve.launch_kernels(kernel_names(pool.format), geom, backend=backend,
+                                                                kernels=kernels)
     if out is None:
         out = torch.empty(table.batch, geom.num_q_heads, geom.head_dim, dtype=torch.bfloat16, device=pool.device)
     if lse is None:
         lse = torch.empty(table.batch, geom.num_q_heads, dtype=torch.float32, device=pool.device)
-    partial, merge_groups, merge_final = (kernels[n] for n in kernel_names(pool.format))
     partial(query, pool.data, table.page_ids, plan.chunk_req, plan.chunk_start, plan.chunk_len, plan.part_o,
             plan.part_lse)
     merge_groups(plan.part_o, plan.part_lse, plan.group_first, plan.group_count)
@@ -146,4 +128,4 @@ def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: D
     return out, lse
 
 
-__all__ = ["DecodePlan", "plan_decode", "decode", "register_backend", "kernel_names", "partial_kernel_name"]
+__all__ = ["DecodePlan", "plan_decode", "decode", "kernel_names", "partial_kernel_name"]

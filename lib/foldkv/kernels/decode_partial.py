@@ -29,23 +29,17 @@ chunk_len >= 1.
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which use closure values
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import GEMMA4_31B, AttentionGeometry
 from ..layout import KvFormat, row_width
-from . import macros
-from .registry import KernelVariant, hands_out, register
+from . import macros, registry
+from .registry import hands_out
 from .tl import pass_configs, require_tilelang, target
 
-# block_n = 64 tokens (the wgmma M). Folded: two stages of 80 KB fit in shared memory. Split: a 64-row tile is 128 KB,
-# so one stage; K and V are separate buffers the warp-specialised pipeline releases separately (K after the score
-# gemm, V after P V), so the next K load still overlaps the current softmax and P V (bench/DECODE_NOTES.md).
-DEFAULTS = {
-    KvFormat.SPLIT: dict(page_size=64, block_n=64, num_stages=1, threads=128, block_h=16),
-    KvFormat.FOLDED: dict(page_size=64, block_n=64, num_stages=2, threads=128, block_h=16),
-}
+# The registered tiling of each format (registry.py says why these).
+DEFAULTS = {fmt: dict(registry.get(f"decode_partial_{fmt.value}").params) for fmt in KvFormat}
 
 
 @dataclass(frozen=True)
@@ -188,7 +182,6 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     return decode_partial.with_attr("global_symbol", f"decode_partial_{fmt.value}")
 
 
-@functools.lru_cache(maxsize=None)
 @hands_out("decode_partial_{fmt}")
 def build_decode_partial(geom: AttentionGeometry, fmt: KvFormat | str, **tiling):
     """Compile (JIT) the partial kernel for `geom` and `fmt` with the format's DEFAULTS, overridden by `tiling`."""
@@ -202,11 +195,6 @@ def build_decode_partial(geom: AttentionGeometry, fmt: KvFormat | str, **tiling)
                                       threads=threads, block_h=block_h)
 
     return decode_partial(**cfg)
-
-
-for _fmt in KvFormat:
-    register(KernelVariant(f"decode_partial_{_fmt.value}", "decode_partial", _fmt,
-                           functools.partial(build_decode_partial, fmt=_fmt), params=dict(DEFAULTS[_fmt])))
 
 
 def main(fmt: KvFormat | str = KvFormat.FOLDED, seq_len: int = 10602, **tiling):

@@ -24,14 +24,14 @@ S, G and B are dynamic; grids are (G, Hq) and (B, Hq).
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which use closure values
 
-import functools
 import math
 
 from ..config import AttentionGeometry
-from .registry import KernelVariant, hands_out, register
+from . import registry
+from .registry import hands_out
 from .tl import pass_configs, require_tilelang, target
 
-MERGE_THREADS = 128
+MERGE_THREADS = registry.get("merge_groups").params["threads"]
 UNROLL = 8  # partials loaded per round trip
 LN2 = math.log(2.0)
 
@@ -165,12 +165,12 @@ def merge_final_program(geom: AttentionGeometry, *, threads: int = MERGE_THREADS
     return merge_final
 
 
-@functools.lru_cache(maxsize=None)
 @hands_out("merge_groups")
-def build_merge_groups(geom: AttentionGeometry, *, barrier: bool = True, check: bool = True):
+def build_merge_groups(geom: AttentionGeometry, *, threads: int = MERGE_THREADS, barrier: bool = True,
+                       check: bool = True):
     """Compile the level-one merge and run the emitted-source barrier check on it (raises if it fails)."""
     tilelang = require_tilelang()
-    kernel = tilelang.compile(merge_groups_program(geom, barrier=barrier), target=target(),
+    kernel = tilelang.compile(merge_groups_program(geom, threads=threads, barrier=barrier), target=target(),
                               pass_configs=pass_configs())
     if check:
         from .cuda_checks import check_in_place_merge
@@ -179,20 +179,13 @@ def build_merge_groups(geom: AttentionGeometry, *, barrier: bool = True, check: 
     return kernel
 
 
-@functools.lru_cache(maxsize=None)
 @hands_out("merge_final")
-def build_merge_final(geom: AttentionGeometry):
+def build_merge_final(geom: AttentionGeometry, *, threads: int = MERGE_THREADS):
     tilelang = require_tilelang()
-    return tilelang.compile(merge_final_program(geom), target=target(), pass_configs=pass_configs())
+    return tilelang.compile(merge_final_program(geom, threads=threads), target=target(), pass_configs=pass_configs())
 
 
-MERGE_GROUPS = register(KernelVariant("merge_groups", "merge_groups", None, build_merge_groups, in_place_merge=True,
-                                      params={"threads": MERGE_THREADS}))
-MERGE_FINAL = register(KernelVariant("merge_final", "merge_final", None, build_merge_final,
-                                     params={"threads": MERGE_THREADS}))
-
-__all__ = ["merge_groups_program", "merge_final_program", "build_merge_groups", "build_merge_final",
-           "MERGE_GROUPS", "MERGE_FINAL"]
+__all__ = ["merge_groups_program", "merge_final_program", "build_merge_groups", "build_merge_final"]
 
 
 def main(seq_len: int = 40002, chunk_tokens: int = 1024, merge_group: int = 8):

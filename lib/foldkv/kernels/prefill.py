@@ -1,54 +1,29 @@
-"""The paged causal prefill launcher: checks, the tile plan, and the call of a backend's kernel for the pool format.
+"""The paged causal prefill launcher: checks, the tile plan, and the call of the kernel for the pool format.
 
 `prefill(pool, query, table, q_lens)` runs request r's q_lens[r] queries (its last positions, bottom-right causal)
 against its pages and returns (out [sum(q_lens), 32, 512] bf16 head order, lse [sum(q_lens), 32] float32 natural
-log). A backend supplies one callable per kernel name ("prefill_split", "prefill_folded"), taking the argument order
-documented in prefill_attention.py: "jit" compiles them with TileLang here, "aot" loads prebuilt ones via
-`foldkv.aot.aot_kernel(name, geometry, fmt, page_size)` from the active AOT build.
+log). The kernel ("prefill_split" or "prefill_folded", argument order documented in prefill_attention.py) comes from
+`foldkv.kernels.resolve.kernel(name, geometry, params, backend)` with the pool's page size among its params ("jit":
+built here with TileLang; "aot": from the active AOT build, refused unless built with these params), or from
+`kernels={name: callable}` (an experiment's variant).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
-from ..config import AttentionGeometry
 from ..layout import KvFormat
 from ..pool import BlockTable, PagedKvPool, check_block_table
 from ..validate import FoldKvInputError, check_tensor
-from . import prefill_attention, registry  # prefill_attention registers the variants
+from . import resolve
 
 TOKENS_PER_TILE = 8  # query tokens per CTA: 8 tokens x 8 heads of one KV group = 64 MMA rows
 
 
 def variant_name(fmt: KvFormat | str) -> str:
     return f"prefill_{KvFormat.parse(fmt).value}"
-
-
-# --- backends: (name, geom, params) -> callable with the variant's argument order ----------------------------------
-_JIT_CACHE: dict = {}
-
-
-def _jit_backend(name: str, geom: AttentionGeometry, params: dict) -> Callable:
-    key = (name, geom, tuple(sorted(params.items())))
-    if key not in _JIT_CACHE:
-        fmt = KvFormat.SPLIT if name == variant_name(KvFormat.SPLIT) else KvFormat.FOLDED
-        _JIT_CACHE[key] = prefill_attention.build(geom, fmt, **params)
-    return _JIT_CACHE[key]
-
-
-def _aot_backend(name: str, geom: AttentionGeometry, params: dict) -> Callable:
-    from .. import aot  # imports neither TileLang nor cuda-python until a cubin is loaded
-
-    built = dict(registry.get(name).params, page_size=params["page_size"])
-    if params != built:
-        raise FoldKvInputError(f"backend 'aot' holds {name} built with {built}; asked for {params}")
-    fmt = KvFormat.SPLIT if name == variant_name(KvFormat.SPLIT) else KvFormat.FOLDED
-    return aot.aot_kernel(name, geometry=geom, fmt=fmt, page_size=params["page_size"])
-
-
-BACKENDS: dict[str, Callable] = {"jit": _jit_backend, "aot": _aot_backend}
 
 
 # --- plan --------------------------------------------------------------------------------------------------------
@@ -98,7 +73,8 @@ def _check(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: to
 
 def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: torch.Tensor, *,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, backend: str = "jit",
-            params: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            params: dict | None = None, kernels: Mapping[str, Callable] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal paged prefill for a ragged batch: request r's q_lens[r] queries are its last positions.
 
     pool: bf16 on a CUDA device (Hopper for the generated kernels), page_size a multiple of the kernel's key tile
@@ -107,24 +83,24 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
     format's form (what prep_and_store returns), request by request. Returns (out [sum(q_lens), Hq, D] bf16 head
     order, lse [sum(q_lens), Hq] float32 natural log) on the pool's device; `out`/`lse` given (same shapes and
     dtypes, contiguous) are written in place. `params` overrides the variant's tuning constants (the benchmark uses
-    it). Bad input raises FoldKvInputError before anything is launched.
+    it; the page size is always the pool's). backend: "jit" or "aot". kernels: {variant_name(pool.format): callable
+    taking the kernel's arguments} replaces the backend's kernel (an experiment's variant built with `params`). Bad
+    input raises FoldKvInputError before anything is built or launched.
     """
-    if backend not in BACKENDS:
-        raise FoldKvInputError(f"backend {backend!r} is not one of {sorted(BACKENDS)}")
+    resolve.check_backend(backend)
     if not isinstance(pool, PagedKvPool):
         raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
     name = variant_name(pool.format)
-    p = dict(registry.get(name).params)
-    p.update(params or {})
-    p["page_size"] = pool.layout.page_size
+    resolve.check_kernels((name,), kernels)
+    p = resolve.kernel_params(name, {**(params or {}), "page_size": pool.layout.page_size})
     total = _check(pool, query, table, q_lens, out, lse, p)
     geom, dev = pool.geometry, pool.device
+    (kernel,) = resolve.launch_kernels((name,), geom, {name: p}, backend, kernels)
     q_start, tile_req, tile_tok = tile_plan(q_lens)
     if out is None:
         out = torch.empty((total, geom.num_q_heads, geom.head_dim), dtype=torch.bfloat16, device=dev)
     if lse is None:
         lse = torch.empty((total, geom.num_q_heads), dtype=torch.float32, device=dev)
-    kernel = BACKENDS[backend](name, geom, p)
     kernel(query, pool.data, table.page_ids.to(dev, torch.int32).contiguous(),
            table.seq_lens.to(dev, torch.int32).contiguous(), q_start.to(dev), q_lens.to(dev, torch.int32),
            tile_req.to(dev), tile_tok.to(dev), out, lse)

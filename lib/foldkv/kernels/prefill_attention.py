@@ -24,18 +24,18 @@ arrangement) plus the producer warpgroup TileLang adds for the TMA loads.
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import GEMMA4_31B, AttentionGeometry
 from ..layout import KvFormat, row_width
 from . import macros
-from .registry import KernelVariant, hands_out, register
+from . import registry
+from .registry import hands_out
 from .tl import pass_configs, require_tilelang, target
 
-# Tuning constants baked into a build (the registry records them; the AOT build compiles the same).
-DEFAULTS = dict(page_size=64, block_N=64, num_stages=1, threads=256)
+# The registered tuning constants (the same for both formats; the AOT build compiles the same).
+DEFAULTS = dict(registry.get("prefill_folded").params)
 
 
 def check_geometry(geom: AttentionGeometry, fmt: KvFormat) -> None:
@@ -199,11 +199,6 @@ def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.F
         return main
 
     return prefill(page_size, block_N, num_stages, threads)
-
-
-for _fmt in KvFormat:
-    register(KernelVariant(f"prefill_{_fmt.value}", "prefill", _fmt,
-                           functools.partial(build, fmt=_fmt, **DEFAULTS), params=dict(DEFAULTS)))
 
 
 def main(fmt: KvFormat | str = KvFormat.FOLDED, context: int = 16384, chunk: int = 2048, **tiling):

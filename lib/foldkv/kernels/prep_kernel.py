@@ -23,7 +23,7 @@ owning two rotate_half pairs (d, d + 256).
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
 
-import functools
+from typing import Callable, Mapping
 
 import torch
 
@@ -32,11 +32,11 @@ from ..layout import KvFormat
 from ..pool import BlockTable, PagedKvPool
 from ..prep import _check_prep_inputs, rope_inv_freq
 from ..validate import FoldKvInputError, check_tensor
-from . import registry
+from . import registry, resolve
 from .macros import rope_pair
 from .tl import pass_configs, require_tilelang, target
 
-DEFAULTS = dict(page_size=64, in_dtype="bfloat16", threads=128)
+DEFAULTS = dict(registry.get("prep_folded").params)  # the registered params (the same for both formats)
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 
 
@@ -157,46 +157,21 @@ def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.F
     return prep_fused(page_size, in_dtype, threads)
 
 
-for _fmt in KvFormat:
-    registry.register(registry.KernelVariant(
-        name=f"prep_{_fmt.value}", family="prep", format=_fmt,
-        build=functools.partial(build, fmt=_fmt, **DEFAULTS), params=dict(DEFAULTS),
-    ))
-
-
 # --- launcher ---------------------------------------------------------------------------------------------------
-_JIT_CACHE: dict = {}
-
-
-def _jit_kernel(geom: AttentionGeometry, fmt: KvFormat, page_size: int, in_dtype: str):
-    key = (geom, fmt, page_size, in_dtype)
-    if key not in _JIT_CACHE:
-        _JIT_CACHE[key] = build(geom, fmt, page_size=page_size, in_dtype=in_dtype, threads=DEFAULTS["threads"])
-    return _JIT_CACHE[key]
-
-
-def _aot_kernel(geom: AttentionGeometry, fmt: KvFormat, page_size: int, in_dtype: str):
-    from .. import aot  # imports neither TileLang nor cuda-python until a cubin is loaded
-
-    if in_dtype != DEFAULTS["in_dtype"]:
-        raise FoldKvInputError(f"backend 'aot' holds the prep built for {DEFAULTS['in_dtype']} q/kv, not {in_dtype}")
-    return aot.aot_kernel(f"prep_{fmt.value}", geometry=geom, fmt=fmt, page_size=page_size)
-
-
-BACKENDS = {"jit": _jit_kernel, "aot": _aot_kernel}
-
-
 def prep_and_store_gpu(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, positions: torch.Tensor,
                        q: torch.Tensor, kv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
-                       *, backend: str = "jit") -> torch.Tensor:
+                       *, backend: str = "jit", kernels: Mapping[str, Callable] | None = None) -> torch.Tensor:
     """`foldkv.prep_and_store` in one fused launch: store T tokens' rows, return the query [T, 32, 512] bf16.
 
     Everything is checked before the launch (same checks as the torch prep, plus: CUDA tensors, bf16 pool,
-    q/kv of one dtype among bf16/fp16/fp32); on a refusal the pool is unchanged.
+    q/kv of one dtype among bf16/fp16/fp32); on a refusal the pool is unchanged. The kernel "prep_<format>" comes from
+    `foldkv.kernels.resolve.kernel` with the pool's page size and q's dtype among its params (backend "jit" or "aot"),
+    or from `kernels={"prep_<format>": callable}` (an experiment's variant).
     """
     geom = pool.geometry
-    if backend not in BACKENDS:
-        raise FoldKvInputError(f"backend {backend!r} is not one of {sorted(BACKENDS)}")
+    resolve.check_backend(backend)
+    name = f"prep_{pool.format.value}"
+    resolve.check_kernels((name,), kernels)
     if pool.layout.dtype != torch.bfloat16:
         raise FoldKvInputError(f"the fused prep stores bf16 rows; the pool is {pool.layout.dtype}")
     check_tensor("q", q, dtype=tuple(_TORCH_DTYPES), device=pool.device,
@@ -212,7 +187,8 @@ def prep_and_store_gpu(pool: PagedKvPool, table: BlockTable, request: torch.Tens
     query = torch.empty((t, geom.num_q_heads, geom.head_dim), dtype=torch.bfloat16, device=pool.device)
     if t == 0:
         return query
-    kernel = BACKENDS[backend](geom, pool.format, pool.layout.page_size, _TORCH_DTYPES[q.dtype])
+    params = {"page_size": pool.layout.page_size, "in_dtype": _TORCH_DTYPES[q.dtype]}
+    (kernel,) = resolve.launch_kernels((name,), geom, {name: params}, backend, kernels)
     dev = pool.device
     kernel(q.contiguous(), kv.contiguous(), q_norm_weight.to(dev, torch.float32).contiguous(),
            k_norm_weight.to(dev, torch.float32).contiguous(), rope_inv_freq(geom, dev).contiguous(),

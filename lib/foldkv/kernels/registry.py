@@ -1,49 +1,96 @@
-"""The list of generated kernel variants: what the AOT build walks and what the JIT launchers look up."""
+"""The list of generated kernel variants, written out here: what the AOT build walks and what `resolve.kernel` builds.
+
+Each variant names its builder as a "module:function" string, imported only when a kernel is built, so reading the
+list imports no kernel module (and never TileLang), and nothing is registered by importing a launcher.
+"""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..config import AttentionGeometry
 from ..layout import KvFormat
+from ..validate import FoldKvInputError
 
 
 @dataclass(frozen=True)
 class KernelVariant:
-    """One generated kernel: `build(geom)` returns a compiled TileLang JIT kernel for that geometry."""
+    """One generated kernel: `build(geom, **params)` returns a compiled TileLang JIT kernel for that geometry.
+
+    The builder is called as builder(geom, fmt=format, **params) (no `fmt` for a format-independent variant), with
+    the registered params, each overridable by name; `params` lists every constant baked into the build, so that the
+    AOT manifest records them and the AOT backend can refuse a kernel built with other ones."""
 
     name: str  # unique, e.g. "decode_partial_folded"
     family: str  # decode_partial | merge_groups | merge_final | prefill | prep
     format: KvFormat | None  # None for format-independent kernels (the merges)
-    build: Callable[[AttentionGeometry], Any]
+    builder: str | Callable[..., Any]  # "package.module:function", imported on first build (or the function itself)
+    params: dict = field(default_factory=dict)  # tuning constants baked into the build (page size, tiles, ...)
     in_place_merge: bool = False  # the emitted-source barrier check applies
-    params: dict = field(default_factory=dict)  # tuning constants baked into the build (chunk size, tiles, ...)
+
+    def build_function(self) -> Callable[..., Any]:
+        """The builder itself (its module imported now)."""
+        if callable(self.builder):
+            return self.builder
+        module, _, function = self.builder.partition(":")
+        return getattr(importlib.import_module(module), function)
+
+    def arguments(self, params: dict | None = None) -> dict:
+        """The registered params with `params` overriding them; a name the variant does not have is refused."""
+        params = dict(params or {})
+        unknown = sorted(set(params) - set(self.params))
+        if unknown:
+            raise FoldKvInputError(f"kernel {self.name} has no parameter {unknown}; its parameters are"
+                                   f" {sorted(self.params)}")
+        return {**self.params, **params}
+
+    def build(self, geom: AttentionGeometry, **params: Any) -> Any:
+        kwargs = self.arguments(params)
+        if self.format is not None:
+            kwargs["fmt"] = self.format
+        return self.build_function()(geom, **kwargs)
 
 
-_REGISTRY: dict[str, KernelVariant] = {}
+_K = "foldkv.kernels."
+# Decode partial: block_n = 64 tokens (the wgmma M). Folded: two stages of 80 KB fit in shared memory. Split: a
+# 64-row tile is 128 KB, so one stage; K and V are separate buffers the warp-specialised pipeline releases separately
+# (K after the score gemm, V after P V), so the next K load still overlaps the current softmax and P V
+# (bench/DECODE_NOTES.md).
+_DECODE_PARTIAL = {
+    KvFormat.SPLIT: dict(page_size=64, block_n=64, num_stages=1, threads=128, block_h=16),
+    KvFormat.FOLDED: dict(page_size=64, block_n=64, num_stages=2, threads=128, block_h=16),
+}
+_MERGE = dict(threads=128)
+_PREFILL = dict(page_size=64, block_N=64, num_stages=1, threads=256)
+_PREP = dict(page_size=64, in_dtype="bfloat16", threads=128)  # 128 threads: each owns two rotate_half pairs
 
-
-def register(variant: KernelVariant) -> KernelVariant:
-    if variant.name in _REGISTRY and _REGISTRY[variant.name] != variant:
-        raise ValueError(f"kernel variant {variant.name!r} registered twice with different definitions")
-    _REGISTRY[variant.name] = variant
-    return variant
+VARIANTS: tuple[KernelVariant, ...] = (
+    *(KernelVariant(f"decode_partial_{f.value}", "decode_partial", f, _K + "decode_partial:build_decode_partial",
+                    dict(_DECODE_PARTIAL[f])) for f in KvFormat),
+    KernelVariant("merge_groups", "merge_groups", None, _K + "merge:build_merge_groups", dict(_MERGE),
+                  in_place_merge=True),
+    KernelVariant("merge_final", "merge_final", None, _K + "merge:build_merge_final", dict(_MERGE)),
+    *(KernelVariant(f"prefill_{f.value}", "prefill", f, _K + "prefill_attention:build", dict(_PREFILL))
+      for f in KvFormat),
+    *(KernelVariant(f"prep_{f.value}", "prep", f, _K + "prep_kernel:build", dict(_PREP)) for f in KvFormat),
+)
+_BY_NAME = {v.name: v for v in VARIANTS}
+if len(_BY_NAME) != len(VARIANTS):
+    raise ValueError(f"two kernel variants share a name: {[v.name for v in VARIANTS]}")
 
 
 def all_variants() -> list[KernelVariant]:
-    """Every registered variant (importing the kernel modules registers them)."""
-    from . import _load_all  # noqa: F401  (side effect: registration)
-
-    return list(_REGISTRY.values())
+    """Every variant, in the order above."""
+    return list(VARIANTS)
 
 
 def get(name: str) -> KernelVariant:
-    all_variants()
     try:
-        return _REGISTRY[name]
+        return _BY_NAME[name]
     except KeyError:
-        raise KeyError(f"no kernel variant {name!r}; known: {sorted(_REGISTRY)}") from None
+        raise KeyError(f"no kernel variant {name!r}; known: {sorted(_BY_NAME)}") from None
 
 
 # --- the kernels this process handed out (for the provenance of the records it writes) ----------------------------
