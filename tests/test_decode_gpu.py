@@ -1,4 +1,4 @@
-"""GPU gates of split-KV decode (both formats) through `foldkv.gates` (the notebook's gates: float64 reference, hostile
+"""GPU gates of split-KV decode (both formats) through `foldkv.lab.gates` (the notebook's gates: float64 reference, hostile
 pools with NaN/Inf pages and poisoned page-table padding, NaN-poisoned outputs with rows past the plan that must stay
 untouched): lengths 1 / 63 / 64 / 65, a chunk boundary +-1, 10602, 163336, ragged batches and plans with many merge
 groups, the other operand order; a rerun is bit-identical; refusals leave pool and outputs untouched; a CUDA-graph
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import foldkv
-from foldkv import FoldKvInputError, KvFormat, PagedKvLayout, gates
+from foldkv import FoldKvInputError, KvFormat, PagedKvLayout
 from foldkv.kernels.decode import decode, plan_decode
+from foldkv.lab import gates
 
 pytestmark = pytest.mark.gpu
 
@@ -28,7 +29,7 @@ def make_case(fmt: KvFormat, lens: list[int], seed: int, device: torch.device, *
 
 
 def gate(fmt, lens, seed, device, backend="jit", **plan_kw):
-    """`foldkv.gates.run_case` on one decode case, then the same call again: a moving result is a race."""
+    """`foldkv.lab.gates.run_case` on one decode case, then the same call again: a moving result is a race."""
     inputs = make_case(fmt, lens, seed, device, **plan_kw)
     res = gates.run_case(inputs, gates.decode_arm(backend))
     row = gates.summary_row(inputs.case, fmt, backend, res)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import foldkv as fk
-from foldkv import gates
+from foldkv.lab import gates
 
 CASES = {c.name: c for c in gates.decode_cases("smoke") + gates.prefill_cases("smoke")}
 

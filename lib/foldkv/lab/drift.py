@@ -34,9 +34,12 @@ from typing import Any, Sequence
 
 import torch
 
-from .model import ARM_SPECS, ArmUnavailable, check_arm_available, hook_global_attention, load_model, single_pass, walk
+from ..provenance import provenance
+from ..validate import check_device
+from .arms import ArmUnavailable
+from .jsonsafe import jsonable
+from .model import MODEL_ARMS, check_arm_available, hook_global_attention, load_model, single_pass, walk
 from .synthetic import describe_checkpoint, make_synthetic_checkpoint
-from .validate import check_device
 
 PAIRS = (("ref-folded", "ref-split"), ("folded", "split"), ("split", "ref-split"), ("folded", "ref-folded"))
 QUANTILES = (0.5, 0.9, 0.99, 1.0)
@@ -51,7 +54,7 @@ QUANTILES = (0.5, 0.9, 0.99, 1.0)
 # H200 with the notebook's defaults (bf16, 14 cells x 17 steps; neutral p50/p90/max 0.156/0.188/0.25, |logit| <= 16.5,
 # so limits 0.438/0.5/0.625) the kernel arms reach at most 0.188/0.219/0.3125, and the same reference decode with its
 # newest key dropped reaches 0.211/0.558/1.75 and fails (p90 and max).
-# Gated: the kernel arms (ARM_SPECS backend "kernel"). The torch reference arms are measured against the same limits
+# Gated: the kernel arms (MODEL_ARMS backend "kernel"). The torch reference arms are measured against the same limits
 # but not gated: on a CPU the incumbent's walk and single pass are often bit-identical in bf16 (neutral p50 = 0), so
 # the neutral does not gauge the bf16 roundings a float64 reference rounded once to bf16 makes elsewhere.
 GAP_FACTOR = 2.0
@@ -249,8 +252,8 @@ def run_study(*, model_path: str | None, prompts: Sequence[str], lengths: Sequen
     """Run every cell, summarise, place the drift line, and write `out_dir/drift_results.json`.
     `lengths` / `sweep_lengths` None take `default_lengths(device)`."""
     for arm in arms:
-        if arm not in ARM_SPECS:
-            raise ValueError(f"unknown arm {arm!r}; expected some of {list(ARM_SPECS)}")
+        if arm not in MODEL_ARMS:
+            raise ValueError(f"unknown arm {arm!r}; expected some of {list(MODEL_ARMS)}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     grid_default, sweep_default = default_lengths(dev)
     lengths = list(grid_default if lengths is None else lengths)
@@ -281,7 +284,7 @@ def run_study(*, model_path: str | None, prompts: Sequence[str], lengths: Sequen
         if out_dir is not None:  # after every cell, so a crash (a dead CUDA context) keeps the cells before it
             os.makedirs(out_dir, exist_ok=True)
             with open(os.path.join(out_dir, PARTIAL_NAME), "w") as fh:
-                json.dump(_json_safe({"model": info, "arm_status": arm_status, "cells": cells[: i + 1]}), fh)
+                json.dump(jsonable({"model": info, "arm_status": arm_status, "cells": cells[: i + 1]}), fh, allow_nan=False)
         worst = {a: finite_max(r["gap"]) for a, r in cell["arms"].items() if r["status"] == "ran"}
         log(f"cell {i} ({cell['group']}, prompt {cell['prompt_index']}, length {cell['length']}): neutral max"
             f" {finite_max(cell['neutral']):.3g}; " + ", ".join(f"{a} max {g:.3g}" for a, g in worst.items()))
@@ -304,11 +307,9 @@ def run_study(*, model_path: str | None, prompts: Sequence[str], lengths: Sequen
     if out_dir is not None:
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, RESULTS_NAME)
-        from .report import provenance
-
         results["provenance"] = provenance()  # commit, dirty flag, sha256 of every kernel the study ran
         with open(path, "w") as fh:
-            json.dump(_json_safe(results), fh, indent=1)
+            json.dump(jsonable(results), fh, indent=1, allow_nan=False)
         results["json_path"] = os.path.abspath(path)
         if os.path.exists(os.path.join(out_dir, PARTIAL_NAME)):
             os.remove(os.path.join(out_dir, PARTIAL_NAME))
@@ -475,7 +476,7 @@ def _where(cell: dict, i: int) -> str:
 
 def gated_arms() -> tuple[str, ...]:
     """The arms the gap and argmax checks gate: the generated kernels."""
-    return tuple(a for a, spec in ARM_SPECS.items() if spec.backend == "kernel")
+    return tuple(a for a, spec in MODEL_ARMS.items() if spec.backend == "kernel")
 
 
 def check_study(results: dict, gated: Sequence[str] | None = None) -> dict[str, Any]:
@@ -569,7 +570,7 @@ def checks_table(checks: dict) -> str:
 
 
 def record_sections(record, results: dict) -> dict[str, str]:
-    """Write the study's sections into a `foldkv.report.RunRecord`: `incumbent` and `arm:<name>` each "ran", "not run:
+    """Write the study's sections into a `foldkv.lab.report.RunRecord`: `incumbent` and `arm:<name>` each "ran", "not run:
     ..." or "failed: ..." (an arm that errored, or any failed check; the failures named). Returns the sections."""
     checks = results.get("checks") or check_study(results)
     inc = checks["sections"]["incumbent"]
@@ -625,13 +626,3 @@ def summary_table(results: dict) -> str:
         status = rec.get("status", "") if name != "neutral" else "incumbent walk vs single pass"
         rows.append(f"| {name} | {status} | {agree} | {q['p50']:.3g} | {q['p90']:.3g} | {q['p99']:.3g} | {q['max']:.3g} |")
     return "\n".join(rows)
-
-
-def _json_safe(x):
-    if isinstance(x, float):
-        return None if math.isnan(x) or math.isinf(x) else x
-    if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x

@@ -12,11 +12,11 @@ from typing import Callable
 
 import torch
 
-from .config import GEMMA4_31B, AttentionGeometry
-from .layout import KvFormat
-from .pool import BlockTable, PagedKvLayout, PagedKvPool
-from .prep import fill_sequences, prep_and_store, prep_query
-from .reference import paged_attention_reference
+from ..config import GEMMA4_31B, AttentionGeometry
+from ..layout import KvFormat
+from ..pool import BlockTable, PagedKvLayout, PagedKvPool
+from ..prep import fill_sequences, prep_and_store, prep_query
+from ..reference import paged_attention_reference
 
 # Tolerance. The issue's bound is |d| <= ABS + REL * |ref| elementwise and relative Frobenius error <= FRO; it is
 # reported as is (`issue_bound_ok`, and the count of elements over it). The gate holds the kernel to that bound plus
@@ -336,7 +336,7 @@ def summary_row(case: Case, fmt: KvFormat, arm: str, res: dict) -> dict:
 # --- arms: the kernels under test, as launch(inputs, out, lse) -> (out, lse) ------------------------------------------
 def decode_arm(backend: str = "jit") -> Callable:
     def launch(inputs: GateInputs, out: torch.Tensor, lse: torch.Tensor):
-        from .kernels.decode import decode, plan_decode
+        from ..kernels.decode import decode, plan_decode
 
         plan = plan_decode(inputs.pool.layout, inputs.case.seq_lens, device=inputs.pool.device,
                            chunk_tokens=inputs.case.chunk_tokens, merge_group=inputs.case.merge_group)
@@ -347,7 +347,7 @@ def decode_arm(backend: str = "jit") -> Callable:
 
 def prefill_arm(backend: str = "jit") -> Callable:
     def launch(inputs: GateInputs, out: torch.Tensor, lse: torch.Tensor):
-        from .kernels.prefill import prefill
+        from ..kernels.prefill import prefill
 
         return prefill(inputs.pool, inputs.query, inputs.table, inputs.q_lens, out=out, lse=lse, backend=backend)
 
@@ -424,7 +424,7 @@ PREFILL_REFUSALS: dict[str, tuple[str, Callable[[GateInputs], dict], str]] = {
 def run_refusals(inputs: GateInputs, backend: str = "jit") -> list[dict]:
     """Try each invalid input of the inputs' kind on its launcher: each must raise FoldKvInputError naming the fault
     before anything is launched, leaving the pool and the (poisoned) outputs bit-for-bit unchanged."""
-    from .validate import FoldKvInputError
+    from ..validate import FoldKvInputError
 
     kind = inputs.case.kind
     table = DECODE_REFUSALS if kind == "decode" else PREFILL_REFUSALS
@@ -442,11 +442,11 @@ def run_refusals(inputs: GateInputs, backend: str = "jit") -> list[dict]:
         pool_before = _bits(inputs.pool.data).clone()
         try:
             if kind == "decode":
-                from .kernels.decode import decode
+                from ..kernels.decode import decode
 
                 decode(**args, backend=backend)
             else:
-                from .kernels.prefill import prefill
+                from ..kernels.prefill import prefill
 
                 prefill(**args, backend=backend)
             refused, message = False, "accepted"
@@ -479,7 +479,7 @@ def sequence_pool_attention(geom: AttentionGeometry, fmt: KvFormat | str, q: tor
 def fold_identity(seed: int, tokens: tuple[int, ...] = (1, 54, 97), geom: AttentionGeometry = GEMMA4_31B) -> list[dict]:
     """In float64 the fold is an identity: folded-pool attention == split-pool attention == dense attention from raw
     inputs, up to float64 rounding. One row per sequence length (causal prefill of the whole sequence)."""
-    from .reference import dense_attention_reference
+    from ..reference import dense_attention_reference
 
     rows = []
     for t in tokens:
