@@ -42,12 +42,8 @@ def _decode_backend(geometry, fmt) -> dict:
 
 def _register_backends() -> None:
     # decode.py asks that importing foldkv.aot registers "aot"; prefill and prep look the AOT kernels up themselves.
-    try:
-        from ..kernels import decode
-    except ModuleNotFoundError as exc:  # the decode launcher not written yet
-        if exc.name != "foldkv.kernels.decode":
-            raise
-        return
+    from ..kernels import decode
+
     decode.register_backend("aot", _decode_backend)
 
 
