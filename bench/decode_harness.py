@@ -259,7 +259,7 @@ def bench(lengths, tilings, rounds, with_flashinfer, out_json, partial_only=(), 
         del arms
         torch.cuda.empty_cache()
     if out_json:  # the rows with the code they measured (commit, dirty flag, sha256 of each kernel built)
-        from foldkv.report import provenance
+        from foldkv.provenance import provenance
 
         with open(out_json, "w") as fh:
             json.dump({"provenance": provenance(), "rows": rows}, fh, indent=1)

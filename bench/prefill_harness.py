@@ -170,7 +170,7 @@ def main() -> None:
     prep = time_prep(dev, args.chunk)
     result = {"env": bench.environment(dev), "matmul_roof": roof, "cell": cell, "prep": prep}
     if args.out:
-        from foldkv.report import provenance
+        from foldkv.provenance import provenance
 
         result["provenance"] = provenance()  # commit, dirty flag, sha256 of each kernel built
         with open(args.out, "w") as fh:

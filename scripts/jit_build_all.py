@@ -39,7 +39,7 @@ GPU_TEST_EXTRAS = [
 def _geometry(key: str):
     import foldkv
     from foldkv.config import geometry_from_config
-    from foldkv.synthetic import synthetic_config
+    from foldkv.lab.synthetic import synthetic_config
 
     return foldkv.GEMMA4_31B if key == "gemma4" else geometry_from_config(synthetic_config(), name="synthetic")
 

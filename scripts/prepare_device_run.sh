@@ -29,6 +29,6 @@ else
   "$PY" -m foldkv aot build --arch sm_90a --out build/aot
 fi
 "$PY" -m foldkv aot verify build/aot
-# the device gets the working tree without .git: this stamp names the commit there (foldkv.report.checkout_state)
-"$PY" -c "from foldkv.report import write_checkout_stamp; print('stamped', write_checkout_stamp())"
+# the device gets the working tree without .git: this stamp names the commit there (foldkv.provenance.checkout_state)
+"$PY" -c "from foldkv.provenance import write_checkout_stamp; print('stamped', write_checkout_stamp())"
 du -sh .devsite build/aot $([ "$SHARED" = 1 ] && echo .tilelang_cache)

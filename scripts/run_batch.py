@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The main job: execute every notebook headless with papermill into papermill_runs/<tag>/ and say what ran.
 
-Each notebook writes `<out_dir>/<notebook>.record.json` (foldkv.report.RunRecord) whose `sections` say "ran", "redrawn from
+Each notebook writes `<out_dir>/<notebook>.record.json` (foldkv.lab.report.RunRecord) whose `sections` say "ran", "redrawn from
 <run>", "failed: ..." or "not run: <reason>"; this driver collects them into SUMMARY.md (a notebook that measured nothing
 and redrew an earlier run says "redrawn from <run>") and lists every section that did not run.
 
@@ -106,7 +106,7 @@ def run(paths: list[str], out_dir: str, smoke: bool, extra: dict, progress: bool
     return results
 
 
-REDRAWN_FROM = "redrawn from"  # foldkv.report.REDRAWN_FROM (this driver reads records without importing foldkv)
+REDRAWN_FROM = "redrawn from"  # foldkv.lab.report.REDRAWN_FROM (this driver reads records without importing foldkv)
 
 
 def section_counts(sections: dict) -> dict[str, list]:

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from foldkv import gates
+from foldkv.lab import gates
 from foldkv.layout import KvFormat
 
 

@@ -358,7 +358,7 @@ def test_build_without_nvcc_says_so_before_writing(tmp_path, monkeypatch):
 
 
 def test_manifest_records_the_commit_it_was_built_from(tiny_build):
-    from foldkv.report import checkout_root
+    from foldkv.provenance import checkout_root
 
     _, manifest = tiny_build
     made = manifest["provenance"]
@@ -373,7 +373,7 @@ def test_records_list_the_kernels_built_and_loaded(tiny_build, tmp_path, monkeyp
     import hashlib
 
     from foldkv.kernels import registry
-    from foldkv.report import RunRecord
+    from foldkv.lab.report import RunRecord
 
     monkeypatch.setattr(registry, "_HANDED_OUT", {})
     out, manifest = tiny_build

@@ -5,7 +5,7 @@ a cold process that imports only the AOT path (TileLang blocked) decodes correct
     FOLDKV_REQUIRE_GPU=1 python3 -m pytest tests/test_aot_gpu.py
 
 The AOT build is made once per module (every registered kernel, `foldkv.aot.build.build`), or taken from
-$FOLDKV_AOT_TEST_DIR when that folder holds a build (it is verified first). Gate inputs come from `foldkv.gates`
+$FOLDKV_AOT_TEST_DIR when that folder holds a build (it is verified first). Gate inputs come from `foldkv.lab.gates`
 (hostile pools: NaN/Inf in unused pages, poisoned page-table padding, NaN-poisoned outputs with rows past the plan).
 """
 
@@ -22,7 +22,7 @@ import torch
 from conftest import require_hopper, require_module, require_tilelang
 
 from foldkv import GEMMA4_31B, KvFormat
-from foldkv import gates
+from foldkv.lab import gates
 
 pytestmark = pytest.mark.gpu
 FORMATS = [KvFormat.SPLIT, KvFormat.FOLDED]
@@ -183,7 +183,8 @@ class BlockTileLang:  # any TileLang / TVM import in this process is an error
 sys.meta_path.insert(0, BlockTileLang())
 import torch
 import foldkv
-from foldkv import KvFormat, gates, paged_attention_reference
+from foldkv import KvFormat, paged_attention_reference
+from foldkv.lab import gates
 from foldkv.kernels.decode import decode
 fmt = KvFormat(sys.argv[1])
 inp = gates.make_inputs(gates.Case("cold", (1000, 77, 4097)), fmt, "cuda", seed=21)

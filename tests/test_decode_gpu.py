@@ -1,4 +1,4 @@
-"""GPU gates of split-KV decode (both formats) through `foldkv.gates` (the notebook's gates: float64 reference, hostile
+"""GPU gates of split-KV decode (both formats) through `foldkv.lab.gates` (the notebook's gates: float64 reference, hostile
 pools with NaN/Inf pages and poisoned page-table padding, NaN-poisoned outputs with rows past the plan that must stay
 untouched): lengths 1 / 63 / 64 / 65, a chunk boundary +-1, 10602, 163336, ragged batches and plans with many merge
 groups, the other operand order; a rerun is bit-identical; refusals leave pool and outputs untouched; a CUDA-graph
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import foldkv
-from foldkv import FoldKvInputError, KvFormat, PagedKvLayout, gates
+from foldkv import FoldKvInputError, KvFormat, PagedKvLayout
 from foldkv.kernels.decode import decode, plan_decode
+from foldkv.lab import gates
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +39,7 @@ def decode_with(kernels: dict):
 
 
 def gate(fmt, lens, seed, device, backend="jit", kernels=None, **plan_kw):
-    """`foldkv.gates.run_case` on one decode case, then the same call again: a moving result is a race."""
+    """`foldkv.lab.gates.run_case` on one decode case, then the same call again: a moving result is a race."""
     inputs = make_case(fmt, lens, seed, device, **plan_kw)
     arm = gates.decode_arm(backend) if kernels is None else decode_with(kernels)
     res = gates.run_case(inputs, arm)

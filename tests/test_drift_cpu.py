@@ -41,21 +41,21 @@ def _sha(path: str) -> str:
 def checkpoint(tmp_path_factory) -> str:
     require_module("transformers")
     require_module("safetensors")
-    from foldkv.synthetic import make_synthetic_checkpoint
+    from foldkv.lab.synthetic import make_synthetic_checkpoint
 
     return make_synthetic_checkpoint(tmp_path_factory.mktemp("synthetic"), seed=3, **TINY)
 
 
 @pytest.fixture(scope="module")
 def model32(checkpoint):
-    from foldkv.model import load_model
+    from foldkv.lab.model import load_model
 
     return load_model(checkpoint, dtype=torch.float32)
 
 
 @pytest.fixture
 def hooked(model32):
-    from foldkv.model import hook_global_attention
+    from foldkv.lab.model import hook_global_attention
 
     hook = hook_global_attention(model32, ref_pool_dtype=torch.float32, scatter_seed=11)
     yield model32, hook
@@ -71,8 +71,8 @@ def _prompt(n: int, vocab: int = TINY["vocab_size"], seed: int = 5) -> torch.Ten
 def test_synthetic_checkpoint_round_trip(checkpoint, model32, tmp_path):
     from safetensors.torch import load_file
 
-    from foldkv.model import global_layer_indices, text_model_of
-    from foldkv.synthetic import describe_checkpoint, make_synthetic_checkpoint
+    from foldkv.lab.model import global_layer_indices, text_model_of
+    from foldkv.lab.synthetic import describe_checkpoint, make_synthetic_checkpoint
 
     assert sorted(os.listdir(checkpoint)) == ["config.json", "model.safetensors"]
     geom = foldkv.geometry_from_config(checkpoint)  # the config as written on disk, read the way foldkv reads a real one
@@ -116,7 +116,7 @@ def test_synthetic_logits_are_not_degenerate(model32):
 # --- the hooked model -----------------------------------------------------------------------------------------------
 
 def test_hook_keeps_weights_and_incumbent_unchanged(model32):
-    from foldkv.model import FoldKvGlobalAttention, hook_global_attention, text_model_of, walk
+    from foldkv.lab.model import FoldKvGlobalAttention, hook_global_attention, text_model_of, walk
 
     keys = list(model32.state_dict())
     prompt = _prompt(20)
@@ -135,7 +135,7 @@ def test_hook_keeps_weights_and_incumbent_unchanged(model32):
 @pytest.mark.parametrize("arm", ["ref-split", "ref-folded"])
 @pytest.mark.parametrize("length", [1, 70])  # one token; past a page (64) so the walk spans scattered pages
 def test_reference_arms_reproduce_incumbent_logits(hooked, arm, length):
-    from foldkv.model import walk
+    from foldkv.lab.model import walk
 
     model, hook = hooked
     steps = 3
@@ -183,7 +183,7 @@ def _values_read_from_key_window(monkeypatch):
 ], ids=["fold-without-w_k", "value-window-order", "split-values-from-keys"])
 def test_broken_arm_is_caught(hooked, monkeypatch, arm, breakage):
     """The comparison the study makes flags a wrong fold or a wrong column map by orders of magnitude."""
-    from foldkv.model import walk
+    from foldkv.lab.model import walk
 
     model, hook = hooked
     prompt = _prompt(40)
@@ -195,7 +195,8 @@ def test_broken_arm_is_caught(hooked, monkeypatch, arm, breakage):
 
 
 def test_kernel_arms_refuse_cleanly_on_cpu(hooked):
-    from foldkv.model import ArmUnavailable, walk
+    from foldkv.lab.arms import ArmUnavailable
+    from foldkv.lab.model import walk
 
     model, hook = hooked
     for arm in ("split", "folded"):
@@ -207,7 +208,7 @@ def test_kernel_arms_refuse_cleanly_on_cpu(hooked):
 # --- the study's bookkeeping ----------------------------------------------------------------------------------------
 
 def test_prompt_token_ids_are_deterministic_and_exact():
-    from foldkv.drift import prompt_token_ids
+    from foldkv.lab.drift import prompt_token_ids
 
     a = prompt_token_ids("hello", 97, 128)
     assert a.shape == (97,) and a.dtype == torch.long and torch.equal(a, prompt_token_ids("hello", 97, 128))
@@ -217,7 +218,7 @@ def test_prompt_token_ids_are_deterministic_and_exact():
 
 
 def test_summary_and_drift_line_from_data():
-    from foldkv.drift import drift_line, summarize
+    from foldkv.lab.drift import drift_line, summarize
 
     cells = [
         {"margin": [1.0, 0.05, 2.0], "neutral": [0.0, 0.01, 0.02],
@@ -263,7 +264,7 @@ GOOD = [[1e-5, 2e-5, 1e-5, 3e-5], [2e-5, 1e-5, 4e-5, 2e-5]]
 
 
 def test_finite_max_keeps_a_nan_at_any_step():
-    from foldkv.drift import finite_max
+    from foldkv.lab.drift import finite_max
 
     assert max([0.1, float("nan"), 0.2]) == 0.2  # why finite_max exists: max() drops a NaN that is not first
     assert math.isnan(finite_max([0.1, float("nan"), 0.2])) and math.isnan(finite_max([0.1, None]))
@@ -271,7 +272,7 @@ def test_finite_max_keeps_a_nan_at_any_step():
 
 
 def test_checks_pass_a_clean_study():
-    from foldkv.drift import check_study
+    from foldkv.lab.drift import check_study
 
     checks = check_study(_study({"folded": GOOD}, NEUTRAL))
     assert checks["passed"] and checks["sections"]["folded"]["passed"] is True, checks
@@ -295,7 +296,7 @@ def _poison_arm_gap(r, v):
     ("incumbent logits Inf", lambda r: r["cells"][0]["incumbent_nonfinite_steps"].append(0), "incumbent", "steps [0]"),
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_a_nan_or_inf_anywhere_fails_its_section(where, poison, section, named):
-    from foldkv.drift import check_study
+    from foldkv.lab.drift import check_study
 
     results = _study({"folded": [list(g) for g in GOOD], "ref-folded": [list(g) for g in GOOD]},
                      [list(n) for n in NEUTRAL])
@@ -309,7 +310,7 @@ def test_a_nan_or_inf_anywhere_fails_its_section(where, poison, section, named):
 
 @pytest.mark.parametrize("q,step", [("p50", None), ("max", (1, 3))])
 def test_gap_check_fails_an_arm_past_two_neutrals(q, step):
-    from foldkv.drift import GAP_FACTOR, check_study, dtype_ulp
+    from foldkv.lab.drift import GAP_FACTOR, check_study, dtype_ulp
 
     slack = dtype_ulp("float32", 12.0)
     nmax = max(max(n) for n in NEUTRAL)
@@ -330,7 +331,7 @@ def test_gap_check_fails_an_arm_past_two_neutrals(q, step):
 
 
 def test_argmax_check_fails_an_arm_that_flips_more_than_the_single_pass():
-    from foldkv.drift import check_study
+    from foldkv.lab.drift import check_study
 
     flips = {("folded", 0): [False, False, False, True], ("folded", 1): [True, True, True, True]}
     neutral_flips = {0: [True, True, False, True]}
@@ -345,7 +346,7 @@ def test_argmax_check_fails_an_arm_that_flips_more_than_the_single_pass():
 
 
 def test_committed_h200_study_passes_the_checks():
-    from foldkv.drift import check_study, gated_arms
+    from foldkv.lab.drift import check_study, gated_arms
 
     path = os.path.join(os.path.dirname(__file__), os.pardir, "papermill_runs", "h200-20261129-s2", "drift_results.json")
     with open(path) as fh:
@@ -357,8 +358,8 @@ def test_committed_h200_study_passes_the_checks():
 
 
 def test_record_sections_fail_the_notebook_on_a_failed_check(tmp_path):
-    from foldkv.drift import check_study, record_sections
-    from foldkv.report import RunRecord
+    from foldkv.lab.drift import check_study, record_sections
+    from foldkv.lab.report import RunRecord
 
     results = _study({"folded": [list(g) for g in GOOD], "split": [list(g) for g in GOOD]}, NEUTRAL)
     results["parameters"]["arms"].append("ref-split")
@@ -373,7 +374,7 @@ def test_record_sections_fail_the_notebook_on_a_failed_check(tmp_path):
 
 
 def _decode_dropping_newest_key(monkeypatch):
-    import foldkv.model as fm
+    import foldkv.lab.model as fm
     from foldkv.pool import BlockTable
 
     orig = fm.paged_attention_reference
@@ -387,7 +388,7 @@ def _decode_dropping_newest_key(monkeypatch):
 
 
 def _decode_nan_at_step_2(monkeypatch):
-    import foldkv.model as fm
+    import foldkv.lab.model as fm
 
     orig = fm.paged_attention_reference
 
@@ -410,13 +411,13 @@ def test_study_checks_catch_a_broken_decode(checkpoint, monkeypatch, breakage):
     """The red twin on the model: float32 model and pools, the reference decode as the gated arm. As is it passes;
     with its newest key dropped it fails the gap check; with a NaN in one decode step's output it fails the finite
     check at that step."""
-    from foldkv.drift import run_study
+    from foldkv.lab.drift import run_study
 
     if breakage is not None:
         breakage(monkeypatch)
     res = run_study(model_path=checkpoint, prompts=["ab", "the cat"], lengths=[STUDY_LENGTH], sweep_lengths=[],
                     steps=3, arms=["ref-folded"], device="cpu", dtype="float32", seed=3, log=lambda *_: None)
-    from foldkv.drift import check_study
+    from foldkv.lab.drift import check_study
 
     sec = check_study(res, gated=["ref-folded"])["sections"]["ref-folded"]
     if breakage is None:
@@ -476,7 +477,7 @@ def test_kernel_arm_plumbing_with_stand_in_launchers(hooked, monkeypatch):
     """The kernel arms' path through the hook, on the CPU: the launchers are replaced by stand-ins that hold every
     call to the documented contract (bf16 pool and query, int32 tables, prefill q_lens, `backend=`) and answer with
     the float64 oracle rounded to bf16, as a kernel does. The arm must then track the bf16-pool reference arm."""
-    import foldkv.model as fm
+    import foldkv.lab.model as fm
 
     model, hook = hooked
     calls = {"prep": 0, "decode": 0, "prefill": 0}

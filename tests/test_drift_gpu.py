@@ -26,8 +26,8 @@ def gpu_model(tmp_path_factory):
     require_tilelang()
     require_module("transformers")
     require_module("safetensors")
-    from foldkv.model import load_model
-    from foldkv.synthetic import make_synthetic_checkpoint
+    from foldkv.lab.model import load_model
+    from foldkv.lab.synthetic import make_synthetic_checkpoint
 
     ckpt = make_synthetic_checkpoint(tmp_path_factory.mktemp("synthetic_gpu"), seed=2)
     return load_model(ckpt, device="cuda", dtype=torch.bfloat16)
@@ -40,7 +40,7 @@ def _bf16_ulp(x: float) -> float:
 @pytest.mark.parametrize("length", [97, 1000])  # awkward, and past 15 pages of 64
 @pytest.mark.parametrize("fmt", ["split", "folded"])
 def test_kernel_arm_tracks_its_reference_in_the_model(gpu_model, cuda_device, fmt, length):
-    from foldkv.model import hook_global_attention, single_pass, walk
+    from foldkv.lab.model import hook_global_attention, single_pass, walk
 
     steps = 8
     hook = hook_global_attention(gpu_model, device=cuda_device, scatter_seed=length)
@@ -71,7 +71,7 @@ def test_kernel_arm_tracks_its_reference_in_the_model(gpu_model, cuda_device, fm
 def test_study_runs_every_arm_on_the_gpu(cuda_device, tmp_path):
     """The notebook's driver with small parameters: every arm runs here, and the results say so."""
     require_module("transformers")
-    from foldkv.drift import run_study
+    from foldkv.lab.drift import run_study
 
     res = run_study(model_path=None, prompts=["the quick brown fox", "def f(x):"], lengths=[61, 700],
                     sweep_lengths=[129, 193], steps=4, arms=["split", "folded", "ref-split", "ref-folded"],

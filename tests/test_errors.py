@@ -67,13 +67,13 @@ def _plan_decode(device):
 
 
 def _load_model(device):
-    from foldkv.model import load_model
+    from foldkv.lab.model import load_model
 
     load_model("/nonexistent/checkpoint", device=device)  # refused before any file is read
 
 
 def _drift_device(device):
-    from foldkv.drift import resolve_device
+    from foldkv.lab.drift import resolve_device
 
     resolve_device(device)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import foldkv as fk
-from foldkv import gates
+from foldkv.lab import gates
 
 CASES = {c.name: c for c in gates.decode_cases("smoke") + gates.prefill_cases("smoke")}
 
@@ -176,3 +176,60 @@ def test_committed_folded_vs_split_rows_hold_the_rule_and_the_case_that_broke_th
     # the over-the-run rule can fail: the same rows with every folded error 1.2x worse
     worse = [dict(r, ratio=1.2 * r["ratio"]) for r in rows]
     assert not gates.folded_vs_split_overall(worse)["passed"]
+
+
+# --- notebook 02's verdict and sections, on a record ---------------------------------------------------------------------
+def _gate_row(kind, passed=True, aot_bit_identical=True):
+    return {"case": f"{kind}-case", "kind": kind, "format": "folded", "passed": passed,
+            "aot_bit_identical": aot_bit_identical, "over_issue_bound": 3, "elements": 100}
+
+
+def _record_with(tmp_path, rows, pairs=()):
+    from foldkv.lab.report import RunRecord
+
+    rec = RunRecord("02_correctness_gates", tmp_path)
+    rec.ran("fold_identity", passed=True)
+    rec.not_run("barrier_check", "not run: no TileLang")
+    rec.ran("decode_gates")
+    rec.ran("prefill_gates")
+    rec.results["gates"] = list(rows)
+    if pairs:
+        rec.results["folded_vs_split"] = list(pairs)
+    return rec
+
+
+def test_verdict_passes_gates_whose_rows_pass(tmp_path):
+    rec = _record_with(tmp_path, [_gate_row("decode"), _gate_row("prefill")])
+    verdict = {v["gate"]: v["status"] for v in gates.record_verdict(rec)}
+    assert verdict == {"fold_identity": "pass", "barrier_check": "not run: no TileLang", "decode_gates": "pass",
+                       "prefill_gates": "pass"}
+    assert rec.results["all_run_gates_pass"] is True and rec.sections["decode_gates"] == "ran"
+
+
+@pytest.mark.parametrize("broken", ["row-fails", "aot-differs", "fold-ratio", "section-failed"])
+def test_verdict_fails_each_way_a_gate_can_fail(tmp_path, broken):
+    """Red twins: a failing row, AOT differing from JIT, folded far worse than split, a section recorded failed: each
+    fails the verdict, and a gate that ran and failed becomes a failed section."""
+    rows = [_gate_row("decode", passed=broken != "row-fails", aot_bit_identical=broken != "aot-differs"),
+            _gate_row("prefill")]
+    pairs = [{"case": "c", "kind": "decode", "ratio": 3.0, "passed": False}] if broken == "fold-ratio" else ()
+    rec = _record_with(tmp_path, rows, pairs)
+    if broken == "section-failed":
+        rec.failed("prefill_gates", "RuntimeError: x")
+    verdict = {v["gate"]: v["status"] for v in gates.record_verdict(rec)}
+    failing = "prefill_gates" if broken == "section-failed" else "decode_gates"
+    assert verdict[failing] == "FAIL" and rec.sections[failing].startswith("failed")
+    assert rec.results["all_run_gates_pass"] is False
+
+
+def test_gpu_sections_say_not_run_without_cuda(tmp_path, monkeypatch):
+    from foldkv.lab.report import NOT_RUN_NO_CUDA, RunRecord
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rec = RunRecord("02_correctness_gates", tmp_path)
+    gates.run_kernel_gates(gates.decode_cases("smoke"), ["folded"], ["jit"], 0, None, rec, "decode_gates")
+    assert gates.last_row_gate(["folded"], 0, rec) == [] and gates.refusal_gate(["folded"], 0, rec) == []
+    gates.sanitizer_gate(True, 1.0, str(tmp_path), rec)
+    assert rec.sections == {s: NOT_RUN_NO_CUDA for s in ("decode_gates", "prefill_last_row_vs_decode", "refusals",
+                                                         "sanitizer")}
+    assert gates.gates_tables(rec.results, ["jit"]) == "" and gates.plot_errors([]) is None

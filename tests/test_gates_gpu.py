@@ -1,4 +1,4 @@
-"""The correctness gates as GPU tests: the same cases and checks as notebooks/02 (foldkv.gates), one test per case,
+"""The correctness gates as GPU tests: the same cases and checks as notebooks/02 (foldkv.lab.gates), one test per case,
 format and arm. They skip without a Hopper GPU + TileLang and fail instead under FOLDKV_REQUIRE_GPU=1.
 
 Reproduce one case:  FOLDKV_REQUIRE_GPU=1 python3 -m pytest tests/test_gates_gpu.py -k "len10602 and folded"
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import foldkv as fk
-from foldkv import gates
+from foldkv.lab import gates
 
 pytestmark = pytest.mark.gpu
 

@@ -45,13 +45,13 @@ def _random_inputs(t, seed, dtype=torch.float64):
 
 
 def _pool_attention(fmt, q, kv, qw, kw, pool_dtype, page_size=16, seed=0):
-    from foldkv import gates
+    from foldkv.lab import gates
 
     return gates.sequence_pool_attention(G, fmt, q, kv, qw, kw, pool_dtype, page_size=page_size, seed=seed)
 
 
 def test_fold_identity_float64():
-    from foldkv import gates
+    from foldkv.lab import gates
 
     rows = gates.fold_identity(seed=0, tokens=(1, 54, 97))
     assert [r["tokens"] for r in rows] == [1, 54, 97]

@@ -148,7 +148,7 @@ def test_saved_notebooks_carry_no_tqdm_warning(batch):
 
 
 def test_record_redrawn_and_summary_columns(tmp_path):
-    from foldkv.report import REDRAWN_FROM, RunRecord
+    from foldkv.lab.report import REDRAWN_FROM, RunRecord
 
     run_batch = _run_batch_module()
     assert run_batch.REDRAWN_FROM == REDRAWN_FROM

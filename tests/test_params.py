@@ -1,4 +1,4 @@
-"""Notebook parameters (foldkv.params): papermill's `-p` text read into each parameter's kind, and every out-of-range
+"""Notebook parameters (foldkv.lab.params): papermill's `-p` text read into each parameter's kind, and every out-of-range
 value refused with a message that names the parameter. The notebooks themselves run in tests/test_notebooks.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pytest
 
 from foldkv import GEMMA4_31B
-from foldkv.params import SPECS, Param, ParameterError, parse_value, read_parameters
+from foldkv.lab.params import SPECS, Param, ParameterError, parse_value, read_parameters
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,7 +92,7 @@ def test_parse_refuses_what_it_cannot_read(spec, value, message):
 def test_spec_covers_the_parameters_cell_and_its_defaults_pass(notebook):
     defaults = _defaults(notebook)
     assert set(defaults) == set(SPECS[notebook]), (
-        f"{notebook}: parameters cell and foldkv.params.SPECS differ: {sorted(set(defaults) ^ set(SPECS[notebook]))}")
+        f"{notebook}: parameters cell and foldkv.lab.params.SPECS differ: {sorted(set(defaults) ^ set(SPECS[notebook]))}")
     assert read_parameters(notebook, defaults) == defaults
 
 
@@ -160,7 +160,7 @@ def test_read_parameters_refuses_out_of_range(notebook, overrides, message):
 def test_context_bound_is_the_geometry_max_position(tmp_path, max_position):
     """The bound comes from the geometry the notebook serves (a config.json here), not a constant: its
     max_position is accepted, one past it refused."""
-    from foldkv.synthetic import synthetic_config
+    from foldkv.lab.synthetic import synthetic_config
 
     cfg = dict(synthetic_config(), max_position_embeddings=max_position)
     (tmp_path / "config.json").write_text(json.dumps(cfg))

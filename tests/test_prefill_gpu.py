@@ -1,4 +1,4 @@
-"""GPU gates of the paged causal prefill (both formats) through `foldkv.gates` (the notebook's gates: float64
+"""GPU gates of the paged causal prefill (both formats) through `foldkv.lab.gates` (the notebook's gates: float64
 reference, hostile pools with NaN/Inf pages and poisoned page-table padding, NaN-poisoned outputs with rows past the
 plan that must stay untouched): a chunk starting mid-page, a one-token chunk, a whole short prompt, a page-aligned
 chunk, a ragged batch and an 8,192-token chunk ending at 163,336; a rerun is bit-identical; refusals write nothing.
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import foldkv
-from foldkv import FoldKvInputError, KvFormat, gates
+from foldkv import FoldKvInputError, KvFormat
 from foldkv.kernels.prefill import prefill
+from foldkv.lab import gates
 
 pytestmark = pytest.mark.gpu
 

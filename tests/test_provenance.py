@@ -1,4 +1,4 @@
-"""Provenance of every record (`foldkv.report.provenance`): the commit and dirty flag of the checkout, on temporary
+"""Provenance of every record (`foldkv.provenance.provenance`): the commit and dirty flag of the checkout, on temporary
 git repositories (clean, dirty, dirty only under papermill_runs/, not a checkout), and each record writer stamping
 it at save time. The kernel hashes it lists are tested with real kernels in test_aot_cpu.py."""
 
@@ -10,8 +10,9 @@ import subprocess
 
 import pytest
 
-from foldkv import report
+from foldkv import provenance
 from foldkv.kernels import registry
+from foldkv.lab.report import RunRecord
 
 
 def git(repo, *args):
@@ -32,7 +33,7 @@ def repo(tmp_path):
 
 
 def test_clean_checkout_names_its_commit(repo):
-    state = report.checkout_state(repo)
+    state = provenance.checkout_state(repo)
     assert state["git_commit"] == git(repo, "rev-parse", "HEAD") and len(state["git_commit"]) == 40
     assert state["dirty"] is False and state["dirty_paths"] == [] and state["dirty_paths_total"] == 0
 
@@ -46,7 +47,7 @@ def test_dirty_checkout_says_dirty(repo, change):
         (repo / "lib" / "code.py").write_text("x = 2\n")
         if change == "staged":
             git(repo, "add", "lib/code.py")
-    state = report.checkout_state(repo)
+    state = provenance.checkout_state(repo)
     assert state["dirty"] is True, state
     assert state["dirty_paths"] == ["lib/code.py"] and state["dirty_paths_total"] == 1
 
@@ -55,22 +56,22 @@ def test_run_outputs_and_untracked_files_do_not_make_it_dirty(repo):
     (repo / "papermill_runs" / "run" / "record.json").write_text('{"changed": 1}\n')
     (repo / "papermill_runs" / "run" / "new.json").write_text("{}\n")
     (repo / "scratch.txt").write_text("untracked\n")
-    assert report.checkout_state(repo)["dirty"] is False
+    assert provenance.checkout_state(repo)["dirty"] is False
 
 
 def test_dirty_paths_are_capped_but_counted(repo):
-    for i in range(report.MAX_DIRTY_PATHS + 5):
+    for i in range(provenance.MAX_DIRTY_PATHS + 5):
         (repo / "lib" / f"m{i:02d}.py").write_text("")
     git(repo, "add", "-A")
-    state = report.checkout_state(repo)
-    assert state["dirty"] and len(state["dirty_paths"]) == report.MAX_DIRTY_PATHS
-    assert state["dirty_paths_total"] == report.MAX_DIRTY_PATHS + 5
+    state = provenance.checkout_state(repo)
+    assert state["dirty"] and len(state["dirty_paths"]) == provenance.MAX_DIRTY_PATHS
+    assert state["dirty_paths_total"] == provenance.MAX_DIRTY_PATHS + 5
 
 
 def test_not_a_checkout_says_why(tmp_path, repo):
-    state = report.checkout_state(tmp_path)  # holds a checkout, is none
+    state = provenance.checkout_state(tmp_path)  # holds a checkout, is none
     assert state["git_commit"] is None and state["dirty"] is None and state["git_reason"]
-    sub = report.checkout_state(repo / "lib")  # inside a checkout but not its top: not foldkv's checkout
+    sub = provenance.checkout_state(repo / "lib")  # inside a checkout but not its top: not foldkv's checkout
     assert sub["git_commit"] is None and "not the top" in sub["git_reason"]
 
 
@@ -83,31 +84,31 @@ def _copy_without_git(repo, dest):
 
 def test_copy_without_git_takes_the_commit_from_the_stamp(tmp_path, repo):
     """The device machine gets the working tree without .git: the stamp written beforehand names the commit."""
-    report.write_checkout_stamp(repo)
+    provenance.write_checkout_stamp(repo)
     copy = _copy_without_git(repo, tmp_path / "copy")
-    state = report.checkout_state(copy)
+    state = provenance.checkout_state(copy)
     assert state["git_commit"] == git(repo, "rev-parse", "HEAD") and state["dirty"] is False, state
     assert "hash the same" in state["git_reason"]
 
 
 def test_copy_changed_after_the_stamp_says_dirty(tmp_path, repo):
     """Red twin: a listed file edited after the stamp makes the copy dirty, whatever the stamp said."""
-    report.write_checkout_stamp(repo)
+    provenance.write_checkout_stamp(repo)
     copy = _copy_without_git(repo, tmp_path / "copy")
     (copy / "lib" / "code.py").write_text("x = 3\n")
-    state = report.checkout_state(copy)
+    state = provenance.checkout_state(copy)
     assert state["git_commit"] == git(repo, "rev-parse", "HEAD") and state["dirty"] is True, state
     assert "DIFFER" in state["git_reason"]
 
 
 def test_copy_without_git_or_stamp_names_no_commit(tmp_path, repo):
-    state = report.checkout_state(_copy_without_git(repo, tmp_path / "copy"))
+    state = provenance.checkout_state(_copy_without_git(repo, tmp_path / "copy"))
     assert state["git_commit"] is None and state["dirty"] is None
 
 
 def test_this_checkout_is_the_default():
-    state = report.checkout_state()
-    assert state["git_commit"] == git(report.checkout_root(), "rev-parse", "HEAD")
+    state = provenance.checkout_state()
+    assert state["git_commit"] == git(provenance.checkout_root(), "rev-parse", "HEAD")
 
 
 def test_records_carry_provenance_at_save_time(tmp_path, monkeypatch):
@@ -116,11 +117,11 @@ def test_records_carry_provenance_at_save_time(tmp_path, monkeypatch):
     from foldkv import bench
 
     monkeypatch.setattr(registry, "_HANDED_OUT", {})  # this test's fake kernels stay out of other tests' records
-    rec = report.RunRecord("nb", tmp_path)
+    rec = RunRecord("nb", tmp_path)
     registry.note_kernel("test_kernel_a", "jit", "a" * 64)
     with open(rec.save()) as fh:
         saved = json.load(fh)["provenance"]
-    assert saved["git_commit"] == git(report.checkout_root(), "rev-parse", "HEAD")
+    assert saved["git_commit"] == git(provenance.checkout_root(), "rev-parse", "HEAD")
     assert isinstance(saved["dirty"], bool)
     names = [k["name"] for k in saved["kernels"]]
     assert "test_kernel_a" in names and "test_kernel_b" not in names

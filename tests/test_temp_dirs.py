@@ -88,7 +88,7 @@ def test_compile_cubin_leaves_nothing_and_stays_reproducible(private_tmp):
 def test_synthetic_checkpoint_of_the_drift_study_is_removed_once_loaded(private_tmp):
     require_module("transformers")
     require_module("safetensors")
-    from foldkv.drift import prepare_model
+    from foldkv.lab.drift import prepare_model
 
     model, _, info = prepare_model(None, device=torch.device("cpu"), dtype=torch.float32, seed=1, synthetic_config=TINY)
     assert info["kind"] == "synthetic" and _foldkv_left(private_tmp) == []
@@ -101,7 +101,7 @@ def test_a_synthetic_dir_the_caller_names_is_theirs_to_keep(tmp_path):
     """Red twin: only the folder foldkv made for itself is removed."""
     require_module("transformers")
     require_module("safetensors")
-    from foldkv.drift import prepare_model
+    from foldkv.lab.drift import prepare_model
 
     keep = tmp_path / "mine"
     prepare_model(None, device=torch.device("cpu"), dtype=torch.float32, seed=1, synthetic_config=TINY,

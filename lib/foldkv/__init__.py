@@ -21,27 +21,9 @@ from .layout import (
     value_window_to_head,
 )
 from .pool import BlockTable, PagedKvLayout, PagedKvPool, check_block_table
-from .prep import fill_sequences, fold_query, prep_and_store, prep_query, prep_rows, prep_rows_and_query, rope_cos_sin
+from .prep import fill_sequences, prep_and_store, prep_query, prep_rows, prep_rows_and_query, rope_cos_sin
 from .reference import check_pool_format, dense_attention_reference, paged_attention_reference
 from . import floor
 from .validate import FoldKvInputError
 
 __version__ = "0.1.0"
-
-
-def _quiet_tqdm_auto() -> None:
-    """TileLang and transformers import `tqdm.auto`, which in a Jupyter kernel without ipywidgets warns "IProgress not
-    found" and then falls back to tqdm's text bar. Import it once with that warning silenced: notebooks keep the text
-    bars (foldkv's own use `from tqdm import tqdm` with file=sys.stdout) without a warning in every saved output."""
-    import warnings
-
-    try:
-        from tqdm import TqdmWarning
-    except ImportError:
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="IProgress not found", category=TqdmWarning)
-        import tqdm.auto  # noqa: F401
-
-
-_quiet_tqdm_auto()

@@ -859,8 +859,8 @@ def _clean(o: Any) -> Any:
 
 def save_results(results: dict, path: str | os.PathLike) -> str:
     """Write a results document as strict JSON (NaN -> null), with the provenance of the code at save time (commit,
-    dirty flag, sha256 of every kernel this process built or loaded: `foldkv.report.provenance`)."""
-    from .report import provenance
+    dirty flag, sha256 of every kernel this process built or loaded: `foldkv.provenance.provenance`)."""
+    from .provenance import provenance
 
     results["provenance"] = provenance()
     path = os.fspath(path)

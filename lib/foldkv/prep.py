@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .config import AttentionGeometry
-from .layout import KvFormat, rotated_columns, score_window_columns, unrotated_columns, value_window_columns
+from .layout import KvFormat, rotated_columns, unrotated_columns, value_window_columns
 from .pool import BlockTable, PagedKvPool
 from .validate import FoldKvInputError, check_index_range, check_tensor
 
@@ -116,16 +116,6 @@ def prep_rows_and_query(geom: AttentionGeometry, fmt: KvFormat | str, q: torch.T
     _check_prep_inputs(geom, q, kv, q_norm_weight, k_norm_weight, positions)
     return (prep_query(geom, fmt, q, q_norm_weight, k_norm_weight, positions, out_dtype),
             prep_rows(geom, fmt, kv, k_norm_weight, positions, out_dtype))
-
-
-def fold_query(geom: AttentionGeometry, query_split: torch.Tensor, k_norm_weight: torch.Tensor) -> torch.Tensor:
-    """A split-form query [..., D] (already normed and rotated) in the folded score-window order with w_k folded in:
-    [..., D] float64 on query_split's device. k_norm_weight: [D] float on the same device."""
-    cols = score_window_columns(geom, KvFormat.FOLDED).to(query_split.device)
-    scale = torch.ones(geom.head_dim, dtype=torch.float64, device=query_split.device)
-    unrot = unrotated_columns(geom).to(query_split.device)
-    scale[unrot] = k_norm_weight.double()[unrot]
-    return query_split.double()[..., cols] * scale[cols]
 
 
 def prep_and_store(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, positions: torch.Tensor,

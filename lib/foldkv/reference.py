@@ -72,7 +72,7 @@ def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: Blo
     the probabilities P to bf16 before the P.V product.
     `score_abs` also returns (after pv_abs when both are asked) score_abs_p [Tq, Hq] = sum_j p_j sum_d |q_d k_jd| and
     score_abs_max [Tq, Hq] = max_j sum_d |q_d k_jd| over the keys each query sees: the scales of the error a kernel
-    makes in its LSE by accumulating the scores q.k in float32 (see foldkv.gates.lse_bound).
+    makes in its LSE by accumulating the scores q.k in float32 (see foldkv.lab.gates.lse_bound).
     """
     check_pool_format(pool, fmt)
     geom, fmt = pool.geometry, pool.format

@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterable
 from ..config import AttentionGeometry, resolve_geometry
 from ..kernels import registry
 from ..kernels.registry import KernelVariant
-from ..report import checkout_state
+from ..provenance import checkout_state
 
 from .verify import MANIFEST_NAME, MANIFEST_VERSION
 

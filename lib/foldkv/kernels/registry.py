@@ -99,7 +99,7 @@ _HANDED_OUT: dict[tuple, dict] = {}
 
 def note_kernel(name: str, backend: str, source_sha256: str, **details: Any) -> None:
     """Remember that this process built or loaded kernel `name` on `backend` from the CUDA source of that sha256
-    (details: e.g. the cubin's sha256, the AOT folder, the builder's parameters). `foldkv.report.provenance` lists
+    (details: e.g. the cubin's sha256, the AOT folder, the builder's parameters). `foldkv.provenance.provenance` lists
     them in every record saved afterwards."""
     key = (name, backend, source_sha256)
     entry = _HANDED_OUT.setdefault(key, {"name": name, "backend": backend, "source_sha256": source_sha256})

@@ -42,44 +42,40 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import AttentionGeometry, ConfigError
-from .layout import KvFormat
-from .pool import BlockTable, PagedKvLayout, PagedKvPool
-from .prep import prep_and_store, rope_inv_freq
-from .reference import paged_attention_reference
-from .validate import check_device
+from ..config import AttentionGeometry, ConfigError
+from ..layout import KvFormat
+from ..pool import BlockTable, PagedKvLayout, PagedKvPool
+from ..prep import prep_and_store, rope_inv_freq
+from ..reference import paged_attention_reference
+from ..validate import check_device
+from .arms import ArmUnavailable
 
 
 @dataclass(frozen=True)
-class ArmSpec:
-    """One way of serving the global layers' attention."""
+class ModelArm:
+    """One way of serving the model's global layers' attention (the drift study compares them)."""
 
     name: str
     format: KvFormat | None  # None: the model's own attention
     backend: str  # "model" | "kernel" | "reference"
 
 
-ARM_SPECS: dict[str, ArmSpec] = {
-    "incumbent": ArmSpec("incumbent", None, "model"),
-    "split": ArmSpec("split", KvFormat.SPLIT, "kernel"),
-    "folded": ArmSpec("folded", KvFormat.FOLDED, "kernel"),
-    "ref-split": ArmSpec("ref-split", KvFormat.SPLIT, "reference"),
-    "ref-folded": ArmSpec("ref-folded", KvFormat.FOLDED, "reference"),
+MODEL_ARMS: dict[str, ModelArm] = {
+    "incumbent": ModelArm("incumbent", None, "model"),
+    "split": ModelArm("split", KvFormat.SPLIT, "kernel"),
+    "folded": ModelArm("folded", KvFormat.FOLDED, "kernel"),
+    "ref-split": ModelArm("ref-split", KvFormat.SPLIT, "reference"),
+    "ref-folded": ModelArm("ref-folded", KvFormat.FOLDED, "reference"),
 }
-ARMS = tuple(ARM_SPECS)
 
 
-class ArmUnavailable(RuntimeError):
-    """An arm that cannot run here (no CUDA device, a kernel module missing); the message says why."""
-
-
-def arm_spec(arm: str | ArmSpec) -> ArmSpec:
-    if isinstance(arm, ArmSpec):
+def model_arm(arm: str | ModelArm) -> ModelArm:
+    if isinstance(arm, ModelArm):
         return arm
     try:
-        return ARM_SPECS[arm]
+        return MODEL_ARMS[arm]
     except KeyError:
-        raise ValueError(f"unknown arm {arm!r}; expected one of {list(ARM_SPECS)}") from None
+        raise ValueError(f"unknown arm {arm!r}; expected one of {list(MODEL_ARMS)}") from None
 
 
 def _import_kernel(module: str, attr: str):
@@ -93,9 +89,9 @@ def _import_kernel(module: str, attr: str):
     return fn
 
 
-def check_arm_available(arm: str | ArmSpec, device: torch.device | str) -> None:
+def check_arm_available(arm: str | ModelArm, device: torch.device | str) -> None:
     """Raise ArmUnavailable (with the reason) when `arm` cannot run on `device`."""
-    spec = arm_spec(arm)
+    spec = model_arm(arm)
     if spec.backend != "kernel":
         return
     if torch.device(device).type != "cuda":
@@ -160,7 +156,7 @@ class FoldKvRuntime:
     """What every hooked layer reads: the arm, the pool settings, and a record of what ran."""
 
     device: torch.device
-    arm: ArmSpec = field(default_factory=lambda: ARM_SPECS["incumbent"])
+    arm: ModelArm = field(default_factory=lambda: MODEL_ARMS["incumbent"])
     page_size: int = 64
     ref_pool_dtype: torch.dtype | None = None  # None: the model's dtype
     prep_backend: str = "auto"  # kernel arms: "kernel", "torch" or "auto" (kernel if importable)
@@ -172,10 +168,10 @@ class FoldKvRuntime:
     layers: list["FoldKvGlobalAttention"] = field(default_factory=list)
     _kernels: dict[str, Any] = field(default_factory=dict)
 
-    def begin(self, arm: str | ArmSpec, capacity: int) -> None:
+    def begin(self, arm: str | ModelArm, capacity: int) -> None:
         """Switch to `arm` and give every global layer a fresh, poisoned pool for one request of up to `capacity`
         tokens (the prompt plus the walk)."""
-        spec = arm_spec(arm)
+        spec = model_arm(arm)
         check_arm_available(spec, self.device)
         self.arm, self.capacity = spec, int(capacity)
         self._kernels = {}
@@ -201,7 +197,7 @@ class FoldKvRuntime:
     def finish(self) -> None:
         """Back to the incumbent arm; the layers keep their last pools (and tables) for inspection until the next
         `begin`."""
-        self.arm = ARM_SPECS["incumbent"]
+        self.arm = MODEL_ARMS["incumbent"]
         self._kernels = {}
 
     def pool_dtype(self, model_dtype: torch.dtype) -> torch.dtype:

@@ -34,9 +34,12 @@ from typing import Any, Sequence
 
 import torch
 
-from .model import ARM_SPECS, ArmUnavailable, check_arm_available, hook_global_attention, load_model, single_pass, walk
+from ..provenance import provenance
+from ..validate import check_device
+from .arms import ArmUnavailable
+from .jsonsafe import jsonable
+from .model import MODEL_ARMS, check_arm_available, hook_global_attention, load_model, single_pass, walk
 from .synthetic import describe_checkpoint, make_synthetic_checkpoint
-from .validate import check_device
 
 PAIRS = (("ref-folded", "ref-split"), ("folded", "split"), ("split", "ref-split"), ("folded", "ref-folded"))
 QUANTILES = (0.5, 0.9, 0.99, 1.0)
@@ -51,7 +54,7 @@ QUANTILES = (0.5, 0.9, 0.99, 1.0)
 # H200 with the notebook's defaults (bf16, 14 cells x 17 steps; neutral p50/p90/max 0.156/0.188/0.25, |logit| <= 16.5,
 # so limits 0.438/0.5/0.625) the kernel arms reach at most 0.188/0.219/0.3125, and the same reference decode with its
 # newest key dropped reaches 0.211/0.558/1.75 and fails (p90 and max).
-# Gated: the kernel arms (ARM_SPECS backend "kernel"). The torch reference arms are measured against the same limits
+# Gated: the kernel arms (MODEL_ARMS backend "kernel"). The torch reference arms are measured against the same limits
 # but not gated: on a CPU the incumbent's walk and single pass are often bit-identical in bf16 (neutral p50 = 0), so
 # the neutral does not gauge the bf16 roundings a float64 reference rounded once to bf16 makes elsewhere.
 GAP_FACTOR = 2.0
@@ -249,8 +252,8 @@ def run_study(*, model_path: str | None, prompts: Sequence[str], lengths: Sequen
     """Run every cell, summarise, place the drift line, and write `out_dir/drift_results.json`.
     `lengths` / `sweep_lengths` None take `default_lengths(device)`."""
     for arm in arms:
-        if arm not in ARM_SPECS:
-            raise ValueError(f"unknown arm {arm!r}; expected some of {list(ARM_SPECS)}")
+        if arm not in MODEL_ARMS:
+            raise ValueError(f"unknown arm {arm!r}; expected some of {list(MODEL_ARMS)}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     grid_default, sweep_default = default_lengths(dev)
     lengths = list(grid_default if lengths is None else lengths)
@@ -281,7 +284,7 @@ def run_study(*, model_path: str | None, prompts: Sequence[str], lengths: Sequen
         if out_dir is not None:  # after every cell, so a crash (a dead CUDA context) keeps the cells before it
             os.makedirs(out_dir, exist_ok=True)
             with open(os.path.join(out_dir, PARTIAL_NAME), "w") as fh:
-                json.dump(_json_safe({"model": info, "arm_status": arm_status, "cells": cells[: i + 1]}), fh)
+                json.dump(jsonable({"model": info, "arm_status": arm_status, "cells": cells[: i + 1]}), fh, allow_nan=False)
         worst = {a: finite_max(r["gap"]) for a, r in cell["arms"].items() if r["status"] == "ran"}
         log(f"cell {i} ({cell['group']}, prompt {cell['prompt_index']}, length {cell['length']}): neutral max"
             f" {finite_max(cell['neutral']):.3g}; " + ", ".join(f"{a} max {g:.3g}" for a, g in worst.items()))
@@ -304,11 +307,9 @@ def run_study(*, model_path: str | None, prompts: Sequence[str], lengths: Sequen
     if out_dir is not None:
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, RESULTS_NAME)
-        from .report import provenance
-
         results["provenance"] = provenance()  # commit, dirty flag, sha256 of every kernel the study ran
         with open(path, "w") as fh:
-            json.dump(_json_safe(results), fh, indent=1)
+            json.dump(jsonable(results), fh, indent=1, allow_nan=False)
         results["json_path"] = os.path.abspath(path)
         if os.path.exists(os.path.join(out_dir, PARTIAL_NAME)):
             os.remove(os.path.join(out_dir, PARTIAL_NAME))
@@ -475,7 +476,7 @@ def _where(cell: dict, i: int) -> str:
 
 def gated_arms() -> tuple[str, ...]:
     """The arms the gap and argmax checks gate: the generated kernels."""
-    return tuple(a for a, spec in ARM_SPECS.items() if spec.backend == "kernel")
+    return tuple(a for a, spec in MODEL_ARMS.items() if spec.backend == "kernel")
 
 
 def check_study(results: dict, gated: Sequence[str] | None = None) -> dict[str, Any]:
@@ -569,7 +570,7 @@ def checks_table(checks: dict) -> str:
 
 
 def record_sections(record, results: dict) -> dict[str, str]:
-    """Write the study's sections into a `foldkv.report.RunRecord`: `incumbent` and `arm:<name>` each "ran", "not run:
+    """Write the study's sections into a `foldkv.lab.report.RunRecord`: `incumbent` and `arm:<name>` each "ran", "not run:
     ..." or "failed: ..." (an arm that errored, or any failed check; the failures named). Returns the sections."""
     checks = results.get("checks") or check_study(results)
     inc = checks["sections"]["incumbent"]
@@ -627,11 +628,148 @@ def summary_table(results: dict) -> str:
     return "\n".join(rows)
 
 
-def _json_safe(x):
-    if isinstance(x, float):
-        return None if math.isnan(x) or math.isinf(x) else x
-    if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
+def model_summary(results: dict) -> str:
+    """Markdown: which model ran (a synthetic checkpoint says so), its geometry and software, each arm's status and
+    the cells."""
+    from .. import __version__
+
+    info, p = results["model"], results["parameters"]
+    kind = (f"a SYNTHETIC checkpoint (seed {info['seed']}; random weights, 31B global-attention geometry)"
+            if info["kind"] == "synthetic" else "the checkpoint at " + info["path"])
+    lines = [f"**Model:** {kind}", "",
+             f"`{info['class']}` from `{info['path']}`: {info['num_hidden_layers']} layers ({len(info['global_layers'])}"
+             f" global: {info['global_layers']}), hidden {info['hidden_size']}, vocab {info['vocab_size']}; global"
+             f" geometry {info['geometry']}",
+             f"dtype {info['dtype']} on {info['device']} ({info['device_name']}); transformers {info['transformers']},"
+             f" torch {info['torch']}, foldkv {__version__}, incumbent attention `{info['attn_implementation']}`", "",
+             "**Arms:**"]
+    lines += [f"- `{arm}`: {status}" for arm, status in results["arm_status"].items()]
+    not_run = [a for a, s in results["arm_status"].items() if s != "ran"]
+    lines += ["", f"Arms that did not run here: {not_run if not_run else 'none'}"]
+    lines += ["", f"Cells: {len(results['cells'])} (grid {len(p['prompts'])} prompts x lengths {p['lengths']};"
+              f" sweep of prompt {p['sweep_prompt']} at {p['sweep_lengths']}), {p['steps']} decode steps each."]
+    return "\n".join(lines)
+
+
+def agreement_per_cell(results: dict) -> str:
+    """One line per series: its argmax agreement with the incumbent in every cell, and the cells where it failed."""
+    lines = []
+    for name, rec in results["summary"].items():
+        if "per_cell" in rec:
+            failed = f"  failed cells: {rec['failed_cells']}" if rec.get("failed_cells") else ""
+            lines.append(f"{name:28s} argmax agreement per cell: "
+                         + " ".join(f"{c['cell']}:{c['equal']}/{c['of']}" for c in rec["per_cell"]) + failed)
+    return "\n".join(lines)
+
+
+def drift_line_text(results: dict) -> str:
+    """Markdown: the drift line, its reasoning, and a table of every argmax flip."""
+    dl = results["drift_line"]
+    text = f"**Drift line: max |Δ logit| ≤ {dl['value']:.3g}**\n\n" + "\n".join(f"- {r}" for r in dl["reasoning"])
+    if dl["flips"]:
+        text += "\n\n" + "\n".join(["| cell | arm | step | margin | gap |", "|---|---|---|---|---|"] +
+                                   [f"| {f['cell']} | {f['arm']} | {f['step']} | {f['margin']:.3g} | {f['gap']:.3g} |"
+                                    for f in dl["flips"]])
+    return text
+
+
+def checks_text(checks: dict) -> str:
+    """Markdown: the neutral quantiles and slack the limits are built from, then `checks_table`."""
+    n = checks["neutral"]
+    return (f"neutral gap p50 / p90 / max: {n['p50']:.3g} / {n['p90']:.3g} / {n['max']:.3g}; slack {checks['slack']:.3g}"
+            f" ({checks['slack_note']})\n\n" + checks_table(checks))
+
+
+# --- plots ----------------------------------------------------------------------------------------------------------
+
+def _plot_series(results: dict) -> tuple[dict[str, list], float, float]:
+    """({series: gaps} for every arm that ran and the neutral, the floor zero gaps are drawn at, the drift line)."""
+    ran = [a for a in results["parameters"]["arms"] if results["arm_status"].get(a) == "ran"]
+    series = {a: gaps_of(results, a) for a in ran}
+    series["neutral"] = gaps_of(results, "neutral")
+    positive = [g for v in series.values() for g in v if _is_finite(g) and g > 0]
+    floor = min(positive) / 2 if positive else 1e-8  # a log axis has no 0: exact zeros are drawn at this floor
+    return series, floor, results["drift_line"]["value"]
+
+
+def _pyplot():
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        print(f"matplotlib is not installed ({exc}): plots skipped, the tables hold every number")
+        return None
+    return plt
+
+
+def plot_gap_distribution(results: dict, path: str | None = None):
+    """Histogram and CDF (log scale) of every series' gaps, with the drift line; saved to `path` when given. Returns
+    the figure, or None when matplotlib is missing or no gap is finite."""
+    series, floor, line = _plot_series(results)
+    finite = [g for v in series.values() for g in v if _is_finite(g)]
+    plt = _pyplot() if finite else None
+    if plt is None:
+        return None
+    import matplotlib.ticker
+
+    print(f"zero gaps drawn at {floor:.3g}; drift line {line:.3g}")
+    fig, (ax_h, ax_c) = plt.subplots(1, 2, figsize=(13, 4.5))
+    lo, hi = math.log10(floor), math.log10(max(max(finite), line)) + 0.1
+    bins = torch.logspace(lo, hi, 40).tolist()
+    for name, v in series.items():
+        style = dict(color="k", lw=2.5) if name == "neutral" else {}
+        xs = sorted(max(g, floor) for g in v if _is_finite(g))
+        ax_h.hist(xs, bins=bins, histtype="step", label=f"{name} (n={len(v)})", **style)
+        ax_c.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name, **style)
+    for ax in (ax_h, ax_c):
+        ax.set_xscale("log")
+        ax.axvline(line, color="r", ls="--", label=f"drift line {line:.3g}")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("max |Δ logit| vs incumbent (neutral: walk vs single pass)")
+    ax_h.set_ylabel("steps")
+    ax_c.set_ylabel("fraction of steps ≤ x")
+    ax_h.set_title("histogram")
+    ax_c.set_title("CDF")
+    ax_c.legend(fontsize=8)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=90)
+    return fig
+
+
+def plot_gap_vs_step_and_length(results: dict, path: str | None = None):
+    """Per series: the max (and, dotted, the median over cells) gap at each decode step, and the max gap over the
+    steps at each prompt length, with the drift line; saved to `path` when given. Returns the figure, or None when
+    matplotlib is missing or no gap is finite."""
+    series, floor, line = _plot_series(results)
+    steps = results["parameters"]["steps"]
+    plt = _pyplot() if any(_is_finite(g) for v in series.values() for g in v) else None
+    if plt is None:
+        return None
+    fig, (ax_s, ax_l) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for name in series:
+        per_step: list[list[float]] = [[] for _ in range(steps + 1)]
+        per_len: dict[int, list[float]] = {}
+        for c in results["cells"]:
+            v = c["neutral"] if name == "neutral" else (c["arms"].get(name, {}).get("gap") or [])
+            for s, g in enumerate(v):
+                if _is_finite(g):
+                    per_step[s].append(max(g, floor))
+                    per_len.setdefault(c["length"], []).append(max(g, floor))
+        style = dict(color="k", lw=2.5) if name == "neutral" else {}
+        xs = [s for s in range(steps + 1) if per_step[s]]
+        ax_s.plot(xs, [max(per_step[s]) for s in xs], marker="o", label=f"{name} max", **style)
+        ax_s.plot(xs, [sorted(per_step[s])[len(per_step[s]) // 2] for s in xs], ls=":", color=ax_s.lines[-1].get_color())
+        lengths = sorted(per_len)
+        ax_l.plot(lengths, [max(per_len[n]) for n in lengths], marker="o", label=f"{name} max over steps", **style)
+    for ax in (ax_s, ax_l):
+        ax.set_yscale("log")
+        ax.axhline(line, color="r", ls="--", label=f"drift line {line:.3g}")
+        ax.set_ylabel("max |Δ logit|")
+    ax_s.set_xlabel("step (0 = prefill's last row; dotted = median over cells)")
+    ax_l.set_xlabel("prompt length (tokens)")
+    ax_l.set_xscale("log")
+    ax_s.legend(fontsize=8)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=90)
+    return fig

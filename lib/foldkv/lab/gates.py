@@ -1,29 +1,40 @@
-"""Correctness gates: the cases, the hostile set-up (poisoned padding, NaN/Inf pages, poisoned outputs) and the checks
-that hold a kernel against the float64 reference, AOT against JIT and folded against split.
+"""Correctness gates: the cases, the hostile set-up (poisoned padding, NaN/Inf pages, poisoned outputs), the checks
+that hold a kernel against the float64 reference, AOT against JIT and folded against split, and the runs of
+notebook 02's sections that record them.
 
 The gates notebook and the GPU tests both call these functions; nothing here imports TileLang (launchers do, lazily).
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
 
-from .config import GEMMA4_31B, AttentionGeometry
-from .layout import KvFormat
-from .pool import BlockTable, PagedKvLayout, PagedKvPool
-from .prep import fill_sequences, prep_and_store, prep_query
-from .reference import paged_attention_reference
+from ..config import GEMMA4_31B, AttentionGeometry
+from ..layout import KvFormat
+from ..pool import BlockTable, PagedKvLayout, PagedKvPool
+from ..prep import fill_sequences, prep_and_store, prep_query
+from ..provenance import checkout_root
+from ..reference import paged_attention_reference
 
-# Tolerance. The issue's bound is |d| <= ABS + REL * |ref| elementwise and relative Frobenius error <= FRO; it is
+# Tolerance. The specified bound is |d| <= ABS + REL * |ref| elementwise and relative Frobenius error <= FRO; it is
 # reported as is (`issue_bound_ok`, and the count of elements over it). The gate holds the kernel to that bound plus
 # the two roundings every bf16 flash kernel makes, derived rather than fitted:
 #  - the output is bf16: a float32 result within float32 error of a rounding midpoint is stored one ulp from the
 #    correctly rounded reference (2^-7 at |ref| in [1, 2)), which alone exceeds ABS + REL * |ref| for |ref| in
-#    [1, 1.45) and [2, 3.4): the first H200 run failed there by 3e-4 (max |d| 0.0078, rel 1.7e-3);
+#    [1, 1.45) and [2, 3.4): a correct H200 kernel exceeds the specified bound there by 3e-4 (max |d| 0.0078, rel
+#    1.7e-3);
 #  - P is rounded to bf16 for the tensor-core P.V product: each probability moves by at most 2^-8 of itself, so an
 #    output element moves by at most 2^-8 * sum_j p_j |v_j| (= 2^-8 * (P @ |V|), computed by the reference).
 P_ROUNDING = 2.0**-8
@@ -185,7 +196,7 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 def compare(out: torch.Tensor, ref: torch.Tensor, pv_abs: torch.Tensor | None = None) -> dict:
     """Elementwise bound and relative Frobenius error of a kernel output against a float64 reference. `pv_abs`
-    (P @ |V| from the reference) adds the derived bf16 terms; without it only the issue's bound is applied."""
+    (P @ |V| from the reference) adds the derived bf16 terms; without it only the specified bound is applied."""
     o, r = out.double(), ref.double()
     diff = (o - r).abs()
     issue_bound = ABS_TOL + REL_TOL * r.abs()
@@ -295,10 +306,10 @@ def unrounded_truth(inputs: GateInputs) -> torch.Tensor:
 
 
 # Folding moves the bf16 rounding (w_k into the query instead of into K); the two formats' rounding errors have the
-# same statistics, so per case either can come out ahead. The committed H200 records
-# (papermill_runs/h200-20261129*/02_correctness_gates.record.json, 20 cases) hold the case that broke the earlier
-# per-case rule "folded <= 1.25 x split + 1e-3": the peaked decode, folded 1.48e-2 against split 8.86e-3 (ratio 1.68,
-# 3.8e-3 over that bound). Why a decode can: it has one query row per request, so the query-side rounding (where the
+# same statistics, so per case either can come out ahead, and a tight per-case rule such as "folded <= 1.25 x split
+# + 1e-3" fails correct kernels: in the committed H200 records (papermill_runs/h200-20261129*/
+# 02_correctness_gates.record.json, 20 cases) the peaked decode has folded 1.48e-2 against split 8.86e-3 (ratio 1.68,
+# 3.8e-3 over that rule). Why a decode can: it has one query row per request, so the query-side rounding (where the
 # fold puts w_k) is a sample of 32 x 512 numbers, against every key's in the split format. The same records show it:
 # the log of the folded/split ratio has standard deviation 0.25 over the 13 decode cases and 0.035 over the 7 prefill
 # cases (many query rows), mean 0.006 over all 20 (geometric mean ratio 1.006). Hence two rules:
@@ -336,7 +347,7 @@ def summary_row(case: Case, fmt: KvFormat, arm: str, res: dict) -> dict:
 # --- arms: the kernels under test, as launch(inputs, out, lse) -> (out, lse) ------------------------------------------
 def decode_arm(backend: str = "jit") -> Callable:
     def launch(inputs: GateInputs, out: torch.Tensor, lse: torch.Tensor):
-        from .kernels.decode import decode, plan_decode
+        from ..kernels.decode import decode, plan_decode
 
         plan = plan_decode(inputs.pool.layout, inputs.case.seq_lens, device=inputs.pool.device,
                            chunk_tokens=inputs.case.chunk_tokens, merge_group=inputs.case.merge_group)
@@ -347,7 +358,7 @@ def decode_arm(backend: str = "jit") -> Callable:
 
 def prefill_arm(backend: str = "jit") -> Callable:
     def launch(inputs: GateInputs, out: torch.Tensor, lse: torch.Tensor):
-        from .kernels.prefill import prefill
+        from ..kernels.prefill import prefill
 
         return prefill(inputs.pool, inputs.query, inputs.table, inputs.q_lens, out=out, lse=lse, backend=backend)
 
@@ -424,7 +435,7 @@ PREFILL_REFUSALS: dict[str, tuple[str, Callable[[GateInputs], dict], str]] = {
 def run_refusals(inputs: GateInputs, backend: str = "jit") -> list[dict]:
     """Try each invalid input of the inputs' kind on its launcher: each must raise FoldKvInputError naming the fault
     before anything is launched, leaving the pool and the (poisoned) outputs bit-for-bit unchanged."""
-    from .validate import FoldKvInputError
+    from ..validate import FoldKvInputError
 
     kind = inputs.case.kind
     table = DECODE_REFUSALS if kind == "decode" else PREFILL_REFUSALS
@@ -442,11 +453,11 @@ def run_refusals(inputs: GateInputs, backend: str = "jit") -> list[dict]:
         pool_before = _bits(inputs.pool.data).clone()
         try:
             if kind == "decode":
-                from .kernels.decode import decode
+                from ..kernels.decode import decode
 
                 decode(**args, backend=backend)
             else:
-                from .kernels.prefill import prefill
+                from ..kernels.prefill import prefill
 
                 prefill(**args, backend=backend)
             refused, message = False, "accepted"
@@ -479,7 +490,7 @@ def sequence_pool_attention(geom: AttentionGeometry, fmt: KvFormat | str, q: tor
 def fold_identity(seed: int, tokens: tuple[int, ...] = (1, 54, 97), geom: AttentionGeometry = GEMMA4_31B) -> list[dict]:
     """In float64 the fold is an identity: folded-pool attention == split-pool attention == dense attention from raw
     inputs, up to float64 rounding. One row per sequence length (causal prefill of the whole sequence)."""
-    from .reference import dense_attention_reference
+    from ..reference import dense_attention_reference
 
     rows = []
     for t in tokens:
@@ -498,3 +509,289 @@ def fold_identity(seed: int, tokens: tuple[int, ...] = (1, 54, 97), geom: Attent
         row["passed"] = max(row["split_vs_dense"], row["folded_vs_dense"], row["folded_vs_split"]) < 1e-12
         rows.append(row)
     return rows
+
+
+# --- notebook 02's sections: each runs its gates, records the section and returns what the notebook shows ------------
+def barrier_check(geom: AttentionGeometry, record) -> None:
+    """CPU gate: the in-place merge as generated passes the emitted-source barrier check, and the same kernel generated
+    without its `__syncthreads()` is refused. Records `barrier_check` (not run without TileLang)."""
+    from ..kernels.tl import TileLangUnavailable
+
+    try:
+        from ..kernels import cuda_checks, merge
+
+        t0 = time.time()
+        merge.build_merge_groups(geom)  # runs the check; raises if it fails
+        try:
+            merge.build_merge_groups(geom, barrier=False)
+            red, red_message = False, "accepted a merge without a barrier"
+        except cuda_checks.BarrierCheckError as exc:
+            red, red_message = True, str(exc)
+        print(f"as generated: passes. without the barrier: {'refused' if red else 'NOT refused'}: {red_message}")
+        record.ran("barrier_check", green=True, red_refused=red, red_message=red_message, passed=red,
+                   seconds=round(time.time() - t0, 1))
+    except TileLangUnavailable as exc:
+        record.not_run("barrier_check", f"not run: {exc}")
+        print(record.sections["barrier_check"])
+    except Exception as exc:
+        record.failed("barrier_check", f"{type(exc).__name__}: {exc}")
+        print(record.sections["barrier_check"])
+
+
+def _jit_cache_note() -> dict:
+    """Which JIT kernels "AOT == JIT" compares against: this machine's TileLang cache, and the record
+    scripts/device_run.sh leaves in FOLDKV_JIT_BUILD_RECORD when it compiles them first into an empty cache."""
+    note = {"tilelang_cache_dir": os.environ.get("TILELANG_CACHE_DIR") or "~/.tilelang/cache (TileLang's default)"}
+    if os.path.isfile(os.environ.get("FOLDKV_JIT_BUILD_RECORD", "")):
+        with open(os.environ["FOLDKV_JIT_BUILD_RECORD"]) as fh:
+            jit_build = json.load(fh)
+        note.update({k: jit_build.get(k) for k in ("cache_mode", "cache_started_empty", "seconds", "workers")},
+                    kernels=len(jit_build.get("kernels", [])), kernels_failed=len(jit_build.get("failed", [])))
+        print(f"JIT: {note['kernels']} kernels built by TileLang on this machine into "
+              f"{'an empty' if note['cache_started_empty'] else 'a non-empty'} cache ({note['cache_mode']} mode)"
+              f" in {note['seconds']} s")
+    return note
+
+
+def aot_build_gate(aot_dir: str | None, record, arch: str = "sm_90a") -> str | None:
+    """CPU gate: build every registered kernel AOT (into a temp folder removed when this process exits, since the GPU
+    gates load from it) and verify the build; or, given `aot_dir`, verify that prebuilt folder. Records
+    `aot_build_verify` and returns the build folder (None when nothing was built or verified)."""
+    from .. import aot
+    from ..kernels.tl import TileLangUnavailable
+
+    jit_cache = _jit_cache_note()
+    try:
+        if aot_dir is None:
+            tmp_root = tempfile.mkdtemp(prefix="foldkv_aot_")
+            atexit.register(shutil.rmtree, tmp_root, ignore_errors=True)
+            build_dir = os.path.join(tmp_root, "build")
+            t0 = time.time()
+            aot.build(build_dir, arch=arch, log=None)
+            build_s = round(time.time() - t0, 1)
+            manifest = aot.verify(build_dir)
+            origin = f"built {len(manifest['kernels'])} kernels in {build_s:.0f} s"
+        else:  # a folder built elsewhere: verified here, not built
+            build_dir, build_s = aot_dir, None
+            manifest = aot.verify(build_dir)
+            made = manifest.get("provenance") or {}
+            commit = made.get("git_commit")
+            origin = (f"verified the prebuilt folder {aot_dir} (not built here; "
+                      + (f"built from commit {commit[:10]}{', with uncommitted changes' if made.get('dirty') else ''}"
+                         if commit else "its manifest records no commit") + ")")
+    except TileLangUnavailable as exc:
+        record.not_run("aot_build_verify", f"not run: {exc}")
+    except aot.NvccUnavailable:
+        record.not_run("aot_build_verify", "not run: no nvcc")
+    except Exception as exc:  # recorded as a failed gate; the verdict fails the notebook
+        record.failed("aot_build_verify", f"{type(exc).__name__}: {exc}")
+    else:
+        kernels = sorted(k["name"] for k in manifest["kernels"])
+        print(f"{origin}; verify: ok, {len(kernels)} kernels, {manifest['arch']}, nvcc {manifest['nvcc_version']}")
+        record.ran("aot_build_verify", kernels=kernels, built_here=aot_dir is None, build_seconds=build_s,
+                   built_from=manifest.get("provenance"), verify=aot.manifest_summary(manifest), jit_cache=jit_cache,
+                   passed=True)
+        return build_dir
+    print(record.sections["aot_build_verify"])
+    return None
+
+
+def run_kernel_gates(cases: list[Case], formats, backends, seed: int, build_dir: str | None, record,
+                     section: str) -> None:
+    """GPU gate: every case in every format through the JIT launchers against the float64 reference (`run_case`),
+    AOT against JIT bit for bit when "aot" is in `backends` and `build_dir` holds a build, and folded against split
+    against the unrounded truth when both formats run. Appends the rows to `record.results["gates"]` and
+    `["folded_vs_split"]` (with `["folded_vs_split_overall"]` over every pair so far) and records `section` as ran,
+    or as not run without CUDA."""
+    from tqdm import tqdm
+
+    from ..aot import use_build
+
+    if not record.cuda_or_not_run(section):
+        print(record.sections[section])
+        return
+    fmts = [KvFormat.parse(f) for f in formats]
+    with_aot = "aot" in backends and build_dir is not None
+    if with_aot:
+        use_build(build_dir)
+    gate_rows, pair_rows = record.results.setdefault("gates", []), []
+    for case in tqdm(cases, desc=section, file=sys.stdout):
+        outs, raw = {}, None
+        for fmt in fmts:
+            inputs = make_inputs(case, fmt, "cuda", seed, raw=raw)
+            raw = inputs.raw
+            res = run_case(inputs, arm_for(case, "jit"))
+            row = summary_row(case, fmt, "jit", res)
+            if with_aot:
+                res_aot = run_case(inputs, arm_for(case, "aot"))
+                row["aot_passed"] = res_aot["passed"]
+                row["aot_bit_identical"] = (torch.equal(res_aot["outputs"][0], res["outputs"][0])
+                                            and torch.equal(res_aot["outputs"][1], res["outputs"][1]))
+            gate_rows.append(row)
+            outs[fmt] = res["outputs"][0]
+            if fmt is fmts[-1] and len(outs) == 2:
+                truth = unrounded_truth(inputs)
+                pair = folded_vs_split(outs[KvFormat.FOLDED], outs[KvFormat.SPLIT], truth)
+                pair_rows.append({"case": case.name, "kind": case.kind, "tokens": case.tokens, **pair})
+                del truth
+            del inputs, res
+            torch.cuda.empty_cache()
+    if pair_rows:
+        pairs = record.results.setdefault("folded_vs_split", [])
+        pairs += pair_rows
+        record.results["folded_vs_split_overall"] = folded_vs_split_overall(pairs)
+    record.ran(section)
+
+
+def gates_tables(results: dict, backends) -> str:
+    """Markdown of what `run_kernel_gates` recorded: one row per case and format, then folded vs split with the
+    overall rule; "" when no GPU gate ran."""
+    from .report import markdown_table
+
+    parts = []
+    if results.get("gates"):
+        cols = {"case": "case", "kind": "kind", "format": "format", "tokens": "tokens", "batch": "batch",
+                "max_abs": "max abs", "rel_fro": "rel err", "lse_max_abs": "lse abs",
+                "over_issue_bound": f"elements over {ABS_TOL:g}+{REL_TOL:g}|ref|", "all_written": "written",
+                "past_plan_untouched": "past plan untouched", "passed": "pass"}
+        if "aot" in backends:
+            cols["aot_bit_identical"] = "AOT == JIT"
+        parts.append(markdown_table(results["gates"], cols, {"max_abs": ".2e", "rel_fro": ".2e", "lse_max_abs": ".1e"}))
+    if results.get("folded_vs_split"):
+        overall = results["folded_vs_split_overall"]
+        parts += ["**folded vs split** (each against the unrounded truth)",
+                  markdown_table(results["folded_vs_split"], ["case", "kind", "tokens", "rel_split_vs_truth",
+                                 "rel_folded_vs_truth", "ratio", "max_abs_folded_minus_split", "passed"],
+                                 {"rel_split_vs_truth": ".2e", "rel_folded_vs_truth": ".2e", "ratio": ".3f",
+                                  "max_abs_folded_minus_split": ".2e"}),
+                  f"Over {overall['cases']} cases the folded/split error ratio has geometric mean "
+                  f"{overall['geomean_ratio']:.3f} (range {overall['min_ratio']:.2f} to {overall['max_ratio']:.2f}); "
+                  f"the gate asks <= {FOLD_MEAN_RATIO} overall and <= {FOLD_CASE_RATIO} per case: "
+                  f"{'pass' if overall['passed'] else 'FAIL'}"]
+    return "\n\n".join(parts)
+
+
+def plot_errors(gate_rows: list[dict]):
+    """Relative Frobenius error and max |d| of every gate row against the tokens in its batch, per format and kind,
+    with the Frobenius bound: the matplotlib figure, or None when no row is given."""
+    if not gate_rows:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4))
+    for fmt in dict.fromkeys(r["format"] for r in gate_rows):
+        for kind, marker in (("decode", "o"), ("prefill", "s")):
+            rs = [r for r in gate_rows if r["format"] == fmt and r["kind"] == kind]
+            axes[0].scatter([r["tokens"] for r in rs], [r["rel_fro"] for r in rs], marker=marker, label=f"{fmt} {kind}")
+            axes[1].scatter([r["tokens"] for r in rs], [r["max_abs"] for r in rs], marker=marker, label=f"{fmt} {kind}")
+    axes[0].axhline(FRO_TOL, color="r", ls="--", label="bound")
+    for ax, title in zip(axes, ["relative Frobenius error", "max |Δ|"]):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens in the batch")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def last_row_gate(formats, seed: int, record, geom: AttentionGeometry = GEMMA4_31B) -> list[dict]:
+    """GPU gate: the last row of a prefill and a decode of the same token agree (`agree`), per format. Records
+    `prefill_last_row_vs_decode` (not run without CUDA) and returns its rows."""
+    if not record.cuda_or_not_run("prefill_last_row_vs_decode"):
+        print(record.sections["prefill_last_row_vs_decode"])
+        return []
+    rows = []
+    for fmt in (KvFormat.parse(f) for f in formats):
+        case = Case("last-row", (1000, 4097), q_lens=(77, 1))
+        inputs = make_inputs(case, fmt, "cuda", seed, geom=geom)
+        out_p, _ = prefill_arm("jit")(inputs, *poisoned_outputs(78, geom, "cuda", pad_rows=0))
+        last = torch.tensor([76, 77], device="cuda")
+        dec = GateInputs(Case("last-row-decode", case.seq_lens), inputs.format, inputs.pool, inputs.table,
+                         inputs.query[last].contiguous(), None)
+        out_d, _ = decode_arm("jit")(dec, *poisoned_outputs(2, geom, "cuda", pad_rows=0))
+        ref, _, pv_abs = paged_attention_reference(dec.pool, dec.query, dec.table, None, abs_weighted=True)
+        rows.append({"format": fmt.value, **agree(out_p[last], out_d, ref, pv_abs)})
+    record.ran("prefill_last_row_vs_decode", rows=rows, passed=all(r["passed"] for r in rows))
+    return rows
+
+
+def refusal_gate(formats, seed: int, record) -> list[dict]:
+    """GPU gate: every refusal of `DECODE_REFUSALS` / `PREFILL_REFUSALS` per format (`run_refusals`). Records
+    `refusals` (not run without CUDA) and returns its rows."""
+    if not record.cuda_or_not_run("refusals"):
+        print(record.sections["refusals"])
+        return []
+    rows = []
+    for fmt in (KvFormat.parse(f) for f in formats):
+        for case in (Case("refuse-decode", (97, 300)), Case("refuse-prefill", (97, 300), q_lens=(54, 65))):
+            rows += [dict(r, format=fmt.value) for r in run_refusals(make_inputs(case, fmt, "cuda", seed))]
+    record.ran("refusals", rows=rows, passed=all(r["passed"] for r in rows))
+    return rows
+
+
+def sanitizer_gate(run: bool, timeout_s: float, out_dir: str, record) -> None:
+    """GPU gate: scripts/sanitize_cases.py (one case of every kernel, both formats) under compute-sanitizer memcheck;
+    clean when it exits 0 with "ERROR SUMMARY: 0 errors". The whole log goes to
+    `out_dir`/compute_sanitizer_memcheck.log. Records `sanitizer`: not run when `run` is False or without CUDA,
+    failed on a timeout."""
+    if not run:
+        record.not_run("sanitizer", "not run: run_sanitizer=False")
+    elif record.cuda_or_not_run("sanitizer"):
+        log_path = os.path.join(out_dir, "compute_sanitizer_memcheck.log")
+        cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", sys.executable,
+               os.path.join(checkout_root(), "scripts", "sanitize_cases.py")]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            text, rc = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            out = f"{exc.stdout or ''}{exc.stderr or ''}"
+            text = (out if isinstance(out, str) else out.decode(errors="replace")) + f"\nTIMEOUT after {timeout_s} s"
+            rc = None
+        os.makedirs(out_dir, exist_ok=True)
+        with open(log_path, "w") as fh:
+            fh.write("$ " + " ".join(cmd) + "\n" + text)
+        tail = [line for line in text.splitlines()
+                if "ERROR SUMMARY" in line or "passed=" in line or " ran" in line or "TIMEOUT" in line]
+        print("\n".join(tail[-12:]))
+        if rc is None:
+            record.failed("sanitizer", f"timed out after {timeout_s} s (log: {os.path.basename(log_path)})")
+        else:
+            clean = rc == 0 and any("ERROR SUMMARY: 0 errors" in line for line in tail)
+            record.ran("sanitizer", returncode=rc, log=os.path.basename(log_path), passed=clean)
+    print(record.sections["sanitizer"])
+
+
+def record_verdict(record) -> list[dict]:
+    """The verdict over every section of the record: "pass" / "FAIL" per gate that ran (the kernel gates from their
+    rows, folded vs split included; the others from their `passed`), "FAIL" for a failed section, the status for one
+    not run. A gate that ran and failed becomes a failed section; `results["verdict"]` and
+    `results["all_run_gates_pass"]` are set. Returns the verdict rows."""
+    gate_rows = record.results.get("gates", [])
+    pair_rows = record.results.get("folded_vs_split", [])
+    verdict = []
+    for section, status in record.sections.items():
+        res = record.results.get(section, {})
+        if status == "ran" and section in ("decode_gates", "prefill_gates"):
+            kind = section.split("_")[0]
+            rs = [r for r in gate_rows if r["kind"] == kind]
+            ok = all(r["passed"] for r in rs) and all(r.get("aot_bit_identical", True) for r in rs)
+            ok = ok and all(p["passed"] for p in pair_rows if p["kind"] == kind)
+            ok = ok and (not pair_rows or folded_vs_split_overall(pair_rows)["passed"])
+            over = sum(r["over_issue_bound"] for r in rs)
+            verdict.append({"gate": section, "status": "pass" if ok else "FAIL", "cases": len(rs),
+                            "note": f"{over} of {sum(r['elements'] for r in rs)} elements over the specified bound alone"})
+        elif status.startswith("failed"):
+            verdict.append({"gate": section, "status": "FAIL", "cases": ""})
+        elif status == "ran":
+            verdict.append({"gate": section, "status": "pass" if res.get("passed", True) else "FAIL", "cases": ""})
+        else:
+            verdict.append({"gate": section, "status": status, "cases": ""})
+    for v in verdict:  # a gate that ran and failed is a failed section in the batch summary
+        if v["status"] == "FAIL" and record.sections.get(v["gate"]) == "ran":
+            record.failed(v["gate"], "the gate ran and failed: see its table")
+    record.results["verdict"] = verdict
+    record.results["all_run_gates_pass"] = all(v["status"] == "pass" for v in verdict
+                                               if not v["status"].startswith("not run"))
+    return verdict

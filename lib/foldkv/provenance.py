@@ -1,4 +1,5 @@
-"""What a notebook records: its sections (ran / not run and why), its numbers as JSON, and tables for display."""
+"""Which code a result came from: the checkout's commit and dirty flag (or, in a copy without .git, the stamp written
+beside it) and every kernel this process built or loaded. Records, benchmark results and AOT manifests carry it."""
 
 from __future__ import annotations
 
@@ -6,13 +7,11 @@ import datetime as _dt
 import hashlib
 import json
 import os
-import platform
 import subprocess
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
-import torch
+from .kernels.registry import kernels_handed_out
 
-NOT_RUN_NO_CUDA = "not run: no CUDA device"
 # Run outputs live under papermill_runs/: a run that writes its own records there does not make the code dirty.
 PROVENANCE_IGNORED_DIRS = ("papermill_runs/",)
 MAX_DIRTY_PATHS = 20
@@ -122,123 +121,4 @@ def provenance(repo: str | os.PathLike | None = None) -> dict:
     """What every record carries, taken when it is saved: `checkout_state()` plus `kernels`, each kernel this
     process built (JIT: the sha256 of the CUDA source TileLang generated) or loaded (AOT: the manifest's sha256 of
     the source and the cubin, and the commit the build was made from), as noted by `foldkv.kernels.registry`."""
-    from .kernels.registry import kernels_handed_out
-
     return {**checkout_state(repo), "kernels": kernels_handed_out()}
-
-
-REDRAWN_FROM = "redrawn from"  # a section's status "redrawn from <run>": shown again from that run, not measured now
-
-
-def environment() -> dict:
-    """Where a record was made: enough to tell an H200 run from a CPU one."""
-    env = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda_available": torch.cuda.is_available(),
-        "host": platform.node(),
-        "utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
-    if torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name()
-        env["cuda"] = torch.version.cuda
-    try:
-        import tilelang
-
-        env["tilelang"] = tilelang.__version__
-    except Exception:
-        env["tilelang"] = None
-    return env
-
-
-class RunRecord:
-    """A notebook's record: `sections` maps a section name to "ran", "redrawn from <run>" (results of an earlier run
-    shown again, nothing measured now), "failed: ..." or "not run: <reason>".
-
-    `save()` writes `<out_dir>/<notebook>.record.json`; the batch driver reads every record's sections to say plainly
-    which GPU sections did not run. (Notebooks with a richer results file of their own write that beside it.)
-    """
-
-    def __init__(self, notebook: str, out_dir: str | os.PathLike, parameters: dict | None = None):
-        self.notebook = notebook
-        self.out_dir = os.fspath(out_dir)
-        self.data: dict[str, Any] = {
-            "notebook": notebook,
-            "parameters": parameters or {},
-            "environment": environment(),
-            "sections": {},
-            "results": {},
-        }
-
-    @property
-    def sections(self) -> dict:
-        return self.data["sections"]
-
-    @property
-    def results(self) -> dict:
-        return self.data["results"]
-
-    def ran(self, section: str, **results: Any) -> None:
-        self.sections[section] = "ran"
-        if results:
-            self.results.setdefault(section, {}).update(results)
-
-    def redrawn(self, section: str, source_run: str, **results: Any) -> None:
-        """The section shows the results of `source_run` (a run tag, e.g. h200-20261129-s2): nothing measured now."""
-        if not str(source_run).strip():
-            raise ValueError(f"{section}: redrawn from which run? source_run is empty")
-        self.sections[section] = f"{REDRAWN_FROM} {source_run}"
-        if results:
-            self.results.setdefault(section, {}).update(results)
-
-    def not_run(self, section: str, reason: str) -> None:
-        self.sections[section] = reason if reason.startswith("not run") else f"not run: {reason}"
-
-    def failed(self, section: str, error: str) -> None:
-        self.sections[section] = f"failed: {error}"
-
-    def cuda_or_not_run(self, section: str) -> bool:
-        """True if a CUDA device is here; otherwise record the section as not run and return False."""
-        if torch.cuda.is_available():
-            return True
-        self.not_run(section, NOT_RUN_NO_CUDA)
-        return False
-
-    def path(self) -> str:
-        return os.path.join(self.out_dir, f"{self.notebook}.record.json")
-
-    def save(self) -> str:
-        os.makedirs(self.out_dir, exist_ok=True)
-        self.data["provenance"] = provenance()
-        with open(self.path(), "w") as fh:
-            json.dump(self.data, fh, indent=1, default=_jsonable)
-        return self.path()
-
-    def summary(self) -> str:
-        width = max([len(s) for s in self.sections] + [7])
-        return "\n".join(f"{name:<{width}}  {status}" for name, status in self.sections.items())
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.tolist()
-    if hasattr(obj, "item"):
-        return obj.item()
-    if hasattr(obj, "value"):
-        return obj.value
-    return str(obj)
-
-
-def markdown_table(rows: Iterable[dict], columns: Sequence[str] | dict[str, str], formats: dict[str, str] | None = None) -> str:
-    """A Markdown table of `rows` (dicts). `columns` is a list of keys or {key: header}; `formats` {key: format spec}."""
-    cols = dict(columns) if isinstance(columns, dict) else {c: c for c in columns}
-    formats = formats or {}
-    lines = ["| " + " | ".join(cols.values()) + " |", "|" + "---|" * len(cols)]
-    for row in rows:
-        cells = []
-        for key in cols:
-            value = row.get(key, "")
-            spec = formats.get(key)
-            cells.append(format(value, spec) if spec and isinstance(value, (int, float)) else str(value))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)

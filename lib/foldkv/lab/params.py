@@ -23,9 +23,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .config import GEMMA4_31B, AttentionGeometry, ConfigError, geometry_from_config, resolve_geometry
-from .layout import KvFormat
-from .validate import FoldKvInputError
+from ..config import GEMMA4_31B, AttentionGeometry, ConfigError, geometry_from_config, resolve_geometry
+from ..layout import KvFormat
+from ..validate import FoldKvInputError
 
 
 class ParameterError(FoldKvInputError):
@@ -169,9 +169,9 @@ def _kind_text(spec: Param) -> str:
 
 def _resolve_path(path: str) -> str | None:
     """The path as given (relative to the working directory) or relative to the repository root; None if neither."""
-    from .bench import repo_root
+    from ..provenance import checkout_root
 
-    for p in (path, os.path.join(repo_root(), path)):
+    for p in (path, os.path.join(checkout_root(), path)):
         if os.path.exists(p):
             return p
     return None
@@ -218,21 +218,21 @@ def _format_names() -> tuple:
 
 
 def _bench_decode_arms() -> tuple:
-    from .bench import DECODE_ARMS
+    from ..bench import DECODE_ARMS
 
     return tuple(DECODE_ARMS)
 
 
 def _bench_prefill_arms() -> tuple:
-    from .bench import PREFILL_ARMS
+    from ..bench import PREFILL_ARMS
 
     return tuple(PREFILL_ARMS)
 
 
 def _drift_arms() -> tuple:
-    from .model import ARM_SPECS
+    from .model import MODEL_ARMS
 
-    return tuple(a for a in ARM_SPECS if a != "incumbent")  # the incumbent always runs
+    return tuple(a for a in MODEL_ARMS if a != "incumbent")  # the incumbent always runs
 
 
 _DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -308,10 +308,9 @@ SPECS: dict[str, dict[str, Param]] = {
 
 
 def _geometry_01(values: dict) -> AttentionGeometry:
-    spec = values["geometry"]
     try:
-        return resolve_geometry(spec)
-    except ConfigError as exc:  # its message lists the presets and says a config.json path is accepted
+        return resolve_geometry(values["geometry"])
+    except ConfigError as exc:  # its message names the presets and says a config.json path is accepted
         raise ParameterError(f"geometry: {exc}") from None
 
 
@@ -356,7 +355,7 @@ def _cross_03(values: dict, geom: AttentionGeometry) -> None:
 
 
 def _cross_04(values: dict, geom: AttentionGeometry) -> None:
-    from .bench import ragged_lengths
+    from ..bench import ragged_lengths
 
     # the batch cells draw lengths in mean x [1 - spread, 1 + spread] (ragged_lengths' default spread), odd-sized
     spread = inspect.signature(ragged_lengths).parameters["spread"].default
