@@ -169,9 +169,9 @@ def _kind_text(spec: Param) -> str:
 
 def _resolve_path(path: str) -> str | None:
     """The path as given (relative to the working directory) or relative to the repository root; None if neither."""
-    from .bench import repo_root
+    from foldkv.report import checkout_root
 
-    for p in (path, os.path.join(repo_root(), path)):
+    for p in (path, os.path.join(checkout_root(), path)):
         if os.path.exists(p):
             return p
     return None
@@ -218,13 +218,13 @@ def _format_names() -> tuple:
 
 
 def _bench_decode_arms() -> tuple:
-    from .bench import DECODE_ARMS
+    from foldkv.lab.bench import DECODE_ARMS
 
     return tuple(DECODE_ARMS)
 
 
 def _bench_prefill_arms() -> tuple:
-    from .bench import PREFILL_ARMS
+    from foldkv.lab.bench import PREFILL_ARMS
 
     return tuple(PREFILL_ARMS)
 
@@ -357,7 +357,7 @@ def _cross_03(values: dict, geom: AttentionGeometry) -> None:
 
 
 def _cross_04(values: dict, geom: AttentionGeometry) -> None:
-    from .bench import ragged_lengths
+    from foldkv.lab.bench import ragged_lengths
 
     # the batch cells draw lengths in mean x [1 - spread, 1 + spread] (ragged_lengths' default spread), odd-sized
     spread = inspect.signature(ragged_lengths).parameters["spread"].default

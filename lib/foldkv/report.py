@@ -12,6 +12,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from foldkv.lab.jsonsafe import jsonable
+
 NOT_RUN_NO_CUDA = "not run: no CUDA device"
 # Run outputs live under papermill_runs/: a run that writes its own records there does not make the code dirty.
 PROVENANCE_IGNORED_DIRS = ("papermill_runs/",)
@@ -130,24 +132,46 @@ def provenance(repo: str | os.PathLike | None = None) -> dict:
 REDRAWN_FROM = "redrawn from"  # a section's status "redrawn from <run>": shown again from that run, not measured now
 
 
-def environment() -> dict:
-    """Where a record was made: enough to tell an H200 run from a CPU one."""
-    env = {
+def _installed_version(*distributions: str) -> str | None:
+    """The installed version of the first of `distributions` that is installed (without importing it), else None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in distributions:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def environment(device: torch.device | str | None = None) -> dict:
+    """Where a record was made: enough to tell an H200 run from a CPU one, with the versions of what ran (torch,
+    CUDA, TileLang, FlashInfer) and the active AOT build. With `device`: that device's type, name, capability, SMs
+    and memory (what the benchmarks' results carry as `env`)."""
+    from foldkv.lab.bench.arms import aot_build_dir
+
+    env: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda_available": torch.cuda.is_available(),
         "host": platform.node(),
         "utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "cuda": torch.version.cuda,
+        "flashinfer": _installed_version("flashinfer-python", "flashinfer"),
+        "aot_build": aot_build_dir(),
     }
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()
-        env["cuda"] = torch.version.cuda
-    try:
-        import tilelang
-
-        env["tilelang"] = tilelang.__version__
-    except Exception:
-        env["tilelang"] = None
+    env["tilelang"] = _installed_version("tilelang")
+    if device is not None:
+        device = torch.device(device)
+        env["device_type"] = device.type
+        if device.type == "cuda":
+            p = torch.cuda.get_device_properties(device)
+            env.update(device_name=p.name, capability=list(torch.cuda.get_device_capability(device)),
+                       sms=p.multi_processor_count, memory_bytes=p.total_memory)
+        else:
+            env["device_name"] = f"CPU ({platform.processor() or platform.machine()})"
     return env
 
 
@@ -211,22 +235,12 @@ class RunRecord:
         os.makedirs(self.out_dir, exist_ok=True)
         self.data["provenance"] = provenance()
         with open(self.path(), "w") as fh:
-            json.dump(self.data, fh, indent=1, default=_jsonable)
+            json.dump(jsonable(self.data), fh, indent=1, allow_nan=False)
         return self.path()
 
     def summary(self) -> str:
         width = max([len(s) for s in self.sections] + [7])
         return "\n".join(f"{name:<{width}}  {status}" for name, status in self.sections.items())
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.tolist()
-    if hasattr(obj, "item"):
-        return obj.item()
-    if hasattr(obj, "value"):
-        return obj.value
-    return str(obj)
 
 
 def markdown_table(rows: Iterable[dict], columns: Sequence[str] | dict[str, str], formats: dict[str, str] | None = None) -> str:
