@@ -1,11 +1,13 @@
-"""Decode harness: one request at the 31B shape, one layer, end to end (partial + merges), median of CUDA-graph
-replays with inputs rotated past L2, arms interleaved in one run. Prints a table: us, GB/s, % of the read roof.
+"""Decode harness: one request at the 31B shape, one layer, end to end (partial + merges), timed by the lab's
+harness (`foldkv.lab.bench.run_cell`: pools rotated past L2, outputs poisoned and checked against the float64
+reference, CUDA-graph replays, arms interleaved round by round). Prints a table: us, GB/s, % of the read roof
+measured in the same run.
 
 Arms: our generated kernels on a folded pool and on a split pool (tags: a partial tiling such as tm64s2 = the library
 partial; hm32s3 = the head-major order of bench/versions/decode_partial_head_major.py; a 'v3' suffix = the query load
-by all threads of bench/versions/decode_partial_query_all_threads.py), and FlashInfer's
-paged decode (tensor-core and CUDA-core paths) on a split pool of the same bytes (its HND layout:
-[pages, 2, Hkv, page, D]). Each arm is checked against a float32 torch reference before it is timed.
+by all threads of bench/versions/decode_partial_query_all_threads.py), the partial kernel alone (no merges), a plain
+streaming read of the bytes a decode reads (`foldkv.lab.bench.stream_read_arm`), and FlashInfer's paged decode
+(tensor-core and CUDA-core paths, `fi_tc` / `fi_cuda`) on a split pool of the same values in its HND layout.
 
     python bench/decode_harness.py                   # on the H200 (source .devsite/env.sh first for FlashInfer)
     python bench/decode_harness.py --resources       # CPU: registers / shared memory / spills per variant (nvcc)
@@ -17,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,14 +27,17 @@ import tempfile
 import torch
 
 import foldkv
-from foldkv import KvFormat, PagedKvLayout, PagedKvPool
+from foldkv import KvFormat
 from foldkv.kernels import decode as dec
 from foldkv.kernels import decode_partial, merge
+from foldkv.lab.bench import (ArmImpl, ArmSpec, AttentionCase, generated_arm, measure_read_roof, run_cell,
+                              stream_read_arm)
+from foldkv.lab.jsonsafe import jsonable
+from foldkv.lab.report import environment
+from foldkv.provenance import provenance
 from versions import decode_partial_head_major, decode_partial_query_all_threads  # bench/versions/
 
 GEOM = foldkv.GEMMA4_31B
-READ_ROOF_GBS = 4469.0  # streaming read roof measured on this H200 (shared/device/README.md)
-L2_BYTES = 60 << 20
 LENGTHS = (10602, 40002, 81653, 163336)
 DEFAULT_TILINGS = {"folded": ["tm64s2", "tm64s2v3"], "split": ["tm64s1", "tm64s1v3"]}
 
@@ -68,206 +71,86 @@ def kernels_for(fmt: KvFormat, tag: str) -> dict:
     return {dec.partial_kernel_name(fmt): build_partial(fmt, tag)}
 
 
-# --- inputs ----------------------------------------------------------------------------------------------------
-def make_rotations(fmt: KvFormat, length: int, device, gen):
-    """One pool holding `rot` disjoint scattered copies of a request's pages, with rot block tables and queries, so
-    consecutive steps read different bytes and the working set is over 4x the L2."""
-    lay = PagedKvLayout(GEOM, fmt, 64, 0)
-    bytes_one = length * lay.bytes_per_token
-    rot = max(2, math.ceil(4 * L2_BYTES / bytes_one))
-    pages = lay.pages_for(length)
-    pool = PagedKvPool(lay.with_pages(rot * pages), device=device)
-    pool.data.copy_(torch.randn(pool.data.shape, generator=gen, device=device, dtype=torch.float32)
-                    .to(torch.bfloat16))  # random rows, never zeros
-    perm = torch.randperm(rot * pages, generator=torch.Generator().manual_seed(length)).to(torch.int32)
-    tables = [foldkv.BlockTable(perm[i * pages:(i + 1) * pages][None].contiguous().to(device),
-                                torch.tensor([length], dtype=torch.int32, device=device)) for i in range(rot)]
-    queries = [(torch.randn(1, GEOM.num_q_heads, GEOM.head_dim, generator=gen, device=device) * 0.05)
-               .to(torch.bfloat16) for _ in range(rot)]
-    return pool, tables, queries, bytes_one
-
-
-def torch_reference(pool, query, table):
-    """float32 decode of one request: rows [n, Hkv, W] -> out [1, Hq, D] head order."""
-    rows = pool.gather(table, 0).float()  # [n, Hkv, W]
-    g = GEOM.group_size
-    keys = rows[..., foldkv.score_window(GEOM, pool.format)]  # [n, Hkv, D]
-    vals = rows[..., foldkv.value_window(GEOM, pool.format)]  # [n, Hkv, D] value-window order
-    q = query.float().view(GEOM.num_kv_heads, g, GEOM.head_dim)  # [Hkv, g, D]
-    p = torch.softmax(torch.einsum("hgd,nhd->hgn", q, keys), -1)  # [Hkv, g, n]
-    o = torch.einsum("hgn,nhd->hgd", p, vals).reshape(1, GEOM.num_q_heads, GEOM.head_dim)  # [1, Hq, D]
-    return o[..., foldkv.value_window_to_head(GEOM, pool.format).to(o.device)]
-
-
-def rel_err(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
 # --- arms ------------------------------------------------------------------------------------------------------
-def foldkv_arm(fmt, tag, length, device, gen):
-    pool, tables, queries, nbytes = make_rotations(fmt, length, device, gen)
-    kernels = kernels_for(fmt, tag)
-    plan = dec.plan_decode(pool.layout, [length], device=device)
-    out = torch.empty(1, GEOM.num_q_heads, GEOM.head_dim, dtype=torch.bfloat16, device=device)
-    lse = torch.empty(1, GEOM.num_q_heads, dtype=torch.float32, device=device)
-    o, _ = dec.decode(pool, queries[0], tables[0], plan=plan, kernels=kernels)  # checked call, compiles
-    err = rel_err(o, torch_reference(pool, queries[0], tables[0]))
-    steps = [lambda i=i: dec.decode(pool, queries[i], tables[i], plan=plan, out=out, lse=lse, kernels=kernels,
-                                    check=False) for i in range(len(tables))]
-    info = f"{plan.num_chunks} chunks x {plan.chunk_tokens} tok, {plan.num_groups} groups"
-    return steps, nbytes, err, info, pool
+def tiling_arm(fmt: KvFormat, tag: str) -> ArmSpec:
+    """The whole decode (partial + merges) with the partial of tiling `tag`, through the public launcher."""
+    return ArmSpec(f"{fmt.value}_{tag}", f"generated {fmt.value} decode, partial {tag}", fmt.value, False,
+                   generated_arm("decode", fmt, "jit", kernels=lambda case: kernels_for(fmt, tag)),
+                   generated=True)
 
 
-def partial_only_arm(fmt, tag, length, device, gen):
-    """The partial kernel alone (no merges): end to end minus this is what the two merges cost."""
-    pool, tables, queries, nbytes = make_rotations(fmt, length, device, gen)
-    plan = dec.plan_decode(pool.layout, [length], device=device)
-    partial = build_partial(fmt, tag)
-    steps = [lambda i=i: partial(queries[i], pool.data, tables[i].page_ids, plan.chunk_req, plan.chunk_start,
-                                 plan.chunk_len, plan.part_o, plan.part_lse) for i in range(len(tables))]
-    return steps, nbytes, float("nan"), "partial kernel only", pool
+def partial_only_arm(fmt: KvFormat, tag: str) -> ArmSpec:
+    """The partial kernel alone (no merges): end to end minus this is what the two merges cost. Its check: every
+    chunk's partial output and LSE, poisoned first, is written."""
+
+    def build(case: AttentionCase) -> ArmImpl:
+        pools, query, table = case.pools(fmt), case.query(fmt), case.table
+        plan = dec.plan_decode(pools[0].layout, case.table_cpu.seq_lens, device=case.device)
+        partial = build_partial(fmt, tag)
+        calls = [lambda p=p: partial(query, p.data, table.page_ids, plan.chunk_req, plan.chunk_start, plan.chunk_len,
+                                     plan.part_o, plan.part_lse) for p in pools]
+
+        def check() -> dict:
+            plan.part_o.fill_(float("nan"))
+            plan.part_lse.fill_(float("nan"))
+            calls[0]()
+            torch.cuda.synchronize(case.device)
+            written = bool(torch.isfinite(plan.part_o).all()) and bool(torch.isfinite(plan.part_lse).all())
+            return {"written": written, "ok": written, "what": "every chunk's partial output and LSE written"}
+
+        return ArmImpl(calls, plan.part_o, graph=True, keep=plan, check=check,
+                       info={"chunks": plan.num_chunks, "chunk_tokens": plan.chunk_tokens})
+
+    return ArmSpec(f"{fmt.value}_{tag}_partial", f"generated {fmt.value} partial {tag} alone", fmt.value, False, build)
 
 
-def stream_read_arm(fmt, length, device, gen):
-    """No attention at all: the Triton streaming sum of foldkv.bench (the read-roof kernel) over the bytes a decode
-    step of `fmt` reads at `length`, rotated past L2 like the other arms. What any single kernel reading those
-    bytes costs here: the floor plus one launch, ramp and drain."""
-    from foldkv.bench import _triton_stream_read
+def stream_read_spec(fmt: KvFormat) -> ArmSpec:
+    """No attention at all: the read-roof kernel over the pool bytes a decode of `fmt` reads, rotated like the
+    pools: what any single kernel reading those bytes costs here (the floor plus one launch, ramp and drain)."""
 
-    lay = PagedKvLayout(GEOM, fmt, 64, 0)
-    nbytes = length * lay.bytes_per_token
-    elems = -(-nbytes // 2 // 4096) * 4096  # whole 4096-element blocks
-    rot = max(2, math.ceil(4 * L2_BYTES / nbytes))
-    bufs = [torch.randn(elems, generator=gen, device=device).to(torch.bfloat16) for _ in range(rot)]
-    part = torch.empty(torch.cuda.get_device_properties(device).multi_processor_count * 4, dtype=torch.float32,
-                       device=device)
-    run = _triton_stream_read()
-    run(bufs[0], part)
-    err = abs(float(part.sum()) - float(bufs[0].float().sum())) / max(1.0, float(bufs[0].float().abs().sum()))
-    steps = [lambda b=b: run(b, part) for b in bufs]
-    return steps, nbytes, err, f"{elems * 2 / 1e6:.1f} MB streamed", bufs
+    def build(case: AttentionCase) -> ArmImpl:
+        kv = foldkv.floor.step_bytes(case.geom, fmt, case.seq_lens)["kv"]
+        return stream_read_arm(kv, case.device, copies=case.copies_for(fmt))
 
-
-def flashinfer_arms(length, device, gen):
-    """FlashInfer tensor-core and CUDA-core paged decode on an HND split pool of the same bytes, rotated too."""
-    import flashinfer
-
-    page, hkv, hq, d = 64, GEOM.num_kv_heads, GEOM.num_q_heads, GEOM.head_dim
-    pages = -(-length // page)
-    nbytes = length * hkv * 2 * d * 2
-    rot = max(2, math.ceil(4 * L2_BYTES / nbytes))
-    kv = torch.randn(rot * pages, 2, hkv, page, d, generator=gen, device=device).to(torch.bfloat16)
-    perm = torch.randperm(rot * pages, generator=torch.Generator().manual_seed(length + 1)).to(torch.int32).to(device)
-    queries = [(torch.randn(1, hq, d, generator=gen, device=device) * 0.05).to(torch.bfloat16) for _ in range(rot)]
-    indptr = torch.tensor([0, pages], dtype=torch.int32, device=device)
-    last = torch.tensor([length - (pages - 1) * page], dtype=torch.int32, device=device)
-    arms = {}
-    for tc in (True, False):
-        wrappers = []
-        for i in range(rot):
-            ws = torch.empty(128 << 20, dtype=torch.uint8, device=device)
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=tc)
-            w.plan(indptr, perm[i * pages:(i + 1) * pages].contiguous(), last, hq, hkv, d, page,
-                   q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=1.0)
-            wrappers.append(w)
-        o = wrappers[0].run(queries[0], kv)
-        # float32 reference for rotation 0
-        idx = perm[:pages].long()
-        k = kv[idx, 0].permute(0, 2, 1, 3).reshape(-1, hkv, d)[:length].float()  # [n, Hkv, D]
-        v = kv[idx, 1].permute(0, 2, 1, 3).reshape(-1, hkv, d)[:length].float()
-        q = queries[0].float().view(hkv, hq // hkv, d)
-        p = torch.softmax(torch.einsum("hgd,nhd->hgn", q, k), -1)
-        ref = torch.einsum("hgn,nhd->hgd", p, v).reshape(1, hq, d)
-        steps = [lambda i=i, ws=wrappers: ws[i].run(queries[i], kv) for i in range(rot)]
-        arms["flashinfer_tc" if tc else "flashinfer_cuda_core"] = (steps, nbytes, rel_err(o, ref), "HND split", kv)
-    return arms
-
-
-# --- timing ----------------------------------------------------------------------------------------------------
-def capture(steps):
-    """A CUDA graph that runs every rotation once; None when the arm cannot be captured."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for s in steps:  # warm-up outside the capture (allocator, lazy init)
-            s()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, stream=stream):
-            for s in steps:
-                s()
-    except Exception as exc:  # noqa: BLE001 - reported, the arm falls back to eager timing
-        print(f"    graph capture failed ({type(exc).__name__}: {str(exc)[:120]}): timing eager launches")
-        torch.cuda.synchronize()
-        return None
-    return graph
-
-
-def time_arms(arms: dict, rounds: int) -> dict:
-    """Interleaved rounds: each round times one replay (all rotations) of every arm; median us per step."""
-    runners = {}
-    for name, (steps, *_rest) in arms.items():
-        graph = capture(steps)
-        runners[name] = ((lambda g=graph: g.replay()) if graph is not None
-                         else (lambda ss=steps: [s() for s in ss]), len(steps), graph is not None)
-    for run, _, _ in runners.values():  # warm the clocks
-        for _ in range(5):
-            run()
-    torch.cuda.synchronize()
-    times = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name, (run, n, _) in runners.items():
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            stop.record()
-            stop.synchronize()
-            times[name].append(start.elapsed_time(stop) * 1e3 / n)
-    return {name: (statistics.median(t), min(t), runners[name][2]) for name, t in times.items()}
+    return ArmSpec(f"stream_read_{fmt.value}_bytes", f"streaming read of the {fmt.value} pool's bytes", fmt.value,
+                   False, build)
 
 
 def bench(lengths, tilings, rounds, with_flashinfer, out_json, partial_only=(), stream_read=()):
     device = torch.device("cuda")
-    gen = torch.Generator(device=device).manual_seed(0)
-    rows = []
+    roof = measure_read_roof(device)
+    print(f"read roof measured: {roof['gbps']:.0f} GB/s ({roof['method']})", flush=True)
+    arms: list = [tiling_arm(KvFormat.parse(f), tag) for f, tags in tilings.items() for tag in tags]
+    arms += [partial_only_arm(KvFormat.parse(f), tag) for f, tag in (spec.split(":") for spec in partial_only)]
+    arms += [stream_read_spec(KvFormat.parse(f)) for f in stream_read]
+    arms += ["fi_tc", "fi_cuda"] if with_flashinfer else []
+    cells = []
     for length in lengths:
-        arms = {}
-        for fmt_name, tags in tilings.items():
-            fmt = KvFormat.parse(fmt_name)
-            for tag in tags:
-                steps, nbytes, err, info, keep = foldkv_arm(fmt, tag, length, device, gen)
-                arms[f"{fmt.value}_{tag}"] = (steps, nbytes, err, info, keep)
-        for spec in partial_only:
-            fmt_name, tag = spec.split(":")
-            arms[f"{fmt_name}_{tag}_partial"] = partial_only_arm(KvFormat.parse(fmt_name), tag, length, device, gen)
-        for fmt_name in stream_read:
-            arms[f"stream_read_{fmt_name}_bytes"] = stream_read_arm(KvFormat.parse(fmt_name), length, device, gen)
-        if with_flashinfer:
-            try:
-                arms.update(flashinfer_arms(length, device, gen))
-            except Exception as exc:  # noqa: BLE001 - the peer arm is reported missing, not silently dropped
-                print(f"  FlashInfer arms failed at {length}: {type(exc).__name__}: {exc}")
-        timed = time_arms(arms, rounds)
-        for name, (med, best, graphed) in timed.items():
-            nbytes, err, info = arms[name][1], arms[name][2], arms[name][3]
-            floor = nbytes / (READ_ROOF_GBS * 1e3)  # us
-            rows.append(dict(length=length, arm=name, us=med, best_us=best, floor_us=floor, gbs=nbytes / (med * 1e3),
-                             roof_pct=100 * floor / med, rel_err=err, graph=graphed, info=info))
-            print(f"  {length:>7} {name:<24} {med:8.1f} us  rel_err {err:.2e}  {info}", flush=True)
-        del arms
+        case = AttentionCase([length], device=device, fi_kv_layout="HND")
+        cell = run_cell(f"decode/{length}", "decode", case, arms, rounds=rounds, warmup=5, roof=roof,
+                        log=lambda s: print(s, flush=True))
+        case.release()
         torch.cuda.empty_cache()
-    if out_json:  # the rows with the code they measured (commit, dirty flag, sha256 of each kernel built)
-        from foldkv.provenance import provenance
-
+        cells.append(cell)
+        for name, a in cell["arms"].items():
+            if a["status"] == "ok":
+                print(f"  {length:>7} {name:<24} {a['us']['median']:8.1f} us  check {a['check']}", flush=True)
+            else:
+                print(f"  {length:>7} {name:<24} {a['status']}: {a.get('reason', '')[:150]}", flush=True)
+    if out_json:  # the cells with the code they measured (commit, dirty flag, sha256 of each kernel built)
         with open(out_json, "w") as fh:
-            json.dump({"provenance": provenance(), "rows": rows}, fh, indent=1)
-    print(f"\n{'tokens':>7} {'arm':<24} {'us':>8} {'floor':>7} {'GB/s':>7} {'%roof':>6} {'rel_err':>8} graph")
-    for r in rows:
-        print(f"{r['length']:>7} {r['arm']:<24} {r['us']:8.1f} {r['floor_us']:7.1f} {r['gbs']:7.0f} "
-              f"{r['roof_pct']:6.1f} {r['rel_err']:8.1e} {'y' if r['graph'] else 'n'}")
-    return rows
+            json.dump(jsonable({"env": environment(device), "provenance": provenance(), "roof": roof,
+                                "cells": cells}), fh, indent=1, allow_nan=False)
+    print(f"\n{'tokens':>7} {'arm':<24} {'us':>8} {'floor':>7} {'GB/s':>7} {'%roof':>6} {'rel_err':>8} timing")
+    for c in cells:
+        for name, a in c["arms"].items():
+            if a["status"] != "ok":
+                continue
+            us, floor_us = a["us"]["median"], a["floor_us"]
+            rel = a["check"].get("rel_err", float("nan"))
+            print(f"{c['context']:>7} {name:<24} {us:8.1f} {floor_us:7.1f} {a['bytes'] / (us * 1e3):7.0f} "
+                  f"{100 * floor_us / us:6.1f} {rel:8.1e} {a['timing']}")
+    return cells
 
 
 # --- resource report (CPU) ---------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """Prefill harness: one 8,192-token chunk at the end of a 163,336-token context, one layer (GQA 8, hd 512), our
 generated split and folded prefill (each tiling in --tilings; a "-shared" suffix on a folded tiling = the
 shared-tile version in bench/versions/prefill_shared_tiles.py) against FlashInfer's paged prefill (causal, hd512) on a
-split pool of the same values, arms interleaved in one process by `foldkv.bench.run_cell` (pools rotated past L2,
-outputs poisoned and checked against a float32 reference before timing, median over rounds). Also times the fused
-prep of the same chunk against the torch prep. Prints a table last: ms, TFLOP/s, % of the measured bf16 matmul rate.
+split pool of the same values, arms interleaved in one process by `foldkv.lab.bench.run_cell` (pools rotated past
+L2, outputs poisoned and checked against the float64 reference before timing, median over rounds). Also times the
+fused prep of the same chunk against the torch prep. Prints a table last: ms, TFLOP/s, % of the bf16 matmul rate
+measured in the same run.
 
     python bench/prefill_harness.py --out $OUT/prefill.json        # on the H200 (source .devsite/env.sh first)
     python bench/prefill_harness.py --resources                     # CPU: registers / smem / spills per variant
@@ -25,13 +26,14 @@ import tempfile
 import torch
 
 import foldkv
-from foldkv import KvFormat, bench
-from foldkv.bench import ArmSpec, AttentionCase, run_cell
-from foldkv.peers import ArmImpl
+from foldkv import KvFormat
+from foldkv.lab.bench import ArmSpec, AttentionCase, generated_arm, measure_matmul_roof, run_cell, summarize
+from foldkv.lab.jsonsafe import jsonable
+from foldkv.lab.report import environment
+from foldkv.provenance import provenance
 from versions import prefill_shared_tiles  # bench/versions/
 
 GEOM = foldkv.GEMMA4_31B
-MATMUL_RATE_TFLOPS = 790.0  # the brief's measured bf16 dense-MMA rate of this H200 (also re-measured in the run)
 DEFAULT_TILINGS = {"folded": ["bn64s1", "bn64s1-shared"], "split": ["bn64s1"]}
 
 
@@ -47,29 +49,21 @@ def parse_tiling(tag: str) -> tuple[dict, str | None]:
     return {"block_N": int(m.group(1)), "num_stages": int(m.group(2))}, m.group(3)
 
 
-def generated_arm(fmt: KvFormat, tag: str) -> ArmSpec:
+def tiling_arm(fmt: KvFormat, tag: str) -> ArmSpec:
+    """The generated prefill of tiling `tag` on a `fmt` pool, through the public launcher."""
+    from foldkv.kernels.prefill import variant_name
+    from foldkv.kernels.resolve import kernel_params
+
     params, version = parse_tiling(tag)
-    if version is not None and fmt is not KvFormat.FOLDED:
+    if version and fmt is not KvFormat.FOLDED:
         raise SystemExit(f"tiling {tag!r} is a folded-only version")
 
-    def build(case: AttentionCase) -> ArmImpl:
-        from foldkv.kernels.prefill import prefill, variant_name
-        from foldkv.kernels.resolve import kernel_params
+    def version_kernels(case: AttentionCase) -> dict:
+        asked = kernel_params(variant_name(fmt), {**params, "page_size": case.page_size})
+        return {variant_name(fmt): VERSIONS[version](case.geom, **asked)}
 
-        kernels = None
-        if version is not None:  # the version built with the params the launcher asks for this pool
-            asked = kernel_params(variant_name(fmt), {**params, "page_size": case.page_size})
-            kernels = {variant_name(fmt): VERSIONS[version](case.geom, **asked)}
-        pools, query, table = case.pools(fmt), case.query(fmt), case.table
-        q_lens = torch.tensor(case.q_lens, dtype=torch.int32, device=case.device)
-        out = torch.empty(query.shape, dtype=torch.bfloat16, device=case.device)  # [T, Hq, D]
-        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=case.device)  # [T, Hq]
-        calls = [lambda p=p: prefill(p, query, table, q_lens, out=out, lse=lse, params=params, kernels=kernels)
-                 for p in pools]
-        return ArmImpl(calls, out, graph=False, why_eager="prefill launches are milliseconds long: timed eagerly",
-                       info={"params": params, "lse": lse})
-
-    return ArmSpec(f"{fmt.value}_{tag}".replace("-", "_"), f"generated {fmt.value} prefill {tag} (JIT)", fmt.value, False, build,
+    return ArmSpec(f"{fmt.value}_{tag}".replace("-", "_"), f"generated {fmt.value} prefill {tag} (JIT)", fmt.value,
+                   False, generated_arm("prefill", fmt, "jit", params, kernels=version_kernels if version else None),
                    generated=True)
 
 
@@ -102,7 +96,7 @@ def time_prep(device, chunk: int, rounds: int = 20) -> dict:
                 b.record()
                 torch.cuda.synchronize()
                 samples[k].append(a.elapsed_time(b) * 1e3)
-        res[fmt.value] = {k: bench.summarize(v) for k, v in samples.items()}
+        res[fmt.value] = {k: summarize(v) for k, v in samples.items()}
     return res
 
 
@@ -116,7 +110,7 @@ def resources() -> None:
     for fmt in (KvFormat.FOLDED, KvFormat.SPLIT):
         for tag in DEFAULT_TILINGS[fmt.value]:
             params, version = parse_tiling(tag)
-            build = (functools.partial(prefill_attention.build, fmt=fmt) if version is None else VERSIONS[version])
+            build = VERSIONS[version] if version else functools.partial(prefill_attention.build, fmt=fmt)
             kernels.append((f"prefill_{fmt.value}_{tag}", build(GEOM, **params)))
     for fmt in KvFormat:
         kernels.append((f"prep_{fmt.value}", prep_kernel.build(GEOM, fmt)))
@@ -154,32 +148,26 @@ def main() -> None:
     for t in args.tilings or []:
         f, tag = t.split(":")
         tilings.setdefault(f, []).append(tag)
-    arms = [] if args.no_flashinfer else ["fi_prefill"]
-    for fmt in (KvFormat.FOLDED, KvFormat.SPLIT):
-        for tag in tilings.get(fmt.value, []):
-            spec = generated_arm(fmt, tag)
-            bench.PREFILL_ARMS[spec.name] = spec  # this run's arms (the module-level table is the harness's registry)
-            arms.append(spec.name)
+    arms: list = [] if args.no_flashinfer else ["fi_prefill"]
+    arms += [tiling_arm(fmt, tag) for fmt in (KvFormat.FOLDED, KvFormat.SPLIT) for tag in tilings.get(fmt.value, [])]
 
-    roof = bench.measure_matmul_roof(dev)
+    roof = measure_matmul_roof(dev)
     print(f"bf16 matmul roof measured: {roof['tflops']:.0f} TFLOP/s", flush=True)
     case = AttentionCase([args.context], q_lens=[args.chunk], device=dev)
     cell = run_cell(f"prefill_{args.chunk}_at_{args.context}", "prefill", case, arms, rounds=args.rounds, warmup=1,
                     matmul_roof=roof, log=lambda s: print(s, flush=True))
     case.release()
     prep = time_prep(dev, args.chunk)
-    result = {"env": bench.environment(dev), "matmul_roof": roof, "cell": cell, "prep": prep}
+    result = {"env": environment(dev), "matmul_roof": roof, "cell": cell, "prep": prep}
     if args.out:
-        from foldkv.provenance import provenance
-
         result["provenance"] = provenance()  # commit, dirty flag, sha256 of each kernel built
         with open(args.out, "w") as fh:
-            json.dump(bench._clean(result), fh, indent=1)
+            json.dump(jsonable(result), fh, indent=1, allow_nan=False)
 
     flops = cell["flops"]
     print(f"\n{args.chunk}-token chunk ending at {args.context}, one layer: {flops / 1e12:.2f} TFLOP counted")
-    print(f"{'arm':22s} {'status':8s} {'median ms':>10s} {'p10-p90 ms':>16s} {'TFLOP/s':>8s} {'%790':>6s} "
-          f"{'%meas':>6s} {'rel err':>8s}  vs FlashInfer")
+    print(f"{'arm':22s} {'status':8s} {'median ms':>10s} {'p10-p90 ms':>16s} {'TFLOP/s':>8s} "
+          f"{'%mm':>6s} {'rel err':>8s}  vs FlashInfer   (%mm: of the {roof['tflops']:.0f} TFLOP/s measured above)")
     fi = cell["arms"].get("fi_prefill", {})
     for name, a in cell["arms"].items():
         if a.get("status") != "ok":
@@ -191,7 +179,7 @@ def main() -> None:
         if fi.get("status") == "ok" and name != "fi_prefill":
             vs = f"x{fi['us']['median'] / us['median']:.2f} faster"
         print(f"{name:22s} {'ok':8s} {us['median'] / 1e3:10.2f} {us['p10'] / 1e3:7.2f}-{us['p90'] / 1e3:<8.2f} "
-              f"{tf:8.1f} {100 * tf / MATMUL_RATE_TFLOPS:6.1f} {a.get('pct_matmul_roof', float('nan')):6.1f} "
+              f"{tf:8.1f} {a.get('pct_matmul_roof', float('nan')):6.1f} "
               f"{a['check']['rel_err']:8.2e}  {vs}")
     for fmt, r in prep.items():
         print(f"prep {fmt:7s} {args.chunk} tokens: fused {r['fused']['median']:.1f} us, torch {r['torch']['median']:.1f} us")

@@ -12,18 +12,22 @@ import pytest
 import torch
 
 from conftest import require_module
-from foldkv import bench
-from foldkv.peers import ArmImpl, ArmUnavailable
+from foldkv import GEMMA4_31B, floor
+from foldkv.lab import bench
+from foldkv.lab.arms import ArmUnavailable
+from foldkv.lab.bench import ArmImpl
+from foldkv.lab.jsonsafe import jsonable
+from foldkv.provenance import checkout_root
 
-NOTEBOOK = os.path.join(bench.repo_root(), "notebooks", "04_benchmarks.ipynb")
+NOTEBOOK = os.path.join(checkout_root(), "notebooks", "04_benchmarks.ipynb")
 HQ, HKV, D, R = 32, 4, 512, 128  # the 31B global layer, written out so the model is checked from first principles
 
 
 # --- byte / FLOP model --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("context", [1, 54, 10_602, 163_336])
-def test_decode_bytes_counts_pool_rows_query_and_outputs(context):
-    folded = bench.decode_bytes([context], "folded")
-    split = bench.decode_bytes([context], "split")
+def test_step_bytes_counts_pool_rows_query_and_outputs(context):
+    folded = floor.step_bytes(GEMMA4_31B, "folded", [context])
+    split = floor.step_bytes(GEMMA4_31B, "split", [context])
     assert folded["kv"] == context * HKV * (D + R) * 2
     assert split["kv"] == context * HKV * (2 * D) * 2
     assert folded["query"] == folded["out"] == HQ * D * 2 and folded["lse"] == HQ * 4
@@ -31,12 +35,31 @@ def test_decode_bytes_counts_pool_rows_query_and_outputs(context):
     assert folded["kv"] * 8 == split["kv"] * 5  # 640 / 1024 columns
 
 
-def test_decode_bytes_of_a_ragged_batch_and_a_prefill_chunk():
+def test_step_bytes_of_a_ragged_batch_and_a_prefill_chunk():
     lens = [97, 16384, 54]
-    b = bench.decode_bytes(lens, "folded")
+    b = floor.step_bytes(GEMMA4_31B, "folded", lens)
     assert b["kv"] == sum(lens) * HKV * 640 * 2 and b["query"] == 3 * HQ * D * 2
-    p = bench.decode_bytes([40_002], "split", q_lens=[8192])
+    p = floor.step_bytes(GEMMA4_31B, "split", [40_002], q_lens=[8192])
     assert p["query"] == p["out"] == 8192 * HQ * D * 2 and p["lse"] == 8192 * HQ * 4
+
+
+@pytest.mark.parametrize("q_lens", [None, [0], [55]])
+def test_step_bytes_refuses_queries_outside_their_request(q_lens):
+    with pytest.raises(ValueError, match="q_len"):
+        floor.step_bytes(GEMMA4_31B, "folded", [54] if q_lens else [], q_lens=q_lens)
+
+
+@pytest.mark.parametrize("fmt", ["split", "folded"])
+@pytest.mark.parametrize("context,batch", [(1, 1), (97, 3), (163_336, 1), (16_384, 32)])
+def test_the_floor_and_the_benchmarks_count_the_same_bytes(fmt, context, batch):
+    # One byte model: notebook 01's floor table, a benchmark cell's bytes and its % of roof are the same numbers.
+    row = floor.decode_bytes(GEMMA4_31B, fmt, context, batch=batch, bandwidth_gbps=4000.0)
+    parts = floor.step_bytes(GEMMA4_31B, fmt, [context] * batch)
+    case = bench.AttentionCase([context] * batch, device="cpu", rotate_bytes=0, min_copies=1, max_copies=1)
+    assert row.bytes_per_layer == parts["total"] == case.step_bytes(fmt)
+    assert row.pool_bytes_per_layer == parts["kv"]
+    assert row.io_bytes_per_layer == parts["query"] + parts["out"] + parts["lse"] == batch * HQ * (2 * D * 2 + 4)
+    assert row.floor_us_per_layer == pytest.approx(parts["total"] / 4000e3)
 
 
 @pytest.mark.parametrize("chunk,context", [(8192, 8192), (8192, 131_072), (97, 16384), (1, 54)])
@@ -55,10 +78,10 @@ def test_prefill_flops_refuses_a_chunk_longer_than_its_context():
 
 
 @pytest.mark.parametrize("context", [1, 64, 65, 163_336])
-def test_pool_bytes_at_counts_whole_pages_per_layer(context):
+def test_pool_bytes_counts_whole_pages_per_layer(context):
     pages = -(-context // 64)
-    assert bench.pool_bytes_at(context, "folded") == pages * 64 * HKV * 640 * 2
-    assert bench.pool_bytes_at(context, "split", layers=10) == 10 * pages * 64 * HKV * 1024 * 2
+    assert floor.pool_bytes(GEMMA4_31B, "folded", context) == pages * 64 * HKV * 640 * 2
+    assert floor.pool_bytes(GEMMA4_31B, "split", context, layers=10) == 10 * pages * 64 * HKV * 1024 * 2
 
 
 def test_ragged_lengths_are_seeded_odd_and_within_the_spread():
@@ -93,10 +116,8 @@ def _register(monkeypatch, name, build, *, fmt="folded", peer=False, generated=F
 
 def _torch_like(log, tag, scale=1.0):
     """An arm that computes the right answer (through the torch peer) and logs each call."""
-    from foldkv.peers import torch_decode_arm
-
     def build(case):
-        inner = torch_decode_arm(case.pools("split"), case.query("split"), case.table_cpu)
+        inner = bench.torch_decode_arm(case.pools("split"), case.query("split"), case.table_cpu)
 
         def call(c):
             log.append(tag)
@@ -192,7 +213,7 @@ def _cell(name, context, arms: dict[str, tuple[list[float], dict]], kind="decode
     cell = {"cell": name, "kind": kind, "context": context, "batch": 1, "seq_lens": [context], "arms": {},
             "speedup": {}}
     for n, (samples, meta) in arms.items():
-        b = bench.decode_bytes([context], meta["format"])["total"]
+        b = floor.step_bytes(GEMMA4_31B, meta["format"], [context])["total"]
         cell["arms"][n] = {"name": n, "status": "ok", "samples_us": samples, "us": bench.summarize(samples),
                            "bytes": b, "floor_us": b / 4000e3, "check": {"ok": True},
                            "pct_roof": bench.summarize([bench.pct_of_roof(b, s, 4000.0) for s in samples]), **meta}
@@ -307,7 +328,7 @@ def test_notebook_cpu_mode_records_every_cell_and_arm(cpu_run):
         assert c["arms"]["torch_folded"]["check"]["ok"]
         assert c["arms"]["fi_cuda"]["status"] == "not run" and c["arms"]["folded_jit"]["status"] == "not run"
         assert c["arms"]["torch"]["us"]["n"] == 2
-        assert c["bytes"]["folded"] == bench.decode_bytes(c["seq_lens"], "folded")["total"]
+        assert c["bytes"]["folded"] == floor.step_bytes(GEMMA4_31B, "folded", c["seq_lens"])["total"]
         assert c["arms"]["torch_folded"]["bytes"] == c["bytes"]["folded"]
     prefill = doc["cells"][4]
     assert prefill["flops"] == bench.prefill_flops(16, 70) and prefill["q_lens"] == [16]
@@ -390,3 +411,58 @@ def test_an_arm_failing_mid_rounds_is_recorded_and_dropped(monkeypatch):
     assert res["arms"]["flaky"]["status"] == "error" and "failed while timing" in res["arms"]["flaky"]["reason"]
     assert res["arms"]["torch"]["status"] == "ok" and res["arms"]["torch"]["us"]["n"] == 3
     assert "flaky" not in res["speedup"] and res["speedup"]["torch"] == {}
+
+
+# --- the float64 reference rows, JSON, roofs without a GPU -----------------------------------------------------------
+def test_reference_rows_are_the_full_paged_reference_at_those_rows():
+    # A sampled row is asked as a one-query request over its prefix: it must be the chunk's own causal answer.
+    from foldkv import paged_attention_reference
+
+    case = bench.AttentionCase([130, 300], q_lens=[70, 150], device="cpu", rotate_bytes=0, min_copies=1,
+                               max_copies=1)
+    ref = case.reference()
+    assert ref["rows"].numel() == bench.case.CHECK_ROWS and ref["out"].dtype == torch.float64
+    full, _ = paged_attention_reference(case.pools("split")[0], case.query("split"), case.table_cpu,
+                                        torch.tensor(case.q_lens))
+    torch.testing.assert_close(ref["out"], full[ref["rows"]], rtol=1e-12, atol=1e-12)  # float64: summation order only
+    assert not torch.allclose(ref["out"], full[ref["rows"].roll(1)], rtol=1e-3)  # the rows are not interchangeable
+
+
+def test_jsonable_makes_strict_json():
+    import enum
+
+    import numpy as np
+
+    from foldkv import KvFormat
+
+    class Color(enum.Enum):
+        RED = "red"
+
+    doc = {"nan": float("nan"), "inf": [float("-inf"), 1.5], "t": torch.tensor([[1.0, float("nan")]]),
+           "scalar": torch.tensor(3), "np": np.float32(2.5), "arr": np.arange(3), "fmt": KvFormat.FOLDED,
+           Color.RED: (1, "a"), 7: None, "dtype": torch.bfloat16}
+    got = jsonable(doc)
+    assert got == {"nan": None, "inf": [None, 1.5], "t": [[1.0, None]], "scalar": 3, "np": 2.5, "arr": [0, 1, 2],
+                   "fmt": "folded", "red": [1, "a"], "7": None, "dtype": "torch.bfloat16"}
+    json.dumps(got, allow_nan=False)
+    with pytest.raises(ValueError):
+        json.dumps(doc["inf"], allow_nan=False)  # what jsonable is for: the raw document is not strict JSON
+
+
+def test_committed_read_roof_names_the_run_it_came_from(tmp_path):
+    with pytest.raises(LookupError, match="no full H200"):
+        bench.committed_read_roof("runs/*/04_benchmarks.json", root=str(tmp_path))
+    doc = _doc([])
+    doc["roof"]["read"]["gbps"] = 4321.0
+    bench.save_results(doc, tmp_path / "runs" / "h200-x" / bench.RESULTS_NAME)
+    smoke = dict(_doc([], created="2026-12-01T00:00:00+00:00", smoke=True))
+    smoke["roof"] = {"read": {"gbps": 1.0, "method": "torch_sum"}}
+    bench.save_results(smoke, tmp_path / "runs" / "h200-smoke" / bench.RESULTS_NAME)  # never a smoke run's roof
+    roof = bench.committed_read_roof("runs/*/04_benchmarks.json", root=str(tmp_path))
+    assert roof["gbps"] == 4321.0 and roof["run"] == "h200-x" and "h200-x" in roof["said"]
+    assert "4,321 GB/s" in roof["said"] and "NOT committed" in roof["said"]
+
+
+def test_the_stream_read_arm_needs_cuda():
+    with pytest.raises(ArmUnavailable, match="CUDA"):
+        bench.stream_read_arm(1 << 20, "cpu", copies=2)

@@ -108,7 +108,7 @@ def _run_batch_module():
 
 def _committed_benchmark_run():
     """The run notebook 04 redraws on a machine without CUDA (None if no H200 results are committed)."""
-    from foldkv import bench
+    from foldkv.lab import bench
 
     found = bench.find_results("papermill_runs/*/04_benchmarks.json")
     return bench.run_name(found["path"]) if found else None
@@ -129,10 +129,10 @@ def test_cpu_benchmarks_say_they_are_redrawn(batch):
     row = next(line for line in summary.splitlines() if line.startswith("| 04_benchmarks |"))
     assert row.split(" | ")[1] == f"redrawn from {source}", row
     assert row.endswith("| 0 | 4 | 0 | 0 |"), row
-    # every plot title carries the mark: the plotting cell marks each figure it shows
+    # every plot title carries the mark: the plotting cell hands the run it redraws to the lab's figures
     nb = json.loads((out / "04_benchmarks.ipynb").read_text())
     plot_cells = ["".join(c["source"]) for c in nb["cells"] if "plt.show()" in "".join(c["source"])]
-    assert plot_cells and all(src.count("plt.show()") == src.count("bench.mark_redrawn(fig, redrawn_run)")
+    assert plot_cells and all(src.count("plt.show()") == src.count("plots.figures(results, redrawn_from=redrawn_run)")
                               for src in plot_cells)
     images = sum("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", []))
     assert images >= 2, "the redrawn plots were not drawn"
@@ -179,16 +179,16 @@ def test_mark_redrawn_titles_every_axes():
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from foldkv import bench
+    from foldkv.lab import bench
 
     fig, ax = plt.subplots(1, 2)
     ax[0].set_title("decode, one request")
-    bench.mark_redrawn(fig, "h200-x")
+    bench.plots.mark_redrawn(fig, "h200-x")
     assert [a.get_title() for a in ax] == ["decode, one request\n(redrawn from h200-x, not measured now)",
                                            "(redrawn from h200-x, not measured now)"]
     fig2, ax2 = plt.subplots()
     ax2.set_title("measured now")
-    bench.mark_redrawn(fig2, None)  # a measured run's plots carry no mark
+    bench.plots.mark_redrawn(fig2, None)  # a measured run's plots carry no mark
     assert ax2.get_title() == "measured now"
     plt.close("all")
     assert bench.run_name("/x/papermill_runs/h200-20261129-s2/04_benchmarks.json") == "h200-20261129-s2"

@@ -114,7 +114,7 @@ def test_this_checkout_is_the_default():
 def test_records_carry_provenance_at_save_time(tmp_path, monkeypatch):
     """RunRecord.save, the benchmark results and the kernels noted by the registry: what was noted before the save
     is in it (and a kernel noted after a save is only in the next one)."""
-    from foldkv import bench
+    from foldkv.lab import bench
 
     monkeypatch.setattr(registry, "_HANDED_OUT", {})  # this test's fake kernels stay out of other tests' records
     rec = RunRecord("nb", tmp_path)

@@ -1,12 +1,14 @@
-"""The byte floor of decode: bytes a step must read for each format, pool size at a context, and time at a bandwidth.
+"""The byte floor of attention: bytes a step must move for each format, pool size at a context, and time at a bandwidth.
 
-Decode at long context reads the whole pool of every request once; query and output are a rounding error beside it.
-The floor is those bytes over the measured HBM read bandwidth (GB/s = 1e9 bytes/s).
+Decode at long context reads the whole pool of every request once; the query read and the output and LSE written are a
+rounding error beside it, but they are counted. The floor is those bytes over the measured HBM read bandwidth
+(GB/s = 1e9 bytes/s). `step_bytes` is the one byte model: the floor table and the benchmarks' % of roof both use it.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
 from .config import AttentionGeometry
 from .layout import KvFormat
@@ -19,7 +21,7 @@ class DecodeBytes:
     context: int
     batch: int
     pool_bytes_per_layer: int  # KV rows read (all requests, all KV heads)
-    io_bytes_per_layer: int  # query read + output written
+    io_bytes_per_layer: int  # query read + output and LSE written
     bytes_per_layer: int
     bytes_per_step: int  # all global layers
     floor_us_per_layer: float
@@ -31,19 +33,45 @@ class DecodeBytes:
         return asdict(self)
 
 
+LSE_BYTES = 4  # the log-sum-exp a step writes per query row and head is float32
+
+
+def step_bytes(geom: AttentionGeometry, fmt: KvFormat | str, seq_lens: Sequence[int], *,
+               q_lens: Sequence[int] | None = None, elem_bytes: int = 2) -> dict:
+    """Bytes one attention step over one layer moves at least, by part: "kv" (the context's pool rows, every KV
+    head), "query" (read), "out" (written, same element size as the pool's) and "lse" (float32, written), and
+    their "total". Request r holds seq_lens[r] tokens and asks q_lens[r] queries (default 1: decode; a prefill chunk
+    gives its length). `elem_bytes` is the stored element's size (2: bf16)."""
+    seq_lens = [int(n) for n in seq_lens]
+    q_lens = [1] * len(seq_lens) if q_lens is None else [int(m) for m in q_lens]
+    if not seq_lens or len(q_lens) != len(seq_lens) or any(not 1 <= m <= n for m, n in zip(q_lens, seq_lens)):
+        raise ValueError(f"seq_lens {seq_lens} and q_lens {q_lens}: need one 1 <= q_len <= seq_len per request")
+    row_width = PagedKvLayout(geom, KvFormat.parse(fmt)).row_width
+    queries = sum(q_lens)
+    q = queries * geom.num_q_heads * geom.head_dim * elem_bytes
+    parts = {"kv": sum(seq_lens) * geom.num_kv_heads * row_width * elem_bytes, "query": q, "out": q,
+             "lse": queries * geom.num_q_heads * LSE_BYTES}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def pool_bytes(geom: AttentionGeometry, fmt: KvFormat | str, context: int, *, page_size: int = 64,
+               elem_bytes: int = 2, layers: int = 1) -> int:
+    """Bytes of the whole pages one request of `context` tokens holds, over `layers` global layers."""
+    lay = PagedKvLayout(geom, KvFormat.parse(fmt), page_size=page_size)
+    return lay.pages_for(context) * page_size * geom.num_kv_heads * lay.row_width * elem_bytes * layers
+
+
 def decode_bytes(geom: AttentionGeometry, fmt: KvFormat | str, context: int, *, batch: int = 1,
                  bandwidth_gbps: float, page_size: int = 64, elem_bytes: int = 2) -> DecodeBytes:
-    """Bytes one decode step reads for `batch` requests of `context` tokens, and the floor time at a bandwidth
-    (GB/s). Plain numbers, no tensors: `elem_bytes` is the stored element's size (2: bf16)."""
+    """Bytes one decode step moves for `batch` requests of `context` tokens (`step_bytes`), and the floor time at a
+    bandwidth (GB/s). Plain numbers, no tensors: `elem_bytes` is the stored element's size (2: bf16)."""
     if context < 1 or batch < 1 or bandwidth_gbps <= 0:
         raise ValueError(f"context={context}, batch={batch}, bandwidth_gbps={bandwidth_gbps} must all be positive")
     lay = PagedKvLayout(geom, KvFormat.parse(fmt), page_size=page_size)
-    per_token = geom.num_kv_heads * lay.row_width * elem_bytes
-    pool = batch * context * per_token
-    io = 2 * batch * geom.num_q_heads * geom.head_dim * elem_bytes  # q in, out back
-    per_layer = pool + io
-    pages = lay.pages_for(context) * batch
-    pool_gib = pages * page_size * per_token / GIB
+    parts = step_bytes(geom, lay.format, [context] * batch, elem_bytes=elem_bytes)
+    pool, io, per_layer = parts["kv"], parts["query"] + parts["out"] + parts["lse"], parts["total"]
+    pool_gib = batch * pool_bytes(geom, lay.format, context, page_size=page_size, elem_bytes=elem_bytes) / GIB
     return DecodeBytes(
         format=lay.format.value,
         context=context,
@@ -62,8 +90,8 @@ def decode_bytes(geom: AttentionGeometry, fmt: KvFormat | str, context: int, *, 
 def tokens_in_budget(geom: AttentionGeometry, fmt: KvFormat | str, budget_gib: float, *, page_size: int = 64,
                      elem_bytes: int = 2) -> int:
     """Whole pages of context (all global layers' pools) that fit in `budget_gib` GiB, in tokens."""
-    lay = PagedKvLayout(geom, KvFormat.parse(fmt), page_size=page_size)
-    page_bytes = page_size * geom.num_kv_heads * lay.row_width * elem_bytes * geom.num_global_layers
+    page_bytes = pool_bytes(geom, fmt, page_size, page_size=page_size, elem_bytes=elem_bytes,
+                            layers=geom.num_global_layers)  # one whole page
     return int(budget_gib * GIB // page_bytes) * page_size
 
 

@@ -218,13 +218,13 @@ def _format_names() -> tuple:
 
 
 def _bench_decode_arms() -> tuple:
-    from ..bench import DECODE_ARMS
+    from .bench import DECODE_ARMS
 
     return tuple(DECODE_ARMS)
 
 
 def _bench_prefill_arms() -> tuple:
-    from ..bench import PREFILL_ARMS
+    from .bench import PREFILL_ARMS
 
     return tuple(PREFILL_ARMS)
 
@@ -355,7 +355,7 @@ def _cross_03(values: dict, geom: AttentionGeometry) -> None:
 
 
 def _cross_04(values: dict, geom: AttentionGeometry) -> None:
-    from ..bench import ragged_lengths
+    from .bench import ragged_lengths
 
     # the batch cells draw lengths in mean x [1 - spread, 1 + spread] (ragged_lengths' default spread), odd-sized
     spread = inspect.signature(ragged_lengths).parameters["spread"].default

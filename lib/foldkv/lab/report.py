@@ -20,7 +20,10 @@ REDRAWN_FROM = "redrawn from"  # a section's status "redrawn from <run>": shown 
 def environment(device: torch.device | str | None = None) -> dict:
     """Where a result was made: enough to tell an H200 run from a CPU one. `device` (default: the CUDA device if torch
     sees one, else the CPU) is described by name, and a CUDA device by its capability, SM count and memory. Which
-    code made it is `provenance()`, saved beside this."""
+    code made it is `provenance()`, saved beside this. Versions: torch, CUDA, TileLang, FlashInfer; the active AOT
+    build folder."""
+    from .bench.arms import aot_build_dir
+
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     env: dict[str, Any] = {
         "host": platform.node(),
@@ -29,6 +32,8 @@ def environment(device: torch.device | str | None = None) -> dict:
         "cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
         "tilelang": _installed_version("tilelang"),  # the installed version, without importing TileLang
+        "flashinfer": _installed_version("flashinfer-python") or _installed_version("flashinfer"),
+        "aot_build": aot_build_dir(),
         "device_type": dev.type,
         "utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }

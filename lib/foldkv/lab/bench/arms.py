@@ -1,0 +1,220 @@
+"""The arms a cell times side by side: what an arm is (`ArmSpec`, built into an `ArmImpl`), foldkv's generated
+kernels through their public launchers (JIT or AOT), the plain torch decode, and the registries by name
+(`DECODE_ARMS`, `PREFILL_ARMS`; FlashInfer's builders live in `peers`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from foldkv.layout import KvFormat, score_window, value_window, value_window_to_head
+from foldkv.pool import BlockTable, PagedKvPool
+
+from ..arms import ArmUnavailable
+
+if TYPE_CHECKING:
+    from .case import AttentionCase
+
+GUARD_VALUE = 7.0  # sentinel in the row past each output: a kernel writing past its plan changes it
+EAGER_PREFILL = "prefill launches are milliseconds long: timed eagerly"
+
+
+@dataclass
+class ArmImpl:
+    """A built arm: `calls[c]()` runs one step on input copy c and writes `out` (head order, [tokens, Hq, D]).
+
+    `graph` says whether the harness should try to capture the calls in a CUDA graph (it still falls back to eager
+    timing, recording why, when the capture fails); `why_eager` is the reason when the builder already knows it cannot.
+    `timed_calls`, when given, are what is timed (captured or looped): the same steps without the per-call input
+    checks that read device memory back to the host (`calls`, checked, run first and are what the accuracy check
+    uses). `info` is recorded with the results (plain values); `lse` is poisoned and must be written like `out`;
+    `guards` are views that must still hold GUARD_VALUE after a call; `keep` holds objects the calls need alive.
+    `check`, for an arm whose output is not attention (a kernel part alone, a streaming read), replaces the
+    comparison with the reference: it poisons, runs copy 0 and returns {"ok": bool, ...}.
+    """
+
+    calls: list[Callable[[], Any]]
+    out: torch.Tensor
+    graph: bool = True
+    why_eager: str = ""
+    info: dict = field(default_factory=dict)
+    timed_calls: list[Callable[[], Any]] | None = None
+    lse: torch.Tensor | None = None
+    guards: list[torch.Tensor] = field(default_factory=list)
+    keep: Any = None
+    check: Callable[[], dict] | None = None
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """A named arm: what it is, which pool format its bytes are counted in, whether it is a peer (what a user would
+    pick instead of foldkv), whether it runs without CUDA and whether it is one of foldkv's generated kernels."""
+
+    name: str
+    label: str
+    format: str  # split | folded
+    peer: bool
+    build: Callable[["AttentionCase"], ArmImpl]
+    cpu_ok: bool = False
+    generated: bool = False
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# foldkv's generated kernels, through the public launchers
+# --------------------------------------------------------------------------------------------------------------------
+def guarded_outputs(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """out [T, Hq, D] bf16 and lse [T, Hq] float32 as contiguous views of buffers one row longer, whose last row
+    holds GUARD_VALUE (checked after each run: nothing past the plan may be written)."""
+    t, hq, d = query.shape
+    out_full = torch.empty(t + 1, hq, d, dtype=torch.bfloat16, device=query.device)  # [T + 1, Hq, D]
+    lse_full = torch.empty(t + 1, hq, dtype=torch.float32, device=query.device)  # [T + 1, Hq]
+    out_full[t:].fill_(GUARD_VALUE)
+    lse_full[t:].fill_(GUARD_VALUE)
+    return out_full[:t], lse_full[:t], [out_full[t:], lse_full[t:]]
+
+
+def aot_build_dir() -> str | None:
+    """The active AOT build's folder, or None (never raises)."""
+    try:
+        from foldkv.aot import active_build
+
+        b = active_build()
+        return str(getattr(b, "path", None) or getattr(b, "root", None) or getattr(b, "dir", None) or b)
+    except Exception:
+        return None
+
+
+def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | None = None,
+                  kernels: Callable[["AttentionCase"], dict] | None = None) -> Callable[["AttentionCase"], ArmImpl]:
+    """The builder of a generated-kernel arm: `op` "decode" (foldkv.kernels.decode.decode over a plan made once,
+    captured in a CUDA graph) or "prefill" (foldkv.kernels.prefill.prefill, timed eagerly), on the case's pools of
+    format `fmt`, through launcher backend `backend` ("jit" or "aot") with kernel `params` (prefill tilings).
+    `kernels(case)`, when given, returns the launcher's `kernels=` (an experiment's kernel in place of the library's,
+    e.g. a variant from bench/versions/). backend "aot" without an active build is "not run", not an error."""
+    fmt = KvFormat.parse(fmt)
+    if op not in ("decode", "prefill"):
+        raise ValueError(f"op {op!r}: expected 'decode' or 'prefill'")
+
+    def build(case: "AttentionCase") -> ArmImpl:
+        try:
+            if op == "decode":
+                from foldkv.kernels.decode import decode as launch, plan_decode
+            else:
+                from foldkv.kernels.prefill import prefill as launch
+        except Exception as exc:
+            raise ArmUnavailable(f"foldkv.kernels.{op} is not importable ({type(exc).__name__}: {str(exc)[:200]})") from None
+        if backend == "aot":
+            try:
+                from foldkv.aot import active_build
+
+                active_build()
+            except Exception as exc:
+                raise ArmUnavailable(f"no AOT build ({type(exc).__name__}: {str(exc)[:200]})") from None
+        pools, query, table = case.pools(fmt), case.query(fmt), case.table
+        out, lse, guards = guarded_outputs(query)
+        kw: dict[str, Any] = dict(out=out, lse=lse, backend=backend)
+        info: dict[str, Any] = {"backend": backend}
+        if params:
+            kw["params"] = info["params"] = dict(params)
+        if kernels is not None:
+            kw["kernels"] = dict(kernels(case))
+            info["kernels_replaced"] = sorted(kw["kernels"])
+        if op == "decode":
+            kw["plan"] = plan = plan_decode(pools[0].layout, case.table_cpu.seq_lens, device=case.device)
+            calls = [lambda p=p: launch(p, query, table, **kw) for p in pools]
+            # timed: check=False skips the host read-back of the table (checked by `calls` first), as a graph needs
+            timed = [lambda p=p: launch(p, query, table, check=False, **kw) for p in pools]
+            return ArmImpl(calls, out, graph=True, timed_calls=timed, info=info, lse=lse, guards=guards, keep=plan)
+        q_lens = torch.tensor(case.q_lens, dtype=torch.int32, device=case.device)
+        calls = [lambda p=p: launch(p, query, table, q_lens, **kw) for p in pools]
+        return ArmImpl(calls, out, graph=False, why_eager=EAGER_PREFILL, info=info, lse=lse, guards=guards)
+
+    return build
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Plain torch decode: gather the pages, two matmuls, softmax in float32
+# --------------------------------------------------------------------------------------------------------------------
+def torch_decode_step(pool: PagedKvPool, query: torch.Tensor, page_index: list[torch.Tensor], seq_lens: list[int],
+                      out: torch.Tensor) -> torch.Tensor:
+    """Decode attention as a user would write it in torch, for either pool format: bf16 matmuls, float32 softmax.
+
+    query [B, Hq, D] in the pool format's form; page_index[r] the device page ids of request r (long); seq_lens on the
+    host (so nothing syncs and the step is graph-capturable); out [B, Hq, D] head order.
+    """
+    geom, fmt = pool.geometry, pool.format
+    hkv, g, d = geom.num_kv_heads, geom.group_size, geom.head_dim
+    sw, vw = score_window(geom, fmt), value_window(geom, fmt)
+    to_head = None if fmt is KvFormat.SPLIT else value_window_to_head(geom, fmt).to(pool.device)
+    for r, n in enumerate(seq_lens):
+        rows = pool.data[page_index[r]]  # [pages, Hkv, P, W] (a gather; no host sync, graph-capturable)
+        rows = rows.transpose(0, 1).reshape(hkv, -1, rows.shape[-1])[:, :n]  # [Hkv, n, W]
+        keys, vals = rows[..., sw], rows[..., vw]  # [Hkv, n, D] each (values in value-window order)
+        q = query[r].view(hkv, g, d)  # [Hkv, G, D]
+        scores = torch.bmm(q, keys.transpose(1, 2))  # [Hkv, G, n]; Gemma 4 scaling is 1.0
+        probs = torch.softmax(scores.float(), dim=-1).to(rows.dtype)  # [Hkv, G, n]
+        o = torch.bmm(probs, vals).reshape(hkv * g, d)  # [Hq, D] value-window order
+        out[r] = o if to_head is None else o[:, to_head]
+    return out
+
+
+def torch_decode_arm(pool_copies: list[PagedKvPool], query: torch.Tensor, table: BlockTable) -> ArmImpl:
+    """The plain torch decode (gather + bf16 matmuls) over each pool copy; graph-capturable (no host sync)."""
+    page_size = pool_copies[0].layout.page_size
+    seq_lens = [int(n) for n in table.seq_lens.cpu()]
+    dev = pool_copies[0].device
+    page_index = [table.pages_of(r, page_size).to(dev, torch.long) for r in range(table.batch)]
+    out = torch.empty(query.shape, dtype=torch.bfloat16, device=dev)  # [B, Hq, D]
+    calls = [lambda p=p: torch_decode_step(p, query, page_index, seq_lens, out) for p in pool_copies]
+    return ArmImpl(calls, out, graph=dev.type == "cuda", why_eager="" if dev.type == "cuda" else "CPU: host timer",
+                   info={"format": pool_copies[0].format.value})
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The registries
+# --------------------------------------------------------------------------------------------------------------------
+def _torch_decode(fmt: KvFormat) -> Callable[["AttentionCase"], ArmImpl]:
+    def build(case: "AttentionCase") -> ArmImpl:
+        return torch_decode_arm(case.pools(fmt), case.query(fmt), case.table_cpu)
+
+    return build
+
+
+def _flashinfer(kind: str, tc: bool = False) -> Callable[["AttentionCase"], ArmImpl]:
+    def build(case: "AttentionCase") -> ArmImpl:
+        from . import peers
+
+        peers.import_flashinfer()  # "not run" before any pool is built when FlashInfer is absent
+        args = (case.flashinfer_kv(), case.query(KvFormat.SPLIT), case.table_cpu)
+        kw = dict(num_kv_heads=case.geom.num_kv_heads, page_size=case.page_size, kv_layout=case.fi_kv_layout)
+        if kind == "decode":
+            return peers.flashinfer_decode_arm(*args, use_tensor_cores=tc, **kw)
+        return peers.flashinfer_prefill_arm(*args, case.q_lens, **kw)
+
+    return build
+
+
+def _generated_specs(op: str) -> list[ArmSpec]:
+    what = "" if op == "decode" else " prefill"
+    return [ArmSpec(f"{fmt.value}_{backend}", f"generated {fmt.value}{what} ({backend.upper()})", fmt.value, False,
+                    generated_arm(op, fmt, backend), generated=True)
+            for fmt in (KvFormat.SPLIT, KvFormat.FOLDED) for backend in ("jit", "aot")]
+
+
+DECODE_ARMS: dict[str, ArmSpec] = {a.name: a for a in [
+    ArmSpec("fi_cuda", "FlashInfer decode, CUDA cores (use_tensor_cores=False)", "split", True,
+            _flashinfer("decode", tc=False)),
+    ArmSpec("fi_tc", "FlashInfer decode, tensor cores (use_tensor_cores=True)", "split", True,
+            _flashinfer("decode", tc=True)),
+    ArmSpec("torch", "plain torch (gather + bf16 matmul), split pool", "split", True, _torch_decode(KvFormat.SPLIT),
+            cpu_ok=True),
+    ArmSpec("torch_folded", "plain torch (gather + bf16 matmul), folded pool", "folded", False,
+            _torch_decode(KvFormat.FOLDED), cpu_ok=True),
+] + _generated_specs("decode")}
+PREFILL_ARMS: dict[str, ArmSpec] = {a.name: a for a in [
+    ArmSpec("fi_prefill", "FlashInfer paged prefill (causal, hd512)", "split", True, _flashinfer("prefill")),
+] + _generated_specs("prefill")}
+DEFAULT_DECODE_ARMS = ("fi_cuda", "fi_tc", "torch", "split_jit", "folded_jit", "folded_aot")
+DEFAULT_PREFILL_ARMS = ("fi_prefill", "split_jit", "folded_jit", "folded_aot")

@@ -1,0 +1,134 @@
+"""The results document of a benchmark run on disk: its schema, strict-JSON save with provenance, load, where a run
+writes (never over a committed run), and which earlier run a machine without a GPU redraws."""
+
+from __future__ import annotations
+
+import glob as _glob
+import json
+import os
+import subprocess
+
+import torch
+
+from foldkv.provenance import checkout_root, provenance
+
+from ..jsonsafe import jsonable
+
+SCHEMA = "foldkv.bench/1"
+RESULTS_NAME = "04_benchmarks.json"
+RESULTS_GLOB = f"papermill_runs/*/{RESULTS_NAME}"  # where the committed runs are, relative to the checkout
+
+
+def resolve_mode(mode: str) -> str:
+    """"auto" -> "gpu" with a CUDA device, else "redraw"; "gpu", "redraw" and "cpu" (the harness on the CPU with the
+    torch arms and a host clock: pipeline checks only, not a benchmark) pass through."""
+    mode = str(mode).lower()
+    if mode == "auto":
+        return "gpu" if torch.cuda.is_available() else "redraw"
+    if mode not in ("gpu", "redraw", "cpu"):
+        raise ValueError(f"mode {mode!r}: expected auto, gpu, redraw or cpu")
+    if mode == "gpu" and not torch.cuda.is_available():
+        raise RuntimeError("mode='gpu' but torch sees no CUDA device (use 'auto' to redraw instead)")
+    return mode
+
+
+def save_results(results: dict, path: str | os.PathLike) -> str:
+    """Write a results document as strict JSON (`jsonable`: NaN -> null), with the provenance of the code at save
+    time (commit, dirty flag, sha256 of every kernel this process built or loaded)."""
+    results["provenance"] = provenance()
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(jsonable(results), fh, indent=1, allow_nan=False)
+    return path
+
+
+def load_results(path: str | os.PathLike) -> dict:
+    with open(path) as fh:
+        doc = json.load(fh)
+    if doc.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: schema {doc.get('schema')!r}, expected {SCHEMA!r}")
+    return doc
+
+
+def _tracked(paths: list[str], root: str) -> set[str]:
+    try:
+        out = subprocess.run(["git", "ls-files", "--", *paths], cwd=root, capture_output=True, text=True, timeout=20)
+        if out.returncode != 0:
+            return set()
+        return {os.path.abspath(os.path.join(root, p)) for p in out.stdout.split()}
+    except Exception:
+        return set()
+
+
+def results_path(out_dir: str | None, name: str = RESULTS_NAME, *, root: str | None = None) -> tuple[str, str]:
+    """Where a run writes its JSON: `out_dir`/name (relative to the repo root), or papermill_runs/_scratch (ignored
+    by git) when out_dir is empty. A path git already tracks (a committed run) is never overwritten: the file goes
+    to _scratch instead. Returns (path, a sentence saying where and why)."""
+    root = root or checkout_root()
+    scratch = os.path.join(root, "papermill_runs", "_scratch", name)
+    if not out_dir:
+        return scratch, f"out_dir not given: writing to the git-ignored {scratch}"
+    d = out_dir if os.path.isabs(out_dir) else os.path.join(root, out_dir)
+    path = os.path.abspath(os.path.join(d, name))
+    if path in _tracked([path], root):
+        return scratch, f"{path} is a committed run and is never overwritten: writing to {scratch} instead"
+    return path, f"writing to {path}"
+
+
+def find_results(results_glob: str = RESULTS_GLOB, *, root: str | None = None, require_gpu: bool = True,
+                 device_contains: str | None = "H200") -> dict | None:
+    """The newest results document matching `results_glob` (relative to the repo root unless absolute) that is a
+    full GPU run (not smoke) on a device whose name contains `device_contains`; git-tracked (committed) files win
+    over untracked ones. Returns {"path", "committed", "results"} or None."""
+    root = root or checkout_root()
+    pattern = results_glob if os.path.isabs(results_glob) else os.path.join(root, results_glob)
+    paths = sorted(os.path.abspath(p) for p in _glob.glob(pattern, recursive=True))
+    tracked = _tracked(paths, root)
+    found = []
+    for p in paths:
+        try:
+            doc = load_results(p)
+        except Exception:
+            continue
+        if require_gpu and (doc.get("mode") != "gpu" or doc.get("params", {}).get("smoke")):
+            continue
+        name = str(doc.get("env", {}).get("device_name", ""))
+        if device_contains and device_contains.lower() not in name.lower():
+            continue
+        found.append((p in tracked, doc.get("created", ""), p, doc))
+    if not found:
+        return None
+    committed, _, path, doc = max(found, key=lambda f: (f[0], f[1]))
+    return {"path": path, "committed": committed, "results": doc}
+
+
+def open_results(path: str, *, root: str | None = None) -> dict:
+    """An explicitly named results document to redraw: {"path", "committed", "results"} (no filtering: the banner
+    says what it is)."""
+    root = root or checkout_root()
+    p = os.path.abspath(path if os.path.isabs(path) else os.path.join(root, path))
+    return {"path": p, "committed": p in _tracked([p], root), "results": load_results(p)}
+
+
+def run_name(path: str | os.PathLike) -> str:
+    """The run a results file belongs to: the name of its folder (its tag under papermill_runs/, e.g. h200-20261129-s2)."""
+    return os.path.basename(os.path.dirname(os.path.abspath(os.fspath(path))))
+
+
+def git_commit_of(results: dict) -> str | None:
+    """The commit a results document was measured with (its provenance; older documents kept it in env)."""
+    return (results.get("provenance") or {}).get("git_commit") or results.get("env", {}).get("git_commit")
+
+
+def redraw_banner(found: dict | None, results_glob: str) -> str:
+    if found is None:
+        return (f"No CUDA device here, and no H200 results matched {results_glob!r}: nothing to redraw. "
+                "Run this notebook on the H200 (mode='gpu') to produce them.")
+    r = found["results"]
+    state = "committed" if found["committed"] else "NOT committed (untracked file)"
+    what = "H200" if "h200" in str(r.get("env", {}).get("device_name", "")).lower() else "NON-H200"
+    kind = f"mode={r.get('mode')!r}" + (", smoke" if r.get("params", {}).get("smoke") else "")
+    return (f"REDRAWING (nothing below was measured now): the {what} results ({kind}) of {r.get('created')} from "
+            f"{found['path']} ({state}, device {r.get('env', {}).get('device_name')}, "
+            f"git {str(git_commit_of(r))[:10]}).")
