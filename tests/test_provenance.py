@@ -101,6 +101,28 @@ def test_copy_changed_after_the_stamp_says_dirty(tmp_path, repo):
     assert "DIFFER" in state["git_reason"]
 
 
+def test_copy_beside_a_stale_git_takes_the_commit_from_the_stamp(tmp_path, repo):
+    """The device machine's copy can carry a .git whose HEAD is an older commit: the files changed against it, but
+    they are exactly the stamped commit's, so the stamp names the commit (clean)."""
+    import shutil
+
+    stale = tmp_path / "stale"
+    shutil.copytree(repo, stale)  # the older commit, with its .git
+    (repo / "lib" / "code.py").write_text("x = 5\n")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "newer")
+    provenance.write_checkout_stamp(repo)
+    shutil.rmtree(stale / "lib")
+    shutil.copytree(repo / "lib", stale / "lib")
+    shutil.copytree(repo / "build", stale / "build")
+    state = provenance.checkout_state(stale)
+    assert state["git_commit"] == git(repo, "rev-parse", "HEAD") != git(stale, "rev-parse", "HEAD"), state
+    assert state["dirty"] is False and "git here says HEAD" in state["git_reason"], state
+    # red twin: one more edit in the copy, and the stale HEAD plus its changed files is what is reported
+    (stale / "lib" / "code.py").write_text("x = 6\n")
+    state = provenance.checkout_state(stale)
+    assert state["git_commit"] == git(stale, "rev-parse", "HEAD") and state["dirty"] is True, state
+
+
 def test_copy_without_git_or_stamp_names_no_commit(tmp_path, repo):
     state = provenance.checkout_state(_copy_without_git(repo, tmp_path / "copy"))
     assert state["git_commit"] is None and state["dirty"] is None

@@ -32,7 +32,11 @@ def _git(root: str, *args: str) -> str:
 def checkout_state(repo: str | os.PathLike | None = None) -> dict:
     """The code a record was made with: `git_commit` (HEAD of the checkout, None with `git_reason` when foldkv is not
     imported from the top of a git checkout), `dirty` (tracked files changed against HEAD, staged or not, outside
-    papermill_runs/) and up to MAX_DIRTY_PATHS of those paths (`dirty_paths_total` counts them all)."""
+    papermill_runs/) and up to MAX_DIRTY_PATHS of those paths (`dirty_paths_total` counts them all).
+
+    A copy of a checkout made elsewhere (the device machine gets the working tree, with no .git or a stale one) names
+    its commit through CHECKOUT_STAMP: used when there is no git here, and when git here sees changed files but every
+    file the stamp lists hashes the same (the tree is the stamped commit's, whatever HEAD the copy's .git holds)."""
     root = os.path.abspath(os.fspath(repo) if repo is not None else checkout_root())
     state: dict[str, Any] = {"git_commit": None, "dirty": None, "dirty_paths": [], "dirty_paths_total": None}
     try:
@@ -66,6 +70,12 @@ def checkout_state(repo: str | os.PathLike | None = None) -> dict:
     state["dirty"] = bool(paths)
     state["dirty_paths"] = sorted(paths)[:MAX_DIRTY_PATHS]
     state["dirty_paths_total"] = len(paths)
+    if paths:  # a tree copied beside an older .git (the device machine's copy) reads as dirty against that HEAD
+        stamped = _stamp_matching(root)
+        if stamped is not None and stamped["git_commit"] != state["git_commit"]:
+            stamped["git_reason"] = (f"git here says HEAD {state['git_commit'][:12]} with {len(paths)} changed files; "
+                                     f"{stamped['git_reason']}")
+            return stamped
     return state
 
 
@@ -99,22 +109,40 @@ def write_checkout_stamp(repo: str | os.PathLike | None = None) -> str:
     return path
 
 
+def _read_stamp(root: str) -> tuple[dict, bool] | None:
+    """CHECKOUT_STAMP of `root` and whether the files it lists hash the same here; None if there is none."""
+    path = os.path.join(root, CHECKOUT_STAMP)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        stamp = json.load(fh)
+    return stamp, _files_sha256(root, stamp["files"]) == stamp["files_sha256"]
+
+
+def _stamp_state(stamp: dict, same: bool) -> dict:
+    state = {"git_commit": stamp["git_commit"], "dirty": bool(stamp["dirty"]) or not same,
+             "dirty_paths": stamp["dirty_paths"] + ([] if same else ["(files changed since the stamp)"]),
+             "dirty_paths_total": stamp["dirty_paths_total"],
+             "git_reason": f"commit from {CHECKOUT_STAMP} (written {stamp['utc']}), whose {len(stamp['files'])} "
+                           f"tracked files {'hash the same' if same else 'DIFFER'} here"}
+    return state
+
+
+def _stamp_matching(root: str) -> dict | None:
+    """The stamp's state when every file it lists hashes the same here (the tree is that commit's), else None."""
+    read = _read_stamp(root)
+    return _stamp_state(*read) if read is not None and read[1] else None
+
+
 def _from_stamp(root: str, state: dict) -> dict:
     """No git here: take the commit from CHECKOUT_STAMP if the checkout carries one; the copy is dirty when the stamp
     says so or when any file it lists hashes differently here."""
-    path = os.path.join(root, CHECKOUT_STAMP)
-    if not os.path.isfile(path):
+    read = _read_stamp(root)
+    if read is None:
         return state
-    with open(path) as fh:
-        stamp = json.load(fh)
-    same = _files_sha256(root, stamp["files"]) == stamp["files_sha256"]
-    state.update(git_commit=stamp["git_commit"], dirty=bool(stamp["dirty"]) or not same,
-                 dirty_paths=stamp["dirty_paths"], dirty_paths_total=stamp["dirty_paths_total"],
-                 git_reason=f"{state['git_reason']}; commit from {CHECKOUT_STAMP} (written {stamp['utc']}), whose "
-                            f"{len(stamp['files'])} tracked files {'hash the same' if same else 'DIFFER'} here")
-    if not same:
-        state["dirty_paths"] = state["dirty_paths"] + ["(files changed since the stamp)"]
-    return state
+    stamped = _stamp_state(*read)
+    stamped["git_reason"] = f"{state['git_reason']}; {stamped['git_reason']}"
+    return stamped
 
 
 def provenance(repo: str | os.PathLike | None = None) -> dict:
