@@ -730,6 +730,11 @@ def plot_gap_distribution(results: dict, path: str | None = None):
     ax_h.set_title("histogram")
     ax_c.set_title("CDF")
     ax_c.legend(fontsize=8)
+    return _laid_out(fig, path)
+
+
+def _laid_out(fig, path: str | None):
+    """The figure laid out, saved to `path` when given (the run folder keeps the PNG), returned."""
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=90)
@@ -769,7 +774,4 @@ def plot_gap_vs_step_and_length(results: dict, path: str | None = None):
     ax_l.set_xlabel("prompt length (tokens)")
     ax_l.set_xscale("log")
     ax_s.legend(fontsize=8)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=90)
-    return fig
+    return _laid_out(fig, path)

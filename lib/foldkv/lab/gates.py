@@ -607,8 +607,7 @@ def run_kernel_gates(cases: list[Case], formats, backends, seed: int, build_dir:
 
     from ..aot import use_build
 
-    if not record.cuda_or_not_run(section):
-        print(record.sections[section])
+    if not _gpu_section(record, section):
         return
     fmts = [KvFormat.parse(f) for f in formats]
     with_aot = "aot" in backends and build_dir is not None
@@ -696,14 +695,21 @@ def plot_errors(gate_rows: list[dict]):
     return fig
 
 
+def _gpu_section(record, section: str) -> bool:
+    """True when a CUDA device is here; otherwise the section is recorded (and printed) as not run."""
+    if record.cuda_or_not_run(section):
+        return True
+    print(record.sections[section])
+    return False
+
+
 def last_row_gate(formats, seed: int, record, geom: AttentionGeometry = GEMMA4_31B) -> list[dict]:
     """GPU gate: the last row of a prefill and a decode of the same token agree (`agree`), per format. Records
     `prefill_last_row_vs_decode` (not run without CUDA) and returns its rows."""
-    if not record.cuda_or_not_run("prefill_last_row_vs_decode"):
-        print(record.sections["prefill_last_row_vs_decode"])
+    if not _gpu_section(record, "prefill_last_row_vs_decode"):
         return []
     rows = []
-    for fmt in (KvFormat.parse(f) for f in formats):
+    for fmt in map(KvFormat.parse, formats):
         case = Case("last-row", (1000, 4097), q_lens=(77, 1))
         inputs = make_inputs(case, fmt, "cuda", seed, geom=geom)
         out_p, _ = prefill_arm("jit")(inputs, *poisoned_outputs(78, geom, "cuda", pad_rows=0))
@@ -720,11 +726,10 @@ def last_row_gate(formats, seed: int, record, geom: AttentionGeometry = GEMMA4_3
 def refusal_gate(formats, seed: int, record) -> list[dict]:
     """GPU gate: every refusal of `DECODE_REFUSALS` / `PREFILL_REFUSALS` per format (`run_refusals`). Records
     `refusals` (not run without CUDA) and returns its rows."""
-    if not record.cuda_or_not_run("refusals"):
-        print(record.sections["refusals"])
+    if not _gpu_section(record, "refusals"):
         return []
     rows = []
-    for fmt in (KvFormat.parse(f) for f in formats):
+    for fmt in map(KvFormat.parse, formats):
         for case in (Case("refuse-decode", (97, 300)), Case("refuse-prefill", (97, 300), q_lens=(54, 65))):
             rows += [dict(r, format=fmt.value) for r in run_refusals(make_inputs(case, fmt, "cuda", seed))]
     record.ran("refusals", rows=rows, passed=all(r["passed"] for r in rows))
