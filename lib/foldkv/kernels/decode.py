@@ -96,8 +96,8 @@ def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: D
     """Decode attention of one query per request against the paged pool, in the pool's format.
 
     pool: bf16, contiguous, on a CUDA device (Hopper for the generated kernels). table: BlockTable whose page_ids
-    [B, pages] and seq_lens [B] are int32, contiguous, on the pool's device; 1 <= B <= 32 requests of 1 to 262,144
-    tokens. query: [B, Hq, D] bf16, contiguous, on the pool's device, in the format's form (what prep_and_store or
+    [B, pages] and seq_lens [B] are int32, contiguous, on the pool's device; 1 <= B <= 256 (plan.MAX_BATCH) requests
+    of 1 to 262,144 tokens. query: [B, Hq, D] bf16, contiguous, on the pool's device, in the format's form (what prep_and_store or
     prep_query returns). plan: from plan_decode(pool.layout, seq_lens, device=pool.device) for these lengths (made
     here when None). Returns (out [B, Hq, D] bf16 head order, lse [B, Hq] float32 natural log) on the pool's device,
     written into `out` / `lse` (same shapes and dtypes, contiguous) when given. Bad input raises FoldKvInputError

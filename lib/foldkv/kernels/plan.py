@@ -2,9 +2,19 @@
 and how slots are grouped for the two-level merge. Everything a decode step reads is a device tensor made here,
 before launch, so the step itself does no host work or synchronisation and can be captured in a CUDA graph.
 
-Slots: chunk c writes slot c; chunks of a request are consecutive. Merge groups: runs of at most `merge_group`
-consecutive chunks of one request; level one merges a group into its first slot, level two merges a request's
-groups (consecutive too) into the output.
+Slots: chunk c writes slot c; chunks of a request are consecutive (requests need not be in order: level two finds a
+request's groups through req_group_first). Merge groups: runs of at most `merge_group` consecutive chunks of one
+request; level one merges a group into its first slot, level two merges a request's groups into the output.
+
+The chunking (`balanced_chunk_pages`). A step lasts as long as its busiest SM: the partial kernel holds one CTA per SM
+(its registers fill the SM), CTAs are dispatched in grid order (chunk fastest, then KV head) to whichever SM frees
+first, and each costs about its pages plus a fixed part (prologue, query load, pipeline fill, its partial's write and
+the merges' read of it), modelled as PIECE_OVERHEAD_PAGES page reads. Each request is cut into pieces of nearly equal
+pages, no piece over P pages, and requests are laid out largest pieces first (longest-processing-time order), so the
+last wave is the short pieces. For each candidate P the step is estimated as the longest CTA when every CTA fits in
+one wave, else by list scheduling's bound (total / SMs + the longest CTA); the P with the smallest estimate wins.
+Balancing the number of CTAs alone (one wave, whatever the pieces' bytes) leaves a ragged batch's step as long as
+its longest request's read: a batch of 32 requests already fills the 132 SMs with one CTA per request and head.
 """
 
 from __future__ import annotations
@@ -19,10 +29,14 @@ from ..layout import value_window_columns
 from ..pool import PagedKvLayout
 from ..validate import FoldKvInputError, check_device
 
-MAX_BATCH = 32
+MAX_BATCH = 256
 MAX_LEN = 262_144
 DEFAULT_MERGE_GROUP = 8
 DEFAULT_SMS = 132  # H200; used when the device is not a CUDA device (CPU plans in tests)
+# A CTA's fixed cost in page reads (see the module docstring): about 1.5 us of prologue and pipeline fill, and its
+# partial (8 heads x 513 floats, 16 KB) written once and read by the merges, against a page tile of 82 KB (folded)
+# streamed at one SM's share of the read roof (~2.4 us on the H200).
+PIECE_OVERHEAD_PAGES = 1.0
 
 
 @dataclass
@@ -32,7 +46,7 @@ class DecodePlan:
 
     layout: PagedKvLayout
     seq_lens: tuple[int, ...]
-    chunk_tokens: int
+    chunk_tokens: int  # the longest chunk, rounded up to whole pages (every chunk when fixed chunks were asked for)
     merge_group: int
     chunks: list[tuple[int, int, int]]  # (request, first token, tokens) per slot
     groups: list[tuple[int, int]]  # (first slot, members) per group
@@ -77,45 +91,96 @@ def _parse_lens(seq_lens) -> list[int]:
     return lens
 
 
-def default_chunk_pages(layout: PagedKvLayout, lens: Sequence[int], num_sms: int) -> int:
-    """The smallest chunk (in pages) whose CTA count (chunks x KV heads) fits in one wave of `num_sms` CTAs: every
-    SM streams about the same number of pages, and no partial wave is left at the end."""
+def _pieces(pages: int, cap: int) -> list[int]:
+    """`pages` cut into the fewest pieces of at most `cap` pages, as equal as whole pages allow (larger first)."""
+    k = -(-pages // cap)
+    base, extra = divmod(pages, k)
+    return [base + 1] * extra + [base] * (k - extra)
+
+
+def estimated_step(pages: Sequence[int], cap: int, hkv: int, num_sms: int,
+                   overhead: float = PIECE_OVERHEAD_PAGES) -> float:
+    """The modelled length of a step (in page reads of one SM) whose requests of `pages` are cut at `cap` pages."""
+    longest = min(cap, max(pages)) + overhead
+    pieces = sum(-(-p // cap) for p in pages)
+    ctas = pieces * hkv
+    if ctas <= num_sms:
+        return longest
+    return (sum(pages) * hkv + ctas * overhead) / num_sms + longest
+
+
+def one_wave_cap(pages: Sequence[int], hkv: int, num_sms: int) -> int | None:
+    """The smallest cap whose CTAs (pieces x KV heads) all fit in one wave of `num_sms`; None if none does."""
+    ctas = lambda cap: sum(-(-p // cap) for p in pages) * hkv  # noqa: E731  (non-increasing in cap)
+    lo, hi = 1, max(pages)
+    if ctas(hi) > num_sms:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ctas(mid) <= num_sms else (mid + 1, hi)
+    return lo
+
+
+def balanced_chunk_pages(layout: PagedKvLayout, lens: Sequence[int], num_sms: int) -> int:
+    """The piece cap P (pages) with the shortest estimated step (module docstring). Candidates: the smallest cap that
+    fits one wave, and a geometric ladder (x3/4) from the longest request down to one page; ties go to the larger."""
     pages = [layout.pages_for(n) for n in lens]
     hkv = layout.geometry.num_kv_heads
-    cp = max(1, math.ceil(sum(pages) * hkv / num_sms))
-    while cp < max(pages) and sum(math.ceil(p / cp) for p in pages) * hkv > num_sms:
-        cp += 1
-    return cp
+    caps = {max(pages)}
+    cap = max(pages)
+    while cap > 1:
+        cap = (cap * 3) // 4 if cap > 4 else cap - 1
+        caps.add(cap)
+    wave = one_wave_cap(pages, hkv, num_sms)
+    if wave is not None:
+        caps.add(wave)
+    return min(sorted(caps, reverse=True), key=lambda c: estimated_step(pages, c, hkv, num_sms))
 
 
 def plan_decode(layout: PagedKvLayout, seq_lens, *, device, chunk_tokens: int | None = None,
                 merge_group: int | None = None, num_sms: int | None = None) -> DecodePlan:
-    """Cut each request into chunks of `chunk_tokens` (a multiple of the page size; default: one wave of CTAs on
-    `device`), group them for the merge and put the plan's tensors and workspace on `device`."""
+    """Cut each request into chunks, group them for the merge and put the plan's tensors and workspace on `device`.
+
+    Default: byte-balanced pieces (`balanced_chunk_pages`, for `num_sms`, default the device's SM count); with
+    `chunk_tokens` (a multiple of the page size), fixed chunks of that many tokens in request order."""
     lens = _parse_lens(seq_lens)
     device = check_device(device)
     page = layout.page_size
     if num_sms is None:
         num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                    if device.type == "cuda" else DEFAULT_SMS)
-    if chunk_tokens is None:
-        chunk_tokens = default_chunk_pages(layout, lens, num_sms) * page
-    chunk_tokens = int(chunk_tokens)
-    if chunk_tokens < page or chunk_tokens % page:
-        raise FoldKvInputError(f"chunk_tokens={chunk_tokens} must be a positive multiple of the page size {page}")
+    if chunk_tokens is not None:
+        chunk_tokens = int(chunk_tokens)
+        if chunk_tokens < page or chunk_tokens % page:
+            raise FoldKvInputError(f"chunk_tokens={chunk_tokens} must be a positive multiple of the page size {page}")
     merge_group = DEFAULT_MERGE_GROUP if merge_group is None else int(merge_group)
     if merge_group < 1:
         raise FoldKvInputError(f"merge_group={merge_group} must be >= 1")
 
+    if chunk_tokens is None:
+        cap = balanced_chunk_pages(layout, lens, num_sms)
+        pieces = {r: _pieces(layout.pages_for(n), cap) for r, n in enumerate(lens)}
+        order = sorted(range(len(lens)), key=lambda r: (-pieces[r][0], r))  # largest pieces first
+    else:
+        cap = chunk_tokens // page  # fixed chunks: every chunk of a request but its last holds exactly cap pages
+        pieces = {r: [cap] * (-(-layout.pages_for(n) // cap)) for r, n in enumerate(lens)}
+        order = list(range(len(lens)))
+
     chunks: list[tuple[int, int, int]] = []
     groups: list[tuple[int, int]] = []
-    request_groups: list[tuple[int, int]] = []
-    for r, n in enumerate(lens):
+    request_groups: list[tuple[int, int]] = [(0, 0)] * len(lens)
+    for r in order:
+        n = lens[r]
         first_chunk, first_group = len(chunks), len(groups)
-        chunks += [(r, s, min(chunk_tokens, n - s)) for s in range(0, n, chunk_tokens)]
+        start = 0
+        for piece in pieces[r]:
+            chunks.append((r, start, min(piece * page, n - start)))
+            start += piece * page
         count = len(chunks) - first_chunk
         groups += [(first_chunk + g, min(merge_group, count - g)) for g in range(0, count, merge_group)]
-        request_groups.append((first_group, len(groups) - first_group))
+        request_groups[r] = (first_group, len(groups) - first_group)
+    longest = max(n for _, _, n in chunks)
+    chunk_tokens = chunk_tokens if chunk_tokens is not None else -(-longest // page) * page
 
     geom = layout.geometry
     i32 = dict(dtype=torch.int32, device=device)

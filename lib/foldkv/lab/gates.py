@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from ..config import GEMMA4_31B, AttentionGeometry
+from ..kernels.plan import MAX_BATCH  # no TileLang: the plan module is plain torch
 from ..layout import KvFormat
 from ..pool import BlockTable, PagedKvLayout, PagedKvPool
 from ..prep import fill_sequences, prep_and_store, prep_query
@@ -90,11 +91,15 @@ class Case:
 
 
 def decode_cases(size: str = "full") -> list[Case]:
-    """At least eight decode cases: lengths 1, 63, 64, 65, a chunk boundary +-1, 10,602, 163,336, ragged batches up to
-    32 requests, peaked and spread attention. `size="smoke"` keeps the shapes, shrinks the long lengths."""
+    """At least eight decode cases: lengths 1, 63, 64, 65, a chunk boundary +-1, 10,602, 163,336, ragged batches of 4,
+    32, 64 and 128 requests (the last two with 1, 63, 64, 65 and 262,144 tokens among them), peaked and spread. `size="smoke"` keeps the shapes, shrinks the long lengths."""
     long_a, long_b = (10602, 163336) if size == "full" else (1000, 4097)
     g = torch.Generator().manual_seed(2026)
     ragged32 = tuple(int(x) for x in torch.randint(1, 20000 if size == "full" else 700, (32,), generator=g))
+    # 64 and 128 requests: the edges (1, 63, 64, 65 tokens, the longest context) among random lengths
+    edges = (1, 63, 64, 65, 262144 if size == "full" else 4097)
+    ragged64, ragged128 = (edges + tuple(int(x) for x in torch.randint(1, 20000 if size == "full" else 700, (n - 5,),
+                                                                        generator=g)) for n in (64, 128))
     return [
         Case("len1", (1,)),
         Case("len63", (63,)),
@@ -107,6 +112,8 @@ def decode_cases(size: str = "full") -> list[Case]:
         Case(f"len{long_b}", (long_b,)),
         Case("ragged4", (1, 97, 16384 if size == "full" else 640, 54)),
         Case("ragged32", ragged32),
+        Case("ragged64", ragged64),
+        Case("ragged128", ragged128),
         Case("peaked", (4096 if size == "full" else 300,), score_scale=4.0),
         Case("spread", (4096 if size == "full" else 300,), score_scale=0.05),
     ]
@@ -400,7 +407,8 @@ DECODE_REFUSALS: dict[str, tuple[str, Callable[[GateInputs], dict], str]] = {
         i, page_ids=_set(i.table.page_ids, (0, 0), -5))}, "holds -5"),
     "length-past-pages": ("seq_len beyond the pages its row holds", lambda i: {"table": _table_with(
         i, seq_lens=_set(i.table.seq_lens, 0, i.table.page_ids.shape[1] * 64 + 1))}, "pages"),
-    "batch-33": ("33 requests (limit 32)", lambda i: _many_requests(i, 33), "1 to 32"),
+    "batch-above-limit": (f"{MAX_BATCH + 1} requests (limit {MAX_BATCH})", lambda i: _many_requests(i, MAX_BATCH + 1),
+                          f"1 to {MAX_BATCH}"),
     "length-above-limit": ("a length of 262,145", lambda i: {"table": _table_with(
         i, page_ids=torch.zeros(1, 4097, dtype=torch.int32, device=i.pool.device),
         seq_lens=torch.tensor([262_145], dtype=torch.int32, device=i.pool.device)),

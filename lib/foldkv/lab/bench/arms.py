@@ -87,12 +87,14 @@ def aot_build_dir() -> str | None:
 
 
 def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | None = None,
-                  kernels: Callable[["AttentionCase"], dict] | None = None) -> Callable[["AttentionCase"], ArmImpl]:
+                  kernels: Callable[["AttentionCase"], dict] | None = None,
+                  plan_kw: Callable[["AttentionCase"], dict] | None = None) -> Callable[["AttentionCase"], ArmImpl]:
     """The builder of a generated-kernel arm: `op` "decode" (foldkv.kernels.decode.decode over a plan made once,
     captured in a CUDA graph) or "prefill" (foldkv.kernels.prefill.prefill, timed eagerly), on the case's pools of
     format `fmt`, through launcher backend `backend` ("jit" or "aot") with kernel `params` (prefill tilings).
     `kernels(case)`, when given, returns the launcher's `kernels=` (an experiment's kernel in place of the library's,
-    e.g. a variant from bench/versions/). backend "aot" without an active build is "not run", not an error."""
+    e.g. a variant from bench/versions/). `plan_kw(case)`, when given, are keyword arguments of `plan_decode` (an
+    experiment's chunking). backend "aot" without an active build is "not run", not an error."""
     fmt = KvFormat.parse(fmt)
     if op not in ("decode", "prefill"):
         raise ValueError(f"op {op!r}: expected 'decode' or 'prefill'")
@@ -122,7 +124,9 @@ def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | Non
             kw["kernels"] = dict(kernels(case))
             info["kernels_replaced"] = sorted(kw["kernels"])
         if op == "decode":
-            kw["plan"] = plan = plan_decode(pools[0].layout, case.table_cpu.seq_lens, device=case.device)
+            extra = plan_kw(case) if plan_kw is not None else {}
+            kw["plan"] = plan = plan_decode(pools[0].layout, case.table_cpu.seq_lens, device=case.device, **extra)
+            info.update(chunks=plan.num_chunks, chunk_tokens=plan.chunk_tokens, plan_kw=extra)
             calls = [lambda p=p: launch(p, query, table, **kw) for p in pools]
             # timed: check=False skips the host read-back of the table (checked by `calls` first), as a graph needs
             timed = [lambda p=p: launch(p, query, table, check=False, **kw) for p in pools]

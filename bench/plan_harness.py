@@ -1,0 +1,126 @@
+"""Decode chunking harness: the library's byte-balanced plan against the one-wave plan it replaced
+(bench/versions/plan_one_wave.py), on the batches a server sees, with the floor and the strongest peer in the same
+run: a plain streaming read of the folded pool's bytes (`stream_read_arm`) and FlashInfer's tensor-core decode on a
+split pool of the same values. Timed by `foldkv.lab.bench.run_cell` (outputs poisoned and checked against the float64
+reference first, CUDA-graph replays, arms interleaved round by round). Prints a table last.
+
+Cases (issue 14's): ragged batches of 8, 32, 64 and 128 requests with lengths uniform in 1K-48K; a long-tail mix of
+64 (90% of 1-4K, 10% of 64K-200K); one request at 10,602, 40,002 and 131,072 tokens.
+
+    python bench/plan_harness.py --json $OUT/plan.json          # on the H200 (source .devsite/env.sh first)
+    python bench/plan_harness.py --plans                          # CPU: the two plans' chunk counts and estimates
+
+Lab notes (prediction, outcome): bench/DECODE_NOTES.md, run 7.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+import torch
+
+import foldkv
+from foldkv import KvFormat, PagedKvLayout
+from foldkv.kernels.plan import DEFAULT_SMS, balanced_chunk_pages, estimated_step
+from foldkv.lab.bench import AttentionCase, ArmSpec, generated_arm, measure_read_roof, run_cell, stream_read_arm
+from foldkv.lab.jsonsafe import jsonable
+from foldkv.lab.report import environment
+from foldkv.provenance import provenance
+
+from versions import plan_one_wave  # bench/versions/
+
+GEOM = foldkv.GEMMA4_31B
+
+
+def cases(seed: int = 0) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    out = {f"uniform{b}": [rng.randint(1024, 48 * 1024) for _ in range(b)] for b in (8, 32, 64, 128)}
+    out["longtail64"] = [rng.randint(1, 4096) if i % 10 else rng.randint(65536, 200000) for i in range(64)]
+    out.update({f"single{n}": [n] for n in (10602, 40002, 131072)})
+    return out
+
+
+def one_wave_arm(fmt: KvFormat) -> ArmSpec:
+    return ArmSpec(f"{fmt.value}_one_wave", f"generated {fmt.value} decode, one-wave chunking", fmt.value, False,
+                   generated_arm("decode", fmt, "jit", plan_kw=lambda case: {"chunk_tokens": plan_one_wave.chunk_tokens(
+                       PagedKvLayout(case.geom, fmt, case.page_size, 0), case.seq_lens,
+                       torch.cuda.get_device_properties(case.device).multi_processor_count)}), generated=True)
+
+
+def balanced_arm(fmt: KvFormat) -> ArmSpec:
+    return ArmSpec(f"{fmt.value}_balanced", f"generated {fmt.value} decode, byte-balanced plan (library)", fmt.value,
+                   False, generated_arm("decode", fmt, "jit"), generated=True)
+
+
+def stream_read_spec() -> ArmSpec:
+    def build(case: AttentionCase):
+        kv = foldkv.floor.step_bytes(case.geom, KvFormat.FOLDED, case.seq_lens)["kv"]
+        return stream_read_arm(kv, case.device, copies=case.copies_for(KvFormat.FOLDED))
+
+    return ArmSpec("stream_read_folded_bytes", "streaming read of the folded pool's bytes", "folded", False, build)
+
+
+def show_plans():
+    layout = PagedKvLayout(GEOM, KvFormat.FOLDED, 64, 0)
+    print(f"{'case':<16} {'one-wave cap':>12} {'est':>8} {'balanced cap':>12} {'est':>8} {'predicted speed-up':>18}")
+    for name, lens in cases().items():
+        pages = [layout.pages_for(n) for n in lens]
+        ow, bal = plan_one_wave.chunk_pages(layout, lens, DEFAULT_SMS), balanced_chunk_pages(layout, lens, DEFAULT_SMS)
+        e_ow, e_bal = (estimated_step(pages, c, GEOM.num_kv_heads, DEFAULT_SMS) for c in (ow, bal))
+        print(f"{name:<16} {ow:>12} {e_ow:>8.1f} {bal:>12} {e_bal:>8.1f} {e_ow / e_bal:>18.2f}")
+
+
+def bench(rounds: int, out_json: str | None, only: list[str] | None):
+    device = torch.device("cuda")
+    roof = measure_read_roof(device)
+    print(f"read roof measured: {roof['gbps']:.0f} GB/s ({roof['method']})", flush=True)
+    arms = [balanced_arm(KvFormat.FOLDED), one_wave_arm(KvFormat.FOLDED), balanced_arm(KvFormat.SPLIT),
+            one_wave_arm(KvFormat.SPLIT), stream_read_spec(), "fi_tc"]
+    cells = []
+    for name, lens in cases().items():
+        if only and name not in only:
+            continue
+        case = AttentionCase(lens, device=device, fi_kv_layout="HND", min_copies=1)
+        cells.append(run_cell(f"plan/{name}", "decode", case, arms, rounds=rounds, warmup=3, roof=roof,
+                              log=lambda s: print(s, flush=True)))
+        case.release()
+        torch.cuda.empty_cache()
+        if out_json:  # after every cell: a run cut short keeps what it measured
+            with open(out_json, "w") as fh:
+                json.dump(jsonable({"env": environment(device), "provenance": provenance(), "roof": roof,
+                                    "cells": cells}), fh, indent=1, allow_nan=False)
+    print(f"\n{'case':<22} {'arm':<26} {'us':>9} {'x read':>7} {'x fi_tc':>8} {'chunks':>7} check")
+    for c in cells:
+        arms_ok = {n: a for n, a in c["arms"].items() if a["status"] == "ok"}
+        read = arms_ok.get("stream_read_folded_bytes", {}).get("us", {}).get("median")
+        fi = arms_ok.get("fi_tc", {}).get("us", {}).get("median")
+        for n, a in c["arms"].items():
+            if a["status"] != "ok":
+                print(f"{c['cell']:<22} {n:<26} {a['status']}: {a.get('reason', '')[:90]}")
+                continue
+            us = a["us"]["median"]
+            rel = a["check"].get("rel_err", float("nan"))
+            print(f"{c['cell']:<22} {n:<26} {us:9.1f} {us / read if read else float('nan'):7.2f} "
+                  f"{fi / us if fi else float('nan'):8.2f} {str(a.get('info', {}).get('chunks', '')):>7} {rel:.1e}")
+    return cells
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--only", nargs="*", help="case names (see --plans)")
+    ap.add_argument("--plans", action="store_true", help="print the plans and their estimates (CPU) and exit")
+    args = ap.parse_args(argv)
+    if args.plans:
+        show_plans()
+        return 0
+    bench(args.rounds, args.json, args.only)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
