@@ -15,6 +15,7 @@ import torch
 import foldkv
 from foldkv import FoldKvInputError, KvFormat, PagedKvLayout
 from foldkv.kernels.decode import decode, plan_decode
+from foldkv.kernels.plan import MAX_BATCH
 from foldkv.lab import gates
 
 pytestmark = pytest.mark.gpu
@@ -138,8 +139,9 @@ def test_refusals_write_nothing(cuda_device, bad):
                                  device=cuda_device)
         match = "plan was made for split pages"
     else:
-        table = foldkv.BlockTable(table.page_ids.repeat(17, 1)[:33].contiguous(), table.seq_lens.repeat(17)[:33])
-        match = "batch of 33"
+        n = MAX_BATCH + 1
+        table = foldkv.BlockTable(table.page_ids.repeat(n, 1)[:n].contiguous(), table.seq_lens.repeat(n)[:n])
+        match = f"batch of {n}"
     pool_before = pool.data.clone()
     out_before, lse_before = out_buf.clone(), lse_buf.clone()
     with pytest.raises(FoldKvInputError, match=match):
