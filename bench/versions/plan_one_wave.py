@@ -2,8 +2,8 @@
 (chunks x KV heads) fits in one wave of the SMs, every request cut into chunks of that size in request order; when
 even unsplit requests need more than one wave (33+ requests on 132 SMs), the longest request's pages.
 
-What it tried: no partial wave at the end, every SM streaming about the same number of pages. It does that for one
-request, where the library's planner (foldkv.kernels.plan.balanced_chunk_pages) still picks it.
+What it tried: no partial wave at the end, every SM streaming about the same number of pages. It does that whenever
+all CTAs fit one wave (one request, a few short ones), where the library's planner still lays out exactly this.
 
 Measured against the plain read of the same bytes (H200, notebook 04 of h200-20261130, ragged batches of mean
 16,384 tokens): batch 4 at 85% of the roof, batch 16 at 84%, batch 32 at 69% (903.9 us; FlashInfer TC 1,013.2). At
