@@ -1,11 +1,12 @@
 """Decode chunking harness: the library's byte-balanced plan against the one-wave plan it replaced
 (bench/versions/plan_one_wave.py), on the batches a server sees, with the floor and the strongest peer in the same
-run: a plain streaming read of the folded pool's bytes (`stream_read_arm`) and FlashInfer's tensor-core decode on a
-split pool of the same values. Timed by `foldkv.lab.bench.run_cell` (outputs poisoned and checked against the float64
-reference first, CUDA-graph replays, arms interleaved round by round). Prints a table last.
+run: a plain streaming read of the folded pool's bytes (the lab's `read_folded` arm) and FlashInfer's tensor-core
+decode on a split pool of the same values. Timed by `foldkv.lab.bench.run_cell` (outputs poisoned and checked against
+the float64 reference first, CUDA-graph replays, arms interleaved round by round). Prints a table last.
 
-Cases (issue 14's): ragged batches of 8, 32, 64 and 128 requests with lengths uniform in 1K-48K; a long-tail mix of
-64 (90% of 1-4K, 10% of 64K-200K); one request at 10,602, 40,002 and 131,072 tokens.
+Cases (issue 14's): ragged batches of 8, 32, 64 and 128 requests with lengths uniform in 1K-48K and a long-tail mix
+of 64 (90% of 1-4K, 10% of 64K-200K), drawn by `foldkv.lab.bench.serving_cases` (the batches notebook 04 measures);
+one request at 10,602, 40,002 and 131,072 tokens.
 
     python bench/plan_harness.py --json $OUT/plan.json          # on the H200 (source .devsite/env.sh first)
     python bench/plan_harness.py --plans                          # CPU: the two plans' chunk counts and estimates
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 
 import torch
@@ -25,7 +25,9 @@ import torch
 import foldkv
 from foldkv import KvFormat, PagedKvLayout
 from foldkv.kernels.plan import DEFAULT_SMS, balanced_chunk_pages, estimated_step
-from foldkv.lab.bench import AttentionCase, ArmSpec, generated_arm, measure_read_roof, run_cell, stream_read_arm
+from foldkv.lab.bench import AttentionCase, ArmSpec, generated_arm, measure_read_roof, run_cell
+from foldkv.lab.bench.arms import READ_FOLDED
+from foldkv.lab.bench.case import serving_cases
 from foldkv.lab.jsonsafe import jsonable
 from foldkv.lab.report import environment
 from foldkv.provenance import provenance
@@ -35,12 +37,13 @@ from versions import plan_one_wave  # bench/versions/
 GEOM = foldkv.GEMMA4_31B
 
 
+SINGLE_LENGTHS = (10602, 40002, 131072)
+
+
 def cases(seed: int = 0) -> dict[str, list[int]]:
-    rng = random.Random(seed)
-    out = {f"uniform{b}": [rng.randint(1024, 48 * 1024) for _ in range(b)] for b in (8, 32, 64, 128)}
-    out["longtail64"] = [rng.randint(1, 4096) if i % 10 else rng.randint(65536, 200000) for i in range(64)]
-    out.update({f"single{n}": [n] for n in (10602, 40002, 131072)})
-    return out
+    """Issue 14's batches (the lab's `serving_cases`, the ones notebook 04 measures) and one request at each of
+    SINGLE_LENGTHS."""
+    return {**serving_cases(seed), **{f"single{n}": [n] for n in SINGLE_LENGTHS}}
 
 
 def one_wave_arm(fmt: KvFormat) -> ArmSpec:
@@ -53,14 +56,6 @@ def one_wave_arm(fmt: KvFormat) -> ArmSpec:
 def balanced_arm(fmt: KvFormat) -> ArmSpec:
     return ArmSpec(f"{fmt.value}_balanced", f"generated {fmt.value} decode, byte-balanced plan (library)", fmt.value,
                    False, generated_arm("decode", fmt, "jit"), generated=True)
-
-
-def stream_read_spec() -> ArmSpec:
-    def build(case: AttentionCase):
-        kv = foldkv.floor.step_bytes(case.geom, KvFormat.FOLDED, case.seq_lens)["kv"]
-        return stream_read_arm(kv, case.device, copies=case.copies_for(KvFormat.FOLDED))
-
-    return ArmSpec("stream_read_folded_bytes", "streaming read of the folded pool's bytes", "folded", False, build)
 
 
 def show_plans():
@@ -78,7 +73,7 @@ def bench(rounds: int, out_json: str | None, only: list[str] | None):
     roof = measure_read_roof(device)
     print(f"read roof measured: {roof['gbps']:.0f} GB/s ({roof['method']})", flush=True)
     arms = [balanced_arm(KvFormat.FOLDED), one_wave_arm(KvFormat.FOLDED), balanced_arm(KvFormat.SPLIT),
-            one_wave_arm(KvFormat.SPLIT), stream_read_spec(), "fi_tc"]
+            one_wave_arm(KvFormat.SPLIT), READ_FOLDED, "fi_tc"]
     cells = []
     for name, lens in cases().items():
         if only and name not in only:
@@ -95,7 +90,7 @@ def bench(rounds: int, out_json: str | None, only: list[str] | None):
     print(f"\n{'case':<22} {'arm':<26} {'us':>9} {'x read':>7} {'x fi_tc':>8} {'chunks':>7} check")
     for c in cells:
         arms_ok = {n: a for n, a in c["arms"].items() if a["status"] == "ok"}
-        read = arms_ok.get("stream_read_folded_bytes", {}).get("us", {}).get("median")
+        read = arms_ok.get(READ_FOLDED, {}).get("us", {}).get("median")
         fi = arms_ok.get("fi_tc", {}).get("us", {}).get("median")
         for n, a in c["arms"].items():
             if a["status"] != "ok":

@@ -291,9 +291,9 @@ def test_committed_runs_win_and_are_never_overwritten(tmp_path):
 
 
 # --- the notebook, headless -----------------------------------------------------------------------------------------
-SMALL = {"single_lengths": [97], "sweep_lengths": [54, 130], "batch_sizes": [3], "batch_mean_len": 120,
+SMALL = {"single_lengths": [97], "sweep_lengths": [54, 130], "batch_cases": ["uniform8"],
          "prefill_chunk": 16, "prefill_contexts": [70], "rounds": 2, "prefill_rounds": 1, "warmup": 0,
-         "decode_arms": ["fi_cuda", "torch", "torch_folded", "folded_jit"]}
+         "decode_arms": ["fi_cuda", "torch", "torch_folded", "folded_jit", "read_folded"]}
 
 
 def _papermill(out_nb, params):
@@ -306,6 +306,7 @@ def _papermill(out_nb, params):
                                cwd=os.path.dirname(NOTEBOOK), progress_bar=False)
     nb = json.load(open(out_nb))
     return "\n".join("".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", ""))
+                     + "".join(o.get("data", {}).get("text/markdown", ""))
                      for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", []))
 
 
@@ -321,12 +322,14 @@ def test_notebook_cpu_mode_records_every_cell_and_arm(cpu_run):
     _, text, doc = cpu_run
     assert "NOT a benchmark" in text and doc["mode"] == "cpu"
     names = [c["cell"] for c in doc["cells"]]
-    assert names[:3] == ["single/97", "sweep/54", "sweep/130"] and names[3].startswith("batch/3x")
+    assert names[:4] == ["single/97", "sweep/54", "sweep/130", "batch/uniform8"]
+    assert doc["cells"][3]["seq_lens"] == bench.serving_cases(0, ["uniform8"], scale=1 / 128)["uniform8"]
     assert names[4] == "prefill/16@70"
     for c in doc["cells"][:4]:
         assert c["arms"]["torch"]["status"] == "ok" and c["arms"]["torch"]["check"]["ok"], c["arms"]["torch"]
         assert c["arms"]["torch_folded"]["check"]["ok"]
         assert c["arms"]["fi_cuda"]["status"] == "not run" and c["arms"]["folded_jit"]["status"] == "not run"
+        assert c["arms"]["read_folded"]["status"] == "not run" and "CUDA" in c["arms"]["read_folded"]["reason"]
         assert c["arms"]["torch"]["us"]["n"] == 2
         assert c["bytes"]["folded"] == floor.step_bytes(GEMMA4_31B, "folded", c["seq_lens"])["total"]
         assert c["arms"]["torch_folded"]["bytes"] == c["bytes"]["folded"]
@@ -335,6 +338,10 @@ def test_notebook_cpu_mode_records_every_cell_and_arm(cpu_run):
     assert doc["roof"]["read"]["gbps"] > 0 and "read_end" in doc["roof"]
     assert doc["conclusions"] == bench.conclusions(doc)  # computed from the data, not typed
     assert any("fi_cuda: not run" in s for s in doc["conclusions"])
+    # the targets table: the batch case is a target row; no generated arm runs on the CPU, and the table says so
+    assert "| target case | cell |" in text and "| batch/uniform8 | – (no folded arm ran and passed its check)" in text
+    assert ("batch/uniform8: folded vs plain read, folded vs FlashInfer TC not measured: no folded arm ran and passed"
+            " its check.") in doc["conclusions"]
 
 
 @pytest.mark.slow
@@ -466,3 +473,133 @@ def test_committed_read_roof_names_the_run_it_came_from(tmp_path):
 def test_the_stream_read_arm_needs_cuda():
     with pytest.raises(ArmUnavailable, match="CUDA"):
         bench.stream_read_arm(1 << 20, "cpu", copies=2)
+
+
+# --- issue 14: the serving cases, the plain-read arm's memory, the targets ------------------------------------------
+def test_serving_cases_are_seeded_and_hold_their_sizes_and_ranges():
+    cases = bench.serving_cases(0)
+    assert list(cases) == list(bench.SERVING_CASES)
+    assert {n: len(v) for n, v in cases.items()} == {"uniform8": 8, "uniform32": 32, "uniform64": 64,
+                                                       "uniform128": 128, "longtail64": 64}
+    for n in ("uniform8", "uniform32", "uniform64", "uniform128"):
+        assert all(1024 <= x <= 48 * 1024 for x in cases[n]), n
+        assert len(set(cases[n])) > len(cases[n]) // 2, f"{n}: lengths are not spread"
+    tail = cases["longtail64"]
+    long_ = [x for x in tail if x >= 65536]
+    assert len(long_) == 64 // 10 + 1 and all(x <= 200_000 for x in long_)  # one in ten (requests 0, 10, ..., 60)
+    assert all(1 <= x <= 4096 for x in tail if x < 65536)
+    assert cases == bench.serving_cases(0) and cases != bench.serving_cases(1)
+    # a case's lengths depend on the seed only, not on which other cases are asked for
+    assert bench.serving_cases(0, ["longtail64"]) == {"longtail64": tail}
+
+
+def test_serving_cases_shrink_for_the_cpu_and_refuse_unknown_names():
+    small = bench.serving_cases(0, ["uniform128", "longtail64"], scale=1 / 128)
+    full = bench.serving_cases(0, ["uniform128", "longtail64"])
+    assert all(len(small[n]) == len(full[n]) for n in small)
+    assert max(max(v) for v in small.values()) <= 200_000 // 128 and min(min(v) for v in small.values()) >= 1
+    with pytest.raises(ValueError, match="unknown serving case.*'uniform7'.*uniform8"):
+        bench.serving_cases(0, ["uniform7"])
+    with pytest.raises(ValueError, match="scale"):
+        bench.serving_cases(0, scale=0)
+
+
+def test_plan_harness_measures_the_lab_serving_cases():
+    import importlib.util
+    import sys
+
+    bench_dir = os.path.join(checkout_root(), "bench")
+    sys.path.insert(0, bench_dir)  # the harness imports bench/versions/
+    try:
+        spec = importlib.util.spec_from_file_location("plan_harness", os.path.join(bench_dir, "plan_harness.py"))
+        harness = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(harness)
+    finally:
+        sys.path.remove(bench_dir)
+    cases = harness.cases()
+    assert {n: cases[n] for n in bench.SERVING_CASES} == bench.serving_cases(0)
+
+
+@pytest.mark.parametrize("nbytes, copies, cap, want_buffers, want_buffer_bytes", [
+    (10 * 8192, 3, 1 << 20, 3, 10 * 8192),  # every copy fits: rotated as asked
+    (10 * 8192, 3, 25 * 8192, 2, 10 * 8192),  # two whole copies fit
+    (10 * 8192 + 5, 3, 4 * 8192, 1, 4 * 8192),  # not one copy fits: one capped buffer, read around
+])
+def test_stream_read_buffers_stay_within_their_cap(nbytes, copies, cap, want_buffers, want_buffer_bytes):
+    bufs, n_blocks = bench.stream_read_buffers(nbytes, "cpu", copies, max_bytes=cap)
+    held = sum(b.numel() * b.element_size() for b in bufs)
+    assert held <= cap, f"{held} bytes of buffers past the cap {cap}"
+    assert (len(bufs), bufs[0].numel() * 2) == (want_buffers, want_buffer_bytes)
+    assert all(b.dtype == torch.bfloat16 for b in bufs)  # drawn in bf16: no float32 draft twice the size
+    assert n_blocks * 8192 >= nbytes > (n_blocks - 1) * 8192  # a call still reads the whole byte count
+    assert bool(bufs[0].float().abs().sum() > 0)
+
+
+def test_stream_read_buffers_refuse_a_cap_below_one_block():
+    with pytest.raises(ValueError, match="at least one block"):
+        bench.stream_read_buffers(1 << 20, "cpu", 2, max_bytes=8191)
+    with pytest.raises(ValueError, match="bytes > 0"):
+        bench.stream_read_buffers(0, "cpu", 2)
+
+
+def test_stream_read_kernel_reads_around_a_capped_buffer(monkeypatch):
+    require_module("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's interpreter: the kernel on the CPU
+    from foldkv.lab.bench import roofs
+
+    run = roofs.stream_read_kernel()
+    bufs, n_blocks = bench.stream_read_buffers(10 * 8192 + 5, "cpu", 3, max_bytes=4 * 8192)
+    part = torch.full((6,), float("nan"))
+    run(bufs[0], part, n_blocks)
+    assert roofs._sum_error(part, bufs[0], n_blocks) <= roofs.SUM_TOL
+    run(bufs[0], part)  # red twin: one pass over the buffer is not what the check expects of the byte count
+    assert roofs._sum_error(part, bufs[0], n_blocks) > roofs.SUM_TOL
+
+
+READ = {"format": "folded", "generated": False, "peer": False}
+SPLIT = {"format": "split", "generated": True, "peer": False}
+
+
+def _target_cell(name, context, folded, read, fi_tc, split, batch=1):
+    arms = {"folded_jit": ([folded] * 3, FOLDED), "fi_tc": ([fi_tc] * 3, PEER), "split_jit": ([split] * 3, SPLIT)}
+    if read is not None:
+        arms["read_folded"] = ([read] * 3, READ)
+    return dict(_cell(name, context, arms), batch=batch)
+
+
+def test_issue14_targets_are_computed_per_cell_met_and_not_met():
+    doc = _doc([
+        _target_cell("batch/uniform64", 48_000, folded=105.0, read=100.0, fi_tc=160.0, split=150.0, batch=64),  # met
+        _target_cell("batch/longtail64", 200_000, folded=112.0, read=100.0, fi_tc=160.0, split=150.0, batch=64),
+        _target_cell("single/131072", 131_072, folded=104.0, read=100.0, fi_tc=150.0, split=160.0),  # FI TC 1.44x
+        _target_cell("single/40002", 40_002, folded=55.0, read=50.0, fi_tc=95.0, split=96.0),  # split 0.99x FI TC
+        _target_cell("sweep/65536", 65_536, folded=60.0, read=50.0, fi_tc=95.0, split=94.0),  # no target: no row
+        _target_cell("batch/4x28000", 28_000, folded=60.0, read=50.0, fi_tc=95.0, split=94.0, batch=4),  # old case
+    ])
+    rows = {r["cell"]: r for r in bench.target_rows(doc)}
+    assert list(rows) == ["batch/uniform64", "batch/longtail64", "single/131072", "single/40002"]
+    assert rows["batch/uniform64"]["met"] is True and rows["batch/uniform64"]["x_read"]["value"] == pytest.approx(1.05)
+    bad = rows["batch/longtail64"]  # red twins: each bound missed by one cell
+    assert bad["met"] is False and bad["x_read"]["met"] is False and bad["x_read"]["bound"] == 1.10
+    assert rows["single/131072"]["folded_x_fi_tc"]["met"] is False and rows["single/131072"]["x_read"]["met"] is True
+    assert rows["single/40002"]["split_x_fi_tc"]["met"] is False and rows["single/40002"]["x_read"]["bound"] == 1.15
+    table = bench.targets_markdown(doc)
+    assert "| batch/uniform64 | 1.05x (≤ 1.10: met)" in table and "1.12x (≤ 1.10: NOT met)" in table
+    assert "no cell of this case in this run" in table and "one request at 10.6K" in table
+    text = "\n".join(bench.conclusions(doc))
+    assert "Issue 14's targets: 1 of 4 decode cells meet all three" in text
+    assert "single/131072: folded vs FlashInfer TC 1.44x, target ≥ 1.55" in text
+
+
+def test_issue14_targets_say_when_a_run_has_no_plain_read_arm():
+    doc = _doc([_target_cell("single/10602", 10_602, folded=25.0, read=None, fi_tc=36.0, split=31.0)])
+    (row,) = bench.target_rows(doc)
+    assert row["x_read"]["met"] is None and row["x_read"]["why"] == "no plain-read arm in this run"
+    assert row["met"] is None and row["folded_x_fi_tc"]["met"] is True  # 1.44x >= 1.4
+    assert "– (no plain-read arm in this run)" in bench.targets_markdown(doc)
+    assert "No cell of issue 14's target cases" in bench.targets_markdown(_doc([]))
+    failed = _doc([{"cell": "batch/uniform128", "kind": "decode", "batch": 128, "context": 49_000, "arms": {},
+                    "speedup": {}, "error": "OutOfMemoryError: CUDA out of memory"}])
+    (row,) = bench.target_rows(failed)
+    assert row["met"] is None and all("the cell failed: OutOfMemoryError" in row[k]["why"]
+                                      for k in ("x_read", "folded_x_fi_tc", "split_x_fi_tc"))

@@ -229,6 +229,12 @@ def _bench_prefill_arms() -> tuple:
     return tuple(PREFILL_ARMS)
 
 
+def _serving_cases() -> tuple:
+    from .bench import SERVING_CASES
+
+    return SERVING_CASES
+
+
 def _drift_arms() -> tuple:
     from .model import MODEL_ARMS
 
@@ -287,8 +293,7 @@ SPECS: dict[str, dict[str, Param]] = {
         "redraw_from": Param("str", exists="file"),
         "single_lengths": TOKENS,
         "sweep_lengths": TOKENS,
-        "batch_sizes": Param("list", "int", positive=True, nonempty=True),
-        "batch_mean_len": Param("int", positive=True, tokens=True),
+        "batch_cases": Param("list", "str", choices=_serving_cases, nonempty=True),
         "decode_arms": Param("list", "str", choices=_bench_decode_arms, nonempty=True),
         "prefill_arms": Param("list", "str", choices=_bench_prefill_arms),
         "prefill_chunk": Param("int", positive=True),
@@ -354,20 +359,8 @@ def _cross_03(values: dict, geom: AttentionGeometry) -> None:
         raise ParameterError(f"device: {values['device']!r} is not a device ('auto', 'cpu', 'cuda', 'cuda:0'): {exc}") from None
 
 
-def _cross_04(values: dict, geom: AttentionGeometry) -> None:
-    from .bench import ragged_lengths
-
-    # the batch cells draw lengths in mean x [1 - spread, 1 + spread] (ragged_lengths' default spread), odd-sized
-    spread = inspect.signature(ragged_lengths).parameters["spread"].default
-    longest = int(values["batch_mean_len"] * (1 + spread)) | 1
-    if longest > geom.max_position:
-        raise ParameterError(f"batch_mean_len: {values['batch_mean_len']} draws lengths up to {longest}, past the"
-                             f" model's max_position {geom.max_position} ({geom.name})")
-
-
 GEOMETRY: dict[str, Callable[[dict], AttentionGeometry]] = {"01_byte_floor": _geometry_01, "03_drift_study": _geometry_03}
-CROSS_CHECKS: dict[str, Callable[[dict, AttentionGeometry], None]] = {"03_drift_study": _cross_03,
-                                                                      "04_benchmarks": _cross_04}
+CROSS_CHECKS: dict[str, Callable[[dict, AttentionGeometry], None]] = {"03_drift_study": _cross_03}
 
 
 def read_parameters(notebook: str, namespace: Mapping[str, Any]) -> dict[str, Any]:

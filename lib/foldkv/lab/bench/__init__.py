@@ -25,20 +25,25 @@ recorded "error: <text>"; neither stops the others. A run's document (`run.Bench
 """
 
 from . import plots
-from .arms import (DECODE_ARMS, DEFAULT_DECODE_ARMS, DEFAULT_PREFILL_ARMS, PREFILL_ARMS, ArmImpl, ArmSpec,
+from .arms import (DECODE_ARMS, DEFAULT_DECODE_ARMS, DEFAULT_PREFILL_ARMS, PREFILL_ARMS, READ_FOLDED, ArmImpl, ArmSpec,
                    generated_arm, torch_decode_arm)
-from .case import DEFAULT_ROTATE_BYTES, L2_BYTES, AttentionCase, prefill_flops, ragged_lengths
+from .case import (DEFAULT_ROTATE_BYTES, L2_BYTES, SERVING_CASES, AttentionCase, prefill_flops, ragged_lengths,
+                   serving_cases)
 from .results import (RESULTS_GLOB, RESULTS_NAME, SCHEMA, find_results, load_results, open_results, redraw_banner,
                       resolve_mode, results_path, run_name, save_results)
-from .roofs import committed_read_roof, measure_matmul_roof, measure_read_roof, stream_read_arm
+from .roofs import (STREAM_READ_MAX_BYTES, committed_read_roof, measure_matmul_roof, measure_read_roof,
+                    stream_read_arm, stream_read_buffers)
 from .plots import mark_redrawn
 from .run import BenchRun
 from .stats import paired_ratios, pct_of_roof, summarize
-from .tables import (arm_cell_text, arm_names, best_folded, cells_of, conclusions, markdown_table, prediction_table,
-                     series, verdicts)
+from .tables import (ISSUE14_TARGETS, DecodeTarget, arm_cell_text, arm_names, best_folded, best_split, cells_of,
+                     conclusions, markdown_table, prediction_table, series, target_conclusions, target_rows,
+                     targets_markdown, verdicts)
 from .timing import CHECK_REL_TOL, check_arm, run_cell, time_events
 
 __all__ = [
+    "ISSUE14_TARGETS", "READ_FOLDED", "SERVING_CASES", "STREAM_READ_MAX_BYTES", "DecodeTarget", "best_split",
+    "serving_cases", "stream_read_buffers", "target_conclusions", "target_rows", "targets_markdown",
     "ArmImpl", "ArmSpec", "AttentionCase", "BenchRun", "CHECK_REL_TOL", "DECODE_ARMS", "DEFAULT_DECODE_ARMS",
     "DEFAULT_PREFILL_ARMS", "DEFAULT_ROTATE_BYTES", "L2_BYTES", "PREFILL_ARMS", "RESULTS_GLOB", "RESULTS_NAME",
     "SCHEMA", "arm_cell_text", "arm_names", "best_folded", "cells_of", "check_arm", "committed_read_roof",

@@ -200,6 +200,20 @@ def _flashinfer(kind: str, tc: bool = False) -> Callable[["AttentionCase"], ArmI
     return build
 
 
+READ_FOLDED = "read_folded"  # the floor of every decode cell: a plain read of the folded pool's bytes, same run
+
+
+def _stream_read_folded(case: "AttentionCase") -> ArmImpl:
+    """The streaming read (`roofs.stream_read_arm`) of the bytes a folded decode reads from its pool, over as many
+    rotated copies as the case's folded pools (its buffers capped: the case's pools already hold the memory)."""
+    from foldkv import floor
+
+    from .roofs import stream_read_arm
+
+    kv = floor.step_bytes(case.geom, KvFormat.FOLDED, case.seq_lens)["kv"]
+    return stream_read_arm(kv, case.device, copies=case.copies_for(KvFormat.FOLDED))
+
+
 def _generated_specs(op: str) -> list[ArmSpec]:
     what = "" if op == "decode" else " prefill"
     return [ArmSpec(f"{fmt.value}_{backend}", f"generated {fmt.value}{what} ({backend.upper()})", fmt.value, False,
@@ -216,9 +230,11 @@ DECODE_ARMS: dict[str, ArmSpec] = {a.name: a for a in [
             cpu_ok=True),
     ArmSpec("torch_folded", "plain torch (gather + bf16 matmul), folded pool", "folded", False,
             _torch_decode(KvFormat.FOLDED), cpu_ok=True),
+    ArmSpec(READ_FOLDED, "plain streaming read of the folded pool's bytes (no attention: the floor)", "folded", False,
+            _stream_read_folded),
 ] + _generated_specs("decode")}
 PREFILL_ARMS: dict[str, ArmSpec] = {a.name: a for a in [
     ArmSpec("fi_prefill", "FlashInfer paged prefill (causal, hd512)", "split", True, _flashinfer("prefill")),
 ] + _generated_specs("prefill")}
-DEFAULT_DECODE_ARMS = ("fi_cuda", "fi_tc", "torch", "split_jit", "folded_jit", "folded_aot")
+DEFAULT_DECODE_ARMS = ("fi_cuda", "fi_tc", "torch", "split_jit", "folded_jit", "folded_aot", READ_FOLDED)
 DEFAULT_PREFILL_ARMS = ("fi_prefill", "split_jit", "folded_jit", "folded_aot")

@@ -4,6 +4,7 @@ copies rotated past L2, with the query, the block table, its byte and FLOP count
 from __future__ import annotations
 
 import math
+import random
 from typing import Sequence
 
 import torch
@@ -27,6 +28,35 @@ def ragged_lengths(batch: int, mean: int, seed: int = 0, spread: float = 0.75) -
     g = torch.Generator().manual_seed(seed)
     u = torch.rand(batch, generator=g, dtype=torch.float64)
     return [max(1, int(mean * (1 - spread + 2 * spread * float(x)))) | 1 for x in u]
+
+
+SERVING_CASES = ("uniform8", "uniform32", "uniform64", "uniform128", "longtail64")
+UNIFORM_TOKENS = (1024, 48 * 1024)  # a ragged batch's lengths, uniform in this range (inclusive)
+LONGTAIL_SHORT, LONGTAIL_LONG = (1, 4096), (65536, 200_000)  # the long-tail mix: 9 short requests in 10, 1 long
+LONGTAIL_EVERY = 10  # request i is long when i % LONGTAIL_EVERY == 0: exactly 10% of the batch, spread through it
+
+
+def serving_cases(seed: int = 0, names: Sequence[str] | None = None, *, scale: float = 1.0) -> dict[str, list[int]]:
+    """The batches a server sees (issue 14's decode cases), by name: "uniform<B>" (B requests, lengths uniform in
+    UNIFORM_TOKENS) and "longtail64" (64 requests; every LONGTAIL_EVERY-th uniform in LONGTAIL_LONG, the rest in
+    LONGTAIL_SHORT). Every case is drawn from one seeded stream in SERVING_CASES order whatever `names` asks for, so a
+    case's lengths depend on the seed only. `scale` < 1 shrinks every length (at least 1 token) for a pipeline check
+    on the CPU; the batch sizes stay. Raises ValueError for an unknown name or a scale outside (0, 1]."""
+    unknown = [n for n in (names or ()) if n not in SERVING_CASES]
+    if unknown:
+        raise ValueError(f"unknown serving case(s) {unknown}; expected some of {list(SERVING_CASES)}")
+    if not 0 < scale <= 1:
+        raise ValueError(f"scale {scale}: expected 0 < scale <= 1")
+    rng = random.Random(seed)
+    drawn: dict[str, list[int]] = {}
+    for name in SERVING_CASES:
+        if name.startswith("uniform"):
+            drawn[name] = [rng.randint(*UNIFORM_TOKENS) for _ in range(int(name[len("uniform"):]))]
+        else:
+            batch = int(name[len("longtail"):])
+            drawn[name] = [rng.randint(*(LONGTAIL_SHORT if i % LONGTAIL_EVERY else LONGTAIL_LONG))
+                           for i in range(batch)]
+    return {n: [max(1, int(x * scale)) for x in drawn[n]] for n in (names or SERVING_CASES)}
 
 
 def prefill_flops(chunk: int, context: int, geom: AttentionGeometry = GEMMA4_31B) -> int:

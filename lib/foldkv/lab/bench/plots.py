@@ -1,5 +1,6 @@
 """What notebook 04 draws from a results document: decode time, % of roof and speedup against context; pool memory
-per format and the ragged batches. A figure redrawn from an earlier run says so in every title (`mark_redrawn`)."""
+per format and the ragged batches; issue 14's targets per cell. A figure redrawn from an earlier run says so in every
+title (`mark_redrawn`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 from foldkv import floor
 from foldkv.config import GEMMA4_31B, AttentionGeometry
 
-from .tables import arm_names, best_folded, cells_of, series
+from .tables import ISSUE14_TARGETS, arm_names, best_folded, cells_of, series, target_rows
 
 DECODE_PREFIXES = ("single/", "sweep/")
 
@@ -107,7 +108,44 @@ def memory_and_batch_figure(results: dict, *, geom: AttentionGeometry = GEMMA4_3
     return _finish(fig, ax, redrawn_from)
 
 
+def targets_figure(results: dict, *, redrawn_from: str | None = None) -> Any:
+    """Issue 14's targets per cell (`tables.target_rows`): the best folded arm's time over the plain read's (bars,
+    the row's bound as a black tick on each), and FlashInfer TC's time over the best folded and the best split arm's
+    (bars, the bounds as ticks). A panel with nothing measured says what is missing."""
+    import matplotlib.pyplot as plt
+
+    rows = target_rows(results, ISSUE14_TARGETS)
+    fig, ax = plt.subplots(1, 2, figsize=(15, 4.5))
+    xs = list(range(len(rows)))
+    names = [r["cell"] for r in rows]
+    panels = ((ax[0], (("x_read", "folded / plain read"),), "folded µs / plain-read µs (lower is better)",
+               "folded vs a plain read of the same bytes"),
+              (ax[1], (("folded_x_fi_tc", "FI TC / folded"), ("split_x_fi_tc", "FI TC / split")),
+               "FlashInfer TC µs / arm µs (higher is better)", "speed-up over FlashInfer TC"))
+    for a, keys, ylabel, title in panels:
+        width = 0.8 / len(keys)
+        drawn = False
+        for i, (key, label) in enumerate(keys):
+            pos = [x + (i - (len(keys) - 1) / 2) * width for x in xs]
+            vals = [r[key]["value"] for r in rows]
+            have = [(p, v) for p, v in zip(pos, vals) if v is not None]
+            if have:
+                drawn = True
+                a.bar([p for p, _ in have], [v for _, v in have], width, label=label)
+            a.scatter(pos, [r[key]["bound"] for r in rows], marker="_", s=400, color="black",
+                      label="target" if i == 0 else None, zorder=3)
+        if not drawn:
+            why = sorted({r[k]["why"] for r in rows for k, _ in keys if r[k]["value"] is None}) or ["no target cells"]
+            a.text(0.5, 0.5, "\n".join(why)[:300], transform=a.transAxes, ha="center", va="center", fontsize=9,
+                   wrap=True)
+        a.set_xticks(xs, names, rotation=30, ha="right", fontsize=8)
+        a.axhline(1.0, color="grey", lw=0.5)
+        a.set(ylabel=ylabel, title=title)
+    return _finish(fig, ax, redrawn_from)
+
+
 def figures(results: dict, *, redrawn_from: str | None = None) -> list:
     """Every figure of notebook 04, each marked when `redrawn_from` names the run the results came from."""
     return [decode_figure(results, redrawn_from=redrawn_from),
-            memory_and_batch_figure(results, redrawn_from=redrawn_from)]
+            memory_and_batch_figure(results, redrawn_from=redrawn_from),
+            targets_figure(results, redrawn_from=redrawn_from)]

@@ -16,30 +16,41 @@ from .stats import summarize
 from .timing import err_text, time_events
 
 STREAM_BLOCK = 4096  # elements per Triton program step: the streamed tensor is a whole number of blocks
+STREAM_READ_MAX_BYTES = 2 << 30  # the stream-read arm's buffers together: far past L2, far below a big case's pools
+SUM_CHUNK = 1 << 24  # elements summed in float64 at a time by the checks (a 128 MiB temporary, whatever the buffer)
 
 
-def stream_read_kernel() -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """run(x, partials): a grid-stride streaming sum in Triton of bf16 `x` (a multiple of STREAM_BLOCK elements)
-    into float32 `partials` (one per program; their sum is x's sum). Raises ImportError without Triton."""
+def stream_read_kernel() -> Callable[..., None]:
+    """run(x, partials, n_blocks=None): a grid-stride streaming sum in Triton of bf16 `x` (a multiple of STREAM_BLOCK
+    elements) into float32 `partials` (one per program; their sum is the sum of what was read). `n_blocks` blocks
+    are read, by default all of x's; more than x holds wraps around x (block b reads x's block b % x's blocks), so a
+    bounded buffer can stand for any byte count. Raises ImportError without Triton."""
     # Bound as module globals (not locals): Triton resolves the names a kernel uses through its function's globals.
     global triton, tl
     import triton
     import triton.language as tl
 
     @triton.jit
-    def stream_read_sum(x_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr):
+    def stream_read_sum(x_ptr, out_ptr, n_blocks, buf_blocks, BLOCK: tl.constexpr, WRAP: tl.constexpr):
         # whole blocks only (no mask) and offsets that are multiples of BLOCK: the loads vectorise to 16 bytes
         pid = tl.program_id(0)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for b in range(pid, n_blocks, tl.num_programs(0)):
-            offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            if WRAP:  # resolved at compile time: without it the loop is the plain read
+                blk = b % buf_blocks
+            else:
+                blk = b
+            offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
             acc += tl.load(x_ptr + offs).to(tl.float32)
         tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
-    def run(x: torch.Tensor, out: torch.Tensor) -> None:
+    def run(x: torch.Tensor, out: torch.Tensor, n_blocks: int | None = None) -> None:
         if x.numel() % STREAM_BLOCK:
             raise ValueError(f"stream read needs a multiple of {STREAM_BLOCK} elements, got {x.numel()}")
-        stream_read_sum[(out.numel(),)](x, out, x.numel() // STREAM_BLOCK, BLOCK=STREAM_BLOCK, num_warps=8)
+        buf_blocks = x.numel() // STREAM_BLOCK
+        n = buf_blocks if n_blocks is None else int(n_blocks)
+        stream_read_sum[(out.numel(),)](x, out, n, buf_blocks, BLOCK=STREAM_BLOCK, WRAP=n > buf_blocks,
+                                        num_warps=8)
 
     return run
 
@@ -49,37 +60,86 @@ def _partials(device: torch.device) -> torch.Tensor:
                        device=device)
 
 
-def _sum_error(partials: torch.Tensor, x: torch.Tensor) -> float:
-    """|sum of partials - float64 sum| / sum |x|: float32 accumulation of bf16 values sits near 1e-6."""
-    return abs(float(partials.double().sum()) - float(x.double().sum())) / max(1.0, float(x.double().abs().sum()))
+def _sums(x: torch.Tensor, elems: int | None = None) -> tuple[float, float]:
+    """(sum, sum of |.|) of x's first `elems` elements (default all) in float64, SUM_CHUNK elements at a time: a
+    float64 copy of a whole many-GiB buffer would need four times its memory."""
+    flat = x.reshape(-1)[: x.numel() if elems is None else elems]
+    total = absolute = 0.0
+    for i in range(0, flat.numel(), SUM_CHUNK):
+        part = flat[i:i + SUM_CHUNK].double()
+        total += float(part.sum())
+        absolute += float(part.abs().sum())
+    return total, absolute
+
+
+def _wrapped_sums(x: torch.Tensor, n_blocks: int) -> tuple[float, float]:
+    """(sum, sum of |.|) of what reading `n_blocks` blocks of x, wrapping around it, reads."""
+    whole, rest = divmod(n_blocks, x.numel() // STREAM_BLOCK)
+    total, absolute = _sums(x) if whole else (0.0, 0.0)
+    part_total, part_abs = _sums(x, rest * STREAM_BLOCK) if rest else (0.0, 0.0)
+    return whole * total + part_total, whole * absolute + part_abs
+
+
+def _sum_error(partials: torch.Tensor, x: torch.Tensor, n_blocks: int | None = None) -> float:
+    """|sum of partials - float64 sum of what was read| / sum |read|: float32 accumulation of bf16 values sits near
+    1e-6."""
+    total, absolute = _wrapped_sums(x, x.numel() // STREAM_BLOCK if n_blocks is None else n_blocks)
+    return abs(float(partials.double().sum()) - total) / max(1.0, absolute)
 
 
 SUM_TOL = 1e-3
 
 
-def stream_read_arm(nbytes: int, device: torch.device | str, copies: int) -> ArmImpl:
-    """No attention at all: the streaming-read kernel over `nbytes` (rounded up to whole blocks of bf16) in `copies`
-    buffers (rotated like a case's pools), as an arm: what any single kernel reading those bytes costs here, the
-    floor plus one launch, ramp and drain. Its check: the partial sums, poisoned first, add up to the buffer's sum."""
+def stream_read_buffers(nbytes: int, device: torch.device | str, copies: int,
+                        max_bytes: int = STREAM_READ_MAX_BYTES) -> tuple[list[torch.Tensor], int]:
+    """The stream-read arm's inputs: (buffers, blocks one call reads). A call reads `nbytes` rounded up to whole
+    blocks of bf16. The buffers hold at most `max_bytes` together: `copies` buffers of the whole byte count when they
+    fit (rotated like a case's pools), else as many whole copies as fit, else one buffer of `max_bytes` that a call
+    reads around more than once (what is read, and so the time, stays the byte count). Values uniform in [0, 1),
+    drawn in bf16 (no float32 draft twice the size): all positive, so a block read too few or too many times moves
+    the sum by its share, where a mean-zero draw would hide it under the sum of |x|. Raises ValueError for a cap
+    below one block or no bytes."""
+    block_bytes = 2 * STREAM_BLOCK
+    if int(nbytes) <= 0 or copies < 1:
+        raise ValueError(f"stream read of {nbytes} bytes in {copies} copies: need bytes > 0 and copies >= 1")
+    if max_bytes < block_bytes:
+        raise ValueError(f"max_bytes {max_bytes}: the stream read needs at least one block ({block_bytes} bytes)")
+    n_blocks = -(-int(nbytes) // block_bytes)
+    per_copy = min(n_blocks, max_bytes // block_bytes)  # blocks per buffer
+    buffers = min(copies, max_bytes // (per_copy * block_bytes))
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(n_blocks)
+    bufs = [torch.rand(per_copy * STREAM_BLOCK, generator=g, device=device, dtype=torch.bfloat16)
+            for _ in range(buffers)]
+    return bufs, n_blocks
+
+
+def stream_read_arm(nbytes: int, device: torch.device | str, copies: int,
+                    max_bytes: int = STREAM_READ_MAX_BYTES) -> ArmImpl:
+    """No attention at all: the streaming-read kernel over `nbytes` (rounded up to whole blocks of bf16), as an arm:
+    what any single kernel reading those bytes costs here, the floor plus one launch, ramp and drain. Its buffers
+    (`stream_read_buffers`: `copies` rotated like a case's pools, together at most `max_bytes`, read around when the
+    bytes exceed them) leave the memory to the case. Its check: the partial sums, poisoned first, add up to the
+    float64 sum of every block the call read."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ArmUnavailable("the streaming read is a Triton kernel: it needs a CUDA device")
     run = stream_read_kernel()
-    elems = -(-int(nbytes) // 2 // STREAM_BLOCK) * STREAM_BLOCK
-    g = torch.Generator(device=device).manual_seed(elems)
-    bufs = [torch.randn(elems, generator=g, device=device).to(torch.bfloat16) for _ in range(copies)]
+    bufs, n_blocks = stream_read_buffers(nbytes, device, copies, max_bytes)
     part = _partials(device)
 
     def check() -> dict:
         part.fill_(float("nan"))
-        run(bufs[0], part)
+        run(bufs[0], part, n_blocks)
         torch.cuda.synchronize(device)
-        err = _sum_error(part, bufs[0])
+        err = _sum_error(part, bufs[0], n_blocks)
         return {"written": bool(torch.isfinite(part).all()), "rel_err": err, "tol": SUM_TOL, "ok": err <= SUM_TOL,
-                "what": "partial sums against the float64 sum of the buffer"}
+                "what": "partial sums against the float64 sum of every block read"}
 
-    return ArmImpl([lambda b=b: run(b, part) for b in bufs], part, graph=True, keep=bufs, check=check,
-                   info={"streamed_bytes": elems * 2})
+    buffer_bytes = bufs[0].numel() * 2
+    return ArmImpl([lambda b=b: run(b, part, n_blocks) for b in bufs], part, graph=True, keep=bufs, check=check,
+                   info={"streamed_bytes": n_blocks * STREAM_BLOCK * 2, "buffers": len(bufs),
+                         "buffer_bytes": buffer_bytes, "reads_per_buffer": n_blocks * STREAM_BLOCK * 2 / buffer_bytes})
 
 
 def _roof_stats(nbytes: int, us: list[float]) -> dict:
@@ -100,7 +160,7 @@ def measure_read_roof(device: torch.device | str, nbytes: int = 2 << 30, reps: i
             run, part = stream_read_kernel(), _partials(device)
             us = time_events(lambda: run(x, part), reps, warmup, cuda)
             if _sum_error(part, x) > SUM_TOL:
-                raise RuntimeError(f"triton stream sum {float(part.sum())} != torch {float(x.double().sum())}")
+                raise RuntimeError(f"triton stream sum {float(part.sum())} != float64 sum {_sums(x)[0]}")
             methods["triton_stream_sum"] = _roof_stats(nbytes, us)
         except Exception as exc:
             methods["triton_stream_sum"] = {"error": err_text(exc)}

@@ -1,12 +1,17 @@
-"""Reading a results document: the series of one arm, markdown tables, the prediction written before timing, and
-per-cell verdicts and conclusions computed from the data (no typed numbers)."""
+"""Reading a results document: the series of one arm, markdown tables, the prediction written before timing,
+per-cell verdicts and conclusions, and issue 14's targets (`ISSUE14_TARGETS`, the one place they are written) met or
+not, all computed from the data (no typed numbers)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from foldkv import floor
 from foldkv.config import GEMMA4_31B, AttentionGeometry
+
+from .arms import READ_FOLDED
+from .case import SERVING_CASES
 
 
 def cells_of(results: dict, prefix: str) -> list[dict]:
@@ -142,7 +147,8 @@ def verdicts(results: dict) -> list[dict]:
 
 def conclusions(results: dict) -> list[str]:
     """Sentences computed from a results document (no typed numbers): roof, single-request and batch summaries,
-    and every cell where folded is not ahead of every peer, with the reason read off the data."""
+    every cell where folded is not ahead of every peer, with the reason read off the data, and issue 14's targets
+    (`target_conclusions`)."""
     lines = []
     env, roof = results.get("env", {}), results.get("roof", {})
     rd = roof.get("read", {})
@@ -176,8 +182,167 @@ def conclusions(results: dict) -> list[str]:
                 f"{n} {a['us']['median']:.1f} µs" + (f" ({a['pct_roof']['median']:.0f}% roof)" if a.get("pct_roof") else "")
                 for n, a in c["arms"].items() if a.get("status") == "ok")
         lines.append(head + ".")
+    lines += target_conclusions(results)
     not_run = sorted({f"{n}: {a.get('status')} ({str(a.get('reason'))[:120]})" for c in results.get("cells", [])
                       for n, a in c.get("arms", {}).items() if a.get("status") != "ok"})
     for s in not_run:
         lines.append(f"Arm {s}.")
     return lines
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Issue 14's targets: each decode cell against a plain read of the same bytes and FlashInfer TC, in the same run
+# --------------------------------------------------------------------------------------------------------------------
+NEAR = 0.05  # "one request at 40K": a single request within 5% of the row's length
+
+
+@dataclass(frozen=True)
+class DecodeTarget:
+    """One row of the targets: which cells it holds ("batch/<case>" cells of `batch_cases`, or single-request cells
+    (single/, sweep/) of at least `min_context` tokens or within NEAR of `near`), and its bounds: folded time /
+    plain-read time at most `max_x_read`, FlashInfer TC time / folded time at least `min_folded_x_fi_tc`, FlashInfer
+    TC time / split time at least `min_split_x_fi_tc`."""
+
+    case: str
+    max_x_read: float
+    min_folded_x_fi_tc: float
+    min_split_x_fi_tc: float
+    batch_cases: tuple[str, ...] = ()
+    min_context: int | None = None
+    near: int | None = None
+
+    def holds(self, cell: dict) -> bool:
+        name = str(cell.get("cell", ""))
+        if self.batch_cases:
+            return name.startswith("batch/") and name[len("batch/"):] in self.batch_cases
+        if cell.get("kind", "decode") != "decode" or cell.get("batch") != 1:
+            return False
+        if not name.startswith(("single/", "sweep/")):
+            return False
+        n = int(cell.get("context", 0))
+        if self.min_context is not None:
+            return n >= self.min_context
+        return self.near is not None and abs(n - self.near) <= NEAR * self.near
+
+
+ISSUE14_TARGETS: tuple[DecodeTarget, ...] = (
+    DecodeTarget("ragged batches of 8-128 (1K-48K) and the long-tail mix of 64", 1.10, 1.5, 1.0,
+                 batch_cases=SERVING_CASES),
+    DecodeTarget("one request >= 131K", 1.05, 1.55, 1.0, min_context=131_072),
+    DecodeTarget("one request at 40K", 1.15, 1.5, 1.0, near=40_000),
+    DecodeTarget("one request at 10.6K", 1.35, 1.4, 1.0, near=10_600),
+)
+TARGET_PEER = "fi_tc"
+
+
+def _ok_us(cell: dict, arm: str | None) -> float | None:
+    a = cell.get("arms", {}).get(arm or "", {})
+    if a.get("status") != "ok" or not (a.get("check") or {}).get("ok"):
+        return None
+    return a["us"]["median"]
+
+
+def best_split(cell: dict) -> str | None:
+    """The fastest split generated arm that ran and passed its check."""
+    ok = [(a["us"]["median"], n) for n, a in cell.get("arms", {}).items()
+          if a.get("status") == "ok" and a.get("generated") and a.get("format") == "split" and a["check"]["ok"]]
+    return min(ok)[1] if ok else None
+
+
+def _missing(cell: dict, arm: str, what: str) -> str:
+    a = cell.get("arms", {}).get(arm)
+    if a is None:
+        return f"no {what} in this run"
+    if a.get("status") != "ok":
+        return f"{what} {a.get('status')}: {str(a.get('reason', ''))[:80]}"
+    return f"{what} failed its check"
+
+
+def _bound(value: float | None, bound: float, at_most: bool, missing: str) -> dict:
+    if value is None:
+        return {"value": None, "bound": bound, "met": None, "why": missing}
+    return {"value": value, "bound": bound, "met": value <= bound if at_most else value >= bound}
+
+
+def target_rows(results: dict, targets: Sequence[DecodeTarget] = ISSUE14_TARGETS) -> list[dict]:
+    """Per decode cell that a target row holds (in the targets' order, then the cells'): the best folded arm's median
+    over the plain read's (`read_folded`), FlashInfer TC's median over the best folded's and over the best split's,
+    each against its bound with met True / False, or None and `why` when an arm is missing; `met` is True when all
+    three are met, False when any measured one is not, None otherwise."""
+    rows = []
+    for t in targets:
+        for c in results.get("cells", []):
+            if not t.holds(c):
+                continue
+            folded, split = best_folded(c), best_split(c)
+            f_us, s_us = _ok_us(c, folded), _ok_us(c, split)
+            r_us, fi_us = _ok_us(c, READ_FOLDED), _ok_us(c, TARGET_PEER)
+            failed = f"the cell failed: {str(c['error'])[:80]}" if c.get("error") else None
+            no_folded = failed or "no folded arm ran and passed its check"
+            read_missing = no_folded if f_us is None else _missing(c, READ_FOLDED, "plain-read arm")
+            fi_missing = _missing(c, TARGET_PEER, "FlashInfer TC arm")
+            checks = {
+                "x_read": _bound(f_us / r_us if f_us and r_us else None, t.max_x_read, True, read_missing),
+                "folded_x_fi_tc": _bound(fi_us / f_us if f_us and fi_us else None, t.min_folded_x_fi_tc, False,
+                                         no_folded if f_us is None else fi_missing),
+                "split_x_fi_tc": _bound(fi_us / s_us if s_us and fi_us else None, t.min_split_x_fi_tc, False,
+                                        (failed or "no split arm ran and passed its check") if s_us is None
+                                        else fi_missing),
+            }
+            mets = [v["met"] for v in checks.values()]
+            rows.append({"target": t.case, "cell": c["cell"], "context": c.get("context"), "batch": c.get("batch"),
+                         "folded": folded, "split": split, "us": {"folded": f_us, "split": s_us, "read": r_us,
+                                                                 TARGET_PEER: fi_us},
+                         **checks, "met": False if False in mets else (True if all(mets) else None)})
+    return rows
+
+
+def _verdict_text(v: dict, fmt: str) -> str:
+    if v["met"] is None:
+        return f"– ({v['why']})"
+    op = "≤" if fmt == "read" else "≥"
+    return f"{v['value']:.2f}x ({op} {v['bound']:.2f}: {'met' if v['met'] else 'NOT met'})"
+
+
+def targets_markdown(results: dict, targets: Sequence[DecodeTarget] = ISSUE14_TARGETS) -> str:
+    """Issue 14's targets as a markdown table computed from `results` (`target_rows`; a target with no cell in this
+    run says so), or a sentence saying there is nothing to compare (no cell of any target in this run)."""
+    rows = target_rows(results, targets)
+    if not rows:
+        return f"No cell of issue 14's target cases in this run ({'; '.join(t.case for t in targets)})."
+    lines = ["| target case | cell | folded vs plain read | folded vs FlashInfer TC | split vs FlashInfer TC | all |",
+             "|---|---|---|---|---|---|"]
+    for t in targets:
+        mine = [r for r in rows if r["target"] == t.case]
+        if not mine:
+            lines.append(f"| {t.case} | – | no cell of this case in this run | | | |")
+        for r in mine:
+            overall = {True: "met", False: "NOT met", None: "incomplete"}[r["met"]]
+            lines.append(f"| {r['target']} | {r['cell']} | {_verdict_text(r['x_read'], 'read')} | "
+                         f"{_verdict_text(r['folded_x_fi_tc'], 'fi')} | {_verdict_text(r['split_x_fi_tc'], 'fi')} | "
+                         f"{overall} |")
+    return "\n".join(lines)
+
+
+def target_conclusions(results: dict, targets: Sequence[DecodeTarget] = ISSUE14_TARGETS) -> list[str]:
+    """One sentence on issue 14's targets: how many cells meet all three, and each bound that is not met or could
+    not be measured."""
+    rows = target_rows(results, targets)
+    if not rows:
+        return []
+    met = sum(r["met"] is True for r in rows)
+    out = [f"Issue 14's targets: {met} of {len(rows)} decode cells meet all three (plain read, FlashInfer TC, split)."]
+    names = {"x_read": "folded vs plain read", "folded_x_fi_tc": "folded vs FlashInfer TC",
+             "split_x_fi_tc": "split vs FlashInfer TC"}
+    for r in rows:
+        unmeasured: dict[str, list[str]] = {}  # why -> what (one reason often stands for all three)
+        for key, what in names.items():
+            v = r[key]
+            if v["met"] is False:
+                out.append(f"{r['cell']}: {what} {v['value']:.2f}x, target {'≤' if key == 'x_read' else '≥'} "
+                           f"{v['bound']:.2f} ({r['target']}): NOT met.")
+            elif v["met"] is None:
+                unmeasured.setdefault(v["why"], []).append(what)
+        for why, whats in unmeasured.items():
+            out.append(f"{r['cell']}: {', '.join(whats)} not measured: {why}.")
+    return out
