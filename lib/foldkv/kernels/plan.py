@@ -98,12 +98,16 @@ def _pieces(pages: int, cap: int) -> list[int]:
     return [base + 1] * extra + [base] * (k - extra)
 
 
+def cta_count(pages: Sequence[int], cap: int, hkv: int) -> int:
+    """CTAs of the partial kernel when requests of `pages` are cut at `cap` pages: pieces x KV heads."""
+    return sum(-(-p // cap) for p in pages) * hkv
+
+
 def estimated_step(pages: Sequence[int], cap: int, hkv: int, num_sms: int,
                    overhead: float = PIECE_OVERHEAD_PAGES) -> float:
     """The modelled length of a step (in page reads of one SM) whose requests of `pages` are cut at `cap` pages."""
     longest = min(cap, max(pages)) + overhead
-    pieces = sum(-(-p // cap) for p in pages)
-    ctas = pieces * hkv
+    ctas = cta_count(pages, cap, hkv)
     if ctas <= num_sms:
         return longest
     return (sum(pages) * hkv + ctas * overhead) / num_sms + longest
@@ -111,7 +115,7 @@ def estimated_step(pages: Sequence[int], cap: int, hkv: int, num_sms: int,
 
 def one_wave_cap(pages: Sequence[int], hkv: int, num_sms: int) -> int | None:
     """The smallest cap whose CTAs (pieces x KV heads) all fit in one wave of `num_sms`; None if none does."""
-    ctas = lambda cap: sum(-(-p // cap) for p in pages) * hkv  # noqa: E731  (non-increasing in cap)
+    ctas = lambda cap: cta_count(pages, cap, hkv)  # noqa: E731  (non-increasing in cap)
     lo, hi = 1, max(pages)
     if ctas(hi) > num_sms:
         return None
@@ -157,19 +161,20 @@ def plan_decode(layout: PagedKvLayout, seq_lens, *, device, chunk_tokens: int | 
     if merge_group < 1:
         raise FoldKvInputError(f"merge_group={merge_group} must be >= 1")
 
-    if chunk_tokens is None:
-        cap = balanced_chunk_pages(layout, lens, num_sms)
-        pieces = {r: _pieces(layout.pages_for(n), cap) for r, n in enumerate(lens)}
-        if sum(map(len, pieces.values())) * layout.geometry.num_kv_heads <= num_sms:
-            # one wave: every CTA runs at once, so neither order nor evening out shortens the step; fixed chunks of
-            # `cap` in request order measured up to 5% faster there (bench/DECODE_NOTES.md, run 7)
-            chunk_tokens = cap * page
-        else:
-            order = sorted(range(len(lens)), key=lambda r: (-pieces[r][0], r))  # largest pieces first
+    pages = [layout.pages_for(n) for n in lens]
     if chunk_tokens is not None:
-        cap = chunk_tokens // page  # fixed chunks: every chunk of a request but its last holds exactly cap pages
-        pieces = {r: [cap] * (-(-layout.pages_for(n) // cap)) for r, n in enumerate(lens)}
+        fixed = chunk_tokens // page
+    else:
+        cap = balanced_chunk_pages(layout, lens, num_sms)
+        # one wave: every CTA runs at once, so neither order nor evening out shortens the step; fixed chunks of `cap`
+        # in request order measured up to 5% faster there (bench/DECODE_NOTES.md, run 7)
+        fixed = cap if cta_count(pages, cap, layout.geometry.num_kv_heads) <= num_sms else None
+    if fixed is not None:  # every chunk of a request but its last holds exactly `fixed` pages
+        pieces = [[fixed] * -(-p // fixed) for p in pages]
         order = list(range(len(lens)))
+    else:
+        pieces = [_pieces(p, cap) for p in pages]
+        order = sorted(range(len(lens)), key=lambda r: (-pieces[r][0], r))  # largest pieces first
 
     chunks: list[tuple[int, int, int]] = []
     groups: list[tuple[int, int]] = []
@@ -184,8 +189,7 @@ def plan_decode(layout: PagedKvLayout, seq_lens, *, device, chunk_tokens: int | 
         count = len(chunks) - first_chunk
         groups += [(first_chunk + g, min(merge_group, count - g)) for g in range(0, count, merge_group)]
         request_groups[r] = (first_group, len(groups) - first_group)
-    longest = max(n for _, _, n in chunks)
-    chunk_tokens = chunk_tokens if chunk_tokens is not None else -(-longest // page) * page
+    chunk_tokens = page * (fixed if fixed is not None else max(p[0] for p in pieces))
 
     geom = layout.geometry
     i32 = dict(dtype=torch.int32, device=device)
