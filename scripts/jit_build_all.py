@@ -56,14 +56,14 @@ def tasks() -> list[list[tuple]]:
 
 
 def _bench_version(name: str):
-    """bench/versions/<name>.py as a module (the same loader as tests/conftest.py's bench_version)."""
-    import importlib.util
+    """bench/versions/<name>.py, imported as the harnesses and the GPU tests import it: `versions.<name>` with bench/
+    on the path."""
+    import importlib
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "versions", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"bench_versions_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module(f"versions.{name}")
 
 
 def build_one(task: tuple) -> dict:

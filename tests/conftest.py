@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,12 +45,12 @@ def require_module(name: str) -> None:
 
 
 def bench_version(name: str):
-    """The module bench/versions/<name>.py: a kernel variant that lost, kept beside the harness that times it."""
-    path = Path(__file__).resolve().parents[1] / "bench" / "versions" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_versions_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The module bench/versions/<name>.py (a kernel variant that lost), imported as the harnesses import it:
+    `versions.<name>` with bench/ on the path."""
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module(f"versions.{name}")
 
 
 @pytest.fixture
