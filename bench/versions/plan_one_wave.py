@@ -14,20 +14,16 @@ the winner's are in bench/DECODE_NOTES.md (run 7).
     plan_decode(layout, lens, device=dev, chunk_tokens=chunk_tokens(layout, lens, num_sms))   # this chunking
 """
 
-import math
 from typing import Sequence
 
+from foldkv.kernels.plan import one_wave_cap
 from foldkv.pool import PagedKvLayout
 
 
 def chunk_pages(layout: PagedKvLayout, lens: Sequence[int], num_sms: int) -> int:
     """The smallest chunk (pages) whose CTAs fit one wave of `num_sms`, else the longest request's pages."""
     pages = [layout.pages_for(n) for n in lens]
-    hkv = layout.geometry.num_kv_heads
-    cp = max(1, math.ceil(sum(pages) * hkv / num_sms))
-    while cp < max(pages) and sum(math.ceil(p / cp) for p in pages) * hkv > num_sms:
-        cp += 1
-    return cp
+    return one_wave_cap(pages, layout.geometry.num_kv_heads, num_sms) or max(pages)
 
 
 def chunk_tokens(layout: PagedKvLayout, lens: Sequence[int], num_sms: int) -> int:
