@@ -1,4 +1,5 @@
-"""Decode chunking harness: the library's byte-balanced plan against the one-wave plan it replaced
+"""Decode chunking harness: the library's byte-balanced eager plan, the graph workspace's exact-count plan
+(`DecodeWorkspace`, fixed grids: the `*_graph` arms) and, with --one-wave, the one-wave plan they replaced
 (bench/versions/plan_one_wave.py), on the batches a server sees, with the floor and the strongest peer in the same
 run: a plain streaming read of the folded pool's bytes (the lab's `read_folded` arm) and FlashInfer's tensor-core
 decode on a split pool of the same values. Timed by `foldkv.lab.bench.run_cell` (outputs poisoned and checked against
@@ -11,7 +12,8 @@ one request at 10,602, 40,002 and 131,072 tokens.
     python bench/plan_harness.py --json $OUT/plan.json          # on the H200 (source .devsite/env.sh first)
     python bench/plan_harness.py --plans                          # CPU: the two plans' chunk counts and estimates
 
-Lab notes (prediction, outcome): bench/DECODE_NOTES.md, run 7.
+Then the host time of updating a plan per step (workspace plan()/advance() against FlashInfer's plan()).
+Lab notes (prediction, outcome): bench/DECODE_NOTES.md, runs 7 and 8.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 import foldkv
 from foldkv import KvFormat, PagedKvLayout
 from foldkv.kernels.plan import DEFAULT_SMS, balanced_chunk_pages, estimated_step
-from foldkv.lab.bench import AttentionCase, ArmSpec, generated_arm, measure_read_roof, run_cell
+from foldkv.lab.bench import (AttentionCase, ArmSpec, generated_arm, host_time_markdown, measure_read_roof,
+                              plan_host_times, run_cell)
 from foldkv.lab.bench.arms import READ_FOLDED
 from foldkv.lab.bench.case import serving_cases
 from foldkv.lab.jsonsafe import jsonable
@@ -68,12 +71,15 @@ def show_plans():
         print(f"{name:<16} {ow:>12} {e_ow:>8.1f} {bal:>12} {e_bal:>8.1f} {e_ow / e_bal:>18.2f}")
 
 
-def bench(rounds: int, out_json: str | None, only: list[str] | None):
+def bench(rounds: int, out_json: str | None, only: list[str] | None, one_wave: bool = False,
+          host_batches: list[int] = ()):
     device = torch.device("cuda")
     roof = measure_read_roof(device)
     print(f"read roof measured: {roof['gbps']:.0f} GB/s ({roof['method']})", flush=True)
-    arms = [balanced_arm(KvFormat.FOLDED), one_wave_arm(KvFormat.FOLDED), balanced_arm(KvFormat.SPLIT),
-            one_wave_arm(KvFormat.SPLIT), READ_FOLDED, "fi_tc"]
+    arms = [balanced_arm(KvFormat.FOLDED), "folded_graph", balanced_arm(KvFormat.SPLIT), "split_graph",
+            READ_FOLDED, "fi_tc"]
+    if one_wave:
+        arms += [one_wave_arm(KvFormat.FOLDED), one_wave_arm(KvFormat.SPLIT)]
     cells = []
     for name, lens in cases().items():
         if only and name not in only:
@@ -84,9 +90,10 @@ def bench(rounds: int, out_json: str | None, only: list[str] | None):
         case.release()
         torch.cuda.empty_cache()
         if out_json:  # after every cell: a run cut short keeps what it measured
-            with open(out_json, "w") as fh:
-                json.dump(jsonable({"env": environment(device), "provenance": provenance(), "roof": roof,
-                                    "cells": cells}), fh, indent=1, allow_nan=False)
+            save(out_json, device, roof, cells)
+    host = plan_host_times(list(host_batches), device=device) if host_batches else []
+    if out_json:
+        save(out_json, device, roof, cells, host)
     print(f"\n{'case':<22} {'arm':<26} {'us':>9} {'x read':>7} {'x fi_tc':>8} {'chunks':>7} check")
     for c in cells:
         arms_ok = {n: a for n, a in c["arms"].items() if a["status"] == "ok"}
@@ -100,7 +107,16 @@ def bench(rounds: int, out_json: str | None, only: list[str] | None):
             rel = a["check"].get("rel_err", float("nan"))
             print(f"{c['cell']:<22} {n:<26} {us:9.1f} {us / read if read else float('nan'):7.2f} "
                   f"{fi / us if fi else float('nan'):8.2f} {str(a.get('info', {}).get('chunks', '')):>7} {rel:.1e}")
+    if host:
+        print("\nhost time per step (median us):")
+        print(host_time_markdown(host))
     return cells
+
+
+def save(path: str, device, roof: dict, cells: list, host: list | None = None) -> None:
+    with open(path, "w") as fh:
+        json.dump(jsonable({"env": environment(device), "provenance": provenance(), "roof": roof, "cells": cells,
+                            "host_time": host or []}), fh, indent=1, allow_nan=False)
 
 
 def main(argv=None):
@@ -109,11 +125,14 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", nargs="*", help="case names (see --plans)")
     ap.add_argument("--plans", action="store_true", help="print the plans and their estimates (CPU) and exit")
+    ap.add_argument("--one-wave", action="store_true", help="also time the one-wave plan it replaced")
+    ap.add_argument("--host-batches", type=int, nargs="*", default=[1, 8, 32, 64, 128, 256],
+                    help="batch sizes of the host-time table (workspace plan/advance vs FlashInfer plan())")
     args = ap.parse_args(argv)
     if args.plans:
         show_plans()
         return 0
-    bench(args.rounds, args.json, args.only)
+    bench(args.rounds, args.json, args.only, args.one_wave, args.host_batches)
     return 0
 
 

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ..layout import value_window_columns
@@ -141,6 +142,84 @@ def balanced_chunk_pages(layout: PagedKvLayout, lens: Sequence[int], num_sms: in
     return min(sorted(caps, reverse=True), key=lambda c: estimated_step(pages, c, hkv, num_sms))
 
 
+def fixed_count_pieces(pages: np.ndarray, num_chunks: int) -> np.ndarray:
+    """Pieces per request (int64, 1 <= pieces <= pages) when the batch (requests of `pages` pages, int64) is cut into
+    exactly `num_chunks` >= len(pages) chunks with the longest piece as short as whole pages allow: the smallest cap P
+    with sum(ceil(pages / P)) <= num_chunks, then the chunks left over go one each to the requests with the longest
+    pieces. P is searched from a lower bound (requests no longer than the bound take one piece each, the others share
+    what is left) 64 caps at a time, so a plan costs a few array operations of host time. When the
+    batch has fewer pages than chunks every page is a piece (the caller pads the rest)."""
+    total, batch = int(pages.sum()), len(pages)
+    if total <= num_chunks:
+        return pages.copy()
+    cap = -(-total // num_chunks)
+    for _ in range(3):  # sum(max(1, pages / P)) <= num_chunks at the smallest feasible P: a lower bound on it
+        long = pages > cap
+        cap = max(cap, -(-int(pages[long].sum()) // max(num_chunks - (batch - int(long.sum())), 1)))
+    pages_f = pages.astype(np.float64)
+    lo, hi = cap, int(pages.max())  # the cap is in [lo, hi]: hi (one piece per request) always fits
+    while lo < hi:  # 64 caps of [lo, hi] at once, then the gap before the first that fits
+        caps = lo + (hi - lo) * _STEPS // 63  # non-decreasing: the first that fits is found by argmax
+        fits = np.ceil(pages_f[None, :] / caps[:, None]).sum(1) <= num_chunks  # [caps]; exact in float64
+        first = int(np.argmax(fits))
+        lo, hi = (int(caps[first - 1]) + 1 if first else lo), int(caps[first])
+    cap = lo
+    pieces = -(-pages // cap)
+    spare = num_chunks - int(pieces.sum())
+    if spare and cap > 1:  # cap - 1 does not fit: the spare chunks go to the longest pieces first
+        more = np.minimum(-(-pages // (cap - 1)), pages) - pieces
+        order = np.argsort(-(pages / pieces), kind="stable")
+        give = np.minimum(more[order], np.maximum(spare - (np.cumsum(more[order]) - more[order]), 0))
+        pieces[order] += give
+    return pieces
+
+
+_STEPS = np.arange(64)
+PLAN_ARRAYS = ("chunk_req", "chunk_start", "chunk_len", "group_first", "group_count", "req_group_first",
+               "req_group_count")
+
+
+def chunk_layout(lens: np.ndarray, pieces: np.ndarray, *, page: int, merge_group: int,
+                 fixed_pages: int | None = None) -> dict[str, np.ndarray]:
+    """The slots and merge groups of requests of `lens` tokens cut into `pieces` chunks each (1 <= pieces <= pages),
+    as int64 arrays named as the kernels' arguments (PLAN_ARRAYS).
+
+    Pieces: `fixed_pages` given, every chunk of a request but its last holds exactly that many pages and requests keep
+    their order; otherwise a request's pages are cut as evenly as whole pages allow (larger pieces first) and requests
+    are laid out largest pieces first (ties in request order), so the last CTAs dispatched are the short ones. Slot c
+    holds chunk c; a request's chunks are consecutive; a group is a run of at most `merge_group` of them."""
+    pages = -(-lens // page)
+    if fixed_pages is not None:
+        order = np.arange(len(lens))
+    else:
+        largest = -(-pages // pieces)
+        order = np.lexsort((np.arange(len(lens)), -largest))
+    k = pieces[order]
+    first = np.cumsum(k) - k  # first slot of each request, in layout order
+    req = np.repeat(order, k)
+    j = np.arange(int(k.sum())) - np.repeat(first, k)  # index of the chunk within its request
+    if fixed_pages is not None:
+        start_pages = j * fixed_pages
+        span = np.full_like(j, fixed_pages)
+    else:
+        base, extra = np.divmod(pages[order], k)
+        base, extra = np.repeat(base, k), np.repeat(extra, k)
+        start_pages = j * base + np.minimum(j, extra)
+        span = base + (j < extra)
+    start = start_pages * page
+    length = np.minimum(span * page, lens[req] - start)
+    ng = -(-k // merge_group)  # groups of each request, layout order
+    gfirst = np.cumsum(ng) - ng
+    m = np.arange(int(ng.sum())) - np.repeat(gfirst, ng)
+    group_first = np.repeat(first, ng) + m * merge_group
+    group_count = np.minimum(merge_group, np.repeat(k, ng) - m * merge_group)
+    req_group_first = np.empty(len(lens), dtype=np.int64)
+    req_group_count = np.empty(len(lens), dtype=np.int64)
+    req_group_first[order], req_group_count[order] = gfirst, ng
+    return dict(chunk_req=req, chunk_start=start, chunk_len=length, group_first=group_first, group_count=group_count,
+                req_group_first=req_group_first, req_group_count=req_group_count)
+
+
 def plan_decode(layout: PagedKvLayout, seq_lens, *, device, chunk_tokens: int | None = None,
                 merge_group: int | None = None, num_sms: int | None = None) -> DecodePlan:
     """Cut each request into chunks, group them for the merge and put the plan's tensors and workspace on `device`.
@@ -161,45 +240,30 @@ def plan_decode(layout: PagedKvLayout, seq_lens, *, device, chunk_tokens: int | 
     if merge_group < 1:
         raise FoldKvInputError(f"merge_group={merge_group} must be >= 1")
 
-    pages = [layout.pages_for(n) for n in lens]
+    pages = np.array([layout.pages_for(n) for n in lens], dtype=np.int64)
+    hkv = layout.geometry.num_kv_heads
     if chunk_tokens is not None:
         fixed = chunk_tokens // page
     else:
         cap = balanced_chunk_pages(layout, lens, num_sms)
         # one wave: every CTA runs at once, so neither order nor evening out shortens the step; fixed chunks of `cap`
         # in request order measured up to 5% faster there (bench/DECODE_NOTES.md, run 7)
-        fixed = cap if cta_count(pages, cap, layout.geometry.num_kv_heads) <= num_sms else None
-    if fixed is not None:  # every chunk of a request but its last holds exactly `fixed` pages
-        pieces = [[fixed] * -(-p // fixed) for p in pages]
-        order = list(range(len(lens)))
-    else:
-        pieces = [_pieces(p, cap) for p in pages]
-        order = sorted(range(len(lens)), key=lambda r: (-pieces[r][0], r))  # largest pieces first
-
-    chunks: list[tuple[int, int, int]] = []
-    groups: list[tuple[int, int]] = []
-    request_groups: list[tuple[int, int]] = [(0, 0)] * len(lens)
-    for r in order:
-        n = lens[r]
-        first_chunk, first_group = len(chunks), len(groups)
-        start = 0
-        for piece in pieces[r]:
-            chunks.append((r, start, min(piece * page, n - start)))
-            start += piece * page
-        count = len(chunks) - first_chunk
-        groups += [(first_chunk + g, min(merge_group, count - g)) for g in range(0, count, merge_group)]
-        request_groups[r] = (first_group, len(groups) - first_group)
-    chunk_tokens = page * (fixed if fixed is not None else max(p[0] for p in pieces))
+        fixed = cap if cta_count(pages.tolist(), cap, hkv) <= num_sms else None
+    cut = fixed if fixed is not None else cap
+    pieces = -(-pages // cut)  # pieces per request
+    arrays = chunk_layout(np.array(lens, dtype=np.int64), pieces, page=page, merge_group=merge_group,
+                          fixed_pages=fixed)
+    chunks = list(zip(*(arrays[k].tolist() for k in ("chunk_req", "chunk_start", "chunk_len"))))
+    groups = list(zip(*(arrays[k].tolist() for k in ("group_first", "group_count"))))
+    request_groups = list(zip(*(arrays[k].tolist() for k in ("req_group_first", "req_group_count"))))
+    chunk_tokens = page * (fixed if fixed is not None else int((-(-pages // pieces)).max()))
 
     geom = layout.geometry
     i32 = dict(dtype=torch.int32, device=device)
-    col = lambda rows, i: torch.tensor([row[i] for row in rows], **i32)  # noqa: E731
-    tensors = {
-        "chunk_req": col(chunks, 0), "chunk_start": col(chunks, 1), "chunk_len": col(chunks, 2),
-        "group_first": col(groups, 0), "group_count": col(groups, 1),
-        "req_group_first": col(request_groups, 0), "req_group_count": col(request_groups, 1),
-        "value_head_column": value_window_columns(geom, layout.format).to(**i32),
-        "part_o": torch.empty(len(chunks), geom.num_q_heads, geom.head_dim, dtype=torch.float32, device=device),
-        "part_lse": torch.empty(len(chunks), geom.num_q_heads, dtype=torch.float32, device=device),
-    }
+    tensors = {name: torch.from_numpy(arrays[name].astype(np.int32)).to(device) for name in PLAN_ARRAYS}
+    tensors.update(
+        value_head_column=value_window_columns(geom, layout.format).to(**i32),
+        part_o=torch.empty(len(chunks), geom.num_q_heads, geom.head_dim, dtype=torch.float32, device=device),
+        part_lse=torch.empty(len(chunks), geom.num_q_heads, dtype=torch.float32, device=device),
+    )
     return DecodePlan(layout, tuple(lens), chunk_tokens, merge_group, chunks, groups, request_groups, device, tensors)

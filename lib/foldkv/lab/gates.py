@@ -732,7 +732,8 @@ def last_row_gate(formats, seed: int, record, geom: AttentionGeometry = GEMMA4_3
 
 
 def refusal_gate(formats, seed: int, record) -> list[dict]:
-    """GPU gate: every refusal of `DECODE_REFUSALS` / `PREFILL_REFUSALS` per format (`run_refusals`). Records
+    """GPU gate: every refusal of `DECODE_REFUSALS` / `PREFILL_REFUSALS` per format (`run_refusals`) and of the decode
+    workspace (`run_workspace_refusals`). Records
     `refusals` (not run without CUDA) and returns its rows."""
     if not _gpu_section(record, "refusals"):
         return []
@@ -740,7 +741,160 @@ def refusal_gate(formats, seed: int, record) -> list[dict]:
     for fmt in map(KvFormat.parse, formats):
         for case in (Case("refuse-decode", (97, 300)), Case("refuse-prefill", (97, 300), q_lens=(54, 65))):
             rows += [dict(r, format=fmt.value) for r in run_refusals(make_inputs(case, fmt, "cuda", seed))]
+    rows += [dict(r, format="folded") for r in run_workspace_refusals("cuda")]
     record.ran("refusals", rows=rows, passed=all(r["passed"] for r in rows))
+    return rows
+
+
+WALK_LENGTHS = (1, 63, 64, 65, 4097, 10_602)  # the graph walk's batch at its first step: page edges and a long one
+WALK_STEPS = 64
+
+
+def graph_walk(fmt: KvFormat | str, seq_lens=WALK_LENGTHS, *, steps: int = WALK_STEPS, seed: int = 0,
+               update: str = "advance", max_batch: int | None = None, check_every: int = 16, backend: str = "jit",
+               stale: bool = False, device: torch.device | str = "cuda") -> dict:
+    """One CUDA graph of a `DecodeWorkspace` step, captured once and replayed for `steps` decode steps while every
+    request grows by one token a step (`update`: "advance", the device-side update, or "plan", a host plan each
+    step). Rows past each request's current length hold NaN in the pool until the step that writes them (as a
+    prep would), outputs are poisoned before every replay, and each step is compared bit for bit with an eager step
+    of a twin workspace given the same inputs; every `check_every` steps (and the last) the graph's output is
+    checked against the float64 reference of the current lengths (`compare`, `compare_lse`). `stale=True` skips
+    the update after each step: a deliberately stale plan that the reference check must catch (the red twin).
+    Returns {"steps": [...], "passed": bool} and the workspace's shape."""
+    from ..kernels.workspace import DecodeWorkspace
+
+    fmt, device = KvFormat.parse(fmt), torch.device(device)
+    if update not in ("advance", "plan"):
+        raise ValueError(f"update={update!r}: expected 'advance' or 'plan'")
+    lens = [int(n) for n in seq_lens]
+    final = [n + steps for n in lens]
+    inputs = make_inputs(Case("graph-walk", tuple(final)), fmt, device, seed)
+    pool, table, geom = inputs.pool, inputs.table, inputs.pool.geometry
+    page = pool.layout.page_size
+    truth = pool.data.clone()
+    ids = table.page_ids.cpu()
+
+    def rows_at(r: int, positions: range):
+        for pos in positions:
+            yield int(ids[r, pos // page]), pos % page
+
+    for r, (n, m) in enumerate(zip(lens, final)):  # future tokens: NaN until their step writes them
+        for pg, off in rows_at(r, range(n, m)):
+            pool.data[pg, :, off] = float("nan")
+    width = pool.layout.pages_for(max(final))
+    page_ids = table.page_ids[:, :width].contiguous()
+    kw = dict(max_batch=max_batch or len(lens), max_len=max(final), device=device)
+    graph_ws, eager_ws = DecodeWorkspace(pool.layout, **kw), DecodeWorkspace(pool.layout, **kw)
+    for ws in (graph_ws, eager_ws):
+        ws.plan(lens, page_ids)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    b, hq, d = len(lens), geom.num_q_heads, geom.head_dim
+    graph = graph_ws.capture(pool, backend=backend)
+    rows = []
+    for step in range(steps):
+        query = (torch.randn(b, hq, d, generator=gen, device=device) * 0.05).to(torch.bfloat16)
+        for ws in (graph_ws, eager_ws):
+            ws.query[:b].copy_(query)
+            ws.out.fill_(OUT_POISON)
+            ws.lse.fill_(OUT_POISON)
+        graph.replay()
+        eager_ws.step(pool, backend=backend, check=False)
+        out, lse = graph_ws.output()
+        e_out, e_lse = eager_ws.output()
+        row = {"step": step, "max_len": max(lens), "bitwise_equal_to_eager": bool(
+            torch.equal(_bits(out), _bits(e_out)) and torch.equal(_bits(lse), _bits(e_lse))),
+            "all_written": bool(torch.isfinite(out).all() and torch.isfinite(lse).all())}
+        if step % check_every == 0 or step == steps - 1:
+            now = BlockTable(table.page_ids, torch.tensor(lens, dtype=torch.int32, device=device))
+            ref, ref_lse, pv_abs, s_abs_p, s_abs_max = paged_attention_reference(
+                pool, query, now, None, abs_weighted=True, score_abs=True)
+            row.update(compare(out, ref, pv_abs))
+            row.update(compare_lse(lse, ref_lse, lse_bound(s_abs_p, s_abs_max, ref_lse, torch.tensor(lens), d)))
+            row["checked"] = True
+            row["passed"] = all(row[k] for k in ("bitwise_equal_to_eager", "all_written", "elementwise_ok", "rel_ok",
+                                                 "lse_ok"))
+        else:
+            row["checked"] = False
+            row["passed"] = row["bitwise_equal_to_eager"] and row["all_written"]
+        rows.append(row)
+        if step == steps - 1:
+            break
+        for r, n in enumerate(lens):  # the next token's row, as the step's prep would write it
+            pg, off = next(rows_at(r, range(n, n + 1)))
+            pool.data[pg, :, off] = truth[pg, :, off]
+        lens = [n + 1 for n in lens]
+        if not stale:
+            for ws in (graph_ws, eager_ws):
+                ws.advance() if update == "advance" else ws.plan(lens)
+    torch.cuda.synchronize(device)
+    return {"format": fmt.value, "update": update, "stale": stale, "batch": b, "max_batch": graph_ws.max_batch,
+            "chunks": graph_ws.num_chunks, "groups": graph_ws.num_groups, "steps": rows,
+            "passed": all(r["passed"] for r in rows)}
+
+
+def graph_walk_gate(formats, seed: int, record, *, steps: int = WALK_STEPS) -> list[dict]:
+    """GPU gate: `graph_walk` per format and update mode (a batch with padding rows: max_batch one above the batch),
+    plus its red twin (a stale plan, which must fail). Records `graph_walk` (not run without CUDA)."""
+    if not _gpu_section(record, "graph_walk"):
+        return []
+    rows = []
+    for fmt in map(KvFormat.parse, formats):
+        for update in ("advance", "plan"):
+            res = graph_walk(fmt, steps=steps, seed=seed, update=update, max_batch=len(WALK_LENGTHS) + 1)
+            checked = [r for r in res["steps"] if r["checked"]]
+            rows.append({"format": fmt.value, "update": update, "steps": len(res["steps"]), "chunks": res["chunks"],
+                         "bitwise_equal_steps": sum(r["bitwise_equal_to_eager"] for r in res["steps"]),
+                         "worst_rel_fro": max(r["rel_fro"] for r in checked),
+                         "worst_lse_fraction": max(r["lse_worst_fraction_of_bound"] for r in checked),
+                         "passed": res["passed"]})
+    stale = graph_walk(KvFormat.FOLDED, steps=4, seed=seed, stale=True, check_every=1)
+    rows.append({"format": "folded", "update": "none (red twin: stale plan)", "steps": 4, "chunks": stale["chunks"],
+                 "bitwise_equal_steps": sum(r["bitwise_equal_to_eager"] for r in stale["steps"]),
+                 "worst_rel_fro": max(r["rel_fro"] for r in stale["steps"]),
+                 "worst_lse_fraction": max(r["lse_worst_fraction_of_bound"] for r in stale["steps"]),
+                 "passed": not stale["passed"]})  # the red twin passes when the walk catches the stale plan
+    record.ran("graph_walk", rows=rows, passed=all(r["passed"] for r in rows))
+    return rows
+
+
+WORKSPACE_REFUSALS = {  # name: (what, the call on a workspace of max_batch 4 / max_len 512 planned for [300, 17])
+    "workspace-batch": ("a batch of 5 on a workspace of 4", lambda ws, pool, pages: ws.plan([5] * 5), "batch of 5"),
+    "workspace-length": ("a length of 513 on a workspace of 512", lambda ws, pool, pages: ws.plan([513, 5]),
+                         "seq_lens holds 513"),
+    "workspace-table": ("a block table narrower than the lengths",
+                        lambda ws, pool, pages: ws.plan([300, 17], pages[:, :4].contiguous()), "the lengths need 5"),
+    "workspace-pool": ("a split pool on a folded workspace", lambda ws, pool, pages: ws.step(PagedKvPool(
+        PagedKvLayout(pool.geometry, KvFormat.SPLIT, 64, 16), device=pool.device)), "made for folded pages"),
+}
+
+
+def run_workspace_refusals(device: torch.device | str, geom: AttentionGeometry = GEMMA4_31B) -> list[dict]:
+    """Each WORKSPACE_REFUSALS input on a planned, stepped workspace: refused (FoldKvInputError naming the fault)
+    with the device plan, block table, outputs and pool bit-for-bit unchanged."""
+    from ..kernels.workspace import DecodeWorkspace
+    from ..validate import FoldKvInputError
+
+    rows = []
+    for name, (what, call, expect) in WORKSPACE_REFUSALS.items():
+        lay = PagedKvLayout(geom, KvFormat.FOLDED, 64, 16)
+        pool = PagedKvPool(lay, device=device)
+        pool.data.normal_()
+        ws = DecodeWorkspace(lay, max_batch=4, max_len=512, device=device)
+        pages = torch.arange(16, dtype=torch.int32, device=device).view(2, 8)
+        ws.plan([300, 17], pages)
+        ws.step(pool)
+        watched = (ws._plan_dev, ws.page_ids, ws.out, ws.lse, pool.data)
+        before = [_bits(t).clone() if t.is_floating_point() else t.clone() for t in watched]
+        try:
+            call(ws, pool, pages)
+            refused, message = False, "accepted"
+        except FoldKvInputError as exc:
+            refused, message = True, str(exc)
+        torch.cuda.synchronize(device)
+        untouched = all(torch.equal(_bits(t) if t.is_floating_point() else t, b) for t, b in zip(watched, before))
+        rows.append({"kind": "workspace", "refusal": name, "input": what, "message": message, "refused": refused,
+                     "names_the_fault": expect.lower() in message.lower(), "nothing_written": untouched,
+                     "passed": refused and untouched and expect.lower() in message.lower()})
     return rows
 
 

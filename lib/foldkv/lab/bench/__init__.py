@@ -26,7 +26,8 @@ recorded "error: <text>"; neither stops the others. A run's document (`run.Bench
 
 from . import plots
 from .arms import (DECODE_ARMS, DEFAULT_DECODE_ARMS, DEFAULT_PREFILL_ARMS, PREFILL_ARMS, READ_FOLDED, ArmImpl, ArmSpec,
-                   generated_arm, torch_decode_arm)
+                   generated_arm, torch_decode_arm, workspace_arm)
+from .host_time import host_time_markdown, plan_host_times
 from .case import (DEFAULT_ROTATE_BYTES, L2_BYTES, SERVING_CASES, AttentionCase, prefill_flops, ragged_lengths,
                    serving_cases)
 from .results import (RESULTS_GLOB, RESULTS_NAME, SCHEMA, find_results, load_results, open_results, redraw_banner,
@@ -42,6 +43,7 @@ from .tables import (ISSUE14_TARGETS, DecodeTarget, arm_cell_text, arm_names, be
 from .timing import CHECK_REL_TOL, check_arm, run_cell, time_events
 
 __all__ = [
+    "host_time_markdown", "plan_host_times", "workspace_arm",
     "ISSUE14_TARGETS", "READ_FOLDED", "SERVING_CASES", "STREAM_READ_MAX_BYTES", "DecodeTarget", "best_split",
     "serving_cases", "stream_read_buffers", "target_conclusions", "target_rows", "targets_markdown",
     "ArmImpl", "ArmSpec", "AttentionCase", "BenchRun", "CHECK_REL_TOL", "DECODE_ARMS", "DEFAULT_DECODE_ARMS",

@@ -138,6 +138,33 @@ def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | Non
     return build
 
 
+def workspace_arm(fmt: KvFormat | str, backend: str = "jit",
+                  num_chunks: Callable[["AttentionCase"], int | None] | None = None) -> Callable[["AttentionCase"], ArmImpl]:
+    """The builder of a decode arm through `foldkv.kernels.workspace.DecodeWorkspace` (sized for the case's batch and
+    longest request, `num_chunks(case)` chunks or the default): what one CUDA graph per batch runs every step. The
+    step is planned once (`plan`) and captured by the harness like any graph arm."""
+    fmt = KvFormat.parse(fmt)
+
+    def build(case: "AttentionCase") -> ArmImpl:
+        try:
+            from foldkv.kernels.workspace import DecodeWorkspace
+        except Exception as exc:
+            raise ArmUnavailable(f"foldkv.kernels.workspace is not importable ({type(exc).__name__}: {str(exc)[:200]})") from None
+        pools, query, table = case.pools(fmt), case.query(fmt), case.table
+        lens = case.table_cpu.seq_lens.tolist()
+        ws = DecodeWorkspace(pools[0].layout, max_batch=len(lens), max_len=max(lens), device=case.device,
+                             num_chunks=None if num_chunks is None else num_chunks(case))
+        width = pools[0].layout.pages_for(max(lens))
+        ws.plan(lens, table.page_ids[:, :width].contiguous())
+        ws.query.copy_(query)
+        calls = [lambda p=p: ws.step(p, backend=backend) for p in pools]
+        timed = [lambda p=p: ws.step(p, backend=backend, check=False) for p in pools]
+        info = {"backend": backend, "chunks": ws.num_chunks, "chunks_used": ws.chunks_used, "groups": ws.num_groups}
+        return ArmImpl(calls, ws.out, graph=True, timed_calls=timed, info=info, lse=ws.lse, keep=ws)
+
+    return build
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Plain torch decode: gather the pages, two matmuls, softmax in float32
 # --------------------------------------------------------------------------------------------------------------------
@@ -232,7 +259,9 @@ DECODE_ARMS: dict[str, ArmSpec] = {a.name: a for a in [
             _torch_decode(KvFormat.FOLDED), cpu_ok=True),
     ArmSpec(READ_FOLDED, "plain streaming read of the folded pool's bytes (no attention: the floor)", "folded", False,
             _stream_read_folded),
-] + _generated_specs("decode")}
+] + _generated_specs("decode") + [
+    ArmSpec(f"{fmt.value}_graph", f"generated {fmt.value}, graph workspace (JIT): fixed grids, exact-count plan",
+            fmt.value, False, workspace_arm(fmt), generated=True) for fmt in (KvFormat.SPLIT, KvFormat.FOLDED)]}
 PREFILL_ARMS: dict[str, ArmSpec] = {a.name: a for a in [
     ArmSpec("fi_prefill", "FlashInfer paged prefill (causal, hd512)", "split", True, _flashinfer("prefill")),
 ] + _generated_specs("prefill")}

@@ -1,0 +1,278 @@
+"""The decode workspace: every tensor a decode step reads or writes, allocated once at fixed addresses for a maximum
+batch and length, so that one CUDA graph captured over `step` serves every later step of the batch.
+
+    ws = DecodeWorkspace(pool.layout, max_batch=64, max_len=65536, device="cuda")
+    ws.plan(seq_lens, table.page_ids)            # host: a plan for these lengths, copied asynchronously
+    ws.query[:batch] = query                      # the step's queries (the format's form), or prep writes them here
+    graph = ws.capture(pool)                      # once; then per step: graph.replay(), ws.advance() or ws.plan(...)
+    out, lse = ws.output()                        # [batch, Hq, D] bf16 head order, [batch, Hq] f32 natural log
+
+Why a graph survives: the grids are fixed (the partial at `num_chunks` chunks x KV heads, level one at `num_groups`
+groups, level two at `max_batch` requests) and every pointer is the workspace's. The plan fills all `num_chunks`
+chunks with real work (`plan.fixed_count_pieces`: the batch cut into exactly that many pieces, the longest as short as
+whole pages allow, laid out longest first like the eager plan); so no padded CTA costs a page read unless the batch
+has fewer pages than chunks. What is padding, and why no kernel needs to know:
+- chunks past the batch's pages (only when it holds fewer pages than chunks): one token of request 0 into a slot of
+  their own that no group merges;
+- groups past the plan's: no members, first slot `num_chunks` (a scratch slot): level one stores 0/0 there, read by
+  nobody;
+- requests past the batch: no groups, so level two writes NaN into output rows past the batch (`output()` is the
+  batch's rows only).
+
+Updating for new lengths never allocates device memory and never waits for the device in steady state:
+- `plan(seq_lens)` plans on the host (a few dozen array operations; the benchmark reports its time against
+  FlashInfer's `plan()`), writes the plan into one of two pinned buffers and copies it with one asynchronous copy
+  on the current stream (it waits only if that buffer's copy of two plans ago has not finished);
+- `advance()` is the decode step's usual change, every length one longer: one device operation adds one token to
+  each request's last chunk (the pieces stay as planned, so the step slowly loses balance: plan again when a request
+  joins or leaves, or every few dozen steps). Its cost is one kernel launch, no host planning.
+The requests' new pages must be in `page_ids` before the step that reads them (`plan(..., page_ids)` copies a device
+block table in; a server can also write `ws.page_ids` itself).
+
+Refusals (FoldKvInputError, before anything is written or launched): a batch larger than `max_batch`, a length past
+`max_len`, a block table too narrow for the lengths or wider than the workspace, a pool of another layout.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ..layout import value_window_columns
+from ..pool import PagedKvLayout, PagedKvPool
+from ..validate import FoldKvInputError, check_device, check_tensor
+from . import resolve
+from .decode import kernel_names
+from .plan import DEFAULT_MERGE_GROUP, MAX_BATCH, MAX_LEN, chunk_layout, fixed_count_pieces
+
+CHUNKS_PER_REQUEST = 4  # the default chunk count: about this many chunks per request of the largest batch, in whole
+# waves of the partial (SMs / KV heads chunks). The byte model of plan.py puts a ragged batch of 32-128 requests
+# within 5% of its ideal step at 4 chunks per request, and a single request at one wave (bench/DECODE_NOTES.md).
+_ALIGN = 32  # int32 entries: each plan array starts on a 128-byte boundary of the packed buffer
+
+
+def default_num_chunks(max_batch: int, num_sms: int, num_kv_heads: int) -> int:
+    """Whole waves of the partial kernel holding at least CHUNKS_PER_REQUEST x max_batch + 1 chunks."""
+    wave = max(num_sms // num_kv_heads, 1)
+    return wave * -(-(CHUNKS_PER_REQUEST * max_batch + 1) // wave)
+
+
+def _segment(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class DecodeWorkspace:
+    """Fixed-address tensors of decode steps for up to `max_batch` requests of up to `max_len` tokens on pools of
+    `layout` (module docstring). num_chunks: the partial's grid (chunks per step, >= max_batch; default
+    `default_num_chunks`); merge_group: slots per level-one group."""
+
+    def __init__(self, layout: PagedKvLayout, *, max_batch: int, max_len: int, device: torch.device | str,
+                 num_chunks: int | None = None, merge_group: int = DEFAULT_MERGE_GROUP, num_sms: int | None = None):
+        if not isinstance(layout, PagedKvLayout):
+            raise FoldKvInputError(f"layout must be a PagedKvLayout, got {type(layout).__name__}")
+        device = check_device(device)
+        max_batch, max_len, merge_group = int(max_batch), int(max_len), int(merge_group)
+        if not 1 <= max_batch <= MAX_BATCH:
+            raise FoldKvInputError(f"max_batch={max_batch}: decode takes 1 to {MAX_BATCH} requests")
+        if not 1 <= max_len <= MAX_LEN:
+            raise FoldKvInputError(f"max_len={max_len}: decode takes lengths 1 to {MAX_LEN}")
+        if merge_group < 1:
+            raise FoldKvInputError(f"merge_group={merge_group} must be >= 1")
+        geom = layout.geometry
+        if num_sms is None:
+            num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                       if device.type == "cuda" else 132)
+        if num_chunks is None:
+            num_chunks = default_num_chunks(max_batch, num_sms, geom.num_kv_heads)
+        num_chunks = int(num_chunks)
+        if num_chunks < max_batch:
+            raise FoldKvInputError(f"num_chunks={num_chunks} is below max_batch={max_batch}: every request needs a"
+                                   f" chunk")
+        self.layout, self.device, self.merge_group = layout, device, merge_group
+        self.max_batch, self.max_len, self.num_chunks = max_batch, max_len, num_chunks
+        self.max_pages = layout.pages_for(max_len)
+        # level-one groups: a request of k chunks has ceil(k / merge_group) <= 1 + (k - 1) // merge_group of them
+        self.num_groups = max_batch + (num_chunks - 1) // merge_group
+        c, g, b = num_chunks, self.num_groups, max_batch
+        # the packed plan: [chunk_req | chunk_start | chunk_len (+1 scratch) | group_first | group_count |
+        #                   req_group_first | req_group_count | last_slot], each segment 128-byte aligned
+        sizes = {"chunk_req": c, "chunk_start": c, "chunk_len": c + 1, "group_first": g, "group_count": g,
+                 "req_group_first": b, "req_group_count": b, "last_slot": b}
+        self._offsets, at = {}, 0
+        for name, n in sizes.items():
+            self._offsets[name] = (at, n)
+            at += _segment(n)
+        i32 = dict(dtype=torch.int32, device=device)
+        self._plan_dev = torch.zeros(at, **i32)
+        pinned = device.type == "cuda"
+        self._staging = [torch.zeros(at, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        self._staged = [None, None]  # the event after each staging buffer's last copy
+        self._next = 0
+        hq, d = geom.num_q_heads, geom.head_dim
+        self.query = torch.zeros(b, hq, d, dtype=torch.bfloat16, device=device)  # [max_batch, Hq, D] format's form
+        self.page_ids = torch.zeros(b, self.max_pages, **i32)  # [max_batch, max_pages]
+        self.part_o = torch.empty(c + 1, hq, d, dtype=torch.float32, device=device)  # slot c: scratch
+        self.part_lse = torch.empty(c + 1, hq, dtype=torch.float32, device=device)
+        self.out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=device)  # [max_batch, Hq, D] head order
+        self.lse = torch.empty(b, hq, dtype=torch.float32, device=device)  # [max_batch, Hq] natural log
+        self.value_head_column = value_window_columns(geom, layout.format).to(**i32)
+        self._one = torch.ones(b, **i32)
+        self.seq_lens: tuple[int, ...] = ()  # host copy of the lengths the device plan is for
+        self.chunks_used = 0  # chunks of the plan holding real work (the rest read one token into unmerged slots)
+
+    # -- views of the packed device plan ------------------------------------------------------------------------
+    def _view(self, name: str, buf: torch.Tensor | None = None) -> torch.Tensor:
+        at, n = self._offsets[name]
+        return (self._plan_dev if buf is None else buf)[at:at + n]
+
+    def __getattr__(self, name: str) -> torch.Tensor:  # ws.chunk_req, ws.group_count, ...
+        offsets = self.__dict__.get("_offsets", {})
+        if name in offsets:
+            view = self._view(name)
+            return view[:self.num_chunks] if name == "chunk_len" else view
+        raise AttributeError(name)
+
+    @property
+    def batch(self) -> int:
+        return len(self.seq_lens)
+
+    # -- planning --------------------------------------------------------------------------------------------------
+    def _check_lens(self, seq_lens) -> np.ndarray:
+        if isinstance(seq_lens, torch.Tensor):
+            if seq_lens.device.type != "cpu":
+                raise FoldKvInputError("seq_lens must be on the host (a list, a numpy array or a CPU tensor): reading"
+                                       " device lengths would wait for the device")
+            seq_lens = seq_lens.numpy()
+        lens = np.asarray(seq_lens)
+        if lens.ndim != 1 or not np.issubdtype(lens.dtype, np.integer):
+            raise FoldKvInputError(f"seq_lens must be a 1-D sequence of ints, got {lens.dtype} {list(lens.shape)}")
+        if not 1 <= len(lens) <= self.max_batch:
+            raise FoldKvInputError(f"a batch of {len(lens)} requests: this workspace holds 1 to {self.max_batch}")
+        if lens.min() < 1 or lens.max() > self.max_len:
+            bad = int(lens.max()) if lens.max() > self.max_len else int(lens.min())
+            raise FoldKvInputError(f"seq_lens holds {bad}: this workspace takes lengths 1 to {self.max_len}")
+        return lens.astype(np.int64)
+
+    def plan(self, seq_lens: Sequence[int] | np.ndarray | torch.Tensor, page_ids: torch.Tensor | None = None) -> None:
+        """Plan a step for requests of `seq_lens` tokens (host ints) and copy the plan to the device asynchronously;
+        `page_ids` [batch, pages] int32 on the workspace's device (pages >= the longest request's, <= max_pages),
+        when given, is copied into `page_ids` on the current stream. Refusals write nothing."""
+        lens = self._check_lens(seq_lens)
+        page = self.layout.page_size
+        pages = -(-lens // page)
+        if page_ids is not None:
+            check_tensor("page_ids", page_ids, dtype=torch.int32, device=self.device)
+            if page_ids.dim() != 2 or page_ids.shape[0] != len(lens):
+                raise FoldKvInputError(f"page_ids must be [batch={len(lens)}, pages], got {list(page_ids.shape)}")
+            if not int(pages.max()) <= page_ids.shape[1] <= self.max_pages:
+                raise FoldKvInputError(f"page_ids holds {page_ids.shape[1]} pages per request: the lengths need"
+                                       f" {int(pages.max())}, the workspace holds {self.max_pages}")
+        pieces = fixed_count_pieces(pages, self.num_chunks)
+        arrays = chunk_layout(lens, pieces, page=page, merge_group=self.merge_group)
+        used, groups, batch = len(arrays["chunk_req"]), len(arrays["group_first"]), len(lens)
+
+        slot = self._next
+        self._next ^= 1
+        if self._staged[slot] is not None:
+            self._staged[slot].synchronize()  # the copy of two plans ago: long done in steady state
+        host = self._staging[slot]
+        fill = {  # (real entries, padding value)
+            "chunk_req": (arrays["chunk_req"], 0), "chunk_start": (arrays["chunk_start"], 0),
+            "chunk_len": (arrays["chunk_len"], 1), "group_first": (arrays["group_first"], self.num_chunks),
+            "group_count": (arrays["group_count"], 0), "req_group_first": (arrays["req_group_first"], 0),
+            "req_group_count": (arrays["req_group_count"], 0),
+        }
+        # each request's last slot (advance() lengthens it); padding requests add to chunk_len's scratch entry
+        last = np.empty(batch, dtype=np.int64)
+        ends = np.append(np.flatnonzero(np.diff(arrays["chunk_req"])), used - 1)
+        last[arrays["chunk_req"][ends]] = ends
+        fill["last_slot"] = (last, self.num_chunks)
+        view = host.numpy()
+        for name, (values, pad) in fill.items():
+            at, n = self._offsets[name]
+            view[at:at + len(values)] = values
+            view[at + len(values):at + n] = pad
+        if self.device.type == "cuda":
+            self._plan_dev.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._staged[slot] = event
+        else:
+            self._plan_dev.copy_(host)
+        if page_ids is not None:
+            self.page_ids[:batch, :page_ids.shape[1]].copy_(page_ids)
+        self.seq_lens, self.chunks_used = tuple(lens.tolist()), used
+        self._groups_used = groups
+
+    def advance(self) -> None:
+        """Every request one token longer: one device operation on the current stream (no host planning, no sync).
+        The new tokens' rows must be in the pool, and their pages in `page_ids`, before the next step."""
+        if not self.seq_lens:
+            raise FoldKvInputError("advance() before plan(): the workspace holds no batch")
+        if max(self.seq_lens) >= self.max_len:
+            raise FoldKvInputError(f"advance() past max_len={self.max_len}")
+        self._view("chunk_len").index_add_(0, self._view("last_slot"), self._one)
+        self.seq_lens = tuple(n + 1 for n in self.seq_lens)
+
+    # -- the step --------------------------------------------------------------------------------------------------
+    def check_pool(self, pool: PagedKvPool) -> None:
+        """Refuse a pool the workspace was not made for (host-side checks only; no device read)."""
+        if not isinstance(pool, PagedKvPool):
+            raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
+        lay = pool.layout
+        if (lay.geometry, lay.format, lay.page_size) != (self.layout.geometry, self.layout.format,
+                                                          self.layout.page_size):
+            raise FoldKvInputError(f"the workspace was made for {self.layout.format.value} pages of"
+                                   f" {self.layout.page_size}, the pool holds {lay.format.value} pages of"
+                                   f" {lay.page_size} (or another geometry)")
+        if pool.device != self.device and not (pool.device.type == self.device.type
+                                               and self.device.index in (None, pool.device.index)):
+            raise FoldKvInputError(f"the pool is on {pool.device}, the workspace on {self.device}")
+        check_tensor("pool data", pool.data, dtype=torch.bfloat16, shape=lay.shape, contiguous=True)
+        if self.device.type != "cuda":
+            raise FoldKvInputError(f"the workspace is on {self.device}; decode runs on a CUDA device")
+
+    def step(self, pool: PagedKvPool, *, backend: str = "jit", kernels: Mapping[str, Callable] | None = None,
+             check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launch the three kernels of a decode step over the workspace's plan, queries and block table (capturable:
+        no allocation, no host sync). Returns `output()`."""
+        if check:
+            self.check_pool(pool)
+            resolve.check_backend(backend)
+            resolve.check_kernels(kernel_names(pool.format), kernels)
+            if not self.seq_lens:
+                raise FoldKvInputError("step() before plan(): the workspace holds no batch")
+        partial, merge_groups, merge_final = resolve.launch_kernels(kernel_names(pool.format), pool.geometry,
+                                                                    backend=backend, kernels=kernels)
+        c = self.num_chunks
+        partial(self.query, pool.data, self.page_ids, self.chunk_req, self.chunk_start, self.chunk_len,
+                self.part_o[:c], self.part_lse[:c])
+        merge_groups(self.part_o, self.part_lse, self.group_first, self.group_count)
+        merge_final(self.part_o, self.part_lse, self.group_first, self.req_group_first, self.req_group_count,
+                    self.value_head_column, self.out, self.lse)
+        return self.output()
+
+    def output(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last step's (out [batch, Hq, D] bf16 head order, lse [batch, Hq] float32 natural log): views."""
+        return self.out[:self.batch], self.lse[:self.batch]
+
+    def capture(self, pool: PagedKvPool, *, backend: str = "jit", kernels: Mapping[str, Callable] | None = None,
+                warmup: int = 1) -> torch.cuda.CUDAGraph:
+        """A CUDA graph of one `step` (checked and run eagerly `warmup` times first, on a side stream)."""
+        self.step(pool, backend=backend, kernels=kernels)  # checks, builds the kernels
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                self.step(pool, backend=backend, kernels=kernels, check=False)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            self.step(pool, backend=backend, kernels=kernels, check=False)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return graph
+
+
+__all__ = ["DecodeWorkspace", "default_num_chunks", "CHUNKS_PER_REQUEST"]

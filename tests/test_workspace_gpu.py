@@ -1,0 +1,84 @@
+"""GPU gates of the decode workspace (one CUDA graph for every step): the graph walk (one capture replayed for 64
+steps while every length grows, bit-equal to eager steps, checked against the float64 reference), its red twin (a
+stale plan is caught), the workspace through the gates' hostile pools on ragged batches of 64 and 128, and refusals
+that write nothing. Reproduce one case: FOLDKV_REQUIRE_GPU=1 pytest tests/test_workspace_gpu.py -k '<id>'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import foldkv
+from foldkv import FoldKvInputError, KvFormat
+from foldkv.kernels.workspace import DecodeWorkspace
+from foldkv.lab import gates
+
+pytestmark = pytest.mark.gpu
+
+FORMATS = [KvFormat.SPLIT, KvFormat.FOLDED]
+
+
+@pytest.mark.parametrize("update", ["advance", "plan"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_graph_walk_64_steps(cuda_device, fmt, update):
+    res = gates.graph_walk(fmt, update=update, max_batch=len(gates.WALK_LENGTHS) + 1, device=cuda_device)
+    bad = [r for r in res["steps"] if not r["passed"]]
+    assert len(res["steps"]) == 64 and not bad, bad[:3]
+
+
+def test_graph_walk_catches_a_stale_plan(cuda_device):
+    res = gates.graph_walk(KvFormat.FOLDED, steps=4, stale=True, check_every=1, device=cuda_device)
+    assert res["steps"][0]["passed"], "the first step (fresh plan) must pass"
+    assert not any(r["passed"] for r in res["steps"][1:]), "a step over a stale plan must fail the reference check"
+
+
+def workspace_launch(inputs: gates.GateInputs, out: torch.Tensor, lse: torch.Tensor):
+    """A gates arm: the case through a workspace sized to it, its step captured and replayed."""
+    lens = list(inputs.case.seq_lens)
+    ws = DecodeWorkspace(inputs.pool.layout, max_batch=len(lens), max_len=max(lens), device=inputs.pool.device)
+    width = inputs.pool.layout.pages_for(max(lens))
+    ws.plan(lens, inputs.table.page_ids[:, :width].contiguous())
+    ws.query.copy_(inputs.query)
+    ws.capture(inputs.pool).replay()
+    o, l = ws.output()
+    out.copy_(o)
+    lse.copy_(l)
+    return out, lse
+
+
+@pytest.mark.parametrize("case", ["ragged64", "ragged128"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_workspace_on_gate_cases(cuda_device, fmt, case):
+    c = next(c for c in gates.decode_cases("full") if c.name == case)  # lengths 1, 63, 64, 65, 262,144 among them
+    inputs = gates.make_inputs(c, fmt, cuda_device, 5)
+    res = gates.run_case(inputs, workspace_launch)
+    assert res["passed"], gates.summary_row(c, fmt, "workspace", res)
+
+
+@pytest.mark.parametrize("bad", ["batch", "length", "narrow_table", "table_dtype", "pool_format"])
+def test_refusals_write_nothing(cuda_device, bad):
+    lay = foldkv.PagedKvLayout(foldkv.GEMMA4_31B, KvFormat.FOLDED, 64, 16)
+    pool = foldkv.PagedKvPool(lay, device=cuda_device)
+    pool.data.normal_()
+    ws = DecodeWorkspace(lay, max_batch=4, max_len=512, device=cuda_device)
+    table = torch.arange(16, dtype=torch.int32, device=cuda_device).view(2, 8)
+    ws.plan([300, 17], table)
+    ws.step(pool)
+    torch.cuda.synchronize()
+    before = {k: v.clone() for k, v in (("plan", ws._plan_dev), ("pages", ws.page_ids), ("out", ws.out),
+                                        ("lse", ws.lse), ("pool", pool.data))}
+    call = {
+        "batch": lambda: ws.plan([5] * 5),
+        "length": lambda: ws.plan([513, 5]),
+        "narrow_table": lambda: ws.plan([300, 17], table[:, :4].contiguous()),
+        "table_dtype": lambda: ws.plan([300, 17], table.long()),
+        "pool_format": lambda: ws.step(foldkv.PagedKvPool(foldkv.PagedKvLayout(foldkv.GEMMA4_31B, KvFormat.SPLIT,
+                                                                               64, 16), device=cuda_device)),
+    }[bad]
+    with pytest.raises(FoldKvInputError):
+        call()
+    torch.cuda.synchronize()
+    for k, v in before.items():
+        now = {"plan": ws._plan_dev, "pages": ws.page_ids, "out": ws.out, "lse": ws.lse, "pool": pool.data}[k]
+        assert torch.equal(now.view(torch.uint8) if now.dtype.is_floating_point else now,
+                           v.view(torch.uint8) if v.dtype.is_floating_point else v), f"{k} changed"
