@@ -127,3 +127,17 @@ def test_advance_refusals():
     ws.plan([10])
     with pytest.raises(FoldKvInputError, match="past max_len=10"):
         ws.advance()
+
+
+@pytest.mark.parametrize("lens", [[10_602], [40_002], [131_072], [1, 63, 64, 65], [9_001, 47_000, 1_024, 30_000, 12_345,
+                                                                                   2_000, 48_000, 5_555]])
+def test_one_wave_workspace_plans_as_the_eager_plan(lens):
+    """Within one wave the workspace's real chunks are the eager plan's one-wave layout (the rest is padding)."""
+    from foldkv.kernels.plan import plan_decode
+
+    ws = DecodeWorkspace(LAYOUT, max_batch=8, max_len=max(lens), device="cpu", num_sms=132)
+    assert ws.one_wave and ws.num_chunks == 33
+    ws.plan(lens)
+    eager = plan_decode(LAYOUT, lens, device="cpu", num_sms=132)
+    got = list(zip(ws.chunk_req.tolist(), ws.chunk_start.tolist(), ws.chunk_len.tolist()))[:ws.chunks_used]
+    assert got == eager.chunks

@@ -142,28 +142,33 @@ def balanced_chunk_pages(layout: PagedKvLayout, lens: Sequence[int], num_sms: in
     return min(sorted(caps, reverse=True), key=lambda c: estimated_step(pages, c, hkv, num_sms))
 
 
-def fixed_count_pieces(pages: np.ndarray, num_chunks: int) -> np.ndarray:
-    """Pieces per request (int64, 1 <= pieces <= pages) when the batch (requests of `pages` pages, int64) is cut into
-    exactly `num_chunks` >= len(pages) chunks with the longest piece as short as whole pages allow: the smallest cap P
-    with sum(ceil(pages / P)) <= num_chunks, then the chunks left over go one each to the requests with the longest
-    pieces. P is searched from a lower bound (requests no longer than the bound take one piece each, the others share
-    what is left) 64 caps at a time, so a plan costs a few array operations of host time. When the
-    batch has fewer pages than chunks every page is a piece (the caller pads the rest)."""
+def smallest_cap(pages: np.ndarray, num_chunks: int) -> int:
+    """The smallest piece cap P (pages) with sum(ceil(pages / P)) <= num_chunks >= len(pages), for requests of `pages`
+    pages (int64). Searched from a lower bound (requests no longer than the bound take one piece each, the others
+    share what is left) 64 caps at a time, so it costs a few array operations of host time."""
     total, batch = int(pages.sum()), len(pages)
-    if total <= num_chunks:
-        return pages.copy()
-    cap = -(-total // num_chunks)
+    cap = max(-(-total // num_chunks), 1)
     for _ in range(3):  # sum(max(1, pages / P)) <= num_chunks at the smallest feasible P: a lower bound on it
         long = pages > cap
         cap = max(cap, -(-int(pages[long].sum()) // max(num_chunks - (batch - int(long.sum())), 1)))
     pages_f = pages.astype(np.float64)
-    lo, hi = cap, int(pages.max())  # the cap is in [lo, hi]: hi (one piece per request) always fits
+    lo, hi = min(cap, int(pages.max())), int(pages.max())  # the cap is in [lo, hi]: hi always fits
     while lo < hi:  # 64 caps of [lo, hi] at once, then the gap before the first that fits
         caps = lo + (hi - lo) * _STEPS // 63  # non-decreasing: the first that fits is found by argmax
         fits = np.ceil(pages_f[None, :] / caps[:, None]).sum(1) <= num_chunks  # [caps]; exact in float64
         first = int(np.argmax(fits))
         lo, hi = (int(caps[first - 1]) + 1 if first else lo), int(caps[first])
-    cap = lo
+    return lo
+
+
+def fixed_count_pieces(pages: np.ndarray, num_chunks: int) -> np.ndarray:
+    """Pieces per request (int64, 1 <= pieces <= pages) when the batch (requests of `pages` pages, int64) is cut into
+    exactly `num_chunks` >= len(pages) chunks with the longest piece as short as whole pages allow: `smallest_cap`,
+    then the chunks left over go one each to the requests with the longest pieces. When the batch has fewer pages
+    than chunks every page is a piece (the caller pads the rest)."""
+    if int(pages.sum()) <= num_chunks:
+        return pages.copy()
+    cap = smallest_cap(pages, num_chunks)
     pieces = -(-pages // cap)
     spare = num_chunks - int(pieces.sum())
     if spare and cap > 1:  # cap - 1 does not fit: the spare chunks go to the longest pieces first

@@ -8,12 +8,14 @@ batch and length, so that one CUDA graph captured over `step` serves every later
     out, lse = ws.output()                        # [batch, Hq, D] bf16 head order, [batch, Hq] f32 natural log
 
 Why a graph survives: the grids are fixed (the partial at `num_chunks` chunks x KV heads, level one at `num_groups`
-groups, level two at `max_batch` requests) and every pointer is the workspace's. The plan fills all `num_chunks`
-chunks with real work (`plan.fixed_count_pieces`: the batch cut into exactly that many pieces, the longest as short as
-whole pages allow, laid out longest first like the eager plan); so no padded CTA costs a page read unless the batch
-has fewer pages than chunks. What is padding, and why no kernel needs to know:
-- chunks past the batch's pages (only when it holds fewer pages than chunks): one token of request 0 into a slot of
-  their own that no group merges;
+groups, level two at `max_batch` requests) and every pointer is the workspace's. Beyond one wave of the partial
+the plan fills all `num_chunks` chunks with real work (`plan.fixed_count_pieces`: the batch cut into exactly that many
+pieces, the longest as short as whole pages allow, laid out longest first like the eager plan), so no padded CTA
+costs a page read; within one wave (num_chunks x KV heads <= SMs, every CTA running at once) it is the eager plan's
+one-wave layout (chunks of the smallest cap that fits, in request order, which measured faster there) and the chunks
+left over are padding. What is padding, and why no kernel needs to know:
+- chunks past the plan's (one wave, or a batch with fewer pages than chunks): one token of request 0 into a slot of
+  their own that no group merges (a zero-length chunk would leave its query load in flight when the CTA exits);
 - groups past the plan's: no members, first slot `num_chunks` (a scratch slot): level one stores 0/0 there, read by
   nobody;
 - requests past the batch: no groups, so level two writes NaN into output rows past the batch (`output()` is the
@@ -45,7 +47,7 @@ from ..pool import PagedKvLayout, PagedKvPool
 from ..validate import FoldKvInputError, check_device, check_tensor
 from . import resolve
 from .decode import kernel_names
-from .plan import DEFAULT_MERGE_GROUP, MAX_BATCH, MAX_LEN, chunk_layout, fixed_count_pieces
+from .plan import DEFAULT_MERGE_GROUP, MAX_BATCH, MAX_LEN, chunk_layout, fixed_count_pieces, smallest_cap
 
 CHUNKS_PER_REQUEST = 4  # the default chunk count: about this many chunks per request of the largest batch, in whole
 # waves of the partial (SMs / KV heads chunks). The byte model of plan.py puts a ragged batch of 32-128 requests
@@ -93,6 +95,7 @@ class DecodeWorkspace:
         self.layout, self.device, self.merge_group = layout, device, merge_group
         self.max_batch, self.max_len, self.num_chunks = max_batch, max_len, num_chunks
         self.max_pages = layout.pages_for(max_len)
+        self.one_wave = num_chunks * geom.num_kv_heads <= num_sms  # every CTA of the partial runs at once
         # level-one groups: a request of k chunks has ceil(k / merge_group) <= 1 + (k - 1) // merge_group of them
         self.num_groups = max_batch + (num_chunks - 1) // merge_group
         c, g, b = num_chunks, self.num_groups, max_batch
@@ -108,7 +111,9 @@ class DecodeWorkspace:
         self._plan_dev = torch.zeros(at, **i32)
         pinned = device.type == "cuda"
         self._staging = [torch.zeros(at, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
-        self._staged = [None, None]  # the event after each staging buffer's last copy
+        # the event recorded after each staging buffer's last copy (made once: creating events costs host time)
+        self._staged = [torch.cuda.Event() for _ in range(2)] if pinned else [None, None]
+        self._in_flight = [False, False]
         self._next = 0
         hq, d = geom.num_q_heads, geom.head_dim
         self.query = torch.zeros(b, hq, d, dtype=torch.bfloat16, device=device)  # [max_batch, Hq, D] format's form
@@ -119,7 +124,9 @@ class DecodeWorkspace:
         self.lse = torch.empty(b, hq, dtype=torch.float32, device=device)  # [max_batch, Hq] natural log
         self.value_head_column = value_window_columns(geom, layout.format).to(**i32)
         self._one = torch.ones(b, **i32)
-        self.seq_lens: tuple[int, ...] = ()  # host copy of the lengths the device plan is for
+        self._chunk_len_all, self._last_slot = self._view("chunk_len"), self._view("last_slot")
+        self._lens = np.zeros(0, dtype=np.int64)  # host copy of the lengths planned ...
+        self._advanced = 0  # ... and the advance() calls since
         self.chunks_used = 0  # chunks of the plan holding real work (the rest read one token into unmerged slots)
 
     # -- views of the packed device plan ------------------------------------------------------------------------
@@ -136,7 +143,12 @@ class DecodeWorkspace:
 
     @property
     def batch(self) -> int:
-        return len(self.seq_lens)
+        return len(self._lens)
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        """The lengths the device plan is for now (host ints)."""
+        return tuple((self._lens + self._advanced).tolist())
 
     # -- planning --------------------------------------------------------------------------------------------------
     def _check_lens(self, seq_lens) -> np.ndarray:
@@ -169,13 +181,18 @@ class DecodeWorkspace:
             if not int(pages.max()) <= page_ids.shape[1] <= self.max_pages:
                 raise FoldKvInputError(f"page_ids holds {page_ids.shape[1]} pages per request: the lengths need"
                                        f" {int(pages.max())}, the workspace holds {self.max_pages}")
-        pieces = fixed_count_pieces(pages, self.num_chunks)
-        arrays = chunk_layout(lens, pieces, page=page, merge_group=self.merge_group)
-        used, groups, batch = len(arrays["chunk_req"]), len(arrays["group_first"]), len(lens)
+        if self.one_wave:  # as the eager plan in one wave: chunks of one cap in request order (measured faster)
+            cap = smallest_cap(pages, self.num_chunks)
+            pieces = -(-pages // cap)
+            arrays = chunk_layout(lens, pieces, page=page, merge_group=self.merge_group, fixed_pages=cap)
+        else:
+            pieces = fixed_count_pieces(pages, self.num_chunks)
+            arrays = chunk_layout(lens, pieces, page=page, merge_group=self.merge_group)
+        used, batch = len(arrays["chunk_req"]), len(lens)
 
         slot = self._next
         self._next ^= 1
-        if self._staged[slot] is not None:
+        if self._in_flight[slot]:
             self._staged[slot].synchronize()  # the copy of two plans ago: long done in steady state
         host = self._staging[slot]
         fill = {  # (real entries, padding value)
@@ -196,25 +213,23 @@ class DecodeWorkspace:
             view[at + len(values):at + n] = pad
         if self.device.type == "cuda":
             self._plan_dev.copy_(host, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._staged[slot] = event
+            self._staged[slot].record()
+            self._in_flight[slot] = True
         else:
             self._plan_dev.copy_(host)
         if page_ids is not None:
             self.page_ids[:batch, :page_ids.shape[1]].copy_(page_ids)
-        self.seq_lens, self.chunks_used = tuple(lens.tolist()), used
-        self._groups_used = groups
+        self._lens, self._advanced, self._longest, self.chunks_used = lens, 0, int(lens.max()), used
 
     def advance(self) -> None:
         """Every request one token longer: one device operation on the current stream (no host planning, no sync).
         The new tokens' rows must be in the pool, and their pages in `page_ids`, before the next step."""
-        if not self.seq_lens:
+        if not self.batch:
             raise FoldKvInputError("advance() before plan(): the workspace holds no batch")
-        if max(self.seq_lens) >= self.max_len:
+        if self._longest + self._advanced >= self.max_len:
             raise FoldKvInputError(f"advance() past max_len={self.max_len}")
-        self._view("chunk_len").index_add_(0, self._view("last_slot"), self._one)
-        self.seq_lens = tuple(n + 1 for n in self.seq_lens)
+        self._chunk_len_all.index_add_(0, self._last_slot, self._one)
+        self._advanced += 1
 
     # -- the step --------------------------------------------------------------------------------------------------
     def check_pool(self, pool: PagedKvPool) -> None:
@@ -242,7 +257,7 @@ class DecodeWorkspace:
             self.check_pool(pool)
             resolve.check_backend(backend)
             resolve.check_kernels(kernel_names(pool.format), kernels)
-            if not self.seq_lens:
+            if not self.batch:
                 raise FoldKvInputError("step() before plan(): the workspace holds no batch")
         partial, merge_groups, merge_final = resolve.launch_kernels(kernel_names(pool.format), pool.geometry,
                                                                     backend=backend, kernels=kernels)
