@@ -105,7 +105,8 @@ def test_greedy_generate_equals_transformers(models, batch, incumbent, impl, fmt
     cache = _cache(models[foldkv_impl], fmt)
     tokens, scores = _run(models[foldkv_impl], batch, cache)
     want_tokens, want_scores = incumbent[impl]
-    assert torch.equal(tokens, want_tokens), f"{fmt} vs {impl}: tokens differ at {(tokens != want_tokens).nonzero()[:4].tolist()}"
+    where = (tokens != want_tokens).nonzero()[:4].tolist()
+    assert torch.equal(tokens, want_tokens), f"{fmt} vs {impl}: tokens differ at (sequence, step) {where}"
     gap = float((scores - want_scores).abs().max())
     assert gap <= FLOAT32_TOL, f"{fmt} vs {impl}: max |logit gap| {gap:.2e} > {FLOAT32_TOL}"
     # the other incumbent too: the two are the same model up to float32 reordering
@@ -323,3 +324,35 @@ def test_refuses_models_it_cannot_serve(case, overrides, message):
 def test_import_foldkv_does_not_import_transformers():
     code = "import sys, foldkv, foldkv.prep, foldkv.reference; assert 'transformers' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("fmt", ["folded", "split"])
+def test_kernel_path_hands_the_launchers_what_they_accept(models, batch, fmt):
+    """The CUDA path on the CPU: each prefill / decode call goes to the real launcher, whose checks all pass up to the
+    last one (the device: CUDA), and is then served by the reference over the same bf16 pool: the generation must
+    then equal, bit for bit, the reference path's over a bf16 pool (only the routing differs)."""
+    from foldkv import FoldKvInputError, paged_attention_reference
+    from foldkv.kernels.decode import decode
+    from foldkv.kernels.prefill import prefill
+
+    calls = {"prefill": 0, "decode": 0}
+
+    def through(name, launcher):
+        def call(pool, query, table, *args, **kwargs):
+            with pytest.raises(FoldKvInputError, match="CUDA"):
+                launcher(pool, query, table, *args, **kwargs)
+            calls[name] += 1
+            q_lens = args[0] if args else None
+            return paged_attention_reference(pool, query, table, q_lens)[0], None
+        return call
+
+    model = models["foldkv_eager"]
+    cache = _cache(model, fmt, dtype=torch.bfloat16)
+    cache.attention, cache._kernels = "kernel", {"prefill": through("prefill", prefill),
+                                                  "decode": through("decode", decode)}
+    tokens, scores = _run(model, batch, cache, new=4)
+    layers = len(cache.global_layers)
+    assert calls == {"prefill": layers, "decode": 3 * layers}
+    want_tokens, want_scores = _run(model, batch, _cache(model, fmt, dtype=torch.bfloat16), new=4)
+    assert torch.equal(tokens, want_tokens) and torch.equal(scores, want_scores)
+    assert bool(torch.isfinite(scores).all())

@@ -3,7 +3,7 @@
     import foldkv.hf                                          # registers the "foldkv" attention implementation
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="foldkv")   # or set_attn_implementation
     cache = foldkv.hf.FoldKvCache(model, max_batch=8, max_tokens=prompt_len + max_new_tokens)
-    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=..., cache=cache)  # past_key_values= before 5.x
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=n, cache=cache)  # < 5.24: past_key_values=
 
 How the pieces meet. transformers builds one mask per layer type, then each layer calls `cache.update(K, V)` and the
 attention function of the model's implementation with what `update` returned:
@@ -27,9 +27,9 @@ implementation other than foldkv's, a batch above `max_batch`, a forward that wo
 `max_tokens` columns (checked before the first layer of that forward writes; with `max_new_tokens` given, the prompt
 is refused when prompt + max_new_tokens does not fit), right padding, beam search (reorder/crop/select).
 
-Written against transformers 5.24 (`AttentionInterface`, `AttentionMaskInterface`, `Cache` / `CacheLayerMixin`, the
-full-attention mask call without `local_size` and the sliding one with it). transformers is imported only here, so
-`import foldkv` works without it.
+Written against transformers 5.5 to 5.24 (tests/test_hf_cpu.py passes on 5.5, 5.17 and 5.24): `AttentionInterface`,
+`AttentionMaskInterface`, `Cache` / `CacheLayerMixin`, the full-attention mask call without `local_size` and the
+sliding one with it. transformers is imported only here, so `import foldkv` works without it.
 """
 
 from __future__ import annotations
@@ -265,6 +265,8 @@ class FoldKvLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.cache.max_tokens
 
+    get_max_cache_shape = get_max_length  # the same question under its name before transformers 5.17
+
     def reset(self) -> None:
         self.lengths = [0] * self.cache.max_batch
         self.columns = 0
@@ -418,7 +420,8 @@ class FoldKvCache(Cache):
         if seen == 0 and self.max_new_tokens is not None and after + self.max_new_tokens > self.max_tokens:
             raise FoldKvInputError(
                 f"a prompt of {after} columns plus max_new_tokens={self.max_new_tokens} needs"
-                f" {after + self.max_new_tokens} tokens per sequence; the FoldKvCache holds max_tokens={self.max_tokens}")
+                f" {after + self.max_new_tokens} tokens per sequence; the FoldKvCache holds"
+                f" max_tokens={self.max_tokens}")
         self.batch = batch
 
     def reset(self):
