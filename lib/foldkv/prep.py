@@ -73,12 +73,24 @@ def prep_query(geom: AttentionGeometry, fmt: KvFormat | str, q: torch.Tensor, q_
     split:  RoPE(q_norm(q))
     folded: [RoPE(q_n)[rot] | q_n[unrot] * w_k[unrot]]  (score-window order; RoPE is the identity on unrot)
     """
-    fmt = KvFormat.parse(fmt)
     cos, sin = rope_cos_sin(geom, positions)  # [T, D] each
     q_rope = apply_rope(rms_norm(q, geom.rms_norm_eps, q_norm_weight), cos, sin)  # [T, Hq, D]
+    return fold_query(geom, fmt, q_rope, k_norm_weight, out_dtype)
+
+
+def fold_query(geom: AttentionGeometry, fmt: KvFormat | str, q_rope: torch.Tensor, k_norm_weight: torch.Tensor,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The normed, RoPE'd query [T, Hq, D] (head order, any float dtype) -> the format's query [T, Hq, D], computed in
+    compute_dtype(q_rope) and rounded once to `out_dtype`, on q_rope's device. k_norm_weight: [D] float on that device
+    (read by folded only). Unchecked.
+    split:  q_rope as is
+    folded: [q_rope[rot] | q_rope[unrot] * w_k[unrot]]  (score-window order)
+    """
+    fmt = KvFormat.parse(fmt)
+    q_rope = q_rope.to(compute_dtype(q_rope))
     if fmt is KvFormat.SPLIT:
         return q_rope.to(out_dtype)
-    dev = q.device
+    dev = q_rope.device
     rot, unrot = rotated_columns(geom).to(dev), unrotated_columns(geom).to(dev)
     w_unrot = k_norm_weight.to(q_rope.dtype)[unrot]  # [D - R]
     return torch.cat([q_rope[..., rot], q_rope[..., unrot] * w_unrot], dim=-1).to(out_dtype)  # [T, Hq, D]
@@ -98,11 +110,24 @@ def prep_rows(geom: AttentionGeometry, fmt: KvFormat | str, kv: torch.Tensor, k_
     v = rms_norm(kv, geom.rms_norm_eps)  # [T, Hkv, D]
     if fmt is KvFormat.SPLIT:
         k_rope = apply_rope(rms_norm(kv, geom.rms_norm_eps, k_norm_weight), cos, sin)  # [T, Hkv, D]
-        return torch.cat([k_rope, v], dim=-1).to(out_dtype)
-    rot = rotated_columns(geom).to(kv.device)
-    # RoPE only on the rotated columns: the pairs (d, d + D/2) with d < R/2 are all inside `rot`
-    k_rot = apply_rope(v * k_norm_weight.to(v.dtype), cos, sin)[..., rot]  # [T, Hkv, R]
-    return torch.cat([k_rot, v[..., value_window_columns(geom, fmt).to(kv.device)]], dim=-1).to(out_dtype)
+    else:  # K = RoPE(V * w_k): the folded row keeps only its rotated columns
+        k_rope = apply_rope(v * k_norm_weight.to(v.dtype), cos, sin)  # [T, Hkv, D]
+    return rows_from_key_value(geom, fmt, k_rope, v, out_dtype)
+
+
+def rows_from_key_value(geom: AttentionGeometry, fmt: KvFormat | str, key: torch.Tensor, value: torch.Tensor,
+                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Page rows [T, Hkv, row_width] from the normed, RoPE'd key and the normed value (each [T, Hkv, D], head order,
+    any float dtype, one device), rounded once to `out_dtype` on their device. Unchecked.
+    split:  [K | V]
+    folded: [K[rot] | V[unrot] | V[rot]]  (the unrotated key columns are V * w_k, which the folded query carries)
+    """
+    fmt = KvFormat.parse(fmt)
+    if fmt is KvFormat.SPLIT:
+        return torch.cat([key, value], dim=-1).to(out_dtype)
+    dev = key.device
+    rot, value_cols = rotated_columns(geom).to(dev), value_window_columns(geom, fmt).to(dev)
+    return torch.cat([key[..., rot], value[..., value_cols]], dim=-1).to(out_dtype)
 
 
 def prep_rows_and_query(geom: AttentionGeometry, fmt: KvFormat | str, q: torch.Tensor, kv: torch.Tensor,

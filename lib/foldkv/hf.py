@@ -1,0 +1,470 @@
+"""Serve Gemma 4 through transformers' `generate()` with its global layers' KV in a foldkv pool.
+
+    import foldkv.hf                                          # registers the "foldkv" attention implementation
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="foldkv")   # or set_attn_implementation
+    cache = foldkv.hf.FoldKvCache(model, max_batch=8, max_tokens=prompt_len + max_new_tokens)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=n, cache=cache)  # < 5.24: past_key_values=
+
+How the pieces meet. transformers builds one mask per layer type, then each layer calls `cache.update(K, V)` and the
+attention function of the model's implementation with what `update` returned:
+- Sliding layers: the cache holds transformers' own `DynamicSlidingWindowLayer`; their mask and attention are
+  transformers' "sdpa" ("foldkv") or "eager" ("foldkv_eager"), unchanged.
+- Global (full-attention, k_eq_v) layers: the cache holds a `FoldKvLayer`, whose `update` keeps nothing and returns
+  the step's new K/V (normed, RoPE'd, [B, Hkv, T, D]) wrapped in a `NewRows`. The full-attention "mask" is a
+  `NewTokens`: which of the step's T columns are real tokens of each sequence (left padding), read from the 2D
+  attention mask once per forward. The attention function then, per global layer:
+      rows  = rows_from_key_value(K, V) of the real tokens          [N, Hkv, row_width], pool dtype
+      query = fold_query(Q, module.k_norm.weight) of the real tokens [N, Hq, D], the format's form
+      store the rows at slots len_b .. len_b + n_b - 1 of sequence b's block-table row (only real tokens are stored)
+      attend: CPU (or attention="reference"): foldkv.paged_attention_reference (float64) over the pool;
+              CUDA: foldkv.kernels.prefill (n_b > 1) or foldkv.kernels.decode (one token per sequence)
+      out   = the real tokens' attention in head order, zeros at padding columns, [B, T, Hq, D] in Q's dtype
+  The rows carry their RoPE (the positions transformers gave them), so a slot needs only the order of the tokens.
+
+Refusals (FoldKvInputError / ConfigError) come before anything is written: a model whose global layers are not
+k_eq_v, Gemma 4 variants whose later layers reuse another layer's KV (num_kv_shared_layers > 0), an attention
+implementation other than foldkv's, a batch above `max_batch`, a forward that would take a sequence past
+`max_tokens` columns (checked before the first layer of that forward writes; with `max_new_tokens` given, the prompt
+is refused when prompt + max_new_tokens does not fit), right padding, beam search (reorder/crop/select).
+
+Written against transformers 5.5 to 5.24 (tests/test_hf_cpu.py passes on 5.5, 5.17 and 5.24): `AttentionInterface`,
+`AttentionMaskInterface`, `Cache` / `CacheLayerMixin`, the full-attention mask call without `local_size` and the
+sliding one with it. transformers is imported only here, so `import foldkv` works without it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import AttentionGeometry, ConfigError, geometry_from_config
+from .layout import KvFormat
+from .pool import BlockTable, PagedKvLayout, PagedKvPool
+from .prep import fold_query, rope_inv_freq, rows_from_key_value, write_tokens
+from .reference import paged_attention_reference
+from .validate import FoldKvInputError, check_device
+
+from transformers import AttentionInterface, Cache
+from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, causal_mask_function
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+# The attention implementations this module registers, each with the implementation its sliding layers keep.
+SLIDING_IMPLEMENTATION = {"foldkv": "sdpa", "foldkv_eager": "eager"}
+ATTENTION_BACKENDS = ("auto", "reference", "kernel")
+
+
+# --- the model ---------------------------------------------------------------------------------------------------
+
+def text_model_of(model: nn.Module) -> nn.Module:
+    """The Gemma4TextModel inside a Gemma4ForCausalLM (`.model`) or a Gemma4ForConditionalGeneration
+    (`.model.language_model`): the module holding `.layers` and a config with `layer_types`."""
+    for cand in (getattr(model, "model", None), getattr(getattr(model, "model", None), "language_model", None), model):
+        if cand is not None and hasattr(cand, "layers") and hasattr(getattr(cand, "config", None), "layer_types"):
+            return cand
+    raise ConfigError(f"{type(model).__name__} has no Gemma 4 text model with .layers and config.layer_types")
+
+
+def global_layer_indices(text_model: nn.Module) -> list[int]:
+    return [i for i, t in enumerate(text_model.config.layer_types) if t == "full_attention"]
+
+
+def check_no_shared_kv(text_model: nn.Module) -> None:
+    """Refuse (ConfigError, by name) a Gemma 4 whose later layers reuse an earlier layer's KV: a reusing layer reads
+    the storing layer's K/V from `shared_kv_states`, which a pool-backed global layer does not hand on."""
+    cfg = text_model.config
+    shared = int(getattr(cfg, "num_kv_shared_layers", 0) or 0)
+    reusing = [i for i, layer in enumerate(text_model.layers) if getattr(layer.self_attn, "is_kv_shared_layer", False)]
+    if shared or reusing:
+        raise ConfigError(
+            f"num_kv_shared_layers={shared}: layers {reusing} reuse an earlier layer's KV (is_kv_shared_layer,"
+            " shared_kv_states); foldkv does not serve KV-shared Gemma 4 variants"
+        )
+
+
+def global_geometry(text_model: nn.Module, attn: nn.Module) -> AttentionGeometry:
+    """The foldkv geometry of one global attention module: the config's (geometry_from_config refuses a config
+    without k_eq_v or proportional RoPE), checked against the module's weights (no v_proj, head_dim, projection
+    widths) and the model's own RoPE inverse frequencies (a mismatch would be a silent position error)."""
+    cfg = text_model.config
+    if getattr(attn, "v_proj", None) is not None or not getattr(attn, "use_alternative_attention", True):
+        raise ConfigError(f"layer {attn.layer_idx}: not a k_eq_v global layer (it has a v_proj); nothing to fold")
+    geom = geometry_from_config(cfg.to_dict(), name=str(getattr(cfg, "name_or_path", "") or "model"))
+    d = int(attn.head_dim)
+    got = (attn.q_proj.out_features // d, attn.k_proj.out_features // d, d, float(attn.q_norm.eps))
+    want = (geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.rms_norm_eps)
+    if got != want:
+        raise ConfigError(f"layer {attn.layer_idx}: module (Hq, Hkv, D, eps) = {got}, the config says {want}")
+    if float(getattr(attn, "scaling", 1.0)) != 1.0:
+        raise ConfigError(f"layer {attn.layer_idx}: attention scaling {attn.scaling}; foldkv's Gemma 4 uses 1.0")
+    model_inv = getattr(text_model.rotary_emb, "full_attention_inv_freq", None)
+    if model_inv is not None:
+        ours = rope_inv_freq(geom, model_inv.device)
+        if model_inv.shape != ours.shape or not torch.allclose(model_inv.float(), ours, rtol=1e-6, atol=0):
+            raise ConfigError("the model's full-attention RoPE frequencies differ from foldkv's proportional RoPE")
+    return geom
+
+
+# --- what flows from update / the mask to the attention function ----------------------------------------------------
+
+@dataclass(frozen=True)
+class NewTokens:
+    """The full-attention "mask" of one forward: real [B, T] bool on the model's device (True: a real token of that
+    sequence; padding is on the left) and counts, the real tokens of each sequence among the T new columns (host)."""
+
+    real: torch.Tensor
+    counts: tuple[int, ...]
+
+
+class NewRows:
+    """What a FoldKvLayer's `update` returns in place of the cached K/V: the step's new key and value ([B, Hkv, T, D],
+    normed and RoPE'd, the model's dtype) and the layer that stores them. Only foldkv's attention reads it."""
+
+    __slots__ = ("layer", "key", "value")
+
+    def __init__(self, layer: "FoldKvLayer", key: torch.Tensor, value: torch.Tensor):
+        self.layer, self.key, self.value = layer, key, value
+
+    def __getattr__(self, name: str) -> Any:  # reached only for names other than the slots: a tensor's attributes
+        raise FoldKvInputError(
+            f"a FoldKvCache global layer was read as a tensor (.{name}): its KV lives in a foldkv pool and only the"
+            " 'foldkv' attention implementation reads it; load the model with attn_implementation='foldkv' or call"
+            " model.set_attn_implementation('foldkv')"
+        )
+
+
+def _new_tokens(attention_mask: torch.Tensor | None, q_length: int, kv_length: int, kv_offset: int) -> NewTokens | None:
+    """Which of the forward's q_length new columns are real, from transformers' 2D padding mask (None: all are)."""
+    if attention_mask is None:
+        return None
+    end = kv_offset + kv_length
+    mask = attention_mask.to(torch.bool)
+    if mask.shape[-1] < end:  # the mask may stop short of the new columns (transformers pads it with False)
+        mask = torch.nn.functional.pad(mask, (0, end - mask.shape[-1]))
+    real = mask[:, end - q_length:end]  # [B, T]
+    host = real.cpu()
+    counts = host.sum(-1)
+    left_padded = torch.arange(q_length)[None, :] >= (q_length - counts)[:, None]  # the real tokens are a suffix
+    if not torch.equal(host, left_padded):
+        b = int(torch.nonzero((host != left_padded).any(-1))[0])
+        raise FoldKvInputError(f"sequence {b}: a padding column follows a real token; foldkv serves left padding only")
+    if bool((counts == 0).any()):
+        b = int(torch.nonzero(counts == 0)[0])
+        raise FoldKvInputError(f"sequence {b} has no real token among this forward's {q_length} columns")
+    return NewTokens(real, tuple(int(c) for c in counts))
+
+
+def _mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+          mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None, *, sliding: str,
+          **kwargs) -> Any:
+    """transformers' mask call for every layer type: sliding layers (the call with `local_size`) get their
+    implementation's own mask, global layers the forward's NewTokens."""
+    if kwargs.get("local_size") is not None:
+        return ALL_MASK_ATTENTION_FUNCTIONS[sliding](
+            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+            mask_function=mask_function, attention_mask=attention_mask, **kwargs)
+    if mask_function is not causal_mask_function:
+        raise FoldKvInputError(
+            "foldkv's global layers serve plain causal attention; this model asked for another full-attention mask"
+            f" ({getattr(mask_function, '__name__', mask_function)})")
+    return _new_tokens(attention_mask, q_length, kv_length, kv_offset)
+
+
+def _sliding_attention(sliding: str, module: nn.Module, *args, **kwargs):
+    if sliding == "eager":  # the model's own eager function (Gemma 4's handles its softcap and GQA)
+        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if fn is None:
+            raise ConfigError(f"{type(module).__module__} has no eager_attention_forward for the sliding layers")
+        return fn(module, *args, **kwargs)
+    return ALL_ATTENTION_FUNCTIONS[sliding](module, *args, **kwargs)
+
+
+def _attention(module: nn.Module, query: torch.Tensor, key: Any, value: Any, attention_mask: Any, *, sliding: str,
+               **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention call for every layer: sliding layers go to their implementation; a global layer
+    stores the step's rows in its FoldKvLayer's pool and attends over it. query: [B, Hq, T, D] (normed, RoPE'd).
+    Returns ([B, T, Hq, D] in query's dtype, None)."""
+    if getattr(module, "is_sliding", False):
+        return _sliding_attention(sliding, module, query, key, value, attention_mask, **kwargs)
+    if not isinstance(key, NewRows):
+        raise FoldKvInputError(
+            f"layer {getattr(module, 'layer_idx', '?')}: the foldkv attention reads global layers from a FoldKvCache;"
+            " pass cache=FoldKvCache(model, ...) (past_key_values= in older transformers) to generate / forward")
+    if attention_mask is not None and not isinstance(attention_mask, NewTokens):
+        raise FoldKvInputError("the global layers' mask was built outside foldkv's mask function (a prepared 4D"
+                               " mask?); pass the 2D attention_mask")
+    return key.layer.attend(module, query, key, attention_mask), None
+
+
+def register() -> None:
+    """Register "foldkv" (sliding layers: sdpa) and "foldkv_eager" (sliding layers: eager) with transformers'
+    AttentionInterface and AttentionMaskInterface. Idempotent; done when this module is imported."""
+    for name, sliding in SLIDING_IMPLEMENTATION.items():
+        def attention(module, query, key, value, attention_mask, *, _sliding=sliding, **kwargs):
+            return _attention(module, query, key, value, attention_mask, sliding=_sliding, **kwargs)
+
+        def mask(*args, _sliding=sliding, **kwargs):
+            return _mask(*args, sliding=_sliding, **kwargs)
+
+        attention.__name__, mask.__name__ = f"{name}_attention", f"{name}_mask"
+        AttentionInterface.register(name, attention)
+        AttentionMaskInterface.register(name, mask)
+
+
+register()
+
+
+# --- the cache ------------------------------------------------------------------------------------------------------
+
+class FoldKvLayer(CacheLayerMixin):
+    """One global layer's KV in a foldkv pool: one block-table row of `capacity` tokens per batch sequence.
+
+    pool: PagedKvPool [max_batch * pages, Hkv, page_size, row_width] of the pool dtype on the cache's device; host_table
+    (CPU) and device_table (page ids on the pool's device) share the pages; lengths[b] is the real tokens sequence b
+    holds. `columns` counts the forward's columns the way transformers does (padding included), for its masks."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: "FoldKvCache", layer_idx: int, geometry: AttentionGeometry):
+        super().__init__()
+        self.cache, self.layer_idx, self.geometry = cache, layer_idx, geometry
+        c = cache
+        per_seq = PagedKvLayout(geometry, c.kv_format, c.page_size, 0, c.pool_dtype).pages_for(c.max_tokens)
+        layout = PagedKvLayout(geometry, c.kv_format, c.page_size, per_seq * c.max_batch, c.pool_dtype)
+        self.pool = PagedKvPool(layout, c.device, fill=float("nan") if c.poison else None)
+        seed = None if c.scatter_seed is None else c.scatter_seed + 7919 * layer_idx
+        self.host_table = self.pool.allocate([c.max_tokens] * c.max_batch, scatter_seed=seed)
+        self.host_table.seq_lens.zero_()
+        self.device_table = BlockTable(self.host_table.page_ids.to(c.device), self.host_table.seq_lens.to(c.device))
+        self.lengths = [0] * c.max_batch
+        self.columns = 0
+        self.device = c.device
+        self.is_initialized = True
+
+    # transformers' layer interface ------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # the pool is made with the cache
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[NewRows, NewRows]:
+        self.columns += key_states.shape[-2]
+        rows = NewRows(self, key_states, value_states)
+        return rows, rows
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.columns + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.columns
+
+    def get_max_length(self) -> int:
+        return self.cache.max_tokens
+
+    get_max_cache_shape = get_max_length  # the same question under its name before transformers 5.17
+
+    def reset(self) -> None:
+        self.lengths = [0] * self.cache.max_batch
+        self.columns = 0
+        if self.cache.poison:
+            self.pool.data.fill_(float("nan"))
+
+    def offload(self):
+        raise FoldKvInputError("a FoldKvCache is not offloaded")
+
+    def prefetch(self):
+        pass
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise FoldKvInputError("beam search reorders the cache; a FoldKvCache serves greedy and sampling only")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise FoldKvInputError("a FoldKvCache cannot be cropped (assisted decoding is not served)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise FoldKvInputError("a FoldKvCache's batch is fixed by its first forward (num_return_sequences > 1 and"
+                               " beam search are not served)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise FoldKvInputError("a FoldKvCache's batch is fixed by its first forward")
+
+    # the store and the attention ------------------------------------------------------------------------------------
+    def attend(self, module: nn.Module, query: torch.Tensor, new: NewRows, tokens: NewTokens | None) -> torch.Tensor:
+        """Store the real tokens' rows and attend over the pool. query: [B, Hq, T, D] (normed, RoPE'd), new.key /
+        new.value: [B, Hkv, T, D]; all on the pool's device. Returns [B, T, Hq, D] in query's dtype, zeros at the
+        padding columns."""
+        geom, pool, c = self.geometry, self.pool, self.cache
+        b, hq, t, d = query.shape
+        counts = tokens.counts if tokens is not None else (t,) * b
+        if len(counts) != b or b != c.batch:
+            raise FoldKvInputError(f"a forward of {b} sequences on a FoldKvCache holding {c.batch}")
+        starts = self.lengths[:b]
+        new_lens = [n + k for n, k in zip(starts, counts)]
+        if max(new_lens) > c.max_tokens:  # FoldKvCache.update refuses this before the forward's first write
+            raise FoldKvInputError(f"a sequence would hold {max(new_lens)} tokens; the pool holds {c.max_tokens}")
+        # The real tokens, sequence by sequence: column j of sequence r is flat row r * T + j.
+        flat = torch.cat([torch.arange(r * t + t - k, r * t + t) for r, k in enumerate(counts)])  # [N] host
+        request = torch.repeat_interleave(torch.arange(b), torch.tensor(counts))  # [N] host
+        slots = torch.cat([torch.arange(s, s + k) for s, k in zip(starts, counts)])  # [N] host
+        idx = flat.to(query.device)
+        q = query.transpose(1, 2).reshape(b * t, hq, d).index_select(0, idx)  # [N, Hq, D]
+        k = new.key.transpose(1, 2).reshape(b * t, -1, d).index_select(0, idx)  # [N, Hkv, D]
+        v = new.value.transpose(1, 2).reshape(b * t, -1, d).index_select(0, idx)  # [N, Hkv, D]
+        rows = rows_from_key_value(geom, pool.format, k, v, pool.layout.dtype)  # [N, Hkv, W]
+        folded = fold_query(geom, pool.format, q, module.k_norm.weight, pool.layout.dtype)  # [N, Hq, D]
+        self.host_table.seq_lens[:b] = torch.tensor(new_lens, dtype=torch.int32)
+        write_tokens(pool, self.host_table, request, slots, rows)
+        self.lengths[:b] = new_lens
+        table = BlockTable(self.host_table.page_ids[:b], self.host_table.seq_lens[:b].clone())
+        out = c.pool_attention(self, folded, table, counts)  # [N, Hq, D] head order
+        full = torch.zeros(b * t, hq, d, dtype=query.dtype, device=query.device)
+        full.index_copy_(0, idx, out.to(query.dtype))
+        return full.view(b, t, hq, d)
+
+
+class FoldKvCache(Cache):
+    """A transformers Cache for Gemma 4 whose global layers keep their KV only in foldkv pools.
+
+    model: a Gemma 4 (Gemma4ForCausalLM or the multimodal model's text tower) loaded or set with
+        attn_implementation "foldkv" (sliding layers: sdpa) or "foldkv_eager" (sliding layers: eager).
+    max_batch: sequences the pools hold (the batch of the first forward may be smaller, later forwards keep it).
+    max_tokens: columns per sequence, as transformers counts them (padded prompt + generated tokens); each global
+        layer's pool holds max_batch * ceil(max_tokens / page_size) pages. Only real tokens are stored.
+    max_new_tokens: when given, the prompt's forward is refused if prompt columns + max_new_tokens exceed max_tokens
+        (otherwise the forward that would overflow is refused, before it writes).
+    kv_format: "folded" or "split". device: the model's (default). dtype: the pool's; default the model's dtype on
+        the CPU, bf16 on CUDA (the kernels read bf16). attention: "auto" (kernels on CUDA, the float64 reference
+        elsewhere), "reference" or "kernel". backend: the kernels' "jit" or "aot". poison: fill pools with NaN (a row
+        read before it is written shows as NaN). scatter_seed: pages drawn in a random order (tests).
+    Sliding layers are transformers' DynamicSlidingWindowLayer.
+    """
+
+    def __init__(self, model: nn.Module, *, max_batch: int, max_tokens: int, kv_format: KvFormat | str = "folded",
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, page_size: int = 64,
+                 attention: str = "auto", backend: str = "jit", max_new_tokens: int | None = None,
+                 poison: bool = True, scatter_seed: int | None = None):
+        text_model = text_model_of(model)
+        cfg = text_model.config
+        impl = getattr(cfg, "_attn_implementation", None)
+        if impl not in SLIDING_IMPLEMENTATION:
+            raise ConfigError(f"the model's attention implementation is {impl!r}; a FoldKvCache needs one of"
+                              f" {list(SLIDING_IMPLEMENTATION)} (attn_implementation= at load, or"
+                              " model.set_attn_implementation('foldkv'))")
+        check_no_shared_kv(text_model)
+        if int(max_batch) < 1 or int(max_tokens) < 1:
+            raise FoldKvInputError(f"max_batch={max_batch} and max_tokens={max_tokens} must be positive")
+        if max_new_tokens is not None and int(max_new_tokens) < 0:
+            raise FoldKvInputError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        if attention not in ATTENTION_BACKENDS:
+            raise FoldKvInputError(f"attention={attention!r}: expected one of {ATTENTION_BACKENDS}")
+        model_param = next(model.parameters())
+        self.device = check_device(device) if device is not None else model_param.device
+        on_cuda = self.device.type == "cuda"
+        self.attention = ("kernel" if on_cuda else "reference") if attention == "auto" else attention
+        if self.attention == "kernel" and not on_cuda:
+            raise FoldKvInputError(f"attention='kernel' runs on CUDA; the cache is on {self.device}")
+        self.kv_format = KvFormat.parse(kv_format)
+        self.pool_dtype = dtype or (torch.bfloat16 if self.attention == "kernel" else model_param.dtype)
+        if self.attention == "kernel" and self.pool_dtype != torch.bfloat16:
+            raise FoldKvInputError(f"the kernels read bf16 pools; dtype={self.pool_dtype}")
+        self.max_batch, self.max_tokens, self.page_size = int(max_batch), int(max_tokens), int(page_size)
+        self.max_new_tokens = None if max_new_tokens is None else int(max_new_tokens)
+        self.backend, self.poison, self.scatter_seed = backend, poison, scatter_seed
+        self.batch: int | None = None
+        self._kernels: dict[str, Any] = {}
+        self._plan: tuple[tuple[int, ...], Any] | None = None
+
+        global_layers = set(global_layer_indices(text_model))
+        if not global_layers:
+            raise ConfigError("the model has no full_attention layer: nothing for foldkv to serve")
+        layers: list[CacheLayerMixin] = []
+        for i, layer_type in enumerate(cfg.layer_types):
+            if i in global_layers:
+                layers.append(FoldKvLayer(self, i, global_geometry(text_model, text_model.layers[i].self_attn)))
+            elif layer_type == "sliding_attention":
+                layers.append(DynamicSlidingWindowLayer(sliding_window=cfg.sliding_window))
+            else:
+                raise ConfigError(f"layer {i} is of type {layer_type!r}; foldkv serves Gemma 4's sliding and full"
+                                  " attention layers")
+        if self.attention == "kernel":
+            self._load_kernels()
+        super().__init__(layers=layers)
+
+    @property
+    def global_layers(self) -> list[FoldKvLayer]:
+        return [layer for layer in self.layers if isinstance(layer, FoldKvLayer)]
+
+    def pool_bytes(self) -> int:
+        """Bytes of all global layers' pools."""
+        return sum(layer.pool.layout.nbytes for layer in self.global_layers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0:  # the first write of a forward: every refusal of this forward comes before it
+            self._check_forward(key_states.shape[0], key_states.shape[-2])
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _check_forward(self, batch: int, columns: int) -> None:
+        if self.batch is None and batch > self.max_batch:
+            raise FoldKvInputError(f"a batch of {batch} sequences; this FoldKvCache holds max_batch={self.max_batch}")
+        if self.batch is not None and batch != self.batch:
+            raise FoldKvInputError(f"a forward of {batch} sequences on a FoldKvCache holding {self.batch}")
+        seen = self.global_layers[0].columns
+        after = seen + columns
+        if after > self.max_tokens:
+            raise FoldKvInputError(f"this forward takes the sequences to {after} columns (padding included); the"
+                                   f" FoldKvCache holds max_tokens={self.max_tokens}")
+        if seen == 0 and self.max_new_tokens is not None and after + self.max_new_tokens > self.max_tokens:
+            raise FoldKvInputError(
+                f"a prompt of {after} columns plus max_new_tokens={self.max_new_tokens} needs"
+                f" {after + self.max_new_tokens} tokens per sequence; the FoldKvCache holds"
+                f" max_tokens={self.max_tokens}")
+        self.batch = batch
+
+    def reset(self):
+        super().reset()
+        self.batch, self._plan = None, None
+
+    # attention over a pool --------------------------------------------------------------------------------------
+    def _load_kernels(self) -> None:
+        from .kernels.decode import decode  # TileLang is imported only when the kernels are asked for
+        from .kernels.prefill import prefill
+
+        self._kernels = {"decode": decode, "prefill": prefill}
+
+    def pool_attention(self, layer: FoldKvLayer, query: torch.Tensor, table: BlockTable,
+                       counts: tuple[int, ...]) -> torch.Tensor:
+        """Attention of the stored step: query [N, Hq, D] (the format's form, pool dtype, pool device), table: the
+        batch's host BlockTable (lengths include the step), counts: the step's tokens per sequence (its last
+        positions). Returns [N, Hq, D] head order: float64 (reference) or bf16 (kernels), on the pool's device."""
+        q_lens = torch.tensor(counts, dtype=torch.int32)
+        if self.attention == "reference":
+            out, _ = paged_attention_reference(layer.pool, query, table, q_lens)
+            return out
+        b = table.batch
+        dev_table = BlockTable(layer.device_table.page_ids[:b], layer.device_table.seq_lens[:b])
+        dev_table.seq_lens.copy_(table.seq_lens, non_blocking=True)
+        if max(counts) == 1:
+            plan = self._decode_plan(layer, table)
+            out, _ = self._kernels["decode"](layer.pool, query.contiguous(), dev_table, plan=plan,
+                                             backend=self.backend)
+            return out
+        out, _ = self._kernels["prefill"](layer.pool, query.contiguous(), dev_table, q_lens, backend=self.backend)
+        return out
+
+    def _decode_plan(self, layer: FoldKvLayer, table: BlockTable):
+        """One plan per step, shared by the global layers (they hold the same lengths and the same layout); its
+        workspace is reused layer after layer on one stream."""
+        from .kernels.plan import plan_decode
+
+        lens = tuple(int(n) for n in table.seq_lens.tolist())
+        if self._plan is None or self._plan[0] != lens:
+            self._plan = (lens, plan_decode(layer.pool.layout, table.seq_lens, device=layer.pool.device))
+        return self._plan[1]
+
+
+__all__ = ["FoldKvCache", "FoldKvLayer", "NewRows", "NewTokens", "SLIDING_IMPLEMENTATION", "register",
+           "text_model_of", "global_layer_indices", "global_geometry", "check_no_shared_kv"]

@@ -1,0 +1,118 @@
+"""transformers' generate() on a FoldKvCache served by the generated kernels (synthetic Gemma 4, bf16, on the GPU):
+the kernels never read a poisoned row, stay as close to foldkv's float64 reference over the same pools as bf16
+arithmetic allows, and their agreement with the incumbent (transformers' sdpa) is reported beside the neutral figure.
+
+Comparable steps. Free-running generations are compared only while they are fed the same tokens: a sequence's step s
+is comparable when both runs generated the same tokens before it (its logits then come from the same inputs).
+The neutral figure is transformers' own eager against its own sdpa: two orderings of the same bf16 model.
+Bound (as test_drift_gpu derives it): a kernel run and the reference run store the same rows and fold the same query
+and differ only in the attention's arithmetic (bf16 tensor cores, fp32 accumulation, vs float64 rounded once to bf16),
+the same kind of bf16 reordering as the neutral figure, so their gap is held to
+    max(2 x neutral max, 2 x reference-vs-incumbent max, 4 bf16 ulps of the largest |logit|).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import require_hopper, require_module, require_tilelang
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = (97, 300, 1000)  # awkward lengths, one past 15 pages of 64; left-padded to the longest
+NEW = 16
+
+
+def _generate_kw() -> str:
+    import inspect
+
+    from transformers.models.gemma4 import modeling_gemma4
+
+    params = inspect.signature(modeling_gemma4.Gemma4ForCausalLM.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@pytest.fixture(scope="module")
+def gpu_models(tmp_path_factory):
+    require_hopper()
+    require_tilelang()
+    require_module("transformers")
+    require_module("safetensors")
+    import foldkv.hf  # noqa: F401  (registers "foldkv")
+    from foldkv.lab.model import load_model
+    from foldkv.lab.synthetic import make_synthetic_checkpoint
+
+    ckpt = make_synthetic_checkpoint(tmp_path_factory.mktemp("synthetic_hf_gpu"), seed=2)
+    return {impl: load_model(ckpt, device="cuda", dtype=torch.bfloat16, attn_implementation=impl)
+            for impl in ("sdpa", "eager", "foldkv")}
+
+
+@pytest.fixture(scope="module")
+def batch(gpu_models):
+    vocab = gpu_models["sdpa"].config.vocab_size
+    g = torch.Generator().manual_seed(7)
+    width = max(LENGTHS)
+    ids = torch.zeros(len(LENGTHS), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(LENGTHS):
+        ids[i, width - n:] = torch.randint(3, vocab, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids.cuda(), mask.cuda()
+
+
+def _run(model, batch, cache=None):
+    """Greedy generate(): (new tokens [B, NEW] on the CPU, logits [NEW, B, V] float32 on the CPU)."""
+    ids, mask = batch
+    kw = {_generate_kw(): cache} if cache is not None else {}
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, **kw)
+    return out.sequences[:, ids.shape[1]:].cpu(), torch.stack(out.logits).float().cpu()
+
+
+def _compare(a, b) -> dict:
+    """Agreement of two runs: steps each sequence shares before its first differing token, and the max |logit gap|
+    over the comparable steps (those fed the same tokens, the first differing step included)."""
+    (ta, la), (tb, lb) = a, b
+    same = ta == tb  # [B, NEW]
+    agree = [int(torch.cumprod(same[r].int(), 0).sum()) for r in range(ta.shape[0])]
+    gap = max(float((la[: min(n + 1, NEW), r] - lb[: min(n + 1, NEW), r]).abs().max()) for r, n in enumerate(agree))
+    return {"agreed_steps": agree, "gap": gap}
+
+
+def _bf16_ulp(x: float) -> float:
+    return 2.0 ** (math.floor(math.log2(max(abs(x), 1e-30))) - 7)
+
+
+@pytest.mark.parametrize("fmt", ["split", "folded"])
+def test_generate_on_the_kernels(gpu_models, batch, fmt):
+    from foldkv.hf import FoldKvCache
+
+    model = gpu_models["foldkv"]
+    incumbent = _run(gpu_models["sdpa"], batch)
+    neutral = _compare(_run(gpu_models["eager"], batch), incumbent)
+
+    def cache(attention):
+        return FoldKvCache(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW, kv_format=fmt,
+                           dtype=torch.bfloat16, attention=attention, scatter_seed=3)
+
+    ref_cache, ker_cache = cache("reference"), cache("kernel")
+    ref, ker = _run(model, batch, ref_cache), _run(model, batch, ker_cache)
+    assert bool(torch.isfinite(ker[1]).all()), "NaN logits: a kernel read a poisoned (unwritten) pool row"
+    for layer in ker_cache.global_layers:  # exactly the real tokens are stored, every other row keeps its poison
+        data, table, page = layer.pool.data, layer.host_table, layer.pool.layout.page_size
+        assert layer.lengths == [n + NEW - 1 for n in LENGTHS]
+        written = torch.zeros(data.shape[0], data.shape[2], dtype=torch.bool, device=data.device)
+        for r, n in enumerate(layer.lengths):
+            pos = torch.arange(n)
+            written[table.page_ids[r, pos // page].long().to(data.device), (pos % page).to(data.device)] = True
+        mask = written[:, None, :, None].expand_as(data)
+        assert bool(torch.isfinite(data[mask]).all()) and bool(torch.isnan(data[~mask]).all())
+
+    vs_inc, ref_vs_inc, vs_ref = _compare(ker, incumbent), _compare(ref, incumbent), _compare(ker, ref)
+    print(f"\n{fmt}: kernels vs incumbent {vs_inc}; reference vs incumbent {ref_vs_inc}; kernels vs reference"
+          f" {vs_ref}; neutral (eager vs sdpa) {neutral}")
+    bound = max(2 * neutral["gap"], 2 * ref_vs_inc["gap"], 4 * _bf16_ulp(float(incumbent[1].abs().max())))
+    assert vs_ref["gap"] <= bound, f"{fmt}: kernels vs reference gap {vs_ref['gap']:.3g} > {bound:.3g}"
