@@ -70,6 +70,9 @@ def test_byte_floor_records(batch):
     tokens = rec["results"]["budget"]["tokens"]
     assert tokens["folded"] > tokens["split"] > 0
     assert "62.5%" in rec["results"]["conclusion"]
+    fp8 = {r["pool"]: r for r in rec["results"]["fp8_bytes"]["rows"]}
+    assert fp8["FP8 folded"]["bytes_per_token_head"] == 644 and fp8["FP8 folded"]["over_bf16_folded"] <= 0.55
+    assert fp8["FP8 folded"]["tokens_per_gib"] > 1.9 * fp8["bf16 folded"]["tokens_per_gib"]
 
 
 def test_aot_gate_builds_from_an_empty_tilelang_cache(batch):
