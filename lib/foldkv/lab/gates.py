@@ -632,6 +632,23 @@ def fp8_format_error(case: Case, seed: int, geom: AttentionGeometry = GEMMA4_31B
             "passed": rows["passed"] and over == 0}
 
 
+def fp8_cases(size: str = "full") -> list[Case]:
+    """The FP8 format-error cases (decode, CPU float64): a long request, a ragged batch with the 1- and 54-token
+    edges, peaked and spread attention. `size="smoke"` shrinks the long lengths."""
+    n = 4096 if size == "full" else 1000
+    return [Case(f"len{n}", (n,)), Case("ragged4", (1, 97, 640, 54)), Case("peaked", (n,), score_scale=4.0),
+            Case("spread", (n,), score_scale=0.05)]
+
+
+def fp8_format_gate(size: str, seed: int, record) -> list[dict]:
+    """CPU gate: the FP8 folded pool's format error against the bf16 truth, per case of `fp8_cases` (rows within
+    the derived rounding bound; the output within its derived bound wherever that bound is finite). Records
+    `fp8_format_error` and returns its rows."""
+    rows = [fp8_format_error(case, seed) for case in fp8_cases(size)]
+    record.ran("fp8_format_error", rows=rows, passed=all(r["passed"] for r in rows))
+    return rows
+
+
 # --- notebook 02's sections: each runs its gates, records the section and returns what the notebook shows ------------
 def barrier_check(geom: AttentionGeometry, record) -> None:
     """CPU gate: the in-place merge as generated passes the emitted-source barrier check, and the same kernel generated
