@@ -2,10 +2,10 @@
 
 An FP8 pool stores each folded row [K_rot | V_unrot | V_rot] (640 columns for the 31B) as float8_e4m3fn values `q`
 beside a float32 `scale` for that (token, KV head); the row's value is `q * scale`. The layout was chosen by
-measurement (bench/fp8_format_bench.py, bench/FP8_NOTES.md): one scale per token x head errs as little as one per
-128 columns (outputs within each other's seed-to-seed spread) and less than per-page or per-tensor scales, for 644
-bytes per token-head (0.503x the bf16 folded row); it is also the granularity a kernel applies for free, to the score
-column and to P's column, since every column of a token's row shares it (e4m3 values are exact in bf16).
+measurement (bench/fp8_format_bench.py, bench/FP8_NOTES.md): one scale per token x head errs within 10% of one per
+128 columns (inside the seed-to-seed spread) and 1.6x less than per-page or per-tensor scales, for 644 bytes per
+token-head (0.503x the bf16 folded row); it is also the granularity a kernel applies without touching the tile, to
+the score column and to P's column, since every column of a token's row shares it (e4m3 values are exact in bf16).
 
 The rounding, defined once here (the prep, the fill and any kernel that writes rows are held to it):
   x      the row in float32 (rows computed in float64 are rounded to float32 first);
