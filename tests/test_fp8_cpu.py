@@ -212,3 +212,22 @@ def test_format_error_of_a_spread_decode_is_within_its_derived_bound():
     res = gates.fp8_format_error(gates.Case("spread", (300,), score_scale=0.05), seed=0)
     assert res["rows_passed"] and res["out_bound_finite"] == 1.0 and res["out_over_bound"] == 0, res
     assert 0 < res["out_max_over_finite_bound"] < 1 and math.isfinite(res["out_rel_fro"])
+
+
+@pytest.mark.parametrize("launcher", ["decode", "prefill"])
+def test_bf16_kernels_refuse_an_fp8_pool_before_anything_runs(launcher):
+    """Until the FP8 partial exists, the bf16 kernels' launchers must refuse an FP8 pool (they would read e4m3 bytes
+    as bf16), on the CPU before any build or launch, and write nothing."""
+    pool, table, _ = filled((97, 130))
+    before = _snapshot(pool)
+    query = torch.zeros(2, G.num_q_heads, G.head_dim, dtype=torch.bfloat16)
+    with pytest.raises(fk.FoldKvInputError, match="float8|FP8|bf16"):
+        if launcher == "decode":
+            from foldkv.kernels.decode import decode
+
+            decode(pool, query, table)
+        else:
+            from foldkv.kernels.prefill import prefill
+
+            prefill(pool, query, table, torch.ones(2, dtype=torch.int32))
+    assert torch.equal(before[0], _snapshot(pool)[0])
