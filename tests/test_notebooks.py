@@ -70,6 +70,18 @@ def test_byte_floor_records(batch):
     tokens = rec["results"]["budget"]["tokens"]
     assert tokens["folded"] > tokens["split"] > 0
     assert "62.5%" in rec["results"]["conclusion"]
+    fp8 = {r["pool"]: r for r in rec["results"]["fp8_bytes"]["rows"]}
+    assert fp8["FP8 folded"]["bytes_per_token_head"] == 644 and fp8["FP8 folded"]["over_bf16_folded"] <= 0.55
+    assert fp8["FP8 folded"]["tokens_per_gib"] > 1.9 * fp8["bf16 folded"]["tokens_per_gib"]
+
+
+def test_fp8_format_error_section_runs_on_the_cpu(batch):
+    _, out, _ = batch
+    rec = _record(out, "02_correctness_gates")
+    assert rec["sections"]["fp8_format_error"] == "ran", rec["sections"]
+    rows = rec["results"]["fp8_format_error"]["rows"]
+    assert len(rows) == 4 and all(r["rows_passed"] and 0.5 < r["row_max_over_bound"] <= 1 for r in rows)
+    assert any(r["out_bound_finite"] == 1.0 for r in rows) and all(r["out_over_bound"] == 0 for r in rows)
 
 
 def test_aot_gate_builds_from_an_empty_tilelang_cache(batch):

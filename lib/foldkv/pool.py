@@ -8,10 +8,12 @@ from typing import Sequence
 import torch
 
 from .config import GEMMA4_31B, AttentionGeometry
+from .fp8 import FP8_DTYPE, SCALE_BYTES, SCALE_DTYPE, dequantize_rows
 from .layout import KvFormat, row_width
 from .validate import FoldKvInputError, check_device, check_index_range, check_tensor
 
 GIB = 1 << 30
+STORED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, FP8_DTYPE)
 
 
 @dataclass(frozen=True)
@@ -19,8 +21,13 @@ class PagedKvLayout:
     """One global layer's pool: `num_pages` pages of `page_size` tokens, each [num_kv_heads, page_size, row_width].
 
     The tensor is [num_pages, num_kv_heads, page_size, row_width] of `dtype` (bf16 by default; the kernels read
-    bf16 only, the references any of bf16/fp16/float32/float64): one (page, KV head) is a contiguous
+    bf16 only, the references any of bf16/fp16/float32/float64/float8_e4m3fn): one (page, KV head) is a contiguous
     page_size x row_width tile, the unit a decode CTA streams. row_width is 2D (split) or D + R (folded).
+
+    dtype float8_e4m3fn (`quantized`): the FP8 row of `foldkv.fp8` (e4m3 values, one float32 scale per token x KV
+    head), folded only. Its scales are a second tensor `scale_shape` = [num_pages, num_kv_heads, page_size] float32,
+    page-major like the rows, so one (page, KV head) tile's scales are a contiguous page_size vector (256 B at 64).
+    An FP8 split row would be 1028 B per token-head, 0.80x the bf16 folded row it would replace: refused.
     """
 
     geometry: AttentionGeometry = GEMMA4_31B
@@ -35,8 +42,34 @@ class PagedKvLayout:
             raise FoldKvInputError(f"page_size={self.page_size} must be a positive power of two")
         if self.num_pages < 0:
             raise FoldKvInputError(f"num_pages={self.num_pages} must be >= 0")
-        if self.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-            raise FoldKvInputError(f"pool dtype {self.dtype} is not a floating type foldkv stores")
+        if self.dtype not in STORED_DTYPES:
+            raise FoldKvInputError(f"pool dtype {self.dtype} is not a type foldkv stores: one of {STORED_DTYPES}")
+        if self.quantized and self.format is not KvFormat.FOLDED:
+            raise FoldKvInputError(
+                f"an FP8 pool stores folded rows only: an FP8 {self.format.value} row ({self.row_width} + 4 B per token"
+                f" and KV head) reads more than 0.55x the bf16 folded row and would lose to it; use format='folded'"
+            )
+
+    @property
+    def quantized(self) -> bool:
+        """True for an FP8 (e4m3) pool: rows need their scales (`scale_shape`) to mean anything."""
+        return self.dtype == FP8_DTYPE
+
+    @property
+    def scale_shape(self) -> tuple[int, int, int] | None:
+        """[num_pages, num_kv_heads, page_size] float32 scales of an FP8 pool (one per token x KV head); None else."""
+        return (self.num_pages, self.geometry.num_kv_heads, self.page_size) if self.quantized else None
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        """The dtype the prep rounds rows to before the store: the pool's, or float32 for FP8 (then quantized)."""
+        return torch.float32 if self.quantized else self.dtype
+
+    @property
+    def query_dtype(self) -> torch.dtype:
+        """The dtype of the query the prep returns for this pool: the pool's, or bf16 for FP8 (kernels read a bf16
+        query and a bf16 output whatever the pool stores)."""
+        return torch.bfloat16 if self.quantized else self.dtype
 
     @property
     def row_width(self) -> int:
@@ -47,9 +80,14 @@ class PagedKvLayout:
         return torch.empty((), dtype=self.dtype).element_size()
 
     @property
+    def bytes_per_token_head(self) -> int:
+        """Bytes one token occupies per KV head: its row, and its scale in an FP8 pool."""
+        return self.row_width * self.element_bytes + (SCALE_BYTES if self.quantized else 0)
+
+    @property
     def bytes_per_token(self) -> int:
-        """Bytes one token occupies in this layer's pool (all KV heads)."""
-        return self.geometry.num_kv_heads * self.row_width * self.element_bytes
+        """Bytes one token occupies in this layer's pool (all KV heads, scales included)."""
+        return self.geometry.num_kv_heads * self.bytes_per_token_head
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -57,6 +95,7 @@ class PagedKvLayout:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the pool's tensors (rows, and scales in an FP8 pool)."""
         return self.num_pages * self.page_size * self.bytes_per_token
 
     def pages_for(self, tokens: int) -> int:
@@ -131,22 +170,50 @@ def check_block_table(layout: PagedKvLayout, table: BlockTable, *, max_batch: in
     check_index_range("page_ids (within each request's pages)", ids[used], 0, layout.num_pages)
 
 
+def check_pool_storage(pool: "PagedKvPool") -> None:
+    """Refuse (FoldKvInputError) a pool whose tensors are not what its layout says: data of the layout's dtype and
+    shape, contiguous; for an FP8 pool, scales float32 of `scale_shape`, contiguous, on data's device; for any other
+    pool, no scales. Every reader and writer runs this before it reads or writes."""
+    lay = pool.layout
+    check_tensor("pool data", pool.data, dtype=lay.dtype, shape=lay.shape, contiguous=True)
+    scales = getattr(pool, "scales", None)
+    if not lay.quantized:
+        if scales is not None:
+            raise FoldKvInputError(f"a {lay.dtype} pool holds no scales; this one has scales {list(scales.shape)}")
+        return
+    if scales is None:
+        raise FoldKvInputError(
+            "an FP8 pool has no scales: its e4m3 rows mean nothing without them (one float32 per token x KV head,"
+            f" shape {list(lay.scale_shape)})"
+        )
+    check_tensor("pool scales", scales, dtype=SCALE_DTYPE, device=pool.data.device, shape=lay.scale_shape,
+                 contiguous=True)
+
+
 class PagedKvPool:
-    """A layer's pool tensor with a free-page allocator. The format is fixed for the pool's life.
+    """A layer's pool tensor with a free-page allocator. The format and dtype are fixed for the pool's life.
 
     data: [num_pages, Hkv, page_size, row_width] of layout.dtype on `device` (uninitialised unless `fill` is given),
-    or the given `data` tensor (layout dtype and shape, contiguous; its device is the pool's)."""
+    or the given `data` tensor (layout dtype and shape, contiguous; its device is the pool's).
+    scales: an FP8 pool's [num_pages, Hkv, page_size] float32 (layout.scale_shape), made beside data (filled with
+    `fill` too) or given with it (then both are given); None for any other pool."""
 
     def __init__(self, layout: PagedKvLayout, device: torch.device | str = "cpu", fill: float | None = None,
-                 data: torch.Tensor | None = None):
+                 data: torch.Tensor | None = None, scales: torch.Tensor | None = None):
         self.layout = layout
         if data is not None:
-            check_tensor("pool data", data, dtype=layout.dtype, shape=layout.shape, contiguous=True)
-            self.data = data
+            self.data, self.scales = data, scales
         else:
-            self.data = torch.empty(layout.shape, dtype=layout.dtype, device=check_device(device))
+            if scales is not None:
+                raise FoldKvInputError("scales were given without data: give both, or neither")
+            dev = check_device(device)
+            self.data = torch.empty(layout.shape, dtype=layout.dtype, device=dev)
+            self.scales = torch.empty(layout.scale_shape, dtype=SCALE_DTYPE, device=dev) if layout.quantized else None
             if fill is not None:
                 self.data.fill_(fill)
+                if self.scales is not None:
+                    self.scales.fill_(fill)
+        check_pool_storage(self)
         self._free = list(range(layout.num_pages - 1, -1, -1))
 
     # --- properties -------------------------------------------------------------------------------------------
@@ -223,11 +290,28 @@ class PagedKvPool:
 
     def gather(self, table: BlockTable, request: int) -> torch.Tensor:
         """Rows of one request in token order: [seq_len, num_kv_heads, row_width], a copy in the pool's dtype on its
-        device."""
+        device (an FP8 pool's e4m3 values, without their scales: `gather_values` applies them)."""
         n = int(table.seq_lens[request])
         pages = table.pages_of(request, self.layout.page_size).to(self.device, torch.long)
         rows = self.data[pages].permute(0, 2, 1, 3).reshape(-1, self.geometry.num_kv_heads, self.layout.row_width)
         return rows[:n]
+
+    def gather_scales(self, table: BlockTable, request: int) -> torch.Tensor:
+        """An FP8 pool's scales of one request in token order: [seq_len, num_kv_heads] float32 on its device."""
+        if not self.layout.quantized:
+            raise FoldKvInputError(f"a {self.layout.dtype} pool has no scales")
+        n = int(table.seq_lens[request])
+        pages = table.pages_of(request, self.layout.page_size).to(self.device, torch.long)
+        return self.scales[pages].permute(0, 2, 1).reshape(-1, self.geometry.num_kv_heads)[:n]
+
+    def gather_values(self, table: BlockTable, request: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """The values the rows of one request stand for, in token order: [seq_len, num_kv_heads, row_width] in
+        `dtype` on the pool's device: the stored rows upcast, or an FP8 pool's e4m3 rows times their scales
+        (`foldkv.fp8.dequantize_rows`, exact in float64)."""
+        rows = self.gather(table, request)
+        if not self.layout.quantized:
+            return rows.to(dtype)
+        return dequantize_rows(rows, self.gather_scales(table, request), dtype)
 
     # --- reports ----------------------------------------------------------------------------------------------
     def report(self) -> dict:
@@ -239,6 +323,7 @@ class PagedKvPool:
             "free_pages": self.free_pages,
             "row_width": lay.row_width,
             "bytes_per_token": lay.bytes_per_token,
+            "scales": None if lay.scale_shape is None else list(lay.scale_shape),
             "pool_bytes": lay.nbytes,
             "pool_gib": lay.nbytes / GIB,
             "dtype": str(lay.dtype).replace("torch.", ""),

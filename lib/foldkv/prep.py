@@ -1,7 +1,8 @@
 """The prep in torch: q/k RMSNorm, v-norm, proportional RoPE, the fold of w_k into the query, and the store of rows.
 
 This is the semantic definition the fused GPU prep kernel is held to. Arithmetic is float32 (as transformers does it
-for a float32 model; float64 for float64 inputs) with one rounding to the pool dtype at the end.
+for a float32 model; float64 for float64 inputs) with one rounding to the pool dtype at the end; an FP8 pool's rows
+are computed in float32 and quantized once by `foldkv.fp8.quantize_rows` (its query is bf16).
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from .config import AttentionGeometry
+from .fp8 import check_finite_rows, quantize_rows
 from .layout import KvFormat, rotated_columns, unrotated_columns, value_window_columns
-from .pool import BlockTable, PagedKvPool
+from .pool import BlockTable, PagedKvPool, check_pool_storage
 from .validate import FoldKvInputError, check_index_range, check_tensor
 
 FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -156,38 +158,57 @@ def prep_and_store(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, 
     q: [T, Hq, D] raw q projection, float32/bf16/fp16/float64, on the pool's device.
     kv: [T, Hkv, D] raw k projection (k_eq_v: V is built from it too), float32/bf16/fp16/float64, on q's device.
     q_norm_weight, k_norm_weight: [D] float32/bf16/fp16/float64 on q's device (Gemma 4's q_norm / k_norm weights).
-    Returns the query [T, Hq, D] in the pool's dtype on the pool's device: split, RoPE'd head order; folded,
-    score-window order with w_k folded in. The rows [T, Hkv, row_width] go to pool.data[page, :, offset, :].
-    Arithmetic is float32 (float64 for float64 inputs), rounded once to the pool dtype.
+    Returns the query [T, Hq, D] in pool.layout.query_dtype (the pool's dtype; bf16 for an FP8 pool) on the pool's
+    device: split, RoPE'd head order; folded, score-window order with w_k folded in. The rows [T, Hkv, row_width] go
+    to pool.data[page, :, offset, :] (an FP8 pool's scales [T, Hkv] to pool.scales[page, :, offset]).
+    Arithmetic is float32 (float64 for float64 inputs), rounded once to the pool dtype (FP8: `quantize_rows`).
 
     Everything is checked before the first write (FoldKvInputError): on a refusal the pool is unchanged.
     """
     geom = pool.geometry
+    check_pool_storage(pool)
     check_tensor("q", q, dtype=FLOAT_TYPES, device=pool.device, shape=(None, geom.num_q_heads, geom.head_dim))
     check_tensor("request", request, dtype=(torch.int32, torch.int64), shape=(q.shape[0],))
     pages, offsets = pool.token_slots(table, request, positions)
     query, rows = prep_rows_and_query(geom, pool.format, q, kv, q_norm_weight, k_norm_weight,
-                                      positions.to(q.device), out_dtype=pool.layout.dtype)
+                                      positions.to(q.device), out_dtype=pool.layout.row_dtype)
+    _store_rows(pool, pages, offsets, rows)
+    return query.to(pool.layout.query_dtype)
+
+
+def _store_rows(pool: PagedKvPool, pages: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write rows [T, Hkv, row_width] (pool.layout.row_dtype, on the pool's device) at (pages, offsets) [T]; an FP8
+    pool's rows are quantized here (refused first if not finite), its scales written beside them."""
     dev = pool.device
-    pool.data[pages.to(dev), :, offsets.to(dev), :] = rows
-    return query
+    pages, offsets = pages.to(dev), offsets.to(dev)
+    if not pool.layout.quantized:
+        pool.data[pages, :, offsets, :] = rows
+        return
+    check_finite_rows(rows)
+    q, scale = quantize_rows(rows)
+    pool.data[pages, :, offsets, :] = q
+    pool.scales[pages, :, offsets] = scale
 
 
 def write_tokens(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, positions: torch.Tensor,
                  rows: torch.Tensor) -> None:
-    """Store already-prepped rows [T, Hkv, row_width] (pool dtype, on the pool's device) at (request, position)
-    slots; request, positions: [T] int32/int64 on any device."""
+    """Store already-prepped rows [T, Hkv, row_width] (pool.layout.row_dtype: the pool dtype, float32 for an FP8
+    pool, which quantizes them here) on the pool's device at (request, position) slots; request, positions: [T]
+    int32/int64 on any device."""
     geom = pool.geometry
-    check_tensor("rows", rows, dtype=pool.layout.dtype, device=pool.device,
+    check_pool_storage(pool)
+    check_tensor("rows", rows, dtype=pool.layout.row_dtype, device=pool.device,
                  shape=(positions.shape[0], geom.num_kv_heads, pool.layout.row_width))
     pages, offsets = pool.token_slots(table, request, positions)
-    pool.data[pages.to(pool.device), :, offsets.to(pool.device), :] = rows
+    _store_rows(pool, pages, offsets, rows)
 
 
 def fill_sequences(pool: PagedKvPool, table: BlockTable, kv: list[torch.Tensor], k_norm_weight: torch.Tensor) -> None:
     """Prep and store whole sequences: kv[r] [seq_len_r, Hkv, D] raw projections (float32/bf16/fp16/float64, any
     device) at positions 0..seq_len_r-1, one per request of `table`, seq_len_r == table.seq_lens[r].
-    k_norm_weight: [D] float, any device. Rows are prepped on kv[r]'s device and stored in the pool's dtype."""
+    k_norm_weight: [D] float, any device. Rows are prepped on kv[r]'s device and stored in the pool's dtype (an FP8
+    pool's quantized by `foldkv.fp8.quantize_rows`). Shapes, and for an FP8 pool NaN/Inf inputs, are refused before
+    the first write."""
     geom = pool.geometry
     if len(kv) != table.batch:
         raise FoldKvInputError(f"{len(kv)} sequences for a block table of {table.batch} requests")
@@ -197,8 +218,10 @@ def fill_sequences(pool: PagedKvPool, table: BlockTable, kv: list[torch.Tensor],
     check_tensor("k_norm_weight", k_norm_weight, dtype=FLOAT_TYPES, shape=(geom.head_dim,))
     for r, x in enumerate(kv):
         check_tensor(f"kv[{r}]", x, dtype=FLOAT_TYPES, shape=(None, geom.num_kv_heads, geom.head_dim))
+        if pool.layout.quantized:
+            check_finite_rows(x)
     for r, x in enumerate(kv):
         n = x.shape[0]
         pos = torch.arange(n, device=x.device)
-        rows = prep_rows(geom, pool.format, x, k_norm_weight.to(x.device), pos, out_dtype=pool.layout.dtype)
+        rows = prep_rows(geom, pool.format, x, k_norm_weight.to(x.device), pos, out_dtype=pool.layout.row_dtype)
         write_tokens(pool, table, torch.full((n,), r, dtype=torch.long), pos.cpu(), rows.to(pool.device))

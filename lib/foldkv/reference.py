@@ -1,7 +1,8 @@
 """Float64 references: a dense Gemma 4 global attention from raw inputs, and a gather attention over either pool format.
 
 `paged_attention_reference` is the oracle every kernel is gated against: it reads the pool exactly as stored (bf16
-rows upcast to float64), so the only error left in a comparison is the kernel's own arithmetic.
+rows upcast to float64; an FP8 pool's e4m3 rows times their scales, exact in float64), so the only error left in a
+comparison is the kernel's own arithmetic.
 """
 
 from __future__ import annotations
@@ -10,20 +11,27 @@ import torch
 
 from .config import AttentionGeometry
 from .layout import KvFormat, score_window, value_window, value_window_to_head
-from .pool import BlockTable, PagedKvPool, check_block_table
+from .pool import BlockTable, PagedKvPool, check_block_table, check_pool_storage
 from .prep import apply_rope, rms_norm, rope_cos_sin
 from .validate import FoldKvInputError, check_tensor
 
 
-def check_pool_format(pool: PagedKvPool, fmt: KvFormat | str | None) -> None:
-    """Refuse a pool whose format (or whose tensor's row width) is not what the reader was built for."""
+def check_pool_format(pool: PagedKvPool, fmt: KvFormat | str | None, dtype: torch.dtype | None = None) -> None:
+    """Refuse a pool whose format or stored dtype is not what the reader was built for, or whose tensors are not
+    what its layout says (`check_pool_storage`: shape, dtype, an FP8 pool's scales present and of their shape)."""
     if fmt is not None and KvFormat.parse(fmt) is not pool.format:
         raise FoldKvInputError(
             f"a {pool.format.value} pool was handed to a {KvFormat.parse(fmt).value} reader: the page format is fixed"
             " for a pool's life, build the query with the pool's own format"
         )
+    if dtype is not None and dtype != pool.layout.dtype:
+        raise FoldKvInputError(
+            f"a {pool.layout.dtype} pool was handed to a reader of {dtype} rows: the stored dtype is fixed for a"
+            " pool's life, read it with a reader of its own dtype"
+        )
     if tuple(pool.data.shape) != pool.layout.shape:
         raise FoldKvInputError(f"pool tensor has shape {list(pool.data.shape)}; its layout says {list(pool.layout.shape)}")
+    check_pool_storage(pool)
 
 
 def dense_attention_reference(geom: AttentionGeometry, q: torch.Tensor, kv: torch.Tensor, q_norm_weight: torch.Tensor,
@@ -57,24 +65,26 @@ def _query_lens(table: BlockTable, q_lens: torch.Tensor | None) -> torch.Tensor:
 
 def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: BlockTable,
                               q_lens: torch.Tensor | None = None, *, fmt: KvFormat | str | None = None,
-                              query_block: int | None = None, device: torch.device | str | None = None,
+                              dtype: torch.dtype | None = None, query_block: int | None = None, device: torch.device | str | None = None,
                               abs_weighted: bool = False, score_abs: bool = False) -> tuple[torch.Tensor, ...]:
     """Attention of queries against a paged pool, in float64, for either format.
 
     query [sum(q_lens), Hq, D] float64/float32/bf16/fp16, any device, is in the pool format's form (split: head
     order; folded: score-window order, w_k folded in: what prep_and_store returns). table: BlockTable (int32, any
     device). q_lens: [batch] integer, any device; request r's q_lens[r] queries (default 1: decode) sit at its last
-    positions and attend causally, bottom-right aligned. The pool may be of any dtype; its rows are upcast as stored.
+    positions and attend causally, bottom-right aligned. The pool may be of any dtype; its rows are upcast as stored
+    (an FP8 pool's dequantized: e4m3 value x its token's scale, exact in float64).
     `device` is where the float64 arithmetic runs (default: the pool's device).
     Returns (out [Tq, Hq, D] float64 in head order, lse [Tq, Hq] float64, natural log), both on `device`.
-    `fmt`, when given, is the format the caller's query is in: a pool of the other format is refused.
+    `fmt`, when given, is the format the caller's query is in: a pool of the other format is refused; `dtype`, when
+    given, the stored dtype the caller reads: a pool of another dtype is refused.
     `abs_weighted` also returns P @ |V| [Tq, Hq, D] (head order): the scale of the error a kernel makes by rounding
     the probabilities P to bf16 before the P.V product.
     `score_abs` also returns (after pv_abs when both are asked) score_abs_p [Tq, Hq] = sum_j p_j sum_d |q_d k_jd| and
     score_abs_max [Tq, Hq] = max_j sum_d |q_d k_jd| over the keys each query sees: the scales of the error a kernel
     makes in its LSE by accumulating the scores q.k in float32 (see foldkv.lab.gates.lse_bound).
     """
-    check_pool_format(pool, fmt)
+    check_pool_format(pool, fmt, dtype)
     geom, fmt = pool.geometry, pool.format
     check_block_table(pool.layout, table)
     q_lens = _query_lens(table, q_lens)
@@ -92,7 +102,7 @@ def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: Blo
     start = 0
     for r in range(table.batch):
         n, m = int(table.seq_lens[r]), int(q_lens[r])
-        rows = pool.gather(table, r).to(dev, torch.float64)  # [n, Hkv, W]
+        rows = pool.gather_values(table, r, torch.float64).to(dev)  # [n, Hkv, W]
         keys, vals = rows[..., sw], rows[..., vw]  # [n, Hkv, D] each (values in value-window order)
         # queries per block: the float64 score block [Hq, b, n] stays near 2 GiB however long the context
         block = query_block or max(16, min(512, (1 << 31) // (n * geom.num_q_heads * 8)))

@@ -23,7 +23,7 @@ import torch
 
 from ..config import GEMMA4_31B, AttentionGeometry
 from ..kernels.plan import MAX_BATCH  # no TileLang: the plan module is plain torch
-from ..layout import KvFormat
+from ..layout import KvFormat, value_window_columns
 from ..pool import BlockTable, PagedKvLayout, PagedKvPool
 from ..prep import fill_sequences, prep_and_store, prep_query
 from ..provenance import checkout_root
@@ -516,6 +516,136 @@ def fold_identity(seed: int, tokens: tuple[int, ...] = (1, 54, 97), geom: Attent
                "folded_vs_split": float((outs[KvFormat.FOLDED] - outs[KvFormat.SPLIT]).abs().max()) / scale}
         row["passed"] = max(row["split_vs_dense"], row["folded_vs_dense"], row["folded_vs_split"]) < 1e-12
         rows.append(row)
+    return rows
+
+
+# --- FP8 format error: the FP8 pool against the bf16 truth, each with a derived bound --------------------------------
+BF16_REL = 2.0**-9  # round to nearest bf16 (8 significant bits) moves a value by at most 2^-9 of itself
+FP8_DELTA = 1e-12  # the output bound's failure probability per event (one per key and one per output element)
+
+
+def fp8_row_check(pool: PagedKvPool, table: BlockTable, rows: list[torch.Tensor]) -> dict:
+    """Format gate on the rows: an FP8 pool's dequantized rows against the float32 rows it was given (`rows[r]`
+    [seq_len_r, Hkv, W] per request of `table`), element by element within `foldkv.fp8`'s derived rounding bound,
+    with the scales recomputed from those rows (amax / 448), so a stored value or scale that is off is caught.
+    Returns max |x^ - x| / bound ("max_ratio", <= 1 passes), the count of elements over it, and the relative
+    Frobenius error."""
+    from ..fp8 import quantize_rows, rounding_bound
+
+    worst, over, err2, ref2 = 0.0, 0, 0.0, 0.0
+    for r, x in enumerate(rows):
+        deq = pool.gather_values(table, r, torch.float64).cpu()
+        x = x.to("cpu", torch.float32)
+        bound = rounding_bound(x, quantize_rows(x)[1])
+        err = (deq - x.double()).abs()
+        ratio = err / bound
+        worst = max(worst, float(ratio.nan_to_num(math.inf).max()))
+        over += int((~(err <= bound)).sum())
+        err2, ref2 = err2 + float(err.pow(2).sum()), ref2 + float(x.double().pow(2).sum())
+    return {"max_ratio": worst, "over_bound": over, "rel_fro": math.sqrt(err2 / ref2), "passed": over == 0}
+
+
+def fp8_output_bound(query: torch.Tensor, truth_rows: torch.Tensor, fp8_rows: torch.Tensor, scales: torch.Tensor,
+                     geom: AttentionGeometry = GEMMA4_31B, delta: float = FP8_DELTA) -> torch.Tensor:
+    """The derived bound on |o_fp8 - o_bf16| for one decode query [Hq, D] (folded form) over one request's folded
+    rows: the bf16 truth [n, Hkv, W] and the FP8 pool's dequantized rows [n, Hkv, W] (float64), scales [n, Hkv].
+    Returns [Hq, D] float64 in value-window order.
+
+    Model: each element's error e = x^ - x_bf16 is a rounding, |e| <= b = (ROW_REL + 2^-9)|x| + ROW_SUB s (the FP8
+    rounding of the float32 row and the bf16 rounding of the truth), zero-mean and independent across elements (the
+    standard model of rounding data that does not sit on the grid). The score error of key j is
+    eps_j = sum_c q_c e_jc; eta_j = eps_j - sum_i p_i eps_i. To first order o^ - o = sum_j p_j (eta_j (v_j - o) + e^V_j)
+    = sum_j p_j (eps_j (v_j - o) + e^V_j), a sum of independent bounded terms: Hoeffding gives |first| <=
+    sqrt(2 ln(2/delta) sum c^2) with c = |coefficient| b (the V_unrot elements sit in both windows: one coefficient).
+    The rest is bounded with |eta_j| <= E = 2 max_j sqrt(2 ln(2/delta) sum_c q_c^2 b_jc^2) and
+    r = E^2 e^E / 2 >= |e^eta - 1 - eta|: the exact softmax o^ - o = (L1 + N1 + N2) / (1 + rho) + L2 gives
+    |o^ - o| <= first + (r (first + P b^V) + E P b^V + 2 r P|v^ - o|) / (1 - r) (infinite when r >= 1). Holds with
+    probability >= 1 - delta (n + D) per KV head."""
+    from ..fp8 import ROW_REL, ROW_SUB
+
+    hkv, grp, d, rw = geom.num_kv_heads, geom.group_size, geom.head_dim, geom.rotary_width
+    z = math.sqrt(2 * math.log(2 / delta))
+    out = torch.empty(geom.num_q_heads, d, dtype=torch.float64)
+    for h in range(hkv):
+        x, xh = truth_rows[:, h].double(), fp8_rows[:, h].double()
+        b = (ROW_REL + BF16_REL) * x.abs() * (1 + BF16_REL) + ROW_SUB * scales[:, h].double()[:, None]  # [n, W]
+        q = query[h * grp:(h + 1) * grp].double()  # [g, D] score-window order
+        s = q @ x[:, :d].T  # [g, n]
+        p = torch.softmax(s, -1)
+        v, vh, bv = x[:, rw:], xh[:, rw:], b[:, rw:]  # [n, D] value window
+        o = p @ v  # [g, D]
+        p2 = p * p
+        sj = (q * q) @ (b[:, :d] ** 2).T  # [g, n]: sum_c q_c^2 b_jc^2
+        w = p2 * sj
+        var = w @ (v * v) - 2 * o * (w @ v) + o * o * w.sum(-1, keepdim=True)  # score part
+        var = var + p2 @ (bv * bv)  # value part
+        shared = d - rw  # value-window positions [0, D - R) are row columns [R, D): in the score window too
+        qs = q[:, rw:d]  # [g, D - R]: the query column of each shared element
+        cross = 2 * qs * (p2 @ (bv[:, :shared] ** 2 * v[:, :shared]) - o[:, :shared] * (p2 @ bv[:, :shared] ** 2))
+        var[:, :shared] += cross
+        first = z * var.clamp_min(0).sqrt()
+        e_max = 2 * z * float(sj.max().sqrt())
+        r = e_max**2 * math.exp(e_max) / 2 if e_max < 50 else math.inf
+        pbv = p @ bv
+        spread = torch.einsum("gn,gnd->gd", p, (vh[None] - o[:, None]).abs())  # P |v^ - o|
+        rest = (r * (first + pbv) + e_max * pbv + 2 * r * spread) / (1 - r) if r < 1 else torch.full_like(first, math.inf)
+        out[h * grp:(h + 1) * grp] = first + rest
+    return out
+
+
+def fp8_format_error(case: Case, seed: int, geom: AttentionGeometry = GEMMA4_31B) -> dict:
+    """Format error of the FP8 folded pool, CPU: the case's raw projections (decode) prepped into a bf16 folded pool
+    (the truth) and an FP8 one; the float64 reference over each; the rows against `fp8_row_check` and the output
+    against `fp8_output_bound`, per element. One row: errors, bound ratios and whether both hold. Where scores are
+    large the output bound's second-order term is infinite (`out_bound_finite` < 1): there only the row gate and the
+    measured error speak."""
+    from ..fp8 import FP8_DTYPE
+    from ..prep import prep_rows
+
+    inputs = make_inputs(case, KvFormat.FOLDED, "cpu", seed, geom=geom)
+    lay = PagedKvLayout(geom, KvFormat.FOLDED, page_size=64, num_pages=inputs.pool.layout.num_pages, dtype=FP8_DTYPE)
+    pool8 = PagedKvPool(lay, fill=float("nan"))
+    table8 = pool8.allocate(case.seq_lens, scatter_seed=seed + 1)
+    fill_sequences(pool8, table8, inputs.raw["kv"], inputs.raw["k_norm_weight"])
+    rows32 = [prep_rows(geom, KvFormat.FOLDED, x, inputs.raw["k_norm_weight"], torch.arange(x.shape[0]),
+                        out_dtype=torch.float32) for x in inputs.raw["kv"]]
+    rows = fp8_row_check(pool8, table8, rows32)
+    out_t, lse_t = paged_attention_reference(inputs.pool, inputs.query, inputs.table)
+    out_8, lse_8 = paged_attention_reference(pool8, inputs.query, table8)
+    to_window = value_window_columns(geom, KvFormat.FOLDED)  # head column at each value-window position
+    worst, over, finite, total = 0.0, 0, 0, 0
+    for r in range(table8.batch):
+        bound = fp8_output_bound(inputs.query[r], inputs.pool.gather_values(inputs.table, r),
+                                 pool8.gather_values(table8, r), pool8.gather_scales(table8, r), geom)
+        err = (out_8[r] - out_t[r]).abs()[:, to_window]  # value-window order, as the bound is
+        held = torch.isfinite(bound)
+        finite, total = finite + int(held.sum()), total + bound.numel()
+        if bool(held.any()):
+            worst = max(worst, float((err[held] / bound[held]).max()))
+        over += int((~(err <= bound)).sum())
+    return {"case": case.name, "seq_lens": list(case.seq_lens), "score_scale": case.score_scale,
+            "row_rel_fro": rows["rel_fro"], "row_max_over_bound": rows["max_ratio"], "rows_passed": rows["passed"],
+            "out_rel_fro": float((out_8 - out_t).norm() / out_t.norm()),
+            "out_max_abs": float((out_8 - out_t).abs().max()),
+            "lse_max_abs": float((lse_8 - lse_t).abs().max()),
+            "out_bound_finite": finite / total, "out_max_over_finite_bound": worst, "out_over_bound": over,
+            "passed": rows["passed"] and over == 0}
+
+
+def fp8_cases(size: str = "full") -> list[Case]:
+    """The FP8 format-error cases (decode, CPU float64): a long request, a ragged batch with the 1- and 54-token
+    edges, peaked and spread attention. `size="smoke"` shrinks the long lengths."""
+    n = 4096 if size == "full" else 1000
+    return [Case(f"len{n}", (n,)), Case("ragged4", (1, 97, 640, 54)), Case("peaked", (n,), score_scale=4.0),
+            Case("spread", (n,), score_scale=0.05)]
+
+
+def fp8_format_gate(size: str, seed: int, record) -> list[dict]:
+    """CPU gate: the FP8 folded pool's format error against the bf16 truth, per case of `fp8_cases` (rows within
+    the derived rounding bound; the output within its derived bound wherever that bound is finite). Records
+    `fp8_format_error` and returns its rows."""
+    rows = [fp8_format_error(case, seed) for case in fp8_cases(size)]
+    record.ran("fp8_format_error", rows=rows, passed=all(r["passed"] for r in rows))
     return rows
 
 

@@ -1,0 +1,68 @@
+"""The FP8 row: e4m3 values with one float32 scale per token x KV head, its one quantizer, dequantizer and rounding bound.
+
+An FP8 pool stores each folded row [K_rot | V_unrot | V_rot] (640 columns for the 31B) as float8_e4m3fn values `q`
+beside a float32 `scale` for that (token, KV head); the row's value is `q * scale`. The layout was chosen by
+measurement (bench/fp8_format_bench.py, bench/FP8_NOTES.md): one scale per token x head errs within 10% of one per
+128 columns (inside the seed-to-seed spread) and 1.6x less than per-page or per-tensor scales, for 644 bytes per
+token-head (0.503x the bf16 folded row); it is also the granularity a kernel applies without touching the tile, to
+the score column and to P's column, since every column of a token's row shares it (e4m3 values are exact in bf16).
+
+The rounding, defined once here (the prep, the fill and any kernel that writes rows are held to it):
+  x      the row in float32 (rows computed in float64 are rounded to float32 first);
+  amax   max |x| over the row's columns; scale = amax / 448 in float32 (448: e4m3's largest finite), 1 for a row of
+         zeros;
+  q      x / scale in float32, clamped to [-448, 448] (only float32 rounding can take it past), cast to e4m3 by
+         torch (round to nearest, ties to even; subnormals below 2^-6, spacing 2^-9).
+Dequantized: q * scale, exact in float64 (a 4-bit by 24-bit product).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+SCALE_DTYPE = torch.float32
+E4M3_MAX = 448.0
+SCALE_BYTES = 4  # one float32 scale per token x KV head
+
+# |q*scale - x| <= ROW_REL * |x| + ROW_SUB * scale, elementwise, derived from the rounding above:
+#  - e4m3 has 3 fraction bits: round to nearest moves a normal value (|y| >= 2^-6) by <= 2^-4 |y|, a subnormal one by
+#    <= 2^-10 (half the spacing 2^-9); so |q - y| <= 2^-4 |y| + 2^-10;
+#  - y = x / scale in float32 is off by <= 2^-24 |y|, and the clamp, which only float32 rounding can reach, by as
+#    much again; the float64 product q*scale is exact. Together ROW_REL = 2^-4 + 2^-21 (a margin over 2^-4 + 2^-22).
+ROW_REL, ROW_SUB = 2.0**-4 + 2.0**-21, 2.0**-10
+
+
+def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [..., W] float (finite) -> (q [..., W] float8_e4m3fn, scale [...] float32), on rows' device.
+    The caller refuses non-finite rows first (`check_finite_rows`): a NaN or Inf has no finite scale."""
+    x = rows.to(torch.float32)
+    amax = x.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (x / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """q [..., W] float8_e4m3fn, scale [...] float32 -> q * scale [..., W] in `dtype` (exact in float64)."""
+    return q.to(dtype) * scale.to(dtype)[..., None]
+
+
+def rounding_bound(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The most `quantize_rows` may move each element: ROW_REL * |x| + ROW_SUB * scale, [..., W] float64, for the
+    rows as quantized (float32) and their scales [...]."""
+    return ROW_REL * rows.to(torch.float32).double().abs() + ROW_SUB * scale.double()[..., None]
+
+
+def check_finite_rows(rows: torch.Tensor) -> None:
+    """Refuse (FoldKvInputError) rows with a NaN or Inf, or past float32's range: an FP8 row's scale must be finite."""
+    from .validate import FoldKvInputError
+
+    x = rows.to(torch.float32)
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        idx = [int(i) for i in torch.nonzero(bad)[0]]
+        raise FoldKvInputError(
+            f"row element {idx} is {float(x[tuple(idx)])}: an FP8 pool stores finite rows only (its scale, amax / 448,"
+            " would not be finite); nothing was written"
+        )

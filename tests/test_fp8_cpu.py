@@ -1,0 +1,233 @@
+"""The FP8 (e4m3) folded pool on the CPU: its bytes, the one rounding and its bound, the prep and fill writing it, the
+float64 reference reading it, the refusals (nothing written), and the format gate with its red twins."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import foldkv as fk
+from foldkv import GEMMA4_31B as G
+from foldkv import floor
+from foldkv.fp8 import E4M3_MAX, FP8_DTYPE, dequantize_rows, quantize_rows, rounding_bound
+from foldkv.lab import gates
+
+FP8 = FP8_DTYPE
+
+
+def fp8_pool(pages: int = 8, fill: float = float("nan")) -> fk.PagedKvPool:
+    return fk.PagedKvPool(fk.PagedKvLayout(G, "folded", 64, pages, dtype=FP8), fill=fill)
+
+
+def raw_inputs(lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kv = [torch.randn(n, G.num_kv_heads, G.head_dim, generator=g) for n in lens]
+    kw = torch.exp(0.5 * torch.randn(G.head_dim, generator=g))
+    return kv, kw
+
+
+def filled(lens=(97, 130), seed=0):
+    kv, kw = raw_inputs(lens, seed)
+    pool = fp8_pool(sum(-(-n // 64) for n in lens) + 2)
+    table = pool.allocate(lens, scatter_seed=seed)
+    fk.fill_sequences(pool, table, kv, kw)
+    rows = [fk.prep_rows(G, "folded", x, kw, torch.arange(x.shape[0]), out_dtype=torch.float32) for x in kv]
+    return pool, table, rows
+
+
+# --- bytes ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype, per_token_head", [(torch.bfloat16, 1280), (FP8, 644)])
+def test_folded_bytes_per_token_count_rows_and_scales(dtype, per_token_head):
+    lay = fk.PagedKvLayout(G, "folded", 64, 10, dtype=dtype)
+    assert lay.bytes_per_token == 4 * per_token_head
+    assert lay.nbytes == 10 * 64 * 4 * per_token_head
+    assert floor.step_bytes(G, "folded", [1000], dtype=dtype)["kv"] == 1000 * 4 * per_token_head
+    assert floor.step_bytes(G, "folded", [1000], dtype=dtype)["query"] == 32 * 512 * 2  # bf16 query either way
+    assert floor.tokens_in_budget(G, "folded", 1.0, dtype=dtype) == (1 << 30) // (64 * 4 * per_token_head * 10) * 64
+
+
+def test_fp8_folded_reads_at_most_055_of_bf16_folded():
+    fp8 = floor.step_bytes(G, "folded", [81_920], dtype=FP8)["kv"]
+    bf16 = floor.step_bytes(G, "folded", [81_920])["kv"]
+    assert fp8 / bf16 == pytest.approx(644 / 1280) and fp8 / bf16 <= 0.55
+
+
+# --- the rounding --------------------------------------------------------------------------------------------------
+def _rows(kind: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 4, 640, generator=g)
+    if kind == "outliers":
+        x[..., [5, 200, 600]] *= 40
+    elif kind == "tiny":
+        x *= 1e-30
+    elif kind == "zeros":
+        x[7] = 0
+    elif kind == "huge":
+        x *= 1e30
+    return x
+
+
+@pytest.mark.parametrize("kind", ["normal", "outliers", "tiny", "zeros", "huge"])
+def test_quantized_rows_stay_within_the_derived_bound(kind):
+    x = _rows(kind)
+    q, s = quantize_rows(x)
+    assert q.dtype == FP8 and s.dtype == torch.float32 and s.shape == x.shape[:-1]
+    assert bool(torch.isfinite(s).all()) and bool((s > 0).all())
+    err = (dequantize_rows(q, s) - x.double()).abs()
+    assert bool((err <= rounding_bound(x, s)).all()), float((err / rounding_bound(x, s)).max())
+    nonzero = x.abs().amax(-1) > 0
+    assert bool((q.float().abs().amax(-1)[nonzero] == E4M3_MAX).all()), "each row's amax must map to 448"
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.5, 1.2])
+def test_a_scale_that_is_off_breaks_the_bound(factor):
+    """Red twin of the bound: the same e4m3 values with a scale off by `factor` move some element past it."""
+    x = _rows("normal")
+    q, s = quantize_rows(x)
+    s = s.clone()
+    s[3, 1] *= factor
+    err = (dequantize_rows(q, s) - x.double()).abs()
+    assert not bool((err <= rounding_bound(x, quantize_rows(x)[1])).all())
+
+
+def test_rounding_is_round_to_nearest_even_of_x_over_scale():
+    x = torch.tensor([[448.0, 1.0625, 1.1875, 2**-10, 3 * 2**-10, -1.0625]])  # ties: 1.0625 -> 1, 1.1875 -> 1.25
+    q, s = quantize_rows(x)
+    assert float(s) == 1.0
+    assert q.float().tolist() == [[448.0, 1.0, 1.25, 0.0, 2**-8, -1.0]]
+
+
+# --- prep and fill ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+def test_prep_and_store_writes_quantized_rows_and_returns_a_bf16_query(in_dtype):
+    g = torch.Generator().manual_seed(1)
+    t = 70
+    q = torch.randn(t, G.num_q_heads, G.head_dim, generator=g).to(in_dtype)
+    kv = torch.randn(t, G.num_kv_heads, G.head_dim, generator=g).to(in_dtype)
+    qw, kw = torch.rand(G.head_dim, generator=g) + 0.5, torch.exp(0.5 * torch.randn(G.head_dim, generator=g))
+    pool = fp8_pool(4)
+    table = pool.allocate([t], scatter_seed=2)
+    query = fk.prep_and_store(pool, table, torch.zeros(t, dtype=torch.long), torch.arange(t), q, kv, qw, kw)
+    want_q, want_rows = fk.prep_rows_and_query(G, "folded", q, kv, qw, kw, torch.arange(t), out_dtype=torch.float32)
+    assert query.dtype == torch.bfloat16 and torch.equal(query, want_q.bfloat16())
+    wq, ws = quantize_rows(want_rows)
+    assert torch.equal(pool.gather(table, 0).view(torch.uint8), wq.view(torch.uint8))
+    assert torch.equal(pool.gather_scales(table, 0), ws)
+
+
+def test_fill_and_the_reference_read_the_dequantized_rows():
+    pool, table, rows = filled()
+    g = torch.Generator().manual_seed(5)
+    query = torch.randn(2, G.num_q_heads, G.head_dim, generator=g).bfloat16() * 0.1
+    out, lse = fk.paged_attention_reference(pool, query, table)
+    # the same values in a float64 pool: the reference must read the FP8 pool as exactly these
+    lay64 = fk.PagedKvLayout(G, "folded", 64, pool.layout.num_pages, dtype=torch.float64)
+    pool64 = fk.PagedKvPool(lay64, fill=float("nan"))
+    t64 = pool64.allocate(table.seq_lens.tolist())
+    for r in range(table.batch):
+        n = int(table.seq_lens[r])
+        fk.prep.write_tokens(pool64, t64, torch.full((n,), r), torch.arange(n), pool.gather_values(table, r))
+    out64, lse64 = fk.paged_attention_reference(pool64, query, t64)
+    assert torch.equal(out, out64) and torch.equal(lse, lse64)
+    assert gates.fp8_row_check(pool, table, rows)["passed"]
+
+
+# --- refusals: before anything is written ------------------------------------------------------------------------
+def _snapshot(pool):
+    return pool.data.view(torch.uint8).clone(), pool.scales.clone()
+
+
+REFUSALS = ["split_fp8_layout", "scales_missing", "scales_wrong_shape", "scales_wrong_dtype", "scales_on_bf16",
+            "reader_of_bf16", "bf16_pool_to_fp8_reader", "nan_kv", "inf_kv_fill", "bf16_rows_to_fp8_pool"]
+
+
+@pytest.mark.parametrize("what", REFUSALS)
+def test_fp8_refusals_name_the_problem_and_write_nothing(what):
+    pool, table, _ = filled((97,))
+    before = _snapshot(pool)
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, G.num_q_heads, G.head_dim, generator=g)
+    kv = torch.randn(1, G.num_kv_heads, G.head_dim, generator=g)
+    w = torch.ones(G.head_dim)
+    query = torch.zeros(1, G.num_q_heads, G.head_dim, dtype=torch.bfloat16)
+    with pytest.raises(fk.FoldKvInputError) as exc:
+        if what == "split_fp8_layout":
+            fk.PagedKvLayout(G, "split", 64, 2, dtype=FP8)
+        elif what == "scales_missing":
+            fk.PagedKvPool(pool.layout, data=pool.data)
+        elif what == "scales_wrong_shape":
+            fk.PagedKvPool(pool.layout, data=pool.data, scales=pool.scales[:, :, :32].contiguous())
+        elif what == "scales_wrong_dtype":
+            fk.PagedKvPool(pool.layout, data=pool.data, scales=pool.scales.half())
+        elif what == "scales_on_bf16":
+            lay = fk.PagedKvLayout(G, "folded", 64, pool.layout.num_pages)
+            fk.PagedKvPool(lay, data=torch.zeros(lay.shape, dtype=torch.bfloat16), scales=pool.scales)
+        elif what == "reader_of_bf16":
+            fk.paged_attention_reference(pool, query, table, dtype=torch.bfloat16)
+        elif what == "bf16_pool_to_fp8_reader":
+            bf = fk.PagedKvPool(fk.PagedKvLayout(G, "folded", 64, 2), fill=0.0)
+            fk.paged_attention_reference(bf, query, bf.allocate([5]), dtype=FP8)
+        elif what == "nan_kv":
+            kv[0, 1, 7] = float("nan")
+            fk.prep_and_store(pool, table, torch.zeros(1, dtype=torch.long), torch.tensor([50]), q, kv, w, w)
+        elif what == "inf_kv_fill":
+            bad = torch.randn(97, G.num_kv_heads, G.head_dim)
+            bad[90, 0, 0] = float("inf")
+            fk.fill_sequences(pool, table, [bad], w)
+        elif what == "bf16_rows_to_fp8_pool":
+            rows = torch.zeros(1, G.num_kv_heads, 640, dtype=torch.bfloat16)
+            fk.prep.write_tokens(pool, table, torch.zeros(1, dtype=torch.long), torch.tensor([3]), rows)
+    assert str(exc.value)
+    after = _snapshot(pool)
+    assert torch.equal(before[0], after[0]), "a refusal wrote rows to the pool"
+    assert torch.equal(before[1].nan_to_num(-7.0), after[1].nan_to_num(-7.0)), "a refusal wrote scales to the pool"
+
+
+def test_a_pool_whose_scales_were_dropped_is_refused_by_the_reference():
+    pool, table, _ = filled((97,))
+    pool.scales = None
+    with pytest.raises(fk.FoldKvInputError, match="no scales"):
+        fk.paged_attention_reference(pool, torch.zeros(1, 32, 512), table)
+
+
+# --- the format gate and its red twins ----------------------------------------------------------------------------
+@pytest.mark.parametrize("corruption", ["none", "scale_x2", "scale_x0.9", "value_flip"])
+def test_row_gate_catches_a_corrupted_scale_or_value(corruption):
+    pool, table, rows = filled()
+    page, off = int(table.page_ids[1, 1]), 5
+    if corruption.startswith("scale_x"):
+        pool.scales[page, 2, off] *= float(corruption.removeprefix("scale_x"))
+    elif corruption == "value_flip":
+        bits = pool.data.view(torch.uint8)
+        bits[page, 2, off, 300] ^= 0x08  # one e4m3 exponent bit
+    res = gates.fp8_row_check(pool, table, rows)
+    assert res["passed"] == (corruption == "none"), res
+    if corruption == "none":
+        assert 0.5 < res["max_ratio"] <= 1.0  # the bound is tight, not loose: some element comes near it
+
+
+def test_format_error_of_a_spread_decode_is_within_its_derived_bound():
+    res = gates.fp8_format_error(gates.Case("spread", (300,), score_scale=0.05), seed=0)
+    assert res["rows_passed"] and res["out_bound_finite"] == 1.0 and res["out_over_bound"] == 0, res
+    assert 0 < res["out_max_over_finite_bound"] < 1 and math.isfinite(res["out_rel_fro"])
+
+
+@pytest.mark.parametrize("launcher", ["decode", "prefill"])
+def test_bf16_kernels_refuse_an_fp8_pool_before_anything_runs(launcher):
+    """Until the FP8 partial exists, the bf16 kernels' launchers must refuse an FP8 pool (they would read e4m3 bytes
+    as bf16), on the CPU before any build or launch, and write nothing."""
+    pool, table, _ = filled((97, 130))
+    before = _snapshot(pool)
+    query = torch.zeros(2, G.num_q_heads, G.head_dim, dtype=torch.bfloat16)
+    with pytest.raises(fk.FoldKvInputError, match="float8|FP8|bf16"):
+        if launcher == "decode":
+            from foldkv.kernels.decode import decode
+
+            decode(pool, query, table)
+        else:
+            from foldkv.kernels.prefill import prefill
+
+            prefill(pool, query, table, torch.ones(2, dtype=torch.int32))
+    assert torch.equal(before[0], _snapshot(pool)[0])
