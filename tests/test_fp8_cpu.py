@@ -136,7 +136,7 @@ def test_fill_and_the_reference_read_the_dequantized_rows():
 
 # --- refusals: before anything is written ------------------------------------------------------------------------
 def _snapshot(pool):
-    return pool.data.view(torch.uint8).clone(), pool.scales.clone()
+    return pool.data.view(torch.uint8).clone(), None if pool.scales is None else pool.scales.clone()
 
 
 REFUSALS = ["split_fp8_layout", "scales_missing", "scales_wrong_shape", "scales_wrong_dtype", "scales_on_bf16",
@@ -214,20 +214,31 @@ def test_format_error_of_a_spread_decode_is_within_its_derived_bound():
     assert 0 < res["out_max_over_finite_bound"] < 1 and math.isfinite(res["out_rel_fro"])
 
 
-@pytest.mark.parametrize("launcher", ["decode", "prefill"])
-def test_bf16_kernels_refuse_an_fp8_pool_before_anything_runs(launcher):
-    """Until the FP8 partial exists, the bf16 kernels' launchers must refuse an FP8 pool (they would read e4m3 bytes
-    as bf16), on the CPU before any build or launch, and write nothing."""
+@pytest.mark.parametrize("misuse", ["decode-as-bf16", "decode-without-scales", "decode-scales-shape", "prefill",
+                                    "bf16-pool-decode-as-fp8"])
+def test_launchers_refuse_a_dtype_mismatch_before_anything_runs(misuse):
+    """A pool of one dtype asked to decode as the other, an FP8 pool without (or with misshapen) scales, and the
+    prefill (bf16 pools only) are refused on the CPU before any build or launch, writing nothing."""
+    from foldkv.kernels.decode import decode
+    from foldkv.kernels.prefill import prefill
+
     pool, table, _ = filled((97, 130))
-    before = _snapshot(pool)
     query = torch.zeros(2, G.num_q_heads, G.head_dim, dtype=torch.bfloat16)
-    with pytest.raises(fk.FoldKvInputError, match="float8|FP8|bf16"):
-        if launcher == "decode":
-            from foldkv.kernels.decode import decode
-
-            decode(pool, query, table)
-        else:
-            from foldkv.kernels.prefill import prefill
-
-            prefill(pool, query, table, torch.ones(2, dtype=torch.int32))
+    if misuse == "bf16-pool-decode-as-fp8":
+        pool = fk.PagedKvPool(fk.PagedKvLayout(G, fk.KvFormat.FOLDED, 64, pool.layout.num_pages), device="cpu")
+        pool.data.fill_(1.0)
+    before = _snapshot(pool)
+    call, match = {
+        "decode-as-bf16": (lambda: decode(pool, query, table, kv_dtype=torch.bfloat16), "bfloat16 decode"),
+        "bf16-pool-decode-as-fp8": (lambda: decode(pool, query, table, kv_dtype=torch.float8_e4m3fn),
+                                    "float8_e4m3fn decode"),
+        "decode-without-scales": (lambda: decode(fk.PagedKvPool(pool.layout, data=pool.data, scales=None), query,
+                                                 table), "no scales"),
+        "decode-scales-shape": (lambda: decode(fk.PagedKvPool(pool.layout, data=pool.data,
+                                                              scales=pool.scales[:, :, :32].contiguous()),
+                                               query, table), "pool scales"),
+        "prefill": (lambda: prefill(pool, query, table, torch.ones(2, dtype=torch.int32)), "float8|FP8|bf16"),
+    }[misuse]
+    with pytest.raises(fk.FoldKvInputError, match=match):
+        call()
     assert torch.equal(before[0], _snapshot(pool)[0])

@@ -184,7 +184,8 @@ def _ok(result, what: str):
 
 
 _TORCH_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "float64": "float64",
-                 "int8": "int8", "uint8": "uint8", "int16": "int16", "int32": "int32", "int64": "int64", "bool": "bool"}
+                 "int8": "int8", "uint8": "uint8", "int16": "int16", "int32": "int32", "int64": "int64", "bool": "bool",
+                 "float8_e4m3": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}  # TileLang's e4m3 is torch's e4m3fn
 _CTYPES = {"int32": ctypes.c_int32, "int64": ctypes.c_int64, "uint32": ctypes.c_uint32, "uint64": ctypes.c_uint64,
            "int16": ctypes.c_int16, "uint16": ctypes.c_uint16, "int8": ctypes.c_int8, "uint8": ctypes.c_uint8,
            "float32": ctypes.c_float, "float64": ctypes.c_double, "bool": ctypes.c_bool}

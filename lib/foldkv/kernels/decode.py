@@ -7,6 +7,7 @@ merge_final), each kernel from the one resolver (`foldkv.kernels.resolve`).
 A decode step launches, in order on the current stream (no host synchronisation, so it can be captured in a CUDA
 graph once its inputs have been checked; pass `check=False` inside the capture):
     kernels["decode_partial_<format>"](query, pool.data, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse)
+        (over an FP8 pool: "decode_partial_folded_fp8", with pool.scales after pool.data)
     kernels["merge_groups"](part_o, part_lse, group_first, group_count)
     kernels["merge_final"](part_o, part_lse, group_first, req_group_first, req_group_count, value_head_column, out, lse)
 Shapes and dtypes of each argument are in the docstrings of decode_partial.py and merge.py. The kernels come from
@@ -22,38 +23,54 @@ from typing import Callable, Mapping
 import torch
 
 from ..layout import KvFormat
-from ..pool import BlockTable, PagedKvPool, check_block_table
+from ..fp8 import FP8_DTYPE
+from ..pool import BlockTable, PagedKvPool, check_block_table, check_pool_storage
 from ..validate import FoldKvInputError, check_tensor
 from . import resolve
 from .plan import MAX_BATCH, MAX_LEN, DecodePlan, plan_decode
 
 
-def partial_kernel_name(fmt: KvFormat | str) -> str:
-    return f"decode_partial_{KvFormat.parse(fmt).value}"
+def partial_kernel_name(fmt: KvFormat | str, quantized: bool = False) -> str:
+    """The partial kernel of `fmt` pages; `quantized`: over an FP8 pool (folded only)."""
+    return f"decode_partial_{KvFormat.parse(fmt).value}" + ("_fp8" if quantized else "")
 
 
-def kernel_names(fmt: KvFormat | str) -> tuple[str, str, str]:
-    """The kernels a decode step over `fmt` pages launches, in launch order."""
-    return (partial_kernel_name(fmt), "merge_groups", "merge_final")
+def kernel_names(fmt: KvFormat | str, quantized: bool = False) -> tuple[str, str, str]:
+    """The kernels a decode step over `fmt` pages (FP8 when `quantized`) launches, in launch order."""
+    return (partial_kernel_name(fmt, quantized), "merge_groups", "merge_final")
+
+
+def pool_operands(pool: PagedKvPool) -> tuple[torch.Tensor, ...]:
+    """What the partial kernel reads of the pool: its rows, and an FP8 pool's scales after them."""
+    return (pool.data, pool.scales) if pool.layout.quantized else (pool.data,)
+
+
+def check_pool_dtype(pool: PagedKvPool, kv_dtype) -> None:
+    """Refuse a pool whose stored dtype is not `kv_dtype` (when given): a decode asked for one dtype of the other."""
+    if kv_dtype is not None and kv_dtype != pool.layout.dtype:
+        raise FoldKvInputError(f"a {kv_dtype} decode was asked of a pool that stores {pool.layout.dtype}")
 
 
 def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, plan: DecodePlan | None,
-                  out: torch.Tensor | None, lse: torch.Tensor | None, kv_format, read_table: bool,
+                  out: torch.Tensor | None, lse: torch.Tensor | None, kv_format, kv_dtype, read_table: bool,
                   backend: str, kernels) -> None:
     """Every refusal happens here, before any kernel is built or launched and before any write."""
     if not isinstance(pool, PagedKvPool):
         raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
     resolve.check_backend(backend)
-    resolve.check_kernels(kernel_names(pool.format), kernels)
     lay, geom, dev = pool.layout, pool.geometry, pool.device
+    resolve.check_kernels(kernel_names(pool.format, lay.quantized), kernels)
     if kv_format is not None and KvFormat.parse(kv_format) is not pool.format:
         raise FoldKvInputError(f"a {KvFormat.parse(kv_format).value} decode was asked of a {pool.format.value} pool")
-    partial = partial_kernel_name(pool.format)
+    check_pool_dtype(pool, kv_dtype)
+    partial = partial_kernel_name(pool.format, lay.quantized)
     kernel_page = resolve.kernel_params(partial)["page_size"]
     if lay.page_size != kernel_page:  # the partial indexes pages with the page size baked into it
         raise FoldKvInputError(f"the pool's pages hold {lay.page_size} tokens; {partial} is built for pages of"
                                f" {kernel_page}")
-    check_tensor("pool data", pool.data, dtype=torch.bfloat16, shape=lay.shape, contiguous=True)
+    if lay.dtype not in (torch.bfloat16, FP8_DTYPE):
+        raise FoldKvInputError(f"the decode kernels read bf16 or FP8 (e4m3) pools; this one stores {lay.dtype}")
+    check_pool_storage(pool)  # rows of the layout's dtype and shape; an FP8 pool's scales
     if not isinstance(table, BlockTable):
         raise FoldKvInputError(f"table must be a BlockTable, got {type(table).__name__}")
     batch = table.batch
@@ -91,11 +108,12 @@ def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, pla
 
 def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: DecodePlan | None = None,
            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, backend: str = "jit",
-           kv_format: KvFormat | str | None = None, check: bool = True,
+           kv_format: KvFormat | str | None = None, kv_dtype: torch.dtype | None = None, check: bool = True,
            kernels: Mapping[str, Callable] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query per request against the paged pool, in the pool's format.
 
-    pool: bf16, contiguous, on a CUDA device (Hopper for the generated kernels). table: BlockTable whose page_ids
+    pool: bf16 (either format) or FP8 e4m3 with its scales (folded), contiguous, on a CUDA device (Hopper for the
+    generated kernels); `kv_dtype`, when given, must be the pool's stored dtype. table: BlockTable whose page_ids
     [B, pages] and seq_lens [B] are int32, contiguous, on the pool's device; 1 <= B <= 256 (plan.MAX_BATCH) requests
     of 1 to 262,144 tokens. query: [B, Hq, D] bf16, contiguous, on the pool's device, in the format's form (what prep_and_store or
     prep_query returns). plan: from plan_decode(pool.layout, seq_lens, device=pool.device) for these lengths (made
@@ -107,25 +125,26 @@ def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: D
     that kernel's arguments} replacing the backend's kernel of that name (an experiment's variant; names from
     `kernel_names(pool.format)`).
     """
-    _check_inputs(pool, query, table, plan, out, lse, kv_format, read_table=check, backend=backend,
+    _check_inputs(pool, query, table, plan, out, lse, kv_format, kv_dtype, read_table=check, backend=backend,
                   kernels=kernels)
     geom = pool.geometry
     if plan is None:
         if not check:
             raise FoldKvInputError("check=False needs a plan (making one reads the lengths on the host)")
         plan = plan_decode(pool.layout, table.seq_lens, device=pool.device)
-    partial, merge_groups, merge_final = resolve.launch_kernels(kernel_names(pool.format), geom, backend=backend,
-                                                                kernels=kernels)
+    partial, merge_groups, merge_final = resolve.launch_kernels(kernel_names(pool.format, pool.layout.quantized), geom,
+                                                                backend=backend, kernels=kernels)
     if out is None:
         out = torch.empty(table.batch, geom.num_q_heads, geom.head_dim, dtype=torch.bfloat16, device=pool.device)
     if lse is None:
         lse = torch.empty(table.batch, geom.num_q_heads, dtype=torch.float32, device=pool.device)
-    partial(query, pool.data, table.page_ids, plan.chunk_req, plan.chunk_start, plan.chunk_len, plan.part_o,
-            plan.part_lse)
+    partial(query, *pool_operands(pool), table.page_ids, plan.chunk_req, plan.chunk_start, plan.chunk_len,
+            plan.part_o, plan.part_lse)
     merge_groups(plan.part_o, plan.part_lse, plan.group_first, plan.group_count)
     merge_final(plan.part_o, plan.part_lse, plan.group_first, plan.req_group_first, plan.req_group_count,
                 plan.value_head_column, out, lse)
     return out, lse
 
 
-__all__ = ["DecodePlan", "plan_decode", "decode", "kernel_names", "partial_kernel_name"]
+__all__ = ["DecodePlan", "plan_decode", "decode", "kernel_names", "partial_kernel_name", "pool_operands",
+           "check_pool_dtype"]

@@ -38,6 +38,7 @@ from . import macros, registry
 from .registry import hands_out
 from .tl import pass_configs, require_tilelang, target
 
+FP8_PANEL = 128  # columns of an FP8 row loaded per shared tile: 128 bytes, the widest TMA box with 128-byte swizzle
 # The registered tiling of each format (registry.py says why these).
 DEFAULTS = {fmt: dict(registry.get(f"decode_partial_{fmt.value}").params) for fmt in KvFormat}
 
@@ -65,15 +66,18 @@ class FormatParts:
     row: tuple  # Runs of the row: how a tile is loaded, one TMA copy each, in load order
     scores: tuple  # Gemms: S^T += row_tile other^T, summed over the score window
     values: tuple  # Gemms: acc (other) += row_tile^T P^T over the value window
+    convert: tuple = ()  # (loaded panel, gemm tile, its column): an FP8 row's e4m3 panels, converted (exactly) to bf16
+    token_scale: Any = None  # [N] float32 shared: an FP8 row's scale per token (None: bf16 rows)
 
 
-def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, block_h: int):
-    """The format's tiles (allocated under the names the emitted CUDA uses) and its windows, as a macro."""
+def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, block_h: int, fp8: bool = False):
+    """The format's tiles (allocated under the names the emitted CUDA uses) and its windows, as a macro; `fp8`: the
+    FP8 folded row (foldkv.fp8), whose e4m3 tiles are loaded as stored and converted to bf16 tiles for the gemms."""
     import tilelang.language as T
 
     d, rot = geom.head_dim, geom.rotary_width
     unrot = d - rot
-    bf16, f32 = "bfloat16", "float32"
+    bf16, f32, e4m3 = "bfloat16", "float32", "float8_e4m3"
 
     @T.macro
     def split_parts():
@@ -98,12 +102,38 @@ def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, blo
                            scores=(Gemm(k_rot, q_rot), Gemm(v_unrot, q_unrot)),
                            values=(Gemm(v_unrot, acc_o_unrot), Gemm(v_rot, acc_o_rot, unrot)))
 
+    @T.macro
+    def folded_fp8_parts():
+        q_rot = T.alloc_shared((block_h, rot), bf16)  # [16, R]   rows >= 8: see macros.load_group_query_macro
+        q_unrot = T.alloc_shared((block_h, unrot), bf16)  # [16, D-R]
+        # the stored row in panels of FP8_PANEL columns (128 B: one TMA box each, not one per token row)
+        stored = [T.alloc_shared((block_n, FP8_PANEL), e4m3) for _ in range((d + rot) // FP8_PANEL)]
+        k_rot = T.alloc_shared((block_n, rot), bf16)  # the row's windows in bf16 (exact: e4m3 has 3 fraction bits)
+        v_unrot = T.alloc_shared((block_n, unrot), bf16)
+        v_rot = T.alloc_shared((block_n, rot), bf16)
+        scale_s = T.alloc_shared((block_n,), f32)  # [N] the tokens' scales
+        acc_o_unrot = T.alloc_fragment((unrot, block_h), f32)  # O^T [D-R, 16]
+        acc_o_rot = T.alloc_fragment((rot, block_h), f32)  # O^T [R, 16]
+        windows = ((k_rot, 0), (v_unrot, rot), (v_rot, d))  # (bf16 tile, first row column)
+        convert = tuple((stored[p], tile, p * FP8_PANEL - lo) for p in range(len(stored)) for tile, lo in windows
+                        if lo <= p * FP8_PANEL < lo + tile.shape[1])
+        return FormatParts(query=(Run(q_rot, 0, rot), Run(q_unrot, rot, d)),
+                           row=tuple(Run(t, p * FP8_PANEL, (p + 1) * FP8_PANEL) for p, t in enumerate(stored)),
+                           scores=(Gemm(k_rot, q_rot), Gemm(v_unrot, q_unrot)),
+                           values=(Gemm(v_unrot, acc_o_unrot), Gemm(v_rot, acc_o_rot, unrot)),
+                           convert=convert, token_scale=scale_s)
+
+    if fp8:
+        if fmt is not KvFormat.FOLDED:
+            raise ValueError("FP8 rows are folded only (foldkv.pool.PagedKvLayout refuses an FP8 split pool)")
+        return folded_fp8_parts
     return {KvFormat.SPLIT: split_parts, KvFormat.FOLDED: folded_parts}[fmt]
 
 
 def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_n: int = 64,
-                           num_stages: int = 1, threads: int = 128, block_h: int = 16):
-    """The TileLang prim_func of the partial kernel for one geometry, page format and tiling."""
+                           num_stages: int = 1, threads: int = 128, block_h: int = 16, fp8: bool = False):
+    """The TileLang prim_func of the partial kernel for one geometry, page format and tiling; `fp8`: over an FP8
+    folded pool (its scales an extra argument after the pool)."""
     require_tilelang()
     import tilelang.language as T
 
@@ -115,23 +145,14 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                                                                        "num_chunks"))
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     scale = macros.LOG2E
-    format_parts = format_parts_macro(geom, fmt, block_n, block_h)
+    format_parts = format_parts_macro(geom, fmt, block_n, block_h, fp8=fp8)
     load_query = macros.load_group_query_macro(group, block_h)
     online_softmax = macros.online_softmax_macro(key_dim=0)
     mask_scores = macros.mask_scores_macro()
     zero_rows = macros.zero_rows_macro()
 
-    @T.prim_func
-    def decode_partial(
-        query: T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] query in the format's form
-        pool: T.Tensor((num_pages, hkv, page_size, width), bf16),  # [P, Hkv, page, W]
-        page_ids: T.Tensor((batch, max_pages), i32),  # [B, MP]
-        chunk_req: T.Tensor((num_chunks,), i32),  # [C] request of chunk c
-        chunk_start: T.Tensor((num_chunks,), i32),  # [C] first token (multiple of page_size)
-        chunk_len: T.Tensor((num_chunks,), i32),  # [C] tokens in the chunk (>= 1)
-        part_o: T.Tensor((num_chunks, hq, d), f32),  # [C, Hq, D] value-window order
-        part_lse: T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
-    ):
+    @T.macro
+    def partial(query, pool, scales, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
             parts = format_parts()
             p_shared = T.alloc_shared((block_n, block_h), bf16)  # P^T [N, 16], the B operand of O^T += V^T P^T
@@ -157,11 +178,22 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                 off = tok % page_size
                 for run in parts.row:
                     T.copy(pool[page, kvh, off:off + block_n, run.lo:run.hi], run.tile)
+                if parts.token_scale is not None:
+                    T.copy(scales[page, kvh, off:off + block_n], parts.token_scale)
+                for stored, tile, col in parts.convert:  # e4m3 -> bf16 is exact
+                    T.copy(stored, tile[:, col:col + FP8_PANEL])
                 T.clear(acc_s)
                 for score in parts.scores:
                     T.gemm(score.row_tile, score.other, acc_s, transpose_B=True)  # S^T [N, 16] += K Q^T
+                if parts.token_scale is not None:  # a token's row is its e4m3 values times its scale
+                    for i, j in T.Parallel(block_n, block_h):
+                        acc_s[i, j] *= parts.token_scale[i]
                 mask_scores(acc_s, lambda i, j: k * block_n + i < n_tok)  # tokens past the chunk: probability 0
-                online_softmax(acc_s, p_shared, head_max, head_max_prev, rescale, head_sum, denom)
+                if parts.token_scale is None:
+                    online_softmax(acc_s, p_shared, head_max, head_max_prev, rescale, head_sum, denom)
+                else:  # P.V over scaled rows: the scale goes on P's column (tokens past the chunk: 0, whatever it holds)
+                    online_softmax(acc_s, p_shared, head_max, head_max_prev, rescale, head_sum, denom,
+                                   lambda i: T.if_then_else(k * block_n + i < n_tok, parts.token_scale[i], 0.0))
                 for out in parts.values:
                     for i, j in T.Parallel(out.other.shape[0], block_h):
                         out.other[i, j] *= rescale[j]
@@ -179,6 +211,36 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                 if j < group:
                     part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * scale
 
+    if fp8:
+        @T.prim_func
+        def decode_partial(
+            query: T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] query in the folded form
+            pool: T.Tensor((num_pages, hkv, page_size, width), "float8_e4m3"),  # [P, Hkv, page, W] e4m3
+            scales: T.Tensor((num_pages, hkv, page_size), f32),  # [P, Hkv, page] one scale per token x KV head
+            page_ids: T.Tensor((batch, max_pages), i32),  # [B, MP]
+            chunk_req: T.Tensor((num_chunks,), i32),  # [C] request of chunk c
+            chunk_start: T.Tensor((num_chunks,), i32),  # [C] first token (multiple of page_size)
+            chunk_len: T.Tensor((num_chunks,), i32),  # [C] tokens in the chunk (>= 1)
+            part_o: T.Tensor((num_chunks, hq, d), f32),  # [C, Hq, D] value-window order
+            part_lse: T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
+        ):
+            partial(query, pool, scales, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse)
+
+        return decode_partial.with_attr("global_symbol", f"decode_partial_{fmt.value}_fp8")
+
+    @T.prim_func
+    def decode_partial(
+        query: T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] query in the format's form
+        pool: T.Tensor((num_pages, hkv, page_size, width), bf16),  # [P, Hkv, page, W]
+        page_ids: T.Tensor((batch, max_pages), i32),  # [B, MP]
+        chunk_req: T.Tensor((num_chunks,), i32),  # [C] request of chunk c
+        chunk_start: T.Tensor((num_chunks,), i32),  # [C] first token (multiple of page_size)
+        chunk_len: T.Tensor((num_chunks,), i32),  # [C] tokens in the chunk (>= 1)
+        part_o: T.Tensor((num_chunks, hq, d), f32),  # [C, Hq, D] value-window order
+        part_lse: T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
+    ):
+        partial(query, pool, None, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse)
+
     return decode_partial.with_attr("global_symbol", f"decode_partial_{fmt.value}")
 
 
@@ -195,6 +257,21 @@ def build_decode_partial(geom: AttentionGeometry, fmt: KvFormat | str, **tiling)
                                       threads=threads, block_h=block_h)
 
     return decode_partial(**cfg)
+
+
+@hands_out("decode_partial_{fmt}_fp8")
+def build_decode_partial_fp8(geom: AttentionGeometry, fmt: KvFormat | str, **tiling):
+    """Compile (JIT) the partial kernel over an FP8 folded pool with its registered params, overridden by `tiling`."""
+    tilelang = require_tilelang()
+    fmt = KvFormat.parse(fmt)
+    cfg = {**registry.get(f"decode_partial_{fmt.value}_fp8").params, **tiling}
+
+    @tilelang.jit(target=target(), pass_configs=pass_configs())
+    def decode_partial_fp8(page_size, block_n, num_stages, threads, block_h):
+        return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
+                                      threads=threads, block_h=block_h, fp8=True)
+
+    return decode_partial_fp8(**cfg)
 
 
 def main(fmt: KvFormat | str = KvFormat.FOLDED, seq_len: int = 10602, **tiling):

@@ -19,7 +19,8 @@ def online_softmax_macro(key_dim: int, *, scale: float = LOG2E, fold_scale: bool
     """One key tile of the online softmax, in the exp2 domain: `scores` [rows, cols] holds one tile's scores with the
     keys along `key_dim` (0: token-major S^T, the decode partial; 1: S, the prefill); the running max and
     denominator (one per query) are updated, `rescale` gets the factor the output accumulator must be multiplied
-    by, and the probabilities go to `p_shared` (the next gemm's operand).
+    by, and the probabilities go to `p_shared` (the next gemm's operand), each key's times `key_weight(key)` when that
+    function is given (a Python function of the key index: the denominators stay those of the probabilities).
 
     fold_scale: exp2(s * scale - max * scale) (one FMA per score, the prefill) instead of exp2((s - max) * scale)."""
     import tilelang.language as T
@@ -28,7 +29,7 @@ def online_softmax_macro(key_dim: int, *, scale: float = LOG2E, fold_scale: bool
         return j if key_dim == 0 else i
 
     @T.macro
-    def online_softmax(scores, p_shared, run_max, run_max_prev, rescale, tile_sum, denom):
+    def online_softmax(scores, p_shared, run_max, run_max_prev, rescale, tile_sum, denom, key_weight=None):
         rows, cols = scores.shape
         T.copy(run_max, run_max_prev)
         T.reduce_max(scores, run_max, dim=key_dim, clear=False)
@@ -42,6 +43,9 @@ def online_softmax_macro(key_dim: int, *, scale: float = LOG2E, fold_scale: bool
         T.reduce_sum(scores, tile_sum, dim=key_dim)
         for q in T.Parallel(run_max.shape[0]):
             denom[q] = denom[q] * rescale[q] + tile_sum[q]
+        if key_weight is not None:  # P's column of key i times key_weight(i), after the sums (an FP8 row's scale)
+            for i, j in T.Parallel(rows, cols):
+                scores[i, j] *= key_weight(i if key_dim == 0 else j)
         T.copy(scores, p_shared)
 
     return online_softmax

@@ -62,6 +62,8 @@ _DECODE_PARTIAL = {
     KvFormat.SPLIT: dict(page_size=64, block_n=64, num_stages=1, threads=128, block_h=16),
     KvFormat.FOLDED: dict(page_size=64, block_n=64, num_stages=2, threads=128, block_h=16),
 }
+# FP8 folded: two stages of the 40 KB e4m3 tiles and one set of their bf16 copies (80 KB) the gemms read.
+_DECODE_PARTIAL_FP8 = dict(page_size=64, block_n=64, num_stages=2, threads=128, block_h=16)
 _MERGE = dict(threads=128)
 _PREFILL = dict(page_size=64, block_N=64, num_stages=1, threads=256)
 _PREP = dict(page_size=64, in_dtype="bfloat16", threads=128)  # 128 threads: each owns two rotate_half pairs
@@ -69,6 +71,8 @@ _PREP = dict(page_size=64, in_dtype="bfloat16", threads=128)  # 128 threads: eac
 VARIANTS: tuple[KernelVariant, ...] = (
     *(KernelVariant(f"decode_partial_{f.value}", "decode_partial", f, _K + "decode_partial:build_decode_partial",
                     dict(_DECODE_PARTIAL[f])) for f in KvFormat),
+    KernelVariant("decode_partial_folded_fp8", "decode_partial", KvFormat.FOLDED,
+                  _K + "decode_partial:build_decode_partial_fp8", dict(_DECODE_PARTIAL_FP8)),
     KernelVariant("merge_groups", "merge_groups", None, _K + "merge:build_merge_groups", dict(_MERGE),
                   in_place_merge=True),
     KernelVariant("merge_final", "merge_final", None, _K + "merge:build_merge_final", dict(_MERGE)),

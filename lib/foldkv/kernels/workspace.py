@@ -43,10 +43,11 @@ import numpy as np
 import torch
 
 from ..layout import value_window_columns
-from ..pool import PagedKvLayout, PagedKvPool
+from ..fp8 import FP8_DTYPE
+from ..pool import PagedKvLayout, PagedKvPool, check_pool_storage
 from ..validate import FoldKvInputError, check_device, check_tensor
 from . import resolve
-from .decode import kernel_names
+from .decode import kernel_names, pool_operands
 from .plan import DEFAULT_MERGE_GROUP, MAX_BATCH, MAX_LEN, chunk_layout, fixed_count_pieces, smallest_cap
 
 CHUNKS_PER_REQUEST = 4  # the default chunk count: about this many chunks per request of the largest batch, in whole
@@ -237,15 +238,17 @@ class DecodeWorkspace:
         if not isinstance(pool, PagedKvPool):
             raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
         lay = pool.layout
-        if (lay.geometry, lay.format, lay.page_size) != (self.layout.geometry, self.layout.format,
-                                                          self.layout.page_size):
+        if (lay.geometry, lay.format, lay.page_size, lay.dtype) != (self.layout.geometry, self.layout.format,
+                                                                    self.layout.page_size, self.layout.dtype):
             raise FoldKvInputError(f"the workspace was made for {self.layout.format.value} pages of"
-                                   f" {self.layout.page_size}, the pool holds {lay.format.value} pages of"
-                                   f" {lay.page_size} (or another geometry)")
+                                   f" {self.layout.page_size} ({self.layout.dtype}), the pool holds"
+                                   f" {lay.format.value} pages of {lay.page_size} ({lay.dtype}; or another geometry)")
         if pool.device != self.device and not (pool.device.type == self.device.type
                                                and self.device.index in (None, pool.device.index)):
             raise FoldKvInputError(f"the pool is on {pool.device}, the workspace on {self.device}")
-        check_tensor("pool data", pool.data, dtype=torch.bfloat16, shape=lay.shape, contiguous=True)
+        if lay.dtype not in (torch.bfloat16, FP8_DTYPE):
+            raise FoldKvInputError(f"the decode kernels read bf16 or FP8 (e4m3) pools; this one stores {lay.dtype}")
+        check_pool_storage(pool)
         if self.device.type != "cuda":
             raise FoldKvInputError(f"the workspace is on {self.device}; decode runs on a CUDA device")
 
@@ -256,13 +259,13 @@ class DecodeWorkspace:
         if check:
             self.check_pool(pool)
             resolve.check_backend(backend)
-            resolve.check_kernels(kernel_names(pool.format), kernels)
+            resolve.check_kernels(kernel_names(pool.format, pool.layout.quantized), kernels)
             if not self.batch:
                 raise FoldKvInputError("step() before plan(): the workspace holds no batch")
-        partial, merge_groups, merge_final = resolve.launch_kernels(kernel_names(pool.format), pool.geometry,
-                                                                    backend=backend, kernels=kernels)
+        partial, merge_groups, merge_final = resolve.launch_kernels(kernel_names(pool.format, pool.layout.quantized),
+                                                                    pool.geometry, backend=backend, kernels=kernels)
         c = self.num_chunks
-        partial(self.query, pool.data, self.page_ids, self.chunk_req, self.chunk_start, self.chunk_len,
+        partial(self.query, *pool_operands(pool), self.page_ids, self.chunk_req, self.chunk_start, self.chunk_len,
                 self.part_o[:c], self.part_lse[:c])
         merge_groups(self.part_o, self.part_lse, self.group_first, self.group_count)
         merge_final(self.part_o, self.part_lse, self.group_first, self.req_group_first, self.req_group_count,

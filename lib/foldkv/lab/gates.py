@@ -152,16 +152,24 @@ def _case_q_lens(case: Case) -> list[int]:
 
 
 def make_inputs(case: Case, fmt: KvFormat | str, device: torch.device | str, seed: int,
-                geom: AttentionGeometry = GEMMA4_31B, raw: dict | None = None, spare_pages: int = 3) -> GateInputs:
-    """A hostile pool for `case`: pages scattered, unused pages holding NaN and Inf, page-table padding holding
-    out-of-range and huge negative ids. `raw` reuses another format's raw projections (folded vs split)."""
+                geom: AttentionGeometry = GEMMA4_31B, raw: dict | None = None, spare_pages: int = 3,
+                dtype: torch.dtype = torch.bfloat16) -> GateInputs:
+    """A hostile pool for `case`: pages scattered, unused pages holding NaN and Inf (an FP8 pool: NaN rows, and NaN
+    and Inf scales), page-table padding holding out-of-range and huge negative ids. `raw` reuses another format's
+    raw projections (folded vs split). `dtype`: the pool's stored dtype (bf16, or float8_e4m3fn for folded)."""
     fmt = KvFormat.parse(fmt)
     device = torch.device(device)
-    lay = PagedKvLayout(geom, fmt, page_size=64, num_pages=sum(-(-n // 64) for n in case.seq_lens) + spare_pages)
+    lay = PagedKvLayout(geom, fmt, page_size=64, num_pages=sum(-(-n // 64) for n in case.seq_lens) + spare_pages,
+                        dtype=dtype)
     pool = PagedKvPool(lay, device=device)
     pool.data.fill_(float("nan"))
+    if lay.quantized:
+        pool.scales.fill_(float("nan"))
     table = pool.allocate(case.seq_lens, scatter_seed=seed if case.scattered else None, pad_pages=len(POISON_PAGE_IDS))
-    pool.data[pool.unused_page_ids()[-1]].fill_(float("inf"))  # an unused page of Inf beside the NaN ones
+    last_unused = pool.unused_page_ids()[-1]
+    pool.data[last_unused].fill_(float("inf"))  # an unused page of Inf beside the NaN ones (e4m3fn: NaN)
+    if lay.quantized:
+        pool.scales[last_unused].fill_(float("inf"))
     for r in range(table.batch):  # poison past each request's real pages
         n = -(-int(table.seq_lens[r]) // 64)
         for i, v in enumerate(POISON_PAGE_IDS):
@@ -780,6 +788,37 @@ def run_kernel_gates(cases: list[Case], formats, backends, seed: int, build_dir:
     record.ran(section)
 
 
+def fp8_kernel_gate(cases: list[Case], backends, seed: int, build_dir: str | None, record) -> list[dict]:
+    """GPU gate: every decode case over an FP8 folded pool (hostile as `make_inputs` makes it, NaN/Inf scales on the
+    unused pages) against the float64 reference over the same dequantized rows (`run_case`: the kernel's error, the
+    same derived bound as bf16), AOT against JIT bit for bit when "aot" is in `backends` and `build_dir` holds a build.
+    Records `fp8_decode_gates` (not run without CUDA) and returns its rows."""
+    from ..aot import use_build
+    from ..fp8 import FP8_DTYPE
+
+    if not _gpu_section(record, "fp8_decode_gates"):
+        return []
+    with_aot = "aot" in backends and build_dir is not None
+    if with_aot:
+        use_build(build_dir)
+    rows = []
+    for case in [c for c in cases if c.kind == "decode"]:
+        inputs = make_inputs(case, KvFormat.FOLDED, "cuda", seed, dtype=FP8_DTYPE)
+        res = run_case(inputs, decode_arm("jit"))
+        row = dict(summary_row(case, KvFormat.FOLDED, "jit", res), format="folded fp8")
+        if with_aot:
+            res_aot = run_case(inputs, decode_arm("aot"))
+            row["aot_passed"] = res_aot["passed"]
+            row["aot_bit_identical"] = (torch.equal(res_aot["outputs"][0], res["outputs"][0])
+                                        and torch.equal(res_aot["outputs"][1], res["outputs"][1]))
+        rows.append(row)
+        del inputs, res
+        torch.cuda.empty_cache()
+    record.ran("fp8_decode_gates", rows=rows, passed=all(r["passed"] and r.get("aot_bit_identical", True)
+                                                          for r in rows))
+    return rows
+
+
 def gates_tables(results: dict, backends) -> str:
     """Markdown of what `run_kernel_gates` recorded: one row per case and format, then folded vs split with the
     overall rule; "" when no GPU gate ran."""
@@ -882,7 +921,7 @@ WALK_STEPS = 64
 
 def graph_walk(fmt: KvFormat | str, seq_lens=WALK_LENGTHS, *, steps: int = WALK_STEPS, seed: int = 0,
                update: str = "advance", max_batch: int | None = None, check_every: int = 16, backend: str = "jit",
-               stale: bool = False, device: torch.device | str = "cuda") -> dict:
+               stale: bool = False, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
     """One CUDA graph of a `DecodeWorkspace` step, captured once and replayed for `steps` decode steps while every
     request grows by one token a step (`update`: "advance", the device-side update, or "plan", a host plan each
     step). Rows past each request's current length hold NaN in the pool until the step that writes them (as a
@@ -898,10 +937,11 @@ def graph_walk(fmt: KvFormat | str, seq_lens=WALK_LENGTHS, *, steps: int = WALK_
         raise ValueError(f"update={update!r}: expected 'advance' or 'plan'")
     lens = [int(n) for n in seq_lens]
     final = [n + steps for n in lens]
-    inputs = make_inputs(Case("graph-walk", tuple(final)), fmt, device, seed)
+    inputs = make_inputs(Case("graph-walk", tuple(final)), fmt, device, seed, dtype=dtype)
     pool, table, geom = inputs.pool, inputs.table, inputs.pool.geometry
     page = pool.layout.page_size
     truth = pool.data.clone()
+    truth_scales = pool.scales.clone() if pool.scales is not None else None
     ids = table.page_ids.cpu()
 
     def rows_at(r: int, positions: range):
@@ -911,6 +951,8 @@ def graph_walk(fmt: KvFormat | str, seq_lens=WALK_LENGTHS, *, steps: int = WALK_
     for r, (n, m) in enumerate(zip(lens, final)):  # future tokens: NaN until their step writes them
         for pg, off in rows_at(r, range(n, m)):
             pool.data[pg, :, off] = float("nan")
+            if truth_scales is not None:
+                pool.scales[pg, :, off] = float("nan")
     width = pool.layout.pages_for(max(final))
     page_ids = table.page_ids[:, :width].contiguous()
     kw = dict(max_batch=max_batch or len(lens), max_len=max(final), device=device)
@@ -952,14 +994,118 @@ def graph_walk(fmt: KvFormat | str, seq_lens=WALK_LENGTHS, *, steps: int = WALK_
         for r, n in enumerate(lens):  # the next token's row, as the step's prep would write it
             pg, off = next(rows_at(r, range(n, n + 1)))
             pool.data[pg, :, off] = truth[pg, :, off]
+            if truth_scales is not None:
+                pool.scales[pg, :, off] = truth_scales[pg, :, off]
         lens = [n + 1 for n in lens]
         if not stale:
             for ws in (graph_ws, eager_ws):
                 ws.advance() if update == "advance" else ws.plan(lens)
     torch.cuda.synchronize(device)
-    return {"format": fmt.value, "update": update, "stale": stale, "batch": b, "max_batch": graph_ws.max_batch,
+    return {"format": fmt.value, "dtype": str(dtype).replace("torch.", ""), "update": update, "stale": stale,
+            "batch": b, "max_batch": graph_ws.max_batch,
             "chunks": graph_ws.num_chunks, "groups": graph_ws.num_groups, "steps": rows,
             "passed": all(r["passed"] for r in rows)}
+
+
+NEEDLE_LENGTHS = (4096, 65_536, 200_000)
+NEEDLE_SCORE = 2.0  # the folded query is this times the needle key's unit vector, per head: its score ~2 x 22
+
+
+def needle(length: int, position: int, *, seed: int = 0, device: torch.device | str = "cuda",
+           dtype: torch.dtype | None = None, backend: str = "jit", drop_needle: bool = False) -> dict:
+    """Kernel-level needle over an FP8 folded pool (bf16 with `dtype=torch.bfloat16`): `length` random keys (raw
+    projections through the prep), the query of every head set to NEEDLE_SCORE x the unit key of the token at
+    `position`, so that token holds nearly all the attention. Three checks, each with a derived bound:
+    - kernel: the decode against the float64 reference over the same pool (`compare`: the gates' bound);
+    - leak: the reference against the needle's own value (dequantized), |ref - v| <= w (max|v_j| + |v|) per head,
+      w = sum_{j != p} e^(s_j - s_p) / (1 + that sum), from the float32 scores of every key (+1% for their rounding);
+    - end to end: the decode against the needle's bf16-truth value (the row before quantization):
+      ROW_REL |v| + ROW_SUB scale (the quantization, foldkv.fp8) + the leak + the kernel's bound.
+    `drop_needle=True` (the red twin) overwrites the needle row with another token's after the query is made: the
+    end-to-end check must fail."""
+    from ..fp8 import FP8_DTYPE, ROW_REL, ROW_SUB
+    from ..kernels.decode import decode
+    from ..layout import value_window, value_window_to_head
+    from ..prep import prep_rows
+
+    dtype = FP8_DTYPE if dtype is None else dtype
+    geom, device, fmt = GEMMA4_31B, torch.device(device), KvFormat.FOLDED
+    lay = PagedKvLayout(geom, fmt, 64, -(-length // 64), dtype=dtype)
+    pool = PagedKvPool(lay, device=device)
+    table = pool.allocate([length], scatter_seed=seed).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    raw = torch.randn(length, geom.num_kv_heads, geom.head_dim, generator=g, device=device)
+    k_norm = (torch.rand(geom.head_dim, generator=g, device=device) * 0.5 + 0.75)
+    fill_sequences(pool, table.to("cpu"), [raw], k_norm)
+    page, off = int(table.page_ids[0, position // 64]), position % 64
+    stored = pool.data[page, :, off].double()  # [Hkv, W]
+    row = stored * pool.scales[page, :, off].double()[:, None] if lay.quantized else stored
+    truth = prep_rows(geom, fmt, raw[position:position + 1], k_norm, torch.tensor([position], device=device),
+                      out_dtype=torch.bfloat16)[0].double()  # [Hkv, W] the row before quantization
+    d, group = geom.head_dim, geom.group_size
+    key = row[:, :d]  # [Hkv, D] score window
+    query = (NEEDLE_SCORE * key / key.norm(dim=1, keepdim=True)).repeat_interleave(group, 0).to(torch.bfloat16)[None]
+    if drop_needle:  # the red twin: the token the query looks for is gone
+        other = (position + length // 2) % length
+        p2, o2 = int(table.page_ids[0, other // 64]), other % 64
+        pool.data[page, :, off] = pool.data[p2, :, o2]
+        if lay.quantized:
+            pool.scales[page, :, off] = pool.scales[p2, :, o2]
+    out, _ = decode(pool, query, table, backend=backend)
+    torch.cuda.synchronize(device)
+    ref, _, pv_abs = paged_attention_reference(pool, query, table, abs_weighted=True)
+    kernel = compare(out, ref, pv_abs)
+    vw, to_head = value_window(geom, fmt), value_window_to_head(geom, fmt).to(device)
+    v_need = row[:, vw][:, to_head].repeat_interleave(group, 0)  # [Hq, D] head order
+    v_truth = truth[:, vw][:, to_head].repeat_interleave(group, 0)
+    scale = (pool.scales[page, :, off].double() if lay.quantized else torch.zeros(geom.num_kv_heads, device=device,
+                                                                                    dtype=torch.float64))
+    # every key's score per head (float32, chunked) and the largest value magnitude, for the leak bound
+    q32 = query[0].float()  # [Hq, D]
+    leak_sum = torch.zeros(geom.num_q_heads, device=device, dtype=torch.float64)
+    s_need = torch.zeros(geom.num_q_heads, device=device, dtype=torch.float64)
+    vmax = torch.zeros(geom.num_q_heads, device=device, dtype=torch.float64)
+    ids = table.page_ids[0, :lay.pages_for(length)].long()
+    rows_all = pool.data[ids].float()  # [pages, Hkv, 64, W]
+    if lay.quantized:
+        rows_all = rows_all * pool.scales[ids].float()[..., None]
+    rows_all = rows_all.transpose(0, 1).reshape(geom.num_kv_heads, -1, lay.row_width)[:, :length]  # [Hkv, n, W]
+    for h in range(geom.num_q_heads):
+        kv_h = rows_all[h // group]
+        sc = (kv_h[:, :d] @ q32[h]).double()  # [n]
+        s_need[h] = sc[position]
+        others = torch.cat([sc[:position], sc[position + 1:]])
+        leak_sum[h] = torch.exp(others - sc[position]).sum() * 1.01
+        vmax[h] = kv_h[:, vw].abs().max().double()
+    w = leak_sum / (1 + leak_sum)  # [Hq] the weight off the needle
+    leak_bound = w[:, None] * (vmax[:, None] + v_need.abs())
+    ref_err = (ref[0] - v_need).abs()
+    quant = ROW_REL * v_truth.abs() + ROW_SUB * scale.repeat_interleave(group, 0)[:, None] if lay.quantized else 0
+    kernel_bound = ABS_TOL + REL_TOL * ref[0].abs() + bf16_ulp(ref[0]) + P_ROUNDING * pv_abs[0]
+    e2e = (out[0].double() - v_truth).abs()
+    e2e_bound = quant + leak_bound + kernel_bound
+    res = {"length": length, "position": position, "dtype": str(dtype).replace("torch.", ""),
+           "needle_weight_min": float((1 - w).min()), "kernel_max_abs": kernel["max_abs"],
+           "kernel_ok": kernel["elementwise_ok"] and kernel["rel_ok"],
+           "leak_max_over_bound": float((ref_err / leak_bound.clamp_min(1e-300)).max()),
+           "leak_ok": bool((ref_err <= leak_bound + 1e-12).all()),
+           "e2e_max_abs": float(e2e.max()), "e2e_max_over_bound": float((e2e / e2e_bound).max()),
+           "e2e_ok": bool(torch.isfinite(out).all()) and bool((e2e <= e2e_bound).all()), "red_twin": drop_needle}
+    res["passed"] = res["kernel_ok"] and res["leak_ok"] and res["e2e_ok"]
+    del rows_all, pool
+    return res
+
+
+def needle_gate(seed: int, record, lengths=NEEDLE_LENGTHS) -> list[dict]:
+    """GPU gate: `needle` at the start, middle and end of each length, FP8 folded, plus its red twin (the needle
+    dropped, which must fail). Records `fp8_needle` (not run without CUDA)."""
+    if not _gpu_section(record, "fp8_needle"):
+        return []
+    rows = [needle(n, p, seed=seed) for n in lengths for p in (0, n // 2, n - 1)]
+    twin = needle(lengths[0], lengths[0] // 2, seed=seed, drop_needle=True)
+    rows.append(dict(twin, passed=not twin["passed"]))  # the red twin passes when the needle check fails
+    record.ran("fp8_needle", rows=rows, passed=all(r["passed"] for r in rows))
+    return rows
 
 
 def graph_walk_gate(formats, seed: int, record, *, steps: int = WALK_STEPS) -> list[dict]:
@@ -977,6 +1123,16 @@ def graph_walk_gate(formats, seed: int, record, *, steps: int = WALK_STEPS) -> l
                          "worst_rel_fro": max(r["rel_fro"] for r in checked),
                          "worst_lse_fraction": max(r["lse_worst_fraction_of_bound"] for r in checked),
                          "passed": res["passed"]})
+    if KvFormat.FOLDED in map(KvFormat.parse, formats):
+        from ..fp8 import FP8_DTYPE
+
+        res = graph_walk(KvFormat.FOLDED, steps=steps, seed=seed, max_batch=len(WALK_LENGTHS) + 1, dtype=FP8_DTYPE)
+        checked = [r for r in res["steps"] if r["checked"]]
+        rows.append({"format": "folded fp8", "update": "advance", "steps": len(res["steps"]), "chunks": res["chunks"],
+                     "bitwise_equal_steps": sum(r["bitwise_equal_to_eager"] for r in res["steps"]),
+                     "worst_rel_fro": max(r["rel_fro"] for r in checked),
+                     "worst_lse_fraction": max(r["lse_worst_fraction_of_bound"] for r in checked),
+                     "passed": res["passed"]})
     stale = graph_walk(KvFormat.FOLDED, steps=4, seed=seed, stale=True, check_every=1)
     rows.append({"format": "folded", "update": "none (red twin: stale plan)", "steps": 4, "chunks": stale["chunks"],
                  "bitwise_equal_steps": sum(r["bitwise_equal_to_eager"] for r in stale["steps"]),

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from foldkv.fp8 import FP8_DTYPE
 from foldkv.layout import KvFormat, score_window, value_window, value_window_to_head
 from foldkv.pool import BlockTable, PagedKvPool
 
@@ -32,7 +33,8 @@ class ArmImpl:
     uses). `info` is recorded with the results (plain values); `lse` is poisoned and must be written like `out`;
     `guards` are views that must still hold GUARD_VALUE after a call; `keep` holds objects the calls need alive.
     `check`, for an arm whose output is not attention (a kernel part alone, a streaming read), replaces the
-    comparison with the reference: it poisons, runs copy 0 and returns {"ok": bool, ...}.
+    comparison with the reference: it poisons, runs copy 0 and returns {"ok": bool, ...}. `reference_kind` names the
+    pool the reference reads ("split": the bf16 truth; an FP8 arm is held to its own dequantized pool).
     """
 
     calls: list[Callable[[], Any]]
@@ -45,6 +47,7 @@ class ArmImpl:
     guards: list[torch.Tensor] = field(default_factory=list)
     keep: Any = None
     check: Callable[[], dict] | None = None
+    reference_kind: str = "split"  # which float64 reference the check uses (`AttentionCase.reference`)
 
 
 @dataclass(frozen=True)
@@ -88,13 +91,15 @@ def aot_build_dir() -> str | None:
 
 def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | None = None,
                   kernels: Callable[["AttentionCase"], dict] | None = None,
-                  plan_kw: Callable[["AttentionCase"], dict] | None = None) -> Callable[["AttentionCase"], ArmImpl]:
+                  plan_kw: Callable[["AttentionCase"], dict] | None = None,
+                  dtype: torch.dtype = torch.bfloat16) -> Callable[["AttentionCase"], ArmImpl]:
     """The builder of a generated-kernel arm: `op` "decode" (foldkv.kernels.decode.decode over a plan made once,
     captured in a CUDA graph) or "prefill" (foldkv.kernels.prefill.prefill, timed eagerly), on the case's pools of
     format `fmt`, through launcher backend `backend` ("jit" or "aot") with kernel `params` (prefill tilings).
     `kernels(case)`, when given, returns the launcher's `kernels=` (an experiment's kernel in place of the library's,
     e.g. a variant from bench/versions/). `plan_kw(case)`, when given, are keyword arguments of `plan_decode` (an
-    experiment's chunking). backend "aot" without an active build is "not run", not an error."""
+    experiment's chunking). backend "aot" without an active build is "not run", not an error. `dtype`: the pool's
+    stored dtype (float8_e4m3fn: the FP8 folded decode, checked against the reference over its dequantized pool)."""
     fmt = KvFormat.parse(fmt)
     if op not in ("decode", "prefill"):
         raise ValueError(f"op {op!r}: expected 'decode' or 'prefill'")
@@ -114,10 +119,11 @@ def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | Non
                 active_build()
             except Exception as exc:
                 raise ArmUnavailable(f"no AOT build ({type(exc).__name__}: {str(exc)[:200]})") from None
-        pools, query, table = case.pools(fmt), case.query(fmt), case.table
+        pools, query, table = case.pools(fmt, dtype), case.query(fmt), case.table
         out, lse, guards = guarded_outputs(query)
         kw: dict[str, Any] = dict(out=out, lse=lse, backend=backend)
-        info: dict[str, Any] = {"backend": backend}
+        info: dict[str, Any] = {"backend": backend, "kv_dtype": str(dtype).replace("torch.", "")}
+        against = "folded_fp8" if dtype != torch.bfloat16 else "split"
         if params:
             kw["params"] = info["params"] = dict(params)
         if kernels is not None:
@@ -130,7 +136,8 @@ def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | Non
             calls = [lambda p=p: launch(p, query, table, **kw) for p in pools]
             # timed: check=False skips the host read-back of the table (checked by `calls` first), as a graph needs
             timed = [lambda p=p: launch(p, query, table, check=False, **kw) for p in pools]
-            return ArmImpl(calls, out, graph=True, timed_calls=timed, info=info, lse=lse, guards=guards, keep=plan)
+            return ArmImpl(calls, out, graph=True, timed_calls=timed, info=info, lse=lse, guards=guards, keep=plan,
+                           reference_kind=against)
         q_lens = torch.tensor(case.q_lens, dtype=torch.int32, device=case.device)
         calls = [lambda p=p: launch(p, query, table, q_lens, **kw) for p in pools]
         return ArmImpl(calls, out, graph=False, why_eager=EAGER_PREFILL, info=info, lse=lse, guards=guards)
@@ -213,13 +220,19 @@ def _torch_decode(fmt: KvFormat) -> Callable[["AttentionCase"], ArmImpl]:
     return build
 
 
-def _flashinfer(kind: str, tc: bool = False) -> Callable[["AttentionCase"], ArmImpl]:
+def _flashinfer(kind: str, tc: bool = False, fp8: bool = False) -> Callable[["AttentionCase"], ArmImpl]:
     def build(case: "AttentionCase") -> ArmImpl:
         from . import peers
 
         peers.import_flashinfer()  # "not run" before any pool is built when FlashInfer is absent
-        args = (case.flashinfer_kv(), case.query(KvFormat.SPLIT), case.table_cpu)
         kw = dict(num_kv_heads=case.geom.num_kv_heads, page_size=case.page_size, kv_layout=case.fi_kv_layout)
+        if fp8:
+            copies, k_scale, v_scale = case.flashinfer_kv_fp8()
+            impl = peers.flashinfer_decode_arm(copies, case.query(KvFormat.SPLIT), case.table_cpu,
+                                               use_tensor_cores=tc, k_scale=k_scale, v_scale=v_scale, **kw)
+            impl.reference_kind = "split_fp8"
+            return impl
+        args = (case.flashinfer_kv(), case.query(KvFormat.SPLIT), case.table_cpu)
         if kind == "decode":
             return peers.flashinfer_decode_arm(*args, use_tensor_cores=tc, **kw)
         return peers.flashinfer_prefill_arm(*args, case.q_lens, **kw)
@@ -228,17 +241,22 @@ def _flashinfer(kind: str, tc: bool = False) -> Callable[["AttentionCase"], ArmI
 
 
 READ_FOLDED = "read_folded"  # the floor of every decode cell: a plain read of the folded pool's bytes, same run
+READ_FOLDED_FP8 = "read_folded_fp8"  # the floor of the FP8 folded decode: a plain read of its pool's bytes
 
 
-def _stream_read_folded(case: "AttentionCase") -> ArmImpl:
-    """The streaming read (`roofs.stream_read_arm`) of the bytes a folded decode reads from its pool, over as many
-    rotated copies as the case's folded pools (its buffers capped: the case's pools already hold the memory)."""
-    from foldkv import floor
+def _stream_read(dtype: torch.dtype) -> Callable[["AttentionCase"], ArmImpl]:
+    def build(case: "AttentionCase") -> ArmImpl:
+        """The streaming read (`roofs.stream_read_arm`) of the bytes a folded decode reads from its pool of `dtype`
+        (an FP8 pool's scales included), over as many rotated copies as the case's folded pools (its buffers capped:
+        the case's pools already hold the memory)."""
+        from foldkv import floor
 
-    from .roofs import stream_read_arm
+        from .roofs import stream_read_arm
 
-    kv = floor.step_bytes(case.geom, KvFormat.FOLDED, case.seq_lens)["kv"]
-    return stream_read_arm(kv, case.device, copies=case.copies_for(KvFormat.FOLDED))
+        kv = floor.step_bytes(case.geom, KvFormat.FOLDED, case.seq_lens, dtype=dtype)["kv"]
+        return stream_read_arm(kv, case.device, copies=case.copies_for(KvFormat.FOLDED, dtype))
+
+    return build
 
 
 def _generated_specs(op: str) -> list[ArmSpec]:
@@ -258,7 +276,15 @@ DECODE_ARMS: dict[str, ArmSpec] = {a.name: a for a in [
     ArmSpec("torch_folded", "plain torch (gather + bf16 matmul), folded pool", "folded", False,
             _torch_decode(KvFormat.FOLDED), cpu_ok=True),
     ArmSpec(READ_FOLDED, "plain streaming read of the folded pool's bytes (no attention: the floor)", "folded", False,
-            _stream_read_folded),
+            _stream_read(torch.bfloat16)),
+    ArmSpec(READ_FOLDED_FP8, "plain streaming read of the FP8 folded pool's bytes (rows and scales: its floor)",
+            "folded_fp8", False, _stream_read(FP8_DTYPE)),
+    ArmSpec("folded_fp8_jit", "generated folded decode over the FP8 (e4m3) pool (JIT)", "folded_fp8", False,
+            generated_arm("decode", KvFormat.FOLDED, "jit", dtype=FP8_DTYPE), generated=True),
+    ArmSpec("folded_fp8_aot", "generated folded decode over the FP8 (e4m3) pool (AOT)", "folded_fp8", False,
+            generated_arm("decode", KvFormat.FOLDED, "aot", dtype=FP8_DTYPE), generated=True),
+    ArmSpec("fi_tc_fp8", "FlashInfer decode, tensor cores, e4m3 split pool (per-tensor scales)", "split_fp8", True,
+            _flashinfer("decode", tc=True, fp8=True)),
 ] + _generated_specs("decode") + [
     ArmSpec(f"{fmt.value}_graph", f"generated {fmt.value}, graph workspace (JIT): fixed grids, exact-count plan",
             fmt.value, False, workspace_arm(fmt), generated=True) for fmt in (KvFormat.SPLIT, KvFormat.FOLDED)]}

@@ -11,6 +11,7 @@ import torch
 
 from foldkv import floor
 from foldkv.config import GEMMA4_31B, AttentionGeometry
+from foldkv.fp8 import FP8_DTYPE
 from foldkv.layout import KvFormat
 from foldkv.pool import BlockTable, PagedKvLayout, PagedKvPool
 from foldkv.prep import fill_sequences, prep_query
@@ -67,6 +68,19 @@ def prefill_flops(chunk: int, context: int, geom: AttentionGeometry = GEMMA4_31B
     return int(4 * chunk * (context - chunk / 2) * geom.num_q_heads * geom.head_dim)
 
 
+POOL_KINDS = ("split", "folded", "folded_fp8", "split_fp8")  # what an arm's bytes are counted in
+
+
+def kind_bytes(geom: AttentionGeometry, kind: str, seq_lens: Sequence[int], q_lens: Sequence[int] | None = None) -> int:
+    """`foldkv.floor.step_bytes` of a pool kind: "split" / "folded" (bf16), "folded_fp8" (foldkv's FP8 row with its
+    scales), "split_fp8" (FlashInfer's e4m3 split pool, per-tensor scales: half the bf16 split pool's rows)."""
+    if kind == "split_fp8":
+        parts = floor.step_bytes(geom, KvFormat.SPLIT, seq_lens, q_lens=q_lens)
+        return parts["total"] - parts["kv"] // 2
+    fmt, dtype = (KvFormat.FOLDED, FP8_DTYPE) if kind == "folded_fp8" else (KvFormat.parse(kind), torch.bfloat16)
+    return floor.step_bytes(geom, fmt, seq_lens, q_lens=q_lens, dtype=dtype)["total"]
+
+
 class AttentionCase:
     """One attention problem (requests of `seq_lens` tokens, `q_lens` queries each at their last positions) with its
     inputs built on demand per format: pool copies (same values, different memory), the query, the block table."""
@@ -94,24 +108,25 @@ class AttentionCase:
         self._kv_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=g))
         self._pools: dict[KvFormat, list[PagedKvPool]] = {}
         self._fi: list[torch.Tensor] | None = None
+        self._fi_fp8: tuple | None = None
         self._queries: dict[KvFormat, torch.Tensor] = {}
         self._table: BlockTable | None = None
-        self._reference: dict | None = None
+        self._reference: dict[str, dict] = {}
 
     # --- sizes ---------------------------------------------------------------------------------------------------
-    def layout(self, fmt: KvFormat | str) -> PagedKvLayout:
+    def layout(self, fmt: KvFormat | str, dtype: torch.dtype = torch.bfloat16) -> PagedKvLayout:
         pages = sum(-(-n // self.page_size) for n in self.seq_lens)
-        return PagedKvLayout(self.geom, KvFormat.parse(fmt), self.page_size, pages)
+        return PagedKvLayout(self.geom, KvFormat.parse(fmt), self.page_size, pages, dtype=dtype)
 
-    def copies_for(self, fmt: KvFormat | str) -> int:
+    def copies_for(self, fmt: KvFormat | str, dtype: torch.dtype = torch.bfloat16) -> int:
         """Copies so that a cycle through them reads at least rotate_bytes (so nothing is still in L2)."""
-        one = max(1, self.layout(fmt).nbytes)
+        one = max(1, self.layout(fmt, dtype).nbytes)
         return int(min(self.max_copies, max(self.min_copies, math.ceil(self.rotate_bytes / one))))
 
-    def step_bytes(self, fmt: KvFormat | str) -> int:
-        """Bytes one step over this case moves at least in `fmt` (`foldkv.floor.step_bytes`: pool rows, query,
-        output and LSE)."""
-        return floor.step_bytes(self.geom, fmt, self.seq_lens, q_lens=self.q_lens)["total"]
+    def step_bytes(self, kind: str) -> int:
+        """Bytes one step over this case moves at least in pool kind `kind` (`kind_bytes`: pool rows, query, output
+        and LSE)."""
+        return kind_bytes(self.geom, kind, self.seq_lens, self.q_lens)
 
     def flops(self) -> int:
         """The causal attention FLOPs of every request's query chunk (`prefill_flops`)."""
@@ -130,14 +145,20 @@ class AttentionCase:
     def table(self) -> BlockTable:
         return self.table_cpu.to(self.device)
 
-    def pools(self, fmt: KvFormat | str) -> list[PagedKvPool]:
+    def pools(self, fmt: KvFormat | str, dtype: torch.dtype = torch.bfloat16) -> list[PagedKvPool]:
+        """Pool copies of `fmt` stored as `dtype` (bf16; float8_e4m3fn for folded), the same raw projections."""
         fmt = KvFormat.parse(fmt)
-        if fmt not in self._pools:
-            lay = self.layout(fmt)
+        key = fmt if dtype == torch.bfloat16 else (fmt, dtype)
+        if key not in self._pools:
+            lay = self.layout(fmt, dtype)
             first = PagedKvPool(lay, device=self.device)
             # Slots past a request's length hold finite garbage, as a reused page does in serving: an arm that reads
             # them into its softmax fails the check instead of passing on zeros.
-            if self.device.type == "cpu":  # its own generator: the raw kv below must not depend on the format
+            if lay.quantized:  # finite garbage: e4m3 values of a normal draw, scales around a row's
+                tail = torch.Generator(device=self.device).manual_seed(self._kv_seed + 1)
+                first.data.copy_(torch.randn(lay.shape, generator=tail, device=self.device).to(lay.dtype))
+                first.scales.fill_(4.0 / 448)
+            elif self.device.type == "cpu":  # its own generator: the raw kv below must not depend on the format
                 tail = torch.Generator(device="cpu").manual_seed(self._kv_seed + 1)
                 first.data.copy_(torch.randn(lay.shape, generator=tail).to(lay.dtype))
             else:
@@ -147,9 +168,11 @@ class AttentionCase:
                               dtype=torch.bfloat16) for n in self.seq_lens]  # raw projections [n, Hkv, D]
             fill_sequences(first, self.table_cpu, kv, self.k_norm_weight)
             del kv
-            copies = [first] + [PagedKvPool(lay, data=first.data.clone()) for _ in range(self.copies_for(fmt) - 1)]
-            self._pools[fmt] = copies
-        return self._pools[fmt]
+            copies = [first] + [PagedKvPool(lay, data=first.data.clone(),
+                                            scales=None if first.scales is None else first.scales.clone())
+                                for _ in range(self.copies_for(fmt, dtype) - 1)]
+            self._pools[key] = copies
+        return self._pools[key]
 
     def query(self, fmt: KvFormat | str) -> torch.Tensor:
         """The prepped query [T, Hq, D] (bf16) in the format's form."""
@@ -158,6 +181,17 @@ class AttentionCase:
             self._queries[fmt] = prep_query(self.geom, fmt, self.raw_q, self.q_norm_weight, self.k_norm_weight,
                                             self.positions.to(self.device)).contiguous()
         return self._queries[fmt]
+
+    def flashinfer_kv_fp8(self) -> tuple[list[torch.Tensor], float, float]:
+        """FlashInfer's e4m3 split pool (per-tensor scales, as its FP8 decode takes them): (copies, k_scale,
+        v_scale), each copy the bf16 FlashInfer pool divided by its K / V scale (amax / 448) and cast to e4m3."""
+        if self._fi_fp8 is None:
+            kv = self.flashinfer_kv()[0]
+            k, v = (kv[:, 0], kv[:, 1])
+            ks, vs = (float(t.abs().amax().float()) / 448.0 for t in (k, v))
+            first = torch.stack([(k.float() / ks), (v.float() / vs)], dim=1).clamp(-448, 448).to(FP8_DTYPE)
+            self._fi_fp8 = ([first] + [first.clone() for _ in range(len(self.flashinfer_kv()) - 1)], ks, vs)
+        return self._fi_fp8
 
     def flashinfer_kv(self) -> list[torch.Tensor]:
         """The split pool in FlashInfer's layout, one tensor per split copy."""
@@ -177,22 +211,43 @@ class AttentionCase:
         mid = torch.randperm(t - 2 * third, generator=g)[:third] + third
         return torch.cat([torch.arange(third), mid.sort().values, torch.arange(t - third, t)])
 
-    def reference(self) -> dict:
-        """`foldkv.paged_attention_reference` (float64) on the split pool for the check rows: {"rows": idx [m],
-        "out": [m, Hq, D] float64 head order}. A checked row at position p of request r is asked as a one-query
-        request over r's pages holding p + 1 tokens: the same causal answer, without the full chunk's score matrix."""
-        if self._reference is None:
+    def reference(self, kind: str = "split") -> dict:
+        """`foldkv.paged_attention_reference` (float64) for the check rows: {"rows": idx [m], "out": [m, Hq, D]
+        float64 head order}, over the pool of `kind`: "split" (bf16, the truth every bf16 arm is held to),
+        "folded_fp8" (foldkv's FP8 pool, dequantized) or "split_fp8" (FlashInfer's e4m3 pool, dequantized with its
+        per-tensor scales). A checked row at position p of request r is asked as a one-query request over r's pages
+        holding p + 1 tokens: the same causal answer, without the full chunk's score matrix."""
+        if kind not in self._reference:
             table, rows = self.table_cpu, self.check_rows()
             request = torch.repeat_interleave(torch.arange(len(self.q_lens)), torch.tensor(self.q_lens))  # [T]
             sub = BlockTable(table.page_ids[request[rows]].contiguous(),
                              (self.positions[rows] + 1).to(torch.int32))
-            query = self.query(KvFormat.SPLIT)[rows.to(self.device)]  # [m, Hq, D]
-            out, _ = paged_attention_reference(self.pools(KvFormat.SPLIT)[0], query, sub, fmt=KvFormat.SPLIT)
-            self._reference = {"rows": rows, "out": out}
-        return self._reference
+            fmt = KvFormat.FOLDED if kind == "folded_fp8" else KvFormat.SPLIT
+            query = self.query(fmt)[rows.to(self.device)]  # [m, Hq, D]
+            if kind == "split":
+                pool = self.pools(KvFormat.SPLIT)[0]
+            elif kind == "folded_fp8":
+                pool = self.pools(KvFormat.FOLDED, FP8_DTYPE)[0]
+            else:
+                pool = self._split_from_fi_fp8()
+            out, _ = paged_attention_reference(pool, query, sub, fmt=fmt)
+            self._reference[kind] = {"rows": rows, "out": out}
+        return self._reference[kind]
+
+    def _split_from_fi_fp8(self) -> PagedKvPool:
+        """FlashInfer's e4m3 pool dequantized (float32) into a foldkv split pool of the same pages."""
+        kv, ks, vs = self.flashinfer_kv_fp8()
+        kv = kv[0].float()
+        if self.fi_kv_layout == "NHD":  # [pages, 2, P, Hkv, D] -> [pages, 2, Hkv, P, D]
+            kv = kv.transpose(2, 3)
+        data = torch.cat([kv[:, 0] * ks, kv[:, 1] * vs], dim=-1).contiguous()  # [pages, Hkv, P, 2D]
+        lay = self.layout(KvFormat.SPLIT)
+        return PagedKvPool(PagedKvLayout(lay.geometry, lay.format, lay.page_size, lay.num_pages, dtype=torch.float32),
+                           data=data)
 
     def release(self) -> None:
         self._pools.clear()
         self._fi = None
+        self._fi_fp8 = None
         self._queries.clear()
-        self._reference = None
+        self._reference = {}

@@ -57,7 +57,8 @@ def flashinfer_page_indices(table: BlockTable, page_size: int, device) -> tuple[
 
 def _flashinfer_arm(kind: str, kv_copies: list[torch.Tensor], query_split: torch.Tensor, table: BlockTable,
                     q_lens: list[int] | None, *, num_kv_heads: int, page_size: int, kv_layout: str,
-                    use_tensor_cores: bool = False) -> ArmImpl:
+                    use_tensor_cores: bool = False, k_scale: float | None = None,
+                    v_scale: float | None = None) -> ArmImpl:
     """One FlashInfer wrapper (decode or prefill), planned once outside any capture, its `run` called per copy."""
     flashinfer = import_flashinfer()
     if not query_split.is_cuda:
@@ -83,7 +84,10 @@ def _flashinfer_arm(kind: str, kv_copies: list[torch.Tensor], query_split: torch
         wrapper.plan(qo_indptr.to(dev), indptr, indices, last, hq, num_kv_heads, d, page_size, causal=True,
                      **plan_kw)
     out = torch.empty_like(query_split)  # [T, Hq, D]
-    calls = [lambda kv=kv: wrapper.run(query_split, kv, out=out) for kv in kv_copies]
+    scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}  # an e4m3 pool's per-tensor scales
+    if scales:
+        info.update(kv_dtype=str(kv_copies[0].dtype).replace("torch.", ""), **scales)
+    calls = [lambda kv=kv: wrapper.run(query_split, kv, out=out, **scales) for kv in kv_copies]
     if kind == "decode":
         return ArmImpl(calls, out, graph=True, info=info, keep=(wrapper, workspace))
     return ArmImpl(calls, out, graph=False, why_eager="prefill launches are milliseconds long: timed eagerly",
@@ -91,11 +95,15 @@ def _flashinfer_arm(kind: str, kv_copies: list[torch.Tensor], query_split: torch
 
 
 def flashinfer_decode_arm(kv_copies: list[torch.Tensor], query_split: torch.Tensor, table: BlockTable, *,
-                          num_kv_heads: int, page_size: int, use_tensor_cores: bool, kv_layout: str = "NHD") -> ArmImpl:
+                          num_kv_heads: int, page_size: int, use_tensor_cores: bool, kv_layout: str = "NHD",
+                          k_scale: float | None = None, v_scale: float | None = None) -> ArmImpl:
     """FlashInfer's BatchDecodeWithPagedKVCacheWrapper (hd512, sm_scale 1.0) over FlashInfer-layout pools, in its
-    CUDA-graph mode; `run` is what the harness captures and replays."""
+    CUDA-graph mode; `run` is what the harness captures and replays. e4m3 pools (kv_copies of float8_e4m3fn) take
+    their per-tensor `k_scale` / `v_scale` (FlashInfer folds k_scale into sm_scale and multiplies the output by
+    v_scale after the kernel)."""
     return _flashinfer_arm("decode", kv_copies, query_split, table, None, num_kv_heads=num_kv_heads,
-                           page_size=page_size, kv_layout=kv_layout, use_tensor_cores=use_tensor_cores)
+                           page_size=page_size, kv_layout=kv_layout, use_tensor_cores=use_tensor_cores,
+                           k_scale=k_scale, v_scale=v_scale)
 
 
 def flashinfer_prefill_arm(kv_copies: list[torch.Tensor], query_split: torch.Tensor, table: BlockTable,

@@ -346,3 +346,69 @@ def target_conclusions(results: dict, targets: Sequence[DecodeTarget] = ISSUE14_
         for why, whats in unmeasured.items():
             out.append(f"{r['cell']}: {', '.join(whats)} not measured: {why}.")
     return out
+
+
+# --- issue 15's targets: the FP8 folded decode ------------------------------------------------------------------------
+FP8_ARM = "folded_fp8_jit"
+FP8_PEER = "fi_tc_fp8"
+
+
+@dataclass(frozen=True)
+class Fp8Target:
+    """Issue 15's decode targets for the cells it holds (ragged batches, or single requests of >= `min_context`):
+    FP8 folded time / best bf16 folded time at most `max_x_bf16`, / the plain read of its own bytes at most
+    `max_x_read`, FlashInfer's e4m3 decode time / FP8 folded time at least `min_x_fi_fp8`."""
+
+    max_x_bf16: float = 0.55
+    max_x_read: float = 1.15
+    min_x_fi_fp8: float = 2.2
+    min_context: int = 81_000
+
+    def holds(self, cell: dict) -> bool:
+        name = str(cell.get("cell", ""))
+        if cell.get("kind") != "decode":
+            return False
+        return name.startswith("batch/") or (cell.get("batch") == 1 and (cell.get("context") or 0) >= self.min_context)
+
+
+ISSUE15_TARGET = Fp8Target()
+
+
+def fp8_target_rows(results: dict, target: Fp8Target = ISSUE15_TARGET) -> list[dict]:
+    """Per decode cell the target holds: the three ratios against their bounds (None with `why` when an arm is
+    missing), `met` as in `target_rows`."""
+    from .arms import READ_FOLDED_FP8
+
+    rows = []
+    for c in results.get("cells", []):
+        if not target.holds(c):
+            continue
+        f8, f16 = _ok_us(c, FP8_ARM), _ok_us(c, best_folded(c))
+        r8, fi8 = _ok_us(c, READ_FOLDED_FP8), _ok_us(c, FP8_PEER)
+        no_f8 = _missing(c, FP8_ARM, "FP8 folded arm")
+        checks = {
+            "x_bf16": _bound(f8 / f16 if f8 and f16 else None, target.max_x_bf16, True,
+                             no_f8 if f8 is None else "no bf16 folded arm ran and passed its check"),
+            "x_read": _bound(f8 / r8 if f8 and r8 else None, target.max_x_read, True,
+                             no_f8 if f8 is None else _missing(c, READ_FOLDED_FP8, "FP8 plain-read arm")),
+            "fi_fp8_x": _bound(fi8 / f8 if f8 and fi8 else None, target.min_x_fi_fp8, False,
+                               no_f8 if f8 is None else _missing(c, FP8_PEER, "FlashInfer e4m3 arm")),
+        }
+        mets = [v["met"] for v in checks.values()]
+        rows.append({"cell": c["cell"], "context": c.get("context"), "batch": c.get("batch"),
+                     "us": {"fp8": f8, "bf16_folded": f16, "read_fp8": r8, FP8_PEER: fi8}, **checks,
+                     "met": False if False in mets else (True if all(mets) else None)})
+    return rows
+
+
+def fp8_targets_markdown(results: dict, target: Fp8Target = ISSUE15_TARGET) -> str:
+    rows = fp8_target_rows(results, target)
+    if not rows:
+        return "No cell of issue 15's target cases in this run (ragged batches; one request of >= 81K tokens)."
+    lines = ["| cell | FP8 / bf16 folded | FP8 / plain read of its bytes | FlashInfer e4m3 / FP8 folded | all |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        overall = {True: "met", False: "NOT met", None: "incomplete"}[r["met"]]
+        lines.append(f"| {r['cell']} | {_verdict_text(r['x_bf16'], 'read')} | {_verdict_text(r['x_read'], 'read')} | "
+                     f"{_verdict_text(r['fi_fp8_x'], 'fi')} | {overall} |")
+    return "\n".join(lines)

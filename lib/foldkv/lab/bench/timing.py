@@ -15,6 +15,7 @@ import torch
 from ..arms import ArmUnavailable
 from ..jsonsafe import jsonable
 from .arms import DECODE_ARMS, GUARD_VALUE, PREFILL_ARMS, ArmImpl, ArmSpec
+from .case import POOL_KINDS
 from .case import AttentionCase
 from .stats import paired_ratios, pct_of_roof, summarize
 
@@ -107,13 +108,13 @@ def check_arm(impl: ArmImpl, case: AttentionCase) -> dict:
     _sync(case.device)
     written = bool(torch.isfinite(impl.out).all())
     lse_written = None if impl.lse is None else bool(torch.isfinite(impl.lse).all())
-    ref = case.reference()
+    ref = case.reference(impl.reference_kind)
     got = impl.out[ref["rows"].to(impl.out.device)].to(ref["out"].device, torch.float64)
     rel = float((got - ref["out"]).norm() / ref["out"].norm()) if written else float("nan")
     no_overrun = None if not impl.guards else all(bool((g.float() == GUARD_VALUE).all()) for g in impl.guards)
     ok = written and lse_written is not False and no_overrun is not False and rel <= CHECK_REL_TOL
     return {"written": written, "lse_written": lse_written, "no_overrun": no_overrun, "rel_err": rel,
-            "tol": CHECK_REL_TOL, "ok": ok, "rows_checked": int(ref["rows"].numel())}
+            "tol": CHECK_REL_TOL, "ok": ok, "rows_checked": int(ref["rows"].numel()), "against": impl.reference_kind}
 
 
 def _eager_us(steps: list[Callable[[], Any]]) -> float:
@@ -181,7 +182,7 @@ def run_cell(cell: str, kind: str, case: AttentionCase, arms: Sequence[str | Arm
     res: dict[str, Any] = {
         "cell": cell, "kind": kind, "batch": len(case.seq_lens), "seq_lens": case.seq_lens, "q_lens": case.q_lens,
         "context": max(case.seq_lens), "tokens": sum(case.seq_lens), "rounds": rounds, "warmup": warmup,
-        "bytes": {f: case.step_bytes(f) for f in ("split", "folded")},
+        "bytes": {f: case.step_bytes(f) for f in POOL_KINDS},
         "pool_bytes": {f: case.layout(f).nbytes for f in ("split", "folded")},
         "copies": {f: case.copies_for(f) for f in ("split", "folded")},
         "arms": {}, "speedup": {},

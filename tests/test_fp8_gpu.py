@@ -1,0 +1,47 @@
+"""GPU gates of the FP8 folded decode: the kernel against the float64 reference over the same dequantized rows on
+hostile pools (NaN rows, NaN and Inf scales on unused pages), a rerun bit-identical, the graph workspace over an FP8
+pool, and the needle at the start, middle and end of 4K / 64K / 200K keys with its red twin (a dropped needle must
+fail). Reproduce one case: FOLDKV_REQUIRE_GPU=1 pytest tests/test_fp8_gpu.py -k '<id>'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foldkv import KvFormat
+from foldkv.fp8 import FP8_DTYPE
+from foldkv.lab import gates
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("lens", [(1,), (63,), (64,), (65,), (10_602,), (163_336,), (1, 97, 16_384, 54),
+                                  (262_144, 1, 63, 64, 65)],
+                         ids=["1", "63", "64", "65", "10602", "163336", "ragged4", "ragged-edges"])
+def test_fp8_decode_against_float64(cuda_device, lens):
+    inputs = gates.make_inputs(gates.Case("fp8", lens), KvFormat.FOLDED, cuda_device, 4, dtype=FP8_DTYPE)
+    res = gates.run_case(inputs, gates.decode_arm("jit"))
+    assert res["passed"], gates.summary_row(inputs.case, KvFormat.FOLDED, "jit fp8", res)
+    again = gates.run_case(inputs, gates.decode_arm("jit"))["outputs"]
+    assert torch.equal(again[0], res["outputs"][0]) and torch.equal(again[1], res["outputs"][1])
+
+
+def test_fp8_graph_walk(cuda_device):
+    res = gates.graph_walk(KvFormat.FOLDED, steps=32, max_batch=len(gates.WALK_LENGTHS) + 1, dtype=FP8_DTYPE,
+                           device=cuda_device)
+    bad = [r for r in res["steps"] if not r["passed"]]
+    assert not bad, bad[:3]
+
+
+@pytest.mark.parametrize("where", ["start", "middle", "end"])
+@pytest.mark.parametrize("length", list(gates.NEEDLE_LENGTHS))
+def test_needle(cuda_device, length, where):
+    position = {"start": 0, "middle": length // 2, "end": length - 1}[where]
+    res = gates.needle(length, position, device=cuda_device)
+    assert res["passed"], res
+
+
+def test_needle_red_twin(cuda_device):
+    res = gates.needle(4096, 2048, device=cuda_device, drop_needle=True)
+    assert res["kernel_ok"], "the kernel still matches the reference over the changed pool"
+    assert not res["e2e_ok"], res
