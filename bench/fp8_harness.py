@@ -1,0 +1,69 @@
+"""FP8 decode harness: the FP8 folded decode (foldkv's e4m3 row, one float32 scale per token and KV head) against the
+bf16 folded decode, the plain read of each pool's bytes, and FlashInfer's tensor-core decode over a bf16 and an e4m3
+split pool (per-tensor scales), in one run. Timed by `foldkv.lab.bench.run_cell` (each arm checked first against the
+float64 reference over its own pool, dequantized for FP8; CUDA-graph replays; arms interleaved round by round).
+Prints a table last.
+
+    python bench/fp8_harness.py --json $OUT/fp8.json          # on the H200 (source .devsite/env.sh first)
+
+Lab notes (prediction, outcome): bench/FP8_NOTES.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from foldkv.lab.bench import AttentionCase, measure_read_roof, run_cell
+from foldkv.lab.bench.case import serving_cases
+from foldkv.lab.jsonsafe import jsonable
+from foldkv.lab.report import environment
+from foldkv.provenance import provenance
+
+ARMS = ["folded_jit", "folded_fp8_jit", "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
+SINGLE = (10_602, 81_653, 163_336)
+BATCHES = ("uniform32", "uniform128", "longtail64")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device("cuda")
+    roof = measure_read_roof(device)
+    print(f"read roof measured: {roof['gbps']:.0f} GB/s ({roof['method']})", flush=True)
+    cases = {**{f"single{n}": [n] for n in SINGLE}, **serving_cases(0, BATCHES)}
+    cells = []
+    for name, lens in cases.items():
+        case = AttentionCase(lens, device=device, fi_kv_layout="HND", min_copies=1 if len(lens) > 1 else 2)
+        cells.append(run_cell(f"fp8/{name}", "decode", case, ARMS, rounds=args.rounds, warmup=3, roof=roof,
+                              log=lambda s: print(s, flush=True)))
+        case.release()
+        torch.cuda.empty_cache()
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(jsonable({"env": environment(device), "provenance": provenance(), "roof": roof,
+                                    "cells": cells}), fh, indent=1, allow_nan=False)
+    print(f"\n{'case':<20} {'arm':<17} {'us':>9} {'x own read':>10} {'x bf16 fold':>11} {'fi_tc_fp8 x':>11} check")
+    for c in cells:
+        ok = {n: a for n, a in c["arms"].items() if a["status"] == "ok"}
+        us = lambda n: ok.get(n, {}).get("us", {}).get("median")  # noqa: E731
+        for n, a in c["arms"].items():
+            if a["status"] != "ok":
+                print(f"{c['cell']:<20} {n:<17} {a['status']}: {a.get('reason', '')[:80]}")
+                continue
+            read = us("read_folded_fp8" if "fp8" in n else "read_folded")
+            m = a["us"]["median"]
+            print(f"{c['cell']:<20} {n:<17} {m:9.1f} {m / read if read else float('nan'):10.2f} "
+                  f"{m / us('folded_jit') if us('folded_jit') else float('nan'):11.2f} "
+                  f"{us('fi_tc_fp8') / m if us('fi_tc_fp8') else float('nan'):11.2f} "
+                  f"{a['check'].get('rel_err', float('nan')):.1e} {a['check'].get('ok')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
