@@ -241,6 +241,12 @@ def _drift_arms() -> tuple:
     return tuple(a for a in MODEL_ARMS if a != "incumbent")  # the incumbent always runs
 
 
+def _incumbent_implementations() -> tuple:
+    from .model import INCUMBENT_IMPLEMENTATIONS
+
+    return INCUMBENT_IMPLEMENTATIONS
+
+
 _DTYPES = ("float32", "float64", "bfloat16", "float16")
 TOKENS = Param("list", "int", positive=True, tokens=True, nonempty=True)
 OUT_DIR = Param("str")
@@ -278,8 +284,7 @@ SPECS: dict[str, dict[str, Param]] = {
         "dtype": Param("str", choices=("auto",) + _DTYPES),
         "ref_pool_dtype": Param("str", choices=("model",) + _DTYPES),
         "kernel_backend": Param("str", choices=("jit", "aot")),
-        "prep_backend": Param("str", choices=("auto", "kernel", "torch")),
-        "attn_implementation": Param("str"),
+        "attn_implementation": Param("str", choices=_incumbent_implementations),
         "poison": Param("bool"),
         "synthetic_config": Param("dict"),
         "seed": Param("int", at_least=0),
