@@ -1,5 +1,6 @@
-"""The drift study's machinery on the CPU: the synthetic checkpoint through from_pretrained, the hooked model's torch
-reference arms against the model's own attention (and broken arms caught), and the notebook run headless.
+"""The drift study's machinery on the CPU: the synthetic checkpoint through from_pretrained, the foldkv reference arms
+(the model on attn_implementation "foldkv" with a FoldKvCache) against the model's own attention (and broken arms
+caught), and the notebook run headless.
 
 The model is the synthetic Gemma 4 shrunk further (hidden 64, vocab 128) but with the 31B global geometry (32 x 512
 query heads, 4 KV heads, k_eq_v, proportional RoPE 0.25), so every global-layer shape is the real one.
@@ -20,7 +21,6 @@ import torch
 from conftest import require_module
 
 import foldkv
-import foldkv.prep
 import foldkv.reference
 from foldkv.layout import KvFormat, score_window
 
@@ -54,12 +54,10 @@ def model32(checkpoint):
 
 
 @pytest.fixture
-def hooked(model32):
-    from foldkv.lab.model import hook_global_attention
+def settings():
+    from foldkv.lab.model import ArmSettings
 
-    hook = hook_global_attention(model32, ref_pool_dtype=torch.float32, scatter_seed=11)
-    yield model32, hook
-    hook.unhook()
+    return ArmSettings(ref_pool_dtype=torch.float32, scatter_seed=11)
 
 
 def _prompt(n: int, vocab: int = TINY["vocab_size"], seed: int = 5) -> torch.Tensor:
@@ -71,7 +69,7 @@ def _prompt(n: int, vocab: int = TINY["vocab_size"], seed: int = 5) -> torch.Ten
 def test_synthetic_checkpoint_round_trip(checkpoint, model32, tmp_path):
     from safetensors.torch import load_file
 
-    from foldkv.lab.model import global_layer_indices, text_model_of
+    from foldkv.hf import global_layer_indices, text_model_of
     from foldkv.lab.synthetic import describe_checkpoint, make_synthetic_checkpoint
 
     assert sorted(os.listdir(checkpoint)) == ["config.json", "model.safetensors"]
@@ -113,44 +111,67 @@ def test_synthetic_logits_are_not_degenerate(model32):
     assert float(margins.min()) < 0.5 < float(margins.max())  # close calls exist, so the argmax claim is tested
 
 
-# --- the hooked model -----------------------------------------------------------------------------------------------
+# --- the arms on one model ------------------------------------------------------------------------------------------
 
-def test_hook_keeps_weights_and_incumbent_unchanged(model32):
-    from foldkv.lab.model import FoldKvGlobalAttention, hook_global_attention, text_model_of, walk
+def test_incumbent_walk_is_transformers_generate(model32):
+    """The greedy incumbent walk (forward over a DynamicCache, argmax fed back) is generate()'s greedy decoding: the
+    same tokens and the same logits."""
+    from foldkv.lab.model import walk
+
+    prompt, steps = _prompt(20, seed=8), 8
+    inc = walk(model32, "incumbent", prompt, steps)
+    assert 1 not in inc.logits.argmax(-1).tolist()  # no EOS (id 1): generate() would stop there
+    out = model32.generate(input_ids=prompt[None], max_new_tokens=steps + 1, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True)
+    assert out.sequences[0, prompt.numel():-1].tolist() == inc.fed.tolist()
+    assert float((torch.stack(out.logits)[:, 0].float() - inc.logits).abs().max()) <= FLOAT32_TOL
+
+
+def test_arm_switch_keeps_weights_and_incumbent_unchanged(model32, settings, monkeypatch):
+    """A foldkv arm's walk switches the model to "foldkv" and back: the weights, the implementation and the
+    incumbent's walk are the same after it, also after a walk that fails half-way (its red twin)."""
+    import foldkv.hf
+    from foldkv.lab.model import walk
 
     keys = list(model32.state_dict())
     prompt = _prompt(20)
-    plain = walk(model32, None, "incumbent", prompt, 2)
-    hook = hook_global_attention(model32)
-    try:
-        assert list(model32.state_dict()) == keys  # the wrapper adopts the submodules under the same names
-        assert all(isinstance(text_model_of(model32).layers[i].self_attn, FoldKvGlobalAttention) for i in (1, 3))
-        through = walk(model32, hook, "incumbent", prompt, 2)
-        assert torch.equal(through.logits, plain.logits) and torch.equal(through.fed, plain.fed)
-    finally:
-        hook.unhook()
-    assert not any(isinstance(m, FoldKvGlobalAttention) for m in model32.modules())
+    plain = walk(model32, "incumbent", prompt, 2)
+    folded = walk(model32, "ref-folded", prompt, 2, feed=plain.fed, settings=settings)
+    assert type(folded.cache).__name__ == "FoldKvCache" and folded.attention == "reference"
+    assert model32.config._attn_implementation == "sdpa" and list(model32.state_dict()) == keys
+    after = walk(model32, "incumbent", prompt, 2)
+    assert torch.equal(after.logits, plain.logits) and torch.equal(after.fed, plain.fed)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("a launcher failed")
+
+    monkeypatch.setattr(foldkv.hf, "paged_attention_reference", failing)
+    with pytest.raises(RuntimeError, match="a launcher failed"):
+        walk(model32, "ref-folded", prompt, 2, feed=plain.fed, settings=settings)
+    assert model32.config._attn_implementation == "sdpa"
+    assert torch.equal(walk(model32, "incumbent", prompt, 2).logits, plain.logits)
 
 
 @pytest.mark.parametrize("arm", ["ref-split", "ref-folded"])
 @pytest.mark.parametrize("length", [1, 70])  # one token; past a page (64) so the walk spans scattered pages
-def test_reference_arms_reproduce_incumbent_logits(hooked, arm, length):
+def test_reference_arms_reproduce_incumbent_logits(model32, settings, arm, length):
     from foldkv.lab.model import walk
 
-    model, hook = hooked
+    model = model32
     steps = 3
     prompt = _prompt(length)
-    inc = walk(model, hook, "incumbent", prompt, steps)
-    got = walk(model, hook, arm, prompt, steps, feed=inc.fed)
+    inc = walk(model, "incumbent", prompt, steps)
+    got = walk(model, arm, prompt, steps, feed=inc.fed, settings=settings)
     assert got.logits.shape == inc.logits.shape == (steps + 1, TINY["vocab_size"])
     gap = (got.logits - inc.logits).abs().amax(-1)  # [steps + 1]
     assert bool(torch.isfinite(got.logits).all())
     assert float(gap.max()) < FLOAT32_TOL, gap.tolist()
     assert torch.equal(got.logits.argmax(-1), inc.logits.argmax(-1))
     # the pool holds exactly the walk's tokens: every row written is finite, every other slot still holds the poison
-    for layer in hook.runtime.layers:
-        pool, table = layer.pool, layer.table
-        assert int(table.seq_lens[0]) == length + steps == layer.length
+    assert len(got.cache.global_layers) == 2
+    for layer in got.cache.global_layers:
+        pool, table = layer.pool, layer.host_table
+        assert int(table.seq_lens[0]) == length + steps == layer.lengths[0]
         assert pool.format is (KvFormat.SPLIT if arm == "ref-split" else KvFormat.FOLDED)
         written = torch.zeros(pool.data.shape[:3], dtype=torch.bool)  # [pages, heads, slots]
         for pos in range(length + steps):
@@ -160,12 +181,10 @@ def test_reference_arms_reproduce_incumbent_logits(hooked, arm, length):
 
 
 def _fold_without_w_k(monkeypatch):
-    orig = foldkv.prep.prep_query
+    import foldkv.hf
 
-    def broken(geom, fmt, q, q_norm_weight, k_norm_weight, positions, out_dtype=torch.bfloat16):
-        return orig(geom, fmt, q, q_norm_weight, torch.ones_like(k_norm_weight), positions, out_dtype)
-
-    monkeypatch.setattr(foldkv.prep, "prep_query", broken)
+    orig = foldkv.hf.fold_query
+    monkeypatch.setattr(foldkv.hf, "fold_query", lambda geom, fmt, q, w, dtype: orig(geom, fmt, q, torch.ones_like(w), dtype))
 
 
 def _values_left_in_window_order(monkeypatch):
@@ -181,28 +200,37 @@ def _values_read_from_key_window(monkeypatch):
     ("ref-folded", _values_left_in_window_order),
     ("ref-split", _values_read_from_key_window),
 ], ids=["fold-without-w_k", "value-window-order", "split-values-from-keys"])
-def test_broken_arm_is_caught(hooked, monkeypatch, arm, breakage):
+def test_broken_arm_is_caught(model32, settings, monkeypatch, arm, breakage):
     """The comparison the study makes flags a wrong fold or a wrong column map by orders of magnitude."""
     from foldkv.lab.model import walk
 
-    model, hook = hooked
     prompt = _prompt(40)
-    inc = walk(model, hook, "incumbent", prompt, 2)
+    inc = walk(model32, "incumbent", prompt, 2)
     breakage(monkeypatch)
-    got = walk(model, hook, arm, prompt, 2, feed=inc.fed)
+    got = walk(model32, arm, prompt, 2, feed=inc.fed, settings=settings)
     gap = (got.logits - inc.logits).abs().amax(-1)
     assert float(gap.min()) > 100 * FLOAT32_TOL, gap.tolist()
 
 
-def test_kernel_arms_refuse_cleanly_on_cpu(hooked):
+def test_kernel_arms_refuse_cleanly_on_cpu(model32, settings):
     from foldkv.lab.arms import ArmUnavailable
     from foldkv.lab.model import walk
 
-    model, hook = hooked
     for arm in ("split", "folded"):
         with pytest.raises(ArmUnavailable, match="CUDA"):
-            walk(model, hook, arm, _prompt(4), 1)
-    assert hook.runtime.arm.name == "incumbent"
+            walk(model32, arm, _prompt(4), 1, settings=settings)
+    assert model32.config._attn_implementation == "sdpa"
+
+
+def test_refuses_an_incumbent_the_foldkv_arms_cannot_stand_beside(checkpoint):
+    """The foldkv arms' sliding layers run sdpa or eager; another incumbent is refused before the model loads."""
+    from foldkv.lab.drift import run_study
+    from foldkv.lab.model import foldkv_implementation
+
+    assert (foldkv_implementation("sdpa"), foldkv_implementation("eager")) == ("foldkv", "foldkv_eager")
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        run_study(model_path=checkpoint, prompts=["ab"], lengths=[4], steps=1, arms=["ref-folded"], device="cpu",
+                  attn_implementation="flash_attention_2", log=lambda *_: None)
 
 
 # --- the study's bookkeeping ----------------------------------------------------------------------------------------
@@ -373,33 +401,37 @@ def test_record_sections_fail_the_notebook_on_a_failed_check(tmp_path):
     assert broken["arm:folded"].startswith("failed: NaN/Inf logits: cell 1") and broken["arm:split"] == "ran"
 
 
+def _is_decode(q_lens) -> bool:
+    return q_lens is not None and int(q_lens.max()) == 1
+
+
 def _decode_dropping_newest_key(monkeypatch):
-    import foldkv.lab.model as fm
+    import foldkv.hf
     from foldkv.pool import BlockTable
 
-    orig = fm.paged_attention_reference
+    orig = foldkv.hf.paged_attention_reference
 
     def dropping(pool, query, table, q_lens=None, **kw):
-        if q_lens is None:  # a decode: every key but the one just stored
-            table = BlockTable(table.page_ids, table.seq_lens - 1)
+        if _is_decode(q_lens):  # a decode: every key but the one just stored
+            table, q_lens = BlockTable(table.page_ids, table.seq_lens - 1), None
         return orig(pool, query, table, q_lens, **kw)
 
-    monkeypatch.setattr(fm, "paged_attention_reference", dropping)
+    monkeypatch.setattr(foldkv.hf, "paged_attention_reference", dropping)
 
 
 def _decode_nan_at_step_2(monkeypatch):
-    import foldkv.lab.model as fm
+    import foldkv.hf
 
-    orig = fm.paged_attention_reference
+    orig = foldkv.hf.paged_attention_reference
 
     def nan_at(pool, query, table, q_lens=None, **kw):
         out, lse = orig(pool, query, table, q_lens, **kw)
-        if q_lens is None and int(table.seq_lens[0]) == STUDY_LENGTH + 2:  # the decode of step 2
+        if _is_decode(q_lens) and int(table.seq_lens[0]) == STUDY_LENGTH + 2:  # the decode of step 2
             out = out.clone()
             out[0, 5, 7] = float("nan")
         return out, lse
 
-    monkeypatch.setattr(fm, "paged_attention_reference", nan_at)
+    monkeypatch.setattr(foldkv.hf, "paged_attention_reference", nan_at)
 
 
 STUDY_LENGTH = 40
@@ -473,50 +505,60 @@ def test_notebook_runs_headless(tmp_path):
     assert "SYNTHETIC checkpoint" in text and "Arms that did not run here" in text and "Checks" in text
 
 
-def test_kernel_arm_plumbing_with_stand_in_launchers(hooked, monkeypatch):
-    """The kernel arms' path through the hook, on the CPU: the launchers are replaced by stand-ins that hold every
-    call to the documented contract (bf16 pool and query, int32 tables, prefill q_lens, `backend=`) and answer with
-    the float64 oracle rounded to bf16, as a kernel does. The arm must then track the bf16-pool reference arm."""
+def test_kernel_arm_plumbing_with_stand_in_launchers(model32, settings, monkeypatch):
+    """The kernel arms' path through the walk, on the CPU: the arm's FoldKvCache is a bf16 pool whose launchers are
+    stand-ins that hold every call to the documented contract (bf16 pool and query, int32 tables, prefill q_lens,
+    `backend=`) and answer with the float64 oracle rounded to bf16, as a kernel does. The arm must then track the
+    bf16-pool reference arm."""
     import foldkv.lab.model as fm
 
-    model, hook = hooked
-    calls = {"prep": 0, "decode": 0, "prefill": 0}
+    calls = {"decode": 0, "prefill": 0}
 
     def check_common(pool, query, table, rows):
         assert pool.layout.dtype == torch.bfloat16 and query.dtype == torch.bfloat16
         assert query.shape == (rows, 32, 512)
         assert table.page_ids.dtype == torch.int32 and table.seq_lens.dtype == torch.int32
 
-    def prep_stand_in(pool, table, request, positions, q, kv, q_norm_weight, k_norm_weight, *, backend):
-        assert backend == "jit" and positions.dtype == torch.int32 and request.dtype == torch.int32
-        calls["prep"] += 1
-        return foldkv.prep_and_store(pool, table, request, positions, q, kv, q_norm_weight, k_norm_weight)
-
-    def decode_stand_in(pool, query, table, *, backend):
+    def decode_stand_in(pool, query, table, *, plan=None, backend):
+        assert backend == "jit"
         check_common(pool, query, table, 1)
         calls["decode"] += 1
         out, lse = foldkv.paged_attention_reference(pool, query, table)
         return out.to(torch.bfloat16), lse.float()
 
     def prefill_stand_in(pool, query, table, q_lens, *, backend):
+        assert backend == "jit"
         assert q_lens.dtype == torch.int32 and q_lens.tolist() == [int(table.seq_lens[0])]
         check_common(pool, query, table, int(q_lens.sum()))
         calls["prefill"] += 1
         out, lse = foldkv.paged_attention_reference(pool, query, table, q_lens)
         return out.to(torch.bfloat16), lse.float()
 
-    stand_ins = {"decode": decode_stand_in, "prefill": prefill_stand_in, "prep_kernel": prep_stand_in}
+    real_cache = fm.arm_cache
+
+    def cache_on_stand_ins(model, arm, capacity, settings=None, batch=1):
+        spec = fm.model_arm(arm)
+        if spec.backend != "kernel":
+            return real_cache(model, arm, capacity, settings, batch)
+        # the reference arm's cache over a bf16 pool, routed as a CUDA cache routes (FoldKvCache refuses "kernel"
+        # on the CPU)
+        cache = real_cache(model, fm.MODEL_ARMS[f"ref-{spec.name}"], capacity,
+                           fm.ArmSettings(ref_pool_dtype=torch.bfloat16, scatter_seed=settings.scatter_seed), batch)
+        cache.attention, cache._kernels = "kernel", {"decode": decode_stand_in, "prefill": prefill_stand_in}
+        return cache
+
     monkeypatch.setattr(fm, "check_arm_available", lambda arm, device: None)
-    monkeypatch.setattr(fm, "_import_kernel", lambda module, attr: stand_ins[module])
+    monkeypatch.setattr(fm, "arm_cache", cache_on_stand_ins)
     prompt, steps = _prompt(70), 3
-    inc = fm.walk(model, hook, "incumbent", prompt, steps)
-    ker = fm.walk(model, hook, "folded", prompt, steps, feed=inc.fed)
-    assert ker.prep == "kernel"
-    n_global = len(hook.global_layers)
-    assert calls == {"prep": n_global * (steps + 1), "decode": n_global * steps, "prefill": n_global}
-    hook.runtime.ref_pool_dtype = torch.bfloat16
-    ref = fm.walk(model, hook, "ref-folded", prompt, steps, feed=inc.fed)
-    # Same bf16 pool rows; the one difference is the attention output rounded to bf16 before o_proj. Measured 0.022
-    # (the bf16 pool alone moves ref-folded from the float32 incumbent by 0.045); a wrong column map moves it by > 1.
-    assert float((ker.logits - ref.logits).abs().max()) < 0.1
+    inc = fm.walk(model32, "incumbent", prompt, steps)
+    ker = fm.walk(model32, "folded", prompt, steps, feed=inc.fed, settings=settings)
+    assert ker.attention == "kernel"
+    n_global = len(ker.cache.global_layers)
+    assert calls == {"decode": n_global * steps, "prefill": n_global}
+    bf16 = fm.ArmSettings(ref_pool_dtype=torch.bfloat16, scatter_seed=settings.scatter_seed)
+    ref = fm.walk(model32, "ref-folded", prompt, steps, feed=inc.fed, settings=bf16)
+    # Same bf16 pool rows; the one difference is the attention output rounded to bf16 before o_proj. A wrong column
+    # map moves it by > 1.
+    gap = float((ker.logits - ref.logits).abs().max())
+    assert gap < 0.1, gap
     assert bool(torch.isfinite(ker.logits).all())

@@ -126,6 +126,22 @@ def _committed_benchmark_run():
     return bench.run_name(found["path"]) if found else None
 
 
+def test_generate_records(batch):
+    """Notebook 05 on a CPU: the computed bytes and the held-bytes check ran, the GPU sections say why not."""
+    _, out, _ = batch
+    rec = _record(out, "05_generate")
+    rows = rec["results"]["cache_bytes_31b"]["rows"]
+    assert [r["context"] for r in rows] == [8192, 32768, 131072, 262144]
+    assert all(r["folded_bytes"] * 8 == r["dynamic_bytes"] * 5 == r["split_bytes"] * 5 for r in rows)  # 640 / 1024
+    assert rec["sections"]["cache_bytes_check"] == "ran", rec["sections"]
+    runs = rec["results"]["cache_bytes_check"]["runs"]
+    assert {r["arm"] for r in runs} == {"sdpa", "foldkv-folded", "foldkv-split"}
+    assert all(r["cache_bytes"] == r["expected_cache_bytes"] > 0 for r in runs)
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        assert rec["sections"]["peak_memory"] == rec["sections"]["speed"] == "not run: no CUDA device"
+
+
 def test_cpu_benchmarks_say_they_are_redrawn(batch):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
@@ -238,6 +254,7 @@ OVERRIDES = {
     "02_correctness_gates": {"formats": '["folded"]'},
     "03_drift_study": {"arms": '["ref-split", "ref-folded"]'},
     "04_benchmarks": {"smoke": "true", "sections": '["single", "sweep"]', "decode_arms": "torch,fi_tc"},
+    "05_generate": {"contexts": "8192,32768", "arms": '["sdpa", "foldkv-split"]'},
 }
 
 
@@ -260,9 +277,12 @@ def test_text_overrides_take_effect(notebook, tmp_path):
         study = json.loads((tmp_path / "drift_results.json").read_text())["parameters"]
         assert study["lengths"] == [5, 66] and study["prompts"] == ["ab", "the cat"]
         assert study["synthetic_config"] == _smoke("03")["synthetic_config"]
-    else:
+    elif notebook == "04_benchmarks":
         assert got["smoke"] is True and got["sections"] == ["single", "sweep"]
         assert got["decode_arms"] == ["torch", "fi_tc"]
+    else:
+        assert got["contexts"] == [8192, 32768] and got["arms"] == ["sdpa", "foldkv-split"]
+        assert [r["context"] for r in rec["results"]["cache_bytes_31b"]["rows"]] == [8192, 32768]
 
 
 # One out-of-range value per notebook: refused at the cell right after the parameters, before any work.
@@ -272,6 +292,7 @@ BAD_OVERRIDES = {
     "02_correctness_gates": ("formats", '["folded", "paged"]', "formats: unknown value 'paged'"),
     "03_drift_study": ("lengths", "[5, 0]", "lengths: 0 is not positive"),
     "04_benchmarks": ("sections", '["single", "prefil"]', "sections: unknown value 'prefil'"),
+    "05_generate": ("arms", '["sdpa", "foldkv-fold"]', "arms: unknown value 'foldkv-fold'"),
 }
 
 

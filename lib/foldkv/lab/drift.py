@@ -38,7 +38,7 @@ from ..provenance import provenance
 from ..validate import check_device
 from .arms import ArmUnavailable
 from .jsonsafe import jsonable
-from .model import MODEL_ARMS, check_arm_available, hook_global_attention, load_model, single_pass, walk
+from .model import MODEL_ARMS, ArmSettings, check_arm_available, foldkv_implementation, load_model, single_pass, walk
 from .synthetic import describe_checkpoint, make_synthetic_checkpoint
 
 PAIRS = (("ref-folded", "ref-split"), ("folded", "split"), ("split", "ref-split"), ("folded", "ref-folded"))
@@ -158,14 +158,15 @@ def _nonfinite_steps(logits: torch.Tensor) -> list[int]:
     return torch.nonzero(~torch.isfinite(logits.float()).all(dim=-1)).flatten().tolist()
 
 
-def run_cell(model, hook, prompt_ids: torch.Tensor, steps: int, arms: Sequence[str], arm_status: dict[str, str],
-             *, log=print) -> dict[str, Any]:
+def run_cell(model, settings: ArmSettings | None, prompt_ids: torch.Tensor, steps: int, arms: Sequence[str],
+             arm_status: dict[str, str], *, log=print) -> dict[str, Any]:
     """Walk the incumbent greedily, then every arm teacher-forced on the same tokens, and the incumbent's single pass
-    over the same tokens. `arm_status` carries "not run: ..." across cells so an unavailable arm is tried once."""
+    over the same tokens. `settings`: the foldkv arms' cache settings. `arm_status` carries "not run: ..." across
+    cells so an unavailable arm is tried once."""
     t0 = time.perf_counter()
-    inc = walk(model, hook, "incumbent", prompt_ids, steps)
+    inc = walk(model, "incumbent", prompt_ids, steps)
     full = torch.cat([prompt_ids.reshape(-1).cpu(), inc.fed])
-    one = single_pass(model, hook, full, keep=steps + 1)
+    one = single_pass(model, full, keep=steps + 1)
     cell: dict[str, Any] = {
         "length": int(prompt_ids.numel()),
         "steps": int(steps),
@@ -188,7 +189,7 @@ def run_cell(model, hook, prompt_ids: torch.Tensor, steps: int, arms: Sequence[s
             continue
         t1 = time.perf_counter()
         try:
-            w = walk(model, hook, arm, prompt_ids, steps, feed=inc.fed)
+            w = walk(model, arm, prompt_ids, steps, feed=inc.fed, settings=settings)
         except ArmUnavailable as exc:
             arm_status[arm] = f"not run: {exc}"
             log(f"  {arm}: {arm_status[arm]}")
@@ -207,7 +208,7 @@ def run_cell(model, hook, prompt_ids: torch.Tensor, steps: int, arms: Sequence[s
         gap = _row_gaps(w.logits, inc.logits)
         cell["arms"][arm] = {
             "status": "ran",
-            "prep": w.prep,
+            "attention": w.attention,
             "gap": gap,
             "argmax_equal": (w.logits.argmax(-1) == inc.logits.argmax(-1)).tolist(),
             "nonfinite_steps": _nonfinite_steps(w.logits),
@@ -246,25 +247,30 @@ def default_lengths(device: torch.device) -> tuple[list[int], list[int]]:
 def run_study(*, model_path: str | None, prompts: Sequence[str], lengths: Sequence[int] | None, steps: int,
               arms: Sequence[str], sweep_lengths: Sequence[int] | None = (), sweep_prompt: int = 0,
               device: str = "auto", dtype: str = "auto", ref_pool_dtype: str = "model",
-              attn_implementation: str = "sdpa", seed: int = 0, prep_backend: str = "auto",
-              kernel_backend: str = "jit", poison: bool = True, synthetic_config: dict | None = None,
-              out_dir: str | None = None, log=print) -> dict[str, Any]:
+              attn_implementation: str = "sdpa", seed: int = 0, kernel_backend: str = "jit", poison: bool = True,
+              synthetic_config: dict | None = None, out_dir: str | None = None, log=print) -> dict[str, Any]:
     """Run every cell, summarise, place the drift line, and write `out_dir/drift_results.json`.
-    `lengths` / `sweep_lengths` None take `default_lengths(device)`."""
+    `lengths` / `sweep_lengths` None take `default_lengths(device)`. The incumbent is the model loaded with
+    `attn_implementation` ("sdpa" or "eager") and transformers' DynamicCache; the other arms are the same model on
+    foldkv's implementation of the same sliding attention with a FoldKvCache (see `foldkv.lab.model`)."""
     for arm in arms:
         if arm not in MODEL_ARMS:
             raise ValueError(f"unknown arm {arm!r}; expected some of {list(MODEL_ARMS)}")
+    foldkv_implementation(attn_implementation)  # refuses an incumbent the foldkv arms cannot stand beside
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     grid_default, sweep_default = default_lengths(dev)
     lengths = list(grid_default if lengths is None else lengths)
     sweep_lengths = list(sweep_default if sweep_lengths is None else sweep_lengths)
     model, tokenizer, info = prepare_model(model_path, device=dev, dtype=dt, seed=seed,
                                            attn_implementation=attn_implementation, synthetic_config=synthetic_config)
+    from ..hf import global_geometry, global_layer_indices, text_model_of
+
     pool_dt = None if ref_pool_dtype == "model" else resolve_dtype(ref_pool_dtype)
-    hook = hook_global_attention(model, device=dev, ref_pool_dtype=pool_dt, prep_backend=prep_backend,
-                                 kernel_backend=kernel_backend, poison=poison, scatter_seed=seed)
-    info["global_layers"] = hook.global_layers
-    info["geometry"] = {k: getattr(hook.runtime.layers[0].geometry, k) for k in
+    settings = ArmSettings(ref_pool_dtype=pool_dt, kernel_backend=kernel_backend, poison=poison, scatter_seed=seed)
+    text_model = text_model_of(model)
+    info["global_layers"] = global_layer_indices(text_model)
+    geom = global_geometry(text_model, text_model.layers[info["global_layers"][0]].self_attn)
+    info["geometry"] = {k: getattr(geom, k) for k in
                         ("num_q_heads", "num_kv_heads", "head_dim", "partial_rotary_factor", "rope_theta")}
     vocab = int(model.get_output_embeddings().weight.shape[0])
     arm_status: dict[str, str] = {}
@@ -280,7 +286,7 @@ def run_study(*, model_path: str | None, prompts: Sequence[str], lengths: Sequen
     t0 = time.perf_counter()
     for i, cell in enumerate(cells):
         ids = prompt_token_ids(prompts[cell["prompt_index"]], cell["length"], vocab, tokenizer)
-        cell.update(run_cell(model, hook, ids, steps, arms, arm_status, log=log))
+        cell.update(run_cell(model, settings, ids, steps, arms, arm_status, log=log))
         if out_dir is not None:  # after every cell, so a crash (a dead CUDA context) keeps the cells before it
             os.makedirs(out_dir, exist_ok=True)
             with open(os.path.join(out_dir, PARTIAL_NAME), "w") as fh:
@@ -293,8 +299,8 @@ def run_study(*, model_path: str | None, prompts: Sequence[str], lengths: Sequen
         "parameters": {"prompts": list(prompts), "lengths": list(lengths), "sweep_lengths": list(sweep_lengths),
                        "sweep_prompt": sweep_prompt, "steps": steps, "arms": list(arms), "device": str(dev),
                        "dtype": str(dt).replace("torch.", ""), "ref_pool_dtype": ref_pool_dtype, "seed": seed,
-                       "prep_backend": prep_backend, "kernel_backend": kernel_backend, "poison": poison,
-                       "page_size": hook.runtime.page_size, "synthetic_config": synthetic_config or {},
+                       "kernel_backend": kernel_backend, "poison": poison,
+                       "page_size": settings.page_size, "synthetic_config": synthetic_config or {},
                        "attn_implementation": attn_implementation},
         "arm_status": {arm: arm_status.get(arm, "not run: no cell reached it") for arm in arms},
         "cells": cells,
@@ -303,7 +309,6 @@ def run_study(*, model_path: str | None, prompts: Sequence[str], lengths: Sequen
     results["summary"] = summarize(results)
     results["drift_line"] = drift_line(results)
     results["checks"] = check_study(results)
-    hook.unhook()
     if out_dir is not None:
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, RESULTS_NAME)

@@ -241,6 +241,18 @@ def _drift_arms() -> tuple:
     return tuple(a for a in MODEL_ARMS if a != "incumbent")  # the incumbent always runs
 
 
+def _incumbent_implementations() -> tuple:
+    from .model import INCUMBENT_IMPLEMENTATIONS
+
+    return INCUMBENT_IMPLEMENTATIONS
+
+
+def _generate_arms() -> tuple:
+    from .generate_bench import GENERATE_ARMS
+
+    return tuple(GENERATE_ARMS)
+
+
 _DTYPES = ("float32", "float64", "bfloat16", "float16")
 TOKENS = Param("list", "int", positive=True, tokens=True, nonempty=True)
 OUT_DIR = Param("str")
@@ -278,8 +290,7 @@ SPECS: dict[str, dict[str, Param]] = {
         "dtype": Param("str", choices=("auto",) + _DTYPES),
         "ref_pool_dtype": Param("str", choices=("model",) + _DTYPES),
         "kernel_backend": Param("str", choices=("jit", "aot")),
-        "prep_backend": Param("str", choices=("auto", "kernel", "torch")),
-        "attn_implementation": Param("str"),
+        "attn_implementation": Param("str", choices=_incumbent_implementations),
         "poison": Param("bool"),
         "synthetic_config": Param("dict"),
         "seed": Param("int", at_least=0),
@@ -310,6 +321,20 @@ SPECS: dict[str, dict[str, Param]] = {
         "resume_from": Param("str", exists="file"),
         "aot_dir": Param("str", exists="dir"),
     },
+    "05_generate": {
+        "geometry": Param("str"),
+        "contexts": TOKENS,
+        "bytes_batch": Param("int", positive=True),
+        "page_size": Param("int", positive=True),
+        "arms": Param("list", "str", choices=_generate_arms, nonempty=True),
+        "prompt_lengths": TOKENS,
+        "batches": Param("list", "int", positive=True, nonempty=True),
+        "new_tokens": Param("int", at_least=2),
+        "prefill_chunk": Param("int", positive=True),
+        "synthetic_config": Param("dict"),
+        "seed": Param("int", at_least=0),
+        "out_dir": OUT_DIR,
+    },
 }
 
 
@@ -323,14 +348,20 @@ def _geometry_01(values: dict) -> AttentionGeometry:
 def _geometry_03(values: dict) -> AttentionGeometry:
     """The served model's geometry: the checkpoint's config.json, or the synthetic checkpoint's config (which also
     refuses an unknown `synthetic_config` key here, before a checkpoint is written)."""
-    from .synthetic import make_synthetic_checkpoint, synthetic_config
-
     if values["model_path"] is not None:
         try:
             return geometry_from_config(values["model_path"])
         except ConfigError as exc:
             raise ParameterError(f"model_path: {exc}") from None
-    overrides = dict(values["synthetic_config"])
+    return _synthetic_geometry(values["synthetic_config"])
+
+
+def _synthetic_geometry(synthetic_overrides: dict) -> AttentionGeometry:
+    """The synthetic checkpoint's geometry with `synthetic_overrides`; an unknown key or a bad value is refused here,
+    before a checkpoint is written."""
+    from .synthetic import make_synthetic_checkpoint, synthetic_config
+
+    overrides = dict(synthetic_overrides)
     checkpoint_keys = [k for k in inspect.signature(make_synthetic_checkpoint).parameters
                        if k not in ("out_dir", "seed", "config_overrides")]
     config_keys = list(inspect.signature(synthetic_config).parameters)
@@ -342,6 +373,12 @@ def _geometry_03(values: dict) -> AttentionGeometry:
         return geometry_from_config(cfg, name="synthetic")
     except (ConfigError, ValueError, TypeError) as exc:
         raise ParameterError(f"synthetic_config: {exc}") from None
+
+
+def _cross_05(values: dict, geom: AttentionGeometry) -> None:
+    from .generate_bench import SPEED_SYNTHETIC
+
+    _synthetic_geometry({**SPEED_SYNTHETIC, **values["synthetic_config"]})
 
 
 def _cross_03(values: dict, geom: AttentionGeometry) -> None:
@@ -360,8 +397,10 @@ def _cross_03(values: dict, geom: AttentionGeometry) -> None:
         raise ParameterError(f"device: {values['device']!r} is not a device ('auto', 'cpu', 'cuda', 'cuda:0'): {exc}") from None
 
 
-GEOMETRY: dict[str, Callable[[dict], AttentionGeometry]] = {"01_byte_floor": _geometry_01, "03_drift_study": _geometry_03}
-CROSS_CHECKS: dict[str, Callable[[dict, AttentionGeometry], None]] = {"03_drift_study": _cross_03}
+GEOMETRY: dict[str, Callable[[dict], AttentionGeometry]] = {"01_byte_floor": _geometry_01, "03_drift_study": _geometry_03,
+                                                             "05_generate": _geometry_01}
+CROSS_CHECKS: dict[str, Callable[[dict, AttentionGeometry], None]] = {"03_drift_study": _cross_03,
+                                                                        "05_generate": _cross_05}
 
 
 def read_parameters(notebook: str, namespace: Mapping[str, Any]) -> dict[str, Any]:
