@@ -167,9 +167,10 @@ def make_inputs(case: Case, fmt: KvFormat | str, device: torch.device | str, see
         pool.scales.fill_(float("nan"))
     table = pool.allocate(case.seq_lens, scatter_seed=seed if case.scattered else None, pad_pages=len(POISON_PAGE_IDS))
     last_unused = pool.unused_page_ids()[-1]
-    pool.data[last_unused].fill_(float("inf"))  # an unused page of Inf beside the NaN ones (e4m3fn: NaN)
-    if lay.quantized:
+    if lay.quantized:  # e4m3fn has no Inf: an unused page of NaN rows with Inf scales
         pool.scales[last_unused].fill_(float("inf"))
+    else:
+        pool.data[last_unused].fill_(float("inf"))  # an unused page of Inf beside the NaN ones
     for r in range(table.batch):  # poison past each request's real pages
         n = -(-int(table.seq_lens[r]) // 64)
         for i, v in enumerate(POISON_PAGE_IDS):
@@ -1019,10 +1020,10 @@ def needle(length: int, position: int, *, seed: int = 0, device: torch.device | 
     - kernel: the decode against the float64 reference over the same pool (`compare`: the gates' bound);
     - leak: the reference against the needle's own value (dequantized), |ref - v| <= w (max|v_j| + |v|) per head,
       w = sum_{j != p} e^(s_j - s_p) / (1 + that sum), from the float32 scores of every key (+1% for their rounding);
-    - end to end: the decode against the needle's bf16-truth value (the row before quantization):
-      ROW_REL |v| + ROW_SUB scale (the quantization, foldkv.fp8) + the leak + the kernel's bound.
-    `drop_needle=True` (the red twin) overwrites the needle row with another token's after the query is made: the
-    end-to-end check must fail."""
+    - end to end: the decode against the needle's true value (the float32 row both a bf16 and an FP8 pool round
+      from): ROW_REL |v| + ROW_SUB scale (the quantization, foldkv.fp8) + the leak + the kernel's bound.
+    `drop_needle=True` (the red twin) overwrites the needle row with another token's after the query and the leak
+    bound are made (from the intact pool): the end-to-end check must fail."""
     from ..fp8 import FP8_DTYPE, ROW_REL, ROW_SUB
     from ..kernels.decode import decode
     from ..layout import value_window, value_window_to_head
@@ -1041,20 +1042,10 @@ def needle(length: int, position: int, *, seed: int = 0, device: torch.device | 
     stored = pool.data[page, :, off].double()  # [Hkv, W]
     row = stored * pool.scales[page, :, off].double()[:, None] if lay.quantized else stored
     truth = prep_rows(geom, fmt, raw[position:position + 1], k_norm, torch.tensor([position], device=device),
-                      out_dtype=torch.bfloat16)[0].double()  # [Hkv, W] the row before quantization
+                      out_dtype=torch.float32)[0].double()  # [Hkv, W] the float32 row both pools round from
     d, group = geom.head_dim, geom.group_size
     key = row[:, :d]  # [Hkv, D] score window
     query = (NEEDLE_SCORE * key / key.norm(dim=1, keepdim=True)).repeat_interleave(group, 0).to(torch.bfloat16)[None]
-    if drop_needle:  # the red twin: the token the query looks for is gone
-        other = (position + length // 2) % length
-        p2, o2 = int(table.page_ids[0, other // 64]), other % 64
-        pool.data[page, :, off] = pool.data[p2, :, o2]
-        if lay.quantized:
-            pool.scales[page, :, off] = pool.scales[p2, :, o2]
-    out, _ = decode(pool, query, table, backend=backend)
-    torch.cuda.synchronize(device)
-    ref, _, pv_abs = paged_attention_reference(pool, query, table, abs_weighted=True)
-    kernel = compare(out, ref, pv_abs)
     vw, to_head = value_window(geom, fmt), value_window_to_head(geom, fmt).to(device)
     v_need = row[:, vw][:, to_head].repeat_interleave(group, 0)  # [Hq, D] head order
     v_truth = truth[:, vw][:, to_head].repeat_interleave(group, 0)
@@ -1079,8 +1070,21 @@ def needle(length: int, position: int, *, seed: int = 0, device: torch.device | 
         vmax[h] = kv_h[:, vw].abs().max().double()
     w = leak_sum / (1 + leak_sum)  # [Hq] the weight off the needle
     leak_bound = w[:, None] * (vmax[:, None] + v_need.abs())
+    del rows_all
+    if drop_needle:  # the red twin: the token the query looks for is gone
+        other = (position + length // 2) % length
+        p2, o2 = int(table.page_ids[0, other // 64]), other % 64
+        pool.data[page, :, off] = pool.data[p2, :, o2]
+        if lay.quantized:
+            pool.scales[page, :, off] = pool.scales[p2, :, o2]
+    out, _ = decode(pool, query, table, backend=backend)
+    torch.cuda.synchronize(device)
+    ref, _, pv_abs = paged_attention_reference(pool, query, table, abs_weighted=True)
+    kernel = compare(out, ref, pv_abs)
+
     ref_err = (ref[0] - v_need).abs()
-    quant = ROW_REL * v_truth.abs() + ROW_SUB * scale.repeat_interleave(group, 0)[:, None] if lay.quantized else 0
+    quant = (ROW_REL * v_truth.abs() + ROW_SUB * scale.repeat_interleave(group, 0)[:, None] if lay.quantized
+             else P_ROUNDING * v_truth.abs())  # the row's own rounding from float32: foldkv.fp8's bound, or bf16's
     kernel_bound = ABS_TOL + REL_TOL * ref[0].abs() + bf16_ulp(ref[0]) + P_ROUNDING * pv_abs[0]
     e2e = (out[0].double() - v_truth).abs()
     e2e_bound = quant + leak_bound + kernel_bound
@@ -1092,7 +1096,7 @@ def needle(length: int, position: int, *, seed: int = 0, device: torch.device | 
            "e2e_max_abs": float(e2e.max()), "e2e_max_over_bound": float((e2e / e2e_bound).max()),
            "e2e_ok": bool(torch.isfinite(out).all()) and bool((e2e <= e2e_bound).all()), "red_twin": drop_needle}
     res["passed"] = res["kernel_ok"] and res["leak_ok"] and res["e2e_ok"]
-    del rows_all, pool
+    del pool
     return res
 
 
