@@ -11,8 +11,9 @@
 #   CACHE_MODE=shared bash scripts/device_run.sh TAG   # option: load the carried .tilelang_cache that
 #                                       # `prepare_device_run.sh --shared-cache` filled from the AOT build (one compilation)
 # Results: papermill_runs/TAG/ (tarred to $OUT/runs.tgz) and the logs in $OUT.
-# Time caps (seconds): JIT_S for the JIT compiles, PHASE_A_S for the side-by-side phase, PHASE_B_S for notebook 04;
-# their sum stays under the device's 600 s per command.
+# Time caps (seconds): JIT_S for the JIT compiles, PHASE_A_S for the side-by-side phase, PHASE_B_S for notebook 04,
+# C for notebook 05 (after 04, alone: it times generate()). PART=1 runs the JIT build and phase A, PART=2 the JIT
+# build, 04 and 05 (two device calls, each under the device's 600 s per command); PART=all (default) everything.
 set -u
 TAG=${1:-h200-$(date +%Y%m%d)}
 OUTD=${OUT:-/tmp/foldkv_out}
@@ -37,6 +38,8 @@ BATCH="python3 scripts/run_batch.py --tag $TAG --no-progress"
 timeout $J python3 scripts/jit_build_all.py --record "$FOLDKV_JIT_BUILD_RECORD" > "$OUTD/jit_build.log" 2>&1
 echo "jit build rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/jit_build.log")"
 
+PART=${PART:-all}
+if [ "$PART" = all ] || [ "$PART" = 1 ]; then
 (FOLDKV_REQUIRE_GPU=1 FOLDKV_GATE_CASES=smoke FOLDKV_AOT_TEST_DIR=$PWD/build/aot timeout $A \
    python3 -m pytest -m gpu -v -ra --tb=short -p no:cacheprovider > "$OUTD/pytest_gpu.log" 2>&1; echo "pytest rc=$?" >> "$OUTD/pytest_gpu.log") &
 (timeout $A python3 scripts/run_batch.py --only 04 --smoke --out-root /tmp/smoke --tag s --no-progress \
@@ -46,12 +49,17 @@ timeout $A $BATCH --only 01 02 --params '{"02": {"aot_dir": "build/aot", "saniti
 echo "batch 01 02 rc=$? at $(( $(date +%s) - t0 )) s"
 wait
 echo "phase A done at $(( $(date +%s) - t0 )) s"
+fi
 
+if [ "$PART" = all ] || [ "$PART" = 2 ]; then
 timeout $B $BATCH --only 04 --params '{"04": {"mode": "gpu", "aot_dir": "build/aot",
    "prefill_contexts": [16384, 81653, 163336]}}' \
    > "$OUTD/batch_04.log" 2>&1
 echo "batch 04 rc=$? at $(( $(date +%s) - t0 )) s"
+timeout ${C:-200} $BATCH --only 05 > "$OUTD/batch_05.log" 2>&1
+echo "batch 05 rc=$? at $(( $(date +%s) - t0 )) s"
+fi
 $BATCH --summarize > /dev/null 2>&1
-cp "$FOLDKV_JIT_BUILD_RECORD" papermill_runs/"$TAG"/ 2>/dev/null
+cp "$FOLDKV_JIT_BUILD_RECORD" papermill_runs/"$TAG"/jit_build_part$PART.json 2>/dev/null
 tar -czf "$OUTD/runs.tgz" papermill_runs/"$TAG"
 tail -4 "$OUTD/pytest_gpu.log"; cat papermill_runs/"$TAG"/SUMMARY.md 2>/dev/null

@@ -102,7 +102,7 @@ def test_a_wrong_formula_is_caught(bench):
 
     geom = foldkv.GEMMA4_31B
     right = gb.expected_cache_bytes(geom, "sdpa", batch=1, stored_tokens=74, max_tokens=75, page_size=64,
-                                    elem_bytes=4, layers=2)
+                                    dtype=torch.float32, layers=2)
     runs = [dict(r) for r in bench["runs"]]
     for r in runs:
         if r["arm"] == "sdpa":

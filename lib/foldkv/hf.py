@@ -314,8 +314,8 @@ class FoldKvLayer(CacheLayerMixin):
         q = query.transpose(1, 2).reshape(b * t, hq, d).index_select(0, idx)  # [N, Hq, D]
         k = new.key.transpose(1, 2).reshape(b * t, -1, d).index_select(0, idx)  # [N, Hkv, D]
         v = new.value.transpose(1, 2).reshape(b * t, -1, d).index_select(0, idx)  # [N, Hkv, D]
-        rows = rows_from_key_value(geom, pool.format, k, v, pool.layout.dtype)  # [N, Hkv, W]
-        folded = fold_query(geom, pool.format, q, module.k_norm.weight, pool.layout.dtype)  # [N, Hq, D]
+        rows = rows_from_key_value(geom, pool.format, k, v, pool.layout.row_dtype)  # [N, Hkv, W] (FP8: float32, quantized on store)
+        folded = fold_query(geom, pool.format, q, module.k_norm.weight, pool.layout.query_dtype)  # [N, Hq, D]
         self.host_table.seq_lens[:b] = torch.tensor(new_lens, dtype=torch.int32)
         write_tokens(pool, self.host_table, request, slots, rows)
         self.lengths[:b] = new_lens

@@ -63,19 +63,19 @@ def generate_arm(name: str) -> GenerateArm:
 
 # --- bytes, computed ------------------------------------------------------------------------------------------------
 
-def dynamic_cache_bytes(geom: AttentionGeometry, tokens: int, *, batch: int = 1, elem_bytes: int = 2,
+def dynamic_cache_bytes(geom: AttentionGeometry, tokens: int, *, batch: int = 1, dtype: torch.dtype = torch.bfloat16,
                         layers: int | None = None) -> int:
     """Bytes of a DynamicCache's global layers holding `tokens` tokens for each of `batch` sequences: K and V of D
     each per token and KV head, the split row, unpaged."""
     layers = geom.num_global_layers if layers is None else layers
-    return step_bytes(geom, KvFormat.SPLIT, [int(tokens)] * batch, elem_bytes=elem_bytes)["kv"] * layers
+    return step_bytes(geom, KvFormat.SPLIT, [int(tokens)] * batch, dtype=dtype)["kv"] * layers
 
 
 def foldkv_cache_bytes(geom: AttentionGeometry, fmt: KvFormat | str, max_tokens: int, *, batch: int = 1,
-                       page_size: int = 64, elem_bytes: int = 2, layers: int | None = None) -> int:
+                       page_size: int = 64, dtype: torch.dtype = torch.bfloat16, layers: int | None = None) -> int:
     """Bytes of a FoldKvCache's global-layer pools for `batch` sequences of up to `max_tokens` tokens (whole pages)."""
     layers = geom.num_global_layers if layers is None else layers
-    return batch * pool_bytes(geom, fmt, int(max_tokens), page_size=page_size, elem_bytes=elem_bytes, layers=layers)
+    return batch * pool_bytes(geom, fmt, int(max_tokens), page_size=page_size, dtype=dtype, layers=layers)
 
 
 def cache_bytes_rows(geom: AttentionGeometry, contexts: Sequence[int], *, batch: int = 1,
@@ -114,13 +114,13 @@ def held_cache_bytes(cache) -> int:
 
 
 def expected_cache_bytes(geom: AttentionGeometry, arm: str, *, batch: int, stored_tokens: int, max_tokens: int,
-                         page_size: int, elem_bytes: int, layers: int) -> int:
+                         page_size: int, dtype: torch.dtype, layers: int) -> int:
     """What `held_cache_bytes` must read after a generation, by the formulas above: a DynamicCache holds the stored
     tokens, a FoldKvCache's pools the whole pages of max_tokens."""
     spec = generate_arm(arm)
     if spec.format is None:
-        return dynamic_cache_bytes(geom, stored_tokens, batch=batch, elem_bytes=elem_bytes, layers=layers)
-    return foldkv_cache_bytes(geom, spec.format, max_tokens, batch=batch, page_size=page_size, elem_bytes=elem_bytes,
+        return dynamic_cache_bytes(geom, stored_tokens, batch=batch, dtype=dtype, layers=layers)
+    return foldkv_cache_bytes(geom, spec.format, max_tokens, batch=batch, page_size=page_size, dtype=dtype,
                               layers=layers)
 
 
@@ -227,7 +227,7 @@ def measure_generation(model: nn.Module, arm: str, *, prompt_tokens: int, batch:
     if len(stamps) != new_tokens:
         raise RuntimeError(f"{arm}: the clock stamped {len(stamps)} tokens of {new_tokens}")
     prefill_s, decode_s = stamps[0] - t0, stamps[-1] - stamps[0]
-    elem = next(model.parameters()).element_size() if spec.format is None else cache.pool_dtype.itemsize
+    cache_dtype = next(model.parameters()).dtype if spec.format is None else cache.pool_dtype
     return {
         "arm": arm, "status": "ran", "implementation": impl, "prompt_tokens": prompt_tokens, "batch": batch,
         "new_tokens": new_tokens, "prefill_chunk": prefill_chunk, "device": str(device),
@@ -239,7 +239,7 @@ def measure_generation(model: nn.Module, arm: str, *, prompt_tokens: int, batch:
         "cache_bytes": held_cache_bytes(cache),
         "expected_cache_bytes": expected_cache_bytes(
             geom, arm, batch=batch, stored_tokens=prompt_tokens + new_tokens - 1, max_tokens=max_tokens,
-            page_size=page_size, elem_bytes=elem, layers=len(glob)),
+            page_size=page_size, dtype=cache_dtype, layers=len(glob)),
         "tokens": out[:, prompt_tokens:].cpu().tolist(),
     }
 

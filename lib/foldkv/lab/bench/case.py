@@ -187,9 +187,13 @@ class AttentionCase:
         v_scale), each copy the bf16 FlashInfer pool divided by its K / V scale (amax / 448) and cast to e4m3."""
         if self._fi_fp8 is None:
             kv = self.flashinfer_kv()[0]
-            k, v = (kv[:, 0], kv[:, 1])
-            ks, vs = (float(t.abs().amax().float()) / 448.0 for t in (k, v))
-            first = torch.stack([(k.float() / ks), (v.float() / vs)], dim=1).clamp(-448, 448).to(FP8_DTYPE)
+            ks, vs = (float(kv[:, i].abs().amax().float()) / 448.0 for i in (0, 1))
+            first = torch.empty(kv.shape, dtype=FP8_DTYPE, device=kv.device)
+            for lo in range(0, kv.shape[0], 1024):  # page blocks: no float32 copy of a pool that fills the card
+                blk = kv[lo:lo + 1024].float()
+                blk[:, 0] /= ks
+                blk[:, 1] /= vs
+                first[lo:lo + 1024] = blk.clamp_(-448, 448).to(FP8_DTYPE)
             self._fi_fp8 = ([first] + [first.clone() for _ in range(len(self.flashinfer_kv()) - 1)], ks, vs)
         return self._fi_fp8
 
