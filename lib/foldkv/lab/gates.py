@@ -39,6 +39,7 @@ from ..reference import paged_attention_reference
 #  - P is rounded to bf16 for the tensor-core P.V product: each probability moves by at most 2^-8 of itself, so an
 #    output element moves by at most 2^-8 * sum_j p_j |v_j| (= 2^-8 * (P @ |V|), computed by the reference).
 P_ROUNDING = 2.0**-8
+P_SCALED_ROUNDING = 2.0**-9  # bf16 rounding of P x scale, relative (round to nearest, 8 significant bits)
 ABS_TOL, REL_TOL, FRO_TOL = 2e-3, 4e-3, 3e-3
 
 # LSE bound, derived per row like the output's (`lse_bound`). The kernels compute the LSE in float32 from the same bf16
@@ -210,22 +211,32 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x != 0, torch.ldexp(torch.ones_like(x), e - 8), torch.zeros_like(x))
 
 
-def compare(out: torch.Tensor, ref: torch.Tensor, pv_abs: torch.Tensor | None = None) -> dict:
+def compare(out: torch.Tensor, ref: torch.Tensor, pv_abs: torch.Tensor | None = None, *,
+            p_scaled: bool = False) -> dict:
     """Elementwise bound and relative Frobenius error of a kernel output against a float64 reference. `pv_abs`
-    (P @ |V| from the reference) adds the derived bf16 terms; without it only the specified bound is applied."""
+    (P @ |V| from the reference) adds the derived bf16 terms; without it only the specified bound is applied.
+
+    p_scaled (an FP8 pool's decode): the kernel rounds P times each token's scale to bf16, so no probability is exact
+    any more (a bf16 kernel's P of 1 is): a relative error up to 2^-9 on every key's weight, all of one sign when
+    one key holds the attention. The Frobenius bound then gains that term, 2^-9 ||P|V| || / ||ref||, derived; the
+    data that showed it needed: papermill_runs/h200-20261130-s4, notebook 02's needle at 200,000 / 100,000."""
     o, r = out.double(), ref.double()
     diff = (o - r).abs()
     issue_bound = ABS_TOL + REL_TOL * r.abs()
     bound = issue_bound if pv_abs is None else issue_bound + bf16_ulp(r) + P_ROUNDING * pv_abs.double()
     finite = bool(torch.isfinite(o).all())
     rel = float((o - r).norm() / r.norm().clamp_min(1e-300))
+    fro_tol = FRO_TOL
+    if p_scaled and pv_abs is not None:
+        fro_tol += P_SCALED_ROUNDING * float(pv_abs.double().norm() / r.norm().clamp_min(1e-300))
     worst = float((diff - bound).max()) if finite else math.inf
     over_issue = int((diff > issue_bound).sum()) if finite else o.numel()
     return {
         "max_abs": float(diff.max()) if finite else math.inf,
         "rel_fro": rel if finite else math.inf,
         "elementwise_ok": finite and worst <= 0,
-        "rel_ok": finite and rel <= FRO_TOL,
+        "rel_ok": finite and rel <= fro_tol,
+        "rel_bound": fro_tol,
         "worst_margin": worst,
         "issue_bound_ok": finite and over_issue == 0,
         "over_issue_bound": over_issue,
@@ -288,7 +299,7 @@ def run_case(inputs: GateInputs, launch: Callable, pad_rows: int = 3) -> dict:
     torch.cuda.synchronize() if inputs.pool.device.type == "cuda" else None
     ref, ref_lse, pv_abs, s_abs_p, s_abs_max = paged_attention_reference(
         inputs.pool, inputs.query, inputs.table, inputs.q_lens, abs_weighted=True, score_abs=True)
-    res = compare(out, ref, pv_abs)
+    res = compare(out, ref, pv_abs, p_scaled=inputs.pool.layout.quantized)
     res.update(compare_lse(lse, ref_lse, lse_bound(s_abs_p, s_abs_max, ref_lse, row_key_counts(inputs.table, inputs.q_lens),
                                                    geom.head_dim)))
     res["all_written"] = bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
@@ -981,7 +992,7 @@ def graph_walk(fmt: KvFormat | str, seq_lens=WALK_LENGTHS, *, steps: int = WALK_
             now = BlockTable(table.page_ids, torch.tensor(lens, dtype=torch.int32, device=device))
             ref, ref_lse, pv_abs, s_abs_p, s_abs_max = paged_attention_reference(
                 pool, query, now, None, abs_weighted=True, score_abs=True)
-            row.update(compare(out, ref, pv_abs))
+            row.update(compare(out, ref, pv_abs, p_scaled=pool.layout.quantized))
             row.update(compare_lse(lse, ref_lse, lse_bound(s_abs_p, s_abs_max, ref_lse, torch.tensor(lens), d)))
             row["checked"] = True
             row["passed"] = all(row[k] for k in ("bitwise_equal_to_eager", "all_written", "elementwise_ok", "rel_ok",
@@ -1080,7 +1091,7 @@ def needle(length: int, position: int, *, seed: int = 0, device: torch.device | 
     out, _ = decode(pool, query, table, backend=backend)
     torch.cuda.synchronize(device)
     ref, _, pv_abs = paged_attention_reference(pool, query, table, abs_weighted=True)
-    kernel = compare(out, ref, pv_abs)
+    kernel = compare(out, ref, pv_abs, p_scaled=lay.quantized)
 
     ref_err = (ref[0] - v_need).abs()
     quant = (ROW_REL * v_truth.abs() + ROW_SUB * scale.repeat_interleave(group, 0)[:, None] if lay.quantized
