@@ -86,8 +86,9 @@ def _bf16_ulp(x: float) -> float:
     return 2.0 ** (math.floor(math.log2(max(abs(x), 1e-30))) - 7)
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "eager"])
 @pytest.mark.parametrize("fmt", ["split", "folded"])
-def test_generate_on_the_kernels(gpu_models, batch, fmt):
+def test_generate_on_the_kernels(gpu_models, batch, fmt, graphs):
     from foldkv.hf import FoldKvCache
 
     model = gpu_models["foldkv"]
@@ -96,10 +97,12 @@ def test_generate_on_the_kernels(gpu_models, batch, fmt):
 
     def cache(attention):
         return FoldKvCache(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW, kv_format=fmt,
-                           dtype=torch.bfloat16, attention=attention, scatter_seed=3)
+                           dtype=torch.bfloat16, attention=attention, scatter_seed=3, cuda_graphs=graphs)
 
     ref_cache, ker_cache = cache("reference"), cache("kernel")
     ref, ker = _run(model, batch, ref_cache), _run(model, batch, ker_cache)
+    # decode steps replayed each global layer's captured workspace graph (or never did, eager)
+    assert len(ker_cache._graphs) == (len(ker_cache.global_layers) if graphs else 0)
     assert bool(torch.isfinite(ker[1]).all()), "NaN logits: a kernel read a poisoned (unwritten) pool row"
     for layer in ker_cache.global_layers:  # exactly the real tokens are stored, every other row keeps its poison
         data, table, page = layer.pool.data, layer.host_table, layer.pool.layout.page_size
@@ -112,7 +115,7 @@ def test_generate_on_the_kernels(gpu_models, batch, fmt):
         assert bool(torch.isfinite(data[mask]).all()) and bool(torch.isnan(data[~mask]).all())
 
     vs_inc, ref_vs_inc, vs_ref = _compare(ker, incumbent), _compare(ref, incumbent), _compare(ker, ref)
-    print(f"\n{fmt}: kernels vs incumbent {vs_inc}; reference vs incumbent {ref_vs_inc}; kernels vs reference"
+    print(f"\n{fmt} ({'CUDA graphs' if graphs else 'eager'}): kernels vs incumbent {vs_inc}; reference vs incumbent {ref_vs_inc}; kernels vs reference"
           f" {vs_ref}; neutral (eager vs sdpa) {neutral}")
     bound = max(2 * neutral["gap"], 2 * ref_vs_inc["gap"], 4 * _bf16_ulp(float(incumbent[1].abs().max())))
     assert vs_ref["gap"] <= bound, f"{fmt}: kernels vs reference gap {vs_ref['gap']:.3g} > {bound:.3g}"

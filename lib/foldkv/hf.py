@@ -340,13 +340,16 @@ class FoldKvCache(Cache):
         the CPU, bf16 on CUDA (the kernels read bf16). attention: "auto" (kernels on CUDA, the float64 reference
         elsewhere), "reference" or "kernel". backend: the kernels' "jit" or "aot". poison: fill pools with NaN (a row
         read before it is written shows as NaN). scatter_seed: pages drawn in a random order (tests).
+    cuda_graphs (kernel attention): each global layer's decode steps replay one CUDA graph of its
+        `foldkv.kernels.workspace.DecodeWorkspace` step (captured at the first decode step; every length one longer
+        is one device operation, `advance()`); False: the eager launcher with a plan per step.
     Sliding layers are transformers' DynamicSlidingWindowLayer.
     """
 
     def __init__(self, model: nn.Module, *, max_batch: int, max_tokens: int, kv_format: KvFormat | str = "folded",
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, page_size: int = 64,
                  attention: str = "auto", backend: str = "jit", max_new_tokens: int | None = None,
-                 poison: bool = True, scatter_seed: int | None = None):
+                 poison: bool = True, scatter_seed: int | None = None, cuda_graphs: bool = True):
         text_model = text_model_of(model)
         cfg = text_model.config
         impl = getattr(cfg, "_attn_implementation", None)
@@ -374,6 +377,8 @@ class FoldKvCache(Cache):
         self.max_batch, self.max_tokens, self.page_size = int(max_batch), int(max_tokens), int(page_size)
         self.max_new_tokens = None if max_new_tokens is None else int(max_new_tokens)
         self.backend, self.poison, self.scatter_seed = backend, poison, scatter_seed
+        self.cuda_graphs = bool(cuda_graphs) and self.attention == "kernel"
+        self._graphs: dict[int, tuple[Any, Any]] = {}  # layer index -> (DecodeWorkspace, its captured step)
         self.batch: int | None = None
         self._kernels: dict[str, Any] = {}
         self._plan: tuple[tuple[int, ...], Any] | None = None
@@ -427,6 +432,7 @@ class FoldKvCache(Cache):
     def reset(self):
         super().reset()
         self.batch, self._plan = None, None
+        self._graphs.clear()
 
     # attention over a pool --------------------------------------------------------------------------------------
     def _load_kernels(self) -> None:
@@ -447,6 +453,8 @@ class FoldKvCache(Cache):
         b = table.batch
         dev_table = BlockTable(layer.device_table.page_ids[:b], layer.device_table.seq_lens[:b])
         dev_table.seq_lens.copy_(table.seq_lens, non_blocking=True)
+        if min(counts) == 1 and max(counts) == 1 and self.cuda_graphs:
+            return self._graph_decode(layer, query, table)
         if max(counts) == 1:
             plan = self._decode_plan(layer, table)
             out, _ = self._kernels["decode"](layer.pool, query.contiguous(), dev_table, plan=plan,
@@ -454,6 +462,31 @@ class FoldKvCache(Cache):
             return out
         out, _ = self._kernels["prefill"](layer.pool, query.contiguous(), dev_table, q_lens, backend=self.backend)
         return out
+
+    def _graph_decode(self, layer: FoldKvLayer, query: torch.Tensor, table: BlockTable) -> torch.Tensor:
+        """A decode step (one token per sequence) through the layer's `DecodeWorkspace`, replaying the CUDA graph
+        captured at its first decode step: the step's usual change (every length one longer) is `advance()`, one
+        device operation; any other change of lengths is a host `plan()`. Returns [B, Hq, D] bf16 head order."""
+        from .kernels.workspace import DecodeWorkspace
+
+        b = table.batch
+        lens = tuple(int(n) for n in table.seq_lens.tolist())
+        entry = self._graphs.get(layer.layer_idx)
+        if entry is None:
+            ws = DecodeWorkspace(layer.pool.layout, max_batch=self.max_batch, max_len=self.max_tokens,
+                                 device=layer.pool.device)
+            ws.plan(lens, layer.device_table.page_ids[:b])
+            ws.query[:b].copy_(query)
+            entry = self._graphs[layer.layer_idx] = (ws, ws.capture(layer.pool, backend=self.backend))
+        else:
+            ws = entry[0]
+            if ws.batch == b and ws.seq_lens == tuple(n - 1 for n in lens):
+                ws.advance()
+            elif ws.seq_lens != lens:
+                ws.plan(lens, layer.device_table.page_ids[:b])
+            ws.query[:b].copy_(query)
+        entry[1].replay()
+        return ws.out[:b].clone()
 
     def _decode_plan(self, layer: FoldKvLayer, table: BlockTable):
         """One plan per step, shared by the global layers (they hold the same lengths and the same layout); its
