@@ -44,6 +44,21 @@ def require_module(name: str) -> None:
         skip_or_fail(f"{name} is not installed")
 
 
+# The tiny synthetic Gemma 4 of the CPU model tests (test_hf_cpu, test_drift_cpu): hidden 64, vocab 128, the 31B global
+# attention geometry; one checkpoint per session.
+TINY_SYNTHETIC = dict(hidden_size=64, intermediate_size=128, vocab_size=128)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> str:
+    """The TINY_SYNTHETIC checkpoint (seed 3) on disk, for from_pretrained."""
+    require_module("transformers")
+    require_module("safetensors")
+    from foldkv.lab.synthetic import make_synthetic_checkpoint
+
+    return make_synthetic_checkpoint(tmp_path_factory.mktemp("synthetic"), seed=3, **TINY_SYNTHETIC)
+
+
 def bench_version(name: str):
     """The module bench/versions/<name>.py (a kernel variant that lost), imported as the harnesses import it:
     `versions.<name>` with bench/ on the path."""

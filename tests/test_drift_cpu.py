@@ -18,13 +18,13 @@ import sys
 import pytest
 import torch
 
-from conftest import require_module
+from conftest import TINY_SYNTHETIC, require_module
 
 import foldkv
 import foldkv.reference
 from foldkv.layout import KvFormat, score_window
 
-TINY = dict(hidden_size=64, intermediate_size=128, vocab_size=128)
+TINY = TINY_SYNTHETIC  # conftest: the `checkpoint` fixture is this model
 # A float32 model against float32 pools: the only differences left are float32 reordering (the reference attention
 # is float64): measured <= 1.7e-5 on logits of magnitude ~12 (lengths 1, 70, 200), the incumbent's own walk vs single
 # pass <= 1.6e-5. 2e-4 leaves ~12x room; every broken arm below moves the logits by > 0.1 (measured 1 to 10).
@@ -35,15 +35,6 @@ NOTEBOOK = os.path.join(os.path.dirname(__file__), os.pardir, "notebooks", "03_d
 def _sha(path: str) -> str:
     with open(path, "rb") as fh:
         return hashlib.sha256(fh.read()).hexdigest()
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    require_module("transformers")
-    require_module("safetensors")
-    from foldkv.lab.synthetic import make_synthetic_checkpoint
-
-    return make_synthetic_checkpoint(tmp_path_factory.mktemp("synthetic"), seed=3, **TINY)
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 
-from conftest import require_module
+from conftest import TINY_SYNTHETIC, require_module
 
-TINY = dict(hidden_size=64, intermediate_size=128, vocab_size=128)
+TINY = TINY_SYNTHETIC  # conftest: the `checkpoint` fixture is this model
 LENGTHS = (5, 17, 11)  # real tokens of the three prompts; the batch is left-padded to the longest
 NEW = 32
 # A float32 model against a float32 pool read by the float64 reference: the logits differ from transformers' float32
@@ -33,15 +33,6 @@ def _generate_kw() -> str:
 
     params = inspect.signature(modeling_gemma4.Gemma4ForCausalLM.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    require_module("transformers")
-    require_module("safetensors")
-    from foldkv.lab.synthetic import make_synthetic_checkpoint
-
-    return make_synthetic_checkpoint(tmp_path_factory.mktemp("synthetic_hf"), seed=3, **TINY)
 
 
 @pytest.fixture(scope="module")
