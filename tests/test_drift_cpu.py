@@ -553,3 +553,22 @@ def test_kernel_arm_plumbing_with_stand_in_launchers(model32, settings, monkeypa
     gap = float((ker.logits - ref.logits).abs().max())
     assert gap < 0.1, gap
     assert bool(torch.isfinite(ker.logits).all())
+
+
+@pytest.mark.parametrize("length", [1, 70])
+def test_fp8_reference_arm_shows_the_format_drift(model32, settings, length):
+    """The FP8 folded pool read dequantized by the float64 reference: finite logits, a gap to the bf16-free float32
+    arm far above float32 reordering (e4m3's 3 fraction bits are visible) yet of the logits' own order at most, and
+    its pool really is e4m3 with scales (the arm is not a bf16 pool under another name)."""
+    from foldkv.fp8 import FP8_DTYPE
+    from foldkv.lab.model import walk
+
+    prompt = _prompt(length)
+    ref = walk(model32, "ref-folded", prompt, 3, settings=settings)
+    fp8 = walk(model32, "ref-folded-fp8", prompt, 3, feed=ref.fed, settings=settings)
+    assert all(layer.pool.layout.dtype == FP8_DTYPE and layer.pool.scales is not None
+               for layer in fp8.cache.global_layers)
+    gap = (fp8.logits - ref.logits).abs().amax(-1)
+    assert bool(torch.isfinite(fp8.logits).all())
+    assert float(gap.max()) > 10 * FLOAT32_TOL, gap.tolist()
+    assert float(gap.max()) < float(ref.logits.abs().max()), gap.tolist()

@@ -41,7 +41,8 @@ from .jsonsafe import jsonable
 from .model import MODEL_ARMS, ArmSettings, check_arm_available, foldkv_implementation, load_model, single_pass, walk
 from .synthetic import describe_checkpoint, make_synthetic_checkpoint
 
-PAIRS = (("ref-folded", "ref-split"), ("folded", "split"), ("split", "ref-split"), ("folded", "ref-folded"))
+PAIRS = (("ref-folded", "ref-split"), ("folded", "split"), ("split", "ref-split"), ("folded", "ref-folded"),
+         ("ref-folded-fp8", "ref-folded"))
 QUANTILES = (0.5, 0.9, 0.99, 1.0)
 
 # The gap check. The neutral figure |walk - single pass| is the distance between two orderings of the incumbent's own

@@ -10,6 +10,7 @@ cache passed as `past_key_values` (`cache` in transformers >= 5.24):
 | `folded`     | same                                                  | same, folded pool                                     |
 | `ref-split`  | same                                                  | `FoldKvCache(attention="reference")`: float64 `paged_attention_reference` over the pool, cast to the model dtype |
 | `ref-folded` | same                                                  | same, folded pool                                     |
+| `ref-folded-fp8` | same                                              | same, the FP8 folded pool (`foldkv.fp8`): the format's drift, read dequantized |
 
 The foldkv arms' sliding layers keep the incumbent's attention (sdpa beside sdpa, eager beside eager), so an arm and
 the incumbent differ only in the global layers. transformers applies the norms and RoPE; foldkv folds the result
@@ -33,6 +34,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ..fp8 import FP8_DTYPE
 from ..layout import KvFormat
 from ..validate import check_device
 from .arms import ArmUnavailable
@@ -45,6 +47,7 @@ class ModelArm:
     name: str
     format: KvFormat | None  # None: the model's own attention
     backend: str  # "model" | "kernel" | "reference" (FoldKvCache's `attention=`)
+    pool_dtype: torch.dtype | None = None  # the pool's stored dtype when fixed by the arm (the FP8 pool)
 
 
 MODEL_ARMS: dict[str, ModelArm] = {
@@ -53,6 +56,7 @@ MODEL_ARMS: dict[str, ModelArm] = {
     "folded": ModelArm("folded", KvFormat.FOLDED, "kernel"),
     "ref-split": ModelArm("ref-split", KvFormat.SPLIT, "reference"),
     "ref-folded": ModelArm("ref-folded", KvFormat.FOLDED, "reference"),
+    "ref-folded-fp8": ModelArm("ref-folded-fp8", KvFormat.FOLDED, "reference", FP8_DTYPE),
 }
 
 # The incumbent implementations a foldkv arm can stand beside: the foldkv implementation whose sliding layers run it.
@@ -157,7 +161,7 @@ def arm_cache(model: nn.Module, arm: str | ModelArm, capacity: int, settings: Ar
     from ..hf import FoldKvCache
 
     s = settings or ArmSettings()
-    dtype = torch.bfloat16 if spec.backend == "kernel" else s.ref_pool_dtype
+    dtype = spec.pool_dtype or (torch.bfloat16 if spec.backend == "kernel" else s.ref_pool_dtype)
     return FoldKvCache(model, max_batch=batch, max_tokens=int(capacity), kv_format=spec.format, dtype=dtype,
                        page_size=s.page_size, attention=spec.backend, backend=s.kernel_backend, poison=s.poison,
                        scatter_seed=s.scatter_seed)
