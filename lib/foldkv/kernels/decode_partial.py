@@ -61,12 +61,22 @@ class Gemm:
 
 
 @dataclass(frozen=True)
+class Convert:
+    """An FP8 row's loaded e4m3 panel and the bf16 tile (from column `col`) it is converted into. A dataclass, not a
+    tuple of buffers: a loop bound to buffers would rename them after its variables, in an order TileLang does not
+    fix, and the emitted CUDA would differ from build to build."""
+    stored: Any
+    tile: Any
+    col: int
+
+
+@dataclass(frozen=True)
 class FormatParts:
     query: tuple  # Runs of the query's score window
     row: tuple  # Runs of the row: how a tile is loaded, one TMA copy each, in load order
     scores: tuple  # Gemms: S^T += row_tile other^T, summed over the score window
     values: tuple  # Gemms: acc (other) += row_tile^T P^T over the value window
-    convert: tuple = ()  # (loaded panel, gemm tile, its column): an FP8 row's e4m3 panels, converted (exactly) to bf16
+    convert: tuple = ()  # Converts: an FP8 row's e4m3 panels, converted (exactly) to the bf16 tiles of the gemms
     token_scale: Any = None  # [N] float32 shared: an FP8 row's scale per token (None: bf16 rows)
 
 
@@ -74,6 +84,7 @@ def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, blo
     """The format's tiles (allocated under the names the emitted CUDA uses) and its windows, as a macro; `fp8`: the
     FP8 folded row (foldkv.fp8), whose e4m3 tiles are loaded as stored and converted to bf16 tiles for the gemms."""
     import tilelang.language as T
+    from tvm.script.ir_builder import IRBuilder
 
     d, rot = geom.head_dim, geom.rotary_width
     unrot = d - rot
@@ -107,7 +118,10 @@ def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, blo
         q_rot = T.alloc_shared((block_h, rot), bf16)  # [16, R]   rows >= 8: see macros.load_group_query_macro
         q_unrot = T.alloc_shared((block_h, unrot), bf16)  # [16, D-R]
         # the stored row in panels of FP8_PANEL columns (128 B: one TMA box each, not one per token row)
-        stored = [T.alloc_shared((block_n, FP8_PANEL), e4m3) for _ in range((d + rot) // FP8_PANEL)]
+        # each named (TileLang names a buffer only when it is assigned to a variable; nameless ones get suffixes in no
+        # fixed order, and the emitted CUDA would differ from build to build)
+        stored = [IRBuilder.name(f"stored_{p}", T.alloc_shared((block_n, FP8_PANEL), e4m3))
+                  for p in range((d + rot) // FP8_PANEL)]
         k_rot = T.alloc_shared((block_n, rot), bf16)  # the row's windows in bf16 (exact: e4m3 has 3 fraction bits)
         v_unrot = T.alloc_shared((block_n, unrot), bf16)
         v_rot = T.alloc_shared((block_n, rot), bf16)
@@ -115,8 +129,8 @@ def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, blo
         acc_o_unrot = T.alloc_fragment((unrot, block_h), f32)  # O^T [D-R, 16]
         acc_o_rot = T.alloc_fragment((rot, block_h), f32)  # O^T [R, 16]
         windows = ((k_rot, 0), (v_unrot, rot), (v_rot, d))  # (bf16 tile, first row column)
-        convert = tuple((stored[p], tile, p * FP8_PANEL - lo) for p in range(len(stored)) for tile, lo in windows
-                        if lo <= p * FP8_PANEL < lo + tile.shape[1])
+        convert = tuple(Convert(stored[p], tile, p * FP8_PANEL - lo) for p in range(len(stored))
+                        for tile, lo in windows if lo <= p * FP8_PANEL < lo + tile.shape[1])
         return FormatParts(query=(Run(q_rot, 0, rot), Run(q_unrot, rot, d)),
                            row=tuple(Run(t, p * FP8_PANEL, (p + 1) * FP8_PANEL) for p, t in enumerate(stored)),
                            scores=(Gemm(k_rot, q_rot), Gemm(v_unrot, q_unrot)),
@@ -180,8 +194,8 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                     T.copy(pool[page, kvh, off:off + block_n, run.lo:run.hi], run.tile)
                 if parts.token_scale is not None:
                     T.copy(scales[page, kvh, off:off + block_n], parts.token_scale)
-                for stored, tile, col in parts.convert:  # e4m3 -> bf16 is exact
-                    T.copy(stored, tile[:, col:col + FP8_PANEL])
+                for conv in parts.convert:  # e4m3 -> bf16 is exact
+                    T.copy(conv.stored, conv.tile[:, conv.col:conv.col + FP8_PANEL])
                 T.clear(acc_s)
                 for score in parts.scores:
                     T.gemm(score.row_tile, score.other, acc_s, transpose_B=True)  # S^T [N, 16] += K Q^T
@@ -189,11 +203,10 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                     for i, j in T.Parallel(block_n, block_h):
                         acc_s[i, j] *= parts.token_scale[i]
                 mask_scores(acc_s, lambda i, j: k * block_n + i < n_tok)  # tokens past the chunk: probability 0
-                if parts.token_scale is None:
-                    online_softmax(acc_s, p_shared, head_max, head_max_prev, rescale, head_sum, denom)
-                else:  # P.V over scaled rows: the scale goes on P's column (tokens past the chunk: 0, whatever it holds)
-                    online_softmax(acc_s, p_shared, head_max, head_max_prev, rescale, head_sum, denom,
-                                   lambda i: T.if_then_else(k * block_n + i < n_tok, parts.token_scale[i], 0.0))
+                # P.V over scaled rows: the scale goes on P's column (tokens past the chunk: 0, whatever it holds)
+                key_weight = None if parts.token_scale is None else (
+                    lambda i: T.if_then_else(k * block_n + i < n_tok, parts.token_scale[i], 0.0))
+                online_softmax(acc_s, p_shared, head_max, head_max_prev, rescale, head_sum, denom, key_weight)
                 for out in parts.values:
                     for i, j in T.Parallel(out.other.shape[0], block_h):
                         out.other[i, j] *= rescale[j]
