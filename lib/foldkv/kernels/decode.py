@@ -45,6 +45,14 @@ def pool_operands(pool: PagedKvPool) -> tuple[torch.Tensor, ...]:
     return (pool.data, pool.scales) if pool.layout.quantized else (pool.data,)
 
 
+def check_decode_pool(pool: PagedKvPool) -> None:
+    """Refuse a pool the decode kernels cannot read: stored as anything but bf16 or FP8 (e4m3), or whose tensors are
+    not what its layout says (`check_pool_storage`: rows of the layout's dtype and shape; an FP8 pool's scales)."""
+    if pool.layout.dtype not in (torch.bfloat16, FP8_DTYPE):
+        raise FoldKvInputError(f"the decode kernels read bf16 or FP8 (e4m3) pools; this one stores {pool.layout.dtype}")
+    check_pool_storage(pool)
+
+
 def check_pool_dtype(pool: PagedKvPool, kv_dtype) -> None:
     """Refuse a pool whose stored dtype is not `kv_dtype` (when given): a decode asked for one dtype of the other."""
     if kv_dtype is not None and kv_dtype != pool.layout.dtype:
@@ -68,9 +76,7 @@ def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, pla
     if lay.page_size != kernel_page:  # the partial indexes pages with the page size baked into it
         raise FoldKvInputError(f"the pool's pages hold {lay.page_size} tokens; {partial} is built for pages of"
                                f" {kernel_page}")
-    if lay.dtype not in (torch.bfloat16, FP8_DTYPE):
-        raise FoldKvInputError(f"the decode kernels read bf16 or FP8 (e4m3) pools; this one stores {lay.dtype}")
-    check_pool_storage(pool)  # rows of the layout's dtype and shape; an FP8 pool's scales
+    check_decode_pool(pool)
     if not isinstance(table, BlockTable):
         raise FoldKvInputError(f"table must be a BlockTable, got {type(table).__name__}")
     batch = table.batch
@@ -147,4 +153,4 @@ def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: D
 
 
 __all__ = ["DecodePlan", "plan_decode", "decode", "kernel_names", "partial_kernel_name", "pool_operands",
-           "check_pool_dtype"]
+           "check_pool_dtype", "check_decode_pool"]

@@ -43,11 +43,10 @@ import numpy as np
 import torch
 
 from ..layout import value_window_columns
-from ..fp8 import FP8_DTYPE
-from ..pool import PagedKvLayout, PagedKvPool, check_pool_storage
+from ..pool import PagedKvLayout, PagedKvPool
 from ..validate import FoldKvInputError, check_device, check_tensor
 from . import resolve
-from .decode import kernel_names, pool_operands
+from .decode import check_decode_pool, kernel_names, pool_operands
 from .plan import DEFAULT_MERGE_GROUP, MAX_BATCH, MAX_LEN, chunk_layout, fixed_count_pieces, smallest_cap
 
 CHUNKS_PER_REQUEST = 4  # the default chunk count: about this many chunks per request of the largest batch, in whole
@@ -246,9 +245,7 @@ class DecodeWorkspace:
         if pool.device != self.device and not (pool.device.type == self.device.type
                                                and self.device.index in (None, pool.device.index)):
             raise FoldKvInputError(f"the pool is on {pool.device}, the workspace on {self.device}")
-        if lay.dtype not in (torch.bfloat16, FP8_DTYPE):
-            raise FoldKvInputError(f"the decode kernels read bf16 or FP8 (e4m3) pools; this one stores {lay.dtype}")
-        check_pool_storage(pool)
+        check_decode_pool(pool)
         if self.device.type != "cuda":
             raise FoldKvInputError(f"the workspace is on {self.device}; decode runs on a CUDA device")
 
