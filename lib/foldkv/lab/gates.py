@@ -1128,32 +1128,24 @@ def graph_walk_gate(formats, seed: int, record, *, steps: int = WALK_STEPS) -> l
     plus its red twin (a stale plan, which must fail). Records `graph_walk` (not run without CUDA)."""
     if not _gpu_section(record, "graph_walk"):
         return []
-    rows = []
-    for fmt in map(KvFormat.parse, formats):
-        for update in ("advance", "plan"):
-            res = graph_walk(fmt, steps=steps, seed=seed, update=update, max_batch=len(WALK_LENGTHS) + 1)
-            checked = [r for r in res["steps"] if r["checked"]]
-            rows.append({"format": fmt.value, "update": update, "steps": len(res["steps"]), "chunks": res["chunks"],
-                         "bitwise_equal_steps": sum(r["bitwise_equal_to_eager"] for r in res["steps"]),
-                         "worst_rel_fro": max(r["rel_fro"] for r in checked),
-                         "worst_lse_fraction": max(r["lse_worst_fraction_of_bound"] for r in checked),
-                         "passed": res["passed"]})
-    if KvFormat.FOLDED in map(KvFormat.parse, formats):
+    def row(res: dict, fmt: str, update: str, red_twin: bool = False) -> dict:
+        checked = [r for r in res["steps"] if r["checked"]]
+        return {"format": fmt, "update": update, "steps": len(res["steps"]), "chunks": res["chunks"],
+                "bitwise_equal_steps": sum(r["bitwise_equal_to_eager"] for r in res["steps"]),
+                "worst_rel_fro": max(r["rel_fro"] for r in checked),
+                "worst_lse_fraction": max(r["lse_worst_fraction_of_bound"] for r in checked),
+                "passed": not res["passed"] if red_twin else res["passed"]}  # a red twin passes when caught
+
+    walk_kw = dict(steps=steps, seed=seed, max_batch=len(WALK_LENGTHS) + 1)
+    fmts = [KvFormat.parse(f) for f in formats]
+    rows = [row(graph_walk(fmt, update=update, **walk_kw), fmt.value, update)
+            for fmt in fmts for update in ("advance", "plan")]
+    if KvFormat.FOLDED in fmts:
         from ..fp8 import FP8_DTYPE
 
-        res = graph_walk(KvFormat.FOLDED, steps=steps, seed=seed, max_batch=len(WALK_LENGTHS) + 1, dtype=FP8_DTYPE)
-        checked = [r for r in res["steps"] if r["checked"]]
-        rows.append({"format": "folded fp8", "update": "advance", "steps": len(res["steps"]), "chunks": res["chunks"],
-                     "bitwise_equal_steps": sum(r["bitwise_equal_to_eager"] for r in res["steps"]),
-                     "worst_rel_fro": max(r["rel_fro"] for r in checked),
-                     "worst_lse_fraction": max(r["lse_worst_fraction_of_bound"] for r in checked),
-                     "passed": res["passed"]})
+        rows.append(row(graph_walk(KvFormat.FOLDED, dtype=FP8_DTYPE, **walk_kw), "folded fp8", "advance"))
     stale = graph_walk(KvFormat.FOLDED, steps=4, seed=seed, stale=True, check_every=1)
-    rows.append({"format": "folded", "update": "none (red twin: stale plan)", "steps": 4, "chunks": stale["chunks"],
-                 "bitwise_equal_steps": sum(r["bitwise_equal_to_eager"] for r in stale["steps"]),
-                 "worst_rel_fro": max(r["rel_fro"] for r in stale["steps"]),
-                 "worst_lse_fraction": max(r["lse_worst_fraction_of_bound"] for r in stale["steps"]),
-                 "passed": not stale["passed"]})  # the red twin passes when the walk catches the stale plan
+    rows.append(row(stale, "folded", "none (red twin: stale plan)", red_twin=True))
     record.ran("graph_walk", rows=rows, passed=all(r["passed"] for r in rows))
     return rows
 

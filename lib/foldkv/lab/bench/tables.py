@@ -289,12 +289,17 @@ def target_rows(results: dict, targets: Sequence[DecodeTarget] = ISSUE14_TARGETS
                                         (failed or "no split arm ran and passed its check") if s_us is None
                                         else fi_missing),
             }
-            mets = [v["met"] for v in checks.values()]
             rows.append({"target": t.case, "cell": c["cell"], "context": c.get("context"), "batch": c.get("batch"),
                          "folded": folded, "split": split, "us": {"folded": f_us, "split": s_us, "read": r_us,
                                                                  TARGET_PEER: fi_us},
-                         **checks, "met": False if False in mets else (True if all(mets) else None)})
+                         **checks, "met": _all_met(checks)})
     return rows
+
+
+def _all_met(checks: dict) -> bool | None:
+    """A row's verdict over its `_bound`s: False when any measured one is not met, True when all are, else None."""
+    mets = [v["met"] for v in checks.values()]
+    return False if False in mets else (True if all(mets) else None)
 
 
 def _verdict_text(v: dict, fmt: str) -> str:
@@ -394,10 +399,9 @@ def fp8_target_rows(results: dict, target: Fp8Target = ISSUE15_TARGET) -> list[d
             "fi_fp8_x": _bound(fi8 / f8 if f8 and fi8 else None, target.min_x_fi_fp8, False,
                                no_f8 if f8 is None else _missing(c, FP8_PEER, "FlashInfer e4m3 arm")),
         }
-        mets = [v["met"] for v in checks.values()]
         rows.append({"cell": c["cell"], "context": c.get("context"), "batch": c.get("batch"),
                      "us": {"fp8": f8, "bf16_folded": f16, "read_fp8": r8, FP8_PEER: fi8}, **checks,
-                     "met": False if False in mets else (True if all(mets) else None)})
+                     "met": _all_met(checks)})
     return rows
 
 
