@@ -17,13 +17,32 @@ import sys
 
 import torch
 
-from foldkv.lab.bench import AttentionCase, measure_read_roof, run_cell
+from foldkv import GEMMA4_31B, KvFormat
+from foldkv.fp8 import FP8_DTYPE
+from foldkv.kernels.decode import partial_kernel_name
+from foldkv.kernels.decode_partial import build_decode_partial_fp8
+from foldkv.lab.bench import ArmSpec, AttentionCase, generated_arm, measure_read_roof, run_cell
 from foldkv.lab.bench.case import serving_cases
 from foldkv.lab.jsonsafe import jsonable
 from foldkv.lab.report import environment
 from foldkv.provenance import provenance
 
-ARMS = ["folded_jit", "folded_fp8_jit", "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
+
+
+def fp8_variant(name: str, what: str, **tiling) -> ArmSpec:
+    """The FP8 folded decode with its partial built with `tiling` (decode_partial_program's keywords) instead of the
+    registered params: an experiment's arm."""
+    kernels = lambda case: {partial_kernel_name(KvFormat.FOLDED, True): build_decode_partial_fp8(  # noqa: E731
+        GEMMA4_31B, KvFormat.FOLDED, **tiling)}
+    return ArmSpec(name, what, "folded_fp8", False,
+                   generated_arm("decode", KvFormat.FOLDED, "jit", kernels=kernels, dtype=FP8_DTYPE), generated=True)
+
+
+# run 2: the library's partial (integer e4m3 -> bf16 conversion), the run-1 partial (TileLang's element conversion
+# through the conversion unit) and the library's with three stages of e4m3 tiles
+VARIANTS = [fp8_variant("fp8_cvt", "FP8 partial, TileLang's element conversion (run 1)", e4m3_convert="cvt"),
+            fp8_variant("fp8_bits_s3", "FP8 partial, integer conversion, 3 stages", num_stages=3)]
+ARMS = ["folded_jit", "folded_fp8_jit", *VARIANTS, "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 SINGLE = (10_602, 81_653, 163_336)
 BATCHES = ("uniform32", "uniform128", "longtail64")
 
@@ -32,11 +51,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--batches", nargs="*", default=list(BATCHES), help="serving cases (foldkv.lab.bench.case)")
+    ap.add_argument("--single", nargs="*", type=int, default=list(SINGLE), help="lengths of one-request cases")
     args = ap.parse_args(argv)
     device = torch.device("cuda")
     roof = measure_read_roof(device)
     print(f"read roof measured: {roof['gbps']:.0f} GB/s ({roof['method']})", flush=True)
-    cases = {**{f"single{n}": [n] for n in SINGLE}, **serving_cases(0, BATCHES)}
+    cases = {**{f"single{n}": [n] for n in args.single}, **serving_cases(0, tuple(args.batches))}
     cells = []
     for name, lens in cases.items():
         case = AttentionCase(lens, device=device, fi_kv_layout="HND", min_copies=1 if len(lens) > 1 else 2)

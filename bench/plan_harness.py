@@ -61,6 +61,21 @@ def balanced_arm(fmt: KvFormat) -> ArmSpec:
                    False, generated_arm("decode", fmt, "jit"), generated=True)
 
 
+def one_level_arm(fmt: KvFormat, unroll: int) -> ArmSpec:
+    """One merge level: every merge group one chunk (plan merge_group=1), so level one has nothing to merge and is
+    not launched; the level-two merge reads the request's chunks directly, `unroll` per round trip."""
+    from foldkv.kernels.merge import build_merge_final
+
+    def kernels(case):
+        final = build_merge_final(case.geom, unroll=unroll)
+        return {"merge_groups": lambda *args: None, "merge_final": final}
+
+    return ArmSpec(f"{fmt.value}_one_level{unroll}", f"generated {fmt.value} decode, one merge level ({unroll} per "
+                   "round trip)", fmt.value, False,
+                   generated_arm("decode", fmt, "jit", kernels=kernels, plan_kw=lambda case: {"merge_group": 1}),
+                   generated=True)
+
+
 def show_plans():
     layout = PagedKvLayout(GEOM, KvFormat.FOLDED, 64, 0)
     print(f"{'case':<16} {'one-wave cap':>12} {'est':>8} {'balanced cap':>12} {'est':>8} {'predicted speed-up':>18}")
@@ -72,7 +87,7 @@ def show_plans():
 
 
 def bench(rounds: int, out_json: str | None, only: list[str] | None, one_wave: bool = False,
-          host_batches: list[int] = ()):
+          host_batches: list[int] = (), one_level: bool = False):
     device = torch.device("cuda")
     roof = measure_read_roof(device)
     print(f"read roof measured: {roof['gbps']:.0f} GB/s ({roof['method']})", flush=True)
@@ -80,6 +95,9 @@ def bench(rounds: int, out_json: str | None, only: list[str] | None, one_wave: b
             READ_FOLDED, "fi_tc"]
     if one_wave:
         arms += [one_wave_arm(KvFormat.FOLDED), one_wave_arm(KvFormat.SPLIT)]
+    if one_level:
+        arms += [one_level_arm(KvFormat.FOLDED, 8), one_level_arm(KvFormat.FOLDED, 40),
+                 one_level_arm(KvFormat.SPLIT, 40)]
     cells = []
     for name, lens in cases().items():
         if only and name not in only:
@@ -126,13 +144,14 @@ def main(argv=None):
     ap.add_argument("--only", nargs="*", help="case names (see --plans)")
     ap.add_argument("--plans", action="store_true", help="print the plans and their estimates (CPU) and exit")
     ap.add_argument("--one-wave", action="store_true", help="also time the one-wave plan it replaced")
+    ap.add_argument("--one-level", action="store_true", help="also time one merge level (no level-one launch)")
     ap.add_argument("--host-batches", type=int, nargs="*", default=[1, 8, 32, 64, 128, 256],
                     help="batch sizes of the host-time table (workspace plan/advance vs FlashInfer plan())")
     args = ap.parse_args(argv)
     if args.plans:
         show_plans()
         return 0
-    bench(args.rounds, args.json, args.only, args.one_wave, args.host_batches)
+    bench(args.rounds, args.json, args.only, args.one_wave, args.host_batches, args.one_level)
     return 0
 
 

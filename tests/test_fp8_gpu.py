@@ -46,3 +46,35 @@ def test_needle_red_twin(cuda_device):
     res = gates.needle(4096, 2048, device=cuda_device, drop_needle=True)
     assert res["kernel_ok"], "the kernel still matches the reference over the changed pool"
     assert not res["e2e_ok"], res
+
+
+@pytest.mark.parametrize("source", ["library", "unscaled"])
+def test_e4m3_conversion_exact(cuda_device, source):
+    """The decode's e4m3 -> bf16 conversion (foldkv.kernels.macros) is bit-exact for every finite code, normal,
+    subnormal and signed zero, against torch's conversion; its red twin (the same code without the multiply by 2^120)
+    must differ."""
+    import tilelang
+
+    from foldkv.kernels import macros
+    from foldkv.kernels.tl import pass_configs, target
+
+    src = macros.E4M3_TO_BF16_SOURCE
+    if source == "unscaled":
+        assert src.count("0x7B807B80u") == 1
+        src = src.replace("0x7B807B80u", "0x3F803F80u")  # times 1: every value off by 2^-120
+    kernel = tilelang.compile(macros.e4m3_conversion_program(source=src), target=target(),
+                              pass_configs=pass_configs())
+    gen = torch.Generator().manual_seed(0)
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 254 codes, no NaN
+    codes = finite[torch.randint(0, finite.numel(), (64, 128), generator=gen)]
+    codes.view(-1)[: finite.numel()] = finite  # every code at least once
+    codes = codes.view(FP8_DTYPE).to(cuda_device)
+    out = torch.full((64, 128), float("nan"), dtype=torch.bfloat16, device=cuda_device)  # poisoned
+    kernel(codes, out)
+    want = codes.to(torch.bfloat16)
+    same = out.view(torch.int16) == want.view(torch.int16)
+    if source == "library":
+        assert bool(same.all()), f"{int((~same).sum())} of {same.numel()} values differ, e.g. code " \
+            f"{int(codes.view(torch.uint8)[~same][0])}: {float(out[~same][0])} != {float(want[~same][0])}"
+    else:
+        assert not bool(same[want != 0].any()), "the red twin (no 2^120 multiply) matched on a nonzero code"

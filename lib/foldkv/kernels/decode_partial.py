@@ -145,9 +145,11 @@ def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, blo
 
 
 def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_n: int = 64,
-                           num_stages: int = 1, threads: int = 128, block_h: int = 16, fp8: bool = False):
+                           num_stages: int = 1, threads: int = 128, block_h: int = 16, fp8: bool = False,
+                           e4m3_convert: str = "bits"):
     """The TileLang prim_func of the partial kernel for one geometry, page format and tiling; `fp8`: over an FP8
-    folded pool (its scales an extra argument after the pool)."""
+    folded pool (its scales an extra argument after the pool), its e4m3 panels converted to bf16 by
+    `macros.convert_e4m3_macro` ("bits") or TileLang's element conversion ("cvt")."""
     require_tilelang()
     import tilelang.language as T
 
@@ -164,10 +166,14 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     online_softmax = macros.online_softmax_macro(key_dim=0)
     mask_scores = macros.mask_scores_macro()
     zero_rows = macros.zero_rows_macro()
+    convert_e4m3 = macros.convert_e4m3_macro(block_n, FP8_PANEL, threads)
+    assert e4m3_convert in ("bits", "cvt")
 
     @T.macro
     def partial(query, pool, scales, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
+            if fp8 and e4m3_convert == "bits":
+                T.import_source(macros.E4M3_TO_BF16_SOURCE)
             parts = format_parts()
             p_shared = T.alloc_shared((block_n, block_h), bf16)  # P^T [N, 16], the B operand of O^T += V^T P^T
             acc_s = T.alloc_fragment((block_n, block_h), f32)  # S^T [N, 16] scores, then probabilities
@@ -194,8 +200,11 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                     T.copy(pool[page, kvh, off:off + block_n, run.lo:run.hi], run.tile)
                 if parts.token_scale is not None:
                     T.copy(scales[page, kvh, off:off + block_n], parts.token_scale)
-                for conv in parts.convert:  # e4m3 -> bf16 is exact
-                    T.copy(conv.stored, conv.tile[:, conv.col:conv.col + FP8_PANEL])
+                for n, conv in enumerate(parts.convert):  # e4m3 -> bf16 is exact
+                    if e4m3_convert == "bits":
+                        convert_e4m3(conv.stored, conv.tile, conv.col, n == 0, n == len(parts.convert) - 1)
+                    else:
+                        T.copy(conv.stored, conv.tile[:, conv.col:conv.col + FP8_PANEL])
                 T.clear(acc_s)
                 for score in parts.scores:
                     T.gemm(score.row_tile, score.other, acc_s, transpose_B=True)  # S^T [N, 16] += K Q^T
@@ -280,9 +289,9 @@ def build_decode_partial_fp8(geom: AttentionGeometry, fmt: KvFormat | str, **til
     cfg = {**registry.get(f"decode_partial_{fmt.value}_fp8").params, **tiling}
 
     @tilelang.jit(target=target(), pass_configs=pass_configs())
-    def decode_partial_fp8(page_size, block_n, num_stages, threads, block_h):
+    def decode_partial_fp8(page_size, block_n, num_stages, threads, block_h, e4m3_convert="bits"):
         return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
-                                      threads=threads, block_h=block_h, fp8=True)
+                                      threads=threads, block_h=block_h, fp8=True, e4m3_convert=e4m3_convert)
 
     return decode_partial_fp8(**cfg)
 

@@ -103,3 +103,107 @@ def rope_pair(lo, hi, ang):
     c = T.cos(ang)
     s = T.sin(ang)
     return (T.ieee_add(T.ieee_mul(lo, c), T.ieee_mul(-hi, s)), T.ieee_add(T.ieee_mul(hi, c), T.ieee_mul(lo, s)))
+
+
+# e4m3 -> bf16 by integer ops and one bf16x2 multiply, 8 values per call (one 8-byte shared load, one 16-byte store).
+# TileLang's element conversion goes through the conversion unit (e4m3x2 -> f16x2, then f16 -> bf16 twice): three
+# conversion instructions per pair at a quarter of the integer rate, which made the FP8 decode partial slower than
+# the bf16 one (bench/FP8_NOTES.md). Here a byte s.eeee.mmm is placed as bf16 bits s.0000eeee.mmm0000 (one byte
+# permute, one shift, one 3-input logic op per pair): exactly the value times 2^-120 for every finite code, normal
+# or subnormal (an e4m3 subnormal lands on a bf16 subnormal, whose spacing 2^-133 is 2^-120 times e4m3's 2^-9); the
+# bf16x2 multiply by 2^120 (bits 0x7B80) is exact (a power of two, no overflow: |value| <= 448) and keeps subnormal
+# inputs (PTX mul.bf16x2 has no flush-to-zero). The NaN codes (0x7F, 0xFF) would come out as +-480: a pool never
+# holds them (foldkv.fp8 clamps to +-448 and refuses non-finite rows).
+E4M3_TO_BF16_FN = "foldkv_e4m3x8_to_bf16"
+E4M3_TO_BF16_SOURCE = r"""
+// (inserted before the kernel's includes: plain CUDA types and PTX only)
+__device__ __forceinline__ void foldkv_e4m3x8_to_bf16_one(const void* src, void* dst) {
+  const uint2 in = *reinterpret_cast<const uint2*>(src);
+  const unsigned int words[2] = {in.x, in.y};
+  unsigned int out[4];
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // bytes (b0, b1) (h = 0) or (b2, b3) (h = 1) into the high bytes of the two 16-bit halves
+      const unsigned int x = __byte_perm(words[w], 0u, h ? 0x3424u : 0x1404u);
+      const unsigned int bits = (x & 0x80008000u) | ((x >> 4) & 0x07F007F0u);
+      asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out[2 * w + h]) : "r"(bits), "r"(0x7B807B80u));
+    }
+  }
+  *reinterpret_cast<uint4*>(dst) = make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// A thread's share of one panel (runs of 8 values: (source, destination) pointer pairs) in one call. The calls are
+// opaque to TileLang, which therefore places no barrier or proxy fence for the tiles they write; the calls do it
+// themselves, on their own named barrier over the converting threads: `first` waits until every thread is past the
+// previous tile's gemms (they read the tiles about to be overwritten); `last` makes this thread's writes visible to
+// the tensor cores' (async) proxy and waits until every thread has written, before the gemms read the tiles.
+__device__ __forceinline__ void foldkv_e4m3_runs() {}
+template <typename S, typename D, typename... Rest>
+__device__ __forceinline__ void foldkv_e4m3_runs(S src, D dst, Rest... rest) {
+  foldkv_e4m3x8_to_bf16_one(src, dst);
+  foldkv_e4m3_runs(rest...);
+}
+template <typename... Pointers>
+__device__ __forceinline__ void foldkv_e4m3x8_to_bf16(int first, int last, int barrier_id, int threads,
+                                                      Pointers... pointers) {
+  if (first) asm volatile("bar.sync %0, %1;" : : "r"(barrier_id), "r"(threads) : "memory");
+  foldkv_e4m3_runs(pointers...);
+  if (last) {
+    asm volatile("fence.proxy.async.shared::cta;" : : : "memory");
+    asm volatile("bar.sync %0, %1;" : : "r"(barrier_id), "r"(threads) : "memory");
+  }
+}
+"""
+
+
+# The named barrier of the conversion (E4M3_TO_BF16_SOURCE): 0 is __syncthreads and TileLang's pipelines use low ids;
+# the barrier is over the converting (consumer) threads only, so it must be one nothing else uses.
+CONVERT_BARRIER_ID = 7
+
+
+def convert_e4m3_macro(rows: int, cols: int, threads: int):
+    """An e4m3 shared panel [rows, cols] into columns [col, col + cols) of a bf16 shared tile, exactly, by `threads`
+    threads: each converts rows * cols / (8 threads) runs of 8 values, in one call (E4M3_TO_BF16_SOURCE says how,
+    and why not TileLang's element conversion). `first` / `last`: the tile's first / last panel, whose calls carry
+    the barriers TileLang would otherwise place (before the tiles are overwritten; after they are written, with
+    the proxy fence, before a gemm reads them)."""
+    import tilelang.language as T
+
+    runs_per_row = cols // 8
+    per_thread = rows * runs_per_row // threads
+    assert cols % 8 == 0 and rows % per_thread == 0 and per_thread * threads == rows * runs_per_row
+    step = rows // per_thread  # a thread's runs are `step` rows apart
+
+    @T.macro
+    def convert_e4m3(stored, tile, col, first, last):
+        for i, j in T.Parallel(step, runs_per_row):
+            T.call_extern("handle", E4M3_TO_BF16_FN, int(first), int(last), CONVERT_BARRIER_ID, threads,
+                          *[p for r in range(per_thread)  # (source, destination) of each run, as a list: a loop here
+                            for p in (T.address_of(stored[i + r * step, j * 8]),  # would be a TIR loop
+                                      T.address_of(tile[i + r * step, col + j * 8]))])
+
+    return convert_e4m3
+
+
+def e4m3_conversion_program(rows: int = 64, cols: int = 128, threads: int = 128,
+                            source: str = E4M3_TO_BF16_SOURCE):
+    """A one-CTA TileLang prim_func that converts codes [rows, cols] e4m3 to out [rows, cols] bf16 through
+    `convert_e4m3_macro`, shared memory to shared memory as the decode does: the conversion's own test (`source`: a
+    deliberately broken copy of the device code, for its red twin)."""
+    import tilelang.language as T
+
+    convert = convert_e4m3_macro(rows, cols, threads)
+
+    @T.prim_func
+    def e4m3_to_bf16(codes: T.Tensor((rows, cols), "float8_e4m3"), out: T.Tensor((rows, cols), "bfloat16")):
+        with T.Kernel(1, threads=threads):
+            T.import_source(source)
+            stored = T.alloc_shared((rows, cols), "float8_e4m3")
+            tile = T.alloc_shared((rows, cols), "bfloat16")
+            T.copy(codes, stored)
+            convert(stored, tile, 0, True, True)
+            T.copy(tile, out)
+
+    return e4m3_to_bf16

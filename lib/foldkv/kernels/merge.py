@@ -83,9 +83,9 @@ def merge_groups_program(geom: AttentionGeometry, *, threads: int = MERGE_THREAD
     return merge_groups
 
 
-def _merge_partials_macro(vec: int, *, via_group_first: bool):
-    """Online merge of `count` partials, UNROLL at a time: the loads of a block are independent (predicated past
-    `count`), so a block costs one round trip to memory instead of UNROLL dependent ones. Member i is slot first + i
+def _merge_partials_macro(vec: int, *, via_group_first: bool, per_trip: int = UNROLL):
+    """Online merge of `count` partials, `per_trip` at a time: the loads of a block are independent (predicated past
+    `count`), so a block costs one round trip to memory instead of `per_trip` dependent ones. Member i is slot first + i
     (level one: a group's members), or slot group_first[first + i] (level two: `first` is the request's first group;
     the index is clamped to the last group so that no load past the request's groups is issued). Leaves (running max,
     weight sum) in `state` and the unnormalised columns in `acc`."""
@@ -102,22 +102,22 @@ def _merge_partials_macro(vec: int, *, via_group_first: bool):
         state[1] = 0.0
         for j in T.serial(vec):
             acc[j] = 0.0
-        for b in T.serial(T.ceildiv(count, UNROLL)):
-            for u in T.unroll(UNROLL):
-                live = b * UNROLL + u < count
-                slot = slot_of(group_first, first, count, b * UNROLL + u)
+        for b in T.serial(T.ceildiv(count, per_trip)):
+            for u in T.unroll(per_trip):
+                live = b * per_trip + u < count
+                slot = slot_of(group_first, first, count, b * per_trip + u)
                 lse_blk[u] = T.if_then_else(live, part_lse[slot, h], -T.infinity(f32))
                 for j in T.vectorized(vec):
                     o_blk[u, j] = T.if_then_else(live, part_o[slot, h, tx * vec + j], 0.0)
             block_max = T.alloc_var(f32)
             block_max = state[0]
-            for u in T.unroll(UNROLL):
+            for u in T.unroll(per_trip):
                 block_max = T.max(block_max, lse_blk[u])
             rescale = T.exp2(state[0] - block_max)  # 0 on the first block (state[0] = -inf)
             state[1] = state[1] * rescale
             for j in T.serial(vec):
                 acc[j] = acc[j] * rescale
-            for u in T.unroll(UNROLL):
+            for u in T.unroll(per_trip):
                 weight = T.exp2(lse_blk[u] - block_max)  # 0 past count
                 state[1] = state[1] + weight
                 for j in T.vectorized(vec):
@@ -127,8 +127,9 @@ def _merge_partials_macro(vec: int, *, via_group_first: bool):
     return merge_partials
 
 
-def merge_final_program(geom: AttentionGeometry, *, threads: int = MERGE_THREADS):
-    """The TileLang prim_func of the level-two merge into the output (head order, natural-log LSE)."""
+def merge_final_program(geom: AttentionGeometry, *, threads: int = MERGE_THREADS, unroll: int = UNROLL):
+    """The TileLang prim_func of the level-two merge into the output (head order, natural-log LSE), loading `unroll`
+    group slots per round trip."""
     require_tilelang()
     import tilelang.language as T
 
@@ -136,7 +137,7 @@ def merge_final_program(geom: AttentionGeometry, *, threads: int = MERGE_THREADS
     vec = _cols_per_thread(geom, threads)
     num_slots, num_groups, batch = T.dynamic("num_slots"), T.dynamic("num_groups"), T.dynamic("batch")
     f32, i32, bf16 = "float32", "int32", "bfloat16"
-    merge_slots = _merge_partials_macro(vec, via_group_first=True)  # the same online merge as level one
+    merge_slots = _merge_partials_macro(vec, via_group_first=True, per_trip=unroll)  # the online merge of level one
 
     @T.prim_func
     def merge_final(
@@ -152,8 +153,8 @@ def merge_final_program(geom: AttentionGeometry, *, threads: int = MERGE_THREADS
         with T.Kernel(batch, hq, threads=threads) as (r, h):
             tx = T.get_thread_binding(0)
             acc = T.alloc_local((vec,), f32)
-            lse_blk = T.alloc_local((UNROLL,), f32)
-            o_blk = T.alloc_local((UNROLL, vec), f32)
+            lse_blk = T.alloc_local((unroll,), f32)
+            o_blk = T.alloc_local((unroll, vec), f32)
             state = T.alloc_local((2,), f32)
             merge_slots(part_o, part_lse, group_first, h, tx, req_group_first[r], req_group_count[r], acc, lse_blk,
                         o_blk, state)
@@ -180,9 +181,10 @@ def build_merge_groups(geom: AttentionGeometry, *, threads: int = MERGE_THREADS,
 
 
 @hands_out("merge_final")
-def build_merge_final(geom: AttentionGeometry, *, threads: int = MERGE_THREADS):
+def build_merge_final(geom: AttentionGeometry, *, threads: int = MERGE_THREADS, unroll: int = UNROLL):
     tilelang = require_tilelang()
-    return tilelang.compile(merge_final_program(geom, threads=threads), target=target(), pass_configs=pass_configs())
+    return tilelang.compile(merge_final_program(geom, threads=threads, unroll=unroll), target=target(),
+                            pass_configs=pass_configs())
 
 
 __all__ = ["merge_groups_program", "merge_final_program", "build_merge_groups", "build_merge_final"]
