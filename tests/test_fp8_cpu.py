@@ -242,3 +242,161 @@ def test_launchers_refuse_a_dtype_mismatch_before_anything_runs(misuse):
     with pytest.raises(fk.FoldKvInputError, match=match):
         call()
     assert torch.equal(before[0], _snapshot(pool)[0])
+
+
+# --- the fused prep writing an FP8 pool: what runs without a GPU ----------------------------------------------------
+def test_scale_is_amax_over_448_by_division():
+    """quantize_rows's scale is amax / 448 rounded once (the definition the fused prep's IEEE division follows); the
+    red twin, amax times the float32 reciprocal of 448 (what torch's CUDA division by a Python number computes),
+    differs on most rows, so the check tells the two apart."""
+    x = _rows("normal")
+    _, s = quantize_rows(x)
+    amax = x.abs().amax(-1)
+    assert torch.equal(s, (amax.double() / E4M3_MAX).float())  # float64 then float32: one correct rounding
+    assert not torch.equal(s, amax * torch.tensor(1 / E4M3_MAX, dtype=torch.float32))
+
+
+def _prep_fp8_case():
+    pool = fp8_pool(4, fill=0.25)
+    table = pool.allocate([70, 3])
+    g = torch.Generator().manual_seed(5)
+    args = dict(request=torch.tensor([0, 0, 1], dtype=torch.int32), positions=torch.tensor([68, 69, 2]),
+                q=torch.randn(3, G.num_q_heads, G.head_dim, generator=g).bfloat16(),
+                kv=torch.randn(3, G.num_kv_heads, G.head_dim, generator=g).bfloat16(),
+                q_norm_weight=torch.rand(G.head_dim, generator=g), k_norm_weight=torch.rand(G.head_dim, generator=g))
+    return pool, table, args
+
+
+PREP_FP8_REFUSALS = {  # case: (message, whether the torch prep refuses the same input)
+    "valid_input_on_cpu": ("fused prep runs on CUDA", False),
+    "nan_kv": ("finite rows only", True),
+    "inf_k_norm_weight": ("finite rows only", True),
+    "huge_k_norm_weight": ("could overflow float32", True),
+    "scales_missing": ("no scales", True),
+    "scales_dtype": ("pool scales has dtype", True),
+    "kernel_name": (r"kernels= names \['prep_folded'\]; this launch uses \['prep_folded_fp8'\]", False),
+}
+
+
+@pytest.mark.parametrize("case", list(PREP_FP8_REFUSALS))
+def test_fused_prep_refuses_before_writing_an_fp8_pool(case):
+    """Every check of the fused prep over an FP8 pool runs before the device check (so on the CPU), the pool (rows
+    and scales) unchanged; where the torch prep refuses the same input too, it does."""
+    from foldkv.kernels.prep_kernel import prep_and_store_gpu
+
+    pool, table, args = _prep_fp8_case()
+    extra = {}
+    if case == "nan_kv":
+        args["kv"][2, 3, 100] = float("nan")
+    elif case == "inf_k_norm_weight":
+        args["k_norm_weight"][11] = float("-inf")
+    elif case == "huge_k_norm_weight":
+        args["k_norm_weight"] = args["k_norm_weight"] * 3e38  # finite; V * w_k is not
+    elif case == "scales_missing":
+        pool.scales = None
+    elif case == "scales_dtype":
+        pool.scales = pool.scales.double()
+    elif case == "kernel_name":
+        extra["kernels"] = {"prep_folded": lambda *a: None}
+    message, torch_refuses = PREP_FP8_REFUSALS[case]
+    before = _snapshot(pool)
+    with pytest.raises(fk.FoldKvInputError, match=message):
+        prep_and_store_gpu(pool, table, **args, **extra)
+    after = _snapshot(pool)
+    assert torch.equal(before[0], after[0]) and (before[1] is None or torch.equal(before[1], after[1]))
+    if torch_refuses:
+        with pytest.raises(fk.FoldKvInputError):
+            fk.prep_and_store(pool, table, **args)
+
+
+def test_fused_prep_fp8_variant_is_registered_beside_untouched_bf16_ones():
+    from foldkv.kernels import registry
+
+    fp8, folded, split = (registry.get(n) for n in ("prep_folded_fp8", "prep_folded", "prep_split"))
+    assert (fp8.family, fp8.format, fp8.params) == ("prep", fk.KvFormat.FOLDED, folded.params)
+    assert fp8.builder.endswith("prep_kernel:build_fp8") and fp8.build_function().hands_out == "prep_{fmt}_fp8"
+    for v in (folded, split):  # the bf16 variants: the same builder, no fp8 parameter
+        assert v.builder.endswith("prep_kernel:build") and set(v.params) == {"page_size", "in_dtype", "threads"}
+
+
+PREP_FP8_ARGS = ["Qraw", "KVraw", "QNormW", "KNormW", "InvFreq", "Positions", "SlotPage", "SlotOffset", "Pool",
+                 "PoolScales", "QueryOut"]
+
+
+def quantizing_store_problems(source: str) -> list[str]:
+    """What is wrong with an emitted FP8 prep source: every e4m3 store must be the clamp of an IEEE division
+    (`__fdiv_rn`, not a product with a reciprocal), the scale amax / 448 an IEEE division, the amax a block max."""
+    import re
+
+    casts = source.count("(fp8_e4_t)")
+    good = len(re.findall(r"\(\(fp8_e4_t\)min\(max\(__fdiv_rn\(\w+\[\w+\], scale\[0\]\), -0x1\.cp\+8f", source))
+    problems = [] if casts and good == casts else [f"{casts - good} of {casts} e4m3 casts are not clamp(x / scale)"]
+    if not re.search(r"__fdiv_rn\(scale\[0\], 0x1\.cp\+8f", source):
+        problems.append("the scale is not amax / 448 by IEEE division")
+    if "AllReduce<tl::MaxOp, 128" not in source:
+        problems.append("no block-wide max over the 128 threads")
+    if "__frcp" in source or "__fdividef" in source:
+        problems.append("a reciprocal or fast division")
+    return problems
+
+
+def e4m3_ptx_problems(ptx: str) -> list[str]:
+    """What is wrong with the FP8 prep's PTX: its e4m3 conversions must be cvt.rn.satfinite (round to nearest even),
+    its divisions div.rn.f32 (IEEE), nothing approximate."""
+    import re
+
+    cvts = re.findall(r"cvt\.[\w.]*e4m3[\w.]*", ptx)
+    rounding = {"cvt.rn.satfinite.e4m3x2.f32"}
+    problems = [] if cvts and set(cvts) == rounding else [f"e4m3 conversions {sorted(set(cvts))}"]
+    if "div.rn.f32" not in ptx:
+        problems.append("no IEEE division")
+    problems += [f"approximate op {op}" for op in sorted(set(re.findall(r"(?:div\.approx|div\.full|rcp\.approx)\S*",
+                                                                         ptx)))]
+    return problems
+
+
+@pytest.fixture(scope="module")
+def fp8_prep_source():
+    from conftest import require_tilelang
+
+    require_tilelang()
+    from foldkv.kernels import registry
+
+    kernel = registry.get("prep_folded_fp8").build(G)
+    return kernel, kernel.get_kernel_source()
+
+
+def test_fused_prep_fp8_source_quantizes_as_the_definition(fp8_prep_source):
+    kernel, src = fp8_prep_source
+    assert [kernel.prim_func.buffer_map[p].name for p in kernel.prim_func.params] == PREP_FP8_ARGS
+    assert quantizing_store_problems(src) == []
+    assert src.count("(fp8_e4_t)") == 6  # two elements per thread at each of the row's six store sites
+    # red twins: a product with the reciprocal instead of the division, and a sum instead of the max
+    assert quantizing_store_problems(src.replace("__fdiv_rn(x_lo[i_2], scale[0])", "(x_lo[i_2] * (1.f / scale[0]))"))
+    assert quantizing_store_problems(src.replace("AllReduce<tl::MaxOp", "AllReduce<tl::SumOp"))
+
+
+def test_fused_prep_fp8_ptx_rounds_to_nearest_even(fp8_prep_source, tmp_path):
+    """The emitted source compiled to PTX with the JIT's nvcc options: e4m3 by cvt.rn.satfinite, divisions IEEE."""
+    import subprocess
+
+    from conftest import skip_or_fail
+
+    from foldkv.aot.build import _toolchain, find_nvcc, nvcc_command, nvcc_options
+    from foldkv.kernels.tl import pass_configs
+
+    if find_nvcc() is None:
+        skip_or_fail("no nvcc")
+    _, src = fp8_prep_source
+    tc = _toolchain()
+    (tmp_path / "prep.cu").write_text(src)
+    cmd = nvcc_command(tc["nvcc"], tc["ccbin"], "sm_90a", nvcc_options(pass_configs(), template_dir=tc["template_dir"],
+                                                                       cutlass_dir=tc["cutlass_dir"]),
+                       str(tmp_path / "prep.cu"), str(tmp_path / "prep.ptx"))
+    cmd[cmd.index("--cubin")] = "--ptx"
+    subprocess.run(cmd, check=True, capture_output=True)
+    ptx = (tmp_path / "prep.ptx").read_text()
+    assert e4m3_ptx_problems(ptx) == []
+    assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 12  # six store sites, two elements per thread
+    assert e4m3_ptx_problems(ptx.replace("cvt.rn.satfinite.e4m3x2.f32", "cvt.rz.satfinite.e4m3x2.f32"))  # red twins
+    assert e4m3_ptx_problems(ptx.replace("div.rn.f32", "div.approx.f32"))

@@ -38,7 +38,9 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     The caller refuses non-finite rows first (`check_finite_rows`): a NaN or Inf has no finite scale."""
     x = rows.to(torch.float32)
     amax = x.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # amax / 448 as a division of two tensors: torch's CUDA kernel turns a division by a Python number into a product
+    # with its float32 reciprocal (a last-bit difference from the division on some rows), the CPU one does not
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     q = (x / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
     return q, scale
 

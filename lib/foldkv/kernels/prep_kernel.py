@@ -13,10 +13,22 @@ bits. Where that moves a value across a bf16 rounding boundary the element diffe
 |got - want| <= 2^-7 |want| + 2^-16 max|row| (one bf16 ulp, plus an absolute term for RoPE's a*c - b*s near 0, where
 a last-bit change of the scale is many ulps of a tiny result). Measured: ~5e-6 of the elements differ.
 
+An FP8 (e4m3) folded pool ("prep_folded_fp8", the same builder with its fp8 flag) gets the same float32 row,
+quantized as `foldkv.fp8.quantize_rows` defines it: the row's amax over its 640 columns (a block-wide max over the 128
+threads: exact, in any order), scale = amax / 448 by IEEE division (1 for a row of zeros), each element x / scale by
+IEEE division (`__fdiv_rn`, as torch divides two tensors; not x * (1/scale), which can differ in the last bit),
+clamped to +-448 and cast to e4m3 by `cvt.rn.satfinite.e4m3x2.f32` (round to nearest even: CUTLASS's float_e4m3_t
+from float on sm_90, read in the PTX). So the one difference from the torch prep is still the RMSNorm sum order, now
+seen through the quantization: the scale can differ in its last float32 bits, and an element whose x / scale sits
+within that difference of an e4m3 rounding boundary lands on the neighbouring code (the derived bounds are in
+tests/test_prep_kernel_gpu.py).
+
 Kernel argument order (the AOT loader relies on it):
   Qraw [T, 32, 512] (in dtype), KVraw [T, 4, 512] (in dtype), QNormW [512] f32, KNormW [512] f32,
   InvFreq [256] f32, Positions [T] int32, SlotPage [T] int32, SlotOffset [T] int32,
   Pool [P, 4, page, row_width] bf16 (written), QueryOut [T, 32, 512] bf16
+The FP8 variant: Pool [P, 4, page, 640] float8_e4m3 (written), then PoolScales [P, 4, page] f32 (written), then
+QueryOut (still bf16); the other arguments as above.
 Grid (T, 32 + 4): block y < 32 preps query head y, block y >= 32 preps and stores KV head y - 32; 128 threads, each
 owning two rotate_half pairs (d, d + 256).
 """
@@ -28,8 +40,9 @@ from typing import Callable, Mapping
 import torch
 
 from ..config import GEMMA4_31B, AttentionGeometry
+from ..fp8 import E4M3_MAX, FP8_DTYPE, check_finite_rows
 from ..layout import KvFormat
-from ..pool import BlockTable, PagedKvPool
+from ..pool import BlockTable, PagedKvPool, check_pool_storage
 from ..prep import _check_prep_inputs, rope_inv_freq
 from ..validate import FoldKvInputError, check_tensor
 from . import registry, resolve
@@ -48,9 +61,24 @@ def _check_geometry(geom: AttentionGeometry) -> None:
 @registry.hands_out("prep_{fmt}")
 def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.FOLDED, *, page_size: int = 64,
           in_dtype: str = "bfloat16", threads: int = 128, arch: str | None = None):
-    """Compile (JIT) the fused prep for one pool format; returns a TileLang kernel taking the arguments above."""
+    """Compile (JIT) the fused prep for one bf16 pool format; returns a TileLang kernel taking the arguments above."""
+    return _build(geom, fmt, page_size, in_dtype, threads, arch, fp8=False)
+
+
+@registry.hands_out("prep_{fmt}_fp8")
+def build_fp8(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.FOLDED, *, page_size: int = 64,
+              in_dtype: str = "bfloat16", threads: int = 128, arch: str | None = None):
+    """Compile (JIT) the fused prep for an FP8 (e4m3) folded pool: the same prep, each stored row quantized as
+    `foldkv.fp8.quantize_rows` does; the kernel takes PoolScales right after Pool (module docstring)."""
+    return _build(geom, fmt, page_size, in_dtype, threads, arch, fp8=True)
+
+
+def _build(geom: AttentionGeometry, fmt: KvFormat | str, page_size: int, in_dtype: str, threads: int,
+           arch: str | None, fp8: bool):
     _check_geometry(geom)
     fmt = KvFormat.parse(fmt)
+    if fp8 and fmt is not KvFormat.FOLDED:
+        raise NotImplementedError(f"an FP8 pool holds folded rows only (foldkv.fp8); asked for {fmt.value}")
     tilelang = require_tilelang()
     import tilelang.language as T
 
@@ -63,6 +91,7 @@ def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.F
     EPS = float(geom.rms_norm_eps)
     folded = fmt is KvFormat.FOLDED
     out_dtype, f32 = "bfloat16", "float32"
+    pool_dtype = "float8_e4m3" if fp8 else out_dtype  # TileLang's e4m3 is torch's float8_e4m3fn
 
     @tilelang.jit(target=target(arch) if arch else target(), pass_configs=pass_configs())
     def prep_fused(page_size, in_dtype, threads):
@@ -79,24 +108,24 @@ def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.F
             for z in T.Parallel(1):
                 ss[z] = T.rsqrt(ss[z] * T.float32(1.0 / D) + T.float32(EPS))
 
-        @T.prim_func
-        def main(
-            Qraw: T.Tensor([NT, HQ, D], in_dtype),
-            KVraw: T.Tensor([NT, HKV, D], in_dtype),
-            QNormW: T.Tensor([D], f32),
-            KNormW: T.Tensor([D], f32),
-            InvFreq: T.Tensor([HALF], f32),
-            Positions: T.Tensor([NT], "int32"),
-            SlotPage: T.Tensor([NT], "int32"),
-            SlotOffset: T.Tensor([NT], "int32"),
-            Pool: T.Tensor([NP, HKV, page_size, W], out_dtype),
-            QueryOut: T.Tensor([NT, HQ, D], out_dtype),
-        ):
+        def e4m3(x, scale):
+            # foldkv.fp8.quantize_rows: x / scale as an IEEE round-to-nearest division (__fdiv_rn, not x * (1/scale),
+            # so it equals torch's `x / scale` bit for bit), clamped to +-448, cast to e4m3 rounding to nearest even
+            y = T.ieee_fdiv(x, scale)
+            return T.cast(T.min(T.max(y, T.float32(-E4M3_MAX)), T.float32(E4M3_MAX)), pool_dtype)
+
+        @T.macro
+        def prep(Qraw, KVraw, QNormW, KNormW, InvFreq, Positions, SlotPage, SlotOffset, Pool, PoolScales, QueryOut):
             with T.Kernel(NT, HQ + HKV, threads=threads) as (bt, bh):
                 x_lo = T.alloc_fragment([1, HALF], f32)
                 x_hi = T.alloc_fragment([1, HALF], f32)
                 sq = T.alloc_fragment([1, HALF], f32)
                 ss = T.alloc_fragment([1], f32)
+                if fp8:  # the FP8 row is kept in float32 until its scale is known
+                    rot_lo = T.alloc_fragment([1, HALF], f32)  # RoPE'd K, pairs d < PAIRS (the rest unused)
+                    rot_hi = T.alloc_fragment([1, HALF], f32)
+                    abs_max = T.alloc_fragment([1, HALF], f32)  # per thread: max |x| over the row elements it owns
+                    scale = T.alloc_fragment([1], f32)
                 pos = T.cast(Positions[bt], f32)
                 if bh < HQ:
                     normed_pair(Qraw, bt, bh, x_lo, x_hi, sq, ss)
@@ -119,6 +148,42 @@ def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.F
                             else:  # zero frequency: RoPE is the identity
                                 QueryOut[bt, bh, j] = T.cast(qn_lo, out_dtype)
                                 QueryOut[bt, bh, HALF + j] = T.cast(qn_hi, out_dtype)
+                elif fp8:
+                    h = bh - HQ
+                    page = SlotPage[bt]
+                    off = SlotOffset[bt]
+                    normed_pair(KVraw, bt, h, x_lo, x_hi, sq, ss)
+                    for z, j in T.Parallel(1, HALF):  # the float32 row: V in x_lo/x_hi, K_rot in rot_lo/rot_hi
+                        v_lo = T.ieee_mul(x_lo[z, j], ss[z])
+                        v_hi = T.ieee_mul(x_hi[z, j], ss[z])
+                        k_lo = T.ieee_mul(v_lo, KNormW[j])
+                        k_hi = T.ieee_mul(v_hi, KNormW[j + HALF])
+                        x_lo[z, j] = v_lo
+                        x_hi[z, j] = v_hi
+                        if j < PAIRS:
+                            ang = T.ieee_mul(pos, InvFreq[j])
+                            r_lo, r_hi = rope_pair(k_lo, k_hi, ang)
+                            rot_lo[z, j] = r_lo
+                            rot_hi[z, j] = r_hi
+                            abs_max[z, j] = T.max(T.max(T.abs(v_lo), T.abs(v_hi)),
+                                                  T.max(T.abs(rot_lo[z, j]), T.abs(rot_hi[z, j])))
+                        else:
+                            abs_max[z, j] = T.max(T.abs(v_lo), T.abs(v_hi))
+                    T.reduce_max(abs_max, scale, dim=1)  # the row's amax over its 640 columns (a max: exact)
+                    for z in T.Parallel(1):  # amax / 448 rounded once (IEEE division, as torch's tensor division)
+                        scale[z] = T.if_then_else(scale[z] > T.float32(0), T.ieee_fdiv(scale[z], T.float32(E4M3_MAX)),
+                                                  T.float32(1))
+                    for z, j in T.Parallel(1, HALF):  # [K_rot lo | K_rot hi | V_unrot ... | V_rot lo | V_rot hi]
+                        if j < PAIRS:
+                            Pool[page, h, off, j] = e4m3(rot_lo[z, j], scale[z])
+                            Pool[page, h, off, PAIRS + j] = e4m3(rot_hi[z, j], scale[z])
+                            Pool[page, h, off, D + j] = e4m3(x_lo[z, j], scale[z])
+                            Pool[page, h, off, D + PAIRS + j] = e4m3(x_hi[z, j], scale[z])
+                        else:
+                            Pool[page, h, off, PAIRS + j] = e4m3(x_lo[z, j], scale[z])
+                            Pool[page, h, off, HALF + j] = e4m3(x_hi[z, j], scale[z])
+                    for z in T.Parallel(1):
+                        PoolScales[page, h, off] = scale[z]
                 else:
                     h = bh - HQ
                     page = SlotPage[bt]
@@ -152,6 +217,40 @@ def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.F
                                 Pool[page, h, off, D + j] = T.cast(v_lo, out_dtype)
                                 Pool[page, h, off, D + HALF + j] = T.cast(v_hi, out_dtype)
 
+        if fp8:
+            @T.prim_func
+            def main(
+                Qraw: T.Tensor([NT, HQ, D], in_dtype),
+                KVraw: T.Tensor([NT, HKV, D], in_dtype),
+                QNormW: T.Tensor([D], f32),
+                KNormW: T.Tensor([D], f32),
+                InvFreq: T.Tensor([HALF], f32),
+                Positions: T.Tensor([NT], "int32"),
+                SlotPage: T.Tensor([NT], "int32"),
+                SlotOffset: T.Tensor([NT], "int32"),
+                Pool: T.Tensor([NP, HKV, page_size, W], pool_dtype),
+                PoolScales: T.Tensor([NP, HKV, page_size], f32),
+                QueryOut: T.Tensor([NT, HQ, D], out_dtype),
+            ):
+                prep(Qraw, KVraw, QNormW, KNormW, InvFreq, Positions, SlotPage, SlotOffset, Pool, PoolScales, QueryOut)
+
+            return main
+
+        @T.prim_func
+        def main(
+            Qraw: T.Tensor([NT, HQ, D], in_dtype),
+            KVraw: T.Tensor([NT, HKV, D], in_dtype),
+            QNormW: T.Tensor([D], f32),
+            KNormW: T.Tensor([D], f32),
+            InvFreq: T.Tensor([HALF], f32),
+            Positions: T.Tensor([NT], "int32"),
+            SlotPage: T.Tensor([NT], "int32"),
+            SlotOffset: T.Tensor([NT], "int32"),
+            Pool: T.Tensor([NP, HKV, page_size, W], out_dtype),
+            QueryOut: T.Tensor([NT, HQ, D], out_dtype),
+        ):
+            prep(Qraw, KVraw, QNormW, KNormW, InvFreq, Positions, SlotPage, SlotOffset, Pool, None, QueryOut)
+
         return main
 
     return prep_fused(page_size, in_dtype, threads)
@@ -163,17 +262,20 @@ def prep_and_store_gpu(pool: PagedKvPool, table: BlockTable, request: torch.Tens
                        *, backend: str = "jit", kernels: Mapping[str, Callable] | None = None) -> torch.Tensor:
     """`foldkv.prep_and_store` in one fused launch: store T tokens' rows, return the query [T, 32, 512] bf16.
 
-    Everything is checked before the launch (same checks as the torch prep, plus: CUDA tensors, bf16 pool,
-    q/kv of one dtype among bf16/fp16/fp32); on a refusal the pool is unchanged. The kernel "prep_<format>" comes from
-    `foldkv.kernels.resolve.kernel` with the pool's page size and q's dtype among its params (backend "jit" or "aot"),
-    or from `kernels={"prep_<format>": callable}` (an experiment's variant).
+    Everything is checked before the launch (same checks as the torch prep, plus: CUDA tensors, a bf16 or FP8 pool,
+    q/kv of one dtype among bf16/fp16/fp32); on a refusal the pool is unchanged. The kernel "prep_<format>" (an FP8
+    pool: "prep_folded_fp8", which also writes pool.scales) comes from `foldkv.kernels.resolve.kernel` with the pool's
+    page size and q's dtype among its params (backend "jit" or "aot"), or from `kernels={name: callable}` (an
+    experiment's variant).
     """
     geom = pool.geometry
     resolve.check_backend(backend)
-    name = f"prep_{pool.format.value}"
+    quantized = pool.layout.quantized
+    name = "prep_folded_fp8" if quantized else f"prep_{pool.format.value}"
     resolve.check_kernels((name,), kernels)
-    if pool.layout.dtype != torch.bfloat16:
-        raise FoldKvInputError(f"the fused prep stores bf16 rows; the pool is {pool.layout.dtype}")
+    if pool.layout.dtype not in (torch.bfloat16, FP8_DTYPE):
+        raise FoldKvInputError(f"the fused prep stores bf16 or FP8 (e4m3) rows; the pool is {pool.layout.dtype}")
+    check_pool_storage(pool)
     check_tensor("q", q, dtype=tuple(_TORCH_DTYPES), device=pool.device,
                  shape=(None, geom.num_q_heads, geom.head_dim))
     check_tensor("kv", kv, dtype=q.dtype, device=pool.device, shape=(q.shape[0], geom.num_kv_heads, geom.head_dim))
@@ -181,6 +283,8 @@ def prep_and_store_gpu(pool: PagedKvPool, table: BlockTable, request: torch.Tens
     # positions may live on either device, as for the torch prep_and_store
     _check_prep_inputs(geom, q, kv, q_norm_weight, k_norm_weight, positions.to(q.device))
     pages, offsets = pool.token_slots(table, request, positions)  # refuses positions past a request's pages
+    if quantized:
+        check_rows_will_be_finite(geom, kv, k_norm_weight)
     if pool.device.type != "cuda":  # last, so the CPU tests reach every other refusal
         raise FoldKvInputError(f"the fused prep runs on CUDA; the pool is on {pool.device}")
     t = q.shape[0]
@@ -190,11 +294,28 @@ def prep_and_store_gpu(pool: PagedKvPool, table: BlockTable, request: torch.Tens
     params = {"page_size": pool.layout.page_size, "in_dtype": _TORCH_DTYPES[q.dtype]}
     (kernel,) = resolve.launch_kernels((name,), geom, {name: params}, backend, kernels)
     dev = pool.device
+    stored = (pool.data, pool.scales) if quantized else (pool.data,)
     kernel(q.contiguous(), kv.contiguous(), q_norm_weight.to(dev, torch.float32).contiguous(),
            k_norm_weight.to(dev, torch.float32).contiguous(), rope_inv_freq(geom, dev).contiguous(),
            positions.to(dev, torch.int32), pages.to(dev, torch.int32), offsets.to(dev, torch.int32),
-           pool.data, query)
+           *stored, query)
     return query
+
+
+def check_rows_will_be_finite(geom: AttentionGeometry, kv: torch.Tensor, k_norm_weight: torch.Tensor) -> None:
+    """Refuse (FoldKvInputError) inputs whose FP8 rows could be non-finite, before the kernel writes any: the torch
+    prep refuses non-finite rows (`foldkv.fp8.check_finite_rows`) after computing them, which a fused kernel cannot
+    do before its store. A row is finite when kv and k_norm_weight are: each normed value is x / rms(x), at most
+    sqrt(D) in magnitude (an overflowing sum of squares gives a norm scale of 0, hence zeros); K = V * w_k, and RoPE
+    adds two such products, so |row| <= 2 sqrt(D) max|w_k|, which must stay below float32's largest (a factor 2 of
+    margin for the roundings)."""
+    check_finite_rows(kv)
+    check_finite_rows(k_norm_weight)
+    w_max = float(k_norm_weight.abs().max().double())
+    limit = torch.finfo(torch.float32).max / (4.0 * geom.head_dim**0.5)
+    if w_max > limit:
+        raise FoldKvInputError(f"k_norm_weight reaches {w_max:.3g}: the FP8 rows (up to 2 sqrt(D) max|w_k|) could"
+                               f" overflow float32 (max|w_k| must be <= {limit:.3g}); nothing was written")
 
 
 def main(fmt: KvFormat | str = KvFormat.FOLDED, tokens: int = 8192):

@@ -79,6 +79,7 @@ VARIANTS: tuple[KernelVariant, ...] = (
     *(KernelVariant(f"prefill_{f.value}", "prefill", f, _K + "prefill_attention:build", dict(_PREFILL))
       for f in KvFormat),
     *(KernelVariant(f"prep_{f.value}", "prep", f, _K + "prep_kernel:build", dict(_PREP)) for f in KvFormat),
+    KernelVariant("prep_folded_fp8", "prep", KvFormat.FOLDED, _K + "prep_kernel:build_fp8", dict(_PREP)),
 )
 _BY_NAME = {v.name: v for v in VARIANTS}
 if len(_BY_NAME) != len(VARIANTS):
