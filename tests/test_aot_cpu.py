@@ -496,6 +496,55 @@ def test_aot_kernel_refuses_bad_arguments_before_touching_the_driver(tiny_build)
         k.bind([torch.zeros(3, TEST_KERNEL_COLS), torch.ones(())])
 
 
+@pytest.fixture(scope="module")
+def fp8_prefill_build(tmp_path_factory):
+    """An AOT build of the registered FP8 folded prefill alone (one JIT build and one nvcc compile)."""
+    require_tilelang_and_nvcc()
+    from foldkv.aot.build import build
+    from foldkv.kernels import registry
+
+    out = tmp_path_factory.mktemp("aot") / "prefill_fp8"
+    manifest = build(out, arch="sm_90a", variants=[registry.get("prefill_folded_fp8")], log=None)
+    return out, manifest
+
+
+def test_fp8_prefill_manifest_entry(fp8_prefill_build):
+    """The FP8 prefill's manifest entry: its registered params, its arguments in the launcher's order with the e4m3
+    pool and the float32 scales right after it, a TMA map for each of them; the build verifies, and the loader refuses
+    a bf16 pool handed to it and a build asked for another page size (the red twins)."""
+    import torch
+
+    from foldkv.kernels import registry
+
+    out, manifest = fp8_prefill_build
+    (k,) = manifest["kernels"]
+    assert (k["name"], k["family"], k["format"]) == ("prefill_folded_fp8", "prefill", "folded")
+    assert k["variant_params"] == registry.get("prefill_folded_fp8").params
+    args = [(p["name"], p["dtype"]) for p in k["params"] if p["kind"] == "tensor"]
+    assert args == [("Q", "bfloat16"), ("Pool", "float8_e4m3"), ("Scales", "float32"), ("PageIds", "int32"),
+                    ("SeqLens", "int32"), ("QStart", "int32"), ("QLens", "int32"), ("TileReq", "int32"),
+                    ("TileTok", "int32"), ("Out", "bfloat16"), ("Lse", "float32")]
+    mapped = {t["param"] for t in k["tensor_maps"]}
+    assert {"Pool", "Scales"} <= mapped
+    assert verify(out)["kernels"][0]["cubin_sha256"] == k["cubin_sha256"]
+    check_build_matches(manifest, fmt="folded", page_size=64, kernel="prefill_folded_fp8")
+    with pytest.raises(AotMismatchError, match="page size 64, the pool has 32"):
+        check_build_matches(manifest, page_size=32, kernel="prefill_folded_fp8")
+    kernel = AotBuild(out).kernel("prefill_folded_fp8")
+    sizes = dict(Tq=9, NP=3, B=2, MP=4, NT=2)
+    tensors = [torch.zeros([eval_size(x, sizes) for x in p["shape"]], dtype=_aot_dtype(p["dtype"]))
+               for p in k["params"] if p["kind"] == "tensor"]
+    tensors[1] = tensors[1].to(torch.bfloat16)  # a bf16 pool where the kernel reads e4m3
+    with pytest.raises(FoldKvInputError, match="Pool has dtype torch.bfloat16, expected float8_e4m3"):
+        kernel.bind(tensors)
+
+
+def _aot_dtype(name: str):
+    from foldkv.aot.loader import _torch_dtype
+
+    return _torch_dtype(name)
+
+
 def test_active_build_needs_a_folder(monkeypatch):
     from foldkv import aot
 

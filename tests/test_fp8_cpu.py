@@ -214,11 +214,12 @@ def test_format_error_of_a_spread_decode_is_within_its_derived_bound():
     assert 0 < res["out_max_over_finite_bound"] < 1 and math.isfinite(res["out_rel_fro"])
 
 
-@pytest.mark.parametrize("misuse", ["decode-as-bf16", "decode-without-scales", "decode-scales-shape", "prefill",
-                                    "bf16-pool-decode-as-fp8"])
+@pytest.mark.parametrize("misuse", ["decode-as-bf16", "decode-without-scales", "decode-scales-shape",
+                                    "bf16-pool-decode-as-fp8", "prefill-as-bf16", "prefill-without-scales"])
 def test_launchers_refuse_a_dtype_mismatch_before_anything_runs(misuse):
-    """A pool of one dtype asked to decode as the other, an FP8 pool without (or with misshapen) scales, and the
-    prefill (bf16 pools only) are refused on the CPU before any build or launch, writing nothing."""
+    """A pool of one dtype asked to decode (or prefill) as the other and an FP8 pool without (or with misshapen)
+    scales are refused on the CPU before any build or launch, writing nothing (tests/test_prefill_cpu.py has the
+    prefill's full set)."""
     from foldkv.kernels.decode import decode
     from foldkv.kernels.prefill import prefill
 
@@ -237,7 +238,10 @@ def test_launchers_refuse_a_dtype_mismatch_before_anything_runs(misuse):
         "decode-scales-shape": (lambda: decode(fk.PagedKvPool(pool.layout, data=pool.data,
                                                               scales=pool.scales[:, :, :32].contiguous()),
                                                query, table), "pool scales"),
-        "prefill": (lambda: prefill(pool, query, table, torch.ones(2, dtype=torch.int32)), "float8|FP8|bf16"),
+        "prefill-as-bf16": (lambda: prefill(pool, query, table, torch.ones(2, dtype=torch.int32),
+                                            kv_dtype=torch.bfloat16), "bfloat16 prefill"),
+        "prefill-without-scales": (lambda: prefill(fk.PagedKvPool(pool.layout, data=pool.data, scales=None), query,
+                                                   table, torch.ones(2, dtype=torch.int32)), "no scales"),
     }[misuse]
     with pytest.raises(fk.FoldKvInputError, match=match):
         call()

@@ -1,6 +1,6 @@
 """CPU tests of the prefill and the fused prep: the tile plan, the registry entries, generation of every variant for
 sm_90a without a GPU (argument order, wgmma + TMA in the emitted CUDA, no spills), and the refusals that need no GPU
-(every check runs before the device check)."""
+(every check runs before the device check), over bf16 and FP8 pools."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from conftest import require_tilelang
 
 import foldkv
 from foldkv import FoldKvInputError, KvFormat, PagedKvLayout, PagedKvPool
+from foldkv.fp8 import FP8_DTYPE
 from foldkv.kernels import prefill_attention, registry
 from foldkv.kernels.prefill import TOKENS_PER_TILE, prefill, tile_plan, variant_name
 from foldkv.kernels.prep_kernel import prep_and_store_gpu
@@ -17,6 +18,7 @@ from foldkv.kernels.prep_kernel import prep_and_store_gpu
 GEOM = foldkv.GEMMA4_31B
 FORMATS = [KvFormat.SPLIT, KvFormat.FOLDED]
 PREFILL_ARGS = ["Q", "Pool", "PageIds", "SeqLens", "QStart", "QLens", "TileReq", "TileTok", "Out", "Lse"]
+PREFILL_FP8_ARGS = ["Q", "Pool", "Scales", *PREFILL_ARGS[2:]]  # the scales right after the pool
 PREP_ARGS = ["Qraw", "KVraw", "QNormW", "KNormW", "InvFreq", "Positions", "SlotPage", "SlotOffset", "Pool", "QueryOut"]
 
 
@@ -40,10 +42,21 @@ def test_registry_holds_every_variant():
         assert names[variant_name(fmt)].family == "prefill" and names[variant_name(fmt)].format is fmt
         assert names[f"prep_{fmt.value}"].family == "prep" and names[f"prep_{fmt.value}"].format is fmt
     assert names["prefill_folded"].params == names["prefill_split"].params == prefill_attention.DEFAULTS
+    fp8 = names[variant_name(KvFormat.FOLDED, quantized=True)]
+    assert fp8.name == "prefill_folded_fp8" and fp8.family == "prefill" and fp8.format is KvFormat.FOLDED
+    assert set(fp8.params) == set(prefill_attention.DEFAULTS) and fp8.params["block_N"] == 64
+    assert fp8.build_function().hands_out == "prefill_{fmt}_fp8"
+
+
+def test_an_fp8_split_prefill_is_never_built():
+    require_tilelang()
+    with pytest.raises(ValueError, match="FP8 rows are folded only"):
+        prefill_attention.prefill_program(GEOM, KvFormat.SPLIT, fp8=True)
 
 
 # --- generation for sm_90a, no GPU ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["prefill_split", "prefill_folded", "prep_split", "prep_folded"])
+@pytest.fixture(scope="module", params=["prefill_split", "prefill_folded", "prefill_folded_fp8", "prep_split",
+                                        "prep_folded"])
 def generated(request):
     require_tilelang()
     return request.param, registry.get(request.param).build(GEOM)
@@ -53,7 +66,16 @@ def test_generated_kernel(generated):
     name, kernel = generated
     params = [kernel.prim_func.buffer_map[p].name for p in kernel.prim_func.params]
     src = kernel.get_kernel_source()
-    if name.startswith("prefill"):
+    if name == "prefill_folded_fp8":
+        assert params == PREFILL_FP8_ARGS  # the order prefill() passes and an AOT backend must follow
+        buffers = kernel.prim_func.buffer_map
+        assert [str(buffers[p].dtype) for p in kernel.prim_func.params[1:3]] == ["float8_e4m3", "float32"]
+        assert "wgmma" in src and "Scales_desc" in src, "expected wgmma and a TMA load of the scales"
+        # the row as stored: five 128-column e4m3 panels by TMA, every gemm on bf16 tiles (no FP8 MMA)
+        assert src.count("tma_load(Pool_desc") == 5 and all(f"stored_{p}" in src for p in range(5))
+        assert "wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32" in src
+        assert "DataType::kFloat8" not in src
+    elif name.startswith("prefill"):
         assert params == PREFILL_ARGS  # the order prefill() passes and an AOT backend must follow
         assert "wgmma" in src and "tma_load" in src, "expected Hopper wgmma + TMA loads"
     else:
@@ -85,7 +107,7 @@ def test_valid_cpu_input_reaches_only_the_device_check():
     ("lse_dtype", "lse has dtype"),
     ("page_id", "page_ids"),
     ("page_size", "not a multiple of the kernel's key tile"),
-    ("pool_dtype", "reads bf16 pools"),
+    ("pool_dtype", "prefill kernels read bf16 or FP8"),
     ("backend", "backend 'triton'"),
     ("kernels", r"kernels= names \['prefill_split'\]; this launch uses \['prefill_folded'\]"),
     ("param", r"prefill_folded has no parameter \['block_n'\]"),
@@ -119,6 +141,56 @@ def test_prefill_refusals(bad, match):
         kw["backend"] = "triton"
     with pytest.raises(FoldKvInputError, match=match):
         prefill(pool, query, table, q_lens, **kw)
+
+
+def _fp8_case(seq_lens=(70, 5), q_lens=(6, 5)):
+    pool = PagedKvPool(PagedKvLayout(GEOM, KvFormat.FOLDED, 64, 8, dtype=FP8_DTYPE), fill=0.5)
+    table = pool.allocate(list(seq_lens), pad_pages=1, pad_value=-1)
+    query = torch.randn(sum(q_lens), GEOM.num_q_heads, GEOM.head_dim).to(torch.bfloat16)
+    return pool, query, table, torch.tensor(q_lens, dtype=torch.int32)
+
+
+def test_valid_fp8_input_reaches_only_the_device_check():
+    pool, query, table, q_lens = _fp8_case()
+    with pytest.raises(FoldKvInputError, match="prefill runs on CUDA"):
+        prefill(pool, query, table, q_lens, kv_dtype=FP8_DTYPE)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("fp8_pool_as_bf16", "a torch.bfloat16 prefill was asked of a pool that stores torch.float8_e4m3fn"),
+    ("bf16_pool_as_fp8", "a torch.float8_e4m3fn prefill was asked of a pool that stores torch.bfloat16"),
+    ("scales_missing", "an FP8 pool has no scales"),
+    ("scales_shape", r"pool scales has shape \[8, 4, 32\]"),
+    ("scales_dtype", "pool scales has dtype torch.float64"),
+    ("scales_on_bf16_pool", "pool holds no scales"),
+    ("bf16_kernel_for_fp8_pool", r"kernels= names \['prefill_folded'\]; this launch uses \['prefill_folded_fp8'\]"),
+])
+def test_fp8_prefill_refusals_write_nothing(bad, match):
+    """A pool of one dtype asked to run as the other, an FP8 pool's scales missing or misshapen (or scales on a bf16
+    pool), and the bf16 kernel offered for an FP8 pool: refused before the device check, the pool unchanged."""
+    pool, query, table, q_lens = _fp8_case()
+    kw = {}
+    if bad == "fp8_pool_as_bf16":
+        kw["kv_dtype"] = torch.bfloat16
+    elif bad == "bf16_pool_as_fp8":
+        pool = _cpu_case()[0]
+        kw["kv_dtype"] = FP8_DTYPE
+    elif bad == "scales_missing":  # the pool's tensors changed after it was made (its constructor checks them)
+        pool.scales = None
+    elif bad == "scales_shape":
+        pool.scales = pool.scales[:, :, :32].contiguous()
+    elif bad == "scales_dtype":
+        pool.scales = pool.scales.double()
+    elif bad == "scales_on_bf16_pool":
+        pool = _cpu_case()[0]
+        pool.scales = torch.ones(8, 4, 64)
+    else:
+        kw["kernels"] = {"prefill_folded": lambda *args: None}
+    data, scales = pool.data.clone(), None if pool.scales is None else pool.scales.clone()
+    with pytest.raises(FoldKvInputError, match=match):
+        prefill(pool, query, table, q_lens, **kw)
+    assert torch.equal(pool.data.view(torch.uint8), data.view(torch.uint8))
+    assert (pool.scales is None and scales is None) or torch.equal(pool.scales, scales)
 
 
 def _prep_case():

@@ -1,8 +1,11 @@
-"""GPU gates of the paged causal prefill (both formats) through `foldkv.lab.gates` (the notebook's gates: float64
-reference, hostile pools with NaN/Inf pages and poisoned page-table padding, NaN-poisoned outputs with rows past the
-plan that must stay untouched): a chunk starting mid-page, a one-token chunk, a whole short prompt, a page-aligned
-chunk, a ragged batch and an 8,192-token chunk ending at 163,336; a rerun is bit-identical; refusals write nothing.
-The last row of a prefill against a decode of the same token is `tests/test_gates_gpu.py`'s."""
+"""GPU gates of the paged causal prefill (both formats over bf16 pools, and folded over an FP8 pool) through
+`foldkv.lab.gates` (the notebook's gates: float64 reference over the pool as stored - an FP8 pool's rows dequantized -,
+hostile pools with NaN/Inf pages and poisoned page-table padding, NaN-poisoned outputs with rows past the plan that
+must stay untouched): a chunk starting mid-page, a one-token chunk, a whole short prompt, a page-aligned chunk, a
+ragged batch and an 8,192-token chunk ending at 163,336; a rerun is bit-identical; refusals write nothing. The FP8
+bound is the bf16 one plus the derived term for P rounded to bf16 after its scale (`gates.compare(p_scaled=True)`);
+its red twin runs the kernel with two tokens' scales swapped and must fail. The last row of a prefill against a
+decode of the same token is `tests/test_gates_gpu.py`'s."""
 
 from __future__ import annotations
 
@@ -14,13 +17,18 @@ import torch
 
 import foldkv
 from foldkv import FoldKvInputError, KvFormat
+from foldkv.fp8 import FP8_DTYPE
 from foldkv.kernels.prefill import prefill
 from foldkv.lab import gates
 
 pytestmark = pytest.mark.gpu
 
 GEOM = foldkv.GEMMA4_31B
-FORMATS = [KvFormat.SPLIT, KvFormat.FOLDED]
+POOLS = {  # pool kind: (format, stored dtype)
+    "split": (KvFormat.SPLIT, torch.bfloat16),
+    "folded": (KvFormat.FOLDED, torch.bfloat16),
+    "folded_fp8": (KvFormat.FOLDED, FP8_DTYPE),
+}
 GATE_LOG = os.environ.get("FOLDKV_PREFILL_GATE_LOG")  # one JSON line per gated case, for the notes
 
 CASES = {  # name: (seq_lens, q_lens)
@@ -33,25 +41,69 @@ CASES = {  # name: (seq_lens, q_lens)
 }
 
 
-def make_case(fmt: KvFormat, name: str, seed: int, device: torch.device) -> gates.GateInputs:
+def make_case(fmt: KvFormat, name: str, seed: int, device: torch.device,
+              dtype: torch.dtype = torch.bfloat16) -> gates.GateInputs:
     seq_lens, q_lens = CASES[name]
-    return gates.make_inputs(gates.Case(name, seq_lens, q_lens=q_lens), fmt, device, seed)
+    return gates.make_inputs(gates.Case(name, seq_lens, q_lens=q_lens), fmt, device, seed, dtype=dtype)
+
+
+def _scales(pool) -> torch.Tensor | None:
+    return None if pool.scales is None else pool.scales.clone()
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_prefill_matches_reference(cuda_device, fmt, case):
-    inputs = make_case(fmt, case, seed=len(case) * 31 + len(CASES[case][0]), device=cuda_device)
-    res = gates.run_case(inputs, gates.prefill_arm())
-    row = gates.summary_row(inputs.case, fmt, "jit", res)
+@pytest.mark.parametrize("pool_kind", list(POOLS))
+def test_prefill_matches_reference(cuda_device, pool_kind, case):
+    fmt, dtype = POOLS[pool_kind]
+    inputs = make_case(fmt, case, seed=len(case) * 31 + len(CASES[case][0]), device=cuda_device, dtype=dtype)
+    scales_before = _scales(inputs.pool)
+    res = gates.run_case(inputs, gates.prefill_arm())  # an FP8 pool: compare(p_scaled=True), the derived extra term
+    row = gates.summary_row(inputs.case, fmt, "jit" if dtype == torch.bfloat16 else "jit-fp8", res)
     if GATE_LOG:
         with open(GATE_LOG, "a") as fh:
             fh.write(json.dumps(row) + "\n")
     assert res["passed"], row
+    if scales_before is not None:
+        assert torch.equal(inputs.pool.scales.view(torch.int32), scales_before.view(torch.int32)), "scales changed"
     # same inputs again: a moving result is a race
     out, lse = res["outputs"]
     again = gates.run_case(inputs, gates.prefill_arm())["outputs"]
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+
+
+def test_fp8_prefill_with_two_scales_swapped_fails(cuda_device):
+    """Red twin of the FP8 gate: the kernel reads the pool with token 0's scale swapped (in every KV head) with the
+    scale of the token that differs from it most, the reference reads the pool as written. Query 0 of the whole
+    prompt sees token 0 alone (its output is token 0's value row), so the swap moves it by the scales' ratio."""
+    inputs = make_case(KvFormat.FOLDED, "whole_prompt_54", seed=5, device=cuda_device, dtype=FP8_DTYPE)
+    pool, table = inputs.pool, inputs.table
+    n = int(table.seq_lens[0])
+    page0 = int(table.page_ids[0, 0])
+    slots = [(int(table.page_ids[0, t // 64]), t % 64) for t in range(n)]
+    scales = torch.stack([pool.scales[p, :, o] for p, o in slots])  # [n, Hkv]
+    other = (scales[1:] / scales[0]).log().abs().argmax(dim=0) + 1  # [Hkv] the token farthest from token 0
+    ratio = scales[other, torch.arange(scales.shape[1])] / scales[0]
+    assert bool(((ratio - 1).abs() > 0.1).all()), f"scales too close to make a red twin: {ratio.tolist()}"
+
+    def swap():
+        for h, t in enumerate(other.tolist()):
+            p, o = slots[t]
+            a, b = pool.scales[page0, h, 0].clone(), pool.scales[p, h, o].clone()
+            pool.scales[page0, h, 0], pool.scales[p, h, o] = b, a
+
+    def swapped_launch(inp: gates.GateInputs, out: torch.Tensor, lse: torch.Tensor):
+        swap()
+        try:
+            res = prefill(inp.pool, inp.query, inp.table, inp.q_lens, out=out, lse=lse)
+            torch.cuda.synchronize()
+            return res
+        finally:
+            swap()  # back: the reference reads the pool as written
+
+    res = gates.run_case(inputs, swapped_launch)
+    assert res["all_written"] and not res["elementwise_ok"] and not res["passed"], \
+        gates.summary_row(inputs.case, KvFormat.FOLDED, "jit-fp8-swapped-scales", res)
+    assert gates.run_case(inputs, gates.prefill_arm())["passed"]  # the same inputs, unswapped, pass
 
 
 @pytest.mark.parametrize("case", ["mid_page_chunk", "ragged_batch"])
@@ -73,10 +125,13 @@ def test_bench_version_shared_tiles_matches_reference(cuda_device, case):
     assert res["passed"], gates.summary_row(inputs.case, KvFormat.FOLDED, "shared-tiles", res)
 
 
-@pytest.mark.parametrize("bad", ["q_len_past_seq", "query_rows", "query_dtype", "page_id", "out_shape", "backend"])
-def test_refusals_write_nothing(cuda_device, bad):
+@pytest.mark.parametrize("bad", ["q_len_past_seq", "query_rows", "query_dtype", "page_id", "out_shape", "backend",
+                                 "kv_dtype"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_DTYPE], ids=["bf16", "fp8"])
+def test_refusals_write_nothing(cuda_device, bad, dtype):
     fmt = KvFormat.FOLDED
-    inputs = gates.make_inputs(gates.Case("refuse", (130, 65), q_lens=(10, 65)), fmt, cuda_device, seed=2)
+    inputs = gates.make_inputs(gates.Case("refuse", (130, 65), q_lens=(10, 65)), fmt, cuda_device, seed=2,
+                               dtype=dtype)
     pool, query, table = inputs.pool, inputs.query, inputs.table
     q_lens = inputs.q_lens.to(cuda_device)
     out_buf, lse_buf = gates.poisoned_outputs(query.shape[0], GEOM, cuda_device, pad_rows=1)
@@ -96,14 +151,18 @@ def test_refusals_write_nothing(cuda_device, bad):
     elif bad == "out_shape":
         kw["out"] = out_buf
         match = "out has shape"
+    elif bad == "kv_dtype":  # a pool of one dtype asked to run as the other
+        kw["kv_dtype"] = FP8_DTYPE if dtype == torch.bfloat16 else torch.bfloat16
+        match = "prefill was asked of a pool that stores"
     else:
         kw["backend"] = "cuda"
         match = "backend"
-    pool_before = pool.data.clone()
+    pool_before, scales_before = pool.data.clone(), _scales(pool)
     out_before, lse_before = out_buf.clone(), lse_buf.clone()
     with pytest.raises(FoldKvInputError, match=match):
         prefill(pool, query, table, q_lens, **kw)
     torch.cuda.synchronize()
     assert torch.equal(pool.data.view(torch.int16), pool_before.view(torch.int16))
+    assert scales_before is None or torch.equal(pool.scales.view(torch.int32), scales_before.view(torch.int32))
     assert torch.equal(out_buf.view(torch.int16), out_before.view(torch.int16))
     assert torch.equal(lse_buf.view(torch.int32), lse_before.view(torch.int32))

@@ -45,18 +45,19 @@ def pool_operands(pool: PagedKvPool) -> tuple[torch.Tensor, ...]:
     return (pool.data, pool.scales) if pool.layout.quantized else (pool.data,)
 
 
-def check_decode_pool(pool: PagedKvPool) -> None:
-    """Refuse a pool the decode kernels cannot read: stored as anything but bf16 or FP8 (e4m3), or whose tensors are
-    not what its layout says (`check_pool_storage`: rows of the layout's dtype and shape; an FP8 pool's scales)."""
+def check_decode_pool(pool: PagedKvPool, op: str = "decode") -> None:
+    """Refuse a pool the `op` kernels (decode, or prefill: they read the same pools) cannot read: stored as anything
+    but bf16 or FP8 (e4m3), or whose tensors are not what its layout says (`check_pool_storage`: rows of the
+    layout's dtype and shape; an FP8 pool's scales)."""
     if pool.layout.dtype not in (torch.bfloat16, FP8_DTYPE):
-        raise FoldKvInputError(f"the decode kernels read bf16 or FP8 (e4m3) pools; this one stores {pool.layout.dtype}")
+        raise FoldKvInputError(f"the {op} kernels read bf16 or FP8 (e4m3) pools; this one stores {pool.layout.dtype}")
     check_pool_storage(pool)
 
 
-def check_pool_dtype(pool: PagedKvPool, kv_dtype) -> None:
-    """Refuse a pool whose stored dtype is not `kv_dtype` (when given): a decode asked for one dtype of the other."""
+def check_pool_dtype(pool: PagedKvPool, kv_dtype, op: str = "decode") -> None:
+    """Refuse a pool whose stored dtype is not `kv_dtype` (when given): an `op` asked for one dtype of the other."""
     if kv_dtype is not None and kv_dtype != pool.layout.dtype:
-        raise FoldKvInputError(f"a {kv_dtype} decode was asked of a pool that stores {pool.layout.dtype}")
+        raise FoldKvInputError(f"a {kv_dtype} {op} was asked of a pool that stores {pool.layout.dtype}")
 
 
 def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, plan: DecodePlan | None,

@@ -2,10 +2,13 @@
 
 `prefill(pool, query, table, q_lens)` runs request r's q_lens[r] queries (its last positions, bottom-right causal)
 against its pages and returns (out [sum(q_lens), 32, 512] bf16 head order, lse [sum(q_lens), 32] float32 natural
-log). The kernel ("prefill_split" or "prefill_folded", argument order documented in prefill_attention.py) comes from
-`foldkv.kernels.resolve.kernel(name, geometry, params, backend)` with the pool's page size among its params ("jit":
-built here with TileLang; "aot": from the active AOT build, refused unless built with these params), or from
-`kernels={name: callable}` (an experiment's variant).
+log). The kernel ("prefill_split" or "prefill_folded" over a bf16 pool, "prefill_folded_fp8" over an FP8 folded
+pool; argument order documented in prefill_attention.py) comes from `foldkv.kernels.resolve.kernel(name, geometry,
+params, backend)` with the pool's page size among its params ("jit": built here with TileLang; "aot": from the active
+AOT build, refused unless built with these params), or from `kernels={name: callable}` (an experiment's variant).
+It is called as
+    kernel(query, pool.data, [pool.scales,] page_ids, seq_lens, q_start, q_lens, tile_req, tile_tok, out, lse)
+with an FP8 pool's scales [P, Hkv, page] float32 right after its e4m3 rows and nothing there for a bf16 pool.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ from ..layout import KvFormat
 from ..pool import BlockTable, PagedKvPool, check_block_table
 from ..validate import FoldKvInputError, check_tensor
 from . import resolve
+from .decode import check_decode_pool, check_pool_dtype, pool_operands
 
 TOKENS_PER_TILE = 8  # query tokens per CTA: 8 tokens x 8 heads of one KV group = 64 MMA rows
 
 
-def variant_name(fmt: KvFormat | str) -> str:
-    return f"prefill_{KvFormat.parse(fmt).value}"
+def variant_name(fmt: KvFormat | str, quantized: bool = False) -> str:
+    """The prefill kernel of `fmt` pages; `quantized`: over an FP8 pool (folded only)."""
+    return f"prefill_{KvFormat.parse(fmt).value}" + ("_fp8" if quantized else "")
 
 
 # --- plan --------------------------------------------------------------------------------------------------------
@@ -39,11 +44,12 @@ def tile_plan(q_lens: torch.Tensor, tokens_per_tile: int = TOKENS_PER_TILE) -> t
     return q_start.int(), tile_req.int(), tile_tok.int()
 
 
-def _check(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: torch.Tensor, out, lse, params) -> int:
+def _check(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: torch.Tensor, out, lse, params,
+           kv_dtype) -> int:
     """Everything that can be refused, before any launch; the device comes last so the CPU tests reach the rest."""
     geom = pool.geometry
-    if pool.layout.dtype != torch.bfloat16:
-        raise FoldKvInputError(f"prefill reads bf16 pools; this one is {pool.layout.dtype}")
+    check_pool_dtype(pool, kv_dtype, op="prefill")
+    check_decode_pool(pool, op="prefill")  # bf16 or FP8 rows, and an FP8 pool's scales, as its layout says
     if pool.layout.page_size % params["block_N"]:
         raise FoldKvInputError(
             f"page_size {pool.layout.page_size} is not a multiple of the kernel's key tile of {params['block_N']}"
@@ -73,27 +79,28 @@ def _check(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: to
 
 def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: torch.Tensor, *,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, backend: str = "jit",
-            params: dict | None = None, kernels: Mapping[str, Callable] | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            params: dict | None = None, kernels: Mapping[str, Callable] | None = None,
+            kv_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal paged prefill for a ragged batch: request r's q_lens[r] queries are its last positions.
 
-    pool: bf16 on a CUDA device (Hopper for the generated kernels), page_size a multiple of the kernel's key tile
-    (64). table: BlockTable, int32, any device (copied to the pool's). q_lens: [B] int32/int64, any device,
+    pool: bf16 (either format) or FP8 e4m3 with its scales (folded), on a CUDA device (Hopper for the generated
+    kernels), page_size a multiple of the kernel's key tile (64); `kv_dtype`, when given, must be the pool's stored
+    dtype. table: BlockTable, int32, any device (copied to the pool's). q_lens: [B] int32/int64, any device,
     1 <= q_lens[r] <= seq_lens[r]. query: [sum(q_lens), Hq, D] bf16, contiguous, on the pool's device, in the pool
     format's form (what prep_and_store returns), request by request. Returns (out [sum(q_lens), Hq, D] bf16 head
     order, lse [sum(q_lens), Hq] float32 natural log) on the pool's device; `out`/`lse` given (same shapes and
     dtypes, contiguous) are written in place. `params` overrides the variant's tuning constants (the benchmark uses
-    it; the page size is always the pool's). backend: "jit" or "aot". kernels: {variant_name(pool.format): callable
-    taking the kernel's arguments} replaces the backend's kernel (an experiment's variant built with `params`). Bad
-    input raises FoldKvInputError before anything is built or launched.
+    it; the page size is always the pool's). backend: "jit" or "aot". kernels: {variant_name(pool.format,
+    pool.layout.quantized): callable taking the kernel's arguments} replaces the backend's kernel (an experiment's
+    variant built with `params`). Bad input raises FoldKvInputError before anything is built or launched.
     """
     resolve.check_backend(backend)
     if not isinstance(pool, PagedKvPool):
         raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
-    name = variant_name(pool.format)
+    name = variant_name(pool.format, pool.layout.quantized)
     resolve.check_kernels((name,), kernels)
     p = resolve.kernel_params(name, {**(params or {}), "page_size": pool.layout.page_size})
-    total = _check(pool, query, table, q_lens, out, lse, p)
+    total = _check(pool, query, table, q_lens, out, lse, p, kv_dtype)
     geom, dev = pool.geometry, pool.device
     (kernel,) = resolve.launch_kernels((name,), geom, {name: p}, backend, kernels)
     q_start, tile_req, tile_tok = tile_plan(q_lens)
@@ -101,7 +108,7 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
         out = torch.empty((total, geom.num_q_heads, geom.head_dim), dtype=torch.bfloat16, device=dev)
     if lse is None:
         lse = torch.empty((total, geom.num_q_heads), dtype=torch.float32, device=dev)
-    kernel(query, pool.data, table.page_ids.to(dev, torch.int32).contiguous(),
+    kernel(query, *pool_operands(pool), table.page_ids.to(dev, torch.int32).contiguous(),
            table.seq_lens.to(dev, torch.int32).contiguous(), q_start.to(dev), q_lens.to(dev, torch.int32),
            tile_req.to(dev), tile_tok.to(dev), out, lse)
     return out, lse

@@ -11,10 +11,21 @@ two TMA tiles per key block (`windows`):
            value-window order and the epilogue's store addressing puts it back in head order: window [0,192) ->
            head [64,256), [192,384) -> [320,512), [384,448) -> [0,64), [448,512) -> [256,320).
 A folded tiling that loads the shared columns once lost (bench/versions/prefill_shared_tiles.py).
+    FOLDED over an FP8 pool (`fp8`, foldkv.fp8: e4m3 rows, one float32 scale per token x KV head): the row is loaded
+           as stored, in five 128-column e4m3 panels (one TMA box each) beside the block's token scales, and
+           converted exactly (e4m3 values are bf16 values) into three bf16 tiles K_rot, V_unrot, V_rot, the decode
+           partial's folded tiles: scores = q_rot . K_rot + q_unrot' . V_unrot, values = P . V_unrot and P . V_rot
+           into two accumulators (value-window order). The two 512-column windows would need 128 KiB of bf16 tiles
+           beside the 40 KiB of panels and 64 KiB of query: past 227 KiB at block_N 64. The TMA buffers are the
+           panels, free again once converted, so the next block's load overlaps this block's gemms. A token's scale
+           multiplies its score column (float32, after Q.K) and P's column after the softmax sums (the denominator
+           keeps the unscaled P), before P is rounded to bf16 for P.V. Every product accumulates in float32 (no FP8
+           MMA).
 
 Kernel argument order (the AOT loader relies on it):
   Q       [Tq, 32, 512] bf16   query in the format's form, request r's rows at q_start[r]..q_start[r]+q_len[r]
-  Pool    [P, 4, page, W] bf16 (W = 1024 split, 640 folded)
+  Pool    [P, 4, page, W] bf16 (W = 1024 split, 640 folded); e4m3 for prefill_folded_fp8
+  Scales  [P, 4, page] float32 (prefill_folded_fp8 only: one scale per token x KV head, right after Pool)
   PageIds [B, MP] int32, SeqLens [B] int32, QStart [B] int32, QLens [B] int32
   TileReq [NT] int32, TileTok [NT] int32   (tile t covers tokens TileTok[t].. +8 of request TileReq[t])
   Out     [Tq, 32, 512] bf16 (head order), Lse [Tq, 32] float32 (natural log)
@@ -31,10 +42,11 @@ from ..config import GEMMA4_31B, AttentionGeometry
 from ..layout import KvFormat, row_width
 from . import macros
 from . import registry
+from .decode_partial import FP8_PANEL, Convert, Run
 from .registry import hands_out
 from .tl import pass_configs, require_tilelang, target
 
-# The registered tuning constants (the same for both formats; the AOT build compiles the same).
+# The registered tuning constants (the same for both bf16 formats; the AOT build compiles the same).
 DEFAULTS = dict(registry.get("prefill_folded").params)
 
 
@@ -57,6 +69,33 @@ class Windows:
     value: Any
 
 
+@dataclass(frozen=True)
+class ScoreGemm:
+    """One gemm of the score window: S [M, N] += query key^T. A dataclass, not a tuple of buffers: a loop bound to
+    buffers would rename them after its variables and change the emitted CUDA."""
+    query: Any
+    key: Any
+
+
+@dataclass(frozen=True)
+class KeyBlock:
+    """A format's shared tiles for one key block and which feeds which gemm."""
+    query: tuple  # Runs of the query's score window (shared tiles, loaded once)
+    row: tuple  # Runs of the row: one TMA copy each, in load order
+    scores: tuple  # ScoreGemms, summed over the score window
+    values: tuple  # key tiles feeding the output, in value-window order (one accumulator each)
+    convert: tuple = ()  # Converts: an FP8 row's e4m3 panels into the bf16 tiles of the gemms
+    token_scale: Any = None  # [N] float32 shared: an FP8 row's scale per token (None: bf16 rows)
+
+
+@dataclass(frozen=True)
+class Accumulator:
+    """Output columns [col, col + width) of the value window in float32, and the key tile that feeds them."""
+    acc: Any
+    row_tile: Any
+    col: int
+
+
 def windows_macro(fmt: KvFormat, block_N: int, D: int, dtype: str):
     """Allocate the format's two window tiles, under the names the emitted CUDA uses."""
     import tilelang.language as T
@@ -74,6 +113,87 @@ def windows_macro(fmt: KvFormat, block_N: int, D: int, dtype: str):
         return Windows(K_win, V_win)
 
     return split_windows if fmt is KvFormat.SPLIT else folded_windows
+
+
+def key_block_macro(geom: AttentionGeometry, fmt: KvFormat, block_M: int, block_N: int, fp8: bool = False):
+    """The query tiles and a key block's tiles (allocated under the names the emitted CUDA uses), as a macro: the
+    query [block_M, D] and the format's two windows (bf16 pools), or for an FP8 folded pool the query in its rotated
+    and unrotated parts, the row's e4m3 panels as stored, their bf16 conversions (K_rot, V_unrot, V_rot) and the
+    tokens' scales."""
+    import tilelang.language as T
+    from tvm.script.ir_builder import IRBuilder
+
+    D, R = geom.head_dim, geom.rotary_width
+    U = D - R
+    V_LO = D if fmt is KvFormat.SPLIT else R  # the value window row[V_LO:V_LO + D]
+    dtype, accum, e4m3 = "bfloat16", "float32", "float8_e4m3"
+    windows = windows_macro(fmt, block_N, D, dtype)
+
+    @T.macro
+    def window_block():
+        Q_shared = T.alloc_shared([block_M, D], dtype)  # score-window order
+        win = windows()
+        return KeyBlock(query=(Run(Q_shared, 0, D),), row=(Run(win.score, 0, D), Run(win.value, V_LO, V_LO + D)),
+                        scores=(ScoreGemm(Q_shared, win.score),), values=(win.value,))
+
+    @T.macro
+    def folded_fp8_block():
+        q_rot = T.alloc_shared([block_M, R], dtype)  # [64, 128] score window [0, R)
+        q_unrot = T.alloc_shared([block_M, U], dtype)  # [64, 384] score window [R, D): q_unrot * w_k
+        # the stored row in panels of FP8_PANEL columns, each named (nameless buffers are suffixed in no fixed order
+        # and the emitted CUDA would differ from build to build)
+        stored = [IRBuilder.name(f"stored_{p}", T.alloc_shared([block_N, FP8_PANEL], e4m3))
+                  for p in range((D + R) // FP8_PANEL)]
+        k_rot = T.alloc_shared([block_N, R], dtype)  # row[0:R]    in bf16 (exact: e4m3 has 3 fraction bits)
+        v_unrot = T.alloc_shared([block_N, U], dtype)  # row[R:D]  a key column and a value column
+        v_rot = T.alloc_shared([block_N, R], dtype)  # row[D:D+R]
+        scale_s = T.alloc_shared([block_N], accum)  # [N] the tokens' scales
+        tiles = ((k_rot, 0), (v_unrot, R), (v_rot, D))  # (bf16 tile, first row column)
+        convert = tuple(Convert(stored[p], tile, p * FP8_PANEL - lo) for p in range(len(stored))
+                        for tile, lo in tiles if lo <= p * FP8_PANEL < lo + tile.shape[1])
+        return KeyBlock(query=(Run(q_rot, 0, R), Run(q_unrot, R, D)),
+                        row=tuple(Run(t, p * FP8_PANEL, (p + 1) * FP8_PANEL) for p, t in enumerate(stored)),
+                        scores=(ScoreGemm(q_rot, k_rot), ScoreGemm(q_unrot, v_unrot)), values=(v_unrot, v_rot),
+                        convert=convert, token_scale=scale_s)
+
+    if fp8:
+        if fmt is not KvFormat.FOLDED:
+            raise ValueError("FP8 rows are folded only (foldkv.pool.PagedKvLayout refuses an FP8 split pool)")
+        return folded_fp8_block
+    return window_block
+
+
+def accumulators_macro(block_M: int, D: int, fp8: bool = False):
+    """The output accumulators (float32 fragments, value-window order), one per value tile of the key block."""
+    import tilelang.language as T
+
+    accum = "float32"
+
+    @T.macro
+    def window_accumulators(block):
+        acc_o = T.alloc_fragment([block_M, D], accum)  # value-window order
+        return (Accumulator(acc_o, block.values[0], 0),)
+
+    @T.macro
+    def folded_fp8_accumulators(block):
+        acc_o_unrot = T.alloc_fragment([block_M, block.values[0].shape[1]], accum)  # value window [0, U)
+        acc_o_rot = T.alloc_fragment([block_M, block.values[1].shape[1]], accum)  # value window [U, D)
+        return (Accumulator(acc_o_unrot, block.values[0], 0),
+                Accumulator(acc_o_rot, block.values[1], block.values[0].shape[1]))
+
+    return folded_fp8_accumulators if fp8 else window_accumulators
+
+
+def e4m3_to_bf16_macro(rows: int, cols: int):
+    """The one e4m3 -> bf16 conversion of the FP8 prefill: a stored panel [rows, cols] into columns [col, col + cols)
+    of a bf16 shared tile, exactly (every e4m3 value is a bf16 value)."""
+    import tilelang.language as T
+
+    @T.macro
+    def e4m3_to_bf16(stored, tile, col):
+        T.copy(stored, tile[:, col:col + cols])
+
+    return e4m3_to_bf16
 
 
 def head_column_of(geom: AttentionGeometry, fmt: KvFormat):
@@ -97,13 +217,13 @@ def head_column_of(geom: AttentionGeometry, fmt: KvFormat):
     return head_column
 
 
-@hands_out("prefill_{fmt}")
-def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.FOLDED, *, page_size: int = 64,
-          block_N: int = 64, num_stages: int = 1, threads: int = 256, arch: str | None = None):
-    """Compile (JIT) the prefill kernel for `geom` and `fmt`; returns a TileLang kernel taking the arguments above."""
+def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_N: int = 64,
+                    num_stages: int = 1, threads: int = 256, fp8: bool = False):
+    """The TileLang prim_func of the prefill for one geometry, page format and tiling; `fp8`: over an FP8 folded pool
+    (its scales an extra argument right after the pool)."""
     fmt = KvFormat.parse(fmt)
     check_geometry(geom, fmt)
-    tilelang = require_tilelang()
+    require_tilelang()
     import tilelang.language as T
 
     if page_size % block_N:
@@ -111,31 +231,102 @@ def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.F
     D = geom.head_dim
     HQ, HKV, G = geom.num_q_heads, geom.num_kv_heads, geom.group_size
     W = row_width(geom, fmt)
-    V_LO = D if fmt is KvFormat.SPLIT else geom.rotary_width  # the value window row[V_LO:V_LO + D]
     block_M = 64
     TOK = block_M // G  # query tokens per tile (8)
     dtype, accum = "bfloat16", "float32"
     head_column = head_column_of(geom, fmt)
 
-    @tilelang.jit(target=target(arch) if arch else target(), pass_configs=pass_configs())
-    def prefill(page_size, block_N, num_stages, threads):
-        Tq, NP, B, MP, NT = T.dynamic("Tq, NP, B, MP, NT")
-        windows = windows_macro(fmt, block_N, D, dtype)
-        online_softmax = macros.online_softmax_macro(key_dim=1, fold_scale=True)
-        mask_scores = macros.mask_scores_macro()
-        zero_rows = macros.zero_rows_macro()
+    Tq, NP, B, MP, NT = T.dynamic("Tq, NP, B, MP, NT")
+    key_block = key_block_macro(geom, fmt, block_M, block_N, fp8=fp8)
+    accumulators = accumulators_macro(block_M, D, fp8=fp8)
+    e4m3_to_bf16 = e4m3_to_bf16_macro(block_N, FP8_PANEL)
+    online_softmax = macros.online_softmax_macro(key_dim=1, fold_scale=True)
+    mask_scores = macros.mask_scores_macro()
+    zero_rows = macros.zero_rows_macro()
 
-        @T.macro
-        def load_query(Q, Q_shared, q_base, tok0, q_len, kv_head):
-            # row i = (token tok0 + i // G, head kv_head * G + i % G); tokens past the chunk repeat its last token
-            # (computed, never stored) so every row has a valid causal position and no row is all -inf.
-            for i, d in T.Parallel(block_M, D):
-                Q_shared[i, d] = Q[q_base + T.min(tok0 + i // G, q_len - 1), kv_head * G + i % G, d]
+    @T.macro
+    def load_query(Q, pieces, q_base, tok0, q_len, kv_head):
+        # row i = (token tok0 + i // G, head kv_head * G + i % G); tokens past the chunk repeat its last token
+        # (computed, never stored) so every row has a valid causal position and no row is all -inf.
+        for piece in pieces:
+            for i, d in T.Parallel(block_M, piece.hi - piece.lo):
+                piece.tile[i, d] = Q[q_base + T.min(tok0 + i // G, q_len - 1), kv_head * G + i % G, piece.lo + d]
 
+    @T.macro
+    def attention(Q, Pool, Scales, PageIds, SeqLens, QStart, QLens, TileReq, TileTok, Out, Lse):
+        with T.Kernel(NT, HKV, threads=threads) as (bx, by):
+            block = key_block()
+            P_shared = T.alloc_shared([block_M, block_N], dtype)
+            acc_s = T.alloc_fragment([block_M, block_N], accum)
+            outs = accumulators(block)
+            m = T.alloc_fragment([block_M], accum)
+            m_prev = T.alloc_fragment([block_M], accum)
+            alpha = T.alloc_fragment([block_M], accum)
+            row_sum = T.alloc_fragment([block_M], accum)
+            l = T.alloc_fragment([block_M], accum)
+
+            req = TileReq[bx]
+            tok0 = TileTok[bx]
+            n_kv = SeqLens[req]
+            q_len = QLens[req]
+            q_base = QStart[req]
+            pos0 = n_kv - q_len  # causal position of the chunk's first query (bottom-right aligned)
+
+            load_query(Q, block.query, q_base, tok0, q_len, by)
+            for out in outs:
+                T.fill(out.acc, 0)
+            T.fill(l, 0)
+            T.fill(m, -T.infinity(accum))
+
+            last_pos = pos0 + T.min(tok0 + TOK, q_len) - 1
+            num_blocks = T.ceildiv(last_pos + 1, block_N)
+            for k in T.Pipelined(num_blocks, num_stages=num_stages):
+                page = PageIds[req, (k * block_N) // page_size]
+                off = (k * block_N) % page_size
+                # the score tile's copy first: the producer issues loads in this order and waits for each
+                # buffer's release, so K (released after Q.K) is prefetched while the softmax and P.V run; an FP8
+                # row's panels are released once converted, its scales after the softmax (so they come last)
+                for run in block.row:
+                    T.copy(Pool[page, by, off:off + block_N, run.lo:run.hi], run.tile)
+                if block.token_scale is not None:
+                    T.copy(Scales[page, by, off:off + block_N], block.token_scale)
+                    for conv in block.convert:
+                        e4m3_to_bf16(conv.stored, conv.tile, conv.col)
+                T.clear(acc_s)
+                for score in block.scores:
+                    T.gemm(score.query, score.key, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                if block.token_scale is not None:  # a token's row is its e4m3 values times its scale
+                    for i, j in T.Parallel(block_M, block_N):
+                        acc_s[i, j] *= block.token_scale[j]
+                mask_scores(acc_s, lambda i, j: k * block_N + j <= pos0 + T.min(tok0 + i // G, q_len - 1))
+                # P.V over scaled rows: the scale goes on P's column (keys past the sequence: 0, whatever it holds)
+                key_weight = None if block.token_scale is None else (
+                    lambda j: T.if_then_else(k * block_N + j < n_kv, block.token_scale[j], 0.0))
+                online_softmax(acc_s, P_shared, m, m_prev, alpha, row_sum, l, key_weight)
+                if (k + 1) * block_N > n_kv:
+                    for out in outs:
+                        zero_rows(out.row_tile, lambda j: k * block_N + j < n_kv)
+                for out in outs:
+                    for i, d in T.Parallel(block_M, out.acc.shape[1]):
+                        out.acc[i, d] *= alpha[i]
+                for out in outs:
+                    T.gemm(P_shared, out.row_tile, out.acc, policy=T.GemmWarpPolicy.FullCol)
+
+            # epilogue: normalise, value-window order -> head order, store only the chunk's real tokens
+            for out in outs:
+                for i, d in T.Parallel(block_M, out.acc.shape[1]):
+                    if tok0 + i // G < q_len:
+                        Out[q_base + tok0 + i // G, by * G + i % G, head_column(out.col + d)] = out.acc[i, d] / l[i]
+            for i in T.Parallel(block_M):
+                if tok0 + i // G < q_len:
+                    Lse[q_base + tok0 + i // G, by * G + i % G] = m[i] + T.log2(l[i]) * macros.LN2
+
+    if fp8:
         @T.prim_func
         def main(
             Q: T.Tensor([Tq, HQ, D], dtype),
-            Pool: T.Tensor([NP, HKV, page_size, W], dtype),
+            Pool: T.Tensor([NP, HKV, page_size, W], "float8_e4m3"),
+            Scales: T.Tensor([NP, HKV, page_size], accum),
             PageIds: T.Tensor([B, MP], "int32"),
             SeqLens: T.Tensor([B], "int32"),
             QStart: T.Tensor([B], "int32"),
@@ -145,60 +336,61 @@ def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.F
             Out: T.Tensor([Tq, HQ, D], dtype),
             Lse: T.Tensor([Tq, HQ], accum),
         ):
-            with T.Kernel(NT, HKV, threads=threads) as (bx, by):
-                Q_shared = T.alloc_shared([block_M, D], dtype)  # score-window order
-                win = windows()
-                P_shared = T.alloc_shared([block_M, block_N], dtype)
-                acc_s = T.alloc_fragment([block_M, block_N], accum)
-                acc_o = T.alloc_fragment([block_M, D], accum)  # value-window order
-                m = T.alloc_fragment([block_M], accum)
-                m_prev = T.alloc_fragment([block_M], accum)
-                alpha = T.alloc_fragment([block_M], accum)
-                row_sum = T.alloc_fragment([block_M], accum)
-                l = T.alloc_fragment([block_M], accum)
+            attention(Q, Pool, Scales, PageIds, SeqLens, QStart, QLens, TileReq, TileTok, Out, Lse)
 
-                req = TileReq[bx]
-                tok0 = TileTok[bx]
-                n_kv = SeqLens[req]
-                q_len = QLens[req]
-                q_base = QStart[req]
-                pos0 = n_kv - q_len  # causal position of the chunk's first query (bottom-right aligned)
+        return main.with_attr("global_symbol", f"prefill_{fmt.value}_fp8")
 
-                load_query(Q, Q_shared, q_base, tok0, q_len, by)
-                T.fill(acc_o, 0)
-                T.fill(l, 0)
-                T.fill(m, -T.infinity(accum))
+    @T.prim_func
+    def main(
+        Q: T.Tensor([Tq, HQ, D], dtype),
+        Pool: T.Tensor([NP, HKV, page_size, W], dtype),
+        PageIds: T.Tensor([B, MP], "int32"),
+        SeqLens: T.Tensor([B], "int32"),
+        QStart: T.Tensor([B], "int32"),
+        QLens: T.Tensor([B], "int32"),
+        TileReq: T.Tensor([NT], "int32"),
+        TileTok: T.Tensor([NT], "int32"),
+        Out: T.Tensor([Tq, HQ, D], dtype),
+        Lse: T.Tensor([Tq, HQ], accum),
+    ):
+        attention(Q, Pool, None, PageIds, SeqLens, QStart, QLens, TileReq, TileTok, Out, Lse)
 
-                last_pos = pos0 + T.min(tok0 + TOK, q_len) - 1
-                num_blocks = T.ceildiv(last_pos + 1, block_N)
-                for k in T.Pipelined(num_blocks, num_stages=num_stages):
-                    page = PageIds[req, (k * block_N) // page_size]
-                    off = (k * block_N) % page_size
-                    # the score tile's copy first: the producer issues loads in this order and waits for each
-                    # buffer's release, so K (released after Q.K) is prefetched while the softmax and P.V run
-                    T.copy(Pool[page, by, off:off + block_N, 0:D], win.score)
-                    T.copy(Pool[page, by, off:off + block_N, V_LO:V_LO + D], win.value)
-                    T.clear(acc_s)
-                    T.gemm(Q_shared, win.score, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-                    mask_scores(acc_s, lambda i, j: k * block_N + j <= pos0 + T.min(tok0 + i // G, q_len - 1))
-                    online_softmax(acc_s, P_shared, m, m_prev, alpha, row_sum, l)
-                    if (k + 1) * block_N > n_kv:
-                        zero_rows(win.value, lambda j: k * block_N + j < n_kv)
-                    for i, d in T.Parallel(block_M, D):
-                        acc_o[i, d] *= alpha[i]
-                    T.gemm(P_shared, win.value, acc_o, policy=T.GemmWarpPolicy.FullCol)
+    return main
 
-                # epilogue: normalise, value-window order -> head order, store only the chunk's real tokens
-                for i, d in T.Parallel(block_M, D):
-                    if tok0 + i // G < q_len:
-                        Out[q_base + tok0 + i // G, by * G + i % G, head_column(d)] = acc_o[i, d] / l[i]
-                for i in T.Parallel(block_M):
-                    if tok0 + i // G < q_len:
-                        Lse[q_base + tok0 + i // G, by * G + i % G] = m[i] + T.log2(l[i]) * macros.LN2
 
-        return main
+@hands_out("prefill_{fmt}")
+def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.FOLDED, *, page_size: int = 64,
+          block_N: int = 64, num_stages: int = 1, threads: int = 256, arch: str | None = None):
+    """Compile (JIT) the prefill kernel for `geom` and `fmt` over a bf16 pool; returns a TileLang kernel taking the
+    arguments above."""
+    tilelang = require_tilelang()
+    fmt = KvFormat.parse(fmt)
+    check_geometry(geom, fmt)
+
+    @tilelang.jit(target=target(arch) if arch else target(), pass_configs=pass_configs())
+    def prefill(page_size, block_N, num_stages, threads):
+        return prefill_program(geom, fmt, page_size=page_size, block_N=block_N, num_stages=num_stages,
+                               threads=threads)
 
     return prefill(page_size, block_N, num_stages, threads)
+
+
+@hands_out("prefill_{fmt}_fp8")
+def build_fp8(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.FOLDED, *, arch: str | None = None,
+              **tiling):
+    """Compile (JIT) the prefill kernel over an FP8 folded pool with its registered params (registry
+    "prefill_folded_fp8"), overridden by `tiling`; it takes the pool's scales right after the pool."""
+    tilelang = require_tilelang()
+    fmt = KvFormat.parse(fmt)
+    check_geometry(geom, fmt)
+    cfg = {**registry.get(f"prefill_{fmt.value}_fp8").params, **tiling}
+
+    @tilelang.jit(target=target(arch) if arch else target(), pass_configs=pass_configs())
+    def prefill_fp8(page_size, block_N, num_stages, threads):
+        return prefill_program(geom, fmt, page_size=page_size, block_N=block_N, num_stages=num_stages,
+                               threads=threads, fp8=True)
+
+    return prefill_fp8(**cfg)
 
 
 def main(fmt: KvFormat | str = KvFormat.FOLDED, context: int = 16384, chunk: int = 2048, **tiling):

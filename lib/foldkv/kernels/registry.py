@@ -66,6 +66,11 @@ _DECODE_PARTIAL = {
 _DECODE_PARTIAL_FP8 = dict(page_size=64, block_n=64, num_stages=2, threads=128, block_h=16)
 _MERGE = dict(threads=128)
 _PREFILL = dict(page_size=64, block_N=64, num_stages=1, threads=256)
+# FP8 folded prefill: one stage of the row's five e4m3 panels (64 x 640 B = 40 KiB) and its 64 scales (256 B), the bf16
+# tiles the gemms read (K_rot 16 KiB + V_unrot 48 KiB + V_rot 16 KiB = 80 KiB), the query (64 KiB) and P (8 KiB):
+# 196,864 B = 192.25 KiB of the 227 KiB. Two stages of panels would take 232.5 KiB; the bf16 windows of the bf16
+# prefill (128 KiB) beside the panels 240.25 KiB. The panels are released once converted, so one stage prefetches.
+_PREFILL_FP8 = dict(page_size=64, block_N=64, num_stages=1, threads=256)
 _PREP = dict(page_size=64, in_dtype="bfloat16", threads=128)  # 128 threads: each owns two rotate_half pairs
 
 VARIANTS: tuple[KernelVariant, ...] = (
@@ -78,6 +83,8 @@ VARIANTS: tuple[KernelVariant, ...] = (
     KernelVariant("merge_final", "merge_final", None, _K + "merge:build_merge_final", dict(_MERGE)),
     *(KernelVariant(f"prefill_{f.value}", "prefill", f, _K + "prefill_attention:build", dict(_PREFILL))
       for f in KvFormat),
+    KernelVariant("prefill_folded_fp8", "prefill", KvFormat.FOLDED, _K + "prefill_attention:build_fp8",
+                  dict(_PREFILL_FP8)),
     *(KernelVariant(f"prep_{f.value}", "prep", f, _K + "prep_kernel:build", dict(_PREP)) for f in KvFormat),
     KernelVariant("prep_folded_fp8", "prep", KvFormat.FOLDED, _K + "prep_kernel:build_fp8", dict(_PREP)),
 )
