@@ -38,10 +38,11 @@ def fp8_variant(name: str, what: str, **tiling) -> ArmSpec:
                    generated_arm("decode", KvFormat.FOLDED, "jit", kernels=kernels, dtype=FP8_DTYPE), generated=True)
 
 
-# run 2: the library's partial (integer e4m3 -> bf16 conversion), the run-1 partial (TileLang's element conversion
-# through the conversion unit) and the library's with three stages of e4m3 tiles
+# run 3: the library's partial (integer e4m3 -> bf16 conversion, one consumer warpgroup), the run-1 partial
+# (TileLang's element conversion through the conversion unit) and two consumer warpgroups (each converts half of
+# each panel; S's query columns and O's rows split between them)
 VARIANTS = [fp8_variant("fp8_cvt", "FP8 partial, TileLang's element conversion (run 1)", e4m3_convert="cvt"),
-            fp8_variant("fp8_bits_s3", "FP8 partial, integer conversion, 3 stages", num_stages=3)]
+            fp8_variant("fp8_t256", "FP8 partial, integer conversion, two consumer warpgroups", threads=256)]
 ARMS = ["folded_jit", "folded_fp8_jit", *VARIANTS, "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 SINGLE = (10_602, 81_653, 163_336)
 BATCHES = ("uniform32", "uniform128", "longtail64")

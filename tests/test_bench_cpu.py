@@ -622,3 +622,16 @@ def test_flashinfer_e4m3_pool_and_its_reference(kv_layout, monkeypatch):
     swapped._fi_fp8 = (copies, vs * 8, ks)
     bad = swapped.reference("split_fp8")["out"]
     assert float((bad - truth).norm() / truth.norm()) > 0.3
+
+
+@pytest.mark.parametrize("fp8_us", [900.0, 1100.0], ids=["faster", "slower"])
+def test_fp8_prefill_target(fp8_us):
+    """Issue 15's prefill row: the FP8 folded prefill against the best bf16 folded prefill arm (never against
+    itself: its format is folded_fp8), met only when it is no slower; the slower case is the red twin."""
+    cell = _cell("prefill/8192@32768", 32768, {"folded_jit": ([1000.0] * 3, FOLDED),
+                                               "folded_fp8_jit": ([fp8_us] * 3, FOLDED)}, kind="prefill")
+    cell["arms"]["folded_fp8_jit"]["format"] = "folded_fp8"
+    rows = bench.fp8_prefill_rows(_doc([cell]))
+    assert len(rows) == 1 and rows[0]["us"] == {"fp8": fp8_us, "bf16_folded": 1000.0}
+    assert rows[0]["met"] is (fp8_us <= 1000.0)
+    assert ("NOT met" in bench.fp8_targets_markdown(_doc([cell]))) is (fp8_us > 1000.0)

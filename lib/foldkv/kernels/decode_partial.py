@@ -152,6 +152,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     `macros.convert_e4m3_macro` ("bits") or TileLang's element conversion ("cvt")."""
     require_tilelang()
     import tilelang.language as T
+    from tvm.script.ir_builder import IRBuilder
 
     fmt = KvFormat.parse(fmt)
     hq, hkv, d, group = geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.group_size
@@ -182,6 +183,15 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
             rescale = T.alloc_fragment((block_h,), f32)
             head_sum = T.alloc_fragment((block_h,), f32)
             denom = T.alloc_fragment((block_h,), f32)
+            # two consumer warpgroups split S's columns but each holds every column of O: the per-query factors
+            # reach O through shared memory
+            # (kept in a dict, not bound to new variables: a buffer bound to another name would be renamed after
+            # it, and the one-warpgroup kernels' emitted CUDA would change)
+            split_heads = threads > 128
+            for_o = {"rescale": rescale, "denom": denom}
+            if split_heads:
+                for name in for_o:
+                    for_o[name] = IRBuilder.name(f"{name}_o", T.alloc_shared((block_h,), f32))
 
             req = chunk_req[c]
             start = chunk_start[c]
@@ -207,7 +217,10 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                         T.copy(conv.stored, conv.tile[:, conv.col:conv.col + FP8_PANEL])
                 T.clear(acc_s)
                 for score in parts.scores:
-                    T.gemm(score.row_tile, score.other, acc_s, transpose_B=True)  # S^T [N, 16] += K Q^T
+                    if threads > 128:  # two consumer warpgroups: each takes half of the 16 query columns
+                        T.gemm(score.row_tile, score.other, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                    else:
+                        T.gemm(score.row_tile, score.other, acc_s, transpose_B=True)  # S^T [N, 16] += K Q^T
                 if parts.token_scale is not None:  # a token's row is its e4m3 values times its scale
                     for i, j in T.Parallel(block_n, block_h):
                         acc_s[i, j] *= parts.token_scale[i]
@@ -216,19 +229,26 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                 key_weight = None if parts.token_scale is None else (
                     lambda i: T.if_then_else(k * block_n + i < n_tok, parts.token_scale[i], 0.0))
                 online_softmax(acc_s, p_shared, head_max, head_max_prev, rescale, head_sum, denom, key_weight)
+                if split_heads:
+                    T.copy(rescale, for_o["rescale"])
                 for out in parts.values:
                     for i, j in T.Parallel(out.other.shape[0], block_h):
-                        out.other[i, j] *= rescale[j]
+                        out.other[i, j] *= for_o["rescale"][j]
                 if (k + 1) * block_n > n_tok:
                     for out in parts.values:
                         zero_rows(out.row_tile, lambda i: k * block_n + i < n_tok)
                 for out in parts.values:
-                    T.gemm(out.row_tile, p_shared, out.other, transpose_A=True)  # O^T [cols, 16] += V^T P^T
+                    if threads > 128:  # two consumer warpgroups: each takes half of the output rows
+                        T.gemm(out.row_tile, p_shared, out.other, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                    else:
+                        T.gemm(out.row_tile, p_shared, out.other, transpose_A=True)  # O^T [cols, 16] += V^T P^T
 
+            if split_heads:
+                T.copy(denom, for_o["denom"])
             for out in parts.values:
                 for i, j in T.Parallel(out.other.shape[0], block_h):
                     if j < group:
-                        part_o[c, kvh * group + j, out.col + i] = out.other[i, j] / denom[j]
+                        part_o[c, kvh * group + j, out.col + i] = out.other[i, j] / for_o["denom"][j]
             for j in T.Parallel(block_h):
                 if j < group:
                     part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * scale

@@ -184,18 +184,6 @@ def accumulators_macro(block_M: int, D: int, fp8: bool = False):
     return folded_fp8_accumulators if fp8 else window_accumulators
 
 
-def e4m3_to_bf16_macro(rows: int, cols: int):
-    """The one e4m3 -> bf16 conversion of the FP8 prefill: a stored panel [rows, cols] into columns [col, col + cols)
-    of a bf16 shared tile, exactly (every e4m3 value is a bf16 value)."""
-    import tilelang.language as T
-
-    @T.macro
-    def e4m3_to_bf16(stored, tile, col):
-        T.copy(stored, tile[:, col:col + cols])
-
-    return e4m3_to_bf16
-
-
 def head_column_of(geom: AttentionGeometry, fmt: KvFormat):
     """Value-window position d -> head column, as a TIR expression (the identity for split)."""
     import tilelang.language as T
@@ -239,7 +227,7 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
     Tq, NP, B, MP, NT = T.dynamic("Tq, NP, B, MP, NT")
     key_block = key_block_macro(geom, fmt, block_M, block_N, fp8=fp8)
     accumulators = accumulators_macro(block_M, D, fp8=fp8)
-    e4m3_to_bf16 = e4m3_to_bf16_macro(block_N, FP8_PANEL)
+    convert_e4m3 = macros.convert_e4m3_macro(block_N, FP8_PANEL, threads)  # by every consumer thread
     online_softmax = macros.online_softmax_macro(key_dim=1, fold_scale=True)
     mask_scores = macros.mask_scores_macro()
     zero_rows = macros.zero_rows_macro()
@@ -255,6 +243,8 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
     @T.macro
     def attention(Q, Pool, Scales, PageIds, SeqLens, QStart, QLens, TileReq, TileTok, Out, Lse):
         with T.Kernel(NT, HKV, threads=threads) as (bx, by):
+            if fp8:
+                T.import_source(macros.E4M3_TO_BF16_SOURCE)
             block = key_block()
             P_shared = T.alloc_shared([block_M, block_N], dtype)
             acc_s = T.alloc_fragment([block_M, block_N], accum)
@@ -290,8 +280,8 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
                     T.copy(Pool[page, by, off:off + block_N, run.lo:run.hi], run.tile)
                 if block.token_scale is not None:
                     T.copy(Scales[page, by, off:off + block_N], block.token_scale)
-                    for conv in block.convert:
-                        e4m3_to_bf16(conv.stored, conv.tile, conv.col)
+                    for n, conv in enumerate(block.convert):  # exact; the first and last carry the barriers
+                        convert_e4m3(conv.stored, conv.tile, conv.col, n == 0, n == len(block.convert) - 1)
                 T.clear(acc_s)
                 for score in block.scores:
                     T.gemm(score.query, score.key, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)

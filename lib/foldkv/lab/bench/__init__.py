@@ -38,14 +38,14 @@ from .roofs import (STREAM_READ_MAX_BYTES, committed_read_roof, measure_matmul_r
 from .plots import mark_redrawn
 from .run import BenchRun
 from .stats import paired_ratios, pct_of_roof, summarize
-from .tables import (ISSUE15_TARGET, fp8_target_rows, fp8_targets_markdown)
+from .tables import (ISSUE15_TARGET, fp8_prefill_rows, fp8_target_rows, fp8_targets_markdown)
 from .tables import (ISSUE14_TARGETS, DecodeTarget, arm_cell_text, arm_names, best_folded, best_split, cells_of,
                      conclusions, markdown_table, prediction_table, series, target_conclusions, target_rows,
                      targets_markdown, verdicts)
 from .timing import CHECK_REL_TOL, check_arm, run_cell, time_events
 
 __all__ = [
-    "host_time_markdown", "plan_host_times", "workspace_arm", "fp8_target_rows", "fp8_targets_markdown",
+    "host_time_markdown", "plan_host_times", "workspace_arm", "fp8_prefill_rows", "fp8_target_rows", "fp8_targets_markdown",
     "ISSUE15_TARGET", "READ_FOLDED_FP8",
     "ISSUE14_TARGETS", "READ_FOLDED", "SERVING_CASES", "STREAM_READ_MAX_BYTES", "DecodeTarget", "best_split",
     "serving_cases", "stream_read_buffers", "target_conclusions", "target_rows", "targets_markdown",

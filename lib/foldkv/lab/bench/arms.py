@@ -140,7 +140,8 @@ def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | Non
                            reference_kind=against)
         q_lens = torch.tensor(case.q_lens, dtype=torch.int32, device=case.device)
         calls = [lambda p=p: launch(p, query, table, q_lens, **kw) for p in pools]
-        return ArmImpl(calls, out, graph=False, why_eager=EAGER_PREFILL, info=info, lse=lse, guards=guards)
+        return ArmImpl(calls, out, graph=False, why_eager=EAGER_PREFILL, info=info, lse=lse, guards=guards,
+                       reference_kind=against)
 
     return build
 
@@ -290,6 +291,10 @@ DECODE_ARMS: dict[str, ArmSpec] = {a.name: a for a in [
             fmt.value, False, workspace_arm(fmt), generated=True) for fmt in (KvFormat.SPLIT, KvFormat.FOLDED)]}
 PREFILL_ARMS: dict[str, ArmSpec] = {a.name: a for a in [
     ArmSpec("fi_prefill", "FlashInfer paged prefill (causal, hd512)", "split", True, _flashinfer("prefill")),
+    ArmSpec("folded_fp8_jit", "generated folded prefill over the FP8 (e4m3) pool (JIT)", "folded_fp8", False,
+            generated_arm("prefill", KvFormat.FOLDED, "jit", dtype=FP8_DTYPE), generated=True),
+    ArmSpec("folded_fp8_aot", "generated folded prefill over the FP8 (e4m3) pool (AOT)", "folded_fp8", False,
+            generated_arm("prefill", KvFormat.FOLDED, "aot", dtype=FP8_DTYPE), generated=True),
 ] + _generated_specs("prefill")}
 DEFAULT_DECODE_ARMS = ("fi_cuda", "fi_tc", "torch", "split_jit", "folded_jit", "folded_aot", READ_FOLDED)
 DEFAULT_PREFILL_ARMS = ("fi_prefill", "split_jit", "folded_jit", "folded_aot")

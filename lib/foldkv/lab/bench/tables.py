@@ -405,14 +405,39 @@ def fp8_target_rows(results: dict, target: Fp8Target = ISSUE15_TARGET) -> list[d
     return rows
 
 
+FP8_PREFILL_MAX_X_BF16 = 1.0  # issue 15: prefill over an FP8 pool no slower than over bf16
+
+
+def fp8_prefill_rows(results: dict, max_x_bf16: float = FP8_PREFILL_MAX_X_BF16) -> list[dict]:
+    """Per prefill cell: the FP8 folded prefill's time over the best bf16 folded prefill arm's, against `max_x_bf16`
+    (None with `why` when an arm is missing)."""
+    rows = []
+    for c in results.get("cells", []):
+        if c.get("kind") != "prefill":
+            continue
+        f8, f16 = _ok_us(c, FP8_ARM), _ok_us(c, best_folded(c))
+        check = _bound(f8 / f16 if f8 and f16 else None, max_x_bf16, True,
+                       _missing(c, FP8_ARM, "FP8 folded prefill arm") if f8 is None
+                       else "no bf16 folded prefill arm ran and passed its check")
+        rows.append({"cell": c["cell"], "us": {"fp8": f8, "bf16_folded": f16}, "x_bf16": check, "met": check["met"]})
+    return rows
+
+
 def fp8_targets_markdown(results: dict, target: Fp8Target = ISSUE15_TARGET) -> str:
-    rows = fp8_target_rows(results, target)
-    if not rows:
-        return "No cell of issue 15's target cases in this run (ragged batches; one request of >= 81K tokens)."
+    rows, prefill = fp8_target_rows(results, target), fp8_prefill_rows(results)
+    if not rows and not prefill:
+        return ("No cell of issue 15's target cases in this run (ragged batches; one request of >= 81K tokens; "
+                "prefill cells).")
     lines = ["| cell | FP8 / bf16 folded | FP8 / plain read of its bytes | FlashInfer e4m3 / FP8 folded | all |",
-             "|---|---|---|---|---|"]
+             "|---|---|---|---|---|"] if rows else []
     for r in rows:
         overall = {True: "met", False: "NOT met", None: "incomplete"}[r["met"]]
         lines.append(f"| {r['cell']} | {_verdict_text(r['x_bf16'], 'read')} | {_verdict_text(r['x_read'], 'read')} | "
                      f"{_verdict_text(r['fi_fp8_x'], 'fi')} | {overall} |")
+    if prefill:
+        lines += ["", "| prefill cell | FP8 / bf16 folded prefill (target <= "
+                  f"{FP8_PREFILL_MAX_X_BF16:.2f}) | met |", "|---|---|---|"]
+        for r in prefill:
+            lines.append(f"| {r['cell']} | {_verdict_text(r['x_bf16'], 'read')} | "
+                         f"{ {True: 'met', False: 'NOT met', None: 'incomplete'}[r['met']]} |")
     return "\n".join(lines)
