@@ -52,6 +52,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-flashinfer", action="store_true", help="leave out the FlashInfer arms (their JIT builds take "
+                    "minutes on a fresh machine)")
     ap.add_argument("--batches", nargs="*", default=list(BATCHES), help="serving cases (foldkv.lab.bench.case)")
     ap.add_argument("--single", nargs="*", type=int, default=list(SINGLE), help="lengths of one-request cases")
     args = ap.parse_args(argv)
@@ -62,7 +64,8 @@ def main(argv=None):
     cells = []
     for name, lens in cases.items():
         case = AttentionCase(lens, device=device, fi_kv_layout="HND", min_copies=1 if len(lens) > 1 else 2)
-        cells.append(run_cell(f"fp8/{name}", "decode", case, ARMS, rounds=args.rounds, warmup=3, roof=roof,
+        arms = [a for a in ARMS if not (args.no_flashinfer and isinstance(a, str) and a.startswith("fi_"))]
+        cells.append(run_cell(f"fp8/{name}", "decode", case, arms, rounds=args.rounds, warmup=3, roof=roof,
                               log=lambda s: print(s, flush=True)))
         case.release()
         torch.cuda.empty_cache()
