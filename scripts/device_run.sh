@@ -13,8 +13,8 @@
 # Results: papermill_runs/TAG/ (tarred to $OUT/runs.tgz) and the logs in $OUT.
 # Time caps (seconds): JIT_S for the JIT compiles, PHASE_A_S for the side-by-side phase, PHASE_B_S for notebook 04,
 # C for notebook 05 (alone: it times generate()). Each PART is one device call under its 600 s: PART=1 the GPU tests,
-# 01, 03 and a smoke 04 side by side, then notebook 02 alone (its full-length gates need the card's memory); PART=2
-# notebook 04 alone, then 05 alone; each part compiles the JIT kernels first. PART=all (default) runs them in turn.
+# 01, 03 and a smoke 04 side by side; PART=2 notebook 02 alone (its full-length gates need the card's memory), then
+# 04 alone; PART=3 notebook 05 alone; each part compiles the JIT kernels first. PART=all (default) runs them in turn.
 set -u
 TAG=${1:-h200-$(date +%Y%m%d)}
 OUTD=${OUT:-/tmp/foldkv_out}
@@ -49,16 +49,20 @@ if [ "$PART" = all ] || [ "$PART" = 1 ]; then
 timeout $A $BATCH --only 01 > "$OUTD/batch_01.log" 2>&1
 wait
 echo "phase A (GPU tests, 01, 03, 04 smoke) done at $(( $(date +%s) - t0 )) s"
+fi
+
+if [ "$PART" = all ] || [ "$PART" = 2 ]; then
 # alone: its full-length gates hold ~85 GB at their peak
 timeout $A $BATCH --only 02 --params '{"02": {"aot_dir": "build/aot", "sanitizer_timeout_s": 100}}' > "$OUTD/batch_02.log" 2>&1
 echo "batch 02 rc=$? at $(( $(date +%s) - t0 )) s"
-fi
-
-if [ "$PART" = all ] || [ "$PART" = 2 ]; then  # each alone: nothing else shares the GPU while it times
+# alone: nothing else shares the GPU while it times
 timeout $B $BATCH --only 04 --params '{"04": {"mode": "gpu", "aot_dir": "build/aot",
    "prefill_contexts": [16384, 81653, 163336]}}' \
    > "$OUTD/batch_04.log" 2>&1
 echo "batch 04 rc=$? at $(( $(date +%s) - t0 )) s"
+fi
+
+if [ "$PART" = all ] || [ "$PART" = 3 ]; then  # alone: it times generate()
 timeout ${C:-200} $BATCH --only 05 > "$OUTD/batch_05.log" 2>&1
 echo "batch 05 rc=$? at $(( $(date +%s) - t0 )) s"
 fi
