@@ -130,17 +130,22 @@ def test_prefill_aot_bit_identical_to_jit(aot_build, cuda_device, case, fmt):
     assert row["out_bit_identical"] and row["lse_bit_identical"], row
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+POOL_KINDS = {"split": (KvFormat.SPLIT, torch.bfloat16), "folded": (KvFormat.FOLDED, torch.bfloat16),
+              "folded-fp8": (KvFormat.FOLDED, torch.float8_e4m3fn)}
+
+
+@pytest.mark.parametrize("pool_kind", list(POOL_KINDS))
 @pytest.mark.parametrize("tokens", [1, 97], ids=lambda n: f"T{n}")
-def test_prep_aot_bit_identical_to_jit(aot_build, cuda_device, fmt, tokens):
-    """The fused prep through both backends into two copies of one NaN-filled pool: same rows, same query, bit for
-    bit, and nothing else in the pool written."""
+def test_prep_aot_bit_identical_to_jit(aot_build, cuda_device, pool_kind, tokens):
+    """The fused prep through both backends into two copies of one NaN-filled pool: same rows (an FP8 pool's e4m3
+    rows and scales), same query, bit for bit, and nothing else in the pool written."""
     from foldkv.kernels.prep_kernel import prep_and_store_gpu
     from foldkv.pool import PagedKvLayout, PagedKvPool
 
     geom = GEMMA4_31B
+    fmt, dtype = POOL_KINDS[pool_kind]
     g = torch.Generator().manual_seed(tokens)
-    lay = PagedKvLayout(geom, fmt, page_size=64, num_pages=6)
+    lay = PagedKvLayout(geom, fmt, page_size=64, num_pages=6, dtype=dtype)
     pools = [PagedKvPool(lay, device=cuda_device, fill=float("nan")) for _ in range(2)]
     table = pools[0].allocate([300], scatter_seed=3).to(cuda_device)
     positions = torch.randperm(300, generator=g)[:tokens].int()
@@ -154,38 +159,15 @@ def test_prep_aot_bit_identical_to_jit(aot_build, cuda_device, fmt, tokens):
     torch.cuda.synchronize()
     assert torch.equal(bits(outs[0]), bits(outs[1]))
     assert torch.equal(bits(pools[0].data), bits(pools[1].data))
-    written = ~torch.isnan(pools[1].data.float())
-    assert int(written.any(-1).any(1).sum()) == tokens  # one row (all KV heads) per token, nothing else
+    if lay.quantized:
+        assert torch.equal(bits(pools[0].scales), bits(pools[1].scales))
+        written = ~torch.isnan(pools[1].scales)
+        assert int(written.all(1).sum()) == int(written.any(1).sum()) == tokens  # one scale per KV head per token
+        assert bool((~torch.isnan(pools[1].data.float())).all(-1)[written].all())
+    else:
+        written = ~torch.isnan(pools[1].data.float())
+        assert int(written.any(-1).any(1).sum()) == tokens  # one row (all KV heads) per token, nothing else
 
-
-
-@pytest.mark.parametrize("tokens", [1, 97], ids=lambda n: f"T{n}")
-def test_prep_fp8_aot_bit_identical_to_jit(aot_build, cuda_device, tokens):
-    """The fused prep into an FP8 folded pool through both backends: same e4m3 rows, scales and query, bit for bit,
-    and nothing else in the pool written."""
-    from foldkv.kernels.prep_kernel import prep_and_store_gpu
-    from foldkv.pool import PagedKvLayout, PagedKvPool
-
-    geom = GEMMA4_31B
-    g = torch.Generator().manual_seed(tokens)
-    lay = PagedKvLayout(geom, KvFormat.FOLDED, page_size=64, num_pages=6, dtype=torch.float8_e4m3fn)
-    pools = [PagedKvPool(lay, device=cuda_device, fill=float("nan")) for _ in range(2)]
-    table = pools[0].allocate([300], scatter_seed=3).to(cuda_device)
-    positions = torch.randperm(300, generator=g)[:tokens].int()
-    request = torch.zeros(tokens, dtype=torch.int32)
-    q = torch.randn(tokens, geom.num_q_heads, geom.head_dim, generator=g).to(cuda_device, torch.bfloat16)
-    kv = torch.randn(tokens, geom.num_kv_heads, geom.head_dim, generator=g).to(cuda_device, torch.bfloat16)
-    qw = (torch.rand(geom.head_dim, generator=g) + 0.5).to(cuda_device)
-    kw = (torch.rand(geom.head_dim, generator=g) + 0.5).to(cuda_device)
-    outs = [prep_and_store_gpu(p, table, request, positions, q, kv, qw, kw, backend=b)
-            for p, b in zip(pools, ["jit", "aot"])]
-    torch.cuda.synchronize()
-    assert torch.equal(bits(outs[0]), bits(outs[1]))
-    assert torch.equal(bits(pools[0].data), bits(pools[1].data))
-    assert torch.equal(bits(pools[0].scales), bits(pools[1].scales))
-    written = ~torch.isnan(pools[1].scales)
-    assert int(written.all(1).sum()) == int(written.any(1).sum()) == tokens  # one scale per KV head per token
-    assert bool((~torch.isnan(pools[1].data.float())).all(-1)[written].all())
 
 def test_aot_kernel_refuses_a_pool_of_another_geometry_on_device(aot_build, cuda_device):
     from foldkv import AttentionGeometry, FoldKvInputError

@@ -85,8 +85,8 @@ def test_generated_kernel(generated):
 
 
 # --- refusals without a GPU ------------------------------------------------------------------------------------------
-def _cpu_case(fmt=KvFormat.FOLDED, seq_lens=(70, 5), q_lens=(6, 5), page_size=64):
-    pool = PagedKvPool(PagedKvLayout(GEOM, fmt, page_size, 8), fill=0.5)
+def _cpu_case(fmt=KvFormat.FOLDED, seq_lens=(70, 5), q_lens=(6, 5), page_size=64, dtype=torch.bfloat16):
+    pool = PagedKvPool(PagedKvLayout(GEOM, fmt, page_size, 8, dtype=dtype), fill=0.5)
     table = pool.allocate(list(seq_lens), pad_pages=1, pad_value=-1)
     query = torch.randn(sum(q_lens), GEOM.num_q_heads, GEOM.head_dim).to(torch.bfloat16)
     return pool, query, table, torch.tensor(q_lens, dtype=torch.int32)
@@ -144,10 +144,7 @@ def test_prefill_refusals(bad, match):
 
 
 def _fp8_case(seq_lens=(70, 5), q_lens=(6, 5)):
-    pool = PagedKvPool(PagedKvLayout(GEOM, KvFormat.FOLDED, 64, 8, dtype=FP8_DTYPE), fill=0.5)
-    table = pool.allocate(list(seq_lens), pad_pages=1, pad_value=-1)
-    query = torch.randn(sum(q_lens), GEOM.num_q_heads, GEOM.head_dim).to(torch.bfloat16)
-    return pool, query, table, torch.tensor(q_lens, dtype=torch.int32)
+    return _cpu_case(KvFormat.FOLDED, seq_lens, q_lens, dtype=FP8_DTYPE)
 
 
 def test_valid_fp8_input_reaches_only_the_device_check():
