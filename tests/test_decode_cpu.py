@@ -219,7 +219,7 @@ def test_value_head_column_per_format():
 
 
 @pytest.mark.parametrize("lens,chunk,match", [
-    ([], None, "batch of 0"),
+    ([], None, "a batch of 0"),
     ([5] * (MAX_BATCH + 1), None, f"batch of {MAX_BATCH + 1}"),
     ([0], None, "seq_lens holds 0"),
     ([MAX_LEN + 1], None, "262144"),

@@ -74,22 +74,30 @@ class DecodePlan:
         raise AttributeError(name)
 
 
-def _parse_lens(seq_lens) -> list[int]:
+def check_lens(seq_lens, *, max_batch: int = MAX_BATCH, max_len: int = MAX_LEN, holder: str = "decode",
+               host_only: bool = False) -> np.ndarray:
+    """seq_lens (a sequence of ints, a numpy array or an integer tensor) as a 1-D int64 numpy array, refused
+    (FoldKvInputError) unless it holds 1 to `max_batch` lengths of 1 to `max_len` tokens; `holder` names what sets
+    those limits in the messages. `host_only`: refuse a device tensor (reading it would wait for the device)."""
     if isinstance(seq_lens, torch.Tensor):
-        if seq_lens.dim() != 1 or seq_lens.dtype not in (torch.int32, torch.int64):
-            raise FoldKvInputError(f"seq_lens must be a 1-D integer tensor, got {seq_lens.dtype} {list(seq_lens.shape)}")
-        lens = [int(x) for x in seq_lens.cpu().tolist()]
-    else:
-        try:
-            lens = [int(x) for x in seq_lens]
-        except TypeError:
-            raise FoldKvInputError(f"seq_lens must be a sequence of ints, got {type(seq_lens).__name__}") from None
-    if not 1 <= len(lens) <= MAX_BATCH:
-        raise FoldKvInputError(f"batch of {len(lens)} requests: decode takes 1 to {MAX_BATCH}")
-    bad = [n for n in lens if not 1 <= n <= MAX_LEN]
-    if bad:
-        raise FoldKvInputError(f"seq_lens holds {bad[0]}: decode takes lengths 1 to {MAX_LEN}")
-    return lens
+        if seq_lens.device.type != "cpu" and host_only:
+            raise FoldKvInputError("seq_lens must be on the host (a list, a numpy array or a CPU tensor): reading"
+                                   " device lengths would wait for the device")
+        seq_lens = seq_lens.cpu().numpy()
+    try:
+        lens = np.asarray(seq_lens)
+    except ValueError:  # ragged nesting
+        lens = np.asarray(seq_lens, dtype=object)
+    if lens.ndim == 1 and lens.size == 0:  # numpy makes an empty sequence float: the batch check says what is wrong
+        lens = lens.astype(np.int64)
+    if lens.ndim != 1 or not np.issubdtype(lens.dtype, np.integer):
+        raise FoldKvInputError(f"seq_lens must be a 1-D sequence of ints, got {lens.dtype} {list(lens.shape)}")
+    if not 1 <= len(lens) <= max_batch:
+        raise FoldKvInputError(f"a batch of {len(lens)} requests: {holder} takes 1 to {max_batch}")
+    if lens.min() < 1 or lens.max() > max_len:
+        bad = int(lens.max()) if lens.max() > max_len else int(lens.min())
+        raise FoldKvInputError(f"seq_lens holds {bad}: {holder} takes lengths 1 to {max_len}")
+    return lens.astype(np.int64)
 
 
 def _pieces(pages: int, cap: int) -> list[int]:
@@ -231,7 +239,7 @@ def plan_decode(layout: PagedKvLayout, seq_lens, *, device, chunk_tokens: int | 
 
     Default: byte-balanced pieces (`balanced_chunk_pages`, for `num_sms`, default the device's SM count); with
     `chunk_tokens` (a multiple of the page size), fixed chunks of that many tokens in request order."""
-    lens = _parse_lens(seq_lens)
+    lens = check_lens(seq_lens).tolist()
     device = check_device(device)
     page = layout.page_size
     if num_sms is None:

@@ -47,7 +47,8 @@ from ..pool import PagedKvLayout, PagedKvPool
 from ..validate import FoldKvInputError, check_device, check_tensor
 from . import resolve
 from .decode import check_decode_pool, kernel_names, pool_operands
-from .plan import DEFAULT_MERGE_GROUP, MAX_BATCH, MAX_LEN, chunk_layout, fixed_count_pieces, smallest_cap
+from .plan import (DEFAULT_MERGE_GROUP, MAX_BATCH, MAX_LEN, check_lens, chunk_layout, fixed_count_pieces,
+                   smallest_cap)
 
 CHUNKS_PER_REQUEST = 4  # the default chunk count: about this many chunks per request of the largest batch, in whole
 # waves of the partial (SMs / KV heads chunks). The byte model of plan.py puts a ragged batch of 32-128 requests
@@ -151,27 +152,12 @@ class DecodeWorkspace:
         return tuple((self._lens + self._advanced).tolist())
 
     # -- planning --------------------------------------------------------------------------------------------------
-    def _check_lens(self, seq_lens) -> np.ndarray:
-        if isinstance(seq_lens, torch.Tensor):
-            if seq_lens.device.type != "cpu":
-                raise FoldKvInputError("seq_lens must be on the host (a list, a numpy array or a CPU tensor): reading"
-                                       " device lengths would wait for the device")
-            seq_lens = seq_lens.numpy()
-        lens = np.asarray(seq_lens)
-        if lens.ndim != 1 or not np.issubdtype(lens.dtype, np.integer):
-            raise FoldKvInputError(f"seq_lens must be a 1-D sequence of ints, got {lens.dtype} {list(lens.shape)}")
-        if not 1 <= len(lens) <= self.max_batch:
-            raise FoldKvInputError(f"a batch of {len(lens)} requests: this workspace holds 1 to {self.max_batch}")
-        if lens.min() < 1 or lens.max() > self.max_len:
-            bad = int(lens.max()) if lens.max() > self.max_len else int(lens.min())
-            raise FoldKvInputError(f"seq_lens holds {bad}: this workspace takes lengths 1 to {self.max_len}")
-        return lens.astype(np.int64)
-
     def plan(self, seq_lens: Sequence[int] | np.ndarray | torch.Tensor, page_ids: torch.Tensor | None = None) -> None:
         """Plan a step for requests of `seq_lens` tokens (host ints) and copy the plan to the device asynchronously;
         `page_ids` [batch, pages] int32 on the workspace's device (pages >= the longest request's, <= max_pages),
         when given, is copied into `page_ids` on the current stream. Refusals write nothing."""
-        lens = self._check_lens(seq_lens)
+        lens = check_lens(seq_lens, max_batch=self.max_batch, max_len=self.max_len, holder="this workspace",
+                          host_only=True)
         page = self.layout.page_size
         pages = -(-lens // page)
         if page_ids is not None:
