@@ -313,7 +313,13 @@ def build_decode_partial_fp8(geom: AttentionGeometry, fmt: KvFormat | str, **til
         return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
                                       threads=threads, block_h=block_h, fp8=True, e4m3_convert=e4m3_convert)
 
-    return decode_partial_fp8(**cfg)
+    kernel = decode_partial_fp8(**cfg)
+    if cfg.get("e4m3_convert", "bits") == "bits":
+        from .cuda_checks import check_e4m3_conversion
+
+        check_e4m3_conversion(f"decode_partial_{fmt.value}_fp8", kernel.get_kernel_source(),
+                              macros.CONVERT_BARRIER_ID)
+    return kernel
 
 
 def main(fmt: KvFormat | str = KvFormat.FOLDED, seq_len: int = 10602, **tiling):

@@ -380,7 +380,11 @@ def build_fp8(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvForm
         return prefill_program(geom, fmt, page_size=page_size, block_N=block_N, num_stages=num_stages,
                                threads=threads, fp8=True)
 
-    return prefill_fp8(**cfg)
+    kernel = prefill_fp8(**cfg)
+    from .cuda_checks import check_e4m3_conversion
+
+    check_e4m3_conversion(f"prefill_{fmt.value}_fp8", kernel.get_kernel_source(), macros.CONVERT_BARRIER_ID)
+    return kernel
 
 
 def main(fmt: KvFormat | str = KvFormat.FOLDED, context: int = 16384, chunk: int = 2048, **tiling):

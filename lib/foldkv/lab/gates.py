@@ -672,11 +672,13 @@ def fp8_format_gate(size: str, seed: int, record) -> list[dict]:
 # --- notebook 02's sections: each runs its gates, records the section and returns what the notebook shows ------------
 def barrier_check(geom: AttentionGeometry, record) -> None:
     """CPU gate: the in-place merge as generated passes the emitted-source barrier check, and the same kernel generated
-    without its `__syncthreads()` is refused. Records `barrier_check` (not run without TileLang)."""
+    without its `__syncthreads()` is refused; the FP8 decode partial and prefill as generated pass the e4m3
+    conversion's barrier check, and each with its tile-closing barrier taken out of the emitted CUDA is refused.
+    Records `barrier_check` (not run without TileLang)."""
     from ..kernels.tl import TileLangUnavailable
 
     try:
-        from ..kernels import cuda_checks, merge
+        from ..kernels import cuda_checks, macros, merge, registry
 
         t0 = time.time()
         merge.build_merge_groups(geom)  # runs the check; raises if it fails
@@ -686,8 +688,19 @@ def barrier_check(geom: AttentionGeometry, record) -> None:
         except cuda_checks.BarrierCheckError as exc:
             red, red_message = True, str(exc)
         print(f"as generated: passes. without the barrier: {'refused' if red else 'NOT refused'}: {red_message}")
-        record.ran("barrier_check", green=True, red_refused=red, red_message=red_message, passed=red,
-                   seconds=round(time.time() - t0, 1))
+        conversion = {}
+        for name in ("decode_partial_folded_fp8", "prefill_folded_fp8"):
+            src = registry.get(name).build(geom).get_kernel_source()  # the builder runs the check; raises if it fails
+            broken = src.replace("foldkv_e4m3x8_to_bf16(0, 1,", "foldkv_e4m3x8_to_bf16(0, 0,")
+            try:
+                cuda_checks.check_e4m3_conversion(name, broken, macros.CONVERT_BARRIER_ID)
+                conversion[name] = "NOT refused"
+            except cuda_checks.ConversionCheckError as exc:
+                conversion[name] = f"refused: {exc}"
+            print(f"{name}: conversion barriers as generated: pass. without the closing one: {conversion[name]}")
+        conversion_red = all(v.startswith("refused") for v in conversion.values())
+        record.ran("barrier_check", green=True, red_refused=red, red_message=red_message,
+                   conversion_red=conversion, passed=red and conversion_red, seconds=round(time.time() - t0, 1))
     except TileLangUnavailable as exc:
         record.not_run("barrier_check", f"not run: {exc}")
         print(record.sections["barrier_check"])
