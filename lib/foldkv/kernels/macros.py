@@ -1,5 +1,5 @@
 """TileLang parts shared by the kernels: online softmax in the exp2 domain, masking a tile's rows or scores, the decode
-query load, and the RoPE rotation of one rotate_half pair.
+query load, the RoPE rotation of one rotate_half pair, and the exact e4m3 -> bf16 conversion of the FP8 kernels.
 
 Each `*_macro` function returns a `@T.macro` for the given constants (TileLang is imported when it is called, never at
 module import). Macro arguments are buffers or Python values: a TIR variable passed to a macro is renamed after the
@@ -107,9 +107,9 @@ def rope_pair(lo, hi, ang):
 
 # e4m3 -> bf16 by integer ops and one bf16x2 multiply, 8 values per call (one 8-byte shared load, one 16-byte store).
 # TileLang's element conversion goes through the conversion unit (e4m3x2 -> f16x2, then f16 -> bf16 twice): three
-# conversion instructions per pair at a quarter of the integer rate, which made the FP8 decode partial slower than
-# the bf16 one (bench/FP8_NOTES.md). Here a byte s.eeee.mmm is placed as bf16 bits s.0000eeee.mmm0000 (one byte
-# permute, one shift, one 3-input logic op per pair): exactly the value times 2^-120 for every finite code, normal
+# conversion instructions per pair at a quarter of the integer rate, on the consumer's path before every tile's gemms
+# (bench/FP8_NOTES.md). Here a byte s.eeee.mmm is placed as bf16 bits s.0000eeee.mmm0000 (a byte permute, a shift
+# and two logic ops per pair): exactly the value times 2^-120 for every finite code, normal
 # or subnormal (an e4m3 subnormal lands on a bf16 subnormal, whose spacing 2^-133 is 2^-120 times e4m3's 2^-9); the
 # bf16x2 multiply by 2^120 (bits 0x7B80) is exact (a power of two, no overflow: |value| <= 448) and keeps subnormal
 # inputs (PTX mul.bf16x2 has no flush-to-zero). The NaN codes (0x7F, 0xFF) would come out as +-480: a pool never
