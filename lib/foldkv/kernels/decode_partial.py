@@ -71,6 +71,48 @@ class Convert:
 
 
 @dataclass(frozen=True)
+class Fp8Row:
+    """An FP8 folded row's tiles for one block of tokens: the e4m3 panels as loaded (`row`: Runs, one TMA copy each),
+    their bf16 conversions (the folded windows K_rot, V_unrot, V_rot), the Converts between them and the tokens'
+    scales."""
+    row: tuple
+    k_rot: Any
+    v_unrot: Any
+    v_rot: Any
+    convert: tuple
+    scale: Any
+
+
+def fp8_row_macro(geom: AttentionGeometry, block_n: int):
+    """Allocate an FP8 folded row's tiles for `block_n` tokens (under the names the emitted CUDA uses), as a macro
+    returning an Fp8Row: the decode partial and the prefill load and convert the row the same way."""
+    import tilelang.language as T
+    from tvm.script.ir_builder import IRBuilder
+
+    d, rot = geom.head_dim, geom.rotary_width
+    unrot = d - rot
+
+    @T.macro
+    def fp8_row():
+        # the stored row in panels of FP8_PANEL columns (128 B: one TMA box each, not one per token row)
+        # each named (TileLang names a buffer only when it is assigned to a variable; nameless ones get suffixes in no
+        # fixed order, and the emitted CUDA would differ from build to build)
+        stored = [IRBuilder.name(f"stored_{p}", T.alloc_shared((block_n, FP8_PANEL), "float8_e4m3"))
+                  for p in range((d + rot) // FP8_PANEL)]
+        k_rot = T.alloc_shared((block_n, rot), "bfloat16")  # the row's windows in bf16 (exact: 3 fraction bits)
+        v_unrot = T.alloc_shared((block_n, unrot), "bfloat16")  # a key column and a value column
+        v_rot = T.alloc_shared((block_n, rot), "bfloat16")
+        scale_s = T.alloc_shared((block_n,), "float32")  # [N] the tokens' scales
+        windows = ((k_rot, 0), (v_unrot, rot), (v_rot, d))  # (bf16 tile, first row column)
+        convert = tuple(Convert(stored[p], tile, p * FP8_PANEL - lo) for p in range(len(stored))
+                        for tile, lo in windows if lo <= p * FP8_PANEL < lo + tile.shape[1])
+        return Fp8Row(row=tuple(Run(t, p * FP8_PANEL, (p + 1) * FP8_PANEL) for p, t in enumerate(stored)),
+                      k_rot=k_rot, v_unrot=v_unrot, v_rot=v_rot, convert=convert, scale=scale_s)
+
+    return fp8_row
+
+
+@dataclass(frozen=True)
 class FormatParts:
     query: tuple  # Runs of the query's score window
     row: tuple  # Runs of the row: how a tile is loaded, one TMA copy each, in load order
@@ -84,11 +126,10 @@ def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, blo
     """The format's tiles (allocated under the names the emitted CUDA uses) and its windows, as a macro; `fp8`: the
     FP8 folded row (foldkv.fp8), whose e4m3 tiles are loaded as stored and converted to bf16 tiles for the gemms."""
     import tilelang.language as T
-    from tvm.script.ir_builder import IRBuilder
 
     d, rot = geom.head_dim, geom.rotary_width
     unrot = d - rot
-    bf16, f32, e4m3 = "bfloat16", "float32", "float8_e4m3"
+    bf16, f32 = "bfloat16", "float32"
 
     @T.macro
     def split_parts():
@@ -113,29 +154,19 @@ def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, blo
                            scores=(Gemm(k_rot, q_rot), Gemm(v_unrot, q_unrot)),
                            values=(Gemm(v_unrot, acc_o_unrot), Gemm(v_rot, acc_o_rot, unrot)))
 
+    fp8_row = fp8_row_macro(geom, block_n)
+
     @T.macro
     def folded_fp8_parts():
         q_rot = T.alloc_shared((block_h, rot), bf16)  # [16, R]   rows >= 8: see macros.load_group_query_macro
         q_unrot = T.alloc_shared((block_h, unrot), bf16)  # [16, D-R]
-        # the stored row in panels of FP8_PANEL columns (128 B: one TMA box each, not one per token row)
-        # each named (TileLang names a buffer only when it is assigned to a variable; nameless ones get suffixes in no
-        # fixed order, and the emitted CUDA would differ from build to build)
-        stored = [IRBuilder.name(f"stored_{p}", T.alloc_shared((block_n, FP8_PANEL), e4m3))
-                  for p in range((d + rot) // FP8_PANEL)]
-        k_rot = T.alloc_shared((block_n, rot), bf16)  # the row's windows in bf16 (exact: e4m3 has 3 fraction bits)
-        v_unrot = T.alloc_shared((block_n, unrot), bf16)
-        v_rot = T.alloc_shared((block_n, rot), bf16)
-        scale_s = T.alloc_shared((block_n,), f32)  # [N] the tokens' scales
+        row = fp8_row()  # its tiles used as row.<name>: bound to another name, a buffer would be renamed after it
         acc_o_unrot = T.alloc_fragment((unrot, block_h), f32)  # O^T [D-R, 16]
         acc_o_rot = T.alloc_fragment((rot, block_h), f32)  # O^T [R, 16]
-        windows = ((k_rot, 0), (v_unrot, rot), (v_rot, d))  # (bf16 tile, first row column)
-        convert = tuple(Convert(stored[p], tile, p * FP8_PANEL - lo) for p in range(len(stored))
-                        for tile, lo in windows if lo <= p * FP8_PANEL < lo + tile.shape[1])
-        return FormatParts(query=(Run(q_rot, 0, rot), Run(q_unrot, rot, d)),
-                           row=tuple(Run(t, p * FP8_PANEL, (p + 1) * FP8_PANEL) for p, t in enumerate(stored)),
-                           scores=(Gemm(k_rot, q_rot), Gemm(v_unrot, q_unrot)),
-                           values=(Gemm(v_unrot, acc_o_unrot), Gemm(v_rot, acc_o_rot, unrot)),
-                           convert=convert, token_scale=scale_s)
+        return FormatParts(query=(Run(q_rot, 0, rot), Run(q_unrot, rot, d)), row=row.row,
+                           scores=(Gemm(row.k_rot, q_rot), Gemm(row.v_unrot, q_unrot)),
+                           values=(Gemm(row.v_unrot, acc_o_unrot), Gemm(row.v_rot, acc_o_rot, unrot)),
+                           convert=row.convert, token_scale=row.scale)
 
     if fp8:
         if fmt is not KvFormat.FOLDED:
@@ -217,7 +248,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                         T.copy(conv.stored, conv.tile[:, conv.col:conv.col + FP8_PANEL])
                 T.clear(acc_s)
                 for score in parts.scores:
-                    if threads > 128:  # two consumer warpgroups: each takes half of the 16 query columns
+                    if split_heads:  # two consumer warpgroups: each takes half of the 16 query columns
                         T.gemm(score.row_tile, score.other, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
                     else:
                         T.gemm(score.row_tile, score.other, acc_s, transpose_B=True)  # S^T [N, 16] += K Q^T
@@ -238,7 +269,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                     for out in parts.values:
                         zero_rows(out.row_tile, lambda i: k * block_n + i < n_tok)
                 for out in parts.values:
-                    if threads > 128:  # two consumer warpgroups: each takes half of the output rows
+                    if split_heads:  # two consumer warpgroups: each takes half of the output rows
                         T.gemm(out.row_tile, p_shared, out.other, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
                     else:
                         T.gemm(out.row_tile, p_shared, out.other, transpose_A=True)  # O^T [cols, 16] += V^T P^T

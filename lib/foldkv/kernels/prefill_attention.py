@@ -42,7 +42,7 @@ from ..config import GEMMA4_31B, AttentionGeometry
 from ..layout import KvFormat, row_width
 from . import macros
 from . import registry
-from .decode_partial import FP8_PANEL, Convert, Run
+from .decode_partial import FP8_PANEL, Run, fp8_row_macro
 from .registry import hands_out
 from .tl import pass_configs, require_tilelang, target
 
@@ -121,12 +121,11 @@ def key_block_macro(geom: AttentionGeometry, fmt: KvFormat, block_M: int, block_
     and unrotated parts, the row's e4m3 panels as stored, their bf16 conversions (K_rot, V_unrot, V_rot) and the
     tokens' scales."""
     import tilelang.language as T
-    from tvm.script.ir_builder import IRBuilder
 
     D, R = geom.head_dim, geom.rotary_width
     U = D - R
     V_LO = D if fmt is KvFormat.SPLIT else R  # the value window row[V_LO:V_LO + D]
-    dtype, accum, e4m3 = "bfloat16", "float32", "float8_e4m3"
+    dtype = "bfloat16"
     windows = windows_macro(fmt, block_N, D, dtype)
 
     @T.macro
@@ -136,25 +135,16 @@ def key_block_macro(geom: AttentionGeometry, fmt: KvFormat, block_M: int, block_
         return KeyBlock(query=(Run(Q_shared, 0, D),), row=(Run(win.score, 0, D), Run(win.value, V_LO, V_LO + D)),
                         scores=(ScoreGemm(Q_shared, win.score),), values=(win.value,))
 
+    fp8_row = fp8_row_macro(geom, block_N)  # the decode partial's FP8 row tiles
+
     @T.macro
     def folded_fp8_block():
         q_rot = T.alloc_shared([block_M, R], dtype)  # [64, 128] score window [0, R)
         q_unrot = T.alloc_shared([block_M, U], dtype)  # [64, 384] score window [R, D): q_unrot * w_k
-        # the stored row in panels of FP8_PANEL columns, each named (nameless buffers are suffixed in no fixed order
-        # and the emitted CUDA would differ from build to build)
-        stored = [IRBuilder.name(f"stored_{p}", T.alloc_shared([block_N, FP8_PANEL], e4m3))
-                  for p in range((D + R) // FP8_PANEL)]
-        k_rot = T.alloc_shared([block_N, R], dtype)  # row[0:R]    in bf16 (exact: e4m3 has 3 fraction bits)
-        v_unrot = T.alloc_shared([block_N, U], dtype)  # row[R:D]  a key column and a value column
-        v_rot = T.alloc_shared([block_N, R], dtype)  # row[D:D+R]
-        scale_s = T.alloc_shared([block_N], accum)  # [N] the tokens' scales
-        tiles = ((k_rot, 0), (v_unrot, R), (v_rot, D))  # (bf16 tile, first row column)
-        convert = tuple(Convert(stored[p], tile, p * FP8_PANEL - lo) for p in range(len(stored))
-                        for tile, lo in tiles if lo <= p * FP8_PANEL < lo + tile.shape[1])
-        return KeyBlock(query=(Run(q_rot, 0, R), Run(q_unrot, R, D)),
-                        row=tuple(Run(t, p * FP8_PANEL, (p + 1) * FP8_PANEL) for p, t in enumerate(stored)),
-                        scores=(ScoreGemm(q_rot, k_rot), ScoreGemm(q_unrot, v_unrot)), values=(v_unrot, v_rot),
-                        convert=convert, token_scale=scale_s)
+        row = fp8_row()  # its tiles used as row.<name>: bound to another name, a buffer would be renamed after it
+        return KeyBlock(query=(Run(q_rot, 0, R), Run(q_unrot, R, D)), row=row.row,
+                        scores=(ScoreGemm(q_rot, row.k_rot), ScoreGemm(q_unrot, row.v_unrot)),
+                        values=(row.v_unrot, row.v_rot), convert=row.convert, token_scale=row.scale)
 
     if fp8:
         if fmt is not KvFormat.FOLDED:

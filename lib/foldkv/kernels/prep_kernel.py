@@ -46,6 +46,7 @@ from ..pool import BlockTable, PagedKvPool, check_pool_storage
 from ..prep import _check_prep_inputs, rope_inv_freq
 from ..validate import FoldKvInputError, check_tensor
 from . import registry, resolve
+from .decode import pool_operands
 from .macros import rope_pair
 from .tl import pass_configs, require_tilelang, target
 
@@ -294,11 +295,10 @@ def prep_and_store_gpu(pool: PagedKvPool, table: BlockTable, request: torch.Tens
     params = {"page_size": pool.layout.page_size, "in_dtype": _TORCH_DTYPES[q.dtype]}
     (kernel,) = resolve.launch_kernels((name,), geom, {name: params}, backend, kernels)
     dev = pool.device
-    stored = (pool.data, pool.scales) if quantized else (pool.data,)
     kernel(q.contiguous(), kv.contiguous(), q_norm_weight.to(dev, torch.float32).contiguous(),
            k_norm_weight.to(dev, torch.float32).contiguous(), rope_inv_freq(geom, dev).contiguous(),
            positions.to(dev, torch.int32), pages.to(dev, torch.int32), offsets.to(dev, torch.int32),
-           *stored, query)
+           *pool_operands(pool), query)
     return query
 
 
