@@ -302,6 +302,11 @@ def _all_met(checks: dict) -> bool | None:
     return False if False in mets else (True if all(mets) else None)
 
 
+def _overall_text(met: bool | None) -> str:
+    """A row's overall verdict (`_all_met`, or one check's `met`) in words."""
+    return {True: "met", False: "NOT met", None: "incomplete"}[met]
+
+
 def _verdict_text(v: dict, fmt: str) -> str:
     if v["met"] is None:
         return f"– ({v['why']})"
@@ -322,7 +327,7 @@ def targets_markdown(results: dict, targets: Sequence[DecodeTarget] = ISSUE14_TA
         if not mine:
             lines.append(f"| {t.case} | – | no cell of this case in this run | | | |")
         for r in mine:
-            overall = {True: "met", False: "NOT met", None: "incomplete"}[r["met"]]
+            overall = _overall_text(r["met"])
             lines.append(f"| {r['target']} | {r['cell']} | {_verdict_text(r['x_read'], 'read')} | "
                          f"{_verdict_text(r['folded_x_fi_tc'], 'fi')} | {_verdict_text(r['split_x_fi_tc'], 'fi')} | "
                          f"{overall} |")
@@ -431,7 +436,7 @@ def fp8_targets_markdown(results: dict, target: Fp8Target = ISSUE15_TARGET) -> s
     lines = ["| cell | FP8 / bf16 folded | FP8 / plain read of its bytes | FlashInfer e4m3 / FP8 folded | all |",
              "|---|---|---|---|---|"] if rows else []
     for r in rows:
-        overall = {True: "met", False: "NOT met", None: "incomplete"}[r["met"]]
+        overall = _overall_text(r["met"])
         lines.append(f"| {r['cell']} | {_verdict_text(r['x_bf16'], 'read')} | {_verdict_text(r['x_read'], 'read')} | "
                      f"{_verdict_text(r['fi_fp8_x'], 'fi')} | {overall} |")
     if prefill:
@@ -439,5 +444,5 @@ def fp8_targets_markdown(results: dict, target: Fp8Target = ISSUE15_TARGET) -> s
                   f"{FP8_PREFILL_MAX_X_BF16:.2f}) | met |", "|---|---|---|"]
         for r in prefill:
             lines.append(f"| {r['cell']} | {_verdict_text(r['x_bf16'], 'read')} | "
-                         f"{ {True: 'met', False: 'NOT met', None: 'incomplete'}[r['met']]} |")
+                         f"{_overall_text(r['met'])} |")
     return "\n".join(lines)
