@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import TINY_SYNTHETIC, require_module
+from foldkv.lab.model import cache_keyword
 
 TINY = TINY_SYNTHETIC  # conftest: the `checkpoint` fixture is this model
 LENGTHS = (5, 17, 11)  # real tokens of the three prompts; the batch is left-padded to the longest
@@ -23,16 +24,6 @@ NEW = 32
 # attention only by float32 reordering, measured <= 1.6e-5 here (|logit| ~ 10), as test_drift_cpu's FLOAT32_TOL
 # (2e-4) derives for the same model; every broken twin below moves the scores by > 0.1.
 FLOAT32_TOL = 2e-4
-
-
-def _generate_kw() -> str:
-    """generate()'s cache keyword: `cache` in transformers >= 5.24, `past_key_values` before."""
-    import inspect
-
-    from transformers.models.gemma4 import modeling_gemma4
-
-    params = inspect.signature(modeling_gemma4.Gemma4ForCausalLM.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +53,7 @@ def _run(model, batch, cache=None, *, seed: int | None = None, new: int = NEW):
     """generate() greedy (seed None) or sampling (torch seeded with `seed`): (new tokens [3, new], scores
     [new, 3, V] float32)."""
     ids, mask = batch
-    kw = {_generate_kw(): cache} if cache is not None else {}
+    kw = {cache_keyword(model): cache} if cache is not None else {}
     if seed is not None:
         torch.manual_seed(seed)
         kw.update(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
@@ -193,7 +184,8 @@ def test_unwritten_row_reads_as_nan(models, batch, incumbent, monkeypatch):
     with torch.no_grad():
         cache = _cache(models["foldkv_eager"])
         ids, mask = batch
-        logits = models["foldkv_eager"](input_ids=ids, attention_mask=mask, **{_generate_kw(): cache}).logits
+        model = models["foldkv_eager"]
+        logits = model(input_ids=ids, attention_mask=mask, **{cache_keyword(model): cache}).logits
     assert bool(torch.isnan(logits[:, -1]).all())
 
 
@@ -254,7 +246,8 @@ def test_refuses_right_padding(models, batch):
     cache = _cache(models["foldkv"])
     with pytest.raises(FoldKvInputError, match="left padding"):
         with torch.no_grad():
-            models["foldkv"](input_ids=ids.flip(1), attention_mask=mask.flip(1), **{_generate_kw(): cache})
+            models["foldkv"](input_ids=ids.flip(1), attention_mask=mask.flip(1),
+                             **{cache_keyword(models["foldkv"]): cache})
     _assert_untouched(cache)
 
 
@@ -305,7 +298,7 @@ def test_refuses_models_it_cannot_serve(case, overrides, message):
     if message is None:
         cache = FoldKvCache(model, max_batch=1, max_tokens=8)
         ids = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(0))
-        out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, **{_generate_kw(): cache})
+        out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, **{cache_keyword(model): cache})
         assert out.shape == (1, 7) and cache.global_layers[0].lengths == [6]
         return
     with pytest.raises(ConfigError, match=message):

@@ -19,20 +19,12 @@ import pytest
 import torch
 
 from conftest import require_hopper, require_module, require_tilelang
+from foldkv.lab.model import cache_keyword
 
 pytestmark = pytest.mark.gpu
 
 LENGTHS = (97, 300, 1000)  # awkward lengths, one past 15 pages of 64; left-padded to the longest
 NEW = 16
-
-
-def _generate_kw() -> str:
-    import inspect
-
-    from transformers.models.gemma4 import modeling_gemma4
-
-    params = inspect.signature(modeling_gemma4.Gemma4ForCausalLM.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +58,7 @@ def batch(gpu_models):
 def _run(model, batch, cache=None):
     """Greedy generate(): (new tokens [B, NEW] on the CPU, logits [NEW, B, V] float32 on the CPU)."""
     ids, mask = batch
-    kw = {_generate_kw(): cache} if cache is not None else {}
+    kw = {cache_keyword(model): cache} if cache is not None else {}
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
                          output_logits=True, return_dict_in_generate=True, **kw)
     return out.sequences[:, ids.shape[1]:].cpu(), torch.stack(out.logits).float().cpu()
