@@ -261,10 +261,16 @@ def _stream_read(dtype: torch.dtype) -> Callable[["AttentionCase"], ArmImpl]:
 
 
 def _generated_specs(op: str) -> list[ArmSpec]:
+    """The generated `op` arms: both formats over bf16 pools, then the folded format over the FP8 pool, each through
+    both backends."""
     what = "" if op == "decode" else " prefill"
-    return [ArmSpec(f"{fmt.value}_{backend}", f"generated {fmt.value}{what} ({backend.upper()})", fmt.value, False,
+    bf16 = [ArmSpec(f"{fmt.value}_{backend}", f"generated {fmt.value}{what} ({backend.upper()})", fmt.value, False,
                     generated_arm(op, fmt, backend), generated=True)
             for fmt in (KvFormat.SPLIT, KvFormat.FOLDED) for backend in ("jit", "aot")]
+    fp8 = [ArmSpec(f"folded_fp8_{backend}", f"generated folded {op} over the FP8 (e4m3) pool ({backend.upper()})",
+                   "folded_fp8", False, generated_arm(op, KvFormat.FOLDED, backend, dtype=FP8_DTYPE), generated=True)
+           for backend in ("jit", "aot")]
+    return bf16 + fp8
 
 
 DECODE_ARMS: dict[str, ArmSpec] = {a.name: a for a in [
@@ -280,10 +286,6 @@ DECODE_ARMS: dict[str, ArmSpec] = {a.name: a for a in [
             _stream_read(torch.bfloat16)),
     ArmSpec(READ_FOLDED_FP8, "plain streaming read of the FP8 folded pool's bytes (rows and scales: its floor)",
             "folded_fp8", False, _stream_read(FP8_DTYPE)),
-    ArmSpec("folded_fp8_jit", "generated folded decode over the FP8 (e4m3) pool (JIT)", "folded_fp8", False,
-            generated_arm("decode", KvFormat.FOLDED, "jit", dtype=FP8_DTYPE), generated=True),
-    ArmSpec("folded_fp8_aot", "generated folded decode over the FP8 (e4m3) pool (AOT)", "folded_fp8", False,
-            generated_arm("decode", KvFormat.FOLDED, "aot", dtype=FP8_DTYPE), generated=True),
     ArmSpec("fi_tc_fp8", "FlashInfer decode, tensor cores, e4m3 split pool (per-tensor scales)", "split_fp8", True,
             _flashinfer("decode", tc=True, fp8=True)),
 ] + _generated_specs("decode") + [
@@ -291,10 +293,6 @@ DECODE_ARMS: dict[str, ArmSpec] = {a.name: a for a in [
             fmt.value, False, workspace_arm(fmt), generated=True) for fmt in (KvFormat.SPLIT, KvFormat.FOLDED)]}
 PREFILL_ARMS: dict[str, ArmSpec] = {a.name: a for a in [
     ArmSpec("fi_prefill", "FlashInfer paged prefill (causal, hd512)", "split", True, _flashinfer("prefill")),
-    ArmSpec("folded_fp8_jit", "generated folded prefill over the FP8 (e4m3) pool (JIT)", "folded_fp8", False,
-            generated_arm("prefill", KvFormat.FOLDED, "jit", dtype=FP8_DTYPE), generated=True),
-    ArmSpec("folded_fp8_aot", "generated folded prefill over the FP8 (e4m3) pool (AOT)", "folded_fp8", False,
-            generated_arm("prefill", KvFormat.FOLDED, "aot", dtype=FP8_DTYPE), generated=True),
 ] + _generated_specs("prefill")}
 DEFAULT_DECODE_ARMS = ("fi_cuda", "fi_tc", "torch", "split_jit", "folded_jit", "folded_aot", READ_FOLDED)
 DEFAULT_PREFILL_ARMS = ("fi_prefill", "split_jit", "folded_jit", "folded_aot")
