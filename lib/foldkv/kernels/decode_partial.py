@@ -35,6 +35,7 @@ from typing import Any
 from ..config import GEMMA4_31B, AttentionGeometry
 from ..layout import KvFormat, row_width
 from . import macros, registry
+from .macros import Convert
 from .registry import hands_out
 from .tl import pass_configs, require_tilelang, target
 
@@ -58,16 +59,6 @@ class Gemm:
     row_tile: Any
     other: Any
     col: int = 0
-
-
-@dataclass(frozen=True)
-class Convert:
-    """An FP8 row's loaded e4m3 panel and the bf16 tile (from column `col`) it is converted into. A dataclass, not a
-    tuple of buffers: a loop bound to buffers would rename them after its variables, in an order TileLang does not
-    fix, and the emitted CUDA would differ from build to build."""
-    stored: Any
-    tile: Any
-    col: int
 
 
 @dataclass(frozen=True)
@@ -241,10 +232,10 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                     T.copy(pool[page, kvh, off:off + block_n, run.lo:run.hi], run.tile)
                 if parts.token_scale is not None:
                     T.copy(scales[page, kvh, off:off + block_n], parts.token_scale)
-                for n, conv in enumerate(parts.convert):  # e4m3 -> bf16 is exact
-                    if e4m3_convert == "bits":
-                        convert_e4m3(conv.stored, conv.tile, conv.col, n == 0, n == len(parts.convert) - 1)
-                    else:
+                if e4m3_convert == "bits":  # e4m3 -> bf16 is exact
+                    convert_e4m3(parts.convert)
+                else:
+                    for conv in parts.convert:
                         T.copy(conv.stored, conv.tile[:, conv.col:conv.col + FP8_PANEL])
                 T.clear(acc_s)
                 for score in parts.scores:

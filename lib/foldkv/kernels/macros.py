@@ -10,6 +10,8 @@ variables comes in as a Python function of the tile's indices instead.
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 LOG2E = math.log2(math.e)  # Gemma 4 global attention has scaling 1.0, so exp(s) = exp2(s * log2 e)
 LN2 = math.log(2.0)
@@ -163,12 +165,22 @@ __device__ __forceinline__ void foldkv_e4m3x8_to_bf16(int first, int last, int b
 CONVERT_BARRIER_ID = 7
 
 
+@dataclass(frozen=True)
+class Convert:
+    """An FP8 row's loaded e4m3 panel and the bf16 tile (from column `col`) it is converted into. A dataclass, not a
+    tuple of buffers: a loop bound to buffers would rename them after its variables, in an order TileLang does not
+    fix, and the emitted CUDA would differ from build to build."""
+    stored: Any
+    tile: Any
+    col: int
+
+
 def convert_e4m3_macro(rows: int, cols: int, threads: int):
-    """An e4m3 shared panel [rows, cols] into columns [col, col + cols) of a bf16 shared tile, exactly, by `threads`
-    threads: each converts rows * cols / (8 threads) runs of 8 values, in one call (E4M3_TO_BF16_SOURCE says how,
-    and why not TileLang's element conversion). `first` / `last`: the tile's first / last panel, whose calls carry
-    the barriers TileLang would otherwise place (before the tiles are overwritten; after they are written, with
-    the proxy fence, before a gemm reads them)."""
+    """A tile's e4m3 shared panels [rows, cols] into their bf16 shared tiles, exactly, by `threads` threads: the
+    macro takes the tile's Converts in load order. Each thread converts rows * cols / (8 threads) runs of 8 values of
+    a panel in one call (E4M3_TO_BF16_SOURCE says how, and why not TileLang's element conversion); the first and the
+    last panel's calls carry the barriers TileLang would otherwise place (before the tiles are overwritten; after
+    they are written, with the proxy fence, before a gemm reads them)."""
     import tilelang.language as T
 
     runs_per_row = cols // 8
@@ -177,12 +189,17 @@ def convert_e4m3_macro(rows: int, cols: int, threads: int):
     step = rows // per_thread  # a thread's runs are `step` rows apart
 
     @T.macro
-    def convert_e4m3(stored, tile, col, first, last):
+    def convert_panel(stored, tile, col, first, last):
         for i, j in T.Parallel(step, runs_per_row):
             T.call_extern("handle", E4M3_TO_BF16_FN, int(first), int(last), CONVERT_BARRIER_ID, threads,
                           *[p for r in range(per_thread)  # (source, destination) of each run, as a list: a loop here
                             for p in (T.address_of(stored[i + r * step, j * 8]),  # would be a TIR loop
                                       T.address_of(tile[i + r * step, col + j * 8]))])
+
+    @T.macro
+    def convert_e4m3(converts):
+        for n, conv in enumerate(converts):
+            convert_panel(conv.stored, conv.tile, conv.col, n == 0, n == len(converts) - 1)
 
     return convert_e4m3
 
@@ -203,7 +220,7 @@ def e4m3_conversion_program(rows: int = 64, cols: int = 128, threads: int = 128,
             stored = T.alloc_shared((rows, cols), "float8_e4m3")
             tile = T.alloc_shared((rows, cols), "bfloat16")
             T.copy(codes, stored)
-            convert(stored, tile, 0, True, True)
+            convert((Convert(stored, tile, 0),))
             T.copy(tile, out)
 
     return e4m3_to_bf16

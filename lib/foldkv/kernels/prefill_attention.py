@@ -270,8 +270,7 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
                     T.copy(Pool[page, by, off:off + block_N, run.lo:run.hi], run.tile)
                 if block.token_scale is not None:
                     T.copy(Scales[page, by, off:off + block_N], block.token_scale)
-                    for n, conv in enumerate(block.convert):  # exact; the first and last carry the barriers
-                        convert_e4m3(conv.stored, conv.tile, conv.col, n == 0, n == len(block.convert) - 1)
+                    convert_e4m3(block.convert)  # exact
                 T.clear(acc_s)
                 for score in block.scores:
                     T.gemm(score.query, score.key, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
