@@ -136,7 +136,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tilings", nargs="*", default=None, help="e.g. folded:bn64s1 split:bn32s2")
     ap.add_argument("--no-flashinfer", action="store_true")
-    ap.add_argument("--fp8", action="store_true", help="also the folded prefill over the FP8 pool (folded_fp8_jit)")
+    ap.add_argument("--fp8", action="store_true", help="also the folded prefill over the FP8 pool, both ways of reading"
+                    " its rows: the page gather then the bf16 prefill (folded_fp8_jit), converted in the attention"
+                    " kernel (folded_fp8_in_kernel_jit)")
     ap.add_argument("--resources", action="store_true", help="CPU: ptxas report of every variant, then exit")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -151,7 +153,7 @@ def main() -> None:
         tilings.setdefault(f, []).append(tag)
     arms: list = [] if args.no_flashinfer else ["fi_prefill"]
     arms += [tiling_arm(fmt, tag) for fmt in (KvFormat.FOLDED, KvFormat.SPLIT) for tag in tilings.get(fmt.value, [])]
-    arms += ["folded_fp8_jit"] if args.fp8 else []
+    arms += ["folded_fp8_jit", "folded_fp8_in_kernel_jit"] if args.fp8 else []
 
     roof = measure_matmul_roof(dev)
     print(f"bf16 matmul roof measured: {roof['tflops']:.0f} TFLOP/s", flush=True)

@@ -539,6 +539,41 @@ def test_fp8_prefill_manifest_entry(fp8_prefill_build):
         kernel.bind(tensors)
 
 
+@pytest.fixture(scope="module")
+def dequant_pages_build(tmp_path_factory):
+    """An AOT build of the page gather alone (one JIT build and one nvcc compile)."""
+    require_tilelang_and_nvcc()
+    from foldkv.aot.build import build
+    from foldkv.kernels import registry
+
+    out = tmp_path_factory.mktemp("aot") / "dequant_pages"
+    return out, build(out, arch="sm_90a", variants=[registry.get("dequant_pages_folded_fp8")], log=None)
+
+
+def test_dequant_pages_manifest_entry(dequant_pages_build):
+    """The page gather's manifest entry: its registered params and its arguments in the launcher's order (e4m3 pool,
+    float32 scales, int32 page list, bf16 output); the build verifies; the loader refuses a bf16 pool handed to it
+    (the red twin)."""
+    import torch
+
+    from foldkv.kernels import registry
+
+    out, manifest = dequant_pages_build
+    (k,) = manifest["kernels"]
+    assert (k["name"], k["family"], k["format"]) == ("dequant_pages_folded_fp8", "dequant_pages", "folded")
+    assert k["variant_params"] == registry.get("dequant_pages_folded_fp8").params
+    args = [(p["name"], p["dtype"]) for p in k["params"] if p["kind"] == "tensor"]
+    assert args == [("Pool", "float8_e4m3"), ("PoolScales", "float32"), ("SrcPages", "int32"), ("Out", "bfloat16")]
+    assert verify(out)["kernels"][0]["cubin_sha256"] == k["cubin_sha256"]
+    kernel = AotBuild(out).kernel("dequant_pages_folded_fp8")
+    sizes = dict(NP=3, N=2)
+    tensors = [torch.zeros([eval_size(x, sizes) for x in p["shape"]], dtype=_aot_dtype(p["dtype"]))
+               for p in k["params"] if p["kind"] == "tensor"]
+    tensors[0] = tensors[0].to(torch.bfloat16)
+    with pytest.raises(FoldKvInputError, match="Pool has dtype torch.bfloat16, expected float8_e4m3"):
+        kernel.bind(tensors)
+
+
 def _aot_dtype(name: str):
     from foldkv.aot.loader import _torch_dtype
 

@@ -632,6 +632,22 @@ def test_fp8_prefill_target(fp8_us):
                                                "folded_fp8_jit": ([fp8_us] * 3, FOLDED)}, kind="prefill")
     cell["arms"]["folded_fp8_jit"]["format"] = "folded_fp8"
     rows = bench.fp8_prefill_rows(_doc([cell]))
-    assert len(rows) == 1 and rows[0]["us"] == {"fp8": fp8_us, "bf16_folded": 1000.0}
-    assert rows[0]["met"] is (fp8_us <= 1000.0)
+    assert len(rows) == 1 and rows[0]["us"] == {"fp8": fp8_us, "bf16_folded": 1000.0, "fp8_in_kernel": None}
+    assert rows[0]["met"] is (fp8_us <= 1000.0) and rows[0]["in_kernel_x_bf16"] is None
     assert ("NOT met" in bench.fp8_targets_markdown(_doc([cell]))) is (fp8_us > 1000.0)
+
+
+def test_fp8_prefill_in_kernel_arm_is_reported_not_gated():
+    """The in-kernel FP8 prefill's ratio sits beside the target row; a slow one does not fail a met target, and the
+    target is never taken from it (its red twin: with the default FP8 arm missing the row is not met)."""
+    arms = {"folded_jit": ([1000.0] * 3, FOLDED), "folded_fp8_jit": ([999.0] * 3, FOLDED),
+            "folded_fp8_in_kernel_jit": ([1400.0] * 3, FOLDED)}
+    cell = _cell("prefill/8192@32768", 32768, arms, kind="prefill")
+    for arm in ("folded_fp8_jit", "folded_fp8_in_kernel_jit"):
+        cell["arms"][arm]["format"] = "folded_fp8"
+    (row,) = bench.fp8_prefill_rows(_doc([cell]))
+    assert row["met"] is True and row["in_kernel_x_bf16"] == pytest.approx(1.4)
+    assert "| 1.400 |" in bench.fp8_targets_markdown(_doc([cell]))
+    del cell["arms"]["folded_fp8_jit"]
+    (row,) = bench.fp8_prefill_rows(_doc([cell]))
+    assert row["met"] is None and row["in_kernel_x_bf16"] == pytest.approx(1.4)

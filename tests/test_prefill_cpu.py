@@ -147,10 +147,11 @@ def _fp8_case(seq_lens=(70, 5), q_lens=(6, 5)):
     return _cpu_case(KvFormat.FOLDED, seq_lens, q_lens, dtype=FP8_DTYPE)
 
 
-def test_valid_fp8_input_reaches_only_the_device_check():
+@pytest.mark.parametrize("fp8_rows", ["gather", "in_kernel"])
+def test_valid_fp8_input_reaches_only_the_device_check(fp8_rows):
     pool, query, table, q_lens = _fp8_case()
     with pytest.raises(FoldKvInputError, match="prefill runs on CUDA"):
-        prefill(pool, query, table, q_lens, kv_dtype=FP8_DTYPE)
+        prefill(pool, query, table, q_lens, kv_dtype=FP8_DTYPE, fp8_rows=fp8_rows)
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -160,11 +161,16 @@ def test_valid_fp8_input_reaches_only_the_device_check():
     ("scales_shape", r"pool scales has shape \[8, 4, 32\]"),
     ("scales_dtype", "pool scales has dtype torch.float64"),
     ("scales_on_bf16_pool", "pool holds no scales"),
-    ("bf16_kernel_for_fp8_pool", r"kernels= names \['prefill_folded'\]; this launch uses \['prefill_folded_fp8'\]"),
+    ("in_kernel_variant_for_gather_rows",
+     r"kernels= names \['prefill_folded_fp8'\]; this launch uses \['dequant_pages_folded_fp8', 'prefill_folded'\]"),
+    ("bf16_kernel_for_in_kernel_rows",
+     r"kernels= names \['prefill_folded'\]; this launch uses \['prefill_folded_fp8'\]"),
+    ("fp8_rows", r"fp8_rows must be one of \('gather', 'in_kernel'\), got 'exact'"),
 ])
 def test_fp8_prefill_refusals_write_nothing(bad, match):
     """A pool of one dtype asked to run as the other, an FP8 pool's scales missing or misshapen (or scales on a bf16
-    pool), and the bf16 kernel offered for an FP8 pool: refused before the device check, the pool unchanged."""
+    pool), a kernel offered that the FP8 rows' route does not launch, an unknown route: refused before the device
+    check, the pool unchanged."""
     pool, query, table, q_lens = _fp8_case()
     kw = {}
     if bad == "fp8_pool_as_bf16":
@@ -181,8 +187,12 @@ def test_fp8_prefill_refusals_write_nothing(bad, match):
     elif bad == "scales_on_bf16_pool":
         pool = _cpu_case()[0]
         pool.scales = torch.ones(8, 4, 64)
+    elif bad == "in_kernel_variant_for_gather_rows":
+        kw["kernels"] = {"prefill_folded_fp8": lambda *args: None}
+    elif bad == "bf16_kernel_for_in_kernel_rows":
+        kw.update(kernels={"prefill_folded": lambda *args: None}, fp8_rows="in_kernel")
     else:
-        kw["kernels"] = {"prefill_folded": lambda *args: None}
+        kw["fp8_rows"] = "exact"
     data, scales = pool.data.clone(), None if pool.scales is None else pool.scales.clone()
     with pytest.raises(FoldKvInputError, match=match):
         prefill(pool, query, table, q_lens, **kw)

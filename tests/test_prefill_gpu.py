@@ -2,9 +2,11 @@
 `foldkv.lab.gates` (the notebook's gates: float64 reference over the pool as stored - an FP8 pool's rows dequantized -,
 hostile pools with NaN/Inf pages and poisoned page-table padding, NaN-poisoned outputs with rows past the plan that
 must stay untouched): a chunk starting mid-page, a one-token chunk, a whole short prompt, a page-aligned chunk, a
-ragged batch and an 8,192-token chunk ending at 163,336; a rerun is bit-identical; refusals write nothing. The FP8
-bound is the bf16 one plus the derived term for P rounded to bf16 after its scale (`gates.compare(p_scaled=True)`);
-its red twin runs the kernel with two tokens' scales swapped and must fail. The last row of a prefill against a
+ragged batch and an 8,192-token chunk ending at 163,336; a rerun is bit-identical; refusals write nothing. An FP8 pool
+is read both ways the launcher offers (`fp8_rows`): "gather" (the page gather, held bit for bit to its torch
+definition, then the bf16 prefill, held to the float64 reference over those bf16 rows with the bf16 bound) and
+"in_kernel" (the bf16 bound plus the derived term for P rounded to bf16 after its scale, `gates.compare(p_scaled=True)`);
+each has a red twin that runs with two tokens' scales swapped and must fail. The last row of a prefill against a
 decode of the same token is `tests/test_gates_gpu.py`'s."""
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from foldkv.lab import gates
 pytestmark = pytest.mark.gpu
 
 GEOM = foldkv.GEMMA4_31B
-POOLS = {  # pool kind: (format, stored dtype)
-    "split": (KvFormat.SPLIT, torch.bfloat16),
-    "folded": (KvFormat.FOLDED, torch.bfloat16),
-    "folded_fp8": (KvFormat.FOLDED, FP8_DTYPE),
+POOLS = {  # pool kind: (format, stored dtype, how the prefill reads an FP8 pool)
+    "split": (KvFormat.SPLIT, torch.bfloat16, "gather"),
+    "folded": (KvFormat.FOLDED, torch.bfloat16, "gather"),
+    "folded_fp8": (KvFormat.FOLDED, FP8_DTYPE, "gather"),
+    "folded_fp8_in_kernel": (KvFormat.FOLDED, FP8_DTYPE, "in_kernel"),
 }
 GATE_LOG = os.environ.get("FOLDKV_PREFILL_GATE_LOG")  # one JSON line per gated case, for the notes
 
@@ -54,11 +57,12 @@ def _scales(pool) -> torch.Tensor | None:
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("pool_kind", list(POOLS))
 def test_prefill_matches_reference(cuda_device, pool_kind, case):
-    fmt, dtype = POOLS[pool_kind]
+    fmt, dtype, fp8_rows = POOLS[pool_kind]
     inputs = make_case(fmt, case, seed=len(case) * 31 + len(CASES[case][0]), device=cuda_device, dtype=dtype)
     scales_before = _scales(inputs.pool)
-    res = gates.run_case(inputs, gates.prefill_arm())  # an FP8 pool: compare(p_scaled=True), the derived extra term
-    row = gates.summary_row(inputs.case, fmt, "jit" if dtype == torch.bfloat16 else "jit-fp8", res)
+    arm = gates.prefill_arm(fp8_rows=fp8_rows)  # run_case picks the rows its reference reads from arm.fp8_rows
+    res = gates.run_case(inputs, arm)
+    row = gates.summary_row(inputs.case, fmt, "jit" if dtype == torch.bfloat16 else f"jit-fp8-{fp8_rows}", res)
     if GATE_LOG:
         with open(GATE_LOG, "a") as fh:
             fh.write(json.dumps(row) + "\n")
@@ -67,11 +71,48 @@ def test_prefill_matches_reference(cuda_device, pool_kind, case):
         assert torch.equal(inputs.pool.scales.view(torch.int32), scales_before.view(torch.int32)), "scales changed"
     # same inputs again: a moving result is a race
     out, lse = res["outputs"]
-    again = gates.run_case(inputs, gates.prefill_arm())["outputs"]
+    again = gates.run_case(inputs, arm)["outputs"]
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)
 
 
-def test_fp8_prefill_with_two_scales_swapped_fails(cuda_device):
+def _nan_aware_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same bits wherever either is a number; NaN in the same places (the NaN payload of a conversion is not fixed:
+    torch writes 0x7FC0, the CUDA intrinsic 0x7FFF)."""
+    na, nb = torch.isnan(a), torch.isnan(b)
+    ia, ib = a.view(torch.int16), b.view(torch.int16)
+    return bool(torch.equal(na, nb)) and bool(torch.equal(ia[~na], ib[~nb]))
+
+
+@pytest.mark.parametrize("case", ["ragged_batch", "chunk_8192_at_163336"])
+def test_page_gather_equals_its_torch_definition(cuda_device, case):
+    """The page gather over a hostile FP8 pool (NaN rows and scales, Inf scales on unused pages, poisoned padding
+    entries): every converted page bit for bit `foldkv.fp8.dequantize_rows_bf16` of its page, NaN where it is, the FP8
+    pool untouched. Red twin: one page's scales changed before the kernel runs (the torch rows made from the pool as
+    it was) must differ."""
+    from foldkv.kernels.dequant_pages import bf16_pages, bf16_pages_reference
+
+    inputs = make_case(KvFormat.FOLDED, case, seed=7, device=cuda_device, dtype=FP8_DTYPE)
+    pool, table = inputs.pool, inputs.table
+    before = pool.data.view(torch.uint8).clone(), pool.scales.clone()
+    want, want_table = bf16_pages_reference(pool, table)
+    got, got_table = bf16_pages(pool, table)
+    torch.cuda.synchronize()
+    assert torch.equal(got_table.page_ids, want_table.page_ids) and torch.equal(got_table.seq_lens, table.seq_lens)
+    assert _nan_aware_equal(got.data, want.data)
+    assert torch.equal(pool.data.view(torch.uint8), before[0]) and torch.equal(pool.scales.view(torch.int32),
+                                                                             before[1].view(torch.int32))
+    page = int(table.page_ids[0, 0])
+    pool.scales[page] *= 1.5  # red twin
+    try:
+        bad, _ = bf16_pages(pool, table)
+        torch.cuda.synchronize()
+        assert not _nan_aware_equal(bad.data, want.data)
+    finally:
+        pool.scales[page] /= 1.5
+
+
+@pytest.mark.parametrize("fp8_rows", ["gather", "in_kernel"])
+def test_fp8_prefill_with_two_scales_swapped_fails(cuda_device, fp8_rows):
     """Red twin of the FP8 gate: the kernel reads the pool with token 0's scale swapped (in every KV head) with the
     scale of the token that differs from it most, the reference reads the pool as written. Query 0 of the whole
     prompt sees token 0 alone (its output is token 0's value row), so the swap moves it by the scales' ratio."""
@@ -94,16 +135,17 @@ def test_fp8_prefill_with_two_scales_swapped_fails(cuda_device):
     def swapped_launch(inp: gates.GateInputs, out: torch.Tensor, lse: torch.Tensor):
         swap()
         try:
-            res = prefill(inp.pool, inp.query, inp.table, inp.q_lens, out=out, lse=lse)
+            res = prefill(inp.pool, inp.query, inp.table, inp.q_lens, out=out, lse=lse, fp8_rows=fp8_rows)
             torch.cuda.synchronize()
             return res
         finally:
             swap()  # back: the reference reads the pool as written
 
+    swapped_launch.fp8_rows = fp8_rows
     res = gates.run_case(inputs, swapped_launch)
     assert res["all_written"] and not res["elementwise_ok"] and not res["passed"], \
-        gates.summary_row(inputs.case, KvFormat.FOLDED, "jit-fp8-swapped-scales", res)
-    assert gates.run_case(inputs, gates.prefill_arm())["passed"]  # the same inputs, unswapped, pass
+        gates.summary_row(inputs.case, KvFormat.FOLDED, f"jit-fp8-{fp8_rows}-swapped-scales", res)
+    assert gates.run_case(inputs, gates.prefill_arm(fp8_rows=fp8_rows))["passed"]  # unswapped, they pass
 
 
 @pytest.mark.parametrize("case", ["mid_page_chunk", "ragged_batch"])

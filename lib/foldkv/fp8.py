@@ -1,4 +1,4 @@
-"""The FP8 row: e4m3 values with one float32 scale per token x KV head, its one quantizer, dequantizer and rounding bound.
+"""The FP8 row: e4m3 values with one float32 scale per token x KV head, its one quantizer, dequantizers and rounding bound.
 
 An FP8 pool stores each folded row [K_rot | V_unrot | V_rot] (640 columns for the 31B) as float8_e4m3fn values `q`
 beside a float32 `scale` for that (token, KV head); the row's value is `q * scale`. The layout was chosen by
@@ -13,7 +13,9 @@ The rounding, defined once here (the prep, the fill and any kernel that writes r
          zeros;
   q      x / scale in float32, clamped to [-448, 448] (only float32 rounding can take it past), cast to e4m3 by
          torch (round to nearest, ties to even; subnormals below 2^-6, spacing 2^-9).
-Dequantized: q * scale, exact in float64 (a 4-bit by 24-bit product).
+Dequantized: q * scale, exact in float64 (a 4-bit by 24-bit product). The rows a bf16 kernel reads (the prefill over
+an FP8 pool, `foldkv.kernels.dequant_pages`): q * scale as one float32 product rounded to bf16, within 2^-8 (+ 2^-24)
+of the exact product (bf16 keeps 8 significant bits).
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """q [..., W] float8_e4m3fn, scale [...] float32 -> q * scale [..., W] in `dtype` (exact in float64)."""
     return q.to(dtype) * scale.to(dtype)[..., None]
+
+
+def dequantize_rows_bf16(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q [..., W] float8_e4m3fn, scale [...] float32 -> [..., W] bfloat16: q * scale as one float32 product (round to
+    nearest), then rounded to bf16 (round to nearest even). The rows the prefill over an FP8 pool attends over, the
+    definition `foldkv.kernels.dequant_pages` is held to bit for bit."""
+    return (q.to(torch.float32) * scale.to(torch.float32)[..., None]).to(torch.bfloat16)
 
 
 def rounding_bound(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

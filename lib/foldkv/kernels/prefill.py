@@ -2,13 +2,21 @@
 
 `prefill(pool, query, table, q_lens)` runs request r's q_lens[r] queries (its last positions, bottom-right causal)
 against its pages and returns (out [sum(q_lens), 32, 512] bf16 head order, lse [sum(q_lens), 32] float32 natural
-log). The kernel ("prefill_split" or "prefill_folded" over a bf16 pool, "prefill_folded_fp8" over an FP8 folded
-pool; argument order documented in prefill_attention.py) comes from `foldkv.kernels.resolve.kernel(name, geometry,
-params, backend)` with the pool's page size among its params ("jit": built here with TileLang; "aot": from the active
-AOT build, refused unless built with these params), or from `kernels={name: callable}` (an experiment's variant).
-It is called as
+log). The kernel ("prefill_split" or "prefill_folded"; argument order documented in prefill_attention.py) comes from
+`foldkv.kernels.resolve.kernel(name, geometry, params, backend)` with the pool's page size among its params ("jit":
+built here with TileLang; "aot": from the active AOT build, refused unless built with these params), or from
+`kernels={name: callable}` (an experiment's variant). It is called as
     kernel(query, pool.data, [pool.scales,] page_ids, seq_lens, q_start, q_lens, tile_req, tile_tok, out, lse)
-with an FP8 pool's scales [P, Hkv, page] float32 right after its e4m3 rows and nothing there for a bf16 pool.
+with the scales only for "prefill_folded_fp8".
+An FP8 folded pool is read one of two ways (`fp8_rows`):
+  "gather" (default): the dequantizing page gather first (`dequant_pages.bf16_pages`: the pages the requests cover,
+      each converted once into bf16 rows, `foldkv.fp8.dequantize_rows_bf16`), then "prefill_folded" over those rows.
+      Prefill is compute-bound, so this runs at the bf16 prefill's rate plus one pass over the pages; it needs a
+      scratch pool for the call, 1,280 bytes per token and KV head of the requests' pages.
+  "in_kernel": "prefill_folded_fp8" converts the e4m3 rows itself (exactly, the scale applied in float32, as the
+      decode does) and needs no scratch, but converts every key block once per query tile that reads it, on the
+      warpgroups that run the gemms: 1.40-1.42x the bf16 prefill (bench/FP8_NOTES.md). It is called with the pool's
+      scales right after its rows.
 """
 
 from __future__ import annotations
@@ -20,15 +28,31 @@ import torch
 from ..layout import KvFormat
 from ..pool import BlockTable, PagedKvPool, check_block_table
 from ..validate import FoldKvInputError, check_tensor
-from . import resolve
+from . import dequant_pages, resolve
 from .decode import check_decode_pool, check_pool_dtype, pool_operands
 
 TOKENS_PER_TILE = 8  # query tokens per CTA: 8 tokens x 8 heads of one KV group = 64 MMA rows
 
 
 def variant_name(fmt: KvFormat | str, quantized: bool = False) -> str:
-    """The prefill kernel of `fmt` pages; `quantized`: over an FP8 pool (folded only)."""
+    """The prefill kernel of `fmt` pages; `quantized`: the one that converts an FP8 pool's rows itself (folded only;
+    registered and gated, not what `prefill` launches: see the module docstring)."""
     return f"prefill_{KvFormat.parse(fmt).value}" + ("_fp8" if quantized else "")
+
+
+FP8_ROWS = ("gather", "in_kernel")  # how a prefill reads an FP8 pool (module docstring)
+
+
+def launch_names(pool: PagedKvPool, fp8_rows: str = "gather") -> tuple[str, ...]:
+    """The kernels `prefill` launches for `pool`, in order: the prefill of its format; for an FP8 pool the page gather
+    then the bf16 prefill ("gather"), or the prefill that converts the rows itself ("in_kernel")."""
+    if fp8_rows not in FP8_ROWS:
+        raise FoldKvInputError(f"fp8_rows must be one of {FP8_ROWS}, got {fp8_rows!r}")
+    if not pool.layout.quantized:
+        return (variant_name(pool.format),)
+    if fp8_rows == "in_kernel":
+        return (variant_name(pool.format, quantized=True),)
+    return (dequant_pages.NAME, variant_name(pool.format))
 
 
 # --- plan --------------------------------------------------------------------------------------------------------
@@ -80,35 +104,42 @@ def _check(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: to
 def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: torch.Tensor, *,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, backend: str = "jit",
             params: dict | None = None, kernels: Mapping[str, Callable] | None = None,
-            kv_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            kv_dtype: torch.dtype | None = None, fp8_rows: str = "gather") -> tuple[torch.Tensor, torch.Tensor]:
     """Causal paged prefill for a ragged batch: request r's q_lens[r] queries are its last positions.
 
     pool: bf16 (either format) or FP8 e4m3 with its scales (folded), on a CUDA device (Hopper for the generated
     kernels), page_size a multiple of the kernel's key tile (64); `kv_dtype`, when given, must be the pool's stored
-    dtype. table: BlockTable, int32, any device (copied to the pool's). q_lens: [B] int32/int64, any device,
+    dtype. fp8_rows: how an FP8 pool is read (module docstring): "gather" (its rows rounded to bf16 once, then the
+    bf16 prefill) or "in_kernel" (converted exactly by the attention kernel, slower, no scratch). table: BlockTable, int32, any device (copied to the pool's). q_lens: [B] int32/int64, any device,
     1 <= q_lens[r] <= seq_lens[r]. query: [sum(q_lens), Hq, D] bf16, contiguous, on the pool's device, in the pool
     format's form (what prep_and_store returns), request by request. Returns (out [sum(q_lens), Hq, D] bf16 head
     order, lse [sum(q_lens), Hq] float32 natural log) on the pool's device; `out`/`lse` given (same shapes and
     dtypes, contiguous) are written in place. `params` overrides the variant's tuning constants (the benchmark uses
-    it; the page size is always the pool's). backend: "jit" or "aot". kernels: {variant_name(pool.format,
-    pool.layout.quantized): callable taking the kernel's arguments} replaces the backend's kernel (an experiment's
-    variant built with `params`). Bad input raises FoldKvInputError before anything is built or launched.
+    it; the page size is always the pool's). backend: "jit" or "aot". kernels: {name: callable taking the kernel's
+    arguments}, a name of `launch_names(pool)`, replaces the backend's kernel (an experiment's variant built with
+    `params`). Bad input raises FoldKvInputError before anything is built or launched.
     """
     resolve.check_backend(backend)
     if not isinstance(pool, PagedKvPool):
         raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
-    name = variant_name(pool.format, pool.layout.quantized)
-    resolve.check_kernels((name,), kernels)
+    names = launch_names(pool, fp8_rows)
+    resolve.check_kernels(names, kernels)
+    name = names[-1]
     p = resolve.kernel_params(name, {**(params or {}), "page_size": pool.layout.page_size})
     total = _check(pool, query, table, q_lens, out, lse, p, kv_dtype)
     geom, dev = pool.geometry, pool.device
     (kernel,) = resolve.launch_kernels((name,), geom, {name: p}, backend, kernels)
+    operands = pool_operands(pool)
+    if dequant_pages.NAME in names:  # its covered pages as bf16 rows, once each (checked above: nothing refuses now)
+        gather = {n: k for n, k in (kernels or {}).items() if n == dequant_pages.NAME}
+        pool, table = dequant_pages.bf16_pages(pool, table, backend=backend, kernels=gather)
+        operands = (pool.data,)
     q_start, tile_req, tile_tok = tile_plan(q_lens)
     if out is None:
         out = torch.empty((total, geom.num_q_heads, geom.head_dim), dtype=torch.bfloat16, device=dev)
     if lse is None:
         lse = torch.empty((total, geom.num_q_heads), dtype=torch.float32, device=dev)
-    kernel(query, *pool_operands(pool), table.page_ids.to(dev, torch.int32).contiguous(),
+    kernel(query, *operands, table.page_ids.to(dev, torch.int32).contiguous(),
            table.seq_lens.to(dev, torch.int32).contiguous(), q_start.to(dev), q_lens.to(dev, torch.int32),
            tile_req.to(dev), tile_tok.to(dev), out, lse)
     return out, lse

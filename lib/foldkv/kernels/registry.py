@@ -24,7 +24,7 @@ class KernelVariant:
     AOT manifest records them and the AOT backend can refuse a kernel built with other ones."""
 
     name: str  # unique, e.g. "decode_partial_folded"
-    family: str  # decode_partial | merge_groups | merge_final | prefill | prep
+    family: str  # decode_partial | merge_groups | merge_final | prefill | prep | dequant_pages
     format: KvFormat | None  # None for format-independent kernels (the merges)
     builder: str | Callable[..., Any]  # "package.module:function", imported on first build (or the function itself)
     params: dict = field(default_factory=dict)  # tuning constants baked into the build (page size, tiles, ...)
@@ -74,7 +74,8 @@ _PREFILL = dict(page_size=64, block_N=64, num_stages=1, threads=256)
 # 196,864 B = 192.25 KiB of the 227 KiB. Two stages of panels would take 232.5 KiB; the bf16 windows of the bf16
 # prefill (128 KiB) beside the panels 240.25 KiB. The panels are released once converted, so one stage prefetches.
 _PREFILL_FP8 = dict(page_size=64, block_N=64, num_stages=1, threads=256)
-_PREP = dict(page_size=64, in_dtype="bfloat16", threads=128)  # 128 threads: each owns two rotate_half pairs
+_PREP = dict(page_size=64, in_dtype="bfloat16", threads=128)
+_DEQUANT_PAGES = dict(page_size=64, threads=128)  # memory-bound: one CTA per (page, KV head), 320 elements a thread  # 128 threads: each owns two rotate_half pairs
 
 VARIANTS: tuple[KernelVariant, ...] = (
     *(KernelVariant(f"decode_partial_{f.value}", "decode_partial", f, _K + "decode_partial:build_decode_partial",
@@ -90,6 +91,8 @@ VARIANTS: tuple[KernelVariant, ...] = (
                   dict(_PREFILL_FP8)),
     *(KernelVariant(f"prep_{f.value}", "prep", f, _K + "prep_kernel:build", dict(_PREP)) for f in KvFormat),
     KernelVariant("prep_folded_fp8", "prep", KvFormat.FOLDED, _K + "prep_kernel:build_fp8", dict(_PREP)),
+    KernelVariant("dequant_pages_folded_fp8", "dequant_pages", KvFormat.FOLDED, _K + "dequant_pages:build",
+                  dict(_DEQUANT_PAGES)),
 )
 _BY_NAME = {v.name: v for v in VARIANTS}
 if len(_BY_NAME) != len(VARIANTS):

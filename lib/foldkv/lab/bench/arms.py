@@ -92,14 +92,16 @@ def aot_build_dir() -> str | None:
 def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | None = None,
                   kernels: Callable[["AttentionCase"], dict] | None = None,
                   plan_kw: Callable[["AttentionCase"], dict] | None = None,
-                  dtype: torch.dtype = torch.bfloat16) -> Callable[["AttentionCase"], ArmImpl]:
+                  dtype: torch.dtype = torch.bfloat16,
+                  fp8_rows: str | None = None) -> Callable[["AttentionCase"], ArmImpl]:
     """The builder of a generated-kernel arm: `op` "decode" (foldkv.kernels.decode.decode over a plan made once,
     captured in a CUDA graph) or "prefill" (foldkv.kernels.prefill.prefill, timed eagerly), on the case's pools of
     format `fmt`, through launcher backend `backend` ("jit" or "aot") with kernel `params` (prefill tilings).
     `kernels(case)`, when given, returns the launcher's `kernels=` (an experiment's kernel in place of the library's,
     e.g. a variant from bench/versions/). `plan_kw(case)`, when given, are keyword arguments of `plan_decode` (an
     experiment's chunking). backend "aot" without an active build is "not run", not an error. `dtype`: the pool's
-    stored dtype (float8_e4m3fn: the FP8 folded decode, checked against the reference over its dequantized pool)."""
+    stored dtype (float8_e4m3fn: the FP8 folded decode, checked against the reference over its dequantized pool).
+    `fp8_rows`: the prefill's `fp8_rows` (how it reads an FP8 pool), the launcher's default when None."""
     fmt = KvFormat.parse(fmt)
     if op not in ("decode", "prefill"):
         raise ValueError(f"op {op!r}: expected 'decode' or 'prefill'")
@@ -126,6 +128,8 @@ def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | Non
         against = "folded_fp8" if dtype != torch.bfloat16 else "split"
         if params:
             kw["params"] = info["params"] = dict(params)
+        if fp8_rows is not None:
+            kw["fp8_rows"] = info["fp8_rows"] = fp8_rows
         if kernels is not None:
             kw["kernels"] = dict(kernels(case))
             info["kernels_replaced"] = sorted(kw["kernels"])
@@ -293,6 +297,9 @@ DECODE_ARMS: dict[str, ArmSpec] = {a.name: a for a in [
             fmt.value, False, workspace_arm(fmt), generated=True) for fmt in (KvFormat.SPLIT, KvFormat.FOLDED)]}
 PREFILL_ARMS: dict[str, ArmSpec] = {a.name: a for a in [
     ArmSpec("fi_prefill", "FlashInfer paged prefill (causal, hd512)", "split", True, _flashinfer("prefill")),
-] + _generated_specs("prefill")}
+] + _generated_specs("prefill") + [
+    ArmSpec("folded_fp8_in_kernel_jit", "generated folded prefill over the FP8 pool, rows converted in the attention"
+            " kernel (fp8_rows='in_kernel', JIT)", "folded_fp8", False,
+            generated_arm("prefill", KvFormat.FOLDED, "jit", dtype=FP8_DTYPE, fp8_rows="in_kernel"), generated=True)]}
 DEFAULT_DECODE_ARMS = ("fi_cuda", "fi_tc", "torch", "split_jit", "folded_jit", "folded_aot", READ_FOLDED)
 DEFAULT_PREFILL_ARMS = ("fi_prefill", "split_jit", "folded_jit", "folded_aot")

@@ -240,7 +240,7 @@ class AttentionCase:
 
     def _split_from_fi_fp8(self) -> PagedKvPool:
         """FlashInfer's e4m3 pool dequantized into a foldkv split pool of the same pages, in bf16 (each value's
-        rounding, 2^-9 relative, is far inside the arm check's CHECK_REL_TOL), a block of pages at a time: a float32
+        rounding, 2^-8 relative, is far inside the arm check's CHECK_REL_TOL), a block of pages at a time: a float32
         copy of a 128-request pool does not fit beside the case's other pools."""
         copies, ks, vs = self.flashinfer_kv_fp8()
         kv8 = copies[0]

@@ -1,0 +1,172 @@
+"""The dequantizing page gather: an FP8 folded pool's pages, as a batch's requests cover them, rounded to bf16 rows.
+
+Why it exists: prefill is compute-bound, and a prefill kernel that reads e4m3 rows converts every key block once per
+query tile that reads it (a 8,192-token chunk: 1,024 query tiles per KV head, each converting the whole prefix, on the
+warpgroups that run the gemms). Converting each page once, into a bf16 scratch pool the bf16 prefill kernel then reads,
+costs one pass over the pages (644 bytes read, 1,280 written per token and KV head: about 0.1-0.4% of the prefill at
+8K-131K tokens of context) and leaves the prefill at the bf16 prefill's rate.
+
+The rows it writes are `foldkv.fp8.dequantize_rows_bf16`: each e4m3 value times its token's float32 scale, one float32
+product (IEEE round to nearest, no contraction), rounded to bf16 (round to nearest even). That is at most 2^-8 of the
+value off the exact product: 1/16 of e4m3's own rounding (2^-4), the same as a bf16 pool's rounding of its float32 rows. So a
+prefill over an FP8 pool attends over these rows; the decode applies the scale in float32 instead (DECODE_SCHEDULE.md).
+
+`bf16_pages(pool, table)` plans on the host which pages to convert (request r's first ceil(seq_len / page) pages, in
+request order; a page two requests share is converted twice) and returns a bf16 folded pool of just those pages with
+a block table onto it; `bf16_pages_reference` is the same in torch (the definition the kernel is held to, bit for bit).
+
+Kernel argument order (the AOT loader relies on it):
+  Pool [P, 4, page, 640] float8_e4m3, PoolScales [P, 4, page] float32, SrcPages [N] int32,
+  Out [N, 4, page, 640] bf16 (written)
+Grid (N, 4 KV heads): block (n, h) writes Out[n, h] from page SrcPages[n] of KV head h.
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+from ..config import GEMMA4_31B, AttentionGeometry
+from ..fp8 import dequantize_rows_bf16
+from ..layout import KvFormat
+from ..pool import BlockTable, PagedKvLayout, PagedKvPool, check_block_table
+from ..validate import FoldKvInputError
+from . import registry, resolve
+from .tl import pass_configs, require_tilelang, target
+
+NAME = "dequant_pages_folded_fp8"
+DEFAULTS = dict(registry.get(NAME).params)
+
+
+@registry.hands_out("dequant_pages_{fmt}_fp8")
+def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.FOLDED, *, page_size: int = 64,
+          threads: int = 128, arch: str | None = None):
+    """Compile (JIT) the gather for an FP8 folded pool of `page_size`-token pages; returns a TileLang kernel taking
+    the arguments above."""
+    fmt = KvFormat.parse(fmt)
+    if fmt is not KvFormat.FOLDED:
+        raise NotImplementedError(f"an FP8 pool holds folded rows only (foldkv.fp8); asked for {fmt.value}")
+    tilelang = require_tilelang()
+    import tilelang.language as T
+
+    HKV, W = geom.num_kv_heads, geom.head_dim + geom.rotary_width
+    f32 = "float32"
+
+    @tilelang.jit(target=target(arch) if arch else target(), pass_configs=pass_configs())
+    def dequant_pages(page_size, threads):
+        NP, N = T.dynamic("NP, N")
+
+        @T.prim_func
+        def main(
+            Pool: T.Tensor([NP, HKV, page_size, W], "float8_e4m3"),
+            PoolScales: T.Tensor([NP, HKV, page_size], f32),
+            SrcPages: T.Tensor([N], "int32"),
+            Out: T.Tensor([N, HKV, page_size, W], "bfloat16"),
+        ):
+            with T.Kernel(N, HKV, threads=threads) as (bn, bh):
+                rows = T.alloc_shared([page_size, W], "float8_e4m3")
+                scales = T.alloc_shared([page_size], f32)
+                src = SrcPages[bn]
+                T.copy(Pool[src, bh, 0:page_size, 0:W], rows)
+                T.copy(PoolScales[src, bh, 0:page_size], scales)
+                for t, c in T.Parallel(page_size, W):  # e4m3 -> float32 is exact; one rounded product, then bf16
+                    Out[bn, bh, t, c] = T.cast(T.cast(rows[t, c], f32) * scales[t], "bfloat16")
+
+        return main
+
+    return dequant_pages(page_size, threads)
+
+
+# --- the host plan and the launcher ---------------------------------------------------------------------------------
+def page_plan(layout: PagedKvLayout, table: BlockTable) -> tuple[torch.Tensor, BlockTable]:
+    """(flat [N] int64 CPU: the index in table.page_ids.reshape(-1) of each page to convert, request by request;
+    the block table onto the converted pages: page_ids [B, max_pages] int32 with request r's pages at
+    offset_r .. offset_r + n_r - 1 and 0 in its padding entries, seq_lens as given), both on the CPU."""
+    seq = table.seq_lens.cpu().long()
+    n = (seq + layout.page_size - 1) // layout.page_size  # [B] pages each request covers
+    batch, max_pages = table.page_ids.shape
+    req = torch.repeat_interleave(torch.arange(batch), n)  # [N] the request of each converted page
+    first = torch.cumsum(n, 0) - n  # [B] its first converted page
+    col = torch.arange(int(n.sum())) - first[req]  # [N] the page's column in its request's row
+    ids = torch.zeros((batch, max_pages), dtype=torch.int32)
+    ids[req, col] = torch.arange(req.numel(), dtype=torch.int32)
+    return req * max_pages + col, BlockTable(ids, table.seq_lens.cpu().to(torch.int32).clone())
+
+
+def _bf16_layout(pool: PagedKvPool, num_pages: int) -> PagedKvLayout:
+    return PagedKvLayout(pool.geometry, KvFormat.FOLDED, pool.layout.page_size, num_pages, torch.bfloat16)
+
+
+def _check(pool: PagedKvPool, table: BlockTable) -> None:
+    from .decode import check_decode_pool
+
+    if not isinstance(pool, PagedKvPool) or not pool.layout.quantized:
+        raise FoldKvInputError("the dequantizing page gather reads an FP8 (e4m3) folded pool")
+    check_decode_pool(pool, op="the page gather")  # rows and scales as the layout says
+    check_block_table(pool.layout, table)
+
+
+def bf16_pages_reference(pool: PagedKvPool, table: BlockTable) -> tuple[PagedKvPool, BlockTable]:
+    """The torch definition of `bf16_pages`, on the pool's device: the same pages and table, each converted page
+    `foldkv.fp8.dequantize_rows_bf16(data[page], scales[page])`."""
+    _check(pool, table)
+    flat, compact = page_plan(pool.layout, table)
+    src = table.page_ids.reshape(-1).cpu().long()[flat].to(pool.device)
+    out = dequantize_rows_bf16(pool.data[src], pool.scales[src])
+    return PagedKvPool(_bf16_layout(pool, int(flat.numel())), data=out), compact.to(pool.device)
+
+
+def bf16_pages(pool: PagedKvPool, table: BlockTable, *, backend: str = "jit",
+               kernels: Mapping[str, Callable] | None = None) -> tuple[PagedKvPool, BlockTable]:
+    """The pages of an FP8 folded pool that `table`'s requests cover, converted by the kernel into a new bf16 folded
+    pool [N, 4, page, 640] of just those pages (N = sum of ceil(seq_len / page)), with a block table onto it (int32,
+    on the pool's device, seq_lens as given). pool: FP8 folded, with its scales, on CUDA; table: BlockTable, any
+    device. The kernel comes from `resolve.kernel` with the pool's page size ("jit" or "aot"), or from
+    `kernels={"dequant_pages_folded_fp8": callable}`. Bad input raises FoldKvInputError before anything is launched;
+    the FP8 pool is only read."""
+    resolve.check_backend(backend)
+    resolve.check_kernels((NAME,), kernels)
+    _check(pool, table)
+    if pool.device.type != "cuda":
+        raise FoldKvInputError(f"the page gather runs on CUDA; the pool is on {pool.device}")
+    flat, compact = page_plan(pool.layout, table)
+    dev = pool.device
+    src = table.page_ids.to(dev).reshape(-1)[flat.to(dev)].to(torch.int32).contiguous()
+    lay = _bf16_layout(pool, int(flat.numel()))
+    out = torch.empty(lay.shape, dtype=torch.bfloat16, device=dev)
+    params = {NAME: {"page_size": pool.layout.page_size}}
+    (kernel,) = resolve.launch_kernels((NAME,), pool.geometry, params, backend, kernels)
+    kernel(pool.data, pool.scales, src, out)
+    return PagedKvPool(lay, data=out), compact.to(dev)
+
+
+def main(tokens: int = 131072):
+    """Build the gather; on a GPU, convert a `tokens`-token request's pages with it and with torch, count the elements
+    that differ (none should: `dequantize_rows_bf16` is its definition), then time it against a plain read of the
+    bytes it moves."""
+    geom = GEMMA4_31B
+    print(f"{NAME} {DEFAULTS}: {len(build(geom, **DEFAULTS).get_kernel_source())} chars of CUDA")
+    if not torch.cuda.is_available():
+        print("no CUDA device: built, not checked or timed")
+        return
+    from ..fp8 import FP8_DTYPE, quantize_rows
+
+    dev = torch.device("cuda")
+    lay = PagedKvLayout.for_tokens(tokens, geometry=geom, format=KvFormat.FOLDED, dtype=FP8_DTYPE)
+    rows = torch.randn(lay.num_pages, geom.num_kv_heads, lay.page_size, lay.row_width, device=dev)
+    q, s = quantize_rows(rows)
+    pool = PagedKvPool(lay, data=q, scales=s)
+    table = pool.allocate([tokens], scatter_seed=0)
+    got, _ = bf16_pages(pool, table)
+    want, _ = bf16_pages_reference(pool, table)
+    print(f"{int((got.data.view(torch.int16) != want.data.view(torch.int16)).sum())} of {got.data.numel()} differ")
+    from tilelang.profiler import do_bench  # TileLang's timer, in ms
+
+    us = do_bench(lambda: bf16_pages(pool, table)) * 1e3
+    moved = pool.data.numel() + pool.scales.numel() * 4 + got.data.numel() * 2
+    print(f"{us:.1f} us for {tokens} tokens: {moved / us / 1e3:.0f} GB/s moved")
+
+
+if __name__ == "__main__":
+    main()
