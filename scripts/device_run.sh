@@ -14,7 +14,8 @@
 # Time caps (seconds): JIT_S for the JIT compiles, PHASE_A_S for the side-by-side phase, PHASE_B_S for notebook 04,
 # C for notebook 05 (alone: it times generate()). Each PART is one device call under its 600 s: PART=1 the GPU tests,
 # 01, 03 and a smoke 04 side by side; PART=2 notebook 02 alone (its full-length gates need the card's memory), then
-# 04 alone; PART=3 notebook 05 alone; each part compiles the JIT kernels first. PART=all (default) runs them in turn.
+# 04 alone (PART=2a: 02 only, PART=2b: 04 only, when the two do not fit one call); PART=3 notebook 05 alone; each part
+# compiles the JIT kernels first. PART=all (default) runs them in turn.
 set -u
 TAG=${1:-h200-$(date +%Y%m%d)}
 OUTD=${OUT:-/tmp/foldkv_out}
@@ -51,10 +52,12 @@ wait
 echo "phase A (GPU tests, 01, 03, 04 smoke) done at $(( $(date +%s) - t0 )) s"
 fi
 
-if [ "$PART" = all ] || [ "$PART" = 2 ]; then
+if [ "$PART" = all ] || [ "$PART" = 2 ] || [ "$PART" = 2a ]; then
 # alone: its full-length gates hold ~85 GB at their peak
 timeout $A $BATCH --only 02 --params '{"02": {"aot_dir": "build/aot", "sanitizer_timeout_s": 100}}' > "$OUTD/batch_02.log" 2>&1
 echo "batch 02 rc=$? at $(( $(date +%s) - t0 )) s"
+fi
+if [ "$PART" = all ] || [ "$PART" = 2 ] || [ "$PART" = 2b ]; then
 # alone: nothing else shares the GPU while it times
 timeout $B $BATCH --only 04 --params '{"04": {"mode": "gpu", "aot_dir": "build/aot",
    "prefill_contexts": [16384, 81653, 163336]}}' \

@@ -128,8 +128,10 @@ def test_registry_entry_and_generation():
     kernel = v.build(GEOM)
     assert [kernel.prim_func.buffer_map[p].name for p in kernel.prim_func.params] == DEQUANT_ARGS
     src = kernel.get_kernel_source()
-    # 16-byte loads of the e4m3 rows, one float32 product per value, round-to-nearest-even bf16 pairs, 16-byte stores
-    assert "fp8_e4_16_t" in src and "__float22bfloat162_rn" in src and "*(uint4*)(Out" in src
+    # 8-byte loads of the e4m3 rows, one float32 product per value, round-to-nearest-even bf16 pairs, 16-byte stores,
+    # no shared memory
+    assert "*(fp8_e4_8_t*)(Pool" in src and "__float22bfloat162_rn" in src and "*(uint4*)(Out" in src
+    assert "shmem" not in src and "__fmaf" not in src
     with pytest.raises(NotImplementedError, match="folded rows only"):
         dequant_pages.build(GEOM, KvFormat.SPLIT)
 

@@ -132,7 +132,7 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
     operands = pool_operands(pool)
     if dequant_pages.NAME in names:  # its covered pages as bf16 rows, once each (checked above: nothing refuses now)
         gather = {n: k for n, k in (kernels or {}).items() if n == dequant_pages.NAME}
-        pool, table = dequant_pages.bf16_pages(pool, table, backend=backend, kernels=gather)
+        pool, table = dequant_pages.gather_checked(pool, table, backend=backend, kernels=gather)
         operands = (pool.data,)
     q_start, tile_req, tile_tok = tile_plan(q_lens)
     if out is None:
