@@ -26,7 +26,7 @@ from foldkv.lab.bench.case import serving_cases
 from foldkv.lab.jsonsafe import jsonable
 from foldkv.lab.report import environment
 from foldkv.provenance import provenance
-
+from versions import decode_partial_fp8_rs  # bench/versions/
 
 
 def fp8_variant(name: str, what: str, **tiling) -> ArmSpec:
@@ -43,7 +43,12 @@ def fp8_variant(name: str, what: str, **tiling) -> ArmSpec:
 # each panel; S's query columns and O's rows split between them)
 VARIANTS = [fp8_variant("fp8_cvt", "FP8 partial, TileLang's element conversion (run 1)", e4m3_convert="cvt"),
             fp8_variant("fp8_t256", "FP8 partial, integer conversion, two consumer warpgroups", threads=256)]
-ARMS = ["folded_jit", "folded_fp8_jit", *VARIANTS, "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
+# run 5: both gemms with A from registers, converted there (bench/versions/decode_partial_fp8_rs.py)
+RS = ArmSpec("fp8_rs", "FP8 partial, both gemms with A from registers (wgmma RS)", "folded_fp8", False,
+             generated_arm("decode", KvFormat.FOLDED, "jit", dtype=FP8_DTYPE, kernels=lambda case: {
+                 partial_kernel_name(KvFormat.FOLDED, True): decode_partial_fp8_rs.build(GEMMA4_31B)}),
+             generated=True)
+ARMS = ["folded_jit", "folded_fp8_jit", *VARIANTS, RS, "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 SINGLE = (10_602, 81_653, 163_336)
 BATCHES = ("uniform32", "uniform128", "longtail64")
 
@@ -56,6 +61,7 @@ def main(argv=None):
                     "minutes on a fresh machine)")
     ap.add_argument("--batches", nargs="*", default=list(BATCHES), help="serving cases (foldkv.lab.bench.case)")
     ap.add_argument("--single", nargs="*", type=int, default=list(SINGLE), help="lengths of one-request cases")
+    ap.add_argument("--arms", nargs="*", default=None, help="only these arms (names), e.g. folded_jit fp8_rs")
     args = ap.parse_args(argv)
     device = torch.device("cuda")
     roof = measure_read_roof(device)
@@ -65,6 +71,8 @@ def main(argv=None):
     for name, lens in cases.items():
         case = AttentionCase(lens, device=device, fi_kv_layout="HND", min_copies=1 if len(lens) > 1 else 2)
         arms = [a for a in ARMS if not (args.no_flashinfer and isinstance(a, str) and a.startswith("fi_"))]
+        if args.arms:
+            arms = [a for a in arms if (a if isinstance(a, str) else a.name) in args.arms]
         cells.append(run_cell(f"fp8/{name}", "decode", case, arms, rounds=args.rounds, warmup=3, roof=roof,
                               log=lambda s: print(s, flush=True)))
         case.release()

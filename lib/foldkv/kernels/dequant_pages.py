@@ -152,8 +152,8 @@ def gather_checked(pool: PagedKvPool, table: BlockTable, *, backend: str = "jit"
 
 def main(tokens: int = 131072):
     """Build the gather; on a GPU, convert a `tokens`-token request's pages with it and with torch, count the elements
-    that differ (none should: `dequantize_rows_bf16` is its definition), then time it against a plain read of the
-    bytes it moves."""
+    that differ (none should: `dequantize_rows_bf16` is its definition), then time the kernel alone and through
+    `bf16_pages` (host plan included), each as GB/s of the bytes it reads and writes."""
     geom = GEMMA4_31B
     print(f"{NAME} {DEFAULTS}: {len(build(geom, **DEFAULTS).get_kernel_source())} chars of CUDA")
     if not torch.cuda.is_available():
