@@ -68,7 +68,16 @@ Prediction (per 64-token tile per SM; ~1.85 GHz; written before any run):
 Correctness: checked on the CPU only (the pair formula for every code against the library's; every A register word
 against TileLang's layouts); no GPU run yet (the float64 gates through the launcher's kernels= decide).
 
-Not measured yet.
+Outcome (2026-12-01, H200, commit 1654a4a clean, `cd bench && python
+fp8_harness.py --no-flashinfer --rounds 5 --single 163336 10602 --arms folded_jit folded_fp8_jit fp8_rs
+read_folded_fp8`; raw: bench/fp8_runs/fp8_run5.json / .log): WRONG and not faster. Its output fails the arm check
+(relative error 1.2 against the float64 reference over the dequantized pool, every case), so some register mapping
+the CPU checks accepted is not what the hardware does; and its time is the library FP8 partial's (163,336: 250.9
+against 254.9 us; ragged 32-128: 0.97-0.98x; 10,602: 32.5 against 29.7), 1.28-1.30x the bf16 folded time, where
+0.6-0.85x was predicted. So even before it is made correct, removing the shared-memory tiles bought ~2%: tripling the
+converted pairs (49,152 per tile) costs what the library's stores and barriers cost. Kept as the record of the
+attempt; the next try must cut the converted pairs (a 128-token tile: no duplicated K window; or FP8 MMA for the
+scores), not the shared-memory traffic alone.
 
     python bench/versions/decode_partial_fp8_rs.py     # CPU checks, then both builds: wgmma calls, ptxas, PTX loads
 """
