@@ -79,6 +79,20 @@ converted pairs (49,152 per tile) costs what the library's stores and barriers c
 attempt; the next try must cut the converted pairs (a 128-token tile: no duplicated K window; or FP8 MMA for the
 scores), not the shared-memory traffic alone.
 
+Suspected cause (CPU reading, not verified on a GPU): the part_o store, not the loads. TileLang 0.1.15 labels the
+wgmma accumulator warpgroup-major (wgmma_macro_generator.py make_mma_store_layout: acc_o row i = 256g + 64m + 16w + 8h
++ r, warpgroup g, instruction m) but lays out an RS A fragment warp-major (make_mma_load_layout: instruction m of
+warpgroup g reads vt columns 128m + 64g + 16w + 8h + r); wgmma_rs_atom pairs A block m with C block m, so with M
+split over two warpgroups (FullRow (8, 1)) the hardware writes A column 128m + 64g + ... into the register TileLang
+calls row 256g + 64m + ..., and value_column(i) stored 6 of the 8 (g, m) blocks of 64 rows to the wrong value-window
+columns (expected relative error sqrt(2 x 6/8) = 1.22, as measured). check_fragment_layouts held only the A side.
+Fixed here: the epilogue stores row i to output_column(i) = value_column(128 ((i % 256) // 64) + 64 (i // 256) +
+i % 64); check_output_rows (PTX register fragments + TileLang's A/C layouts and register offsets) passes on it and
+refuses the old mapping (6,144 of 8,192 accumulator registers). Checked and consistent: the pool descriptor's
+swizzle (3 = CU_TENSOR_MAP_SWIZZLE_128B, panels 1024-aligned) and the thread XOR; a0..a3 order; q_perm (values,
+swizzle, barrier, fence); the score gemm's rows (one warpgroup along M); both warpgroups fill the replicated a_s.
+Any TileLang RS gemm with M split over two warpgroups likely has the same mismatch (not tried).
+
     python bench/versions/decode_partial_fp8_rs.py     # CPU checks, then both builds: wgmma calls, ptxas, PTX loads
 """
 
@@ -177,6 +191,16 @@ def value_column(i):
     return 64 * ((i % 128) // 16) + 8 * (i % 8) + 2 * (i // 128) + (i % 16) // 8
 
 
+def output_column(i):
+    """Value-window column of row i of acc_o (O^T) as TileLang labels it. TileLang's wgmma accumulator layout
+    (make_mma_store_layout) is warpgroup-major, i = 256g + 64m + 16w + 8h + r (warpgroup g, instruction m, warp w of
+    the group), while its RS A layout (make_mma_load_layout) is warp-major: instruction m of warpgroup g reads the A
+    columns 128m + 64g + 16w + 8h + r, and the hardware writes their rows into the C registers labelled i. So row i
+    holds A column 128 ((i % 256) // 64) + 64 (i // 256) + i % 64, whose value-window column is value_column of that
+    (`check_output_rows`); value_column(i) itself is right for 2 of the 8 (g, m) blocks only."""
+    return value_column(128 * ((i % 256) // 64) + 64 * (i // 256) + i % 64)
+
+
 def check_pair_formula():
     """CPU: the pair conversion of RS_SOURCE (prmt with sign replication, shift, and) gives the library's bf16 bits
     (macros.E4M3_TO_BF16_SOURCE: (x & 0x80008000) | ((x >> 4) & 0x07F007F0), bytes in the halves' high bytes) for
@@ -257,6 +281,80 @@ def check_fragment_layouts(block_n=64, d=512, block_h=16, threads=256):
                     for e in range(8):
                         i, j = mine[2 * (16 * ki + 4 * (e >> 1) + 2 * g + (e & 1)) + p]
                         assert i == i0 + 16 * ki + 8 * g + p and value_column(j) == col0 + e, (t, ki, g, p, e)
+
+
+def _wgmma_emitter(m_warp, n_warp, m, n, k, transposed):
+    """TileLang's wgmma emitter as cuda/op/gemm/gemm_wgmma.py infer_layout builds it (A transposed iff `transposed`,
+    B the other way: S^T = a q^T, O^T = vt^T p)."""
+    from tilelang.cuda.intrinsics.macro.wgmma_macro_generator import TensorCoreIntrinEmitter
+
+    return TensorCoreIntrinEmitter(a_dtype="bfloat16", b_dtype="bfloat16", accum_dtype="float32",
+                                   a_transposed=transposed, b_transposed=not transposed, block_row_warps=m_warp,
+                                   block_col_warps=n_warp, warp_row_tiles=m // m_warp, warp_col_tiles=n // n_warp,
+                                   chunk=k)
+
+
+def _fragment_owners(frag, shape, n_rep, threads=256):
+    """{thread: {local index: (i, j)}} of a TileLang Fragment over `shape` (replicated `n_rep` times)."""
+    exprs = [str(frag.thread), *map(str, frag.index)]
+    assert all(re.fullmatch(r"[\w\s*+/%()]+", e) for e in exprs) and len(exprs) == 2, exprs
+    names = [str(v) for v in frag.get_forward_vars()]
+    thread, index = (compile(e, "<layout>", "eval") for e in exprs)
+    own = {}
+    for rep in range(n_rep):
+        for i in range(shape[0]):
+            for j in range(shape[1]):
+                env = dict(zip(names, (rep, i, j) if len(names) == 3 else (i, j)))
+                own.setdefault(eval(thread, {}, env), {})[eval(index, {}, env)] = (i, j)
+    assert sorted(own) == list(range(threads))
+    return own
+
+
+def check_output_rows(store_column=None, block_n=64, d=512, block_h=16, threads=256):
+    """CPU: which output row the hardware puts in each accumulator register, against the row TileLang's accumulator
+    layout says is there (the one the epilogue, scale and mask use). The model of the hardware is the PTX ISA's
+    register fragments of wgmma m64nNk16 (bf16 A in registers, f32 D): in each warpgroup, warp w's A words
+    a0..a3 hold rows 16w + lane/4 + 8 (a & 1), k 2 (lane % 4) + 8 (a >> 1) (+1); D register d holds row
+    16w + lane/4 + 8 ((d >> 1) & 1), column 8 (d >> 2) + 2 (lane % 4) + (d & 1); and TileLang's register offsets
+    (wgmma_rs_atom: A_offset = ki warp_rows local_size_a + m local_size_a, C_offset = m warp_cols local_size_out).
+    Score gemm: the row label of each acc_s register is the token of the A row the hardware used. Value gemm: the
+    epilogue's column `store_column(i)` (default: output_column) of each acc_o row label is the value-window column
+    of the A column (vt) the hardware used, value_column(j) (check_fragment_layouts: what fill_value puts there)."""
+    require_tilelang()
+    from tvm import tirx
+
+    store_column = output_column if store_column is None else store_column
+    gemms = (  # (m_warp, n_warp, M, K, A transposed, A shape, C shape, what the C row label must be)
+        (4, 2, block_n, FP8_PANEL, False, (block_n, FP8_PANEL), (block_n, block_h), lambda i, a_row: i == a_row),
+        (8, 1, d, block_n, True, (block_n, d), (d, block_h),
+         lambda i, a_col: store_column(i) == value_column(a_col)),
+    )
+    for m_warp, n_warp, m, k, transposed, a_shape, c_shape, row_ok in gemms:
+        em = _wgmma_emitter(m_warp, n_warp, m, block_h, k, transposed)
+        a_own = _fragment_owners(em.make_mma_load_layout(
+            tirx.decl_buffer(a_shape, "bfloat16", scope="local.fragment"), "A"), a_shape, n_warp, threads)
+        c_own = _fragment_owners(em.make_mma_store_layout(
+            tirx.decl_buffer(c_shape, "float32", scope="local.fragment")), c_shape, 1, threads)
+        bad = 0
+        for t in range(threads):
+            lane, warp = t % 32, t // 32
+            warp_n = warp // m_warp  # TileLang: warp_id = warp_m + block_row_warps * warp_n
+            for inst in range(em.wgmma_num_inst_m):
+                a_rows = {}  # hardware row position within the instruction -> the A element's M index (label)
+                for ki in range(em.wgmma_num_k_atoms):
+                    for word in range(4):
+                        for p in range(2):
+                            local = ki * em.warp_rows * em.local_size_a + inst * em.local_size_a + 2 * word + p
+                            i, j = a_own[t][local]
+                            mn, kk = (j, i) if transposed else (i, j)
+                            assert kk == 16 * ki + 2 * (lane % 4) + 8 * (word >> 1) + p, (t, inst, ki, word, p)
+                            a_rows.setdefault(word & 1, set()).add(mn)
+                assert all(len(v) == 1 for v in a_rows.values()), (t, inst, a_rows)
+                for dreg in range(em.local_size_out):
+                    i, j = c_own[t][inst * em.warp_cols * em.local_size_out + dreg]
+                    assert j == warp_n * em.wgmma_inst_n + 8 * (dreg >> 2) + 2 * (lane % 4) + (dreg & 1), (t, dreg)
+                    bad += not row_ok(i, next(iter(a_rows[(dreg >> 1) & 1])))
+        assert bad == 0, f"{bad} accumulator registers of the {'value' if transposed else 'score'} gemm stored wrong"
 
 
 def program(geom: AttentionGeometry, *, page_size=64, block_n=64, num_stages=2, threads=256, block_h=16,
@@ -344,7 +442,7 @@ def program(geom: AttentionGeometry, *, page_size=64, block_n=64, num_stages=2, 
                    for n in range(2 if overlap else 1)]
             vt = T.alloc_fragment((block_n, d), bf16)  # value A: V^T as [N, 512], rows permuted
             acc_s = T.alloc_fragment((block_n, block_h), f32)  # S^T [N, 16]
-            acc_o = T.alloc_fragment((d, block_h), f32)  # O^T [512, 16], row i = value column value_column(i)
+            acc_o = T.alloc_fragment((d, block_h), f32)  # O^T [512, 16], row i = value column output_column(i)
             head_max = T.alloc_fragment((block_h,), f32)
             head_max_prev = T.alloc_fragment((block_h,), f32)
             rescale = T.alloc_fragment((block_h,), f32)
@@ -407,7 +505,7 @@ def program(geom: AttentionGeometry, *, page_size=64, block_n=64, num_stages=2, 
             T.copy(denom, denom_o)
             for i, j in T.Parallel(d, block_h):
                 if j < group:
-                    part_o[c, kvh * group + j, value_column(i)] = acc_o[i, j] / denom_o[j]
+                    part_o[c, kvh * group + j, output_column(i)] = acc_o[i, j] / denom_o[j]
             for j in T.Parallel(block_h):
                 if j < group:
                     part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * scale
@@ -453,7 +551,14 @@ def ptxas_report(src: str) -> tuple[str, dict]:
 def main():
     check_pair_formula()
     check_fragment_layouts()
-    print("CPU checks: pair formula over all codes, register words against TileLang's wgmma A layouts: ok")
+    check_output_rows()
+    try:  # the epilogue as first run on the H200 (value_column(i) for acc_o row i) must fail this check
+        check_output_rows(store_column=value_column)
+        raise RuntimeError("check_output_rows accepts the old epilogue mapping")
+    except AssertionError:
+        pass
+    print("CPU checks: pair formula over all codes, register words against TileLang's wgmma A layouts, accumulator "
+          "rows against the hardware's (old epilogue refused): ok")
     for overlap in (True, False):
         kernel = build(GEMMA4_31B, overlap=overlap)
         src = kernel.get_kernel_source()
