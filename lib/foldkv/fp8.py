@@ -1,4 +1,4 @@
-"""The FP8 row: e4m3 values with one float32 scale per token x KV head, its one quantizer, dequantizers and rounding bound.
+"""The FP8 row: e4m3 values with one float32 scale per token x KV head, its quantizer, dequantizers and rounding bound.
 
 An FP8 pool stores each folded row [K_rot | V_unrot | V_rot] (640 columns for the 31B) as float8_e4m3fn values `q`
 beside a float32 `scale` for that (token, KV head); the row's value is `q * scale`. The layout was chosen by

@@ -110,14 +110,15 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
     pool: bf16 (either format) or FP8 e4m3 with its scales (folded), on a CUDA device (Hopper for the generated
     kernels), page_size a multiple of the kernel's key tile (64); `kv_dtype`, when given, must be the pool's stored
     dtype. fp8_rows: how an FP8 pool is read (module docstring): "gather" (its rows rounded to bf16 once, then the
-    bf16 prefill) or "in_kernel" (converted exactly by the attention kernel, slower, no scratch). table: BlockTable, int32, any device (copied to the pool's). q_lens: [B] int32/int64, any device,
-    1 <= q_lens[r] <= seq_lens[r]. query: [sum(q_lens), Hq, D] bf16, contiguous, on the pool's device, in the pool
-    format's form (what prep_and_store returns), request by request. Returns (out [sum(q_lens), Hq, D] bf16 head
+    bf16 prefill) or "in_kernel" (converted exactly by the attention kernel, slower, no scratch). table: BlockTable,
+    int32, any device (copied to the pool's). q_lens: [B] int32/int64, any device, 1 <= q_lens[r] <= seq_lens[r].
+    query: [sum(q_lens), Hq, D] bf16, contiguous, on the pool's device, in the pool format's form (what
+    prep_and_store returns), request by request. Returns (out [sum(q_lens), Hq, D] bf16 head
     order, lse [sum(q_lens), Hq] float32 natural log) on the pool's device; `out`/`lse` given (same shapes and
     dtypes, contiguous) are written in place. `params` overrides the variant's tuning constants (the benchmark uses
     it; the page size is always the pool's). backend: "jit" or "aot". kernels: {name: callable taking the kernel's
-    arguments}, a name of `launch_names(pool)`, replaces the backend's kernel (an experiment's variant built with
-    `params`). Bad input raises FoldKvInputError before anything is built or launched.
+    arguments}, a name of `launch_names(pool, fp8_rows)`, replaces the backend's kernel (an experiment's variant
+    built with `params`). Bad input raises FoldKvInputError before anything is built or launched.
     """
     resolve.check_backend(backend)
     if not isinstance(pool, PagedKvPool):

@@ -74,8 +74,8 @@ _PREFILL = dict(page_size=64, block_N=64, num_stages=1, threads=256)
 # 196,864 B = 192.25 KiB of the 227 KiB. Two stages of panels would take 232.5 KiB; the bf16 windows of the bf16
 # prefill (128 KiB) beside the panels 240.25 KiB. The panels are released once converted, so one stage prefetches.
 _PREFILL_FP8 = dict(page_size=64, block_N=64, num_stages=1, threads=256)
-_PREP = dict(page_size=64, in_dtype="bfloat16", threads=128)
-_DEQUANT_PAGES = dict(page_size=64, threads=128)  # memory-bound: one CTA per (page, KV head), 320 elements a thread  # 128 threads: each owns two rotate_half pairs
+_PREP = dict(page_size=64, in_dtype="bfloat16", threads=128)  # 128 threads: each owns two rotate_half pairs
+_DEQUANT_PAGES = dict(page_size=64, threads=128)  # memory-bound: one CTA per (page, KV head), 320 elements a thread
 
 VARIANTS: tuple[KernelVariant, ...] = (
     *(KernelVariant(f"decode_partial_{f.value}", "decode_partial", f, _K + "decode_partial:build_decode_partial",
