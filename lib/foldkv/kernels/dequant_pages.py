@@ -87,15 +87,15 @@ def page_plan(layout: PagedKvLayout, table: BlockTable) -> tuple[torch.Tensor, B
     offset_r .. offset_r + n_r - 1 and 0 in its padding entries, seq_lens as given), both on the CPU. In numpy: a
     handful of array operations (tens of microseconds) on the prefill's host path, where torch's per-op cost was
     ~10x that."""
-    seq = table.seq_lens.cpu().numpy().astype(np.int64)
-    n = (seq + layout.page_size - 1) // layout.page_size  # [B] pages each request covers
+    seq_lens = table.seq_lens.cpu().to(torch.int32)  # one host copy (a sync when the table is on the device)
+    n = (seq_lens.numpy().astype(np.int64) + layout.page_size - 1) // layout.page_size  # [B] pages each request covers
     batch, max_pages = table.page_ids.shape
     req = np.repeat(np.arange(batch), n)  # [N] the request of each converted page
     col = np.arange(req.size) - (np.cumsum(n) - n)[req]  # [N] the page's column in its request's row
     ids = np.zeros((batch, max_pages), dtype=np.int32)
     ids[req, col] = np.arange(req.size, dtype=np.int32)
     return (torch.from_numpy(req * max_pages + col),
-            BlockTable(torch.from_numpy(ids), table.seq_lens.cpu().to(torch.int32).clone()))
+            BlockTable(torch.from_numpy(ids), seq_lens.clone()))
 
 
 def _bf16_layout(pool: PagedKvPool, num_pages: int) -> PagedKvLayout:
@@ -134,20 +134,23 @@ def bf16_pages(pool: PagedKvPool, table: BlockTable, *, backend: str = "jit",
     _check(pool, table)
     if pool.device.type != "cuda":
         raise FoldKvInputError(f"the page gather runs on CUDA; the pool is on {pool.device}")
-    return gather_checked(pool, table, backend=backend, kernels=kernels)
+    (kernel,) = resolve.launch_kernels((NAME,), pool.geometry, {NAME: kernel_params(pool)}, backend, kernels)
+    return gather_checked(pool, table, kernel)
 
 
-def gather_checked(pool: PagedKvPool, table: BlockTable, *, backend: str = "jit",
-                   kernels: Mapping[str, Callable] | None = None) -> tuple[PagedKvPool, BlockTable]:
-    """`bf16_pages` for a caller that has run its checks already (the prefill launcher: an FP8 CUDA pool, the table
-    checked against it): the host plan and one launch, no second pass of checks over the table."""
+def kernel_params(pool: PagedKvPool) -> dict:
+    """The gather's params for `pool` (the registered ones, the pool's page size)."""
+    return resolve.kernel_params(NAME, {"page_size": pool.layout.page_size})
+
+
+def gather_checked(pool: PagedKvPool, table: BlockTable, kernel: Callable) -> tuple[PagedKvPool, BlockTable]:
+    """`bf16_pages` with `kernel` (the gather, resolved) for a caller that has run its checks already (the prefill
+    launcher: an FP8 CUDA pool, the table checked against it): the host plan and one launch."""
     flat, compact = page_plan(pool.layout, table)
     dev = pool.device
     src = table.page_ids.to(dev).reshape(-1)[flat.to(dev)].to(torch.int32).contiguous()
     lay = _bf16_layout(pool, int(flat.numel()))
     out = torch.empty(lay.shape, dtype=torch.bfloat16, device=dev)
-    params = {NAME: {"page_size": pool.layout.page_size}}
-    (kernel,) = resolve.launch_kernels((NAME,), pool.geometry, params, backend, kernels)
     kernel(pool.data, pool.scales, src, out)
     return PagedKvPool(lay, data=out), compact.to(dev)
 
@@ -175,7 +178,7 @@ def main(tokens: int = 131072):
     from tilelang.profiler import do_bench  # TileLang's timer, in ms
 
     moved = pool.data.numel() + pool.scales.numel() * 4 + got.data.numel() * 2
-    kernel = resolve.kernel(NAME, geom, {"page_size": lay.page_size})
+    kernel = resolve.kernel(NAME, geom, kernel_params(pool))
     src = table.page_ids[0].to(dev).contiguous()
     for what, fn in (("kernel alone", lambda: kernel(pool.data, pool.scales, src, got.data)),
                      ("bf16_pages (host plan + launch)", lambda: bf16_pages(pool, table))):

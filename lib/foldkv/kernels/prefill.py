@@ -129,11 +129,11 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
     p = resolve.kernel_params(name, {**(params or {}), "page_size": pool.layout.page_size})
     total = _check(pool, query, table, q_lens, out, lse, p, kv_dtype)
     geom, dev = pool.geometry, pool.device
-    (kernel,) = resolve.launch_kernels((name,), geom, {name: p}, backend, kernels)
+    per_kernel = {n: p if n == name else dequant_pages.kernel_params(pool) for n in names}
+    *gather, kernel = resolve.launch_kernels(names, geom, per_kernel, backend, kernels)
     operands = pool_operands(pool)
-    if dequant_pages.NAME in names:  # its covered pages as bf16 rows, once each (checked above: nothing refuses now)
-        gather = {n: k for n, k in (kernels or {}).items() if n == dequant_pages.NAME}
-        pool, table = dequant_pages.gather_checked(pool, table, backend=backend, kernels=gather)
+    if gather:  # its covered pages as bf16 rows, once each (checked above: nothing refuses now)
+        pool, table = dequant_pages.gather_checked(pool, table, gather[0])
         operands = (pool.data,)
     q_start, tile_req, tile_tok = tile_plan(q_lens)
     if out is None:
