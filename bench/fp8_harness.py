@@ -26,7 +26,8 @@ from foldkv.lab.bench.case import serving_cases
 from foldkv.lab.jsonsafe import jsonable
 from foldkv.lab.report import environment
 from foldkv.provenance import provenance
-from versions import decode_partial_fp8_rs  # bench/versions/
+from foldkv.pool import BlockTable, PagedKvLayout
+from versions import decode_partial_fp8_probe, decode_partial_fp8_rs  # bench/versions/
 
 
 def fp8_variant(name: str, what: str, **tiling) -> ArmSpec:
@@ -48,7 +49,42 @@ RS = ArmSpec("fp8_rs", "FP8 partial, both gemms with A from registers (wgmma RS)
              generated_arm("decode", KvFormat.FOLDED, "jit", dtype=FP8_DTYPE, kernels=lambda case: {
                  partial_kernel_name(KvFormat.FOLDED, True): decode_partial_fp8_rs.build(GEMMA4_31B)}),
              generated=True)
-ARMS = ["folded_jit", "folded_fp8_jit", *VARIANTS, RS, "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
+# run 6: the library's FP8 partial with its conversion cut to a copy, or left out (wrong output: timing probes)
+PROBES = [ArmSpec(f"fp8_{kind}", f"FP8 partial, conversion {what} (probe: wrong output)", "folded_fp8", False,
+                  generated_arm("decode", KvFormat.FOLDED, "jit", dtype=FP8_DTYPE, kernels=lambda case, kind=kind: {
+                      partial_kernel_name(KvFormat.FOLDED, True): decode_partial_fp8_probe.build(GEMMA4_31B, kind)}),
+                  generated=True)
+          for kind, what in (("copy", "replaced by a copy of the bytes"), ("skip", "left out"))]
+ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, "read_folded", "read_folded_fp8",
+        "fi_tc", "fi_tc_fp8"]
+
+
+class ResidentCase(AttentionCase):
+    """The case with every request's pages mapped in turn onto `resident` physical pages (a few MB: they stay in L2),
+    one copy, no rotation: the arms' time with the DRAM stream out of the way, so a kernel's per-tile cost on its
+    own. The same table serves the kernels and the float64 reference, so the checks hold as usual. The plain-read
+    arms read their own buffers (not this pool): they keep measuring DRAM."""
+
+    def __init__(self, seq_lens, resident: int, **kw):
+        super().__init__(seq_lens, rotate_bytes=0, min_copies=1, max_copies=1, **kw)
+        self.resident = resident
+
+    def layout(self, fmt, dtype=torch.bfloat16) -> PagedKvLayout:
+        return PagedKvLayout(self.geom, KvFormat.parse(fmt), self.page_size, self.resident, dtype=dtype)
+
+    @property
+    def table_cpu(self) -> BlockTable:
+        if self._table is None:
+            need = [-(-n // self.page_size) for n in self.seq_lens]
+            ids = torch.full((len(need), max(need) + 1), -1, dtype=torch.int32)
+            first = 0
+            for r, n in enumerate(need):
+                ids[r, :n] = (torch.arange(first, first + n) % self.resident).to(torch.int32)
+                first += n
+            self._table = BlockTable(ids, torch.tensor(self.seq_lens, dtype=torch.int32))
+        return self._table
+
+
 SINGLE = (10_602, 81_653, 163_336)
 BATCHES = ("uniform32", "uniform128", "longtail64")
 
@@ -62,6 +98,8 @@ def main(argv=None):
     ap.add_argument("--batches", nargs="*", default=list(BATCHES), help="serving cases (foldkv.lab.bench.case)")
     ap.add_argument("--single", nargs="*", type=int, default=list(SINGLE), help="lengths of one-request cases")
     ap.add_argument("--arms", nargs="*", default=None, help="only these arms (names), e.g. folded_jit fp8_rs")
+    ap.add_argument("--resident-pages", type=int, default=None, help="map every request's pages onto this many "
+                    "physical pages (held in L2; ResidentCase): the per-tile cost without the DRAM stream")
     args = ap.parse_args(argv)
     device = torch.device("cuda")
     roof = measure_read_roof(device)
@@ -69,11 +107,15 @@ def main(argv=None):
     cases = {**{f"single{n}": [n] for n in args.single}, **serving_cases(0, tuple(args.batches))}
     cells = []
     for name, lens in cases.items():
-        case = AttentionCase(lens, device=device, fi_kv_layout="HND", min_copies=1 if len(lens) > 1 else 2)
+        if args.resident_pages:
+            case = ResidentCase(lens, args.resident_pages, device=device, fi_kv_layout="HND")
+        else:
+            case = AttentionCase(lens, device=device, fi_kv_layout="HND", min_copies=1 if len(lens) > 1 else 2)
         arms = [a for a in ARMS if not (args.no_flashinfer and isinstance(a, str) and a.startswith("fi_"))]
         if args.arms:
             arms = [a for a in arms if (a if isinstance(a, str) else a.name) in args.arms]
-        cells.append(run_cell(f"fp8/{name}", "decode", case, arms, rounds=args.rounds, warmup=3, roof=roof,
+        prefix = f"fp8_resident{args.resident_pages}" if args.resident_pages else "fp8"
+        cells.append(run_cell(f"{prefix}/{name}", "decode", case, arms, rounds=args.rounds, warmup=3, roof=roof,
                               log=lambda s: print(s, flush=True)))
         case.release()
         torch.cuda.empty_cache()

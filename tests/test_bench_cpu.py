@@ -637,6 +637,24 @@ def test_fp8_prefill_target(fp8_us):
     assert ("NOT met" in bench.fp8_targets_markdown(_doc([cell]))) is (fp8_us > 1000.0)
 
 
+def test_fp8_prefill_target_is_best_build_against_best_build():
+    """Both sides take their best build (JIT, AOT) that ran and passed: the FP8 AOT build at 990 us against the bf16
+    AOT build at 995 is met though the FP8 JIT build (1,010 us) is slower than either bf16 build. Red twin: with the
+    FP8 AOT build failing its check, the row is its JIT build's, 1,010 / 995: NOT met."""
+    arms = {"folded_jit": ([1000.0] * 3, FOLDED), "folded_aot": ([995.0] * 3, FOLDED),
+            "folded_fp8_jit": ([1010.0] * 3, FOLDED), "folded_fp8_aot": ([990.0] * 3, FOLDED)}
+    cell = _cell("prefill/8192@32768", 32768, arms, kind="prefill")
+    for arm in ("folded_fp8_jit", "folded_fp8_aot"):
+        cell["arms"][arm]["format"] = "folded_fp8"
+    (row,) = bench.fp8_prefill_rows(_doc([cell]))
+    assert (row["fp8_arm"], row["bf16_arm"], row["met"]) == ("folded_fp8_aot", "folded_aot", True)
+    assert row["x_bf16"]["value"] == pytest.approx(990 / 995)
+    cell["arms"]["folded_fp8_aot"]["check"]["ok"] = False
+    (row,) = bench.fp8_prefill_rows(_doc([cell]))
+    assert (row["fp8_arm"], row["met"]) == ("folded_fp8_jit", False)
+    assert row["x_bf16"]["value"] == pytest.approx(1010 / 995)
+
+
 def test_fp8_prefill_in_kernel_arm_is_reported_not_gated():
     """The in-kernel FP8 prefill's ratio sits beside the target row; a slow one does not fail a met target, and the
     target is never taken from it (its red twin: with the default FP8 arm missing the row is not met)."""

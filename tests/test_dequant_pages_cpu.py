@@ -38,18 +38,23 @@ def _fp8_pool(seq_lens, seed=0, spare=3):
 
 @pytest.mark.parametrize("seq_lens", [(1,), (63,), (64,), (65,), (70, 5, 129, 1), (640,)])
 def test_page_plan_covers_each_requests_pages_once_in_order(seq_lens):
+    """The host plan: request r's pages, in its page order, each once (its padding entries, poisoned, never taken);
+    the compact table points at them. Red twin: the plan of a table with two requests swapped is not this one."""
     pool, table = _fp8_pool(seq_lens)
-    flat, compact = page_plan(pool.layout, table)
+    src, compact = page_plan(pool.layout, table)
     need = [-(-n // 64) for n in seq_lens]
-    assert flat.numel() == sum(need) and compact.page_ids.dtype == torch.int32
+    assert src.dtype == torch.int32 and src.numel() == sum(need) and compact.page_ids.dtype == torch.int32
     assert torch.equal(compact.seq_lens, table.seq_lens)
     first = 0
     for r, n in enumerate(need):
         assert compact.page_ids[r, :n].tolist() == list(range(first, first + n))
-        want = table.page_ids[r, :n].tolist()
-        assert table.page_ids.reshape(-1)[flat[first:first + n]].tolist() == want
+        assert src[first:first + n].tolist() == table.page_ids[r, :n].tolist()
         first += n
     foldkv.pool.check_block_table(PagedKvLayout(GEOM, KvFormat.FOLDED, 64, max(1, sum(need))), compact)
+    if len(seq_lens) > 1:
+        order = torch.arange(len(seq_lens)).roll(1)
+        swapped, _ = page_plan(pool.layout, foldkv.BlockTable(table.page_ids[order], table.seq_lens[order]))
+        assert not torch.equal(swapped, src)
 
 
 @pytest.mark.parametrize("seq_lens", [(70, 5, 129, 1), (64, 130)])

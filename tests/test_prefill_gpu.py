@@ -167,6 +167,34 @@ def test_bench_version_shared_tiles_matches_reference(cuda_device, case):
     assert res["passed"], gates.summary_row(inputs.case, KvFormat.FOLDED, "shared-tiles", res)
 
 
+@pytest.mark.parametrize("pool_kind", ["folded", "folded_fp8"])
+def test_prefill_queues_its_launches_without_waiting_for_the_stream(cuda_device, pool_kind):
+    """With the block table and q_lens on the host, `prefill` plans everything before its first launch and copies the
+    plan asynchronously: it returns while a 0.1-0.2 s sleep queued before it is still running (the FP8 route's gather
+    and prefill both queued behind it), and its output is then the same as an unqueued call's. Red twin: the same
+    call with the table on the device (its checks read it back, waiting for the stream) returns after the sleep."""
+    fmt, dtype, fp8_rows = POOLS[pool_kind]
+    inputs = make_case(fmt, "ragged_batch", seed=5, device=cuda_device, dtype=dtype)
+    host_table, q_lens = inputs.table.to("cpu"), inputs.q_lens.cpu()
+    want = prefill(inputs.pool, inputs.query, host_table, q_lens, fp8_rows=fp8_rows)  # builds the kernels
+    torch.cuda.synchronize()
+
+    def queued_behind_a_sleep(table):
+        done = torch.cuda.Event()
+        torch.cuda._sleep(300_000_000)  # ~0.15 s at the H200's clock
+        done.record()
+        got = prefill(inputs.pool, inputs.query, table, q_lens, fp8_rows=fp8_rows)
+        returned_early = not done.query()
+        torch.cuda.synchronize()
+        return returned_early, got
+
+    early, got = queued_behind_a_sleep(host_table)
+    assert early, "prefill waited for the stream"
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    early, _ = queued_behind_a_sleep(inputs.table)  # red twin
+    assert not early, "the check cannot see a wait: a device table's read-back must wait for the stream"
+
+
 @pytest.mark.parametrize("bad", ["q_len_past_seq", "query_rows", "query_dtype", "page_id", "out_shape", "backend",
                                  "kv_dtype"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_DTYPE], ids=["bf16", "fp8"])

@@ -4,8 +4,9 @@ Why it exists: prefill is compute-bound, and a prefill kernel that reads e4m3 ro
 query tile that reads it (a 8,192-token chunk: 1,024 query tiles per KV head, each converting the whole prefix, on the
 warpgroups that run the gemms). Converting each page once, into a bf16 scratch pool the bf16 prefill kernel then
 reads, costs one pass over the pages (644 bytes read, 1,280 written per token and KV head: ~270 us at 131,072 tokens,
-3.7 TB/s) plus ~0.4 ms of host work a call, and leaves the prefill at the bf16 prefill's rate (bench/FP8_NOTES.md,
-run 4: 1.00-1.02x at 8K chunks, against 1.42-1.45x converting in the attention kernel).
+3.7 TB/s), and leaves the prefill at the bf16 prefill's rate (bench/FP8_NOTES.md, runs 4 and 6, against 1.42-1.45x
+converting in the attention kernel). The prefill launcher plans it on the host with everything else, before its
+first launch (`page_plan`), then launches it (`convert_pages`) and the prefill back to back.
 
 The rows it writes are `foldkv.fp8.dequantize_rows_bf16`: each e4m3 value times its token's float32 scale, one float32
 product (IEEE round to nearest, no contraction), rounded to bf16 (round to nearest even). That is at most 2^-8 of the
@@ -82,20 +83,21 @@ def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.F
 
 # --- the host plan and the launcher ---------------------------------------------------------------------------------
 def page_plan(layout: PagedKvLayout, table: BlockTable) -> tuple[torch.Tensor, BlockTable]:
-    """(flat [N] int64 CPU: the index in table.page_ids.reshape(-1) of each page to convert, request by request;
+    """(src [N] int32: the pool page of each page to convert, request by request, in each request's page order;
     the block table onto the converted pages: page_ids [B, max_pages] int32 with request r's pages at
-    offset_r .. offset_r + n_r - 1 and 0 in its padding entries, seq_lens as given), both on the CPU. In numpy: a
-    handful of array operations (tens of microseconds) on the prefill's host path, where torch's per-op cost was
-    ~10x that."""
-    seq_lens = table.seq_lens.cpu().to(torch.int32)  # one host copy (a sync when the table is on the device)
+    offset_r .. offset_r + n_r - 1 and 0 in its padding entries, seq_lens as given), both on the CPU, for a table
+    checked against `layout`. Host work only (a handful of numpy operations, tens of microseconds; a device-resident
+    table is copied to the host first), so that the prefill launcher can plan everything before its first launch."""
+    ids = table.page_ids.cpu().numpy()
+    seq_lens = table.seq_lens.cpu().to(torch.int32)
     n = (seq_lens.numpy().astype(np.int64) + layout.page_size - 1) // layout.page_size  # [B] pages each request covers
-    batch, max_pages = table.page_ids.shape
+    batch, max_pages = ids.shape
     req = np.repeat(np.arange(batch), n)  # [N] the request of each converted page
     col = np.arange(req.size) - (np.cumsum(n) - n)[req]  # [N] the page's column in its request's row
-    ids = np.zeros((batch, max_pages), dtype=np.int32)
-    ids[req, col] = np.arange(req.size, dtype=np.int32)
-    return (torch.from_numpy(req * max_pages + col),
-            BlockTable(torch.from_numpy(ids), seq_lens.clone()))
+    compact = np.zeros((batch, max_pages), dtype=np.int32)
+    compact[req, col] = np.arange(req.size, dtype=np.int32)
+    return (torch.from_numpy(np.ascontiguousarray(ids[req, col], dtype=np.int32)),
+            BlockTable(torch.from_numpy(compact), seq_lens.clone()))
 
 
 def _bf16_layout(pool: PagedKvPool, num_pages: int) -> PagedKvLayout:
@@ -115,10 +117,10 @@ def bf16_pages_reference(pool: PagedKvPool, table: BlockTable) -> tuple[PagedKvP
     """The torch definition of `bf16_pages`, on the pool's device: the same pages and table, each converted page
     `foldkv.fp8.dequantize_rows_bf16(data[page], scales[page])`."""
     _check(pool, table)
-    flat, compact = page_plan(pool.layout, table)
-    src = table.page_ids.reshape(-1).cpu().long()[flat].to(pool.device)
+    src, compact = page_plan(pool.layout, table)
+    src = src.to(pool.device).long()
     out = dequantize_rows_bf16(pool.data[src], pool.scales[src])
-    return PagedKvPool(_bf16_layout(pool, int(flat.numel())), data=out), compact.to(pool.device)
+    return PagedKvPool(_bf16_layout(pool, int(src.numel())), data=out), compact.to(pool.device)
 
 
 def bf16_pages(pool: PagedKvPool, table: BlockTable, *, backend: str = "jit",
@@ -135,7 +137,8 @@ def bf16_pages(pool: PagedKvPool, table: BlockTable, *, backend: str = "jit",
     if pool.device.type != "cuda":
         raise FoldKvInputError(f"the page gather runs on CUDA; the pool is on {pool.device}")
     (kernel,) = resolve.launch_kernels((NAME,), pool.geometry, {NAME: kernel_params(pool)}, backend, kernels)
-    return gather_checked(pool, table, kernel)
+    src, compact = page_plan(pool.layout, table)
+    return convert_pages(pool, src.to(pool.device), kernel), compact.to(pool.device)
 
 
 def kernel_params(pool: PagedKvPool) -> dict:
@@ -143,16 +146,14 @@ def kernel_params(pool: PagedKvPool) -> dict:
     return resolve.kernel_params(NAME, {"page_size": pool.layout.page_size})
 
 
-def gather_checked(pool: PagedKvPool, table: BlockTable, kernel: Callable) -> tuple[PagedKvPool, BlockTable]:
-    """`bf16_pages` with `kernel` (the gather, resolved) for a caller that has run its checks already (the prefill
-    launcher: an FP8 CUDA pool, the table checked against it): the host plan and one launch."""
-    flat, compact = page_plan(pool.layout, table)
-    dev = pool.device
-    src = table.page_ids.to(dev).reshape(-1)[flat.to(dev)].to(torch.int32).contiguous()
-    lay = _bf16_layout(pool, int(flat.numel()))
-    out = torch.empty(lay.shape, dtype=torch.bfloat16, device=dev)
+def convert_pages(pool: PagedKvPool, src: torch.Tensor, kernel: Callable) -> PagedKvPool:
+    """One launch of `kernel` (the gather, resolved): the bf16 folded pool of pages `src` ([N] int32 on the pool's
+    device, from `page_plan`) of `pool`, for a caller that has checked both (the prefill launcher). Allocates the
+    scratch pool and launches; no host synchronisation."""
+    lay = _bf16_layout(pool, int(src.numel()))
+    out = torch.empty(lay.shape, dtype=torch.bfloat16, device=pool.device)
     kernel(pool.data, pool.scales, src, out)
-    return PagedKvPool(lay, data=out), compact.to(dev)
+    return PagedKvPool(lay, data=out)
 
 
 def main(tokens: int = 131072):

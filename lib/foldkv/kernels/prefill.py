@@ -131,16 +131,36 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
     geom, dev = pool.geometry, pool.device
     per_kernel = {n: p if n == name else dequant_pages.kernel_params(pool) for n in names}
     *gather, kernel = resolve.launch_kernels(names, geom, per_kernel, backend, kernels)
-    operands = pool_operands(pool)
+    # Everything is planned on the host before the first launch and reaches the device in one asynchronous copy:
+    # a copy from pageable memory waits for the stream, so a copy between the gather and the prefill would leave the
+    # GPU idle for the host work after it (measured ~0.4 ms a call, bench/FP8_NOTES.md run 4).
+    table = table.to("cpu")
     if gather:  # its covered pages as bf16 rows, once each (checked above: nothing refuses now)
-        pool, table = dequant_pages.gather_checked(pool, table, gather[0])
-        operands = (pool.data,)
+        src, table = dequant_pages.page_plan(pool.layout, table)
     q_start, tile_req, tile_tok = tile_plan(q_lens)
+    page_ids, seq_lens, q_start, q_lens, tile_req, tile_tok, *src = upload(
+        dev, table.page_ids, table.seq_lens, q_start, q_lens, tile_req, tile_tok, *([src] if gather else []))
     if out is None:
         out = torch.empty((total, geom.num_q_heads, geom.head_dim), dtype=torch.bfloat16, device=dev)
     if lse is None:
         lse = torch.empty((total, geom.num_q_heads), dtype=torch.float32, device=dev)
-    kernel(query, *operands, table.page_ids.to(dev, torch.int32).contiguous(),
-           table.seq_lens.to(dev, torch.int32).contiguous(), q_start.to(dev), q_lens.to(dev, torch.int32),
-           tile_req.to(dev), tile_tok.to(dev), out, lse)
+    operands = pool_operands(pool)
+    if gather:
+        operands = (dequant_pages.convert_pages(pool, src[0], gather[0]).data,)
+    kernel(query, *operands, page_ids, seq_lens, q_start, q_lens, tile_req, tile_tok, out, lse)
     return out, lse
+
+
+def upload(device: torch.device, *arrays: torch.Tensor) -> list[torch.Tensor]:
+    """Integer tensors (host ones, or device ones copied to the host first) as int32 tensors of the same shapes on
+    `device`, through one pinned host buffer and one asynchronous copy (no wait for the stream): views of one device
+    buffer, in the order given."""
+    flat = [a.reshape(-1).to("cpu", torch.int32) for a in arrays]
+    host = torch.empty(sum(a.numel() for a in flat), dtype=torch.int32, pin_memory=True)
+    torch.cat(flat, out=host)
+    on_device = host.to(device, non_blocking=True)
+    views, at = [], 0
+    for a in arrays:
+        views.append(on_device[at:at + a.numel()].view(a.shape))
+        at += a.numel()
+    return views
