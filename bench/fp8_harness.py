@@ -104,7 +104,8 @@ def main(argv=None):
     device = torch.device("cuda")
     roof = measure_read_roof(device)
     print(f"read roof measured: {roof['gbps']:.0f} GB/s ({roof['method']})", flush=True)
-    cases = {**{f"single{n}": [n] for n in args.single}, **serving_cases(0, tuple(args.batches))}
+    cases = {**{f"single{n}": [n] for n in args.single},
+             **(serving_cases(0, tuple(args.batches)) if args.batches else {})}  # no names: none (not all)
     cells = []
     for name, lens in cases.items():
         if args.resident_pages:

@@ -460,7 +460,8 @@ class FoldKvCache(Cache):
             out, _ = self._kernels["decode"](layer.pool, query.contiguous(), dev_table, plan=plan,
                                              backend=self.backend)
             return out
-        out, _ = self._kernels["prefill"](layer.pool, query.contiguous(), dev_table, q_lens, backend=self.backend)
+        # the host table: the prefill plans on the host and queues its launches without waiting for the stream
+        out, _ = self._kernels["prefill"](layer.pool, query.contiguous(), table, q_lens, backend=self.backend)
         return out
 
     def _graph_decode(self, layer: FoldKvLayer, query: torch.Tensor, table: BlockTable) -> torch.Tensor:
