@@ -142,7 +142,11 @@ def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | Non
             timed = [lambda p=p: launch(p, query, table, check=False, **kw) for p in pools]
             return ArmImpl(calls, out, graph=True, timed_calls=timed, info=info, lse=lse, guards=guards, keep=plan,
                            reference_kind=against)
-        q_lens = torch.tensor(case.q_lens, dtype=torch.int32, device=case.device)
+        # The block table and q_lens on the host, as the transformers cache hands them: the launcher then plans on
+        # the host while the previous call's kernels run (it never waits for the stream), as FlashInfer's arm plans
+        # once outside the timing. With a device table its checks read the table back, which waits for the stream,
+        # and every call's host plan would sit in the timed loop with the GPU idle.
+        table, q_lens = case.table_cpu, torch.tensor(case.q_lens, dtype=torch.int32)
         calls = [lambda p=p: launch(p, query, table, q_lens, **kw) for p in pools]
         return ArmImpl(calls, out, graph=False, why_eager=EAGER_PREFILL, info=info, lse=lse, guards=guards,
                        reference_kind=against)
