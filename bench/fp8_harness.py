@@ -20,7 +20,7 @@ import torch
 from foldkv import GEMMA4_31B, KvFormat
 from foldkv.fp8 import FP8_DTYPE
 from foldkv.kernels.decode import partial_kernel_name
-from foldkv.kernels.decode_partial import build_decode_partial_fp8
+from foldkv.kernels.decode_partial import build_decode_partial, build_decode_partial_fp8
 from foldkv.lab.bench import ArmSpec, AttentionCase, generated_arm, measure_read_roof, run_cell
 from foldkv.lab.bench.case import serving_cases
 from foldkv.lab.jsonsafe import jsonable
@@ -55,8 +55,19 @@ PROBES = [ArmSpec(f"fp8_{kind}", f"FP8 partial, conversion {what} (probe: wrong 
                       partial_kernel_name(KvFormat.FOLDED, True): decode_partial_fp8_probe.build(GEMMA4_31B, kind)}),
                   generated=True)
           for kind, what in (("copy", "replaced by a copy of the bytes"), ("skip", "left out"))]
-ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, "read_folded", "read_folded_fp8",
-        "fi_tc", "fi_tc_fp8"]
+# run 8: the consumer split over two warpgroups, or not, with the conversion out of the way: does it shorten a tile?
+SPLITS = [ArmSpec("folded_t256", "bf16 folded partial, two consumer warpgroups (S's columns and O's rows split)",
+                  "folded", False, generated_arm("decode", KvFormat.FOLDED, "jit", kernels=lambda case: {
+                      partial_kernel_name(KvFormat.FOLDED): build_decode_partial(GEMMA4_31B, KvFormat.FOLDED,
+                                                                                 threads=256)}), generated=True),
+          ArmSpec("fp8_skip_t128", "FP8 partial, conversion left out, one consumer warpgroup (probe: wrong output)",
+                  "folded_fp8", False, generated_arm("decode", KvFormat.FOLDED, "jit", dtype=FP8_DTYPE,
+                                                     kernels=lambda case: {partial_kernel_name(KvFormat.FOLDED, True):
+                                                         decode_partial_fp8_probe.build(GEMMA4_31B, "skip",
+                                                                                        threads=128)}),
+                  generated=True)]
+ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, "read_folded",
+        "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 
 
 class ResidentCase(AttentionCase):
