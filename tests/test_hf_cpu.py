@@ -305,16 +305,34 @@ def test_refuses_models_it_cannot_serve(case, overrides, message):
         FoldKvCache(model, max_batch=1, max_tokens=8)
 
 
+@pytest.mark.parametrize("kw,match", [
+    (dict(kv_format="split", dtype=torch.float8_e4m3fn), "holds folded rows only; kv_format=split"),
+    (dict(kv_format="split", dtype=torch.float8_e4m3fn, attention="kernel"), "holds folded rows only"),
+    (dict(dtype=torch.float16, attention="kernel"), r"the kernels read bf16 or FP8 .* dtype=torch.float16"),
+    (dict(dtype=torch.float8_e4m3fn, attention="kernel"), "attention='kernel' runs on CUDA"),
+])
+def test_pool_dtype_refusals(models, kw, match):
+    """An FP8 cache is folded only; the kernels take bf16 or FP8 pools, refused on the dtype before the device (so
+    the last case, a valid FP8 kernel cache, reaches the device check on the CPU: its red twin)."""
+    from foldkv import FoldKvInputError
+    from foldkv.hf import FoldKvCache
+
+    with pytest.raises(FoldKvInputError, match=match):
+        FoldKvCache(models["foldkv_eager"], max_batch=1, max_tokens=8, **kw)
+
+
 def test_import_foldkv_does_not_import_transformers():
     code = "import sys, foldkv, foldkv.prep, foldkv.reference; assert 'transformers' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("fmt", ["folded", "split"])
-def test_kernel_path_hands_the_launchers_what_they_accept(models, batch, fmt):
+@pytest.mark.parametrize("fmt,dtype", [("folded", torch.bfloat16), ("split", torch.bfloat16),
+                                       ("folded", torch.float8_e4m3fn)], ids=["folded", "split", "folded-fp8"])
+def test_kernel_path_hands_the_launchers_what_they_accept(models, batch, fmt, dtype):
     """The CUDA path on the CPU: each prefill / decode call goes to the real launcher, whose checks all pass up to the
-    last one (the device: CUDA), and is then served by the reference over the same bf16 pool: the generation must
-    then equal, bit for bit, the reference path's over a bf16 pool (only the routing differs)."""
+    last one (the device: CUDA), and is then served by the reference over the same pool (bf16, or the FP8 pool with
+    its scales): the generation must then equal, bit for bit, the reference path's over a pool of that dtype (only
+    the routing differs)."""
     from foldkv import FoldKvInputError, paged_attention_reference
     from foldkv.kernels.decode import decode
     from foldkv.kernels.prefill import prefill
@@ -331,12 +349,13 @@ def test_kernel_path_hands_the_launchers_what_they_accept(models, batch, fmt):
         return call
 
     model = models["foldkv_eager"]
-    cache = _cache(model, fmt, dtype=torch.bfloat16)
+    cache = _cache(model, fmt, dtype=dtype)
     cache.attention, cache._kernels = "kernel", {"prefill": through("prefill", prefill),
                                                   "decode": through("decode", decode)}
     tokens, scores = _run(model, batch, cache, new=4)
     layers = len(cache.global_layers)
     assert calls == {"prefill": layers, "decode": 3 * layers}
-    want_tokens, want_scores = _run(model, batch, _cache(model, fmt, dtype=torch.bfloat16), new=4)
+    assert all(layer.pool.layout.dtype == dtype for layer in cache.global_layers)
+    want_tokens, want_scores = _run(model, batch, _cache(model, fmt, dtype=dtype), new=4)
     assert torch.equal(tokens, want_tokens) and torch.equal(scores, want_scores)
     assert bool(torch.isfinite(scores).all())

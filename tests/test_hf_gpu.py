@@ -1,4 +1,5 @@
-"""transformers' generate() on a FoldKvCache served by the generated kernels (synthetic Gemma 4, bf16, on the GPU):
+"""transformers' generate() on a FoldKvCache served by the generated kernels (synthetic Gemma 4, bf16, on the GPU; over
+bf16 pools of both formats and over the FP8 folded pool):
 the kernels never read a poisoned row, stay as close to foldkv's float64 reference over the same pools as bf16
 arithmetic allows, and their agreement with the incumbent (transformers' sdpa) is reported beside the neutral figure.
 
@@ -111,3 +112,38 @@ def test_generate_on_the_kernels(gpu_models, batch, fmt, graphs):
           f" {vs_ref}; neutral (eager vs sdpa) {neutral}")
     bound = max(2 * neutral["gap"], 2 * ref_vs_inc["gap"], 4 * _bf16_ulp(float(incumbent[1].abs().max())))
     assert vs_ref["gap"] <= bound, f"{fmt}: kernels vs reference gap {vs_ref['gap']:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "eager"])
+def test_generate_on_the_fp8_kernels(gpu_models, batch, graphs):
+    """The FP8 folded pool (`dtype=torch.float8_e4m3fn`) through generate() on the FP8 kernels (decode converting the
+    e4m3 rows in the kernel, prefill through the page gather), against foldkv's float64 reference over an FP8 pool.
+    Both store the same kind of rows (the same torch prep, quantized once), so they differ in the attention's
+    arithmetic only, and their gap is held to the bf16 test's bound with the bf16 folded reference's gap to the
+    incumbent in the place of the FP8 one (that one carries the format's own error, not arithmetic):
+        max(2 x neutral max, 2 x bf16-reference-vs-incumbent max, 4 bf16 ulps of the largest |logit|).
+    The gather's rows are rounded to bf16 once (2^-8 relative, `foldkv.fp8.dequantize_rows_bf16`), the size of the
+    bf16 pool's own rounding, which the bf16 reference-vs-incumbent term spans. Also: no kernel read a poisoned row
+    (finite logits), and the format's drift (FP8 reference vs incumbent) is reported beside the bf16 one."""
+    from foldkv.hf import FoldKvCache
+
+    model = gpu_models["foldkv"]
+    incumbent = _run(gpu_models["sdpa"], batch)
+    neutral = _compare(_run(gpu_models["eager"], batch), incumbent)
+
+    def cache(attention, dtype):
+        return FoldKvCache(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW, kv_format="folded",
+                           dtype=dtype, attention=attention, scatter_seed=3, cuda_graphs=graphs)
+
+    fp8 = torch.float8_e4m3fn
+    ker_cache = cache("kernel", fp8)
+    ker, ref = _run(model, batch, ker_cache), _run(model, batch, cache("reference", fp8))
+    ref16 = _run(model, batch, cache("reference", torch.bfloat16))
+    assert all(layer.pool.layout.dtype == fp8 for layer in ker_cache.global_layers)
+    assert len(ker_cache._graphs) == (len(ker_cache.global_layers) if graphs else 0)
+    assert bool(torch.isfinite(ker[1]).all()), "NaN logits: a kernel read a poisoned (unwritten) pool row"
+    vs_ref, ref_vs_inc, ref16_vs_inc = _compare(ker, ref), _compare(ref, incumbent), _compare(ref16, incumbent)
+    print(f"\nfolded-fp8 ({'CUDA graphs' if graphs else 'eager'}): kernels vs FP8 reference {vs_ref}; FP8 reference vs"
+          f" incumbent {ref_vs_inc} (the format's drift); bf16 reference vs incumbent {ref16_vs_inc}; neutral {neutral}")
+    bound = max(2 * neutral["gap"], 2 * ref16_vs_inc["gap"], 4 * _bf16_ulp(float(incumbent[1].abs().max())))
+    assert vs_ref["gap"] <= bound, f"FP8 kernels vs FP8 reference gap {vs_ref['gap']:.3g} > {bound:.3g}"

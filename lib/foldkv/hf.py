@@ -4,6 +4,7 @@
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="foldkv")   # or set_attn_implementation
     cache = foldkv.hf.FoldKvCache(model, max_batch=8, max_tokens=prompt_len + max_new_tokens)
     out = model.generate(input_ids, attention_mask=mask, max_new_tokens=n, cache=cache)  # < 5.24: past_key_values=
+    FoldKvCache(model, ..., dtype=torch.float8_e4m3fn)   # the FP8 folded pool: half the bf16 folded bytes per token
 
 How the pieces meet. transformers builds one mask per layer type, then each layer calls `cache.update(K, V)` and the
 attention function of the model's implementation with what `update` returned:
@@ -42,6 +43,7 @@ import torch
 from torch import nn
 
 from .config import AttentionGeometry, ConfigError, geometry_from_config
+from .fp8 import FP8_DTYPE
 from .layout import KvFormat
 from .pool import BlockTable, PagedKvLayout, PagedKvPool
 from .prep import fold_query, rope_inv_freq, rows_from_key_value, write_tokens
@@ -337,9 +339,12 @@ class FoldKvCache(Cache):
     max_new_tokens: when given, the prompt's forward is refused if prompt columns + max_new_tokens exceed max_tokens
         (otherwise the forward that would overflow is refused, before it writes).
     kv_format: "folded" or "split". device: the model's (default). dtype: the pool's; default the model's dtype on
-        the CPU, bf16 on CUDA (the kernels read bf16). attention: "auto" (kernels on CUDA, the float64 reference
-        elsewhere), "reference" or "kernel". backend: the kernels' "jit" or "aot". poison: fill pools with NaN (a row
-        read before it is written shows as NaN). scatter_seed: pages drawn in a random order (tests).
+        the CPU, bf16 on CUDA; torch.float8_e4m3fn: the FP8 folded pool (`foldkv.fp8`: e4m3 rows, one float32 scale
+        per token and KV head, half the bf16 folded bytes), folded only, read by the FP8 kernels (decode converts in
+        the kernel, prefill through the page gather) or by the reference dequantized. attention: "auto" (kernels on
+        CUDA, the float64 reference elsewhere), "reference" or "kernel". backend: the kernels' "jit" or "aot".
+        poison: fill pools with NaN (a row read before it is written shows as NaN). scatter_seed: pages drawn in a
+        random order (tests).
     cuda_graphs (kernel attention): each global layer's decode steps replay one CUDA graph of its
         `foldkv.kernels.workspace.DecodeWorkspace` step (captured at the first decode step; every length one longer
         is one device operation, `advance()`); False: the eager launcher with a plan per step.
@@ -368,12 +373,14 @@ class FoldKvCache(Cache):
         self.device = check_device(device) if device is not None else model_param.device
         on_cuda = self.device.type == "cuda"
         self.attention = ("kernel" if on_cuda else "reference") if attention == "auto" else attention
-        if self.attention == "kernel" and not on_cuda:
-            raise FoldKvInputError(f"attention='kernel' runs on CUDA; the cache is on {self.device}")
         self.kv_format = KvFormat.parse(kv_format)
         self.pool_dtype = dtype or (torch.bfloat16 if self.attention == "kernel" else model_param.dtype)
-        if self.attention == "kernel" and self.pool_dtype != torch.bfloat16:
-            raise FoldKvInputError(f"the kernels read bf16 pools; dtype={self.pool_dtype}")
+        if self.pool_dtype == FP8_DTYPE and self.kv_format is not KvFormat.FOLDED:
+            raise FoldKvInputError(f"an FP8 ({FP8_DTYPE}) pool holds folded rows only; kv_format={self.kv_format.value}")
+        if self.attention == "kernel" and self.pool_dtype not in (torch.bfloat16, FP8_DTYPE):
+            raise FoldKvInputError(f"the kernels read bf16 or FP8 ({FP8_DTYPE}, folded) pools; dtype={self.pool_dtype}")
+        if self.attention == "kernel" and not on_cuda:
+            raise FoldKvInputError(f"attention='kernel' runs on CUDA; the cache is on {self.device}")
         self.max_batch, self.max_tokens, self.page_size = int(max_batch), int(max_tokens), int(page_size)
         self.max_new_tokens = None if max_new_tokens is None else int(max_new_tokens)
         self.backend, self.poison, self.scatter_seed = backend, poison, scatter_seed

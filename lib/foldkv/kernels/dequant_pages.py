@@ -4,7 +4,7 @@ Why it exists: prefill is compute-bound, and a prefill kernel that reads e4m3 ro
 query tile that reads it (a 8,192-token chunk: 1,024 query tiles per KV head, each converting the whole prefix, on the
 warpgroups that run the gemms). Converting each page once, into a bf16 scratch pool the bf16 prefill kernel then
 reads, costs one pass over the pages (644 bytes read, 1,280 written per token and KV head: ~270 us at 131,072 tokens,
-3.7 TB/s), and leaves the prefill at the bf16 prefill's rate (bench/FP8_NOTES.md, runs 4 and 6, against 1.42-1.45x
+3.7 TB/s), and leaves the prefill at the bf16 prefill's rate (bench/FP8_NOTES.md, runs 4 and 7, against 1.42-1.45x
 converting in the attention kernel). The prefill launcher plans it on the host with everything else, before its
 first launch (`page_plan`), then launches it (`convert_pages`) and the prefill back to back.
 

@@ -14,9 +14,11 @@ Definitions (per cell and step s = 0..steps; step 0 is the prefill's last positi
 The checks (`check_study`, per arm; a failed check fails the arm's section of the notebook's record):
 - finite (every arm): every logit of every arm at every step is finite (and the incumbent's own logits, margins and
   neutral); a NaN or Inf anywhere fails, with the cell and step named.
-- gap (kernel arms): the arm's gap distribution is no worse than the neutral figure allows (see `GAP_FACTOR`).
-- argmax (kernel arms): the arm's argmax disagrees with the incumbent no more often than the incumbent's own single
+- gap (kernel arms over bf16 pools, `gated_arms`): the arm's gap distribution is no worse than the neutral figure
+  allows (see `GAP_FACTOR`).
+- argmax (the same arms): the arm's argmax disagrees with the incumbent no more often than the incumbent's own single
   pass does, beyond what chance allows (see `ARGMAX_ALPHA`).
+The FP8 arms (`folded-fp8`, `ref-folded-fp8`) get the same figures, reported, not gated (their format's drift).
 The drift line (`drift_line`) is descriptive: it is placed above what was measured, so it is no check.
 """
 
@@ -42,7 +44,7 @@ from .model import MODEL_ARMS, ArmSettings, check_arm_available, foldkv_implemen
 from .synthetic import describe_checkpoint, make_synthetic_checkpoint
 
 PAIRS = (("ref-folded", "ref-split"), ("folded", "split"), ("split", "ref-split"), ("folded", "ref-folded"),
-         ("ref-folded-fp8", "ref-folded"))
+         ("ref-folded-fp8", "ref-folded"), ("folded-fp8", "ref-folded-fp8"), ("folded-fp8", "folded"))
 QUANTILES = (0.5, 0.9, 0.99, 1.0)
 
 # The gap check. The neutral figure |walk - single pass| is the distance between two orderings of the incumbent's own
@@ -481,8 +483,11 @@ def _where(cell: dict, i: int) -> str:
 
 
 def gated_arms() -> tuple[str, ...]:
-    """The arms the gap and argmax checks gate: the generated kernels."""
-    return tuple(a for a, spec in MODEL_ARMS.items() if spec.backend == "kernel")
+    """The arms the gap and argmax checks gate: the generated kernels over bf16 pools. The FP8 kernel arm is measured
+    against the same limits but not gated: its pool's format errs ~10x bf16 (bench/FP8_NOTES.md), which the neutral
+    figure (two orderings of bf16 arithmetic) does not gauge; its own kernel error is the pair folded-fp8 /
+    ref-folded-fp8 (the same FP8 rows, read by the kernels and by the float64 reference)."""
+    return tuple(a for a, spec in MODEL_ARMS.items() if spec.backend == "kernel" and spec.pool_dtype is None)
 
 
 def check_study(results: dict, gated: Sequence[str] | None = None) -> dict[str, Any]:

@@ -10,12 +10,13 @@ cache passed as `past_key_values` (`cache` in transformers >= 5.24):
 | `folded`     | same                                                  | same, folded pool                                     |
 | `ref-split`  | same                                                  | `FoldKvCache(attention="reference")`: float64 `paged_attention_reference` over the pool, cast to the model dtype |
 | `ref-folded` | same                                                  | same, folded pool                                     |
+| `folded-fp8` | same                                                  | `FoldKvCache(dtype=float8_e4m3fn)`: the FP8 folded pool (`foldkv.fp8`), the FP8 kernels |
 | `ref-folded-fp8` | same                                              | same, the FP8 folded pool (`foldkv.fp8`): the format's drift, read dequantized |
 
 The foldkv arms' sliding layers keep the incumbent's attention (sdpa beside sdpa, eager beside eager), so an arm and
 the incumbent differ only in the global layers. transformers applies the norms and RoPE; foldkv folds the result
-(`foldkv.prep.fold_query` / `rows_from_key_value`) and stores it. Kernel arms store bf16; reference arms store
-`ref_pool_dtype` (default: the model dtype). Pools are poisoned with NaN (a row read before it is written shows up as
+(`foldkv.prep.fold_query` / `rows_from_key_value`) and stores it. Kernel arms store bf16 (`folded-fp8`: e4m3);
+reference arms store `ref_pool_dtype` (default: the model dtype; `ref-folded-fp8`: e4m3). Pools are poisoned with NaN (a row read before it is written shows up as
 NaN logits) and their pages scattered (drawn in a random order), per walk.
 
 The arm is switched on the loaded model (`model.set_attn_implementation`) for one walk and switched back after it,
@@ -56,6 +57,7 @@ MODEL_ARMS: dict[str, ModelArm] = {
     "folded": ModelArm("folded", KvFormat.FOLDED, "kernel"),
     "ref-split": ModelArm("ref-split", KvFormat.SPLIT, "reference"),
     "ref-folded": ModelArm("ref-folded", KvFormat.FOLDED, "reference"),
+    "folded-fp8": ModelArm("folded-fp8", KvFormat.FOLDED, "kernel", FP8_DTYPE),
     "ref-folded-fp8": ModelArm("ref-folded-fp8", KvFormat.FOLDED, "reference", FP8_DTYPE),
 }
 
