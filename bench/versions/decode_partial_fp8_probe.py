@@ -27,21 +27,7 @@ from foldkv.config import AttentionGeometry
 from foldkv.kernels import macros
 from foldkv.kernels.decode_partial import build_decode_partial_fp8
 
-_BODY = """  const uint2 in = *reinterpret_cast<const uint2*>(src);
-  const unsigned int words[2] = {in.x, in.y};
-  unsigned int out[4];
-#pragma unroll
-  for (int w = 0; w < 2; ++w) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      // bytes (b0, b1) (h = 0) or (b2, b3) (h = 1) into the high bytes of the two 16-bit halves
-      const unsigned int x = __byte_perm(words[w], 0u, h ? 0x3424u : 0x1404u);
-      const unsigned int bits = (x & 0x80008000u) | ((x >> 4) & 0x07F007F0u);
-      asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out[2 * w + h]) : "r"(bits), "r"(0x7B807B80u));
-    }
-  }
-  *reinterpret_cast<uint4*>(dst) = make_uint4(out[0], out[1], out[2], out[3]);
-"""
+_HEAD = "__device__ __forceinline__ void foldkv_e4m3x8_to_bf16_one(const void* src, void* dst) {\n"
 BODIES = {
     "copy": """  const uint2 in = *reinterpret_cast<const uint2*>(src);
   *reinterpret_cast<uint4*>(dst) = make_uint4(in.x, in.y, in.x, in.y);
@@ -51,11 +37,14 @@ BODIES = {
 
 
 def probe_source(kind: str) -> str:
-    """The library's conversion source with the per-run body replaced by probe `kind` ("copy" or "skip")."""
+    """The library's conversion source with the per-run function's body (from its head to the closing brace in
+    column 0) replaced by probe `kind` ("copy" or "skip")."""
     src = macros.E4M3_TO_BF16_SOURCE
-    if _BODY not in src:
-        raise RuntimeError("macros.E4M3_TO_BF16_SOURCE changed: update this probe's copy of its body")
-    return src.replace(_BODY, BODIES[kind])
+    if _HEAD not in src:
+        raise RuntimeError("macros.E4M3_TO_BF16_SOURCE changed: its per-run function is not where this probe looks")
+    start = src.index(_HEAD) + len(_HEAD)
+    end = src.index("\n}\n", start) + 1
+    return src[:start] + BODIES[kind] + src[end:]
 
 
 @contextlib.contextmanager
