@@ -143,7 +143,8 @@ def test_generate_on_the_fp8_kernels(gpu_models, batch, graphs):
     assert len(ker_cache._graphs) == (len(ker_cache.global_layers) if graphs else 0)
     assert bool(torch.isfinite(ker[1]).all()), "NaN logits: a kernel read a poisoned (unwritten) pool row"
     vs_ref, ref_vs_inc, ref16_vs_inc = _compare(ker, ref), _compare(ref, incumbent), _compare(ref16, incumbent)
-    print(f"\nfolded-fp8 ({'CUDA graphs' if graphs else 'eager'}): kernels vs FP8 reference {vs_ref}; FP8 reference vs"
-          f" incumbent {ref_vs_inc} (the format's drift); bf16 reference vs incumbent {ref16_vs_inc}; neutral {neutral}")
+    print(f"\nfolded-fp8 ({'CUDA graphs' if graphs else 'eager'}): kernels vs FP8 reference {vs_ref}; FP8 reference"
+          f" vs incumbent {ref_vs_inc} (the format's drift); bf16 reference vs incumbent {ref16_vs_inc};"
+          f" neutral {neutral}")
     bound = max(2 * neutral["gap"], 2 * ref16_vs_inc["gap"], 4 * _bf16_ulp(float(incumbent[1].abs().max())))
     assert vs_ref["gap"] <= bound, f"FP8 kernels vs FP8 reference gap {vs_ref['gap']:.3g} > {bound:.3g}"

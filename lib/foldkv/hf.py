@@ -376,7 +376,8 @@ class FoldKvCache(Cache):
         self.kv_format = KvFormat.parse(kv_format)
         self.pool_dtype = dtype or (torch.bfloat16 if self.attention == "kernel" else model_param.dtype)
         if self.pool_dtype == FP8_DTYPE and self.kv_format is not KvFormat.FOLDED:
-            raise FoldKvInputError(f"an FP8 ({FP8_DTYPE}) pool holds folded rows only; kv_format={self.kv_format.value}")
+            raise FoldKvInputError(f"an FP8 ({FP8_DTYPE}) pool holds folded rows only;"
+                                   f" kv_format={self.kv_format.value}")
         if self.attention == "kernel" and self.pool_dtype not in (torch.bfloat16, FP8_DTYPE):
             raise FoldKvInputError(f"the kernels read bf16 or FP8 ({FP8_DTYPE}, folded) pools; dtype={self.pool_dtype}")
         if self.attention == "kernel" and not on_cuda:

@@ -138,7 +138,7 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
     if gather:  # its covered pages as bf16 rows, once each (checked above: nothing refuses now)
         src, table = dequant_pages.page_plan(pool.layout, table)
     q_start, tile_req, tile_tok = tile_plan(q_lens)
-    page_ids, seq_lens, q_start, q_lens, tile_req, tile_tok, *src = upload(
+    page_ids, seq_lens, q_start, q_lens, tile_req, tile_tok, *gather_src = upload(
         dev, table.page_ids, table.seq_lens, q_start, q_lens, tile_req, tile_tok, *([src] if gather else []))
     if out is None:
         out = torch.empty((total, geom.num_q_heads, geom.head_dim), dtype=torch.bfloat16, device=dev)
@@ -146,7 +146,7 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
         lse = torch.empty((total, geom.num_q_heads), dtype=torch.float32, device=dev)
     operands = pool_operands(pool)
     if gather:
-        operands = (dequant_pages.convert_pages(pool, src[0], gather[0]).data,)
+        operands = (dequant_pages.convert_pages(pool, gather_src[0], gather[0]).data,)
     kernel(query, *operands, page_ids, seq_lens, q_start, q_lens, tile_req, tile_tok, out, lse)
     return out, lse
 

@@ -16,8 +16,9 @@ cache passed as `past_key_values` (`cache` in transformers >= 5.24):
 The foldkv arms' sliding layers keep the incumbent's attention (sdpa beside sdpa, eager beside eager), so an arm and
 the incumbent differ only in the global layers. transformers applies the norms and RoPE; foldkv folds the result
 (`foldkv.prep.fold_query` / `rows_from_key_value`) and stores it. Kernel arms store bf16 (`folded-fp8`: e4m3);
-reference arms store `ref_pool_dtype` (default: the model dtype; `ref-folded-fp8`: e4m3). Pools are poisoned with NaN (a row read before it is written shows up as
-NaN logits) and their pages scattered (drawn in a random order), per walk.
+reference arms store `ref_pool_dtype` (default: the model dtype; `ref-folded-fp8`: e4m3). Pools are poisoned with NaN
+(a row read before it is written shows up as NaN logits) and their pages scattered (drawn in a random order), per
+walk.
 
 The arm is switched on the loaded model (`model.set_attn_implementation`) for one walk and switched back after it,
 so one loaded model serves every arm.
