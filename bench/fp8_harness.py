@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Callable
 
 import torch
 
@@ -30,42 +31,35 @@ from foldkv.pool import BlockTable, PagedKvLayout
 from versions import decode_partial_fp8_probe, decode_partial_fp8_rs  # bench/versions/
 
 
-def fp8_variant(name: str, what: str, **tiling) -> ArmSpec:
-    """The FP8 folded decode with its partial built with `tiling` (decode_partial_program's keywords) instead of the
-    registered params: an experiment's arm."""
-    kernels = lambda case: {partial_kernel_name(KvFormat.FOLDED, True): build_decode_partial_fp8(  # noqa: E731
-        GEMMA4_31B, KvFormat.FOLDED, **tiling)}
-    return ArmSpec(name, what, "folded_fp8", False,
-                   generated_arm("decode", KvFormat.FOLDED, "jit", kernels=kernels, dtype=FP8_DTYPE), generated=True)
+def partial_variant(name: str, what: str, build: Callable[[], object], fp8: bool = True) -> ArmSpec:
+    """An experiment's arm: the folded decode (over the FP8 pool, or the bf16 one with fp8=False) with its partial
+    kernel replaced by `build()` (a version's or the library's builder with other params)."""
+    kernels = lambda case: {partial_kernel_name(KvFormat.FOLDED, fp8): build()}  # noqa: E731
+    return ArmSpec(name, what, "folded_fp8" if fp8 else "folded", False,
+                   generated_arm("decode", KvFormat.FOLDED, "jit", kernels=kernels,
+                                 dtype=FP8_DTYPE if fp8 else torch.bfloat16), generated=True)
 
 
+G = GEMMA4_31B
 # run 3: the library's partial (integer e4m3 -> bf16 conversion, one consumer warpgroup), the run-1 partial
 # (TileLang's element conversion through the conversion unit) and two consumer warpgroups (each converts half of
 # each panel; S's query columns and O's rows split between them)
-VARIANTS = [fp8_variant("fp8_cvt", "FP8 partial, TileLang's element conversion (run 1)", e4m3_convert="cvt"),
-            fp8_variant("fp8_t256", "FP8 partial, integer conversion, two consumer warpgroups", threads=256)]
+VARIANTS = [partial_variant("fp8_cvt", "FP8 partial, TileLang's element conversion (run 1)",
+                            lambda: build_decode_partial_fp8(G, KvFormat.FOLDED, e4m3_convert="cvt")),
+            partial_variant("fp8_t256", "FP8 partial, integer conversion, two consumer warpgroups",
+                            lambda: build_decode_partial_fp8(G, KvFormat.FOLDED, threads=256))]
 # run 5: both gemms with A from registers, converted there (bench/versions/decode_partial_fp8_rs.py)
-RS = ArmSpec("fp8_rs", "FP8 partial, both gemms with A from registers (wgmma RS)", "folded_fp8", False,
-             generated_arm("decode", KvFormat.FOLDED, "jit", dtype=FP8_DTYPE, kernels=lambda case: {
-                 partial_kernel_name(KvFormat.FOLDED, True): decode_partial_fp8_rs.build(GEMMA4_31B)}),
-             generated=True)
+RS = partial_variant("fp8_rs", "FP8 partial, both gemms with A from registers (wgmma RS)",
+                     lambda: decode_partial_fp8_rs.build(G))
 # run 6: the library's FP8 partial with its conversion cut to a copy, or left out (wrong output: timing probes)
-PROBES = [ArmSpec(f"fp8_{kind}", f"FP8 partial, conversion {what} (probe: wrong output)", "folded_fp8", False,
-                  generated_arm("decode", KvFormat.FOLDED, "jit", dtype=FP8_DTYPE, kernels=lambda case, kind=kind: {
-                      partial_kernel_name(KvFormat.FOLDED, True): decode_partial_fp8_probe.build(GEMMA4_31B, kind)}),
-                  generated=True)
+PROBES = [partial_variant(f"fp8_{kind}", f"FP8 partial, conversion {what} (probe: wrong output)",
+                          lambda kind=kind: decode_partial_fp8_probe.build(G, kind))
           for kind, what in (("copy", "replaced by a copy of the bytes"), ("skip", "left out"))]
 # run 8: the consumer split over two warpgroups, or not, with the conversion out of the way: does it shorten a tile?
-SPLITS = [ArmSpec("folded_t256", "bf16 folded partial, two consumer warpgroups (S's columns and O's rows split)",
-                  "folded", False, generated_arm("decode", KvFormat.FOLDED, "jit", kernels=lambda case: {
-                      partial_kernel_name(KvFormat.FOLDED): build_decode_partial(GEMMA4_31B, KvFormat.FOLDED,
-                                                                                 threads=256)}), generated=True),
-          ArmSpec("fp8_skip_t128", "FP8 partial, conversion left out, one consumer warpgroup (probe: wrong output)",
-                  "folded_fp8", False, generated_arm("decode", KvFormat.FOLDED, "jit", dtype=FP8_DTYPE,
-                                                     kernels=lambda case: {partial_kernel_name(KvFormat.FOLDED, True):
-                                                         decode_partial_fp8_probe.build(GEMMA4_31B, "skip",
-                                                                                        threads=128)}),
-                  generated=True)]
+SPLITS = [partial_variant("folded_t256", "bf16 folded partial, two consumer warpgroups (S's columns and O's rows"
+                          " split)", lambda: build_decode_partial(G, KvFormat.FOLDED, threads=256), fp8=False),
+          partial_variant("fp8_skip_t128", "FP8 partial, conversion left out, one consumer warpgroup (probe: wrong"
+                          " output)", lambda: decode_partial_fp8_probe.build(G, "skip", threads=128))]
 ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, "read_folded",
         "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 

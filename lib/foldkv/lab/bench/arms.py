@@ -121,7 +121,13 @@ def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | Non
                 active_build()
             except Exception as exc:
                 raise ArmUnavailable(f"no AOT build ({type(exc).__name__}: {str(exc)[:200]})") from None
-        pools, query, table = case.pools(fmt, dtype), case.query(fmt), case.table
+        # A prefill gets the block table on the host, as the transformers cache hands it: the launcher then plans on
+        # the host while the previous call's kernels run (it never waits for the stream), as FlashInfer's arm plans
+        # once outside the timing. With a device table its checks read the table back, which waits for the stream,
+        # and every call's host plan would sit in the timed loop with the GPU idle. A decode keeps the device table:
+        # it is planned once and replayed in a graph.
+        table = case.table if op == "decode" else case.table_cpu
+        pools, query = case.pools(fmt, dtype), case.query(fmt)
         out, lse, guards = guarded_outputs(query)
         kw: dict[str, Any] = dict(out=out, lse=lse, backend=backend)
         info: dict[str, Any] = {"backend": backend, "kv_dtype": str(dtype).replace("torch.", "")}
@@ -142,11 +148,7 @@ def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | Non
             timed = [lambda p=p: launch(p, query, table, check=False, **kw) for p in pools]
             return ArmImpl(calls, out, graph=True, timed_calls=timed, info=info, lse=lse, guards=guards, keep=plan,
                            reference_kind=against)
-        # The block table and q_lens on the host, as the transformers cache hands them: the launcher then plans on
-        # the host while the previous call's kernels run (it never waits for the stream), as FlashInfer's arm plans
-        # once outside the timing. With a device table its checks read the table back, which waits for the stream,
-        # and every call's host plan would sit in the timed loop with the GPU idle.
-        table, q_lens = case.table_cpu, torch.tensor(case.q_lens, dtype=torch.int32)
+        q_lens = torch.tensor(case.q_lens, dtype=torch.int32)  # on the host, as the table
         calls = [lambda p=p: launch(p, query, table, q_lens, **kw) for p in pools]
         return ArmImpl(calls, out, graph=False, why_eager=EAGER_PREFILL, info=info, lse=lse, guards=guards,
                        reference_kind=against)
