@@ -31,12 +31,13 @@ from foldkv.pool import BlockTable, PagedKvLayout
 from versions import decode_partial_fp8_probe, decode_partial_fp8_rs  # bench/versions/
 
 
-def partial_variant(name: str, what: str, build: Callable[[], object], fp8: bool = True) -> ArmSpec:
-    """An experiment's arm: the folded decode (over the FP8 pool, or the bf16 one with fp8=False) with its partial
-    kernel replaced by `build()` (a version's or the library's builder with other params)."""
-    kernels = lambda case: {partial_kernel_name(KvFormat.FOLDED, fp8): build()}  # noqa: E731
-    return ArmSpec(name, what, "folded_fp8" if fp8 else "folded", False,
-                   generated_arm("decode", KvFormat.FOLDED, "jit", kernels=kernels,
+def partial_variant(name: str, what: str, build: Callable[[], object], fp8: bool = True,
+                    fmt: KvFormat = KvFormat.FOLDED) -> ArmSpec:
+    """An experiment's arm: the decode of `fmt` (folded over the FP8 pool, or a bf16 pool with fp8=False) with its
+    partial kernel replaced by `build()` (a version's or the library's builder with other params)."""
+    kernels = lambda case: {partial_kernel_name(fmt, fp8): build()}  # noqa: E731
+    return ArmSpec(name, what, "folded_fp8" if fp8 else fmt.value, False,
+                   generated_arm("decode", fmt, "jit", kernels=kernels,
                                  dtype=FP8_DTYPE if fp8 else torch.bfloat16), generated=True)
 
 
@@ -60,7 +61,18 @@ SPLITS = [partial_variant("folded_t256", "bf16 folded partial, two consumer warp
                           " split)", lambda: build_decode_partial(G, KvFormat.FOLDED, threads=256), fp8=False),
           partial_variant("fp8_skip_t128", "FP8 partial, conversion left out, one consumer warpgroup (probe: wrong"
                           " output)", lambda: decode_partial_fp8_probe.build(G, "skip", threads=128))]
-ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, "read_folded",
+# run 9: the softmax's cross-warp reductions carry all of a thread's queries at once (one barrier chain per max and
+# per sum instead of one per query): does the tile's chain shorten?
+BATCHED = [partial_variant("folded_rb4", "bf16 folded partial, batched softmax reductions",
+                           lambda: build_decode_partial(G, KvFormat.FOLDED, reduce_batch=4), fp8=False),
+           partial_variant("split_rb4", "bf16 split partial, batched softmax reductions",
+                           lambda: build_decode_partial(G, KvFormat.SPLIT, reduce_batch=4), fp8=False,
+                           fmt=KvFormat.SPLIT),
+           partial_variant("fp8_rb2", "FP8 partial, batched softmax reductions",
+                           lambda: build_decode_partial_fp8(G, KvFormat.FOLDED, reduce_batch=2)),
+           partial_variant("fp8_rs_rb2", "FP8 partial, A from registers, batched softmax reductions",
+                           lambda: decode_partial_fp8_rs.build(G, reduce_batch=2))]
+ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, "read_folded",
         "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 
 

@@ -93,6 +93,36 @@ def test_bench_versions_compute_the_same_function(cuda_device, fmt, version):
          chunk_tokens=512, merge_group=3)
 
 
+@pytest.mark.parametrize("partial", ["split", "folded", "folded_fp8"])
+def test_batched_softmax_reductions_give_the_same_bits(cuda_device, partial):
+    """The softmax's cross-warp reductions over all of a thread's queries at once (`reduce_batch`, one barrier chain
+    for them) reduce the same values in the same order as one query at a time: the outputs are bitwise equal, on a
+    batch whose requests end mid-tile and mid-page. Red twin: the same kernels over a query with one element moved by
+    one bf16 step differ (the comparison sees a change that small)."""
+    from foldkv.fp8 import FP8_DTYPE
+    from foldkv.kernels.decode import partial_kernel_name
+    from foldkv.kernels.decode_partial import build_decode_partial, build_decode_partial_fp8
+
+    fp8 = partial == "folded_fp8"
+    fmt = KvFormat.FOLDED if fp8 else KvFormat.parse(partial)
+    build = build_decode_partial_fp8 if fp8 else build_decode_partial
+    per_thread = 2 if fp8 else 4  # queries a consumer thread holds (two consumer warpgroups for FP8)
+    inputs = gates.make_inputs(gates.Case("bits", (1, 65, 1000, 10602)), fmt, cuda_device, 17,
+                               dtype=FP8_DTYPE if fp8 else torch.bfloat16)
+    plan = plan_decode(inputs.pool.layout, list(inputs.case.seq_lens), device=cuda_device, chunk_tokens=512)
+
+    def run(reduce_batch, query):
+        kernels = {partial_kernel_name(fmt, fp8): build(GEOM, fmt, reduce_batch=reduce_batch)}
+        return decode(inputs.pool, query, inputs.table, plan=plan, kernels=kernels)
+
+    one = run(1, inputs.query)
+    batched = run(per_thread, inputs.query)
+    assert torch.isfinite(one[0]).all() and torch.equal(batched[0], one[0]) and torch.equal(batched[1], one[1])
+    nudged = inputs.query.clone()
+    nudged.view(torch.int16)[1, 3, 5] += 1  # one bf16 step on one element of request 1's query
+    assert not torch.equal(run(per_thread, nudged)[0], one[0])
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cuda_graph_replay_matches_eager(cuda_device, fmt):
     lens = [10602, 97]

@@ -358,7 +358,7 @@ def check_output_rows(store_column=None, block_n=64, d=512, block_h=16, threads=
 
 
 def program(geom: AttentionGeometry, *, page_size=64, block_n=64, num_stages=2, threads=256, block_h=16,
-            overlap: bool = True):
+            overlap: bool = True, reduce_batch: int = 1):
     """The library's FP8 folded partial (decode_partial_program(..., fp8=True)) with both gemms' A from registers."""
     require_tilelang()
     import tilelang.language as T
@@ -378,7 +378,7 @@ def program(geom: AttentionGeometry, *, page_size=64, block_n=64, num_stages=2, 
     bf16, f32, i32, e4m3 = "bfloat16", "float32", "int32", "float8_e4m3"
     scale = macros.LOG2E
     load_query = macros.load_group_query_macro(group, block_h)
-    online_softmax = macros.online_softmax_macro(key_dim=0)
+    online_softmax = macros.online_softmax_macro(key_dim=0, reduce_batch=reduce_batch)
     mask_scores = macros.mask_scores_macro()
     # Python-level loops (a `range` in the kernel body is a TIR loop)
     four, all_panels, k_steps = tuple(range(4)), tuple(range(n_panels)), tuple(range(block_n // 16))

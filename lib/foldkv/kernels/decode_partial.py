@@ -168,10 +168,11 @@ def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, blo
 
 def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_n: int = 64,
                            num_stages: int = 1, threads: int = 128, block_h: int = 16, fp8: bool = False,
-                           e4m3_convert: str = "bits"):
+                           e4m3_convert: str = "bits", reduce_batch: int = 1):
     """The TileLang prim_func of the partial kernel for one geometry, page format and tiling; `fp8`: over an FP8
     folded pool (its scales an extra argument after the pool), its e4m3 panels converted to bf16 by
-    `macros.convert_e4m3_macro` ("bits") or TileLang's element conversion ("cvt")."""
+    `macros.convert_e4m3_macro` ("bits") or TileLang's element conversion ("cvt"); `reduce_batch`: the softmax's
+    queries per cross-warp reduction (macros.online_softmax_macro), at most the queries a consumer thread holds."""
     require_tilelang()
     import tilelang.language as T
     from tvm.script.ir_builder import IRBuilder
@@ -186,7 +187,12 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     scale = macros.LOG2E
     format_parts = format_parts_macro(geom, fmt, block_n, block_h, fp8=fp8)
     load_query = macros.load_group_query_macro(group, block_h)
-    online_softmax = macros.online_softmax_macro(key_dim=0)
+    # a consumer thread holds 4 of S^T's 16 query columns per warpgroup splitting them (wgmma's accumulator layout)
+    thread_queries = block_h // 4 // (threads // 128)
+    if reduce_batch < 1 or thread_queries % reduce_batch:
+        raise ValueError(f"reduce_batch={reduce_batch} must divide the {thread_queries} queries a consumer thread"
+                         f" holds at block_h={block_h}, threads={threads}")
+    online_softmax = macros.online_softmax_macro(key_dim=0, reduce_batch=reduce_batch)
     mask_scores = macros.mask_scores_macro()
     zero_rows = macros.zero_rows_macro()
     convert_e4m3 = macros.convert_e4m3_macro(block_n, FP8_PANEL, threads)
@@ -316,9 +322,9 @@ def build_decode_partial(geom: AttentionGeometry, fmt: KvFormat | str, **tiling)
     cfg = {**DEFAULTS[fmt], **tiling}
 
     @tilelang.jit(target=target(), pass_configs=pass_configs())
-    def decode_partial(page_size, block_n, num_stages, threads, block_h):
+    def decode_partial(page_size, block_n, num_stages, threads, block_h, reduce_batch=1):
         return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
-                                      threads=threads, block_h=block_h)
+                                      threads=threads, block_h=block_h, reduce_batch=reduce_batch)
 
     return decode_partial(**cfg)
 
@@ -331,9 +337,10 @@ def build_decode_partial_fp8(geom: AttentionGeometry, fmt: KvFormat | str, **til
     cfg = {**registry.get(f"decode_partial_{fmt.value}_fp8").params, **tiling}
 
     @tilelang.jit(target=target(), pass_configs=pass_configs())
-    def decode_partial_fp8(page_size, block_n, num_stages, threads, block_h, e4m3_convert="bits"):
+    def decode_partial_fp8(page_size, block_n, num_stages, threads, block_h, e4m3_convert="bits", reduce_batch=1):
         return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
-                                      threads=threads, block_h=block_h, fp8=True, e4m3_convert=e4m3_convert)
+                                      threads=threads, block_h=block_h, fp8=True, e4m3_convert=e4m3_convert,
+                                      reduce_batch=reduce_batch)
 
     kernel = decode_partial_fp8(**cfg)
     if cfg.get("e4m3_convert", "bits") == "bits":

@@ -17,14 +17,18 @@ LOG2E = math.log2(math.e)  # Gemma 4 global attention has scaling 1.0, so exp(s)
 LN2 = math.log(2.0)
 
 
-def online_softmax_macro(key_dim: int, *, scale: float = LOG2E, fold_scale: bool = False):
+def online_softmax_macro(key_dim: int, *, scale: float = LOG2E, fold_scale: bool = False, reduce_batch: int = 1):
     """One key tile of the online softmax, in the exp2 domain: `scores` [rows, cols] holds one tile's scores with the
     keys along `key_dim` (0: token-major S^T, the decode partial; 1: S, the prefill); the running max and
     denominator (one per query) are updated, `rescale` gets the factor the output accumulator must be multiplied
     by, and the probabilities go to `p_shared` (the next gemm's operand), each key's times `key_weight(key)` when that
     function is given (a Python function of the key index: the denominators stay those of the probabilities).
 
-    fold_scale: exp2(s * scale - max * scale) (one FMA per score, the prefill) instead of exp2((s - max) * scale)."""
+    fold_scale: exp2(s * scale - max * scale) (one FMA per score, the prefill) instead of exp2((s - max) * scale).
+    reduce_batch: how many of a thread's queries each cross-thread reduction carries at once (TileLang's `batch`: they
+    share its barriers). With the keys along dim 0 (decode) the reduction crosses the warps of a warpgroup through
+    shared memory, two named barriers per level and two levels; one query at a time, a thread's 4 queries pay that
+    chain 4 times per max and per sum. It must divide the queries a thread holds."""
     import tilelang.language as T
 
     def query_of(i, j):  # which running max a score [i, j] is normalised by
@@ -34,7 +38,7 @@ def online_softmax_macro(key_dim: int, *, scale: float = LOG2E, fold_scale: bool
     def online_softmax(scores, p_shared, run_max, run_max_prev, rescale, tile_sum, denom, key_weight=None):
         rows, cols = scores.shape
         T.copy(run_max, run_max_prev)
-        T.reduce_max(scores, run_max, dim=key_dim, clear=False)
+        T.reduce_max(scores, run_max, dim=key_dim, clear=False, batch=reduce_batch)
         for q in T.Parallel(run_max.shape[0]):
             rescale[q] = T.exp2((run_max_prev[q] - run_max[q]) * scale)
         for i, j in T.Parallel(rows, cols):
@@ -42,7 +46,7 @@ def online_softmax_macro(key_dim: int, *, scale: float = LOG2E, fold_scale: bool
                 scores[i, j] = T.exp2(scores[i, j] * scale - run_max[query_of(i, j)] * scale)
             else:
                 scores[i, j] = T.exp2((scores[i, j] - run_max[query_of(i, j)]) * scale)
-        T.reduce_sum(scores, tile_sum, dim=key_dim)
+        T.reduce_sum(scores, tile_sum, dim=key_dim, batch=reduce_batch)
         for q in T.Parallel(run_max.shape[0]):
             denom[q] = denom[q] * rescale[q] + tile_sum[q]
         if key_weight is not None:  # P's column of key i times key_weight(i), after the sums (an FP8 row's scale)
