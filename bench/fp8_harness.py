@@ -32,12 +32,13 @@ from versions import decode_partial_fp8_probe, decode_partial_fp8_rs  # bench/ve
 
 
 def partial_variant(name: str, what: str, build: Callable[[], object], fp8: bool = True,
-                    fmt: KvFormat = KvFormat.FOLDED) -> ArmSpec:
+                    fmt: KvFormat = KvFormat.FOLDED, plan_kw: dict | None = None) -> ArmSpec:
     """An experiment's arm: the decode of `fmt` (folded over the FP8 pool, or a bf16 pool with fp8=False) with its
-    partial kernel replaced by `build()` (a version's or the library's builder with other params)."""
+    partial kernel replaced by `build()` (a version's or the library's builder with other params), planned with
+    `plan_kw` (plan_decode's keywords) when given."""
     kernels = lambda case: {partial_kernel_name(fmt, fp8): build()}  # noqa: E731
     return ArmSpec(name, what, "folded_fp8" if fp8 else fmt.value, False,
-                   generated_arm("decode", fmt, "jit", kernels=kernels,
+                   generated_arm("decode", fmt, "jit", kernels=kernels, plan_kw=plan_kw and (lambda case: plan_kw),
                                  dtype=FP8_DTYPE if fp8 else torch.bfloat16), generated=True)
 
 
@@ -72,7 +73,15 @@ BATCHED = [partial_variant("folded_rb4", "bf16 folded partial, batched softmax r
                            lambda: build_decode_partial_fp8(G, KvFormat.FOLDED, reduce_batch=2)),
            partial_variant("fp8_rs_rb2", "FP8 partial, A from registers, batched softmax reductions",
                            lambda: decode_partial_fp8_rs.build(G, reduce_batch=2))]
-ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, "read_folded",
+# run 11: two CTAs of the bf16 folded partial on each SM (one stage each, 104 KB of shared memory and 128 registers a
+# thread; the consumer warpgroup 232 after setmaxnreg): two tiles' chains and loads in flight per SM, planned for one
+# wave of 132 or of 264 CTAs
+TWO_CTAS = [partial_variant(f"folded_2cta_w{w}", f"bf16 folded partial, two CTAs per SM, plan for {w} CTAs a wave",
+                            lambda: build_decode_partial(G, KvFormat.FOLDED, num_stages=1, ctas_per_sm=2,
+                                                         reduce_batch=4), fp8=False, plan_kw={"num_sms": w})
+            for w in (132, 264)]
+ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS,
+        "read_folded",
         "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 
 

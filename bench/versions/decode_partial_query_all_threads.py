@@ -42,7 +42,7 @@ def load_query_all_threads_macro(group: int, block_h: int):
 
 
 def program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size=64, block_n=64, num_stages=1, threads=128,
-            block_h=16):
+            block_h=16, reduce_batch=1):
     """The library's decode_partial_program with the query load above."""
     require_tilelang()
     import tilelang.language as T
@@ -57,7 +57,7 @@ def program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size=64, block
     scale = macros.LOG2E
     format_parts = format_parts_macro(geom, fmt, block_n, block_h)
     load_query = load_query_all_threads_macro(group, block_h)
-    online_softmax = macros.online_softmax_macro(key_dim=0)
+    online_softmax = macros.online_softmax_macro(key_dim=0, reduce_batch=reduce_batch)
     mask_scores = macros.mask_scores_macro()
     zero_rows = macros.zero_rows_macro()
 

@@ -168,11 +168,13 @@ def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, blo
 
 def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_n: int = 64,
                            num_stages: int = 1, threads: int = 128, block_h: int = 16, fp8: bool = False,
-                           e4m3_convert: str = "bits", reduce_batch: int = 1):
+                           e4m3_convert: str = "bits", reduce_batch: int = 1, ctas_per_sm: int = 1):
     """The TileLang prim_func of the partial kernel for one geometry, page format and tiling; `fp8`: over an FP8
     folded pool (its scales an extra argument after the pool), its e4m3 panels converted to bf16 by
     `macros.convert_e4m3_macro` ("bits") or TileLang's element conversion ("cvt"); `reduce_batch`: the softmax's
-    queries per cross-warp reduction (macros.online_softmax_macro), at most the queries a consumer thread holds."""
+    queries per cross-warp reduction (macros.online_softmax_macro), at most the queries a consumer thread holds;
+    `ctas_per_sm`: CTAs each SM must hold at once (`__launch_bounds__`' second argument; the warpgroups' register
+    counts are set so that they share 65,536 registers that many ways)."""
     require_tilelang()
     import tilelang.language as T
     from tvm.script.ir_builder import IRBuilder
@@ -203,6 +205,13 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
             if fp8 and e4m3_convert == "bits":
                 T.import_source(macros.E4M3_TO_BF16_SOURCE)
+            if ctas_per_sm > 1:
+                T.annotate_min_blocks_per_sm(ctas_per_sm)
+                # per CTA 65,536 / ctas_per_sm registers: the producer warpgroup keeps 24, the consumers share the rest
+                per_thread = 65536 // ctas_per_sm // (threads + 128)
+                consumer = (per_thread * (threads + 128) - 24 * 128) // threads // 8 * 8
+                T.annotate_producer_reg_dealloc(24)
+                T.annotate_consumer_reg_alloc(min(consumer, 240))
             parts = format_parts()
             p_shared = T.alloc_shared((block_n, block_h), bf16)  # P^T [N, 16], the B operand of O^T += V^T P^T
             acc_s = T.alloc_fragment((block_n, block_h), f32)  # S^T [N, 16] scores, then probabilities
@@ -322,9 +331,10 @@ def build_decode_partial(geom: AttentionGeometry, fmt: KvFormat | str, **tiling)
     cfg = {**DEFAULTS[fmt], **tiling}
 
     @tilelang.jit(target=target(), pass_configs=pass_configs())
-    def decode_partial(page_size, block_n, num_stages, threads, block_h, reduce_batch=1):
+    def decode_partial(page_size, block_n, num_stages, threads, block_h, reduce_batch=1, ctas_per_sm=1):
         return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
-                                      threads=threads, block_h=block_h, reduce_batch=reduce_batch)
+                                      threads=threads, block_h=block_h, reduce_batch=reduce_batch,
+                                      ctas_per_sm=ctas_per_sm)
 
     return decode_partial(**cfg)
 

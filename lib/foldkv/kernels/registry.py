@@ -57,16 +57,19 @@ _K = "foldkv.kernels."
 # Decode partial: block_n = 64 tokens (the wgmma M). Folded: two stages of 80 KB fit in shared memory. Split: a
 # 64-row tile is 128 KB, so one stage; K and V are separate buffers the warp-specialised pipeline releases separately
 # (K after the score gemm, V after P V), so the next K load still overlaps the current softmax and P V
-# (bench/DECODE_NOTES.md).
+# (bench/DECODE_NOTES.md). reduce_batch = the 4 queries a consumer thread holds: the softmax's max and sum cross the
+# warpgroup's warps through shared memory, and one barrier chain for all four instead of one each is the shorter tile
+# (same values, same order: the same bits).
 _DECODE_PARTIAL = {
-    KvFormat.SPLIT: dict(page_size=64, block_n=64, num_stages=1, threads=128, block_h=16),
-    KvFormat.FOLDED: dict(page_size=64, block_n=64, num_stages=2, threads=128, block_h=16),
+    KvFormat.SPLIT: dict(page_size=64, block_n=64, num_stages=1, threads=128, block_h=16, reduce_batch=4),
+    KvFormat.FOLDED: dict(page_size=64, block_n=64, num_stages=2, threads=128, block_h=16, reduce_batch=4),
 }
 # FP8 folded: two stages of the 40 KB e4m3 tiles and one set of their bf16 copies (80 KB) the gemms read. Two consumer
 # warpgroups (threads=256): the consumer converts each tile before its gemms can start, and that, not the bytes, sets
 # the pace; two warpgroups convert a tile in half the time (1.31x faster than one at 163,336 tokens, 1.28x at 32
-# ragged requests; bench/FP8_NOTES.md). A third stage changed nothing.
-_DECODE_PARTIAL_FP8 = dict(page_size=64, block_n=64, num_stages=2, threads=256, block_h=16)
+# ragged requests; bench/FP8_NOTES.md). A third stage changed nothing. reduce_batch = the 2 queries a consumer thread
+# holds when two warpgroups split S's 16 columns (as above).
+_DECODE_PARTIAL_FP8 = dict(page_size=64, block_n=64, num_stages=2, threads=256, block_h=16, reduce_batch=2)
 _MERGE = dict(threads=128)
 _PREFILL = dict(page_size=64, block_N=64, num_stages=1, threads=256)
 # FP8 folded prefill: one stage of the row's five e4m3 panels (64 x 640 B = 40 KiB) and its 64 scales (256 B), the bf16
