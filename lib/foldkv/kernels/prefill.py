@@ -69,8 +69,9 @@ def tile_plan(q_lens: torch.Tensor, tokens_per_tile: int = TOKENS_PER_TILE) -> t
 
 
 def _check(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: torch.Tensor, out, lse, params,
-           kv_dtype) -> int:
-    """Everything that can be refused, before any launch; the device comes last so the CPU tests reach the rest."""
+           kv_dtype) -> tuple[int, BlockTable]:
+    """Everything that can be refused, before any launch; the device comes last so the CPU tests reach the rest.
+    Returns the query rows and the table on the host (read back once: the launcher plans from it)."""
     geom = pool.geometry
     check_pool_dtype(pool, kv_dtype, op="prefill")
     check_decode_pool(pool, op="prefill")  # bf16 or FP8 rows, and an FP8 pool's scales, as its layout says
@@ -78,11 +79,16 @@ def _check(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: to
         raise FoldKvInputError(
             f"page_size {pool.layout.page_size} is not a multiple of the kernel's key tile of {params['block_N']}"
         )
+    if not isinstance(table, BlockTable):
+        raise FoldKvInputError(f"table must be a BlockTable, got {type(table).__name__}")
+    check_tensor("page_ids", table.page_ids, dtype=torch.int32)
+    check_tensor("seq_lens", table.seq_lens, dtype=torch.int32)
+    table = table.to("cpu")  # a device table is read back here once, not by each check and the plan
     check_block_table(pool.layout, table)
     check_tensor("q_lens", q_lens, dtype=(torch.int32, torch.int64), shape=(table.batch,))
     ql = q_lens.cpu()
-    if bool((ql < 1).any()) or bool((ql > table.seq_lens.cpu()).any()):
-        r = int(torch.nonzero((ql < 1) | (ql > table.seq_lens.cpu()))[0])
+    if bool((ql < 1).any()) or bool((ql > table.seq_lens).any()):
+        r = int(torch.nonzero((ql < 1) | (ql > table.seq_lens))[0])
         raise FoldKvInputError(
             f"q_lens[{r}] = {int(ql[r])} must be in 1..seq_len = {int(table.seq_lens[r])} (queries are the request's"
             " last positions)"
@@ -98,7 +104,7 @@ def _check(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: to
                      contiguous=True)
     if pool.device.type != "cuda":
         raise FoldKvInputError(f"prefill runs on CUDA; the pool is on {pool.device}")
-    return total
+    return total, table
 
 
 def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: torch.Tensor, *,
@@ -127,14 +133,13 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
     resolve.check_kernels(names, kernels)
     name = names[-1]
     p = resolve.kernel_params(name, {**(params or {}), "page_size": pool.layout.page_size})
-    total = _check(pool, query, table, q_lens, out, lse, p, kv_dtype)
+    total, table = _check(pool, query, table, q_lens, out, lse, p, kv_dtype)  # the table now on the host
     geom, dev = pool.geometry, pool.device
     per_kernel = {n: p if n == name else dequant_pages.kernel_params(pool) for n in names}
     *gather, kernel = resolve.launch_kernels(names, geom, per_kernel, backend, kernels)
     # Everything is planned on the host before the first launch and reaches the device in one asynchronous copy:
     # a copy from pageable memory waits for the stream, so a copy between the gather and the prefill would leave the
     # GPU idle for the host work after it (measured ~0.4 ms a call, bench/FP8_NOTES.md run 4).
-    table = table.to("cpu")
     if gather:  # its covered pages as bf16 rows, once each (checked above: nothing refuses now)
         src, table = dequant_pages.page_plan(pool.layout, table)
     q_start, tile_req, tile_tok = tile_plan(q_lens)
