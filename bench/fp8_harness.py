@@ -81,8 +81,7 @@ TWO_CTAS = [partial_variant(f"folded_2cta_w{w}", f"bf16 folded partial, two CTAs
                                                          reduce_batch=4), fp8=False, plan_kw={"num_sms": w})
             for w in (132, 264)]
 ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS,
-        "read_folded",
-        "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
+        "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 
 
 class ResidentCase(AttentionCase):

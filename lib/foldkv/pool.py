@@ -137,10 +137,13 @@ class BlockTable:
 
 
 def check_block_table(layout: PagedKvLayout, table: BlockTable, *, max_batch: int | None = None,
-                      max_len: int | None = None, device: torch.device | str | None = None) -> None:
+                      max_len: int | None = None, device: torch.device | str | None = None) -> "BlockTable":
     """Refuse a block table that would read outside the pool or past a request's pages (FoldKvInputError): int32
     page_ids [batch, pages] and seq_lens [batch], on `device` when given, 1 <= seq_len (<= max_len), page ids of
-    each request's pages in [0, num_pages)."""
+    each request's pages in [0, num_pages). Returns the table on the host (the copy the checks read: a caller that
+    plans on the host reads a device table back once)."""
+    if not isinstance(table, BlockTable):
+        raise FoldKvInputError(f"table must be a BlockTable, got {type(table).__name__}")
     check_tensor("page_ids", table.page_ids, dtype=torch.int32, device=device)
     check_tensor("seq_lens", table.seq_lens, dtype=torch.int32, device=device)
     if table.page_ids.dim() != 2 or table.seq_lens.dim() != 1 or table.page_ids.shape[0] != table.seq_lens.shape[0]:
@@ -168,6 +171,7 @@ def check_block_table(layout: PagedKvLayout, table: BlockTable, *, max_batch: in
     ids = table.page_ids.cpu()
     used = torch.arange(ids.shape[1])[None, :] < need[:, None]
     check_index_range("page_ids (within each request's pages)", ids[used], 0, layout.num_pages)
+    return BlockTable(ids, lens)
 
 
 def check_pool_storage(pool: "PagedKvPool") -> None:

@@ -189,7 +189,8 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     scale = macros.LOG2E
     format_parts = format_parts_macro(geom, fmt, block_n, block_h, fp8=fp8)
     load_query = macros.load_group_query_macro(group, block_h)
-    # a consumer thread holds 4 of S^T's 16 query columns per warpgroup splitting them (wgmma's accumulator layout)
+    # wgmma's accumulator layout gives a consumer thread a quarter of its warpgroup's query columns (of S^T's 16: all
+    # with one consumer warpgroup, 8 each with two)
     thread_queries = block_h // 4 // (threads // 128)
     if reduce_batch < 1 or thread_queries % reduce_batch:
         raise ValueError(f"reduce_batch={reduce_batch} must divide the {thread_queries} queries a consumer thread"

@@ -79,12 +79,7 @@ def _check(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: to
         raise FoldKvInputError(
             f"page_size {pool.layout.page_size} is not a multiple of the kernel's key tile of {params['block_N']}"
         )
-    if not isinstance(table, BlockTable):
-        raise FoldKvInputError(f"table must be a BlockTable, got {type(table).__name__}")
-    check_tensor("page_ids", table.page_ids, dtype=torch.int32)
-    check_tensor("seq_lens", table.seq_lens, dtype=torch.int32)
-    table = table.to("cpu")  # a device table is read back here once, not by each check and the plan
-    check_block_table(pool.layout, table)
+    table = check_block_table(pool.layout, table)  # on the host: a device table read back once, here
     check_tensor("q_lens", q_lens, dtype=(torch.int32, torch.int64), shape=(table.batch,))
     ql = q_lens.cpu()
     if bool((ql < 1).any()) or bool((ql > table.seq_lens).any()):
