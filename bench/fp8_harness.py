@@ -28,7 +28,7 @@ from foldkv.lab.jsonsafe import jsonable
 from foldkv.lab.report import environment
 from foldkv.provenance import provenance
 from foldkv.pool import BlockTable, PagedKvLayout
-from versions import decode_partial_fp8_probe, decode_partial_fp8_rs  # bench/versions/
+from versions import decode_partial_fp8_mma, decode_partial_fp8_probe, decode_partial_fp8_rs  # bench/versions/
 
 
 def partial_variant(name: str, what: str, build: Callable[[], object], fp8: bool = True,
@@ -80,7 +80,17 @@ TWO_CTAS = [partial_variant(f"folded_2cta_w{w}", f"bf16 folded partial, two CTAs
                             lambda: build_decode_partial(G, KvFormat.FOLDED, num_stages=1, ctas_per_sm=2,
                                                          reduce_batch=4), fp8=False, plan_kw={"num_sms": w})
             for w in (132, 264)]
-ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS,
+# run 12: both gemms on FP8 tensor cores, no conversion (bench/versions/decode_partial_fp8_mma.py): V^T left
+# unwritten (probe: the chain without a transpose) or transposed by the consumer; one CTA per SM with two stages, or two
+# CTAs per SM with one stage each (planned for one wave of 264)
+FP8_MMA = [partial_variant(f"fp8_mma{'_t' if t else ''}{'_2cta_w264' if two else ''}",
+                           f"FP8 partial, FP8 wgmma for both gemms, V^T {'transposed by the consumer' if t else 'unwritten'}"
+                           f"{', two CTAs per SM' if two else ''} (probe: query and P in e4m3 with constant gains)",
+                           lambda t=t, two=two: decode_partial_fp8_mma.build(G, transpose=t, num_stages=1 if two else 2,
+                                                                             ctas_per_sm=2 if two else 1),
+                           plan_kw={"num_sms": 264} if two else None)
+           for t in (False, True) for two in (False, True)]
+ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA,
         "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 
 

@@ -21,7 +21,7 @@ def online_softmax_macro(key_dim: int, *, scale: float = LOG2E, fold_scale: bool
     """One key tile of the online softmax, in the exp2 domain: `scores` [rows, cols] holds one tile's scores with the
     keys along `key_dim` (0: token-major S^T, the decode partial; 1: S, the prefill); the running max and
     denominator (one per query) are updated, `rescale` gets the factor the output accumulator must be multiplied
-    by, and the probabilities go to `p_shared` (the next gemm's operand), each key's times `key_weight(key)` when that
+    by, and the probabilities go to `p_shared` (the next gemm's operand; None: left in `scores`), each key's times `key_weight(key)` when that
     function is given (a Python function of the key index: the denominators stay those of the probabilities).
 
     fold_scale: exp2(s * scale - max * scale) (one FMA per score, the prefill) instead of exp2((s - max) * scale).
@@ -52,7 +52,8 @@ def online_softmax_macro(key_dim: int, *, scale: float = LOG2E, fold_scale: bool
         if key_weight is not None:  # P's column of key i times key_weight(i), after the sums (an FP8 row's scale)
             for i, j in T.Parallel(rows, cols):
                 scores[i, j] *= key_weight(i if key_dim == 0 else j)
-        T.copy(scores, p_shared)
+        if p_shared is not None:  # None: the caller stores P itself (another layout or dtype)
+            T.copy(scores, p_shared)
 
     return online_softmax
 
