@@ -80,16 +80,25 @@ TWO_CTAS = [partial_variant(f"folded_2cta_w{w}", f"bf16 folded partial, two CTAs
                             lambda: build_decode_partial(G, KvFormat.FOLDED, num_stages=1, ctas_per_sm=2,
                                                          reduce_batch=4), fp8=False, plan_kw={"num_sms": w})
             for w in (132, 264)]
-# run 12: both gemms on FP8 tensor cores, no conversion (bench/versions/decode_partial_fp8_mma.py): V^T left
-# unwritten (probe: the chain without a transpose) or transposed by the consumer; one CTA per SM with two stages, or two
-# CTAs per SM with one stage each (planned for one wave of 264)
-FP8_MMA = [partial_variant(f"fp8_mma{'_t' if t else ''}{'_2cta_w264' if two else ''}",
-                           f"FP8 partial, FP8 wgmma for both gemms, V^T {'transposed by the consumer' if t else 'unwritten'}"
-                           f"{', two CTAs per SM' if two else ''} (probe: query and P in e4m3 with constant gains)",
-                           lambda t=t, two=two: decode_partial_fp8_mma.build(G, transpose=t, num_stages=1 if two else 2,
-                                                                             ctas_per_sm=2 if two else 1),
-                           plan_kw={"num_sms": 264} if two else None)
-           for t in (False, True) for two in (False, True)]
+# runs 12-13: both gemms on FP8 tensor cores, no conversion (bench/versions/decode_partial_fp8_mma.py): V^T left
+# unwritten (probe: the chain without a transpose) or transposed by the consumer (16 x 4 blocks, run 12; 4 x 16
+# conflict-free, run 13), the query and P in one e4m3 part with constant gains or in two (hi + lo, "p"); one CTA per SM
+# with two stages, or two CTAs per SM with one stage each (planned for one wave of 264)
+def _fp8_mma(name: str, transpose: str, two: bool, precise: bool = False) -> ArmSpec:
+    what = {"none": "V^T unwritten", "t16x4": "V^T transposed by the consumer (16 x 4 blocks)",
+            "t4x16": "V^T transposed by the consumer (4 x 16 blocks)"}[transpose]
+    return partial_variant(
+        name + ("_2cta_w264" if two else ""),
+        f"FP8 partial, FP8 wgmma for both gemms, {what}{', two CTAs per SM' if two else ''}, query and P in"
+        f" {'two e4m3 parts' if precise else 'e4m3 with constant gains (probe)'}",
+        lambda: decode_partial_fp8_mma.build(G, transpose=transpose, precise=precise, num_stages=1 if two else 2,
+                                             ctas_per_sm=2 if two else 1),
+        plan_kw={"num_sms": 264} if two else None)
+
+
+FP8_MMA = [_fp8_mma(name, t, two, p) for name, t, p in (("fp8_mma", "none", False), ("fp8_mma_t", "t16x4", False),
+                                                        ("fp8_mma_t4", "t4x16", False), ("fp8_mma_t4p", "t4x16", True))
+           for two in (False, True)]
 ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA,
         "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 

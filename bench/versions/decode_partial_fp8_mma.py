@@ -89,24 +89,67 @@ __device__ __forceinline__ void foldkv_e4m3_t16x4(int first, int last, int barri
     asm volatile("bar.sync %0, %1;" : : "r"(barrier_id), "r"(threads) : "memory");
   }
 }
+// A 4-token x 16-column block (src[r]: 16 bytes of token r) into its transpose, 4 sixteen-byte loads, 32 byte
+// permutes, 16 four-byte stores. Store n goes to column n ^ m (dst[n] is that column's address, m = the thread's
+// column block mod 8): the eight column blocks of a warp then store to eight different (row parity, 16-byte chunk)
+// slots of V^T's 64-byte swizzle, so a warp's 32 stores hit 32 banks (the 16 x 4 blocks above conflict 4-way). The
+// data is put in that order by a three-level select network on m's bits (48 selects).
+__device__ __forceinline__ void foldkv_e4m3_t4x16(int first, int last, int barrier_id, int threads, int m,
+    const void* s0, const void* s1, const void* s2, const void* s3, void* d0, void* d1, void* d2, void* d3, void* d4,
+    void* d5, void* d6, void* d7, void* d8, void* d9, void* d10, void* d11, void* d12, void* d13, void* d14,
+    void* d15) {
+  const uint4 r0 = *reinterpret_cast<const uint4*>(s0), r1 = *reinterpret_cast<const uint4*>(s1);
+  const uint4 r2 = *reinterpret_cast<const uint4*>(s2), r3 = *reinterpret_cast<const uint4*>(s3);
+  const unsigned int a[4] = {r0.x, r0.y, r0.z, r0.w}, b[4] = {r1.x, r1.y, r1.z, r1.w};
+  const unsigned int c[4] = {r2.x, r2.y, r2.z, r2.w}, e[4] = {r3.x, r3.y, r3.z, r3.w};
+  unsigned int out[16];  // out[q]: column q, the 4 tokens
+#pragma unroll
+  for (int w = 0; w < 4; ++w) foldkv_t4x4(a[w], b[w], c[w], e[w], out + 4 * w);
+#pragma unroll
+  for (int bit = 1; bit < 8; bit <<= 1) {
+    const bool flip = (m & bit) != 0;
+    unsigned int tmp[16];
+#pragma unroll
+    for (int n = 0; n < 16; ++n) tmp[n] = flip ? out[n ^ bit] : out[n];
+#pragma unroll
+    for (int n = 0; n < 16; ++n) out[n] = tmp[n];
+  }
+  void* dst[16] = {d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15};
+  if (first) asm volatile("bar.sync %0, %1;" : : "r"(barrier_id), "r"(threads) : "memory");
+#pragma unroll
+  for (int n = 0; n < 16; ++n) *reinterpret_cast<unsigned int*>(dst[n]) = out[n];
+  if (last) {
+    asm volatile("fence.proxy.async.shared::cta;" : : : "memory");
+    asm volatile("bar.sync %0, %1;" : : "r"(barrier_id), "r"(threads) : "memory");
+  }
+}
 """
 
 
-def transpose_v_macro(block_n: int, threads: int):
+def transpose_v_macro(block_n: int, threads: int, kind: str = "t16x4"):
     """The value window's panels (stored [block_n, 128] e4m3 each) into V^T [4 x 128, block_n], the K-major operand
-    FP8 wgmma needs: each thread one 16-token x 4-column block of every panel (T.Parallel(4, 32): a warp reads 128
-    contiguous bytes of one token row)."""
+    FP8 wgmma needs. "t16x4": each thread one 16-token x 4-column block of every panel (T.Parallel(4, 32): a warp
+    reads 128 contiguous bytes of one token row; its stores conflict 4-way); "t4x16": one 4-token x 16-column block
+    (T.Parallel(16, 8): a quarter-warp reads one token row's 128 bytes, a warp's stores hit 32 banks)."""
     import tilelang.language as T
 
-    tok_blocks, col_blocks = block_n // 16, FP8_PANEL // 4
-    assert tok_blocks * col_blocks == threads
+    if kind == "t16x4":
+        tok_blocks, col_blocks = block_n // 16, FP8_PANEL // 4
+    else:
+        tok_blocks, col_blocks = block_n // 4, FP8_PANEL // 16
+    assert tok_blocks * col_blocks == threads and kind in ("t16x4", "t4x16")
 
     @T.macro
     def transpose_panel(stored, v_t, d0, first, last):
         for i, j in T.Parallel(tok_blocks, col_blocks):
-            T.call_extern("handle", TRANSPOSE_FN, int(first), int(last), TRANSPOSE_BARRIER_ID, threads,
-                          *[T.address_of(stored[i * 16 + r, j * 4]) for r in range(16)],
-                          *[T.address_of(v_t[d0 + j * 4 + q, i * 16]) for q in range(4)])
+            if kind == "t16x4":
+                T.call_extern("handle", TRANSPOSE_FN, int(first), int(last), TRANSPOSE_BARRIER_ID, threads,
+                              *[T.address_of(stored[i * 16 + r, j * 4]) for r in range(16)],
+                              *[T.address_of(v_t[d0 + j * 4 + q, i * 16]) for q in range(4)])
+            else:
+                T.call_extern("handle", "foldkv_e4m3_t4x16", int(first), int(last), TRANSPOSE_BARRIER_ID, threads,
+                              j % 8, *[T.address_of(stored[i * 4 + r, j * 16]) for r in range(4)],
+                              *[T.address_of(v_t[d0 + j * 16 + T.bitwise_xor(n, j % 8), i * 4]) for n in range(16)])
 
     @T.macro
     def transpose_v(panels, v_t):
@@ -117,8 +160,12 @@ def transpose_v_macro(block_n: int, threads: int):
 
 
 def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, num_stages: int = 2,
-            block_h: int = 16, reduce_batch: int = 4, ctas_per_sm: int = 1, transpose: bool = False):
-    """The probe's prim_func, the library FP8 partial's argument list (a drop-in for decode_partial_folded_fp8)."""
+            block_h: int = 16, reduce_batch: int = 4, ctas_per_sm: int = 1, transpose: str = "none",
+            precise: bool = False):
+    """The probe's prim_func, the library FP8 partial's argument list (a drop-in for decode_partial_folded_fp8).
+    transpose: "none" (V^T unwritten), "t16x4" or "t4x16" (transpose_v_macro). precise: the query and P each as two
+    e4m3 parts (hi + lo / 16) in the 16 rows of wgmma's N (8 query heads, rows 8-15 the lo parts), with a per-head
+    query scale and a per-tile P scale from the tile's largest token scale; else one e4m3 part with constant gains."""
     require_tilelang()
     import tilelang.language as T
     from tvm.script.ir_builder import IRBuilder
@@ -134,7 +181,10 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
     score_panels = d // FP8_PANEL
     online_softmax = macros.online_softmax_macro(key_dim=0, reduce_batch=reduce_batch)
     mask_scores = macros.mask_scores_macro()
-    transpose_v = transpose_v_macro(block_n, threads)
+    assert transpose in ("none", "t16x4", "t4x16")
+    transpose_v = transpose_v_macro(block_n, threads, "t16x4" if transpose == "none" else transpose)
+    assert not precise or 2 * group == block_h
+    lo = 1.0 / 16.0  # the lo part is stored times 16 (e4m3 keeps 3 fraction bits: the hi part's error is < 2^-4 of it)
 
     @T.prim_func
     def decode_partial(
@@ -149,7 +199,7 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
         part_lse: T.Tensor((num_chunks, hq), f32),
     ):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
-            if transpose:
+            if transpose != "none":
                 T.import_source(TRANSPOSE_SOURCE)
             if ctas_per_sm > 1:
                 T.annotate_min_blocks_per_sm(ctas_per_sm)
@@ -161,24 +211,54 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
             stored = [IRBuilder.name(f"stored_{p}", T.alloc_shared((block_n, FP8_PANEL), e4m3))
                       for p in range(panels)]
             scale_s = T.alloc_shared((block_n,), f32)
-            v_t = T.alloc_shared((d, block_n), e4m3)  # V^T [512, 64], K-major: written only with `transpose`
+            v_t = T.alloc_shared((d, block_n), e4m3)  # V^T [512, 64], K-major: unwritten with transpose "none"
             p8 = T.alloc_shared((block_h, block_n), e4m3)  # P^T [16, 64], K-major (tokens contiguous)
+            q_part = T.alloc_shared((block_h, 16), f32)  # precise: per head, 16 partial maxima of |q|
+            q_gain = T.alloc_shared((block_h,), f32)  # precise: per head, 448 / max |q|
             acc_s = T.alloc_fragment((block_n, block_h), f32)
-            acc_o = T.alloc_fragment((d, block_h), f32)
             acc_o_tile = T.alloc_fragment((d, block_h), f32)
-            head_max = T.alloc_fragment((block_h,), f32)
-            head_max_prev = T.alloc_fragment((block_h,), f32)
-            rescale = T.alloc_fragment((block_h,), f32)
-            head_sum = T.alloc_fragment((block_h,), f32)
-            denom = T.alloc_fragment((block_h,), f32)
+            # precise: the score and output pieces of the lo rows (columns 8-15) brought to columns 0-7 (a loop may
+            # index a fragment one way only), and the running output and softmax state over the 8 heads
+            s_lo = T.alloc_fragment((block_n, group), f32)
+            acc_c = T.alloc_fragment((block_n, group), f32)
+            o_lo = T.alloc_fragment((d, group), f32)
+            cols = group if precise else block_h
+            acc_o = T.alloc_fragment((d, cols), f32)
+            head_max = T.alloc_fragment((cols,), f32)
+            head_max_prev = T.alloc_fragment((cols,), f32)
+            rescale = T.alloc_fragment((cols,), f32)
+            head_sum = T.alloc_fragment((cols,), f32)
+            denom = T.alloc_fragment((cols,), f32)
+            amax = T.alloc_local((1,), f32)
+            tile_gain = T.alloc_local((1,), f32)
 
             req = chunk_req[c]
             start = chunk_start[c]
             n_tok = chunk_len[c]
             T.copy(query[req, kvh * group:kvh * group + block_h, 0:d], q_s)
-            for qp in [(t, n * FP8_PANEL) for n, t in enumerate(q8)]:  # a list, not range(): range is a TIR loop
-                for i, j in T.Parallel(block_h, FP8_PANEL):
-                    qp[0][i, j] = T.cast(q_s[i, qp[1] + j] * Q_GAIN, e4m3)
+            if precise:
+                for h, t in T.Parallel(block_h, 16):
+                    amax[0] = 0.0
+                    for e in T.serial(d // 16):
+                        amax[0] = T.max(amax[0], T.abs(T.cast(q_s[h, t * (d // 16) + e], f32)))
+                    q_part[h, t] = amax[0]
+                for h in T.Parallel(block_h):
+                    amax[0] = 1e-30
+                    for t in T.serial(16):
+                        amax[0] = T.max(amax[0], q_part[h, t])
+                    q_gain[h] = 448.0 / amax[0]
+                for qp in [(t, n * FP8_PANEL) for n, t in enumerate(q8)]:  # a list, not range(): range is a TIR loop
+                    for i, j in T.Parallel(block_h, FP8_PANEL):
+                        qp[0][i, j] = T.if_then_else(
+                            i < group,
+                            T.cast(T.cast(q_s[i % group, qp[1] + j], f32) * q_gain[i % group], e4m3),
+                            T.cast((T.cast(q_s[i % group, qp[1] + j], f32) * q_gain[i % group]
+                                    - T.cast(T.cast(T.cast(q_s[i % group, qp[1] + j], f32) * q_gain[i % group],
+                                                    e4m3), f32)) * 16.0, e4m3))
+            else:
+                for qp in [(t, n * FP8_PANEL) for n, t in enumerate(q8)]:
+                    for i, j in T.Parallel(block_h, FP8_PANEL):
+                        qp[0][i, j] = T.cast(q_s[i, qp[1] + j] * Q_GAIN, e4m3)
             T.fill(acc_o, 0)
             T.fill(denom, 0)
             T.fill(head_max, -T.infinity(f32))
@@ -190,26 +270,54 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
                 for sp in [(t, n * FP8_PANEL) for n, t in enumerate(stored)]:
                     T.copy(pool[page, kvh, off:off + block_n, sp[1]:sp[1] + FP8_PANEL], sp[0])
                 T.copy(scales[page, kvh, off:off + block_n], scale_s)
-                if transpose:
+                if transpose != "none":
                     transpose_v(stored[panels - score_panels:], v_t)
                 T.clear(acc_s)
                 for pair in list(zip(stored, q8)):
                     T.gemm(pair[0], pair[1], acc_s, transpose_B=True)  # S^T [N, 16] += K8 Q8^T (FP8 wgmma)
-                for i, j in T.Parallel(block_n, block_h):
-                    acc_s[i, j] *= scale_s[i] * (1.0 / Q_GAIN)
-                mask_scores(acc_s, lambda i, j: k * block_n + i < n_tok)
-                online_softmax(acc_s, None, head_max, head_max_prev, rescale, head_sum, denom,
-                               lambda i: T.if_then_else(k * block_n + i < n_tok, scale_s[i] * P_GAIN, 0.0))
-                for i, j in T.Parallel(block_n, block_h):
-                    p8[j, i] = T.cast(acc_s[i, j], e4m3)
+                if precise:
+                    for i, j in T.Parallel(block_n, group):
+                        s_lo[i, j] = acc_s[i, j + group]
+                    for i, j in T.Parallel(block_n, group):
+                        acc_c[i, j] = (acc_s[i, j] + s_lo[i, j] * lo) * scale_s[i] / q_gain[j]
+                    # P x scale <= the tile's largest valid scale: times 256 / that, it stays inside e4m3's range
+                    tile_gain[0] = 1e-30
+                    for t in T.serial(block_n):
+                        if k * block_n + t < n_tok:
+                            tile_gain[0] = T.max(tile_gain[0], scale_s[t])
+                    tile_gain[0] = 256.0 / tile_gain[0]
+                    scores = acc_c
+                else:
+                    for i, j in T.Parallel(block_n, block_h):
+                        acc_s[i, j] *= scale_s[i] * (1.0 / Q_GAIN)
+                    tile_gain[0] = P_GAIN
+                    scores = acc_s
+                mask_scores(scores, lambda i, j: k * block_n + i < n_tok)
+                online_softmax(scores, None, head_max, head_max_prev, rescale, head_sum, denom,
+                               lambda i: T.if_then_else(k * block_n + i < n_tok, scale_s[i] * tile_gain[0], 0.0))
+                if precise:  # rows 0-7 of P^T: P's hi part; rows 8-15: its lo part, times 16
+                    for i, j in T.Parallel(block_n, group):
+                        p8[j, i] = T.cast(scores[i, j], e4m3)
+                    for i, j in T.Parallel(block_n, group):
+                        p8[j + group, i] = T.cast((scores[i, j] - T.cast(T.cast(scores[i, j], e4m3), f32)) * 16.0,
+                                                  e4m3)
+                else:
+                    for i, j in T.Parallel(block_n, block_h):
+                        p8[j, i] = T.cast(scores[i, j], e4m3)
                 T.gemm(v_t, p8, acc_o_tile, transpose_B=True, clear_accum=True)  # O^T tile = V^T P^T (FP8 wgmma)
-                for i, j in T.Parallel(d, block_h):
-                    acc_o[i, j] = acc_o[i, j] * rescale[j] + acc_o_tile[i, j]  # float32: the second level
+                if precise:
+                    for i, j in T.Parallel(d, group):
+                        o_lo[i, j] = acc_o_tile[i, j + group]
+                    for i, j in T.Parallel(d, group):  # float32: the second level
+                        acc_o[i, j] = acc_o[i, j] * rescale[j] + (acc_o_tile[i, j] + o_lo[i, j] * lo) / tile_gain[0]
+                else:
+                    for i, j in T.Parallel(d, block_h):
+                        acc_o[i, j] = acc_o[i, j] * rescale[j] + acc_o_tile[i, j] / tile_gain[0]
 
-            for i, j in T.Parallel(d, block_h):
+            for i, j in T.Parallel(d, cols):
                 if j < group:
-                    part_o[c, kvh * group + j, i] = acc_o[i, j] / (denom[j] * P_GAIN)
-            for j in T.Parallel(block_h):
+                    part_o[c, kvh * group + j, i] = acc_o[i, j] / denom[j]
+            for j in T.Parallel(cols):
                 if j < group:
                     part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * scale
 
@@ -221,10 +329,10 @@ def build(geom: AttentionGeometry, **tiling):
     tilelang = require_tilelang()
 
     @tilelang.jit(target=target(), pass_configs=pass_configs())
-    def probe(page_size, block_n, num_stages, block_h, reduce_batch, ctas_per_sm, transpose):
+    def probe(page_size, block_n, num_stages, block_h, reduce_batch, ctas_per_sm, transpose, precise):
         return program(geom, page_size=page_size, block_n=block_n, num_stages=num_stages, block_h=block_h,
-                       reduce_batch=reduce_batch, ctas_per_sm=ctas_per_sm, transpose=transpose)
+                       reduce_batch=reduce_batch, ctas_per_sm=ctas_per_sm, transpose=transpose, precise=precise)
 
     cfg = {**dict(page_size=64, block_n=64, num_stages=2, block_h=16, reduce_batch=4, ctas_per_sm=1,
-                  transpose=False), **tiling}
+                  transpose="none", precise=False), **tiling}
     return probe(**cfg)
