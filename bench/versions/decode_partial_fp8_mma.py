@@ -123,6 +123,33 @@ __device__ __forceinline__ void foldkv_e4m3_t4x16(int first, int last, int barri
     asm volatile("bar.sync %0, %1;" : : "r"(barrier_id), "r"(threads) : "memory");
   }
 }
+// foldkv_e4m3_t4x16's block, its 20 addresses derived here from two (TileLang's address expressions cost ~10 integer
+// ops each): `src0` = the block's first token row in a [rows, 128] e4m3 panel with the 128-byte swizzle (16-byte chunk
+// c of row r at r * 128 + ((c ^ (r & 7)) << 4), panel 1024-byte aligned), so token row r0 + r (r < 4, r0 % 4 == 0)
+// is at (src0 + (r << 7)) ^ (r << 4); `dst0` = V^T row d0 (d0 % 16 == 0), the block's first token, in the 64-byte
+// swizzle (chunk c of row d at d * 64 + ((c ^ ((d >> 1) & 3)) << 4)), so row d0 + n is at
+// (dst0 + (n << 6)) ^ (((n >> 1) & 3) << 4).
+__device__ __forceinline__ void foldkv_e4m3_t4x16b(int first, int last, int barrier_id, int threads, int m,
+                                                   const void* src0, void* dst0) {
+  const size_t s = reinterpret_cast<size_t>(src0), d = reinterpret_cast<size_t>(dst0);
+  foldkv_e4m3_t4x16(first, last, barrier_id, threads, m, src0,
+      reinterpret_cast<const void*>((s + (1 << 7)) ^ (1 << 4)), reinterpret_cast<const void*>((s + (2 << 7)) ^ (2 << 4)),
+      reinterpret_cast<const void*>((s + (3 << 7)) ^ (3 << 4)),
+#define FOLDKV_DST(n) reinterpret_cast<void*>((d + (((n) ^ m) << 6)) ^ (((((n) ^ m) >> 1) & 3) << 4))
+      FOLDKV_DST(0), FOLDKV_DST(1), FOLDKV_DST(2), FOLDKV_DST(3), FOLDKV_DST(4), FOLDKV_DST(5), FOLDKV_DST(6),
+      FOLDKV_DST(7), FOLDKV_DST(8), FOLDKV_DST(9), FOLDKV_DST(10), FOLDKV_DST(11), FOLDKV_DST(12), FOLDKV_DST(13),
+      FOLDKV_DST(14), FOLDKV_DST(15));
+#undef FOLDKV_DST
+}
+// The largest of a tile's first `valid` (of 64) token scales, in every lane of the warp (scales are > 0): two shared
+// loads and five shuffles, where a 64-step loop over shared memory is a chain of dependent loads.
+__device__ __forceinline__ float foldkv_max_scale64(const float* scale, int valid) {
+  const int lane = threadIdx.x & 31;
+  float m = fmaxf(lane < valid ? scale[lane] : 0.0f, lane + 32 < valid ? scale[lane + 32] : 0.0f);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return fmaxf(m, 1e-30f);
+}
 """
 
 
@@ -137,7 +164,7 @@ def transpose_v_macro(block_n: int, threads: int, kind: str = "t16x4"):
         tok_blocks, col_blocks = block_n // 16, FP8_PANEL // 4
     else:
         tok_blocks, col_blocks = block_n // 4, FP8_PANEL // 16
-    assert tok_blocks * col_blocks == threads and kind in ("t16x4", "t4x16")
+    assert tok_blocks * col_blocks == threads and kind in ("t16x4", "t4x16", "t4x16b")
 
     @T.macro
     def transpose_panel(stored, v_t, d0, first, last):
@@ -146,10 +173,13 @@ def transpose_v_macro(block_n: int, threads: int, kind: str = "t16x4"):
                 T.call_extern("handle", TRANSPOSE_FN, int(first), int(last), TRANSPOSE_BARRIER_ID, threads,
                               *[T.address_of(stored[i * 16 + r, j * 4]) for r in range(16)],
                               *[T.address_of(v_t[d0 + j * 4 + q, i * 16]) for q in range(4)])
-            else:
+            elif kind == "t4x16":
                 T.call_extern("handle", "foldkv_e4m3_t4x16", int(first), int(last), TRANSPOSE_BARRIER_ID, threads,
                               j % 8, *[T.address_of(stored[i * 4 + r, j * 16]) for r in range(4)],
                               *[T.address_of(v_t[d0 + j * 16 + T.bitwise_xor(n, j % 8), i * 4]) for n in range(16)])
+            else:
+                T.call_extern("handle", "foldkv_e4m3_t4x16b", int(first), int(last), TRANSPOSE_BARRIER_ID, threads,
+                              j % 8, T.address_of(stored[i * 4, j * 16]), T.address_of(v_t[d0 + j * 16, i * 4]))
 
     @T.macro
     def transpose_v(panels, v_t):
@@ -181,7 +211,7 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
     score_panels = d // FP8_PANEL
     online_softmax = macros.online_softmax_macro(key_dim=0, reduce_batch=reduce_batch)
     mask_scores = macros.mask_scores_macro()
-    assert transpose in ("none", "t16x4", "t4x16")
+    assert transpose in ("none", "t16x4", "t4x16", "t4x16b")
     transpose_v = transpose_v_macro(block_n, threads, "t16x4" if transpose == "none" else transpose)
     assert not precise or 2 * group == block_h
     lo = 1.0 / 16.0  # the lo part is stored times 16 (e4m3 keeps 3 fraction bits: the hi part's error is < 2^-4 of it)
@@ -199,7 +229,7 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
         part_lse: T.Tensor((num_chunks, hq), f32),
     ):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
-            if transpose != "none":
+            if transpose != "none" or precise:
                 T.import_source(TRANSPOSE_SOURCE)
             if ctas_per_sm > 1:
                 T.annotate_min_blocks_per_sm(ctas_per_sm)
@@ -215,6 +245,7 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
             p8 = T.alloc_shared((block_h, block_n), e4m3)  # P^T [16, 64], K-major (tokens contiguous)
             q_part = T.alloc_shared((block_h, 16), f32)  # precise: per head, 16 partial maxima of |q|
             q_gain = T.alloc_shared((block_h,), f32)  # precise: per head, 448 / max |q|
+            q_inv = T.alloc_shared((block_h,), f32)  # precise: per head, max |q| / 448
             acc_s = T.alloc_fragment((block_n, block_h), f32)
             acc_o_tile = T.alloc_fragment((d, block_h), f32)
             # precise: the score and output pieces of the lo rows (columns 8-15) brought to columns 0-7 (a loop may
@@ -231,6 +262,7 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
             denom = T.alloc_fragment((cols,), f32)
             amax = T.alloc_local((1,), f32)
             tile_gain = T.alloc_local((1,), f32)
+            tile_inv = T.alloc_local((1,), f32)
 
             req = chunk_req[c]
             start = chunk_start[c]
@@ -247,6 +279,7 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
                     for t in T.serial(16):
                         amax[0] = T.max(amax[0], q_part[h, t])
                     q_gain[h] = 448.0 / amax[0]
+                    q_inv[h] = amax[0] * (1.0 / 448.0)
                 for qp in [(t, n * FP8_PANEL) for n, t in enumerate(q8)]:  # a list, not range(): range is a TIR loop
                     for i, j in T.Parallel(block_h, FP8_PANEL):
                         qp[0][i, j] = T.if_then_else(
@@ -279,18 +312,17 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
                     for i, j in T.Parallel(block_n, group):
                         s_lo[i, j] = acc_s[i, j + group]
                     for i, j in T.Parallel(block_n, group):
-                        acc_c[i, j] = (acc_s[i, j] + s_lo[i, j] * lo) * scale_s[i] / q_gain[j]
+                        acc_c[i, j] = (acc_s[i, j] + s_lo[i, j] * lo) * scale_s[i] * q_inv[j]
                     # P x scale <= the tile's largest valid scale: times 256 / that, it stays inside e4m3's range
-                    tile_gain[0] = 1e-30
-                    for t in T.serial(block_n):
-                        if k * block_n + t < n_tok:
-                            tile_gain[0] = T.max(tile_gain[0], scale_s[t])
-                    tile_gain[0] = 256.0 / tile_gain[0]
+                    tile_inv[0] = T.call_extern(f32, "foldkv_max_scale64", T.address_of(scale_s[0]),
+                                                n_tok - k * block_n) * (1.0 / 256.0)
+                    tile_gain[0] = 1.0 / tile_inv[0]
                     scores = acc_c
                 else:
                     for i, j in T.Parallel(block_n, block_h):
                         acc_s[i, j] *= scale_s[i] * (1.0 / Q_GAIN)
                     tile_gain[0] = P_GAIN
+                    tile_inv[0] = 1.0 / P_GAIN
                     scores = acc_s
                 mask_scores(scores, lambda i, j: k * block_n + i < n_tok)
                 online_softmax(scores, None, head_max, head_max_prev, rescale, head_sum, denom,
@@ -309,10 +341,10 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
                     for i, j in T.Parallel(d, group):
                         o_lo[i, j] = acc_o_tile[i, j + group]
                     for i, j in T.Parallel(d, group):  # float32: the second level
-                        acc_o[i, j] = acc_o[i, j] * rescale[j] + (acc_o_tile[i, j] + o_lo[i, j] * lo) / tile_gain[0]
+                        acc_o[i, j] = acc_o[i, j] * rescale[j] + (acc_o_tile[i, j] + o_lo[i, j] * lo) * tile_inv[0]
                 else:
                     for i, j in T.Parallel(d, block_h):
-                        acc_o[i, j] = acc_o[i, j] * rescale[j] + acc_o_tile[i, j] / tile_gain[0]
+                        acc_o[i, j] = acc_o[i, j] * rescale[j] + acc_o_tile[i, j] * tile_inv[0]
 
             for i, j in T.Parallel(d, cols):
                 if j < group:
