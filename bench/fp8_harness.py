@@ -82,12 +82,11 @@ TWO_CTAS = [partial_variant(f"folded_2cta_w{w}", f"bf16 folded partial, two CTAs
             for w in (132, 264)]
 # runs 12-13: both gemms on FP8 tensor cores, no conversion (bench/versions/decode_partial_fp8_mma.py): V^T left
 # unwritten (probe: the chain without a transpose) or transposed by the consumer (16 x 4 blocks, run 12; 4 x 16
-# conflict-free, run 13; its addresses derived in the call, run 14), the query and P in one e4m3 part with constant gains or in two (hi + lo, "p"); one CTA per SM
+# conflict-free, run 13), the query and P in one e4m3 part with constant gains or in two (hi + lo, "p"); one CTA per SM
 # with two stages, or two CTAs per SM with one stage each (planned for one wave of 264)
 def _fp8_mma(name: str, transpose: str, two: bool, precise: bool = False) -> ArmSpec:
     what = {"none": "V^T unwritten", "t16x4": "V^T transposed by the consumer (16 x 4 blocks)",
-            "t4x16": "V^T transposed by the consumer (4 x 16 blocks)",
-            "t4x16b": "V^T transposed by the consumer (4 x 16 blocks, addresses derived in the call)"}[transpose]
+            "t4x16": "V^T transposed by the consumer (4 x 16 blocks)"}[transpose]
     return partial_variant(
         name + ("_2cta_w264" if two else ""),
         f"FP8 partial, FP8 wgmma for both gemms, {what}{', two CTAs per SM' if two else ''}, query and P in"
@@ -98,9 +97,7 @@ def _fp8_mma(name: str, transpose: str, two: bool, precise: bool = False) -> Arm
 
 
 FP8_MMA = [_fp8_mma(name, t, two, p) for name, t, p in (("fp8_mma", "none", False), ("fp8_mma_t", "t16x4", False),
-                                                        ("fp8_mma_t4", "t4x16", False), ("fp8_mma_t4p", "t4x16", True),
-                                                        ("fp8_mma_t4b", "t4x16b", False),
-                                                        ("fp8_mma_t4bp", "t4x16b", True))
+                                                        ("fp8_mma_t4", "t4x16", False), ("fp8_mma_t4p", "t4x16", True))
            for two in (False, True)]
 ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA,
         "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]

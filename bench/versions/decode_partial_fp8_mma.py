@@ -1,34 +1,29 @@
-"""FP8 folded decode partial with both gemms on FP8 tensor cores (no e4m3 -> bf16 conversion): a timing probe, WRONG
-output by design.
+"""FP8 folded decode partial with both gemms on FP8 tensor cores (no e4m3 -> bf16 conversion): runs 12-14.
 
-Lab notebook (bench/FP8_NOTES.md, run 12). Question: issue 15's 0.55x-of-bf16 target allows ~1.40 us per 64-token
-tile per SM; the library's FP8 tile takes ~3.3 us in L2, ~2.0 of it a chain every partial of this structure pays
-(run 8) and ~1.0 the conversion. With Hopper's FP8 wgmma neither gemm needs the bf16 tiles: the score gemm
-S^T = K8 Q8^T reads the e4m3 panels as TMA wrote them (K-major, as FP8 wgmma requires of both operands), and
-O^T = V^T P^T reads V^T from shared memory. So how short is a tile's chain when its gemms are FP8 (half the wgmma
-instructions of bf16: k32 instead of k16) and nothing is converted?
+Lab notebook (bench/FP8_NOTES.md, runs 12-14; numbers there). Question: issue 15's 0.55x-of-bf16 target allows ~1.40
+us per 64-token tile per SM; the library's FP8 tile takes ~3.3 us in L2, ~1.6 of it the chain every partial of this
+structure pays and ~1.0 the conversion. Hopper's FP8 wgmma reads e4m3 operands (k32 per instruction, half the
+instructions of bf16; both operands K-major): the score gemm S^T = K8 Q8^T reads the e4m3 panels as TMA wrote them,
+and O^T = V^T P^T reads V^T, which must be transposed first (the row stores a token's 512 value columns contiguously,
+so V^T as loaded is M-major).
 
-What is wrong by design, and why the timing still answers the question:
-  - FP8 wgmma needs both operands K-major, and V^T's K is the token: the row stores a token's 512 value columns
-    contiguously, so V^T is M-major. A real kernel needs V^T transposed in shared memory (FA3's FP8 path: the producer
-    warpgroup transposes each tile, off the consumer's chain). Here `v_t` [512, 64] is never written: the value gemm
-    reads whatever it holds. The probe therefore times the consumer's chain without the transpose (a lower bound).
-  - The query is rounded to e4m3 once per CTA (times a constant, Q_GAIN, no per-head scale or hi/lo split): a real kernel
-    might carry two e4m3 parts (wgmma N = 32 instead of 16) to keep the score's precision; P x scale is multiplied
-    by a constant (P_GAIN) before its rounding to e4m3, where a real kernel would take the tile's largest scale.
-  - With `transpose=True` the consumer transposes the value window into `v_t` (16-token x 4-column blocks, byte
-    permutes, before the score gemm): the output is then attention with the query and P in e4m3, and the harness's
-    float64 check says how far that is from the library's.
-Kept as a real kernel would have them: the tokens' scales on S and on P (as the library's), the float32 online
-softmax (batched reductions), P rounded to e4m3 into shared memory (P^T [16, 64], K-major), and the value gemm into a
-per-tile accumulator added into the running O in float32 (the two-level accumulation issue 15 asks for: FP8 wgmma
-accumulates in reduced precision, so it never sums across tiles).
-Prediction (before the run), from run 10's 1.60 us bf16 chain in L2: the two gemms are ~0.5-0.7 us of it (64 wgmma
-k16 instructions, each ~16-20 clocks issue at N=16 plus the dependent waits); FP8 halves the instructions, the rest
-(softmax, scale multiplies, P's store, O's FMA pass: ~0.15 us more than bf16) stays. So in L2 ~1.25-1.45 us per tile,
-from DRAM ~1.35-1.5 (the bytes take 1.24). Two CTAs per SM (FP8 stages are 40 KB: two of them fit per CTA) hide
-part of the chain: in L2 ~1.0-1.2, from DRAM ~1.25-1.35. If one CTA stays above 1.4 us per tile in L2, an FP8 MMA
-partial with one chain per SM cannot meet the 0.55x target even before its transpose is paid.
+Options (one file, one reference: the harness's float64 check over the dequantized pool):
+  - transpose: "none" (V^T never written: a timing probe, WRONG output by design, the chain without a transpose),
+    "t16x4" (the consumer transposes the value window in 16-token x 4-column blocks per thread, before the score
+    gemm; its stores conflict 4-way on V^T's 64-byte swizzle) or "t4x16" (4-token x 16-column blocks, store n to
+    column n ^ (block mod 8): conflict-free loads and stores).
+  - precise: the query and P each as two e4m3 parts, hi + lo / 16, in the 16 rows of wgmma's N that the 8 query
+    heads only half use (rows 8-15 held the next KV head's queries, never stored), so the gemms' instructions do not
+    change; a per-head query scale (448 / max |q|, once per CTA) and a per-tile P scale (256 / the tile's largest
+    valid token scale, `foldkv_max_scale64`). Else one e4m3 part with the constant gains Q_GAIN and P_GAIN (a probe:
+    ~20x the library's error).
+  - ctas_per_sm 2 (one stage each, ~99 KB of shared memory a CTA; plan for 264 CTAs a wave) or 1 (two stages).
+Kept as in the library: the tokens' scales on S and on P, the float32 online softmax (batched reductions), and the
+value gemm into a per-tile accumulator added into the running O in float32 (the two-level accumulation issue 15
+asks for: FP8 wgmma accumulates in reduced precision, so it never sums across tiles).
+Best so far (run 14): t4x16, precise, two CTAs per SM: 0.64-0.67x the bf16 folded decode at 163,336 tokens and on
+ragged batches (the library's FP8 partial: 1.22-1.36x), error 2.2-3.2e-3 against float64, within the gate's bound.
+Not in the library yet: its gate bound needs the query's two-part rounding and FP8 accumulation terms (FP8_NOTES).
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
@@ -123,24 +118,6 @@ __device__ __forceinline__ void foldkv_e4m3_t4x16(int first, int last, int barri
     asm volatile("bar.sync %0, %1;" : : "r"(barrier_id), "r"(threads) : "memory");
   }
 }
-// foldkv_e4m3_t4x16's block, its 20 addresses derived here from two (TileLang's address expressions cost ~10 integer
-// ops each): `src0` = the block's first token row in a [rows, 128] e4m3 panel with the 128-byte swizzle (16-byte chunk
-// c of row r at r * 128 + ((c ^ (r & 7)) << 4), panel 1024-byte aligned), so token row r0 + r (r < 4, r0 % 4 == 0)
-// is at (src0 + (r << 7)) ^ (r << 4); `dst0` = V^T row d0 (d0 % 16 == 0), the block's first token, in the 64-byte
-// swizzle (chunk c of row d at d * 64 + ((c ^ ((d >> 1) & 3)) << 4)), so row d0 + n is at
-// (dst0 + (n << 6)) ^ (((n >> 1) & 3) << 4).
-__device__ __forceinline__ void foldkv_e4m3_t4x16b(int first, int last, int barrier_id, int threads, int m,
-                                                   const void* src0, void* dst0) {
-  const size_t s = reinterpret_cast<size_t>(src0), d = reinterpret_cast<size_t>(dst0);
-  foldkv_e4m3_t4x16(first, last, barrier_id, threads, m, src0,
-      reinterpret_cast<const void*>((s + (1 << 7)) ^ (1 << 4)), reinterpret_cast<const void*>((s + (2 << 7)) ^ (2 << 4)),
-      reinterpret_cast<const void*>((s + (3 << 7)) ^ (3 << 4)),
-#define FOLDKV_DST(n) reinterpret_cast<void*>((d + (((n) ^ m) << 6)) ^ (((((n) ^ m) >> 1) & 3) << 4))
-      FOLDKV_DST(0), FOLDKV_DST(1), FOLDKV_DST(2), FOLDKV_DST(3), FOLDKV_DST(4), FOLDKV_DST(5), FOLDKV_DST(6),
-      FOLDKV_DST(7), FOLDKV_DST(8), FOLDKV_DST(9), FOLDKV_DST(10), FOLDKV_DST(11), FOLDKV_DST(12), FOLDKV_DST(13),
-      FOLDKV_DST(14), FOLDKV_DST(15));
-#undef FOLDKV_DST
-}
 // The largest of a tile's first `valid` (of 64) token scales, in every lane of the warp (scales are > 0): two shared
 // loads and five shuffles, where a 64-step loop over shared memory is a chain of dependent loads.
 __device__ __forceinline__ float foldkv_max_scale64(const float* scale, int valid) {
@@ -164,7 +141,7 @@ def transpose_v_macro(block_n: int, threads: int, kind: str = "t16x4"):
         tok_blocks, col_blocks = block_n // 16, FP8_PANEL // 4
     else:
         tok_blocks, col_blocks = block_n // 4, FP8_PANEL // 16
-    assert tok_blocks * col_blocks == threads and kind in ("t16x4", "t4x16", "t4x16b")
+    assert tok_blocks * col_blocks == threads and kind in ("t16x4", "t4x16")
 
     @T.macro
     def transpose_panel(stored, v_t, d0, first, last):
@@ -173,13 +150,10 @@ def transpose_v_macro(block_n: int, threads: int, kind: str = "t16x4"):
                 T.call_extern("handle", TRANSPOSE_FN, int(first), int(last), TRANSPOSE_BARRIER_ID, threads,
                               *[T.address_of(stored[i * 16 + r, j * 4]) for r in range(16)],
                               *[T.address_of(v_t[d0 + j * 4 + q, i * 16]) for q in range(4)])
-            elif kind == "t4x16":
+            else:
                 T.call_extern("handle", "foldkv_e4m3_t4x16", int(first), int(last), TRANSPOSE_BARRIER_ID, threads,
                               j % 8, *[T.address_of(stored[i * 4 + r, j * 16]) for r in range(4)],
                               *[T.address_of(v_t[d0 + j * 16 + T.bitwise_xor(n, j % 8), i * 4]) for n in range(16)])
-            else:
-                T.call_extern("handle", "foldkv_e4m3_t4x16b", int(first), int(last), TRANSPOSE_BARRIER_ID, threads,
-                              j % 8, T.address_of(stored[i * 4, j * 16]), T.address_of(v_t[d0 + j * 16, i * 4]))
 
     @T.macro
     def transpose_v(panels, v_t):
@@ -211,7 +185,7 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
     score_panels = d // FP8_PANEL
     online_softmax = macros.online_softmax_macro(key_dim=0, reduce_batch=reduce_batch)
     mask_scores = macros.mask_scores_macro()
-    assert transpose in ("none", "t16x4", "t4x16", "t4x16b")
+    assert transpose in ("none", "t16x4", "t4x16")
     transpose_v = transpose_v_macro(block_n, threads, "t16x4" if transpose == "none" else transpose)
     assert not precise or 2 * group == block_h
     lo = 1.0 / 16.0  # the lo part is stored times 16 (e4m3 keeps 3 fraction bits: the hi part's error is < 2^-4 of it)
