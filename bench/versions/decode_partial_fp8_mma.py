@@ -222,9 +222,7 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
                 for sp in [(t, n * FP8_PANEL) for n, t in enumerate(stored)]:
                     T.copy(pool[page, kvh, off:off + block_n, sp[1]:sp[1] + FP8_PANEL], sp[0])
                 T.copy(scales[page, kvh, off:off + block_n], scale_s)
-                if transpose == "t4x16":
-                    transpose_v(stored[panels - score_panels:], v_t, lambda: n_tok - k * block_n)
-                elif transpose == "t16x4":
+                if transpose != "none":
                     transpose_v(stored[panels - score_panels:], v_t)
                 T.clear(acc_s)
                 for pair in list(zip(stored, q8)):

@@ -57,25 +57,19 @@ __device__ __forceinline__ void foldkv_t4x4(unsigned int a, unsigned int b, unsi
   col[2] = __byte_perm(t1, t3, 0x5410u);
   col[3] = __byte_perm(t1, t3, 0x7632u);
 }
-// A 4-token x 16-column block of an e4m3 panel (src[r]: the 16 bytes of token r; the first `keep` of them in the
-// chunk) into V^T (dst[n]: 4 bytes, the 4 tokens of column n ^ m): 4 sixteen-byte loads, 32 byte permutes, 16
-// four-byte stores. Store n goes to column n ^ m
+// A 4-token x 16-column block of an e4m3 panel (src[r]: the 16 bytes of token r) into V^T (dst[n]: 4 bytes, the 4
+// tokens of column n ^ m): 4 sixteen-byte loads, 32 byte permutes, 16 four-byte stores. Store n goes to column n ^ m
 // (m = the thread's column block mod 8), so the eight column blocks of a warp store to eight different (row parity,
 // 16-byte chunk) slots of V^T's 64-byte swizzle and a warp's 32 stores hit 32 banks; a three-level select network on
 // m's bits puts the data in that order. The call is opaque to TileLang, which therefore places no barrier for the
 // tile it writes: `first` waits on the named barrier before writing (the previous tile's value gemm reads V^T),
 // `last` fences to the async proxy and waits again (the next gemm reads it), as the e4m3 conversion does.
-__device__ __forceinline__ void foldkv_e4m3_t4x16(int first, int last, int barrier_id, int threads, int m, int keep,
+__device__ __forceinline__ void foldkv_e4m3_t4x16(int first, int last, int barrier_id, int threads, int m,
     const void* s0, const void* s1, const void* s2, const void* s3, void* d0, void* d1, void* d2, void* d3, void* d4,
     void* d5, void* d6, void* d7, void* d8, void* d9, void* d10, void* d11, void* d12, void* d13, void* d14,
     void* d15) {
-  // tokens r >= keep are past the chunk: their slots hold arbitrary bits (a NaN code, say), and a probability of 0
-  // times NaN is NaN in the value gemm, so they are written as 0
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  const uint4 r0 = keep > 0 ? *reinterpret_cast<const uint4*>(s0) : zero;
-  const uint4 r1 = keep > 1 ? *reinterpret_cast<const uint4*>(s1) : zero;
-  const uint4 r2 = keep > 2 ? *reinterpret_cast<const uint4*>(s2) : zero;
-  const uint4 r3 = keep > 3 ? *reinterpret_cast<const uint4*>(s3) : zero;
+  const uint4 r0 = *reinterpret_cast<const uint4*>(s0), r1 = *reinterpret_cast<const uint4*>(s1);
+  const uint4 r2 = *reinterpret_cast<const uint4*>(s2), r3 = *reinterpret_cast<const uint4*>(s3);
   const unsigned int a[4] = {r0.x, r0.y, r0.z, r0.w}, b[4] = {r1.x, r1.y, r1.z, r1.w};
   const unsigned int c[4] = {r2.x, r2.y, r2.z, r2.w}, e[4] = {r3.x, r3.y, r3.z, r3.w};
   unsigned int out[16];  // out[q]: column q, the 4 tokens
@@ -115,24 +109,23 @@ def transpose_values_macro(block_n: int, threads: int):
     """The value window's e4m3 panels (four [block_n, 128] shared tiles, in column order) into V^T [512, block_n],
     the K-major operand FP8 wgmma needs, by `threads` consumer threads: each one 4-token x 16-column block of every
     panel (T.Parallel(block_n / 4, 8): a quarter-warp reads one token row's 128 bytes); the first and the last panel's
-    calls carry the barriers (DEVICE_SOURCE). `tokens_left()`: the tile's tokens in the chunk (an expression of the
-    caller's variables; tokens past it become 0 in V^T)."""
+    calls carry the barriers (DEVICE_SOURCE)."""
     import tilelang.language as T
 
     tok_blocks, col_blocks = block_n // 4, FP8_PANEL // 16
     assert tok_blocks * col_blocks == threads
 
     @T.macro
-    def transpose_panel(stored, v_t, d0, first, last, tokens_left):
+    def transpose_panel(stored, v_t, d0, first, last):
         for i, j in T.Parallel(tok_blocks, col_blocks):
             T.call_extern("handle", TRANSPOSE_FN, int(first), int(last), TRANSPOSE_BARRIER_ID, threads, j % 8,
-                          tokens_left() - i * 4, *[T.address_of(stored[i * 4 + r, j * 16]) for r in range(4)],
+                          *[T.address_of(stored[i * 4 + r, j * 16]) for r in range(4)],
                           *[T.address_of(v_t[d0 + j * 16 + T.bitwise_xor(n, j % 8), i * 4]) for n in range(16)])
 
     @T.macro
-    def transpose_values(panels, v_t, tokens_left):
+    def transpose_values(panels, v_t):
         for n, stored in enumerate(panels):
-            transpose_panel(stored, v_t, n * FP8_PANEL, n == 0, n == len(panels) - 1, tokens_left)
+            transpose_panel(stored, v_t, n * FP8_PANEL, n == 0, n == len(panels) - 1)
 
     return transpose_values
 
@@ -253,7 +246,7 @@ def decode_partial_fp8_program(geom: AttentionGeometry, *, page_size: int = 64, 
                 for sp in [(t, n * FP8_PANEL) for n, t in enumerate(stored)]:
                     T.copy(pool[page, kvh, off:off + block_n, sp[1]:sp[1] + FP8_PANEL], sp[0])
                 T.copy(scales[page, kvh, off:off + block_n], scale_s)
-                transpose_values(stored[panels - score_panels:], v_t, lambda: n_tok - k * block_n)
+                transpose_values(stored[panels - score_panels:], v_t)
                 T.clear(acc_s)
                 for pair in list(zip(stored, q8)):
                     T.gemm(pair[0], pair[1], acc_s, transpose_B=True)  # S^T [N, 16] += K8 Q8^T
