@@ -21,15 +21,14 @@ import torch
 from foldkv import GEMMA4_31B, KvFormat
 from foldkv.fp8 import FP8_DTYPE
 from foldkv.kernels.decode import partial_kernel_name
-from foldkv.kernels.decode_partial import build_decode_partial
+from foldkv.kernels.decode_partial import build_decode_partial, build_decode_partial_fp8
 from foldkv.lab.bench import ArmSpec, AttentionCase, generated_arm, measure_read_roof, run_cell
 from foldkv.lab.bench.case import serving_cases
 from foldkv.lab.jsonsafe import jsonable
 from foldkv.lab.report import environment
 from foldkv.provenance import provenance
 from foldkv.pool import BlockTable, PagedKvLayout
-from versions import (decode_partial_fp8_convert, decode_partial_fp8_mma, decode_partial_fp8_probe,  # bench/versions/
-                      decode_partial_fp8_rs)
+from versions import decode_partial_fp8_mma, decode_partial_fp8_probe, decode_partial_fp8_rs  # bench/versions/
 
 
 def partial_variant(name: str, what: str, build: Callable[[], object], fp8: bool = True,
@@ -48,9 +47,9 @@ G = GEMMA4_31B
 # (TileLang's element conversion through the conversion unit) and two consumer warpgroups (each converts half of
 # each panel; S's query columns and O's rows split between them)
 VARIANTS = [partial_variant("fp8_cvt", "FP8 partial, TileLang's element conversion (run 1)",
-                            lambda: decode_partial_fp8_convert.build(G, KvFormat.FOLDED, e4m3_convert="cvt")),
+                            lambda: build_decode_partial_fp8(G, KvFormat.FOLDED, e4m3_convert="cvt")),
             partial_variant("fp8_t256", "FP8 partial, integer conversion, two consumer warpgroups",
-                            lambda: decode_partial_fp8_convert.build(G, KvFormat.FOLDED, threads=256))]
+                            lambda: build_decode_partial_fp8(G, KvFormat.FOLDED, threads=256))]
 # run 5: both gemms with A from registers, converted there (bench/versions/decode_partial_fp8_rs.py)
 RS = partial_variant("fp8_rs", "FP8 partial, both gemms with A from registers (wgmma RS)",
                      lambda: decode_partial_fp8_rs.build(G))
@@ -71,7 +70,7 @@ BATCHED = [partial_variant("folded_rb4", "bf16 folded partial, batched softmax r
                            lambda: build_decode_partial(G, KvFormat.SPLIT, reduce_batch=4), fp8=False,
                            fmt=KvFormat.SPLIT),
            partial_variant("fp8_rb2", "FP8 partial, batched softmax reductions",
-                           lambda: decode_partial_fp8_convert.build(G, KvFormat.FOLDED, reduce_batch=2)),
+                           lambda: build_decode_partial_fp8(G, KvFormat.FOLDED, reduce_batch=2)),
            partial_variant("fp8_rs_rb2", "FP8 partial, A from registers, batched softmax reductions",
                            lambda: decode_partial_fp8_rs.build(G, reduce_batch=2))]
 # run 11: two CTAs of the bf16 folded partial on each SM (one stage each, 104 KB of shared memory and 128 registers a

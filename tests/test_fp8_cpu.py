@@ -406,71 +406,54 @@ def test_fused_prep_fp8_ptx_rounds_to_nearest_even(fp8_prep_source, tmp_path):
     assert e4m3_ptx_problems(ptx.replace("div.rn.f32", "div.approx.f32"))
 
 
-# --- the opaque shared-memory writers' barriers (decode: the V^T transpose; prefill: the e4m3 conversion) -----------
-WRITERS = {"decode": ("decode_partial_folded_fp8", "foldkv_e4m3_t4x16", 4, 128),  # kernel, call, calls a tile, threads
-           "prefill": ("prefill_folded_fp8", "foldkv_e4m3x8_to_bf16", 5, 256)}
-
-
-@pytest.fixture(scope="module", params=sorted(WRITERS))
+# --- the e4m3 conversion's barriers, checked on the emitted CUDA --------------------------------------------------
+@pytest.fixture(scope="module", params=["decode", "prefill"])
 def fp8_kernel_source(request):
-    """(kernel name, writer call, calls a tile, consumer threads, emitted CUDA) of the registered FP8 decode partial
-    or prefill: each builder ran the check."""
+    """(kernel name, emitted CUDA) of the registered FP8 decode partial or prefill: each builder ran the check."""
     from conftest import require_tilelang
 
     require_tilelang()
     from foldkv.kernels import registry
 
-    name, call, count, threads = WRITERS[request.param]
-    return name, call, count, threads, registry.get(name).build(G).get_kernel_source()
+    name = {"decode": "decode_partial_folded_fp8", "prefill": "prefill_folded_fp8"}[request.param]
+    return name, registry.get(name).build(G).get_kernel_source()
 
 
-def _break(source: str, call: str, count: int, how: str) -> str:
+def _break(source: str, how: str) -> str:
     import re
 
-    calls = list(re.finditer(rf"{call}\((\d+), (\d+), (\d+), (\d+),", source))
-    assert len(calls) == count, len(calls)
+    calls = list(re.finditer(r"foldkv_e4m3x8_to_bf16\((\d+), (\d+), (\d+), (\d+),", source))
+    assert len(calls) == 5, len(calls)
     if how == "no closing barrier":
-        return source.replace(f"{call}(0, 1,", f"{call}(0, 0,")
+        return source.replace("foldkv_e4m3x8_to_bf16(0, 1,", "foldkv_e4m3x8_to_bf16(0, 0,")
     if how == "two opening barriers":
-        return source.replace(f"{call}(0, 0,", f"{call}(1, 0,", 1)
+        return source.replace("foldkv_e4m3x8_to_bf16(0, 0,", "foldkv_e4m3x8_to_bf16(1, 0,", 1)
     if how == "TileLang's barrier id":
-        return re.sub(rf"({call}\(\d+, \d+, )7,", r"\g<1>3,", source)
+        return re.sub(r"(foldkv_e4m3x8_to_bf16\(\d+, \d+, )7,", r"\g<1>3,", source)
     if how == "wrong thread count":
-        return re.sub(rf"({call}\(\d+, \d+, 7, )(\d+),", r"\g<1>64,", source)
+        return re.sub(r"(foldkv_e4m3x8_to_bf16\(\d+, \d+, 7, )(\d+),", r"\g<1>64,", source)
     if how == "id taken by another barrier":
-        i = source.index(f"{call}(1,")
+        i = source.index("foldkv_e4m3x8_to_bf16(1,")
         return source[:i] + "tl::__sync_thread_partial(7, 128);\n" + source[i:]
     raise AssertionError(how)
 
 
-def test_the_opaque_writers_barriers_pass_on_the_registered_kernels(fp8_kernel_source):
+def test_the_conversion_barriers_pass_on_the_registered_kernels(fp8_kernel_source):
     from foldkv.kernels import macros
-    from foldkv.kernels.cuda_checks import check_opaque_shared_writes
+    from foldkv.kernels.cuda_checks import check_e4m3_conversion
 
-    name, call, count, threads, src = fp8_kernel_source
-    report = check_opaque_shared_writes(name, src, macros.CONVERT_BARRIER_ID, calls=(call,))
-    assert report["calls"] == count and report["threads"] == threads and macros.CONVERT_BARRIER_ID not in report[
+    name, src = fp8_kernel_source
+    report = check_e4m3_conversion(name, src, macros.CONVERT_BARRIER_ID)
+    assert report["calls"] == 5 and report["threads"] == 256 and macros.CONVERT_BARRIER_ID not in report[
         "other_barrier_ids"]
 
 
 @pytest.mark.parametrize("how", ["no closing barrier", "two opening barriers", "TileLang's barrier id",
                                  "wrong thread count", "id taken by another barrier"])
-def test_the_opaque_writers_barrier_check_refuses_a_broken_kernel(fp8_kernel_source, how):
+def test_the_conversion_barrier_check_refuses_a_broken_kernel(fp8_kernel_source, how):
     from foldkv.kernels import macros
-    from foldkv.kernels.cuda_checks import ConversionCheckError, check_opaque_shared_writes
+    from foldkv.kernels.cuda_checks import ConversionCheckError, check_e4m3_conversion
 
-    name, call, count, threads, src = fp8_kernel_source
+    name, src = fp8_kernel_source
     with pytest.raises(ConversionCheckError):
-        check_opaque_shared_writes(name, _break(src, call, count, how), macros.CONVERT_BARRIER_ID, calls=(call,))
-
-
-def test_the_check_refuses_a_kernel_without_the_writer_it_names(fp8_kernel_source):
-    """A kernel checked for a writer it does not call (the decode partial for the conversion, the prefill for the
-    transpose) is refused, so a check pointed at the wrong writer cannot pass by finding nothing."""
-    from foldkv.kernels import macros
-    from foldkv.kernels.cuda_checks import ConversionCheckError, check_opaque_shared_writes
-
-    name, call, _, _, src = fp8_kernel_source
-    other = next(c for _, c, _, _ in WRITERS.values() if c != call)
-    with pytest.raises(ConversionCheckError):
-        check_opaque_shared_writes(name, src, macros.CONVERT_BARRIER_ID, calls=(other,))
+        check_e4m3_conversion(name, _break(src, how), macros.CONVERT_BARRIER_ID)

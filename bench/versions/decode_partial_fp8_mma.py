@@ -31,7 +31,6 @@ Not in the library yet: its gate bound needs the query's two-part rounding and F
 from foldkv.config import AttentionGeometry
 from foldkv.kernels import macros
 from foldkv.kernels.decode_partial import FP8_PANEL
-from foldkv.kernels.decode_partial_fp8 import DEVICE_SOURCE, TRANSPOSE_BARRIER_ID, transpose_values_macro
 from foldkv.kernels.tl import pass_configs, require_tilelang, target
 
 
@@ -43,10 +42,18 @@ P_GAIN = 4096.0
 # constant where a real kernel would scale each head by its largest element.
 Q_GAIN = 64.0
 TRANSPOSE_FN = "foldkv_e4m3_t16x4"
-
-# the library partial's device code (the 4 x 4 byte transpose, the 4 x 16 block transpose, the tile's largest scale)
-# and run 12's 16 x 4 block transpose
-TRANSPOSE_SOURCE = DEVICE_SOURCE + r"""
+TRANSPOSE_BARRIER_ID = 7  # the library conversion's barrier id (macros.CONVERT_BARRIER_ID): unused by TileLang
+TRANSPOSE_SOURCE = r"""
+// rows a, b, c, d of a 4 x 4 byte block in, its columns out
+__device__ __forceinline__ void foldkv_t4x4(unsigned int a, unsigned int b, unsigned int c, unsigned int d,
+                                            unsigned int* col) {
+  const unsigned int t0 = __byte_perm(a, b, 0x5140u), t1 = __byte_perm(a, b, 0x7362u);
+  const unsigned int t2 = __byte_perm(c, d, 0x5140u), t3 = __byte_perm(c, d, 0x7362u);
+  col[0] = __byte_perm(t0, t2, 0x5410u);
+  col[1] = __byte_perm(t0, t2, 0x7632u);
+  col[2] = __byte_perm(t1, t3, 0x5410u);
+  col[3] = __byte_perm(t1, t3, 0x7632u);
+}
 // A 16-token x 4-column block of a shared e4m3 tile (src[r]: 4 bytes of token r) into its transpose (dst[q]: 16 bytes,
 // the 16 tokens of column q): 16 four-byte loads, 32 byte permutes, 4 sixteen-byte stores. `first` waits on the named
 // barrier before writing (the previous tile's gemm reads the destination), `last` fences to the async proxy and waits
@@ -77,28 +84,76 @@ __device__ __forceinline__ void foldkv_e4m3_t16x4(int first, int last, int barri
     asm volatile("bar.sync %0, %1;" : : "r"(barrier_id), "r"(threads) : "memory");
   }
 }
+// A 4-token x 16-column block (src[r]: 16 bytes of token r) into its transpose, 4 sixteen-byte loads, 32 byte
+// permutes, 16 four-byte stores. Store n goes to column n ^ m (dst[n] is that column's address, m = the thread's
+// column block mod 8): the eight column blocks of a warp then store to eight different (row parity, 16-byte chunk)
+// slots of V^T's 64-byte swizzle, so a warp's 32 stores hit 32 banks (the 16 x 4 blocks above conflict 4-way). The
+// data is put in that order by a three-level select network on m's bits (48 selects).
+__device__ __forceinline__ void foldkv_e4m3_t4x16(int first, int last, int barrier_id, int threads, int m,
+    const void* s0, const void* s1, const void* s2, const void* s3, void* d0, void* d1, void* d2, void* d3, void* d4,
+    void* d5, void* d6, void* d7, void* d8, void* d9, void* d10, void* d11, void* d12, void* d13, void* d14,
+    void* d15) {
+  const uint4 r0 = *reinterpret_cast<const uint4*>(s0), r1 = *reinterpret_cast<const uint4*>(s1);
+  const uint4 r2 = *reinterpret_cast<const uint4*>(s2), r3 = *reinterpret_cast<const uint4*>(s3);
+  const unsigned int a[4] = {r0.x, r0.y, r0.z, r0.w}, b[4] = {r1.x, r1.y, r1.z, r1.w};
+  const unsigned int c[4] = {r2.x, r2.y, r2.z, r2.w}, e[4] = {r3.x, r3.y, r3.z, r3.w};
+  unsigned int out[16];  // out[q]: column q, the 4 tokens
+#pragma unroll
+  for (int w = 0; w < 4; ++w) foldkv_t4x4(a[w], b[w], c[w], e[w], out + 4 * w);
+#pragma unroll
+  for (int bit = 1; bit < 8; bit <<= 1) {
+    const bool flip = (m & bit) != 0;
+    unsigned int tmp[16];
+#pragma unroll
+    for (int n = 0; n < 16; ++n) tmp[n] = flip ? out[n ^ bit] : out[n];
+#pragma unroll
+    for (int n = 0; n < 16; ++n) out[n] = tmp[n];
+  }
+  void* dst[16] = {d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15};
+  if (first) asm volatile("bar.sync %0, %1;" : : "r"(barrier_id), "r"(threads) : "memory");
+#pragma unroll
+  for (int n = 0; n < 16; ++n) *reinterpret_cast<unsigned int*>(dst[n]) = out[n];
+  if (last) {
+    asm volatile("fence.proxy.async.shared::cta;" : : : "memory");
+    asm volatile("bar.sync %0, %1;" : : "r"(barrier_id), "r"(threads) : "memory");
+  }
+}
+// The largest of a tile's first `valid` (of 64) token scales, in every lane of the warp (scales are > 0): two shared
+// loads and five shuffles, where a 64-step loop over shared memory is a chain of dependent loads.
+__device__ __forceinline__ float foldkv_max_scale64(const float* scale, int valid) {
+  const int lane = threadIdx.x & 31;
+  float m = fmaxf(lane < valid ? scale[lane] : 0.0f, lane + 32 < valid ? scale[lane + 32] : 0.0f);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return fmaxf(m, 1e-30f);
+}
 """
 
 
 def transpose_v_macro(block_n: int, threads: int, kind: str = "t16x4"):
     """The value window's panels (stored [block_n, 128] e4m3 each) into V^T [4 x 128, block_n], the K-major operand
     FP8 wgmma needs. "t16x4": each thread one 16-token x 4-column block of every panel (T.Parallel(4, 32): a warp
-    reads 128 contiguous bytes of one token row; its stores conflict 4-way); "t4x16": the library's
-    (decode_partial_fp8.transpose_values_macro: 4-token x 16-column blocks, conflict-free)."""
+    reads 128 contiguous bytes of one token row; its stores conflict 4-way); "t4x16": one 4-token x 16-column block
+    (T.Parallel(16, 8): a quarter-warp reads one token row's 128 bytes, a warp's stores hit 32 banks)."""
     import tilelang.language as T
 
-    assert kind in ("t16x4", "t4x16")
-    if kind == "t4x16":
-        return transpose_values_macro(block_n, threads)
-    tok_blocks, col_blocks = block_n // 16, FP8_PANEL // 4
-    assert tok_blocks * col_blocks == threads
+    if kind == "t16x4":
+        tok_blocks, col_blocks = block_n // 16, FP8_PANEL // 4
+    else:
+        tok_blocks, col_blocks = block_n // 4, FP8_PANEL // 16
+    assert tok_blocks * col_blocks == threads and kind in ("t16x4", "t4x16")
 
     @T.macro
     def transpose_panel(stored, v_t, d0, first, last):
         for i, j in T.Parallel(tok_blocks, col_blocks):
-            T.call_extern("handle", TRANSPOSE_FN, int(first), int(last), TRANSPOSE_BARRIER_ID, threads,
-                          *[T.address_of(stored[i * 16 + r, j * 4]) for r in range(16)],
-                          *[T.address_of(v_t[d0 + j * 4 + q, i * 16]) for q in range(4)])
+            if kind == "t16x4":
+                T.call_extern("handle", TRANSPOSE_FN, int(first), int(last), TRANSPOSE_BARRIER_ID, threads,
+                              *[T.address_of(stored[i * 16 + r, j * 4]) for r in range(16)],
+                              *[T.address_of(v_t[d0 + j * 4 + q, i * 16]) for q in range(4)])
+            else:
+                T.call_extern("handle", "foldkv_e4m3_t4x16", int(first), int(last), TRANSPOSE_BARRIER_ID, threads,
+                              j % 8, *[T.address_of(stored[i * 4 + r, j * 16]) for r in range(4)],
+                              *[T.address_of(v_t[d0 + j * 16 + T.bitwise_xor(n, j % 8), i * 4]) for n in range(16)])
 
     @T.macro
     def transpose_v(panels, v_t):

@@ -1,6 +1,6 @@
 """FP8 folded decode partial with its conversion cut down: a timing probe, WRONG output by design.
 
-Lab notebook (bench/FP8_NOTES.md, run 6). Question: of the conversion FP8 partial's (decode_partial_fp8_convert.py) ~3.3 us per 64-token tile (against
+Lab notebook (bench/FP8_NOTES.md, run 6). Question: of the library FP8 partial's ~3.3 us per 64-token tile (against
 ~1.26 us for its bytes at the read roof and ~2.5 us for the bf16 folded tile), how much is the e4m3 -> bf16
 conversion and how much the rest of the consumer's tile (two SS gemms, the online softmax, the barriers)? Run 5 (A
 from registers) removed the shared-memory tiles and cost the same, so the split is not known from the timings so far.
@@ -25,7 +25,7 @@ import contextlib
 
 from foldkv.config import AttentionGeometry
 from foldkv.kernels import macros
-from versions import decode_partial_fp8_convert  # bench/ on the path, as the harnesses import versions
+from foldkv.kernels.decode_partial import build_decode_partial_fp8
 
 _HEAD = "__device__ __forceinline__ void foldkv_e4m3x8_to_bf16_one(const void* src, void* dst) {\n"
 BODIES = {
@@ -61,4 +61,4 @@ def build(geom: AttentionGeometry, kind: str, **tiling):
     """Compile the probe `kind` ("copy" or "skip") of the library's FP8 partial (its argument list: a drop-in for
     `kernels={"decode_partial_folded_fp8": ...}`)."""
     with _conversion_source(probe_source(kind)):
-        return decode_partial_fp8_convert.build(geom, "folded", **tiling)
+        return build_decode_partial_fp8(geom, "folded", **tiling)

@@ -103,15 +103,14 @@ import subprocess
 import tempfile
 
 from foldkv.config import GEMMA4_31B, AttentionGeometry
-from foldkv.kernels import macros
+from foldkv.kernels import macros, registry
 from foldkv.kernels.decode_partial import FP8_PANEL, Run
 from foldkv.kernels.tl import pass_configs, require_tilelang, target
 from foldkv.layout import KvFormat, row_width
-from versions import decode_partial_fp8_convert  # bench/ on the path, as the harnesses import versions
 
-# the conversion partial's params (decode_partial_fp8_convert.py; the thread mapping below is written for these: 64-token
-# tiles, two consumer warpgroups, 16 query columns)
-DEFAULTS = dict(decode_partial_fp8_convert.DEFAULTS)
+# the library partial's registered params (the thread mapping below is written for these: 64-token tiles, two consumer
+# warpgroups, 16 query columns)
+DEFAULTS = dict(registry.get("decode_partial_folded_fp8").params)
 
 RS_FN_SCORE = "foldkv_rs_score_panel"
 RS_FN_VALUE = "foldkv_rs_value"

@@ -1,6 +1,5 @@
 """Checks on the emitted CUDA of the barriers a kernel's correctness rests on: the in-place merges, and the FP8
-kernels' opaque shared-memory writers, the e4m3 conversion and the V^T transpose (`check_opaque_shared_writes`, at
-the end of this file).
+kernels' e4m3 conversion (`check_e4m3_conversion`, at the end of this file).
 
 The barrier check for in-place merges: a store into a buffer the kernel also reads must be separated
 from every read of that buffer by an unconditional `__syncthreads()`.
@@ -138,51 +137,42 @@ def check_in_place_merge(kernel: str, source: str) -> BarrierReport:
     return BarrierReport(kernel, in_place, last_read, barrier, first_store, pairs)
 
 
-# --- the barriers of opaque shared-memory writers: the e4m3 conversion (FP8 prefill), the V^T transpose (FP8 decode) -
+# --- the e4m3 conversion's barriers (FP8 partial and prefill) -------------------------------------------------------
 class ConversionCheckError(RuntimeError):
-    """An FP8 kernel whose opaque shared-memory writers (the e4m3 conversion, the V^T transpose) do not carry the
-    barriers the tiles they write need."""
+    """An FP8 kernel whose e4m3 conversion calls do not carry the barriers the tiles they write need."""
 
 
-# calls whose first four arguments are (first, last, barrier id, threads): macros.E4M3_TO_BF16_SOURCE's conversion
-# and decode_partial_fp8.DEVICE_SOURCE's transpose
-OPAQUE_WRITERS = ("foldkv_e4m3x8_to_bf16", "foldkv_e4m3_t4x16")
+_CONVERT_CALL = re.compile(r"\bfoldkv_e4m3x8_to_bf16\(\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,")
 _OTHER_BARRIERS = (re.compile(r"__sync_thread_partial\(\s*(\d+)"), re.compile(r"bar\.(?:sync|arrive)\s+(\d+)"),
                    re.compile(r"named_barrier_arrive\(\s*(\d+)"), re.compile(r"NamedBarrier<[^>]*>::sync<(\d+)>"))
 
 
-def _writer_calls(name: str) -> re.Pattern:
-    return re.compile(rf"\b{re.escape(name)}\(\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,")
-
-
-def check_opaque_shared_writes(kernel: str, source: str, barrier_id: int,
-                               calls: tuple[str, ...] = ("foldkv_e4m3x8_to_bf16",)) -> dict:
-    """Raise ConversionCheckError (naming `kernel`) unless its calls to the opaque shared-memory writers `calls`
-    (functions TileLang cannot see into, so it places no barrier for the tiles they write) carry the tile's barriers:
-    exactly one call opens a tile (waits before overwriting what the previous gemms read) and exactly one closes it
-    (proxy fence and wait before the gemms read), all on named barrier `barrier_id`, which no barrier TileLang placed
-    in the kernel uses, over the consumer threads: the launch's threads less the one producer warpgroup. The check
-    reads the emitted CUDA, as what runs."""
+def check_e4m3_conversion(kernel: str, source: str, barrier_id: int) -> dict:
+    """Raise ConversionCheckError (naming `kernel`) unless its e4m3 -> bf16 calls (`macros.E4M3_TO_BF16_SOURCE`)
+    carry the tile's barriers: exactly one call opens a tile (waits before overwriting what the previous gemms read)
+    and exactly one closes it (proxy fence and wait before the gemms read), all on named barrier `barrier_id`, which
+    no barrier TileLang placed in the kernel uses, over the consumer threads: the launch's threads less the one
+    producer warpgroup. The check reads the emitted CUDA, as what runs."""
     _, body = kernel_definition(source, kernel)
-    found = [tuple(int(g) for g in m.groups()) for name in calls for m in _writer_calls(name).finditer(body)]
-    if not found:
-        raise ConversionCheckError(f"{kernel}: no call to {', '.join(calls)} in the emitted source")
-    firsts, lasts = sum(c[0] for c in found), sum(c[1] for c in found)
+    calls = [tuple(int(g) for g in m.groups()) for m in _CONVERT_CALL.finditer(body)]
+    if not calls:
+        raise ConversionCheckError(f"{kernel}: no e4m3 conversion call in the emitted source")
+    firsts, lasts = sum(c[0] for c in calls), sum(c[1] for c in calls)
     if firsts != 1 or lasts != 1:
-        raise ConversionCheckError(f"{kernel}: {firsts} calls open a tile and {lasts} close it; one each is what keeps"
-                                   " the gemms and the opaque writes apart")
-    ids = {c[2] for c in found}
+        raise ConversionCheckError(f"{kernel}: {firsts} conversion calls open a tile and {lasts} close it; one each "
+                                   "is what keeps the gemms and the conversion apart")
+    ids = {c[2] for c in calls}
     if ids != {barrier_id}:
-        raise ConversionCheckError(f"{kernel}: opaque writes on barriers {sorted(ids)}, expected {barrier_id}")
+        raise ConversionCheckError(f"{kernel}: conversion calls on barriers {sorted(ids)}, expected {barrier_id}")
     taken = {int(m.group(1)) for pattern in _OTHER_BARRIERS for m in pattern.finditer(body)}
     if "NamedBarrier<" in body:  # TileLang's block reductions sync on phase 1 unless told otherwise
         taken.add(1)
     if barrier_id in taken:
         raise ConversionCheckError(f"{kernel}: named barrier {barrier_id} is also used by a barrier TileLang placed")
     bounds = re.search(r"__launch_bounds__\((\d+)", source[:source.find(body)])
-    consumers = {c[3] for c in found}
+    consumers = {c[3] for c in calls}
     if bounds is None or consumers != {int(bounds.group(1)) - 128}:
-        raise ConversionCheckError(f"{kernel}: the opaque writes' barriers count {sorted(consumers)} threads; the"
-                                   f" consumer warpgroups hold {int(bounds.group(1)) - 128 if bounds else '?'}")
-    return {"kernel": kernel, "calls": len(found), "barrier_id": barrier_id, "threads": consumers.pop(),
+        raise ConversionCheckError(f"{kernel}: conversion barriers count {sorted(consumers)} threads; the consumer "
+                                   f"warpgroups hold {int(bounds.group(1)) - 128 if bounds else '?'}")
+    return {"kernel": kernel, "calls": len(calls), "barrier_id": barrier_id, "threads": consumers.pop(),
             "other_barrier_ids": sorted(taken)}

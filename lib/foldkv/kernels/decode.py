@@ -28,7 +28,11 @@ from ..pool import BlockTable, PagedKvPool, check_block_table, check_pool_storag
 from ..validate import FoldKvInputError, check_tensor
 from . import resolve
 from .plan import MAX_BATCH, MAX_LEN, DecodePlan, plan_decode
-from .registry import partial_kernel_name
+
+
+def partial_kernel_name(fmt: KvFormat | str, quantized: bool = False) -> str:
+    """The partial kernel of `fmt` pages; `quantized`: over an FP8 pool (folded only)."""
+    return f"decode_partial_{KvFormat.parse(fmt).value}" + ("_fp8" if quantized else "")
 
 
 def kernel_names(fmt: KvFormat | str, quantized: bool = False) -> tuple[str, str, str]:

@@ -340,6 +340,28 @@ def build_decode_partial(geom: AttentionGeometry, fmt: KvFormat | str, **tiling)
     return decode_partial(**cfg)
 
 
+@hands_out("decode_partial_{fmt}_fp8")
+def build_decode_partial_fp8(geom: AttentionGeometry, fmt: KvFormat | str, **tiling):
+    """Compile (JIT) the partial kernel over an FP8 folded pool with its registered params, overridden by `tiling`."""
+    tilelang = require_tilelang()
+    fmt = KvFormat.parse(fmt)
+    cfg = {**registry.get(f"decode_partial_{fmt.value}_fp8").params, **tiling}
+
+    @tilelang.jit(target=target(), pass_configs=pass_configs())
+    def decode_partial_fp8(page_size, block_n, num_stages, threads, block_h, e4m3_convert="bits", reduce_batch=1):
+        return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
+                                      threads=threads, block_h=block_h, fp8=True, e4m3_convert=e4m3_convert,
+                                      reduce_batch=reduce_batch)
+
+    kernel = decode_partial_fp8(**cfg)
+    if cfg.get("e4m3_convert", "bits") == "bits":
+        from .cuda_checks import check_e4m3_conversion
+
+        check_e4m3_conversion(f"decode_partial_{fmt.value}_fp8", kernel.get_kernel_source(),
+                              macros.CONVERT_BARRIER_ID)
+    return kernel
+
+
 def main(fmt: KvFormat | str = KvFormat.FOLDED, seq_len: int = 10602, **tiling):
     """Build with the format's defaults (or `tiling`); on a GPU, check one whole-sequence chunk against the float64
     reference and time the partial kernel alone."""

@@ -7,8 +7,7 @@ request's groups through req_group_first). Merge groups: runs of at most `merge_
 request; level one merges a group into its first slot, level two merges a request's groups into the output.
 
 The chunking (`balanced_chunk_pages`). A step lasts as long as its busiest SM: the partial kernel holds one CTA per SM
-(its registers fill the SM; the FP8 partial two, so its "SMs" below are 2 x SMs slots: `partial_slots`), CTAs are
-dispatched in grid order (chunk fastest, then KV head) to whichever SM frees
+(its registers fill the SM), CTAs are dispatched in grid order (chunk fastest, then KV head) to whichever SM frees
 first, and each costs about its pages plus a fixed part (prologue, query load, pipeline fill, its partial's write and
 the merges' read of it), modelled as PIECE_OVERHEAD_PAGES page reads. Each request is cut into pieces of nearly equal
 pages, no piece over P pages, and requests are laid out largest pieces first (longest-processing-time order), so the
@@ -29,7 +28,6 @@ import torch
 
 from ..layout import value_window_columns
 from ..pool import PagedKvLayout
-from .registry import get as registered_kernel, partial_kernel_name
 from ..validate import FoldKvInputError, check_device
 
 MAX_BATCH = 256
@@ -235,26 +233,18 @@ def chunk_layout(lens: np.ndarray, pieces: np.ndarray, *, page: int, merge_group
                 req_group_first=req_group_first, req_group_count=req_group_count)
 
 
-def partial_slots(layout: PagedKvLayout, device: torch.device) -> int:
-    """CTAs of the decode partial for `layout` that run at once: the device's SMs (DEFAULT_SMS off CUDA) times the
-    CTAs each SM holds, the partial's registered `ctas_per_sm` (1, or 2 for the FP8 partial): the wave the chunking
-    balances."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
-    params = registered_kernel(partial_kernel_name(layout.format, layout.quantized)).params
-    return sms * int(params.get("ctas_per_sm", 1))
-
-
 def plan_decode(layout: PagedKvLayout, seq_lens, *, device, chunk_tokens: int | None = None,
                 merge_group: int | None = None, num_sms: int | None = None) -> DecodePlan:
     """Cut each request into chunks, group them for the merge and put the plan's tensors and workspace on `device`.
 
-    Default: byte-balanced pieces (`balanced_chunk_pages`, for `num_sms` CTAs at once, default `partial_slots`); with
+    Default: byte-balanced pieces (`balanced_chunk_pages`, for `num_sms`, default the device's SM count); with
     `chunk_tokens` (a multiple of the page size), fixed chunks of that many tokens in request order."""
     lens = check_lens(seq_lens).tolist()
     device = check_device(device)
     page = layout.page_size
     if num_sms is None:
-        num_sms = partial_slots(layout, device)
+        num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                   if device.type == "cuda" else DEFAULT_SMS)
     if chunk_tokens is not None:
         chunk_tokens = int(chunk_tokens)
         if chunk_tokens < page or chunk_tokens % page:

@@ -370,9 +370,9 @@ def build_fp8(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvForm
                                threads=threads, fp8=True)
 
     kernel = prefill_fp8(**cfg)
-    from .cuda_checks import check_opaque_shared_writes
+    from .cuda_checks import check_e4m3_conversion
 
-    check_opaque_shared_writes(f"prefill_{fmt.value}_fp8", kernel.get_kernel_source(), macros.CONVERT_BARRIER_ID)
+    check_e4m3_conversion(f"prefill_{fmt.value}_fp8", kernel.get_kernel_source(), macros.CONVERT_BARRIER_ID)
     return kernel
 
 

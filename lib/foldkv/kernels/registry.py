@@ -53,11 +53,6 @@ class KernelVariant:
         return self.build_function()(geom, **kwargs)
 
 
-def partial_kernel_name(fmt: KvFormat | str, quantized: bool = False) -> str:
-    """The decode partial kernel of `fmt` pages; `quantized`: over an FP8 pool (folded only)."""
-    return f"decode_partial_{KvFormat.parse(fmt).value}" + ("_fp8" if quantized else "")
-
-
 _K = "foldkv.kernels."
 # Decode partial: block_n = 64 tokens (the wgmma M). Folded: two stages of 80 KB fit in shared memory. Split: a
 # 64-row tile is 128 KB, so one stage; K and V are separate buffers the warp-specialised pipeline releases separately
@@ -69,14 +64,12 @@ _DECODE_PARTIAL = {
     KvFormat.SPLIT: dict(page_size=64, block_n=64, num_stages=1, threads=128, block_h=16, reduce_batch=4),
     KvFormat.FOLDED: dict(page_size=64, block_n=64, num_stages=2, threads=128, block_h=16, reduce_batch=4),
 }
-# FP8 folded (decode_partial_fp8.py): both gemms on FP8 tensor cores, the value window transposed by the consumer, the
-# query and P in two e4m3 parts. Two CTAs per SM with one stage of the 40 KB e4m3 tiles each (~99 KB of shared memory
-# a CTA; the plan's wave is 2 x SMs): one CTA's chain overlaps the other's. 0.64-0.67x the bf16 folded decode at 163,336
-# tokens and on ragged batches, where the partial that converts e4m3 to bf16 tiles takes 1.22-1.36x; with one query
-# part, one CTA per SM and two stages took 0.78-0.89x against 0.59-0.63x with two CTAs (bench/FP8_NOTES.md, runs
-# 12-14). Two stages with two CTAs do not fit (~245 KB).
-# reduce_batch = the 4 query values a consumer thread holds (as above).
-_DECODE_PARTIAL_FP8 = dict(page_size=64, block_n=64, num_stages=1, reduce_batch=4, ctas_per_sm=2)
+# FP8 folded: two stages of the 40 KB e4m3 tiles and one set of their bf16 copies (80 KB) the gemms read. Two consumer
+# warpgroups (threads=256): the consumer converts each tile before its gemms can start, and that, not the bytes, sets
+# the pace; two warpgroups convert a tile in half the time (1.31x faster than one at 163,336 tokens, 1.28x at 32
+# ragged requests; bench/FP8_NOTES.md). A third stage changed nothing. reduce_batch = the 2 queries a consumer thread
+# holds when two warpgroups split S's 16 columns (as above).
+_DECODE_PARTIAL_FP8 = dict(page_size=64, block_n=64, num_stages=2, threads=256, block_h=16, reduce_batch=2)
 _MERGE = dict(threads=128)
 _PREFILL = dict(page_size=64, block_N=64, num_stages=1, threads=256)
 # FP8 folded prefill: one stage of the row's five e4m3 panels (64 x 640 B = 40 KiB) and its 64 scales (256 B), the bf16
@@ -91,7 +84,7 @@ VARIANTS: tuple[KernelVariant, ...] = (
     *(KernelVariant(f"decode_partial_{f.value}", "decode_partial", f, _K + "decode_partial:build_decode_partial",
                     dict(_DECODE_PARTIAL[f])) for f in KvFormat),
     KernelVariant("decode_partial_folded_fp8", "decode_partial", KvFormat.FOLDED,
-                  _K + "decode_partial_fp8:build", dict(_DECODE_PARTIAL_FP8)),
+                  _K + "decode_partial:build_decode_partial_fp8", dict(_DECODE_PARTIAL_FP8)),
     KernelVariant("merge_groups", "merge_groups", None, _K + "merge:build_merge_groups", dict(_MERGE),
                   in_place_merge=True),
     KernelVariant("merge_final", "merge_final", None, _K + "merge:build_merge_final", dict(_MERGE)),

@@ -48,7 +48,7 @@ from ..validate import FoldKvInputError, check_device, check_tensor
 from . import resolve
 from .decode import check_decode_pool, kernel_names, pool_operands
 from .plan import (DEFAULT_MERGE_GROUP, MAX_BATCH, MAX_LEN, check_lens, chunk_layout, fixed_count_pieces,
-                   partial_slots, smallest_cap)
+                   smallest_cap)
 
 CHUNKS_PER_REQUEST = 4  # the default chunk count: about this many chunks per request of the largest batch, in whole
 # waves of the partial (SMs / KV heads chunks). The byte model of plan.py puts a ragged batch of 32-128 requests
@@ -84,8 +84,9 @@ class DecodeWorkspace:
         if merge_group < 1:
             raise FoldKvInputError(f"merge_group={merge_group} must be >= 1")
         geom = layout.geometry
-        if num_sms is None:  # CTAs of the partial at once (plan.partial_slots)
-            num_sms = partial_slots(layout, device)
+        if num_sms is None:
+            num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                       if device.type == "cuda" else 132)
         if num_chunks is None:
             num_chunks = default_num_chunks(max_batch, num_sms, geom.num_kv_heads)
         num_chunks = int(num_chunks)
