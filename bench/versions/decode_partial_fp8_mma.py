@@ -89,12 +89,17 @@ __device__ __forceinline__ void foldkv_e4m3_t16x4(int first, int last, int barri
 // column block mod 8): the eight column blocks of a warp then store to eight different (row parity, 16-byte chunk)
 // slots of V^T's 64-byte swizzle, so a warp's 32 stores hit 32 banks (the 16 x 4 blocks above conflict 4-way). The
 // data is put in that order by a three-level select network on m's bits (48 selects).
-__device__ __forceinline__ void foldkv_e4m3_t4x16(int first, int last, int barrier_id, int threads, int m,
+__device__ __forceinline__ void foldkv_e4m3_t4x16(int first, int last, int barrier_id, int threads, int m, int keep,
     const void* s0, const void* s1, const void* s2, const void* s3, void* d0, void* d1, void* d2, void* d3, void* d4,
     void* d5, void* d6, void* d7, void* d8, void* d9, void* d10, void* d11, void* d12, void* d13, void* d14,
     void* d15) {
-  const uint4 r0 = *reinterpret_cast<const uint4*>(s0), r1 = *reinterpret_cast<const uint4*>(s1);
-  const uint4 r2 = *reinterpret_cast<const uint4*>(s2), r3 = *reinterpret_cast<const uint4*>(s3);
+  // tokens r >= keep are past the chunk: their slots hold arbitrary bits (a NaN code, say), and a probability of 0
+  // times NaN is NaN in the value gemm, so they are written as 0 (the gates' hostile pools caught it, run 16)
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  const uint4 r0 = keep > 0 ? *reinterpret_cast<const uint4*>(s0) : zero;
+  const uint4 r1 = keep > 1 ? *reinterpret_cast<const uint4*>(s1) : zero;
+  const uint4 r2 = keep > 2 ? *reinterpret_cast<const uint4*>(s2) : zero;
+  const uint4 r3 = keep > 3 ? *reinterpret_cast<const uint4*>(s3) : zero;
   const unsigned int a[4] = {r0.x, r0.y, r0.z, r0.w}, b[4] = {r1.x, r1.y, r1.z, r1.w};
   const unsigned int c[4] = {r2.x, r2.y, r2.z, r2.w}, e[4] = {r3.x, r3.y, r3.z, r3.w};
   unsigned int out[16];  // out[q]: column q, the 4 tokens
@@ -144,28 +149,28 @@ def transpose_v_macro(block_n: int, threads: int, kind: str = "t16x4"):
     assert tok_blocks * col_blocks == threads and kind in ("t16x4", "t4x16")
 
     @T.macro
-    def transpose_panel(stored, v_t, d0, first, last):
+    def transpose_panel(stored, v_t, d0, first, last, tokens_left):
         for i, j in T.Parallel(tok_blocks, col_blocks):
-            if kind == "t16x4":
+            if kind == "t16x4":  # (run 12: no zeroing of the tokens past the chunk; probe pools have no NaN slots)
                 T.call_extern("handle", TRANSPOSE_FN, int(first), int(last), TRANSPOSE_BARRIER_ID, threads,
                               *[T.address_of(stored[i * 16 + r, j * 4]) for r in range(16)],
                               *[T.address_of(v_t[d0 + j * 4 + q, i * 16]) for q in range(4)])
             else:
                 T.call_extern("handle", "foldkv_e4m3_t4x16", int(first), int(last), TRANSPOSE_BARRIER_ID, threads,
-                              j % 8, *[T.address_of(stored[i * 4 + r, j * 16]) for r in range(4)],
+                              j % 8, tokens_left() - i * 4, *[T.address_of(stored[i * 4 + r, j * 16]) for r in range(4)],
                               *[T.address_of(v_t[d0 + j * 16 + T.bitwise_xor(n, j % 8), i * 4]) for n in range(16)])
 
     @T.macro
-    def transpose_v(panels, v_t):
+    def transpose_v(panels, v_t, tokens_left):
         for n, stored in enumerate(panels):
-            transpose_panel(stored, v_t, n * FP8_PANEL, n == 0, n == len(panels) - 1)
+            transpose_panel(stored, v_t, n * FP8_PANEL, n == 0, n == len(panels) - 1, tokens_left)
 
     return transpose_v
 
 
 def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, num_stages: int = 2,
             block_h: int = 16, reduce_batch: int = 4, ctas_per_sm: int = 1, transpose: str = "none",
-            precise: bool = False):
+            precise: bool = False, panel_acc: bool = False):
     """The probe's prim_func, the library FP8 partial's argument list (a drop-in for decode_partial_folded_fp8).
     transpose: "none" (V^T unwritten), "t16x4" or "t4x16" (transpose_v_macro). precise: the query and P each as two
     e4m3 parts (hi + lo / 16) in the 16 rows of wgmma's N (8 query heads, rows 8-15 the lo parts), with a per-head
@@ -221,6 +226,7 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
             q_gain = T.alloc_shared((block_h,), f32)  # precise: per head, 448 / max |q|
             q_inv = T.alloc_shared((block_h,), f32)  # precise: per head, max |q| / 448
             acc_s = T.alloc_fragment((block_n, block_h), f32)
+            acc_p = T.alloc_fragment((block_n, block_h), f32)  # panel_acc: one panel's scores
             acc_o_tile = T.alloc_fragment((d, block_h), f32)
             # precise: the score and output pieces of the lo rows (columns 8-15) brought to columns 0-7 (a loop may
             # index a fragment one way only), and the running output and softmax state over the 8 heads
@@ -278,10 +284,17 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
                     T.copy(pool[page, kvh, off:off + block_n, sp[1]:sp[1] + FP8_PANEL], sp[0])
                 T.copy(scales[page, kvh, off:off + block_n], scale_s)
                 if transpose != "none":
-                    transpose_v(stored[panels - score_panels:], v_t)
-                T.clear(acc_s)
-                for pair in list(zip(stored, q8)):
-                    T.gemm(pair[0], pair[1], acc_s, transpose_B=True)  # S^T [N, 16] += K8 Q8^T (FP8 wgmma)
+                    transpose_v(stored[panels - score_panels:], v_t, lambda: n_tok - k * block_n)
+                if panel_acc:  # each panel's 4 k32 steps into a fresh accumulator, the panels added in float32
+                    T.clear(acc_s)
+                    for pair in list(zip(stored, q8)):
+                        T.gemm(pair[0], pair[1], acc_p, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(block_n, block_h):
+                            acc_s[i, j] += acc_p[i, j]
+                else:
+                    T.clear(acc_s)
+                    for pair in list(zip(stored, q8)):
+                        T.gemm(pair[0], pair[1], acc_s, transpose_B=True)  # S^T [N, 16] += K8 Q8^T (FP8 wgmma)
                 if precise:
                     for i, j in T.Parallel(block_n, group):
                         s_lo[i, j] = acc_s[i, j + group]
@@ -335,10 +348,11 @@ def build(geom: AttentionGeometry, **tiling):
     tilelang = require_tilelang()
 
     @tilelang.jit(target=target(), pass_configs=pass_configs())
-    def probe(page_size, block_n, num_stages, block_h, reduce_batch, ctas_per_sm, transpose, precise):
+    def probe(page_size, block_n, num_stages, block_h, reduce_batch, ctas_per_sm, transpose, precise, panel_acc):
         return program(geom, page_size=page_size, block_n=block_n, num_stages=num_stages, block_h=block_h,
-                       reduce_batch=reduce_batch, ctas_per_sm=ctas_per_sm, transpose=transpose, precise=precise)
+                       reduce_batch=reduce_batch, ctas_per_sm=ctas_per_sm, transpose=transpose, precise=precise,
+                       panel_acc=panel_acc)
 
     cfg = {**dict(page_size=64, block_n=64, num_stages=2, block_h=16, reduce_batch=4, ctas_per_sm=1,
-                  transpose="none", precise=False), **tiling}
+                  transpose="none", precise=False, panel_acc=False), **tiling}
     return probe(**cfg)
