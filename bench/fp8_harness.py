@@ -168,7 +168,8 @@ def main(argv=None):
             with open(args.json, "w") as fh:
                 json.dump(jsonable({"env": environment(device), "provenance": provenance(), "roof": roof,
                                     "cells": cells}), fh, indent=1, allow_nan=False)
-    print(f"\n{'case':<20} {'arm':<17} {'us':>9} {'x own read':>10} {'x bf16 fold':>11} {'fi_tc_fp8 x':>11} check")
+    print(f"\n{'case':<20} {'arm':<17} {'us':>9} {'x own read':>10} {'x bf16 fold':>11} {'fi_tc_fp8 x':>11} check"
+          f" (output rel, LSE max abs, ok)")
     for c in cells:
         ok = {n: a for n, a in c["arms"].items() if a["status"] == "ok"}
         us = lambda n: ok.get(n, {}).get("us", {}).get("median")  # noqa: E731
@@ -181,7 +182,8 @@ def main(argv=None):
             print(f"{c['cell']:<20} {n:<17} {m:9.1f} {m / read if read else float('nan'):10.2f} "
                   f"{m / us('folded_jit') if us('folded_jit') else float('nan'):11.2f} "
                   f"{us('fi_tc_fp8') / m if us('fi_tc_fp8') else float('nan'):11.2f} "
-                  f"{a['check'].get('rel_err', float('nan')):.1e} {a['check'].get('ok')}")
+                  f"{a['check'].get('rel_err', float('nan')):.1e} {a['check'].get('lse_max_abs_err', float('nan')):.1e}"
+                  f" {a['check'].get('ok')}")
     return 0
 
 

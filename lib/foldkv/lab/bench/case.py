@@ -217,7 +217,7 @@ class AttentionCase:
 
     def reference(self, kind: str = "split") -> dict:
         """`foldkv.paged_attention_reference` (float64) for the check rows: {"rows": idx [m], "out": [m, Hq, D]
-        float64 head order}, over the pool of `kind`: "split" (bf16, the truth every bf16 arm is held to),
+        float64 head order, "lse": [m, Hq] float64 natural log}, over the pool of `kind`: "split" (bf16, the truth every bf16 arm is held to),
         "folded_fp8" (foldkv's FP8 pool, dequantized) or "split_fp8" (FlashInfer's e4m3 pool, dequantized with its
         per-tensor scales). A checked row at position p of request r is asked as a one-query request over r's pages
         holding p + 1 tokens: the same causal answer, without the full chunk's score matrix."""
@@ -234,8 +234,8 @@ class AttentionCase:
                 pool = self.pools(KvFormat.FOLDED, FP8_DTYPE)[0]
             else:
                 pool = self._split_from_fi_fp8()
-            out, _ = paged_attention_reference(pool, query, sub, fmt=fmt)
-            self._reference[kind] = {"rows": rows, "out": out}
+            out, lse = paged_attention_reference(pool, query, sub, fmt=fmt)
+            self._reference[kind] = {"rows": rows, "out": out, "lse": lse}
         return self._reference[kind]
 
     def _split_from_fi_fp8(self) -> PagedKvPool:
