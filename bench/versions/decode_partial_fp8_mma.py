@@ -157,7 +157,8 @@ def transpose_v_macro(block_n: int, threads: int, kind: str = "t16x4"):
                               *[T.address_of(v_t[d0 + j * 4 + q, i * 16]) for q in range(4)])
             else:
                 T.call_extern("handle", "foldkv_e4m3_t4x16", int(first), int(last), TRANSPOSE_BARRIER_ID, threads,
-                              j % 8, tokens_left() - i * 4, *[T.address_of(stored[i * 4 + r, j * 16]) for r in range(4)],
+                              j % 8, tokens_left() - i * 4,
+                              *[T.address_of(stored[i * 4 + r, j * 16]) for r in range(4)],
                               *[T.address_of(v_t[d0 + j * 16 + T.bitwise_xor(n, j % 8), i * 4]) for n in range(16)])
 
     @T.macro

@@ -21,8 +21,9 @@ def online_softmax_macro(key_dim: int, *, scale: float = LOG2E, fold_scale: bool
     """One key tile of the online softmax, in the exp2 domain: `scores` [rows, cols] holds one tile's scores with the
     keys along `key_dim` (0: token-major S^T, the decode partial; 1: S, the prefill); the running max and
     denominator (one per query) are updated, `rescale` gets the factor the output accumulator must be multiplied
-    by, and the probabilities go to `p_shared` (the next gemm's operand; None: left in `scores`), each key's times `key_weight(key)` when that
-    function is given (a Python function of the key index: the denominators stay those of the probabilities).
+    by, and the probabilities go to `p_shared` (the next gemm's operand; None: left in `scores`), each key's times
+    `key_weight(key)` when that function is given (a Python function of the key index: the denominators stay those of
+    the probabilities).
 
     fold_scale: exp2(s * scale - max * scale) (one FMA per score, the prefill) instead of exp2((s - max) * scale).
     reduce_batch: how many of a thread's queries each cross-thread reduction carries at once (TileLang's `batch`: they

@@ -217,10 +217,10 @@ class AttentionCase:
 
     def reference(self, kind: str = "split") -> dict:
         """`foldkv.paged_attention_reference` (float64) for the check rows: {"rows": idx [m], "out": [m, Hq, D]
-        float64 head order, "lse": [m, Hq] float64 natural log}, over the pool of `kind`: "split" (bf16, the truth every bf16 arm is held to),
-        "folded_fp8" (foldkv's FP8 pool, dequantized) or "split_fp8" (FlashInfer's e4m3 pool, dequantized with its
-        per-tensor scales). A checked row at position p of request r is asked as a one-query request over r's pages
-        holding p + 1 tokens: the same causal answer, without the full chunk's score matrix."""
+        float64 head order, "lse": [m, Hq] float64 natural log}, over the pool of `kind`: "split" (bf16, the truth
+        every bf16 arm is held to), "folded_fp8" (foldkv's FP8 pool, dequantized) or "split_fp8" (FlashInfer's e4m3
+        pool, dequantized with its per-tensor scales). A checked row at position p of request r is asked as a one-query
+        request over r's pages holding p + 1 tokens: the same causal answer, without the full chunk's score matrix."""
         if kind not in self._reference:
             table, rows = self.table_cpu, self.check_rows()
             request = torch.repeat_interleave(torch.arange(len(self.q_lens)), torch.tensor(self.q_lens))  # [T]
