@@ -51,7 +51,8 @@ def effective_query(query: torch.Tensor) -> torch.Tensor:
 
 def launcher(kernel):
     def launch(inputs, out, lse):
-        plan = plan_decode(inputs.pool.layout, inputs.case.seq_lens, device=inputs.pool.device, num_sms=264,
+        slots = MMA["ctas_per_sm"] * torch.cuda.get_device_properties(inputs.pool.device).multi_processor_count
+        plan = plan_decode(inputs.pool.layout, inputs.case.seq_lens, device=inputs.pool.device, num_sms=slots,
                            chunk_tokens=inputs.case.chunk_tokens, merge_group=inputs.case.merge_group)
         return decode(inputs.pool, inputs.query, inputs.table, plan=plan, out=out, lse=lse,
                       kernels={"decode_partial_folded_fp8": kernel})

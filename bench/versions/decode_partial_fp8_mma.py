@@ -42,7 +42,7 @@ P_GAIN = 4096.0
 # constant where a real kernel would scale each head by its largest element.
 Q_GAIN = 64.0
 TRANSPOSE_FN = "foldkv_e4m3_t16x4"
-TRANSPOSE_BARRIER_ID = 7  # the library conversion's barrier id (macros.CONVERT_BARRIER_ID): unused by TileLang
+TRANSPOSE_BARRIER_ID = macros.CONVERT_BARRIER_ID  # the library conversion's named barrier: unused by TileLang
 TRANSPOSE_SOURCE = r"""
 // rows a, b, c, d of a 4 x 4 byte block in, its columns out
 __device__ __forceinline__ void foldkv_t4x4(unsigned int a, unsigned int b, unsigned int c, unsigned int d,
@@ -191,10 +191,17 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
     score_panels = d // FP8_PANEL
     online_softmax = macros.online_softmax_macro(key_dim=0, reduce_batch=reduce_batch)
     mask_scores = macros.mask_scores_macro()
+    share_sm_registers = macros.share_sm_registers_macro(ctas_per_sm, threads) if ctas_per_sm > 1 else None
     assert transpose in ("none", "t16x4", "t4x16")
     transpose_v = transpose_v_macro(block_n, threads, "t16x4" if transpose == "none" else transpose)
     assert not precise or 2 * group == block_h
     lo = 1.0 / 16.0  # the lo part is stored times 16 (e4m3 keeps 3 fraction bits: the hi part's error is < 2^-4 of it)
+
+    def hi_part(x):  # x ~ hi + lo / 16: the two e4m3 parts of a float32 expression
+        return T.cast(x, e4m3)
+
+    def lo_part(x):
+        return T.cast((x - T.cast(T.cast(x, e4m3), f32)) * 16.0, e4m3)
 
     @T.prim_func
     def decode_partial(
@@ -212,10 +219,7 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
             if transpose != "none" or precise:
                 T.import_source(TRANSPOSE_SOURCE)
             if ctas_per_sm > 1:
-                T.annotate_min_blocks_per_sm(ctas_per_sm)
-                per_thread = 65536 // ctas_per_sm // (threads + 128)
-                T.annotate_producer_reg_dealloc(24)
-                T.annotate_consumer_reg_alloc(min((per_thread * (threads + 128) - 24 * 128) // threads // 8 * 8, 240))
+                share_sm_registers()
             q_s = T.alloc_shared((block_h, d), bf16)
             q8 = [IRBuilder.name(f"q8_{p}", T.alloc_shared((block_h, FP8_PANEL), e4m3)) for p in range(score_panels)]
             stored = [IRBuilder.name(f"stored_{p}", T.alloc_shared((block_n, FP8_PANEL), e4m3))
@@ -263,12 +267,8 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
                     q_inv[h] = amax[0] * (1.0 / 448.0)
                 for qp in [(t, n * FP8_PANEL) for n, t in enumerate(q8)]:  # a list, not range(): range is a TIR loop
                     for i, j in T.Parallel(block_h, FP8_PANEL):
-                        qp[0][i, j] = T.if_then_else(
-                            i < group,
-                            T.cast(T.cast(q_s[i % group, qp[1] + j], f32) * q_gain[i % group], e4m3),
-                            T.cast((T.cast(q_s[i % group, qp[1] + j], f32) * q_gain[i % group]
-                                    - T.cast(T.cast(T.cast(q_s[i % group, qp[1] + j], f32) * q_gain[i % group],
-                                                    e4m3), f32)) * 16.0, e4m3))
+                        x = T.cast(q_s[i % group, qp[1] + j], f32) * q_gain[i % group]  # an expression, inlined
+                        qp[0][i, j] = T.if_then_else(i < group, hi_part(x), lo_part(x))
             else:
                 for qp in [(t, n * FP8_PANEL) for n, t in enumerate(q8)]:
                     for i, j in T.Parallel(block_h, FP8_PANEL):
@@ -317,10 +317,9 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
                                lambda i: T.if_then_else(k * block_n + i < n_tok, scale_s[i] * tile_gain[0], 0.0))
                 if precise:  # rows 0-7 of P^T: P's hi part; rows 8-15: its lo part, times 16
                     for i, j in T.Parallel(block_n, group):
-                        p8[j, i] = T.cast(scores[i, j], e4m3)
+                        p8[j, i] = hi_part(scores[i, j])
                     for i, j in T.Parallel(block_n, group):
-                        p8[j + group, i] = T.cast((scores[i, j] - T.cast(T.cast(scores[i, j], e4m3), f32)) * 16.0,
-                                                  e4m3)
+                        p8[j + group, i] = lo_part(scores[i, j])
                 else:
                     for i, j in T.Parallel(block_n, block_h):
                         p8[j, i] = T.cast(scores[i, j], e4m3)

@@ -199,6 +199,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     mask_scores = macros.mask_scores_macro()
     zero_rows = macros.zero_rows_macro()
     convert_e4m3 = macros.convert_e4m3_macro(block_n, FP8_PANEL, threads)
+    share_sm_registers = macros.share_sm_registers_macro(ctas_per_sm, threads) if ctas_per_sm > 1 else None
     assert e4m3_convert in ("bits", "cvt")
 
     @T.macro
@@ -207,12 +208,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
             if fp8 and e4m3_convert == "bits":
                 T.import_source(macros.E4M3_TO_BF16_SOURCE)
             if ctas_per_sm > 1:
-                T.annotate_min_blocks_per_sm(ctas_per_sm)
-                # per CTA 65,536 / ctas_per_sm registers: the producer warpgroup keeps 24, the consumers share the rest
-                per_thread = 65536 // ctas_per_sm // (threads + 128)
-                consumer = (per_thread * (threads + 128) - 24 * 128) // threads // 8 * 8
-                T.annotate_producer_reg_dealloc(24)
-                T.annotate_consumer_reg_alloc(min(consumer, 240))
+                share_sm_registers()
             parts = format_parts()
             p_shared = T.alloc_shared((block_n, block_h), bf16)  # P^T [N, 16], the B operand of O^T += V^T P^T
             acc_s = T.alloc_fragment((block_n, block_h), f32)  # S^T [N, 16] scores, then probabilities

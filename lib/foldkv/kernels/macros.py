@@ -1,5 +1,6 @@
 """TileLang parts shared by the kernels: online softmax in the exp2 domain, masking a tile's rows or scores, the decode
-query load, the RoPE rotation of one rotate_half pair, and the exact e4m3 -> bf16 conversion of the FP8 kernels.
+query load, the RoPE rotation of one rotate_half pair, the exact e4m3 -> bf16 conversion of the FP8 kernels, and the
+register split of a warp-specialised kernel run several CTAs to an SM.
 
 Each `*_macro` function returns a `@T.macro` for the given constants (TileLang is imported when it is called, never at
 module import). Macro arguments are buffers or Python values: a TIR variable passed to a macro is renamed after the
@@ -57,6 +58,25 @@ def online_softmax_macro(key_dim: int, *, scale: float = LOG2E, fold_scale: bool
             T.copy(scores, p_shared)
 
     return online_softmax
+
+
+def share_sm_registers_macro(ctas_per_sm: int, consumer_threads: int):
+    """Inside a warp-specialised T.Kernel (one producer warpgroup, `consumer_threads` consumer threads): let
+    `ctas_per_sm` CTAs share an SM's 65,536 registers (`__launch_bounds__`' second argument; the producer warpgroup
+    keeps 24 registers a thread after setmaxnreg, the consumers share the rest, at most 240). Call it only when
+    ctas_per_sm > 1 (one CTA: TileLang's own register split)."""
+    import tilelang.language as T
+
+    per_thread = 65536 // ctas_per_sm // (consumer_threads + 128)
+    consumer = (per_thread * (consumer_threads + 128) - 24 * 128) // consumer_threads // 8 * 8
+
+    @T.macro
+    def share_sm_registers():
+        T.annotate_min_blocks_per_sm(ctas_per_sm)
+        T.annotate_producer_reg_dealloc(24)
+        T.annotate_consumer_reg_alloc(min(consumer, 240))
+
+    return share_sm_registers
 
 
 def mask_scores_macro():
