@@ -28,7 +28,8 @@ from foldkv.lab.jsonsafe import jsonable
 from foldkv.lab.report import environment
 from foldkv.provenance import provenance
 from foldkv.pool import BlockTable, PagedKvLayout
-from versions import decode_partial_fp8_mma, decode_partial_fp8_probe, decode_partial_fp8_rs  # bench/versions/
+from foldkv.lab.arms import ArmUnavailable
+from versions import decode_fused_tail, decode_partial_fp8_mma, decode_partial_fp8_probe, decode_partial_fp8_rs  # bench/versions/
 
 
 def partial_variant(name: str, what: str, build: Callable[[], object], fp8: bool = True,
@@ -99,7 +100,33 @@ def _fp8_mma(name: str, transpose: str, two: bool, precise: bool = False) -> Arm
 FP8_MMA = [_fp8_mma(name, t, two, p) for name, t, p in (("fp8_mma", "none", False), ("fp8_mma_t", "t16x4", False),
                                                         ("fp8_mma_t4", "t4x16", False), ("fp8_mma_t4p", "t4x16", True))
            for two in (False, True)]
-ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA,
+# run 12: one launch per step, the partial merging its own request-head at its tail (bench/versions/decode_fused_tail.py)
+def _fused(fmt: KvFormat) -> ArmSpec:
+    def build(case):
+        from foldkv.kernels.plan import plan_decode
+        from foldkv.lab.bench.arms import ArmImpl, guarded_outputs
+
+        pools, query = case.pools(fmt), case.query(fmt)
+        out, lse, guards = guarded_outputs(query)
+        kernel = decode_fused_tail.build(G, fmt)
+        plan = plan_decode(pools[0].layout, case.table_cpu.seq_lens, device=case.device)
+        sms = torch.cuda.get_device_properties(case.device).multi_processor_count
+        try:
+            tail = decode_fused_tail.tail_tensors(plan, sms)
+        except ValueError as exc:
+            raise ArmUnavailable(str(exc)) from None
+        table = case.table
+        calls = [lambda p=p: kernel(query, p.data, table.page_ids, plan.chunk_req, plan.chunk_start, plan.chunk_len,
+                                    tail["merge_first"], tail["merge_count"], plan.part_o, plan.part_lse,
+                                    tail["counters"], plan.value_head_column, out, lse) for p in pools]
+        return ArmImpl(calls, out, graph=True, info={"chunks": plan.num_chunks}, lse=lse, guards=guards,
+                       keep=(plan, tail))
+    return ArmSpec(f"{fmt.value}_fused", f"{fmt.value} decode in one launch: the partial merges at its tail",
+                   fmt.value, False, build, generated=True)
+
+
+FUSED = [_fused(KvFormat.FOLDED), _fused(KvFormat.SPLIT)]
+ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA, *FUSED,
         "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 
 
@@ -141,6 +168,8 @@ def main(argv=None):
                     "minutes on a fresh machine)")
     ap.add_argument("--batches", nargs="*", default=list(BATCHES), help="serving cases (foldkv.lab.bench.case)")
     ap.add_argument("--single", nargs="*", type=int, default=list(SINGLE), help="lengths of one-request cases")
+    ap.add_argument("--lens", nargs="*", default=[], help="more cases, each a comma-separated list of request lengths"
+                    " (e.g. 1,63,65,10602)")
     ap.add_argument("--arms", nargs="*", default=None, help="only these arms (names), e.g. folded_jit fp8_rs")
     ap.add_argument("--resident-pages", type=int, default=None, help="map every request's pages onto this many "
                     "physical pages (held in L2; ResidentCase): the per-tile cost without the DRAM stream")
@@ -149,7 +178,8 @@ def main(argv=None):
     roof = measure_read_roof(device)
     print(f"read roof measured: {roof['gbps']:.0f} GB/s ({roof['method']})", flush=True)
     cases = {**{f"single{n}": [n] for n in args.single},
-             **(serving_cases(0, tuple(args.batches)) if args.batches else {})}  # no names: none (not all)
+             **(serving_cases(0, tuple(args.batches)) if args.batches else {}),  # no names: none (not all)
+             **{f"lens{i}": [int(n) for n in spec.split(",")] for i, spec in enumerate(args.lens)}}
     cells = []
     for name, lens in cases.items():
         if args.resident_pages:

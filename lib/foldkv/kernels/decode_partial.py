@@ -36,9 +36,11 @@ from ..config import GEMMA4_31B, AttentionGeometry
 from ..layout import KvFormat, row_width
 from . import macros, registry
 from .macros import Convert
+from .merge import _merge_partials_macro
 from .registry import hands_out
 from .tl import pass_configs, require_tilelang, target
 
+PRODUCER_THREADS = 128  # TileLang's warp specialisation: the producer warpgroup is threads [0, 128), consumers after
 FP8_PANEL = 128  # columns of an FP8 row loaded per shared tile: 128 bytes, the widest TMA box with 128-byte swizzle
 # The registered tiling of each format (registry.py says why these).
 DEFAULTS = {fmt: dict(registry.get(f"decode_partial_{fmt.value}").params) for fmt in KvFormat}
@@ -168,7 +170,8 @@ def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, blo
 
 def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_n: int = 64,
                            num_stages: int = 1, threads: int = 128, block_h: int = 16, fp8: bool = False,
-                           e4m3_convert: str = "bits", reduce_batch: int = 1, ctas_per_sm: int = 1):
+                           e4m3_convert: str = "bits", reduce_batch: int = 1, ctas_per_sm: int = 1,
+                           tail_merge: bool = False, tail_unroll: int = 33):
     """The TileLang prim_func of the partial kernel for one geometry, page format and tiling; `fp8`: over an FP8
     folded pool (its scales an extra argument after the pool), its e4m3 panels converted to bf16 by
     `macros.convert_e4m3_macro` ("bits") or TileLang's element conversion ("cvt"); `reduce_batch`: the softmax's
@@ -201,12 +204,18 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     convert_e4m3 = macros.convert_e4m3_macro(block_n, FP8_PANEL, threads)
     share_sm_registers = macros.share_sm_registers_macro(ctas_per_sm, threads) if ctas_per_sm > 1 else None
     assert e4m3_convert in ("bits", "cvt")
+    if tail_merge and (fp8 or ctas_per_sm > 1):
+        raise ValueError("tail_merge: bf16 pools and one CTA per SM only")
+    # the fused tail: each member merges a slice of its request-head's columns, `tail_unroll` partials per round trip
+    merge_members = _merge_partials_macro(1, via_group_first=False, per_trip=tail_unroll) if tail_merge else None
 
     @T.macro
-    def partial(query, pool, scales, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse):
+    def partial(query, pool, scales, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse, tail=None):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
             if fp8 and e4m3_convert == "bits":
                 T.import_source(macros.E4M3_TO_BF16_SOURCE)
+            if tail_merge:
+                T.import_source(macros.TAIL_SOURCE)
             if ctas_per_sm > 1:
                 share_sm_registers()
             parts = format_parts()
@@ -231,6 +240,9 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
             start = chunk_start[c]
             n_tok = chunk_len[c]
             load_query(query, req, kvh, parts.query)
+            if tail_merge:  # the release flag, read before this CTA counts itself in (macros.TAIL_SOURCE)
+                seen = T.alloc_var(i32)
+                seen = T.call_extern("int32", macros.TAIL_FLAG_FN, tail["counters"].data, (req * hkv + kvh) * 2)
             for out in parts.values:
                 T.fill(out.other, 0)
             T.fill(denom, 0)
@@ -286,6 +298,29 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
             for j in T.Parallel(block_h):
                 if j < group:
                     part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * scale
+            if tail_merge:
+                members = tail["merge_count"][c]
+                T.call_extern("handle", macros.TAIL_HAND_OFF_FN, tail["counters"].data, (req * hkv + kvh) * 2, members,
+                              seen, PRODUCER_THREADS, macros.TAIL_BARRIER_ID, threads)
+                # this member's columns of the request-head's group x D, [lo, hi) (variables: computed once)
+                first, lo, hi, col, h, p = (T.alloc_var(i32) for _ in range(6))
+                first = tail["merge_first"][c]
+                lo = (c - first) * (group * d) // members
+                hi = (c - first + 1) * (group * d) // members
+                ctx = T.get_thread_binding(0)  # consumer-relative: the warp specialisation rebases it
+                acc = T.alloc_local((1,), f32)
+                lse_blk = T.alloc_local((tail_unroll,), f32)
+                o_blk = T.alloc_local((tail_unroll, 1), f32)
+                state = T.alloc_local((2,), f32)
+                for s in T.serial(T.ceildiv(hi - lo, threads)):
+                    col = lo + s * threads + ctx
+                    if col < hi:
+                        h = kvh * group + col // d
+                        p = col % d
+                        merge_members(part_o, part_lse, None, h, p, first, members, acc, lse_blk, o_blk, state)
+                        tail["out"][req, h, tail["value_head_column"][p]] = T.cast(acc[0] / state[1], bf16)
+                        if p == 0:
+                            tail["lse"][req, h] = (T.log2(state[1]) + state[0]) * macros.LN2
 
     if fp8:
         @T.prim_func
@@ -303,6 +338,30 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
             partial(query, pool, scales, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse)
 
         return decode_partial.with_attr("global_symbol", f"decode_partial_{fmt.value}_fp8")
+
+    if tail_merge:
+        @T.prim_func
+        def decode_fused(
+            query: T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] query in the format's form
+            pool: T.Tensor((num_pages, hkv, page_size, width), bf16),  # [P, Hkv, page, W]
+            page_ids: T.Tensor((batch, max_pages), i32),  # [B, MP]
+            chunk_req: T.Tensor((num_chunks,), i32),  # [C] request of chunk c
+            chunk_start: T.Tensor((num_chunks,), i32),  # [C] first token (multiple of page_size)
+            chunk_len: T.Tensor((num_chunks,), i32),  # [C] tokens in the chunk (>= 1)
+            merge_first: T.Tensor((num_chunks,), i32),  # [C] first slot of chunk c's request (its chunks: consecutive)
+            merge_count: T.Tensor((num_chunks,), i32),  # [C] chunks of that request
+            part_o: T.Tensor((num_chunks, hq, d), f32),  # [C, Hq, D] value-window order
+            part_lse: T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
+            counters: T.Tensor((batch, hkv, 2), i32),  # [B, Hkv, 2] arrivals (0 between launches), release flag
+            value_head_column: T.Tensor((d,), i32),  # [D] head column of value-window position p
+            out: T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] head order
+            lse: T.Tensor((batch, hq), f32),  # [B, Hq] natural log
+        ):
+            partial(query, pool, None, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse,
+                    dict(merge_first=merge_first, merge_count=merge_count, counters=counters,
+                         value_head_column=value_head_column, out=out, lse=lse))
+
+        return decode_fused.with_attr("global_symbol", f"decode_fused_{fmt.value}")
 
     @T.prim_func
     def decode_partial(

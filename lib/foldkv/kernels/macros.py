@@ -186,6 +186,54 @@ __device__ __forceinline__ void foldkv_e4m3x8_to_bf16(int first, int last, int b
 """
 
 
+# The hand-off of a fused decode's tail merge (decode_partial_program(tail_merge=True)): the CTAs of one request and
+# KV head (its chunks, all resident at once: the plan is one wave) each write their partial, count themselves in, and
+# wait until the last one has; then each merges a slice of the request's columns from every member's partial. The
+# counter pair per (request, KV head) is [arrivals, release flag]: the last arrival puts arrivals back to 0 (the next
+# launch starts from there) and changes the flag, which every waiter read before it arrived. A member that waits
+# 2^22 polls (seconds, against at most ~10 ms for the longest chunk: a plan that was not one wave, or another kernel
+# holding the SMs for good) traps instead of hanging the device.
+TAIL_FLAG_FN = "foldkv_tail_flag"
+TAIL_HAND_OFF_FN = "foldkv_tail_hand_off"
+TAIL_SOURCE = r"""
+__device__ __forceinline__ int foldkv_tail_flag(const int* counters, int pair) {
+  const int* flag = counters + pair + 1;
+  int v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+  return v;
+}
+// Called by every consumer thread once its share of the partial is stored; `leader` is the first consumer thread.
+// (`counters` arrives const: TileLang sees the kernel write it nowhere else)
+__device__ __forceinline__ void foldkv_tail_hand_off(const int* counters, int pair, int members, int seen, int leader,
+                                                     int barrier_id, int threads) {
+  int* counter = const_cast<int*>(counters) + pair;
+  asm volatile("bar.sync %0, %1;" : : "r"(barrier_id), "r"(threads) : "memory");
+  if ((int)threadIdx.x == leader) {
+    __threadfence();  // release this CTA's partial (its threads' stores are ordered before the barrier)
+    const int arrived = atomicAdd(counter, 1);
+    if (arrived == members - 1) {  // the last member
+      __threadfence();  // acquire the other members' partials
+      counter[0] = 0;
+      __threadfence();
+      asm volatile("st.release.gpu.global.b32 [%0], %1;" : : "l"(counter + 1), "r"(seen + 1) : "memory");
+    } else {
+      long long polls = 0;
+      int flag = seen;
+      while (flag == seen) {
+        __nanosleep(32);
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(flag) : "l"(counter + 1) : "memory");
+        if (++polls == (1LL << 22)) __trap();
+      }
+    }
+  }
+  asm volatile("bar.sync %0, %1;" : : "r"(barrier_id), "r"(threads) : "memory");
+  asm volatile("fence.acq_rel.gpu;" : : : "memory");  // every thread then reads the members' partials from L2
+}
+"""
+# its named barrier over the consumer threads (not the conversion's: an FP8 kernel has both)
+TAIL_BARRIER_ID = 8
+
+
 # The named barrier of the conversion (E4M3_TO_BF16_SOURCE): 0 is __syncthreads and TileLang's pipelines use low ids;
 # the barrier is over the converting (consumer) threads only, so it must be one nothing else uses.
 CONVERT_BARRIER_ID = 7
