@@ -40,6 +40,9 @@ from .merge import _merge_partials_macro
 from .registry import hands_out
 from .tl import pass_configs, require_tilelang, target
 
+# the fused tail (tail_merge): a request-head of at most TAIL_FEW_MEMBERS chunks merges 4 columns a thread, 8 members
+# a round trip; more (up to one wave: 132 SMs / 4 KV heads = 33 chunks), 2 columns a thread, all members at once
+TAIL_FEW_MEMBERS, TAIL_MAX_MEMBERS = 8, 33
 PRODUCER_THREADS = 128  # TileLang's warp specialisation: the producer warpgroup is threads [0, 128), consumers after
 FP8_PANEL = 128  # columns of an FP8 row loaded per shared tile: 128 bytes, the widest TMA box with 128-byte swizzle
 # The registered tiling of each format (registry.py says why these).
@@ -171,7 +174,7 @@ def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, blo
 def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_n: int = 64,
                            num_stages: int = 1, threads: int = 128, block_h: int = 16, fp8: bool = False,
                            e4m3_convert: str = "bits", reduce_batch: int = 1, ctas_per_sm: int = 1,
-                           tail_merge: bool = False, tail_unroll: int = 33):
+                           tail_merge: bool = False):
     """The TileLang prim_func of the partial kernel for one geometry, page format and tiling; `fp8`: over an FP8
     folded pool (its scales an extra argument after the pool), its e4m3 panels converted to bf16 by
     `macros.convert_e4m3_macro` ("bits") or TileLang's element conversion ("cvt"); `reduce_batch`: the softmax's
@@ -206,8 +209,33 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     assert e4m3_convert in ("bits", "cvt")
     if tail_merge and (fp8 or ctas_per_sm > 1):
         raise ValueError("tail_merge: bf16 pools and one CTA per SM only")
-    # the fused tail: each member merges a slice of its request-head's columns, `tail_unroll` partials per round trip
-    merge_members = _merge_partials_macro(1, via_group_first=False, per_trip=tail_unroll) if tail_merge else None
+    # the fused tail: each member merges a slice of its request-head's group x D columns from every member's partial;
+    # (columns per thread, members per round trip) by how many members there are: few members, wide slices
+    tail_paths = ((TAIL_FEW_MEMBERS, 4, TAIL_FEW_MEMBERS), (None, 2, TAIL_MAX_MEMBERS))
+    tail_merges = [_merge_partials_macro(vec, via_group_first=False, per_trip=trip) for _, vec, trip in tail_paths] \
+        if tail_merge else []
+
+    @T.macro
+    def tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, vec, trip, merge_members):
+        """This CTA's columns [lo, hi) of its request-head's group x D (multiples of `vec`), `vec` per thread."""
+        lo, hi, col, h, p = (T.alloc_var(i32) for _ in range(5))
+        lo = (c - first) * (group * d) // members // vec * vec
+        hi = (c - first + 1) * (group * d) // members // vec * vec
+        ctx = T.get_thread_binding(0)  # consumer-relative: the warp specialisation rebases it
+        acc = T.alloc_local((vec,), f32)
+        lse_blk = T.alloc_local((trip,), f32)
+        o_blk = T.alloc_local((trip, vec), f32)
+        state = T.alloc_local((2,), f32)
+        for s in T.serial(T.ceildiv(hi - lo, threads * vec)):
+            col = lo + (s * threads + ctx) * vec
+            if col < hi:
+                h = kvh * group + col // d
+                p = col % d
+                merge_members(part_o, part_lse, None, h, p // vec, first, members, acc, lse_blk, o_blk, state)
+                for j in T.serial(vec):
+                    tail["out"][req, h, tail["value_head_column"][p + j]] = T.cast(acc[j] / state[1], bf16)
+                if p == 0:
+                    tail["lse"][req, h] = (T.log2(state[1]) + state[0]) * macros.LN2
 
     @T.macro
     def partial(query, pool, scales, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse, tail=None):
@@ -291,36 +319,40 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
 
             if split_heads:
                 T.copy(denom, for_o["denom"])
+            if tail_merge:  # a request-head of one chunk: the output itself, no partial, no hand-off
+                members = tail["merge_count"][c]
             for out in parts.values:
                 for i, j in T.Parallel(out.other.shape[0], block_h):
                     if j < group:
-                        part_o[c, kvh * group + j, out.col + i] = out.other[i, j] / for_o["denom"][j]
+                        if tail_merge:
+                            if members == 1:
+                                tail["out"][req, kvh * group + j, tail["value_head_column"][out.col + i]] = T.cast(
+                                    out.other[i, j] / for_o["denom"][j], bf16)
+                            else:
+                                part_o[c, kvh * group + j, out.col + i] = out.other[i, j] / for_o["denom"][j]
+                        else:
+                            part_o[c, kvh * group + j, out.col + i] = out.other[i, j] / for_o["denom"][j]
             for j in T.Parallel(block_h):
                 if j < group:
-                    part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * scale
+                    if tail_merge:
+                        if members == 1:
+                            tail["lse"][req, kvh * group + j] = (T.log2(denom[j]) + head_max[j] * scale) * macros.LN2
+                        else:
+                            part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * scale
+                    else:
+                        part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * scale
             if tail_merge:
-                members = tail["merge_count"][c]
-                T.call_extern("handle", macros.TAIL_HAND_OFF_FN, tail["counters"].data, (req * hkv + kvh) * 2, members,
-                              seen, PRODUCER_THREADS, macros.TAIL_BARRIER_ID, threads)
-                # this member's columns of the request-head's group x D, [lo, hi) (variables: computed once)
-                first, lo, hi, col, h, p = (T.alloc_var(i32) for _ in range(6))
-                first = tail["merge_first"][c]
-                lo = (c - first) * (group * d) // members
-                hi = (c - first + 1) * (group * d) // members
-                ctx = T.get_thread_binding(0)  # consumer-relative: the warp specialisation rebases it
-                acc = T.alloc_local((1,), f32)
-                lse_blk = T.alloc_local((tail_unroll,), f32)
-                o_blk = T.alloc_local((tail_unroll, 1), f32)
-                state = T.alloc_local((2,), f32)
-                for s in T.serial(T.ceildiv(hi - lo, threads)):
-                    col = lo + s * threads + ctx
-                    if col < hi:
-                        h = kvh * group + col // d
-                        p = col % d
-                        merge_members(part_o, part_lse, None, h, p, first, members, acc, lse_blk, o_blk, state)
-                        tail["out"][req, h, tail["value_head_column"][p]] = T.cast(acc[0] / state[1], bf16)
-                        if p == 0:
-                            tail["lse"][req, h] = (T.log2(state[1]) + state[0]) * macros.LN2
+                if members > 1:
+                    T.call_extern("handle", macros.TAIL_HAND_OFF_FN, tail["counters"].data, (req * hkv + kvh) * 2,
+                                  members, seen, PRODUCER_THREADS, macros.TAIL_BARRIER_ID, threads)
+                    first = T.alloc_var(i32)
+                    first = tail["merge_first"][c]
+                    if members <= TAIL_FEW_MEMBERS:
+                        tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, *tail_paths[0][1:],
+                                   tail_merges[0])
+                    else:
+                        tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, *tail_paths[1][1:],
+                                   tail_merges[1])
 
     if fp8:
         @T.prim_func
