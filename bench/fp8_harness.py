@@ -28,8 +28,7 @@ from foldkv.lab.jsonsafe import jsonable
 from foldkv.lab.report import environment
 from foldkv.provenance import provenance
 from foldkv.pool import BlockTable, PagedKvLayout
-from foldkv.lab.arms import ArmUnavailable
-from versions import decode_fused_tail, decode_partial_fp8_mma, decode_partial_fp8_probe, decode_partial_fp8_rs  # bench/versions/
+from versions import decode_partial_fp8_mma, decode_partial_fp8_probe, decode_partial_fp8_rs  # bench/versions/
 
 
 def partial_variant(name: str, what: str, build: Callable[[], object], fp8: bool = True,
@@ -100,33 +99,13 @@ def _fp8_mma(name: str, transpose: str, two: bool, precise: bool = False) -> Arm
 FP8_MMA = [_fp8_mma(name, t, two, p) for name, t, p in (("fp8_mma", "none", False), ("fp8_mma_t", "t16x4", False),
                                                         ("fp8_mma_t4", "t4x16", False), ("fp8_mma_t4p", "t4x16", True))
            for two in (False, True)]
-# run 12: one launch per step, the partial merging its own request-head at its tail (bench/versions/decode_fused_tail.py)
-def _fused(fmt: KvFormat) -> ArmSpec:
-    def build(case):
-        from foldkv.kernels.plan import plan_decode
-        from foldkv.lab.bench.arms import ArmImpl, guarded_outputs
-
-        pools, query = case.pools(fmt), case.query(fmt)
-        out, lse, guards = guarded_outputs(query)
-        kernel = decode_fused_tail.build(G, fmt)
-        plan = plan_decode(pools[0].layout, case.table_cpu.seq_lens, device=case.device)
-        sms = torch.cuda.get_device_properties(case.device).multi_processor_count
-        try:
-            tail = decode_fused_tail.tail_tensors(plan, sms)
-        except ValueError as exc:
-            raise ArmUnavailable(str(exc)) from None
-        table = case.table
-        calls = [lambda p=p: kernel(query, p.data, table.page_ids, plan.chunk_req, plan.chunk_start, plan.chunk_len,
-                                    tail["merge_first"], tail["merge_count"], plan.part_o, plan.part_lse,
-                                    tail["counters"], plan.value_head_column, out, lse) for p in pools]
-        return ArmImpl(calls, out, graph=True, info={"chunks": plan.num_chunks}, lse=lse, guards=guards,
-                       keep=(plan, tail))
-    return ArmSpec(f"{fmt.value}_fused", f"{fmt.value} decode in one launch: the partial merges at its tail",
-                   fmt.value, False, build, generated=True)
-
-
-FUSED = [_fused(KvFormat.FOLDED), _fused(KvFormat.SPLIT)]
-ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA, *FUSED,
+# run 12: a one-wave plan's step is one launch, the partial merging its request-heads at its tail (the library's
+# decode_fused_<format>, what folded_jit / split_jit run there); these arms run the three launches on the same plan
+THREE_LAUNCHES = [ArmSpec(f"{f.value}_three", f"{f.value} decode, three launches (partial, merge_groups, merge_final)",
+                          f.value, False, generated_arm("decode", f, "jit", fused=False), generated=True)
+                  for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
+ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA,
+        *THREE_LAUNCHES,
         "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 
 

@@ -93,6 +93,71 @@ def test_kernel_argument_order_matches_launcher(fmt):
     assert names(merge.merge_final_program(GEOM)) == ["part_o", "part_lse", "group_first", "req_group_first",
                                                       "req_group_count", "value_head_column", "out", "lse"]
     assert kernel_names(fmt)[0] == f"decode_partial_{fmt.value}"
+    assert names(decode_partial_program(GEOM, fmt, tail_merge=True)) == [
+        "query", "pool", "page_ids", "chunk_req", "chunk_start", "chunk_len", "merge_first", "merge_count", "part_o",
+        "part_lse", "counters", "value_head_column", "out", "lse"]
+    assert kernel_names(fmt, fused=True) == (f"decode_fused_{fmt.value}",)
+
+
+# --- the fused step's hand-off check on real generated source ------------------------------------------------------
+@pytest.fixture(scope="module")
+def fused_source() -> str:
+    require_tilelang()
+    from foldkv.kernels.decode_partial import build_decode_fused
+
+    return build_decode_fused(GEOM, KvFormat.FOLDED).get_kernel_source()  # the check already ran on it
+
+
+def test_hand_off_check_passes_generated_fused_step(fused_source):
+    from foldkv.kernels import macros
+
+    report = cuda_checks.check_tail_hand_off("decode_fused_folded", fused_source, threads=128)
+    assert report["barrier_id"] == macros.TAIL_BARRIER_ID and report["leader"] == 128
+    assert macros.TAIL_BARRIER_ID not in report["other_barrier_ids"]
+
+
+def test_hand_off_check_refuses_fused_step_generated_without_hand_off():
+    require_tilelang()
+    from foldkv.kernels.decode_partial import build_decode_fused
+
+    with pytest.raises(cuda_checks.HandOffCheckError, match="decode_fused_split: 0 hand-off calls"):
+        build_decode_fused(GEOM, KvFormat.SPLIT, tail_hand_off=False)  # the check runs at generation time
+
+
+def _hand_off_line(source: str) -> str:
+    (line,) = [ln for ln in source.splitlines() if "foldkv_tail_hand_off(counters" in ln]
+    return line
+
+
+@pytest.mark.parametrize("broken,match", [
+    ("before_stores", "every store must come before it"),
+    ("barrier_1", "named barrier 1 is also used"),
+    ("threads_256", "counts 256 threads; the consumers are 128"),
+    ("leader_0", "the leader is thread 0"),
+    ("flag_not_read", "not the release flag"),
+    ("twice", "2 hand-off calls"),
+])
+def test_hand_off_check_refuses_broken_fused_step(fused_source, broken, match):
+    """Each a deliberately broken copy of the generated kernel: the hand-off moved ahead of the partial's stores, on a
+    barrier TileLang's reductions use, counting the wrong threads, led by a producer thread, waiting on a flag it did
+    not read, or called twice."""
+    line = _hand_off_line(fused_source)
+    call = line.strip()
+    if broken == "before_stores":  # ahead of the epilogue's first store into part_o
+        source = fused_source.replace(line + "\n", "", 1)
+        at = source.index("part_o[")
+        at = source.rindex("\n", 0, at)
+        source = source[:at] + "\n" + call + source[at:]
+    else:
+        new = {"barrier_1": call.replace(", 128, 8, 128);", ", 128, 1, 128);"),
+               "threads_256": call.replace(", 128, 8, 128);", ", 128, 8, 256);"),
+               "leader_0": call.replace(", 128, 8, 128);", ", 0, 8, 128);"),
+               "flag_not_read": call.replace(", seen, ", ", 0, "),
+               "twice": call + " " + call}[broken]
+        assert new != call
+        source = fused_source.replace(call, new, 1)
+    with pytest.raises(cuda_checks.HandOffCheckError, match=match):
+        cuda_checks.check_tail_hand_off("decode_fused_folded", source, threads=128)
 
 
 # --- the plan ----------------------------------------------------------------------------------------------------
@@ -133,6 +198,12 @@ def test_plan_covers_every_token_once(lens, chunk_tokens, merge_group):
     assert plan.group_first.tolist() == [f for f, _ in plan.groups]
     assert plan.req_group_count.tolist() == [n for _, n in plan.request_groups]
     assert plan.part_o.shape == (plan.num_chunks, 32, 512) and plan.part_lse.shape == (plan.num_chunks, 32)
+    # the fused step's view: each chunk's request's first slot and chunk count; counters zero
+    firsts = {r: min(c for c, (q, _, _) in enumerate(plan.chunks) if q == r) for r in range(len(lens))}
+    assert plan.merge_first.tolist() == [firsts[r] for r, _, _ in plan.chunks]
+    assert plan.merge_count.tolist() == [len(covered[r]) for r, _, _ in plan.chunks]
+    assert plan.tail_counters.shape == (len(lens), 4, 2) and not plan.tail_counters.any()
+    assert plan.fused == (plan.num_chunks * 4 <= 132)
 
 
 PLAN_CASES = {
@@ -314,6 +385,25 @@ def test_refuses_plan_for_other_lengths():
     pool, table, query, out, lse = _cpu_case()
     plan = plan_decode(pool.layout, [70, 6], device="cpu")
     _refused("other sequence lengths", pool, query, table, out, lse, plan=plan)
+
+
+def test_plan_is_fused_only_in_one_wave_of_bf16_rows():
+    assert plan_decode(_layout(), [163336], device="cpu").fused  # a single request: one wave
+    assert plan_decode(_layout(), [5] * 33, device="cpu").fused  # 33 chunks x 4 KV heads = 132 CTAs
+    assert not plan_decode(_layout(), [5] * 34, device="cpu").fused
+    assert not plan_decode(_layout(), [163336], device="cpu", chunk_tokens=4096).fused  # 40 chunks x 4 KV heads
+    assert plan_decode(_layout(), [163336], device="cpu", num_sms=64).fused  # one wave of 64 SMs: 16 chunks
+    from foldkv.fp8 import FP8_DTYPE
+
+    fp8 = PagedKvLayout(GEOM, KvFormat.FOLDED, 64, 0, dtype=FP8_DTYPE)
+    assert not plan_decode(fp8, [10602], device="cpu").fused
+
+
+def test_refuses_fused_step_off_one_wave():
+    pool, table, query, out, lse = _cpu_case()
+    plan = plan_decode(pool.layout, table.seq_lens, device="cpu", num_sms=4)
+    assert not plan.fused
+    _refused(r"fused=True needs a one-wave plan", pool, query, table, out, lse, plan=plan, fused=True)
 
 
 def test_refuses_unknown_backend():

@@ -1,8 +1,9 @@
 """GPU gates of split-KV decode (both formats) through `foldkv.lab.gates` (the notebook's gates: float64 reference, hostile
 pools with NaN/Inf pages and poisoned page-table padding, NaN-poisoned outputs with rows past the plan that must stay
 untouched): lengths 1 / 63 / 64 / 65, a chunk boundary +-1, 10602, 163336, ragged batches and plans with many merge
-groups, the other operand order; a rerun is bit-identical; refusals leave pool and outputs untouched; a CUDA-graph
-replay of a step equals the eager step bit for bit."""
+groups, the other operand order; a one-wave plan's fused step and its three launches; the fused step's counters; a
+rerun is bit-identical; refusals leave pool and outputs untouched; a CUDA-graph replay of a step equals the eager step
+bit for bit."""
 
 from __future__ import annotations
 
@@ -39,12 +40,13 @@ def decode_with(kernels: dict):
     return launch
 
 
-def gate(fmt, lens, seed, device, backend="jit", kernels=None, **plan_kw):
+def gate(fmt, lens, seed, device, backend="jit", kernels=None, fused=None, **plan_kw):
     """`foldkv.lab.gates.run_case` on one decode case, then the same call again: a moving result is a race."""
     inputs = make_case(fmt, lens, seed, device, **plan_kw)
-    arm = gates.decode_arm(backend) if kernels is None else decode_with(kernels)
+    arm = gates.decode_arm(backend, fused=fused) if kernels is None else decode_with(kernels)
     res = gates.run_case(inputs, arm)
-    row = gates.summary_row(inputs.case, fmt, backend if kernels is None else "+".join(kernels), res)
+    row = gates.summary_row(inputs.case, fmt, (backend if kernels is None else "+".join(kernels))
+                            + {None: "", True: "+fused", False: "+three_launches"}[fused], res)
     if GATE_LOG:
         with open(GATE_LOG, "a") as fh:
             fh.write(json.dumps(row) + "\n")
@@ -76,6 +78,33 @@ def test_ragged_batch(cuda_device, fmt, plan_kw):
 def test_full_batch_many_groups(cuda_device, fmt):
     lens = [int(x) for x in torch.randint(1, 3000, (32,), generator=torch.Generator().manual_seed(5))]
     gate(fmt, lens, seed=5, device=cuda_device, chunk_tokens=128, merge_group=4)
+
+
+@pytest.mark.parametrize("lens", [[10602], [54, 97, 16384, 1, 10602, 64, 1025, 263]], ids=["single", "ragged8"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "three_launches"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_both_steps_of_a_one_wave_plan(cuda_device, fmt, fused, lens):
+    """A one-wave plan runs fused by default; asked for, either step (one launch, or the partial and two merges)
+    passes the gate on the same plan."""
+    assert plan_decode(PagedKvLayout(GEOM, fmt, 64, 0), lens, device=cuda_device).fused
+    gate(fmt, lens, seed=13, device=cuda_device, fused=fused)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_step_leaves_its_counters_ready(cuda_device, fmt):
+    """After each fused step every request-head's arrivals are back at 0 (the next step starts from there) and its
+    release flag moved once if it had more than one chunk (a single chunk writes the output itself: no hand-off)."""
+    lens = [10602, 97, 1, 40002]
+    inputs = make_case(fmt, lens, 17, cuda_device)
+    plan = plan_decode(inputs.pool.layout, lens, device=cuda_device)
+    assert plan.fused
+    chunks = torch.tensor([sum(r == q for q, _, _ in plan.chunks) for r in range(len(lens))])
+    assert chunks[2] == 1 and (chunks[[0, 3]] > 1).all()
+    for step in (1, 2, 3):
+        decode(inputs.pool, inputs.query, inputs.table, plan=plan)
+        counters = plan.tail_counters.cpu()
+        assert not counters[..., 0].any(), counters[..., 0]
+        assert torch.equal(counters[..., 1], (chunks > 1).int()[:, None].expand(-1, 4) * step), counters[..., 1]
 
 
 @pytest.mark.parametrize("version", ["decode_partial_head_major", "decode_partial_query_all_threads"])

@@ -72,6 +72,15 @@ def test_plan_covers_every_token_once_and_pads_safely(lens):
     counts = ws.group_count.tolist()
     assert all(f == ws.num_chunks for f, c in zip(ws.group_first.tolist(), counts) if c == 0), \
         "an empty group's first slot is the scratch slot"
+    # the fused step's view (used within one wave): a real chunk names its request's first slot and chunk count,
+    # a padding chunk belongs to no request (count 0: it writes only its own slot)
+    req, first, count = ws.chunk_req.tolist(), ws.merge_first.tolist(), ws.merge_count.tolist()
+    for c in range(ws.num_chunks):
+        if c in pad:
+            assert count[c] == 0
+        else:
+            assert req[first[c]:first[c] + count[c]] == [req[c]] * count[c] and first[c] <= c < first[c] + count[c]
+    assert ws.fused == ws.one_wave and not ws.tail_counters.any()
     ws.advance()
     for r, n in enumerate(lens):
         assert coverage(ws)[r][-1][1] == n + 1
@@ -141,3 +150,7 @@ def test_one_wave_workspace_plans_as_the_eager_plan(lens):
     eager = plan_decode(LAYOUT, lens, device="cpu", num_sms=132)
     got = list(zip(ws.chunk_req.tolist(), ws.chunk_start.tolist(), ws.chunk_len.tolist()))[:ws.chunks_used]
     assert got == eager.chunks
+    used = ws.chunks_used  # and the same tail merge (the fused step of both)
+    assert ws.fused and eager.fused
+    assert ws.merge_first.tolist()[:used] == eager.merge_first.tolist()
+    assert ws.merge_count.tolist()[:used] == eager.merge_count.tolist()

@@ -1,5 +1,5 @@
-"""Checks on the emitted CUDA of the barriers a kernel's correctness rests on: the in-place merges, and the FP8
-kernels' e4m3 conversion (`check_e4m3_conversion`, at the end of this file).
+"""Checks on the emitted CUDA of the barriers a kernel's correctness rests on: the in-place merges, the FP8 kernels'
+e4m3 conversion (`check_e4m3_conversion`) and the fused decode's hand-off (`check_tail_hand_off`, at the end).
 
 The barrier check for in-place merges: a store into a buffer the kernel also reads must be separated
 from every read of that buffer by an unconditional `__syncthreads()`.
@@ -175,4 +175,59 @@ def check_e4m3_conversion(kernel: str, source: str, barrier_id: int) -> dict:
         raise ConversionCheckError(f"{kernel}: conversion barriers count {sorted(consumers)} threads; the consumer "
                                    f"warpgroups hold {int(bounds.group(1)) - 128 if bounds else '?'}")
     return {"kernel": kernel, "calls": len(calls), "barrier_id": barrier_id, "threads": consumers.pop(),
+            "other_barrier_ids": sorted(taken)}
+
+
+# --- the fused decode's hand-off (decode_fused_<format>) -------------------------------------------------------------
+class HandOffCheckError(RuntimeError):
+    """A fused decode whose tail merge could read a partial before every member has written it."""
+
+
+_HAND_OFF_CALL = re.compile(r"\bfoldkv_tail_hand_off\(\s*(\w+)\s*,[^;]*?,\s*(\w+)\s*,\s*(-?\d+)\s*,\s*(\d+)\s*,"
+                            r"\s*(\d+)\s*\)\s*;")
+_FLAG_READ = re.compile(r"\b(\w+)\s*=\s*foldkv_tail_flag\(\s*(\w+)\s*,")
+_PRODUCER_BRANCH = re.compile(r"if \(\(\(int\)threadIdx\.x\) < 128\) \{\s*tl::warpgroup_reg_dealloc")
+
+
+def check_tail_hand_off(kernel: str, source: str, threads: int) -> dict:
+    """Raise HandOffCheckError (naming `kernel`) unless its emitted CUDA hands off as `macros.TAIL_SOURCE` needs:
+    exactly one hand-off call, in the consumer branch (the producer warpgroup is threads [0, 128), so the leader is
+    thread 128), after every store into the partials (`part_o`, `part_lse`) and before every read of them, over the
+    `threads` consumer threads on a named barrier no barrier TileLang placed uses, with the release flag this CTA
+    read (`foldkv_tail_flag`, before it counts itself in) on the same counters. The check reads what runs."""
+    _, body = kernel_definition(source, kernel)
+    calls = list(_HAND_OFF_CALL.finditer(body))
+    if len(calls) != 1:
+        raise HandOffCheckError(f"{kernel}: {len(calls)} hand-off calls in the emitted source; the tail merge needs"
+                                " exactly one between the partials' stores and their reads")
+    call = calls[0]
+    counters, seen, leader, barrier_id, count = call.group(1), call.group(2), *(int(g) for g in call.groups()[2:])
+    flags = [m for m in _FLAG_READ.finditer(body) if m.start() < call.start()]
+    if not any(m.group(1) == seen and m.group(2) == counters for m in flags):
+        raise HandOffCheckError(f"{kernel}: the hand-off waits on {seen!r}, which is not the release flag read from"
+                                f" {counters} before it")
+    producer = _PRODUCER_BRANCH.search(body)
+    if producer is None or leader != 128:
+        raise HandOffCheckError(f"{kernel}: the leader is thread {leader}, but the first consumer thread is 128 only"
+                                " when the producer warpgroup is threads [0, 128), which the source does not show")
+    branch_end = _match(body, body.index("{", producer.start()), "{", "}")
+    if call.start() < branch_end:
+        raise HandOffCheckError(f"{kernel}: the hand-off is in the producer branch")
+    if count != threads:
+        raise HandOffCheckError(f"{kernel}: the hand-off's barrier counts {count} threads; the consumers are"
+                                f" {threads}")
+    taken = {int(m.group(1)) for pattern in _OTHER_BARRIERS for m in pattern.finditer(body)}
+    if "NamedBarrier<" in body:
+        taken.add(1)
+    if barrier_id in taken or barrier_id == 0:
+        raise HandOffCheckError(f"{kernel}: named barrier {barrier_id} is also used by a barrier TileLang placed")
+    for name in ("part_o", "part_lse"):
+        reads, stores = _accesses(body, name)
+        late = [s for s in stores if s > call.start()]
+        early = [r for r in reads if r < call.start()]
+        if late or early or not stores or not reads:
+            raise HandOffCheckError(f"{kernel}: {name} has {len(stores)} stores ({len(late)} after the hand-off) and"
+                                    f" {len(reads)} reads ({len(early)} before it); every store must come before it"
+                                    " and every read after it")
+    return {"kernel": kernel, "barrier_id": barrier_id, "threads": count, "leader": leader,
             "other_barrier_ids": sorted(taken)}

@@ -1,11 +1,17 @@
-"""Paged split-KV decode for either page format: checks, the plan, and the three launches (partial, merge_groups,
-merge_final), each kernel from the one resolver (`foldkv.kernels.resolve`).
+"""Paged split-KV decode for either page format: checks, the plan, and the launches (one fused kernel when the plan
+is one wave, else the partial, merge_groups and merge_final), each kernel from the one resolver
+(`foldkv.kernels.resolve`).
 
     plan = plan_decode(pool.layout, seq_lens, device=pool.device)       # host, once per step shape
     out, lse = decode(pool, query, table, plan=plan)                     # [B, 32, 512] bf16 head order, [B, 32] f32
 
-A decode step launches, in order on the current stream (no host synchronisation, so it can be captured in a CUDA
-graph once its inputs have been checked; pass `check=False` inside the capture):
+A decode step launches on the current stream (no host synchronisation, so it can be captured in a CUDA graph once
+its inputs have been checked; pass `check=False` inside the capture), when the plan is one wave of bf16 rows
+(`plan.fused`: every CTA resident at once, e.g. any single request and up to 8 ragged ones on the H200):
+    kernels["decode_fused_<format>"](query, pool.data, page_ids, chunk_req, chunk_start, chunk_len, merge_first,
+                                     merge_count, part_o, part_lse, tail_counters, value_head_column, out, lse)
+(the partial, whose CTAs then merge their request-head's chunks themselves: kernels/DECODE_SCHEDULE.md), otherwise,
+in order:
     kernels["decode_partial_<format>"](query, pool.data, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse)
         (over an FP8 pool: "decode_partial_folded_fp8", with pool.scales after pool.data)
     kernels["merge_groups"](part_o, part_lse, group_first, group_count)
@@ -35,9 +41,32 @@ def partial_kernel_name(fmt: KvFormat | str, quantized: bool = False) -> str:
     return f"decode_partial_{KvFormat.parse(fmt).value}" + ("_fp8" if quantized else "")
 
 
-def kernel_names(fmt: KvFormat | str, quantized: bool = False) -> tuple[str, str, str]:
-    """The kernels a decode step over `fmt` pages (FP8 when `quantized`) launches, in launch order."""
+def kernel_names(fmt: KvFormat | str, quantized: bool = False, fused: bool = False) -> tuple[str, ...]:
+    """The kernels a decode step over `fmt` pages (FP8 when `quantized`) launches, in launch order; `fused`: the step
+    of a one-wave plan (one kernel)."""
+    if fused:
+        return (f"decode_fused_{KvFormat.parse(fmt).value}",)
     return (partial_kernel_name(fmt, quantized), "merge_groups", "merge_final")
+
+
+def replaceable_kernels(fmt: KvFormat | str, quantized: bool = False) -> tuple[str, ...]:
+    """Every kernel name a decode over `fmt` pages may launch (what `kernels=` may replace)."""
+    fused = () if quantized else kernel_names(fmt, fused=True)
+    return kernel_names(fmt, quantized) + fused
+
+
+def use_fused(plan_fused: bool, fmt: KvFormat | str, quantized: bool, fused: bool | None,
+              kernels: Mapping[str, Callable] | None) -> bool:
+    """Whether a step launches the fused kernel: `fused` None (auto) when the plan is one wave and `kernels=` replaces
+    none of the three-launch kernels (an experiment's partial runs in the step it was written for); True asks for it
+    (refused unless the plan is one wave of bf16 rows); False: the three launches."""
+    plan_fused = plan_fused and not quantized  # FP8 rows: the three launches (a bf16 plan over an FP8 pool too)
+    if fused is None:
+        return plan_fused and not set(kernels or ()) & set(kernel_names(fmt, quantized))
+    if fused and not plan_fused:
+        raise FoldKvInputError("fused=True needs a one-wave plan of bf16 rows (plan.fused): every CTA of the step"
+                               " resident at once")
+    return bool(fused)
 
 
 def pool_operands(pool: PagedKvPool) -> tuple[torch.Tensor, ...]:
@@ -62,13 +91,13 @@ def check_pool_dtype(pool: PagedKvPool, kv_dtype, op: str = "decode") -> None:
 
 def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, plan: DecodePlan | None,
                   out: torch.Tensor | None, lse: torch.Tensor | None, kv_format, kv_dtype, read_table: bool,
-                  backend: str, kernels) -> None:
+                  backend: str, kernels, fused: bool | None = None) -> None:
     """Every refusal happens here, before any kernel is built or launched and before any write."""
     if not isinstance(pool, PagedKvPool):
         raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
     resolve.check_backend(backend)
     lay, geom, dev = pool.layout, pool.geometry, pool.device
-    resolve.check_kernels(kernel_names(pool.format, lay.quantized), kernels)
+    resolve.check_kernels(replaceable_kernels(pool.format, lay.quantized), kernels)
     if kv_format is not None and KvFormat.parse(kv_format) is not pool.format:
         raise FoldKvInputError(f"a {KvFormat.parse(kv_format).value} decode was asked of a {pool.format.value} pool")
     check_pool_dtype(pool, kv_dtype)
@@ -105,6 +134,7 @@ def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, pla
             raise FoldKvInputError(f"plan covers {plan.batch} requests, the block table {batch}")
         if plan.device != dev and not (plan.device.type == dev.type and plan.device.index in (None, dev.index)):
             raise FoldKvInputError(f"plan tensors are on {plan.device}, the pool on {dev}")
+        use_fused(plan.fused, pool.format, lay.quantized, fused, kernels)  # refuses fused=True off one wave
     if read_table:  # reads page ids and lengths back to the host: skipped inside a graph capture (check=False)
         check_block_table(lay, table, max_batch=MAX_BATCH, max_len=MAX_LEN, device=dev)
         if plan is not None and tuple(int(n) for n in table.seq_lens.cpu().tolist()) != plan.seq_lens:
@@ -116,7 +146,7 @@ def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, pla
 def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: DecodePlan | None = None,
            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, backend: str = "jit",
            kv_format: KvFormat | str | None = None, kv_dtype: torch.dtype | None = None, check: bool = True,
-           kernels: Mapping[str, Callable] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           kernels: Mapping[str, Callable] | None = None, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query per request against the paged pool, in the pool's format.
 
     pool: bf16 (either format) or FP8 e4m3 with its scales (folded), contiguous, on a CUDA device (Hopper for the
@@ -130,21 +160,29 @@ def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: D
     (page ids in range, lengths within the table, the plan's lengths): for use inside a CUDA-graph capture of a
     step whose inputs were checked once outside it. backend: "jit" or "aot". kernels: {kernel name: callable taking
     that kernel's arguments} replacing the backend's kernel of that name (an experiment's variant; names from
-    `kernel_names(pool.format)`).
+    `replaceable_kernels(pool.format)`). fused: None launches one fused kernel when the plan is one wave
+    (`plan.fused`) and `kernels` replaces none of the three-launch kernels, else the three; True / False ask for
+    one or the other (True refused for a plan that is not one wave).
     """
     _check_inputs(pool, query, table, plan, out, lse, kv_format, kv_dtype, read_table=check, backend=backend,
-                  kernels=kernels)
+                  kernels=kernels, fused=fused)
     geom = pool.geometry
     if plan is None:
         if not check:
             raise FoldKvInputError("check=False needs a plan (making one reads the lengths on the host)")
         plan = plan_decode(pool.layout, table.seq_lens, device=pool.device)
-    partial, merge_groups, merge_final = resolve.launch_kernels(kernel_names(pool.format, pool.layout.quantized), geom,
-                                                                backend=backend, kernels=kernels)
+    one_launch = use_fused(plan.fused, pool.format, pool.layout.quantized, fused, kernels)
     if out is None:
         out = torch.empty(table.batch, geom.num_q_heads, geom.head_dim, dtype=torch.bfloat16, device=pool.device)
     if lse is None:
         lse = torch.empty(table.batch, geom.num_q_heads, dtype=torch.float32, device=pool.device)
+    if one_launch:
+        (step,) = resolve.launch_kernels(kernel_names(pool.format, fused=True), geom, backend=backend, kernels=kernels)
+        step(query, pool.data, table.page_ids, plan.chunk_req, plan.chunk_start, plan.chunk_len, plan.merge_first,
+             plan.merge_count, plan.part_o, plan.part_lse, plan.tail_counters, plan.value_head_column, out, lse)
+        return out, lse
+    partial, merge_groups, merge_final = resolve.launch_kernels(kernel_names(pool.format, pool.layout.quantized), geom,
+                                                                backend=backend, kernels=kernels)
     partial(query, *pool_operands(pool), table.page_ids, plan.chunk_req, plan.chunk_start, plan.chunk_len,
             plan.part_o, plan.part_lse)
     merge_groups(plan.part_o, plan.part_lse, plan.group_first, plan.group_count)
@@ -153,5 +191,6 @@ def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: D
     return out, lse
 
 
-__all__ = ["DecodePlan", "plan_decode", "decode", "kernel_names", "partial_kernel_name", "pool_operands",
+__all__ = ["DecodePlan", "plan_decode", "decode", "kernel_names", "replaceable_kernels", "use_fused",
+           "partial_kernel_name", "pool_operands",
            "check_pool_dtype", "check_decode_pool"]

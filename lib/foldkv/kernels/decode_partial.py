@@ -174,7 +174,7 @@ def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, blo
 def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_n: int = 64,
                            num_stages: int = 1, threads: int = 128, block_h: int = 16, fp8: bool = False,
                            e4m3_convert: str = "bits", reduce_batch: int = 1, ctas_per_sm: int = 1,
-                           tail_merge: bool = False):
+                           tail_merge: bool = False, tail_hand_off: bool = True):
     """The TileLang prim_func of the partial kernel for one geometry, page format and tiling; `fp8`: over an FP8
     folded pool (its scales an extra argument after the pool), its e4m3 panels converted to bf16 by
     `macros.convert_e4m3_macro` ("bits") or TileLang's element conversion ("cvt"); `reduce_batch`: the softmax's
@@ -343,8 +343,9 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                         part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * scale
             if tail_merge:
                 if members > 1:
-                    T.call_extern("handle", macros.TAIL_HAND_OFF_FN, tail["counters"].data, (req * hkv + kvh) * 2,
-                                  members, seen, PRODUCER_THREADS, macros.TAIL_BARRIER_ID, threads)
+                    if tail_hand_off:
+                        T.call_extern("handle", macros.TAIL_HAND_OFF_FN, tail["counters"].data, (req * hkv + kvh) * 2,
+                                      members, seen, PRODUCER_THREADS, macros.TAIL_BARRIER_ID, threads)
                     first = T.alloc_var(i32)
                     first = tail["merge_first"][c]
                     if members <= TAIL_FEW_MEMBERS:
@@ -425,6 +426,29 @@ def build_decode_partial(geom: AttentionGeometry, fmt: KvFormat | str, **tiling)
                                       ctas_per_sm=ctas_per_sm)
 
     return decode_partial(**cfg)
+
+
+@hands_out("decode_fused_{fmt}")
+def build_decode_fused(geom: AttentionGeometry, fmt: KvFormat | str, *, tail_hand_off: bool = True, **tiling):
+    """Compile (JIT) the fused step of a one-wave plan (the partial with `tail_merge`: its CTAs merge their
+    request-head at their tail) with the format's partial DEFAULTS, overridden by `tiling`, and check its hand-off on
+    the emitted CUDA (`cuda_checks.check_tail_hand_off`). `tail_hand_off=False` leaves the hand-off out: a
+    deliberately broken kernel, for the check's red test only."""
+    tilelang = require_tilelang()
+    fmt = KvFormat.parse(fmt)
+    cfg = {**DEFAULTS[fmt], **tiling}
+
+    @tilelang.jit(target=target(), pass_configs=pass_configs())
+    def decode_fused(page_size, block_n, num_stages, threads, block_h, reduce_batch=1, hand_off=True):
+        return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
+                                      threads=threads, block_h=block_h, reduce_batch=reduce_batch, tail_merge=True,
+                                      tail_hand_off=hand_off)
+
+    kernel = decode_fused(**cfg, hand_off=tail_hand_off)
+    from .cuda_checks import check_tail_hand_off
+
+    check_tail_hand_off(f"decode_fused_{fmt.value}", kernel.get_kernel_source(), threads=cfg["threads"])
+    return kernel
 
 
 @hands_out("decode_partial_{fmt}_fp8")

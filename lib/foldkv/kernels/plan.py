@@ -4,7 +4,9 @@ before launch, so the step itself does no host work or synchronisation and can b
 
 Slots: chunk c writes slot c; chunks of a request are consecutive (requests need not be in order: level two finds a
 request's groups through req_group_first). Merge groups: runs of at most `merge_group` consecutive chunks of one
-request; level one merges a group into its first slot, level two merges a request's groups into the output.
+request; level one merges a group into its first slot, level two merges a request's groups into the output. A plan
+whose CTAs all fit one wave (of bf16 rows) is `fused`: one launch, each request's chunks merged at the partial's tail
+(merge_first / merge_count per chunk, tail_counters per request and KV head; kernels/DECODE_SCHEDULE.md).
 
 The chunking (`balanced_chunk_pages`). A step lasts as long as its busiest SM: the partial kernel holds one CTA per SM
 (its registers fill the SM), CTAs are dispatched in grid order (chunk fastest, then KV head) to whichever SM frees
@@ -54,6 +56,7 @@ class DecodePlan:
     request_groups: list[tuple[int, int]]  # (first group, groups) per request
     device: torch.device
     tensors: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
+    fused: bool = False  # one launch (decode_fused_<format>): every CTA fits one wave and the rows are bf16
 
     @property
     def batch(self) -> int:
@@ -189,7 +192,7 @@ def fixed_count_pieces(pages: np.ndarray, num_chunks: int) -> np.ndarray:
 
 _STEPS = np.arange(64)
 PLAN_ARRAYS = ("chunk_req", "chunk_start", "chunk_len", "group_first", "group_count", "req_group_first",
-               "req_group_count")
+               "req_group_count", "merge_first", "merge_count")
 
 
 def chunk_layout(lens: np.ndarray, pieces: np.ndarray, *, page: int, merge_group: int,
@@ -200,7 +203,9 @@ def chunk_layout(lens: np.ndarray, pieces: np.ndarray, *, page: int, merge_group
     Pieces: `fixed_pages` given, every chunk of a request but its last holds exactly that many pages and requests keep
     their order; otherwise a request's pages are cut as evenly as whole pages allow (larger pieces first) and requests
     are laid out largest pieces first (ties in request order), so the last CTAs dispatched are the short ones. Slot c
-    holds chunk c; a request's chunks are consecutive; a group is a run of at most `merge_group` of them."""
+    holds chunk c; a request's chunks are consecutive; a group is a run of at most `merge_group` of them. The fused
+    step (one wave) merges a request's chunks at the partial's tail: `merge_first` / `merge_count` give each chunk its
+    request's first slot and chunk count."""
     pages = -(-lens // page)
     if fixed_pages is not None:
         order = np.arange(len(lens))
@@ -230,7 +235,8 @@ def chunk_layout(lens: np.ndarray, pieces: np.ndarray, *, page: int, merge_group
     req_group_count = np.empty(len(lens), dtype=np.int64)
     req_group_first[order], req_group_count[order] = gfirst, ng
     return dict(chunk_req=req, chunk_start=start, chunk_len=length, group_first=group_first, group_count=group_count,
-                req_group_first=req_group_first, req_group_count=req_group_count)
+                req_group_first=req_group_first, req_group_count=req_group_count, merge_first=np.repeat(first, k),
+                merge_count=np.repeat(k, k))
 
 
 def plan_decode(layout: PagedKvLayout, seq_lens, *, device, chunk_tokens: int | None = None,
@@ -270,6 +276,8 @@ def plan_decode(layout: PagedKvLayout, seq_lens, *, device, chunk_tokens: int | 
     groups = list(zip(*(arrays[k].tolist() for k in ("group_first", "group_count"))))
     request_groups = list(zip(*(arrays[k].tolist() for k in ("req_group_first", "req_group_count"))))
     chunk_tokens = page * (fixed if fixed is not None else int((-(-pages // pieces)).max()))
+    # every CTA resident at once, bf16 rows: one launch, the partial merging at its tail (decode_fused_<format>)
+    fused = len(chunks) * hkv <= num_sms and not layout.quantized
 
     geom = layout.geometry
     i32 = dict(dtype=torch.int32, device=device)
@@ -278,5 +286,9 @@ def plan_decode(layout: PagedKvLayout, seq_lens, *, device, chunk_tokens: int | 
         value_head_column=value_window_columns(geom, layout.format).to(**i32),
         part_o=torch.empty(len(chunks), geom.num_q_heads, geom.head_dim, dtype=torch.float32, device=device),
         part_lse=torch.empty(len(chunks), geom.num_q_heads, dtype=torch.float32, device=device),
+        # the fused tail's counters per (request, KV head): arrivals (0 between launches: the last arrival resets
+        # them), release flag (macros.TAIL_SOURCE)
+        tail_counters=torch.zeros(len(lens), hkv, 2, **i32),
     )
-    return DecodePlan(layout, tuple(lens), chunk_tokens, merge_group, chunks, groups, request_groups, device, tensors)
+    return DecodePlan(layout, tuple(lens), chunk_tokens, merge_group, chunks, groups, request_groups, device, tensors,
+                      fused=fused)

@@ -8,7 +8,9 @@ batch and length, so that one CUDA graph captured over `step` serves every later
     out, lse = ws.output()                        # [batch, Hq, D] bf16 head order, [batch, Hq] f32 natural log
 
 Why a graph survives: the grids are fixed (the partial at `num_chunks` chunks x KV heads, level one at `num_groups`
-groups, level two at `max_batch` requests) and every pointer is the workspace's. Beyond one wave of the partial
+groups, level two at `max_batch` requests) and every pointer is the workspace's. Within one wave of bf16 rows the
+step is one fused launch (`fused`: the partial merging each request-head at its tail, kernels/DECODE_SCHEDULE.md) on
+the same chunks; padding chunks belong to no request there (merge count 0) and write only their own slot. Beyond one wave of the partial
 the plan fills all `num_chunks` chunks with real work (`plan.fixed_count_pieces`: the batch cut into exactly that many
 pieces, the longest as short as whole pages allow, laid out longest first like the eager plan), so no padded CTA
 costs a page read; within one wave (num_chunks x KV heads <= SMs, every CTA running at once) it is the eager plan's
@@ -46,7 +48,7 @@ from ..layout import value_window_columns
 from ..pool import PagedKvLayout, PagedKvPool
 from ..validate import FoldKvInputError, check_device, check_tensor
 from . import resolve
-from .decode import check_decode_pool, kernel_names, pool_operands
+from .decode import check_decode_pool, kernel_names, pool_operands, replaceable_kernels, use_fused
 from .plan import (DEFAULT_MERGE_GROUP, MAX_BATCH, MAX_LEN, check_lens, chunk_layout, fixed_count_pieces,
                    smallest_cap)
 
@@ -97,13 +99,15 @@ class DecodeWorkspace:
         self.max_batch, self.max_len, self.num_chunks = max_batch, max_len, num_chunks
         self.max_pages = layout.pages_for(max_len)
         self.one_wave = num_chunks * geom.num_kv_heads <= num_sms  # every CTA of the partial runs at once
+        self.fused = self.one_wave and not layout.quantized  # one launch per step (decode_fused_<format>)
         # level-one groups: a request of k chunks has ceil(k / merge_group) <= 1 + (k - 1) // merge_group of them
         self.num_groups = max_batch + (num_chunks - 1) // merge_group
         c, g, b = num_chunks, self.num_groups, max_batch
         # the packed plan: [chunk_req | chunk_start | chunk_len (+1 scratch) | group_first | group_count |
-        #                   req_group_first | req_group_count | last_slot], each segment 128-byte aligned
+        #                   req_group_first | req_group_count | last_slot | merge_first | merge_count], each segment
+        #                   128-byte aligned
         sizes = {"chunk_req": c, "chunk_start": c, "chunk_len": c + 1, "group_first": g, "group_count": g,
-                 "req_group_first": b, "req_group_count": b, "last_slot": b}
+                 "req_group_first": b, "req_group_count": b, "last_slot": b, "merge_first": c, "merge_count": c}
         self._offsets, at = {}, 0
         for name, n in sizes.items():
             self._offsets[name] = (at, n)
@@ -124,6 +128,7 @@ class DecodeWorkspace:
         self.out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=device)  # [max_batch, Hq, D] head order
         self.lse = torch.empty(b, hq, dtype=torch.float32, device=device)  # [max_batch, Hq] natural log
         self.value_head_column = value_window_columns(geom, layout.format).to(**i32)
+        self.tail_counters = torch.zeros(b, geom.num_kv_heads, 2, **i32)  # the fused tail's (macros.TAIL_SOURCE)
         self._one = torch.ones(b, **i32)
         self._chunk_len_all, self._last_slot = self._view("chunk_len"), self._view("last_slot")
         self._lens = np.zeros(0, dtype=np.int64)  # host copy of the lengths planned ...
@@ -185,7 +190,8 @@ class DecodeWorkspace:
             "chunk_req": (arrays["chunk_req"], 0), "chunk_start": (arrays["chunk_start"], 0),
             "chunk_len": (arrays["chunk_len"], 1), "group_first": (arrays["group_first"], self.num_chunks),
             "group_count": (arrays["group_count"], 0), "req_group_first": (arrays["req_group_first"], 0),
-            "req_group_count": (arrays["req_group_count"], 0),
+            "req_group_count": (arrays["req_group_count"], 0), "merge_first": (arrays["merge_first"], 0),
+            "merge_count": (arrays["merge_count"], 0),
         }
         # each request's last slot (advance() lengthens it); padding requests add to chunk_len's scratch entry
         last = np.empty(batch, dtype=np.int64)
@@ -236,18 +242,26 @@ class DecodeWorkspace:
             raise FoldKvInputError(f"the workspace is on {self.device}; decode runs on a CUDA device")
 
     def step(self, pool: PagedKvPool, *, backend: str = "jit", kernels: Mapping[str, Callable] | None = None,
-             check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Launch the three kernels of a decode step over the workspace's plan, queries and block table (capturable:
-        no allocation, no host sync). Returns `output()`."""
+             check: bool = True, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launch a decode step over the workspace's plan, queries and block table (capturable: no allocation, no
+        host sync): the fused kernel or the three, as `decode.use_fused` says for `fused` (None: fused within one
+        wave of bf16 rows, unless `kernels` replaces one of the three). Returns `output()`."""
         if check:
             self.check_pool(pool)
             resolve.check_backend(backend)
-            resolve.check_kernels(kernel_names(pool.format, pool.layout.quantized), kernels)
+            resolve.check_kernels(replaceable_kernels(pool.format, pool.layout.quantized), kernels)
             if not self.batch:
                 raise FoldKvInputError("step() before plan(): the workspace holds no batch")
+        c = self.num_chunks
+        if use_fused(self.fused, pool.format, pool.layout.quantized, fused, kernels):
+            (one,) = resolve.launch_kernels(kernel_names(pool.format, fused=True), pool.geometry, backend=backend,
+                                            kernels=kernels)
+            one(self.query, pool.data, self.page_ids, self.chunk_req, self.chunk_start, self.chunk_len,
+                self.merge_first, self.merge_count, self.part_o[:c], self.part_lse[:c], self.tail_counters,
+                self.value_head_column, self.out, self.lse)
+            return self.output()
         partial, merge_groups, merge_final = resolve.launch_kernels(kernel_names(pool.format, pool.layout.quantized),
                                                                     pool.geometry, backend=backend, kernels=kernels)
-        c = self.num_chunks
         partial(self.query, *pool_operands(pool), self.page_ids, self.chunk_req, self.chunk_start, self.chunk_len,
                 self.part_o[:c], self.part_lse[:c])
         merge_groups(self.part_o, self.part_lse, self.group_first, self.group_count)
@@ -260,18 +274,18 @@ class DecodeWorkspace:
         return self.out[:self.batch], self.lse[:self.batch]
 
     def capture(self, pool: PagedKvPool, *, backend: str = "jit", kernels: Mapping[str, Callable] | None = None,
-                warmup: int = 1) -> torch.cuda.CUDAGraph:
+                warmup: int = 1, fused: bool | None = None) -> torch.cuda.CUDAGraph:
         """A CUDA graph of one `step` (checked and run eagerly `warmup` times first, on a side stream)."""
-        self.step(pool, backend=backend, kernels=kernels)  # checks, builds the kernels
+        self.step(pool, backend=backend, kernels=kernels, fused=fused)  # checks, builds the kernels
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(warmup):
-                self.step(pool, backend=backend, kernels=kernels, check=False)
+                self.step(pool, backend=backend, kernels=kernels, check=False, fused=fused)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            self.step(pool, backend=backend, kernels=kernels, check=False)
+            self.step(pool, backend=backend, kernels=kernels, check=False, fused=fused)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return graph
 

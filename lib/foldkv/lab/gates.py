@@ -374,13 +374,15 @@ def summary_row(case: Case, fmt: KvFormat, arm: str, res: dict) -> dict:
 
 
 # --- arms: the kernels under test, as launch(inputs, out, lse) -> (out, lse) ------------------------------------------
-def decode_arm(backend: str = "jit") -> Callable:
+def decode_arm(backend: str = "jit", fused: bool | None = None) -> Callable:
+    """The decode launcher (`fused`: as `decode`'s, None = one fused launch when the plan is one wave)."""
     def launch(inputs: GateInputs, out: torch.Tensor, lse: torch.Tensor):
         from ..kernels.decode import decode, plan_decode
 
         plan = plan_decode(inputs.pool.layout, inputs.case.seq_lens, device=inputs.pool.device,
                            chunk_tokens=inputs.case.chunk_tokens, merge_group=inputs.case.merge_group)
-        return decode(inputs.pool, inputs.query, inputs.table, plan=plan, out=out, lse=lse, backend=backend)
+        return decode(inputs.pool, inputs.query, inputs.table, plan=plan, out=out, lse=lse, backend=backend,
+                      fused=fused)
 
     return launch
 

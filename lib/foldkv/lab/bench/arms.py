@@ -92,8 +92,8 @@ def aot_build_dir() -> str | None:
 def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | None = None,
                   kernels: Callable[["AttentionCase"], dict] | None = None,
                   plan_kw: Callable[["AttentionCase"], dict] | None = None,
-                  dtype: torch.dtype = torch.bfloat16,
-                  fp8_rows: str | None = None) -> Callable[["AttentionCase"], ArmImpl]:
+                  dtype: torch.dtype = torch.bfloat16, fp8_rows: str | None = None,
+                  fused: bool | None = None) -> Callable[["AttentionCase"], ArmImpl]:
     """The builder of a generated-kernel arm: `op` "decode" (foldkv.kernels.decode.decode over a plan made once,
     captured in a CUDA graph) or "prefill" (foldkv.kernels.prefill.prefill, timed eagerly), on the case's pools of
     format `fmt`, through launcher backend `backend` ("jit" or "aot") with kernel `params` (prefill tilings).
@@ -101,7 +101,8 @@ def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | Non
     e.g. a variant from bench/versions/). `plan_kw(case)`, when given, are keyword arguments of `plan_decode` (an
     experiment's chunking). backend "aot" without an active build is "not run", not an error. `dtype`: the pool's
     stored dtype (float8_e4m3fn: the FP8 folded decode, checked against the reference over its dequantized pool).
-    `fp8_rows`: the prefill's `fp8_rows` (how it reads an FP8 pool), the launcher's default when None."""
+    `fp8_rows`: the prefill's `fp8_rows` (how it reads an FP8 pool), the launcher's default when None. `fused`: the
+    decode's (None: one fused launch when the plan is one wave; False: the three launches)."""
     fmt = KvFormat.parse(fmt)
     if op not in ("decode", "prefill"):
         raise ValueError(f"op {op!r}: expected 'decode' or 'prefill'")
@@ -140,9 +141,12 @@ def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | Non
             kw["kernels"] = dict(kernels(case))
             info["kernels_replaced"] = sorted(kw["kernels"])
         if op == "decode":
+            if fused is not None:
+                kw["fused"] = info["fused"] = fused
             extra = plan_kw(case) if plan_kw is not None else {}
             kw["plan"] = plan = plan_decode(pools[0].layout, case.table_cpu.seq_lens, device=case.device, **extra)
-            info.update(chunks=plan.num_chunks, chunk_tokens=plan.chunk_tokens, plan_kw=extra)
+            info.update(chunks=plan.num_chunks, chunk_tokens=plan.chunk_tokens, plan_kw=extra,
+                        one_launch=plan.fused if fused is None else fused)
             calls = [lambda p=p: launch(p, query, table, **kw) for p in pools]
             # timed: check=False skips the host read-back of the table (checked by `calls` first), as a graph needs
             timed = [lambda p=p: launch(p, query, table, check=False, **kw) for p in pools]
