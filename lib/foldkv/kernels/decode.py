@@ -146,7 +146,8 @@ def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, pla
 def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: DecodePlan | None = None,
            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, backend: str = "jit",
            kv_format: KvFormat | str | None = None, kv_dtype: torch.dtype | None = None, check: bool = True,
-           kernels: Mapping[str, Callable] | None = None, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           kernels: Mapping[str, Callable] | None = None,
+           fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query per request against the paged pool, in the pool's format.
 
     pool: bf16 (either format) or FP8 e4m3 with its scales (folded), contiguous, on a CUDA device (Hopper for the

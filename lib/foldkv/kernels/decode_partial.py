@@ -22,6 +22,13 @@ Kernel argument order (what a backend's callable takes):
     decode_partial_<format>(query [B, Hq, D] bf16, pool [P, Hkv, page, W] bf16, page_ids [B, MP] i32,
                             chunk_req [C] i32, chunk_start [C] i32, chunk_len [C] i32,
                             part_o [C, Hq, D] f32, part_lse [C, Hq] f32)
+    decode_fused_<format>(query, pool, page_ids, chunk_req, chunk_start, chunk_len, merge_first [C] i32,
+                          merge_count [C] i32, part_o, part_lse, counters [B, Hkv, 2] i32, value_head_column [D] i32,
+                          out [B, Hq, D] bf16, lse [B, Hq] f32)
+        the partial with its tail merge, for a plan whose C x Hkv CTAs are all resident at once (one wave): a
+        request-head of one chunk writes its output and LSE from the epilogue, the others hand off through
+        `counters` (macros.TAIL_SOURCE) and each merges a slice of the request-head's columns into `out` / `lse`
+        (head order, natural log), as merge_final would (kernels/DECODE_SCHEDULE.md).
 query in the format's form (split: head order; folded: score-window order), W the format's row width, part_o in
 value-window order. B, P, MP, C are dynamic; the grid is (C, Hkv). chunk_start is a multiple of the page size,
 chunk_len >= 1.
@@ -41,7 +48,8 @@ from .registry import hands_out
 from .tl import pass_configs, require_tilelang, target
 
 # the fused tail (tail_merge): a request-head of at most TAIL_FEW_MEMBERS chunks merges 4 columns a thread, 8 members
-# a round trip; more (up to one wave: 132 SMs / 4 KV heads = 33 chunks), 2 columns a thread, all members at once
+# a round trip; more, 2 columns a thread and TAIL_MAX_MEMBERS a round trip (one wave of the H200's 132 SMs holds at most
+# 132 / 4 KV heads = 33 chunks of a request; more SMs, more chunks: a second round trip)
 TAIL_FEW_MEMBERS, TAIL_MAX_MEMBERS = 8, 33
 PRODUCER_THREADS = 128  # TileLang's warp specialisation: the producer warpgroup is threads [0, 128), consumers after
 FP8_PANEL = 128  # columns of an FP8 row loaded per shared tile: 128 bytes, the widest TMA box with 128-byte swizzle
@@ -211,8 +219,8 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
         raise ValueError("tail_merge: bf16 pools and one CTA per SM only")
     # the fused tail: each member merges a slice of its request-head's group x D columns from every member's partial;
     # (columns per thread, members per round trip) by how many members there are: few members, wide slices
-    tail_paths = ((TAIL_FEW_MEMBERS, 4, TAIL_FEW_MEMBERS), (None, 2, TAIL_MAX_MEMBERS))
-    tail_merges = [_merge_partials_macro(vec, via_group_first=False, per_trip=trip) for _, vec, trip in tail_paths] \
+    tail_paths = ((4, TAIL_FEW_MEMBERS), (2, TAIL_MAX_MEMBERS))  # (columns a thread, members a round trip)
+    tail_merges = [_merge_partials_macro(vec, via_group_first=False, per_trip=trip) for vec, trip in tail_paths] \
         if tail_merge else []
 
     @T.macro
@@ -349,11 +357,9 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                     first = T.alloc_var(i32)
                     first = tail["merge_first"][c]
                     if members <= TAIL_FEW_MEMBERS:
-                        tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, *tail_paths[0][1:],
-                                   tail_merges[0])
+                        tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, *tail_paths[0], tail_merges[0])
                     else:
-                        tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, *tail_paths[1][1:],
-                                   tail_merges[1])
+                        tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, *tail_paths[1], tail_merges[1])
 
     if fp8:
         @T.prim_func

@@ -10,18 +10,18 @@ batch and length, so that one CUDA graph captured over `step` serves every later
 Why a graph survives: the grids are fixed (the partial at `num_chunks` chunks x KV heads, level one at `num_groups`
 groups, level two at `max_batch` requests) and every pointer is the workspace's. Within one wave of bf16 rows the
 step is one fused launch (`fused`: the partial merging each request-head at its tail, kernels/DECODE_SCHEDULE.md) on
-the same chunks; padding chunks belong to no request there (merge count 0) and write only their own slot. Beyond one wave of the partial
-the plan fills all `num_chunks` chunks with real work (`plan.fixed_count_pieces`: the batch cut into exactly that many
-pieces, the longest as short as whole pages allow, laid out longest first like the eager plan), so no padded CTA
-costs a page read; within one wave (num_chunks x KV heads <= SMs, every CTA running at once) it is the eager plan's
+the same chunks; padding chunks belong to no request there (merge count 0) and write only their own slot. Beyond
+one wave of the partial the plan fills all `num_chunks` chunks with real work (`plan.fixed_count_pieces`: the batch
+cut into exactly that many pieces, the longest as short as whole pages allow, laid out longest first like the eager
+plan), so no padded CTA costs a page read; within one wave (num_chunks x KV heads <= SMs, every CTA running at once) it is the eager plan's
 one-wave layout (chunks of the smallest cap that fits, in request order, which measured faster there) and the chunks
 left over are padding. What is padding, and why no kernel needs to know:
 - chunks past the plan's (one wave, or a batch with fewer pages than chunks): one token of request 0 into a slot of
   their own that no group merges (a zero-length chunk would leave its query load in flight when the CTA exits);
 - groups past the plan's: no members, first slot `num_chunks` (a scratch slot): level one stores 0/0 there, read by
   nobody;
-- requests past the batch: no groups, so level two writes NaN into output rows past the batch (`output()` is the
-  batch's rows only).
+- requests past the batch: no groups, so level two writes NaN into output rows past the batch (the fused step leaves
+  them as they are; `output()` is the batch's rows only).
 
 Updating for new lengths never allocates device memory and never waits for the device in steady state:
 - `plan(seq_lens)` plans on the host (a few dozen array operations; the benchmark reports its time against
