@@ -116,13 +116,14 @@ def stream_read_spec(fmt: KvFormat) -> ArmSpec:
                    False, build)
 
 
-def bench(lengths, tilings, rounds, with_flashinfer, out_json, partial_only=(), stream_read=()):
+def bench(lengths, tilings, rounds, with_flashinfer, out_json, partial_only=(), stream_read=(), library=False):
     device = torch.device("cuda")
     roof = measure_read_roof(device)
     print(f"read roof measured: {roof['gbps']:.0f} GB/s ({roof['method']})", flush=True)
     arms: list = [tiling_arm(KvFormat.parse(f), tag) for f, tags in tilings.items() for tag in tags]
     arms += [partial_only_arm(KvFormat.parse(f), tag) for f, tag in (spec.split(":") for spec in partial_only)]
     arms += [stream_read_spec(KvFormat.parse(f)) for f in stream_read]
+    arms += ["folded_jit", "split_jit"] if library else []
     arms += ["fi_tc", "fi_cuda"] if with_flashinfer else []
     cells = []
     for length in lengths:
@@ -183,6 +184,8 @@ def main(argv=None):
                     help="format:tiling arms timed without the merges")
     ap.add_argument("--stream-read", nargs="*", default=[], choices=["folded", "split"],
                     help="a plain streaming read of the bytes a decode of that format reads (the per-kernel floor)")
+    ap.add_argument("--library", action="store_true", help="also the library's decode of each format (folded_jit,"
+                    " split_jit: one fused launch when the plan is one wave)")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--resources", action="store_true", help="print the resource report (CPU, nvcc) and exit")
@@ -193,7 +196,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --resources on a CPU machine")
     bench(args.lengths, tilings, args.rounds, not args.no_flashinfer, args.json, args.partial_only,
-          args.stream_read)
+          args.stream_read, library=args.library)
 
 
 if __name__ == "__main__":
