@@ -147,6 +147,14 @@ _OTHER_BARRIERS = (re.compile(r"__sync_thread_partial\(\s*(\d+)"), re.compile(r"
                    re.compile(r"named_barrier_arrive\(\s*(\d+)"), re.compile(r"NamedBarrier<[^>]*>::sync<(\d+)>"))
 
 
+def _tilelang_barrier_ids(body: str) -> set[int]:
+    """The named-barrier ids the barriers TileLang placed in a kernel body use."""
+    taken = {int(m.group(1)) for pattern in _OTHER_BARRIERS for m in pattern.finditer(body)}
+    if "NamedBarrier<" in body:  # TileLang's block reductions sync on phase 1 unless told otherwise
+        taken.add(1)
+    return taken
+
+
 def check_e4m3_conversion(kernel: str, source: str, barrier_id: int) -> dict:
     """Raise ConversionCheckError (naming `kernel`) unless its e4m3 -> bf16 calls (`macros.E4M3_TO_BF16_SOURCE`)
     carry the tile's barriers: exactly one call opens a tile (waits before overwriting what the previous gemms read)
@@ -164,9 +172,7 @@ def check_e4m3_conversion(kernel: str, source: str, barrier_id: int) -> dict:
     ids = {c[2] for c in calls}
     if ids != {barrier_id}:
         raise ConversionCheckError(f"{kernel}: conversion calls on barriers {sorted(ids)}, expected {barrier_id}")
-    taken = {int(m.group(1)) for pattern in _OTHER_BARRIERS for m in pattern.finditer(body)}
-    if "NamedBarrier<" in body:  # TileLang's block reductions sync on phase 1 unless told otherwise
-        taken.add(1)
+    taken = _tilelang_barrier_ids(body)
     if barrier_id in taken:
         raise ConversionCheckError(f"{kernel}: named barrier {barrier_id} is also used by a barrier TileLang placed")
     bounds = re.search(r"__launch_bounds__\((\d+)", source[:source.find(body)])
@@ -216,9 +222,7 @@ def check_tail_hand_off(kernel: str, source: str, threads: int) -> dict:
     if count != threads:
         raise HandOffCheckError(f"{kernel}: the hand-off's barrier counts {count} threads; the consumers are"
                                 f" {threads}")
-    taken = {int(m.group(1)) for pattern in _OTHER_BARRIERS for m in pattern.finditer(body)}
-    if "NamedBarrier<" in body:
-        taken.add(1)
+    taken = _tilelang_barrier_ids(body)
     if barrier_id in taken or barrier_id == 0:
         raise HandOffCheckError(f"{kernel}: named barrier {barrier_id} is also used by a barrier TileLang placed")
     for name in ("part_o", "part_lse"):

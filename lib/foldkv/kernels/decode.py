@@ -172,26 +172,36 @@ def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: D
         if not check:
             raise FoldKvInputError("check=False needs a plan (making one reads the lengths on the host)")
         plan = plan_decode(pool.layout, table.seq_lens, device=pool.device)
-    one_launch = use_fused(plan.fused, pool.format, pool.layout.quantized, fused, kernels)
     if out is None:
         out = torch.empty(table.batch, geom.num_q_heads, geom.head_dim, dtype=torch.bfloat16, device=pool.device)
     if lse is None:
         lse = torch.empty(table.batch, geom.num_q_heads, dtype=torch.float32, device=pool.device)
-    if one_launch:
-        (step,) = resolve.launch_kernels(kernel_names(pool.format, fused=True), geom, backend=backend, kernels=kernels)
-        step(query, pool.data, table.page_ids, plan.chunk_req, plan.chunk_start, plan.chunk_len, plan.merge_first,
-             plan.merge_count, plan.part_o, plan.part_lse, plan.tail_counters, plan.value_head_column, out, lse)
-        return out, lse
-    partial, merge_groups, merge_final = resolve.launch_kernels(kernel_names(pool.format, pool.layout.quantized), geom,
-                                                                backend=backend, kernels=kernels)
-    partial(query, *pool_operands(pool), table.page_ids, plan.chunk_req, plan.chunk_start, plan.chunk_len,
-            plan.part_o, plan.part_lse)
-    merge_groups(plan.part_o, plan.part_lse, plan.group_first, plan.group_count)
-    merge_final(plan.part_o, plan.part_lse, plan.group_first, plan.req_group_first, plan.req_group_count,
-                plan.value_head_column, out, lse)
+    launch_step(pool, query, table.page_ids, plan, out, lse, fused=fused, backend=backend, kernels=kernels)
     return out, lse
 
 
-__all__ = ["DecodePlan", "plan_decode", "decode", "kernel_names", "replaceable_kernels", "use_fused",
+def launch_step(pool: PagedKvPool, query: torch.Tensor, page_ids: torch.Tensor, plan, out: torch.Tensor,
+                lse: torch.Tensor, *, fused: bool | None, backend: str, kernels: Mapping[str, Callable] | None) -> None:
+    """Launch one decode step on checked inputs: the fused kernel or the three, as `use_fused` says. `plan` is a
+    DecodePlan or a DecodeWorkspace: both hold the step's device tensors under the kernels' argument names, and
+    `num_chunks` (the partial writes slots [0, num_chunks); a workspace's part_o holds a scratch slot past them, which
+    level one's empty groups use)."""
+    geom, c = pool.geometry, plan.num_chunks
+    if use_fused(plan.fused, pool.format, pool.layout.quantized, fused, kernels):
+        (step,) = resolve.launch_kernels(kernel_names(pool.format, fused=True), geom, backend=backend, kernels=kernels)
+        step(query, pool.data, page_ids, plan.chunk_req, plan.chunk_start, plan.chunk_len, plan.merge_first,
+             plan.merge_count, plan.part_o[:c], plan.part_lse[:c], plan.tail_counters, plan.value_head_column, out,
+             lse)
+        return
+    partial, merge_groups, merge_final = resolve.launch_kernels(kernel_names(pool.format, pool.layout.quantized), geom,
+                                                                backend=backend, kernels=kernels)
+    partial(query, *pool_operands(pool), page_ids, plan.chunk_req, plan.chunk_start, plan.chunk_len,
+            plan.part_o[:c], plan.part_lse[:c])
+    merge_groups(plan.part_o, plan.part_lse, plan.group_first, plan.group_count)
+    merge_final(plan.part_o, plan.part_lse, plan.group_first, plan.req_group_first, plan.req_group_count,
+                plan.value_head_column, out, lse)
+
+
+__all__ = ["DecodePlan", "plan_decode", "decode", "launch_step", "kernel_names", "replaceable_kernels", "use_fused",
            "partial_kernel_name", "pool_operands",
            "check_pool_dtype", "check_decode_pool"]

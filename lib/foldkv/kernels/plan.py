@@ -239,6 +239,11 @@ def chunk_layout(lens: np.ndarray, pieces: np.ndarray, *, page: int, merge_group
                 merge_count=np.repeat(k, k))
 
 
+def device_sms(device: torch.device) -> int:
+    """The SMs of a CUDA `device` (DEFAULT_SMS off CUDA): the CTAs of the decode partial that run at once."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
+
+
 def plan_decode(layout: PagedKvLayout, seq_lens, *, device, chunk_tokens: int | None = None,
                 merge_group: int | None = None, num_sms: int | None = None) -> DecodePlan:
     """Cut each request into chunks, group them for the merge and put the plan's tensors and workspace on `device`.
@@ -249,8 +254,7 @@ def plan_decode(layout: PagedKvLayout, seq_lens, *, device, chunk_tokens: int | 
     device = check_device(device)
     page = layout.page_size
     if num_sms is None:
-        num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
-                   if device.type == "cuda" else DEFAULT_SMS)
+        num_sms = device_sms(device)
     if chunk_tokens is not None:
         chunk_tokens = int(chunk_tokens)
         if chunk_tokens < page or chunk_tokens % page:

@@ -64,7 +64,6 @@ _DECODE_PARTIAL = {
     KvFormat.SPLIT: dict(page_size=64, block_n=64, num_stages=1, threads=128, block_h=16, reduce_batch=4),
     KvFormat.FOLDED: dict(page_size=64, block_n=64, num_stages=2, threads=128, block_h=16, reduce_batch=4),
 }
-# The fused step of a one-wave plan (decode_fused_<format>) is the partial with its tail merge: the partial's tiling.
 # FP8 folded: two stages of the 40 KB e4m3 tiles and one set of their bf16 copies (80 KB) the gemms read. Two consumer
 # warpgroups (threads=256): the consumer converts each tile before its gemms can start, and that, not the bytes, sets
 # the pace; two warpgroups convert a tile in half the time (1.31x faster than one at 163,336 tokens, 1.28x at 32
@@ -84,6 +83,7 @@ _DEQUANT_PAGES = dict(page_size=64, threads=128)  # memory-bound: one CTA per (p
 VARIANTS: tuple[KernelVariant, ...] = (
     *(KernelVariant(f"decode_partial_{f.value}", "decode_partial", f, _K + "decode_partial:build_decode_partial",
                     dict(_DECODE_PARTIAL[f])) for f in KvFormat),
+    # the fused step of a one-wave plan is the partial with its tail merge: the partial's tiling
     *(KernelVariant(f"decode_fused_{f.value}", "decode_fused", f, _K + "decode_partial:build_decode_fused",
                     dict(_DECODE_PARTIAL[f])) for f in KvFormat),
     KernelVariant("decode_partial_folded_fp8", "decode_partial", KvFormat.FOLDED,

@@ -13,9 +13,9 @@ step is one fused launch (`fused`: the partial merging each request-head at its 
 the same chunks; padding chunks belong to no request there (merge count 0) and write only their own slot. Beyond
 one wave of the partial the plan fills all `num_chunks` chunks with real work (`plan.fixed_count_pieces`: the batch
 cut into exactly that many pieces, the longest as short as whole pages allow, laid out longest first like the eager
-plan), so no padded CTA costs a page read; within one wave (num_chunks x KV heads <= SMs, every CTA running at once) it is the eager plan's
-one-wave layout (chunks of the smallest cap that fits, in request order, which measured faster there) and the chunks
-left over are padding. What is padding, and why no kernel needs to know:
+plan), so no padded CTA costs a page read; within one wave (num_chunks x KV heads <= SMs, every CTA running at
+once) it is the eager plan's one-wave layout (chunks of the smallest cap that fits, in request order, which measured
+faster there) and the chunks left over are padding. What is padding, and why no kernel needs to know:
 - chunks past the plan's (one wave, or a batch with fewer pages than chunks): one token of request 0 into a slot of
   their own that no group merges (a zero-length chunk would leave its query load in flight when the CTA exits);
 - groups past the plan's: no members, first slot `num_chunks` (a scratch slot): level one stores 0/0 there, read by
@@ -48,8 +48,8 @@ from ..layout import value_window_columns
 from ..pool import PagedKvLayout, PagedKvPool
 from ..validate import FoldKvInputError, check_device, check_tensor
 from . import resolve
-from .decode import check_decode_pool, kernel_names, pool_operands, replaceable_kernels, use_fused
-from .plan import (DEFAULT_MERGE_GROUP, MAX_BATCH, MAX_LEN, check_lens, chunk_layout, fixed_count_pieces,
+from .decode import check_decode_pool, launch_step, replaceable_kernels
+from .plan import (DEFAULT_MERGE_GROUP, MAX_BATCH, MAX_LEN, check_lens, chunk_layout, device_sms, fixed_count_pieces,
                    smallest_cap)
 
 CHUNKS_PER_REQUEST = 4  # the default chunk count: about this many chunks per request of the largest batch, in whole
@@ -87,8 +87,7 @@ class DecodeWorkspace:
             raise FoldKvInputError(f"merge_group={merge_group} must be >= 1")
         geom = layout.geometry
         if num_sms is None:
-            num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
-                       if device.type == "cuda" else 132)
+            num_sms = device_sms(device)
         if num_chunks is None:
             num_chunks = default_num_chunks(max_batch, num_sms, geom.num_kv_heads)
         num_chunks = int(num_chunks)
@@ -252,21 +251,8 @@ class DecodeWorkspace:
             resolve.check_kernels(replaceable_kernels(pool.format, pool.layout.quantized), kernels)
             if not self.batch:
                 raise FoldKvInputError("step() before plan(): the workspace holds no batch")
-        c = self.num_chunks
-        if use_fused(self.fused, pool.format, pool.layout.quantized, fused, kernels):
-            (one,) = resolve.launch_kernels(kernel_names(pool.format, fused=True), pool.geometry, backend=backend,
-                                            kernels=kernels)
-            one(self.query, pool.data, self.page_ids, self.chunk_req, self.chunk_start, self.chunk_len,
-                self.merge_first, self.merge_count, self.part_o[:c], self.part_lse[:c], self.tail_counters,
-                self.value_head_column, self.out, self.lse)
-            return self.output()
-        partial, merge_groups, merge_final = resolve.launch_kernels(kernel_names(pool.format, pool.layout.quantized),
-                                                                    pool.geometry, backend=backend, kernels=kernels)
-        partial(self.query, *pool_operands(pool), self.page_ids, self.chunk_req, self.chunk_start, self.chunk_len,
-                self.part_o[:c], self.part_lse[:c])
-        merge_groups(self.part_o, self.part_lse, self.group_first, self.group_count)
-        merge_final(self.part_o, self.part_lse, self.group_first, self.req_group_first, self.req_group_count,
-                    self.value_head_column, self.out, self.lse)
+        launch_step(pool, self.query, self.page_ids, self, self.out, self.lse, fused=fused, backend=backend,
+                    kernels=kernels)
         return self.output()
 
     def output(self) -> tuple[torch.Tensor, torch.Tensor]:
