@@ -332,21 +332,15 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
             for out in parts.values:
                 for i, j in T.Parallel(out.other.shape[0], block_h):
                     if j < group:
-                        if tail_merge:
-                            if members == 1:
-                                tail["out"][req, kvh * group + j, tail["value_head_column"][out.col + i]] = T.cast(
-                                    out.other[i, j] / for_o["denom"][j], bf16)
-                            else:
-                                part_o[c, kvh * group + j, out.col + i] = out.other[i, j] / for_o["denom"][j]
+                        if tail_merge and members == 1:
+                            tail["out"][req, kvh * group + j, tail["value_head_column"][out.col + i]] = T.cast(
+                                out.other[i, j] / for_o["denom"][j], bf16)
                         else:
                             part_o[c, kvh * group + j, out.col + i] = out.other[i, j] / for_o["denom"][j]
             for j in T.Parallel(block_h):
                 if j < group:
-                    if tail_merge:
-                        if members == 1:
-                            tail["lse"][req, kvh * group + j] = (T.log2(denom[j]) + head_max[j] * scale) * macros.LN2
-                        else:
-                            part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * scale
+                    if tail_merge and members == 1:
+                        tail["lse"][req, kvh * group + j] = (T.log2(denom[j]) + head_max[j] * scale) * macros.LN2
                     else:
                         part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * scale
             if tail_merge:
