@@ -28,7 +28,7 @@ from foldkv.lab.jsonsafe import jsonable
 from foldkv.lab.report import environment
 from foldkv.provenance import provenance
 from foldkv.pool import BlockTable, PagedKvLayout
-from versions import decode_partial_fp8_mma, decode_partial_fp8_probe, decode_partial_fp8_rs  # bench/versions/
+from versions import decode_fused_ll, decode_partial_fp8_mma, decode_partial_fp8_probe, decode_partial_fp8_rs  # bench/versions/
 
 
 def partial_variant(name: str, what: str, build: Callable[[], object], fp8: bool = True,
@@ -104,8 +104,24 @@ FP8_MMA = [_fp8_mma(name, t, two, p) for name, t, p in (("fp8_mma", "none", Fals
 THREE_LAUNCHES = [ArmSpec(f"{f.value}_three", f"{f.value} decode, three launches (partial, merge_groups, merge_final)",
                           f.value, False, generated_arm("decode", f, "jit", fused=False), generated=True)
                   for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
+# run 14: the fused step with its tail's partials as self-validating words (bench/versions/decode_fused_ll.py), in
+# place of the library's fused kernel (one-wave plans; the three launches elsewhere, as the library)
+_LL_STEPS: dict = {}
+
+
+def _ll_step(fmt: KvFormat):
+    if fmt not in _LL_STEPS:
+        _LL_STEPS[fmt] = decode_fused_ll.LLStep(G, fmt)
+    return _LL_STEPS[fmt]
+
+
+LL_FUSED = [ArmSpec(f"{f.value}_ll", f"{f.value} decode, fused step with the tail's partials as self-validating words",
+                    f.value, False, generated_arm("decode", f, "jit",
+                                                  kernels=lambda case, f=f: {f"decode_fused_{f.value}": _ll_step(f)}),
+                    generated=True)
+            for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
 ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA,
-        *THREE_LAUNCHES,
+        *THREE_LAUNCHES, *LL_FUSED,
         "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 
 

@@ -182,7 +182,7 @@ def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, blo
 def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_n: int = 64,
                            num_stages: int = 1, threads: int = 128, block_h: int = 16, fp8: bool = False,
                            e4m3_convert: str = "bits", reduce_batch: int = 1, ctas_per_sm: int = 1,
-                           tail_merge: bool = False, tail_hand_off: bool = True):
+                           tail_merge: bool = False, tail_hand_off: bool = True, tail_protocol: str = "atomic"):
     """The TileLang prim_func of the partial kernel for one geometry, page format and tiling; `fp8`: over an FP8
     folded pool (its scales an extra argument after the pool), its e4m3 panels converted to bf16 by
     `macros.convert_e4m3_macro` ("bits") or TileLang's element conversion ("cvt"); `reduce_batch`: the softmax's
@@ -217,6 +217,9 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     assert e4m3_convert in ("bits", "cvt")
     if tail_merge and (fp8 or ctas_per_sm > 1):
         raise ValueError("tail_merge: bf16 pools and one CTA per SM only")
+    if tail_protocol not in ("atomic", "ll") or (tail_protocol == "ll" and threads != 128):
+        raise ValueError(f"tail_protocol={tail_protocol!r}: 'atomic', or 'll' with one consumer warpgroup")
+    ll = tail_merge and tail_protocol == "ll"  # the partial as self-validating words (macros.LL_TAIL_SOURCE)
     # the fused tail: each member merges a slice of its request-head's group x D columns from every member's partial;
     # (columns per thread, members per round trip) by how many members there are: few members, wide slices
     tail_paths = ((4, TAIL_FEW_MEMBERS), (2, TAIL_MAX_MEMBERS))  # (columns a thread, members a round trip)
@@ -251,7 +254,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
             if fp8 and e4m3_convert == "bits":
                 T.import_source(macros.E4M3_TO_BF16_SOURCE)
             if tail_merge:
-                T.import_source(macros.TAIL_SOURCE)
+                T.import_source(macros.LL_TAIL_SOURCE if ll else macros.TAIL_SOURCE)
             if ctas_per_sm > 1:
                 share_sm_registers()
             parts = format_parts()
@@ -332,25 +335,37 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                         if tail_merge and members == 1:
                             tail["out"][req, kvh * group + j, tail["value_head_column"][out.col + i]] = T.cast(
                                 out.other[i, j] / for_o["denom"][j], bf16)
+                        elif ll:
+                            if members > 1:  # padding chunks (no members) write nothing: no reader empties it
+                                T.call_extern("handle", macros.LL_STORE_FN, part_o.data,
+                                              (c * hq + kvh * group + j) * d + out.col + i,
+                                              out.other[i, j] / denom[j], T.log2(denom[j]) + head_max[j] * scale)
                         else:
                             part_o[c, kvh * group + j, out.col + i] = out.other[i, j] / for_o["denom"][j]
             for j in T.Parallel(block_h):
                 if j < group:
                     if tail_merge and members == 1:
                         tail["lse"][req, kvh * group + j] = (T.log2(denom[j]) + head_max[j] * scale) * macros.LN2
-                    else:
+                    elif not ll:  # (ll: each word carries its head's LSE)
                         part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * scale
             if tail_merge:
                 if members > 1:
                     first = T.alloc_var(i32)
                     first = tail["merge_first"][c]
-                    if tail_hand_off:
+                    if ll:
+                        T.call_extern("handle", macros.LL_MERGE_FN, part_o.data, first, members, c - first, req, kvh,
+                                      hq, d, group, tail["value_head_column"].data, tail["out"].data,
+                                      tail["lse"].data, T.get_thread_binding(0), threads)
+                    elif tail_hand_off:
                         T.call_extern("handle", macros.TAIL_HAND_OFF_FN, tail["counters"].data, req * hkv + kvh,
                                       c - first, members, PRODUCER_THREADS, macros.TAIL_BARRIER_ID, threads)
-                    if members <= TAIL_FEW_MEMBERS:
-                        tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, *tail_paths[0], tail_merges[0])
-                    else:
-                        tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, *tail_paths[1], tail_merges[1])
+                    if not ll:
+                        if members <= TAIL_FEW_MEMBERS:
+                            tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, *tail_paths[0],
+                                       tail_merges[0])
+                        else:
+                            tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, *tail_paths[1],
+                                       tail_merges[1])
 
     if fp8:
         @T.prim_func
@@ -368,6 +383,28 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
             partial(query, pool, scales, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse)
 
         return decode_partial.with_attr("global_symbol", f"decode_partial_{fmt.value}_fp8")
+
+    if ll:
+        @T.prim_func
+        def decode_fused(
+            query: T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] query in the format's form
+            pool: T.Tensor((num_pages, hkv, page_size, width), bf16),  # [P, Hkv, page, W]
+            page_ids: T.Tensor((batch, max_pages), i32),  # [B, MP]
+            chunk_req: T.Tensor((num_chunks,), i32),  # [C] request of chunk c
+            chunk_start: T.Tensor((num_chunks,), i32),  # [C] first token (multiple of page_size)
+            chunk_len: T.Tensor((num_chunks,), i32),  # [C] tokens in the chunk (>= 1)
+            merge_first: T.Tensor((num_chunks,), i32),  # [C] first slot of chunk c's request (its chunks: consecutive)
+            merge_count: T.Tensor((num_chunks,), i32),  # [C] chunks of that request
+            part_ll: T.Tensor((num_chunks, hq, d, 2), f32),  # [C, Hq, D] words {o, lse}, empty between launches
+            value_head_column: T.Tensor((d,), i32),  # [D] head column of value-window position p
+            out: T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] head order
+            lse: T.Tensor((batch, hq), f32),  # [B, Hq] natural log
+        ):
+            partial(query, pool, None, page_ids, chunk_req, chunk_start, chunk_len, part_ll, None,
+                    dict(merge_first=merge_first, merge_count=merge_count, value_head_column=value_head_column,
+                         out=out, lse=lse))
+
+        return decode_fused.with_attr("global_symbol", f"decode_fused_{fmt.value}")
 
     if tail_merge:
         @T.prim_func
