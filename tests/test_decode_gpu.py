@@ -254,7 +254,7 @@ def test_fused_ll_gate_catches_stale_words(cuda_device, fmt):
     assert _ll_words_empty(buf)
     # valid words {o, lse} where the readers left empty ones, as a launch that wrote and never read would leave them
     stale = torch.randn(buf.shape[:-1], device=cuda_device, generator=torch.Generator(cuda_device).manual_seed(5))
-    buf[..., 0], buf[..., 1] = stale, 0.0
+    buf[..., 0], buf[..., 1] = stale, 1e3  # an LSE (base 2) far above the real ones: these words dominate the merge
     inputs = make_case(fmt, lens, 13, cuda_device)
 
     def on_stale_words(inputs, out, lse):

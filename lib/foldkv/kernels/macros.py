@@ -293,14 +293,24 @@ __device__ __noinline__ void foldkv_ll_merge(const float* words, int first, int 
     unsigned long long* start = base + ((long long)first * hq + kvh * group) * d + lo + tid + (long long)k0 * threads;
     unsigned long long w[W];
     FOLDKV_LL_WALK(w[s] = foldkv_ll_load(at);)
+    // wait: spin on the first empty word alone (a load a thread in flight, not one a word: the members still
+    // streaming share L2 with these polls), then load every word still empty again, until none is
     long long polls = 0;
     for (;;) {
       bool waiting = false;
 #pragma unroll
       for (int s = 0; s < W; ++s) waiting |= s < nw && (unsigned)w[s] == %(empty)du;
       if (!waiting) break;
-      if (++polls == (1LL << 22)) __trap();
-      __nanosleep(64);
+      bool spun = false;
+      FOLDKV_LL_WALK(
+        if (!spun && (unsigned)w[s] == %(empty)du) {
+          spun = true;
+          do {
+            if (++polls == (1LL << 22)) __trap();
+            __nanosleep(128);
+            w[s] = foldkv_ll_load(at);
+          } while ((unsigned)w[s] == %(empty)du);
+        })
       FOLDKV_LL_WALK(if ((unsigned)w[s] == %(empty)du) w[s] = foldkv_ll_load(at);)
     }
     float run_max = -__int_as_float(0x7f800000), run_sum = 0.f, run_o = 0.f;
