@@ -109,10 +109,10 @@ THREE_LAUNCHES = [ArmSpec(f"{f.value}_three", f"{f.value} decode, three launches
 _LL_STEPS: dict = {}
 
 
-def _ll_step(fmt: KvFormat):
-    if fmt not in _LL_STEPS:
-        _LL_STEPS[fmt] = decode_fused_ll.LLStep(G, fmt)
-    return _LL_STEPS[fmt]
+def _ll_step(fmt: KvFormat, probe: str | None = None):
+    if (fmt, probe) not in _LL_STEPS:
+        _LL_STEPS[fmt, probe] = decode_fused_ll.LLStep(G, fmt, probe)
+    return _LL_STEPS[fmt, probe]
 
 
 LL_FUSED = [ArmSpec(f"{f.value}_ll", f"{f.value} decode, fused step with the tail's partials as self-validating words",
@@ -120,8 +120,14 @@ LL_FUSED = [ArmSpec(f"{f.value}_ll", f"{f.value} decode, fused step with the tai
                                                   kernels=lambda case, f=f: {f"decode_fused_{f.value}": _ll_step(f)}),
                     generated=True)
             for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
+LL_PROBES = [ArmSpec(f"folded_ll_{probe}", f"folded decode, LL fused step, probe: {probe}", "folded", False,
+                     generated_arm("decode", KvFormat.FOLDED, "jit",
+                                   kernels=lambda case, probe=probe: {"decode_fused_folded":
+                                                                      _ll_step(KvFormat.FOLDED, probe)}),
+                     generated=True)
+             for probe in ("inline", "no_wait")]
 ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA,
-        *THREE_LAUNCHES, *LL_FUSED,
+        *THREE_LAUNCHES, *LL_FUSED, *LL_PROBES,
         "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 
 

@@ -33,14 +33,29 @@ from foldkv.kernels.tl import pass_configs, require_tilelang, target
 from foldkv.layout import KvFormat
 
 
-def build(geom: AttentionGeometry, fmt: KvFormat | str, **tiling):
-    """Compile the LL fused kernel of `fmt` with the format's registered partial tiling, overridden by `tiling`.
-    Arguments: (query, pool, page_ids, chunk_req, chunk_start, chunk_len, merge_first, merge_count, part_ll,
-    value_head_column, out, lse)."""
+def probe_source(probe: str | None) -> str:
+    """macros.LL_TAIL_SOURCE, or a timing probe of it: "inline" (the merge inlined into the kernel, which spills
+    there), "no_wait" (each word read once, never polled: wrong output whenever a reader is early)."""
+    src = macros.LL_TAIL_SOURCE
+    if probe == "inline":
+        out = src.replace("__device__ __noinline__ void foldkv_ll_merge(", "__device__ __forceinline__ void foldkv_ll_merge(")
+    elif probe == "no_wait":
+        out = src.replace("      if (!waiting) break;", "      break;")
+    else:
+        return src
+    assert out != src
+    return out
+
+
+def build(geom: AttentionGeometry, fmt: KvFormat | str, probe: str | None = None, **tiling):
+    """Compile the LL fused kernel of `fmt` with the format's registered partial tiling, overridden by `tiling`
+    (`probe`: probe_source's). Arguments: (query, pool, page_ids, chunk_req, chunk_start, chunk_len, merge_first,
+    merge_count, part_ll, value_head_column, out, lse)."""
     tilelang = require_tilelang()
     fmt = KvFormat.parse(fmt)
     cfg = {**DEFAULTS[fmt], **tiling}
-    return tilelang.compile(decode_partial_program(geom, fmt, tail_merge=True, tail_protocol="ll", **cfg),
+    return tilelang.compile(decode_partial_program(geom, fmt, tail_merge=True, tail_protocol="ll",
+                                                   tail_source=probe_source(probe), **cfg),
                             target=target(), pass_configs=pass_configs())
 
 
@@ -55,8 +70,8 @@ class LLStep:
     and the counters are ignored, a word buffer per (chunk count, device) is made on first use (outside any capture:
     the harness checks each arm eagerly before it captures) and stays empty between launches."""
 
-    def __init__(self, geom: AttentionGeometry, fmt: KvFormat | str, **tiling):
-        self.geom, self.kernel = geom, build(geom, fmt, **tiling)
+    def __init__(self, geom: AttentionGeometry, fmt: KvFormat | str, probe: str | None = None, **tiling):
+        self.geom, self.kernel = geom, build(geom, fmt, probe, **tiling)
         self.words: dict[tuple, torch.Tensor] = {}
 
     def __call__(self, query, pool, page_ids, chunk_req, chunk_start, chunk_len, merge_first, merge_count, part_o,

@@ -182,7 +182,8 @@ def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, blo
 def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_n: int = 64,
                            num_stages: int = 1, threads: int = 128, block_h: int = 16, fp8: bool = False,
                            e4m3_convert: str = "bits", reduce_batch: int = 1, ctas_per_sm: int = 1,
-                           tail_merge: bool = False, tail_hand_off: bool = True, tail_protocol: str = "atomic"):
+                           tail_merge: bool = False, tail_hand_off: bool = True, tail_protocol: str = "atomic",
+                           tail_source: str | None = None):
     """The TileLang prim_func of the partial kernel for one geometry, page format and tiling; `fp8`: over an FP8
     folded pool (its scales an extra argument after the pool), its e4m3 panels converted to bf16 by
     `macros.convert_e4m3_macro` ("bits") or TileLang's element conversion ("cvt"); `reduce_batch`: the softmax's
@@ -220,6 +221,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     if tail_protocol not in ("atomic", "ll") or (tail_protocol == "ll" and threads != 128):
         raise ValueError(f"tail_protocol={tail_protocol!r}: 'atomic', or 'll' with one consumer warpgroup")
     ll = tail_merge and tail_protocol == "ll"  # the partial as self-validating words (macros.LL_TAIL_SOURCE)
+    tail_src = tail_source or (macros.LL_TAIL_SOURCE if ll else macros.TAIL_SOURCE)  # (tail_source: a probe's)
     # the fused tail: each member merges a slice of its request-head's group x D columns from every member's partial;
     # (columns per thread, members per round trip) by how many members there are: few members, wide slices
     tail_paths = ((4, TAIL_FEW_MEMBERS), (2, TAIL_MAX_MEMBERS))  # (columns a thread, members a round trip)
@@ -254,7 +256,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
             if fp8 and e4m3_convert == "bits":
                 T.import_source(macros.E4M3_TO_BF16_SOURCE)
             if tail_merge:
-                T.import_source(macros.LL_TAIL_SOURCE if ll else macros.TAIL_SOURCE)
+                T.import_source(tail_src)
             if ctas_per_sm > 1:
                 share_sm_registers()
             parts = format_parts()
