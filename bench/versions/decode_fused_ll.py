@@ -5,7 +5,7 @@ Lab notebook (bench/DECODE_NOTES.md, run 14). Question: run 13 took the fused ta
 the tail over the partial alone went from ~5.0 to ~4.0 us; what is left is a chain of dependent trips to L2: the
 release (the leader's atomic waits for the 16 KB partial's stores to be acknowledged), the atomic's own trip, the
 waiters' poll, then the loads of the members' partials. Here each member stores its partial as 8-byte words {o, lse}
-(`macros.LL_TAIL_SOURCE`: one single-copy-atomic store a word) and each word's one reader (the member whose slice holds
+(`LL_TAIL_SOURCE` below: one single-copy-atomic store a word) and each word's one reader (the member whose slice holds
 the column) polls the word itself until it is not the empty mark, merges, and empties it; between launches every
 word is empty. So after the last member's stores, the chain is their trip to L2 and the readers' next poll: no
 release, no atomic, no signal. `decode_partial_program(tail_merge=True, tail_protocol="ll")`: the library's fused
@@ -32,11 +32,121 @@ from foldkv.kernels.decode_partial import DEFAULTS, decode_partial_program
 from foldkv.kernels.tl import pass_configs, require_tilelang, target
 from foldkv.layout import KvFormat
 
+# The fused tail's other hand-off (decode_partial_program(tail_protocol="ll")): no counter, no fence. Each member
+# writes its partial as 8-byte words {o, lse} (one store each, single-copy atomic), and the word's reader (exactly one:
+# the member whose slice holds that column) spins on it until it is not the empty mark, merges, and puts the mark back;
+# so between launches every word is empty (the buffer starts so), and a word is valid exactly when this launch's
+# writer stored it. The data carries its own validity (NCCL's LL protocol within one GPU): the chain after the last
+# member's stores is their trip to L2 and the readers' next poll.
+LL_EMPTY = 0xFFFFFFFF  # the empty mark, in each half of a word; a partial value with these bits is stored as another NaN
+LL_MAX_WORDS = 34  # words a reader thread holds at once: (4096 / n / 128 + 1) x n <= 62 for the 31B's n <= 33
+LL_TAIL_SOURCE = r"""
+#include <cuda_bf16.h>
+// One partial element of chunk slot `at` / (Hq x D): its normalised output and its head's base-2 LSE, as one word.
+// (`words` arrives const: TileLang sees the kernel write it nowhere else)
+__device__ __forceinline__ void foldkv_ll_store(const float* words, long long at, float value, float lse) {
+  unsigned v = __float_as_uint(value);
+  if (v == %(empty)du) v = 0x7FFFFFFFu;  // a NaN stays a NaN, and is not the empty mark
+  const unsigned long long w = ((unsigned long long)__float_as_uint(lse) << 32) | v;
+  unsigned long long* p = reinterpret_cast<unsigned long long*>(const_cast<float*>(words)) + at;
+  asm volatile("st.relaxed.gpu.global.b64 [%%0], %%1;" : : "l"(p), "l"(w) : "memory");
+}
+__device__ __forceinline__ unsigned long long foldkv_ll_load(const unsigned long long* p) {
+  unsigned long long w;
+  asm volatile("ld.relaxed.gpu.global.b64 %%0, [%%1];" : "=l"(w) : "l"(p) : "memory");
+  return w;
+}
+// Member `member` of the request-head's `members` chunk slots [first, first + members) merges columns
+// [member, member + 1) x (group x d) / members of its group x d into `out` (bf16, head order through
+// value_head_column) and `lse` (natural log), `tid` of `threads` threads: each thread's columns are tid + k x threads
+// of the slice, at most %(max_words)d words loaded at once (all independent), polled until none is empty, merged
+// (online, one exp2 a word), then emptied.
+__device__ __noinline__ void foldkv_ll_merge(const float* words, int first, int members, int member, int req,
+                                                int kvh, int hq, int d, int group, const int* value_head_column,
+                                                const void* out, const float* lse, int tid, int threads) {
+  constexpr int W = %(max_words)d;
+  const unsigned long long empty = ((unsigned long long)%(empty)du << 32) | %(empty)du;
+  unsigned long long* base = reinterpret_cast<unsigned long long*>(const_cast<float*>(words));
+  __nv_bfloat16* out_bf16 = reinterpret_cast<__nv_bfloat16*>(const_cast<void*>(out));
+  float* lse_out = const_cast<float*>(lse);
+  if (members > W) __trap();  // one column's words must fit at once
+  const int cols = group * d;
+  const int lo = (int)((long long)member * cols / members);
+  const int hi = (int)((long long)(member + 1) * cols / members);
+  const int mine = hi - lo > tid ? (hi - lo - tid + threads - 1) / threads : 0;  // columns lo + tid + k x threads
+  const int per_round = W / members;
+  const long long member_stride = (long long)hq * d;  // words between two members' copies of a column
+  // word s of a round: member s %% members of column k0 + s / members, at column lo + tid + (k0 + k) x threads of the
+  // request-head's group x d, i.e. at start + m x member_stride + k x threads. Each pass walks the addresses again
+  // from a laundered start (an add a word) rather than keeping W of them live: the words alone take 2 x W registers.
+#define FOLDKV_LL_WALK(...)                                                                    \
+    {                                                                                          \
+      unsigned long long* at;                                                                  \
+      asm volatile("mov.b64 %%0, %%1;" : "=l"(at) : "l"(start));                               \
+      int k = 0, m = 0;                                                                        \
+      _Pragma("unroll") for (int s = 0; s < W; ++s) {                                          \
+        if (s < nw) { __VA_ARGS__ }                                                            \
+        at += member_stride;                                                                   \
+        if (++m == members) { m = 0; ++k; at += threads - members * member_stride; }          \
+      }                                                                                        \
+    }
+  for (int k0 = 0; k0 < mine; k0 += per_round) {
+    const int nw = min(per_round, mine - k0) * members;
+    unsigned long long* start = base + ((long long)first * hq + kvh * group) * d + lo + tid + (long long)k0 * threads;
+    unsigned long long w[W];
+    FOLDKV_LL_WALK(w[s] = foldkv_ll_load(at);)
+    // wait: spin on the first empty word alone (a load a thread in flight, not one a word: the members still
+    // streaming share L2 with these polls), then load every word still empty again, until none is
+    long long polls = 0;
+    for (;;) {
+      bool waiting = false;
+#pragma unroll
+      for (int s = 0; s < W; ++s) waiting |= s < nw && (unsigned)w[s] == %(empty)du;
+      if (!waiting) break;
+      bool spun = false;
+      FOLDKV_LL_WALK(
+        if (!spun && (unsigned)w[s] == %(empty)du) {
+          spun = true;
+          do {
+            if (++polls == (1LL << 22)) __trap();
+            __nanosleep(128);
+            w[s] = foldkv_ll_load(at);
+          } while ((unsigned)w[s] == %(empty)du);
+        })
+      FOLDKV_LL_WALK(if ((unsigned)w[s] == %(empty)du) w[s] = foldkv_ll_load(at);)
+    }
+    float run_max = -__int_as_float(0x7f800000), run_sum = 0.f, run_o = 0.f;
+    FOLDKV_LL_WALK(
+      const float v = __uint_as_float((unsigned)w[s]);
+      const float l = __uint_as_float((unsigned)(w[s] >> 32));
+      if (l > run_max) {  /* rescale what is there to the new max */
+        const float t = exp2f(run_max - l);
+        run_sum = run_sum * t + 1.f;
+        run_o = run_o * t + v;
+        run_max = l;
+      } else {
+        const float t = exp2f(l - run_max);
+        run_sum += t;
+        run_o += t * v;
+      }
+      asm volatile("st.relaxed.gpu.global.b64 [%%0], %%1;" : : "l"(at), "l"(empty) : "memory");
+      if (m == members - 1) {
+        const int col = lo + tid + (k0 + k) * threads;
+        const int h = kvh * group + col / d, p = col %% d;
+        out_bf16[((long long)req * hq + h) * d + value_head_column[p]] = __float2bfloat16_rn(run_o / run_sum);
+        if (p == 0) lse_out[(long long)req * hq + h] = (log2f(run_sum) + run_max) * %(ln2).17gf;
+        run_max = -__int_as_float(0x7f800000); run_sum = 0.f; run_o = 0.f;
+      })
+  }
+#undef FOLDKV_LL_WALK
+}
+""" % {"empty": LL_EMPTY, "max_words": LL_MAX_WORDS, "ln2": macros.LN2}
+
 
 def probe_source(probe: str | None) -> str:
-    """macros.LL_TAIL_SOURCE, or a timing probe of it: "inline" (the merge inlined into the kernel, which spills
+    """LL_TAIL_SOURCE, or a timing probe of it: "inline" (the merge inlined into the kernel, which spills
     there), "no_wait" (each word read once, never polled: wrong output whenever a reader is early)."""
-    src = macros.LL_TAIL_SOURCE
+    src = LL_TAIL_SOURCE
     if probe == "inline":
         out = src.replace("__device__ __noinline__ void foldkv_ll_merge(", "__device__ __forceinline__ void foldkv_ll_merge(")
     elif probe == "no_wait":
@@ -60,8 +170,8 @@ def build(geom: AttentionGeometry, fmt: KvFormat | str, probe: str | None = None
 
 
 def empty_words(num_chunks: int, geom: AttentionGeometry, device) -> torch.Tensor:
-    """A word buffer [C, Hq, D, 2] float32 with every word empty (both halves macros.LL_EMPTY)."""
-    return torch.full((num_chunks, geom.num_q_heads, geom.head_dim, 2), macros.LL_EMPTY - (1 << 32),
+    """A word buffer [C, Hq, D, 2] float32 with every word empty (both halves LL_EMPTY)."""
+    return torch.full((num_chunks, geom.num_q_heads, geom.head_dim, 2), LL_EMPTY - (1 << 32),
                       dtype=torch.int32, device=device).view(torch.float32)
 
 

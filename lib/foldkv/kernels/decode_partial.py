@@ -218,10 +218,13 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     assert e4m3_convert in ("bits", "cvt")
     if tail_merge and (fp8 or ctas_per_sm > 1):
         raise ValueError("tail_merge: bf16 pools and one CTA per SM only")
-    if tail_protocol not in ("atomic", "ll") or (tail_protocol == "ll" and threads != 128):
-        raise ValueError(f"tail_protocol={tail_protocol!r}: 'atomic', or 'll' with one consumer warpgroup")
-    ll = tail_merge and tail_protocol == "ll"  # the partial as self-validating words (macros.LL_TAIL_SOURCE)
-    tail_src = tail_source or (macros.LL_TAIL_SOURCE if ll else macros.TAIL_SOURCE)  # (tail_source: a probe's)
+    # tail_protocol "ll" (measured slower, bench/DECODE_NOTES.md run 14): the partial as self-validating words,
+    # through macros.LL_STORE_FN / LL_MERGE_FN, whose device code is the caller's `tail_source`
+    if tail_protocol not in ("atomic", "ll") or (tail_protocol == "ll" and (threads != 128 or not tail_source)):
+        raise ValueError(f"tail_protocol={tail_protocol!r}: 'atomic', or 'll' with one consumer warpgroup and its"
+                         " tail_source")
+    ll = tail_merge and tail_protocol == "ll"
+    tail_src = tail_source or macros.TAIL_SOURCE
     # the fused tail: each member merges a slice of its request-head's group x D columns from every member's partial;
     # (columns per thread, members per round trip) by how many members there are: few members, wide slices
     tail_paths = ((4, TAIL_FEW_MEMBERS), (2, TAIL_MAX_MEMBERS))  # (columns a thread, members a round trip)
