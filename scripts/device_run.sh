@@ -35,7 +35,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUTD/gpu.txt"
 t0=$(date +%s)
 J=${JIT_S:-120}; A=${PHASE_A_S:-450}; B=${PHASE_B_S:-330}  # the GPU suite takes ~450 s, notebook 04 ~290 s (s8)
-BATCH="python3 scripts/run_batch.py --tag $TAG --no-progress"
+BATCH="python3 scripts/run_batch.py --tag $TAG --no-progress --log-output"  # cell output in each batch_*.log
 
 timeout $J python3 scripts/jit_build_all.py --record "$FOLDKV_JIT_BUILD_RECORD" > "$OUTD/jit_build.log" 2>&1
 echo "jit build rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/jit_build.log")"

@@ -74,10 +74,18 @@ def ensure_kernelspec() -> str:
     return KERNEL_NAME
 
 
-def run(paths: list[str], out_dir: str, smoke: bool, extra: dict, progress: bool = True) -> list[dict]:
+def run(paths: list[str], out_dir: str, smoke: bool, extra: dict, progress: bool = True,
+        log_output: bool = False) -> list[dict]:
+    """Execute each notebook with papermill into out_dir; `log_output`: stream every cell's output to stderr as it
+    runs (a device run's log then shows where a notebook stopped, which the executed notebook may not: papermill
+    saves it between cells)."""
     import papermill as pm
 
     kernel = ensure_kernelspec()
+    if log_output:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     os.makedirs(out_dir, exist_ok=True)
     results = []
@@ -92,7 +100,7 @@ def run(paths: list[str], out_dir: str, smoke: bool, extra: dict, progress: bool
         entry = {"notebook": stem, "output": os.path.join(out_dir, f"{stem}.ipynb"), "parameters": params}
         try:
             pm.execute_notebook(path, entry["output"], parameters=params, kernel_name=kernel, cwd=ROOT,
-                                progress_bar=progress)
+                                progress_bar=progress, log_output=log_output)
             entry["status"] = "ok"
         except Exception as exc:  # papermill still writes the executed notebook up to the failing cell
             entry["status"] = f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ''}"
@@ -156,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny parameters (what the tests run)")
     ap.add_argument("--params", default=None, help='JSON {"02": {"name": value}} of extra parameters per notebook')
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--log-output", action="store_true", help="stream each cell's output to stderr as it runs")
     ap.add_argument("--summarize", action="store_true", help="run nothing: rewrite SUMMARY.md from the tag's entries")
     args = ap.parse_args(argv)
     tag = args.tag or machine_tag()
@@ -164,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.summarize:
         status = 0
     else:
-        results = run(notebook_paths(args.only), out_dir, args.smoke, extra, progress=not args.no_progress)
+        results = run(notebook_paths(args.only), out_dir, args.smoke, extra, progress=not args.no_progress,
+                      log_output=args.log_output)
         status = 0 if all(r["status"] == "ok" for r in results) else 1
     # The summary covers every notebook run into this tag, also in parts (--only) or side by side.
     os.makedirs(out_dir, exist_ok=True)
