@@ -28,7 +28,8 @@ from foldkv.lab.jsonsafe import jsonable
 from foldkv.lab.report import environment
 from foldkv.provenance import provenance
 from foldkv.pool import BlockTable, PagedKvLayout
-from versions import decode_fused_ll, decode_partial_fp8_mma, decode_partial_fp8_probe, decode_partial_fp8_rs  # bench/versions/
+from versions import (decode_fused_ll, decode_partial_fp8_mma, decode_partial_fp8_probe,  # bench/versions/
+                      decode_partial_fp8_rs)
 
 
 def partial_variant(name: str, what: str, build: Callable[[], object], fp8: bool = True,
@@ -104,28 +105,25 @@ FP8_MMA = [_fp8_mma(name, t, two, p) for name, t, p in (("fp8_mma", "none", Fals
 THREE_LAUNCHES = [ArmSpec(f"{f.value}_three", f"{f.value} decode, three launches (partial, merge_groups, merge_final)",
                           f.value, False, generated_arm("decode", f, "jit", fused=False), generated=True)
                   for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
-# run 14: the fused step with its tail's partials as self-validating words (bench/versions/decode_fused_ll.py), in
-# place of the library's fused kernel (one-wave plans; the three launches elsewhere, as the library)
+# run 14: the fused step with its tail's partials as self-validating words (bench/versions/decode_fused_ll.py), or a
+# timing probe of it, in place of the library's fused kernel (one-wave plans; the three launches elsewhere, as the
+# library); one LLStep per (format, probe), built on first use
 _LL_STEPS: dict = {}
 
 
-def _ll_step(fmt: KvFormat, probe: str | None = None):
-    if (fmt, probe) not in _LL_STEPS:
-        _LL_STEPS[fmt, probe] = decode_fused_ll.LLStep(G, fmt, probe)
-    return _LL_STEPS[fmt, probe]
+def _ll_arm(fmt: KvFormat, probe: str | None = None) -> ArmSpec:
+    def kernels(case):
+        if (fmt, probe) not in _LL_STEPS:
+            _LL_STEPS[fmt, probe] = decode_fused_ll.LLStep(G, fmt, probe)
+        return {f"decode_fused_{fmt.value}": _LL_STEPS[fmt, probe]}
+
+    what = f"{fmt.value} decode, fused step with the tail's partials as self-validating words"
+    return ArmSpec(f"{fmt.value}_ll" + (f"_{probe}" if probe else ""), what + (f", probe: {probe}" if probe else ""),
+                   fmt.value, False, generated_arm("decode", fmt, "jit", kernels=kernels), generated=True)
 
 
-LL_FUSED = [ArmSpec(f"{f.value}_ll", f"{f.value} decode, fused step with the tail's partials as self-validating words",
-                    f.value, False, generated_arm("decode", f, "jit",
-                                                  kernels=lambda case, f=f: {f"decode_fused_{f.value}": _ll_step(f)}),
-                    generated=True)
-            for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
-LL_PROBES = [ArmSpec(f"folded_ll_{probe}", f"folded decode, LL fused step, probe: {probe}", "folded", False,
-                     generated_arm("decode", KvFormat.FOLDED, "jit",
-                                   kernels=lambda case, probe=probe: {"decode_fused_folded":
-                                                                      _ll_step(KvFormat.FOLDED, probe)}),
-                     generated=True)
-             for probe in ("inline", "no_wait")]
+LL_FUSED = [_ll_arm(f) for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
+LL_PROBES = [_ll_arm(KvFormat.FOLDED, probe) for probe in ("inline", "no_wait")]
 ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA,
         *THREE_LAUNCHES, *LL_FUSED, *LL_PROBES,
         "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]

@@ -211,12 +211,6 @@ def test_refusals_write_nothing(cuda_device, bad):
     assert torch.equal(lse_buf.view(torch.int32), lse_before.view(torch.int32))
 
 
-def _ll_words_empty(words: torch.Tensor) -> bool:
-    from conftest import bench_version
-
-    return bool((words.view(torch.int32) == bench_version("decode_fused_ll").LL_EMPTY - (1 << 32)).all())
-
-
 @pytest.mark.parametrize("lens", [[10602], [40002], [1, 65, 1025, 10602, 64]], ids=["10602", "40002", "ragged5"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fused_ll_version_gates_and_leaves_its_words_empty(cuda_device, fmt, lens):
@@ -225,6 +219,7 @@ def test_fused_ll_version_gates_and_leaves_its_words_empty(cuda_device, fmt, len
     launch's readers must not see this one's words)."""
     from conftest import bench_version
 
-    step = bench_version("decode_fused_ll").LLStep(GEOM, fmt)
+    version = bench_version("decode_fused_ll")
+    step = version.LLStep(GEOM, fmt)
     gate(fmt, lens, seed=13, device=cuda_device, kernels={f"decode_fused_{fmt.value}": step})
-    assert step.words and all(_ll_words_empty(w) for w in step.words.values())
+    assert step.words and all(version.all_empty(w) for w in step.words.values())

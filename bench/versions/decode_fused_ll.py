@@ -169,10 +169,18 @@ def build(geom: AttentionGeometry, fmt: KvFormat | str, probe: str | None = None
                             target=target(), pass_configs=pass_configs())
 
 
+_EMPTY_INT32 = LL_EMPTY - (1 << 32)  # the empty mark as the int32 the buffer's halves are viewed as
+
+
 def empty_words(num_chunks: int, geom: AttentionGeometry, device) -> torch.Tensor:
     """A word buffer [C, Hq, D, 2] float32 with every word empty (both halves LL_EMPTY)."""
-    return torch.full((num_chunks, geom.num_q_heads, geom.head_dim, 2), LL_EMPTY - (1 << 32),
+    return torch.full((num_chunks, geom.num_q_heads, geom.head_dim, 2), _EMPTY_INT32,
                       dtype=torch.int32, device=device).view(torch.float32)
+
+
+def all_empty(words: torch.Tensor) -> bool:
+    """Whether every half of every word in `words` (empty_words' buffer) is the empty mark."""
+    return bool((words.view(torch.int32) == _EMPTY_INT32).all())
 
 
 class LLStep:
