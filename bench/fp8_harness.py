@@ -21,7 +21,7 @@ import torch
 from foldkv import GEMMA4_31B, KvFormat
 from foldkv.fp8 import FP8_DTYPE
 from foldkv.kernels.decode import partial_kernel_name
-from foldkv.kernels.decode_partial import build_decode_partial, build_decode_partial_fp8
+from foldkv.kernels.decode_partial import build_decode_fused, build_decode_partial, build_decode_partial_fp8
 from foldkv.lab.bench import ArmSpec, AttentionCase, generated_arm, measure_read_roof, run_cell
 from foldkv.lab.bench.case import serving_cases
 from foldkv.lab.jsonsafe import jsonable
@@ -111,6 +111,20 @@ THREE_LAUNCHES = [ArmSpec(f"{f.value}_three", f"{f.value} decode, three launches
 _LL_STEPS: dict = {}
 
 
+def _tail_paths_arm(fmt: KvFormat, name: str, paths: tuple) -> ArmSpec:
+    """The fused step with its tail merging `paths` ((columns a thread, members a round trip) per member count: one
+    path for any count, or the few-members path then the many-members one) instead of the library's."""
+    kernels = lambda case: {f"decode_fused_{fmt.value}": build_decode_fused(G, fmt, tail_paths=paths)}  # noqa: E731
+    return ArmSpec(f"{fmt.value}_tail_{name}", f"{fmt.value} decode, fused step, tail paths {paths}", fmt.value, False,
+                   generated_arm("decode", fmt, "jit", kernels=kernels), generated=True)
+
+
+# the tail's merge code is executed once per CTA, so each instruction of it is a cold fetch (run 15): fewer members a
+# round trip, less code and more trips
+TAIL_SIZES = [_tail_paths_arm(f, name, paths) for f in (KvFormat.FOLDED, KvFormat.SPLIT)
+              for name, paths in (("p8", ((4, 8), (2, 8))), ("p4", ((4, 4), (2, 4))), ("one33", ((2, 33),)))]
+
+
 def _ll_arm(fmt: KvFormat, probe: str | None = None) -> ArmSpec:
     def kernels(case):
         if (fmt, probe) not in _LL_STEPS:
@@ -125,7 +139,7 @@ def _ll_arm(fmt: KvFormat, probe: str | None = None) -> ArmSpec:
 LL_FUSED = [_ll_arm(f) for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
 LL_PROBES = [_ll_arm(KvFormat.FOLDED, probe) for probe in ("inline", "no_wait")]
 ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA,
-        *THREE_LAUNCHES, *LL_FUSED, *LL_PROBES,
+        *THREE_LAUNCHES, *LL_FUSED, *LL_PROBES, *TAIL_SIZES,
         "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 
 

@@ -23,7 +23,7 @@ Kernel argument order (what a backend's callable takes):
                             chunk_req [C] i32, chunk_start [C] i32, chunk_len [C] i32,
                             part_o [C, Hq, D] f32, part_lse [C, Hq] f32)
     decode_fused_<format>(query, pool, page_ids, chunk_req, chunk_start, chunk_len, merge_first [C] i32,
-                          merge_count [C] i32, part_o, part_lse, counters [B, Hkv, 2] i32, value_head_column [D] i32,
+                          merge_count [C] i32, part_o, part_lse, counters [B, Hkv] i32, value_head_column [D] i32,
                           out [B, Hq, D] bf16, lse [B, Hq] f32)
         the partial with its tail merge, for a plan whose C x Hkv CTAs are all resident at once (one wave): a
         request-head of one chunk writes its output and LSE from the epilogue, the others hand off through
@@ -183,7 +183,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                            num_stages: int = 1, threads: int = 128, block_h: int = 16, fp8: bool = False,
                            e4m3_convert: str = "bits", reduce_batch: int = 1, ctas_per_sm: int = 1,
                            tail_merge: bool = False, tail_hand_off: bool = True, tail_protocol: str = "atomic",
-                           tail_source: str | None = None):
+                           tail_source: str | None = None, tail_paths: tuple | None = None):
     """The TileLang prim_func of the partial kernel for one geometry, page format and tiling; `fp8`: over an FP8
     folded pool (its scales an extra argument after the pool), its e4m3 panels converted to bf16 by
     `macros.convert_e4m3_macro` ("bits") or TileLang's element conversion ("cvt"); `reduce_batch`: the softmax's
@@ -227,7 +227,8 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     tail_src = tail_source or macros.TAIL_SOURCE
     # the fused tail: each member merges a slice of its request-head's group x D columns from every member's partial;
     # (columns per thread, members per round trip) by how many members there are: few members, wide slices
-    tail_paths = ((4, TAIL_FEW_MEMBERS), (2, TAIL_MAX_MEMBERS))  # (columns a thread, members a round trip)
+    # (columns a thread, members a round trip); `tail_paths` (an experiment's): ((vec, trip),) one path for any count
+    tail_paths = tail_paths or ((4, TAIL_FEW_MEMBERS), (2, TAIL_MAX_MEMBERS))
     tail_merges = [_merge_partials_macro(vec, via_group_first=False, per_trip=trip) for vec, trip in tail_paths] \
         if tail_merge else []
 
@@ -284,9 +285,6 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
             start = chunk_start[c]
             n_tok = chunk_len[c]
             load_query(query, req, kvh, parts.query)
-            if tail_merge and not ll:  # the release flag, read before this CTA counts itself in (macros.TAIL_SOURCE)
-                seen = T.alloc_var(i32)
-                seen = T.call_extern("int32", macros.TAIL_FLAG_FN, tail["counters"].data, (req * hkv + kvh) * 2)
             for out in parts.values:
                 T.fill(out.other, 0)
             T.fill(denom, 0)
@@ -358,17 +356,20 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                         part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * scale
             if tail_merge:
                 if members > 1:
-                    if tail_hand_off and not ll:
-                        T.call_extern("handle", macros.TAIL_HAND_OFF_FN, tail["counters"].data, (req * hkv + kvh) * 2,
-                                      members, seen, PRODUCER_THREADS, macros.TAIL_BARRIER_ID, threads)
                     first = T.alloc_var(i32)
                     first = tail["merge_first"][c]
                     if ll:
                         T.call_extern("handle", macros.LL_MERGE_FN, part_o.data, first, members, c - first, req, kvh,
                                       hq, d, group, tail["value_head_column"].data, tail["out"].data,
                                       tail["lse"].data, T.get_thread_binding(0), threads)
-                    else:
-                        if members <= TAIL_FEW_MEMBERS:
+                    elif tail_hand_off:
+                        T.call_extern("handle", macros.TAIL_HAND_OFF_FN, tail["counters"].data, req * hkv + kvh,
+                                      c - first, members, PRODUCER_THREADS, macros.TAIL_BARRIER_ID, threads)
+                    if not ll:
+                        if len(tail_paths) == 1:
+                            tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, *tail_paths[0],
+                                       tail_merges[0])
+                        elif members <= TAIL_FEW_MEMBERS:
                             tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, *tail_paths[0],
                                        tail_merges[0])
                         else:
@@ -427,7 +428,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
             merge_count: T.Tensor((num_chunks,), i32),  # [C] chunks of that request
             part_o: T.Tensor((num_chunks, hq, d), f32),  # [C, Hq, D] value-window order
             part_lse: T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
-            counters: T.Tensor((batch, hkv, 2), i32),  # [B, Hkv, 2] arrivals (0 between launches), release flag
+            counters: T.Tensor((batch, hkv), i32),  # [B, Hkv] a multiple of TAIL_STEP between launches
             value_head_column: T.Tensor((d,), i32),  # [D] head column of value-window position p
             out: T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] head order
             lse: T.Tensor((batch, hq), f32),  # [B, Hq] natural log
@@ -481,10 +482,10 @@ def build_decode_fused(geom: AttentionGeometry, fmt: KvFormat | str, *, tail_han
     cfg = {**DEFAULTS[fmt], **tiling}
 
     @tilelang.jit(target=target(), pass_configs=pass_configs())
-    def decode_fused(page_size, block_n, num_stages, threads, block_h, reduce_batch=1, hand_off=True):
+    def decode_fused(page_size, block_n, num_stages, threads, block_h, reduce_batch=1, hand_off=True, tail_paths=None):
         return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
                                       threads=threads, block_h=block_h, reduce_batch=reduce_batch, tail_merge=True,
-                                      tail_hand_off=hand_off)
+                                      tail_hand_off=hand_off, tail_paths=tail_paths)
 
     kernel = decode_fused(**cfg, hand_off=tail_hand_off)
     from .cuda_checks import check_tail_hand_off
