@@ -28,8 +28,8 @@ from foldkv.lab.jsonsafe import jsonable
 from foldkv.lab.report import environment
 from foldkv.provenance import provenance
 from foldkv.pool import BlockTable, PagedKvLayout
-from versions import (decode_fused_ll, decode_partial_fp8_mma, decode_partial_fp8_probe,  # bench/versions/
-                      decode_partial_fp8_rs)
+from versions import (decode_fused_ll, decode_fused_smem_tail, decode_partial_fp8_mma,  # bench/versions/
+                      decode_partial_fp8_probe, decode_partial_fp8_rs)
 
 
 def partial_variant(name: str, what: str, build: Callable[[], object], fp8: bool = True,
@@ -123,6 +123,11 @@ def _tail_paths_arm(fmt: KvFormat, name: str, paths: tuple) -> ArmSpec:
 # round trip, less code and more trips
 TAIL_SIZES = [_tail_paths_arm(f, name, paths) for f in (KvFormat.FOLDED, KvFormat.SPLIT)
               for name, paths in (("p8", ((4, 8), (2, 8))), ("p4", ((4, 4), (2, 4))), ("one33", ((2, 33),)))]
+# the same merge from shared memory: all loads in flight by cp.async, rolled loops (run 17)
+SMEM_TAIL = [ArmSpec(f"{f.value}_tail_smem", f"{f.value} decode, fused step, tail merged from shared memory (cp.async)",
+                     f.value, False, generated_arm("decode", f, "jit", kernels=lambda case, f=f: {
+                         f"decode_fused_{f.value}": decode_fused_smem_tail.build(G, f)}), generated=True)
+             for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
 
 
 def _ll_arm(fmt: KvFormat, probe: str | None = None) -> ArmSpec:
@@ -139,7 +144,7 @@ def _ll_arm(fmt: KvFormat, probe: str | None = None) -> ArmSpec:
 LL_FUSED = [_ll_arm(f) for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
 LL_PROBES = [_ll_arm(KvFormat.FOLDED, probe) for probe in ("inline", "no_wait")]
 ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA,
-        *THREE_LAUNCHES, *LL_FUSED, *LL_PROBES, *TAIL_SIZES,
+        *THREE_LAUNCHES, *LL_FUSED, *LL_PROBES, *TAIL_SIZES, *SMEM_TAIL,
         "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 
 

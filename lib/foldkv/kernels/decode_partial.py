@@ -51,6 +51,8 @@ from .tl import pass_configs, require_tilelang, target
 # a round trip; more, 2 columns a thread and TAIL_MAX_MEMBERS a round trip (one wave of the H200's 132 SMs holds at most
 # 132 / 4 KV heads = 33 chunks of a request; more SMs, more chunks: a second round trip)
 TAIL_FEW_MEMBERS, TAIL_MAX_MEMBERS = 8, 33
+# a tail_combine's shared scratch: every member's slice of the 8 x 512 columns (multiples of 4 wide) and 8 LSEs each
+TAIL_SCRATCH_FLOATS = 8 * 512 + 12 * TAIL_MAX_MEMBERS
 PRODUCER_THREADS = 128  # TileLang's warp specialisation: the producer warpgroup is threads [0, 128), consumers after
 FP8_PANEL = 128  # columns of an FP8 row loaded per shared tile: 128 bytes, the widest TMA box with 128-byte swizzle
 # The registered tiling of each format (registry.py says why these).
@@ -183,7 +185,8 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                            num_stages: int = 1, threads: int = 128, block_h: int = 16, fp8: bool = False,
                            e4m3_convert: str = "bits", reduce_batch: int = 1, ctas_per_sm: int = 1,
                            tail_merge: bool = False, tail_hand_off: bool = True, tail_protocol: str = "atomic",
-                           tail_source: str | None = None, tail_paths: tuple | None = None):
+                           tail_source: str | None = None, tail_paths: tuple | None = None,
+                           tail_combine: str | None = None):
     """The TileLang prim_func of the partial kernel for one geometry, page format and tiling; `fp8`: over an FP8
     folded pool (its scales an extra argument after the pool), its e4m3 panels converted to bf16 by
     `macros.convert_e4m3_macro` ("bits") or TileLang's element conversion ("cvt"); `reduce_batch`: the softmax's
@@ -224,6 +227,11 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
         raise ValueError(f"tail_protocol={tail_protocol!r}: 'atomic', or 'll' with one consumer warpgroup and its"
                          " tail_source")
     ll = tail_merge and tail_protocol == "ll"
+    # tail_combine (an experiment's): the name of a device function of `tail_source` that merges the CTA's slice in
+    # place of tail_slice, given a shared scratch of TAIL_SCRATCH_FLOATS (bench/versions/decode_fused_smem_tail.py)
+    if tail_combine and (ll or not tail_source or threads != 128):
+        raise ValueError("tail_combine: the atomic hand-off, one consumer warpgroup and a tail_source defining it")
+    combine = bool(tail_merge and tail_combine)
     tail_src = tail_source or macros.TAIL_SOURCE
     # the fused tail: each member merges a slice of its request-head's group x D columns from every member's partial;
     # (columns per thread, members per round trip) by how many members there are: few members, wide slices
@@ -281,6 +289,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                 for name in for_o:
                     for_o[name] = IRBuilder.name(f"{name}_o", T.alloc_shared((block_h,), f32))
 
+            scratch = T.alloc_shared((TAIL_SCRATCH_FLOATS,), f32) if combine else None
             req = chunk_req[c]
             start = chunk_start[c]
             n_tok = chunk_len[c]
@@ -365,7 +374,12 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                     elif tail_hand_off:
                         T.call_extern("handle", macros.TAIL_HAND_OFF_FN, tail["counters"].data, req * hkv + kvh,
                                       c - first, members, PRODUCER_THREADS, macros.TAIL_BARRIER_ID, threads)
-                    if not ll:
+                    if combine:
+                        T.call_extern("handle", tail_combine, part_o.data, part_lse.data, T.address_of(scratch[0]),
+                                      first, members, c - first, req, kvh, hq, d, group,
+                                      tail["value_head_column"].data, tail["out"].data, tail["lse"].data,
+                                      T.get_thread_binding(0), threads, macros.TAIL_BARRIER_ID)
+                    elif not ll:
                         if len(tail_paths) == 1:
                             tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, *tail_paths[0],
                                        tail_merges[0])
