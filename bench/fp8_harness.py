@@ -111,25 +111,6 @@ THREE_LAUNCHES = [ArmSpec(f"{f.value}_three", f"{f.value} decode, three launches
 _LL_STEPS: dict = {}
 
 
-def _tail_paths_arm(fmt: KvFormat, name: str, paths: tuple) -> ArmSpec:
-    """The fused step with its tail merging `paths` ((columns a thread, members a round trip) per member count: one
-    path for any count, or the few-members path then the many-members one) instead of the library's."""
-    kernels = lambda case: {f"decode_fused_{fmt.value}": build_decode_fused(G, fmt, tail_paths=paths)}  # noqa: E731
-    return ArmSpec(f"{fmt.value}_tail_{name}", f"{fmt.value} decode, fused step, tail paths {paths}", fmt.value, False,
-                   generated_arm("decode", fmt, "jit", kernels=kernels), generated=True)
-
-
-# the tail's merge code is executed once per CTA, so each instruction of it is a cold fetch (run 15): fewer members a
-# round trip, less code and more trips
-TAIL_SIZES = [_tail_paths_arm(f, name, paths) for f in (KvFormat.FOLDED, KvFormat.SPLIT)
-              for name, paths in (("p8", ((4, 8), (2, 8))), ("p4", ((4, 4), (2, 4))), ("one33", ((2, 33),)))]
-# the same merge from shared memory: all loads in flight by cp.async, rolled loops (run 17)
-SMEM_TAIL = [ArmSpec(f"{f.value}_tail_smem", f"{f.value} decode, fused step, tail merged from shared memory (cp.async)",
-                     f.value, False, generated_arm("decode", f, "jit", kernels=lambda case, f=f: {
-                         f"decode_fused_{f.value}": decode_fused_smem_tail.build(G, f)}), generated=True)
-             for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
-
-
 def _ll_arm(fmt: KvFormat, probe: str | None = None) -> ArmSpec:
     def kernels(case):
         if (fmt, probe) not in _LL_STEPS:
@@ -143,6 +124,24 @@ def _ll_arm(fmt: KvFormat, probe: str | None = None) -> ArmSpec:
 
 LL_FUSED = [_ll_arm(f) for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
 LL_PROBES = [_ll_arm(KvFormat.FOLDED, probe) for probe in ("inline", "no_wait")]
+
+
+def _tail_paths_arm(fmt: KvFormat, name: str, paths: tuple) -> ArmSpec:
+    """The fused step with its tail merging `paths` ((columns a thread, members a round trip) per member count: one
+    path for any count, or the few-members path then the many-members one) instead of the library's."""
+    kernels = lambda case: {f"decode_fused_{fmt.value}": build_decode_fused(G, fmt, tail_paths=paths)}  # noqa: E731
+    return ArmSpec(f"{fmt.value}_tail_{name}", f"{fmt.value} decode, fused step, tail paths {paths}", fmt.value, False,
+                   generated_arm("decode", fmt, "jit", kernels=kernels), generated=True)
+
+
+# run 16: the fused tail with fewer members a round trip (less merge code, more trips)
+TAIL_SIZES = [_tail_paths_arm(f, name, paths) for f in (KvFormat.FOLDED, KvFormat.SPLIT)
+              for name, paths in (("p8", ((4, 8), (2, 8))), ("p4", ((4, 4), (2, 4))), ("one33", ((2, 33),)))]
+# run 17: the same merge from shared memory, all loads in flight by cp.async, rolled loops
+SMEM_TAIL = [ArmSpec(f"{f.value}_tail_smem", f"{f.value} decode, fused step, tail merged from shared memory (cp.async)",
+                     f.value, False, generated_arm("decode", f, "jit", kernels=lambda case, f=f: {
+                         f"decode_fused_{f.value}": decode_fused_smem_tail.build(G, f)}), generated=True)
+             for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
 ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA,
         *THREE_LAUNCHES, *LL_FUSED, *LL_PROBES, *TAIL_SIZES, *SMEM_TAIL,
         "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]

@@ -8,7 +8,6 @@ import torch
 sys.path.insert(0, "bench")
 from foldkv.lab.bench.case import AttentionCase
 from foldkv.kernels.decode import decode, plan_decode
-import foldkv
 
 which, length, repeat = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 dev = torch.device("cuda")
@@ -18,9 +17,9 @@ plan = plan_decode(pool.layout, case.table_cpu.seq_lens, device=dev)
 kw = {}
 if which.startswith("ll"):
     from versions import decode_fused_ll as V
-    kw["kernels"] = {"decode_fused_folded": V.LLStep(foldkv.GEMMA4_31B, "folded", None if which == "ll" else which[3:])}
-out = torch.empty(1, 32, 512, dtype=torch.bfloat16, device=dev)
-lse = torch.empty(1, 32, dtype=torch.float32, device=dev)
+    kw["kernels"] = {"decode_fused_folded": V.LLStep(case.geom, "folded", None if which == "ll" else which[3:])}
+out = torch.empty(query.shape, dtype=torch.bfloat16, device=dev)  # [1, Hq, D]
+lse = torch.empty(query.shape[:2], dtype=torch.float32, device=dev)
 for _ in range(repeat):
     decode(pool, query, table, plan=plan, out=out, lse=lse, check=False, **kw)
 torch.cuda.synchronize()

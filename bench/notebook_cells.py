@@ -8,13 +8,12 @@ import json
 import sys
 import time
 nb_path, cells, overrides = sys.argv[1], [int(c) for c in sys.argv[2].split(",")], json.loads(sys.argv[3])
-nb = json.load(open(nb_path))
-code = [c for c in nb["cells"]]
+nb_cells = json.load(open(nb_path))["cells"]
 ns = {"__name__": "__main__"}
-exec("".join(code[1]["source"]), ns)  # the parameters cell
+exec("".join(nb_cells[1]["source"]), ns)  # the parameters cell
 ns.update(overrides)
 for i in cells:
-    src = "".join(code[i]["source"])
+    src = "".join(nb_cells[i]["source"])
     t0 = time.perf_counter()
     print(f"=== cell {i} start {time.strftime('%H:%M:%S')}", flush=True)
     faulthandler.dump_traceback_later(int(overrides.get("DUMP_S", 40)), repeat=True, file=sys.stdout)

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from foldkv.config import AttentionGeometry
 from foldkv.kernels import macros
-from foldkv.kernels.decode_partial import DEFAULTS, TAIL_MAX_MEMBERS, decode_partial_program
-from foldkv.kernels.tl import pass_configs, require_tilelang, target
+from foldkv.kernels.decode_partial import TAIL_MAX_MEMBERS, build_decode_fused
 from foldkv.layout import KvFormat
 
 COMBINE_FN = "foldkv_tail_merge_smem"
@@ -74,15 +73,6 @@ __device__ __forceinline__ void foldkv_tail_merge_smem(const float* part_o, cons
 
 
 def build(geom: AttentionGeometry, fmt: KvFormat | str, **tiling):
-    """Compile the fused step of `fmt` with this tail (the format's registered partial tiling, overridden by
-    `tiling`); the library fused step's arguments."""
-    tilelang = require_tilelang()
-    fmt = KvFormat.parse(fmt)
-    cfg = {**DEFAULTS[fmt], **tiling}
-    kernel = tilelang.compile(decode_partial_program(geom, fmt, tail_merge=True, tail_source=SOURCE,
-                                                     tail_combine=COMBINE_FN, **cfg),
-                              target=target(), pass_configs=pass_configs())
-    from foldkv.kernels.cuda_checks import check_tail_hand_off
-
-    check_tail_hand_off(f"decode_fused_{fmt.value}", kernel.get_kernel_source(), threads=cfg["threads"])
-    return kernel
+    """Compile the fused step of `fmt` with this tail (the library's builder: the format's registered partial tiling,
+    overridden by `tiling`, and the hand-off check); the library fused step's arguments."""
+    return build_decode_fused(geom, fmt, tail_source=SOURCE, tail_combine=COMBINE_FN, **tiling)

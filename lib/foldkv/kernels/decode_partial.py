@@ -51,8 +51,6 @@ from .tl import pass_configs, require_tilelang, target
 # a round trip; more, 2 columns a thread and TAIL_MAX_MEMBERS a round trip (one wave of the H200's 132 SMs holds at most
 # 132 / 4 KV heads = 33 chunks of a request; more SMs, more chunks: a second round trip)
 TAIL_FEW_MEMBERS, TAIL_MAX_MEMBERS = 8, 33
-# a tail_combine's shared scratch: every member's slice of the 8 x 512 columns (multiples of 4 wide) and 8 LSEs each
-TAIL_SCRATCH_FLOATS = 8 * 512 + 12 * TAIL_MAX_MEMBERS
 PRODUCER_THREADS = 128  # TileLang's warp specialisation: the producer warpgroup is threads [0, 128), consumers after
 FP8_PANEL = 128  # columns of an FP8 row loaded per shared tile: 128 bytes, the widest TMA box with 128-byte swizzle
 # The registered tiling of each format (registry.py says why these).
@@ -228,7 +226,8 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                          " tail_source")
     ll = tail_merge and tail_protocol == "ll"
     # tail_combine (an experiment's): the name of a device function of `tail_source` that merges the CTA's slice in
-    # place of tail_slice, given a shared scratch of TAIL_SCRATCH_FLOATS (bench/versions/decode_fused_smem_tail.py)
+    # place of tail_slice (bench/versions/decode_fused_smem_tail.py), given a shared scratch of every member's slice of
+    # the group x D columns and per member its group's LSEs plus 4 columns of rounding slack
     if tail_combine and (ll or not tail_source or threads != 128):
         raise ValueError("tail_combine: the atomic hand-off, one consumer warpgroup and a tail_source defining it")
     combine = bool(tail_merge and tail_combine)
@@ -289,7 +288,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                 for name in for_o:
                     for_o[name] = IRBuilder.name(f"{name}_o", T.alloc_shared((block_h,), f32))
 
-            scratch = T.alloc_shared((TAIL_SCRATCH_FLOATS,), f32) if combine else None
+            scratch = T.alloc_shared((group * d + (group + 4) * TAIL_MAX_MEMBERS,), f32) if combine else None
             req = chunk_req[c]
             start = chunk_start[c]
             n_tok = chunk_len[c]
@@ -382,11 +381,8 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                                       first, members, c - first, req, kvh, hq, d, group,
                                       tail["value_head_column"].data, tail["out"].data, tail["lse"].data,
                                       T.get_thread_binding(0), threads, macros.TAIL_BARRIER_ID)
-                    else:
-                        if len(tail_paths) == 1:
-                            tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, *tail_paths[0],
-                                       tail_merges[0])
-                        elif members <= TAIL_FEW_MEMBERS:
+                    else:  # (one path given: a static condition, so only its code is emitted)
+                        if len(tail_paths) == 1 or members <= TAIL_FEW_MEMBERS:
                             tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, *tail_paths[0],
                                        tail_merges[0])
                         else:
@@ -493,16 +489,19 @@ def build_decode_fused(geom: AttentionGeometry, fmt: KvFormat | str, *, tail_han
     """Compile (JIT) the fused step of a one-wave plan (the partial with `tail_merge`: its CTAs merge their
     request-head at their tail) with the format's partial DEFAULTS, overridden by `tiling`, and check its hand-off on
     the emitted CUDA (`cuda_checks.check_tail_hand_off`). `tail_hand_off=False` leaves the hand-off out: a
-    deliberately broken kernel, for the check's red test only."""
+    deliberately broken kernel, for the check's red test only. `tiling` may also name an experiment's tail
+    (decode_partial_program's `tail_paths`, `tail_source`, `tail_combine`: bench/versions)."""
     tilelang = require_tilelang()
     fmt = KvFormat.parse(fmt)
     cfg = {**DEFAULTS[fmt], **tiling}
 
     @tilelang.jit(target=target(), pass_configs=pass_configs())
-    def decode_fused(page_size, block_n, num_stages, threads, block_h, reduce_batch=1, hand_off=True, tail_paths=None):
+    def decode_fused(page_size, block_n, num_stages, threads, block_h, reduce_batch=1, hand_off=True, tail_paths=None,
+                     tail_source=None, tail_combine=None):
         return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
                                       threads=threads, block_h=block_h, reduce_batch=reduce_batch, tail_merge=True,
-                                      tail_hand_off=hand_off, tail_paths=tail_paths)
+                                      tail_hand_off=hand_off, tail_paths=tail_paths, tail_source=tail_source,
+                                      tail_combine=tail_combine)
 
     kernel = decode_fused(**cfg, hand_off=tail_hand_off)
     from .cuda_checks import check_tail_hand_off
