@@ -287,6 +287,24 @@ def test_verify_refuses_a_manifest_whose_merge_source_fails_the_barrier_check(ti
         verify(d)
 
 
+def test_verify_refuses_a_source_with_an_unguarded_producer_loop(tiny_build, tmp_path):
+    """A warp-specialised producer branch without the producer guard (kernels.producer_guard), added to a source
+    whose manifest hash is updated to match, fails verify."""
+    out, _ = tiny_build
+    d = _copy(out, tmp_path)
+    src = (d / "aot_test_inplace.cu").read_text() + ("\nif (((int)threadIdx.x) < 128) {\n"
+                                                      "    tl::warpgroup_reg_dealloc<24>();\n"
+                                                      "    mbarrier[0].wait(0);\n  }\n")
+    (d / "aot_test_inplace.cu").write_text(src)
+    import hashlib
+
+    m = json.loads((d / "manifest.json").read_text())
+    m["kernels"][0]["source_sha256"] = hashlib.sha256(src.encode()).hexdigest()
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(AotVerifyError, match="producer guard check fails: .*without the guard"):
+        verify(d)
+
+
 def test_build_refuses_an_in_place_kernel_without_barrier(tmp_path):
     require_tilelang_and_nvcc()
     from foldkv.aot.build import AotBuildError, build

@@ -11,7 +11,7 @@ from conftest import require_tilelang
 import foldkv
 from foldkv import FoldKvInputError, KvFormat, PagedKvLayout, PagedKvPool
 from foldkv.fp8 import FP8_DTYPE
-from foldkv.kernels import prefill_attention, registry
+from foldkv.kernels import prefill_attention, producer_guard, registry
 from foldkv.kernels.prefill import TOKENS_PER_TILE, prefill, tile_plan, variant_name
 from foldkv.kernels.prep_kernel import prep_and_store_gpu
 
@@ -66,6 +66,8 @@ def test_generated_kernel(generated):
     name, kernel = generated
     params = [kernel.prim_func.buffer_map[p].name for p in kernel.prim_func.params]
     src = kernel.get_kernel_source()
+    # one warp-specialised producer in each prefill, its loop kept in the warp that issues the copies
+    assert producer_guard.check_producer_guard(name, src) == {"producer_branches": int(name.startswith("prefill"))}
     if name == "prefill_folded_fp8":
         assert params == PREFILL_FP8_ARGS  # the order prefill() passes and an AOT backend must follow
         buffers = kernel.prim_func.buffer_map

@@ -152,18 +152,24 @@ def file_problems(build_dir: str | os.PathLike, manifest: dict) -> list[str]:
 
 
 def barrier_problems(build_dir: str | os.PathLike, manifest: dict) -> list[str]:
-    """Re-run the emitted-source barrier check on every in-place merge's source (text only, no TileLang)."""
+    """Re-run the emitted-source checks (text only, no TileLang): the producer guard on every kernel's source
+    (kernels.producer_guard), the barrier check on every in-place merge's."""
     from ..kernels.cuda_checks import check_in_place_merge
+    from ..kernels.producer_guard import check_producer_guard
 
     problems = []
     for k in manifest.get("kernels", []):
-        if not k.get("in_place_merge"):
-            continue
         path = os.path.join(os.fspath(build_dir), k.get("source", ""))
         if not os.path.isfile(path):
             continue  # reported by file_problems
         with open(path) as fh:
             source = fh.read()
+        try:
+            check_producer_guard(k["name"], source)
+        except Exception as exc:
+            problems.append(f"{k['name']}: producer guard check fails: {exc}")
+        if not k.get("in_place_merge"):
+            continue
         for ln in k.get("launches", []):
             try:
                 check_in_place_merge(ln["symbol"], source)

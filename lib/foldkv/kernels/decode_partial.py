@@ -41,7 +41,7 @@ from typing import Any
 
 from ..config import GEMMA4_31B, AttentionGeometry
 from ..layout import KvFormat, row_width
-from . import macros, registry
+from . import macros, producer_guard, registry
 from .macros import Convert
 from .merge import _merge_partials_macro
 from .registry import hands_out
@@ -264,10 +264,9 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     @T.macro
     def partial(query, pool, scales, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse, tail=None):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
-            if fp8 and e4m3_convert == "bits":
-                T.import_source(macros.E4M3_TO_BF16_SOURCE)
-            if tail_merge:
-                T.import_source(tail_src)
+            T.import_source(producer_guard.imported_source(
+                macros.E4M3_TO_BF16_SOURCE if fp8 and e4m3_convert == "bits" else None,
+                tail_src if tail_merge else None))
             if ctas_per_sm > 1:
                 share_sm_registers()
             parts = format_parts()

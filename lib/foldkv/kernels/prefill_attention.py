@@ -40,7 +40,7 @@ from typing import Any
 
 from ..config import GEMMA4_31B, AttentionGeometry
 from ..layout import KvFormat, row_width
-from . import macros
+from . import macros, producer_guard
 from . import registry
 from .decode_partial import FP8_PANEL, Run, fp8_row_macro
 from .registry import hands_out
@@ -233,8 +233,7 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
     @T.macro
     def attention(Q, Pool, Scales, PageIds, SeqLens, QStart, QLens, TileReq, TileTok, Out, Lse):
         with T.Kernel(NT, HKV, threads=threads) as (bx, by):
-            if fp8:
-                T.import_source(macros.E4M3_TO_BF16_SOURCE)
+            T.import_source(producer_guard.imported_source(macros.E4M3_TO_BF16_SOURCE if fp8 else None))
             block = key_block()
             P_shared = T.alloc_shared([block_M, block_N], dtype)
             acc_s = T.alloc_fragment([block_M, block_N], accum)

@@ -151,10 +151,14 @@ def _plain(v: Any) -> Any:
 def hands_out(name: str) -> Callable:
     """Decorate a JIT builder so that every kernel it returns is noted (`note_kernel`) under `name`, a template filled
     from the builder's bound arguments ("prep_{fmt}"), with the sha256 of the CUDA source TileLang generated for it
-    and the builder's arguments. One decorator on each builder covers every launcher, test and harness that uses it."""
+    and the builder's arguments, after checking that its warp-specialised producer loops are guarded
+    (`producer_guard.check_producer_guard`). One decorator on each builder covers every launcher, test and harness
+    that uses it."""
     import functools
     import hashlib
     import inspect
+
+    from .producer_guard import check_producer_guard
 
     def decorate(builder: Callable) -> Callable:
         sig = inspect.signature(builder)
@@ -172,6 +176,7 @@ def hands_out(name: str) -> Callable:
                     flat[pname] = _plain(value)
             kernel_name = name.format(**{k: v for k, v in flat.items() if isinstance(v, str)})
             source = kernel.get_kernel_source()
+            check_producer_guard(kernel_name, source)  # a kernel cached or built without the rewrite never runs
             note_kernel(kernel_name, "jit", hashlib.sha256(source.encode()).hexdigest(),
                         builder=f"{builder.__module__}.{builder.__qualname__}", arguments=flat)
             return kernel

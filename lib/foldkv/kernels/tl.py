@@ -30,6 +30,9 @@ def require_tilelang():
         ) from exc
     if getattr(tilelang, "__version__", "").split("+")[0] != TILELANG_VERSION:
         raise TileLangUnavailable(f"foldkv kernels are written for tilelang {TILELANG_VERSION}, found {tilelang.__version__}")
+    from .producer_guard import install
+
+    install()  # the rewrite every warp-specialised foldkv kernel's emitted CUDA gets (producer_guard.py says why)
     return tilelang
 
 

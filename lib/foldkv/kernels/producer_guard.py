@@ -1,0 +1,150 @@
+"""Keep the producer loop of TileLang's warp-specialised kernels in the one warp that issues its copies: a rewrite of
+the emitted CUDA (`guard_producer_loops`), applied to every foldkv kernel as TileLang generates it, and its check
+(`check_producer_guard`).
+
+Why (bench/DECODE_NOTES.md run 19, caught under cuda-gdb): TileLang's automatic warp specialisation runs the producer
+loop in all four warps of the producer warpgroup. Each iteration every one of them waits on the stage's "empty"
+mbarrier by parity, and only the elected thread (`tl_shuffle_elect<128>`: warp 0) then issues the TMA copies and
+arrives on the "full" barrier. Nothing waits for warps 1-3. A warp that is slow to leave a wait (its wake-up from
+`try_wait`'s suspend comes late) can find the barrier one phase further on: warp 0 has already issued the next tile and
+the consumers have released it. A parity wait cannot tell "complete" from "two phases on", so that warp waits for a
+phase that, near the end of its loop, never comes: the CTA never exits and the launch never ends (a decode step of
+8,192 tokens hung this way; every other CTA had exited, warp 0 of this one too, and warps 1-3 sat in the empty
+barrier's wait). The same hazard, between the warps of one partition, is what Triton fixed by a barrier before the
+leader's arrive (triton-lang/triton#10035). Warps 1-3 of the producer do nothing but wait (every copy, arrive and
+expect-tx is inside the elected thread's block), so here they skip the loop: after the warpgroup's register
+deallocation (a collective of all four warps, so it stays before the guard) the loop body runs under
+`threadIdx.x < 32`. The rewrite refuses a producer branch that does anything else outside the elected block, since
+dropping three warps from work they share would be wrong, not slow.
+
+A kernel opts in by carrying `MARK` in its imported source (`imported_source`): the rewrite leaves every other
+TileLang kernel of the process alone, and the mark is part of the TileLang program, so a kernel cached before the
+rewrite existed is not found under the new program's cache key.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+MARK = "// foldkv.kernels.producer_guard: the producer loop runs in the warp that issues its copies"
+POSTPROC = "tilelang_callback_cuda_postproc"
+GUARD = "if (((int)threadIdx.x) < 32) {  // producer_guard: warps 1-3 of the producer do not wait"
+
+# a warp-specialised producer branch as TileLang 0.1.15 emits it: threads [0, P) deallocate registers, then loop
+_BRANCH = re.compile(r"if \(\(\(int\)threadIdx\.x\) < (\d+)\) \{\n(\s*)tl::warpgroup_reg_dealloc<\d+>\(\);\n")
+_ELECT = re.compile(r"^if \(tl::tl_shuffle_elect<(\d+)>\(\)\) \{$")
+# what warps 1-3 may do outside the elected thread's block: control flow, local integers, reads, waits, a fence
+_ALLOWED = [re.compile(p) for p in (
+    r"^#pragma unroll$",
+    r"^for \(int \w+ = [^;]*; [^;]*; \+\+\w+\) \{$",
+    r"^if \(.*\) \{$",
+    r"^\} else \{$",
+    r"^\}$",
+    r"^int \w+( = [^;]*)?;$",
+    r"^\w+ = [^;]*;$",
+    r"^mbarrier\[[^;]*\]\.wait\([^;]*\);$",
+    r"^tl::fence_proxy_async\(\);$",
+)]
+
+
+class ProducerGuardError(RuntimeError):
+    """A warp-specialised producer branch the guard cannot keep in one warp (it does more than wait), or a kernel
+    whose producer loop is not guarded."""
+
+
+def imported_source(*sources: str | None) -> str:
+    """The one text a foldkv kernel passes to `T.import_source`: the mark, then the kernel's own device code (each of
+    TileLang's imports is one block attribute, so a kernel imports once). It ends in a newline: TileLang puts the
+    text straight before its own first line."""
+    return "\n".join([MARK, *[s.rstrip("\n") for s in sources if s]]) + "\n"
+
+
+def _block_end(text: str, open_brace: int) -> int:
+    """Offset of the '}' that closes the '{' at `open_brace`."""
+    depth = 0
+    for i in range(open_brace, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+    raise ProducerGuardError("unbalanced braces in the emitted CUDA")
+
+
+def _producer_branches(source: str):
+    """(threads, body start, body end) of every producer branch: the body is what follows the register dealloc."""
+    found = []
+    for m in _BRANCH.finditer(source):
+        found.append((int(m.group(1)), m.end(), _block_end(source, m.start() + m.group(0).index("{"))))
+    if len(found) != source.count("tl::warpgroup_reg_dealloc<"):
+        raise ProducerGuardError("a register dealloc outside the producer branch this guard knows (threadIdx.x < P,"
+                                 " then the dealloc): TileLang's warp specialisation changed; see producer_guard.py")
+    return found
+
+
+def _check_body(kernel: str, threads: int, body: str) -> None:
+    lines = [ln.strip() for ln in body.split("\n") if ln.strip()]
+    skip = 0  # depth inside the elected thread's block
+    for ln in lines:
+        if skip:
+            skip += ln.count("{") - ln.count("}")
+            continue
+        elect = _ELECT.match(ln)
+        if elect:
+            if int(elect.group(1)) != threads:
+                raise ProducerGuardError(f"{kernel}: the producer of {threads} threads elects among {elect.group(1)}")
+            skip = 1
+            continue
+        if not any(p.match(ln) for p in _ALLOWED):
+            raise ProducerGuardError(f"{kernel}: the producer's warps 1-3 do more than wait, outside the elected"
+                                     f" thread's block: {ln!r}; keeping them out of the loop would drop that work")
+
+
+def guard_producer_loops(source: str, kernel: str = "kernel") -> str:
+    """`source` with every warp-specialised producer loop run by warp 0 alone (the module docstring says why); raises
+    ProducerGuardError if a producer branch does more than wait outside its elected thread's block."""
+    out, last = [], 0
+    for threads, start, end in _producer_branches(source):
+        body = source[start:end]
+        if body.lstrip().startswith(GUARD):
+            continue  # already guarded
+        _check_body(kernel, threads, body)
+        indent = re.match(r"\s*", body).group(0)
+        out += [source[last:start], f"{indent}{GUARD}\n", body.rstrip() + "\n", f"{indent}}}", body[len(body.rstrip()):]]
+        last = end
+    return "".join(out) + source[last:]
+
+
+def check_producer_guard(kernel: str, source: str) -> dict:
+    """Every warp-specialised producer branch of `source` runs its loop under the guard, and nothing after it: raises
+    ProducerGuardError otherwise. Returns {"producer_branches": n}."""
+    branches = _producer_branches(source)
+    for _, start, end in branches:
+        body = source[start:end]
+        if not body.lstrip().startswith(GUARD):
+            raise ProducerGuardError(f"{kernel}: a warp-specialised producer loop without the guard (all four warps wait"
+                                     " on its barriers; producer_guard.py)")
+        guard_brace = start + body.index(GUARD) + GUARD.index("{")
+        if source[_block_end(source, guard_brace) + 1:end].strip():
+            raise ProducerGuardError(f"{kernel}: producer code after the guarded loop")
+    return {"producer_branches": len(branches)}
+
+
+def _postproc(previous):
+    def postproc(code, target):
+        if previous is not None:
+            code = previous(code, target)
+        return guard_producer_loops(code) if MARK in code else code
+    return postproc
+
+
+@functools.lru_cache(maxsize=None)
+def install() -> None:
+    """Register the rewrite as TileLang's CUDA post-processing callback (once a process), after any callback already
+    registered, which it calls first."""
+    import tvm_ffi
+
+    previous = tvm_ffi.get_global_func(POSTPROC, allow_missing=True)
+    tvm_ffi.register_global_func(POSTPROC, f=_postproc(previous), override=True)
