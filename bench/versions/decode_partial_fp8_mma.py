@@ -29,7 +29,7 @@ Not in the library yet: its gate bound needs the query's two-part rounding and F
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
 
 from foldkv.config import AttentionGeometry
-from foldkv.kernels import macros
+from foldkv.kernels import macros, producer_guard
 from foldkv.kernels.decode_partial import FP8_PANEL
 from foldkv.kernels.tl import pass_configs, require_tilelang, target
 
@@ -216,8 +216,8 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
         part_lse: T.Tensor((num_chunks, hq), f32),
     ):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
-            if transpose != "none" or precise:
-                T.import_source(TRANSPOSE_SOURCE)
+            T.import_source(producer_guard.imported_source(
+                TRANSPOSE_SOURCE if transpose != "none" or precise else None))
             if ctas_per_sm > 1:
                 share_sm_registers()
             q_s = T.alloc_shared((block_h, d), bf16)

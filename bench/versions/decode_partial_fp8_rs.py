@@ -103,7 +103,7 @@ import subprocess
 import tempfile
 
 from foldkv.config import GEMMA4_31B, AttentionGeometry
-from foldkv.kernels import macros, registry
+from foldkv.kernels import macros, producer_guard, registry
 from foldkv.kernels.decode_partial import FP8_PANEL, Run
 from foldkv.kernels.tl import pass_configs, require_tilelang, target
 from foldkv.layout import KvFormat, row_width
@@ -429,7 +429,7 @@ def program(geom: AttentionGeometry, *, page_size=64, block_n=64, num_stages=2, 
         part_lse: T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
     ):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
-            T.import_source(RS_SOURCE)
+            T.import_source(producer_guard.imported_source(RS_SOURCE))
             q_rot = T.alloc_shared((block_h, rot), bf16)  # [16, R]   TMA'd query (rows >= 8: next KV head's)
             q_unrot = T.alloc_shared((block_h, d - rot), bf16)  # [16, D-R]
             q_perm = [IRBuilder.name(f"q_perm_{p}", T.alloc_shared((block_h, FP8_PANEL), bf16)) for p in range(4)]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from foldkv.config import GEMMA4_31B, AttentionGeometry
-from foldkv.kernels import macros
+from foldkv.kernels import macros, producer_guard
 from foldkv.kernels.tl import pass_configs, require_tilelang, target
 from foldkv.layout import KvFormat, row_width
 
@@ -113,6 +113,7 @@ def program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size=64, block
         part_lse: T.Tensor((num_chunks, hq), f32),
     ):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
+            T.import_source(producer_guard.imported_source())
             parts = parts_of()
             acc_s = T.alloc_fragment((block_h, block_n), f32)  # S [16, N]
             p_shared = T.alloc_shared((block_h, block_n), bf16)  # P [16, N], shared by the warps' P.V gemms

@@ -21,7 +21,7 @@ between machines, so the two are compared in one run (decode_harness.py tags tm6
 import functools
 
 from foldkv.config import GEMMA4_31B, AttentionGeometry
-from foldkv.kernels import macros
+from foldkv.kernels import macros, producer_guard
 from foldkv.kernels.decode_partial import DEFAULTS, format_parts_macro
 from foldkv.kernels.tl import pass_configs, require_tilelang, target
 from foldkv.layout import KvFormat, row_width
@@ -73,6 +73,7 @@ def program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size=64, block
         part_lse: T.Tensor((num_chunks, hq), f32),
     ):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
+            T.import_source(producer_guard.imported_source())
             parts = format_parts()
             p_shared = T.alloc_shared((block_n, block_h), bf16)
             acc_s = T.alloc_fragment((block_n, block_h), f32)

@@ -21,7 +21,7 @@ HBM and runs at split's speed. Not tried: two stages at block_N 48, or splitting
 """
 
 from foldkv.config import GEMMA4_31B, AttentionGeometry
-from foldkv.kernels import macros
+from foldkv.kernels import macros, producer_guard
 from foldkv.kernels.prefill_attention import DEFAULTS, check_geometry, head_column_of
 from foldkv.kernels.tl import pass_configs, require_tilelang, target
 from foldkv.layout import KvFormat, row_width
@@ -67,6 +67,7 @@ def build(geom: AttentionGeometry = GEMMA4_31B, *, page_size: int = 64, block_N:
             Lse: T.Tensor([Tq, HQ], accum),
         ):
             with T.Kernel(NT, HKV, threads=threads) as (bx, by):
+                T.import_source(producer_guard.imported_source())
                 Q_shared = T.alloc_shared([block_M, D], dtype)
                 K_rot = T.alloc_shared([block_N, R], dtype)  # row[0:128]; V_unrot is read from V_win
                 V_win = T.alloc_shared([block_N, D], dtype)  # row[128:640] = [V_unrot | V_rot]
