@@ -272,17 +272,22 @@ def test_verify_refuses_missing_extra_and_non_cubin_files(tiny_build, tmp_path):
         verify(d2)
 
 
-def test_verify_refuses_a_manifest_whose_merge_source_fails_the_barrier_check(tiny_build, tmp_path):
-    """A source edited to drop the barrier, with the manifest hash updated to match, still fails verify."""
-    out, _ = tiny_build
-    d = _copy(out, tmp_path)
-    src = (d / "aot_test_inplace.cu").read_text().replace("__syncthreads();", "", 1)
-    (d / "aot_test_inplace.cu").write_text(src)
+def _with_edited_source(build_dir, tmp_path, edit):
+    """A copy of the build whose test kernel's source is `edit(source)`, its manifest hash updated to match."""
     import hashlib
 
+    d = _copy(build_dir, tmp_path)
+    src = edit((d / "aot_test_inplace.cu").read_text())
+    (d / "aot_test_inplace.cu").write_text(src)
     m = json.loads((d / "manifest.json").read_text())
     m["kernels"][0]["source_sha256"] = hashlib.sha256(src.encode()).hexdigest()
     (d / "manifest.json").write_text(json.dumps(m))
+    return d
+
+
+def test_verify_refuses_a_manifest_whose_merge_source_fails_the_barrier_check(tiny_build, tmp_path):
+    """A source edited to drop the barrier, with the manifest hash updated to match, still fails verify."""
+    d = _with_edited_source(tiny_build[0], tmp_path, lambda src: src.replace("__syncthreads();", "", 1))
     with pytest.raises(AotVerifyError, match="barrier check"):
         verify(d)
 
@@ -290,17 +295,8 @@ def test_verify_refuses_a_manifest_whose_merge_source_fails_the_barrier_check(ti
 def test_verify_refuses_a_source_with_an_unguarded_producer_loop(tiny_build, tmp_path):
     """A warp-specialised producer branch without the producer guard (kernels.producer_guard), added to a source
     whose manifest hash is updated to match, fails verify."""
-    out, _ = tiny_build
-    d = _copy(out, tmp_path)
-    src = (d / "aot_test_inplace.cu").read_text() + ("\nif (((int)threadIdx.x) < 128) {\n"
-                                                      "    tl::warpgroup_reg_dealloc<24>();\n"
-                                                      "    mbarrier[0].wait(0);\n  }\n")
-    (d / "aot_test_inplace.cu").write_text(src)
-    import hashlib
-
-    m = json.loads((d / "manifest.json").read_text())
-    m["kernels"][0]["source_sha256"] = hashlib.sha256(src.encode()).hexdigest()
-    (d / "manifest.json").write_text(json.dumps(m))
+    branch = "\nif (((int)threadIdx.x) < 128) {\n    tl::warpgroup_reg_dealloc<24>();\n    mbarrier[0].wait(0);\n  }\n"
+    d = _with_edited_source(tiny_build[0], tmp_path, lambda src: src + branch)
     with pytest.raises(AotVerifyError, match="producer guard check fails: .*without the guard"):
         verify(d)
 
