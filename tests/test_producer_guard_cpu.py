@@ -65,6 +65,15 @@ def test_rewrite_refuses_a_producer_that_does_more_than_wait(guarded):
         pg.guard_producer_loops(broken, "decode_fused_split")
 
 
+def test_rewrite_refuses_a_producer_call_with_a_side_effect(guarded):
+    """An atomic in an assignment outside the elected block: an allowed shape, but a call the guard would drop."""
+    raw = _unguarded(guarded)
+    at = raw.index("      int page = condval;\n")
+    broken = raw[:at] + "      condval = atomicAdd(((int*)page_ids), 1);\n" + raw[at:]
+    with pytest.raises(pg.ProducerGuardError, match="do more than wait"):
+        pg.guard_producer_loops(broken, "decode_fused_split")
+
+
 def test_rewrite_refuses_an_election_over_other_threads(guarded):
     raw = _unguarded(guarded)
     first = raw.index("if (tl::tl_shuffle_elect<128>()) {\n        mbarrier[0]")
