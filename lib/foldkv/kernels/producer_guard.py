@@ -129,7 +129,8 @@ def check_producer_guard(kernel: str, source: str) -> dict:
         body = source[start:end]
         if not body.lstrip().startswith(GUARD):
             raise ProducerGuardError(f"{kernel}: a warp-specialised producer loop without the guard (all four warps wait"
-                                     " on its barriers; producer_guard.py)")
+                                     " on its barriers; producer_guard.py). Built without the mark, or with TileLang's"
+                                     f" {POSTPROC} replaced after foldkv installed its own?")
         guard_brace = start + body.index(GUARD) + GUARD.index("{")
         if source[_block_end(source, guard_brace) + 1:end].strip():
             raise ProducerGuardError(f"{kernel}: producer code after the guarded loop")
