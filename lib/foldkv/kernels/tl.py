@@ -1,4 +1,5 @@
-"""The one place TileLang is imported and configured: target, pass configs and compile flags shared by JIT and AOT.
+"""The one place TileLang is imported and configured: target, pass configs and compile flags shared by JIT and AOT,
+and the rewrite of the emitted CUDA every warp-specialised foldkv kernel gets (`producer_guard.install`).
 
 Every kernel factory takes its pass configs from `PASS_CONFIGS` so the AOT build can map the same settings to nvcc
 flags (a setting it cannot map is an error there, not a silent difference).
