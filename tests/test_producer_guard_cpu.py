@@ -56,20 +56,15 @@ def test_check_refuses_unguarded_kernel(guarded):
         pg.check_producer_guard("decode_fused_split", _unguarded(guarded))
 
 
-def test_rewrite_refuses_a_producer_that_does_more_than_wait(guarded):
-    """A store by every producer thread outside the elected block: dropping warps 1-3 would drop their share."""
+@pytest.mark.parametrize("work", [
+    "((int*)k_s)[threadIdx.x] = page;",  # a store by every producer thread
+    "condval = atomicAdd(((int*)page_ids), 1);",  # an allowed shape (an assignment), but a call with a side effect
+])
+def test_rewrite_refuses_a_producer_that_does_more_than_wait(guarded, work):
+    """Work by every producer thread outside the elected block: dropping warps 1-3 would drop their share."""
     raw = _unguarded(guarded)
     at = raw.index("      int page = condval;\n")
-    broken = raw[:at] + "      ((int*)k_s)[threadIdx.x] = page;\n" + raw[at:]
-    with pytest.raises(pg.ProducerGuardError, match="do more than wait"):
-        pg.guard_producer_loops(broken, "decode_fused_split")
-
-
-def test_rewrite_refuses_a_producer_call_with_a_side_effect(guarded):
-    """An atomic in an assignment outside the elected block: an allowed shape, but a call the guard would drop."""
-    raw = _unguarded(guarded)
-    at = raw.index("      int page = condval;\n")
-    broken = raw[:at] + "      condval = atomicAdd(((int*)page_ids), 1);\n" + raw[at:]
+    broken = raw[:at] + "      " + work + "\n" + raw[at:]
     with pytest.raises(pg.ProducerGuardError, match="do more than wait"):
         pg.guard_producer_loops(broken, "decode_fused_split")
 
