@@ -192,7 +192,9 @@ class HandOffCheckError(RuntimeError):
 _HAND_OFF_CALL = re.compile(r"\bfoldkv_tail_hand_off\(\s*(\w+)\s*,[^;]*?,\s*(\w+)\s*,\s*(-?\d+)\s*,\s*(\d+)\s*,"
                             r"\s*(\d+)\s*\)\s*;")
 _FLAG_READ = re.compile(r"\b(\w+)\s*=\s*foldkv_tail_flag\(\s*(\w+)\s*,")
-_PRODUCER_BRANCH = re.compile(r"if \(\(\(int\)threadIdx\.x\) < 128\) \{\s*tl::warpgroup_reg_dealloc")
+# a warp-specialised producer branch as TileLang 0.1.15 emits it: threads [0, P) deallocate registers, then loop (also
+# what producer_guard rewrites)
+PRODUCER_BRANCH = re.compile(r"if \(\(\(int\)threadIdx\.x\) < (\d+)\) \{\n\s*tl::warpgroup_reg_dealloc<\d+>\(\);\n")
 
 
 def check_tail_hand_off(kernel: str, source: str, threads: int) -> dict:
@@ -212,8 +214,8 @@ def check_tail_hand_off(kernel: str, source: str, threads: int) -> dict:
     if not any(m.group(1) == seen and m.group(2) == counters for m in flags):
         raise HandOffCheckError(f"{kernel}: the hand-off waits on {seen!r}, which is not the release flag read from"
                                 f" {counters} before it")
-    producer = _PRODUCER_BRANCH.search(body)
-    if producer is None or leader != 128:
+    producer = PRODUCER_BRANCH.search(body)
+    if producer is None or producer.group(1) != "128" or leader != 128:
         raise HandOffCheckError(f"{kernel}: the leader is thread {leader}, but the first consumer thread is 128 only"
                                 " when the producer warpgroup is threads [0, 128), which the source does not show")
     branch_end = _match(body, body.index("{", producer.start()), "{", "}")

@@ -27,12 +27,12 @@ from __future__ import annotations
 import functools
 import re
 
+from .cuda_checks import PRODUCER_BRANCH, _match
+
 MARK = "// foldkv.kernels.producer_guard: the producer loop runs in the warp that issues its copies"
 POSTPROC = "tilelang_callback_cuda_postproc"
 GUARD = "if (((int)threadIdx.x) < 32) {  // producer_guard: warps 1-3 of the producer do not wait"
 
-# a warp-specialised producer branch as TileLang 0.1.15 emits it: threads [0, P) deallocate registers, then loop
-_BRANCH = re.compile(r"if \(\(\(int\)threadIdx\.x\) < (\d+)\) \{\n(\s*)tl::warpgroup_reg_dealloc<\d+>\(\);\n")
 _ELECT = re.compile(r"^if \(tl::tl_shuffle_elect<(\d+)>\(\)\) \{$")
 # what warps 1-3 may do outside the elected thread's block: control flow, local integers, reads, waits, a fence
 _ALLOWED = [re.compile(p) for p in (
@@ -64,21 +64,13 @@ def imported_source(*sources: str | None) -> str:
 
 def _block_end(text: str, open_brace: int) -> int:
     """Offset of the '}' that closes the '{' at `open_brace`."""
-    depth = 0
-    for i in range(open_brace, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-    raise ProducerGuardError("unbalanced braces in the emitted CUDA")
+    return _match(text, open_brace, "{", "}") - 1
 
 
 def _producer_branches(source: str):
     """(threads, body start, body end) of every producer branch: the body is what follows the register dealloc."""
     found = []
-    for m in _BRANCH.finditer(source):
+    for m in PRODUCER_BRANCH.finditer(source):
         found.append((int(m.group(1)), m.end(), _block_end(source, m.start() + m.group(0).index("{"))))
     if len(found) != source.count("tl::warpgroup_reg_dealloc<"):
         raise ProducerGuardError("a register dealloc outside the producer branch this guard knows (threadIdx.x < P,"
@@ -137,11 +129,17 @@ def check_producer_guard(kernel: str, source: str) -> dict:
     return {"producer_branches": len(branches)}
 
 
+_KERNEL_NAME = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(")
+
+
 def _postproc(previous):
     def postproc(code, target):
         if previous is not None:
             code = previous(code, target)
-        return guard_producer_loops(code) if MARK in code else code
+        if MARK not in code:
+            return code
+        name = _KERNEL_NAME.search(code)  # for the error, should the rewrite refuse
+        return guard_producer_loops(code, name.group(1) if name else "kernel")
     return postproc
 
 
