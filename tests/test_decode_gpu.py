@@ -16,6 +16,7 @@ import torch
 import foldkv
 from foldkv import FoldKvInputError, KvFormat, PagedKvLayout
 from foldkv.kernels.decode import decode, plan_decode
+from foldkv.kernels.macros import TAIL_STEP
 from foldkv.kernels.plan import MAX_BATCH
 from foldkv.lab import gates
 
@@ -90,21 +91,29 @@ def test_both_steps_of_a_one_wave_plan(cuda_device, fmt, fused, lens):
     gate(fmt, lens, seed=13, device=cuda_device, fused=fused)
 
 
+@pytest.mark.parametrize("start", [0, -TAIL_STEP], ids=["zero", "wraps"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_fused_step_leaves_its_counters_ready(cuda_device, fmt):
-    """After each fused step every request-head's arrivals are back at 0 (the next step starts from there) and its
-    release flag moved once if it had more than one chunk (a single chunk writes the output itself: no hand-off)."""
+def test_fused_step_leaves_its_counters_ready(cuda_device, fmt, start):
+    """After each fused step every request-head of more than one chunk has added exactly TAIL_STEP to its counter
+    (whatever its chunk count; a single chunk writes the output itself: no hand-off), so the next step starts from a
+    multiple of it, also across 2^32 (`wraps`: counters one step below it, as int32); each step passes the gate."""
     lens = [10602, 97, 1, 40002]
     inputs = make_case(fmt, lens, 17, cuda_device)
     plan = plan_decode(inputs.pool.layout, lens, device=cuda_device)
     assert plan.fused
     chunks = torch.tensor([sum(r == q for q, _, _ in plan.chunks) for r in range(len(lens))])
     assert chunks[2] == 1 and (chunks[[0, 3]] > 1).all()
+    plan.tail_counters.fill_(start)
+
+    def on_the_plan(inputs, out, lse):
+        return decode(inputs.pool, inputs.query, inputs.table, plan=plan, out=out, lse=lse)
+
     for step in (1, 2, 3):
-        decode(inputs.pool, inputs.query, inputs.table, plan=plan)
-        counters = plan.tail_counters.cpu()
-        assert not counters[..., 0].any(), counters[..., 0]
-        assert torch.equal(counters[..., 1], (chunks > 1).int()[:, None].expand(-1, 4) * step), counters[..., 1]
+        res = gates.run_case(inputs, on_the_plan)
+        assert res["passed"], gates.summary_row(inputs.case, fmt, f"fused step {step}", res)
+        moved = (chunks > 1).long()[:, None].expand(-1, 4) * step * TAIL_STEP
+        expected = ((start + moved + 2**31) % 2**32 - 2**31).int()  # int32 arithmetic modulo 2^32
+        assert torch.equal(plan.tail_counters.cpu(), expected), plan.tail_counters.cpu()
 
 
 @pytest.mark.parametrize("version", ["decode_partial_head_major", "decode_partial_query_all_threads"])

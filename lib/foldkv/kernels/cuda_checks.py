@@ -189,9 +189,7 @@ class HandOffCheckError(RuntimeError):
     """A fused decode whose tail merge could read a partial before every member has written it."""
 
 
-_HAND_OFF_CALL = re.compile(r"\bfoldkv_tail_hand_off\(\s*(\w+)\s*,[^;]*?,\s*(\w+)\s*,\s*(-?\d+)\s*,\s*(\d+)\s*,"
-                            r"\s*(\d+)\s*\)\s*;")
-_FLAG_READ = re.compile(r"\b(\w+)\s*=\s*foldkv_tail_flag\(\s*(\w+)\s*,")
+_HAND_OFF_CALL = re.compile(r"\bfoldkv_tail_hand_off\(\s*(\w+)\s*,[^;]*?,\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*\)\s*;")
 # a warp-specialised producer branch as TileLang 0.1.15 emits it: threads [0, P) deallocate registers, then loop (also
 # what producer_guard rewrites)
 PRODUCER_BRANCH = re.compile(r"if \(\(\(int\)threadIdx\.x\) < (\d+)\) \{\n\s*tl::warpgroup_reg_dealloc<\d+>\(\);\n")
@@ -201,19 +199,14 @@ def check_tail_hand_off(kernel: str, source: str, threads: int) -> dict:
     """Raise HandOffCheckError (naming `kernel`) unless its emitted CUDA hands off as `macros.TAIL_SOURCE` needs:
     exactly one hand-off call, in the consumer branch (the producer warpgroup is threads [0, 128), so the leader is
     thread 128), after every store into the partials (`part_o`, `part_lse`) and before every read of them, over the
-    `threads` consumer threads on a named barrier no barrier TileLang placed uses, with the release flag this CTA
-    read (`foldkv_tail_flag`, before it counts itself in) on the same counters. The check reads what runs."""
+    `threads` consumer threads on a named barrier no barrier TileLang placed uses. The check reads what runs."""
     _, body = kernel_definition(source, kernel)
     calls = list(_HAND_OFF_CALL.finditer(body))
     if len(calls) != 1:
         raise HandOffCheckError(f"{kernel}: {len(calls)} hand-off calls in the emitted source; the tail merge needs"
                                 " exactly one between the partials' stores and their reads")
     call = calls[0]
-    counters, seen, leader, barrier_id, count = call.group(1), call.group(2), *(int(g) for g in call.groups()[2:])
-    flags = [m for m in _FLAG_READ.finditer(body) if m.start() < call.start()]
-    if not any(m.group(1) == seen and m.group(2) == counters for m in flags):
-        raise HandOffCheckError(f"{kernel}: the hand-off waits on {seen!r}, which is not the release flag read from"
-                                f" {counters} before it")
+    leader, barrier_id, count = (int(g) for g in call.groups()[1:])
     producer = PRODUCER_BRANCH.search(body)
     if producer is None or producer.group(1) != "128" or leader != 128:
         raise HandOffCheckError(f"{kernel}: the leader is thread {leader}, but the first consumer thread is 128 only"

@@ -23,7 +23,7 @@ Kernel argument order (what a backend's callable takes):
                             chunk_req [C] i32, chunk_start [C] i32, chunk_len [C] i32,
                             part_o [C, Hq, D] f32, part_lse [C, Hq] f32)
     decode_fused_<format>(query, pool, page_ids, chunk_req, chunk_start, chunk_len, merge_first [C] i32,
-                          merge_count [C] i32, part_o, part_lse, counters [B, Hkv, 2] i32, value_head_column [D] i32,
+                          merge_count [C] i32, part_o, part_lse, counters [B, Hkv] i32, value_head_column [D] i32,
                           out [B, Hq, D] bf16, lse [B, Hq] f32)
         the partial with its tail merge, for a plan whose C x Hkv CTAs are all resident at once (one wave): a
         request-head of one chunk writes its output and LSE from the epilogue, the others hand off through
@@ -292,9 +292,6 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
             start = chunk_start[c]
             n_tok = chunk_len[c]
             load_query(query, req, kvh, parts.query)
-            if tail_merge and not ll:  # the release flag, read before this CTA counts itself in (macros.TAIL_SOURCE)
-                seen = T.alloc_var(i32)
-                seen = T.call_extern("int32", macros.TAIL_FLAG_FN, tail["counters"].data, (req * hkv + kvh) * 2)
             for out in parts.values:
                 T.fill(out.other, 0)
             T.fill(denom, 0)
@@ -366,21 +363,21 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                         part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * scale
             if tail_merge:
                 if members > 1:
-                    if tail_hand_off and not ll:
-                        T.call_extern("handle", macros.TAIL_HAND_OFF_FN, tail["counters"].data, (req * hkv + kvh) * 2,
-                                      members, seen, PRODUCER_THREADS, macros.TAIL_BARRIER_ID, threads)
                     first = T.alloc_var(i32)
                     first = tail["merge_first"][c]
                     if ll:
                         T.call_extern("handle", macros.LL_MERGE_FN, part_o.data, first, members, c - first, req, kvh,
                                       hq, d, group, tail["value_head_column"].data, tail["out"].data,
                                       tail["lse"].data, T.get_thread_binding(0), threads)
-                    elif combine:
+                    elif tail_hand_off:
+                        T.call_extern("handle", macros.TAIL_HAND_OFF_FN, tail["counters"].data, req * hkv + kvh,
+                                      c - first, members, PRODUCER_THREADS, macros.TAIL_BARRIER_ID, threads)
+                    if combine:
                         T.call_extern("handle", tail_combine, part_o.data, part_lse.data, T.address_of(scratch[0]),
                                       first, members, c - first, req, kvh, hq, d, group,
                                       tail["value_head_column"].data, tail["out"].data, tail["lse"].data,
                                       T.get_thread_binding(0), threads, macros.TAIL_BARRIER_ID)
-                    else:  # (one path given: a static condition, so only its code is emitted)
+                    elif not ll:  # (one path given: a static condition, so only its code is emitted)
                         if len(tail_paths) == 1 or members <= TAIL_FEW_MEMBERS:
                             tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, *tail_paths[0],
                                        tail_merges[0])
@@ -440,7 +437,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
             merge_count: T.Tensor((num_chunks,), i32),  # [C] chunks of that request
             part_o: T.Tensor((num_chunks, hq, d), f32),  # [C, Hq, D] value-window order
             part_lse: T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
-            counters: T.Tensor((batch, hkv, 2), i32),  # [B, Hkv, 2] arrivals (0 between launches), release flag
+            counters: T.Tensor((batch, hkv), i32),  # [B, Hkv] a multiple of TAIL_STEP between launches
             value_head_column: T.Tensor((d,), i32),  # [D] head column of value-window position p
             out: T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] head order
             lse: T.Tensor((batch, hq), f32),  # [B, Hq] natural log

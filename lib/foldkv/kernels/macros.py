@@ -188,53 +188,53 @@ __device__ __forceinline__ void foldkv_e4m3x8_to_bf16(int first, int last, int b
 
 # The hand-off of a fused decode's tail merge (decode_partial_program(tail_merge=True)): the CTAs of one request and
 # KV head (its chunks, all resident at once: the plan is one wave) each write their partial, count themselves in, and
-# wait until the last one has; then each merges a slice of the request's columns from every member's partial. The
-# counter pair per (request, KV head) is [arrivals, release flag]: the last arrival puts arrivals back to 0 (the next
-# launch starts from there) and changes the flag, which every waiter read before it arrived. A member that waits
-# 2^22 polls (seconds, against at most ~10 ms for the longest chunk: a plan that was not one wave, or another kernel
-# holding the SMs for good) traps instead of hanging the device.
-TAIL_FLAG_FN = "foldkv_tail_flag"
+# wait until every member has; then each merges a slice of the request's columns from every member's partial. One
+# counter per (request, KV head) carries it: each member adds its share of TAIL_STEP (the first member TAIL_STEP -
+# (members - 1), each other 1), so a launch adds exactly TAIL_STEP whatever its members and the counter is a multiple
+# of TAIL_STEP between launches (mod 2^32: no reset, no flag). A member's atomic returns the count before it; the
+# members are all in when the counter reaches the next multiple, which the last arrival learns from its own atomic and
+# the others by polling. The leader's acquire, then the barrier, orders every consumer thread's reads of the partials
+# (CUTLASS's semaphore pattern). A member that waits 2^22 polls (seconds, against at most ~10 ms for the longest
+# chunk: a plan that was not one wave, or another kernel holding the SMs for good) traps instead of hanging the
+# device.
+TAIL_STEP = 1 << 20  # > TAIL_MAX_MEMBERS, and a power of two: its multiples stay multiples modulo 2^32
 TAIL_HAND_OFF_FN = "foldkv_tail_hand_off"
 TAIL_SOURCE = r"""
-__device__ __forceinline__ int foldkv_tail_flag(const int* counters, int pair) {
-  const int* flag = counters + pair + 1;
-  int v;
-  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
-  return v;
-}
-// Called by every consumer thread once its share of the partial is stored; `leader` is the first consumer thread.
+// Called by every consumer thread once its share of the partial is stored; `member` is this CTA's place among the
+// request-head's `members` chunks, `leader` the first consumer thread.
 // (`counters` arrives const: TileLang sees the kernel write it nowhere else)
-__device__ __forceinline__ void foldkv_tail_hand_off(const int* counters, int pair, int members, int seen, int leader,
-                                                     int barrier_id, int threads) {
-  int* counter = const_cast<int*>(counters) + pair;
-  asm volatile("bar.sync %0, %1;" : : "r"(barrier_id), "r"(threads) : "memory");
+__device__ __forceinline__ void foldkv_tail_hand_off(const int* counters, int pair, int member, int members,
+                                                     int leader, int barrier_id, int threads) {
+  const unsigned step = %(step)du;
+  unsigned* counter = reinterpret_cast<unsigned*>(const_cast<int*>(counters)) + pair;
+  asm volatile("bar.sync %%0, %%1;" : : "r"(barrier_id), "r"(threads) : "memory");
   if ((int)threadIdx.x == leader) {
-    __threadfence();  // release this CTA's partial (its threads' stores are ordered before the barrier)
-    const int arrived = atomicAdd(counter, 1);
-    if (arrived == members - 1) {  // the last member
-      __threadfence();  // acquire the other members' partials
-      counter[0] = 0;
-      __threadfence();
-      asm volatile("st.release.gpu.global.b32 [%0], %1;" : : "l"(counter + 1), "r"(seen + 1) : "memory");
-    } else {
+    const unsigned share = member == 0 ? step - (unsigned)(members - 1) : 1u;
+    unsigned before;  // releases this CTA's partial (its threads' stores are ordered before the barrier)
+    asm volatile("atom.add.acq_rel.gpu.global.u32 %%0, [%%1], %%2;" : "=r"(before) : "l"(counter), "r"(share)
+                 : "memory");
+    const unsigned done = (before & ~(step - 1u)) + step;
+    if (before + share != done) {  // not the last member: wait for the others
       long long polls = 0;
-      int flag = seen;
-      while (flag == seen) {
-        __nanosleep(32);
-        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(flag) : "l"(counter + 1) : "memory");
+      unsigned now;
+      asm volatile("ld.acquire.gpu.global.u32 %%0, [%%1];" : "=r"(now) : "l"(counter) : "memory");
+      while (now != done) {
         if (++polls == (1LL << 22)) __trap();
+        __nanosleep(32);
+        asm volatile("ld.acquire.gpu.global.u32 %%0, [%%1];" : "=r"(now) : "l"(counter) : "memory");
       }
     }
   }
-  asm volatile("bar.sync %0, %1;" : : "r"(barrier_id), "r"(threads) : "memory");
-  asm volatile("fence.acq_rel.gpu;" : : : "memory");  // every thread then reads the members' partials from L2
+  asm volatile("bar.sync %%0, %%1;" : : "r"(barrier_id), "r"(threads) : "memory");
 }
-"""
+""" % {"step": TAIL_STEP}
 # The fused tail's other hand-off, measured slower (bench/DECODE_NOTES.md run 14): the partial stored as
 # self-validating words, whose device code a caller of decode_partial_program(tail_protocol="ll") passes as
 # `tail_source` (bench/versions/decode_fused_ll.py) and which these two functions are called by
 LL_STORE_FN = "foldkv_ll_store"
 LL_MERGE_FN = "foldkv_ll_merge"
+
+
 # its named barrier over the consumer threads (not the conversion's: an FP8 kernel has both)
 TAIL_BARRIER_ID = 8
 

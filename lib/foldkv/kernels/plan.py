@@ -290,9 +290,8 @@ def plan_decode(layout: PagedKvLayout, seq_lens, *, device, chunk_tokens: int | 
         value_head_column=value_window_columns(geom, layout.format).to(**i32),
         part_o=torch.empty(len(chunks), geom.num_q_heads, geom.head_dim, dtype=torch.float32, device=device),
         part_lse=torch.empty(len(chunks), geom.num_q_heads, dtype=torch.float32, device=device),
-        # the fused tail's counters per (request, KV head): arrivals (0 between launches: the last arrival resets
-        # them), release flag (macros.TAIL_SOURCE)
-        tail_counters=torch.zeros(len(lens), hkv, 2, **i32),
+        # the fused tail's counter per (request, KV head): a multiple of macros.TAIL_STEP between launches
+        tail_counters=torch.zeros(len(lens), hkv, **i32),
     )
     return DecodePlan(layout, tuple(lens), chunk_tokens, merge_group, chunks, groups, request_groups, device, tensors,
                       fused=fused)

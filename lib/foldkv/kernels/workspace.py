@@ -127,7 +127,7 @@ class DecodeWorkspace:
         self.out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=device)  # [max_batch, Hq, D] head order
         self.lse = torch.empty(b, hq, dtype=torch.float32, device=device)  # [max_batch, Hq] natural log
         self.value_head_column = value_window_columns(geom, layout.format).to(**i32)
-        self.tail_counters = torch.zeros(b, geom.num_kv_heads, 2, **i32)  # the fused tail's (macros.TAIL_SOURCE)
+        self.tail_counters = torch.zeros(b, geom.num_kv_heads, **i32)  # the fused tail's (macros.TAIL_SOURCE)
         self._one = torch.ones(b, **i32)
         self._chunk_len_all, self._last_slot = self._view("chunk_len"), self._view("last_slot")
         self._lens = np.zeros(0, dtype=np.int64)  # host copy of the lengths planned ...
