@@ -142,8 +142,15 @@ SMEM_TAIL = [ArmSpec(f"{f.value}_tail_smem", f"{f.value} decode, fused step, tai
                      f.value, False, generated_arm("decode", f, "jit", kernels=lambda case, f=f: {
                          f"decode_fused_{f.value}": decode_fused_smem_tail.build(G, f)}), generated=True)
              for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
+# run 20b: the library's step planned for fewer SMs (w / 4 chunks a request-head): how fast w SMs read a short request,
+# the part of a thread-block-cluster step (chunks of a request-head in one cluster, merged through distributed shared
+# memory instead of the tail's trips to L2) that a plan measures today
+NARROW = [ArmSpec(f"folded_w{w}", f"bf16 folded decode planned for {w} SMs ({w // 4} chunks a request-head)", "folded",
+                  False, generated_arm("decode", KvFormat.FOLDED, "jit", plan_kw=lambda case, w=w: {"num_sms": w}),
+                  generated=True)
+          for w in (32, 64, 96)]
 ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA,
-        *THREE_LAUNCHES, *LL_FUSED, *LL_PROBES, *TAIL_SIZES, *SMEM_TAIL,
+        *THREE_LAUNCHES, *LL_FUSED, *LL_PROBES, *TAIL_SIZES, *SMEM_TAIL, *NARROW,
         "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 
 

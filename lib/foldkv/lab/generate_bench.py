@@ -227,12 +227,16 @@ def measure_generation(model: nn.Module, arm: str, *, prompt_tokens: int, batch:
     if len(stamps) != new_tokens:
         raise RuntimeError(f"{arm}: the clock stamped {len(stamps)} tokens of {new_tokens}")
     prefill_s, decode_s = stamps[0] - t0, stamps[-1] - stamps[0]
+    # each decode step's own time: a mean that moved is a uniform slowdown if the median moved with it, a few slow
+    # steps (an allocation, a re-plan) if only the maximum did
+    steps_ms = sorted(1e3 * (b - a) for a, b in zip(stamps, stamps[1:]))
     cache_dtype = next(model.parameters()).dtype if spec.format is None else cache.pool_dtype
     return {
         "arm": arm, "status": "ran", "implementation": impl, "prompt_tokens": prompt_tokens, "batch": batch,
         "new_tokens": new_tokens, "prefill_chunk": prefill_chunk, "device": str(device),
         "prefill_s": prefill_s, "decode_s": decode_s, "total_s": stamps[-1] - t0,
         "decode_tokens_per_s": batch * (new_tokens - 1) / decode_s if decode_s > 0 else None,
+        "decode_step_ms_p50": steps_ms[len(steps_ms) // 2], "decode_step_ms_max": steps_ms[-1],
         "end_to_end_tokens_per_s": batch * new_tokens / (stamps[-1] - t0),
         "prefill_tokens_per_s": batch * prompt_tokens / prefill_s,
         "peak_bytes": peak,
@@ -335,6 +339,8 @@ def runs_table(runs: Sequence[dict], columns: str = "speed") -> str:
         row = {"arm": r["arm"], "prompt": r["prompt_tokens"], "batch": r["batch"], "status": r["status"]}
         if r["status"] == "ran":
             row.update(prefill_s=r["prefill_s"], decode=r["decode_tokens_per_s"], e2e=r["end_to_end_tokens_per_s"],
+                       step_ms=f"{r['decode_step_ms_p50']:.2f} / {r['decode_step_ms_max']:.2f}"
+                       if "decode_step_ms_p50" in r else "n/a",
                        peak_gib=r["peak_bytes"] / GIB if r["peak_bytes"] is not None else "n/a (no CUDA)",
                        cache_gib=r["cache_bytes"] / GIB, agreed=f"{min(r['agreed_steps'])}/{r['new_tokens']}"
                        f" vs {r['agrees_with']}")
@@ -344,7 +350,8 @@ def runs_table(runs: Sequence[dict], columns: str = "speed") -> str:
                 "cache_gib": "global-layer cache GiB", "status": "status"}
     else:
         cols = {"arm": "arm", "prompt": "prompt tokens", "batch": "batch", "prefill_s": "prefill s",
-                "decode": "decode tokens/s", "e2e": "end-to-end tokens/s", "agreed": "same tokens (min steps)",
+                "decode": "decode tokens/s", "step_ms": "decode step ms (median / max)",
+                "e2e": "end-to-end tokens/s", "agreed": "same tokens (min steps)",
                 "status": "status"}
     return markdown_table(shown, cols, {"prompt": ",d", "prefill_s": ".2f", "decode": ".1f", "e2e": ".1f",
                                         "peak_gib": ".2f", "cache_gib": ".3f"})
