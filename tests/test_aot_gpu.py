@@ -22,6 +22,7 @@ import torch
 from conftest import require_hopper, require_module, require_tilelang
 
 from foldkv import GEMMA4_31B, KvFormat
+from foldkv.kernels.workspace import capture_graph
 from foldkv.lab import gates
 
 pytestmark = pytest.mark.gpu
@@ -109,7 +110,7 @@ def test_decode_aot_steps_chained_in_a_graph_match_jit(aot_build, cuda_device, f
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.stream(stream), capture_graph(graph, stream=stream):
         for q, (o, l) in zip(queries, outs):
             decode(inp.pool, q, inp.table, plan=plan, out=o, lse=l, backend="aot", check=False)
     for _ in range(3):

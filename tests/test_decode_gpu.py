@@ -18,6 +18,7 @@ from foldkv import FoldKvInputError, KvFormat, PagedKvLayout
 from foldkv.kernels.decode import decode, plan_decode
 from foldkv.kernels.macros import TAIL_STEP
 from foldkv.kernels.plan import MAX_BATCH
+from foldkv.kernels.workspace import capture_graph
 from foldkv.lab import gates
 
 pytestmark = pytest.mark.gpu
@@ -172,7 +173,7 @@ def test_cuda_graph_replay_matches_eager(cuda_device, fmt):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.stream(stream), capture_graph(graph, stream=stream):
         decode(pool, query, table, plan=plan, out=out, lse=lse, check=False)
     for _ in range(3):  # every replay writes every output element again
         out.fill_(float("nan"))

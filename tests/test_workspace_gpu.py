@@ -5,12 +5,14 @@ that write nothing. Reproduce one case: FOLDKV_REQUIRE_GPU=1 pytest tests/test_w
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 import foldkv
 from foldkv import FoldKvInputError, KvFormat
-from foldkv.kernels.workspace import DecodeWorkspace
+from foldkv.kernels.workspace import DecodeWorkspace, capture_graph
 from foldkv.lab import gates
 
 pytestmark = pytest.mark.gpu
@@ -53,6 +55,61 @@ def test_workspace_on_gate_cases(cuda_device, fmt, case):
     inputs = gates.make_inputs(c, fmt, cuda_device, 5)
     res = gates.run_case(inputs, workspace_launch)
     assert res["passed"], gates.summary_row(c, fmt, "workspace", res)
+
+
+@pytest.mark.parametrize("collector", ["paused", "running"])
+def test_capture_outlives_a_garbage_graph(cuda_device, collector):
+    """A CUDA graph held only by a reference cycle becomes garbage while the step is captured, and the collector's
+    threshold makes every allocation a collection. `DecodeWorkspace.capture` (`capture_graph`: the collector paused)
+    captures a step that replays equal to eager; the same capture with the collector running (the red twin:
+    `torch.cuda.graph` alone) is invalidated when the collection destroys that graph mid-capture (notebook 03 of
+    h200-20261202-s14 lost a drift arm this way, once)."""
+    from foldkv.kernels.decode_partial import build_decode_fused
+
+    inputs = gates.make_inputs(gates.Case("1x8192", (8192,)), KvFormat.FOLDED, cuda_device, 3)
+    ws = DecodeWorkspace(inputs.pool.layout, max_batch=1, max_len=8192, device=cuda_device)
+    ws.plan([8192], inputs.table.page_ids)
+    ws.query.copy_(inputs.query)
+    eager = tuple(t.clone() for t in ws.step(inputs.pool))
+    old = torch.cuda.CUDAGraph()  # a real graph (captured, instantiated): its destruction calls the CUDA runtime
+    x = torch.ones(4, device=cuda_device)
+    side = torch.cuda.Stream(device=cuda_device)
+    with torch.cuda.stream(side), torch.cuda.graph(old, stream=side):
+        x.add_(1)
+    cycle = [old]
+    cycle.append(cycle)
+    held = [cycle]
+    del old, cycle
+    fused = build_decode_fused(foldkv.GEMMA4_31B, KvFormat.FOLDED)
+
+    def step_dropping_the_graph(*args):  # the library's fused step; inside a capture the cycle becomes garbage
+        if torch.cuda.is_current_stream_capturing():
+            held.clear()
+            _ = [[i] for i in range(64)]  # allocations: with the threshold at 1, each may collect
+        return fused(*args)
+
+    kernels = {"decode_fused_folded": step_dropping_the_graph}
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        if collector == "paused":
+            graph = ws.capture(inputs.pool, kernels=kernels)
+        else:
+            ws.step(inputs.pool, kernels=kernels)
+            graph = torch.cuda.CUDAGraph()
+            with pytest.raises(RuntimeError, match="capture"):
+                with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+                    ws.step(inputs.pool, kernels=kernels, check=False)
+            return
+    finally:
+        gc.set_threshold(*thresholds)
+        held.clear()
+        gc.collect()
+    ws.out.fill_(float("nan"))
+    ws.lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(ws.out[:1], eager[0]) and torch.equal(ws.lse[:1], eager[1])
 
 
 @pytest.mark.parametrize("bad", ["batch", "length", "narrow_table", "table_dtype", "pool_format"])

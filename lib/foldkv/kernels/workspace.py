@@ -39,7 +39,9 @@ Refusals (FoldKvInputError, before anything is written or launched): a batch lar
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+import contextlib
+import gc
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -270,10 +272,27 @@ class DecodeWorkspace:
                 self.step(pool, backend=backend, kernels=kernels, check=False, fused=fused)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        with capture_graph(graph, stream=stream):
             self.step(pool, backend=backend, kernels=kernels, check=False, fused=fused)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return graph
 
 
-__all__ = ["DecodeWorkspace", "default_num_chunks", "CHUNKS_PER_REQUEST"]
+@contextlib.contextmanager
+def capture_graph(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream | None = None) -> Iterator[None]:
+    """`torch.cuda.graph(graph, stream=stream)` with Python's cyclic garbage collector paused until the capture ends.
+    Destroying a CUDA graph while a stream captures invalidates the capture, and an unreachable graph held in a
+    reference cycle (an earlier cache's, say) is destroyed by whichever automatic collection comes next: inside a
+    capture, that collection fails it ("operation failed due to a previous error during capture"). torch collects
+    once as the capture begins; pausing the collector keeps one from running before it ends."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+__all__ = ["DecodeWorkspace", "capture_graph", "default_num_chunks", "CHUNKS_PER_REQUEST"]

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ...kernels.workspace import capture_graph
 from ..arms import ArmUnavailable
 from ..jsonsafe import jsonable
 from .arms import DECODE_ARMS, GUARD_VALUE, PREFILL_ARMS, ArmImpl, ArmSpec
@@ -152,7 +153,7 @@ def _prepare(name: str, impl: ArmImpl, device: torch.device, target_sample_us: f
                 c()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with capture_graph(graph):
             eager()
         _sync(device)
         # The replay must compute what an eager call computes (same last copy): a capture that silently recorded
