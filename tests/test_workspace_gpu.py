@@ -68,7 +68,7 @@ def test_capture_outlives_a_garbage_graph(cuda_device, collector):
 
     inputs = gates.make_inputs(gates.Case("1x8192", (8192,)), KvFormat.FOLDED, cuda_device, 3)
     ws = DecodeWorkspace(inputs.pool.layout, max_batch=1, max_len=8192, device=cuda_device)
-    ws.plan([8192], inputs.table.page_ids)
+    ws.plan([8192], inputs.table.page_ids[:, :inputs.pool.layout.pages_for(8192)].contiguous())
     ws.query.copy_(inputs.query)
     eager = tuple(t.clone() for t in ws.step(inputs.pool))
     old = torch.cuda.CUDAGraph()  # a real graph (captured, instantiated): its destruction calls the CUDA runtime
