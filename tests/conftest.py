@@ -81,3 +81,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None and "cuda_device" not in getattr(item, "fixturenames", ()):
             item.fixturenames.append("cuda_device")
+
+
+class Destructible:
+    """Stands for a CUDA graph in the capture tests: its destruction is what a capture in progress does not survive."""
+
+    def __init__(self, destroyed: list):
+        self.destroyed = destroyed
+
+    def __del__(self):
+        self.destroyed.append(self)
+
+
+def drop_into_garbage(held: list) -> None:
+    """Put the held graph into a fresh reference cycle and drop it (garbage only the cyclic collector frees), then
+    allocate: with the collector's threshold at 1, a collection follows unless it is paused."""
+    cycle = [held.pop()]
+    cycle.append(cycle)
+    del cycle
+    _ = [[i] for i in range(64)]
+

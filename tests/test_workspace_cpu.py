@@ -4,13 +4,17 @@ ignore, advance() lengthens each request by one, and every refusal comes before 
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import numpy as np
 import pytest
 import torch
 
+from conftest import Destructible, drop_into_garbage
 from foldkv import GEMMA4_31B, FoldKvInputError, KvFormat, PagedKvLayout, PagedKvPool
 from foldkv.kernels.plan import MAX_LEN, fixed_count_pieces
-from foldkv.kernels.workspace import DecodeWorkspace, default_num_chunks
+from foldkv.kernels.workspace import DecodeWorkspace, capture_graph, default_num_chunks
 
 LAYOUT = PagedKvLayout(GEMMA4_31B, KvFormat.FOLDED, 64, 0)
 
@@ -154,3 +158,27 @@ def test_one_wave_workspace_plans_as_the_eager_plan(lens):
     assert ws.fused and eager.fused
     assert ws.merge_first.tolist()[:used] == eager.merge_first.tolist()
     assert ws.merge_count.tolist()[:used] == eager.merge_count.tolist()
+
+
+@pytest.mark.parametrize("capture", ["capture_graph", "torch_cuda_graph"])
+def test_capture_graph_pauses_the_collector(monkeypatch, capture):
+    """No graph that becomes garbage inside `capture_graph` is destroyed before the capture ends (the collector is
+    paused; torch.cuda.graph itself stands in as a no-op here); the red twin, the bare `torch.cuda.graph`, destroys it
+    mid-capture. Both collect it afterwards. The GPU half (a destroyed graph invalidates the capture) is
+    tests/test_workspace_gpu.py::test_capture_outlives_a_garbage_graph."""
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, stream=None: contextlib.nullcontext())
+    destroyed: list = []
+    held = [Destructible(destroyed)]
+    thresholds = gc.get_threshold()
+    enabled = gc.isenabled()
+    gc.set_threshold(1, 1, 1)
+    try:
+        with (capture_graph if capture == "capture_graph" else torch.cuda.graph)(None):
+            drop_into_garbage(held)
+            during = len(destroyed)
+        assert gc.isenabled() == enabled  # the collector's state is restored
+    finally:
+        gc.set_threshold(*thresholds)
+    gc.collect()
+    assert len(destroyed) == 1
+    assert during == (0 if capture == "capture_graph" else 1)

@@ -9,10 +9,11 @@ import gc
 
 import pytest
 import torch
+from conftest import drop_into_garbage
 
 import foldkv
 from foldkv import FoldKvInputError, KvFormat
-from foldkv.kernels.workspace import DecodeWorkspace, capture_graph
+from foldkv.kernels.workspace import DecodeWorkspace
 from foldkv.lab import gates
 
 pytestmark = pytest.mark.gpu
@@ -59,8 +60,8 @@ def test_workspace_on_gate_cases(cuda_device, fmt, case):
 
 @pytest.mark.parametrize("collector", ["paused", "running"])
 def test_capture_outlives_a_garbage_graph(cuda_device, collector):
-    """A CUDA graph held only by a reference cycle becomes garbage while the step is captured, and the collector's
-    threshold makes every allocation a collection. `DecodeWorkspace.capture` (`capture_graph`: the collector paused)
+    """A CUDA graph put into a reference cycle and dropped while the step is captured, and the collector's
+    threshold making every allocation a collection. `DecodeWorkspace.capture` (`capture_graph`: the collector paused)
     captures a step that replays equal to eager; the same capture with the collector running (the red twin:
     `torch.cuda.graph` alone) is invalidated when the collection destroys that graph mid-capture (notebook 03 of
     h200-20261202-s14 lost a drift arm this way, once)."""
@@ -76,16 +77,16 @@ def test_capture_outlives_a_garbage_graph(cuda_device, collector):
     side = torch.cuda.Stream(device=cuda_device)
     with torch.cuda.stream(side), torch.cuda.graph(old, stream=side):
         x.add_(1)
-    cycle = [old]
-    cycle.append(cycle)
-    held = [cycle]
-    del old, cycle
+    held = [old]
+    del old
     fused = build_decode_fused(foldkv.GEMMA4_31B, KvFormat.FOLDED)
 
-    def step_dropping_the_graph(*args):  # the library's fused step; inside a capture the cycle becomes garbage
-        if torch.cuda.is_current_stream_capturing():
-            held.clear()
-            _ = [[i] for i in range(64)]  # allocations: with the threshold at 1, each may collect
+    def step_dropping_the_graph(*args):  # the library's fused step; inside a capture the graph becomes garbage
+        if torch.cuda.is_current_stream_capturing() and held:
+            # a fresh cycle: young garbage, which the next collection frees (a cycle made before the capture had
+            # reached the oldest generation, whose collections Python throttles: the first H200 run's red twin did
+            # not raise)
+            drop_into_garbage(held)
         return fused(*args)
 
     kernels = {"decode_fused_folded": step_dropping_the_graph}
