@@ -123,6 +123,25 @@ def test_copy_beside_a_stale_git_takes_the_commit_from_the_stamp(tmp_path, repo)
     assert state["git_commit"] == git(stale, "rev-parse", "HEAD") and state["dirty"] is True, state
 
 
+def test_copy_without_its_run_folders_matches_the_stamp(tmp_path, repo):
+    """A copy sent without what runs wrote (papermill_runs/, bench/*_runs/: the device call's size cap) is still the
+    stamped commit, clean; its red twin, a copy without a code file, is dirty."""
+    import shutil
+
+    (repo / "bench" / "decode_runs").mkdir(parents=True)
+    (repo / "bench" / "decode_runs" / "run1.json").write_text("{}\n")
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a run")
+    provenance.write_checkout_stamp(repo)
+    trimmed = _copy_without_git(repo, tmp_path / "trimmed")
+    shutil.rmtree(trimmed / "bench" / "decode_runs")
+    shutil.rmtree(trimmed / "papermill_runs")
+    state = provenance.checkout_state(trimmed)
+    assert state["git_commit"] == git(repo, "rev-parse", "HEAD") and state["dirty"] is False, state
+    (trimmed / "lib" / "code.py").unlink()
+    assert provenance.checkout_state(trimmed)["dirty"] is True
+
+
 def test_copy_without_git_or_stamp_names_no_commit(tmp_path, repo):
     state = provenance.checkout_state(_copy_without_git(repo, tmp_path / "copy"))
     assert state["git_commit"] is None and state["dirty"] is None

@@ -13,7 +13,9 @@ from typing import Any, Sequence
 from .kernels.registry import kernels_handed_out
 
 # Run outputs live under papermill_runs/: a run that writes its own records there does not make the code dirty.
-PROVENANCE_IGNORED_DIRS = ("papermill_runs/",)
+# What runs wrote, not code: edits there leave a checkout clean, and a copy may travel without them (the device call's
+# 64 MiB cap: the older run folders stay behind) and still match its stamp.
+PROVENANCE_IGNORED_DIRS = ("papermill_runs/", "bench/decode_runs/", "bench/fp8_runs/")
 MAX_DIRTY_PATHS = 20
 # A copy of the checkout without .git (the device machine gets the working tree only) takes its commit from this file,
 # written in the checkout beforehand by `write_checkout_stamp()` (scripts/prepare_device_run.sh does).
