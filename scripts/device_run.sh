@@ -10,7 +10,9 @@
 #   bash scripts/device_run.sh TAG      # on the device machine, repo root; carried: .devsite build/aot build/checkout.json
 #   CACHE_MODE=shared bash scripts/device_run.sh TAG   # option: load the carried .tilelang_cache that
 #                                       # `prepare_device_run.sh --shared-cache` filled from the AOT build (one compilation)
-# Results: papermill_runs/TAG/ (tarred to $OUT/runs.tgz) and the logs in $OUT.
+# Results: papermill_runs/TAG/ (tarred to $OUT/runs.tgz) and this part's logs ($OUT/logs_part<PART>.tgz): two files of
+# the 8 a reply brings back. The tree is laid anew each call: unpack runs.tgz here between calls, so that the next
+# call's summary sees every notebook. Before the first call: scripts/device_tree.sh hold (the 64 MiB cap).
 # Time caps (seconds): JIT_S for the JIT compiles, PHASE_A_S for the side-by-side phase, PHASE_B_S for notebook 04,
 # C for notebook 05 (alone: it times generate()). Each PART is one device call under its 600 s: PART=1 the GPU tests,
 # 01, 03 and a smoke 04 side by side; PART=2 notebook 02 alone (its full-length gates need the card's memory), then
@@ -72,4 +74,9 @@ fi
 $BATCH --summarize > /dev/null 2>&1
 cp "$FOLDKV_JIT_BUILD_RECORD" papermill_runs/"$TAG"/jit_build_part$PART.json 2>/dev/null
 tar -czf "$OUTD/runs.tgz" papermill_runs/"$TAG"
-tail -4 "$OUTD/pytest_gpu.log"; cat papermill_runs/"$TAG"/SUMMARY.md 2>/dev/null
+tail -4 "$OUTD/pytest_gpu.log" 2>/dev/null; cat papermill_runs/"$TAG"/SUMMARY.md 2>/dev/null
+# a device call's reply brings back at most 8 files from $OUT: this part's logs travel as one
+logs=$(cd "$OUTD" && ls gpu.txt jit_build.json jit_build.log pytest_gpu.log nb04_smoke.log batch_*.log 2>/dev/null || true)
+if [ -n "$logs" ]; then
+  (cd "$OUTD" && tar -czf "logs_part$PART.tgz" $logs && rm -f $logs)
+fi
