@@ -12,9 +12,8 @@ from typing import Any, Sequence
 
 from .kernels.registry import kernels_handed_out
 
-# Run outputs live under papermill_runs/: a run that writes its own records there does not make the code dirty.
-# What runs wrote, not code: edits there leave a checkout clean, and a copy may travel without them (the device call's
-# 64 MiB cap: the older run folders stay behind) and still match its stamp.
+# What runs wrote, not code: a run that writes its records there does not make the code dirty, and a copy may travel
+# without them (the device call's 64 MiB cap: scripts/device_tree.sh holds them back) and still match its stamp.
 PROVENANCE_IGNORED_DIRS = ("papermill_runs/", "bench/decode_runs/", "bench/fp8_runs/")
 MAX_DIRTY_PATHS = 20
 # A copy of the checkout without .git (the device machine gets the working tree only) takes its commit from this file,
@@ -34,7 +33,7 @@ def _git(root: str, *args: str) -> str:
 def checkout_state(repo: str | os.PathLike | None = None) -> dict:
     """The code a record was made with: `git_commit` (HEAD of the checkout, None with `git_reason` when foldkv is not
     imported from the top of a git checkout), `dirty` (tracked files changed against HEAD, staged or not, outside
-    papermill_runs/) and up to MAX_DIRTY_PATHS of those paths (`dirty_paths_total` counts them all).
+    PROVENANCE_IGNORED_DIRS) and up to MAX_DIRTY_PATHS of those paths (`dirty_paths_total` counts them all).
 
     A copy of a checkout made elsewhere (the device machine gets the working tree, with no .git or a stale one) names
     its commit through CHECKOUT_STAMP: used when there is no git here, and when git here sees changed files but every
@@ -95,7 +94,7 @@ def _files_sha256(root: str, paths: Sequence[str]) -> str:
 
 def write_checkout_stamp(repo: str | os.PathLike | None = None) -> str:
     """Write CHECKOUT_STAMP in a git checkout: its `checkout_state()` and a sha256 over its tracked files outside
-    papermill_runs/, so that a copy of the tree without .git can still say which commit it is and whether any of
+    PROVENANCE_IGNORED_DIRS, so that a copy of the tree without .git can still say which commit it is and whether any of
     those files changed since (see `checkout_state`). Returns the path."""
     root = os.path.abspath(os.fspath(repo) if repo is not None else checkout_root())
     state = checkout_state(root)
