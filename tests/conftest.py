@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib
 import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -93,6 +96,18 @@ class Destructible:
         self.destroyed.append(self)
 
 
+@contextlib.contextmanager
+def collecting_at_every_allocation() -> Iterator[None]:
+    """The cyclic collector's thresholds at 1 (an allocation may start a collection of every generation), restored
+    after: what makes a capture test's garbage die mid-capture unless the collector is paused."""
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+
+
 def drop_into_garbage(held: list) -> None:
     """Put the held graph into a fresh reference cycle and drop it (garbage only the cyclic collector frees), then
     allocate: with the collector's threshold at 1, a collection follows unless it is paused."""
@@ -100,4 +115,3 @@ def drop_into_garbage(held: list) -> None:
     cycle.append(cycle)
     del cycle
     _ = [[i] for i in range(64)]
-

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import Destructible, drop_into_garbage
+from conftest import Destructible, collecting_at_every_allocation, drop_into_garbage
 from foldkv import GEMMA4_31B, FoldKvInputError, KvFormat, PagedKvLayout, PagedKvPool
 from foldkv.kernels.plan import MAX_LEN, fixed_count_pieces
 from foldkv.kernels.workspace import DecodeWorkspace, capture_graph, default_num_chunks
@@ -169,16 +169,12 @@ def test_capture_graph_pauses_the_collector(monkeypatch, capture):
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, stream=None: contextlib.nullcontext())
     destroyed: list = []
     held = [Destructible(destroyed)]
-    thresholds = gc.get_threshold()
     enabled = gc.isenabled()
-    gc.set_threshold(1, 1, 1)
-    try:
+    with collecting_at_every_allocation():
         with (capture_graph if capture == "capture_graph" else torch.cuda.graph)(None):
             drop_into_garbage(held)
             during = len(destroyed)
         assert gc.isenabled() == enabled  # the collector's state is restored
-    finally:
-        gc.set_threshold(*thresholds)
     gc.collect()
     assert len(destroyed) == 1
     assert during == (0 if capture == "capture_graph" else 1)

@@ -9,7 +9,7 @@ import gc
 
 import pytest
 import torch
-from conftest import drop_into_garbage
+from conftest import collecting_at_every_allocation, drop_into_garbage
 
 import foldkv
 from foldkv import FoldKvInputError, KvFormat
@@ -90,20 +90,18 @@ def test_capture_outlives_a_garbage_graph(cuda_device, collector):
         return fused(*args)
 
     kernels = {"decode_fused_folded": step_dropping_the_graph}
-    thresholds = gc.get_threshold()
-    gc.set_threshold(1, 1, 1)
     try:
-        if collector == "paused":
-            graph = ws.capture(inputs.pool, kernels=kernels)
-        else:
-            ws.step(inputs.pool, kernels=kernels)
-            graph = torch.cuda.CUDAGraph()
-            with pytest.raises(RuntimeError, match="capture"):
-                with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
-                    ws.step(inputs.pool, kernels=kernels, check=False)
-            return
+        with collecting_at_every_allocation():
+            if collector == "paused":
+                graph = ws.capture(inputs.pool, kernels=kernels)
+            else:
+                ws.step(inputs.pool, kernels=kernels)
+                graph = torch.cuda.CUDAGraph()
+                with pytest.raises(RuntimeError, match="capture"):
+                    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+                        ws.step(inputs.pool, kernels=kernels, check=False)
+                return
     finally:
-        gc.set_threshold(*thresholds)
         held.clear()
         gc.collect()
     ws.out.fill_(float("nan"))
