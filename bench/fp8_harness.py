@@ -28,7 +28,7 @@ from foldkv.lab.jsonsafe import jsonable
 from foldkv.lab.report import environment
 from foldkv.provenance import provenance
 from foldkv.pool import BlockTable, PagedKvLayout
-from versions import (decode_fused_ll, decode_fused_smem_tail, decode_partial_fp8_mma,  # bench/versions/
+from versions import (decode_fused_ll, decode_fused_ll_compact, decode_fused_smem_tail, decode_partial_fp8_mma,  # bench/versions/
                       decode_partial_fp8_probe, decode_partial_fp8_rs)
 
 
@@ -124,6 +124,22 @@ def _ll_arm(fmt: KvFormat, probe: str | None = None) -> ArmSpec:
 
 LL_FUSED = [_ll_arm(f) for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
 LL_PROBES = [_ll_arm(KvFormat.FOLDED, probe) for probe in ("inline", "no_wait")]
+# run 21: the same protocol with a compact merge (bench/versions/decode_fused_ll_compact.py)
+_LL_COMPACT_STEPS: dict = {}
+
+
+def _ll_compact_arm(fmt: KvFormat) -> ArmSpec:
+    def kernels(case):
+        if fmt not in _LL_COMPACT_STEPS:
+            _LL_COMPACT_STEPS[fmt] = decode_fused_ll_compact.CompactLLStep(G, fmt)
+        return {f"decode_fused_{fmt.value}": _LL_COMPACT_STEPS[fmt]}
+
+    return ArmSpec(f"{fmt.value}_ll_compact", f"{fmt.value} decode, fused step with the tail's partials as"
+                   " self-validating words, compact merge", fmt.value, False,
+                   generated_arm("decode", fmt, "jit", kernels=kernels), generated=True)
+
+
+LL_COMPACT = [_ll_compact_arm(f) for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
 
 
 def _tail_paths_arm(fmt: KvFormat, name: str, paths: tuple) -> ArmSpec:
@@ -150,7 +166,7 @@ NARROW = [ArmSpec(f"folded_w{w}", f"bf16 folded decode planned for {w} SMs ({w /
                   generated=True)
           for w in (32, 64, 96)]
 ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA,
-        *THREE_LAUNCHES, *LL_FUSED, *LL_PROBES, *TAIL_SIZES, *SMEM_TAIL, *NARROW,
+        *THREE_LAUNCHES, *LL_FUSED, *LL_PROBES, *LL_COMPACT, *TAIL_SIZES, *SMEM_TAIL, *NARROW,
         "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 
 

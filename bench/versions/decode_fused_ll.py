@@ -157,15 +157,17 @@ def probe_source(probe: str | None) -> str:
     return out
 
 
-def build(geom: AttentionGeometry, fmt: KvFormat | str, probe: str | None = None, **tiling):
+def build(geom: AttentionGeometry, fmt: KvFormat | str, probe: str | None = None, source: str | None = None,
+          **tiling):
     """Compile the LL fused kernel of `fmt` with the format's registered partial tiling, overridden by `tiling`
-    (`probe`: probe_source's). Arguments: (query, pool, page_ids, chunk_req, chunk_start, chunk_len, merge_first,
-    merge_count, part_ll, value_head_column, out, lse)."""
+    (`probe`: probe_source's; `source`: another version's device code of the two LL functions, in place of this
+    file's). Arguments: (query, pool, page_ids, chunk_req, chunk_start, chunk_len, merge_first, merge_count, part_ll,
+    value_head_column, out, lse)."""
     tilelang = require_tilelang()
     fmt = KvFormat.parse(fmt)
     cfg = {**DEFAULTS[fmt], **tiling}
     return tilelang.compile(decode_partial_program(geom, fmt, tail_merge=True, tail_protocol="ll",
-                                                   tail_source=probe_source(probe), **cfg),
+                                                   tail_source=source or probe_source(probe), **cfg),
                             target=target(), pass_configs=pass_configs())
 
 
@@ -188,8 +190,9 @@ class LLStep:
     and the counters are ignored, a word buffer per (chunk count, device) is made on first use (outside any capture:
     the harness checks each arm eagerly before it captures) and stays empty between launches."""
 
-    def __init__(self, geom: AttentionGeometry, fmt: KvFormat | str, probe: str | None = None, **tiling):
-        self.geom, self.kernel = geom, build(geom, fmt, probe, **tiling)
+    def __init__(self, geom: AttentionGeometry, fmt: KvFormat | str, probe: str | None = None,
+                 source: str | None = None, **tiling):
+        self.geom, self.kernel = geom, build(geom, fmt, probe, source, **tiling)
         self.words: dict[tuple, torch.Tensor] = {}
 
     def __call__(self, query, pool, page_ids, chunk_req, chunk_start, chunk_len, merge_first, merge_count, part_o,
