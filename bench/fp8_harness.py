@@ -128,18 +128,18 @@ LL_PROBES = [_ll_arm(KvFormat.FOLDED, probe) for probe in ("inline", "no_wait")]
 _LL_COMPACT_STEPS: dict = {}
 
 
-def _ll_compact_arm(fmt: KvFormat) -> ArmSpec:
+def _ll_compact_arm(fmt: KvFormat, wait: str | None = None) -> ArmSpec:
     def kernels(case):
-        if fmt not in _LL_COMPACT_STEPS:
-            _LL_COMPACT_STEPS[fmt] = decode_fused_ll_compact.CompactLLStep(G, fmt)
-        return {f"decode_fused_{fmt.value}": _LL_COMPACT_STEPS[fmt]}
+        if (fmt, wait) not in _LL_COMPACT_STEPS:
+            _LL_COMPACT_STEPS[fmt, wait] = decode_fused_ll_compact.CompactLLStep(G, fmt, wait)
+        return {f"decode_fused_{fmt.value}": _LL_COMPACT_STEPS[fmt, wait]}
 
-    return ArmSpec(f"{fmt.value}_ll_compact", f"{fmt.value} decode, fused step with the tail's partials as"
-                   " self-validating words, compact merge", fmt.value, False,
-                   generated_arm("decode", fmt, "jit", kernels=kernels), generated=True)
+    return ArmSpec(f"{fmt.value}_ll_compact" + (f"_{wait}" if wait else ""), f"{fmt.value} decode, fused step with"
+                   f" the tail's partials as self-validating words, compact merge, readers' wait: {wait or 'none'}",
+                   fmt.value, False, generated_arm("decode", fmt, "jit", kernels=kernels), generated=True)
 
 
-LL_COMPACT = [_ll_compact_arm(f) for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
+LL_COMPACT = [_ll_compact_arm(f, wait) for f in (KvFormat.FOLDED, KvFormat.SPLIT) for wait in (None, "spin", "spin_warp")]
 
 
 def _tail_paths_arm(fmt: KvFormat, name: str, paths: tuple) -> ArmSpec:

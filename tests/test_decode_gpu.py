@@ -222,16 +222,17 @@ def test_refusals_write_nothing(cuda_device, bad):
 
 
 @pytest.mark.parametrize("lens", [[10602], [40002], [1, 65, 1025, 10602, 64]], ids=["10602", "40002", "ragged5"])
-@pytest.mark.parametrize("merge", ["unrolled", "compact"])
+@pytest.mark.parametrize("merge", ["unrolled", "compact", "compact_spin", "compact_spin_warp"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fused_ll_version_gates_and_leaves_its_words_empty(cuda_device, fmt, merge, lens):
     """bench/versions/decode_fused_ll.py (the fused step's tail as self-validating words; its merge unrolled, or
-    decode_fused_ll_compact.py's) through the library's `kernels=` hook passes the gate twice, bit for bit, and
+    decode_fused_ll_compact.py's with each of its waits) through the library's `kernels=` hook passes the gate twice, bit for bit, and
     leaves every word empty after each launch (the next launch's readers must not see this one's words)."""
     from conftest import bench_version
 
     version = bench_version("decode_fused_ll")
+    wait = merge.removeprefix("compact").removeprefix("_") or None
     step = (version.LLStep(GEOM, fmt) if merge == "unrolled"
-            else bench_version("decode_fused_ll_compact").CompactLLStep(GEOM, fmt))
+            else bench_version("decode_fused_ll_compact").CompactLLStep(GEOM, fmt, wait))
     gate(fmt, lens, seed=13, device=cuda_device, kernels={f"decode_fused_{fmt.value}": step})
     assert step.words and all(version.all_empty(w) for w in step.words.values())

@@ -35,7 +35,7 @@ from foldkv.layout import KvFormat
 
 from versions import decode_fused_ll  # bench/versions/
 
-SOURCE = r"""
+SOURCE_TEMPLATE = r"""
 #include <cuda_bf16.h>
 // One partial element at word `at` (chunk slot x Hq x D): its normalised output and its head's base-2 LSE. A half whose
 // bits are the empty mark is stored as another NaN. (`words` arrives const: TileLang sees the kernel write it nowhere
@@ -77,17 +77,18 @@ __device__ __noinline__ void foldkv_ll_merge(const float* words, int first, int 
     unsigned long long w[W];
 #pragma unroll
     for (int s = 0; s < W; ++s) w[s] = empty;
-    // a pass loads every word still empty, all in flight at once, until none is
+    // a pass loads every word still empty, all in flight at once, until none is%(wait_comment)s
+    const unsigned lanes = __activemask();  // the lanes with a column this round
     for (long long polls = 0;; ++polls) {
-      bool waiting = false;
+      volatile unsigned long long* waiting = nullptr;
 #pragma unroll
       for (int s = 0; s < W; ++s)
         if (s < members && foldkv_ll_empty(w[s])) {
-          waiting = true;
-          w[s] = at[s * STRIDE];
+          waiting = at + s * STRIDE;
+          w[s] = *waiting;
         }
-      if (!waiting) break;
-      if (polls == (1LL << 22)) __trap();
+      if (%(done)s) break;
+      if (polls == (1LL << 22)) __trap();%(wait)s
     }
     float mx = -__int_as_float(0x7f800000);
 #pragma unroll
@@ -107,18 +108,52 @@ __device__ __noinline__ void foldkv_ll_merge(const float* words, int first, int 
     if (p == 0) lse_out[(long long)req * hq + h] = (log2f(sum) + mx) * %(ln2).17gf;
   }
 }
-""" % {"empty": decode_fused_ll.LL_EMPTY, "max_members": TAIL_MAX_MEMBERS, "ln2": macros.LN2,
-       "stride": GEMMA4_31B.num_q_heads * GEMMA4_31B.head_dim}
+"""
+# the readers' wait between passes: none (every empty word re-loaded each trip), or "spin": one load a thread at a time,
+# on the pass's last empty word, with a back-off, before the next pass (run 21b: 33 words a thread a trip from every
+# waiting CTA may crowd L2 while the last members stream)
+WAITS = {None: ("", ""),
+         "spin": ("; between passes a thread spins on its\n    // last empty word alone (one load at a time, backing off)",
+                  """
+      long long spins = 0;
+      while (foldkv_ll_empty(*waiting)) {
+        if (++spins == (1LL << 22)) __trap();
+        __nanosleep(64);
+      }"""),
+         "spin_warp": ("; between passes one lane of a warp spins\n    // on its last empty word alone (one load a warp at a time, backing off), then the warp passes again",
+                       """
+      const unsigned pending = __ballot_sync(lanes, waiting != nullptr);
+      if ((threadIdx.x & 31) == __ffs(pending) - 1) {
+        long long spins = 0;
+        while (foldkv_ll_empty(*waiting)) {
+          if (++spins == (1LL << 22)) __trap();
+          __nanosleep(64);
+        }
+      }
+      __syncwarp(lanes);""")}
 
 
-def build(geom: AttentionGeometry, fmt: KvFormat | str, **tiling):
-    """Compile the compact LL fused kernel of `fmt` (decode_fused_ll.build with this file's SOURCE)."""
-    return decode_fused_ll.build(geom, fmt, source=SOURCE, **tiling)
+def source(wait: str | None = None) -> str:
+    """The device code of the two LL functions, with `wait` (WAITS) between the readers' passes."""
+    comment, code = WAITS[wait]
+    # spin_warp: a warp leaves the passes together (its lanes' ballot), so its spinning lane is never alone
+    return SOURCE_TEMPLATE % {"empty": decode_fused_ll.LL_EMPTY, "max_members": TAIL_MAX_MEMBERS, "ln2": macros.LN2,
+                              "stride": GEMMA4_31B.num_q_heads * GEMMA4_31B.head_dim, "wait": code,
+                              "done": "!__any_sync(lanes, waiting != nullptr)" if wait == "spin_warp" else "!waiting",
+                              "wait_comment": comment}
+
+
+SOURCE = source()
+
+
+def build(geom: AttentionGeometry, fmt: KvFormat | str, wait: str | None = None, **tiling):
+    """Compile the compact LL fused kernel of `fmt` (decode_fused_ll.build with this file's source(wait))."""
+    return decode_fused_ll.build(geom, fmt, source=source(wait), **tiling)
 
 
 class CompactLLStep(decode_fused_ll.LLStep):
     """decode_fused_ll.LLStep with this file's merge: the library fused step's arguments, one empty word buffer per
     chunk count."""
 
-    def __init__(self, geom: AttentionGeometry, fmt: KvFormat | str, **tiling):
-        super().__init__(geom, fmt, source=SOURCE, **tiling)
+    def __init__(self, geom: AttentionGeometry, fmt: KvFormat | str, wait: str | None = None, **tiling):
+        super().__init__(geom, fmt, source=source(wait), **tiling)
