@@ -29,6 +29,8 @@ GPU_TEST_EXTRAS = [
     *[(f"{version} {fmt}", "gemma4", f"versions/{version}", "build", dict(fmt=fmt))
       for version in ("decode_partial_head_major", "decode_partial_query_all_threads", "decode_fused_ll")
       for fmt in ("split", "folded")],
+    *[(f"decode_fused_ll_compact {fmt} {wait or 'none'}", "gemma4", "versions/decode_fused_ll_compact", "build",
+       dict(fmt=fmt, wait=wait)) for wait in (None, "spin", "spin_warp") for fmt in ("split", "folded")],
     ("prefill_shared_tiles", "gemma4", "versions/prefill_shared_tiles", "build", {}),
     ("prep_split float32", "gemma4", "prep_kernel", "build", dict(fmt="split", page_size=64, in_dtype="float32",
                                                                   threads=128)),
