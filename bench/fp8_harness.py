@@ -107,39 +107,30 @@ THREE_LAUNCHES = [ArmSpec(f"{f.value}_three", f"{f.value} decode, three launches
                   for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
 # run 14: the fused step with its tail's partials as self-validating words (bench/versions/decode_fused_ll.py), or a
 # timing probe of it, in place of the library's fused kernel (one-wave plans; the three launches elsewhere, as the
-# library); one LLStep per (format, probe), built on first use
+# library); run 21: the same protocol with a compact merge and a wait between the readers' passes
+# (bench/versions/decode_fused_ll_compact.py). One step per arm, built on first use
 _LL_STEPS: dict = {}
 
 
-def _ll_arm(fmt: KvFormat, probe: str | None = None) -> ArmSpec:
-    def kernels(case):
-        if (fmt, probe) not in _LL_STEPS:
-            _LL_STEPS[fmt, probe] = decode_fused_ll.LLStep(G, fmt, probe)
-        return {f"decode_fused_{fmt.value}": _LL_STEPS[fmt, probe]}
+def _ll_arm(fmt: KvFormat, probe: str | None = None, compact: bool = False, wait: str | None = None) -> ArmSpec:
+    key = (fmt, probe, compact, wait)
 
-    what = f"{fmt.value} decode, fused step with the tail's partials as self-validating words"
-    return ArmSpec(f"{fmt.value}_ll" + (f"_{probe}" if probe else ""), what + (f", probe: {probe}" if probe else ""),
-                   fmt.value, False, generated_arm("decode", fmt, "jit", kernels=kernels), generated=True)
+    def kernels(case):
+        if key not in _LL_STEPS:
+            _LL_STEPS[key] = (decode_fused_ll_compact.CompactLLStep(G, fmt, wait) if compact
+                              else decode_fused_ll.LLStep(G, fmt, probe))
+        return {f"decode_fused_{fmt.value}": _LL_STEPS[key]}
+
+    name = f"{fmt.value}_ll" + ("_compact" if compact else "") + "".join(f"_{x}" for x in (wait, probe) if x)
+    what = f"{fmt.value} decode, fused step with the tail's partials as self-validating words" + (
+        f", compact merge, readers' wait: {wait or 'none'}" if compact else "") + (f", probe: {probe}" if probe else "")
+    return ArmSpec(name, what, fmt.value, False, generated_arm("decode", fmt, "jit", kernels=kernels), generated=True)
 
 
 LL_FUSED = [_ll_arm(f) for f in (KvFormat.FOLDED, KvFormat.SPLIT)]
 LL_PROBES = [_ll_arm(KvFormat.FOLDED, probe) for probe in ("inline", "no_wait")]
-# run 21: the same protocol with a compact merge (bench/versions/decode_fused_ll_compact.py)
-_LL_COMPACT_STEPS: dict = {}
-
-
-def _ll_compact_arm(fmt: KvFormat, wait: str | None = None) -> ArmSpec:
-    def kernels(case):
-        if (fmt, wait) not in _LL_COMPACT_STEPS:
-            _LL_COMPACT_STEPS[fmt, wait] = decode_fused_ll_compact.CompactLLStep(G, fmt, wait)
-        return {f"decode_fused_{fmt.value}": _LL_COMPACT_STEPS[fmt, wait]}
-
-    return ArmSpec(f"{fmt.value}_ll_compact" + (f"_{wait}" if wait else ""), f"{fmt.value} decode, fused step with"
-                   f" the tail's partials as self-validating words, compact merge, readers' wait: {wait or 'none'}",
-                   fmt.value, False, generated_arm("decode", fmt, "jit", kernels=kernels), generated=True)
-
-
-LL_COMPACT = [_ll_compact_arm(f, wait) for f in (KvFormat.FOLDED, KvFormat.SPLIT) for wait in (None, "spin", "spin_warp")]
+LL_COMPACT = [_ll_arm(f, compact=True, wait=wait) for f in (KvFormat.FOLDED, KvFormat.SPLIT)
+              for wait in (None, "spin", "spin_warp")]
 
 
 def _tail_paths_arm(fmt: KvFormat, name: str, paths: tuple) -> ArmSpec:
