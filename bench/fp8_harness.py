@@ -28,8 +28,8 @@ from foldkv.lab.jsonsafe import jsonable
 from foldkv.lab.report import environment
 from foldkv.provenance import provenance
 from foldkv.pool import BlockTable, PagedKvLayout
-from versions import (decode_fused_ll, decode_fused_ll_compact, decode_fused_smem_tail, decode_partial_fp8_mma,  # bench/versions/
-                      decode_partial_fp8_probe, decode_partial_fp8_rs)
+from versions import (decode_fused_ll, decode_fused_ll_compact, decode_fused_smem_tail,  # bench/versions/
+                      decode_partial_fp8_mma, decode_partial_fp8_probe, decode_partial_fp8_rs)
 
 
 def partial_variant(name: str, what: str, build: Callable[[], object], fp8: bool = True,

@@ -226,8 +226,9 @@ def test_refusals_write_nothing(cuda_device, bad):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fused_ll_version_gates_and_leaves_its_words_empty(cuda_device, fmt, merge, lens):
     """bench/versions/decode_fused_ll.py (the fused step's tail as self-validating words; its merge unrolled, or
-    decode_fused_ll_compact.py's with each of its waits) through the library's `kernels=` hook passes the gate twice, bit for bit, and
-    leaves every word empty after each launch (the next launch's readers must not see this one's words)."""
+    decode_fused_ll_compact.py's with each of its waits) through the library's `kernels=` hook passes the gate twice,
+    bit for bit, and leaves every word empty after each launch (the next launch's readers must not see this one's
+    words)."""
     from conftest import bench_version
 
     version = bench_version("decode_fused_ll")

@@ -24,6 +24,10 @@ and the readers' next pass, ~2 trips, against the atomic hand-off's release, ato
 still out), 131,072 ~1.03x; uniform8 within ~1 us (its step waits for its longest partials either way); split the
 same. If it is instead >= 1 us slower than the library, the readers' passes (33 CTAs x 128 threads x 33 words a
 trip) crowd L2 while the last members stream.
+
+Outcome (run 21, bench/DECODE_NOTES.md): the merge came to 21 KB (the kernel's `.text` 124 KB), and the step is
+3.6-9 us slower than the library's at single requests; readers backing off between passes (`WAITS`, run 21b) take back
+up to a third of it, not the rest. Not adopted.
 """
 
 from __future__ import annotations
@@ -109,18 +113,21 @@ __device__ __noinline__ void foldkv_ll_merge(const float* words, int first, int 
   }
 }
 """
-# the readers' wait between passes: none (every empty word re-loaded each trip), or "spin": one load a thread at a time,
-# on the pass's last empty word, with a back-off, before the next pass (run 21b: 33 words a thread a trip from every
-# waiting CTA may crowd L2 while the last members stream)
+# the readers' wait between passes (run 21b: 33 words a thread a trip from every waiting CTA may crowd L2 while the last
+# members stream), as (its comment in the source, its code): none (every empty word re-loaded each trip); "spin", one
+# load a thread at a time on the pass's last empty word, with a back-off; "spin_warp", one load a warp at a time (a warp
+# leaves the passes together, by its lanes' vote, so its spinning lane is never alone)
 WAITS = {None: ("", ""),
-         "spin": ("; between passes a thread spins on its\n    // last empty word alone (one load at a time, backing off)",
+         "spin": ("; between passes a thread spins on its\n    // last empty word alone (one load at a time, backing"
+                  " off)",
                   """
       long long spins = 0;
       while (foldkv_ll_empty(*waiting)) {
         if (++spins == (1LL << 22)) __trap();
         __nanosleep(64);
       }"""),
-         "spin_warp": ("; between passes one lane of a warp spins\n    // on its last empty word alone (one load a warp at a time, backing off), then the warp passes again",
+         "spin_warp": ("; between passes one lane of a warp spins\n    // on its last empty word alone (one load a warp"
+                       " at a time, backing off), then the warp passes again",
                        """
       const unsigned pending = __ballot_sync(lanes, waiting != nullptr);
       if ((threadIdx.x & 31) == __ffs(pending) - 1) {
@@ -136,7 +143,6 @@ WAITS = {None: ("", ""),
 def source(wait: str | None = None) -> str:
     """The device code of the two LL functions, with `wait` (WAITS) between the readers' passes."""
     comment, code = WAITS[wait]
-    # spin_warp: a warp leaves the passes together (its lanes' ballot), so its spinning lane is never alone
     return SOURCE_TEMPLATE % {"empty": decode_fused_ll.LL_EMPTY, "max_members": TAIL_MAX_MEMBERS, "ln2": macros.LN2,
                               "stride": GEMMA4_31B.num_q_heads * GEMMA4_31B.head_dim, "wait": code,
                               "done": "!__any_sync(lanes, waiting != nullptr)" if wait == "spin_warp" else "!waiting",
