@@ -8,14 +8,14 @@ instruction fetch (43.6% of its warps' stall cycles; 226 KB of `.text` against t
 showed the library's own tail is memory trips, not code. So: is the LL protocol's shorter chain worth its trips once
 its code is the size of the library's merge?
 
-The merge here (`SOURCE`, the same two functions `decode_partial_program(tail_protocol="ll")` calls): a rolled loop
-over the member's columns (one column a thread a round: 4,096 / n columns, <= 128 for n >= 32); in a round the thread
-loads the column's word from every member at once (unrolled over TAIL_MAX_MEMBERS, predicated: ~5 instructions a
-word), re-loads every word still empty until none is (one pass: one trip to L2, all loads in flight), takes the
-maximum LSE, the weighted sum, puts the empty mark back, and stores the output once. A word is valid only when neither
-half is the empty mark: a word is empty between launches, so a read torn between the old and the new word shows one
-empty half and is read again (no assumption that an 8-byte load is single-copy atomic). The store side maps a value
-or an LSE whose bits are the mark to another NaN.
+The merge here (`source(wait)`, the same two functions `decode_partial_program(tail_protocol="ll")` calls): a rolled
+loop over the member's columns (one column a thread a round: 4,096 / n columns, <= 128 for n >= 32); in a round the
+thread loads the column's word from every member at once (unrolled over TAIL_MAX_MEMBERS, predicated: ~5 instructions a
+word), re-loads every word still empty until none is (one pass: one trip to L2, all loads in flight), takes the maximum
+LSE, the weighted sum, puts the empty mark back, and stores the output once. A word is valid only when neither half is
+the empty mark: a word is empty between launches, so a read torn between the old and the new word shows one empty half
+and is read again (no assumption that an 8-byte load is single-copy atomic). The store side maps a value or an LSE whose
+bits are the mark to another NaN.
 
 Prediction (before the run): the kernel's `.text` ~104 KB of the library's fused kernel less its ~15 KB merge plus
 ~10 KB here; the tail over the partial alone ~4.0 -> ~2.5-3.0 us (after the last member's stores: their trip to L2
@@ -148,8 +148,6 @@ def source(wait: str | None = None) -> str:
                               "done": "!__any_sync(lanes, waiting != nullptr)" if wait == "spin_warp" else "!waiting",
                               "wait_comment": comment}
 
-
-SOURCE = source()
 
 
 def build(geom: AttentionGeometry, fmt: KvFormat | str, wait: str | None = None, **tiling):
