@@ -44,6 +44,7 @@ from torch import nn
 
 from .config import AttentionGeometry, ConfigError, geometry_from_config
 from .fp8 import FP8_DTYPE
+from .hf_graph import STEP_MODES, DecodeStep, RingMask, install, ring_attention
 from .layout import KvFormat
 from .pool import BlockTable, PagedKvLayout, PagedKvPool
 from .prep import fold_query, rope_inv_freq, rows_from_key_value, write_tokens
@@ -154,9 +155,8 @@ def _new_tokens(attention_mask: torch.Tensor | None, q_length: int, kv_length: i
     if not torch.equal(host, left_padded):
         b = int(torch.nonzero((host != left_padded).any(-1))[0])
         raise FoldKvInputError(f"sequence {b}: a padding column follows a real token; foldkv serves left padding only")
-    if bool((counts == 0).any()):
-        b = int(torch.nonzero(counts == 0)[0])
-        raise FoldKvInputError(f"sequence {b} has no real token among this forward's {q_length} columns")
+    if not bool((counts > 0).any()):  # a chunk of a chunked prefill may hold only padding for some sequences
+        raise FoldKvInputError(f"no sequence has a real token among this forward's {q_length} columns")
     return NewTokens(real, tuple(int(c) for c in counts))
 
 
@@ -191,6 +191,8 @@ def _attention(module: nn.Module, query: torch.Tensor, key: Any, value: Any, att
     stores the step's rows in its FoldKvLayer's pool and attends over it. query: [B, Hq, T, D] (normed, RoPE'd).
     Returns ([B, T, Hq, D] in query's dtype, None)."""
     if getattr(module, "is_sliding", False):
+        if isinstance(attention_mask, RingMask):  # a decode step through the cache's DecodeStep
+            return ring_attention(module, query, key, value, attention_mask)
         return _sliding_attention(sliding, module, query, key, value, attention_mask, **kwargs)
     if not isinstance(key, NewRows):
         raise FoldKvInputError(
@@ -240,8 +242,8 @@ class FoldKvLayer(CacheLayerMixin):
         per_seq = PagedKvLayout(geometry, c.kv_format, c.page_size, 0, c.pool_dtype).pages_for(c.max_tokens)
         layout = PagedKvLayout(geometry, c.kv_format, c.page_size, per_seq * c.max_batch, c.pool_dtype)
         self.pool = PagedKvPool(layout, c.device, fill=float("nan") if c.poison else None)
-        seed = None if c.scatter_seed is None else c.scatter_seed + 7919 * layer_idx
-        self.host_table = self.pool.allocate([c.max_tokens] * c.max_batch, scatter_seed=seed)
+        # one page order for every global layer (same pools, same seed): the decode step shares one table among them
+        self.host_table = self.pool.allocate([c.max_tokens] * c.max_batch, scatter_seed=c.scatter_seed)
         self.host_table.seq_lens.zero_()
         self.device_table = BlockTable(self.host_table.page_ids.to(c.device), self.host_table.seq_lens.to(c.device))
         self.lengths = [0] * c.max_batch
@@ -300,6 +302,8 @@ class FoldKvLayer(CacheLayerMixin):
         new.value: [B, Hkv, T, D]; all on the pool's device. Returns [B, T, Hq, D] in query's dtype, zeros at the
         padding columns."""
         geom, pool, c = self.geometry, self.pool, self.cache
+        if c.decode_step is not None and c.decode_step.started:
+            return c.decode_step.attend(self, module, query, new.key, new.value)
         b, hq, t, d = query.shape
         counts = tokens.counts if tokens is not None else (t,) * b
         if len(counts) != b or b != c.batch:
@@ -321,8 +325,10 @@ class FoldKvLayer(CacheLayerMixin):
         self.host_table.seq_lens[:b] = torch.tensor(new_lens, dtype=torch.int32)
         write_tokens(pool, self.host_table, request, slots, rows)
         self.lengths[:b] = new_lens
-        table = BlockTable(self.host_table.page_ids[:b], self.host_table.seq_lens[:b].clone())
-        out = c.pool_attention(self, folded, table, counts)  # [N, Hq, D] head order
+        # the sequences with tokens in this forward (a chunk of a chunked prefill may hold none of a short prompt's)
+        active = [r for r in range(b) if counts[r]]
+        table = BlockTable(self.host_table.page_ids[active], self.host_table.seq_lens[active].clone())
+        out = c.pool_attention(self, folded, table, tuple(counts[r] for r in active))  # [N, Hq, D] head order
         full = torch.zeros(b * t, hq, d, dtype=query.dtype, device=query.device)
         full.index_copy_(0, idx, out.to(query.dtype))
         return full.view(b, t, hq, d)
@@ -345,16 +351,23 @@ class FoldKvCache(Cache):
         CUDA, the float64 reference elsewhere), "reference" or "kernel". backend: the kernels' "jit" or "aot".
         poison: fill pools with NaN (a row read before it is written shows as NaN). scatter_seed: pages drawn in a
         random order (tests).
-    cuda_graphs (kernel attention): each global layer's decode steps replay one CUDA graph of its
-        `foldkv.kernels.workspace.DecodeWorkspace` step (captured at the first decode step; every length one longer
-        is one device operation, `advance()`); False: the eager launcher with a plan per step.
-    Sliding layers are transformers' DynamicSlidingWindowLayer.
+    decode_step: how decode steps (one token per sequence, after the prompt) run. "graph" (the default with kernel
+        attention on CUDA): the whole forward, every layer, is one CUDA graph captured at the first decode step and
+        replayed (`foldkv.hf_graph`: sliding layers on fixed-address rings, global layers through one
+        `DecodeWorkspace`); "static": the same fixed-address step run eagerly (any device; what the graph records);
+        "eager" (the default elsewhere): transformers' forward layer by layer, the pools written and read as in the
+        prompt's forward.
+    cuda_graphs (decode_step="eager", kernel attention): each global layer's decode steps replay one CUDA graph of its
+        `foldkv.kernels.workspace.DecodeWorkspace` step; False: the eager launcher with a plan per step.
+    Sliding layers are transformers' DynamicSlidingWindowLayer (until a decode step makes them rings).
+    Prompts may be prefilled in chunks (`generate(..., prefill_chunk_size=N)`, transformers' chunked prefill).
     """
 
     def __init__(self, model: nn.Module, *, max_batch: int, max_tokens: int, kv_format: KvFormat | str = "folded",
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, page_size: int = 64,
                  attention: str = "auto", backend: str = "jit", max_new_tokens: int | None = None,
-                 poison: bool = True, scatter_seed: int | None = None, cuda_graphs: bool = True):
+                 poison: bool = True, scatter_seed: int | None = None, cuda_graphs: bool = True,
+                 decode_step: str | None = None):
         text_model = text_model_of(model)
         cfg = text_model.config
         impl = getattr(cfg, "_attn_implementation", None)
@@ -386,6 +399,18 @@ class FoldKvCache(Cache):
         self.max_new_tokens = None if max_new_tokens is None else int(max_new_tokens)
         self.backend, self.poison, self.scatter_seed = backend, poison, scatter_seed
         self.cuda_graphs = bool(cuda_graphs) and self.attention == "kernel"
+        if decode_step is None:
+            decode_step = "graph" if self.attention == "kernel" else "eager"
+        if decode_step not in STEP_MODES:
+            raise FoldKvInputError(f"decode_step={decode_step!r}: expected one of {STEP_MODES}")
+        if decode_step == "graph" and self.attention != "kernel":
+            raise FoldKvInputError("decode_step='graph' captures the kernels' decode (attention='kernel' on CUDA);"
+                                   " decode_step='static' runs the same step on any device")
+        self.decode_step_mode = decode_step
+        self.decode_step: DecodeStep | None = None
+        self.sliding_window = int(getattr(cfg, "sliding_window", 0) or 0)
+        params = __import__("inspect").signature(model.forward).parameters
+        self.cache_keyword = "cache" if "cache" in params else "past_key_values"
         self._graphs: dict[int, tuple[Any, Any]] = {}  # layer index -> (DecodeWorkspace, its captured step)
         self.batch: int | None = None
         self._kernels: dict[str, Any] = {}
@@ -406,6 +431,9 @@ class FoldKvCache(Cache):
         if self.attention == "kernel":
             self._load_kernels()
         super().__init__(layers=layers)
+        if decode_step != "eager":
+            self.decode_step = DecodeStep(self, decode_step)
+            install(model)
 
     @property
     def global_layers(self) -> list[FoldKvLayer]:
@@ -415,7 +443,21 @@ class FoldKvCache(Cache):
         """Bytes of all global layers' pools."""
         return sum(layer.pool.layout.nbytes for layer in self.global_layers)
 
+    def is_sliding_layer(self, layer_idx: int) -> bool:
+        return not isinstance(self.layers[layer_idx], FoldKvLayer)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns per sequence so far (padding included), as every layer counts them: the global layers' count
+        (a sliding layer stops counting once the decode step keeps its K/V in a ring)."""
+        return self.global_layers[0].get_seq_length()
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        step = self.decode_step
+        if step is not None and step.started:  # fixed addresses: rings and pools, no host state touched
+            if self.is_sliding_layer(layer_idx):
+                return step.update_sliding(layer_idx, key_states, value_states)
+            rows = NewRows(self.layers[layer_idx], key_states, value_states)
+            return rows, rows
         if layer_idx == 0:  # the first write of a forward: every refusal of this forward comes before it
             self._check_forward(key_states.shape[0], key_states.shape[-2])
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -441,6 +483,8 @@ class FoldKvCache(Cache):
         super().reset()
         self.batch, self._plan = None, None
         self._graphs.clear()
+        if self.decode_step is not None:
+            self.decode_step = DecodeStep(self, self.decode_step.mode)
 
     # attention over a pool --------------------------------------------------------------------------------------
     def _load_kernels(self) -> None:

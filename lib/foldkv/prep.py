@@ -15,6 +15,19 @@ from .layout import KvFormat, rotated_columns, unrotated_columns, value_window_c
 from .pool import BlockTable, PagedKvPool, check_pool_storage
 from .validate import FoldKvInputError, check_index_range, check_tensor
 
+_COLUMNS: dict[tuple, torch.Tensor] = {}
+
+
+def _columns_on(kind: str, geom: AttentionGeometry, fmt: KvFormat, device: torch.device) -> torch.Tensor:
+    """A column map (rotated, unrotated or value window) on `device`, made once per (geometry, format, device): a
+    decode step captured into a CUDA graph may not copy from pageable host memory, and an eager step saves the copy."""
+    key = (kind, geom, fmt, device)
+    cols = _COLUMNS.get(key)
+    if cols is None:
+        make = {"rot": rotated_columns, "unrot": unrotated_columns}.get(kind)
+        cols = _COLUMNS[key] = (make(geom) if make else value_window_columns(geom, fmt)).to(device)
+    return cols
+
 FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -93,7 +106,7 @@ def fold_query(geom: AttentionGeometry, fmt: KvFormat | str, q_rope: torch.Tenso
     if fmt is KvFormat.SPLIT:
         return q_rope.to(out_dtype)
     dev = q_rope.device
-    rot, unrot = rotated_columns(geom).to(dev), unrotated_columns(geom).to(dev)
+    rot, unrot = _columns_on("rot", geom, fmt, dev), _columns_on("unrot", geom, fmt, dev)
     w_unrot = k_norm_weight.to(q_rope.dtype)[unrot]  # [D - R]
     return torch.cat([q_rope[..., rot], q_rope[..., unrot] * w_unrot], dim=-1).to(out_dtype)  # [T, Hq, D]
 
@@ -128,7 +141,7 @@ def rows_from_key_value(geom: AttentionGeometry, fmt: KvFormat | str, key: torch
     if fmt is KvFormat.SPLIT:
         return torch.cat([key, value], dim=-1).to(out_dtype)
     dev = key.device
-    rot, value_cols = rotated_columns(geom).to(dev), value_window_columns(geom, fmt).to(dev)
+    rot, value_cols = _columns_on("rot", geom, fmt, dev), _columns_on("value", geom, fmt, dev)
     return torch.cat([key[..., rot], value[..., value_cols]], dim=-1).to(out_dtype)
 
 
@@ -172,19 +185,23 @@ def prep_and_store(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, 
     pages, offsets = pool.token_slots(table, request, positions)
     query, rows = prep_rows_and_query(geom, pool.format, q, kv, q_norm_weight, k_norm_weight,
                                       positions.to(q.device), out_dtype=pool.layout.row_dtype)
-    _store_rows(pool, pages, offsets, rows)
+    store_rows(pool, pages, offsets, rows)
     return query.to(pool.layout.query_dtype)
 
 
-def _store_rows(pool: PagedKvPool, pages: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor) -> None:
-    """Write rows [T, Hkv, row_width] (pool.layout.row_dtype, on the pool's device) at (pages, offsets) [T]; an FP8
-    pool's rows are quantized here (refused first if not finite), its scales written beside them."""
+def store_rows(pool: PagedKvPool, pages: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor, *,
+               check_finite: bool = True) -> None:
+    """Write rows [T, Hkv, row_width] (pool.layout.row_dtype, on the pool's device) at (pages, offsets) [T] integer;
+    an FP8 pool's rows are quantized here, its scales written beside them. check_finite: refuse non-finite FP8 rows
+    first (a host read of the rows; a step captured into a CUDA graph passes False: its rows come from the model's
+    own forward and no host read can happen inside a capture). Nothing is read back: capturable."""
     dev = pool.device
     pages, offsets = pages.to(dev), offsets.to(dev)
     if not pool.layout.quantized:
         pool.data[pages, :, offsets, :] = rows
         return
-    check_finite_rows(rows)
+    if check_finite:
+        check_finite_rows(rows)
     q, scale = quantize_rows(rows)
     pool.data[pages, :, offsets, :] = q
     pool.scales[pages, :, offsets] = scale
@@ -200,7 +217,7 @@ def write_tokens(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, po
     check_tensor("rows", rows, dtype=pool.layout.row_dtype, device=pool.device,
                  shape=(positions.shape[0], geom.num_kv_heads, pool.layout.row_width))
     pages, offsets = pool.token_slots(table, request, positions)
-    _store_rows(pool, pages, offsets, rows)
+    store_rows(pool, pages, offsets, rows)
 
 
 def fill_sequences(pool: PagedKvPool, table: BlockTable, kv: list[torch.Tensor], k_norm_weight: torch.Tensor) -> None:

@@ -96,14 +96,18 @@ def synthetic_config(*, vocab_size: int = 512, hidden_size: int = 256, intermedi
     }
 
 
-def _generator(seed: int, name: str) -> torch.Generator:
-    return torch.Generator().manual_seed((int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1))
+def _generator(seed: int, name: str, device: torch.device | str = "cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed((int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1))
 
 
-def _draw(name: str, shape: torch.Size, seed: int, *, hidden_size: int, logit_std: float, score_std: float) -> torch.Tensor:
-    """One tensor of the synthetic state dict, by the rules in the module docstring (float32)."""
-    g = _generator(seed, name)
-    normal = torch.randn(shape, generator=g, dtype=torch.float64)
+def draw_tensor(name: str, shape: torch.Size, seed: int, *, hidden_size: int, logit_std: float = 4.0,
+                score_std: float = 2.5, device: torch.device | str = "cpu") -> torch.Tensor:
+    """One tensor of a synthetic state dict, by the rules in the module docstring (float32, on `device`). On the CPU
+    the draw is float64 (the synthetic checkpoints' values); on another device it is float32 from that device's
+    generator (a full-size model's 30B values in seconds; other numbers than the CPU's for the same seed)."""
+    g = _generator(seed, name, device)
+    cpu = torch.device(device).type == "cpu"
+    normal = torch.randn(shape, generator=g, dtype=torch.float64 if cpu else torch.float32, device=device)
     if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
         return (normal * (logit_std / math.sqrt(hidden_size))).float()
     if name.endswith("q_norm.weight"):
@@ -112,7 +116,7 @@ def _draw(name: str, shape: torch.Size, seed: int, *, hidden_size: int, logit_st
     if name.endswith("k_norm.weight"):
         return torch.exp(0.5 * normal).float()
     if name.endswith("layer_scalar"):
-        return torch.ones(shape)
+        return torch.ones(shape, device=device)
     if name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")):
         return (2.0 * (1.0 + 0.2 * normal)).float()
     if len(shape) == 1:  # the other RMSNorm scales
@@ -127,7 +131,7 @@ def make_synthetic_checkpoint(out_dir: str | os.PathLike, *, seed: int = 0, logi
     """Write a synthetic Gemma 4 text checkpoint (config.json + model.safetensors, bf16) into `out_dir`; return it.
 
     The module tree comes from the installed transformers (`Gemma4ForCausalLM(config)` on the meta device), so the
-    tensor names are the ones its `from_pretrained` expects; the values come from `_draw`.
+    tensor names are the ones its `from_pretrained` expects; the values come from `draw_tensor`.
     """
     from safetensors.torch import save_file
     from transformers import AutoConfig, Gemma4ForCausalLM
@@ -147,7 +151,7 @@ def make_synthetic_checkpoint(out_dir: str | os.PathLike, *, seed: int = 0, logi
     for name, tensor in skeleton.state_dict().items():
         if name in tied:
             continue
-        state[name] = _draw(name, tensor.shape, seed, hidden_size=cfg_dict["hidden_size"], logit_std=logit_std,
+        state[name] = draw_tensor(name, tensor.shape, seed, hidden_size=cfg_dict["hidden_size"], logit_std=logit_std,
                             score_std=score_std).to(dtype).contiguous()
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return out_dir

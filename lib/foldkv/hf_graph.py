@@ -1,0 +1,282 @@
+"""The decode step of `generate()` on a FoldKvCache as one CUDA graph: every layer of the model, replayed each step.
+
+After the prompt's forward(s), a decode step feeds one token per sequence and its shape never changes, so the whole
+forward (embedding, the 60 layers, the final norm and the LM head) is captured once and replayed: the host's work per
+step is a few copies and counters, not 60 layers of Python. What makes the forward replayable:
+- fixed addresses: the token ids, the positions, the sliding layers' K/V, the sliding mask and the global layers'
+  decode workspace (`foldkv.kernels.workspace.DecodeWorkspace`) are allocated once, at the first decode step;
+- no host read inside: the step's lengths, positions, ring slots and pool slots live on the device and are advanced
+  by the graph itself (the prologue below), the masks are handed to the model ready-made (Gemma 4's forward accepts a
+  {layer type: mask} dict and then builds none), and the global layers' store and decode read only device tensors.
+
+Sliding layers become rings at the first decode step. Until then they are transformers' own
+`DynamicSlidingWindowLayer` (the prompt's forwards, its masks). A decode token at column t attends over columns
+(t - W, t] of its sequence (W = sliding_window), the ones that are not left padding; the ring holds column c in slot
+c mod W, so after writing column t the ring's W slots hold exactly columns t - W + 1 .. t (those already made), and
+slot s holds column c_s = t - ((t - s) mod W). The mask is c_s >= pad_b (pad_b: sequence b's padding columns; a
+negative c_s, a slot never written, is masked too). The rows carry their RoPE, so the order inside the ring does not
+matter. The grouped query heads of a KV head are laid out as that head's query rows (q [B, Hkv, group, d] against
+K [B, Hkv, W, d]), so no K/V is repeated per query head.
+
+Global layers keep their pools; the step stores each sequence's row at slot len_b - 1 (pages and offsets computed on
+the device from the block table) and runs the workspace's decode step on the layer's pool. All global layers share
+one workspace and one page order (the layers' pools are the same shape and their tables the same), advanced once a
+step (`advance()`, one launch before the replay) and planned again every `REPLAN_STEPS` steps.
+
+Modes: "graph" (CUDA, kernel attention) captures the step after running it once eagerly on the capture stream (its
+warm-up); "static" runs the same fixed-address step eagerly every step (any device; with attention="reference" the
+float64 reference reads the pool through the host table): the CPU tests hold the static step to the eager path, the GPU
+tests the graph to both. Once a cache decodes through its step, it only decodes: a forward of more than one token per
+sequence is refused until `reset()`.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .prep import fold_query, rows_from_key_value, store_rows
+from .reference import paged_attention_reference
+from .pool import BlockTable
+from .validate import FoldKvInputError
+
+STEP_MODES = ("graph", "static", "eager")
+REPLAN_STEPS = 64  # advance() lengthens each request's last chunk; a fresh plan every 64 steps keeps the cut even
+
+
+@dataclass(frozen=True)
+class RingMask:
+    """The sliding layers' mask of a decode step: mask [B, 1, 1, W] bool (True: attend) over the ring's slots."""
+
+    mask: torch.Tensor
+
+
+def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   mask: RingMask) -> tuple[torch.Tensor, None]:
+    """A sliding layer's decode attention over its ring. query [B, Hq, 1, d], key/value [B, Hkv, W, d]: each KV head's
+    query heads (h = kv * group + r, transformers' repeat_kv order) become its query rows. Returns ([B, 1, Hq, d],
+    None), what transformers' attention functions return."""
+    b, hq, _, d = query.shape
+    hkv = key.shape[1]
+    q = query.reshape(b, hkv, hq // hkv, d)
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask.mask, scale=float(module.scaling))
+    return out.reshape(b, 1, hq, d), None
+
+
+class DecodeStep:
+    """The fixed-address decode step of one FoldKvCache (module docstring). Made by the cache; `takes` says whether a
+    forward is one of its steps, calling it runs (or replays) the step and returns the forward's output."""
+
+    def __init__(self, cache: Any, mode: str):
+        if mode not in ("graph", "static"):
+            raise FoldKvInputError(f"decode_step={mode!r}: a DecodeStep runs 'graph' or 'static'")
+        self.cache, self.mode = cache, mode
+        self.started = False
+        self.steps = 0  # decode steps run through this object
+        self.host_s: list[float] = []  # host time of each step's call (run or replay), seconds
+        self.capture_s: float | None = None
+
+    # -- which forwards are steps ----------------------------------------------------------------------------------
+    def takes(self, kwargs: dict) -> bool:
+        ids = kwargs.get("input_ids")
+        if self.started:
+            if ids is None or kwargs.get("inputs_embeds") is not None or ids.shape[1] != 1:
+                raise FoldKvInputError(
+                    "this FoldKvCache decodes one token per sequence since its decode step began; reset() it (or make"
+                    " a new cache) before a new prompt")
+            return True
+        c = self.cache
+        return (ids is not None and kwargs.get("inputs_embeds") is None and ids.dim() == 2 and ids.shape[1] == 1
+                and c.batch is not None and ids.shape[0] == c.batch and c.global_layers[0].columns > 0)
+
+    # -- the step --------------------------------------------------------------------------------------------------
+    def __call__(self, forward: Callable, kwargs: dict) -> Any:
+        t0 = time.perf_counter()
+        c = self.cache
+        first = c.global_layers[0]
+        if first.columns + 1 > c.max_tokens:
+            raise FoldKvInputError(f"this step takes the sequences to {first.columns + 1} columns; the FoldKvCache"
+                                   f" holds max_tokens={c.max_tokens}")
+        if not self.started:
+            out = self._start(forward, kwargs)
+        else:
+            self.ids.copy_(kwargs["input_ids"])
+            self._host_advance()
+            if self.mode == "graph":
+                self.graph.replay()
+                out = self.output
+            else:
+                out = self._body(forward)
+        for layer in c.global_layers:  # host counters only (the pools' block tables keep the prompt's lengths)
+            layer.columns += 1
+            layer.lengths[:len(self.lens)] = self.lens
+        self.steps += 1
+        self.host_s.append(time.perf_counter() - t0)
+        return out
+
+    def _host_advance(self) -> None:
+        """The host's part of a step: the workspace's lengths one longer (a fresh plan every REPLAN_STEPS)."""
+        self.lens = [n + 1 for n in self.lens]
+        if self.ws is None:
+            return
+        if (self.steps + 1) % REPLAN_STEPS == 0:
+            self.ws.plan(self.lens)
+        else:
+            self.ws.advance()
+
+    def _start(self, forward: Callable, kwargs: dict) -> Any:
+        """The first decode step: the fixed tensors, the rings from the sliding layers' caches, the plan; then the
+        step runs eagerly (for "graph": on the capture stream, its warm-up) and is captured."""
+        c = self.cache
+        layers = c.global_layers
+        first = layers[0]
+        b, dev = c.batch, c.device
+        for layer in layers[1:]:
+            if layer.lengths[:b] != first.lengths[:b] or not torch.equal(layer.host_table.page_ids[:b],
+                                                                          first.host_table.page_ids[:b]):
+                raise FoldKvInputError("the global layers hold different lengths or page orders; the decode step"
+                                       " shares one table among them")
+        lens0 = list(first.lengths[:b])  # real tokens held before this step
+        cols = first.columns  # columns (padding included) before this step: the new token's column
+        long = dict(dtype=torch.long, device=dev)
+        self.lens = [n + 1 for n in lens0]
+        self.dev_lens = torch.tensor(lens0, **long)
+        self.pad = torch.tensor([cols - n for n in lens0], **long)
+        self.col = torch.tensor([cols], **long)
+        self.slot = torch.zeros(1, **long)
+        self.pos = torch.zeros(b, 1, **long)
+        self.store_pages = torch.zeros(b, **long)
+        self.store_offsets = torch.zeros(b, **long)
+        self.page_ids = first.device_table.page_ids[:b].long()
+        self.ids = kwargs["input_ids"].clone()
+        self.window = int(c.sliding_window)
+        self.slots = torch.arange(self.window, **long)
+        self.mask = torch.zeros(b, 1, 1, self.window, dtype=torch.bool, device=dev)
+        self.rings = {i: self._ring(layer, cols) for i, layer in enumerate(c.layers) if c.is_sliding_layer(i)}
+        self.ws = None
+        if c.attention == "kernel":
+            from .kernels.workspace import DecodeWorkspace
+
+            self.ws = DecodeWorkspace(first.pool.layout, max_batch=b, max_len=c.max_tokens, device=dev)
+            self.ws.plan(self.lens, first.device_table.page_ids[:b])
+        keyword = c.cache_keyword
+        self.kwargs = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "position_ids",
+                                                                     "cache_position", keyword)}
+        self.kwargs[keyword] = c
+        from .hf import NewTokens  # the global layers' "mask": one real token per sequence
+
+        self.masks = {"full_attention": NewTokens(torch.ones(b, 1, dtype=torch.bool, device=dev), (1,) * b),
+                      "sliding_attention": RingMask(self.mask)}
+        self.started = True
+        self.forward = forward
+        if self.mode == "static":
+            return self._body(forward)
+        from .kernels.workspace import capture_graph
+
+        t0 = time.perf_counter()
+        stream = torch.cuda.Stream(device=dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            out = self._body(forward)  # the first step, run for real: the warm-up of the capture
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with capture_graph(self.graph, stream=stream):
+            self.output = self._body(forward)  # recorded, not run: replays from the second step on
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        self.capture_s = time.perf_counter() - t0
+        return out
+
+    def _ring(self, layer: Any, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sliding layer's (K, V) rings [B, Hkv, W, d] holding the columns its dynamic cache kept, column c in slot
+        c mod W; the other slots hold zeros (finite: a masked score must stay finite before the mask)."""
+        keys, values = layer.keys, layer.values  # [B, Hkv, n, d]: columns cols - n .. cols - 1
+        b, hkv, n, d = keys.shape
+        ring_k = keys.new_zeros(b, hkv, self.window, d)
+        ring_v = values.new_zeros(b, hkv, self.window, d)
+        if n:
+            if n > self.window:
+                keys, values, n = keys[:, :, -self.window:], values[:, :, -self.window:], self.window
+            at = torch.arange(cols - n, cols, device=keys.device) % self.window
+            ring_k[:, :, at] = keys
+            ring_v[:, :, at] = values
+        return ring_k, ring_v
+
+    def _prologue(self) -> None:
+        """Device-only: this step's lengths, positions, ring slot, sliding mask and pool slots."""
+        self.dev_lens.add_(1)
+        self.pos.copy_((self.dev_lens - 1)[:, None])
+        t = self.col
+        self.slot.copy_(torch.remainder(t, self.window))
+        held = t - torch.remainder(t - self.slots, self.window)  # [W] the column each slot holds after the write
+        self.mask.copy_((held[None, :] >= self.pad[:, None])[:, None, None, :])
+        p = self.pos[:, 0]
+        page = self.cache.page_size
+        self.store_pages.copy_(self.page_ids.gather(1, torch.div(p, page, rounding_mode="floor")[:, None])[:, 0])
+        self.store_offsets.copy_(torch.remainder(p, page))
+
+    def _body(self, forward: Callable) -> Any:
+        """One decode step over the fixed tensors (what the graph records)."""
+        self._prologue()
+        out = forward(input_ids=self.ids, attention_mask=self.masks, position_ids=self.pos, **self.kwargs)
+        self.col.add_(1)
+        return out
+
+    # -- what the layers call --------------------------------------------------------------------------------------
+    def update_sliding(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ring_k, ring_v = self.rings[layer_idx]
+        ring_k.index_copy_(2, self.slot, key)
+        ring_v.index_copy_(2, self.slot, value)
+        return ring_k, ring_v
+
+    def attend(self, layer: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor) -> torch.Tensor:
+        """A global layer's step: store the new rows at slot len_b - 1, decode over the pool. query [B, Hq, 1, D],
+        key/value [B, Hkv, 1, D]. Returns [B, 1, Hq, D] in query's dtype."""
+        geom, pool = layer.geometry, layer.pool
+        b, hq, _, d = query.shape
+        rows = rows_from_key_value(geom, pool.format, key[:, :, 0], value[:, :, 0], pool.layout.row_dtype)
+        folded = fold_query(geom, pool.format, query[:, :, 0], module.k_norm.weight, pool.layout.query_dtype)
+        store_rows(pool, self.store_pages, self.store_offsets, rows, check_finite=False)
+        if self.ws is not None:
+            self.ws.query[:b].copy_(folded)
+            self.ws.step(pool, backend=self.cache.backend, check=False)
+            out = self.ws.out[:b]
+        else:  # the float64 reference through the host table (static mode only: it reads the lengths on the host)
+            table = BlockTable(layer.host_table.page_ids[:b], torch.tensor(self.lens, dtype=torch.int32))
+            out, _ = paged_attention_reference(pool, folded, table)
+        return out.to(query.dtype).view(b, 1, hq, d)
+
+    def report(self) -> dict:
+        """Host time per step (median and max over the replays, seconds), the capture's time, the steps run."""
+        replays = sorted(self.host_s[1:])
+        mid = replays[len(replays) // 2] if replays else None
+        return {"mode": self.mode, "steps": self.steps, "capture_s": self.capture_s,
+                "host_s_median": mid, "host_s_max": replays[-1] if replays else None}
+
+
+def install(model: torch.nn.Module) -> None:
+    """Route `model`'s forward through the decode step of the FoldKvCache it is called with (idempotent). The
+    wrapper keeps the forward's signature (functools.wraps: generate() reads it) and calls the model's own forward for
+    every other call."""
+    if getattr(model, "_foldkv_forward", None) is not None:
+        return
+    own = model.forward
+
+    @functools.wraps(own)
+    def forward(*args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        step = getattr(cache, "decode_step", None)
+        if isinstance(step, DecodeStep) and not args and step.takes(kwargs):
+            return step(own, kwargs)
+        return own(*args, **kwargs)
+
+    model._foldkv_forward = own
+    model.forward = forward
+
+
+__all__ = ["DecodeStep", "RingMask", "STEP_MODES", "REPLAN_STEPS", "install", "ring_attention"]
