@@ -31,7 +31,8 @@ SMOKE_PARAMETERS: dict[str, dict] = {
     "03": {"lengths": [5, 66], "sweep_lengths": [3], "steps": 2, "prompts": ["ab", "the cat"],
            "synthetic_config": {"hidden_size": 64, "intermediate_size": 128, "vocab_size": 128}, "seed": 1},
     "04": {"smoke": True},
-    "05": {"prompt_lengths": [256, 1024], "batches": [1, 2], "new_tokens": 4, "prefill_chunk": 256},
+    "05": {"decode_contexts": [256, 1024], "decode_batches": [1, 2], "ttft_prompts": [256], "new_tokens": 4,
+           "prefill_chunk": 256, "largest_context": 1024},
 }
 
 

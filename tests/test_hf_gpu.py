@@ -79,23 +79,42 @@ def _bf16_ulp(x: float) -> float:
     return 2.0 ** (math.floor(math.log2(max(abs(x), 1e-30))) - 7)
 
 
-@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "eager"])
+# How decode steps run: the whole forward as one CUDA graph (the default), or transformers' forward layer by layer
+# with each global layer's workspace graph, or with the eager launcher.
+STEPS = {"model-graph": dict(decode_step="graph"), "layer-graphs": dict(decode_step="eager", cuda_graphs=True),
+         "eager": dict(decode_step="eager", cuda_graphs=False)}
+
+
+def _check_step_kind(cache, step: str) -> None:
+    """The decode steps ran the way `step` says: NEW - 1 replays of the model's graph, or each global layer's
+    workspace graph, or neither."""
+    if step == "model-graph":
+        assert cache.decode_step.steps == NEW - 1 and cache.decode_step.graph is not None
+        assert not cache._graphs
+    else:
+        assert cache.decode_step is None
+        assert len(cache._graphs) == (len(cache.global_layers) if step == "layer-graphs" else 0)
+
+
+@pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("fmt", ["split", "folded"])
-def test_generate_on_the_kernels(gpu_models, batch, fmt, graphs):
+def test_generate_on_the_kernels(gpu_models, batch, fmt, step):
     from foldkv.hf import FoldKvCache
 
     model = gpu_models["foldkv"]
     incumbent = _run(gpu_models["sdpa"], batch)
     neutral = _compare(_run(gpu_models["eager"], batch), incumbent)
 
-    def cache(attention):
+    def cache(attention, **kw):
         return FoldKvCache(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW, kv_format=fmt,
-                           dtype=torch.bfloat16, attention=attention, scatter_seed=3, cuda_graphs=graphs)
+                           dtype=torch.bfloat16, attention=attention, scatter_seed=3, **kw)
 
-    ref_cache, ker_cache = cache("reference"), cache("kernel")
+    ref_cache, ker_cache = cache("reference"), cache("kernel", **STEPS[step])
     ref, ker = _run(model, batch, ref_cache), _run(model, batch, ker_cache)
-    # decode steps replayed each global layer's captured workspace graph (or never did, eager)
-    assert len(ker_cache._graphs) == (len(ker_cache.global_layers) if graphs else 0)
+    _check_step_kind(ker_cache, step)
+    if step == "model-graph":  # the graph replays what the same step does eagerly, bit for bit
+        static = _run(model, batch, cache("kernel", decode_step="static"))
+        assert torch.equal(static[0], ker[0]) and torch.equal(static[1], ker[1])
     assert bool(torch.isfinite(ker[1]).all()), "NaN logits: a kernel read a poisoned (unwritten) pool row"
     for layer in ker_cache.global_layers:  # exactly the real tokens are stored, every other row keeps its poison
         data, table, page = layer.pool.data, layer.host_table, layer.pool.layout.page_size
@@ -108,14 +127,14 @@ def test_generate_on_the_kernels(gpu_models, batch, fmt, graphs):
         assert bool(torch.isfinite(data[mask]).all()) and bool(torch.isnan(data[~mask]).all())
 
     vs_inc, ref_vs_inc, vs_ref = _compare(ker, incumbent), _compare(ref, incumbent), _compare(ker, ref)
-    print(f"\n{fmt} ({'CUDA graphs' if graphs else 'eager'}): kernels vs incumbent {vs_inc}; reference vs incumbent {ref_vs_inc}; kernels vs reference"
+    print(f"\n{fmt} ({step}): kernels vs incumbent {vs_inc}; reference vs incumbent {ref_vs_inc}; kernels vs reference"
           f" {vs_ref}; neutral (eager vs sdpa) {neutral}")
     bound = max(2 * neutral["gap"], 2 * ref_vs_inc["gap"], 4 * _bf16_ulp(float(incumbent[1].abs().max())))
     assert vs_ref["gap"] <= bound, f"{fmt}: kernels vs reference gap {vs_ref['gap']:.3g} > {bound:.3g}"
 
 
-@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "eager"])
-def test_generate_on_the_fp8_kernels(gpu_models, batch, graphs):
+@pytest.mark.parametrize("step", list(STEPS))
+def test_generate_on_the_fp8_kernels(gpu_models, batch, step):
     """The FP8 folded pool (`dtype=torch.float8_e4m3fn`) through generate() on the FP8 kernels (decode converting the
     e4m3 rows in the kernel, prefill through the page gather), against foldkv's float64 reference over an FP8 pool.
     Both store the same kind of rows (the same torch prep, quantized once), so they differ in the attention's
@@ -131,19 +150,19 @@ def test_generate_on_the_fp8_kernels(gpu_models, batch, graphs):
     incumbent = _run(gpu_models["sdpa"], batch)
     neutral = _compare(_run(gpu_models["eager"], batch), incumbent)
 
-    def cache(attention, dtype):
+    def cache(attention, dtype, **kw):
         return FoldKvCache(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW, kv_format="folded",
-                           dtype=dtype, attention=attention, scatter_seed=3, cuda_graphs=graphs)
+                           dtype=dtype, attention=attention, scatter_seed=3, **kw)
 
     fp8 = torch.float8_e4m3fn
-    ker_cache = cache("kernel", fp8)
+    ker_cache = cache("kernel", fp8, **STEPS[step])
     ker, ref = _run(model, batch, ker_cache), _run(model, batch, cache("reference", fp8))
     ref16 = _run(model, batch, cache("reference", torch.bfloat16))
     assert all(layer.pool.layout.dtype == fp8 for layer in ker_cache.global_layers)
-    assert len(ker_cache._graphs) == (len(ker_cache.global_layers) if graphs else 0)
+    _check_step_kind(ker_cache, step)
     assert bool(torch.isfinite(ker[1]).all()), "NaN logits: a kernel read a poisoned (unwritten) pool row"
     vs_ref, ref_vs_inc, ref16_vs_inc = _compare(ker, ref), _compare(ref, incumbent), _compare(ref16, incumbent)
-    print(f"\nfolded-fp8 ({'CUDA graphs' if graphs else 'eager'}): kernels vs FP8 reference {vs_ref}; FP8 reference"
+    print(f"\nfolded-fp8 ({step}): kernels vs FP8 reference {vs_ref}; FP8 reference"
           f" vs incumbent {ref_vs_inc} (the format's drift); bf16 reference vs incumbent {ref16_vs_inc};"
           f" neutral {neutral}")
     bound = max(2 * neutral["gap"], 2 * ref16_vs_inc["gap"], 4 * _bf16_ulp(float(incumbent[1].abs().max())))

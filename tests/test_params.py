@@ -106,10 +106,10 @@ def test_spec_covers_the_parameters_cell_and_its_defaults_pass(notebook):
      {"lengths": [5, 66], "synthetic_config": {"hidden_size": 64}, "arms": ["ref-folded"]}),
     ("04_benchmarks", {"sections": '["single"]', "decode_arms": "torch,fi_tc", "smoke": "true", "rounds": "5"},
      {"sections": ["single"], "decode_arms": ["torch", "fi_tc"], "smoke": True, "rounds": 5}),
-    ("05_generate", {"prompt_lengths": "[32768, 131072]", "arms": "sdpa,foldkv-split", "batches": "8",
-                     "synthetic_config": '{"hidden_size": 128}'},
-     {"prompt_lengths": [32768, 131072], "arms": ["sdpa", "foldkv-split"], "batches": [8],
-      "synthetic_config": {"hidden_size": 128}}),
+    ("05_generate", {"decode_contexts": "[32768, 131072]", "arms": "sdpa,foldkv-split", "decode_batches": "8",
+                     "largest_context": "65536"},
+     {"decode_contexts": [32768, 131072], "arms": ["sdpa", "foldkv-split"], "decode_batches": [8],
+      "largest_context": 65536}),
 ])
 def test_read_parameters_reads_text_overrides(notebook, overrides, want):
     got = read_parameters(notebook, {**_defaults(notebook), **overrides})
@@ -156,12 +156,10 @@ MAX = GEMMA4_31B.max_position  # 262,144
     ("03_drift_study", {"model_path": "/nonexistent/model"}, "model_path: no config.json at '/nonexistent/model'"),
     ("03_drift_study", {"attn_implementation": "flash_attention_2"}, "attn_implementation: unknown value"),
     ("05_generate", {"contexts": f"[{MAX + 1}]"}, f"contexts: {MAX + 1} is past the model's max_position"),
-    ("05_generate", {"prompt_lengths": "[0]"}, "prompt_lengths: 0 is not positive"),
-    ("05_generate", {"new_tokens": "1"}, "new_tokens: 1 is below 2"),
+    ("05_generate", {"decode_contexts": "[0]"}, "decode_contexts: 0 is not positive"),
+    ("05_generate", {"new_tokens": "3"}, "new_tokens: 3 is below 4"),
     ("05_generate", {"arms": '["sdpa", "eager"]'}, "arms: unknown value 'eager'"),
-    ("05_generate", {"synthetic_config": '{"layer_type": []}'}, "synthetic_config: unknown key(s) ['layer_type']"),
-    ("05_generate", {"synthetic_config": '{"layer_types": ["full_attention", "sliding_attention"]}'},
-     "synthetic_config: Gemma 4's last layer is a full_attention layer"),
+    ("05_generate", {"largest_context": f"{MAX + 1}"}, f"largest_context: {MAX + 1} is past the model's max_position"),
 ])
 def test_read_parameters_refuses_out_of_range(notebook, overrides, message):
     with pytest.raises(ParameterError) as exc:

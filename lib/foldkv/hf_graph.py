@@ -91,8 +91,13 @@ class DecodeStep:
                     " a new cache) before a new prompt")
             return True
         c = self.cache
-        return (ids is not None and kwargs.get("inputs_embeds") is None and ids.dim() == 2 and ids.shape[1] == 1
-                and c.batch is not None and ids.shape[0] == c.batch and c.global_layers[0].columns > 0)
+        if not (ids is not None and kwargs.get("inputs_embeds") is None and ids.dim() == 2 and ids.shape[1] == 1
+                and c.batch is not None and ids.shape[0] == c.batch and c.global_layers[0].columns > 0):
+            return False
+        # the step's one column must be a real token of every sequence (a one-column chunk of a chunked prefill may
+        # still be left padding): read once, before the first step; every later column is a generated token
+        mask = kwargs.get("attention_mask")
+        return mask is None or isinstance(mask, dict) or bool(mask[:, -1].bool().all())
 
     # -- the step --------------------------------------------------------------------------------------------------
     def __call__(self, forward: Callable, kwargs: dict) -> Any:

@@ -1,19 +1,19 @@
-"""What a FoldKvCache saves against transformers' DynamicCache in `model.generate()` (notebook 05): the global layers'
-cache bytes computed for a geometry (the 31B) at a context, those bytes checked against the caches a generation
-really holds, and peak memory and generation speed measured on a synthetic Gemma 4.
+"""What a FoldKvCache saves against transformers' DynamicCache in `model.generate()` (notebook 05's CPU sections): the
+global layers' cache bytes computed for a geometry (the 31B) at a context, and those bytes checked against the caches a
+generation really holds (a tiny synthetic Gemma 4). The full-size model's timings are `foldkv.lab.model_decode`'s.
 
 Bytes. A DynamicCache global layer keeps K and V, each [B, Hkv, T, D] in the model dtype: per token and KV head 2D
 elements, the split row (`foldkv.floor.step_bytes(geom, SPLIT, ...)["kv"]`, unpaged: it holds exactly the T tokens
 seen). A FoldKvCache global layer allocates its pool when it is made: per sequence the whole pages of `max_tokens`
 (`foldkv.floor.pool_bytes`), split rows (2D) or folded rows (D + R: 640 of 1024 columns at the 31B geometry).
 
-Arms of the measured sections (`GENERATE_ARMS`): `sdpa` (transformers' own attention for Gemma 4 and its
-DynamicCache), `flash_attention_2` (the same with FlashAttention 2, when installed), `foldkv-folded` / `foldkv-split`
-(attn_implementation "foldkv", whose sliding layers run sdpa, with a FoldKvCache: the generated kernels on CUDA, the
-float64 reference elsewhere). Every arm runs the same `model.generate()`: greedy, `min_new_tokens = max_new_tokens`
-(no early stop), the prompt prefilled in chunks of `prefill_chunk` tokens (generate's `prefill_chunk_size`).
-Timing: a stopping criterion stamps the clock after every generated token (after a CUDA synchronize), so one
-generate gives the prefill time (start to the first token) and the decode time (first to last token).
+Arms (`GENERATE_ARMS`): `sdpa` (transformers' own attention for Gemma 4 and its DynamicCache), `flash_attention_2`
+(the same with FlashAttention 2, when installed), `foldkv-folded` / `foldkv-split` (attn_implementation "foldkv",
+whose sliding layers run sdpa, with a FoldKvCache: the generated kernels on CUDA, the float64 reference elsewhere).
+Every arm runs the same `model.generate()`: greedy, `min_new_tokens = max_new_tokens` (no early stop), the prompt
+prefilled in chunks of `prefill_chunk` tokens (generate's `prefill_chunk_size`). Timing: a stopping criterion stamps
+the clock after every generated token (after a CUDA synchronize), so one generate gives the prefill time (start to
+the first token) and the decode time (first to last token).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -32,10 +32,6 @@ from ..layout import KvFormat
 from .arms import ArmUnavailable
 from .model import cache_keyword, check_arm_available, foldkv_implementation, incumbent_implementation
 
-# The synthetic model the measured sections run: the default synthetic Gemma 4 (hidden 256, vocab 512, global
-# layers at the 31B attention geometry) cut to one sliding and one global layer, so a 128K-token prompt at batch 8
-# prefills in seconds and its caches stay a few GB.
-SPEED_SYNTHETIC: dict[str, Any] = {"layer_types": ["sliding_attention", "full_attention"]}
 GIB = 2**30
 
 
@@ -372,36 +368,6 @@ def plot_cache_bytes(rows: Sequence[dict], path: str | None = None):
     ax.set_title(f"global-layer cache, batch {rows[0]['batch']}, {rows[0]['layers']} global layers (computed)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=90)
-    return fig
-
-
-def plot_speed(runs: Sequence[dict], path: str | None = None):
-    """Decode and end-to-end tokens/s per arm, one group of bars per (prompt, batch) cell."""
-    import matplotlib.pyplot as plt
-
-    ran = [r for r in runs if r["status"] == "ran"]
-    cells = sorted({(r["prompt_tokens"], r["batch"]) for r in runs})
-    arms = list(dict.fromkeys(r["arm"] for r in runs))
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4))
-    width = 0.8 / max(len(arms), 1)
-    for ax, key, title in zip(axes, ("decode_tokens_per_s", "end_to_end_tokens_per_s"),
-                              ("decode tokens/s", "end-to-end tokens/s (prefill included)")):
-        for j, arm in enumerate(arms):
-            vals = []
-            for cell in cells:
-                r = next((r for r in ran if r["arm"] == arm and (r["prompt_tokens"], r["batch"]) == cell), None)
-                vals.append(r[key] if r is not None and r[key] is not None else 0.0)
-            ax.bar([i + j * width for i in range(len(cells))], vals, width, label=arm)
-        ax.set_xticks([i + width * (len(arms) - 1) / 2 for i in range(len(cells))])
-        ax.set_xticklabels([f"{n // 1024}K x {b}" if n >= 1024 else f"{n} x {b}" for n, b in cells])
-        ax.set_xlabel("prompt tokens x batch (a missing bar: the cell failed or did not run)")
-        ax.set_ylabel("tokens/s")
-        ax.set_title(title)
-        ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=90)

@@ -247,10 +247,10 @@ def _incumbent_implementations() -> tuple:
     return INCUMBENT_IMPLEMENTATIONS
 
 
-def _generate_arms() -> tuple:
-    from .generate_bench import GENERATE_ARMS
+def _model_arms() -> tuple:
+    from .model_decode import MODEL_ARMS
 
-    return tuple(GENERATE_ARMS)
+    return tuple(MODEL_ARMS)
 
 
 _DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -326,12 +326,13 @@ SPECS: dict[str, dict[str, Param]] = {
         "contexts": TOKENS,
         "bytes_batch": Param("int", positive=True),
         "page_size": Param("int", positive=True),
-        "arms": Param("list", "str", choices=_generate_arms, nonempty=True),
-        "prompt_lengths": TOKENS,
-        "batches": Param("list", "int", positive=True, nonempty=True),
-        "new_tokens": Param("int", at_least=2),
+        "arms": Param("list", "str", choices=_model_arms, nonempty=True),
+        "decode_contexts": TOKENS,
+        "decode_batches": Param("list", "int", positive=True, nonempty=True),
+        "ttft_prompts": TOKENS,
+        "new_tokens": Param("int", at_least=4),
         "prefill_chunk": Param("int", positive=True),
-        "synthetic_config": Param("dict"),
+        "largest_context": Param("int", positive=True, tokens=True),
         "seed": Param("int", at_least=0),
         "out_dir": OUT_DIR,
     },
@@ -375,12 +376,6 @@ def _synthetic_geometry(synthetic_overrides: dict) -> AttentionGeometry:
         raise ParameterError(f"synthetic_config: {exc}") from None
 
 
-def _cross_05(values: dict, geom: AttentionGeometry) -> None:
-    from .generate_bench import SPEED_SYNTHETIC
-
-    _synthetic_geometry({**SPEED_SYNTHETIC, **values["synthetic_config"]})
-
-
 def _cross_03(values: dict, geom: AttentionGeometry) -> None:
     # a cell's walk holds its prompt and then one token per decode step
     for name in ("lengths", "sweep_lengths"):
@@ -399,8 +394,7 @@ def _cross_03(values: dict, geom: AttentionGeometry) -> None:
 
 GEOMETRY: dict[str, Callable[[dict], AttentionGeometry]] = {"01_byte_floor": _geometry_01, "03_drift_study": _geometry_03,
                                                              "05_generate": _geometry_01}
-CROSS_CHECKS: dict[str, Callable[[dict, AttentionGeometry], None]] = {"03_drift_study": _cross_03,
-                                                                        "05_generate": _cross_05}
+CROSS_CHECKS: dict[str, Callable[[dict, AttentionGeometry], None]] = {"03_drift_study": _cross_03}
 
 
 def read_parameters(notebook: str, namespace: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,352 @@
+"""`generate()` on a whole model, timed per token against its byte floor (notebook 05's GPU sections): the arms, the
+cells, the caches filled to a context without a prefill, the floor, the host's share of a step, the largest batch.
+
+Arms (`MODEL_ARMS`): foldkv's FoldKvCache in three pools (folded bf16, folded FP8, split bf16), each decoding through
+its one CUDA graph per step (`decode_step="graph"`), foldkv folded with the per-layer eager step (what the graph
+replaces), and transformers' own sdpa attention with its DynamicCache.
+
+A decode cell starts from caches that already hold `context` tokens per sequence, written directly (`fill_cache`:
+random rows in the global pools or K/V tensors, random K/V in the sliding layers' windows) instead of prefilled: a
+128K-token prefill of the 31B takes ~20 s a sequence, and a decode step's time depends on the lengths it reads, not on
+the values. Then `generate()` is called with `context + 1` prompt tokens: transformers feeds only the one not in the
+cache, and every step after is a decode step (the first one captures foldkv's graph and is not timed). The greedy
+tokens of such cells are not compared across arms (their caches hold different random values); the prefill cells
+(`measure_prefill`: a real prompt through every arm) are.
+
+Per decode cell: TPOT (median and p90 of the step intervals after the first), decode tokens/s, peak memory above the
+model, the host's time per step (TPOT minus the device time of one step, that time measured by replaying foldkv's
+graph between CUDA events), and the byte floor: (weights + the KV the step reads) / the streaming read measured in the
+same process.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..fp8 import FP8_DTYPE
+from ..layout import KvFormat
+from .generate_bench import step_clock
+from .model import cache_keyword
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelArm:
+    name: str
+    implementation: str  # "foldkv" or transformers' "sdpa"
+    format: KvFormat | None  # None: transformers' DynamicCache
+    dtype: torch.dtype = torch.bfloat16
+    decode_step: str = "graph"
+
+
+MODEL_ARMS: dict[str, ModelArm] = {
+    "foldkv-folded": ModelArm("foldkv-folded", "foldkv", KvFormat.FOLDED),
+    "foldkv-fp8": ModelArm("foldkv-fp8", "foldkv", KvFormat.FOLDED, FP8_DTYPE),
+    "foldkv-split": ModelArm("foldkv-split", "foldkv", KvFormat.SPLIT),
+    "foldkv-folded-eager": ModelArm("foldkv-folded-eager", "foldkv", KvFormat.FOLDED, decode_step="eager"),
+    "sdpa": ModelArm("sdpa", "sdpa", None),
+}
+
+
+def model_arm(name: str) -> ModelArm:
+    try:
+        return MODEL_ARMS[name]
+    except KeyError:
+        raise ValueError(f"unknown arm {name!r}; expected one of {list(MODEL_ARMS)}") from None
+
+
+def make_cache(model: nn.Module, arm: ModelArm, batch: int, max_tokens: int):
+    if arm.format is None:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=model.config)
+    from ..hf import FoldKvCache
+
+    return FoldKvCache(model, max_batch=batch, max_tokens=max_tokens, kv_format=arm.format, dtype=arm.dtype,
+                       decode_step=arm.decode_step)
+
+
+# --- caches at a context without a prefill --------------------------------------------------------------------------
+
+@torch.no_grad()
+def fill_cache(cache, model: nn.Module, context: int, batch: int, *, seed: int = 0) -> None:
+    """Make `cache` hold `context` tokens for each of `batch` sequences (no padding) as a prefill would leave it, with
+    random values: each global pool's rows (an FP8 pool: e4m3 values, positive scales) or DynamicCache K/V, and each
+    sliding layer's last sliding_window - 1 K/V."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from ..hf import FoldKvCache, FoldKvLayer, text_model_of
+
+    text = text_model_of(model)
+    cfg = text.config
+    dev = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device=dev, dtype=torch.float32).to(dtype)
+
+    if isinstance(cache, FoldKvCache):
+        cache.batch = batch
+    for i, layer in enumerate(cache.layers if hasattr(cache, "layers") else []):
+        attn = text.layers[i].self_attn
+        if isinstance(layer, FoldKvLayer):
+            pool = layer.pool
+            for start in range(0, pool.data.shape[0], 1024):  # page blocks: no float32 copy of the whole pool
+                block = pool.data[start:start + 1024]
+                block.copy_(torch.randn(block.shape, generator=g, device=dev).to(block.dtype))
+                if pool.scales is not None:
+                    pool.scales[start:start + 1024].uniform_(0.002, 0.02, generator=g)
+            layer.lengths[:batch] = [context] * batch
+            layer.host_table.seq_lens[:batch] = context
+            layer.device_table.seq_lens[:batch] = context
+            layer.columns = context
+        elif isinstance(layer, DynamicSlidingWindowLayer) or getattr(layer, "is_sliding", False):
+            n = min(context, int(cfg.sliding_window) - 1)
+            hkv = attn.k_proj.out_features // attn.head_dim
+            layer.update(rand(batch, hkv, n, attn.head_dim), rand(batch, hkv, n, attn.head_dim))
+            layer.cumulative_length = context
+        else:  # a DynamicCache's full-attention layer
+            hkv = attn.k_proj.out_features // attn.head_dim
+            layer.update(rand(batch, hkv, context, attn.head_dim), rand(batch, hkv, context, attn.head_dim))
+
+
+def step_kv_bytes(model: nn.Module, arm: ModelArm, context: int, batch: int) -> int:
+    """Bytes of KV one decode step reads at `context` tokens a sequence (the new token included): the global layers'
+    rows of the arm's format and dtype (a DynamicCache: K and V of the model dtype), and the sliding layers' window."""
+    from ..hf import global_geometry, global_layer_indices, text_model_of
+    from ..pool import PagedKvLayout
+
+    text = text_model_of(model)
+    cfg = text.config
+    glob = global_layer_indices(text)
+    geom = global_geometry(text, text.layers[glob[0]].self_attn)
+    n = context + 1
+    if arm.format is None:
+        per_token = 2 * geom.num_kv_heads * geom.head_dim * next(model.parameters()).element_size()
+    else:
+        per_token = PagedKvLayout(geom, arm.format, 64, 0, arm.dtype).bytes_per_token
+    total = len(glob) * batch * n * per_token
+    window = min(n, int(cfg.sliding_window))
+    for i, t in enumerate(cfg.layer_types):
+        if t == "sliding_attention":
+            attn = text.layers[i].self_attn
+            total += batch * window * 2 * attn.k_proj.out_features * next(model.parameters()).element_size()
+    return total
+
+
+# --- one decode cell ------------------------------------------------------------------------------------------------
+
+def _device_step_ms(cache, reps: int = 20) -> float | None:
+    """Median device time of one replay of a FoldKvCache's decode graph (None: the arm has none), each replay preceded
+    by the workspace's advance() as in a step. The cache must have `reps` tokens of headroom left."""
+    step = getattr(cache, "decode_step", None)
+    if step is None or getattr(step, "graph", None) is None:
+        return None
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        step.ws.advance()
+        a.record()
+        step.graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+@torch.no_grad()
+def measure_decode(model: nn.Module, arm_name: str, *, context: int, batch: int, new_tokens: int, read_gbps: float,
+                   seed: int = 0, replay_reps: int = 20) -> dict:
+    """One decode cell (module docstring). Raises what generate raises (out of memory: the caller records it)."""
+    from .gemma31b import weight_bytes
+
+    arm = model_arm(arm_name)
+    dev = next(model.parameters()).device
+    own = model.config._attn_implementation
+    if arm.implementation != own:
+        if arm.format is not None:
+            import foldkv.hf  # noqa: F401
+        model.set_attn_implementation(arm.implementation)
+    cache = None
+    try:
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        cache = make_cache(model, arm, batch, context + 1 + new_tokens + replay_reps)
+        fill_cache(cache, model, context, batch, seed=seed)
+        ids = torch.randint(3, int(model.config.vocab_size), (batch, context + 1), device=dev,
+                            generator=torch.Generator(device=dev).manual_seed(seed + 1))
+        clock = step_clock(dev)
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, stopping_criteria=[clock],
+                             **{cache_keyword(model): cache})
+        peak = torch.cuda.max_memory_allocated(dev) - before
+        device_ms = _device_step_ms(cache, replay_reps) if arm.format is not None else None
+    finally:
+        if arm.implementation != own:
+            model.set_attn_implementation(own)
+    stamps = clock.stamps
+    steps_ms = sorted(1e3 * (b - a) for a, b in zip(stamps[1:], stamps[2:]))  # after the first (capturing) step
+    tpot = steps_ms[len(steps_ms) // 2]
+    p90 = steps_ms[min(len(steps_ms) - 1, int(0.9 * len(steps_ms)))]
+    wbytes, kvbytes = weight_bytes(model), step_kv_bytes(model, arm, context, batch)
+    floor_ms = 1e3 * (wbytes + kvbytes) / (read_gbps * 1e9)
+    report = cache.decode_step.report() if getattr(cache, "decode_step", None) is not None else {}
+    del cache
+    return {
+        "arm": arm_name, "status": "ran", "context": context, "batch": batch, "new_tokens": new_tokens,
+        "tpot_ms": tpot, "tpot_p90_ms": p90, "steps_timed": len(steps_ms), "first_step_ms": 1e3 * (stamps[1] - stamps[0]),
+        "decode_tokens_per_s": 1e3 * batch / tpot, "peak_bytes": peak,
+        "device_step_ms": device_ms, "host_ms": None if device_ms is None else tpot - device_ms,
+        "host_share": None if device_ms is None else (tpot - device_ms) / tpot,
+        "capture_s": report.get("capture_s"), "step_call_ms": None if report.get("host_s_median") is None
+        else 1e3 * report["host_s_median"],
+        "weight_bytes": wbytes, "kv_bytes": kvbytes, "floor_ms": floor_ms, "tpot_over_floor": tpot / floor_ms,
+        "generate_s": stamps[-1] - t0, "tokens": out[:, context + 1:].cpu().tolist(),
+    }
+
+
+@torch.no_grad()
+def measure_prefill(model: nn.Module, arm_name: str, *, prompt_tokens: int, new_tokens: int, prefill_chunk: int,
+                    seed: int = 0) -> dict:
+    """TTFT and greedy tokens of one real prompt (batch 1) through `arm_name`, prefilled in chunks."""
+    arm = model_arm(arm_name)
+    dev = next(model.parameters()).device
+    own = model.config._attn_implementation
+    if arm.implementation != own:
+        model.set_attn_implementation(arm.implementation)
+    try:
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        cache = make_cache(model, arm, 1, prompt_tokens + new_tokens)
+        ids = torch.randint(3, int(model.config.vocab_size), (1, prompt_tokens), device=dev,
+                            generator=torch.Generator(device=dev).manual_seed(seed + 2))
+        clock = step_clock(dev)
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, prefill_chunk_size=prefill_chunk,
+                             stopping_criteria=[clock], **{cache_keyword(model): cache})
+        peak = torch.cuda.max_memory_allocated(dev) - before
+    finally:
+        if arm.implementation != own:
+            model.set_attn_implementation(own)
+    return {"arm": arm_name, "status": "ran", "prompt_tokens": prompt_tokens, "ttft_s": clock.stamps[0] - t0,
+            "peak_bytes": peak, "tokens": out[0, prompt_tokens:].cpu().tolist()}
+
+
+def sdpa_backends(head_dims: Sequence[int] = (256, 512), device: str = "cuda") -> dict:
+    """Which of torch's SDPA backends run a bf16 decode query ([1, 32, 1, d] against 16 or 4 KV heads of 1,024 keys,
+    with a boolean mask, as transformers' sdpa calls it at decode) at each head dim: {d: {backend: "ok" or error}}."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = {}
+    for d in head_dims:
+        q = torch.randn(1, 32, 1, d, device=device, dtype=torch.bfloat16)
+        k = torch.randn(1, 32, 1024, d, device=device, dtype=torch.bfloat16)
+        mask = torch.ones(1, 1, 1, 1024, device=device, dtype=torch.bool)
+        row = {}
+        for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
+            try:
+                with sdpa_kernel(getattr(SDPBackend, name)):
+                    torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+                row[name] = "ok"
+            except Exception as exc:  # the backend refuses the shape
+                row[name] = f"{type(exc).__name__}"
+        out[d] = row
+    return out
+
+
+def cache_bytes_per_sequence(model: nn.Module, arm: ModelArm, context: int) -> int:
+    """Bytes one sequence of `context` tokens holds in the arm's cache (global layers + sliding windows)."""
+    return step_kv_bytes(model, arm, context - 1, 1)
+
+
+def largest_batch(model: nn.Module, arm_name: str, context: int, *, free_bytes: int, margin_bytes: int,
+                  limit: int = 256) -> int:
+    """The largest batch of `context`-token sequences whose caches fit in `free_bytes - margin_bytes` (the margin:
+    activations, logits, the graph's pool, a DynamicCache's growth by one token per step)."""
+    per_seq = cache_bytes_per_sequence(model, model_arm(arm_name), context)
+    if model_arm(arm_name).format is None:
+        per_seq += per_seq // 10  # a DynamicCache concatenates each layer's K/V on every step: one layer held twice
+    return max(0, min(limit, (free_bytes - margin_bytes) // per_seq))
+
+
+def run_cells(fn: Callable[..., dict], cells: Sequence[dict], log: Callable[[str], None] = print) -> list[dict]:
+    """Run fn(**cell) for each cell; a cell that raises (out of memory) is recorded as "failed: ..." and the rest run."""
+    rows = []
+    for cell in cells:
+        t0 = time.perf_counter()
+        try:
+            r = fn(**cell)
+        except Exception as exc:
+            text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+            r = {k: v for k, v in cell.items() if k != "model"}
+            r["status"] = f"failed: {type(exc).__name__}: {text}"
+            torch.cuda.empty_cache()
+        rows.append(r)
+        log(f"  {r.get('arm')} {r.get('context', r.get('prompt_tokens'))} x {r.get('batch', 1)}: "
+            + (f"TPOT {r['tpot_ms']:.2f} ms ({r['tpot_over_floor']:.2f}x floor)" if "tpot_ms" in r else
+               f"TTFT {r['ttft_s']:.2f} s" if "ttft_s" in r else r["status"])
+            + f" [{time.perf_counter() - t0:.1f} s]")
+    return rows
+
+
+def decode_table(rows: Sequence[dict]) -> str:
+    from .report import markdown_table
+
+    shown = []
+    for r in rows:
+        row = {"arm": r["arm"], "context": r["context"], "batch": r["batch"], "status": r["status"]}
+        if r["status"] == "ran":
+            row.update({k: r[k] for k in ("tpot_ms", "tpot_p90_ms", "floor_ms", "tpot_over_floor",
+                                          "decode_tokens_per_s")})
+            row["peak_gib"] = r["peak_bytes"] / GIB
+            row["host"] = "n/a" if r["host_ms"] is None else f"{r['host_ms']:.2f} ms ({r['host_share']:.1%})"
+        shown.append(row)
+    return markdown_table(shown, {"arm": "arm", "context": "context", "batch": "batch", "tpot_ms": "TPOT ms",
+                                  "tpot_p90_ms": "p90 ms", "floor_ms": "floor ms", "tpot_over_floor": "TPOT / floor",
+                                  "decode_tokens_per_s": "tokens/s", "host": "host per step",
+                                  "peak_gib": "peak GiB", "status": "status"},
+                          {"context": ",d", "tpot_ms": ".2f", "tpot_p90_ms": ".2f", "floor_ms": ".2f",
+                           "tpot_over_floor": ".2f", "decode_tokens_per_s": ".1f", "peak_gib": ".1f"})
+
+
+def plot_tpot(rows: Sequence[dict], path: str | None = None):
+    """TPOT against context per arm (one panel per batch), the byte floor of the folded arm dashed."""
+    import matplotlib.pyplot as plt
+
+    ran = [r for r in rows if r["status"] == "ran"]
+    batches = sorted({r["batch"] for r in ran})
+    fig, axes = plt.subplots(1, max(len(batches), 1), figsize=(6 * max(len(batches), 1), 4), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        for arm in dict.fromkeys(r["arm"] for r in ran):
+            pts = sorted((r["context"], r["tpot_ms"]) for r in ran if r["arm"] == arm and r["batch"] == b)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=arm)
+        fl = sorted((r["context"], r["floor_ms"]) for r in ran if r["arm"] == "foldkv-folded" and r["batch"] == b)
+        if fl:
+            ax.plot([p[0] for p in fl], [p[1] for p in fl], "k--", label="floor (folded bytes)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("TPOT (ms)")
+        ax.set_title(f"batch {b}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=90)
+    return fig
+
+
+__all__ = ["MODEL_ARMS", "ModelArm", "model_arm", "make_cache", "fill_cache", "step_kv_bytes", "measure_decode",
+           "measure_prefill", "sdpa_backends", "largest_batch", "run_cells", "decode_table", "plot_tpot"]

@@ -1,0 +1,198 @@
+"""The fixed-address decode step of generate() on a FoldKvCache (`foldkv.hf_graph`, decode_step="static": what the CUDA
+graph records, run eagerly) against the eager path, on the CPU; the 31B architecture builder; caches filled to a
+context without a prefill.
+
+The model is the tiny synthetic Gemma 4 of test_hf_cpu with a sliding window of 8, so the rings wrap many times over
+a prompt of 17 and 24 new tokens; prompts are left-padded (3 lengths) and prefilled whole or in chunks. float32 model,
+float32 pools, float64 reference attention: static and eager differ only by float32 reordering (the ring's key order
+and the grouped-query layout of the sliding attention), measured <= 2e-5 here (|logit| ~ 10), under test_hf_cpu's
+FLOAT32_TOL; the broken twins move the logits by > 0.1.
+
+Reproduce one case: pytest tests/test_hf_step_cpu.py -k "static_step_equals_eager and folded and chunk-4"
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_SYNTHETIC, require_module
+from foldkv.lab.model import cache_keyword
+
+LENGTHS = (5, 17, 11)
+NEW = 24
+WINDOW = 8
+FLOAT32_TOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    require_module("transformers")
+    require_module("safetensors")
+    import foldkv.hf  # noqa: F401
+    from foldkv.lab.model import load_model
+    from foldkv.lab.synthetic import make_synthetic_checkpoint
+
+    ckpt = make_synthetic_checkpoint(tmp_path_factory.mktemp("ring"), seed=3, sliding_window=WINDOW, **TINY_SYNTHETIC)
+    return {impl: load_model(ckpt, dtype=torch.float32, attn_implementation=impl)
+            for impl in ("sdpa", "foldkv", "foldkv_eager")}
+
+
+@pytest.fixture(scope="module")
+def batch():
+    g = torch.Generator().manual_seed(1)
+    width = max(LENGTHS)
+    ids = torch.zeros(len(LENGTHS), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(LENGTHS):
+        ids[i, width - n:] = torch.randint(3, TINY_SYNTHETIC["vocab_size"], (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
+def _run(model, batch, cache=None, chunk=None):
+    ids, mask = batch
+    kw = {cache_keyword(model): cache} if cache is not None else {}
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, prefill_chunk_size=chunk, **kw)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits).float()
+
+
+def _cache(model, fmt="folded", **kw):
+    from foldkv.hf import FoldKvCache
+
+    return FoldKvCache(model, max_batch=4, max_tokens=max(LENGTHS) + NEW, kv_format=fmt, scatter_seed=5, **kw)
+
+
+@pytest.fixture(scope="module")
+def incumbent(models, batch):
+    return _run(models["sdpa"], batch)
+
+
+@pytest.mark.parametrize("chunk", [None, 4], ids=["whole", "chunk-4"])
+@pytest.mark.parametrize("impl", ["foldkv", "foldkv_eager"])
+@pytest.mark.parametrize("fmt", ["folded", "split"])
+def test_static_step_equals_eager(models, batch, incumbent, fmt, impl, chunk):
+    model = models[impl]
+    eager_cache, static_cache = _cache(model, fmt, decode_step="eager"), _cache(model, fmt, decode_step="static")
+    eager, static = _run(model, batch, eager_cache, chunk), _run(model, batch, static_cache, chunk)
+    # a last prompt chunk of one column is a decode step too (17 columns in chunks of 4)
+    assert static_cache.decode_step.steps == NEW - 1 + (chunk is not None and max(LENGTHS) % chunk == 1)
+    assert eager_cache.decode_step is None
+    assert torch.equal(static[0], eager[0]) and torch.equal(static[0], incumbent[0])
+    gap = float((static[1] - eager[1]).abs().max())
+    assert gap <= FLOAT32_TOL, f"static vs eager logits {gap:.3g}"
+    assert [layer.lengths[:3] for layer in static_cache.global_layers] == [
+        [n + NEW - 1 for n in LENGTHS]] * len(static_cache.global_layers)
+    assert static_cache.get_seq_length() == max(LENGTHS) + NEW - 1
+
+
+@pytest.mark.parametrize("broken", ["ring_mask_drops_the_oldest", "position_one_behind", "slot_one_behind"])
+def test_broken_step_changes_the_generation(models, batch, incumbent, broken, monkeypatch):
+    """Red twins: a mask that hides the oldest column of the window, a position one short, a ring slot one short
+    (the new key overwrites the previous column): each moves the logits far past the tolerance."""
+    from foldkv import hf_graph
+
+    own = hf_graph.DecodeStep._prologue
+
+    def prologue(self):
+        own(self)
+        if broken == "ring_mask_drops_the_oldest":
+            t = self.col
+            held = t - torch.remainder(t - self.slots, self.window)
+            self.mask &= (held > t - self.window + 1)[None, None, None, :]
+        elif broken == "position_one_behind":
+            self.pos.sub_(1)
+        else:
+            self.slot.copy_(torch.remainder(self.col - 1, self.window))
+
+    monkeypatch.setattr(hf_graph.DecodeStep, "_prologue", prologue)
+    _, logits = _run(models["foldkv"], batch, _cache(models["foldkv"], decode_step="static"))
+    gap = float((logits - incumbent[1]).abs().max())
+    assert gap > 0.1, f"{broken}: the logits moved only {gap:.3g}"
+
+
+def test_a_prompt_after_decoding_is_refused(models, batch):
+    from foldkv import FoldKvInputError
+
+    model = models["foldkv"]
+    cache = _cache(model, decode_step="static")
+    _run(model, batch, cache)
+    ids, mask = batch
+    with pytest.raises(FoldKvInputError, match="decodes one token per sequence since its decode step began"):
+        model(input_ids=ids[:, :2], attention_mask=mask[:, :2], **{cache_keyword(model): cache})
+    cache.reset()  # a reset cache serves a new prompt
+    assert torch.equal(_run(model, batch, cache)[0], _run(model, batch, _cache(model, decode_step="eager"))[0])
+
+
+def test_decode_step_refusals(models):
+    from foldkv import FoldKvInputError
+
+    with pytest.raises(FoldKvInputError, match="decode_step='graph' captures the kernels' decode"):
+        _cache(models["foldkv"], decode_step="graph")
+    with pytest.raises(FoldKvInputError, match="decode_step='fast'"):
+        _cache(models["foldkv"], decode_step="fast")
+
+
+def test_the_31b_architecture_counts_its_parameters():
+    require_module("transformers")
+    from foldkv.lab import gemma31b
+
+    assert gemma31b.count_parameters() == gemma31b.PARAMETERS_31B == 30_697_345_280
+    cfg = gemma31b.gemma4_31b_config()
+    assert cfg["layer_types"].count("full_attention") == 10 and len(cfg["layer_types"]) == 60
+
+
+def test_the_31b_builder_sets_what_to_empty_leaves_uninitialised():
+    """A shrunk build (6 layers, small width and vocab) on the CPU: every buffer equals the one the model computes
+    when built normally, the LM head is tied, no parameter is zero or repeated (seeded per tensor)."""
+    require_module("transformers")
+    from transformers import Gemma4ForCausalLM
+
+    from foldkv.lab import gemma31b
+
+    small = dict(vocab_size=512, vocab_size_per_layer_input=512, hidden_size=128, intermediate_size=256)
+    model = gemma31b.build_gemma4_31b("cpu", num_layers=6, dtype=torch.float32, **small)
+    ref = Gemma4ForCausalLM(gemma31b._text_config(gemma31b.gemma4_31b_config(num_layers=6, dtype="float32", **small),
+                                                  "sdpa"))
+    got, want = dict(model.named_buffers()), dict(ref.named_buffers())
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    params = list(model.parameters())
+    assert all(bool(p.abs().sum() > 0) for p in params)
+    again = gemma31b.build_gemma4_31b("cpu", num_layers=6, dtype=torch.float32, **small)
+    assert all(torch.equal(a, b) for a, b in zip(params, again.parameters()))
+
+
+@pytest.mark.parametrize("arm", ["foldkv-folded", "foldkv-split", "foldkv-fp8", "sdpa"])
+def test_a_filled_cache_decodes(models, arm):
+    """model_decode.fill_cache: the cache holds the context (lengths, columns, the sliding windows) and generate()
+    feeds only the one prompt token it lacks, then decodes through the step (foldkv) or its own cache (sdpa)."""
+    from foldkv.lab import model_decode as md
+
+    spec = md.model_arm(arm)
+    model = models["foldkv" if spec.format is not None else "sdpa"]
+    context, b = 40, 2
+    if spec.format is None:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+    else:
+        from foldkv.hf import FoldKvCache
+
+        dtype = spec.dtype if spec.dtype == torch.float8_e4m3fn else torch.float32
+        cache = FoldKvCache(model, max_batch=b, max_tokens=context + 1 + 6, kv_format=spec.format, dtype=dtype,
+                            decode_step="static")
+    md.fill_cache(cache, model, context, b)
+    assert cache.get_seq_length() == context
+    ids = torch.randint(3, TINY_SYNTHETIC["vocab_size"], (b, context + 1))
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                         do_sample=False, **{cache_keyword(model): cache})
+    assert out.shape == (b, context + 7)
+    assert cache.get_seq_length() == context + 6
+    if spec.format is not None:
+        assert cache.decode_step.steps == 6  # the prompt's one missing token was the first step
+    per_token = md.step_kv_bytes(model, spec, context, b) - md.step_kv_bytes(model, spec, context - 1, b)
+    assert per_token > 0
