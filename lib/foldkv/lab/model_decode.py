@@ -21,6 +21,7 @@ same process.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -59,6 +60,16 @@ def model_arm(name: str) -> ModelArm:
         return MODEL_ARMS[name]
     except KeyError:
         raise ValueError(f"unknown arm {name!r}; expected one of {list(MODEL_ARMS)}") from None
+
+
+def _fresh_memory(dev: torch.device) -> int:
+    """Free the previous cell's caches (a FoldKvCache and its decode step refer to each other: only the cyclic
+    collector frees them), reset the peak counter; returns the bytes allocated now."""
+    gc.collect()
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    return torch.cuda.memory_allocated(dev)
 
 
 def make_cache(model: nn.Module, arm: ModelArm, batch: int, max_tokens: int):
@@ -176,10 +187,7 @@ def measure_decode(model: nn.Module, arm_name: str, *, context: int, batch: int,
         model.set_attn_implementation(arm.implementation)
     cache = None
     try:
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        before = torch.cuda.memory_allocated(dev)
+        before = _fresh_memory(dev)
         cache = make_cache(model, arm, batch, context + 1 + new_tokens + replay_reps)
         fill_cache(cache, model, context, batch, seed=seed)
         ids = torch.randint(3, int(model.config.vocab_size), (batch, context + 1), device=dev,
@@ -225,10 +233,7 @@ def measure_prefill(model: nn.Module, arm_name: str, *, prompt_tokens: int, new_
     if arm.implementation != own:
         model.set_attn_implementation(arm.implementation)
     try:
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        before = torch.cuda.memory_allocated(dev)
+        before = _fresh_memory(dev)
         cache = make_cache(model, arm, 1, prompt_tokens + new_tokens)
         ids = torch.randint(3, int(model.config.vocab_size), (1, prompt_tokens), device=dev,
                             generator=torch.Generator(device=dev).manual_seed(seed + 2))
@@ -243,6 +248,49 @@ def measure_prefill(model: nn.Module, arm_name: str, *, prompt_tokens: int, new_
             model.set_attn_implementation(own)
     return {"arm": arm_name, "status": "ran", "prompt_tokens": prompt_tokens, "ttft_s": clock.stamps[0] - t0,
             "peak_bytes": peak, "tokens": out[0, prompt_tokens:].cpu().tolist()}
+
+
+@torch.no_grad()
+def step_kernels(model: nn.Module, arm_name: str = "foldkv-folded", *, context: int = 4096, batch: int = 1,
+                 top: int = 12) -> list[dict]:
+    """Where one decode step's device time goes: one step of `arm_name`'s fixed-address step run eagerly
+    (decode_step="static": the kernels its graph replays) under torch.profiler, its kernels grouped by name, the
+    `top` longest: [{"kernel", "calls", "ms", "share"}] (share of the step's kernel time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    arm = model_arm(arm_name)
+    dev = next(model.parameters()).device
+    own = model.config._attn_implementation
+    model.set_attn_implementation(arm.implementation)
+    try:
+        _fresh_memory(dev)
+        from ..hf import FoldKvCache
+
+        cache = FoldKvCache(model, max_batch=batch, max_tokens=context + 4, kv_format=arm.format, dtype=arm.dtype,
+                            decode_step="static")
+        fill_cache(cache, model, context, batch)
+        ids = torch.randint(3, int(model.config.vocab_size), (batch, context + 1), device=dev)
+        kw = {cache_keyword(model): cache}
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
+                       do_sample=False, **kw)  # the first steps: every kernel built
+        ids = torch.cat([ids, ids[:, -2:]], 1)
+        torch.cuda.synchronize(dev)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                           **kw)
+            torch.cuda.synchronize(dev)
+    finally:
+        model.set_attn_implementation(own)
+    rows: dict[str, list] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        t = getattr(e, "cuda_time_total", 0.0) if t is None else t
+        if t > 0 and e.device_type.name == "CUDA":
+            rows[e.key] = [e.count, t / 1e3]
+    total = sum(ms for _, ms in rows.values()) or 1.0
+    out = [{"kernel": k[:90], "calls": c, "ms": ms, "share": ms / total}
+           for k, (c, ms) in sorted(rows.items(), key=lambda kv: -kv[1][1])]
+    return out[:top]
 
 
 def sdpa_backends(head_dims: Sequence[int] = (256, 512), device: str = "cuda") -> dict:
@@ -291,12 +339,15 @@ def run_cells(fn: Callable[..., dict], cells: Sequence[dict], log: Callable[[str
             r = fn(**cell)
         except Exception as exc:
             text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-            r = {k: v for k, v in cell.items() if k != "model"}
+            r = {("arm" if k == "arm_name" else k): v for k, v in cell.items() if k != "model"}
             r["status"] = f"failed: {type(exc).__name__}: {text}"
+            gc.collect()
             torch.cuda.empty_cache()
         rows.append(r)
         log(f"  {r.get('arm')} {r.get('context', r.get('prompt_tokens'))} x {r.get('batch', 1)}: "
-            + (f"TPOT {r['tpot_ms']:.2f} ms ({r['tpot_over_floor']:.2f}x floor)" if "tpot_ms" in r else
+            + (f"TPOT {r['tpot_ms']:.2f} ms ({r['tpot_over_floor']:.2f}x floor, device step "
+               + ("n/a" if r["device_step_ms"] is None else f"{r['device_step_ms']:.2f} ms") + ")"
+               if "tpot_ms" in r else
                f"TTFT {r['ttft_s']:.2f} s" if "ttft_s" in r else r["status"])
             + f" [{time.perf_counter() - t0:.1f} s]")
     return rows
@@ -349,4 +400,4 @@ def plot_tpot(rows: Sequence[dict], path: str | None = None):
 
 
 __all__ = ["MODEL_ARMS", "ModelArm", "model_arm", "make_cache", "fill_cache", "step_kv_bytes", "measure_decode",
-           "measure_prefill", "sdpa_backends", "largest_batch", "run_cells", "decode_table", "plot_tpot"]
+           "measure_prefill", "step_kernels", "sdpa_backends", "largest_batch", "run_cells", "decode_table", "plot_tpot"]
