@@ -37,8 +37,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import contextlib
+
 import torch
-import torch.nn.functional as F
 
 from .prep import fold_query, rows_from_key_value, store_rows
 from .reference import paged_attention_reference
@@ -58,14 +59,21 @@ class RingMask:
 
 def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    mask: RingMask) -> tuple[torch.Tensor, None]:
-    """A sliding layer's decode attention over its ring. query [B, Hq, 1, d], key/value [B, Hkv, W, d]: each KV head's
-    query heads (h = kv * group + r, transformers' repeat_kv order) become its query rows. Returns ([B, 1, Hq, d],
-    None), what transformers' attention functions return."""
+    """A sliding layer's decode attention over its ring, computed as transformers' eager attention computes it (scores
+    by a matmul in the model's dtype, softmax in float32, rounded back, a matmul with V). query [B, Hq, 1, d],
+    key/value [B, Hkv, W, d]: each KV head's query heads (h = kv * group + r, transformers' repeat_kv order) become
+    that head's query rows, so no K/V is repeated. Two batched matmuls over B x Hkv heads keep the whole chip busy
+    where an SDPA kernel parallel over heads and query rows runs B x Hkv CTAs (16 at batch 1). Returns
+    ([B, 1, Hq, d], None), what transformers' attention functions return."""
     b, hq, _, d = query.shape
     hkv = key.shape[1]
     q = query.reshape(b, hkv, hq // hkv, d)
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask.mask, scale=float(module.scaling))
-    return out.reshape(b, 1, hq, d), None
+    scores = torch.matmul(q, key.transpose(-1, -2))  # [B, Hkv, group, W]
+    if float(module.scaling) != 1.0:
+        scores = scores * float(module.scaling)
+    scores = scores.float().masked_fill(~mask.mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value).reshape(b, 1, hq, d), None
 
 
 class DecodeStep:
@@ -179,6 +187,8 @@ class DecodeStep:
                       "sliding_attention": RingMask(self.mask)}
         self.started = True
         self.forward = forward
+        self.model = getattr(forward, "__self__", None)
+        self.fuse_norms = dev.type == "cuda" and self.model is not None
         if self.mode == "static":
             return self._body(forward)
         from .kernels.workspace import capture_graph
@@ -209,6 +219,8 @@ class DecodeStep:
             at = torch.arange(cols - n, cols, device=keys.device) % self.window
             ring_k[:, :, at] = keys
             ring_v[:, :, at] = values
+        # the ring holds them now: the dynamic layer keeps empty tensors (its memory goes back)
+        layer.keys, layer.values = keys[:, :, :0].clone(), values[:, :, :0].clone()
         return ring_k, ring_v
 
     def _prologue(self) -> None:
@@ -225,9 +237,17 @@ class DecodeStep:
         self.store_offsets.copy_(torch.remainder(p, page))
 
     def _body(self, forward: Callable) -> Any:
-        """One decode step over the fixed tensors (what the graph records)."""
+        """One decode step over the fixed tensors (what the graph records); on CUDA the model's RMSNorms run as one
+        kernel each (`foldkv.fused_rms_norm`)."""
         self._prologue()
-        out = forward(input_ids=self.ids, attention_mask=self.masks, position_ids=self.pos, **self.kwargs)
+        if self.fuse_norms:
+            from .fused_rms_norm import fused_norms
+
+            fused = fused_norms(self.model)
+        else:
+            fused = contextlib.nullcontext()
+        with fused:
+            out = forward(input_ids=self.ids, attention_mask=self.masks, position_ids=self.pos, **self.kwargs)
         self.col.add_(1)
         return out
 

@@ -101,7 +101,7 @@ def fill_cache(cache, model: nn.Module, context: int, batch: int, *, seed: int =
     g = torch.Generator(device=dev).manual_seed(seed)
 
     def rand(*shape):
-        return torch.randn(*shape, generator=g, device=dev, dtype=torch.float32).to(dtype)
+        return torch.randn(*shape, generator=g, device=dev, dtype=dtype)
 
     if isinstance(cache, FoldKvCache):
         cache.batch = batch
@@ -323,10 +323,18 @@ def cache_bytes_per_sequence(model: nn.Module, arm: ModelArm, context: int) -> i
 def largest_batch(model: nn.Module, arm_name: str, context: int, *, free_bytes: int, margin_bytes: int,
                   limit: int = 256) -> int:
     """The largest batch of `context`-token sequences whose caches fit in `free_bytes - margin_bytes` (the margin:
-    activations, logits, the graph's pool, a DynamicCache's growth by one token per step)."""
-    per_seq = cache_bytes_per_sequence(model, model_arm(arm_name), context)
-    if model_arm(arm_name).format is None:
-        per_seq += per_seq // 10  # a DynamicCache concatenates each layer's K/V on every step: one layer held twice
+    activations, logits, the graph's pool). transformers' sdpa at a decode step also holds, per sequence, one global
+    layer's K/V twice (DynamicCache's concatenation) and repeated to every query head (repeat_kv: a [Hq, T, D] K and
+    V), counted here."""
+    from ..hf import global_geometry, global_layer_indices, text_model_of
+
+    arm = model_arm(arm_name)
+    per_seq = cache_bytes_per_sequence(model, arm, context)
+    if arm.format is None:
+        text = text_model_of(model)
+        geom = global_geometry(text, text.layers[global_layer_indices(text)[0]].self_attn)
+        elem = next(model.parameters()).element_size()
+        per_seq += 2 * context * (geom.num_kv_heads + geom.num_q_heads) * geom.head_dim * elem
     return max(0, min(limit, (free_bytes - margin_bytes) // per_seq))
 
 
