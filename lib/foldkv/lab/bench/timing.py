@@ -5,9 +5,7 @@ result dict with medians, spreads, % of roof and paired speedups."""
 from __future__ import annotations
 
 import math
-import os
 import time
-import traceback
 from typing import Any, Callable, Sequence
 
 import torch
@@ -15,39 +13,13 @@ import torch
 from ...kernels.workspace import capture_graph
 from ..arms import ArmUnavailable
 from ..jsonsafe import jsonable
-from .arms import DECODE_ARMS, GUARD_VALUE, PREFILL_ARMS, ArmImpl, ArmSpec
-from .case import POOL_KINDS
-from .case import AttentionCase
+from .arms import DECODE_ARMS, PREFILL_ARMS
+from .case import POOL_KINDS, AttentionCase
+from .clock import err_text, time_events
+from .spec import GUARD_VALUE, ArmImpl, ArmSpec
 from .stats import paired_ratios, pct_of_roof, summarize
 
 CHECK_REL_TOL = 3e-2  # bf16 operands, split vs folded rounding of K: measured errors sit near 1e-2 at most
-
-
-def time_events(fn: Callable[[], Any], reps: int, warmup: int, cuda: bool = True) -> list[float]:
-    """µs per call of fn, one sample per call: CUDA events, or the host clock when `cuda` is False."""
-    for _ in range(warmup):
-        fn()
-    if not cuda:
-        out = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e6)
-        return out
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) * 1e3 for a, b in ev]
-
-
-def err_text(exc: BaseException) -> str:
-    """An exception as recorded: its type, text and the place it was raised."""
-    tb = traceback.extract_tb(exc.__traceback__)
-    where = f" (at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno})" if tb else ""
-    return f"{type(exc).__name__}: {str(exc)[:400]}{where}"
 
 
 def _reason(exc: BaseException) -> str:
