@@ -4,7 +4,6 @@ the read roof the newest committed H200 run measured. GB/s = 1e9 bytes/s, TFLOP/
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
