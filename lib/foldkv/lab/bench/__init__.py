@@ -39,16 +39,16 @@ from .plots import mark_redrawn
 from .run import BenchRun
 from .spec import ArmImpl, ArmSpec
 from .stats import paired_ratios, pct_of_roof, summarize
-from .tables import (ISSUE15_TARGET, fp8_prefill_rows, fp8_target_rows, fp8_targets_markdown)
-from .tables import (ISSUE14_TARGETS, DecodeTarget, arm_cell_text, arm_names, best_folded, best_split, cells_of,
+from .tables import (FP8_DECODE_TARGET, fp8_prefill_rows, fp8_target_rows, fp8_targets_markdown)
+from .tables import (DECODE_TARGETS, DecodeTarget, arm_cell_text, arm_names, best_folded, best_split, cells_of,
                      conclusions, markdown_table, prediction_table, series, target_conclusions, target_rows,
                      targets_markdown, verdicts)
 from .timing import CHECK_REL_TOL, check_arm, run_cell
 
 __all__ = [
     "host_time_markdown", "plan_host_times", "workspace_arm", "fp8_prefill_rows", "fp8_target_rows", "fp8_targets_markdown",
-    "ISSUE15_TARGET", "READ_FOLDED_FP8",
-    "ISSUE14_TARGETS", "READ_FOLDED", "SERVING_CASES", "STREAM_READ_MAX_BYTES", "DecodeTarget", "best_split",
+    "FP8_DECODE_TARGET", "READ_FOLDED_FP8",
+    "DECODE_TARGETS", "READ_FOLDED", "SERVING_CASES", "STREAM_READ_MAX_BYTES", "DecodeTarget", "best_split",
     "serving_cases", "stream_read_buffers", "target_conclusions", "target_rows", "targets_markdown",
     "ArmImpl", "ArmSpec", "AttentionCase", "BenchRun", "CHECK_REL_TOL", "DECODE_ARMS", "DEFAULT_DECODE_ARMS",
     "DEFAULT_PREFILL_ARMS", "DEFAULT_ROTATE_BYTES", "L2_BYTES", "PREFILL_ARMS", "RESULTS_GLOB", "RESULTS_NAME",
