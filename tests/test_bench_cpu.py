@@ -17,6 +17,7 @@ from foldkv.lab import bench
 from foldkv.lab.arms import ArmUnavailable
 from foldkv.lab.bench import ArmImpl
 from foldkv.lab.jsonsafe import jsonable
+from foldkv.layout import KvFormat
 from foldkv.provenance import checkout_root
 
 NOTEBOOK = os.path.join(checkout_root(), "notebooks", "04_benchmarks.ipynb")
@@ -117,7 +118,7 @@ def _register(monkeypatch, name, build, *, fmt="folded", peer=False, generated=F
 def _torch_like(log, tag, scale=1.0):
     """An arm that computes the right answer (through the torch peer) and logs each call."""
     def build(case):
-        inner = bench.torch_decode_arm(case.pools("split"), case.query("split"), case.table_cpu)
+        inner = bench.torch_decode_arm(case.pools(KvFormat.SPLIT), case.query(KvFormat.SPLIT), case.table_cpu)
 
         def call(c):
             log.append(tag)
@@ -201,11 +202,11 @@ def test_the_check_catches_unwritten_and_wrong_outputs(monkeypatch):
 
 def test_copies_rotate_past_the_l2():
     case = bench.AttentionCase([1024], device="cpu")  # default: 4 x 60 MB across the copies
-    one = case.layout("folded").nbytes
-    n = case.copies_for("folded")
+    one = case.layout(KvFormat.FOLDED).nbytes
+    n = case.copies_for(KvFormat.FOLDED)
     assert n * one >= bench.DEFAULT_ROTATE_BYTES and (n - 1) * one < bench.DEFAULT_ROTATE_BYTES
     big = bench.AttentionCase([163_336], device="cpu")
-    assert big.copies_for("split") == 2  # one copy is far past L2; still two, so no call re-reads the last one's pages
+    assert big.copies_for(KvFormat.SPLIT) == 2  # one copy is far past L2; still two, so no call re-reads the last one's pages
 
 
 # --- JSON, verdicts, redraw ----------------------------------------------------------------------------------------
@@ -430,7 +431,7 @@ def test_reference_rows_are_the_full_paged_reference_at_those_rows():
                                max_copies=1)
     ref = case.reference()
     assert ref["rows"].numel() == bench.case.CHECK_ROWS and ref["out"].dtype == torch.float64
-    full, _ = paged_attention_reference(case.pools("split")[0], case.query("split"), case.table_cpu,
+    full, _ = paged_attention_reference(case.pools(KvFormat.SPLIT)[0], case.query(KvFormat.SPLIT), case.table_cpu,
                                         torch.tensor(case.q_lens))
     torch.testing.assert_close(ref["out"], full[ref["rows"]], rtol=1e-12, atol=1e-12)  # float64: summation order only
     assert not torch.allclose(ref["out"], full[ref["rows"].roll(1)], rtol=1e-3)  # the rows are not interchangeable

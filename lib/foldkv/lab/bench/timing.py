@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ...kernels.workspace import capture_graph
+from ...layout import KvFormat
 from ..arms import ArmUnavailable
 from ..jsonsafe import jsonable
 from .arms import DECODE_ARMS, PREFILL_ARMS
@@ -164,8 +165,8 @@ def run_cell(cell: str, kind: str, case: AttentionCase, arms: Sequence[str | Arm
         "cell": cell, "kind": kind, "batch": len(case.seq_lens), "seq_lens": case.seq_lens, "q_lens": case.q_lens,
         "context": max(case.seq_lens), "tokens": sum(case.seq_lens), "rounds": rounds, "warmup": warmup,
         "bytes": {f: case.step_bytes(f) for f in POOL_KINDS},
-        "pool_bytes": {f: case.layout(f).nbytes for f in ("split", "folded")},
-        "copies": {f: case.copies_for(f) for f in ("split", "folded")},
+        "pool_bytes": {f.value: case.layout(f).nbytes for f in (KvFormat.SPLIT, KvFormat.FOLDED)},
+        "copies": {f.value: case.copies_for(f) for f in (KvFormat.SPLIT, KvFormat.FOLDED)},
         "arms": {}, "speedup": {},
     }
     if kind == "prefill":
