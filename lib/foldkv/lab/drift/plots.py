@@ -57,12 +57,13 @@ def plot_gap_distribution(results: dict, path: str | None = None):
     ax_c.set_ylabel("fraction of steps ≤ x")
     ax_h.set_title("histogram")
     ax_c.set_title("CDF")
-    ax_c.legend(fontsize=8)
-    return _laid_out(fig, path)
+    return _laid_out(fig, path, legend_on=ax_c)
 
 
-def _laid_out(fig, path: str | None):
-    """The figure laid out, saved to `path` when given (the run folder keeps the PNG), returned."""
+def _laid_out(fig, path: str | None, legend_on):
+    """The figure with its legend on the panel `legend_on`, laid out, saved to `path` when given (the run folder keeps
+    the PNG), returned."""
+    legend_on.legend(fontsize=8)
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=90)
@@ -101,5 +102,4 @@ def plot_gap_vs_step_and_length(results: dict, path: str | None = None):
     ax_s.set_xlabel("step (0 = prefill's last row; dotted = median over cells)")
     ax_l.set_xlabel("prompt length (tokens)")
     ax_l.set_xscale("log")
-    ax_s.legend(fontsize=8)
-    return _laid_out(fig, path)
+    return _laid_out(fig, path, legend_on=ax_s)
