@@ -6,8 +6,8 @@ decode on a split pool of the same values. Timed by `foldkv.lab.bench.run_cell` 
 the float64 reference first, CUDA-graph replays, arms interleaved round by round). Prints a table last.
 
 Cases (the serving batches): ragged batches of 8, 32, 64 and 128 requests with lengths uniform in 1K-48K and a
-long-tail mix of 64 (90% of 1-4K, 10% of 64K-200K), drawn by `foldkv.lab.bench.serving_cases` (the batches notebook 04 measures);
-one request at 10,602, 40,002 and 131,072 tokens.
+long-tail mix of 64 (90% of 1-4K, 10% of 64K-200K), drawn by `foldkv.lab.bench.serving_cases` (the batches notebook 04
+measures); one request at 10,602, 40,002 and 131,072 tokens.
 
     python bench/plan_harness.py --json $OUT/plan.json          # on the H200 (source .devsite/env.sh first)
     python bench/plan_harness.py --plans                          # CPU: the two plans' chunk counts and estimates
