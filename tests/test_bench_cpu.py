@@ -206,7 +206,8 @@ def test_copies_rotate_past_the_l2():
     n = case.copies_for(KvFormat.FOLDED)
     assert n * one >= bench.DEFAULT_ROTATE_BYTES and (n - 1) * one < bench.DEFAULT_ROTATE_BYTES
     big = bench.AttentionCase([163_336], device="cpu")
-    assert big.copies_for(KvFormat.SPLIT) == 2  # one copy is far past L2; still two, so no call re-reads the last one's pages
+    # one copy is far past L2; still two, so no call re-reads the last one's pages
+    assert big.copies_for(KvFormat.SPLIT) == 2
 
 
 # --- JSON, verdicts, redraw ----------------------------------------------------------------------------------------

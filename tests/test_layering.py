@@ -132,8 +132,8 @@ def test_the_check_flags_a_runtime_file_that_imports_the_lab(tmp_path):
 
 # --- no import circle inside the lab ---------------------------------------------------------------------------------
 def _is_type_checking(node: ast.AST) -> bool:
-    return isinstance(node, ast.If) and ((isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
-                                         or (isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING"))
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in (getattr(test, "id", None), getattr(test, "attr", None))
 
 
 def _run_time_nodes(tree: ast.AST):

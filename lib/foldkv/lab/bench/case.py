@@ -40,9 +40,10 @@ LONGTAIL_EVERY = 10  # request i is long when i % LONGTAIL_EVERY == 0: exactly 1
 def serving_cases(seed: int = 0, names: Sequence[str] | None = None, *, scale: float = 1.0) -> dict[str, list[int]]:
     """The batches a server sees (the serving batches the decode targets hold), by name: "uniform<B>" (B requests,
     lengths uniform in UNIFORM_TOKENS) and "longtail64" (64 requests; every LONGTAIL_EVERY-th uniform in
-    LONGTAIL_LONG, the rest in LONGTAIL_SHORT). Every case is drawn from one seeded stream in SERVING_CASES order whatever `names` asks for, so a
-    case's lengths depend on the seed only. `scale` < 1 shrinks every length (at least 1 token) for a pipeline check
-    on the CPU; the batch sizes stay. Raises ValueError for an unknown name or a scale outside (0, 1]."""
+    LONGTAIL_LONG, the rest in LONGTAIL_SHORT). Every case is drawn from one seeded stream in SERVING_CASES order
+    whatever `names` asks for, so a case's lengths depend on the seed only. `scale` < 1 shrinks every length (at
+    least 1 token) for a pipeline check on the CPU; the batch sizes stay. Raises ValueError for an unknown name or a
+    scale outside (0, 1]."""
     unknown = [n for n in (names or ()) if n not in SERVING_CASES]
     if unknown:
         raise ValueError(f"unknown serving case(s) {unknown}; expected some of {list(SERVING_CASES)}")
