@@ -7,12 +7,13 @@ import sys
 import torch
 sys.path.insert(0, "bench")
 from foldkv.lab.bench.case import AttentionCase
+from foldkv.layout import KvFormat
 from foldkv.kernels.decode import decode, plan_decode
 
 which, length, repeat = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 dev = torch.device("cuda")
 case = AttentionCase([length], device=dev, min_copies=1, max_copies=1, rotate_bytes=0)
-pool, query, table = case.pools("folded")[0], case.query("folded"), case.table
+pool, query, table = case.pools(KvFormat.FOLDED)[0], case.query(KvFormat.FOLDED), case.table
 plan = plan_decode(pool.layout, case.table_cpu.seq_lens, device=dev)
 kw = {}
 if which.startswith("ll"):

@@ -5,9 +5,9 @@ run: a plain streaming read of the folded pool's bytes (the lab's `read_folded` 
 decode on a split pool of the same values. Timed by `foldkv.lab.bench.run_cell` (outputs poisoned and checked against
 the float64 reference first, CUDA-graph replays, arms interleaved round by round). Prints a table last.
 
-Cases (issue 14's): ragged batches of 8, 32, 64 and 128 requests with lengths uniform in 1K-48K and a long-tail mix
-of 64 (90% of 1-4K, 10% of 64K-200K), drawn by `foldkv.lab.bench.serving_cases` (the batches notebook 04 measures);
-one request at 10,602, 40,002 and 131,072 tokens.
+Cases (the serving batches): ragged batches of 8, 32, 64 and 128 requests with lengths uniform in 1K-48K and a
+long-tail mix of 64 (90% of 1-4K, 10% of 64K-200K), drawn by `foldkv.lab.bench.serving_cases` (the batches notebook 04
+measures); one request at 10,602, 40,002 and 131,072 tokens.
 
     python bench/plan_harness.py --json $OUT/plan.json          # on the H200 (source .devsite/env.sh first)
     python bench/plan_harness.py --plans                          # CPU: the two plans' chunk counts and estimates
@@ -44,7 +44,7 @@ SINGLE_LENGTHS = (10602, 40002, 131072)
 
 
 def cases(seed: int = 0) -> dict[str, list[int]]:
-    """Issue 14's batches (the lab's `serving_cases`, the ones notebook 04 measures) and one request at each of
+    """The serving batches (the lab's `serving_cases`, the ones notebook 04 measures) and one request at each of
     SINGLE_LENGTHS."""
     return {**serving_cases(seed), **{f"single{n}": [n] for n in SINGLE_LENGTHS}}
 

@@ -17,6 +17,7 @@ from foldkv.lab import bench
 from foldkv.lab.arms import ArmUnavailable
 from foldkv.lab.bench import ArmImpl
 from foldkv.lab.jsonsafe import jsonable
+from foldkv.layout import KvFormat
 from foldkv.provenance import checkout_root
 
 NOTEBOOK = os.path.join(checkout_root(), "notebooks", "04_benchmarks.ipynb")
@@ -117,7 +118,7 @@ def _register(monkeypatch, name, build, *, fmt="folded", peer=False, generated=F
 def _torch_like(log, tag, scale=1.0):
     """An arm that computes the right answer (through the torch peer) and logs each call."""
     def build(case):
-        inner = bench.torch_decode_arm(case.pools("split"), case.query("split"), case.table_cpu)
+        inner = bench.torch_decode_arm(case.pools(KvFormat.SPLIT), case.query(KvFormat.SPLIT), case.table_cpu)
 
         def call(c):
             log.append(tag)
@@ -201,11 +202,12 @@ def test_the_check_catches_unwritten_and_wrong_outputs(monkeypatch):
 
 def test_copies_rotate_past_the_l2():
     case = bench.AttentionCase([1024], device="cpu")  # default: 4 x 60 MB across the copies
-    one = case.layout("folded").nbytes
-    n = case.copies_for("folded")
+    one = case.layout(KvFormat.FOLDED).nbytes
+    n = case.copies_for(KvFormat.FOLDED)
     assert n * one >= bench.DEFAULT_ROTATE_BYTES and (n - 1) * one < bench.DEFAULT_ROTATE_BYTES
     big = bench.AttentionCase([163_336], device="cpu")
-    assert big.copies_for("split") == 2  # one copy is far past L2; still two, so no call re-reads the last one's pages
+    # one copy is far past L2; still two, so no call re-reads the last one's pages
+    assert big.copies_for(KvFormat.SPLIT) == 2
 
 
 # --- JSON, verdicts, redraw ----------------------------------------------------------------------------------------
@@ -430,7 +432,7 @@ def test_reference_rows_are_the_full_paged_reference_at_those_rows():
                                max_copies=1)
     ref = case.reference()
     assert ref["rows"].numel() == bench.case.CHECK_ROWS and ref["out"].dtype == torch.float64
-    full, _ = paged_attention_reference(case.pools("split")[0], case.query("split"), case.table_cpu,
+    full, _ = paged_attention_reference(case.pools(KvFormat.SPLIT)[0], case.query(KvFormat.SPLIT), case.table_cpu,
                                         torch.tensor(case.q_lens))
     torch.testing.assert_close(ref["out"], full[ref["rows"]], rtol=1e-12, atol=1e-12)  # float64: summation order only
     assert not torch.allclose(ref["out"], full[ref["rows"].roll(1)], rtol=1e-3)  # the rows are not interchangeable
@@ -476,7 +478,7 @@ def test_the_stream_read_arm_needs_cuda():
         bench.stream_read_arm(1 << 20, "cpu", copies=2)
 
 
-# --- issue 14: the serving cases, the plain-read arm's memory, the targets ------------------------------------------
+# --- the serving cases, the plain-read arm's memory, the decode targets --------------------------------------------
 def test_serving_cases_are_seeded_and_hold_their_sizes_and_ranges():
     cases = bench.serving_cases(0)
     assert list(cases) == list(bench.SERVING_CASES)
@@ -568,7 +570,7 @@ def _target_cell(name, context, folded, read, fi_tc, split, batch=1):
     return dict(_cell(name, context, arms), batch=batch)
 
 
-def test_issue14_targets_are_computed_per_cell_met_and_not_met():
+def test_decode_targets_are_computed_per_cell_met_and_not_met():
     doc = _doc([
         _target_cell("batch/uniform64", 48_000, folded=105.0, read=100.0, fi_tc=160.0, split=150.0, batch=64),  # met
         _target_cell("batch/longtail64", 200_000, folded=112.0, read=100.0, fi_tc=160.0, split=150.0, batch=64),
@@ -583,22 +585,22 @@ def test_issue14_targets_are_computed_per_cell_met_and_not_met():
     bad = rows["batch/longtail64"]  # red twins: each bound missed by one cell
     assert bad["met"] is False and bad["x_read"]["met"] is False and bad["x_read"]["bound"] == 1.10
     assert rows["single/131072"]["folded_x_fi_tc"]["met"] is False and rows["single/131072"]["x_read"]["met"] is True
-    assert rows["single/40002"]["split_x_fi_tc"]["met"] is False and rows["single/40002"]["x_read"]["bound"] == 1.15
+    assert rows["single/40002"]["split_x_fi_tc"]["met"] is False and rows["single/40002"]["x_read"]["bound"] == 1.20
     table = bench.targets_markdown(doc)
     assert "| batch/uniform64 | 1.05x (≤ 1.10: met)" in table and "1.12x (≤ 1.10: NOT met)" in table
     assert "no cell of this case in this run" in table and "one request at 10.6K" in table
     text = "\n".join(bench.conclusions(doc))
-    assert "Issue 14's targets: 1 of 4 decode cells meet all three" in text
+    assert "Decode targets: 1 of 4 decode cells meet all three" in text
     assert "single/131072: folded vs FlashInfer TC 1.44x, target ≥ 1.55" in text
 
 
-def test_issue14_targets_say_when_a_run_has_no_plain_read_arm():
+def test_decode_targets_say_when_a_run_has_no_plain_read_arm():
     doc = _doc([_target_cell("single/10602", 10_602, folded=25.0, read=None, fi_tc=36.0, split=31.0)])
     (row,) = bench.target_rows(doc)
     assert row["x_read"]["met"] is None and row["x_read"]["why"] == "no plain-read arm in this run"
     assert row["met"] is None and row["folded_x_fi_tc"]["met"] is True  # 1.44x >= 1.4
     assert "– (no plain-read arm in this run)" in bench.targets_markdown(doc)
-    assert "No cell of issue 14's target cases" in bench.targets_markdown(_doc([]))
+    assert "No cell of the decode targets' cases" in bench.targets_markdown(_doc([]))
     failed = _doc([{"cell": "batch/uniform128", "kind": "decode", "batch": 128, "context": 49_000, "arms": {},
                     "speedup": {}, "error": "OutOfMemoryError: CUDA out of memory"}])
     (row,) = bench.target_rows(failed)
@@ -627,7 +629,7 @@ def test_flashinfer_e4m3_pool_and_its_reference(kv_layout, monkeypatch):
 
 @pytest.mark.parametrize("fp8_us", [900.0, 1100.0], ids=["faster", "slower"])
 def test_fp8_prefill_target(fp8_us):
-    """Issue 15's prefill row: the FP8 folded prefill against the best bf16 folded prefill arm (never against
+    """The FP8 prefill target's row: the FP8 folded prefill against the best bf16 folded prefill arm (never against
     itself: its format is folded_fp8), met only when it is no slower; the slower case is the red twin."""
     cell = _cell("prefill/8192@32768", 32768, {"folded_jit": ([1000.0] * 3, FOLDED),
                                                "folded_fp8_jit": ([fp8_us] * 3, FOLDED)}, kind="prefill")

@@ -1,6 +1,7 @@
 """The runtime (`foldkv`: config, layout, pool, prep, reference, floor, validate, provenance, kernels, aot) never imports
 the lab (`foldkv.lab`): checked statically on every runtime file's imports and by importing every runtime module in a
-process where `foldkv.lab` cannot be imported. Each check has a red twin that it must catch."""
+process where `foldkv.lab` cannot be imported. Inside the lab no modules import each other in a circle (a static scan
+of every import, those inside functions included). Each check has a red twin that it must catch."""
 
 from __future__ import annotations
 
@@ -22,31 +23,41 @@ def _is_lab(name: str) -> bool:
     return name == LAB or name.startswith(LAB + ".")
 
 
+def _package_of(module: str) -> str:
+    """The package relative imports in `module` (a dotted name; a package's own file ends in ".__init__") resolve
+    against."""
+    return module[: -len(".__init__")] if module.endswith(".__init__") else module.rsplit(".", 1)[0]
+
+
+def _import_targets(node: ast.AST, package: str) -> list[str]:
+    """The dotted names one AST node imports (`import a.b`, `from .x import y` resolved against `package`, as the
+    module and as module.name, and `importlib.import_module("...")` / `__import__("...")` of a literal name)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        if node.level:
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) - (node.level - 1)]) if node.level - 1 < len(parts) else ""
+        else:
+            base = ""
+        target = ".".join(p for p in (base, node.module or "") if p)
+        return [target] + [f"{target}.{a.name}" for a in node.names]
+    if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                 or (isinstance(node.func, ast.Name) and node.func.id in ("__import__", "import_module")))):
+        return [node.args[0].value]
+    return []
+
+
 def lab_imports(source: str, module: str) -> list[tuple[int, str]]:
     """(line, imported name) for every import of foldkv.lab in `source`, the text of module `module` (a dotted name,
     e.g. "foldkv.kernels.decode", which relative imports resolve against), including `importlib.import_module("...")`
     and `__import__("...")` of a literal name."""
-    is_package = module.endswith(".__init__")
-    package = module.rsplit(".", 1)[0] if not is_package else module[: -len(".__init__")]
+    package = _package_of(module)
     found = []
     for node in ast.walk(ast.parse(source)):
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - (node.level - 1)]) if node.level - 1 < len(parts) else ""
-            else:
-                base = ""
-            target = ".".join(p for p in (base, node.module or "") if p)
-            names = [target] + [f"{target}.{a.name}" for a in node.names]
-        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str)
-              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
-                   or (isinstance(node.func, ast.Name) and node.func.id in ("__import__", "import_module")))):
-            names = [node.args[0].value]
-        found += [(node.lineno, n) for n in names if _is_lab(n)]
+        found += [(node.lineno, n) for n in _import_targets(node, package) if _is_lab(n)]
     return sorted(set(found))
 
 
@@ -117,6 +128,101 @@ def test_the_check_flags_a_runtime_file_that_imports_the_lab(tmp_path):
     (pkg / "lab" / "gates.py").write_text("from foldkv.lab.report import RunRecord\nfrom ..pool import PagedKvPool\n")
     assert runtime_files_importing_lab(pkg) == [f"{os.path.join('kernels', 'decode.py')}:5: foldkv.lab.report",
                                                 f"{os.path.join('kernels', 'decode.py')}:5: foldkv.lab.report.RunRecord"]
+
+
+# --- no import circle inside the lab ---------------------------------------------------------------------------------
+def _is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in (getattr(test, "id", None), getattr(test, "attr", None))
+
+
+def _run_time_nodes(tree: ast.AST):
+    """Every node of `tree` but those under `if TYPE_CHECKING:` (annotations only: never imported when it runs)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo += [c for c in ast.iter_child_nodes(node) if not _is_type_checking(c)]
+
+
+def import_graph(package_dir: Path, package: str) -> dict[str, set[str]]:
+    """module -> the modules of the package at `package_dir` (dotted name `package`) it imports, by dotted name (a
+    package by its own name). Every import counts, at the top or inside a function; `from p import m` of a
+    submodule m is an edge to m alone (not to p's __init__, which a submodule's own package always is mid-import)."""
+    files = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = path.relative_to(package_dir).with_suffix("").parts
+        name = ".".join((package, *parts))
+        files[name[: -len(".__init__")] if parts[-1] == "__init__" else name] = (path, name)
+    graph = {}
+    for mod, (path, name) in files.items():
+        edges = set()
+        for node in _run_time_nodes(ast.parse(path.read_text())):
+            targets = _import_targets(node, _package_of(name))
+            if isinstance(node, ast.ImportFrom):  # [module, module.name...]: the submodules named, else the module
+                subs = [t for t in targets[1:] if t in files]
+                targets = subs or targets[:1]
+            edges |= {t for t in targets if t in files and t != mod}
+        graph[mod] = edges
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of `graph`: each strongly connected set of two or more modules, sorted (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                found.append(sorted(scc))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_the_lab_has_no_import_circle():
+    graph = import_graph(PACKAGE / "lab", LAB)
+    assert {"foldkv.lab.bench.arms", "foldkv.lab.bench.timing"} <= set(graph), "the scan found no lab modules"
+    assert graph["foldkv.lab.bench.run"] >= {"foldkv.lab.bench.timing", "foldkv.lab.report"}
+    assert import_circles(graph) == []
+
+
+def test_the_circle_check_finds_a_circle(tmp_path):
+    """Red twin: a tiny package where a -> b at the top, b -> c inside a function, c -> a through `from . import a`
+    is one circle; d -> a only under TYPE_CHECKING, e -> its package's __init__ -> e's sibling f, are none."""
+    pkg = tmp_path / "lab"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .sub import f\n")
+    (pkg / "a.py").write_text("from .b import thing\n")
+    (pkg / "b.py").write_text("def g():\n    from .c import other\n")
+    (pkg / "c.py").write_text("from . import a\n")
+    (pkg / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import thing\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "e.py").write_text("from . import f\nimport lab.d\n")
+    (pkg / "sub" / "f.py").write_text("x = 1\n")
+    graph = import_graph(pkg, "lab")
+    assert graph["lab.d"] == set() and graph["lab.sub.e"] == {"lab.sub.f", "lab.d"}
+    assert import_circles(graph) == [["lab.a", "lab.b", "lab.c"]]
+    (pkg / "sub" / "f.py").write_text("from .. import sub\nfrom ..sub import e\n")  # f -> sub's __init__, f <-> e
+    assert import_circles(import_graph(pkg, "lab")) == [["lab.a", "lab.b", "lab.c"], ["lab.sub.e", "lab.sub.f"]]
 
 
 # --- the import check --------------------------------------------------------------------------------------------------

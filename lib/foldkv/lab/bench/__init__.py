@@ -25,10 +25,10 @@ recorded "error: <text>"; neither stops the others. A run's document (`run.Bench
 """
 
 from . import plots
-from .arms import (DECODE_ARMS, DEFAULT_DECODE_ARMS, DEFAULT_PREFILL_ARMS, PREFILL_ARMS, READ_FOLDED, READ_FOLDED_FP8, ArmImpl,
-                   ArmSpec,
+from .arms import (DECODE_ARMS, DEFAULT_DECODE_ARMS, DEFAULT_PREFILL_ARMS, PREFILL_ARMS, READ_FOLDED, READ_FOLDED_FP8,
                    generated_arm, torch_decode_arm, workspace_arm)
 from .host_time import host_time_markdown, plan_host_times
+from .clock import time_events
 from .case import (DEFAULT_ROTATE_BYTES, L2_BYTES, SERVING_CASES, AttentionCase, prefill_flops, ragged_lengths,
                    serving_cases)
 from .results import (RESULTS_GLOB, RESULTS_NAME, SCHEMA, find_results, load_results, open_results, redraw_banner,
@@ -37,17 +37,18 @@ from .roofs import (STREAM_READ_MAX_BYTES, committed_read_roof, measure_matmul_r
                     stream_read_arm, stream_read_buffers)
 from .plots import mark_redrawn
 from .run import BenchRun
+from .spec import ArmImpl, ArmSpec
 from .stats import paired_ratios, pct_of_roof, summarize
-from .tables import (ISSUE15_TARGET, fp8_prefill_rows, fp8_target_rows, fp8_targets_markdown)
-from .tables import (ISSUE14_TARGETS, DecodeTarget, arm_cell_text, arm_names, best_folded, best_split, cells_of,
+from .tables import (FP8_DECODE_TARGET, fp8_prefill_rows, fp8_target_rows, fp8_targets_markdown)
+from .tables import (DECODE_TARGETS, DecodeTarget, arm_cell_text, arm_names, best_folded, best_split, cells_of,
                      conclusions, markdown_table, prediction_table, series, target_conclusions, target_rows,
                      targets_markdown, verdicts)
-from .timing import CHECK_REL_TOL, check_arm, run_cell, time_events
+from .timing import CHECK_REL_TOL, check_arm, run_cell
 
 __all__ = [
     "host_time_markdown", "plan_host_times", "workspace_arm", "fp8_prefill_rows", "fp8_target_rows", "fp8_targets_markdown",
-    "ISSUE15_TARGET", "READ_FOLDED_FP8",
-    "ISSUE14_TARGETS", "READ_FOLDED", "SERVING_CASES", "STREAM_READ_MAX_BYTES", "DecodeTarget", "best_split",
+    "FP8_DECODE_TARGET", "READ_FOLDED_FP8",
+    "DECODE_TARGETS", "READ_FOLDED", "SERVING_CASES", "STREAM_READ_MAX_BYTES", "DecodeTarget", "best_split",
     "serving_cases", "stream_read_buffers", "target_conclusions", "target_rows", "targets_markdown",
     "ArmImpl", "ArmSpec", "AttentionCase", "BenchRun", "CHECK_REL_TOL", "DECODE_ARMS", "DEFAULT_DECODE_ARMS",
     "DEFAULT_PREFILL_ARMS", "DEFAULT_ROTATE_BYTES", "L2_BYTES", "PREFILL_ARMS", "RESULTS_GLOB", "RESULTS_NAME",

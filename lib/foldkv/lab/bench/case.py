@@ -38,11 +38,12 @@ LONGTAIL_EVERY = 10  # request i is long when i % LONGTAIL_EVERY == 0: exactly 1
 
 
 def serving_cases(seed: int = 0, names: Sequence[str] | None = None, *, scale: float = 1.0) -> dict[str, list[int]]:
-    """The batches a server sees (issue 14's decode cases), by name: "uniform<B>" (B requests, lengths uniform in
-    UNIFORM_TOKENS) and "longtail64" (64 requests; every LONGTAIL_EVERY-th uniform in LONGTAIL_LONG, the rest in
-    LONGTAIL_SHORT). Every case is drawn from one seeded stream in SERVING_CASES order whatever `names` asks for, so a
-    case's lengths depend on the seed only. `scale` < 1 shrinks every length (at least 1 token) for a pipeline check
-    on the CPU; the batch sizes stay. Raises ValueError for an unknown name or a scale outside (0, 1]."""
+    """The batches a server sees (the serving batches the decode targets hold), by name: "uniform<B>" (B requests,
+    lengths uniform in UNIFORM_TOKENS) and "longtail64" (64 requests; every LONGTAIL_EVERY-th uniform in
+    LONGTAIL_LONG, the rest in LONGTAIL_SHORT). Every case is drawn from one seeded stream in SERVING_CASES order
+    whatever `names` asks for, so a case's lengths depend on the seed only. `scale` < 1 shrinks every length (at
+    least 1 token) for a pipeline check on the CPU; the batch sizes stay. Raises ValueError for an unknown name or a
+    scale outside (0, 1]."""
     unknown = [n for n in (names or ()) if n not in SERVING_CASES]
     if unknown:
         raise ValueError(f"unknown serving case(s) {unknown}; expected some of {list(SERVING_CASES)}")
@@ -69,6 +70,8 @@ def prefill_flops(chunk: int, context: int, geom: AttentionGeometry = GEMMA4_31B
 
 
 POOL_KINDS = ("split", "folded", "folded_fp8", "split_fp8")  # what an arm's bytes are counted in
+KIND_ROWS = {"split": (KvFormat.SPLIT, torch.bfloat16), "folded": (KvFormat.FOLDED, torch.bfloat16),
+             "folded_fp8": (KvFormat.FOLDED, FP8_DTYPE)}  # foldkv's pool kinds: (format, stored dtype)
 
 
 def kind_bytes(geom: AttentionGeometry, kind: str, seq_lens: Sequence[int], q_lens: Sequence[int] | None = None) -> int:
@@ -77,13 +80,17 @@ def kind_bytes(geom: AttentionGeometry, kind: str, seq_lens: Sequence[int], q_le
     if kind == "split_fp8":
         parts = floor.step_bytes(geom, KvFormat.SPLIT, seq_lens, q_lens=q_lens)
         return parts["total"] - parts["kv"] // 2
-    fmt, dtype = (KvFormat.FOLDED, FP8_DTYPE) if kind == "folded_fp8" else (KvFormat.parse(kind), torch.bfloat16)
+    if kind not in KIND_ROWS:
+        raise ValueError(f"unknown pool kind {kind!r}: expected one of {list(POOL_KINDS)}")
+    fmt, dtype = KIND_ROWS[kind]
     return floor.step_bytes(geom, fmt, seq_lens, q_lens=q_lens, dtype=dtype)["total"]
 
 
 class AttentionCase:
     """One attention problem (requests of `seq_lens` tokens, `q_lens` queries each at their last positions) with its
-    inputs built on demand per format: pool copies (same values, different memory), the query, the block table."""
+    inputs built on demand per format: pool copies (same values, different memory), the query, the block table.
+    Its methods take a `KvFormat` (parsed once by whoever took the format from a user: `generated_arm`,
+    `workspace_arm`, a harness's command line), never a string."""
 
     def __init__(self, seq_lens: Sequence[int], *, device: torch.device | str, q_lens: Sequence[int] | None = None,
                  geom: AttentionGeometry = GEMMA4_31B, page_size: int = 64, seed: int = 0,
@@ -114,13 +121,16 @@ class AttentionCase:
         self._reference: dict[str, dict] = {}
 
     # --- sizes ---------------------------------------------------------------------------------------------------
-    def layout(self, fmt: KvFormat | str, dtype: torch.dtype = torch.bfloat16) -> PagedKvLayout:
+    def layout(self, fmt: KvFormat, dtype: torch.dtype = torch.bfloat16) -> PagedKvLayout:
         pages = sum(-(-n // self.page_size) for n in self.seq_lens)
-        return PagedKvLayout(self.geom, KvFormat.parse(fmt), self.page_size, pages, dtype=dtype)
+        return PagedKvLayout(self.geom, fmt, self.page_size, pages, dtype=dtype)
 
-    def copies_for(self, fmt: KvFormat | str, dtype: torch.dtype = torch.bfloat16) -> int:
+    def copies_for(self, fmt: KvFormat, dtype: torch.dtype = torch.bfloat16) -> int:
         """Copies so that a cycle through them reads at least rotate_bytes (so nothing is still in L2)."""
-        one = max(1, self.layout(fmt, dtype).nbytes)
+        return self._copies(self.layout(fmt, dtype))
+
+    def _copies(self, lay: PagedKvLayout) -> int:
+        one = max(1, lay.nbytes)
         return int(min(self.max_copies, max(self.min_copies, math.ceil(self.rotate_bytes / one))))
 
     def step_bytes(self, kind: str) -> int:
@@ -145,9 +155,8 @@ class AttentionCase:
     def table(self) -> BlockTable:
         return self.table_cpu.to(self.device)
 
-    def pools(self, fmt: KvFormat | str, dtype: torch.dtype = torch.bfloat16) -> list[PagedKvPool]:
+    def pools(self, fmt: KvFormat, dtype: torch.dtype = torch.bfloat16) -> list[PagedKvPool]:
         """Pool copies of `fmt` stored as `dtype` (bf16; float8_e4m3fn for folded), the same raw projections."""
-        fmt = KvFormat.parse(fmt)
         key = fmt if dtype == torch.bfloat16 else (fmt, dtype)
         if key not in self._pools:
             lay = self.layout(fmt, dtype)
@@ -170,13 +179,12 @@ class AttentionCase:
             del kv
             copies = [first] + [PagedKvPool(lay, data=first.data.clone(),
                                             scales=None if first.scales is None else first.scales.clone())
-                                for _ in range(self.copies_for(fmt, dtype) - 1)]
+                                for _ in range(self._copies(lay) - 1)]
             self._pools[key] = copies
         return self._pools[key]
 
-    def query(self, fmt: KvFormat | str) -> torch.Tensor:
+    def query(self, fmt: KvFormat) -> torch.Tensor:
         """The prepped query [T, Hq, D] (bf16) in the format's form."""
-        fmt = KvFormat.parse(fmt)
         if fmt not in self._queries:
             self._queries[fmt] = prep_query(self.geom, fmt, self.raw_q, self.q_norm_weight, self.k_norm_weight,
                                             self.positions.to(self.device)).contiguous()

@@ -13,7 +13,7 @@ from foldkv.layout import KvFormat
 from foldkv.pool import BlockTable, PagedKvPool
 
 from ..arms import ArmUnavailable
-from .arms import ArmImpl
+from .spec import ArmImpl
 
 # FlashInfer's recommended workspace is 128 MB; hd512 split-k partials for 32 heads x many chunks need more.
 FLASHINFER_WORKSPACE_BYTES = 512 * 1024 * 1024

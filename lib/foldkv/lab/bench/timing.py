@@ -5,49 +5,22 @@ result dict with medians, spreads, % of roof and paired speedups."""
 from __future__ import annotations
 
 import math
-import os
 import time
-import traceback
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ...kernels.workspace import capture_graph
+from ...layout import KvFormat
 from ..arms import ArmUnavailable
 from ..jsonsafe import jsonable
-from .arms import DECODE_ARMS, GUARD_VALUE, PREFILL_ARMS, ArmImpl, ArmSpec
-from .case import POOL_KINDS
-from .case import AttentionCase
+from .arms import DECODE_ARMS, PREFILL_ARMS
+from .case import POOL_KINDS, AttentionCase
+from .clock import err_text, time_events
+from .spec import GUARD_VALUE, ArmImpl, ArmSpec
 from .stats import paired_ratios, pct_of_roof, summarize
 
 CHECK_REL_TOL = 3e-2  # bf16 operands, split vs folded rounding of K: measured errors sit near 1e-2 at most
-
-
-def time_events(fn: Callable[[], Any], reps: int, warmup: int, cuda: bool = True) -> list[float]:
-    """µs per call of fn, one sample per call: CUDA events, or the host clock when `cuda` is False."""
-    for _ in range(warmup):
-        fn()
-    if not cuda:
-        out = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e6)
-        return out
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) * 1e3 for a, b in ev]
-
-
-def err_text(exc: BaseException) -> str:
-    """An exception as recorded: its type, text and the place it was raised."""
-    tb = traceback.extract_tb(exc.__traceback__)
-    where = f" (at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno})" if tb else ""
-    return f"{type(exc).__name__}: {str(exc)[:400]}{where}"
 
 
 def _reason(exc: BaseException) -> str:
@@ -192,8 +165,8 @@ def run_cell(cell: str, kind: str, case: AttentionCase, arms: Sequence[str | Arm
         "cell": cell, "kind": kind, "batch": len(case.seq_lens), "seq_lens": case.seq_lens, "q_lens": case.q_lens,
         "context": max(case.seq_lens), "tokens": sum(case.seq_lens), "rounds": rounds, "warmup": warmup,
         "bytes": {f: case.step_bytes(f) for f in POOL_KINDS},
-        "pool_bytes": {f: case.layout(f).nbytes for f in ("split", "folded")},
-        "copies": {f: case.copies_for(f) for f in ("split", "folded")},
+        "pool_bytes": {f.value: case.layout(f).nbytes for f in (KvFormat.SPLIT, KvFormat.FOLDED)},
+        "copies": {f.value: case.copies_for(f) for f in (KvFormat.SPLIT, KvFormat.FOLDED)},
         "arms": {}, "speedup": {},
     }
     if kind == "prefill":

@@ -1,0 +1,45 @@
+"""Correctness gates, one family a module; everything is re-exported here (`from foldkv.lab import gates`, `gates.X`).
+
+- `inputs`: the cases, the hostile pool one seed makes, poisoned outputs;
+- `checks`: the derived tolerances, the checks against the float64 reference (`compare`, `compare_lse`, `run_case`)
+  and the arms under test;
+- `fold`: folded against split (the float64 identity; each format's bf16 error against the unrounded truth);
+- `refusals`: invalid inputs of the launchers and the workspace, refused with nothing written;
+- `fp8_pool`: the FP8 folded pool's format error, its kernels against the reference, the needle;
+- `graph_walk`: one CUDA graph of the decode workspace replayed while the requests grow;
+- `build`: the emitted-CUDA barrier checks and the AOT build and verify;
+- `sanitizer`: compute-sanitizer memcheck over one case of every kernel;
+- `sections`: notebook 02's bf16 kernel sections, their tables and figure, and the verdict over the record.
+
+The gates notebook and the GPU tests both call these functions; nothing here imports TileLang (launchers do, lazily).
+"""
+
+from .inputs import (POISON_PAGE_IDS, OUT_POISON, Case, decode_cases, prefill_cases, GateInputs, case_q_lens,
+                     make_inputs, poisoned_outputs, bits)
+from .checks import (P_ROUNDING, P_SCALED_ROUNDING, ABS_TOL, REL_TOL, FRO_TOL, LSE_ROUNDING, LSE_MMA_K, LSE_TILE_MAX,
+                     LSE_TILE_MIN, LSE_MERGE_LEVELS, LSE_APPROX, bf16_ulp, compare, agree, lse_bound, row_key_counts,
+                     compare_lse, run_case, summary_row, decode_arm, prefill_arm, attended_rows, arm_for)
+from .fold import (unrounded_truth, FOLD_CASE_RATIO, FOLD_MEAN_RATIO, folded_vs_split, folded_vs_split_overall,
+                   sequence_pool_attention, fold_identity)
+from .refusals import (DECODE_REFUSALS, PREFILL_REFUSALS, run_refusals, WORKSPACE_REFUSALS, run_workspace_refusals,
+                       refusal_gate)
+from .fp8_pool import (BF16_REL, FP8_DELTA, fp8_row_check, fp8_output_bound, fp8_format_error, fp8_cases,
+                       fp8_format_gate, fp8_kernel_gate, NEEDLE_LENGTHS, NEEDLE_SCORE, needle, needle_gate)
+from .graph_walk import WALK_LENGTHS, WALK_STEPS, graph_walk, graph_walk_gate
+from .build import barrier_check, aot_build_gate
+from .sanitizer import sanitizer_gate
+from .sections import gpu_section, run_kernel_gates, gates_tables, plot_errors, last_row_gate, record_verdict
+
+__all__ = [
+    "POISON_PAGE_IDS", "OUT_POISON", "Case", "decode_cases", "prefill_cases", "GateInputs", "case_q_lens",
+    "make_inputs", "poisoned_outputs", "bits", "P_ROUNDING", "P_SCALED_ROUNDING", "ABS_TOL", "REL_TOL", "FRO_TOL",
+    "LSE_ROUNDING", "LSE_MMA_K", "LSE_TILE_MAX", "LSE_TILE_MIN", "LSE_MERGE_LEVELS", "LSE_APPROX", "bf16_ulp",
+    "compare", "agree", "lse_bound", "row_key_counts", "compare_lse", "run_case", "summary_row", "decode_arm",
+    "prefill_arm", "attended_rows", "arm_for", "unrounded_truth", "FOLD_CASE_RATIO", "FOLD_MEAN_RATIO",
+    "folded_vs_split", "folded_vs_split_overall", "sequence_pool_attention", "fold_identity", "DECODE_REFUSALS",
+    "PREFILL_REFUSALS", "run_refusals", "WORKSPACE_REFUSALS", "run_workspace_refusals", "refusal_gate", "BF16_REL",
+    "FP8_DELTA", "fp8_row_check", "fp8_output_bound", "fp8_format_error", "fp8_cases", "fp8_format_gate",
+    "fp8_kernel_gate", "NEEDLE_LENGTHS", "NEEDLE_SCORE", "needle", "needle_gate", "WALK_LENGTHS", "WALK_STEPS",
+    "graph_walk", "graph_walk_gate", "barrier_check", "aot_build_gate", "sanitizer_gate", "gpu_section",
+    "run_kernel_gates", "gates_tables", "plot_errors", "last_row_gate", "record_verdict",
+]
