@@ -202,12 +202,16 @@ def long_walk(fmt: KvFormat | str = KvFormat.FOLDED, *, steps: int = WALK_STEPS,
     pool.data.fill_(float("nan"))
     sched = WalkScheduler(pool, max_batch=max_batch, max_len=max_len, seed=seed)
     geom, page = lay.geometry, lay.page_size
+    # rows are moved as their bits (int16 / uint8 views: indexing works on every stored dtype)
+    bits = torch.uint8 if lay.element_bytes == 1 else torch.int16
+    data_bits, truth_bits = pool.data.view(bits), truth.view(bits)
+    nan_bits = int(torch.full((1,), float("nan"), dtype=dtype).view(bits)[0])
 
     def write(ev: WalkStep) -> None:
         fresh = [p for s in ev.joined for p in sched.pool.pages_held(sched.table, s)] + [p for _, _, p in ev.grown]
         if fresh:  # a page given now may hold an earlier request's rows: NaN until written
             pages = torch.tensor(fresh, dtype=torch.long, device=device)
-            pool.data[pages] = float("nan")
+            data_bits[pages] = nan_bits
             if truth_scales is not None:
                 pool.scales[pages] = float("nan")
         if not ev.writes:
@@ -215,7 +219,7 @@ def long_walk(fmt: KvFormat | str = KvFormat.FOLDED, *, steps: int = WALK_STEPS,
         slot, pos = (torch.tensor(x, dtype=torch.long) for x in zip(*ev.writes))
         pg = sched.table.page_ids[slot, pos // page].long().to(device)
         off = (pos % page).to(device)
-        pool.data[pg, :, off] = truth[pg, :, off]
+        data_bits[pg, :, off] = truth_bits[pg, :, off]
         if truth_scales is not None:
             pool.scales[pg, :, off] = truth_scales[pg, :, off]
 
@@ -235,9 +239,6 @@ def long_walk(fmt: KvFormat | str = KvFormat.FOLDED, *, steps: int = WALK_STEPS,
         ws.out.fill_(OUT_POISON)
         ws.lse.fill_(OUT_POISON)
         graph.replay()
-        if step == 0:
-            torch.cuda.synchronize(device)
-            memory_first = torch.cuda.memory_allocated(device)
         if step % check_every == 0 or step == steps - 1:
             c0 = time.perf_counter()
             out, lse = (t.clone() for t in ws.output())
@@ -261,9 +262,13 @@ def long_walk(fmt: KvFormat | str = KvFormat.FOLDED, *, steps: int = WALK_STEPS,
             row["passed"] = all(row[k] for k in ("bitwise_equal_to_eager", "all_written", "elementwise_ok", "rel_ok",
                                                  "lse_ok", "eager_decode_ok"))
             checks.append(row)
+            del out, lse, e_out, e_lse, now, query, d_out, d_lse, ref, ref_lse, pv_abs, s_abs_p, s_abs_max, bound
+            del eager
             torch.cuda.synchronize(device)
             check_seconds += time.perf_counter() - c0
-            del out, lse, e_out, e_lse, now, query, d_out, d_lse, ref, ref_lse, pv_abs, s_abs_p, s_abs_max, bound
+        if step == 0:  # after the first step and its check (the check's first use of cuBLAS keeps its workspace)
+            torch.cuda.synchronize(device)
+            memory_first = torch.cuda.memory_allocated(device)
         if step == steps - 1:
             break
         ev = sched.step()
