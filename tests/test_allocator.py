@@ -61,7 +61,7 @@ def violations(pool: fk.PagedKvPool, held: dict[Allocation, list[list[int]]],
     return bad
 
 
-# --- the issue's uses, each refused or served exactly -----------------------------------------------------------
+# --- the misuses of a pool, each refused or served exactly ---------------------------------------------------------
 def test_release_returns_the_capacity_not_the_current_length():
     """Red twin of the old leak: seq_lens zeroed before release freed none of the table's pages."""
     pool = small_pool()
