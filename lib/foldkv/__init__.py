@@ -20,7 +20,7 @@ from .layout import (
     value_window_columns,
     value_window_to_head,
 )
-from .pool import BlockTable, PagedKvLayout, PagedKvPool, check_block_table
+from .pool import Allocation, BlockTable, PageHolder, PagedKvLayout, PagedKvPool, check_block_table
 from .prep import fill_sequences, prep_and_store, prep_query, prep_rows, prep_rows_and_query, rope_cos_sin
 from .reference import check_pool_format, dense_attention_reference, paged_attention_reference
 from . import floor

@@ -1,9 +1,19 @@
-"""The paged KV pool: its layout (page size, format, row width, bytes), its tensor, a page allocator and block tables."""
+"""The paged KV pool: its layout (page size, format, row width, bytes), its tensor, a page allocator and block tables.
+
+The allocator never loses a page and never hands one page to two requests. It keeps, on the host, which request of
+which table holds each page (`holder_of`, `ownership`), and a table's grant: the pages `allocate` / `grow` gave each
+of its requests (its capacity, whatever its seq_lens say now). `release` returns exactly those pages, and refuses
+(FoldKvInputError, the pool unchanged) a table released already, one of another pool or made by hand, a copy made
+by `.to()`, and a table whose granted page ids were changed. A server's table is a set of request slots:
+`empty_table` makes one, `grow` adds pages to a slot as its request lengthens, `release(table, request)` frees one
+request's pages and leaves its slot empty for the next.
+"""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -118,10 +128,13 @@ class BlockTable:
     padding and never read) and seq_lens [batch] int32, the tokens each request holds.
 
     `PagedKvPool.allocate` makes both on the CPU; the kernels need them on the pool's device (`.to(device)`), the
-    prep and the references read them on any device."""
+    prep and the references read them on any device. `allocation` names the grant of the pool that made the table
+    (`allocate`, `empty_table`); None for a table made by hand or by `.to()` (a copy, which the pool cannot release:
+    release the host table it returned)."""
 
     page_ids: torch.Tensor
     seq_lens: torch.Tensor
+    allocation: "Allocation | None" = field(default=None, compare=False)
 
     @property
     def batch(self) -> int:
@@ -194,6 +207,31 @@ def check_pool_storage(pool: "PagedKvPool") -> None:
                  contiguous=True)
 
 
+class Allocation(NamedTuple):
+    """Which grant a table is: the pool that made it (`pool`, unique in the process) and its number there."""
+
+    pool: int
+    table: int
+
+
+class PageHolder(NamedTuple):
+    """Who holds a page: the table's allocation and the request (row) of that table."""
+
+    allocation: Allocation
+    request: int
+
+
+@dataclass
+class _Grant:
+    """The pages a table's requests hold (per row, in column order) and what fills its columns past them."""
+
+    rows: list[list[int]]
+    pad_value: int
+
+
+_POOL_SERIALS = itertools.count()
+
+
 class PagedKvPool:
     """A layer's pool tensor with a free-page allocator. The format and dtype are fixed for the pool's life.
 
@@ -218,7 +256,11 @@ class PagedKvPool:
                 if self.scales is not None:
                     self.scales.fill_(fill)
         check_pool_storage(self)
-        self._free = list(range(layout.num_pages - 1, -1, -1))
+        self._free = list(range(layout.num_pages - 1, -1, -1))  # a stack: allocate pops from the end
+        self._serial = next(_POOL_SERIALS)
+        self._tables = itertools.count()
+        self._grants: dict[int, _Grant] = {}  # table number -> its grant (tables not released)
+        self._holder: list[PageHolder | None] = [None] * layout.num_pages
 
     # --- properties -------------------------------------------------------------------------------------------
     @property
@@ -235,21 +277,44 @@ class PagedKvPool:
 
     @property
     def free_pages(self) -> int:
+        """Pages no table holds."""
         return len(self._free)
 
     def unused_page_ids(self) -> list[int]:
         """Pages no block table holds (ascending)."""
         return sorted(self._free)
 
+    def holder_of(self, page: int) -> PageHolder | None:
+        """The (allocation, request) holding `page`, or None when it is free."""
+        page = int(page)
+        if not 0 <= page < self.layout.num_pages:
+            raise FoldKvInputError(f"page {page} is outside the pool's {self.layout.num_pages} pages")
+        return self._holder[page]
+
+    def ownership(self) -> dict[int, PageHolder]:
+        """Every held page -> its holder."""
+        return {p: h for p, h in enumerate(self._holder) if h is not None}
+
+    def held_tables(self) -> list[Allocation]:
+        """The allocations of the tables this pool has made and not released."""
+        return [Allocation(self._serial, n) for n in self._grants]
+
+    def pages_held(self, table: BlockTable, request: int) -> list[int]:
+        """The pages request `request` of `table` holds (its capacity, in column order)."""
+        return list(self._grant_of(table, "read")[1].rows[self._request_index(table, request)])
+
     # --- allocation -------------------------------------------------------------------------------------------
     def allocate(self, seq_lens: Sequence[int], *, scatter_seed: int | None = None, pad_pages: int = 0,
                  pad_value: int = -1) -> BlockTable:
         """Pages for a batch of requests of `seq_lens` tokens: a BlockTable of int32 CPU tensors, page_ids
         [batch, max pages + pad_pages], seq_lens [batch]. With `scatter_seed`, pages are drawn in a random
-        order (scattered page tables). `pad_pages` extra columns hold `pad_value` (never read)."""
+        order (scattered page tables). `pad_pages` extra columns hold `pad_value` (never read; `grow` fills them).
+        Each request holds ceil(seq_len / page_size) pages until `release`, whatever its seq_len becomes."""
         lens = [int(n) for n in seq_lens]
         if not lens or min(lens) < 1:
             raise FoldKvInputError(f"seq_lens {lens[:8]} must be a non-empty list of positive lengths")
+        if pad_pages < 0:
+            raise FoldKvInputError(f"pad_pages={pad_pages} must be >= 0")
         need = [self.layout.pages_for(n) for n in lens]
         if sum(need) > len(self._free):
             raise FoldKvInputError(
@@ -259,16 +324,124 @@ class PagedKvPool:
             g = torch.Generator().manual_seed(scatter_seed)
             order = torch.randperm(len(self._free), generator=g).tolist()
             self._free = [self._free[i] for i in order]
-        width = max(need) + pad_pages
-        ids = torch.full((len(lens), width), pad_value, dtype=torch.int32)
+        table = self._new_table(len(lens), max(need) + pad_pages, pad_value)
+        table.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         for r, n in enumerate(need):
-            ids[r, :n] = torch.tensor([self._free.pop() for _ in range(n)], dtype=torch.int32)
-        return BlockTable(ids, torch.tensor(lens, dtype=torch.int32))
+            self._give(table, r, n)
+        return table
 
-    def release(self, table: BlockTable) -> None:
-        """Return each request's pages, those its seq_len covers now (ceil(seq_len / page_size)), to the free list."""
-        for r in range(table.batch):
-            self._free.extend(int(p) for p in table.pages_of(r, self.layout.page_size))
+    def empty_table(self, batch: int, max_pages: int, *, pad_value: int = -1) -> BlockTable:
+        """A table of `batch` request slots of up to `max_pages` pages each, holding no pages yet (page_ids all
+        `pad_value`, seq_lens 0): `grow` gives a slot its pages, `release(table, request)` empties it again."""
+        if int(batch) < 1 or int(max_pages) < 1:
+            raise FoldKvInputError(f"an empty table needs batch >= 1 and max_pages >= 1, got {batch} and {max_pages}")
+        return self._new_table(int(batch), int(max_pages), pad_value)
+
+    def grow(self, table: BlockTable, request: int, tokens: int) -> list[int]:
+        """Give request `request` of `table` pages for `tokens` tokens: the pages past the ones it holds go into
+        its next columns. Returns the new pages ([] when it holds enough). Refused (nothing changes) when the row
+        is too narrow, the pool has too few free pages, or the table is not one this pool holds. seq_lens are the
+        caller's: grow sets none."""
+        number, grant = self._grant_of(table, "grow")
+        r = self._request_index(table, request)
+        if int(tokens) < 0:
+            raise FoldKvInputError(f"grow: tokens={int(tokens)} must be >= 0")
+        self._check_rows(table, grant, [r])
+        need = self.layout.pages_for(tokens) - len(grant.rows[r])
+        if need <= 0:
+            return []
+        width = table.page_ids.shape[1]
+        if len(grant.rows[r]) + need > width:
+            raise FoldKvInputError(f"request {r} would hold {len(grant.rows[r]) + need} pages for {int(tokens)} tokens;"
+                                   f" its block-table row holds {width}")
+        if need > len(self._free):
+            raise FoldKvInputError(f"{need} pages needed to grow request {r} to {int(tokens)} tokens, {len(self._free)}"
+                                   f" free of {self.layout.num_pages}")
+        return self._give(table, r, need)
+
+    def release(self, table: BlockTable, request: int | None = None) -> list[int]:
+        """Return the pages `table`'s requests hold (those allocate / grow gave them, not those their seq_lens
+        cover) to the free list, and write the table's pad value over their page ids. `request` given: only that
+        request's (its slot is then empty and can grow again); else every request's, and the table is done.
+        Refused, the pool unchanged: a table released already, one of another pool, one made by hand or by `.to()`,
+        one whose granted page ids were changed. Returns the freed pages."""
+        number, grant = self._grant_of(table, "release")
+        rows = range(table.batch) if request is None else [self._request_index(table, request)]
+        self._check_rows(table, grant, rows)
+        freed = []
+        for r in rows:
+            pages = grant.rows[r]
+            if pages:
+                table.page_ids[r, :len(pages)] = grant.pad_value
+            for p in pages:
+                self._holder[p] = None
+            freed += pages
+            grant.rows[r] = []
+        self._free.extend(reversed(freed))  # the first freed page is the next one handed out
+        if request is None:
+            del self._grants[number]
+        return freed
+
+    def _new_table(self, batch: int, width: int, pad_value: int) -> BlockTable:
+        number = next(self._tables)
+        self._grants[number] = _Grant([[] for _ in range(batch)], int(pad_value))
+        return BlockTable(torch.full((batch, width), int(pad_value), dtype=torch.int32),
+                          torch.zeros(batch, dtype=torch.int32), Allocation(self._serial, number))
+
+    def _give(self, table: BlockTable, request: int, n: int) -> list[int]:
+        """Pop `n` free pages onto the end of `request`'s row (checked by the caller)."""
+        grant = self._grants[table.allocation.table]
+        row = grant.rows[request]
+        pages = [self._free.pop() for _ in range(n)]
+        table.page_ids[request, len(row):len(row) + n] = torch.tensor(pages, dtype=torch.int32)
+        holder = PageHolder(table.allocation, request)
+        for p in pages:
+            self._holder[p] = holder
+        row += pages
+        return pages
+
+    def _grant_of(self, table: BlockTable, op: str) -> tuple[int, _Grant]:
+        """The table's grant in this pool, or a FoldKvInputError saying why `op` cannot use it."""
+        if not isinstance(table, BlockTable):
+            raise FoldKvInputError(f"{op}: table must be a BlockTable, got {type(table).__name__}")
+        a = table.allocation
+        if a is None:
+            raise FoldKvInputError(f"{op}: this table was not made by a pool's allocate (made by hand, or a copy made"
+                                   " by .to()): only the host table allocate / empty_table returned holds pages")
+        if a.pool != self._serial:
+            raise FoldKvInputError(f"{op}: this table was made by another pool (pool {a.pool}; this is pool"
+                                   f" {self._serial}): its pages are that pool's")
+        if a.table not in self._grants:
+            raise FoldKvInputError(f"{op}: table {a.table} of this pool was released already: it holds no pages (a"
+                                   " second release would hand its pages to two requests)")
+        if table.page_ids.device.type != "cpu" or table.page_ids.dtype != torch.int32 or table.page_ids.dim() != 2:
+            raise FoldKvInputError(f"{op}: the table's page_ids must be the int32 [batch, pages] CPU tensor allocate"
+                                   f" made, got {table.page_ids.dtype} {list(table.page_ids.shape)} on"
+                                   f" {table.page_ids.device}")
+        grant = self._grants[a.table]
+        if table.page_ids.shape[0] != len(grant.rows):
+            raise FoldKvInputError(f"{op}: the table has {table.page_ids.shape[0]} rows; it was made with"
+                                   f" {len(grant.rows)}")
+        return a.table, grant
+
+    @staticmethod
+    def _request_index(table: BlockTable, request) -> int:
+        r = int(request)
+        if not 0 <= r < table.page_ids.shape[0]:
+            raise FoldKvInputError(f"request {r} is outside the table's {table.page_ids.shape[0]} requests")
+        return r
+
+    @staticmethod
+    def _check_rows(table: BlockTable, grant: _Grant, rows) -> None:
+        """Refuse a table whose granted page ids (the first columns of each row in `rows`) are not the ones the
+        pool gave: releasing what it holds now would free pages another request holds, or lose its own."""
+        for r in rows:
+            held = grant.rows[r]
+            now = table.page_ids[r, :len(held)].tolist()
+            if now != held:
+                col = next(i for i, (a, b) in enumerate(zip(now, held)) if a != b)
+                raise FoldKvInputError(f"request {r}'s page ids were changed after the pool gave them: column {col}"
+                                       f" holds {now[col]}, the pool gave page {held[col]}; nothing was released")
 
     # --- rows -------------------------------------------------------------------------------------------------
     def token_slots(self, table: BlockTable, request: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,6 +498,7 @@ class PagedKvPool:
             "page_size": lay.page_size,
             "num_pages": lay.num_pages,
             "free_pages": self.free_pages,
+            "tables_held": len(self._grants),
             "row_width": lay.row_width,
             "bytes_per_token": lay.bytes_per_token,
             "scales": None if lay.scale_shape is None else list(lay.scale_shape),
