@@ -196,3 +196,25 @@ def test_a_filled_cache_decodes(models, arm):
         assert cache.decode_step.steps == 6  # the prompt's one missing token was the first step
     per_token = md.step_kv_bytes(model, spec, context, b) - md.step_kv_bytes(model, spec, context - 1, b)
     assert per_token > 0
+
+
+def test_a_model_cast_to_bf16_is_served(models, batch):
+    """`model.to(torch.bfloat16)` rounds the RoPE inverse frequencies to bf16; transformers computes with them and so
+    does the served model (its K and Q come rotated by the model): the cache is made and greedy tokens equal the model's
+    own. Red twin: frequencies that rotate another set of columns are refused by name."""
+    import copy
+
+    from foldkv import ConfigError
+    from foldkv.hf import FoldKvCache
+
+    model = copy.deepcopy(models["foldkv"]).to(torch.bfloat16)
+    inv = model.model.rotary_emb.full_attention_inv_freq
+    assert inv.dtype == torch.bfloat16 or not torch.equal(inv.float(), inv.float().to(torch.bfloat16).float())
+    cache = FoldKvCache(model, max_batch=4, max_tokens=max(LENGTHS) + NEW, dtype=torch.bfloat16)
+    sdpa = copy.deepcopy(models["sdpa"]).to(torch.bfloat16)
+    got, want = _run(model, batch, cache), _run(sdpa, batch)
+    assert torch.equal(got[0][:, :4], want[0][:, :4])
+    with torch.no_grad():
+        inv[-1] = 1.0  # a column foldkv treats as unrotated now rotates
+    with pytest.raises(ConfigError, match="RoPE rotates other columns"):
+        FoldKvCache(model, max_batch=4, max_tokens=max(LENGTHS) + NEW)

@@ -106,9 +106,15 @@ def global_geometry(text_model: nn.Module, attn: nn.Module) -> AttentionGeometry
         raise ConfigError(f"layer {attn.layer_idx}: attention scaling {attn.scaling}; foldkv's Gemma 4 uses 1.0")
     model_inv = getattr(text_model.rotary_emb, "full_attention_inv_freq", None)
     if model_inv is not None:
+        # The global layers' K and Q reach foldkv already rotated by the model's own RoPE, with whatever frequencies
+        # the model holds (a model cast with `model.to(torch.bfloat16)` holds them rounded to bf16, and transformers
+        # computes with those). What the fold relies on is which columns rotate: exactly those of non-zero frequency.
         ours = rope_inv_freq(geom, model_inv.device)
-        if model_inv.shape != ours.shape or not torch.allclose(model_inv.float(), ours, rtol=1e-6, atol=0):
-            raise ConfigError("the model's full-attention RoPE frequencies differ from foldkv's proportional RoPE")
+        if model_inv.shape != ours.shape or not torch.equal(model_inv != 0, ours != 0):
+            raise ConfigError(
+                f"layer {attn.layer_idx}: the model's full-attention RoPE rotates other columns than foldkv's"
+                f" proportional RoPE ({int((model_inv != 0).sum())} non-zero frequencies of {model_inv.numel()}, foldkv"
+                f" folds around {int((ours != 0).sum())}): K outside the rotated columns would not be V * w_k")
     return geom
 
 
