@@ -21,6 +21,9 @@ attention function of the model's implementation with what `update` returned:
               CUDA: foldkv.kernels.prefill (n_b > 1) or foldkv.kernels.decode (one token per sequence)
       out   = the real tokens' attention in head order, zeros at padding columns, [B, T, Hq, D] in Q's dtype
   The rows carry their RoPE (the positions transformers gave them), so a slot needs only the order of the tokens.
+Decode steps (one token per sequence, after the prompt) run by default on CUDA as one CUDA graph of the whole
+forward (`foldkv.hf_graph`, `decode_step=`): there the sliding layers hold rings and the global layers store and decode
+through one DecodeWorkspace, all at fixed addresses.
 
 Refusals (FoldKvInputError / ConfigError) come before anything is written: a model whose global layers are not
 k_eq_v, Gemma 4 variants whose later layers reuse another layer's KV (num_kv_shared_layers > 0), an attention
