@@ -52,6 +52,19 @@ def require_module(name: str) -> None:
 TINY_SYNTHETIC = dict(hidden_size=64, intermediate_size=128, vocab_size=128)
 
 
+def left_padded_batch(lengths, vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids, attention_mask [len(lengths), max(lengths)] int64: each prompt of random ids in [3, vocab)
+    right-aligned after padding (token 0), the way generate() takes a left-padded batch."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(3, vocab, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> str:
     """The TINY_SYNTHETIC checkpoint (seed 3) on disk, for from_pretrained."""

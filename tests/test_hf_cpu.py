@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TINY_SYNTHETIC, require_module
+from conftest import TINY_SYNTHETIC, left_padded_batch, require_module
 from foldkv.lab.model import cache_keyword
 
 TINY = TINY_SYNTHETIC  # conftest: the `checkpoint` fixture is this model
@@ -38,15 +38,8 @@ def models(checkpoint):
 
 @pytest.fixture(scope="module")
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids, attention_mask [3, max(LENGTHS)] int64: each prompt right-aligned after padding (token 0)."""
-    g = torch.Generator().manual_seed(1)
-    width = max(LENGTHS)
-    ids = torch.zeros(len(LENGTHS), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(LENGTHS):
-        ids[i, width - n:] = torch.randint(3, TINY["vocab_size"], (n,), generator=g)
-        mask[i, width - n:] = 1
-    return ids, mask
+    """input_ids, attention_mask [3, max(LENGTHS)] int64, left-padded (conftest.left_padded_batch)."""
+    return left_padded_batch(LENGTHS, TINY["vocab_size"])
 
 
 def _run(model, batch, cache=None, *, seed: int | None = None, new: int = NEW):

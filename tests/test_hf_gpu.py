@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from conftest import require_hopper, require_module, require_tilelang
+from conftest import left_padded_batch, require_hopper, require_module, require_tilelang
 from foldkv.lab.model import cache_keyword
 
 pytestmark = pytest.mark.gpu
@@ -45,14 +45,7 @@ def gpu_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def batch(gpu_models):
-    vocab = gpu_models["sdpa"].config.vocab_size
-    g = torch.Generator().manual_seed(7)
-    width = max(LENGTHS)
-    ids = torch.zeros(len(LENGTHS), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(LENGTHS):
-        ids[i, width - n:] = torch.randint(3, vocab, (n,), generator=g)
-        mask[i, width - n:] = 1
+    ids, mask = left_padded_batch(LENGTHS, gpu_models["sdpa"].config.vocab_size, seed=7)
     return ids.cuda(), mask.cuda()
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_SYNTHETIC, require_module
+from conftest import TINY_SYNTHETIC, left_padded_batch, require_module
 from foldkv.lab.model import cache_keyword
 
 LENGTHS = (5, 17, 11)
@@ -40,14 +40,8 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def batch():
-    g = torch.Generator().manual_seed(1)
-    width = max(LENGTHS)
-    ids = torch.zeros(len(LENGTHS), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(LENGTHS):
-        ids[i, width - n:] = torch.randint(3, TINY_SYNTHETIC["vocab_size"], (n,), generator=g)
-        mask[i, width - n:] = 1
-    return ids, mask
+    """input_ids, attention_mask [3, max(LENGTHS)] int64, left-padded (conftest.left_padded_batch)."""
+    return left_padded_batch(LENGTHS, TINY_SYNTHETIC["vocab_size"])
 
 
 def _run(model, batch, cache=None, chunk=None):
