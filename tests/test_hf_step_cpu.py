@@ -202,6 +202,8 @@ def test_a_model_cast_to_bf16_is_served(models, batch):
     from foldkv.hf import FoldKvCache
 
     model = copy.deepcopy(models["foldkv"]).to(torch.bfloat16)
+    _cache(models["foldkv"], decode_step="static")  # the model's forward is routed through the decode step ...
+    assert copy.deepcopy(models["foldkv"]).forward.__self__ is not models["foldkv"]  # ... and a copy gets its own
     inv = model.model.rotary_emb.full_attention_inv_freq
     assert inv.dtype == torch.bfloat16 or not torch.equal(inv.float(), inv.float().to(torch.bfloat16).float())
     cache = FoldKvCache(model, max_batch=4, max_tokens=max(LENGTHS) + NEW, dtype=torch.bfloat16)
@@ -212,3 +214,55 @@ def test_a_model_cast_to_bf16_is_served(models, batch):
         inv[-1] = 1.0  # a column foldkv treats as unrotated now rotates
     with pytest.raises(ConfigError, match="RoPE rotates other columns"):
         FoldKvCache(model, max_batch=4, max_tokens=max(LENGTHS) + NEW)
+
+
+# Bad uses of a FoldKvCache in generate(): each refused by name before a pool is written, or served correctly.
+@pytest.mark.parametrize("use,match", [
+    ("second_generate", "a new prompt on a used FoldKvCache"),
+    ("only_padding", "have a prompt of padding only"),
+    ("another_model", "this FoldKvCache was made for another model"),
+])
+@pytest.mark.parametrize("decode_step", ["eager", "static"])
+def test_bad_uses_are_refused_before_a_pool_is_written(models, batch, use, match, decode_step):
+    from foldkv import FoldKvInputError
+
+    model = models["foldkv"]
+    if use == "second_generate":
+        cache = _cache(model, decode_step=decode_step)
+        _run(model, batch, cache)
+        call = lambda: _run(model, batch, cache)  # noqa: E731
+    elif use == "only_padding":
+        ids, mask = batch
+        mask = mask.clone()
+        mask[0] = 0
+        cache = _cache(model, decode_step=decode_step)
+        call = lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2,  # noqa: E731
+                                      **{cache_keyword(model): cache})
+    else:  # a cache made for the foldkv_eager model (same checkpoint, other modules) used by the foldkv one
+        cache = _cache(models["foldkv_eager"], decode_step=decode_step)
+        call = lambda: _run(model, batch, cache)  # noqa: E731
+    before = [layer.pool.data.clone() for layer in cache.global_layers]
+    with pytest.raises(FoldKvInputError, match=match):
+        call()
+    if use != "only_padding":  # (a padding-only prompt is refused after the prompt's forward, at the first step)
+        assert all(torch.equal(a.nan_to_num(7.0), layer.pool.data.nan_to_num(7.0))
+                   for a, layer in zip(before, cache.global_layers))
+
+
+def test_a_prompt_at_exactly_the_capacity_is_served(models, batch, incumbent):
+    """max_tokens = prompt + new tokens - 1 (the last token is never fed back): served, the incumbent's tokens."""
+    from foldkv import FoldKvInputError
+    from foldkv.hf import FoldKvCache
+
+    model = models["foldkv"]
+    cache = FoldKvCache(model, max_batch=4, max_tokens=max(LENGTHS) + NEW - 1, decode_step="static")
+    assert torch.equal(_run(model, batch, cache)[0], incumbent[0])
+    with pytest.raises(FoldKvInputError, match="holds max_tokens"):  # one column fewer is refused
+        _run(model, batch, FoldKvCache(model, max_batch=4, max_tokens=max(LENGTHS) + NEW - 2, decode_step="static"))
+
+
+def test_a_cache_on_another_device_is_refused(models):
+    from foldkv import FoldKvInputError
+
+    with pytest.raises(FoldKvInputError, match="a FoldKvCache lives on its model's device"):
+        _cache(models["foldkv"], device="meta")

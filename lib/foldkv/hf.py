@@ -155,7 +155,12 @@ def _new_tokens(attention_mask: torch.Tensor | None, q_length: int, kv_length: i
         return None
     end = kv_offset + kv_length
     mask = attention_mask.to(torch.bool)
-    if mask.shape[-1] < end:  # the mask may stop short of the new columns (transformers pads it with False)
+    short = mask.shape[-1] < end
+    if short:  # the mask may stop short of the new columns (transformers pads it with False)
+        if mask.shape[-1] < end - q_length:  # it does not even cover what the cache holds
+            raise FoldKvInputError(
+                f"the attention mask covers {mask.shape[-1]} columns, the cache already holds {end - q_length}: a new"
+                " prompt on a used FoldKvCache (a second generate()?); reset() the cache or make a new one")
         mask = torch.nn.functional.pad(mask, (0, end - mask.shape[-1]))
     real = mask[:, end - q_length:end]  # [B, T]
     host = real.cpu()
@@ -210,6 +215,7 @@ def _attention(module: nn.Module, query: torch.Tensor, key: Any, value: Any, att
     if attention_mask is not None and not isinstance(attention_mask, NewTokens):
         raise FoldKvInputError("the global layers' mask was built outside foldkv's mask function (a prepared 4D"
                                " mask?); pass the 2D attention_mask")
+    key.layer.check_module(module)
     return key.layer.attend(module, query, key, attention_mask), None
 
 
@@ -306,6 +312,11 @@ class FoldKvLayer(CacheLayerMixin):
         raise FoldKvInputError("a FoldKvCache's batch is fixed by its first forward")
 
     # the store and the attention ------------------------------------------------------------------------------------
+    def check_module(self, module: nn.Module) -> None:
+        if module is not self.cache.attention_modules[self.layer_idx]:
+            raise FoldKvInputError(f"layer {self.layer_idx}: this FoldKvCache was made for another model (its layer"
+                                   " is another attention module); make a FoldKvCache for the model that uses it")
+
     def attend(self, module: nn.Module, query: torch.Tensor, new: NewRows, tokens: NewTokens | None) -> torch.Tensor:
         """Store the real tokens' rows and attend over the pool. query: [B, Hq, T, D] (normed, RoPE'd), new.key /
         new.value: [B, Hkv, T, D]; all on the pool's device. Returns [B, T, Hq, D] in query's dtype, zeros at the
@@ -393,6 +404,10 @@ class FoldKvCache(Cache):
             raise FoldKvInputError(f"attention={attention!r}: expected one of {ATTENTION_BACKENDS}")
         model_param = next(model.parameters())
         self.device = check_device(device) if device is not None else model_param.device
+        if self.device != model_param.device and not (self.device.type == model_param.device.type == "cuda"
+                                                      and self.device.index is None):
+            raise FoldKvInputError(f"device={self.device}: the model is on {model_param.device}; a FoldKvCache lives"
+                                   " on its model's device")
         on_cuda = self.device.type == "cuda"
         self.attention = ("kernel" if on_cuda else "reference") if attention == "auto" else attention
         self.kv_format = KvFormat.parse(kv_format)
@@ -425,6 +440,8 @@ class FoldKvCache(Cache):
         self._kernels: dict[str, Any] = {}
         self._plan: tuple[tuple[int, ...], Any] | None = None
 
+        # which attention module each global layer serves (a cache of another model is refused, by the module)
+        self.attention_modules = {i: layer.self_attn for i, layer in enumerate(text_model.layers)}
         global_layers = set(global_layer_indices(text_model))
         if not global_layers:
             raise ConfigError("the model has no full_attention layer: nothing for foldkv to serve")
@@ -472,6 +489,10 @@ class FoldKvCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _check_forward(self, batch: int, columns: int) -> None:
+        if columns == 1 and self.batch is not None and self.global_layers[0].columns > 0:
+            empty = [b for b in range(self.batch) if self.global_layers[0].lengths[b] == 0]
+            if empty:  # the prompt's forwards stored no token of these sequences
+                raise FoldKvInputError(f"sequences {empty[:8]} have a prompt of padding only: nothing to attend to")
         if self.batch is None and batch > self.max_batch:
             raise FoldKvInputError(f"a batch of {batch} sequences; this FoldKvCache holds max_batch={self.max_batch}")
         if self.batch is not None and batch != self.batch:

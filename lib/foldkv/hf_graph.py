@@ -32,12 +32,12 @@ sequence is refused until `reset()`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
-
-import contextlib
 
 import torch
 
@@ -95,8 +95,8 @@ class DecodeStep:
         if self.started:
             if ids is None or kwargs.get("inputs_embeds") is not None or ids.shape[1] != 1:
                 raise FoldKvInputError(
-                    "this FoldKvCache decodes one token per sequence since its decode step began; reset() it (or make"
-                    " a new cache) before a new prompt")
+                    "a new prompt on a used FoldKvCache (a second generate()?): this cache decodes one token per"
+                    " sequence since its decode step began; reset() it (or make a new cache) before a new prompt")
             return True
         c = self.cache
         if not (ids is not None and kwargs.get("inputs_embeds") is None and ids.dim() == 2 and ids.shape[1] == 1
@@ -155,6 +155,9 @@ class DecodeStep:
                 raise FoldKvInputError("the global layers hold different lengths or page orders; the decode step"
                                        " shares one table among them")
         lens0 = list(first.lengths[:b])  # real tokens held before this step
+        if 0 in lens0:
+            raise FoldKvInputError(f"sequences {[r for r, n in enumerate(lens0) if n == 0][:8]} have a prompt of"
+                                   " padding only: nothing to attend to")
         cols = first.columns  # columns (padding included) before this step: the new token's column
         long = dict(dtype=torch.long, device=dev)
         self.lens = [n + 1 for n in lens0]
@@ -286,22 +289,23 @@ class DecodeStep:
 
 def install(model: torch.nn.Module) -> None:
     """Route `model`'s forward through the decode step of the FoldKvCache it is called with (idempotent). The
-    wrapper keeps the forward's signature (functools.wraps: generate() reads it) and calls the model's own forward for
-    every other call."""
-    if getattr(model, "_foldkv_forward", None) is not None:
+    wrapper is a method bound to the model (a copy of the model, `copy.deepcopy`, gets its own), keeps the class
+    forward's signature (functools.wraps: generate() reads it) and calls that forward for every other call."""
+    if isinstance(vars(model).get("forward"), types.MethodType) and getattr(vars(model)["forward"], "_foldkv", False):
         return
-    own = model.forward
+    own_forward = type(model).forward
 
-    @functools.wraps(own)
-    def forward(*args, **kwargs):
+    @functools.wraps(own_forward)
+    def forward(self, *args, **kwargs):
+        own = own_forward.__get__(self)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         step = getattr(cache, "decode_step", None)
         if isinstance(step, DecodeStep) and not args and step.takes(kwargs):
             return step(own, kwargs)
         return own(*args, **kwargs)
 
-    model._foldkv_forward = own
-    model.forward = forward
+    forward._foldkv = True
+    model.forward = types.MethodType(forward, model)
 
 
 __all__ = ["DecodeStep", "RingMask", "STEP_MODES", "REPLAN_STEPS", "install", "ring_attention"]
