@@ -47,7 +47,7 @@ from torch import nn
 
 from .config import AttentionGeometry, ConfigError, geometry_from_config
 from .fp8 import FP8_DTYPE
-from .hf_graph import STEP_MODES, DecodeStep, RingMask, install, ring_attention
+from .hf_graph import STEP_MODES, DecodeStep, RingMask, cache_keyword, install, ring_attention
 from .layout import KvFormat
 from .pool import BlockTable, PagedKvLayout, PagedKvPool
 from .prep import fold_query, rope_inv_freq, rows_from_key_value, write_tokens
@@ -155,8 +155,7 @@ def _new_tokens(attention_mask: torch.Tensor | None, q_length: int, kv_length: i
         return None
     end = kv_offset + kv_length
     mask = attention_mask.to(torch.bool)
-    short = mask.shape[-1] < end
-    if short:  # the mask may stop short of the new columns (transformers pads it with False)
+    if mask.shape[-1] < end:  # the mask may stop short of the new columns (transformers pads it with False)
         if mask.shape[-1] < end - q_length:  # it does not even cover what the cache holds
             raise FoldKvInputError(
                 f"the attention mask covers {mask.shape[-1]} columns, the cache already holds {end - q_length}: a new"
@@ -433,8 +432,7 @@ class FoldKvCache(Cache):
         self.decode_step_mode = decode_step
         self.decode_step: DecodeStep | None = None
         self.sliding_window = int(getattr(cfg, "sliding_window", 0) or 0)
-        params = __import__("inspect").signature(model.forward).parameters
-        self.cache_keyword = "cache" if "cache" in params else "past_key_values"
+        self.cache_keyword = cache_keyword(model)
         self._graphs: dict[int, tuple[Any, Any]] = {}  # layer index -> (DecodeWorkspace, its captured step)
         self.batch: int | None = None
         self._kernels: dict[str, Any] = {}
@@ -488,11 +486,16 @@ class FoldKvCache(Cache):
             self._check_forward(key_states.shape[0], key_states.shape[-2])
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    @staticmethod
+    def refuse_padding_only(lengths) -> None:
+        """Refuse a decode step after prompts that stored no token of some sequences (prompts of padding only)."""
+        empty = [b for b, n in enumerate(lengths) if n == 0]
+        if empty:
+            raise FoldKvInputError(f"sequences {empty[:8]} have a prompt of padding only: nothing to attend to")
+
     def _check_forward(self, batch: int, columns: int) -> None:
         if columns == 1 and self.batch is not None and self.global_layers[0].columns > 0:
-            empty = [b for b in range(self.batch) if self.global_layers[0].lengths[b] == 0]
-            if empty:  # the prompt's forwards stored no token of these sequences
-                raise FoldKvInputError(f"sequences {empty[:8]} have a prompt of padding only: nothing to attend to")
+            self.refuse_padding_only(self.global_layers[0].lengths[:self.batch])
         if self.batch is None and batch > self.max_batch:
             raise FoldKvInputError(f"a batch of {batch} sequences; this FoldKvCache holds max_batch={self.max_batch}")
         if self.batch is not None and batch != self.batch:

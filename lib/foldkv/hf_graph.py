@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import time
 import types
 from dataclasses import dataclass
@@ -155,9 +156,7 @@ class DecodeStep:
                 raise FoldKvInputError("the global layers hold different lengths or page orders; the decode step"
                                        " shares one table among them")
         lens0 = list(first.lengths[:b])  # real tokens held before this step
-        if 0 in lens0:
-            raise FoldKvInputError(f"sequences {[r for r, n in enumerate(lens0) if n == 0][:8]} have a prompt of"
-                                   " padding only: nothing to attend to")
+        c.refuse_padding_only(lens0)
         cols = first.columns  # columns (padding included) before this step: the new token's column
         long = dict(dtype=torch.long, device=dev)
         self.lens = [n + 1 for n in lens0]
@@ -189,7 +188,6 @@ class DecodeStep:
         self.masks = {"full_attention": NewTokens(torch.ones(b, 1, dtype=torch.bool, device=dev), (1,) * b),
                       "sliding_attention": RingMask(self.mask)}
         self.started = True
-        self.forward = forward
         self.model = getattr(forward, "__self__", None)
         self.fuse_norms = dev.type == "cuda" and self.model is not None
         if self.mode == "static":
@@ -287,6 +285,11 @@ class DecodeStep:
                 "host_s_median": mid, "host_s_max": replays[-1] if replays else None}
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """forward()'s / generate()'s cache keyword: `cache` in transformers >= 5.24, `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def install(model: torch.nn.Module) -> None:
     """Route `model`'s forward through the decode step of the FoldKvCache it is called with (idempotent). The
     wrapper is a method bound to the model (a copy of the model, `copy.deepcopy`, gets its own), keeps the class
@@ -308,4 +311,4 @@ def install(model: torch.nn.Module) -> None:
     model.forward = types.MethodType(forward, model)
 
 
-__all__ = ["DecodeStep", "RingMask", "STEP_MODES", "REPLAN_STEPS", "install", "ring_attention"]
+__all__ = ["DecodeStep", "RingMask", "STEP_MODES", "REPLAN_STEPS", "cache_keyword", "install", "ring_attention"]

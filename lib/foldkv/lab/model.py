@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -37,6 +36,7 @@ import torch
 from torch import nn
 
 from ..fp8 import FP8_DTYPE
+from ..hf_graph import cache_keyword
 from ..layout import KvFormat
 from ..validate import check_device
 from .arms import ArmUnavailable
@@ -187,12 +187,6 @@ def load_model(model_path: str | os.PathLike, *, device: torch.device | str = "c
     cls = Gemma4ForCausalLM if cfg.model_type == "gemma4_text" else AutoModelForCausalLM
     model = cls.from_pretrained(os.fspath(model_path), dtype=dtype, attn_implementation=attn_implementation)
     return model.to(device).eval()
-
-
-def cache_keyword(model: nn.Module) -> str:
-    """forward()'s / generate()'s cache keyword: `cache` in transformers >= 5.24, `past_key_values` before."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def forward_logits(model: nn.Module, ids: torch.Tensor, *, cache=None, keep: int = 1) -> torch.Tensor:

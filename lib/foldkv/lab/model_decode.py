@@ -21,10 +21,11 @@ same process.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -72,6 +73,22 @@ def _fresh_memory(dev: torch.device) -> int:
     return torch.cuda.memory_allocated(dev)
 
 
+@contextlib.contextmanager
+def serving(model: nn.Module, arm: ModelArm) -> Iterator[None]:
+    """The model switched to `arm`'s attention implementation (foldkv's registered first), switched back on exit."""
+    own = model.config._attn_implementation
+    if arm.implementation == own:
+        yield
+        return
+    if arm.format is not None:
+        import foldkv.hf  # noqa: F401  (registers "foldkv")
+    model.set_attn_implementation(arm.implementation)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(own)
+
+
 def make_cache(model: nn.Module, arm: ModelArm, batch: int, max_tokens: int):
     if arm.format is None:
         from transformers import DynamicCache
@@ -105,7 +122,7 @@ def fill_cache(cache, model: nn.Module, context: int, batch: int, *, seed: int =
 
     if isinstance(cache, FoldKvCache):
         cache.batch = batch
-    for i, layer in enumerate(cache.layers if hasattr(cache, "layers") else []):
+    for i, layer in enumerate(cache.layers):
         attn = text.layers[i].self_attn
         if isinstance(layer, FoldKvLayer):
             pool = layer.pool
@@ -180,13 +197,7 @@ def measure_decode(model: nn.Module, arm_name: str, *, context: int, batch: int,
 
     arm = model_arm(arm_name)
     dev = next(model.parameters()).device
-    own = model.config._attn_implementation
-    if arm.implementation != own:
-        if arm.format is not None:
-            import foldkv.hf  # noqa: F401
-        model.set_attn_implementation(arm.implementation)
-    cache = None
-    try:
+    with serving(model, arm):
         before = _fresh_memory(dev)
         cache = make_cache(model, arm, batch, context + 1 + new_tokens + replay_reps)
         fill_cache(cache, model, context, batch, seed=seed)
@@ -199,9 +210,6 @@ def measure_decode(model: nn.Module, arm_name: str, *, context: int, batch: int,
                              **{cache_keyword(model): cache})
         peak = torch.cuda.max_memory_allocated(dev) - before
         device_ms = _device_step_ms(cache, replay_reps) if arm.format is not None else None
-    finally:
-        if arm.implementation != own:
-            model.set_attn_implementation(own)
     stamps = clock.stamps
     steps_ms = sorted(1e3 * (b - a) for a, b in zip(stamps[1:], stamps[2:]))  # after the first (capturing) step
     tpot = steps_ms[len(steps_ms) // 2]
@@ -229,10 +237,7 @@ def measure_prefill(model: nn.Module, arm_name: str, *, prompt_tokens: int, new_
     """TTFT and greedy tokens of one real prompt (batch 1) through `arm_name`, prefilled in chunks."""
     arm = model_arm(arm_name)
     dev = next(model.parameters()).device
-    own = model.config._attn_implementation
-    if arm.implementation != own:
-        model.set_attn_implementation(arm.implementation)
-    try:
+    with serving(model, arm):
         before = _fresh_memory(dev)
         cache = make_cache(model, arm, 1, prompt_tokens + new_tokens)
         ids = torch.randint(3, int(model.config.vocab_size), (1, prompt_tokens), device=dev,
@@ -243,9 +248,6 @@ def measure_prefill(model: nn.Module, arm_name: str, *, prompt_tokens: int, new_
                              min_new_tokens=new_tokens, do_sample=False, prefill_chunk_size=prefill_chunk,
                              stopping_criteria=[clock], **{cache_keyword(model): cache})
         peak = torch.cuda.max_memory_allocated(dev) - before
-    finally:
-        if arm.implementation != own:
-            model.set_attn_implementation(own)
     return {"arm": arm_name, "status": "ran", "prompt_tokens": prompt_tokens, "ttft_s": clock.stamps[0] - t0,
             "peak_bytes": peak, "tokens": out[0, prompt_tokens:].cpu().tolist()}
 
@@ -260,9 +262,7 @@ def step_kernels(model: nn.Module, arm_name: str = "foldkv-folded", *, context: 
 
     arm = model_arm(arm_name)
     dev = next(model.parameters()).device
-    own = model.config._attn_implementation
-    model.set_attn_implementation(arm.implementation)
-    try:
+    with serving(model, arm):
         _fresh_memory(dev)
         from ..hf import FoldKvCache
 
@@ -279,8 +279,6 @@ def step_kernels(model: nn.Module, arm_name: str = "foldkv-folded", *, context: 
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
                            **kw)
             torch.cuda.synchronize(dev)
-    finally:
-        model.set_attn_implementation(own)
     rows: dict[str, list] = {}
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None)
