@@ -32,7 +32,8 @@ SMOKE_PARAMETERS: dict[str, dict] = {
            "synthetic_config": {"hidden_size": 64, "intermediate_size": 128, "vocab_size": 128}, "seed": 1},
     "04": {"smoke": True},
     "05": {"decode_contexts": [256, 1024], "decode_batches": [1, 2], "ttft_prompts": [256], "new_tokens": 4,
-           "prefill_chunk": 256, "largest_context": 1024},
+           "prefill_chunk": 256, "largest_context": 1024, "prefill_tail_contexts": [1024], "prefill_tail_batch": 2,
+           "compile_prompt": 0},
 }
 
 

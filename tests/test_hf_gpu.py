@@ -160,3 +160,28 @@ def test_generate_on_the_fp8_kernels(gpu_models, batch, step):
           f" neutral {neutral}")
     bound = max(2 * neutral["gap"], 2 * ref16_vs_inc["gap"], 4 * _bf16_ulp(float(incumbent[1].abs().max())))
     assert vs_ref["gap"] <= bound, f"FP8 kernels vs FP8 reference gap {vs_ref['gap']:.3g} > {bound:.3g}"
+
+
+def test_generate_through_flashinfer(gpu_models, batch):
+    """notebook 05's FlashInfer arm (`foldkv.lab.flashinfer_model`): FlashInfer's paged prefill and decode as the
+    global layers' attention on the split pool, inside the one-graph step, held to the float64 reference over the
+    same pool by the bound above. Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_hf_gpu.py -k flashinfer"""
+    require_module("flashinfer")
+    from foldkv.hf import FoldKvCache
+    from foldkv.lab.flashinfer_model import FlashInferCache, FlashInferStep
+
+    model = gpu_models["foldkv"]
+    incumbent = _run(gpu_models["sdpa"], batch)
+    neutral = _compare(_run(gpu_models["eager"], batch), incumbent)
+    kw = dict(max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW, kv_format="split", dtype=torch.bfloat16,
+              scatter_seed=3)
+    ref = _run(model, batch, FoldKvCache(model, attention="reference", **kw))
+    fi_cache = FlashInferCache(model, **kw)
+    fi = _run(model, batch, fi_cache)
+    assert isinstance(fi_cache.decode_step, FlashInferStep) and fi_cache.decode_step.graph is not None
+    assert fi_cache.decode_step.steps == NEW - 1 and fi_cache._fi_prefill is not None  # both of FlashInfer's paths ran
+    assert bool(torch.isfinite(fi[1]).all())
+    ref_vs_inc, vs_ref = _compare(ref, incumbent), _compare(fi, ref)
+    print(f"\nflashinfer: vs reference {vs_ref}; reference vs incumbent {ref_vs_inc}; neutral {neutral}")
+    bound = max(2 * neutral["gap"], 2 * ref_vs_inc["gap"], 4 * _bf16_ulp(float(incumbent[1].abs().max())))
+    assert vs_ref["gap"] <= bound, f"flashinfer vs reference gap {vs_ref['gap']:.3g} > {bound:.3g}"

@@ -190,6 +190,47 @@ def test_a_filled_cache_decodes(models, arm):
         assert cache.decode_step.steps == 6  # the prompt's one missing token was the first step
     per_token = md.step_kv_bytes(model, spec, context, b) - md.step_kv_bytes(model, spec, context - 1, b)
     assert per_token > 0
+    # the cell's memory by component: the cache is the pools (their layout's bytes) and the sliding rings, or the
+    # DynamicCache's K/V; the rest of the peak is what the cache and workspace do not explain
+    mem = md.memory_components(cache, peak=10**9, weights=123)
+    if spec.format is not None:
+        text = model.model
+        rings = sum(2 * b * WINDOW * text.layers[i].self_attn.k_proj.out_features * 4
+                    for i, t in enumerate(model.config.layer_types) if t == "sliding_attention")
+        assert mem["cache"] == cache.pool_bytes() + rings and mem["workspace"] == 0  # static on the CPU: no workspace
+    else:
+        # what the K/V hold: a sliding layer's window is a view of a longer tensor, its storage is held
+        assert mem["cache"] == sum(t.untyped_storage().nbytes() for layer in cache.layers
+                                   for t in (layer.keys, layer.values))
+    assert mem["weights"] == 123 and mem["activations"] == 10**9 - mem["cache"] - mem["workspace"]
+    assert mem["peak"] == 123 + 10**9
+
+
+def test_a_filled_cache_prefills_its_last_chunk(models):
+    """notebook 05's prefill-tail cell on the CPU: caches filled to context - chunk tokens take the prompts' last
+    chunk as one prefill forward (chunked-prefill continuation), then decode."""
+    from foldkv.lab import model_decode as md
+
+    model, context, chunk, b = models["foldkv"], 40, 8, 2
+    cache = _cache(model, decode_step="static")
+    md.fill_cache(cache, model, context - chunk, b)
+    ids = torch.randint(3, TINY_SYNTHETIC["vocab_size"], (b, context))
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
+                         do_sample=False, **{cache_keyword(model): cache})
+    assert out.shape == (b, context + 2) and cache.get_seq_length() == context + 1
+    assert cache.decode_step.steps == 1
+    assert [layer.lengths[:b] for layer in cache.global_layers] == [[context + 1] * b] * len(cache.global_layers)
+
+
+def test_the_flashinfer_arm_takes_only_the_split_pool(models):
+    from foldkv.lab.flashinfer_model import FlashInferCache, FlashInferStep
+
+    with pytest.raises(ValueError, match="split pool"):
+        FlashInferCache(models["foldkv"], max_batch=2, max_tokens=64, kv_format="folded")
+    cache = FlashInferCache(models["foldkv"], max_batch=2, max_tokens=64, decode_step="static")
+    assert isinstance(cache.decode_step, FlashInferStep) and cache.global_layers[0].pool.format.value == "split"
+    cache.reset()
+    assert isinstance(cache.decode_step, FlashInferStep)  # reset() keeps the arm's step class
 
 
 def test_a_model_cast_to_bf16_is_served(models, batch):

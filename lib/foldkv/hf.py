@@ -382,6 +382,8 @@ class FoldKvCache(Cache):
     Prompts may be prefilled in chunks (`generate(..., prefill_chunk_size=N)`, transformers' chunked prefill).
     """
 
+    step_class = DecodeStep  # the decode step's class (a subclass may serve the global layers another way)
+
     def __init__(self, model: nn.Module, *, max_batch: int, max_tokens: int, kv_format: KvFormat | str = "folded",
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, page_size: int = 64,
                  attention: str = "auto", backend: str = "jit", max_new_tokens: int | None = None,
@@ -456,7 +458,7 @@ class FoldKvCache(Cache):
             self._load_kernels()
         super().__init__(layers=layers)
         if decode_step != "eager":
-            self.decode_step = DecodeStep(self, decode_step)
+            self.decode_step = self.step_class(self, decode_step)
             install(model)
 
     @property
@@ -517,7 +519,7 @@ class FoldKvCache(Cache):
         self.batch, self._plan = None, None
         self._graphs.clear()
         if self.decode_step is not None:
-            self.decode_step = DecodeStep(self, self.decode_step.mode)
+            self.decode_step = self.step_class(self, self.decode_step.mode)
 
     # attention over a pool --------------------------------------------------------------------------------------
     def _load_kernels(self) -> None:

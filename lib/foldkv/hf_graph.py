@@ -72,8 +72,12 @@ def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     scores = torch.matmul(q, key.transpose(-1, -2))  # [B, Hkv, group, W]
     if float(module.scaling) != 1.0:
         scores = scores * float(module.scaling)
-    scores = scores.float().masked_fill(~mask.mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    if scores.is_cuda:  # one kernel for the float32 cast, the mask, the softmax and the rounding
+        from .fused_step import masked_softmax
+
+        probs = masked_softmax(scores, mask.mask, value.dtype)
+    else:
+        probs = torch.softmax(scores.float().masked_fill(~mask.mask, float("-inf")), dim=-1).to(value.dtype)
     return torch.matmul(probs, value).reshape(b, 1, hq, d), None
 
 
@@ -120,7 +124,7 @@ class DecodeStep:
             out = self._start(forward, kwargs)
         else:
             self.ids.copy_(kwargs["input_ids"])
-            self._host_advance()
+            self.host_advance()
             if self.mode == "graph":
                 self.graph.replay()
                 out = self.output
@@ -133,8 +137,9 @@ class DecodeStep:
         self.host_s.append(time.perf_counter() - t0)
         return out
 
-    def _host_advance(self) -> None:
-        """The host's part of a step: the workspace's lengths one longer (a fresh plan every REPLAN_STEPS)."""
+    def host_advance(self) -> None:
+        """The host's part of a step, before the replay: the workspace's lengths one longer (a fresh plan every
+        REPLAN_STEPS)."""
         self.lens = [n + 1 for n in self.lens]
         if self.ws is None:
             return
@@ -142,6 +147,30 @@ class DecodeStep:
             self.ws.plan(self.lens)
         else:
             self.ws.advance()
+
+    # -- the global layers' attention (a lab arm may serve them through another library: `foldkv.lab`) ------------
+    def _global_workspace(self, first: Any) -> Any:
+        """The decode state the global layers share, planned for this step's lengths: foldkv's DecodeWorkspace with
+        kernel attention, None with the reference."""
+        if self.cache.attention != "kernel":
+            return None
+        from .kernels.workspace import DecodeWorkspace
+
+        b = self.cache.batch
+        ws = DecodeWorkspace(first.pool.layout, max_batch=b, max_len=self.cache.max_tokens, device=self.cache.device)
+        ws.plan(self.lens, first.device_table.page_ids[:b])
+        return ws
+
+    def _global_decode(self, layer: Any, folded: torch.Tensor) -> torch.Tensor:
+        """One global layer's decode over its pool (this step's rows stored): [B, Hq, D] head order."""
+        b = folded.shape[0]
+        if self.ws is not None:
+            self.ws.query[:b].copy_(folded)
+            self.ws.step(layer.pool, backend=self.cache.backend, check=False)
+            return self.ws.out[:b]
+        # the float64 reference through the host table (static mode only: it reads the lengths on the host)
+        table = BlockTable(layer.host_table.page_ids[:b], torch.tensor(self.lens, dtype=torch.int32))
+        return paged_attention_reference(layer.pool, folded, table)[0]
 
     def _start(self, forward: Callable, kwargs: dict) -> Any:
         """The first decode step: the fixed tensors, the rings from the sliding layers' caches, the plan; then the
@@ -173,12 +202,7 @@ class DecodeStep:
         self.slots = torch.arange(self.window, **long)
         self.mask = torch.zeros(b, 1, 1, self.window, dtype=torch.bool, device=dev)
         self.rings = {i: self._ring(layer, cols) for i, layer in enumerate(c.layers) if c.is_sliding_layer(i)}
-        self.ws = None
-        if c.attention == "kernel":
-            from .kernels.workspace import DecodeWorkspace
-
-            self.ws = DecodeWorkspace(first.pool.layout, max_batch=b, max_len=c.max_tokens, device=dev)
-            self.ws.plan(self.lens, first.device_table.page_ids[:b])
+        self.ws = self._global_workspace(first)
         keyword = c.cache_keyword
         self.kwargs = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "position_ids",
                                                                      "cache_position", keyword)}
@@ -189,7 +213,7 @@ class DecodeStep:
                       "sliding_attention": RingMask(self.mask)}
         self.started = True
         self.model = getattr(forward, "__self__", None)
-        self.fuse_norms = dev.type == "cuda" and self.model is not None
+        self.fuse = dev.type == "cuda" and self.model is not None
         if self.mode == "static":
             return self._body(forward)
         from .kernels.workspace import capture_graph
@@ -238,13 +262,13 @@ class DecodeStep:
         self.store_offsets.copy_(torch.remainder(p, page))
 
     def _body(self, forward: Callable) -> Any:
-        """One decode step over the fixed tensors (what the graph records); on CUDA the model's RMSNorms run as one
-        kernel each (`foldkv.fused_rms_norm`)."""
+        """One decode step over the fixed tensors (what the graph records); on CUDA the model's norms, RoPE, MLP
+        activation and residual tails run as a few fused kernels (`foldkv.fused_step`)."""
         self._prologue()
-        if self.fuse_norms:
-            from .fused_rms_norm import fused_norms
+        if self.fuse:
+            from .fused_step import fused_step
 
-            fused = fused_norms(self.model)
+            fused = fused_step(self.model)
         else:
             fused = contextlib.nullcontext()
         with fused:
@@ -268,14 +292,7 @@ class DecodeStep:
         rows = rows_from_key_value(geom, pool.format, key[:, :, 0], value[:, :, 0], pool.layout.row_dtype)
         folded = fold_query(geom, pool.format, query[:, :, 0], module.k_norm.weight, pool.layout.query_dtype)
         store_rows(pool, self.store_pages, self.store_offsets, rows, check_finite=False)
-        if self.ws is not None:
-            self.ws.query[:b].copy_(folded)
-            self.ws.step(pool, backend=self.cache.backend, check=False)
-            out = self.ws.out[:b]
-        else:  # the float64 reference through the host table (static mode only: it reads the lengths on the host)
-            table = BlockTable(layer.host_table.page_ids[:b], torch.tensor(self.lens, dtype=torch.int32))
-            out, _ = paged_attention_reference(pool, folded, table)
-        return out.to(query.dtype).view(b, 1, hq, d)
+        return self._global_decode(layer, folded).to(query.dtype).view(b, 1, hq, d)
 
     def report(self) -> dict:
         """Host time per step (median and max over the replays, seconds), the capture's time, the steps run."""

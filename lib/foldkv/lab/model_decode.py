@@ -2,8 +2,11 @@
 cells, the caches filled to a context without a prefill, the floor, the host's share of a step, the largest batch.
 
 Arms (`MODEL_ARMS`): foldkv's FoldKvCache in three pools (folded bf16, folded FP8, split bf16), each decoding through
-its one CUDA graph per step (`decode_step="graph"`), foldkv folded with the per-layer eager step (what the graph
-replaces), and transformers' own sdpa attention with its DynamicCache.
+its one CUDA graph per step (`decode_step="graph"`); FlashInfer's paged prefill and decode as the global layers'
+attention on the split pool, in the same one-graph step (`foldkv.lab.flashinfer_model`); foldkv folded with the
+per-layer eager step (what the graph replaces); transformers' own sdpa attention with its DynamicCache; and
+transformers' fastest path, its static cache with generate()'s automatic compile (`measure_static_compile`: a real
+prompt, one cell, its compile timed).
 
 A decode cell starts from caches that already hold `context` tokens per sequence, written directly (`fill_cache`:
 random rows in the global pools or K/V tensors, random K/V in the sliding layers' windows) instead of prefilled: a
@@ -13,10 +16,15 @@ cache, and every step after is a decode step (the first one captures foldkv's gr
 tokens of such cells are not compared across arms (their caches hold different random values); the prefill cells
 (`measure_prefill`: a real prompt through every arm) are.
 
-Per decode cell: TPOT (median and p90 of the step intervals after the first), decode tokens/s, peak memory above the
-model, the host's time per step (TPOT minus the device time of one step, that time measured by replaying foldkv's
-graph between CUDA events), and the byte floor: (weights + the KV the step reads) / the streaming read measured in the
-same process.
+Per decode cell: TPOT (median and p90 of the step intervals after the first), decode tokens/s, peak memory by component
+(weights, cache, decode workspace, the rest: activations and the graph's pool), the host's time per step (TPOT minus
+the device time of one step, that time measured by replaying the arm's graph between CUDA events), and the byte
+floor: (weights + the KV the step reads) / the streaming read measured in the same process.
+
+Prefill memory (`measure_prefill_tail`): a long batch's prefill is chunked, and its last chunk is its peak (the
+chunk's activations over a cache that is nearly full), so a cache filled to `context - chunk` tokens a sequence takes
+that last chunk through generate(): its time and its peak memory by component are what a real prefill of the whole
+batch peaks at.
 """
 
 from __future__ import annotations
@@ -45,12 +53,14 @@ class ModelArm:
     format: KvFormat | None  # None: transformers' DynamicCache
     dtype: torch.dtype = torch.bfloat16
     decode_step: str = "graph"
+    peer: str | None = None  # "flashinfer": the global layers' attention is FlashInfer's (foldkv.lab.flashinfer_model)
 
 
 MODEL_ARMS: dict[str, ModelArm] = {
     "foldkv-folded": ModelArm("foldkv-folded", "foldkv", KvFormat.FOLDED),
     "foldkv-fp8": ModelArm("foldkv-fp8", "foldkv", KvFormat.FOLDED, FP8_DTYPE),
     "foldkv-split": ModelArm("foldkv-split", "foldkv", KvFormat.SPLIT),
+    "flashinfer": ModelArm("flashinfer", "foldkv", KvFormat.SPLIT, peer="flashinfer"),
     "foldkv-folded-eager": ModelArm("foldkv-folded-eager", "foldkv", KvFormat.FOLDED, decode_step="eager"),
     "sdpa": ModelArm("sdpa", "sdpa", None),
 }
@@ -94,10 +104,45 @@ def make_cache(model: nn.Module, arm: ModelArm, batch: int, max_tokens: int):
         from transformers import DynamicCache
 
         return DynamicCache(config=model.config)
-    from ..hf import FoldKvCache
+    if arm.peer == "flashinfer":
+        from .flashinfer_model import FlashInferCache as cache_class
+    else:
+        from ..hf import FoldKvCache as cache_class
 
-    return FoldKvCache(model, max_batch=batch, max_tokens=max_tokens, kv_format=arm.format, dtype=arm.dtype,
+    return cache_class(model, max_batch=batch, max_tokens=max_tokens, kv_format=arm.format, dtype=arm.dtype,
                        decode_step=arm.decode_step)
+
+
+def memory_components(cache, peak: int, weights: int) -> dict:
+    """Peak memory of a cell by component, bytes: the model's weights, the cache (global pools or K/V, the sliding
+    layers' windows or rings), the decode step's workspace (foldkv's DecodeWorkspace or FlashInfer's buffers), and
+    the rest of the peak above the weights (activations, logits, the graph's pool). `peak`: above the weights."""
+    seen: set[int] = set()
+
+    def nbytes(*tensors) -> int:
+        n = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                n += t.untyped_storage().nbytes()
+        return n
+
+    cache_b = 0
+    for layer in cache.layers:
+        pool = getattr(layer, "pool", None)
+        cache_b += nbytes(pool.data, pool.scales) if pool is not None else nbytes(getattr(layer, "keys", None),
+                                                                                  getattr(layer, "values", None))
+    step = getattr(cache, "decode_step", None)
+    work_b = 0
+    if step is not None and step.started:
+        cache_b += nbytes(*[t for ring in step.rings.values() for t in ring])
+        ws = step.ws
+        if ws is not None:
+            work_b += nbytes(*[v for v in vars(ws).values() if isinstance(v, torch.Tensor)])
+        work_b += nbytes(*[v for k, v in vars(step).items() if k.startswith("fi_") and isinstance(v, torch.Tensor)])
+        work_b += nbytes(*[t for k, v in vars(step).items() if k == "fi_buffers" for t in v])
+    return {"weights": weights, "cache": cache_b, "workspace": work_b,
+            "activations": max(0, peak - cache_b - work_b), "peak": weights + peak}
 
 
 # --- caches at a context without a prefill --------------------------------------------------------------------------
@@ -173,14 +218,14 @@ def step_kv_bytes(model: nn.Module, arm: ModelArm, context: int, batch: int) -> 
 
 def _device_step_ms(cache, reps: int = 20) -> float | None:
     """Median device time of one replay of a FoldKvCache's decode graph (None: the arm has none), each replay preceded
-    by the workspace's advance() as in a step. The cache must have `reps` tokens of headroom left."""
+    by the host's part of a step (`host_advance`: the workspace's advance(), FlashInfer's plan), untimed. The cache must have `reps` tokens of headroom left."""
     step = getattr(cache, "decode_step", None)
     if step is None or getattr(step, "graph", None) is None:
         return None
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        step.ws.advance()
+        step.host_advance()
         a.record()
         step.graph.replay()
         b.record()
@@ -209,6 +254,7 @@ def measure_decode(model: nn.Module, arm_name: str, *, context: int, batch: int,
                              min_new_tokens=new_tokens, do_sample=False, stopping_criteria=[clock],
                              **{cache_keyword(model): cache})
         peak = torch.cuda.max_memory_allocated(dev) - before
+        memory = memory_components(cache, peak, weight_bytes(model))
         device_ms = _device_step_ms(cache, replay_reps) if arm.format is not None else None
     stamps = clock.stamps
     steps_ms = sorted(1e3 * (b - a) for a, b in zip(stamps[1:], stamps[2:]))  # after the first (capturing) step
@@ -221,7 +267,7 @@ def measure_decode(model: nn.Module, arm_name: str, *, context: int, batch: int,
     return {
         "arm": arm_name, "status": "ran", "context": context, "batch": batch, "new_tokens": new_tokens,
         "tpot_ms": tpot, "tpot_p90_ms": p90, "steps_timed": len(steps_ms), "first_step_ms": 1e3 * (stamps[1] - stamps[0]),
-        "decode_tokens_per_s": 1e3 * batch / tpot, "peak_bytes": peak,
+        "decode_tokens_per_s": 1e3 * batch / tpot, "peak_bytes": peak, "memory": memory,
         "device_step_ms": device_ms, "host_ms": None if device_ms is None else tpot - device_ms,
         "host_share": None if device_ms is None else (tpot - device_ms) / tpot,
         "capture_s": report.get("capture_s"), "step_call_ms": None if report.get("host_s_median") is None
@@ -250,6 +296,66 @@ def measure_prefill(model: nn.Module, arm_name: str, *, prompt_tokens: int, new_
         peak = torch.cuda.max_memory_allocated(dev) - before
     return {"arm": arm_name, "status": "ran", "prompt_tokens": prompt_tokens, "ttft_s": clock.stamps[0] - t0,
             "peak_bytes": peak, "tokens": out[0, prompt_tokens:].cpu().tolist()}
+
+
+@torch.no_grad()
+def measure_prefill_tail(model: nn.Module, arm_name: str, *, context: int, batch: int, chunk: int,
+                         seed: int = 0) -> dict:
+    """The last prefill chunk of a batch of `context`-token prompts (module docstring): caches filled to
+    `context - chunk` tokens a sequence, then generate() takes the prompts' last `chunk` tokens (one forward) and
+    one token more. Its time (the chunk's forward) and peak memory by component."""
+    from .gemma31b import weight_bytes
+
+    arm = model_arm(arm_name)
+    dev = next(model.parameters()).device
+    with serving(model, arm):
+        before = _fresh_memory(dev)
+        cache = make_cache(model, arm, batch, context + 2)
+        fill_cache(cache, model, context - chunk, batch, seed=seed)
+        ids = torch.randint(3, int(model.config.vocab_size), (batch, context), device=dev,
+                            generator=torch.Generator(device=dev).manual_seed(seed + 3))
+        clock = step_clock(dev)
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, min_new_tokens=1,
+                       do_sample=False, stopping_criteria=[clock], **{cache_keyword(model): cache})
+        peak = torch.cuda.max_memory_allocated(dev) - before
+        memory = memory_components(cache, peak, weight_bytes(model))
+    del cache
+    return {"arm": arm_name, "status": "ran", "context": context, "batch": batch, "chunk": chunk,
+            "chunk_s": clock.stamps[0] - t0, "peak_bytes": peak, "memory": memory}
+
+
+@torch.no_grad()
+def measure_static_compile(model: nn.Module, *, prompt_tokens: int, new_tokens: int, seed: int = 0) -> dict:
+    """transformers' fastest path at one cell (batch 1): sdpa attention, its StaticCache (`cache_implementation=
+    "static"`) and generate()'s automatic compile of the decode forward (torch.compile, its CUDA graphs), on a real
+    prompt. TPOT over the steps after the first two (the compile happens in them: `first_steps_s`)."""
+    dev = next(model.parameters()).device
+    arm = ModelArm("sdpa-static-compile", "sdpa", None)
+    with serving(model, arm):
+        before = _fresh_memory(dev)
+        ids = torch.randint(3, int(model.config.vocab_size), (1, prompt_tokens), device=dev,
+                            generator=torch.Generator(device=dev).manual_seed(seed + 2))
+        clock = step_clock(dev)
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+                             stopping_criteria=[clock])
+        peak = torch.cuda.max_memory_allocated(dev) - before
+    stamps = clock.stamps
+    steps_ms = sorted(1e3 * (b - a) for a, b in zip(stamps[3:], stamps[4:]))
+    result = {"arm": arm.name, "status": "ran", "context": prompt_tokens, "batch": 1, "new_tokens": new_tokens,
+              "ttft_s": stamps[0] - t0, "first_steps_s": stamps[3] - stamps[0], "peak_bytes": peak,
+              "tpot_ms": steps_ms[len(steps_ms) // 2], "tpot_p90_ms": steps_ms[min(len(steps_ms) - 1,
+                                                                               int(0.9 * len(steps_ms)))],
+              "steps_timed": len(steps_ms), "compiled": bool(getattr(model, "_compiled_call", None) is not None),
+              "tokens": out[0, prompt_tokens:].cpu().tolist()}
+    import torch._dynamo
+
+    torch._dynamo.reset()  # the compiled forward and its graphs go (the next cells run uncompiled)
+    _fresh_memory(dev)
+    return result
 
 
 @torch.no_grad()
@@ -336,6 +442,19 @@ def largest_batch(model: nn.Module, arm_name: str, context: int, *, free_bytes: 
     return max(0, min(limit, (free_bytes - margin_bytes) // per_seq))
 
 
+def _said(r: dict) -> str:
+    """One cell's progress line: its TPOT (and floor), TTFT or chunk time, or its status."""
+    if r.get("status") != "ran":
+        return r["status"]
+    if "tpot_ms" in r:
+        floor = f", {r['tpot_over_floor']:.2f}x floor" if "tpot_over_floor" in r else ""
+        dev = r.get("device_step_ms")
+        return f"TPOT {r['tpot_ms']:.2f} ms{floor}" + ("" if dev is None else f", device step {dev:.2f} ms")
+    if "chunk_s" in r:
+        return f"last chunk {r['chunk_s']:.2f} s, peak {r['peak_bytes'] / GIB:.1f} GiB above the weights"
+    return f"TTFT {r['ttft_s']:.2f} s"
+
+
 def run_cells(fn: Callable[..., dict], cells: Sequence[dict], log: Callable[[str], None] = print) -> list[dict]:
     """Run fn(**cell) for each cell; a cell that raises (out of memory) is recorded as "failed: ..." and the rest run."""
     rows = []
@@ -350,12 +469,8 @@ def run_cells(fn: Callable[..., dict], cells: Sequence[dict], log: Callable[[str
             gc.collect()
             torch.cuda.empty_cache()
         rows.append(r)
-        log(f"  {r.get('arm')} {r.get('context', r.get('prompt_tokens'))} x {r.get('batch', 1)}: "
-            + (f"TPOT {r['tpot_ms']:.2f} ms ({r['tpot_over_floor']:.2f}x floor, device step "
-               + ("n/a" if r["device_step_ms"] is None else f"{r['device_step_ms']:.2f} ms") + ")"
-               if "tpot_ms" in r else
-               f"TTFT {r['ttft_s']:.2f} s" if "ttft_s" in r else r["status"])
-            + f" [{time.perf_counter() - t0:.1f} s]")
+        log(f"  {r.get('arm')} {r.get('context', r.get('prompt_tokens'))} x {r.get('batch', 1)}: {_said(r)}"
+            f" [{time.perf_counter() - t0:.1f} s]")
     return rows
 
 
@@ -377,6 +492,21 @@ def decode_table(rows: Sequence[dict]) -> str:
                                   "peak_gib": "peak GiB", "status": "status"},
                           {"context": ",d", "tpot_ms": ".2f", "tpot_p90_ms": ".2f", "floor_ms": ".2f",
                            "tpot_over_floor": ".2f", "decode_tokens_per_s": ".1f", "peak_gib": ".1f"})
+
+
+def memory_table(rows: Sequence[dict]) -> str:
+    """Peak memory by component (GiB) of the cells that ran (`memory_components`)."""
+    from .report import markdown_table
+
+    shown = []
+    for r in rows:
+        if r.get("status") == "ran" and r.get("memory"):
+            m = r["memory"]
+            shown.append({"arm": r["arm"], "context": r["context"], "batch": r["batch"],
+                          **{k: m[k] / GIB for k in ("weights", "cache", "workspace", "activations", "peak")}})
+    names = {"arm": "arm", "context": "context", "batch": "batch", "weights": "weights GiB", "cache": "cache GiB",
+             "workspace": "workspace GiB", "activations": "activations etc. GiB", "peak": "peak GiB"}
+    return markdown_table(shown, names, {"context": ",d", **{k: ".2f" for k in list(names)[3:]}})
 
 
 def plot_tpot(rows: Sequence[dict], path: str | None = None):
@@ -405,5 +535,6 @@ def plot_tpot(rows: Sequence[dict], path: str | None = None):
     return fig
 
 
-__all__ = ["MODEL_ARMS", "ModelArm", "model_arm", "make_cache", "fill_cache", "step_kv_bytes", "measure_decode",
-           "measure_prefill", "step_kernels", "sdpa_backends", "largest_batch", "run_cells", "decode_table", "plot_tpot"]
+__all__ = ["MODEL_ARMS", "ModelArm", "model_arm", "make_cache", "memory_components", "fill_cache", "step_kv_bytes",
+           "measure_decode", "measure_prefill", "measure_prefill_tail", "measure_static_compile", "step_kernels",
+           "sdpa_backends", "largest_batch", "run_cells", "decode_table", "memory_table", "plot_tpot"]

@@ -1,0 +1,89 @@
+"""The Triton kernels of `foldkv.fused_step`, defined where Triton is installed (a CUDA build of torch brings it; the
+CPU-only install has none, and `foldkv.fused_step` is used only on CUDA)."""
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: nothing here, and nothing imports these names
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _normed(x, w_ptr, cols, keep, n, eps, HAS_WEIGHT: tl.constexpr):
+        """x (float32 row) * (mean(x^2) + eps)^-0.5 [* weight], float32."""
+        y = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps))
+        if HAS_WEIGHT:
+            y = y * tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
+        return y
+
+    @triton.jit
+    def rms_norm_rows(x_ptr, w_ptr, y_ptr, n, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        keep = cols < n
+        x = tl.load(x_ptr + row * n + cols, mask=keep, other=0.0).to(tl.float32)
+        y = _normed(x, w_ptr, cols, keep, n, eps, HAS_WEIGHT)
+        tl.store(y_ptr + row * n + cols, y.to(y_ptr.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def norm_add_rows(x_ptr, res_ptr, w1_ptr, w2_ptr, h_ptr, y_ptr, scalar_ptr, n, eps1, eps2,
+                      HAS_W1: tl.constexpr, HAS_W2: tl.constexpr, SECOND: tl.constexpr, SCALE: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        """h = round(res + round(norm1(x))); SECOND: y = round(norm2(h)); SCALE: h = round(h * scalar)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        keep = cols < n
+        out_ty = h_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * n + cols, mask=keep, other=0.0).to(tl.float32)
+        a = _normed(x, w1_ptr, cols, keep, n, eps1, HAS_W1).to(out_ty).to(tl.float32)
+        r = tl.load(res_ptr + row * n + cols, mask=keep, other=0.0).to(tl.float32)
+        h = (r + a).to(out_ty)
+        if SCALE:
+            h = (h.to(tl.float32) * tl.load(scalar_ptr).to(tl.float32)).to(out_ty)
+        tl.store(h_ptr + row * n + cols, h, mask=keep)
+        if SECOND:
+            y = _normed(h.to(tl.float32), w2_ptr, cols, keep, n, eps2, HAS_W2)
+            tl.store(y_ptr + row * n + cols, y.to(y_ptr.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def rope_rows(x_ptr, cos_ptr, sin_ptr, y_ptr, heads, D: tl.constexpr):
+        """Row r of x [rows, D] (rows = B*T*heads) with cos/sin row r // heads: x*cos + rotate_half(x)*sin."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, D)
+        half: tl.constexpr = D // 2
+        x = tl.load(x_ptr + row * D + cols).to(tl.float32)
+        partner = tl.load(x_ptr + row * D + (cols + half) % D).to(tl.float32)
+        rot = tl.where(cols < half, -partner, partner)
+        at = (row // heads) * D + cols
+        c = tl.load(cos_ptr + at).to(tl.float32)
+        s = tl.load(sin_ptr + at).to(tl.float32)
+        out_ty = y_ptr.dtype.element_ty
+        y = (x * c).to(out_ty).to(tl.float32) + (rot * s).to(out_ty).to(tl.float32)
+        tl.store(y_ptr + row * D + cols, y.to(out_ty))
+
+    @triton.jit
+    def gelu_mul_flat(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        """round(round(gelu_tanh(g)) * u): torch's tanh GELU (0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))))."""
+        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        keep = at < n
+        out_ty = y_ptr.dtype.element_ty
+        g = tl.load(g_ptr + at, mask=keep, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + at, mask=keep, other=0.0).to(tl.float32)
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        t = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0  # tanh(inner), saturating to +-1 without overflow
+        act = (0.5 * g * (1.0 + t)).to(out_ty).to(tl.float32)
+        tl.store(y_ptr + at, (act * u).to(out_ty), mask=keep)
+
+    @triton.jit
+    def masked_softmax_rows(s_ptr, m_ptr, p_ptr, n, rows_per_mask, BLOCK: tl.constexpr):
+        """Row r of scores [rows, n]: softmax over the columns whose mask (row r // rows_per_mask) is True, float32."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        keep = cols < n
+        live = tl.load(m_ptr + (row // rows_per_mask) * n + cols, mask=keep, other=0) != 0
+        s = tl.load(s_ptr + row * n + cols, mask=keep, other=0.0).to(tl.float32)
+        s = tl.where(live & keep, s, float("-inf"))
+        e = tl.exp(s - tl.max(s, axis=0))
+        p = e / tl.sum(e, axis=0)
+        tl.store(p_ptr + row * n + cols, p.to(p_ptr.dtype.element_ty), mask=keep)

@@ -1,0 +1,142 @@
+"""foldkv.fused_step's kernels against the torch modules and functions they replace inside the decode step, on the
+GPU: the 31B's step shapes (hidden 5,376, intermediate 21,504, heads of 256 and 512, a ring of 1,024 slots), bf16
+inputs drawn at random (never zeros), outputs allocated fresh by each op and checked finite.
+
+Bounds, from where each op rounds (torch computes a bf16 elementwise op in float32 and rounds once):
+- RoPE: x*cos and rotate_half(x)*sin are exact in float32 (two 8-bit mantissas), each is rounded, then their sum:
+  the kernel rounds at the same three points, so it is bitwise torch's.
+- RMSNorm (and the norms inside the residual tails): float32 throughout, rounded once; only the order of the sum of
+  squares differs, so a bf16 output is within one bf16 ulp of the module's. A tail's add rounds (residual + normed):
+  when the normed term moved by one ulp u of itself, the sum moves by u plus one ulp of the sum.
+- GELU x up: the kernel's tanh is 1 - 2/(exp(2z)+1) in float32 (a few float32 ulps from torch's tanh), so the rounded
+  activation is within one bf16 ulp a of torch's; the product then moves by a*|up| plus one ulp of the product.
+- masked softmax: float32 throughout, the exponentials summed in another order: within one bf16 ulp; masked slots 0.
+Red twins: RoPE with sin and cos exchanged, RMSNorm with eps 1e-3, GELU without the tanh approximation (erf), the
+softmax without its mask: each misses its bound.
+
+Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_fused_step_gpu.py -k "rope"
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import require_module
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+
+
+def _norm(dim: int, with_scale: bool, seed: int = 0, eps: float = 1e-6):
+    require_module("transformers")
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    m = Gemma4RMSNorm(dim, eps=eps, with_scale=with_scale).cuda()
+    if with_scale:
+        with torch.no_grad():
+            m.weight.copy_(torch.exp(0.5 * torch.randn(dim, generator=torch.Generator().manual_seed(dim + seed))))
+    return m
+
+
+def _input(shape, seed, spread: float = 2.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rms = torch.exp(spread * torch.randn(*shape[:-1], 1, generator=g, device="cuda"))  # rows of RMS 1e-3 .. 1e3
+    return (torch.randn(*shape, generator=g, device="cuda") * rms).to(BF16)
+
+
+def _ulp(y: torch.Tensor) -> torch.Tensor:
+    """One bf16 ulp of each value (8 significant bits)."""
+    e = torch.floor(torch.log2(y.float().abs().clamp_min(1e-30)))
+    return torch.pow(2.0, e - 7)
+
+
+def _within(got, want, bound) -> bool:
+    assert got.shape == want.shape and got.dtype == want.dtype and bool(torch.isfinite(got).all())
+    return bool(((got.float() - want.float()).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("with_scale", [True, False], ids=["scale", "no-scale"])
+@pytest.mark.parametrize("shape", [(1, 1, 5376), (8, 1, 5376), (3, 1, 32, 256), (8, 1, 4, 512), (1, 1, 16, 256)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_rms_norm_matches_the_module(shape, with_scale):
+    from foldkv.fused_step import fused_step, rms_norm
+
+    m = _norm(shape[-1], with_scale)
+    x = _input(shape, seed=sum(shape))
+    want = m(x)
+    got = rms_norm(x, m.weight if with_scale else None, m.eps)
+    assert _within(got, want, _ulp(want))
+    with fused_step(torch.nn.Sequential(m)) as n:  # the context swaps the module's forward and puts it back
+        assert n["norms"] == 1 and torch.equal(m(x), got)
+    assert "forward" not in m.__dict__ and torch.equal(m(x), want)
+
+
+def test_rms_norm_red_twin_wrong_eps():
+    from foldkv.fused_step import rms_norm
+
+    m = _norm(256, True)
+    x = _input((64, 256), seed=5)
+    want = m(x)
+    assert not _within(rms_norm(x, m.weight, 1e-3), want, _ulp(want)), "eps 1e-3 passed the one-ulp bound"
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_residual_tails_match_the_layer(batch):
+    from foldkv.fused_step import norm_add_norm, norm_add_scale
+
+    post, pre = _norm(5376, True, 1), _norm(5376, True, 2)
+    x, res = _input((batch, 1, 5376), 10 + batch), _input((batch, 1, 5376), 20 + batch, spread=0.5)
+    h, y = norm_add_norm(x, res, post, pre)
+    a = post(x)
+    h0 = res + a
+    assert _within(h, h0, _ulp(a) + _ulp(h0))
+    assert _within(y, pre(h), _ulp(pre(h)))  # the second norm of the kernel's own sum
+    scalar = torch.tensor([0.6171875], device="cuda", dtype=BF16)
+    z = norm_add_scale(x, res, post, scalar)
+    z0 = res + a
+    z0 *= scalar
+    assert _within(z, z0, (_ulp(a) + _ulp(res + a)) * 0.6171875 + _ulp(z0))
+
+
+def test_rope_is_bitwise_torch():
+    require_module("transformers")
+    from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
+
+    from foldkv.fused_step import rope
+
+    for shape in [(1, 1, 32, 256), (8, 1, 16, 256), (8, 1, 4, 512), (3, 1, 32, 512)]:
+        x = _input(shape, seed=sum(shape))
+        ang = torch.rand(shape[0], 1, shape[3], device="cuda") * 40.0
+        cos, sin = ang.cos().to(BF16), ang.sin().to(BF16)
+        want = apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=2)
+        assert torch.equal(rope(x, cos, sin), want), shape
+        assert not torch.equal(rope(x, sin, cos), want), "red twin: sin and cos exchanged matched"
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_gelu_mul_matches_torch(batch):
+    from foldkv.fused_step import gelu_mul
+
+    gate, up = _input((batch, 1, 21504), 30 + batch, 0.5), _input((batch, 1, 21504), 40 + batch, 0.5)
+    act = torch.nn.functional.gelu(gate, approximate="tanh")
+    want = act * up
+    bound = _ulp(act) * up.float().abs() + _ulp(want)
+    assert _within(gelu_mul(gate, up), want, bound)
+    erf = torch.nn.functional.gelu(gate) * up  # red twin: the exact GELU is another function
+    assert not _within(erf, want, bound)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_masked_softmax_matches_torch(batch):
+    from foldkv.fused_step import masked_softmax
+
+    scores = (_input((batch, 16, 2, 1024), 50 + batch, 0.2).float() * 4).to(BF16)
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    mask = torch.rand(batch, 1, 1, 1024, generator=g, device="cuda") > 0.3
+    want = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(BF16)
+    got = masked_softmax(scores, mask, BF16)
+    assert _within(got, want, _ulp(want))
+    assert bool((got[~mask.expand_as(got)] == 0).all())
+    unmasked = masked_softmax(scores, torch.ones_like(mask), BF16)  # red twin: the mask ignored
+    assert not _within(unmasked, want, _ulp(want))
