@@ -5,7 +5,8 @@ For a quick look at a change of the decode step before the batch of record (note
     python3 bench/model_decode_probe.py --decode foldkv-folded:4096:1 flashinfer:4096:1 --tail foldkv-folded:32768:8
 
 --decode ARM:CONTEXT:BATCH (model_decode.measure_decode), --tail ARM:CONTEXT:BATCH (measure_prefill_tail, chunk
-4096), --profile (step_kernels at 4K x 1). Results are not records: the batch's notebook is.
+4096), --profile (step_kernels at 4K x 1), --compile N (measure_static_compile: transformers' static cache and
+automatic compile on an N-token prompt, last: it leaves the compiler's state behind). Results are not records: the batch's notebook is.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tail", nargs="*", default=[])
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--new-tokens", type=int, default=40)
+    ap.add_argument("--compile", type=int, default=0)
     args = ap.parse_args(argv)
     import foldkv.hf  # noqa: F401
     from foldkv.lab import gemma31b, model_decode as md
@@ -52,13 +54,18 @@ def main(argv=None) -> int:
         out["profile"] = md.step_kernels(model, "foldkv-folded", context=4096, batch=1, top=16)
         for k in out["profile"]:
             print(f"{k['ms']:8.3f} ms {k['calls']:5d}  {k['kernel']}")
-    for r in out["decode"]:
+    if args.compile:
+        out["compile"] = md.run_cells(md.measure_static_compile, [dict(model=model, prompt_tokens=args.compile,
+                                                                       new_tokens=args.new_tokens)])
+    for r in out["decode"] + out.get("compile", []):
         r.pop("tokens", None)
     text = json.dumps(out, indent=1, default=str)
     if os.environ.get("OUT"):
         open(os.path.join(os.environ["OUT"], "probe.json"), "w").write(text)
     print(md.decode_table(out["decode"]))
     print(md.memory_table(out["decode"] + out["tail"]))
+    for r in out.get("compile", []):
+        print({k: v for k, v in r.items() if k != "tokens"})
     return 0
 
 

@@ -33,6 +33,7 @@ SMOKE_PARAMETERS: dict[str, dict] = {
     "04": {"smoke": True},
     "05": {"decode_contexts": [256, 1024], "decode_batches": [1, 2], "ttft_prompts": [256], "new_tokens": 4,
            "prefill_chunk": 256, "largest_context": 1024, "prefill_tail_contexts": [1024], "prefill_tail_batch": 2,
+           "prefill_tail_chunk": 256,
            "compile_prompt": 0},
 }
 

@@ -10,6 +10,19 @@ except ImportError:  # no Triton: nothing here, and nothing imports these names
 if triton is not None:
 
     @triton.jit
+    def _rounded(x, OUT: tl.constexpr):
+        """float32 x rounded to OUT's precision and back to float32, to nearest even, as torch rounds a bf16 op's
+        result. Done on the bits for bf16: the compiler may fold a bf16 round trip of an intermediate away."""
+        if OUT == tl.bfloat16:
+            u = x.to(tl.uint32, bitcast=True)
+            u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+            return u.to(tl.float32, bitcast=True)
+        elif OUT == tl.float32:
+            return x
+        else:
+            return x.to(OUT).to(tl.float32)
+
+    @triton.jit
     def _normed(x, w_ptr, cols, keep, n, eps, HAS_WEIGHT: tl.constexpr):
         """x (float32 row) * (mean(x^2) + eps)^-0.5 [* weight], float32."""
         y = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps))
@@ -24,7 +37,7 @@ if triton is not None:
         keep = cols < n
         x = tl.load(x_ptr + row * n + cols, mask=keep, other=0.0).to(tl.float32)
         y = _normed(x, w_ptr, cols, keep, n, eps, HAS_WEIGHT)
-        tl.store(y_ptr + row * n + cols, y.to(y_ptr.dtype.element_ty), mask=keep)
+        tl.store(y_ptr + row * n + cols, _rounded(y, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
     def norm_add_rows(x_ptr, res_ptr, w1_ptr, w2_ptr, h_ptr, y_ptr, scalar_ptr, n, eps1, eps2,
@@ -36,15 +49,15 @@ if triton is not None:
         keep = cols < n
         out_ty = h_ptr.dtype.element_ty
         x = tl.load(x_ptr + row * n + cols, mask=keep, other=0.0).to(tl.float32)
-        a = _normed(x, w1_ptr, cols, keep, n, eps1, HAS_W1).to(out_ty).to(tl.float32)
+        a = _rounded(_normed(x, w1_ptr, cols, keep, n, eps1, HAS_W1), out_ty)
         r = tl.load(res_ptr + row * n + cols, mask=keep, other=0.0).to(tl.float32)
-        h = (r + a).to(out_ty)
+        h = _rounded(r + a, out_ty)
         if SCALE:
-            h = (h.to(tl.float32) * tl.load(scalar_ptr).to(tl.float32)).to(out_ty)
-        tl.store(h_ptr + row * n + cols, h, mask=keep)
+            h = _rounded(h * tl.load(scalar_ptr).to(tl.float32), out_ty)
+        tl.store(h_ptr + row * n + cols, h.to(out_ty), mask=keep)
         if SECOND:
-            y = _normed(h.to(tl.float32), w2_ptr, cols, keep, n, eps2, HAS_W2)
-            tl.store(y_ptr + row * n + cols, y.to(y_ptr.dtype.element_ty), mask=keep)
+            y = _normed(h, w2_ptr, cols, keep, n, eps2, HAS_W2)
+            tl.store(y_ptr + row * n + cols, _rounded(y, out_ty).to(out_ty), mask=keep)
 
     @triton.jit
     def rope_rows(x_ptr, cos_ptr, sin_ptr, y_ptr, heads, D: tl.constexpr):
@@ -59,7 +72,7 @@ if triton is not None:
         c = tl.load(cos_ptr + at).to(tl.float32)
         s = tl.load(sin_ptr + at).to(tl.float32)
         out_ty = y_ptr.dtype.element_ty
-        y = (x * c).to(out_ty).to(tl.float32) + (rot * s).to(out_ty).to(tl.float32)
+        y = _rounded(_rounded(x * c, out_ty) + _rounded(rot * s, out_ty), out_ty)
         tl.store(y_ptr + row * D + cols, y.to(out_ty))
 
     @triton.jit
@@ -72,8 +85,8 @@ if triton is not None:
         u = tl.load(u_ptr + at, mask=keep, other=0.0).to(tl.float32)
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         t = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0  # tanh(inner), saturating to +-1 without overflow
-        act = (0.5 * g * (1.0 + t)).to(out_ty).to(tl.float32)
-        tl.store(y_ptr + at, (act * u).to(out_ty), mask=keep)
+        act = _rounded(0.5 * g * (1.0 + t), out_ty)
+        tl.store(y_ptr + at, _rounded(act * u, out_ty).to(out_ty), mask=keep)
 
     @triton.jit
     def masked_softmax_rows(s_ptr, m_ptr, p_ptr, n, rows_per_mask, BLOCK: tl.constexpr):
@@ -86,4 +99,4 @@ if triton is not None:
         s = tl.where(live & keep, s, float("-inf"))
         e = tl.exp(s - tl.max(s, axis=0))
         p = e / tl.sum(e, axis=0)
-        tl.store(p_ptr + row * n + cols, p.to(p_ptr.dtype.element_ty), mask=keep)
+        tl.store(p_ptr + row * n + cols, _rounded(p, p_ptr.dtype.element_ty).to(p_ptr.dtype.element_ty), mask=keep)

@@ -335,6 +335,7 @@ SPECS: dict[str, dict[str, Param]] = {
         "largest_context": Param("int", positive=True, tokens=True),
         "prefill_tail_contexts": TOKENS,
         "prefill_tail_batch": Param("int", positive=True),
+        "prefill_tail_chunk": Param("int", positive=True),
         "prefill_tail_arms": Param("list", "str", choices=_model_arms, nonempty=True),
         "compile_prompt": Param("int", at_least=0),
         "seed": Param("int", at_least=0),
