@@ -69,6 +69,7 @@ def test_the_31b_step_graph_equals_its_eager_forms(model31, monkeypatch):
     neutral = _gap(_run(model31, batch, "eager"), incumbent)
 
     def cache(**kw):
+        model31.set_attn_implementation("foldkv")  # a FoldKvCache is made for a model served by foldkv
         return FoldKvCache(model31, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW, kv_format="folded", **kw)
 
     graph_cache = cache(decode_step="graph")

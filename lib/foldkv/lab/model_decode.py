@@ -141,6 +141,9 @@ def memory_components(cache, peak: int, weights: int) -> dict:
             work_b += nbytes(*[v for v in vars(ws).values() if isinstance(v, torch.Tensor)])
         work_b += nbytes(*[v for k, v in vars(step).items() if k.startswith("fi_") and isinstance(v, torch.Tensor)])
         work_b += nbytes(*[t for k, v in vars(step).items() if k == "fi_buffers" for t in v])
+    prefill = getattr(cache, "_fi_prefill", None)  # FlashInfer's prefill workspace (foldkv.lab.flashinfer_model)
+    if prefill is not None:
+        work_b += nbytes(prefill[2])
     return {"weights": weights, "cache": cache_b, "workspace": work_b,
             "activations": max(0, peak - cache_b - work_b), "peak": weights + peak}
 
