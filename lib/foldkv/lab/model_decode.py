@@ -354,9 +354,9 @@ def measure_static_compile(model: nn.Module, *, prompt_tokens: int, new_tokens: 
                                                                                int(0.9 * len(steps_ms)))],
               "steps_timed": len(steps_ms), "compiled": bool(getattr(model, "_compiled_call", None) is not None),
               "tokens": out[0, prompt_tokens:].cpu().tolist()}
-    import torch._dynamo
+    from torch import _dynamo
 
-    torch._dynamo.reset()  # the compiled forward and its graphs go (the next cells run uncompiled)
+    _dynamo.reset()  # the compiled forward and its graphs go (the next cells run uncompiled)
     _fresh_memory(dev)
     return result
 
