@@ -56,7 +56,7 @@ fi
 
 if [ "$PART" = all ] || [ "$PART" = 2 ] || [ "$PART" = 2a ]; then
 # alone: its full-length gates hold ~85 GB at their peak
-timeout $A $BATCH --only 02 --params '{"02": {"aot_dir": "build/aot", "sanitizer_timeout_s": 100}}' > "$OUTD/batch_02.log" 2>&1
+timeout $A $BATCH --only 02 --params '{"02": {"aot_dir": "build/aot", "sanitizer_timeout_s": 240}}' > "$OUTD/batch_02.log" 2>&1
 echo "batch 02 rc=$? at $(( $(date +%s) - t0 )) s"
 fi
 if [ "$PART" = all ] || [ "$PART" = 2 ] || [ "$PART" = 2b ]; then

@@ -1,5 +1,7 @@
 """The gate machinery itself, on the CPU: a correct arm passes, and each way an arm can be wrong is caught."""
 
+import os
+
 import pytest
 import torch
 
@@ -250,3 +252,66 @@ def test_scaled_probabilities_widen_the_frobenius_bound_by_their_rounding_only()
     assert gates.compare(near, ref, pv_abs, p_scaled=True)["rel_ok"]
     far = ref * (1 + 2 * 2.0**-8 + 2e-3) + noise
     assert not gates.compare(far, ref, pv_abs, p_scaled=True)["rel_ok"]
+
+
+# --- the sanitizer gate (no GPU: the tools' verdicts from their logs, and the gate's runner over a stand-in tool) ---
+CLEAN = {"memcheck": "========= ERROR SUMMARY: 0 errors\n",
+         "synccheck": "========= ERROR SUMMARY: 0 errors\n",
+         "racecheck": "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
+                      "========= ERROR SUMMARY: 0 errors\n"}
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
+def test_sanitizer_verdict_reads_each_tools_summary(tool):
+    from foldkv.lab.gates.sanitizer import sanitizer_verdict
+
+    assert sanitizer_verdict(tool, "decode ... passed=True\n" + CLEAN[tool], 0)["clean"]
+    # red twins: an error reported, a nonzero exit, a log cut before its summary (a crash or a timeout)
+    bad = CLEAN[tool].replace("0 errors\n", "3 errors\n").replace("SUMMARY: 0 hazards displayed (0 errors",
+                                                                  "SUMMARY: 2 hazards displayed (2 errors")
+    assert not sanitizer_verdict(tool, bad, 1)["clean"]
+    assert not sanitizer_verdict(tool, CLEAN[tool], 1)["clean"]
+    assert not sanitizer_verdict(tool, "decode ... passed=True\n", 0)["clean"]
+    if tool == "racecheck":  # hazards with a clean error summary still fail
+        warned = CLEAN[tool].replace("0 hazards displayed (0 errors, 0 warnings)", "4 hazards displayed (0 errors, 4 warnings)")
+        v = sanitizer_verdict(tool, warned, 0)
+        assert not v["clean"] and v["hazards"] == 4 and v["errors"] == 0
+
+
+def test_sanitizer_command_names_its_tool_and_the_cases():
+    from foldkv.lab.gates.sanitizer import SANITIZER_TOOLS, sanitizer_command
+
+    for tool in SANITIZER_TOOLS:
+        cmd = sanitizer_command(tool)
+        assert cmd[:3] == ["compute-sanitizer", "--tool", tool] and "--error-exitcode" in cmd
+        assert cmd[-3].endswith("scripts/sanitize_cases.py") and cmd[-2:] == ["--backend", "jit"]
+    assert "--racecheck-report" in sanitizer_command("racecheck")
+    with pytest.raises(ValueError, match="initcheck"):
+        sanitizer_command("initcheck")
+
+
+def test_sanitizer_gate_runs_the_tools_side_by_side(tmp_path, monkeypatch):
+    """The gate over a stand-in `compute-sanitizer` on PATH (prints its tool's summary after a second; racecheck
+    reports a hazard): every tool's log is written, all three ran at once, and one dirty tool fails the gate."""
+    import time
+
+    from foldkv.lab.report import RunRecord
+
+    fake = tmp_path / "bin" / "compute-sanitizer"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nsleep 1\ncase \"$2\" in\n"
+                    "  racecheck) echo '========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)';"
+                    " echo '========= ERROR SUMMARY: 1 error'; exit 1;;\n"
+                    "  *) echo '========= ERROR SUMMARY: 0 errors';;\nesac\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    rec = RunRecord("02_correctness_gates", tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    t0 = time.time()
+    gates.sanitizer_gate(True, 30.0, str(tmp_path / "run"), rec)
+    assert time.time() - t0 < 2.8, "the three tools did not run side by side"
+    res = rec.results["sanitizer"]
+    assert rec.sections["sanitizer"] == "ran" and res["passed"] is False
+    assert {t["tool"]: t["clean"] for t in res["tools"]} == {"memcheck": True, "racecheck": False, "synccheck": True}
+    for tool in ("memcheck", "racecheck", "synccheck"):
+        assert (tmp_path / "run" / f"compute_sanitizer_{tool}.log").read_text().startswith("$ compute-sanitizer")

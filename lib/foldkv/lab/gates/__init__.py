@@ -8,7 +8,7 @@
 - `fp8_pool`: the FP8 folded pool's format error, its kernels against the reference, the needle;
 - `graph_walk`: one CUDA graph of the decode workspace replayed while the requests grow;
 - `build`: the emitted-CUDA barrier checks and the AOT build and verify;
-- `sanitizer`: compute-sanitizer memcheck over one case of every kernel;
+- `sanitizer`: compute-sanitizer memcheck, racecheck and synccheck (side by side) over one case of every kernel;
 - `sections`: notebook 02's bf16 kernel sections, their tables and figure, and the verdict over the record.
 
 The gates notebook and the GPU tests both call these functions; nothing here imports TileLang (launchers do, lazily).
