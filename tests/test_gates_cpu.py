@@ -272,7 +272,10 @@ def test_sanitizer_verdict_reads_each_tools_summary(tool):
     assert not sanitizer_verdict(tool, bad, 1)["clean"]
     assert not sanitizer_verdict(tool, CLEAN[tool], 1)["clean"]
     assert not sanitizer_verdict(tool, "decode ... passed=True\n", 0)["clean"]
-    if tool == "racecheck":  # hazards with a clean error summary still fail
+    if tool == "racecheck":  # racecheck's own summary alone is its verdict; hazards with a clean error summary fail
+        only = CLEAN[tool].splitlines()[0] + "\n"
+        assert sanitizer_verdict(tool, only, 0)["clean"]
+        assert not sanitizer_verdict(tool, only.replace("0 hazards displayed (0 errors", "1 hazards displayed (1 errors"), 0)["clean"]
         warned = CLEAN[tool].replace("0 hazards displayed (0 errors, 0 warnings)", "4 hazards displayed (0 errors, 4 warnings)")
         v = sanitizer_verdict(tool, warned, 0)
         assert not v["clean"] and v["hazards"] == 4 and v["errors"] == 0

@@ -13,8 +13,8 @@ import time
 from ...provenance import checkout_root
 
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
-# The summary line each tool prints last: "ERROR SUMMARY: N errors" (memcheck, synccheck) and, for racecheck,
-# "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)" before its "ERROR SUMMARY".
+# The summary line each tool prints last: "ERROR SUMMARY: N errors" (memcheck, synccheck); racecheck prints
+# "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)" and, on the H200's toolkit, no ERROR SUMMARY.
 _ERRORS = re.compile(r"ERROR SUMMARY: (\d+) errors?")
 _HAZARDS = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
 
@@ -29,13 +29,16 @@ def sanitizer_command(tool: str, backend: str = "jit") -> list[str]:
 
 
 def sanitizer_verdict(tool: str, text: str, returncode: int | None) -> dict:
-    """What one tool's log says: clean only when the process exited 0 and its summary reports no error (and, for
-    racecheck, no hazard); `summary` is the summary lines found (none: the tool did not finish)."""
+    """What one tool's log says: clean only when the process exited 0 and its summary reports no error (racecheck:
+    its hazard summary reports no hazard, and an ERROR SUMMARY, where it prints one, no error); `summary` is the
+    summary lines found (none: the tool did not finish)."""
     errors = [int(m) for m in _ERRORS.findall(text)]
     hazards = [tuple(int(x) for x in m) for m in _HAZARDS.findall(text)]
-    clean = returncode == 0 and bool(errors) and errors[-1] == 0
     if tool == "racecheck":
-        clean = clean and bool(hazards) and hazards[-1][0] == 0
+        clean = (returncode == 0 and bool(hazards) and hazards[-1][0] == 0
+                 and (not errors or errors[-1] == 0))
+    else:
+        clean = returncode == 0 and bool(errors) and errors[-1] == 0
     summary = [line.strip() for line in text.splitlines() if "SUMMARY" in line]
     return {"tool": tool, "returncode": returncode, "clean": clean, "errors": errors[-1] if errors else None,
             "hazards": hazards[-1][0] if hazards else None, "summary": summary[-2:]}
