@@ -295,6 +295,7 @@ def test_committed_runs_win_and_are_never_overwritten(tmp_path):
 
 # --- the notebook, headless -----------------------------------------------------------------------------------------
 SMALL = {"single_lengths": [97], "sweep_lengths": [54, 130], "batch_cases": ["uniform8"],
+         "drawn_shapes": ["mixed"], "drawn_singles": 1, "draw_seed": 5,
          "prefill_chunk": 16, "prefill_contexts": [70], "rounds": 2, "prefill_rounds": 1, "warmup": 0,
          "decode_arms": ["fi_cuda", "torch", "torch_folded", "folded_jit", "read_folded"]}
 
@@ -327,7 +328,13 @@ def test_notebook_cpu_mode_records_every_cell_and_arm(cpu_run):
     names = [c["cell"] for c in doc["cells"]]
     assert names[:4] == ["single/97", "sweep/54", "sweep/130", "batch/uniform8"]
     assert doc["cells"][3]["seq_lens"] == bench.serving_cases(0, ["uniform8"], scale=1 / 128)["uniform8"]
-    assert names[4] == "prefill/16@70"
+    # the drawn cells, as `draw_seed` draws them (shrunk like the serving cases), and the seed recorded
+    mixed, singles = bench.draw_batches(5, ["mixed"], scale=1 / 128)["mixed"], bench.draw_singles(5, 1, scale=1 / 128)
+    assert names[4:7] == ["drawn/mixed"] + [f"drawn_single/{n}" for n in singles]
+    assert doc["cells"][4]["seq_lens"] == mixed and doc["draws"]["seed"] == 5 and doc["params"]["draw_seed"] == 5
+    assert "drawn cells: seed 5" in text and "| every drawn batch | drawn/mixed |" in text
+    assert "| batch/uniform8 | 8 |" in text  # the plan model's table
+    assert names[7] == "prefill/16@70"
     for c in doc["cells"][:4]:
         assert c["arms"]["torch"]["status"] == "ok" and c["arms"]["torch"]["check"]["ok"], c["arms"]["torch"]
         assert c["arms"]["torch_folded"]["check"]["ok"]
@@ -336,7 +343,7 @@ def test_notebook_cpu_mode_records_every_cell_and_arm(cpu_run):
         assert c["arms"]["torch"]["us"]["n"] == 2
         assert c["bytes"]["folded"] == floor.step_bytes(GEMMA4_31B, "folded", c["seq_lens"])["total"]
         assert c["arms"]["torch_folded"]["bytes"] == c["bytes"]["folded"]
-    prefill = doc["cells"][4]
+    prefill = doc["cells"][7]
     assert prefill["flops"] == bench.prefill_flops(16, 70) and prefill["q_lens"] == [16]
     assert doc["roof"]["read"]["gbps"] > 0 and "read_end" in doc["roof"]
     assert doc["conclusions"] == bench.conclusions(doc)  # computed from the data, not typed
@@ -672,3 +679,98 @@ def test_fp8_prefill_in_kernel_arm_is_reported_not_gated():
     del cell["arms"]["folded_fp8_jit"]
     (row,) = bench.fp8_prefill_rows(_doc([cell]))
     assert row["met"] is None and row["in_kernel_x_bf16"] == pytest.approx(1.4)
+
+
+# --- drawn cells: shapes, seeds, their targets, the plan's model ------------------------------------------------------
+@pytest.mark.parametrize("shape", list(bench.DRAWN_SHAPES))
+def test_drawn_shapes_hold_their_sizes_and_ranges(shape):
+    from foldkv.lab.bench import case
+
+    (lens,) = bench.draw_batches(7, [shape]).values()
+    lo, hi = {"short_many": case.SHORT_MANY_TOKENS, "mixed": case.MIXED_TOKENS,
+              "longtail64": (1, case.LONGTAIL_LONG[1])}.get(shape, case.UNIFORM_TOKENS)
+    assert all(lo <= n <= hi for n in lens), (shape, min(lens), max(lens))
+    want = {"short_many": case.SHORT_MANY_BATCH, "mixed": case.MIXED_BATCH}.get(shape)
+    if want:
+        assert want[0] <= len(lens) <= want[1]
+    else:
+        assert len(lens) == int(shape.rstrip("0123456789") and shape[len(shape.rstrip("0123456789")):])
+    # a shape's draw depends on the seed and its name only (red twin: another seed draws other lengths)
+    assert bench.draw_batches(7, [shape]) == {shape: bench.draw_batches(7)[shape]}
+    assert bench.draw_batches(8, [shape]) != bench.draw_batches(7, [shape])
+
+
+def test_drawn_singles_fall_in_their_ranges_and_a_fresh_seed_is_new():
+    from foldkv.lab.bench.drawn import DRAWN_SINGLE_RANGES
+
+    lens = bench.draw_singles(3, 4)
+    (llo, lhi), (mlo, mhi) = DRAWN_SINGLE_RANGES["long"], DRAWN_SINGLE_RANGES["mid"]
+    assert all(llo <= n <= lhi for n in lens[:4]) and all(mlo <= n <= mhi for n in lens[4:])
+    assert lens == bench.draw_singles(3, 4) and lens != bench.draw_singles(4, 4)
+    assert max(bench.draw_singles(3, 4, scale=1 / 128)) <= lhi // 128
+    assert len({bench.fresh_seed() for _ in range(8)}) > 1
+
+
+def _drawn_cell(name, lens, folded, read, graph=None, fi_tc=None, split=None):
+    arms = {"folded_jit": ([folded] * 3, FOLDED), "read_folded": ([read] * 3, READ)}
+    if graph is not None:
+        arms["folded_graph"] = ([graph] * 3, FOLDED)
+    if fi_tc is not None:
+        arms["fi_tc"], arms["split_jit"] = ([fi_tc] * 3, PEER), ([split] * 3, SPLIT)
+    return dict(_cell(name, max(lens), arms), batch=len(lens), seq_lens=list(lens))
+
+
+def test_drawn_targets_hold_every_drawn_cell_with_red_twins():
+    doc = _doc([
+        _drawn_cell("drawn/uniform24", [30_000] * 24, folded=106.0, read=100.0, graph=106.5, fi_tc=150.0, split=140.0),
+        _drawn_cell("drawn/mixed", [1, 150_000, 700], folded=109.0, read=100.0, graph=112.0, fi_tc=130.0, split=135.0),
+        _drawn_cell("drawn_single/200001", [200_001], folded=107.0, read=100.0),
+        _drawn_cell("drawn_single/57777", [57_777], folded=115.0, read=100.0),
+        _drawn_cell("single/57777", [57_777], folded=150.0, read=100.0),  # not drawn: no drawn row
+    ])
+    doc["draws"] = {"seed": 1234}
+    rows = {r["cell"]: r for r in bench.drawn.drawn_target_rows(doc)}
+    assert list(rows) == ["drawn/uniform24", "drawn/mixed", "drawn_single/200001", "drawn_single/57777"]
+    assert rows["drawn/uniform24"]["met"] is True
+    bad = rows["drawn/mixed"]  # red twins: 1.09x the read, the graph 2.8% slower than eager, split behind FI TC
+    assert bad["x_read"]["met"] is False and bad["graph_x_eager"]["met"] is False
+    assert bad["split_x_fi_tc"]["met"] is False and bad["met"] is False
+    assert rows["drawn_single/200001"]["x_read"]["bound"] == 1.06 and rows["drawn_single/200001"]["met"] is False
+    assert rows["drawn_single/57777"]["x_read"]["bound"] == 1.20 and rows["drawn_single/57777"]["met"] is True
+    text = "\n".join(bench.conclusions(doc))
+    assert "Drawn cells (seed 1234): 2 of 4 meet every bound." in text
+    assert "drawn/mixed: folded graph vs eager 1.028x, target ≤ 1.01" in text
+    assert "| drawn/mixed | 3 | 1.09x (≤ 1.08: NOT met)" in bench.drawn_targets_markdown(doc)
+    assert "No drawn cell" in bench.drawn_targets_markdown(_doc([]))
+
+
+def test_plan_model_sets_the_plans_prediction_beside_the_measured_step():
+    from foldkv.kernels import plan as decode_plan
+    from foldkv.pool import PagedKvLayout
+
+    assert bench.drawn.plan_model_row([30_001] * 32, 4000.0, 132)["one_wave"] is True  # 128 CTAs: one each
+    lens = [30_001] * 64
+    row = bench.drawn.plan_model_row(lens, 4000.0, 132)
+    pages = -(-30_001 // 64)
+    assert row["cap_pages"] == decode_plan.balanced_chunk_pages(
+        PagedKvLayout(GEMMA4_31B, KvFormat.FOLDED, 64, 1), lens, 132)
+    assert row["ctas"] == 64 * 4 * -(-pages // row["cap_pages"]) and row["one_wave"] is False
+    # the model's step is at least the bytes of the batch spread over every SM at the read roof
+    assert row["predicted_us"] >= 64 * 4 * pages * 64 * 640 * 2 / 4000e3
+    fixed = [_drawn_cell(f"batch/uniform{n}", [20_000 + n] * n, folded=1.0, read=1.0) for n in (8, 32)]
+    for c in fixed:
+        c["arms"]["folded_jit"]["us"]["median"] = 0.93 * bench.drawn.plan_model_row(c["seq_lens"], 4000.0, 132)[
+            "predicted_us"]
+    near = _drawn_cell("drawn/uniform24", [25_000] * 24, folded=1.0, read=1.0)
+    far = _drawn_cell("drawn/short_many", [3000] * 200, folded=1.0, read=1.0)
+    near["arms"]["folded_jit"]["us"]["median"] = 0.95 * bench.drawn.plan_model_row(near["seq_lens"], 4000.0, 132)[
+        "predicted_us"]
+    far["arms"]["folded_jit"]["us"]["median"] = 1.30 * bench.drawn.plan_model_row(far["seq_lens"], 4000.0, 132)[
+        "predicted_us"]
+    doc = _doc(fixed + [near, far])
+    doc["env"]["sms"] = 132
+    rows = {r["cell"]: r for r in bench.plan_model_rows(doc)}
+    assert rows["batch/uniform8"]["mispredicted"] is None and rows["drawn/uniform24"]["mispredicted"] is False
+    assert rows["drawn/short_many"]["mispredicted"] is True  # red twin: 1.30 against the fixed batches' 0.93
+    assert rows["drawn/short_many"]["ratio"] == pytest.approx(1.30)
+    assert "**yes**" in bench.plan_model_markdown(doc) and "0.930-0.930" in bench.plan_model_markdown(doc)

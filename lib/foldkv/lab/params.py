@@ -235,6 +235,12 @@ def _serving_cases() -> tuple:
     return SERVING_CASES
 
 
+def _drawn_shapes() -> tuple:
+    from .bench.drawn import DRAWN_SHAPES
+
+    return DRAWN_SHAPES
+
+
 def _drift_arms() -> tuple:
     from .model import MODEL_ARMS
 
@@ -305,6 +311,9 @@ SPECS: dict[str, dict[str, Param]] = {
         "single_lengths": TOKENS,
         "sweep_lengths": TOKENS,
         "batch_cases": Param("list", "str", choices=_serving_cases, nonempty=True),
+        "drawn_shapes": Param("list", "str", choices=_drawn_shapes),
+        "drawn_singles": Param("int", at_least=0),
+        "draw_seed": Param("int", at_least=-1),
         "decode_arms": Param("list", "str", choices=_bench_decode_arms, nonempty=True),
         "prefill_arms": Param("list", "str", choices=_bench_prefill_arms),
         "prefill_chunk": Param("int", positive=True),
@@ -316,7 +325,7 @@ SPECS: dict[str, dict[str, Param]] = {
         "rotate_bytes": Param("int", at_least=0),
         "read_roof_bytes": Param("int", positive=True),
         "seed": Param("int", at_least=0),
-        "sections": Param("list", "str", choices=("single", "sweep", "batch", "hosttime", "prefill")),
+        "sections": Param("list", "str", choices=("single", "sweep", "batch", "drawn", "hosttime", "prefill")),
         "host_time_batches": Param("list", "int", positive=True, nonempty=True),
         "resume_from": Param("str", exists="file"),
         "aot_dir": Param("str", exists="dir"),

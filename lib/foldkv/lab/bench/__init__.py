@@ -24,13 +24,15 @@ recorded "error: <text>"; neither stops the others. A run's document (`run.Bench
 (`results`), read back into tables, verdicts and conclusions (`tables`) and figures (`plots`).
 """
 
-from . import plots
+from . import drawn, plots
 from .arms import (DECODE_ARMS, DEFAULT_DECODE_ARMS, DEFAULT_PREFILL_ARMS, PREFILL_ARMS, READ_FOLDED, READ_FOLDED_FP8,
                    generated_arm, torch_decode_arm, workspace_arm)
 from .host_time import host_time_markdown, plan_host_times
 from .clock import time_events
 from .case import (DEFAULT_ROTATE_BYTES, L2_BYTES, SERVING_CASES, AttentionCase, prefill_flops, ragged_lengths,
                    serving_cases)
+from .drawn import (DRAWN_SHAPES, DRAWN_TARGETS, draw_batches, draw_singles, drawn_targets_markdown, fresh_seed,
+                    plan_model_markdown, plan_model_rows)
 from .results import (RESULTS_GLOB, RESULTS_NAME, SCHEMA, find_results, load_results, open_results, redraw_banner,
                       resolve_mode, results_path, run_name, save_results)
 from .roofs import (STREAM_READ_MAX_BYTES, committed_read_roof, measure_matmul_roof, measure_read_roof,
@@ -46,6 +48,8 @@ from .tables import (DECODE_TARGETS, DecodeTarget, arm_cell_text, arm_names, bes
 from .timing import CHECK_REL_TOL, check_arm, run_cell
 
 __all__ = [
+    "DRAWN_SHAPES", "DRAWN_TARGETS", "draw_batches", "draw_singles", "drawn", "drawn_targets_markdown", "fresh_seed",
+    "plan_model_markdown", "plan_model_rows",
     "host_time_markdown", "plan_host_times", "workspace_arm", "fp8_prefill_rows", "fp8_target_rows", "fp8_targets_markdown",
     "FP8_DECODE_TARGET", "READ_FOLDED_FP8",
     "DECODE_TARGETS", "READ_FOLDED", "SERVING_CASES", "STREAM_READ_MAX_BYTES", "DecodeTarget", "best_split",

@@ -35,30 +35,48 @@ SERVING_CASES = ("uniform8", "uniform32", "uniform64", "uniform128", "longtail64
 UNIFORM_TOKENS = (1024, 48 * 1024)  # a ragged batch's lengths, uniform in this range (inclusive)
 LONGTAIL_SHORT, LONGTAIL_LONG = (1, 4096), (65536, 200_000)  # the long-tail mix: 9 short requests in 10, 1 long
 LONGTAIL_EVERY = 10  # request i is long when i % LONGTAIL_EVERY == 0: exactly 10% of the batch, spread through it
+SHORT_MANY_BATCH, SHORT_MANY_TOKENS = (100, 256), (1, 8192)  # "short_many": 100-256 requests of 1-8K
+MIXED_BATCH, MIXED_TOKENS = (4, 8), (1, 150_000)  # "mixed": a handful of lengths, log-uniform in 1-150K
+
+
+def draw_shape(name: str, rng: random.Random) -> list[int]:
+    """One batch of the named shape, drawn from `rng`: "uniform<B>" (B requests, lengths uniform in UNIFORM_TOKENS),
+    "longtail<B>" (B requests; every LONGTAIL_EVERY-th uniform in LONGTAIL_LONG, the rest in LONGTAIL_SHORT),
+    "short_many" (a batch size uniform in SHORT_MANY_BATCH, lengths in SHORT_MANY_TOKENS), "mixed" (a batch size
+    in MIXED_BATCH, lengths log-uniform in MIXED_TOKENS). Raises ValueError for another name."""
+    head = name.rstrip("0123456789")
+    count = name[len(head):]
+    if head == "uniform" and count:
+        return [rng.randint(*UNIFORM_TOKENS) for _ in range(int(count))]
+    if head == "longtail" and count:
+        return [rng.randint(*(LONGTAIL_SHORT if i % LONGTAIL_EVERY else LONGTAIL_LONG)) for i in range(int(count))]
+    if name == "short_many":
+        return [rng.randint(*SHORT_MANY_TOKENS) for _ in range(rng.randint(*SHORT_MANY_BATCH))]
+    if name == "mixed":
+        lo, hi = (math.log(t) for t in MIXED_TOKENS)
+        return [min(MIXED_TOKENS[1], max(1, round(math.exp(rng.uniform(lo, hi)))))
+                for _ in range(rng.randint(*MIXED_BATCH))]
+    raise ValueError(f"unknown batch shape {name!r}: uniform<B>, longtail<B>, short_many or mixed")
 
 
 def serving_cases(seed: int = 0, names: Sequence[str] | None = None, *, scale: float = 1.0) -> dict[str, list[int]]:
-    """The batches a server sees (the serving batches the decode targets hold), by name: "uniform<B>" (B requests,
-    lengths uniform in UNIFORM_TOKENS) and "longtail64" (64 requests; every LONGTAIL_EVERY-th uniform in
-    LONGTAIL_LONG, the rest in LONGTAIL_SHORT). Every case is drawn from one seeded stream in SERVING_CASES order
-    whatever `names` asks for, so a case's lengths depend on the seed only. `scale` < 1 shrinks every length (at
-    least 1 token) for a pipeline check on the CPU; the batch sizes stay. Raises ValueError for an unknown name or a
-    scale outside (0, 1]."""
+    """The fixed serving batches (kept for comparison across runs), by name (`draw_shape`). Every case is drawn from
+    one seeded stream in SERVING_CASES order whatever `names` asks for, so a case's lengths depend on the seed only.
+    `scale` < 1 shrinks every length (at least 1 token) for a pipeline check on the CPU; the batch sizes stay. Raises
+    ValueError for an unknown name or a scale outside (0, 1]."""
     unknown = [n for n in (names or ()) if n not in SERVING_CASES]
     if unknown:
         raise ValueError(f"unknown serving case(s) {unknown}; expected some of {list(SERVING_CASES)}")
+    rng = random.Random(seed)
+    drawn = {name: draw_shape(name, rng) for name in SERVING_CASES}
+    return {n: scaled(drawn[n], scale) for n in (names or SERVING_CASES)}
+
+
+def scaled(lens: Sequence[int], scale: float) -> list[int]:
+    """Lengths shrunk by `scale` in (0, 1] (at least 1 token each): a GPU-sized case made small for the CPU."""
     if not 0 < scale <= 1:
         raise ValueError(f"scale {scale}: expected 0 < scale <= 1")
-    rng = random.Random(seed)
-    drawn: dict[str, list[int]] = {}
-    for name in SERVING_CASES:
-        if name.startswith("uniform"):
-            drawn[name] = [rng.randint(*UNIFORM_TOKENS) for _ in range(int(name[len("uniform"):]))]
-        else:
-            batch = int(name[len("longtail"):])
-            drawn[name] = [rng.randint(*(LONGTAIL_SHORT if i % LONGTAIL_EVERY else LONGTAIL_LONG))
-                           for i in range(batch)]
-    return {n: [max(1, int(x * scale)) for x in drawn[n]] for n in (names or SERVING_CASES)}
+    return [max(1, int(x * scale)) for x in lens]
 
 
 def prefill_flops(chunk: int, context: int, geom: AttentionGeometry = GEMMA4_31B) -> int:

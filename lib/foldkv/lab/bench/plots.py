@@ -1,5 +1,5 @@
 """What notebook 04 draws from a results document: decode time, % of roof and speedup against context; pool memory
-per format and the ragged batches; the decode targets per cell. A figure redrawn from an earlier run says so in every
+per format and the ragged batches; the decode targets per cell; the drawn cells against their plain read. A figure redrawn from an earlier run says so in every
 title (`mark_redrawn`)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from typing import Any
 from foldkv import floor
 from foldkv.config import GEMMA4_31B, AttentionGeometry
 
+from .drawn import drawn_target_rows
 from .tables import DECODE_TARGETS, arm_names, best_folded, cells_of, series, target_rows
 
 DECODE_PREFIXES = ("single/", "sweep/")
@@ -146,6 +147,32 @@ def targets_figure(results: dict, *, redrawn_from: str | None = None) -> Any:
 
 def figures(results: dict, *, redrawn_from: str | None = None) -> list:
     """Every figure of notebook 04, each marked when `redrawn_from` names the run the results came from."""
-    return [decode_figure(results, redrawn_from=redrawn_from),
+    figs = [decode_figure(results, redrawn_from=redrawn_from),
             memory_and_batch_figure(results, redrawn_from=redrawn_from),
             targets_figure(results, redrawn_from=redrawn_from)]
+    if drawn_target_rows(results):
+        figs.append(drawn_figure(results, redrawn_from=redrawn_from))
+    return figs
+
+
+def drawn_figure(results: dict, *, redrawn_from: str | None = None) -> Any:
+    """Folded / plain read for every drawn cell of the run (bars), each cell's bound as a black tick."""
+    import matplotlib.pyplot as plt
+
+    rows = drawn_target_rows(results)
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    xs = list(range(len(rows)))
+    have = [(x, r["x_read"]["value"]) for x, r in zip(xs, rows) if r["x_read"]["value"] is not None]
+    if have:
+        ax.bar([x for x, _ in have], [v for _, v in have], 0.6, label="best folded / plain read")
+    else:
+        ax.text(0.5, 0.5, "no drawn cell measured", transform=ax.transAxes, ha="center", va="center")
+    ax.scatter(xs, [r["x_read"]["bound"] for r in rows], marker="_", s=400, color="black", label="target", zorder=3)
+    ax.set_xticks(xs, [f"{r['cell']} ({r['batch']})" for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.5)
+    seed = (results.get("draws") or {}).get("seed")
+    ax.set(ylabel="folded µs / plain-read µs (lower is better)",
+           title=f"drawn cells (seed {seed}): folded against a plain read of the same bytes")
+    ax.set_ylim(0.9, max([1.3] + [v * 1.05 for _, v in have]))
+    ax.legend(fontsize=8)
+    return _finish(fig, [ax], redrawn_from)

@@ -12,10 +12,9 @@ from foldkv.config import GEMMA4_31B, AttentionGeometry
 
 from .arms import READ_FOLDED
 from .case import SERVING_CASES
-
-
-def cells_of(results: dict, prefix: str) -> list[dict]:
-    return [c for c in results.get("cells", []) if str(c.get("cell", "")).startswith(prefix)]
+from .cells import (TARGET_PEER, all_met, best_folded, best_split, bound_check, cells_of, fmt_value, missing_why,
+                    ok_us, overall_text, verdict_text)
+from .drawn import drawn_conclusions
 
 
 def arm_names(results: dict, prefix: str = "") -> list[str]:
@@ -39,23 +38,19 @@ def series(results: dict, prefix: str, arm: str, field: str = "us", stat: str = 
     return xs, ys
 
 
-def _fmt(v: float | None, spec: str = ".1f") -> str:
-    return "–" if v is None else format(v, spec)
-
-
 def arm_cell_text(arm: dict, kind: str = "decode") -> str:
     """One table cell: 'µs median [p10–p90] · % of roof', or the reason the arm did not run."""
     st = arm.get("status")
     if st != "ok":
         return f"{st}: {str(arm.get('reason', ''))[:90]}"
     us = arm["us"]
-    txt = f"{_fmt(us['median'])} µs [{_fmt(us['p10'])}–{_fmt(us['p90'])}]"
+    txt = f"{fmt_value(us['median'])} µs [{fmt_value(us['p10'])}–{fmt_value(us['p90'])}]"
     if kind == "prefill" and arm.get("tflops"):
-        txt += f" · {_fmt(arm['tflops']['median'])} TFLOP/s"
+        txt += f" · {fmt_value(arm['tflops']['median'])} TFLOP/s"
         if arm.get("pct_matmul_roof") is not None:
-            txt += f" ({_fmt(arm['pct_matmul_roof'], '.0f')}% mm)"
+            txt += f" ({fmt_value(arm['pct_matmul_roof'], '.0f')}% mm)"
     elif arm.get("pct_roof"):
-        txt += f" · {_fmt(arm['pct_roof']['median'], '.0f')}% roof"
+        txt += f" · {fmt_value(arm['pct_roof']['median'], '.0f')}% roof"
     if arm.get("timing") and arm["timing"] != "cuda graph":
         txt += f" ({arm['timing']})"
     if arm.get("check") and not arm["check"].get("ok"):
@@ -93,13 +88,6 @@ def prediction_table(seq_lens_list: Sequence[Sequence[int]], roof_gbps: float | 
         name = str(lens[0]) if len(lens) == 1 else f"{len(lens)} x ~{sum(lens) // len(lens)}"
         lines.append(f"| {name} | {sb / 1e6:.1f} | {fb / 1e6:.1f} | {fl(sb)} | {fl(fb)} | {sb / fb:.3f} |")
     return "\n".join(lines)
-
-
-def best_folded(cell: dict) -> str | None:
-    """The fastest folded generated arm that ran and passed its check."""
-    ok = [(a["us"]["median"], n) for n, a in cell.get("arms", {}).items()
-          if a.get("status") == "ok" and a.get("generated") and a.get("format") == "folded" and a["check"]["ok"]]
-    return min(ok)[1] if ok else None
 
 
 def verdicts(results: dict) -> list[dict]:
@@ -183,6 +171,7 @@ def conclusions(results: dict) -> list[str]:
                 for n, a in c["arms"].items() if a.get("status") == "ok")
         lines.append(head + ".")
     lines += target_conclusions(results)
+    lines += drawn_conclusions(results)
     not_run = sorted({f"{n}: {a.get('status')} ({str(a.get('reason'))[:120]})" for c in results.get("cells", [])
                       for n, a in c.get("arms", {}).items() if a.get("status") != "ok"})
     for s in not_run:
@@ -232,36 +221,6 @@ DECODE_TARGETS: tuple[DecodeTarget, ...] = (
     DecodeTarget("one request at 40K", 1.20, 1.5, 1.0, near=40_000),
     DecodeTarget("one request at 10.6K", 1.60, 1.4, 1.0, near=10_600),
 )
-TARGET_PEER = "fi_tc"
-
-
-def _ok_us(cell: dict, arm: str | None) -> float | None:
-    a = cell.get("arms", {}).get(arm or "", {})
-    if a.get("status") != "ok" or not (a.get("check") or {}).get("ok"):
-        return None
-    return a["us"]["median"]
-
-
-def best_split(cell: dict) -> str | None:
-    """The fastest split generated arm that ran and passed its check."""
-    ok = [(a["us"]["median"], n) for n, a in cell.get("arms", {}).items()
-          if a.get("status") == "ok" and a.get("generated") and a.get("format") == "split" and a["check"]["ok"]]
-    return min(ok)[1] if ok else None
-
-
-def _missing(cell: dict, arm: str, what: str) -> str:
-    a = cell.get("arms", {}).get(arm)
-    if a is None:
-        return f"no {what} in this run"
-    if a.get("status") != "ok":
-        return f"{what} {a.get('status')}: {str(a.get('reason', ''))[:80]}"
-    return f"{what} failed its check"
-
-
-def _bound(value: float | None, bound: float, at_most: bool, missing: str) -> dict:
-    if value is None:
-        return {"value": None, "bound": bound, "met": None, "why": missing}
-    return {"value": value, "bound": bound, "met": value <= bound if at_most else value >= bound}
 
 
 def target_rows(results: dict, targets: Sequence[DecodeTarget] = DECODE_TARGETS) -> list[dict]:
@@ -275,43 +234,25 @@ def target_rows(results: dict, targets: Sequence[DecodeTarget] = DECODE_TARGETS)
             if not t.holds(c):
                 continue
             folded, split = best_folded(c), best_split(c)
-            f_us, s_us = _ok_us(c, folded), _ok_us(c, split)
-            r_us, fi_us = _ok_us(c, READ_FOLDED), _ok_us(c, TARGET_PEER)
+            f_us, s_us = ok_us(c, folded), ok_us(c, split)
+            r_us, fi_us = ok_us(c, READ_FOLDED), ok_us(c, TARGET_PEER)
             failed = f"the cell failed: {str(c['error'])[:80]}" if c.get("error") else None
             no_folded = failed or "no folded arm ran and passed its check"
-            read_missing = no_folded if f_us is None else _missing(c, READ_FOLDED, "plain-read arm")
-            fi_missing = _missing(c, TARGET_PEER, "FlashInfer TC arm")
+            read_missing = no_folded if f_us is None else missing_why(c, READ_FOLDED, "plain-read arm")
+            fi_missing = missing_why(c, TARGET_PEER, "FlashInfer TC arm")
             checks = {
-                "x_read": _bound(f_us / r_us if f_us and r_us else None, t.max_x_read, True, read_missing),
-                "folded_x_fi_tc": _bound(fi_us / f_us if f_us and fi_us else None, t.min_folded_x_fi_tc, False,
+                "x_read": bound_check(f_us / r_us if f_us and r_us else None, t.max_x_read, True, read_missing),
+                "folded_x_fi_tc": bound_check(fi_us / f_us if f_us and fi_us else None, t.min_folded_x_fi_tc, False,
                                          no_folded if f_us is None else fi_missing),
-                "split_x_fi_tc": _bound(fi_us / s_us if s_us and fi_us else None, t.min_split_x_fi_tc, False,
+                "split_x_fi_tc": bound_check(fi_us / s_us if s_us and fi_us else None, t.min_split_x_fi_tc, False,
                                         (failed or "no split arm ran and passed its check") if s_us is None
                                         else fi_missing),
             }
             rows.append({"target": t.case, "cell": c["cell"], "context": c.get("context"), "batch": c.get("batch"),
                          "folded": folded, "split": split, "us": {"folded": f_us, "split": s_us, "read": r_us,
                                                                  TARGET_PEER: fi_us},
-                         **checks, "met": _all_met(checks)})
+                         **checks, "met": all_met(checks)})
     return rows
-
-
-def _all_met(checks: dict) -> bool | None:
-    """A row's verdict over its `_bound`s: False when any measured one is not met, True when all are, else None."""
-    mets = [v["met"] for v in checks.values()]
-    return False if False in mets else (True if all(mets) else None)
-
-
-def _overall_text(met: bool | None) -> str:
-    """A row's overall verdict (`_all_met`, or one check's `met`) in words."""
-    return {True: "met", False: "NOT met", None: "incomplete"}[met]
-
-
-def _verdict_text(v: dict, fmt: str) -> str:
-    if v["met"] is None:
-        return f"– ({v['why']})"
-    op = "≤" if fmt == "read" else "≥"
-    return f"{v['value']:.2f}x ({op} {v['bound']:.2f}: {'met' if v['met'] else 'NOT met'})"
 
 
 def targets_markdown(results: dict, targets: Sequence[DecodeTarget] = DECODE_TARGETS) -> str:
@@ -327,9 +268,9 @@ def targets_markdown(results: dict, targets: Sequence[DecodeTarget] = DECODE_TAR
         if not mine:
             lines.append(f"| {t.case} | – | no cell of this case in this run | | | |")
         for r in mine:
-            overall = _overall_text(r["met"])
-            lines.append(f"| {r['target']} | {r['cell']} | {_verdict_text(r['x_read'], 'read')} | "
-                         f"{_verdict_text(r['folded_x_fi_tc'], 'fi')} | {_verdict_text(r['split_x_fi_tc'], 'fi')} | "
+            overall = overall_text(r["met"])
+            lines.append(f"| {r['target']} | {r['cell']} | {verdict_text(r['x_read'], 'read')} | "
+                         f"{verdict_text(r['folded_x_fi_tc'], 'fi')} | {verdict_text(r['split_x_fi_tc'], 'fi')} | "
                          f"{overall} |")
     return "\n".join(lines)
 
@@ -393,20 +334,20 @@ def fp8_target_rows(results: dict, target: Fp8Target = FP8_DECODE_TARGET) -> lis
     for c in results.get("cells", []):
         if not target.holds(c):
             continue
-        f8, f16 = _ok_us(c, FP8_ARM), _ok_us(c, best_folded(c))
-        r8, fi8 = _ok_us(c, READ_FOLDED_FP8), _ok_us(c, FP8_PEER)
-        no_f8 = _missing(c, FP8_ARM, "FP8 folded arm")
+        f8, f16 = ok_us(c, FP8_ARM), ok_us(c, best_folded(c))
+        r8, fi8 = ok_us(c, READ_FOLDED_FP8), ok_us(c, FP8_PEER)
+        no_f8 = missing_why(c, FP8_ARM, "FP8 folded arm")
         checks = {
-            "x_bf16": _bound(f8 / f16 if f8 and f16 else None, target.max_x_bf16, True,
+            "x_bf16": bound_check(f8 / f16 if f8 and f16 else None, target.max_x_bf16, True,
                              no_f8 if f8 is None else "no bf16 folded arm ran and passed its check"),
-            "x_read": _bound(f8 / r8 if f8 and r8 else None, target.max_x_read, True,
-                             no_f8 if f8 is None else _missing(c, READ_FOLDED_FP8, "FP8 plain-read arm")),
-            "fi_fp8_x": _bound(fi8 / f8 if f8 and fi8 else None, target.min_x_fi_fp8, False,
-                               no_f8 if f8 is None else _missing(c, FP8_PEER, "FlashInfer e4m3 arm")),
+            "x_read": bound_check(f8 / r8 if f8 and r8 else None, target.max_x_read, True,
+                             no_f8 if f8 is None else missing_why(c, READ_FOLDED_FP8, "FP8 plain-read arm")),
+            "fi_fp8_x": bound_check(fi8 / f8 if f8 and fi8 else None, target.min_x_fi_fp8, False,
+                               no_f8 if f8 is None else missing_why(c, FP8_PEER, "FlashInfer e4m3 arm")),
         }
         rows.append({"cell": c["cell"], "context": c.get("context"), "batch": c.get("batch"),
                      "us": {"fp8": f8, "bf16_folded": f16, "read_fp8": r8, FP8_PEER: fi8}, **checks,
-                     "met": _all_met(checks)})
+                     "met": all_met(checks)})
     return rows
 
 
@@ -426,12 +367,12 @@ def fp8_prefill_rows(results: dict, max_x_bf16: float = FP8_PREFILL_MAX_X_BF16) 
     for c in results.get("cells", []):
         if c.get("kind") != "prefill":
             continue
-        ok8 = [(us, n) for n in FP8_PREFILL_ARMS if (us := _ok_us(c, n)) is not None]
+        ok8 = [(us, n) for n in FP8_PREFILL_ARMS if (us := ok_us(c, n)) is not None]
         f8, f8_arm = min(ok8) if ok8 else (None, None)
         bf16_arm = best_folded(c)
-        f16, f8k = _ok_us(c, bf16_arm), _ok_us(c, FP8_PREFILL_IN_KERNEL_ARM)
-        check = _bound(f8 / f16 if f8 and f16 else None, max_x_bf16, True,
-                       _missing(c, FP8_PREFILL_ARMS[0], "FP8 folded prefill arm") if f8 is None
+        f16, f8k = ok_us(c, bf16_arm), ok_us(c, FP8_PREFILL_IN_KERNEL_ARM)
+        check = bound_check(f8 / f16 if f8 and f16 else None, max_x_bf16, True,
+                       missing_why(c, FP8_PREFILL_ARMS[0], "FP8 folded prefill arm") if f8 is None
                        else "no bf16 folded prefill arm ran and passed its check")
         rows.append({"cell": c["cell"], "us": {"fp8": f8, "bf16_folded": f16, "fp8_in_kernel": f8k},
                      "fp8_arm": f8_arm, "bf16_arm": bf16_arm, "x_bf16": check,
@@ -447,14 +388,14 @@ def fp8_targets_markdown(results: dict, target: Fp8Target = FP8_DECODE_TARGET) -
     lines = ["| cell | FP8 / bf16 folded | FP8 / plain read of its bytes | FlashInfer e4m3 / FP8 folded | all |",
              "|---|---|---|---|---|"] if rows else []
     for r in rows:
-        overall = _overall_text(r["met"])
-        lines.append(f"| {r['cell']} | {_verdict_text(r['x_bf16'], 'read')} | {_verdict_text(r['x_read'], 'read')} | "
-                     f"{_verdict_text(r['fi_fp8_x'], 'fi')} | {overall} |")
+        overall = overall_text(r["met"])
+        lines.append(f"| {r['cell']} | {verdict_text(r['x_bf16'], 'read')} | {verdict_text(r['x_read'], 'read')} | "
+                     f"{verdict_text(r['fi_fp8_x'], 'fi')} | {overall} |")
     if prefill:
         lines += ["", "| prefill cell | best FP8 (page gather) / best bf16 folded prefill (target <= "
                   f"{FP8_PREFILL_MAX_X_BF16:.2f}) | arms | met | FP8 converted in the kernel / bf16 (x, reported) |",
                   "|---|---|---|---|---|"]
         for r in prefill:
-            lines.append(f"| {r['cell']} | {_verdict_text(r['x_bf16'], 'read')} | {r['fp8_arm']} / {r['bf16_arm']} | "
-                         f"{_overall_text(r['met'])} | {_fmt(r['in_kernel_x_bf16'], '.3f')} |")
+            lines.append(f"| {r['cell']} | {verdict_text(r['x_bf16'], 'read')} | {r['fp8_arm']} / {r['bf16_arm']} | "
+                         f"{overall_text(r['met'])} | {fmt_value(r['in_kernel_x_bf16'], '.3f')} |")
     return "\n".join(lines)
