@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import os
@@ -67,9 +68,24 @@ class AttentionGeometry:
         return 2 * self.rotary_pairs
 
 
+    def per_rank(self, ranks: int) -> "AttentionGeometry":
+        """The geometry one of `ranks` tensor-parallel ranks holds when the heads are split over them (transformers'
+        colwise q_proj / k_proj): whole KV heads per rank, each with its query group. Raises ConfigError when the KV
+        heads do not divide among the ranks (a KV head's group would be split from its KV head)."""
+        ranks = int(ranks)
+        if ranks < 1 or self.num_kv_heads % ranks:
+            raise ConfigError(f"{ranks} tensor-parallel ranks over {self.num_kv_heads} KV heads: each rank must hold"
+                              " whole KV heads with their query groups (a rank count dividing the KV heads)")
+        if ranks == 1:
+            return self
+        return dataclasses.replace(self, num_q_heads=self.num_q_heads // ranks,
+                                   num_kv_heads=self.num_kv_heads // ranks, name=f"{self.name}-tp{ranks}")
+
+
 GEMMA4_31B = AttentionGeometry()
 
-PRESETS: dict[str, AttentionGeometry] = {"gemma-4-31b": GEMMA4_31B}
+# the 31B, and one rank of it under tensor parallelism over 2 ranks (16 query heads over 2 KV heads)
+PRESETS: dict[str, AttentionGeometry] = {"gemma-4-31b": GEMMA4_31B, "gemma-4-31b-tp2": GEMMA4_31B.per_rank(2)}
 
 
 def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -95,7 +95,8 @@ def check_no_shared_kv(text_model: nn.Module) -> None:
 def global_geometry(text_model: nn.Module, attn: nn.Module) -> AttentionGeometry:
     """The foldkv geometry of one global attention module: the config's (geometry_from_config refuses a config
     without k_eq_v or proportional RoPE), checked against the module's weights (no v_proj, head_dim, projection
-    widths) and the model's own RoPE inverse frequencies (a mismatch would be a silent position error)."""
+    widths) and the model's own RoPE inverse frequencies (a mismatch would be a silent position error); under
+    tensor parallelism, the heads of this rank (`tensor_parallel_ranks`, `AttentionGeometry.per_rank`)."""
     cfg = text_model.config
     if getattr(attn, "v_proj", None) is not None or not getattr(attn, "use_alternative_attention", True):
         raise ConfigError(f"layer {attn.layer_idx}: not a k_eq_v global layer (it has a v_proj); nothing to fold")
@@ -118,7 +119,33 @@ def global_geometry(text_model: nn.Module, attn: nn.Module) -> AttentionGeometry
                 f"layer {attn.layer_idx}: the model's full-attention RoPE rotates other columns than foldkv's"
                 f" proportional RoPE ({int((model_inv != 0).sum())} non-zero frequencies of {model_inv.numel()}, foldkv"
                 f" folds around {int((ours != 0).sum())}): K outside the rotated columns would not be V * w_k")
-    return geom
+
+    return geom.per_rank(tensor_parallel_ranks(attn, geom))
+
+
+def _local_rows(linear: nn.Module) -> int:
+    """Output rows of a projection this process computes: its weight's local shard under tensor parallelism (a
+    DTensor: transformers' tp_plan), else the whole weight."""
+    weight = linear.weight
+    return int((weight.to_local() if hasattr(weight, "to_local") else weight).shape[0])
+
+
+def tensor_parallel_ranks(attn: nn.Module, geom: AttentionGeometry) -> int:
+    """Over how many tensor-parallel ranks a global attention module's heads are split (1 when it is whole): read
+    from its q_proj and k_proj shards. Raises ConfigError for a plan foldkv cannot serve: shards of partial heads,
+    q_proj and k_proj split different ways, or a KV head's query group split from its KV head."""
+    d = geom.head_dim
+    q_rows, k_rows = _local_rows(attn.q_proj), _local_rows(attn.k_proj)
+    q_full, k_full = geom.num_q_heads * d, geom.num_kv_heads * d
+    ranks = k_full // k_rows if k_rows else 0
+    if (q_rows % d or k_rows % d or not k_rows or k_full % k_rows or q_full % q_rows
+            or q_full // q_rows != ranks or q_rows // d != (k_rows // d) * geom.group_size):
+        raise ConfigError(
+            f"layer {attn.layer_idx}: the tensor-parallel plan gives this rank {q_rows} q_proj rows and {k_rows}"
+            f" k_proj rows (head_dim {d}; the layer has {geom.num_q_heads} query heads over {geom.num_kv_heads} KV"
+            " heads): foldkv needs whole KV heads on each rank with their query groups (q_proj and k_proj colwise,"
+            " split the same number of ways, that number dividing the KV heads)")
+    return ranks
 
 
 # --- what flows from update / the mask to the attention function ----------------------------------------------------

@@ -1,0 +1,117 @@
+"""Greedy `generate()` of a Gemma 4 through a FoldKvCache, in one process or under tensor parallelism.
+
+Run alone it is the one-process reference; under `torchrun` the model is loaded with transformers' own tensor
+parallelism (`tp_plan="auto"`: q_proj / k_proj colwise, o_proj rowwise and its all-reduce), so each rank's cache holds
+only its KV heads. Rank 0 writes one JSON file: per pool format the new tokens and the geometry each rank's global
+layers were served with (every rank's, gathered). What `tests/test_tp_cpu.py` compares, and what a two-GPU run starts
+from.
+
+    python -m foldkv.lab.tp_generate CKPT --out one.json
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m foldkv.lab.tp_generate CKPT --out tp2.json
+
+On the CPU the process group is gloo (transformers' choice for a CPU model) and the cache's attention is the float64
+reference; on CUDA it is NCCL and the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+import torch
+
+# A left-padded batch: a short prompt behind padding, and a full-width one (pad id 0).
+PROMPTS: tuple[tuple[int, ...], ...] = ((0, 0, 0, 5, 6, 7, 8, 9), (3, 4, 5, 6, 7, 8, 9, 10))
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) as torchrun sets them; (0, 1) in a plain process."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def load_model(checkpoint: str, *, dtype: torch.dtype, attn_implementation: str, device: str | None = None):
+    """The model, whole in one process, sharded by transformers' `tp_plan="auto"` under torchrun."""
+    import foldkv.hf  # noqa: F401  (registers the foldkv attention implementations)
+    from transformers import AutoModelForCausalLM
+
+    _, size = world()
+    kw: dict[str, Any] = {"tp_plan": "auto"} if size > 1 else {}
+    if device is not None and size == 1:
+        kw["device_map"] = device
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, attn_implementation=attn_implementation, **kw)
+
+
+def served_geometry(cache) -> dict[str, int]:
+    """The heads this process's global layers are served with (all global layers agree)."""
+    geoms = {(layer.geometry.num_q_heads, layer.geometry.num_kv_heads, layer.geometry.head_dim)
+             for layer in cache.global_layers}
+    if len(geoms) != 1:
+        raise AssertionError(f"global layers served with different geometries: {sorted(geoms)}")
+    (hq, hkv, d), = geoms
+    return {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d, "pool_bytes": cache.pool_bytes()}
+
+
+def gather(obj: Any) -> list[Any]:
+    """`obj` of every rank, in rank order ([obj] in a plain process)."""
+    _, size = world()
+    if size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def generate_tokens(model, kv_format: str, *, new_tokens: int, prompt_shift: int = 0) -> dict[str, Any]:
+    """Greedy new tokens of PROMPTS (each real token id + prompt_shift) through a FoldKvCache of `kv_format`."""
+    from foldkv.hf import FoldKvCache
+
+    device = next(model.parameters()).device
+    ids = torch.tensor(PROMPTS, device=device)
+    mask = (ids != 0).long()
+    ids = torch.where(mask.bool(), ids + prompt_shift, ids)
+    cache = FoldKvCache(model, max_batch=ids.shape[0], max_tokens=ids.shape[1] + new_tokens, kv_format=kv_format,
+                        max_new_tokens=new_tokens)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                         past_key_values=cache)
+    return {"tokens": out[:, ids.shape[1]:].tolist(), "ranks": gather(served_geometry(cache))}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="a Gemma 4 checkpoint folder (the synthetic one: foldkv.lab.synthetic)")
+    p.add_argument("--formats", nargs="+", default=["folded", "split"], choices=["folded", "split"])
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--attn", default="foldkv_eager", choices=["foldkv", "foldkv_eager"],
+                   help="the attention implementation (sliding layers: eager or sdpa)")
+    p.add_argument("--prompt-shift", type=int, default=0, help="add this to every real prompt token (another prompt)")
+    p.add_argument("--out", required=True, help="the JSON file rank 0 writes")
+    args = p.parse_args(argv)
+
+    rank, size = world()
+    model = load_model(args.checkpoint, dtype=getattr(torch, args.dtype), attn_implementation=args.attn)
+    result: dict[str, Any] = {"world_size": size, "prompts": [list(x) for x in PROMPTS],
+                              "prompt_shift": args.prompt_shift, "formats": {}}
+    for fmt in args.formats:
+        result["formats"][fmt] = generate_tokens(model, fmt, new_tokens=args.new_tokens,
+                                                 prompt_shift=args.prompt_shift)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        for fmt, r in result["formats"].items():
+            print(f"[tp_generate] world {size} {fmt}: tokens {r['tokens']}; rank 0 serves"
+                  f" {r['ranks'][0]['num_q_heads']} q / {r['ranks'][0]['num_kv_heads']} KV heads")
+    if size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main()

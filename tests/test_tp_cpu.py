@@ -1,0 +1,122 @@
+"""Tensor parallelism over KV heads on the CPU: transformers' tp_plan="auto" under torchrun (gloo), foldkv serving each
+rank's heads, tokens equal to the one-process run; and the per-rank geometry and its refusals.
+
+Reproduce a run by hand (the tiny synthetic checkpoint: python -c "from foldkv.lab.synthetic import
+make_synthetic_checkpoint as m; m('/tmp/ck', seed=3, hidden_size=64, intermediate_size=128, vocab_size=128)"):
+    python -m foldkv.lab.tp_generate /tmp/ck --out one.json
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m foldkv.lab.tp_generate /tmp/ck --out tp2.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import require_module
+from foldkv.config import GEMMA4_31B, PRESETS, ConfigError
+
+LIB = str(Path(__file__).resolve().parents[1] / "lib")
+
+
+def run_generate(checkpoint: str, out: Path, *, ranks: int, prompt_shift: int = 0) -> dict:
+    """foldkv.lab.tp_generate in a subprocess: plain for 1 rank, under torchrun for more."""
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+               "-m", "foldkv.lab.tp_generate"] if ranks > 1 else [sys.executable, "-m", "foldkv.lab.tp_generate"])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([LIB, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = launch + [checkpoint, "--out", str(out), "--prompt-shift", str(prompt_shift)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint, tmp_path_factory) -> dict[str, dict]:
+    require_module("accelerate")  # transformers' tp_plan needs it (the test extra installs it)
+    d = tmp_path_factory.mktemp("tp")
+    return {"one": run_generate(checkpoint, d / "one.json", ranks=1),
+            "tp2": run_generate(checkpoint, d / "tp2.json", ranks=2),
+            "one_other_prompt": run_generate(checkpoint, d / "other.json", ranks=1, prompt_shift=1)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_format", ["folded", "split"])
+def test_tp2_tokens_equal_one_process(runs, kv_format):
+    one, tp2 = runs["one"]["formats"][kv_format], runs["tp2"]["formats"][kv_format]
+    assert runs["tp2"]["world_size"] == 2
+    assert tp2["tokens"] == one["tokens"], f"{kv_format}: TP 2 {tp2['tokens']} != one process {one['tokens']}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_format", ["folded", "split"])
+def test_tp2_tokens_red_twin_another_prompt_differs(runs, kv_format):
+    # the equality above can fail: the same run on prompts one token id up gives other tokens
+    other, tp2 = runs["one_other_prompt"]["formats"][kv_format], runs["tp2"]["formats"][kv_format]
+    assert other["tokens"] != tp2["tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_format", ["folded", "split"])
+def test_tp2_each_rank_holds_only_its_kv_heads(runs, kv_format):
+    (whole,) = runs["one"]["formats"][kv_format]["ranks"]
+    ranks = runs["tp2"]["formats"][kv_format]["ranks"]
+    assert (whole["num_q_heads"], whole["num_kv_heads"]) == (32, 4)
+    assert len(ranks) == 2
+    for r in ranks:
+        assert (r["num_q_heads"], r["num_kv_heads"], r["head_dim"]) == (16, 2, 512)
+        assert 2 * r["pool_bytes"] == whole["pool_bytes"]
+
+
+class FakeAttention(nn.Module):
+    """A global attention module whose q_proj / k_proj hold `q_heads` / `kv_heads` heads of 512 rows (a shard)."""
+
+    def __init__(self, q_rows: int, k_rows: int):
+        super().__init__()
+        self.layer_idx = 5
+        self.q_proj = nn.Linear(1, q_rows, bias=False, device="meta")
+        self.k_proj = nn.Linear(1, k_rows, bias=False, device="meta")
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_tensor_parallel_ranks_reads_the_shard(ranks):
+    from foldkv.hf import tensor_parallel_ranks
+
+    d = GEMMA4_31B.head_dim
+    attn = FakeAttention(32 * d // ranks, 4 * d // ranks)
+    assert tensor_parallel_ranks(attn, GEMMA4_31B) == ranks
+    local = GEMMA4_31B.per_rank(ranks)
+    assert (local.num_q_heads, local.num_kv_heads, local.group_size) == (32 // ranks, 4 // ranks, 8)
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,why", [
+    (4, 0.5, "half a KV head a rank (8 ranks)"),
+    (8, 2, "q_proj split 4 ways, k_proj 2 ways"),
+    (16, 4, "query groups split from their KV heads (k_proj whole)"),
+    (10.5, 1.5, "partial heads (a 3-way split of 32 / 4 heads)"),
+])
+def test_tensor_parallel_ranks_refuses_a_plan_that_splits_a_group(q_heads, kv_heads, why):
+    from foldkv.hf import tensor_parallel_ranks
+
+    d = GEMMA4_31B.head_dim
+    attn = FakeAttention(int(q_heads * d), int(kv_heads * d))
+    with pytest.raises(ConfigError, match="whole KV heads on each rank with their query groups"):
+        tensor_parallel_ranks(attn, GEMMA4_31B)
+
+
+@pytest.mark.parametrize("ranks", [0, 3, 8])
+def test_per_rank_refuses_ranks_not_dividing_the_kv_heads(ranks):
+    with pytest.raises(ConfigError, match="whole KV heads"):
+        GEMMA4_31B.per_rank(ranks)
+
+
+def test_tp2_preset_is_one_rank_of_the_31b():
+    geom = PRESETS["gemma-4-31b-tp2"]
+    assert (geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.group_size) == (16, 2, 512, 8)
+    assert geom.rotary_pairs == GEMMA4_31B.rotary_pairs and geom.name == "gemma-4-31b-tp2"
