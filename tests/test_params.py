@@ -149,7 +149,7 @@ MAX = GEMMA4_31B.max_position  # 262,144
     ("04_benchmarks", {"prefill_arms": '["fi_prefill", "torch"]'}, "prefill_arms: unknown value 'torch'"),
     ("04_benchmarks", {"sections": '["single", "prefil"]'}, "sections: unknown value 'prefil'"),
     ("04_benchmarks", {"mode": "fast"}, "mode: unknown value 'fast'"),
-    ("01_byte_floor", {"geometry": "gemma-4-13b"}, "geometry: unknown geometry 'gemma-4-13b': not a preset (gemma-4-31b)"),
+    ("01_byte_floor", {"geometry": "gemma-4-13b"}, "geometry: unknown geometry 'gemma-4-13b': not a preset (gemma-4-31b, gemma-4-31b-tp2)"),
     # paths that do not exist
     ("02_correctness_gates", {"aot_dir": "/nonexistent/aot"}, "aot_dir: '/nonexistent/aot' is not an existing directory"),
     ("04_benchmarks", {"redraw_from": "papermill_runs/none/04_benchmarks.json"}, "redraw_from: 'papermill_runs/none"),
