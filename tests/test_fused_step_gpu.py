@@ -140,3 +140,50 @@ def test_masked_softmax_matches_torch(batch):
     assert bool((got[~mask.expand_as(got)] == 0).all())
     unmasked = masked_softmax(scores, torch.ones_like(mask), BF16)  # red twin: the mask ignored
     assert not _within(unmasked, want, _ulp(want))
+
+
+# --- the streaming GEMV (the step's projections with STEP_GEMV="stream") --------------------------------------------
+# Bound per element against float64: the bf16 products are exact in float32, each of the K adds rounds by at most one
+# float32 ulp of the running sum (|partial| <= sum_k |x_k w_k|), and the result is rounded once to bf16 (half an ulp
+# of the output's binade; one ulp taken): |y - ref| <= ulp(ref) + K * 2^-23 * sum_k |x_k w_k|.
+GEMV_SHAPES = [(4096, 5376), (5376, 21504), (2048, 5376), (21504, 5376), (8192, 5376)]
+
+
+def _gemv_bound(x, w, ref):
+    k = x.shape[-1]
+    mag = x.double().abs() @ w.double().abs().T
+    return _ulp(ref).double() + k * 2.0 ** -23 * mag
+
+
+def _gemv_case(shape, m, seed):
+    n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (torch.randn(m, k, generator=g, device="cuda") * 0.5).to(BF16)
+    w = (torch.randn(n, k, generator=g, device="cuda") * k ** -0.5).to(BF16)
+    return x, w, x.double() @ w.double().T
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 16])
+@pytest.mark.parametrize("shape", GEMV_SHAPES, ids=[f"{n}x{k}" for n, k in GEMV_SHAPES])
+def test_stream_gemv_within_its_bound(shape, rows):
+    from foldkv.fused_step import gemv
+
+    x, w, ref = _gemv_case(shape, rows, seed=shape[0] + rows)
+    out = torch.full((rows, shape[0]), float("nan"), dtype=BF16, device="cuda")  # poisoned: every element written
+    got = gemv(x, w, out=out)
+    assert got.data_ptr() == out.data_ptr() and bool(torch.isfinite(out).all())
+    assert bool(((out.double() - ref).abs() <= _gemv_bound(x, w, ref)).all())
+
+
+def test_stream_gemv_red_twin_wrong_reduction_length():
+    """The same check over the kernel told a reduction one K tile short (rows read at the wrong stride) must fail."""
+    from foldkv import fused_step as fs
+
+    shape = (4096, 5376)
+    x, w, ref = _gemv_case(shape, 1, seed=3)
+    cfg = fs.gemv_config(*shape, torch.cuda.get_device_properties(0).multi_processor_count)
+    out = torch.full((1, shape[0]), float("nan"), dtype=BF16, device="cuda")
+    fs._kernels()["gemv"][(shape[0] // cfg["BLOCK_N"],)](x, w, out, 1, shape[0], shape[1] - cfg["BLOCK_K"],
+                                                          BLOCK_M=fs.GEMV_MAX_ROWS, **cfg)
+    assert bool(torch.isfinite(out).all())
+    assert not bool(((out.double() - ref).abs() <= _gemv_bound(x, w, ref)).all())

@@ -35,7 +35,7 @@ def _kernels() -> dict:
         from . import fused_step_kernels as k
 
         _KERNELS = dict(rms_norm=k.rms_norm_rows, norm_add=k.norm_add_rows, rope=k.rope_rows, gelu_mul=k.gelu_mul_flat,
-                        softmax=k.masked_softmax_rows)
+                        softmax=k.masked_softmax_rows, gemv=k.gemv_rows)
     return _KERNELS
 
 
@@ -130,10 +130,54 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype)
     return out.view(scores.shape)
 
 
+GEMV_MAX_ROWS = 16  # rows (tokens) a step's projection may have for the streaming GEMV: one mma tile of rows
+GEMV_TILE = 4096  # weight elements a program loads per step (BLOCK_N x BLOCK_K): 8 KB of bf16
+GEMV_CTAS_PER_SM = 4  # programs resident per SM at three stages of 8 KB + the rows' tile
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def gemv_config(n: int, k: int, sms: int, ctas_per_sm: int = GEMV_CTAS_PER_SM) -> dict | None:
+    """The streaming GEMV's tiling for a weight [n, k]: the narrowest BLOCK_N (16..64 rows) whose grid n / BLOCK_N is
+    resident at once (sms x ctas_per_sm programs share the read and finish together; a weight too tall for that
+    takes 64 rows a program), BLOCK_K = GEMV_TILE / BLOCK_N. None: no tiling divides the weight."""
+    fits = [bn for bn in (16, 32, 64) if n % bn == 0 and k % (GEMV_TILE // bn) == 0]
+    if not fits:
+        return None
+    bn = next((bn for bn in fits if n // bn <= sms * ctas_per_sm), fits[-1])
+    return dict(BLOCK_N=bn, BLOCK_K=GEMV_TILE // bn, num_warps=4, num_stages=3)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T for at most GEMV_MAX_ROWS rows of x, float32 accumulation rounded once to x's
+    dtype (F.linear's arithmetic; the sum's order differs). Other shapes, dtypes or devices: F.linear. `out`
+    ([rows, N], contiguous): written in place (the tests poison it first)."""
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    cfg = config or (gemv_config(n, k, _sms(x.device.index or 0)) if x.is_cuda else None)
+    if (cfg is None or m > GEMV_MAX_ROWS or x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16)
+            or not weight.is_contiguous() or not x.is_cuda):
+        return torch.nn.functional.linear(x, weight)
+    rows = rows if rows.is_contiguous() else rows.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    grid = (n // cfg["BLOCK_N"],)
+    _kernels()["gemv"][grid](rows, weight, out, m, n, k, BLOCK_M=GEMV_MAX_ROWS, **cfg)
+    return out.view(*x.shape[:-1], n)
+
+
 # --- the swapped forwards -------------------------------------------------------------------------------------------
 
 def _norm_forward(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, module.weight if module.with_scale else None, module.eps)
+
+
+def _linear_forward(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return gemv(x, linear.weight)
 
 
 def _mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -185,12 +229,28 @@ def layer_modules(model: nn.Module) -> list[nn.Module]:
             and isinstance(getattr(m, "layer_scalar", None), torch.Tensor) and m.layer_scalar.numel() == 1]
 
 
+STEP_GEMVS = ("torch", "stream")
+STEP_GEMV = "torch"  # the step's projections: "torch" (F.linear, cuBLAS) or "stream" (`gemv`)
+
+
+def linear_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's bias-free nn.Linear modules (the projections and the LM head)."""
+    return [m for m in model.modules() if isinstance(m, nn.Linear) and m.bias is None]
+
+
 @contextlib.contextmanager
-def fused_step(model: nn.Module) -> Iterator[dict]:
+def fused_step(model: nn.Module, gemv: str | None = None) -> Iterator[dict]:
     """Within the block, `model`'s RMSNorms, MLPs, decoder layers and its attention's RoPE run the kernels above
-    (forwards replaced on the instances; `apply_rotary_pos_emb` in the attention classes' modules); yields how many
-    of each. Outside it, everything is as it was."""
+    (forwards replaced on the instances; `apply_rotary_pos_emb` in the attention classes' modules), and with
+    gemv="stream" (default STEP_GEMV) its projections the streaming GEMV; yields how many of each. Outside it,
+    everything is as it was."""
+    gemv = STEP_GEMV if gemv is None else gemv
+    if gemv not in STEP_GEMVS:
+        raise ValueError(f"gemv={gemv!r}: one of {STEP_GEMVS}")
     swapped: list[tuple[nn.Module, object]] = []
+    if gemv == "stream":
+        for m in linear_modules(model):
+            swapped.append((m, functools.partial(_linear_forward, m)))
     for m in norm_modules(model):
         swapped.append((m, functools.partial(_norm_forward, m)))
     for m in mlp_modules(model):
@@ -207,7 +267,7 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
         mod.apply_rotary_pos_emb = _rope_function(own)
     counts = {"norms": sum(type(m).__name__ == "Gemma4RMSNorm" for m, _ in swapped),
               "mlps": sum(type(m).__name__ == "Gemma4TextMLP" for m, _ in swapped), "layers": len(layers),
-              "rope": len(ropes)}
+              "rope": len(ropes), "linears": sum(isinstance(m, nn.Linear) for m, _ in swapped)}
     try:
         yield counts
     finally:
@@ -217,5 +277,5 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
             mod.apply_rotary_pos_emb = own
 
 
-__all__ = ["fused_step", "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax",
+__all__ = ["fused_step", "gemv", "gemv_config", "linear_modules", "STEP_GEMV", "STEP_GEMVS", "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax",
            "norm_modules", "mlp_modules", "layer_modules"]

@@ -1,0 +1,212 @@
+"""Lab notebook: the 31B's decode-step projections alone, every GEMV of one step in one CUDA graph, per arrangement.
+
+Question: cuBLAS's GEMVs take 16.3 ms of a 4K x 1 step whose whole floor is 14.1 ms (the weights alone: 13.9 ms at
+the read roof); which arrangement of the same bytes reads nearer the roof?
+Arms (each one graph of the step's 421 projections in forward order, the model's own weights, rows M = 1 or 8):
+- `torch`: F.linear per projection (cuBLAS), what the step runs today;
+- `torch_branches`: the same, a layer's q/k/v on three streams and gate/up on two (graph branches: the kernels' tails
+  overlap);
+- `stream`: foldkv.fused_step.gemv, every program resident at once (gemv_config), one per projection;
+- `stream_cN` / `stream_sN` / `stream_wN`: the same with N programs an SM / N stages / N warps;
+- `stream_branches`: the stream GEMV on the branches above.
+Then, with --cells, notebook 05's decode cells through generate() with the step's GEMV "torch" and "stream".
+Prints one table; JSON to $OUT/gemv_probe.json.
+
+    python3 bench/gemv_probe.py --cells foldkv-folded:4096:1 foldkv-folded:32768:8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def projections(model) -> list[tuple[str, torch.nn.Linear]]:
+    """The step's projections in forward order: per layer q, k, (v), o, gate, up, down; then the LM head."""
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        a, m = layer.self_attn, layer.mlp
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            lin = getattr(a, name, None)
+            if lin is not None:
+                out.append((f"{i}.{name}", lin))
+        out += [(f"{i}.gate_proj", m.gate_proj), (f"{i}.up_proj", m.up_proj), (f"{i}.down_proj", m.down_proj)]
+    out.append(("lm_head", model.lm_head))
+    return out
+
+
+def groups(projs):
+    """Consecutive projections that read the same input (q/k/v; gate/up) as one group; others alone."""
+    out, cur = [], []
+    for name, lin in projs:
+        kind = name.split(".")[-1]
+        together = kind in ("k_proj", "v_proj") and cur and cur[0][0].endswith("q_proj") or \
+            kind == "up_proj" and cur and cur[0][0].endswith("gate_proj")
+        if together:
+            cur.append((name, lin))
+        else:
+            if cur:
+                out.append(cur)
+            cur = [(name, lin)]
+    out.append(cur)
+    return out
+
+
+def make_step(projs, m: int, fn, branches: bool, dev):
+    """A function running every projection of `projs` on [m, K] inputs (one random input per K, never zeros)."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    xs = {}
+    for _, lin in projs:
+        k = lin.weight.shape[1]
+        if k not in xs:
+            xs[k] = (torch.randn(m, k, device=dev, generator=g) * 0.5).to(lin.weight.dtype)
+    grouped = groups(projs)
+    side = [torch.cuda.Stream(device=dev) for _ in range(2)]
+
+    def run():
+        outs = []
+        for grp in grouped:
+            if not branches or len(grp) == 1:
+                for _, lin in grp:
+                    outs.append(fn(xs[lin.weight.shape[1]], lin.weight))
+                continue
+            cur = torch.cuda.current_stream(dev)
+            for s in side[:len(grp) - 1]:
+                s.wait_stream(cur)
+            for j, (_, lin) in enumerate(grp):
+                if j == 0:
+                    outs.append(fn(xs[lin.weight.shape[1]], lin.weight))
+                else:
+                    with torch.cuda.stream(side[j - 1]):
+                        outs.append(fn(xs[lin.weight.shape[1]], lin.weight))
+            for s in side[:len(grp) - 1]:
+                cur.wait_stream(s)
+        return outs
+    return run
+
+
+def time_graph(run, dev, reps: int = 15) -> tuple[float, list]:
+    stream = torch.cuda.Stream(device=dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        run()
+        run()
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        outs = run()
+    torch.cuda.synchronize(dev)
+    times = []
+    for _ in range(reps + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times = sorted(times[3:])
+    return times[len(times) // 2], outs
+
+
+def check_shapes(projs, dev) -> list[dict]:
+    """The stream GEMV against float64 and against F.linear on each distinct weight shape, M = 1, 7, 8, 16."""
+    from foldkv.fused_step import gemv
+
+    rows, seen = [], set()
+    for name, lin in projs:
+        w = lin.weight
+        if tuple(w.shape) in seen:
+            continue
+        seen.add(tuple(w.shape))
+        for m in (1, 7, 8, 16):
+            x = (torch.randn(m, w.shape[1], device=dev) * 0.5).to(w.dtype)
+            ref = (x.double() @ w.double().T)
+            got = torch.full((m, w.shape[0]), float("nan"), dtype=w.dtype, device=dev)
+            got.copy_(gemv(x, w))
+            lib = F.linear(x, w)
+            rel = lambda y: float((y.double() - ref).norm() / ref.norm())  # noqa: E731
+            rows.append({"shape": list(w.shape), "m": m, "finite": bool(torch.isfinite(got).all()),
+                         "rel_stream": rel(got), "rel_torch": rel(lib)})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="*", default=[1, 8])
+    ap.add_argument("--cells", nargs="*", default=[])
+    ap.add_argument("--new-tokens", type=int, default=40)
+    args = ap.parse_args(argv)
+    import foldkv.hf  # noqa: F401
+    from foldkv import fused_step as fs
+    from foldkv.lab import gemma31b, model_decode as md
+    from foldkv.lab.bench.roofs import measure_read_roof
+
+    dev = torch.device("cuda")
+    t0 = time.perf_counter()
+    model = gemma31b.build_gemma4_31b(dev, seed=0)
+    roof = measure_read_roof(dev)
+    projs = projections(model)
+    wbytes = sum(lin.weight.numel() * lin.weight.element_size() for _, lin in projs)
+    print(f"built in {time.perf_counter() - t0:.1f} s; roof {roof['gbps']:.0f} GB/s; {len(projs)} projections,"
+          f" {wbytes / 1e9:.2f} GB (at the roof {1e3 * wbytes / (roof['gbps'] * 1e9):.2f} ms)", flush=True)
+    out = {"roof": roof, "weight_bytes": wbytes, "checks": check_shapes(projs, dev), "arms": [], "cells": []}
+    worst = max(out["checks"], key=lambda r: r["rel_stream"])
+    print(f"stream GEMV worst rel. error vs float64 {worst['rel_stream']:.2e} (torch {worst['rel_torch']:.2e}),"
+          f" all finite: {all(r['finite'] for r in out['checks'])}", flush=True)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+
+    def stream_fn(ctas: int = fs.GEMV_CTAS_PER_SM, **over):
+        def fn(x, w):
+            cfg = fs.gemv_config(w.shape[0], w.shape[1], sms, ctas)
+            return fs.gemv(x, w, None if cfg is None else {**cfg, **over})
+        return fn
+
+    arms = {"torch": (lambda x, w: F.linear(x, w), False), "torch_branches": (lambda x, w: F.linear(x, w), True),
+            "stream": (stream_fn(), False), "stream_branches": (stream_fn(), True),
+            "stream_c2": (stream_fn(2), False), "stream_c8": (stream_fn(8), False),
+            "stream_s4": (stream_fn(num_stages=4), False), "stream_s2": (stream_fn(num_stages=2), False),
+            "stream_w8": (stream_fn(num_warps=8), False)}
+    for m in args.rows:
+        for name, (fn, br) in arms.items():
+            try:
+                ms, _ = time_graph(make_step(projs, m, fn, br, dev), dev)
+                row = {"arm": name, "rows": m, "ms": ms, "gbps": wbytes / ms / 1e6,
+                       "of_roof": wbytes / ms / 1e6 / roof["gbps"]}
+            except Exception as e:  # noqa: BLE001 - a config that does not build is a row, not the end of the probe
+                row = {"arm": name, "rows": m, "error": f"{type(e).__name__}: {e}"[:300]}
+            out["arms"].append(row)
+            print(row, flush=True)
+    for spec in args.cells:
+        arm, n, b = spec.split(":")
+        for g in ("torch", "stream"):
+            fs.STEP_GEMV = g
+            r = md.run_cells(md.measure_decode, [dict(model=model, arm_name=arm, context=int(n), batch=int(b),
+                                                      new_tokens=args.new_tokens, read_gbps=roof["gbps"])])[0]
+            r.pop("tokens", None)
+            r["step_gemv"] = g
+            out["cells"].append(r)
+            print(g, {k: r.get(k) for k in ("arm", "context", "batch", "tpot_ms", "device_step_ms", "host_ms",
+                                            "floor_ms", "tpot_over_floor", "status")}, flush=True)
+        fs.STEP_GEMV = "torch"
+    text = json.dumps(out, indent=1, default=str)
+    if os.environ.get("OUT"):
+        open(os.path.join(os.environ["OUT"], "gemv_probe.json"), "w").write(text)
+    print(f"{'arm':18s} {'rows':>4s} {'ms':>8s} {'GB/s':>7s} {'roof':>6s}")
+    for r in out["arms"]:
+        if "ms" in r:
+            print(f"{r['arm']:18s} {r['rows']:4d} {r['ms']:8.3f} {r['gbps']:7.0f} {r['of_roof']:6.3f}")
+        else:
+            print(f"{r['arm']:18s} {r['rows']:4d} {r['error'][:80]}")
+    for r in out["cells"]:
+        print(r.get("step_gemv"), r.get("arm"), r.get("context"), r.get("batch"), r.get("tpot_ms"),
+              r.get("tpot_over_floor"), r.get("host_share"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
