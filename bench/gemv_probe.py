@@ -6,10 +6,11 @@ Arms (each one graph of the step's 421 projections in forward order, the model's
 - `torch`: F.linear per projection (cuBLAS), what the step runs today;
 - `torch_branches`: the same, a layer's q/k/v on three streams and gate/up on two (graph branches: the kernels' tails
   overlap);
-- `stream`: foldkv.fused_step.gemv, every program resident at once (gemv_config), one per projection;
+- `stream`: the streaming GEMV of bench/versions/gemv_stream.py, every program resident at once (gemv_config);
 - `stream_cN` / `stream_sN` / `stream_wN`: the same with N programs an SM / N stages / N warps;
 - `stream_branches`: the stream GEMV on the branches above.
-Then, with --cells, notebook 05's decode cells through generate() with the step's GEMV "torch" and "stream".
+Then, with --cells, notebook 05's decode cells through generate() with the step's projections on graph branches
+(foldkv.fused_step.BRANCHES, the library's) and without; --no-arms skips the projections-only arms.
 Prints one table; JSON to $OUT/gemv_probe.json.
 
     python3 bench/gemv_probe.py --cells foldkv-folded:4096:1 foldkv-folded:32768:8
@@ -115,7 +116,7 @@ def time_graph(run, dev, reps: int = 15) -> tuple[float, list]:
 
 def check_shapes(projs, dev) -> list[dict]:
     """The stream GEMV against float64 and against F.linear on each distinct weight shape, M = 1, 7, 8, 16."""
-    from foldkv.fused_step import gemv
+    from versions.gemv_stream import gemv
 
     rows, seen = [], set()
     for name, lin in projs:
@@ -140,9 +141,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--cells", nargs="*", default=[])
     ap.add_argument("--new-tokens", type=int, default=40)
+    ap.add_argument("--no-arms", action="store_true")
     args = ap.parse_args(argv)
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import foldkv.hf  # noqa: F401
     from foldkv import fused_step as fs
+    from versions import gemv_stream as gs
     from foldkv.lab import gemma31b, model_decode as md
     from foldkv.lab.bench.roofs import measure_read_roof
 
@@ -154,16 +160,17 @@ def main(argv=None) -> int:
     wbytes = sum(lin.weight.numel() * lin.weight.element_size() for _, lin in projs)
     print(f"built in {time.perf_counter() - t0:.1f} s; roof {roof['gbps']:.0f} GB/s; {len(projs)} projections,"
           f" {wbytes / 1e9:.2f} GB (at the roof {1e3 * wbytes / (roof['gbps'] * 1e9):.2f} ms)", flush=True)
-    out = {"roof": roof, "weight_bytes": wbytes, "checks": check_shapes(projs, dev), "arms": [], "cells": []}
-    worst = max(out["checks"], key=lambda r: r["rel_stream"])
+    out = {"roof": roof, "weight_bytes": wbytes, "checks": [] if args.no_arms else check_shapes(projs, dev),
+           "arms": [], "cells": []}
+    worst = max(out["checks"], key=lambda r: r["rel_stream"], default={"rel_stream": 0.0, "rel_torch": 0.0})
     print(f"stream GEMV worst rel. error vs float64 {worst['rel_stream']:.2e} (torch {worst['rel_torch']:.2e}),"
           f" all finite: {all(r['finite'] for r in out['checks'])}", flush=True)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
 
-    def stream_fn(ctas: int = fs.GEMV_CTAS_PER_SM, **over):
+    def stream_fn(ctas: int = gs.GEMV_CTAS_PER_SM, **over):
         def fn(x, w):
-            cfg = fs.gemv_config(w.shape[0], w.shape[1], sms, ctas)
-            return fs.gemv(x, w, None if cfg is None else {**cfg, **over})
+            cfg = gs.gemv_config(w.shape[0], w.shape[1], sms, ctas)
+            return gs.gemv(x, w, None if cfg is None else {**cfg, **over})
         return fn
 
     arms = {"torch": (lambda x, w: F.linear(x, w), False), "torch_branches": (lambda x, w: F.linear(x, w), True),
@@ -171,7 +178,7 @@ def main(argv=None) -> int:
             "stream_c2": (stream_fn(2), False), "stream_c8": (stream_fn(8), False),
             "stream_s4": (stream_fn(num_stages=4), False), "stream_s2": (stream_fn(num_stages=2), False),
             "stream_w8": (stream_fn(num_warps=8), False)}
-    for m in args.rows:
+    for m in [] if args.no_arms else args.rows:
         for name, (fn, br) in arms.items():
             try:
                 ms, _ = time_graph(make_step(projs, m, fn, br, dev), dev)
@@ -183,16 +190,16 @@ def main(argv=None) -> int:
             print(row, flush=True)
     for spec in args.cells:
         arm, n, b = spec.split(":")
-        for g in ("torch", "stream"):
-            fs.STEP_GEMV = g
+        for g in ("branches", "serial"):
+            fs.BRANCHES = g == "branches"
             r = md.run_cells(md.measure_decode, [dict(model=model, arm_name=arm, context=int(n), batch=int(b),
                                                       new_tokens=args.new_tokens, read_gbps=roof["gbps"])])[0]
             r.pop("tokens", None)
-            r["step_gemv"] = g
+            r["projections"] = g
             out["cells"].append(r)
             print(g, {k: r.get(k) for k in ("arm", "context", "batch", "tpot_ms", "device_step_ms", "host_ms",
                                             "floor_ms", "tpot_over_floor", "status")}, flush=True)
-        fs.STEP_GEMV = "torch"
+        fs.BRANCHES = True
     text = json.dumps(out, indent=1, default=str)
     if os.environ.get("OUT"):
         open(os.path.join(os.environ["OUT"], "gemv_probe.json"), "w").write(text)
@@ -203,7 +210,7 @@ def main(argv=None) -> int:
         else:
             print(f"{r['arm']:18s} {r['rows']:4d} {r['error'][:80]}")
     for r in out["cells"]:
-        print(r.get("step_gemv"), r.get("arm"), r.get("context"), r.get("batch"), r.get("tpot_ms"),
+        print(r.get("projections"), r.get("arm"), r.get("context"), r.get("batch"), r.get("tpot_ms"),
               r.get("tpot_over_floor"), r.get("host_share"))
     return 0
 

@@ -35,7 +35,7 @@ def _kernels() -> dict:
         from . import fused_step_kernels as k
 
         _KERNELS = dict(rms_norm=k.rms_norm_rows, norm_add=k.norm_add_rows, rope=k.rope_rows, gelu_mul=k.gelu_mul_flat,
-                        softmax=k.masked_softmax_rows, gemv=k.gemv_rows)
+                        softmax=k.masked_softmax_rows)
     return _KERNELS
 
 
@@ -130,58 +130,88 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype)
     return out.view(scores.shape)
 
 
-GEMV_MAX_ROWS = 16  # rows (tokens) a step's projection may have for the streaming GEMV: one mma tile of rows
-GEMV_TILE = 4096  # weight elements a program loads per step (BLOCK_N x BLOCK_K): 8 KB of bf16
-GEMV_CTAS_PER_SM = 4  # programs resident per SM at three stages of 8 KB + the rows' tile
-
-
-@functools.lru_cache(maxsize=None)
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def gemv_config(n: int, k: int, sms: int, ctas_per_sm: int = GEMV_CTAS_PER_SM) -> dict | None:
-    """The streaming GEMV's tiling for a weight [n, k]: the narrowest BLOCK_N (16..64 rows) whose grid n / BLOCK_N is
-    resident at once (sms x ctas_per_sm programs share the read and finish together; a weight too tall for that
-    takes 64 rows a program), BLOCK_K = GEMV_TILE / BLOCK_N. None: no tiling divides the weight."""
-    fits = [bn for bn in (16, 32, 64) if n % bn == 0 and k % (GEMV_TILE // bn) == 0]
-    if not fits:
-        return None
-    bn = next((bn for bn in fits if n // bn <= sms * ctas_per_sm), fits[-1])
-    return dict(BLOCK_N=bn, BLOCK_K=GEMV_TILE // bn, num_warps=4, num_stages=3)
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T for at most GEMV_MAX_ROWS rows of x, float32 accumulation rounded once to x's
-    dtype (F.linear's arithmetic; the sum's order differs). Other shapes, dtypes or devices: F.linear. `out`
-    ([rows, N], contiguous): written in place (the tests poison it first)."""
-    n, k = weight.shape
-    rows = x.reshape(-1, k)
-    m = rows.shape[0]
-    cfg = config or (gemv_config(n, k, _sms(x.device.index or 0)) if x.is_cuda else None)
-    if (cfg is None or m > GEMV_MAX_ROWS or x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16)
-            or not weight.is_contiguous() or not x.is_cuda):
-        return torch.nn.functional.linear(x, weight)
-    rows = rows if rows.is_contiguous() else rows.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    grid = (n // cfg["BLOCK_N"],)
-    _kernels()["gemv"][grid](rows, weight, out, m, n, k, BLOCK_M=GEMV_MAX_ROWS, **cfg)
-    return out.view(*x.shape[:-1], n)
-
-
 # --- the swapped forwards -------------------------------------------------------------------------------------------
 
 def _norm_forward(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, module.weight if module.with_scale else None, module.eps)
 
 
-def _linear_forward(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return gemv(x, linear.weight)
+# --- projections that read one input, as graph branches ------------------------------------------------------------
+# A step's GEMVs are ~85% of the read roof each, the rest of each one its ramp and its tail. Projections that read the
+# same input (a layer's q, k and v; gate and up) are issued on separate streams, so that under capture they are
+# branches of the graph and one's tail overlaps another's body: cuBLAS's 421 GEMVs of the 31B's step take 15.2 ms
+# at one row instead of 16.0 (bench/MODEL_DECODE_NOTES.md). Outputs and arithmetic are the same kernels'.
+BRANCHES = True  # False: every projection on the current stream (the tests compare the two)
+
+
+@functools.lru_cache(maxsize=None)
+def side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """Two streams of `device` for the branches (made once: a capture records them by identity)."""
+    return torch.cuda.Stream(device=device), torch.cuda.Stream(device=device)
+
+
+def fork(x: torch.Tensor, linears: list[nn.Module]) -> list[tuple[torch.Tensor, torch.cuda.Stream]]:
+    """Each linear(x) issued on its own side stream after the work issued so far; (output, stream) pairs: `join`
+    one before its output is read. Without CUDA or BRANCHES, computed in place ((output, None))."""
+    if not (x.is_cuda and BRANCHES):
+        return [(lin(x), None) for lin in linears]
+    cur = torch.cuda.current_stream(x.device)
+    out = []
+    for lin, side in zip(linears, side_streams(x.device)):
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            out.append((lin(x), side))
+    return out
+
+
+def join(branch: tuple[torch.Tensor, torch.cuda.Stream | None]) -> torch.Tensor:
+    """The branch's output, the current stream made to wait for its stream."""
+    y, side = branch
+    if side is not None:
+        torch.cuda.current_stream(y.device).wait_stream(side)
+    return y
+
+
+class _BranchedProjections:
+    """A layer's k (and v) projections issued as branches when its q projection is called (transformers' attention
+    calls q_proj, then k_proj and v_proj on the same hidden states); k_proj / v_proj then join and return their
+    branch. Called with another input, they compute as their own forward would. `join_all` (the decoder layer's
+    forward, after the attention) joins what was not taken, so no branch outlives its layer."""
+
+    def __init__(self, attn: nn.Module):
+        self.attn = attn
+        self.names = [n for n in ("k_proj", "v_proj") if isinstance(getattr(attn, n, None), nn.Linear)]
+        self.pending: dict[str, tuple] = {}
+        self.input: torch.Tensor | None = None
+
+    def q(self, x: torch.Tensor) -> torch.Tensor:
+        self.join_all()
+        self.input = x
+        self.pending = dict(zip(self.names, fork(x, [getattr(self.attn, n) for n in self.names])))
+        return nn.Linear.forward(self.attn.q_proj, x)
+
+    def take(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if x is self.input and name in self.pending:
+            return join(self.pending.pop(name))
+        return nn.Linear.forward(getattr(self.attn, name), x)
+
+    def join_all(self) -> None:
+        for branch in self.pending.values():
+            join(branch)
+        self.pending, self.input = {}, None
+
+
+def branched_attention_modules(model: nn.Module) -> list[nn.Module]:
+    """Attention modules whose q, k (and v) projections are plain nn.Linear (a layer sharing another's KV has none)."""
+    return [m for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"
+            and isinstance(getattr(m, "q_proj", None), nn.Linear) and isinstance(getattr(m, "k_proj", None), nn.Linear)
+            and not getattr(m, "is_kv_shared_layer", False)]
 
 
 def _mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return mlp.down_proj(gelu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+    gate = fork(x, [mlp.gate_proj])[0]
+    up = mlp.up_proj(x)
+    return mlp.down_proj(gelu_mul(join(gate), up))
 
 
 def _layer_forward(layer: nn.Module, hidden_states: torch.Tensor, per_layer_input=None, **kwargs) -> torch.Tensor:
@@ -189,6 +219,9 @@ def _layer_forward(layer: nn.Module, hidden_states: torch.Tensor, per_layer_inpu
     model passes the layer (masks, positions, cache, shared KV states) goes on to self_attn, as the layer passes it."""
     x = layer.input_layernorm(hidden_states)
     x, _ = layer.self_attn(hidden_states=x, **kwargs)
+    branched = getattr(layer.self_attn, "_foldkv_branches", None)
+    if branched is not None:
+        branched.join_all()
     h, x = norm_add_norm(x, hidden_states, layer.post_attention_layernorm, layer.pre_feedforward_layernorm)
     x = layer.mlp(x)
     return norm_add_scale(x, h, layer.post_feedforward_layernorm, layer.layer_scalar)
@@ -229,28 +262,12 @@ def layer_modules(model: nn.Module) -> list[nn.Module]:
             and isinstance(getattr(m, "layer_scalar", None), torch.Tensor) and m.layer_scalar.numel() == 1]
 
 
-STEP_GEMVS = ("torch", "stream")
-STEP_GEMV = "torch"  # the step's projections: "torch" (F.linear, cuBLAS) or "stream" (`gemv`)
-
-
-def linear_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's bias-free nn.Linear modules (the projections and the LM head)."""
-    return [m for m in model.modules() if isinstance(m, nn.Linear) and m.bias is None]
-
-
 @contextlib.contextmanager
-def fused_step(model: nn.Module, gemv: str | None = None) -> Iterator[dict]:
+def fused_step(model: nn.Module) -> Iterator[dict]:
     """Within the block, `model`'s RMSNorms, MLPs, decoder layers and its attention's RoPE run the kernels above
-    (forwards replaced on the instances; `apply_rotary_pos_emb` in the attention classes' modules), and with
-    gemv="stream" (default STEP_GEMV) its projections the streaming GEMV; yields how many of each. Outside it,
-    everything is as it was."""
-    gemv = STEP_GEMV if gemv is None else gemv
-    if gemv not in STEP_GEMVS:
-        raise ValueError(f"gemv={gemv!r}: one of {STEP_GEMVS}")
+    (forwards replaced on the instances; `apply_rotary_pos_emb` in the attention classes' modules); yields how many
+    of each. Outside it, everything is as it was."""
     swapped: list[tuple[nn.Module, object]] = []
-    if gemv == "stream":
-        for m in linear_modules(model):
-            swapped.append((m, functools.partial(_linear_forward, m)))
     for m in norm_modules(model):
         swapped.append((m, functools.partial(_norm_forward, m)))
     for m in mlp_modules(model):
@@ -258,6 +275,12 @@ def fused_step(model: nn.Module, gemv: str | None = None) -> Iterator[dict]:
     layers = layer_modules(model)
     for m in layers:
         swapped.append((m, functools.partial(_layer_forward, m)))
+    branched = branched_attention_modules(model) if BRANCHES else []
+    for attn in branched:
+        proj = attn._foldkv_branches = _BranchedProjections(attn)
+        swapped.append((attn.q_proj, proj.q))
+        for name in proj.names:
+            swapped.append((getattr(attn, name), functools.partial(proj.take, name)))
     modules = {type(m).__module__ for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"}
     ropes = [(sys.modules[name], sys.modules[name].apply_rotary_pos_emb) for name in sorted(modules)
              if hasattr(sys.modules.get(name), "apply_rotary_pos_emb")]
@@ -267,15 +290,18 @@ def fused_step(model: nn.Module, gemv: str | None = None) -> Iterator[dict]:
         mod.apply_rotary_pos_emb = _rope_function(own)
     counts = {"norms": sum(type(m).__name__ == "Gemma4RMSNorm" for m, _ in swapped),
               "mlps": sum(type(m).__name__ == "Gemma4TextMLP" for m, _ in swapped), "layers": len(layers),
-              "rope": len(ropes), "linears": sum(isinstance(m, nn.Linear) for m, _ in swapped)}
+              "rope": len(ropes), "branched_attention": len(branched)}
     try:
         yield counts
     finally:
         for m, _ in swapped:
             del m.forward
+        for attn in branched:
+            attn._foldkv_branches.join_all()
+            del attn._foldkv_branches
         for mod, own in ropes:
             mod.apply_rotary_pos_emb = own
 
 
-__all__ = ["fused_step", "gemv", "gemv_config", "linear_modules", "STEP_GEMV", "STEP_GEMVS", "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax",
+__all__ = ["fused_step", "fork", "join", "side_streams", "branched_attention_modules", "BRANCHES", "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax",
            "norm_modules", "mlp_modules", "layer_modules"]

@@ -100,25 +100,3 @@ if triton is not None:
         e = tl.exp(s - tl.max(s, axis=0))
         p = e / tl.sum(e, axis=0)
         tl.store(p_ptr + row * n + cols, _rounded(p, p_ptr.dtype.element_ty).to(p_ptr.dtype.element_ty), mask=keep)
-
-    @triton.jit
-    def gemv_rows(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-        """y [M, N] = x [M, K] @ w [N, K]^T for a few rows (M <= BLOCK_M), float32 accumulation, rounded once.
-        One program streams BLOCK_N whole weight rows (N % BLOCK_N == 0, K % BLOCK_K == 0: no masks on the weight,
-        16-byte loads); the grid is sized so that every program is resident at once and they share the read."""
-        pid = tl.program_id(0).to(tl.int64)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
-        live = rm[:, None] < M
-        w_at = w_ptr + rn[:, None] * K + rk[None, :]
-        x_at = x_ptr + rm[:, None] * K + rk[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, tl.cdiv(K, BLOCK_K)):
-            w = tl.load(w_at, eviction_policy="evict_first")
-            x = tl.load(x_at, mask=live, other=0.0)
-            acc += tl.dot(x, tl.trans(w))
-            w_at += BLOCK_K
-            x_at += BLOCK_K
-        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=live)
