@@ -63,9 +63,8 @@ VERSIONS = {
        for p in ("inline", "no_wait")},
     **{f"fused_ll_compact_{f}_{w or 'none'}": lambda g, f=f, w=w: _version("decode_fused_ll_compact").build(g, f, w)
        for f in ("split", "folded") for w in (None, "spin", "spin_warp")},
-    **{f"fused_tail_{f}_{n}": lambda g, f=f, p=p: _library("decode_partial").build_decode_fused(g, f, tail_paths=p)
-       for f in ("split", "folded")
-       for n, p in (("p8", ((4, 8), (2, 8))), ("p4", ((4, 4), (2, 4))), ("one33", ((2, 33),)))},
+    **{f"fused_tail_{f}_{n}": lambda g, f=f, n=n: _version("decode_fused_tail_paths").build(g, f, n)
+       for f in ("split", "folded") for n in ("p8", "p4", "one33")},
     **{f"fused_smem_tail_{f}": lambda g, f=f: _version("decode_fused_smem_tail").build(g, f)
        for f in ("split", "folded")},
     **{f"fp8_probe_{k}": lambda g, k=k: _version("decode_partial_fp8_probe").build(g, k) for k in ("copy", "skip")},
