@@ -48,7 +48,7 @@ from . import macros, producer_guard, registry
 from .macros import Convert
 from .merge import _merge_partials_macro
 from .registry import hands_out
-from .tl import pass_configs, require_tilelang, target
+from .tl import built_on_device, pass_configs, prim_func, require_tilelang, target
 
 # the fused tail (tail_merge): a request-head of at most TAIL_FEW_MEMBERS chunks merges 4 columns a thread, 8 members
 # a round trip; more, 2 columns a thread and TAIL_MAX_MEMBERS a round trip (one wave of the H200's 132 SMs holds at most
@@ -335,8 +335,6 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     import tilelang.language as T
     from tvm.script.ir_builder import IRBuilder
 
-    from .tl import prim_func
-
     fmt = KvFormat.parse(fmt)
     hq, hkv, d, group = geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.group_size
     width = row_width(geom, fmt)
@@ -564,9 +562,7 @@ def main(fmt: KvFormat | str = KvFormat.FOLDED, seq_len: int = 10602, **tiling):
     fmt = KvFormat.parse(fmt)
     geom = GEMMA4_31B
     kernel = build_decode_partial(geom, fmt, **tiling)
-    print(f"decode_partial_{fmt.value} {dict(DEFAULTS[fmt], **tiling)}: {len(kernel.get_kernel_source())} chars of CUDA")
-    if not torch.cuda.is_available():
-        print("no CUDA device: built, not checked or timed")
+    if not built_on_device(f"decode_partial_{fmt.value} {dict(DEFAULTS[fmt], **tiling)}", kernel):
         return kernel
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)

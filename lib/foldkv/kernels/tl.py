@@ -64,3 +64,15 @@ def prim_func(name: str, args: dict, body):
     with builder.prim_func(name):
         body({n: builder.arg(n, a) for n, a in args.items()})
     return _patch_prim_func_attrs(builder.get(), builder)
+
+
+def built_on_device(label: str, kernel) -> bool:
+    """What a kernel file's `main()` says first: `label` and the kernel's emitted CUDA size; then whether a CUDA device
+    is here to check and time it on (if not, it says so)."""
+    import torch
+
+    print(f"{label}: {len(kernel.get_kernel_source())} chars of CUDA")
+    if not torch.cuda.is_available():
+        print("no CUDA device: built, not checked or timed")
+        return False
+    return True
