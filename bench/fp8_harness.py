@@ -21,7 +21,7 @@ import torch
 from foldkv import GEMMA4_31B, KvFormat
 from foldkv.fp8 import FP8_DTYPE
 from foldkv.kernels.decode import partial_kernel_name
-from foldkv.kernels.decode_partial import build_decode_fused, build_decode_partial, build_decode_partial_fp8
+from foldkv.kernels.decode_partial import build_decode_partial, build_decode_partial_fp8
 from foldkv.lab.bench import ArmSpec, AttentionCase, generated_arm, measure_read_roof, run_cell
 from foldkv.lab.bench.case import serving_cases
 from foldkv.lab.jsonsafe import jsonable
@@ -29,7 +29,7 @@ from foldkv.lab.report import environment
 from foldkv.provenance import provenance
 from foldkv.pool import BlockTable, PagedKvLayout
 from versions import (decode_fused_ll, decode_fused_ll_compact, decode_fused_smem_tail,  # bench/versions/
-                      decode_partial_fp8_mma, decode_partial_fp8_probe, decode_partial_fp8_rs)
+                      decode_fused_tail_paths, decode_partial_fp8_mma, decode_partial_fp8_probe, decode_partial_fp8_rs)
 
 
 def partial_variant(name: str, what: str, build: Callable[[], object], fp8: bool = True,
@@ -135,15 +135,16 @@ LL_COMPACT = [_ll_arm(f, compact=True, wait=wait) for f in (KvFormat.FOLDED, KvF
 
 def _tail_paths_arm(fmt: KvFormat, name: str, paths: tuple) -> ArmSpec:
     """The fused step with its tail merging `paths` ((columns a thread, members a round trip) per member count: one
-    path for any count, or the few-members path then the many-members one) instead of the library's."""
-    kernels = lambda case: {f"decode_fused_{fmt.value}": build_decode_fused(G, fmt, tail_paths=paths)}  # noqa: E731
+    path for any count, or the few-members path then the many-members one) instead of the library's
+    (bench/versions/decode_fused_tail_paths.py)."""
+    kernels = lambda case: {f"decode_fused_{fmt.value}": decode_fused_tail_paths.build(G, fmt, paths)}  # noqa: E731
     return ArmSpec(f"{fmt.value}_tail_{name}", f"{fmt.value} decode, fused step, tail paths {paths}", fmt.value, False,
                    generated_arm("decode", fmt, "jit", kernels=kernels), generated=True)
 
 
 # run 16: the fused tail with fewer members a round trip (less merge code, more trips)
 TAIL_SIZES = [_tail_paths_arm(f, name, paths) for f in (KvFormat.FOLDED, KvFormat.SPLIT)
-              for name, paths in (("p8", ((4, 8), (2, 8))), ("p4", ((4, 4), (2, 4))), ("one33", ((2, 33),)))]
+              for name, paths in decode_fused_tail_paths.PATHS.items()]
 # run 17: the same merge from shared memory, all loads in flight by cp.async, rolled loops
 SMEM_TAIL = [ArmSpec(f"{f.value}_tail_smem", f"{f.value} decode, fused step, tail merged from shared memory (cp.async)",
                      f.value, False, generated_arm("decode", f, "jit", kernels=lambda case, f=f: {

@@ -15,6 +15,10 @@ picks it in an order that changes between processes (with the hash seed, and wit
 that builds the kernel): the untouched tree emits both assignments. So DIR/SHA256SUMS.canonical also lists the hash
 of each source with every workspace name written `workspace`; a refactor keeps the kernels when each raw hash or,
 failing that, each canonical hash is unchanged (then the raw diff shows only workspace names).
+
+`--versions` also dumps the kernels built by bench/versions/ (the variants that lost, and the harness arms that build
+the library's kernels with other params), under the names of VERSIONS below: a refactor of the library's builders
+must keep those too, since the versions build through the library's programs and macros.
 """
 
 from __future__ import annotations
@@ -30,6 +34,55 @@ import time
 from pathlib import Path
 
 
+def _version(name: str):
+    """bench/versions/<name>.py, imported as the harnesses import it (`versions.<name>`, bench/ on the path)."""
+    import importlib
+
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module(f"versions.{name}")
+
+
+def _library(name: str):
+    import importlib
+
+    return importlib.import_module(f"foldkv.kernels.{name}")
+
+
+# name -> build(geom): every kernel the harnesses and the GPU tests build from bench/versions/, and the harness arms
+# that build the library's kernels with params other than the registered ones (bench/fp8_harness.py)
+VERSIONS = {
+    **{f"head_major_{f}": lambda g, f=f: _version("decode_partial_head_major").build(g, f) for f in ("split", "folded")},
+    **{f"query_all_threads_{f}": lambda g, f=f: _version("decode_partial_query_all_threads").build(g, f)
+       for f in ("split", "folded")},
+    "prefill_shared_tiles": lambda g: _version("prefill_shared_tiles").build(
+        g, **_library("resolve").kernel_params("prefill_folded")),
+    **{f"fused_ll_{f}": lambda g, f=f: _version("decode_fused_ll").build(g, f) for f in ("split", "folded")},
+    **{f"fused_ll_folded_{p}": lambda g, p=p: _version("decode_fused_ll").build(g, "folded", p)
+       for p in ("inline", "no_wait")},
+    **{f"fused_ll_compact_{f}_{w or 'none'}": lambda g, f=f, w=w: _version("decode_fused_ll_compact").build(g, f, w)
+       for f in ("split", "folded") for w in (None, "spin", "spin_warp")},
+    **{f"fused_tail_{f}_{n}": lambda g, f=f, n=n: _version("decode_fused_tail_paths").build(g, f, n)
+       for f in ("split", "folded") for n in ("p8", "p4", "one33")},
+    **{f"fused_smem_tail_{f}": lambda g, f=f: _version("decode_fused_smem_tail").build(g, f)
+       for f in ("split", "folded")},
+    **{f"fp8_probe_{k}": lambda g, k=k: _version("decode_partial_fp8_probe").build(g, k) for k in ("copy", "skip")},
+    "fp8_probe_skip_t128": lambda g: _version("decode_partial_fp8_probe").build(g, "skip", threads=128),
+    "fp8_rs": lambda g: _version("decode_partial_fp8_rs").build(g),
+    "fp8_rs_rb2": lambda g: _version("decode_partial_fp8_rs").build(g, reduce_batch=2),
+    **{f"fp8_mma_{t}{'p' if p else ''}{'_2cta' if two else ''}": lambda g, t=t, p=p, two=two: _version(
+        "decode_partial_fp8_mma").build(g, transpose=t, precise=p, num_stages=1 if two else 2,
+                                        ctas_per_sm=2 if two else 1)
+       for t, p in (("none", False), ("t16x4", False), ("t4x16", False), ("t4x16", True)) for two in (False, True)},
+    "fp8_cvt": lambda g: _library("decode_partial").build_decode_partial_fp8(g, "folded", e4m3_convert="cvt"),
+    "fp8_t256": lambda g: _library("decode_partial").build_decode_partial_fp8(g, "folded", threads=256),
+    "folded_t256": lambda g: _library("decode_partial").build_decode_partial(g, "folded", threads=256, reduce_batch=2),
+    "folded_2cta": lambda g: _library("decode_partial").build_decode_partial(g, "folded", num_stages=1, ctas_per_sm=2,
+                                                                               reduce_batch=4),
+}
+
+
 def canonical(source: str) -> str:
     """The source with every reduction workspace named `workspace` (see the module docstring)."""
     return re.sub(r"\bworkspace_\d+\b", "workspace", source)
@@ -41,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--geometry", default="gemma-4-31b", help="a name foldkv.config.resolve_geometry accepts")
     ap.add_argument("--only", nargs="*", help="variant names (default: every registered variant)")
+    ap.add_argument("--versions", action="store_true", help="also the kernels of bench/versions/ (VERSIONS)")
+    ap.add_argument("--shard", default="0/1", help="K/N: only every N-th kernel from the K-th (a process per core)")
     ap.add_argument("--hash-seed", type=int, default=0, help="PYTHONHASHSEED of the build")
     args = ap.parse_args(argv)
     if os.environ.get("PYTHONHASHSEED") != str(args.hash_seed):  # read at interpreter start: run again with it
@@ -55,22 +110,26 @@ def main(argv: list[str] | None = None) -> int:
         from foldkv.kernels.registry import all_variants
 
         geom = resolve_geometry(args.geometry)
-        variants = sorted(all_variants(), key=lambda v: v.name)
+        builds = {v.name: v.build for v in sorted(all_variants(), key=lambda v: v.name)}
+        if args.versions:
+            builds.update({f"version.{name}": build for name, build in VERSIONS.items()})
         if args.only:
-            unknown = set(args.only) - {v.name for v in variants}
+            unknown = set(args.only) - set(builds)
             if unknown:
-                ap.error(f"no registered variant {sorted(unknown)}")
-            variants = [v for v in variants if v.name in args.only]
+                ap.error(f"no registered variant {sorted(unknown)}" + ("" if args.versions else " (--versions?)"))
+            builds = {name: b for name, b in builds.items() if name in args.only}
+        k, n = map(int, args.shard.split("/"))
+        builds = dict(list(builds.items())[k::n])
         args.out_dir.mkdir(parents=True, exist_ok=True)
         sums, canonical_sums = [], []
-        for v in variants:
+        for name, build in builds.items():
             t0 = time.perf_counter()
-            src = v.build(geom).get_kernel_source()
-            (args.out_dir / f"{v.name}.cu").write_text(src)
+            src = build(geom).get_kernel_source()
+            (args.out_dir / f"{name}.cu").write_text(src)
             digest = hashlib.sha256(src.encode()).hexdigest()
-            sums.append(f"{digest}  {v.name}.cu\n")
-            canonical_sums.append(f"{hashlib.sha256(canonical(src).encode()).hexdigest()}  {v.name}.cu\n")
-            print(f"{v.name:24s} {digest[:16]}  {len(src):7d} chars  {time.perf_counter() - t0:6.1f} s", flush=True)
+            sums.append(f"{digest}  {name}.cu\n")
+            canonical_sums.append(f"{hashlib.sha256(canonical(src).encode()).hexdigest()}  {name}.cu\n")
+            print(f"{name:32s} {digest[:16]}  {len(src):7d} chars  {time.perf_counter() - t0:6.1f} s", flush=True)
         (args.out_dir / "SHA256SUMS").write_text("".join(sums))
         (args.out_dir / "SHA256SUMS.canonical").write_text("".join(canonical_sums))
     finally:

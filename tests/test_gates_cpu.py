@@ -55,7 +55,7 @@ BROKEN = {
 
 @pytest.mark.parametrize("how", list(BROKEN))
 def test_broken_arms_fail(how):
-    inputs = gates.make_inputs(CASES["ragged4"], "folded", "cpu", seed=5)
+    inputs = gates.make_inputs(CASES["ragged4"], fk.KvFormat.FOLDED, "cpu", seed=5)
     res = gates.run_case(inputs, BROKEN[how])
     assert not res["passed"], how
 
@@ -63,8 +63,8 @@ def test_broken_arms_fail(how):
 @pytest.mark.parametrize("name", ["len65", "mid-page"])
 def test_folded_and_split_share_raw_inputs(name):
     case = CASES[name]
-    split = gates.make_inputs(case, "split", "cpu", seed=9)
-    folded = gates.make_inputs(case, "folded", "cpu", seed=9, raw=split.raw)
+    split = gates.make_inputs(case, fk.KvFormat.SPLIT, "cpu", seed=9)
+    folded = gates.make_inputs(case, fk.KvFormat.FOLDED, "cpu", seed=9, raw=split.raw)
     rs, _ = fk.paged_attention_reference(split.pool, split.query, split.table, split.q_lens)
     rf, _ = fk.paged_attention_reference(folded.pool, folded.query, folded.table, folded.q_lens)
     truth = gates.unrounded_truth(split)
@@ -82,7 +82,7 @@ def test_folded_and_split_share_raw_inputs(name):
 def test_refusal_table_on_cpu(name):
     # The launchers check everything before looking at the device, so the whole refusal table runs here: each
     # invalid input is refused with its own message and nothing is written.
-    inputs = gates.make_inputs(CASES[name], "split", "cpu", seed=2)
+    inputs = gates.make_inputs(CASES[name], fk.KvFormat.SPLIT, "cpu", seed=2)
     rows = gates.run_refusals(inputs)
     assert len(rows) >= 9
     failed = [r for r in rows if not r["passed"]]
@@ -121,7 +121,7 @@ def _lse_bound_of(inputs):
 @pytest.mark.parametrize("name", ["len65", "mid-page"])
 @pytest.mark.parametrize("times,passes", [(0.5, True), (3.0, False)])
 def test_lse_bound_holds_half_of_it_and_refuses_three_times_it(name, times, passes):
-    inputs = gates.make_inputs(CASES[name], "split", "cpu", seed=4)
+    inputs = gates.make_inputs(CASES[name], fk.KvFormat.SPLIT, "cpu", seed=4)
     bound = _lse_bound_of(inputs)
     row, head = inputs.query.shape[0] - 1, 17
 
@@ -136,7 +136,7 @@ def test_lse_bound_holds_half_of_it_and_refuses_three_times_it(name, times, pass
 
 
 def test_lse_bound_refuses_a_decode_that_drops_its_newest_key():
-    inputs = gates.make_inputs(CASES["len65"], "folded", "cpu", seed=4)
+    inputs = gates.make_inputs(CASES["len65"], fk.KvFormat.FOLDED, "cpu", seed=4)
 
     def dropping(i, o, l):
         short = fk.BlockTable(i.table.page_ids, i.table.seq_lens - 1)
@@ -318,3 +318,14 @@ def test_sanitizer_gate_runs_the_tools_side_by_side(tmp_path, monkeypatch):
     assert {t["tool"]: t["clean"] for t in res["tools"]} == {"memcheck": True, "racecheck": False, "synccheck": True}
     for tool in ("memcheck", "racecheck", "synccheck"):
         assert (tmp_path / "run" / f"compute_sanitizer_{tool}.log").read_text().startswith("$ compute-sanitizer")
+
+
+def test_make_inputs_takes_the_parsed_format_and_dtype():
+    """The gates parse a format name once, where it comes in (a notebook's `formats`); below that they take the
+    KvFormat and the torch dtype, and refuse their text forms. Red twin: the parsed ones build the inputs."""
+    case = CASES["len65"]
+    with pytest.raises(TypeError, match="KvFormat"):
+        gates.make_inputs(case, "folded", "cpu", seed=1)
+    with pytest.raises(TypeError, match="torch.dtype"):
+        gates.make_inputs(case, fk.KvFormat.FOLDED, "cpu", seed=1, dtype="bfloat16")
+    assert gates.make_inputs(case, fk.KvFormat.FOLDED, "cpu", seed=1).format is fk.KvFormat.FOLDED

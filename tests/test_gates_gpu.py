@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 CASE_SET = os.environ.get("FOLDKV_GATE_CASES", "full")
 DECODE = {c.name: c for c in gates.decode_cases(CASE_SET)}
 PREFILL = {c.name: c for c in gates.prefill_cases(CASE_SET)}
-FORMATS = [f.value for f in fk.KvFormat]
+FORMATS = list(fk.KvFormat)
 
 
 def _check(res):
@@ -41,8 +41,8 @@ def test_prefill_gate(cuda_device, name, fmt):
 @pytest.mark.parametrize("name", ["len65", "ragged4", "mid-page", "ragged"])
 def test_folded_no_less_accurate_than_split(cuda_device, name):
     case = {**DECODE, **PREFILL}[name]
-    split = gates.make_inputs(case, "split", cuda_device, seed=4)
-    folded = gates.make_inputs(case, "folded", cuda_device, seed=4, raw=split.raw)
+    split = gates.make_inputs(case, fk.KvFormat.SPLIT, cuda_device, seed=4)
+    folded = gates.make_inputs(case, fk.KvFormat.FOLDED, cuda_device, seed=4, raw=split.raw)
     rs = gates.run_case(split, gates.arm_for(case))
     rf = gates.run_case(folded, gates.arm_for(case))
     res = gates.folded_vs_split(rf["outputs"][0], rs["outputs"][0], gates.unrounded_truth(split))

@@ -8,8 +8,9 @@ waiters' poll, then the loads of the members' partials. Here each member stores 
 (`LL_TAIL_SOURCE` below: one single-copy-atomic store a word) and each word's one reader (the member whose slice holds
 the column) polls the word itself until it is not the empty mark, merges, and empties it; between launches every
 word is empty. So after the last member's stores, the chain is their trip to L2 and the readers' next poll: no
-release, no atomic, no signal. `decode_partial_program(tail_merge=True, tail_protocol="ll")`: the library's fused
-program with its other tail (the partial, the loop and the epilogue are the same code).
+release, no atomic, no signal. `ll_tail` below is this hand-off as a `FusedTail` (the hook points of the library's
+`decode_partial_program`): the library's fused program with this tail (the partial, the loop and the epilogue are
+the same code).
 
 Prediction (before the run): the tail over the partial alone ~4.0 -> ~2.3-2.8 us (off the chain: the release's wait
 for the acknowledgements, ~0.7-1 us, and the atomic's trip, ~0.6; the polls now load the data itself), so every
@@ -28,16 +29,18 @@ import torch
 
 from foldkv.config import AttentionGeometry
 from foldkv.kernels import macros
-from foldkv.kernels.decode_partial import DEFAULTS, decode_partial_program
+from foldkv.kernels.decode_partial import DEFAULTS, FusedTail, TailContext, decode_partial_program, tail_args
 from foldkv.kernels.tl import pass_configs, require_tilelang, target
 from foldkv.layout import KvFormat
 
-# The fused tail's other hand-off (decode_partial_program(tail_protocol="ll")): no counter, no fence. Each member
+# The fused tail's other hand-off (`ll_tail`): no counter, no fence. Each member
 # writes its partial as 8-byte words {o, lse} (one store each, single-copy atomic), and the word's reader (exactly one:
 # the member whose slice holds that column) spins on it until it is not the empty mark, merges, and puts the mark back;
 # so between launches every word is empty (the buffer starts so), and a word is valid exactly when this launch's
 # writer stored it. The data carries its own validity (NCCL's LL protocol within one GPU): the chain after the last
 # member's stores is their trip to L2 and the readers' next poll.
+LL_STORE_FN = "foldkv_ll_store"  # the two device functions of a source (LL_TAIL_SOURCE's) the kernel calls
+LL_MERGE_FN = "foldkv_ll_merge"
 LL_EMPTY = 0xFFFFFFFF  # the empty mark, in each half of a word; a partial value with these bits is stored as another NaN
 LL_MAX_WORDS = 34  # words a reader thread holds at once: (4096 / n / 128 + 1) x n <= 62 for the 31B's n <= 33
 LL_TAIL_SOURCE = r"""
@@ -157,6 +160,40 @@ def probe_source(probe: str | None) -> str:
     return out
 
 
+def ll_tail(source: str):
+    """The fused step's tail as self-validating words (`decode_partial_program(tail=...)`): a member stores its
+    partial as words {o, lse} through LL_STORE_FN (padding chunks, with no members, store nothing: no reader would
+    empty them), and merges its slice through LL_MERGE_FN; `source`: the device code defining both. Its partial is
+    one argument, `part_ll` [C, Hq, D, 2] f32, in place of part_o, part_lse and the counters."""
+
+    def make(ctx: TailContext) -> FusedTail:
+        import tilelang.language as T
+
+        hq, d, group, threads = ctx.geom.num_q_heads, ctx.geom.head_dim, ctx.geom.group_size, ctx.threads
+        if threads != 128:
+            raise ValueError(f"the LL tail: one consumer warpgroup (threads=128), not threads={threads}")
+        scale = macros.LOG2E
+
+        @T.macro
+        def store(part_o, c, kvh, j, out, i, denom, head_max, members):
+            if members > 1:  # padding chunks (no members) write nothing: no reader empties it
+                T.call_extern("handle", LL_STORE_FN, part_o.data, (c * hq + kvh * group + j) * d + out.col + i,
+                              out.other[i, j] / denom[j], T.log2(denom[j]) + head_max[j] * scale)
+
+        @T.macro
+        def finish(tail, part_o, part_lse, scratch, req, kvh, c, members, at):
+            T.call_extern("handle", LL_MERGE_FN, part_o.data, at["first"], members, c - at["first"], req, kvh, hq, d,
+                          group,
+                          tail["value_head_column"].data, tail["out"].data, tail["lse"].data,
+                          T.get_thread_binding(0), threads)
+
+        words = T.Tensor((ctx.num_chunks, hq, d, 2), "float32")  # [C, Hq, D] words {o, lse}, empty between launches
+        return FusedTail(args=tail_args(ctx, {"part_ll": words}), finish=finish, source=source,
+                         partial=("part_ll", None), store=store)
+
+    return make
+
+
 def build(geom: AttentionGeometry, fmt: KvFormat | str, probe: str | None = None, source: str | None = None,
           **tiling):
     """Compile the LL fused kernel of `fmt` with the format's registered partial tiling, overridden by `tiling`
@@ -166,8 +203,8 @@ def build(geom: AttentionGeometry, fmt: KvFormat | str, probe: str | None = None
     tilelang = require_tilelang()
     fmt = KvFormat.parse(fmt)
     cfg = {**DEFAULTS[fmt], **tiling}
-    return tilelang.compile(decode_partial_program(geom, fmt, tail_merge=True, tail_protocol="ll",
-                                                   tail_source=source or probe_source(probe), **cfg),
+    return tilelang.compile(decode_partial_program(geom, fmt, tail_merge=True,
+                                                   tail=ll_tail(source or probe_source(probe)), **cfg),
                             target=target(), pass_configs=pass_configs())
 
 

@@ -8,7 +8,7 @@ instruction fetch (43.6% of its warps' stall cycles; 226 KB of `.text` against t
 showed the library's own tail is memory trips, not code. So: is the LL protocol's shorter chain worth its trips once
 its code is the size of the library's merge?
 
-The merge here (`source(wait)`, the same two functions `decode_partial_program(tail_protocol="ll")` calls): a rolled
+The merge here (`source(wait)`, the same two functions decode_fused_ll.ll_tail calls): a rolled
 loop over the member's columns (one column a thread a round: 4,096 / n columns, <= 128 for n >= 32); in a round the
 thread loads the column's word from every member at once (unrolled over TAIL_MAX_MEMBERS, predicated: ~5 instructions a
 word), re-loads every word still empty until none is (one pass: one trip to L2, all loads in flight), takes the maximum

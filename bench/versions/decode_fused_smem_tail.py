@@ -17,9 +17,12 @@ in another order).
 
 from __future__ import annotations
 
+import dataclasses
+
 from foldkv.config import AttentionGeometry
 from foldkv.kernels import macros
-from foldkv.kernels.decode_partial import TAIL_MAX_MEMBERS, build_decode_fused
+from foldkv.kernels.decode_partial import (TAIL_MAX_MEMBERS, FusedTail, TailContext, build_decode_fused,
+                                           hand_off_macro, merge_tail)
 from foldkv.layout import KvFormat
 
 COMBINE_FN = "foldkv_tail_merge_smem"
@@ -72,7 +75,29 @@ __device__ __forceinline__ void foldkv_tail_merge_smem(const float* part_o, cons
 """ % {"max_members": TAIL_MAX_MEMBERS, "ln2": macros.LN2}
 
 
+def smem_tail(ctx: TailContext) -> FusedTail:
+    """The served tail (`decode_partial.merge_tail`: its arguments and atomic hand-off) with its merge replaced by
+    COMBINE_FN, given a shared scratch of every member's slice of the group x D columns and, per member, its
+    group's LSEs plus 4 columns of rounding slack."""
+    import tilelang.language as T
+
+    hq, d, group, threads = ctx.geom.num_q_heads, ctx.geom.head_dim, ctx.geom.group_size, ctx.threads
+    if threads != 128:
+        raise ValueError(f"the shared-memory tail: one consumer warpgroup (threads=128), not threads={threads}")
+    hand_off = hand_off_macro(ctx)
+
+    @T.macro
+    def finish(tail, part_o, part_lse, scratch, req, kvh, c, members, at):
+        hand_off(tail, req, kvh, c, members, at)
+        T.call_extern("handle", COMBINE_FN, part_o.data, part_lse.data, T.address_of(scratch[0]), at["first"],
+                      members, c - at["first"], req, kvh, hq, d, group, tail["value_head_column"].data,
+                      tail["out"].data, tail["lse"].data, T.get_thread_binding(0), threads, macros.TAIL_BARRIER_ID)
+
+    return dataclasses.replace(merge_tail(ctx), finish=finish, source=SOURCE,
+                               scratch=group * d + (group + 4) * TAIL_MAX_MEMBERS)
+
+
 def build(geom: AttentionGeometry, fmt: KvFormat | str, **tiling):
     """Compile the fused step of `fmt` with this tail (the library's builder: the format's registered partial tiling,
     overridden by `tiling`, and the hand-off check); the library fused step's arguments."""
-    return build_decode_fused(geom, fmt, tail_source=SOURCE, tail_combine=COMBINE_FN, **tiling)
+    return build_decode_fused(geom, fmt, tail=smem_tail, **tiling)

@@ -148,23 +148,26 @@ def transpose_v_macro(block_n: int, threads: int, kind: str = "t16x4"):
         tok_blocks, col_blocks = block_n // 4, FP8_PANEL // 16
     assert tok_blocks * col_blocks == threads and kind in ("t16x4", "t4x16")
 
+    # a panel is reached through its list (`panels[n]`): a buffer passed as a macro argument, or bound to a loop
+    # variable, would be renamed after it, all panels under one name, and TileLang would then number them in an
+    # order that changes from process to process
     @T.macro
-    def transpose_panel(stored, v_t, d0, first, last, tokens_left):
+    def transpose_panel(panels, n, v_t, d0, first, last, tokens_left):
         for i, j in T.Parallel(tok_blocks, col_blocks):
             if kind == "t16x4":  # (run 12: no zeroing of the tokens past the chunk; probe pools have no NaN slots)
                 T.call_extern("handle", TRANSPOSE_FN, int(first), int(last), TRANSPOSE_BARRIER_ID, threads,
-                              *[T.address_of(stored[i * 16 + r, j * 4]) for r in range(16)],
+                              *[T.address_of(panels[n][i * 16 + r, j * 4]) for r in range(16)],
                               *[T.address_of(v_t[d0 + j * 4 + q, i * 16]) for q in range(4)])
             else:
                 T.call_extern("handle", "foldkv_e4m3_t4x16", int(first), int(last), TRANSPOSE_BARRIER_ID, threads,
                               j % 8, tokens_left() - i * 4,
-                              *[T.address_of(stored[i * 4 + r, j * 16]) for r in range(4)],
-                              *[T.address_of(v_t[d0 + j * 16 + T.bitwise_xor(n, j % 8), i * 4]) for n in range(16)])
+                              *[T.address_of(panels[n][i * 4 + r, j * 16]) for r in range(4)],
+                              *[T.address_of(v_t[d0 + j * 16 + T.bitwise_xor(m, j % 8), i * 4]) for m in range(16)])
 
     @T.macro
     def transpose_v(panels, v_t, tokens_left):
-        for n, stored in enumerate(panels):
-            transpose_panel(stored, v_t, n * FP8_PANEL, n == 0, n == len(panels) - 1, tokens_left)
+        for n in list(range(len(panels))):  # (range itself would be a device loop)
+            transpose_panel(panels, n, v_t, n * FP8_PANEL, n == 0, n == len(panels) - 1, tokens_left)
 
     return transpose_v
 

@@ -28,13 +28,16 @@ Kernel argument order (what a backend's callable takes):
         the partial with its tail merge, for a plan whose C x Hkv CTAs are all resident at once (one wave): a
         request-head of one chunk writes its output and LSE from the epilogue, the others hand off through
         `counters` (macros.TAIL_SOURCE) and each merges a slice of the request-head's columns into `out` / `lse`
-        (head order, natural log), as merge_final would (kernels/DECODE_SCHEDULE.md).
+        (head order, natural log), as merge_final would (kernels/DECODE_SCHEDULE.md): `merge_tail`. The tails
+        that lost (bench/versions/) plug in through `FusedTail`'s hook points and bring their own arguments.
+    decode_partial_folded_fp8(query, pool [P, Hkv, page, W] e4m3, scales [P, Hkv, page] f32, page_ids, ...): the
+        partial over an FP8 folded pool, its scales after the pool.
 query in the format's form (split: head order; folded: score-window order), W the format's row width, part_o in
 value-window order. B, P, MP, C are dynamic; the grid is (C, Hkv). chunk_start is a multiple of the page size,
 chunk_len >= 1.
 """
 
-# no `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which use closure values
+# no `from __future__ import annotations`: TileLang's T.macro reads the macros' own source and closures
 
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +48,7 @@ from . import macros, producer_guard, registry
 from .macros import Convert
 from .merge import _merge_partials_macro
 from .registry import hands_out
-from .tl import pass_configs, require_tilelang, target
+from .tl import built_on_device, pass_configs, prim_func, require_tilelang, target
 
 # the fused tail (tail_merge): a request-head of at most TAIL_FEW_MEMBERS chunks merges 4 columns a thread, 8 members
 # a round trip; more, 2 columns a thread and TAIL_MAX_MEMBERS a round trip (one wave of the H200's 132 SMs holds at most
@@ -179,18 +182,155 @@ def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, blo
     return {KvFormat.SPLIT: split_parts, KvFormat.FOLDED: folded_parts}[fmt]
 
 
+@dataclass(frozen=True)
+class TailContext:
+    """What a fused tail is built for: the geometry, the consumer threads and the kernel's dynamic dims (batch, chunk
+    slots) its arguments' shapes use."""
+    geom: AttentionGeometry
+    threads: int
+    batch: Any
+    num_chunks: Any
+
+
+@dataclass(frozen=True)
+class FusedTail:
+    """A fused step's tail: how the chunks (members) of a request-head of several hand their partials to each other
+    and merge them into `out` / `lse` (a request-head of one chunk writes its output from the epilogue, whatever the
+    tail). Its hook points into decode_partial_program, each called with the kernel's own names (a buffer passed
+    under another name would be renamed after it, and the emitted CUDA would change):
+        args     the kernel's arguments after chunk_len (name -> T.Tensor); `merge_first`, `merge_count`,
+                 `value_head_column`, `out` and `lse` are read by the kernel itself (`tail_args`)
+        partial  which of them the partial goes to: (its output, its base-2 LSE, or None: the output carries it)
+        source   the device code the kernel imports
+        scratch  float32 words of shared memory the tail needs, allocated before the loop as `scratch` (0: none)
+        store    T.macro(part_o, c, kvh, j, out, i, denom, head_max, members): one element of a member's partial,
+                 in place of the partial's own store (None: the partial's)
+        finish   T.macro(tail, part_o, part_lse, scratch, req, kvh, c, members, at): after the epilogue, in a
+                 CTA whose request-head has members > 1 (`tail`: the arguments by name; `at["first"]`: the
+                 request-head's first slot, in a dict because a macro argument would be copied into a new variable)
+    The library serves `merge_tail`; the tails that lost build through these hooks in bench/versions/."""
+    args: dict
+    finish: Any
+    source: str = ""
+    partial: tuple = ("part_o", "part_lse")
+    scratch: int = 0
+    store: Any = None
+
+
+def tail_args(ctx: TailContext, partial: dict) -> dict:
+    """A fused kernel's arguments after chunk_len: the plan's merge slots, `partial` (name -> T.Tensor: where the
+    members leave their partials), then the value-window map and the outputs."""
+    import tilelang.language as T
+
+    hq, d = ctx.geom.num_q_heads, ctx.geom.head_dim
+    return {
+        "merge_first": T.Tensor((ctx.num_chunks,), "int32"),  # [C] first slot of chunk c's request (consecutive)
+        "merge_count": T.Tensor((ctx.num_chunks,), "int32"),  # [C] chunks of that request
+        **partial,
+        "value_head_column": T.Tensor((d,), "int32"),  # [D] head column of value-window position p
+        "out": T.Tensor((ctx.batch, hq, d), "bfloat16"),  # [B, Hq, D] head order
+        "lse": T.Tensor((ctx.batch, hq), "float32"),  # [B, Hq] natural log
+    }
+
+
+def partial_args(ctx: TailContext) -> dict:
+    """The partial's outputs: its normalised output (value-window order) and base-2 LSE per chunk slot."""
+    import tilelang.language as T
+
+    hq, d = ctx.geom.num_q_heads, ctx.geom.head_dim
+    return {"part_o": T.Tensor((ctx.num_chunks, hq, d), "float32"),  # [C, Hq, D] value-window order
+            "part_lse": T.Tensor((ctx.num_chunks, hq), "float32")}  # [C, Hq] base 2
+
+
+def hand_off_macro(ctx: TailContext):
+    """The atomic hand-off (macros.TAIL_SOURCE): every member counts itself in on its request-head's counter and
+    waits until all have, so that each may then read every member's partial."""
+    import tilelang.language as T
+
+    hkv, threads = ctx.geom.num_kv_heads, ctx.threads
+
+    @T.macro
+    def hand_off(tail, req, kvh, c, members, at):
+        T.call_extern("handle", macros.TAIL_HAND_OFF_FN, tail["counters"].data, req * hkv + kvh, c - at["first"],
+                      members, PRODUCER_THREADS, macros.TAIL_BARRIER_ID, threads)
+
+    return hand_off
+
+
+def tail_slice_macro(tc: TailContext):
+    """A member's slice of its request-head's group x D columns merged from every member's partial (part_o,
+    part_lse) into out / lse: `vec` columns a thread, `trip` members a round trip (`merge_members`: merge.py's
+    online merge built for them)."""
+    import tilelang.language as T
+
+    group, d, threads = tc.geom.group_size, tc.geom.head_dim, tc.threads
+    i32, f32 = "int32", "float32"
+
+    @T.macro
+    def tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, vec, trip, merge_members):
+        """This CTA's columns [lo, hi) of its request-head's group x D (multiples of `vec`), `vec` per thread."""
+        lo, hi, col, h, p = (T.alloc_var(i32) for _ in range(5))
+        lo = (c - first) * (group * d) // members // vec * vec
+        hi = (c - first + 1) * (group * d) // members // vec * vec
+        ctx = T.get_thread_binding(0)  # consumer-relative: the warp specialisation rebases it
+        acc = T.alloc_local((vec,), f32)
+        lse_blk = T.alloc_local((trip,), f32)
+        o_blk = T.alloc_local((trip, vec), f32)
+        state = T.alloc_local((2,), f32)
+        for s in T.serial(T.ceildiv(hi - lo, threads * vec)):
+            col = lo + (s * threads + ctx) * vec
+            if col < hi:
+                h = kvh * group + col // d
+                p = col % d
+                merge_members(part_o, part_lse, None, h, p // vec, first, members, acc, lse_blk, o_blk, state)
+                for j in T.serial(vec):
+                    tail["out"][req, h, tail["value_head_column"][p + j]] = T.cast(acc[j] / state[1], "bfloat16")
+                if p == 0:
+                    tail["lse"][req, h] = (T.log2(state[1]) + state[0]) * macros.LN2
+
+    return tail_slice
+
+
+def merge_tail(ctx: TailContext, *, hand_off: bool = True) -> FusedTail:
+    """The served tail: the atomic hand-off (`hand_off_macro`), then each member merges its slice from every
+    member's partial, few members (<= TAIL_FEW_MEMBERS) 4 columns a thread and 8 members a round trip, more 2 columns
+    a thread and TAIL_MAX_MEMBERS a round trip. `hand_off=False` leaves the hand-off out: a deliberately broken
+    kernel, for the hand-off check's red test only."""
+    import tilelang.language as T
+
+    hq, d = ctx.geom.num_q_heads, ctx.geom.head_dim
+    counters = T.Tensor((ctx.batch, ctx.geom.num_kv_heads), "int32")  # [B, Hkv] a multiple of TAIL_STEP between launches
+    hand_off_ = hand_off_macro(ctx)
+    tail_slice = tail_slice_macro(ctx)
+    (few_vec, few_trip), (many_vec, many_trip) = (4, TAIL_FEW_MEMBERS), (2, TAIL_MAX_MEMBERS)
+    few = _merge_partials_macro(few_vec, via_group_first=False, per_trip=few_trip)
+    many = _merge_partials_macro(many_vec, via_group_first=False, per_trip=many_trip)
+
+    @T.macro
+    def finish(tail, part_o, part_lse, scratch, req, kvh, c, members, at):
+        if hand_off:
+            hand_off_(tail, req, kvh, c, members, at)
+        if members <= TAIL_FEW_MEMBERS:
+            tail_slice(tail, part_o, part_lse, req, kvh, c, at["first"], members, few_vec, few_trip, few)
+        else:
+            tail_slice(tail, part_o, part_lse, req, kvh, c, at["first"], members, many_vec, many_trip, many)
+
+    return FusedTail(args=tail_args(ctx, {**partial_args(ctx), "counters": counters}), finish=finish,
+                     source=macros.TAIL_SOURCE)
+
+
 def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_n: int = 64,
                            num_stages: int = 1, threads: int = 128, block_h: int = 16, fp8: bool = False,
                            e4m3_convert: str = "bits", reduce_batch: int = 1, ctas_per_sm: int = 1,
-                           tail_merge: bool = False, tail_hand_off: bool = True, tail_protocol: str = "atomic",
-                           tail_source: str | None = None, tail_paths: tuple | None = None,
-                           tail_combine: str | None = None):
+                           tail_merge: bool = False, tail=None):
     """The TileLang prim_func of the partial kernel for one geometry, page format and tiling; `fp8`: over an FP8
     folded pool (its scales an extra argument after the pool), its e4m3 panels converted to bf16 by
     `macros.convert_e4m3_macro` ("bits") or TileLang's element conversion ("cvt"); `reduce_batch`: the softmax's
     queries per cross-warp reduction (macros.online_softmax_macro), at most the queries a consumer thread holds;
     `ctas_per_sm`: CTAs each SM must hold at once (`__launch_bounds__`' second argument; the warpgroups' register
-    counts are set so that they share 65,536 registers that many ways)."""
+    counts are set so that they share 65,536 registers that many ways). `tail_merge`: the fused step of a one-wave
+    plan, its CTAs merging their request-heads at their tail: `tail(TailContext) -> FusedTail` (default
+    `merge_tail`, the served one)."""
     require_tilelang()
     import tilelang.language as T
     from tvm.script.ir_builder import IRBuilder
@@ -219,54 +359,15 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     assert e4m3_convert in ("bits", "cvt")
     if tail_merge and (fp8 or ctas_per_sm > 1):
         raise ValueError("tail_merge: bf16 pools and one CTA per SM only")
-    # tail_protocol "ll" (measured slower, bench/DECODE_NOTES.md run 14): the partial as self-validating words,
-    # through macros.LL_STORE_FN / LL_MERGE_FN, whose device code is the caller's `tail_source`
-    if tail_protocol not in ("atomic", "ll") or (tail_protocol == "ll" and (threads != 128 or not tail_source)):
-        raise ValueError(f"tail_protocol={tail_protocol!r}: 'atomic', or 'll' with one consumer warpgroup and its"
-                         " tail_source")
-    ll = tail_merge and tail_protocol == "ll"
-    # tail_combine (an experiment's): the name of a device function of `tail_source` that merges the CTA's slice in
-    # place of tail_slice (bench/versions/decode_fused_smem_tail.py), given a shared scratch of every member's slice of
-    # the group x D columns and per member its group's LSEs plus 4 columns of rounding slack
-    if tail_combine and (ll or not tail_source or threads != 128):
-        raise ValueError("tail_combine: the atomic hand-off, one consumer warpgroup and a tail_source defining it")
-    combine = bool(tail_merge and tail_combine)
-    tail_src = tail_source or macros.TAIL_SOURCE
-    # the fused tail: each member merges a slice of its request-head's group x D columns from every member's partial;
-    # (columns per thread, members per round trip) by how many members there are: few members, wide slices
-    # (columns a thread, members a round trip); `tail_paths` (an experiment's): ((vec, trip),) one path for any count
-    tail_paths = tail_paths or ((4, TAIL_FEW_MEMBERS), (2, TAIL_MAX_MEMBERS))
-    tail_merges = [_merge_partials_macro(vec, via_group_first=False, per_trip=trip) for vec, trip in tail_paths] \
-        if tail_merge else []
-
-    @T.macro
-    def tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, vec, trip, merge_members):
-        """This CTA's columns [lo, hi) of its request-head's group x D (multiples of `vec`), `vec` per thread."""
-        lo, hi, col, h, p = (T.alloc_var(i32) for _ in range(5))
-        lo = (c - first) * (group * d) // members // vec * vec
-        hi = (c - first + 1) * (group * d) // members // vec * vec
-        ctx = T.get_thread_binding(0)  # consumer-relative: the warp specialisation rebases it
-        acc = T.alloc_local((vec,), f32)
-        lse_blk = T.alloc_local((trip,), f32)
-        o_blk = T.alloc_local((trip, vec), f32)
-        state = T.alloc_local((2,), f32)
-        for s in T.serial(T.ceildiv(hi - lo, threads * vec)):
-            col = lo + (s * threads + ctx) * vec
-            if col < hi:
-                h = kvh * group + col // d
-                p = col % d
-                merge_members(part_o, part_lse, None, h, p // vec, first, members, acc, lse_blk, o_blk, state)
-                for j in T.serial(vec):
-                    tail["out"][req, h, tail["value_head_column"][p + j]] = T.cast(acc[j] / state[1], bf16)
-                if p == 0:
-                    tail["lse"][req, h] = (T.log2(state[1]) + state[0]) * macros.LN2
+    ctx = TailContext(geom, threads, batch, num_chunks)
+    fused = (tail or merge_tail)(ctx) if tail_merge else None
 
     @T.macro
     def partial(query, pool, scales, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse, tail=None):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
             T.import_source(producer_guard.imported_source(
                 macros.E4M3_TO_BF16_SOURCE if fp8 and e4m3_convert == "bits" else None,
-                tail_src if tail_merge else None))
+                fused.source if tail_merge else None))
             if ctas_per_sm > 1:
                 share_sm_registers()
             parts = format_parts()
@@ -287,7 +388,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                 for name in for_o:
                     for_o[name] = IRBuilder.name(f"{name}_o", T.alloc_shared((block_h,), f32))
 
-            scratch = T.alloc_shared((group * d + (group + 4) * TAIL_MAX_MEMBERS,), f32) if combine else None
+            scratch = T.alloc_shared((fused.scratch,), f32) if tail_merge and fused.scratch else None
             req = chunk_req[c]
             start = chunk_start[c]
             n_tok = chunk_len[c]
@@ -348,120 +449,44 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                         if tail_merge and members == 1:
                             tail["out"][req, kvh * group + j, tail["value_head_column"][out.col + i]] = T.cast(
                                 out.other[i, j] / for_o["denom"][j], bf16)
-                        elif ll:
-                            if members > 1:  # padding chunks (no members) write nothing: no reader empties it
-                                T.call_extern("handle", macros.LL_STORE_FN, part_o.data,
-                                              (c * hq + kvh * group + j) * d + out.col + i,
-                                              out.other[i, j] / denom[j], T.log2(denom[j]) + head_max[j] * scale)
+                        elif tail_merge and fused.store is not None:
+                            fused.store(part_o, c, kvh, j, out, i, denom, head_max, members)
                         else:
                             part_o[c, kvh * group + j, out.col + i] = out.other[i, j] / for_o["denom"][j]
             for j in T.Parallel(block_h):
                 if j < group:
                     if tail_merge and members == 1:
                         tail["lse"][req, kvh * group + j] = (T.log2(denom[j]) + head_max[j] * scale) * macros.LN2
-                    elif not ll:  # (ll: each word carries its head's LSE)
+                    elif part_lse is not None:  # (None: the tail's partial carries its LSE)
                         part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * scale
             if tail_merge:
                 if members > 1:
                     first = T.alloc_var(i32)
                     first = tail["merge_first"][c]
-                    if ll:
-                        T.call_extern("handle", macros.LL_MERGE_FN, part_o.data, first, members, c - first, req, kvh,
-                                      hq, d, group, tail["value_head_column"].data, tail["out"].data,
-                                      tail["lse"].data, T.get_thread_binding(0), threads)
-                    elif tail_hand_off:
-                        T.call_extern("handle", macros.TAIL_HAND_OFF_FN, tail["counters"].data, req * hkv + kvh,
-                                      c - first, members, PRODUCER_THREADS, macros.TAIL_BARRIER_ID, threads)
-                    if combine:
-                        T.call_extern("handle", tail_combine, part_o.data, part_lse.data, T.address_of(scratch[0]),
-                                      first, members, c - first, req, kvh, hq, d, group,
-                                      tail["value_head_column"].data, tail["out"].data, tail["lse"].data,
-                                      T.get_thread_binding(0), threads, macros.TAIL_BARRIER_ID)
-                    elif not ll:  # (one path given: a static condition, so only its code is emitted)
-                        if len(tail_paths) == 1 or members <= TAIL_FEW_MEMBERS:
-                            tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, *tail_paths[0],
-                                       tail_merges[0])
-                        else:
-                            tail_slice(tail, part_o, part_lse, req, kvh, c, first, members, *tail_paths[1],
-                                       tail_merges[1])
+                    fused.finish(tail, part_o, part_lse, scratch, req, kvh, c, members, {"first": first})
 
-    if fp8:
-        @T.prim_func
-        def decode_partial(
-            query: T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] query in the folded form
-            pool: T.Tensor((num_pages, hkv, page_size, width), "float8_e4m3"),  # [P, Hkv, page, W] e4m3
-            scales: T.Tensor((num_pages, hkv, page_size), f32),  # [P, Hkv, page] one scale per token x KV head
-            page_ids: T.Tensor((batch, max_pages), i32),  # [B, MP]
-            chunk_req: T.Tensor((num_chunks,), i32),  # [C] request of chunk c
-            chunk_start: T.Tensor((num_chunks,), i32),  # [C] first token (multiple of page_size)
-            chunk_len: T.Tensor((num_chunks,), i32),  # [C] tokens in the chunk (>= 1)
-            part_o: T.Tensor((num_chunks, hq, d), f32),  # [C, Hq, D] value-window order
-            part_lse: T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
-        ):
-            partial(query, pool, scales, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse)
+    # the arguments (what a backend's callable takes, in order): the module docstring's
+    args = {
+        "query": T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] query in the format's form
+        "pool": T.Tensor((num_pages, hkv, page_size, width), "float8_e4m3" if fp8 else bf16),  # [P, Hkv, page, W]
+        **({"scales": T.Tensor((num_pages, hkv, page_size), f32)} if fp8 else {}),  # [P, Hkv, page] FP8 row scales
+        "page_ids": T.Tensor((batch, max_pages), i32),  # [B, MP]
+        "chunk_req": T.Tensor((num_chunks,), i32),  # [C] request of chunk c
+        "chunk_start": T.Tensor((num_chunks,), i32),  # [C] first token (multiple of page_size)
+        "chunk_len": T.Tensor((num_chunks,), i32),  # [C] tokens in the chunk (>= 1)
+    }
+    head = list(args)
+    args.update(fused.args if tail_merge else partial_args(ctx))
+    out_names = fused.partial if tail_merge else ("part_o", "part_lse")
 
-        return decode_partial.with_attr("global_symbol", f"decode_partial_{fmt.value}_fp8")
+    def body(b):
+        outs = [b[n] if n else None for n in out_names]
+        partial(*(b[n] for n in head[:2]), b.get("scales"), *(b[n] for n in head[-4:]), *outs,
+                {n: b[n] for n in args if n not in head and n not in out_names} if tail_merge else None)
 
-    if ll:
-        @T.prim_func
-        def decode_fused(
-            query: T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] query in the format's form
-            pool: T.Tensor((num_pages, hkv, page_size, width), bf16),  # [P, Hkv, page, W]
-            page_ids: T.Tensor((batch, max_pages), i32),  # [B, MP]
-            chunk_req: T.Tensor((num_chunks,), i32),  # [C] request of chunk c
-            chunk_start: T.Tensor((num_chunks,), i32),  # [C] first token (multiple of page_size)
-            chunk_len: T.Tensor((num_chunks,), i32),  # [C] tokens in the chunk (>= 1)
-            merge_first: T.Tensor((num_chunks,), i32),  # [C] first slot of chunk c's request (its chunks: consecutive)
-            merge_count: T.Tensor((num_chunks,), i32),  # [C] chunks of that request
-            part_ll: T.Tensor((num_chunks, hq, d, 2), f32),  # [C, Hq, D] words {o, lse}, empty between launches
-            value_head_column: T.Tensor((d,), i32),  # [D] head column of value-window position p
-            out: T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] head order
-            lse: T.Tensor((batch, hq), f32),  # [B, Hq] natural log
-        ):
-            partial(query, pool, None, page_ids, chunk_req, chunk_start, chunk_len, part_ll, None,
-                    dict(merge_first=merge_first, merge_count=merge_count, value_head_column=value_head_column,
-                         out=out, lse=lse))
-
-        return decode_fused.with_attr("global_symbol", f"decode_fused_{fmt.value}")
-
-    if tail_merge:
-        @T.prim_func
-        def decode_fused(
-            query: T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] query in the format's form
-            pool: T.Tensor((num_pages, hkv, page_size, width), bf16),  # [P, Hkv, page, W]
-            page_ids: T.Tensor((batch, max_pages), i32),  # [B, MP]
-            chunk_req: T.Tensor((num_chunks,), i32),  # [C] request of chunk c
-            chunk_start: T.Tensor((num_chunks,), i32),  # [C] first token (multiple of page_size)
-            chunk_len: T.Tensor((num_chunks,), i32),  # [C] tokens in the chunk (>= 1)
-            merge_first: T.Tensor((num_chunks,), i32),  # [C] first slot of chunk c's request (its chunks: consecutive)
-            merge_count: T.Tensor((num_chunks,), i32),  # [C] chunks of that request
-            part_o: T.Tensor((num_chunks, hq, d), f32),  # [C, Hq, D] value-window order
-            part_lse: T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
-            counters: T.Tensor((batch, hkv), i32),  # [B, Hkv] a multiple of TAIL_STEP between launches
-            value_head_column: T.Tensor((d,), i32),  # [D] head column of value-window position p
-            out: T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] head order
-            lse: T.Tensor((batch, hq), f32),  # [B, Hq] natural log
-        ):
-            partial(query, pool, None, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse,
-                    dict(merge_first=merge_first, merge_count=merge_count, counters=counters,
-                         value_head_column=value_head_column, out=out, lse=lse))
-
-        return decode_fused.with_attr("global_symbol", f"decode_fused_{fmt.value}")
-
-    @T.prim_func
-    def decode_partial(
-        query: T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] query in the format's form
-        pool: T.Tensor((num_pages, hkv, page_size, width), bf16),  # [P, Hkv, page, W]
-        page_ids: T.Tensor((batch, max_pages), i32),  # [B, MP]
-        chunk_req: T.Tensor((num_chunks,), i32),  # [C] request of chunk c
-        chunk_start: T.Tensor((num_chunks,), i32),  # [C] first token (multiple of page_size)
-        chunk_len: T.Tensor((num_chunks,), i32),  # [C] tokens in the chunk (>= 1)
-        part_o: T.Tensor((num_chunks, hq, d), f32),  # [C, Hq, D] value-window order
-        part_lse: T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
-    ):
-        partial(query, pool, None, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse)
-
-    return decode_partial.with_attr("global_symbol", f"decode_partial_{fmt.value}")
+    kind = "fused" if tail_merge else "partial"
+    return prim_func(f"decode_{kind}", args, body).with_attr(
+        "global_symbol", f"decode_{kind}_{fmt.value}" + ("_fp8" if fp8 else ""))
 
 
 @hands_out("decode_partial_{fmt}")
@@ -481,25 +506,24 @@ def build_decode_partial(geom: AttentionGeometry, fmt: KvFormat | str, **tiling)
 
 
 @hands_out("decode_fused_{fmt}")
-def build_decode_fused(geom: AttentionGeometry, fmt: KvFormat | str, *, tail_hand_off: bool = True, **tiling):
+def build_decode_fused(geom: AttentionGeometry, fmt: KvFormat | str, *, tail_hand_off: bool = True, tail=None,
+                       **tiling):
     """Compile (JIT) the fused step of a one-wave plan (the partial with `tail_merge`: its CTAs merge their
     request-head at their tail) with the format's partial DEFAULTS, overridden by `tiling`, and check its hand-off on
     the emitted CUDA (`cuda_checks.check_tail_hand_off`). `tail_hand_off=False` leaves the hand-off out: a
-    deliberately broken kernel, for the check's red test only. `tiling` may also name an experiment's tail
-    (decode_partial_program's `tail_paths`, `tail_source`, `tail_combine`: bench/versions)."""
+    deliberately broken kernel, for the check's red test only. `tail`: another tail (`FusedTail`'s hook points; a
+    version in bench/versions/) in place of the served `merge_tail`."""
     tilelang = require_tilelang()
     fmt = KvFormat.parse(fmt)
     cfg = {**DEFAULTS[fmt], **tiling}
 
     @tilelang.jit(target=target(), pass_configs=pass_configs())
-    def decode_fused(page_size, block_n, num_stages, threads, block_h, reduce_batch=1, hand_off=True, tail_paths=None,
-                     tail_source=None, tail_combine=None):
+    def decode_fused(page_size, block_n, num_stages, threads, block_h, reduce_batch=1, hand_off=True, tail=None):
         return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
                                       threads=threads, block_h=block_h, reduce_batch=reduce_batch, tail_merge=True,
-                                      tail_hand_off=hand_off, tail_paths=tail_paths, tail_source=tail_source,
-                                      tail_combine=tail_combine)
+                                      tail=tail or (lambda ctx: merge_tail(ctx, hand_off=hand_off)))
 
-    kernel = decode_fused(**cfg, hand_off=tail_hand_off)
+    kernel = decode_fused(**cfg, hand_off=tail_hand_off, tail=tail)
     from .cuda_checks import check_tail_hand_off
 
     check_tail_hand_off(f"decode_fused_{fmt.value}", kernel.get_kernel_source(), threads=cfg["threads"])
@@ -538,9 +562,7 @@ def main(fmt: KvFormat | str = KvFormat.FOLDED, seq_len: int = 10602, **tiling):
     fmt = KvFormat.parse(fmt)
     geom = GEMMA4_31B
     kernel = build_decode_partial(geom, fmt, **tiling)
-    print(f"decode_partial_{fmt.value} {dict(DEFAULTS[fmt], **tiling)}: {len(kernel.get_kernel_source())} chars of CUDA")
-    if not torch.cuda.is_available():
-        print("no CUDA device: built, not checked or timed")
+    if not built_on_device(f"decode_partial_{fmt.value} {dict(DEFAULTS[fmt], **tiling)}", kernel):
         return kernel
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)

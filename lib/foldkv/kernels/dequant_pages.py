@@ -37,7 +37,7 @@ from ..layout import KvFormat
 from ..pool import BlockTable, PagedKvLayout, PagedKvPool, check_block_table
 from ..validate import FoldKvInputError
 from . import registry, resolve
-from .tl import pass_configs, require_tilelang, target
+from .tl import built_on_device, pass_configs, require_tilelang, target
 
 NAME = "dequant_pages_folded_fp8"
 DEFAULTS = dict(registry.get(NAME).params)
@@ -161,9 +161,7 @@ def main(tokens: int = 131072):
     that differ (none should: `dequantize_rows_bf16` is its definition), then time the kernel alone and through
     `bf16_pages` (host plan included), each as GB/s of the bytes it reads and writes."""
     geom = GEMMA4_31B
-    print(f"{NAME} {DEFAULTS}: {len(build(geom, **DEFAULTS).get_kernel_source())} chars of CUDA")
-    if not torch.cuda.is_available():
-        print("no CUDA device: built, not checked or timed")
+    if not built_on_device(f"{NAME} {DEFAULTS}", build(geom, **DEFAULTS)):
         return
     from ..fp8 import FP8_DTYPE, quantize_rows
 

@@ -186,7 +186,7 @@ __device__ __forceinline__ void foldkv_e4m3x8_to_bf16(int first, int last, int b
 """
 
 
-# The hand-off of a fused decode's tail merge (decode_partial_program(tail_merge=True)): the CTAs of one request and
+# The hand-off of a fused decode's tail merge (decode_partial.merge_tail, the served tail): the CTAs of one request and
 # KV head (its chunks, all resident at once: the plan is one wave) each write their partial, count themselves in, and
 # wait until every member has; then each merges a slice of the request's columns from every member's partial. One
 # counter per (request, KV head) carries it: each member adds its share of TAIL_STEP (the first member TAIL_STEP -
@@ -228,11 +228,6 @@ __device__ __forceinline__ void foldkv_tail_hand_off(const int* counters, int pa
   asm volatile("bar.sync %%0, %%1;" : : "r"(barrier_id), "r"(threads) : "memory");
 }
 """ % {"step": TAIL_STEP}
-# The fused tail's other hand-off, measured slower (bench/DECODE_NOTES.md run 14): the partial stored as
-# self-validating words, whose device code a caller of decode_partial_program(tail_protocol="ll") passes as
-# `tail_source` (bench/versions/decode_fused_ll.py) and which these two functions are called by
-LL_STORE_FN = "foldkv_ll_store"
-LL_MERGE_FN = "foldkv_ll_merge"
 
 
 # its named barrier over the consumer threads (not the conversion's: an FP8 kernel has both)

@@ -44,7 +44,7 @@ from . import macros, producer_guard
 from . import registry
 from .decode_partial import FP8_PANEL, Run, fp8_row_macro
 from .registry import hands_out
-from .tl import pass_configs, require_tilelang, target
+from .tl import built_on_device, pass_configs, prim_func, require_tilelang, target
 
 # The registered tuning constants (the same for both bf16 formats; the AOT build compiles the same).
 DEFAULTS = dict(registry.get("prefill_folded").params)
@@ -299,41 +299,22 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
                 if tok0 + i // G < q_len:
                     Lse[q_base + tok0 + i // G, by * G + i % G] = m[i] + T.log2(l[i]) * macros.LN2
 
-    if fp8:
-        @T.prim_func
-        def main(
-            Q: T.Tensor([Tq, HQ, D], dtype),
-            Pool: T.Tensor([NP, HKV, page_size, W], "float8_e4m3"),
-            Scales: T.Tensor([NP, HKV, page_size], accum),
-            PageIds: T.Tensor([B, MP], "int32"),
-            SeqLens: T.Tensor([B], "int32"),
-            QStart: T.Tensor([B], "int32"),
-            QLens: T.Tensor([B], "int32"),
-            TileReq: T.Tensor([NT], "int32"),
-            TileTok: T.Tensor([NT], "int32"),
-            Out: T.Tensor([Tq, HQ, D], dtype),
-            Lse: T.Tensor([Tq, HQ], accum),
-        ):
-            attention(Q, Pool, Scales, PageIds, SeqLens, QStart, QLens, TileReq, TileTok, Out, Lse)
-
-        return main.with_attr("global_symbol", f"prefill_{fmt.value}_fp8")
-
-    @T.prim_func
-    def main(
-        Q: T.Tensor([Tq, HQ, D], dtype),
-        Pool: T.Tensor([NP, HKV, page_size, W], dtype),
-        PageIds: T.Tensor([B, MP], "int32"),
-        SeqLens: T.Tensor([B], "int32"),
-        QStart: T.Tensor([B], "int32"),
-        QLens: T.Tensor([B], "int32"),
-        TileReq: T.Tensor([NT], "int32"),
-        TileTok: T.Tensor([NT], "int32"),
-        Out: T.Tensor([Tq, HQ, D], dtype),
-        Lse: T.Tensor([Tq, HQ], accum),
-    ):
-        attention(Q, Pool, None, PageIds, SeqLens, QStart, QLens, TileReq, TileTok, Out, Lse)
-
-    return main
+    args = {
+        "Q": T.Tensor([Tq, HQ, D], dtype),
+        "Pool": T.Tensor([NP, HKV, page_size, W], "float8_e4m3" if fp8 else dtype),
+        **({"Scales": T.Tensor([NP, HKV, page_size], accum)} if fp8 else {}),  # an FP8 row's scale per token
+        "PageIds": T.Tensor([B, MP], "int32"),
+        "SeqLens": T.Tensor([B], "int32"),
+        "QStart": T.Tensor([B], "int32"),
+        "QLens": T.Tensor([B], "int32"),
+        "TileReq": T.Tensor([NT], "int32"),
+        "TileTok": T.Tensor([NT], "int32"),
+        "Out": T.Tensor([Tq, HQ, D], dtype),
+        "Lse": T.Tensor([Tq, HQ], accum),
+    }
+    main = prim_func("main", args, lambda b: attention(b["Q"], b["Pool"], b.get("Scales"),
+                                                       *(b[n] for n in args if n not in ("Q", "Pool", "Scales"))))
+    return main.with_attr("global_symbol", f"prefill_{fmt.value}_fp8") if fp8 else main
 
 
 @hands_out("prefill_{fmt}")
@@ -385,11 +366,8 @@ def main(fmt: KvFormat | str = KvFormat.FOLDED, context: int = 16384, chunk: int
 
     fmt = KvFormat.parse(fmt)
     kernel = build(GEMMA4_31B, fmt, **{**DEFAULTS, **tiling})
-    built = f"prefill_{fmt.value} {dict(DEFAULTS, **tiling)}: {len(kernel.get_kernel_source())} chars of CUDA"
-    if not torch.cuda.is_available():
-        print(f"{built}; no CUDA device: not checked or timed")
+    if not built_on_device(f"prefill_{fmt.value} {dict(DEFAULTS, **tiling)}", kernel):
         return kernel
-    print(built)
     geom, dev = GEMMA4_31B, torch.device("cuda")
     torch.manual_seed(0)
     pool = foldkv.PagedKvPool(foldkv.PagedKvLayout(geom, fmt, 64, -(-context // 64)), device=dev)

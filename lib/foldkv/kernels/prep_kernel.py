@@ -48,7 +48,7 @@ from ..validate import FoldKvInputError, check_tensor
 from . import registry, resolve
 from .decode import pool_operands
 from .macros import rope_pair
-from .tl import pass_configs, require_tilelang, target
+from .tl import built_on_device, pass_configs, prim_func, require_tilelang, target
 
 DEFAULTS = dict(registry.get("prep_folded").params)  # the registered params (the same for both formats)
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
@@ -218,41 +218,21 @@ def _build(geom: AttentionGeometry, fmt: KvFormat | str, page_size: int, in_dtyp
                                 Pool[page, h, off, D + j] = T.cast(v_lo, out_dtype)
                                 Pool[page, h, off, D + HALF + j] = T.cast(v_hi, out_dtype)
 
-        if fp8:
-            @T.prim_func
-            def main(
-                Qraw: T.Tensor([NT, HQ, D], in_dtype),
-                KVraw: T.Tensor([NT, HKV, D], in_dtype),
-                QNormW: T.Tensor([D], f32),
-                KNormW: T.Tensor([D], f32),
-                InvFreq: T.Tensor([HALF], f32),
-                Positions: T.Tensor([NT], "int32"),
-                SlotPage: T.Tensor([NT], "int32"),
-                SlotOffset: T.Tensor([NT], "int32"),
-                Pool: T.Tensor([NP, HKV, page_size, W], pool_dtype),
-                PoolScales: T.Tensor([NP, HKV, page_size], f32),
-                QueryOut: T.Tensor([NT, HQ, D], out_dtype),
-            ):
-                prep(Qraw, KVraw, QNormW, KNormW, InvFreq, Positions, SlotPage, SlotOffset, Pool, PoolScales, QueryOut)
-
-            return main
-
-        @T.prim_func
-        def main(
-            Qraw: T.Tensor([NT, HQ, D], in_dtype),
-            KVraw: T.Tensor([NT, HKV, D], in_dtype),
-            QNormW: T.Tensor([D], f32),
-            KNormW: T.Tensor([D], f32),
-            InvFreq: T.Tensor([HALF], f32),
-            Positions: T.Tensor([NT], "int32"),
-            SlotPage: T.Tensor([NT], "int32"),
-            SlotOffset: T.Tensor([NT], "int32"),
-            Pool: T.Tensor([NP, HKV, page_size, W], out_dtype),
-            QueryOut: T.Tensor([NT, HQ, D], out_dtype),
-        ):
-            prep(Qraw, KVraw, QNormW, KNormW, InvFreq, Positions, SlotPage, SlotOffset, Pool, None, QueryOut)
-
-        return main
+        args = {
+            "Qraw": T.Tensor([NT, HQ, D], in_dtype),
+            "KVraw": T.Tensor([NT, HKV, D], in_dtype),
+            "QNormW": T.Tensor([D], f32),
+            "KNormW": T.Tensor([D], f32),
+            "InvFreq": T.Tensor([HALF], f32),
+            "Positions": T.Tensor([NT], "int32"),
+            "SlotPage": T.Tensor([NT], "int32"),
+            "SlotOffset": T.Tensor([NT], "int32"),
+            "Pool": T.Tensor([NP, HKV, page_size, W], pool_dtype if fp8 else out_dtype),
+            **({"PoolScales": T.Tensor([NP, HKV, page_size], f32)} if fp8 else {}),  # an FP8 row's scale per token
+            "QueryOut": T.Tensor([NT, HQ, D], out_dtype),
+        }
+        return prim_func("main", args, lambda b: prep(*(b[n] for n in list(args)[:9]), b.get("PoolScales"),
+                                                      b["QueryOut"]))
 
     return prep_fused(page_size, in_dtype, threads)
 
@@ -323,9 +303,7 @@ def main(fmt: KvFormat | str = KvFormat.FOLDED, tokens: int = 8192):
     count the elements that differ (the bound is in the module docstring), then time it."""
     fmt = KvFormat.parse(fmt)
     geom = GEMMA4_31B
-    print(f"prep_{fmt.value} {DEFAULTS}: {len(build(geom, fmt, **DEFAULTS).get_kernel_source())} chars of CUDA")
-    if not torch.cuda.is_available():
-        print("no CUDA device: built, not checked or timed")
+    if not built_on_device(f"prep_{fmt.value} {DEFAULTS}", build(geom, fmt, **DEFAULTS)):
         return
     from ..pool import PagedKvLayout
     from ..prep import prep_and_store

@@ -50,3 +50,29 @@ def pass_configs() -> dict:
     require_tilelang()
     # Fast math stays off: exp2/log2 accuracy is part of the gates, and the AOT build passes the same flags.
     return {"tl.enable_fast_math": False}
+
+
+def prim_func(name: str, args: dict, body):
+    """The TileLang prim_func `name` whose arguments are `args` (name -> `T.Tensor(...)`, in order) and whose body is
+    `body(buffers)` (buffers: name -> the argument's buffer; it calls the kernel's T.macro). What `@T.prim_func` over
+    a Python signature builds, with the argument list as data: so programs whose kernels take a few arguments more or
+    less than another's (the fused step's tail, an FP8 pool's scales, a version's own words) write each list once."""
+    require_tilelang()
+    from tilelang.language.eager.builder import Builder, _patch_prim_func_attrs
+
+    builder = Builder()
+    with builder.prim_func(name):
+        body({n: builder.arg(n, a) for n, a in args.items()})
+    return _patch_prim_func_attrs(builder.get(), builder)
+
+
+def built_on_device(label: str, kernel) -> bool:
+    """What a kernel file's `main()` says first: `label` and the kernel's emitted CUDA size; then whether a CUDA device
+    is here to check and time it on (if not, it says so)."""
+    import torch
+
+    print(f"{label}: {len(kernel.get_kernel_source())} chars of CUDA")
+    if not torch.cuda.is_available():
+        print("no CUDA device: built, not checked or timed")
+        return False
+    return True

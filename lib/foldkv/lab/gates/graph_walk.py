@@ -10,7 +10,7 @@ from ...layout import KvFormat
 from ...pool import BlockTable
 from ...reference import paged_attention_reference
 from .checks import compare, compare_lse, lse_bound
-from .inputs import OUT_POISON, Case, bits, make_inputs
+from .inputs import OUT_POISON, Case, bits, make_inputs, require_parsed
 from .sections import gpu_section
 
 
@@ -18,7 +18,7 @@ WALK_LENGTHS = (1, 63, 64, 65, 4097, 10_602)  # the graph walk's batch at its fi
 WALK_STEPS = 64
 
 
-def graph_walk(fmt: KvFormat | str, seq_lens=WALK_LENGTHS, *, steps: int = WALK_STEPS, seed: int = 0,
+def graph_walk(fmt: KvFormat, seq_lens=WALK_LENGTHS, *, steps: int = WALK_STEPS, seed: int = 0,
                update: str = "advance", max_batch: int | None = None, check_every: int = 16, backend: str = "jit",
                stale: bool = False, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
     """One CUDA graph of a `DecodeWorkspace` step, captured once and replayed for `steps` decode steps while every
@@ -31,7 +31,8 @@ def graph_walk(fmt: KvFormat | str, seq_lens=WALK_LENGTHS, *, steps: int = WALK_
     Returns {"steps": [...], "passed": bool} and the workspace's shape."""
     from ...kernels.workspace import DecodeWorkspace
 
-    fmt, device = KvFormat.parse(fmt), torch.device(device)
+    require_parsed(fmt, dtype)
+    device = torch.device(device)
     if update not in ("advance", "plan"):
         raise ValueError(f"update={update!r}: expected 'advance' or 'plan'")
     lens = [int(n) for n in seq_lens]

@@ -99,17 +99,26 @@ class GateInputs:
     raw: dict = field(repr=False, default_factory=dict)  # the raw projections (to build the other format)
 
 
+def require_parsed(fmt: KvFormat, dtype: torch.dtype) -> None:
+    """Refuse a format or dtype still in its text form: the gates take them parsed (at their public boundary)."""
+    if not isinstance(fmt, KvFormat):
+        raise TypeError(f"fmt={fmt!r}: a KvFormat (KvFormat.parse it where it comes in)")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype={dtype!r}: a torch.dtype")
+
+
 def case_q_lens(case: Case) -> list[int]:
     return list(case.q_lens) if case.q_lens is not None else [1] * len(case.seq_lens)
 
 
-def make_inputs(case: Case, fmt: KvFormat | str, device: torch.device | str, seed: int,
+def make_inputs(case: Case, fmt: KvFormat, device: torch.device | str, seed: int,
                 geom: AttentionGeometry = GEMMA4_31B, raw: dict | None = None, spare_pages: int = 3,
                 dtype: torch.dtype = torch.bfloat16) -> GateInputs:
     """A hostile pool for `case`: pages scattered, unused pages holding NaN and Inf (an FP8 pool: NaN rows, and NaN
     and Inf scales), page-table padding holding out-of-range and huge negative ids. `raw` reuses another format's
-    raw projections (folded vs split). `dtype`: the pool's stored dtype (bf16, or float8_e4m3fn for folded)."""
-    fmt = KvFormat.parse(fmt)
+    raw projections (folded vs split). `fmt` and `dtype` (the pool's stored dtype: bf16, or float8_e4m3fn for
+    folded) as parsed at the gates' public boundary (`KvFormat.parse` of a notebook's format names)."""
+    require_parsed(fmt, dtype)
     device = torch.device(device)
     lay = PagedKvLayout(geom, fmt, page_size=64, num_pages=sum(-(-n // 64) for n in case.seq_lens) + spare_pages,
                         dtype=dtype)
