@@ -7,7 +7,8 @@
 # JIT kernels from that cache; the benchmarks notebook then runs alone, so nothing else shares the GPU while it times.
 # Prepare on the CPU machine first: scripts/prepare_device_run.sh.
 #
-#   bash scripts/device_run.sh TAG      # on the device machine, repo root; carried: .devsite build/aot build/checkout.json
+#   bash scripts/device_run.sh TAG      # on the device machine, repo root; carried: .devsite build/aot build/aot-tp2
+#                                       # build/checkout.json
 #   CACHE_MODE=shared bash scripts/device_run.sh TAG   # option: load the carried .tilelang_cache that
 #                                       # `prepare_device_run.sh --shared-cache` filled from the AOT build (one compilation)
 # Results: papermill_runs/TAG/ (tarred to $OUT/runs.tgz) and this part's logs ($OUT/logs_part<PART>.tgz): two files of
@@ -44,7 +45,8 @@ echo "jit build rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/jit_build.l
 
 PART=${PART:-all}
 if [ "$PART" = all ] || [ "$PART" = 1 ]; then
-(FOLDKV_REQUIRE_GPU=1 FOLDKV_GATE_CASES=smoke FOLDKV_AOT_TEST_DIR=$PWD/build/aot timeout $A \
+(FOLDKV_REQUIRE_GPU=1 FOLDKV_GATE_CASES=smoke FOLDKV_AOT_TEST_DIR=$PWD/build/aot \
+   FOLDKV_AOT_TP2_TEST_DIR=$PWD/build/aot-tp2 timeout $A \
    python3 -m pytest -m gpu -v -ra --tb=short -p no:cacheprovider > "$OUTD/pytest_gpu.log" 2>&1; echo "pytest rc=$?" >> "$OUTD/pytest_gpu.log") &
 (timeout $A python3 scripts/run_batch.py --only 04 --smoke --out-root /tmp/smoke --tag s --no-progress \
    --params '{"04": {"mode": "gpu", "aot_dir": "build/aot"}}' > "$OUTD/nb04_smoke.log" 2>&1) &

@@ -6,8 +6,9 @@ record whether the cache started empty and how long the compiles took.
 
 scripts/device_run.sh runs it first, on the device, with a fresh cache: the GPU tests and notebooks that then run side
 by side load these kernels instead of racing to compile them, and notebook 02's "AOT == JIT" compares this machine's
-JIT compile with the AOT cubins built elsewhere. The kernels: every registered variant (the default geometry and the
-synthetic checkpoint's, which the drift tests use), plus the variants the GPU tests add (bench/versions/: the variants
+JIT compile with the AOT cubins built elsewhere. The kernels: every registered variant (the default geometry, the
+synthetic checkpoint's, which the drift tests use, and one tensor-parallel rank's, gemma-4-31b-tp2, which
+tests/test_per_rank_geometry_gpu.py gates), plus the variants the GPU tests add (bench/versions/: the variants
 that lost, which the harness times too; the fused prep on float32 inputs).
 """
 
@@ -44,17 +45,21 @@ def _geometry(key: str):
     from foldkv.config import geometry_from_config
     from foldkv.lab.synthetic import synthetic_config
 
+    if key in foldkv.PRESETS:
+        return foldkv.PRESETS[key]
     return foldkv.GEMMA4_31B if key == "gemma4" else geometry_from_config(synthetic_config(), name="synthetic")
 
 
 def tasks() -> list[list[tuple]]:
     """Two waves: the default geometry's kernels, then the synthetic geometry's (a kernel whose program is the same
-    for both is then a cache hit in the second wave instead of two processes compiling it at once)."""
+    for both is then a cache hit in the second wave instead of two processes compiling it at once) beside one
+    tensor-parallel rank's (other programs: half the heads)."""
     from foldkv.kernels import registry
 
     names = [v.name for v in registry.all_variants()]
     first = [(name, "gemma4", "variant", name, {}) for name in names] + GPU_TEST_EXTRAS
     second = [(f"{name} synthetic", "synthetic", "variant", name, {}) for name in names]
+    second += [(f"{name} gemma-4-31b-tp2", "gemma-4-31b-tp2", "variant", name, {}) for name in names]
     return [first, second]
 
 

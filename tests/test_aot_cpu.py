@@ -678,6 +678,32 @@ def test_cli_help_lists_build_and_verify():
     assert res.returncode == 0 and "build" in res.stdout and "verify" in res.stdout
 
 
+def test_cli_builds_for_a_ranks_geometry(tmp_path):
+    """`python -m foldkv aot build --geometry gemma-4-31b-tp2` (how scripts/prepare_device_run.sh makes build/aot-tp2,
+    one tensor-parallel rank's kernels; here one small variant of them): the manifest records the rank's geometry, the
+    kernel is specialised on its 16 query heads, `aot verify` passes, and the loader takes the build for a rank's pool
+    and refuses it for the 31B's (red twin)."""
+    require_tilelang_and_nvcc()
+    from foldkv import PRESETS
+    from foldkv.aot.build import geometry_record
+
+    out = tmp_path / "tp2"
+    res = subprocess.run([sys.executable, "-m", "foldkv", "aot", "build", "--arch", "sm_90a", "--geometry",
+                          "gemma-4-31b-tp2", "--only", "merge_final", "--out", str(out)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-4000:]
+    manifest = verify(out)
+    tp2 = PRESETS["gemma-4-31b-tp2"]
+    assert manifest["geometry"] == geometry_record(tp2) and manifest["geometry_name"] == "gemma-4-31b-tp2"
+    (entry,) = manifest["kernels"]
+    assert {p["name"]: p["shape"] for p in entry["params"]}["out"] == ["batch", 16, 512]
+    assert entry["launches"][0]["grid"][1] == "16"  # one CTA per (request, query head) of the rank
+    res = subprocess.run([sys.executable, "-m", "foldkv", "aot", "verify", str(out)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    check_build_matches(manifest, geometry=tp2, kernel="merge_final")
+    with pytest.raises(AotMismatchError, match="geometry differs.*num_q_heads built 16, pool 32"):
+        check_build_matches(manifest, geometry=GEMMA4_31B)
+
+
 @pytest.mark.slow
 def test_cli_builds_every_registered_variant(tmp_path):
     """`python -m foldkv aot build --arch sm_90a --out DIR` over every registered kernel, then `aot verify DIR`."""

@@ -329,3 +329,61 @@ def test_make_inputs_takes_the_parsed_format_and_dtype():
     with pytest.raises(TypeError, match="torch.dtype"):
         gates.make_inputs(case, fk.KvFormat.FOLDED, "cpu", seed=1, dtype="bfloat16")
     assert gates.make_inputs(case, fk.KvFormat.FOLDED, "cpu", seed=1).format is fk.KvFormat.FOLDED
+
+
+# --- one tensor-parallel rank's geometry (preset gemma-4-31b-tp2: 16 query heads over 2 KV heads) ---------------------
+TP2 = fk.PRESETS["gemma-4-31b-tp2"]
+
+
+@pytest.mark.parametrize("name", ["len65", "ragged4", "mid-page"])
+@pytest.mark.parametrize("geom", ["gemma-4-31b-tp2", TP2])
+def test_gates_run_at_a_ranks_geometry(name, geom):
+    inputs = gates.make_inputs(CASES[name], fk.KvFormat.FOLDED, "cpu", seed=3, geom=geom)
+    assert inputs.pool.geometry == TP2 and inputs.pool.data.shape[1] == 2 and inputs.query.shape[1:] == (16, 512)
+    res = gates.run_case(inputs, reference_arm)
+    assert res["passed"], {k: v for k, v in res.items() if k != "outputs"}
+    # red twin: an arm that serves the first KV head's query group only (heads 8-15 left zero) is caught
+    half = gates.run_case(inputs, lambda i, o, l: (reference_arm(i, o, l), o[:, 8:].zero_())[0])
+    assert not half["passed"]
+
+
+def test_a_query_of_the_31b_heads_is_refused_on_a_ranks_pool():
+    inputs = gates.make_inputs(CASES["len65"], fk.KvFormat.FOLDED, "cpu", seed=1, geom="gemma-4-31b-tp2")
+    wide = torch.zeros(1, 32, 512, dtype=torch.bfloat16)
+    out, lse = gates.poisoned_outputs(1, fk.GEMMA4_31B, "cpu", pad_rows=0)
+    with pytest.raises(fk.FoldKvInputError, match=r"query has shape \[1, 32, 512\]; expected \[1, 16, 512\]"):
+        gates.decode_arm("jit")(gates.GateInputs(inputs.case, inputs.format, inputs.pool, inputs.table, wide, None),
+                                out, lse)
+    assert torch.isnan(out).all() and torch.isnan(lse).all()  # nothing written
+
+
+BAD_GEOMETRIES = {
+    "unknown-preset": ("gemma-4-31b-tp3", "unknown geometry"),
+    "query-group-split": (fk.AttentionGeometry(num_q_heads=8, num_kv_heads=2), "group_size 4"),
+    "another-head": (fk.AttentionGeometry(head_dim=256), "head_dim 256"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_GEOMETRIES))
+def test_gates_refuse_a_geometry_no_kernel_serves(bad, tmp_path, monkeypatch):
+    """Red twins: an unknown preset, a plan's share that splits a KV head's query group (8 query heads over 2 KV
+    heads), another head size: refused by the inputs, the graph walk and every GPU section, before any work, even
+    where CUDA is not (a section would otherwise say "not run" and hide the mistake)."""
+    from foldkv.lab.report import NOT_RUN_NO_CUDA, RunRecord
+
+    spec, message = BAD_GEOMETRIES[bad]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rec = RunRecord("02_correctness_gates", tmp_path)
+    for run in (lambda: gates.make_inputs(CASES["len65"], fk.KvFormat.FOLDED, "cpu", seed=0, geom=spec),
+                lambda: gates.graph_walk(fk.KvFormat.FOLDED, steps=2, device="cpu", geom=spec),
+                lambda: gates.run_kernel_gates([CASES["len65"]], ["folded"], ["jit"], 0, None, rec, "decode_gates",
+                                               geom=spec),
+                lambda: gates.last_row_gate(["folded"], 0, rec, geom=spec),
+                lambda: gates.graph_walk_gate(["folded"], 0, rec, geom=spec)):
+        with pytest.raises(fk.ConfigError, match=message):
+            run()
+    assert rec.sections == {}
+    # the rank's own geometry passes the same check: without CUDA its sections are recorded as not run
+    gates.run_kernel_gates([CASES["len65"]], ["folded"], ["jit"], 0, None, rec, "decode_gates", geom="gemma-4-31b-tp2")
+    gates.graph_walk_gate(["folded"], 0, rec, geom="gemma-4-31b-tp2")
+    assert rec.sections == {"decode_gates": NOT_RUN_NO_CUDA, "graph_walk": NOT_RUN_NO_CUDA}

@@ -31,7 +31,8 @@ from ..config import GEMMA4_31B, AttentionGeometry
 from ..kernels.plan import DEFAULT_SMS, MAX_BATCH, MAX_LEN, plan_decode
 from ..layout import KvFormat
 from ..pool import PagedKvLayout
-from .gates import Case, GateInputs, OUT_POISON, decode_arm, make_inputs, prefill_arm, run_case, summary_row
+from .gates import (Case, GateInputs, decode_arm, make_inputs, prefill_arm, replay_workspace, run_case,
+                    summary_row)
 
 DEFAULT_CASES = 300
 LONG_EVERY = 25  # case i is long when i % LONG_EVERY == LONG_EVERY - 1, wide when i % LONG_EVERY == WIDE_AT
@@ -269,18 +270,8 @@ def workspace_arm(case: RandomCase, backend: str = "jit") -> Callable:
     """The case through its workspace: planned, the step captured, `advance` advance() calls, outputs poisoned,
     the graph replayed; the rows copied into run_case's (poisoned) outputs."""
     def launch(inputs: GateInputs, out: torch.Tensor, lse: torch.Tensor):
-        ws = workspace_for(case, inputs)
-        ws.query[:len(case.seq_lens)].copy_(inputs.query)
-        graph = ws.capture(inputs.pool, backend=backend, fused=case.step == "fused")
-        for _ in range(case.advance):
-            ws.advance()
-        ws.out.fill_(OUT_POISON)
-        ws.lse.fill_(OUT_POISON)
-        graph.replay()
-        o, l = ws.output()
-        out.copy_(o)
-        lse.copy_(l)
-        return out, lse
+        return replay_workspace(workspace_for(case, inputs), inputs, out, lse, backend=backend,
+                                fused=case.step == "fused", advance=case.advance)
 
     return launch
 

@@ -1,8 +1,10 @@
 """Correctness gates, one family a module; everything is re-exported here (`from foldkv.lab import gates`, `gates.X`).
 
+- `geometry`: the geometry the gates run at (the 31B, or one tensor-parallel rank's share of it), refused before any
+  work when the kernels are not generated for it;
 - `inputs`: the cases, the hostile pool one seed makes, poisoned outputs;
 - `checks`: the derived tolerances, the checks against the float64 reference (`compare`, `compare_lse`, `run_case`)
-  and the arms under test;
+  and the arms under test (the launchers, and the decode through the workspace's CUDA graph);
 - `fold`: folded against split (the float64 identity; each format's bf16 error against the unrounded truth);
 - `refusals`: invalid inputs of the launchers and the workspace, refused with nothing written;
 - `fp8_pool`: the FP8 folded pool's format error, its kernels against the reference, the needle;
@@ -14,11 +16,13 @@
 The gates notebook and the GPU tests both call these functions; nothing here imports TileLang (launchers do, lazily).
 """
 
+from .geometry import KERNEL_HEAD, gate_geometry
 from .inputs import (POISON_PAGE_IDS, OUT_POISON, Case, decode_cases, prefill_cases, GateInputs, case_q_lens,
                      make_inputs, poisoned_outputs, bits)
 from .checks import (P_ROUNDING, P_SCALED_ROUNDING, ABS_TOL, REL_TOL, FRO_TOL, LSE_ROUNDING, LSE_MMA_K, LSE_TILE_MAX,
                      LSE_TILE_MIN, LSE_MERGE_LEVELS, LSE_APPROX, bf16_ulp, compare, agree, lse_bound, row_key_counts,
-                     compare_lse, run_case, summary_row, decode_arm, prefill_arm, attended_rows, arm_for)
+                     compare_lse, run_case, summary_row, decode_arm, prefill_arm, attended_rows, arm_for,
+                     replay_workspace, graph_arm)
 from .fold import (unrounded_truth, FOLD_CASE_RATIO, FOLD_MEAN_RATIO, folded_vs_split, folded_vs_split_overall,
                    sequence_pool_attention, fold_identity)
 from .refusals import (DECODE_REFUSALS, PREFILL_REFUSALS, run_refusals, WORKSPACE_REFUSALS, run_workspace_refusals,
@@ -31,6 +35,7 @@ from .sanitizer import sanitizer_gate
 from .sections import gpu_section, run_kernel_gates, gates_tables, plot_errors, last_row_gate, record_verdict
 
 __all__ = [
+    "KERNEL_HEAD", "gate_geometry", "replay_workspace", "graph_arm",
     "POISON_PAGE_IDS", "OUT_POISON", "Case", "decode_cases", "prefill_cases", "GateInputs", "case_q_lens",
     "make_inputs", "poisoned_outputs", "bits", "P_ROUNDING", "P_SCALED_ROUNDING", "ABS_TOL", "REL_TOL", "FRO_TOL",
     "LSE_ROUNDING", "LSE_MMA_K", "LSE_TILE_MAX", "LSE_TILE_MIN", "LSE_MERGE_LEVELS", "LSE_APPROX", "bf16_ulp",

@@ -12,7 +12,7 @@ import torch
 from ...layout import KvFormat
 from ...pool import BlockTable, PagedKvPool
 from ...reference import paged_attention_reference
-from .inputs import Case, GateInputs, bits, poisoned_outputs
+from .inputs import OUT_POISON, Case, GateInputs, bits, poisoned_outputs
 
 # Tolerance. The specified bound is |d| <= ABS + REL * |ref| elementwise and relative Frobenius error <= FRO; it is
 # reported as is (`issue_bound_ok`, and the count of elements over it). The gate holds the kernel to that bound plus
@@ -202,6 +202,39 @@ def attended_rows(inputs: GateInputs, fp8_rows: str | None) -> tuple[PagedKvPool
 
         return (*bf16_pages_reference(inputs.pool, inputs.table), False)
     return inputs.pool, inputs.table, quantized
+
+
+def replay_workspace(ws, inputs: GateInputs, out: torch.Tensor, lse: torch.Tensor, *, backend: str = "jit",
+                     fused: bool | None = None, advance: int = 0):
+    """A planned `DecodeWorkspace` run as the decode step of `generate()` runs it: the inputs' queries copied in, the
+    step captured as one CUDA graph, `advance` advance() calls, the outputs poisoned, the graph replayed; its rows
+    copied into run_case's (poisoned) `out` and `lse`."""
+    ws.query[:inputs.query.shape[0]].copy_(inputs.query)
+    graph = ws.capture(inputs.pool, backend=backend, fused=fused)
+    for _ in range(advance):
+        ws.advance()
+    ws.out.fill_(OUT_POISON)
+    ws.lse.fill_(OUT_POISON)
+    graph.replay()
+    o, l = ws.output()
+    out.copy_(o)
+    lse.copy_(l)
+    return out, lse
+
+
+def graph_arm(backend: str = "jit", fused: bool | None = None) -> Callable:
+    """The decode through the workspace's CUDA graph (`replay_workspace`): a workspace of the case's batch and
+    longest length with its default chunks, planned for the case's lengths with the gate's poisoned block table.
+    `fused`: as the workspace's step (None: one fused launch when its plan is one wave)."""
+    def launch(inputs: GateInputs, out: torch.Tensor, lse: torch.Tensor):
+        from ...kernels.workspace import DecodeWorkspace
+
+        lens, lay = list(inputs.case.seq_lens), inputs.pool.layout
+        ws = DecodeWorkspace(lay, max_batch=len(lens), max_len=max(lens), device=inputs.pool.device)
+        ws.plan(lens, inputs.table.page_ids[:, :lay.pages_for(max(lens))].contiguous())
+        return replay_workspace(ws, inputs, out, lse, backend=backend, fused=fused)
+
+    return launch
 
 
 def arm_for(case: Case, backend: str = "jit") -> Callable:

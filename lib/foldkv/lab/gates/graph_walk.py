@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import torch
 
+from ...config import GEMMA4_31B, AttentionGeometry
 from ...layout import KvFormat
 from ...pool import BlockTable
 from ...reference import paged_attention_reference
 from .checks import compare, compare_lse, lse_bound
+from .geometry import gate_geometry
 from .inputs import OUT_POISON, Case, bits, make_inputs, require_parsed
 from .sections import gpu_section
 
@@ -20,7 +22,8 @@ WALK_STEPS = 64
 
 def graph_walk(fmt: KvFormat, seq_lens=WALK_LENGTHS, *, steps: int = WALK_STEPS, seed: int = 0,
                update: str = "advance", max_batch: int | None = None, check_every: int = 16, backend: str = "jit",
-               stale: bool = False, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
+               stale: bool = False, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16,
+               geom: AttentionGeometry | str = GEMMA4_31B) -> dict:
     """One CUDA graph of a `DecodeWorkspace` step, captured once and replayed for `steps` decode steps while every
     request grows by one token a step (`update`: "advance", the device-side update, or "plan", a host plan each
     step). Rows past each request's current length hold NaN in the pool until the step that writes them (as a
@@ -28,7 +31,8 @@ def graph_walk(fmt: KvFormat, seq_lens=WALK_LENGTHS, *, steps: int = WALK_STEPS,
     of a twin workspace given the same inputs; every `check_every` steps (and the last) the graph's output is
     checked against the float64 reference of the current lengths (`compare`, `compare_lse`). `stale=True` skips
     the update after each step: a deliberately stale plan that the reference check must catch (the red twin).
-    Returns {"steps": [...], "passed": bool} and the workspace's shape."""
+    `geom`: the pool's geometry (`make_inputs`), e.g. one rank's "gemma-4-31b-tp2". Returns {"steps": [...],
+    "passed": bool} and the workspace's shape."""
     from ...kernels.workspace import DecodeWorkspace
 
     require_parsed(fmt, dtype)
@@ -37,7 +41,7 @@ def graph_walk(fmt: KvFormat, seq_lens=WALK_LENGTHS, *, steps: int = WALK_STEPS,
         raise ValueError(f"update={update!r}: expected 'advance' or 'plan'")
     lens = [int(n) for n in seq_lens]
     final = [n + steps for n in lens]
-    inputs = make_inputs(Case("graph-walk", tuple(final)), fmt, device, seed, dtype=dtype)
+    inputs = make_inputs(Case("graph-walk", tuple(final)), fmt, device, seed, dtype=dtype, geom=geom)
     pool, table, geom = inputs.pool, inputs.table, inputs.pool.geometry
     page = pool.layout.page_size
     truth = pool.data.clone()
@@ -107,9 +111,11 @@ def graph_walk(fmt: KvFormat, seq_lens=WALK_LENGTHS, *, steps: int = WALK_STEPS,
             "passed": all(r["passed"] for r in rows)}
 
 
-def graph_walk_gate(formats, seed: int, record, *, steps: int = WALK_STEPS) -> list[dict]:
+def graph_walk_gate(formats, seed: int, record, *, steps: int = WALK_STEPS,
+                    geom: AttentionGeometry | str = GEMMA4_31B) -> list[dict]:
     """GPU gate: `graph_walk` per format and update mode (a batch with padding rows: max_batch one above the batch),
-    plus its red twin (a stale plan, which must fail). Records `graph_walk` (not run without CUDA)."""
+    plus its red twin (a stale plan, which must fail), at `geom`. Records `graph_walk` (not run without CUDA)."""
+    geom = gate_geometry(geom)
     if not gpu_section(record, "graph_walk"):
         return []
     def row(res: dict, fmt: str, update: str, red_twin: bool = False) -> dict:
@@ -120,7 +126,7 @@ def graph_walk_gate(formats, seed: int, record, *, steps: int = WALK_STEPS) -> l
                 "worst_lse_fraction": max(r["lse_worst_fraction_of_bound"] for r in checked),
                 "passed": not res["passed"] if red_twin else res["passed"]}  # a red twin passes when caught
 
-    walk_kw = dict(steps=steps, seed=seed, max_batch=len(WALK_LENGTHS) + 1)
+    walk_kw = dict(steps=steps, seed=seed, max_batch=len(WALK_LENGTHS) + 1, geom=geom)
     fmts = [KvFormat.parse(f) for f in formats]
     rows = [row(graph_walk(fmt, update=update, **walk_kw), fmt.value, update)
             for fmt in fmts for update in ("advance", "plan")]
@@ -128,7 +134,7 @@ def graph_walk_gate(formats, seed: int, record, *, steps: int = WALK_STEPS) -> l
         from ...fp8 import FP8_DTYPE
 
         rows.append(row(graph_walk(KvFormat.FOLDED, dtype=FP8_DTYPE, **walk_kw), "folded fp8", "advance"))
-    stale = graph_walk(KvFormat.FOLDED, steps=4, seed=seed, stale=True, check_every=1)
+    stale = graph_walk(KvFormat.FOLDED, steps=4, seed=seed, stale=True, check_every=1, geom=geom)
     rows.append(row(stale, "folded", "none (red twin: stale plan)", red_twin=True))
     record.ran("graph_walk", rows=rows, passed=all(r["passed"] for r in rows))
     return rows

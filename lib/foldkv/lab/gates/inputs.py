@@ -11,6 +11,7 @@ from ...config import GEMMA4_31B, AttentionGeometry
 from ...layout import KvFormat
 from ...pool import BlockTable, PagedKvLayout, PagedKvPool
 from ...prep import fill_sequences, prep_query
+from .geometry import gate_geometry
 POISON_PAGE_IDS = (-(2**31), 2**31 - 1, -1)  # entries past the real ones in page tables and plans
 OUT_POISON = float("nan")
 
@@ -112,13 +113,15 @@ def case_q_lens(case: Case) -> list[int]:
 
 
 def make_inputs(case: Case, fmt: KvFormat, device: torch.device | str, seed: int,
-                geom: AttentionGeometry = GEMMA4_31B, raw: dict | None = None, spare_pages: int = 3,
+                geom: AttentionGeometry | str = GEMMA4_31B, raw: dict | None = None, spare_pages: int = 3,
                 dtype: torch.dtype = torch.bfloat16) -> GateInputs:
     """A hostile pool for `case`: pages scattered, unused pages holding NaN and Inf (an FP8 pool: NaN rows, and NaN
     and Inf scales), page-table padding holding out-of-range and huge negative ids. `raw` reuses another format's
     raw projections (folded vs split). `fmt` and `dtype` (the pool's stored dtype: bf16, or float8_e4m3fn for
-    folded) as parsed at the gates' public boundary (`KvFormat.parse` of a notebook's format names)."""
+    folded) as parsed at the gates' public boundary (`KvFormat.parse` of a notebook's format names). `geom`: a
+    geometry or preset name the kernels serve (`gate_geometry`), e.g. one rank's "gemma-4-31b-tp2"."""
     require_parsed(fmt, dtype)
+    geom = gate_geometry(geom)
     device = torch.device(device)
     lay = PagedKvLayout(geom, fmt, page_size=64, num_pages=sum(-(-n // 64) for n in case.seq_lens) + spare_pages,
                         dtype=dtype)

@@ -13,6 +13,7 @@ from ...layout import KvFormat
 from ...reference import paged_attention_reference
 from .checks import ABS_TOL, FRO_TOL, REL_TOL, agree, arm_for, decode_arm, prefill_arm, run_case, summary_row
 from .fold import FOLD_CASE_RATIO, FOLD_MEAN_RATIO, folded_vs_split, folded_vs_split_overall, unrounded_truth
+from .geometry import gate_geometry
 from .inputs import Case, GateInputs, make_inputs, poisoned_outputs
 
 
@@ -25,16 +26,17 @@ def gpu_section(record, section: str) -> bool:
 
 
 def run_kernel_gates(cases: list[Case], formats, backends, seed: int, build_dir: str | None, record,
-                     section: str) -> None:
+                     section: str, geom: AttentionGeometry | str = GEMMA4_31B) -> None:
     """GPU gate: every case in every format through the JIT launchers against the float64 reference (`run_case`),
     AOT against JIT bit for bit when "aot" is in `backends` and `build_dir` holds a build, and folded against split
     against the unrounded truth when both formats run. Appends the rows to `record.results["gates"]` and
     `["folded_vs_split"]` (with `["folded_vs_split_overall"]` over every pair so far) and records `section` as ran,
-    or as not run without CUDA."""
+    or as not run without CUDA. `geom`: the pools' geometry (`make_inputs`); `build_dir` must be a build for it."""
     from tqdm import tqdm
 
     from ...aot import use_build
 
+    geom = gate_geometry(geom)  # an unknown geometry, or one no kernel serves, is refused even where CUDA is not
     if not gpu_section(record, section):
         return
     fmts = [KvFormat.parse(f) for f in formats]
@@ -45,7 +47,7 @@ def run_kernel_gates(cases: list[Case], formats, backends, seed: int, build_dir:
     for case in tqdm(cases, desc=section, file=sys.stdout):
         outs, raw = {}, None
         for fmt in fmts:
-            inputs = make_inputs(case, fmt, "cuda", seed, raw=raw)
+            inputs = make_inputs(case, fmt, "cuda", seed, raw=raw, geom=geom)
             raw = inputs.raw
             res = run_case(inputs, arm_for(case, "jit"))
             row = summary_row(case, fmt, "jit", res)
@@ -123,9 +125,10 @@ def plot_errors(gate_rows: list[dict]):
     return fig
 
 
-def last_row_gate(formats, seed: int, record, geom: AttentionGeometry = GEMMA4_31B) -> list[dict]:
+def last_row_gate(formats, seed: int, record, geom: AttentionGeometry | str = GEMMA4_31B) -> list[dict]:
     """GPU gate: the last row of a prefill and a decode of the same token agree (`agree`), per format. Records
     `prefill_last_row_vs_decode` (not run without CUDA) and returns its rows."""
+    geom = gate_geometry(geom)
     if not gpu_section(record, "prefill_last_row_vs_decode"):
         return []
     rows = []
