@@ -60,12 +60,12 @@ def _within(got, want, bound) -> bool:
 @pytest.mark.parametrize("shape", [(1, 1, 5376), (8, 1, 5376), (3, 1, 32, 256), (8, 1, 4, 512), (1, 1, 16, 256)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_rms_norm_matches_the_module(shape, with_scale):
-    from foldkv.fused_step import fused_step, rms_norm
+    from foldkv.fused_step import fused_step, norm_eps, rms_norm
 
     m = _norm(shape[-1], with_scale)
     x = _input(shape, seed=sum(shape))
     want = m(x)
-    got = rms_norm(x, m.weight if with_scale else None, m.eps)
+    got = rms_norm(x, m.weight if with_scale else None, norm_eps(m))
     assert _within(got, want, _ulp(want))
     with fused_step(torch.nn.Sequential(m)) as n:  # the context swaps the module's forward and puts it back
         assert n["norms"] == 1 and torch.equal(m(x), got)

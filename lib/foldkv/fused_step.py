@@ -65,10 +65,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return out.view(x.shape)
 
 
+def norm_eps(norm: nn.Module) -> float:
+    """A Gemma 4 RMSNorm's epsilon: `eps` up to transformers 5.24, `variance_epsilon` from 5.25."""
+    eps = getattr(norm, "eps", None)
+    return float(norm.variance_epsilon if eps is None else eps)
+
+
 def _norm_args(norm: nn.Module | None) -> tuple:
     if norm is None:
         return None, 1e-6, False
-    return (norm.weight if norm.with_scale else None), float(norm.eps), bool(norm.with_scale)
+    return (norm.weight if norm.with_scale else None), norm_eps(norm), bool(norm.with_scale)
 
 
 def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, first: nn.Module,
@@ -133,7 +139,7 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype)
 # --- the swapped forwards -------------------------------------------------------------------------------------------
 
 def _norm_forward(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    return rms_norm(hidden_states, module.weight if module.with_scale else None, module.eps)
+    return rms_norm(hidden_states, module.weight if module.with_scale else None, norm_eps(module))
 
 
 # --- projections that read one input, as graph branches ------------------------------------------------------------
@@ -240,7 +246,8 @@ def _rope_function(own):
 def norm_modules(model: nn.Module) -> list[nn.Module]:
     """The model's Gemma 4 RMSNorm modules (their class's name and the attributes the formula reads)."""
     return [m for m in model.modules()
-            if type(m).__name__ == "Gemma4RMSNorm" and hasattr(m, "eps") and hasattr(m, "with_scale")]
+            if type(m).__name__ == "Gemma4RMSNorm" and hasattr(m, "with_scale")
+            and (hasattr(m, "eps") or hasattr(m, "variance_epsilon"))]
 
 
 def _tanh_gelu(act: nn.Module) -> bool:
@@ -303,6 +310,6 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
             mod.apply_rotary_pos_emb = own
 
 
-__all__ = ["fused_step", "fork", "join", "side_streams", "branched_attention_modules", "BRANCHES", "rms_norm", "rope",
+__all__ = ["fused_step", "norm_eps", "fork", "join", "side_streams", "branched_attention_modules", "BRANCHES", "rms_norm", "rope",
            "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "norm_modules", "mlp_modules",
            "layer_modules"]

@@ -47,6 +47,7 @@ from torch import nn
 
 from .config import AttentionGeometry, ConfigError, geometry_from_config
 from .fp8 import FP8_DTYPE
+from .fused_step import norm_eps
 from .hf_graph import STEP_MODES, DecodeStep, RingMask, cache_keyword, install, ring_attention
 from .layout import KvFormat
 from .pool import BlockTable, PagedKvLayout, PagedKvPool
@@ -102,7 +103,7 @@ def global_geometry(text_model: nn.Module, attn: nn.Module) -> AttentionGeometry
         raise ConfigError(f"layer {attn.layer_idx}: not a k_eq_v global layer (it has a v_proj); nothing to fold")
     geom = geometry_from_config(cfg.to_dict(), name=str(getattr(cfg, "name_or_path", "") or "model"))
     d = int(attn.head_dim)
-    got = (attn.q_proj.out_features // d, attn.k_proj.out_features // d, d, float(attn.q_norm.eps))
+    got = (attn.q_proj.out_features // d, attn.k_proj.out_features // d, d, norm_eps(attn.q_norm))
     want = (geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.rms_norm_eps)
     if got != want:
         raise ConfigError(f"layer {attn.layer_idx}: module (Hq, Hkv, D, eps) = {got}, the config says {want}")
