@@ -94,7 +94,7 @@ def test_bf16_ulp_and_the_derived_bound():
     assert gates.bf16_ulp(x).tolist() == [2**-7, 2**-7, 2**-7, 2**-6, 2**-6, 2**-8, 0.0, 2**-7]
     ref = torch.full((4,), 1.2, dtype=torch.float64)
     one_ulp_off = ref + 2**-7
-    assert not gates.compare(one_ulp_off, ref)["issue_bound_ok"]  # 0.0078 > 0.002 + 0.0048
+    assert not gates.compare(one_ulp_off, ref)["specified_bound_ok"]  # 0.0078 > 0.002 + 0.0048
     assert gates.compare(one_ulp_off, ref, pv_abs=torch.zeros_like(ref))["elementwise_ok"]
     assert not gates.compare(ref + 3 * 2**-7, ref, pv_abs=torch.zeros_like(ref))["elementwise_ok"]
 
@@ -186,7 +186,7 @@ def test_committed_folded_vs_split_rows_hold_the_rule_and_the_case_that_broke_th
 # --- notebook 02's verdict and sections, on a record ---------------------------------------------------------------------
 def _gate_row(kind, passed=True, aot_bit_identical=True):
     return {"case": f"{kind}-case", "kind": kind, "format": "folded", "passed": passed,
-            "aot_bit_identical": aot_bit_identical, "over_issue_bound": 3, "elements": 100}
+            "aot_bit_identical": aot_bit_identical, "over_specified_bound": 3, "elements": 100}
 
 
 def _record_with(tmp_path, rows, pairs=()):

@@ -29,7 +29,7 @@ from torch import nn
 
 from .synthetic import draw_tensor, synthetic_config
 
-PARAMETERS_31B = 30_697_345_280  # Gemma 4 31B's text model, tied embeddings (issue text; counted by `count_parameters`)
+PARAMETERS_31B = 30_697_345_280  # Gemma 4 31B's text model, tied embeddings (the published config; counted by `count_parameters`)
 
 
 def gemma4_31b_config(*, num_layers: int | None = None, dtype: str = "bfloat16", **overrides) -> dict[str, Any]:
