@@ -11,6 +11,8 @@ measures); one request at 10,602, 40,002 and 131,072 tokens.
 
     python bench/plan_harness.py --json $OUT/plan.json          # on the H200 (source .devsite/env.sh first)
     python bench/plan_harness.py --plans                          # CPU: the two plans' chunk counts and estimates
+    python bench/plan_harness.py --draw 920385503 --only drawn920385503/short_many --caps 16 24 32 48 64
+                                  # a drawn batch of notebook 04 (its seed re-creates it), the plan at fixed caps
 
 Then the host time of updating a plan per step (workspace plan()/advance() against FlashInfer's plan()).
 Lab notes (prediction, outcome): bench/DECODE_NOTES.md, runs 7 and 8.
@@ -26,9 +28,9 @@ import torch
 
 import foldkv
 from foldkv import KvFormat, PagedKvLayout
-from foldkv.kernels.plan import DEFAULT_SMS, balanced_chunk_pages, estimated_step
-from foldkv.lab.bench import (AttentionCase, ArmSpec, generated_arm, host_time_markdown, measure_read_roof,
-                              plan_host_times, run_cell)
+from foldkv.kernels.plan import DEFAULT_SMS, balanced_chunk_pages, cta_count, estimated_step
+from foldkv.lab.bench import (DRAWN_SHAPES, AttentionCase, ArmSpec, draw_batches, generated_arm, host_time_markdown,
+                              measure_read_roof, plan_host_times, run_cell)
 from foldkv.lab.bench.arms import READ_FOLDED
 from foldkv.lab.bench.case import serving_cases
 from foldkv.lab.jsonsafe import jsonable
@@ -43,10 +45,20 @@ GEOM = foldkv.GEMMA4_31B
 SINGLE_LENGTHS = (10602, 40002, 131072)
 
 
-def cases(seed: int = 0) -> dict[str, list[int]]:
-    """The serving batches (the lab's `serving_cases`, the ones notebook 04 measures) and one request at each of
-    SINGLE_LENGTHS."""
-    return {**serving_cases(seed), **{f"single{n}": [n] for n in SINGLE_LENGTHS}}
+def cases(seed: int = 0, draw_seeds=(), draw_shapes=DRAWN_SHAPES) -> dict[str, list[int]]:
+    """The serving batches (the lab's `serving_cases`, the ones notebook 04 measures), one request at each of
+    SINGLE_LENGTHS, and for each of `draw_seeds` notebook 04's drawn batches of `draw_shapes` (`drawn<seed>/<shape>`:
+    the seed a run printed re-creates its batches)."""
+    drawn = {f"drawn{s}/{shape}": lens for s in draw_seeds for shape, lens in draw_batches(s, draw_shapes).items()}
+    return {**serving_cases(seed), **{f"single{n}": [n] for n in SINGLE_LENGTHS}, **drawn}
+
+
+def cap_arm(fmt: KvFormat, cap_pages: int) -> ArmSpec:
+    """The eager decode with every request cut at `cap_pages` pages (plan_decode's chunk_tokens), whatever the
+    byte-balanced plan would pick: the cost of a cap measured rather than modelled."""
+    return ArmSpec(f"{fmt.value}_cap{cap_pages}", f"generated {fmt.value} decode, requests cut at {cap_pages} pages",
+                   fmt.value, False, generated_arm("decode", fmt, "jit", plan_kw=lambda case: {
+                       "chunk_tokens": cap_pages * case.page_size}), generated=True)
 
 
 def one_wave_arm(fmt: KvFormat) -> ArmSpec:
@@ -76,18 +88,21 @@ def one_level_arm(fmt: KvFormat, unroll: int) -> ArmSpec:
                    generated=True)
 
 
-def show_plans():
+def show_plans(draw_seeds=(), caps=()):
     layout = PagedKvLayout(GEOM, KvFormat.FOLDED, 64, 0)
     print(f"{'case':<16} {'one-wave cap':>12} {'est':>8} {'balanced cap':>12} {'est':>8} {'predicted speed-up':>18}")
-    for name, lens in cases().items():
+    for name, lens in cases(draw_seeds=draw_seeds).items():
         pages = [layout.pages_for(n) for n in lens]
         ow, bal = plan_one_wave.chunk_pages(layout, lens, DEFAULT_SMS), balanced_chunk_pages(layout, lens, DEFAULT_SMS)
         e_ow, e_bal = (estimated_step(pages, c, GEOM.num_kv_heads, DEFAULT_SMS) for c in (ow, bal))
         print(f"{name:<16} {ow:>12} {e_ow:>8.1f} {bal:>12} {e_bal:>8.1f} {e_ow / e_bal:>18.2f}")
+        for cap in caps:
+            print(f"{'':<16} cap {cap:>4}: {cta_count(pages, cap, GEOM.num_kv_heads):>6} CTAs, estimate "
+                  f"{estimated_step(pages, cap, GEOM.num_kv_heads, DEFAULT_SMS):8.1f}")
 
 
 def bench(rounds: int, out_json: str | None, only: list[str] | None, one_wave: bool = False,
-          host_batches: list[int] = (), one_level: bool = False):
+          host_batches: list[int] = (), one_level: bool = False, draw_seeds=(), caps=()):
     device = torch.device("cuda")
     roof = measure_read_roof(device)
     print(f"read roof measured: {roof['gbps']:.0f} GB/s ({roof['method']})", flush=True)
@@ -98,8 +113,9 @@ def bench(rounds: int, out_json: str | None, only: list[str] | None, one_wave: b
     if one_level:
         arms += [one_level_arm(KvFormat.FOLDED, 8), one_level_arm(KvFormat.FOLDED, 40),
                  one_level_arm(KvFormat.SPLIT, 40)]
+    arms += [cap_arm(KvFormat.FOLDED, c) for c in caps]
     cells = []
-    for name, lens in cases().items():
+    for name, lens in cases(draw_seeds=draw_seeds).items():
         if only and name not in only:
             continue
         case = AttentionCase(lens, device=device, fi_kv_layout="HND", min_copies=1)
@@ -147,11 +163,13 @@ def main(argv=None):
     ap.add_argument("--one-level", action="store_true", help="also time one merge level (no level-one launch)")
     ap.add_argument("--host-batches", type=int, nargs="*", default=[1, 8, 32, 64, 128, 256],
                     help="batch sizes of the host-time table (workspace plan/advance vs FlashInfer plan())")
+    ap.add_argument("--draw", type=int, nargs="*", default=[], help="seeds of notebook 04's drawn batches to add")
+    ap.add_argument("--caps", type=int, nargs="*", default=[], help="also time the folded decode cut at these caps")
     args = ap.parse_args(argv)
     if args.plans:
-        show_plans()
+        show_plans(args.draw, args.caps)
         return 0
-    bench(args.rounds, args.json, args.only, args.one_wave, args.host_batches, args.one_level)
+    bench(args.rounds, args.json, args.only, args.one_wave, args.host_batches, args.one_level, args.draw, args.caps)
     return 0
 
 

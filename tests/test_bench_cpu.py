@@ -528,6 +528,12 @@ def test_plan_harness_measures_the_lab_serving_cases():
         sys.path.remove(bench_dir)
     cases = harness.cases()
     assert {n: cases[n] for n in bench.SERVING_CASES} == bench.serving_cases(0)
+    # a drawn batch of notebook 04 comes back from its seed (s20's short_many: 171 requests of 67-8,178 tokens)
+    drawn = harness.cases(draw_seeds=[920385503], draw_shapes=["short_many"])
+    many = drawn["drawn920385503/short_many"]
+    assert (len(many), min(many), max(many)) == (171, 67, 8178)
+    assert drawn["drawn920385503/short_many"] == bench.draw_batches(920385503, ["short_many"])["short_many"]
+    assert harness.cap_arm(KvFormat.FOLDED, 32).name == "folded_cap32"
 
 
 @pytest.mark.parametrize("nbytes, copies, cap, want_buffers, want_buffer_bytes", [
