@@ -37,7 +37,8 @@ export FOLDKV_JIT_CACHE_MODE=$CACHE_MODE FOLDKV_JIT_BUILD_RECORD=$OUTD/jit_build
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUTD/gpu.txt"
 t0=$(date +%s)
-J=${JIT_S:-120}; A=${PHASE_A_S:-450}; B=${PHASE_B_S:-330}  # the GPU suite takes ~450 s, notebook 04 ~290 s (s8)
+J=${JIT_S:-120}; A=${PHASE_A_S:-450}; B=${PHASE_B_S:-450}  # the GPU suite ~450 s; notebook 04 ~380 s with its drawn
+# cells on a fresh machine, FlashInfer's JIT modules built in its first section (s20: 330 s stopped it in its prefill)
 BATCH="python3 scripts/run_batch.py --tag $TAG --no-progress --log-output"  # cell output in each batch_*.log
 
 timeout $J python3 scripts/jit_build_all.py --record "$FOLDKV_JIT_BUILD_RECORD" > "$OUTD/jit_build.log" 2>&1
