@@ -640,6 +640,50 @@ def test_flashinfer_e4m3_pool_and_its_reference(kv_layout, monkeypatch):
     assert float((bad - truth).norm() / truth.norm()) > 0.3
 
 
+def _fp8_decode_cell(name, context, fp8_us, *, batch=1, read_us=None, fi_us=None):
+    """A decode cell with bf16 folded at 1,000 us, the FP8 folded arm at `fp8_us`, its plain read at `read_us` (by
+    default fp8_us / 1.3) and FlashInfer's e4m3 decode at `fi_us` (by default 2.1 x fp8_us)."""
+    cell = _cell(name, context, {"folded_jit": ([1000.0] * 3, FOLDED), "folded_fp8_jit": ([fp8_us] * 3, FOLDED),
+                                 "read_folded_fp8": ([read_us or fp8_us / 1.3] * 3, FOLDED),
+                                 "fi_tc_fp8": ([fi_us or 2.1 * fp8_us] * 3, PEER)})
+    for arm in ("folded_fp8_jit", "read_folded_fp8"):
+        cell["arms"][arm]["format"] = "folded_fp8"
+    cell["batch"] = batch
+    return cell
+
+
+@pytest.mark.parametrize("name, context, batch, bound, fi_bound", [
+    ("single/163336", 163_336, 1, 0.66, 2.0), ("sweep/131072", 131_072, 1, 0.66, 2.0),
+    ("batch/uniform8", 34_530, 8, 0.68, 2.0), ("drawn/short_many", 8_178, 171, 0.68, 2.0),
+    ("single/40002", 40_002, 1, 0.78, 1.8), ("drawn_single/65499", 65_499, 1, 0.78, 1.8)],
+    ids=["163336", "131072", "uniform8", "drawn-batch", "40002", "drawn-65499"])
+def test_fp8_decode_targets_by_case(name, context, batch, bound, fi_bound):
+    """Each cell takes its case's bounds (the FP8 tensor-core decode's targets): met just under the FP8 / bf16 bound
+    with FlashInfer just over its bound; red twins: 1% over the bf16 bound, and FlashInfer 1% under its bound."""
+    def row(**kw):
+        (r,) = bench.fp8_target_rows(_doc([_fp8_decode_cell(name, context, batch=batch, **kw)]))
+        return r
+    good = row(fp8_us=1000.0 * bound * 0.99, fi_us=1000.0 * bound * 0.99 * fi_bound * 1.01)
+    assert good["met"] is True and good["x_bf16"]["bound"] == bound and good["fi_fp8_x"]["bound"] == fi_bound
+    assert row(fp8_us=1000.0 * bound * 1.01)["met"] is False
+    assert row(fp8_us=1000.0 * bound * 0.99, fi_us=1000.0 * bound * 0.99 * fi_bound * 0.99)["met"] is False
+    assert ("x_read" in good) is (context >= 81_000 and batch == 1)  # the read bound: single requests of 81K+ only
+
+
+def test_fp8_decode_targets_hold_the_read_at_81k_and_skip_small_cells():
+    """At 81K and more FP8 / its plain read is a target (at most 1.40x; red twin 1.45x); a 40K request reports it; a
+    batch of 4 and a 10,602-token request are no FP8 target's cells."""
+    (r,) = bench.fp8_target_rows(_doc([_fp8_decode_cell("single/81653", 81_653, 600.0, read_us=600.0 / 1.39)]))
+    assert r["met"] is True and r["x_read"]["bound"] == 1.40
+    (r,) = bench.fp8_target_rows(_doc([_fp8_decode_cell("single/81653", 81_653, 600.0, read_us=600.0 / 1.45)]))
+    assert r["met"] is False
+    (r,) = bench.fp8_target_rows(_doc([_fp8_decode_cell("single/40002", 40_002, 700.0, read_us=700.0 / 1.9)]))
+    assert "x_read" not in r and r["x_read_reported"] == pytest.approx(1.9) and r["met"] is True
+    assert "(reported)" in bench.fp8_targets_markdown(_doc([_fp8_decode_cell("single/40002", 40_002, 700.0)]))
+    small = [_fp8_decode_cell("batch/four", 8_000, 600.0, batch=4), _fp8_decode_cell("single/10602", 10_602, 600.0)]
+    assert bench.fp8_target_rows(_doc(small)) == []
+
+
 @pytest.mark.parametrize("fp8_us", [900.0, 1100.0], ids=["faster", "slower"])
 def test_fp8_prefill_target(fp8_us):
     """The FP8 prefill target's row: the FP8 folded prefill against the best bf16 folded prefill arm (never against

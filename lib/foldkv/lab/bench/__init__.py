@@ -41,7 +41,7 @@ from .plots import mark_redrawn
 from .run import BenchRun
 from .spec import ArmImpl, ArmSpec
 from .stats import paired_ratios, pct_of_roof, summarize
-from .tables import (FP8_DECODE_TARGET, fp8_prefill_rows, fp8_target_rows, fp8_targets_markdown)
+from .tables import (FP8_DECODE_TARGETS, Fp8Target, fp8_prefill_rows, fp8_target_rows, fp8_targets_markdown)
 from .tables import (DECODE_TARGETS, DecodeTarget, arm_cell_text, arm_names, best_folded, best_split, cells_of,
                      conclusions, markdown_table, prediction_table, series, target_conclusions, target_rows,
                      targets_markdown, verdicts)
@@ -51,7 +51,7 @@ __all__ = [
     "DRAWN_SHAPES", "DRAWN_TARGETS", "draw_batches", "draw_singles", "drawn", "drawn_targets_markdown", "fresh_seed",
     "plan_model_markdown", "plan_model_rows",
     "host_time_markdown", "plan_host_times", "workspace_arm", "fp8_prefill_rows", "fp8_target_rows", "fp8_targets_markdown",
-    "FP8_DECODE_TARGET", "READ_FOLDED_FP8",
+    "FP8_DECODE_TARGETS", "Fp8Target", "READ_FOLDED_FP8",
     "DECODE_TARGETS", "READ_FOLDED", "SERVING_CASES", "STREAM_READ_MAX_BYTES", "DecodeTarget", "best_split",
     "serving_cases", "stream_read_buffers", "target_conclusions", "target_rows", "targets_markdown",
     "ArmImpl", "ArmSpec", "AttentionCase", "BenchRun", "CHECK_REL_TOL", "DECODE_ARMS", "DEFAULT_DECODE_ARMS",
