@@ -8,12 +8,15 @@ Arms (each one graph of the step's 421 projections in forward order, the model's
   overlap);
 - `stream`: the streaming GEMV of bench/versions/gemv_stream.py, every program resident at once (gemv_config);
 - `stream_cN` / `stream_sN` / `stream_wN`: the same with N programs an SM / N stages / N warps;
-- `stream_branches`: the stream GEMV on the branches above.
+- `stream_branches`: the stream GEMV on the branches above;
+- `fma_rN` (one row only): bench/versions/gemv_fma.py, the roof's register loop with one FMA a weight element, N
+  whole rows a program; `fma_r4_branches` on the branches.
 Then, with --cells, notebook 05's decode cells through generate() with the step's projections on graph branches
 (foldkv.fused_step.BRANCHES, the library's) and without; --no-arms skips the projections-only arms.
 Prints one table; JSON to $OUT/gemv_probe.json.
 
     python3 bench/gemv_probe.py --cells foldkv-folded:4096:1 foldkv-folded:32768:8
+    python3 bench/gemv_probe.py --rows 1          # the projections alone at one row, the fma_rN arms included
 """
 
 from __future__ import annotations
@@ -116,6 +119,7 @@ def time_graph(run, dev, reps: int = 15) -> tuple[float, list]:
 
 def check_shapes(projs, dev) -> list[dict]:
     """The stream GEMV against float64 and against F.linear on each distinct weight shape, M = 1, 7, 8, 16."""
+    from versions.gemv_fma import gemv as gemv_fma
     from versions.gemv_stream import gemv
 
     rows, seen = [], set()
@@ -131,8 +135,13 @@ def check_shapes(projs, dev) -> list[dict]:
             got.copy_(gemv(x, w))
             lib = F.linear(x, w)
             rel = lambda y: float((y.double() - ref).norm() / ref.norm())  # noqa: E731
-            rows.append({"shape": list(w.shape), "m": m, "finite": bool(torch.isfinite(got).all()),
-                         "rel_stream": rel(got), "rel_torch": rel(lib)})
+            row = {"shape": list(w.shape), "m": m, "finite": bool(torch.isfinite(got).all()),
+                   "rel_stream": rel(got), "rel_torch": rel(lib)}
+            if m == 1:
+                fma = torch.full((1, w.shape[0]), float("nan"), dtype=w.dtype, device=dev)
+                gemv_fma(x, w, 4, out=fma)
+                row.update(rel_fma=rel(fma), fma_finite=bool(torch.isfinite(fma).all()))
+            rows.append(row)
     return rows
 
 
@@ -146,8 +155,10 @@ def main(argv=None) -> int:
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    torch.set_grad_enabled(False)  # the model's parameters require grad: nothing here records autograd
     import foldkv.hf  # noqa: F401
     from foldkv import fused_step as fs
+    from versions import gemv_fma as gf
     from versions import gemv_stream as gs
     from foldkv.lab import gemma31b, model_decode as md
     from foldkv.lab.bench.roofs import measure_read_roof
@@ -178,8 +189,10 @@ def main(argv=None) -> int:
             "stream_c2": (stream_fn(2), False), "stream_c8": (stream_fn(8), False),
             "stream_s4": (stream_fn(num_stages=4), False), "stream_s2": (stream_fn(num_stages=2), False),
             "stream_w8": (stream_fn(num_warps=8), False)}
+    one_row = {f"fma_r{r}": (lambda x, w, r=r: gf.gemv(x, w, r), False) for r in (2, 4, 16)}
+    one_row["fma_r4_branches"] = (lambda x, w: gf.gemv(x, w, 4), True)
     for m in [] if args.no_arms else args.rows:
-        for name, (fn, br) in arms.items():
+        for name, (fn, br) in {**arms, **(one_row if m == 1 else {})}.items():
             try:
                 ms, _ = time_graph(make_step(projs, m, fn, br, dev), dev)
                 row = {"arm": name, "rows": m, "ms": ms, "gbps": wbytes / ms / 1e6,

@@ -225,3 +225,32 @@ def test_stream_gemv_red_twin_wrong_reduction_length():
                                                  BLOCK_M=gs.GEMV_MAX_ROWS, **cfg)
     assert bool(torch.isfinite(out).all())
     assert not bool(((out.double() - ref).abs() <= _gemv_bound(x, w, ref)).all())
+
+
+# --- the one-row register-loop GEMV (bench/versions/gemv_fma.py, not measured yet): the same bound as the stream GEMV
+@pytest.mark.parametrize("rows_per_program", [2, 4, 16])
+@pytest.mark.parametrize("shape", GEMV_SHAPES, ids=[f"{n}x{k}" for n, k in GEMV_SHAPES])
+def test_fma_gemv_within_its_bound(shape, rows_per_program):
+    from conftest import bench_version
+
+    gf = bench_version("gemv_fma")
+    x, w, ref = _gemv_case(shape, 1, seed=shape[0] + rows_per_program)
+    assert gf.config(*shape, rows_per_program) is not None  # the kernel runs, not F.linear
+    out = torch.full((1, shape[0]), float("nan"), dtype=BF16, device="cuda")
+    got = gf.gemv(x, w, rows_per_program, out=out)
+    assert got.data_ptr() == out.data_ptr() and bool(torch.isfinite(out).all())
+    assert bool(((out.double() - ref).abs() <= _gemv_bound(x, w, ref)).all())
+
+
+def test_fma_gemv_red_twin_wrong_reduction_length():
+    """The same check over the kernel told a reduction one K block short must fail."""
+    from conftest import bench_version
+
+    gf = bench_version("gemv_fma")
+    shape = (4096, 5376)
+    x, w, ref = _gemv_case(shape, 1, seed=5)
+    cfg = gf.config(*shape, 4)
+    out = torch.full((1, shape[0]), float("nan"), dtype=BF16, device="cuda")
+    gf.gemv_fma_rows[(shape[0] // cfg["ROWS"],)](x.reshape(-1), w, out, shape[1] - cfg["BLOCK_K"], **cfg)
+    assert bool(torch.isfinite(out).all())
+    assert not bool(((out.double() - ref).abs() <= _gemv_bound(x, w, ref)).all())
