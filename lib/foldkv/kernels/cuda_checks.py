@@ -158,8 +158,8 @@ def _tilelang_barrier_ids(body: str) -> set[int]:
 def check_e4m3_conversion(kernel: str, source: str, barrier_id: int, calls: tuple[str, ...] = ()) -> dict:
     """Raise ConversionCheckError (naming `kernel`) unless its e4m3 -> bf16 calls (`macros.E4M3_TO_BF16_SOURCE`; or
     the opaque shared-memory writers named in `calls`, whose first four arguments are the same: the FP8 tensor-core
-    partial's V^T transpose, decode_partial_fp8_tc.TRANSPOSE_FN) carry the tile's barriers: exactly one call opens a tile (waits before overwriting what the previous gemms read)
-    and exactly one closes it (proxy fence and wait before the gemms read), all on named barrier `barrier_id`, which
+    partial's V^T transpose, decode_partial_fp8_tc.TRANSPOSE_FN) carry the tile's barriers: exactly one call opens a
+    tile (waits before overwriting what the previous gemms read) and exactly one closes it (proxy fence and wait before the gemms read), all on named barrier `barrier_id`, which
     no barrier TileLang placed in the kernel uses, over the consumer threads: the launch's threads less the one
     producer warpgroup. The check reads the emitted CUDA, as what runs."""
     _, body = kernel_definition(source, kernel)
