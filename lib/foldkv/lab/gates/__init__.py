@@ -31,14 +31,15 @@ from .refusals import (DECODE_REFUSALS, PREFILL_REFUSALS, run_refusals, WORKSPAC
                        refusal_gate)
 from .fp8_pool import (BF16_REL, FP8_DELTA, fp8_row_check, fp8_output_bound, fp8_format_error, fp8_cases,
                        fp8_format_gate, fp8_kernel_gate, NEEDLE_LENGTHS, NEEDLE_SCORE, needle, needle_gate)
-from .fp8_tc import (FP8_MMA_BITS_KEPT, TWO_PART_REL, TWO_PART_ABS, fp8_tc_extra_bounds, fp8_tc_extra)
+from .fp8_tc import (FP8_MMA_BITS_KEPT, TWO_PART_REL, TWO_PART_ABS, effective_query, fp8_tc_extra_bounds,
+                     fp8_tc_extra)
 from .graph_walk import WALK_LENGTHS, WALK_STEPS, graph_walk, graph_walk_gate
 from .build import barrier_check, aot_build_gate
 from .sanitizer import sanitizer_gate
 from .sections import gpu_section, run_kernel_gates, gates_tables, plot_errors, last_row_gate, record_verdict
 
 __all__ = [
-    "FP8_MMA_BITS_KEPT", "TWO_PART_REL", "TWO_PART_ABS", "fp8_tc_extra_bounds", "fp8_tc_extra",
+    "FP8_MMA_BITS_KEPT", "TWO_PART_REL", "TWO_PART_ABS", "effective_query", "fp8_tc_extra_bounds", "fp8_tc_extra",
     "KERNEL_HEAD", "gate_geometry", "replay_workspace", "graph_arm",
     "POISON_PAGE_IDS", "OUT_POISON", "Case", "decode_cases", "prefill_cases", "GateInputs", "case_q_lens",
     "make_inputs", "poisoned_outputs", "bits", "P_ROUNDING", "P_SCALED_ROUNDING", "ABS_TOL", "REL_TOL", "FRO_TOL",
