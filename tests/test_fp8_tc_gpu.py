@@ -3,7 +3,8 @@ the bound derived in `foldkv.lab.gates.fp8_tc` (the bf16 gate's terms plus the t
 accumulation with `FP8_MMA_BITS_KEPT` a placeholder until measured) against `foldkv.paged_attention_reference` over
 the same FP8 pool: hostile pools, outputs poisoned first and every element written, lengths 1, 63, 65, 10,602 and a
 ragged batch; eager (three launches: no fused step for FP8 rows) and through the workspace's CUDA graph; a rerun
-bit-identical; AOT == JIT bit for bit; and the red twin, the one-part query of bench/versions/decode_partial_fp8_mma.py
+bit-identical; AOT == JIT bit for bit; `FoldKvCache(..., fp8_math="tensor_cores")` through generate() on every decode
+path; and the red twin, the one-part query of bench/versions/decode_partial_fp8_mma.py
 (precise=False, ~20x the error), which must fail the bound.
 
     FOLDKV_REQUIRE_GPU=1 FOLDKV_AOT_TEST_DIR=build/aot python3 -m pytest tests/test_fp8_tc_gpu.py
@@ -19,6 +20,7 @@ from foldkv.fp8 import FP8_DTYPE
 from foldkv.lab import gates
 
 from test_aot_gpu import aot_build, bits  # noqa: F401  (the module's AOT build fixture)
+from test_hf_gpu import LENGTHS, NEW, STEPS, _check_step_kind, _compare, _run, batch, gpu_models  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 TC = "tensor_cores"
@@ -88,3 +90,31 @@ def test_tensor_core_decode_aot_bit_identical_to_jit(aot_build, cuda_device, len
     assert jit["passed"] and aot["passed"], (_row(inputs, "jit", jit), _row(inputs, "aot", aot))
     assert torch.equal(bits(jo), bits(ao)) and torch.equal(bits(jl), bits(al)), \
         (int((bits(jo) != bits(ao)).sum()), int((bits(jl) != bits(al)).sum()))
+
+
+@pytest.mark.parametrize("step", ["model-graph", "layer-graphs", "eager"])
+def test_fp8_cache_decodes_on_tensor_cores(gpu_models, batch, step):  # noqa: F811
+    """FoldKvCache(dtype=float8_e4m3fn, fp8_math="tensor_cores") through generate(): every decode path (the model's
+    graph, each layer's workspace graph, the eager launcher) launches the tensor-core partial and no poisoned row is
+    read (finite logits); its gap to the float64 reference over the FP8 pool is printed beside the exact partial's
+    (the accuracy itself is held by the kernel gates above)."""
+    from foldkv.hf import FoldKvCache
+    from foldkv.kernels import registry
+
+    model = gpu_models["foldkv"]
+
+    def run(fp8_math, attention="kernel"):
+        cache = FoldKvCache(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW, kv_format="folded",
+                            dtype=FP8_DTYPE, attention=attention, scatter_seed=3, fp8_math=fp8_math,
+                            **(STEPS[step] if attention == "kernel" else {}))
+        return cache, _run(model, batch, cache)
+
+    tc_cache, tc = run(TC)
+    _check_step_kind(tc_cache, step)
+    assert tc_cache.fp8_math == TC
+    assert any(k["name"] == TC_KERNEL for k in registry.kernels_handed_out()), "the tensor-core partial never built"
+    assert bool(torch.isfinite(tc[1]).all()), "NaN logits: a kernel read a poisoned (unwritten) pool row"
+    _, exact = run("exact")
+    _, ref = run(None, attention="reference")
+    print(f"\nfolded-fp8 ({step}): tensor cores vs FP8 reference {_compare(tc, ref)}; exact vs FP8 reference"
+          f" {_compare(exact, ref)}")

@@ -131,8 +131,9 @@ def check_pool_dtype(pool: PagedKvPool, kv_dtype, op: str = "decode") -> None:
 
 def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, plan: DecodePlan | None,
                   out: torch.Tensor | None, lse: torch.Tensor | None, kv_format, kv_dtype, read_table: bool,
-                  backend: str, kernels, fused: bool | None = None, fp8_math: str | None = None) -> None:
-    """Every refusal happens here, before any kernel is built or launched and before any write."""
+                  backend: str, kernels, fused: bool | None = None, fp8_math: str | None = None) -> str:
+    """Every refusal happens here, before any kernel is built or launched and before any write; returns `fp8_math`
+    parsed."""
     if not isinstance(pool, PagedKvPool):
         raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
     resolve.check_backend(backend)
@@ -182,6 +183,7 @@ def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, pla
             raise FoldKvInputError("plan was made for other sequence lengths than the block table's")
     if dev.type != "cuda":  # last, so that the checks above can be exercised on a CPU-only machine
         raise FoldKvInputError(f"pool is on {dev}; decode runs on a CUDA device")
+    return fp8_math
 
 
 def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: DecodePlan | None = None,
@@ -210,9 +212,8 @@ def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: D
     (FoldKvInputError, nothing launched) when not one of those, or "tensor_cores" on a bf16 pool. A plan made here
     balances that partial's wave (`partial_wave`: 2 x SMs for the tensor-core one).
     """
-    _check_inputs(pool, query, table, plan, out, lse, kv_format, kv_dtype, read_table=check, backend=backend,
-                  kernels=kernels, fused=fused, fp8_math=fp8_math)
-    fp8_math = parse_fp8_math(fp8_math, pool.layout.quantized)
+    fp8_math = _check_inputs(pool, query, table, plan, out, lse, kv_format, kv_dtype, read_table=check,
+                             backend=backend, kernels=kernels, fused=fused, fp8_math=fp8_math)
     geom = pool.geometry
     if plan is None:
         if not check:
