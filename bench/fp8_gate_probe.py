@@ -24,6 +24,7 @@ from foldkv.fp8 import FP8_DTYPE
 from foldkv.kernels.decode import decode
 from foldkv.kernels.plan import plan_decode
 from foldkv.lab import gates
+from foldkv.lab.gates import effective_query  # the two-part query the MMA versions' scores see
 from foldkv.lab.jsonsafe import jsonable
 from foldkv.provenance import provenance
 from foldkv.reference import paged_attention_reference
@@ -35,18 +36,6 @@ ARMS = {"conversion (library)": None,
         "mma two parts": dict(MMA, precise=True),
         "mma two parts, panel accumulators": dict(MMA, precise=True, panel_acc=True),
         "mma one part (red twin)": dict(MMA, precise=False)}
-
-
-def effective_query(query: torch.Tensor) -> torch.Tensor:
-    """The query the two-part MMA version's scores see, float64: per head x * 448 / max|x| in float32, then hi =
-    e4m3(x), lo = e4m3(16 (x - hi)), times max|x| * (1 / 448) (as decode_partial_fp8_mma.py computes them)."""
-    q = query.float()
-    amax = q.abs().amax(-1).clamp_min(1e-30)
-    x = q * (torch.full_like(amax, 448.0) / amax)[..., None]
-    hi = x.to(FP8_DTYPE).float()
-    lo = ((x - hi) * 16.0).to(FP8_DTYPE).float()
-    inv = amax * torch.tensor(1.0 / 448.0, dtype=torch.float32, device=q.device)
-    return (hi.double() + lo.double() / 16.0) * inv.double()[..., None]
 
 
 def launcher(kernel):

@@ -398,6 +398,10 @@ class FoldKvCache(Cache):
         CUDA, the float64 reference elsewhere), "reference" or "kernel". backend: the kernels' "jit" or "aot".
         poison: fill pools with NaN (a row read before it is written shows as NaN). scatter_seed: pages drawn in a
         random order (tests).
+    fp8_math: how the kernels' decode over an FP8 pool multiplies (`foldkv.kernels.decode.parse_fp8_math`): "exact"
+        (None: the default) converts the e4m3 rows exactly to bf16 and runs bf16 MMA, the slower, exact partial;
+        "tensor_cores" runs FP8 MMA with the query and P in two e4m3 parts (faster; not the default until its bound
+        is measured on the H200). "tensor_cores" with a bf16 pool is refused.
     decode_step: how decode steps (one token per sequence, after the prompt) run. "graph" (the default with kernel
         attention on CUDA): the whole forward, every layer, is one CUDA graph captured at the first decode step and
         replayed (`foldkv.hf_graph`: sliding layers on fixed-address rings, global layers through one
@@ -416,7 +420,7 @@ class FoldKvCache(Cache):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, page_size: int = 64,
                  attention: str = "auto", backend: str = "jit", max_new_tokens: int | None = None,
                  poison: bool = True, scatter_seed: int | None = None, cuda_graphs: bool = True,
-                 decode_step: str | None = None):
+                 decode_step: str | None = None, fp8_math: str | None = None):
         text_model = text_model_of(model)
         cfg = text_model.config
         impl = getattr(cfg, "_attn_implementation", None)
@@ -448,6 +452,9 @@ class FoldKvCache(Cache):
             raise FoldKvInputError(f"the kernels read bf16 or FP8 ({FP8_DTYPE}, folded) pools; dtype={self.pool_dtype}")
         if self.attention == "kernel" and not on_cuda:
             raise FoldKvInputError(f"attention='kernel' runs on CUDA; the cache is on {self.device}")
+        from .kernels.decode import parse_fp8_math
+
+        self.fp8_math = parse_fp8_math(fp8_math, self.pool_dtype == FP8_DTYPE)  # refused before any pool is made
         self.max_batch, self.max_tokens, self.page_size = int(max_batch), int(max_tokens), int(page_size)
         self.max_new_tokens = None if max_new_tokens is None else int(max_new_tokens)
         self.backend, self.poison, self.scatter_seed = backend, poison, scatter_seed
@@ -572,8 +579,9 @@ class FoldKvCache(Cache):
             return self._graph_decode(layer, query, table)
         if max(counts) == 1:
             plan = self._decode_plan(layer, table)
+            fp8 = {"fp8_math": self.fp8_math} if layer.pool.layout.quantized else {}  # (a lab arm's decode: bf16)
             out, _ = self._kernels["decode"](layer.pool, query.contiguous(), dev_table, plan=plan,
-                                             backend=self.backend)
+                                             backend=self.backend, **fp8)
             return out
         # the host table: the prefill plans on the host and queues its launches without waiting for the stream
         out, _ = self._kernels["prefill"](layer.pool, query.contiguous(), table, q_lens, backend=self.backend)
@@ -590,7 +598,7 @@ class FoldKvCache(Cache):
         entry = self._graphs.get(layer.layer_idx)
         if entry is None:
             ws = DecodeWorkspace(layer.pool.layout, max_batch=self.max_batch, max_len=self.max_tokens,
-                                 device=layer.pool.device)
+                                 device=layer.pool.device, fp8_math=self.fp8_math)
             ws.plan(lens, layer.device_table.page_ids[:b])
             ws.query[:b].copy_(query)
             entry = self._graphs[layer.layer_idx] = (ws, ws.capture(layer.pool, backend=self.backend))
@@ -607,11 +615,14 @@ class FoldKvCache(Cache):
     def _decode_plan(self, layer: FoldKvLayer, table: BlockTable):
         """One plan per step, shared by the global layers (they hold the same lengths and the same layout); its
         workspace is reused layer after layer on one stream."""
+        from .kernels.decode import partial_wave
         from .kernels.plan import plan_decode
 
         lens = tuple(int(n) for n in table.seq_lens.tolist())
         if self._plan is None or self._plan[0] != lens:
-            self._plan = (lens, plan_decode(layer.pool.layout, table.seq_lens, device=layer.pool.device))
+            wave = partial_wave(layer.pool.layout, layer.pool.device, self.fp8_math)  # 2 x SMs: the tensor-core one
+            self._plan = (lens, plan_decode(layer.pool.layout, table.seq_lens, device=layer.pool.device,
+                                            num_sms=wave))
         return self._plan[1]
 
 

@@ -157,7 +157,8 @@ class DecodeStep:
         from .kernels.workspace import DecodeWorkspace
 
         b = self.cache.batch
-        ws = DecodeWorkspace(first.pool.layout, max_batch=b, max_len=self.cache.max_tokens, device=self.cache.device)
+        ws = DecodeWorkspace(first.pool.layout, max_batch=b, max_len=self.cache.max_tokens, device=self.cache.device,
+                             fp8_math=getattr(self.cache, "fp8_math", None))
         ws.plan(self.lens, first.device_table.page_ids[:b])
         return ws
 

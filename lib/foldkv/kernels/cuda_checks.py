@@ -155,14 +155,17 @@ def _tilelang_barrier_ids(body: str) -> set[int]:
     return taken
 
 
-def check_e4m3_conversion(kernel: str, source: str, barrier_id: int) -> dict:
-    """Raise ConversionCheckError (naming `kernel`) unless its e4m3 -> bf16 calls (`macros.E4M3_TO_BF16_SOURCE`)
-    carry the tile's barriers: exactly one call opens a tile (waits before overwriting what the previous gemms read)
-    and exactly one closes it (proxy fence and wait before the gemms read), all on named barrier `barrier_id`, which
+def check_e4m3_conversion(kernel: str, source: str, barrier_id: int, calls: tuple[str, ...] = ()) -> dict:
+    """Raise ConversionCheckError (naming `kernel`) unless its e4m3 -> bf16 calls (`macros.E4M3_TO_BF16_SOURCE`; or
+    the opaque shared-memory writers named in `calls`, whose first four arguments are the same: the FP8 tensor-core
+    partial's V^T transpose, decode_partial_fp8_tc.TRANSPOSE_FN) carry the tile's barriers: exactly one call opens a
+    tile (waits before overwriting what the previous gemms read) and exactly one closes it (proxy fence and wait before the gemms read), all on named barrier `barrier_id`, which
     no barrier TileLang placed in the kernel uses, over the consumer threads: the launch's threads less the one
     producer warpgroup. The check reads the emitted CUDA, as what runs."""
     _, body = kernel_definition(source, kernel)
-    calls = [tuple(int(g) for g in m.groups()) for m in _CONVERT_CALL.finditer(body)]
+    patterns = [_CONVERT_CALL] if not calls else [
+        re.compile(rf"\b{re.escape(name)}\(\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,") for name in calls]
+    calls = [tuple(int(g) for g in m.groups()) for pattern in patterns for m in pattern.finditer(body)]
     if not calls:
         raise ConversionCheckError(f"{kernel}: no e4m3 conversion call in the emitted source")
     firsts, lasts = sum(c[0] for c in calls), sum(c[1] for c in calls)

@@ -13,13 +13,19 @@ its inputs have been checked; pass `check=False` inside the capture), when the p
 (the partial, whose CTAs then merge their request-head's chunks themselves: kernels/DECODE_SCHEDULE.md), otherwise,
 in order:
     kernels["decode_partial_<format>"](query, pool.data, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse)
-        (over an FP8 pool: "decode_partial_folded_fp8", with pool.scales after pool.data)
+        (over an FP8 pool: "decode_partial_folded_fp8", with pool.scales after pool.data; with
+        fp8_math="tensor_cores": "decode_partial_folded_fp8_tc", the same arguments)
     kernels["merge_groups"](part_o, part_lse, group_first, group_count)
     kernels["merge_final"](part_o, part_lse, group_first, req_group_first, req_group_count, value_head_column, out, lse)
 Shapes and dtypes of each argument are in the docstrings of decode_partial.py and merge.py. The kernels come from
 `foldkv.kernels.resolve.kernel(name, geometry, backend=backend)` with their registered params ("jit": built here with
 TileLang; "aot": from the active AOT build), or from `kernels={name: callable}` for the names given there (an
 experiment's partial, say); the pool's page size must be the partial's.
+
+FP8 pools take `fp8_math` (parsed once here, `parse_fp8_math`): "exact" (the default) converts each e4m3 row to bf16
+exactly and runs bf16 MMA (decode_partial.py's FP8 partial: the slower, exact one); "tensor_cores" runs both gemms
+as FP8 MMA with the query and P in two e4m3 parts (decode_partial_fp8_tc.py: ~0.65x the bf16 folded decode, its
+error bound to be measured on the H200 before it becomes the default). A bf16 pool refuses "tensor_cores".
 """
 
 from __future__ import annotations
@@ -33,26 +39,57 @@ from ..fp8 import FP8_DTYPE
 from ..pool import BlockTable, PagedKvPool, check_block_table, check_pool_storage
 from ..validate import FoldKvInputError, check_tensor
 from . import resolve
-from .plan import MAX_BATCH, MAX_LEN, DecodePlan, plan_decode
+from .plan import MAX_BATCH, MAX_LEN, DecodePlan, device_sms, plan_decode
 
 
-def partial_kernel_name(fmt: KvFormat | str, quantized: bool = False) -> str:
-    """The partial kernel of `fmt` pages; `quantized`: over an FP8 pool (folded only)."""
-    return f"decode_partial_{KvFormat.parse(fmt).value}" + ("_fp8" if quantized else "")
+FP8_MATH = ("exact", "tensor_cores")  # how an FP8 pool's partial multiplies (module docstring)
+DEFAULT_FP8_MATH = "exact"  # "tensor_cores" becomes the default once its bound is measured (bench/FP8_NOTES.md, 17b)
 
 
-def kernel_names(fmt: KvFormat | str, quantized: bool = False, fused: bool = False) -> tuple[str, ...]:
-    """The kernels a decode step over `fmt` pages (FP8 when `quantized`) launches, in launch order; `fused`: the step
-    of a one-wave plan (one kernel)."""
+def parse_fp8_math(fp8_math: str | None, quantized: bool) -> str:
+    """`fp8_math` checked once at the public boundary: None -> DEFAULT_FP8_MATH; a value not in FP8_MATH, or
+    "tensor_cores" asked of a bf16 pool (`quantized` False), raises FoldKvInputError. A bf16 pool's rows are exact
+    already, so "exact" is accepted there and changes nothing."""
+    if fp8_math is None:
+        return DEFAULT_FP8_MATH
+    if not isinstance(fp8_math, str) or fp8_math not in FP8_MATH:
+        raise FoldKvInputError(f"fp8_math={fp8_math!r}: expected one of {FP8_MATH} (\"exact\": e4m3 rows converted"
+                               " exactly to bf16, bf16 MMA; \"tensor_cores\": FP8 MMA, query and P in two e4m3 parts)")
+    if fp8_math == "tensor_cores" and not quantized:
+        raise FoldKvInputError("fp8_math=\"tensor_cores\" needs an FP8 pool; this pool stores bf16 rows")
+    return fp8_math
+
+
+def partial_kernel_name(fmt: KvFormat | str, quantized: bool = False, fp8_math: str | None = None) -> str:
+    """The partial kernel of `fmt` pages; `quantized`: over an FP8 pool (folded only), whose `fp8_math` (None: the
+    default) picks the exact partial or the tensor-core one."""
+    fp8_math = parse_fp8_math(fp8_math, quantized)
+    return (f"decode_partial_{KvFormat.parse(fmt).value}" + ("_fp8" if quantized else "")
+            + ("_tc" if fp8_math == "tensor_cores" else ""))
+
+
+def kernel_names(fmt: KvFormat | str, quantized: bool = False, fused: bool = False,
+                 fp8_math: str | None = None) -> tuple[str, ...]:
+    """The kernels a decode step over `fmt` pages (FP8 when `quantized`, by `fp8_math`) launches, in launch order;
+    `fused`: the step of a one-wave plan (one kernel)."""
     if fused:
         return (f"decode_fused_{KvFormat.parse(fmt).value}",)
-    return (partial_kernel_name(fmt, quantized), "merge_groups", "merge_final")
+    return (partial_kernel_name(fmt, quantized, fp8_math), "merge_groups", "merge_final")
 
 
-def replaceable_kernels(fmt: KvFormat | str, quantized: bool = False) -> tuple[str, ...]:
+def replaceable_kernels(fmt: KvFormat | str, quantized: bool = False, fp8_math: str | None = None) -> tuple[str, ...]:
     """Every kernel name a decode over `fmt` pages may launch (what `kernels=` may replace)."""
     fused = () if quantized else kernel_names(fmt, fused=True)
-    return kernel_names(fmt, quantized) + fused
+    return kernel_names(fmt, quantized, fp8_math=fp8_math) + fused
+
+
+def partial_wave(layout, device, fp8_math: str | None = None) -> int:
+    """CTAs of the decode partial for pools of `layout` (by `fp8_math`) that run at once: the device's SMs
+    (plan.DEFAULT_SMS off CUDA) times the CTAs an SM holds, the partial's registered `ctas_per_sm` (1; 2 for the FP8
+    tensor-core partial: 264 on the H200). The wave the plan balances (`plan_decode(num_sms=...)`). The fused
+    one-launch step never runs over FP8 rows (`use_fused`), so no one-wave fused path needs this count."""
+    name = partial_kernel_name(layout.format, layout.quantized, fp8_math)
+    return device_sms(device) * int(resolve.kernel_params(name).get("ctas_per_sm", 1))
 
 
 def use_fused(plan_fused: bool, fmt: KvFormat | str, quantized: bool, fused: bool | None,
@@ -60,7 +97,10 @@ def use_fused(plan_fused: bool, fmt: KvFormat | str, quantized: bool, fused: boo
     """Whether a step launches the fused kernel: `fused` None (auto) when the plan is one wave and `kernels=` replaces
     none of the three-launch kernels (an experiment's partial runs in the step it was written for); True asks for it
     (refused unless the plan is one wave of bf16 rows); False: the three launches."""
-    plan_fused = plan_fused and not quantized  # FP8 rows: the three launches (a bf16 plan over an FP8 pool too)
+    # FP8 rows: the three launches (a bf16 plan over an FP8 pool too). The tensor-core FP8 partial (two CTAs an SM,
+    # 264 a wave on the H200) has no fused step either: the fused tail is written for one CTA an SM of bf16 rows, and
+    # its one-wave test counts SMs, not the 2 x SMs CTA slots that partial fills (`partial_wave`)
+    plan_fused = plan_fused and not quantized
     if fused is None:
         return plan_fused and not set(kernels or ()) & set(kernel_names(fmt, quantized))
     if fused and not plan_fused:
@@ -91,17 +131,19 @@ def check_pool_dtype(pool: PagedKvPool, kv_dtype, op: str = "decode") -> None:
 
 def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, plan: DecodePlan | None,
                   out: torch.Tensor | None, lse: torch.Tensor | None, kv_format, kv_dtype, read_table: bool,
-                  backend: str, kernels, fused: bool | None = None) -> None:
-    """Every refusal happens here, before any kernel is built or launched and before any write."""
+                  backend: str, kernels, fused: bool | None = None, fp8_math: str | None = None) -> str:
+    """Every refusal happens here, before any kernel is built or launched and before any write; returns `fp8_math`
+    parsed."""
     if not isinstance(pool, PagedKvPool):
         raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
     resolve.check_backend(backend)
     lay, geom, dev = pool.layout, pool.geometry, pool.device
-    resolve.check_kernels(replaceable_kernels(pool.format, lay.quantized), kernels)
+    fp8_math = parse_fp8_math(fp8_math, lay.quantized)
+    resolve.check_kernels(replaceable_kernels(pool.format, lay.quantized, fp8_math), kernels)
     if kv_format is not None and KvFormat.parse(kv_format) is not pool.format:
         raise FoldKvInputError(f"a {KvFormat.parse(kv_format).value} decode was asked of a {pool.format.value} pool")
     check_pool_dtype(pool, kv_dtype)
-    partial = partial_kernel_name(pool.format, lay.quantized)
+    partial = partial_kernel_name(pool.format, lay.quantized, fp8_math)
     kernel_page = resolve.kernel_params(partial)["page_size"]
     if lay.page_size != kernel_page:  # the partial indexes pages with the page size baked into it
         raise FoldKvInputError(f"the pool's pages hold {lay.page_size} tokens; {partial} is built for pages of"
@@ -141,13 +183,14 @@ def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, pla
             raise FoldKvInputError("plan was made for other sequence lengths than the block table's")
     if dev.type != "cuda":  # last, so that the checks above can be exercised on a CPU-only machine
         raise FoldKvInputError(f"pool is on {dev}; decode runs on a CUDA device")
+    return fp8_math
 
 
 def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: DecodePlan | None = None,
            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, backend: str = "jit",
            kv_format: KvFormat | str | None = None, kv_dtype: torch.dtype | None = None, check: bool = True,
            kernels: Mapping[str, Callable] | None = None,
-           fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           fused: bool | None = None, fp8_math: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query per request against the paged pool, in the pool's format.
 
     pool: bf16 (either format) or FP8 e4m3 with its scales (folded), contiguous, on a CUDA device (Hopper for the
@@ -163,26 +206,34 @@ def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: D
     that kernel's arguments} replacing the backend's kernel of that name (an experiment's variant; names from
     `replaceable_kernels(pool.format)`). fused: None launches one fused kernel when the plan is one wave
     (`plan.fused`) and `kernels` replaces none of the three-launch kernels, else the three; True / False ask for
-    one or the other (True refused for a plan that is not one wave).
+    one or the other (True refused for a plan that is not one wave). fp8_math (FP8 pools): "exact" (None: the
+    default) converts the e4m3 rows exactly to bf16 and runs bf16 MMA, the slower, exact partial; "tensor_cores" runs
+    FP8 MMA with the query and P in two e4m3 parts (faster; its bound not measured yet: not the default). Refused
+    (FoldKvInputError, nothing launched) when not one of those, or "tensor_cores" on a bf16 pool. A plan made here
+    balances that partial's wave (`partial_wave`: 2 x SMs for the tensor-core one).
     """
-    _check_inputs(pool, query, table, plan, out, lse, kv_format, kv_dtype, read_table=check, backend=backend,
-                  kernels=kernels, fused=fused)
+    fp8_math = _check_inputs(pool, query, table, plan, out, lse, kv_format, kv_dtype, read_table=check,
+                             backend=backend, kernels=kernels, fused=fused, fp8_math=fp8_math)
     geom = pool.geometry
     if plan is None:
         if not check:
             raise FoldKvInputError("check=False needs a plan (making one reads the lengths on the host)")
-        plan = plan_decode(pool.layout, table.seq_lens, device=pool.device)
+        plan = plan_decode(pool.layout, table.seq_lens, device=pool.device,
+                           num_sms=partial_wave(pool.layout, pool.device, fp8_math))
     if out is None:
         out = torch.empty(table.batch, geom.num_q_heads, geom.head_dim, dtype=torch.bfloat16, device=pool.device)
     if lse is None:
         lse = torch.empty(table.batch, geom.num_q_heads, dtype=torch.float32, device=pool.device)
-    launch_step(pool, query, table.page_ids, plan, out, lse, fused=fused, backend=backend, kernels=kernels)
+    launch_step(pool, query, table.page_ids, plan, out, lse, fused=fused, backend=backend, kernels=kernels,
+                fp8_math=fp8_math)
     return out, lse
 
 
 def launch_step(pool: PagedKvPool, query: torch.Tensor, page_ids: torch.Tensor, plan, out: torch.Tensor,
-                lse: torch.Tensor, *, fused: bool | None, backend: str, kernels: Mapping[str, Callable] | None) -> None:
-    """Launch one decode step on checked inputs: the fused kernel or the three, as `use_fused` says. `plan` is a
+                lse: torch.Tensor, *, fused: bool | None, backend: str, kernels: Mapping[str, Callable] | None,
+                fp8_math: str | None = None) -> None:
+    """Launch one decode step on checked inputs (`fp8_math` parsed): the fused kernel or the three, as `use_fused`
+    says. `plan` is a
     DecodePlan or a DecodeWorkspace: both hold the step's device tensors under the kernels' argument names, and
     `num_chunks` (the partial writes slots [0, num_chunks); a workspace's part_o holds a scratch slot past them, which
     level one's empty groups use)."""
@@ -193,8 +244,8 @@ def launch_step(pool: PagedKvPool, query: torch.Tensor, page_ids: torch.Tensor, 
              plan.merge_count, plan.part_o[:c], plan.part_lse[:c], plan.tail_counters, plan.value_head_column, out,
              lse)
         return
-    partial, merge_groups, merge_final = resolve.launch_kernels(kernel_names(pool.format, pool.layout.quantized), geom,
-                                                                backend=backend, kernels=kernels)
+    partial, merge_groups, merge_final = resolve.launch_kernels(
+        kernel_names(pool.format, pool.layout.quantized, fp8_math=fp8_math), geom, backend=backend, kernels=kernels)
     partial(query, *pool_operands(pool), page_ids, plan.chunk_req, plan.chunk_start, plan.chunk_len,
             plan.part_o[:c], plan.part_lse[:c])
     merge_groups(plan.part_o, plan.part_lse, plan.group_first, plan.group_count)
@@ -203,5 +254,5 @@ def launch_step(pool: PagedKvPool, query: torch.Tensor, page_ids: torch.Tensor, 
 
 
 __all__ = ["DecodePlan", "plan_decode", "decode", "launch_step", "kernel_names", "replaceable_kernels", "use_fused",
-           "partial_kernel_name", "pool_operands",
+           "partial_kernel_name", "pool_operands", "parse_fp8_math", "partial_wave", "FP8_MATH", "DEFAULT_FP8_MATH",
            "check_pool_dtype", "check_decode_pool"]

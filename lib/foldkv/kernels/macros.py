@@ -79,6 +79,12 @@ def share_sm_registers_macro(ctas_per_sm: int, consumer_threads: int):
     return share_sm_registers
 
 
+def tile_page(page_ids, req, tok, page_size: int):
+    """(page, offset in it) of token `tok` of request `req` through its block table row: expressions for a kernel's
+    tile loads (the FP8 tensor-core partial's)."""
+    return page_ids[req, tok // page_size], tok % page_size
+
+
 def mask_scores_macro():
     """Scores whose `keep(i, j)` is false become -inf (probability 0): keys past the sequence, or after the query."""
     import tilelang.language as T

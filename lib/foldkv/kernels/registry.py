@@ -70,6 +70,14 @@ _DECODE_PARTIAL = {
 # ragged requests; bench/FP8_NOTES.md). A third stage changed nothing. reduce_batch = the 2 queries a consumer thread
 # holds when two warpgroups split S's 16 columns (as above).
 _DECODE_PARTIAL_FP8 = dict(page_size=64, block_n=64, num_stages=2, threads=256, block_h=16, reduce_batch=2)
+# FP8 folded on FP8 tensor cores (decode_partial_fp8_tc.py; fp8_math="tensor_cores", not the default until its bound
+# is measured): the value window transposed by the consumer ("t4x16": conflict-free), the query and P in two e4m3
+# parts (precise), two CTAs per SM with one stage of the 40 KB e4m3 tiles each (~99 KB of shared memory a CTA; the
+# plan's wave is 2 x SMs): 0.64-0.67x the bf16 folded decode at 163,336 tokens and on ragged batches, where the exact
+# partial takes 1.22-1.36x (bench/FP8_NOTES.md, runs 12-16). Two stages with two CTAs do not fit (~245 KB).
+# reduce_batch = the 4 query values a consumer thread holds.
+_DECODE_PARTIAL_FP8_TC = dict(page_size=64, block_n=64, num_stages=1, block_h=16, reduce_batch=4, ctas_per_sm=2,
+                              transpose="t4x16", precise=True)
 _MERGE = dict(threads=128)
 _PREFILL = dict(page_size=64, block_N=64, num_stages=1, threads=256)
 # FP8 folded prefill: one stage of the row's five e4m3 panels (64 x 640 B = 40 KiB) and its 64 scales (256 B), the bf16
@@ -88,6 +96,8 @@ VARIANTS: tuple[KernelVariant, ...] = (
                     dict(_DECODE_PARTIAL[f])) for f in KvFormat),
     KernelVariant("decode_partial_folded_fp8", "decode_partial", KvFormat.FOLDED,
                   _K + "decode_partial:build_decode_partial_fp8", dict(_DECODE_PARTIAL_FP8)),
+    KernelVariant("decode_partial_folded_fp8_tc", "decode_partial", KvFormat.FOLDED,
+                  _K + "decode_partial_fp8_tc:build", dict(_DECODE_PARTIAL_FP8_TC)),
     KernelVariant("merge_groups", "merge_groups", None, _K + "merge:build_merge_groups", dict(_MERGE),
                   in_place_merge=True),
     KernelVariant("merge_final", "merge_final", None, _K + "merge:build_merge_final", dict(_MERGE)),

@@ -50,8 +50,8 @@ from ..layout import value_window_columns
 from ..pool import PagedKvLayout, PagedKvPool
 from ..validate import FoldKvInputError, check_device, check_tensor
 from . import resolve
-from .decode import check_decode_pool, launch_step, replaceable_kernels
-from .plan import (DEFAULT_MERGE_GROUP, MAX_BATCH, MAX_LEN, check_lens, chunk_layout, device_sms, fixed_count_pieces,
+from .decode import check_decode_pool, launch_step, parse_fp8_math, partial_wave, replaceable_kernels
+from .plan import (DEFAULT_MERGE_GROUP, MAX_BATCH, MAX_LEN, check_lens, chunk_layout, fixed_count_pieces,
                    smallest_cap)
 
 CHUNKS_PER_REQUEST = 4  # the default chunk count: about this many chunks per request of the largest batch, in whole
@@ -73,12 +73,17 @@ def _segment(n: int) -> int:
 class DecodeWorkspace:
     """Fixed-address tensors of decode steps for up to `max_batch` requests of up to `max_len` tokens on pools of
     `layout` (module docstring). num_chunks: the partial's grid (chunks per step, >= max_batch; default
-    `default_num_chunks`); merge_group: slots per level-one group."""
+    `default_num_chunks`); merge_group: slots per level-one group. fp8_math: an FP8 pool's partial, "exact" (None:
+    the default) or "tensor_cores" (`decode.parse_fp8_math`; refused for a bf16 layout), fixed for the workspace and
+    its graph; num_sms (default `decode.partial_wave`: the CTAs of that partial at once, 2 x SMs for the tensor-core
+    one) sizes the waves of the default num_chunks and the one-wave layout."""
 
     def __init__(self, layout: PagedKvLayout, *, max_batch: int, max_len: int, device: torch.device | str,
-                 num_chunks: int | None = None, merge_group: int = DEFAULT_MERGE_GROUP, num_sms: int | None = None):
+                 num_chunks: int | None = None, merge_group: int = DEFAULT_MERGE_GROUP, num_sms: int | None = None,
+                 fp8_math: str | None = None):
         if not isinstance(layout, PagedKvLayout):
             raise FoldKvInputError(f"layout must be a PagedKvLayout, got {type(layout).__name__}")
+        self.fp8_math = parse_fp8_math(fp8_math, layout.quantized)
         device = check_device(device)
         max_batch, max_len, merge_group = int(max_batch), int(max_len), int(merge_group)
         if not 1 <= max_batch <= MAX_BATCH:
@@ -89,7 +94,7 @@ class DecodeWorkspace:
             raise FoldKvInputError(f"merge_group={merge_group} must be >= 1")
         geom = layout.geometry
         if num_sms is None:
-            num_sms = device_sms(device)
+            num_sms = partial_wave(layout, device, self.fp8_math)
         if num_chunks is None:
             num_chunks = default_num_chunks(max_batch, num_sms, geom.num_kv_heads)
         num_chunks = int(num_chunks)
@@ -250,11 +255,11 @@ class DecodeWorkspace:
         if check:
             self.check_pool(pool)
             resolve.check_backend(backend)
-            resolve.check_kernels(replaceable_kernels(pool.format, pool.layout.quantized), kernels)
+            resolve.check_kernels(replaceable_kernels(pool.format, pool.layout.quantized, self.fp8_math), kernels)
             if not self.batch:
                 raise FoldKvInputError("step() before plan(): the workspace holds no batch")
         launch_step(pool, self.query, self.page_ids, self, self.out, self.lse, fused=fused, backend=backend,
-                    kernels=kernels)
+                    kernels=kernels, fp8_math=self.fp8_math)
         return self.output()
 
     def output(self) -> tuple[torch.Tensor, torch.Tensor]:

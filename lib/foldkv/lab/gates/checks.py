@@ -54,23 +54,30 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, pv_abs: torch.Tensor | None = None, *,
-            p_scaled: bool = False) -> dict:
+            p_scaled: bool = False, extra: torch.Tensor | None = None) -> dict:
     """Elementwise bound and relative Frobenius error of a kernel output against a float64 reference. `pv_abs`
     (P @ |V| from the reference) adds the derived bf16 terms; without it only the specified bound is applied.
 
     p_scaled (an FP8 pool's decode): the kernel rounds P times each token's scale to bf16, so no probability is exact
     any more (a bf16 kernel's P of 1 is): a relative error up to 2^-8 on every key's weight, all of one sign when
     one key holds the attention. The Frobenius bound then gains that term, 2^-8 ||P|V| || / ||ref||, derived; the
-    data that showed it needed: papermill_runs/h200-20261130-s4, notebook 02's needle at 200,000 / 100,000."""
+    data that showed it needed: papermill_runs/h200-20261130-s4, notebook 02's needle at 200,000 / 100,000.
+
+    extra: a kernel's own derived terms (elementwise, e.g. `fp8_tc.fp8_tc_extra_bounds`), added to the elementwise
+    bound and, as ||extra|| / ||ref||, to the Frobenius one."""
     o, r = out.double(), ref.double()
     diff = (o - r).abs()
     specified_bound = ABS_TOL + REL_TOL * r.abs()
     bound = specified_bound if pv_abs is None else specified_bound + bf16_ulp(r) + P_ROUNDING * pv_abs.double()
+    if extra is not None:
+        bound = bound + extra.double()
     finite = bool(torch.isfinite(o).all())
     rel = float((o - r).norm() / r.norm().clamp_min(1e-300))
     fro_tol = FRO_TOL
     if p_scaled and pv_abs is not None:
         fro_tol += P_SCALED_ROUNDING * float(pv_abs.double().norm() / r.norm().clamp_min(1e-300))
+    if extra is not None:
+        fro_tol += float(extra.double().norm() / r.norm().clamp_min(1e-300))
     worst = float((diff - bound).max()) if finite else math.inf
     over_specified = int((diff > specified_bound).sum()) if finite else o.numel()
     return {
@@ -129,9 +136,12 @@ def compare_lse(lse: torch.Tensor, ref_lse: torch.Tensor, bound: torch.Tensor) -
             "lse_ok": frac <= 1.0}
 
 
-def run_case(inputs: GateInputs, launch: Callable, pad_rows: int = 3) -> dict:
+def run_case(inputs: GateInputs, launch: Callable, pad_rows: int = 3,
+             extra: Callable[[GateInputs], tuple] | None = None) -> dict:
     """Launch one kernel arm on a gate's inputs with poisoned outputs; check it against the float64 reference, that
-    every planned row is written and finite, and that every row past the plan is bit-for-bit untouched."""
+    every planned row is written and finite, and that every row past the plan is bit-for-bit untouched. `extra`:
+    extra(inputs) -> (output terms [Tq, Hq, D], LSE terms [Tq, Hq]) a kernel's own roundings add to the derived
+    bounds (the FP8 tensor-core decode's: `fp8_tc.fp8_tc_extra`)."""
     geom = inputs.pool.geometry
     tokens = inputs.query.shape[0]
     out_buf, lse_buf = poisoned_outputs(tokens, geom, inputs.pool.device, pad_rows)
@@ -143,9 +153,11 @@ def run_case(inputs: GateInputs, launch: Callable, pad_rows: int = 3) -> dict:
     ref, ref_lse, pv_abs, s_abs_p, s_abs_max = paged_attention_reference(
         ref_pool, inputs.query, ref_table, inputs.q_lens, abs_weighted=True, score_abs=True)
     del ref_pool
-    res = compare(out, ref, pv_abs, p_scaled=p_scaled)
-    res.update(compare_lse(lse, ref_lse, lse_bound(s_abs_p, s_abs_max, ref_lse, row_key_counts(inputs.table, inputs.q_lens),
-                                                   geom.head_dim)))
+    extra_out, extra_lse = extra(inputs) if extra is not None else (None, 0.0)
+    res = compare(out, ref, pv_abs, p_scaled=p_scaled, extra=extra_out)
+    res.update(compare_lse(lse, ref_lse, extra_lse + lse_bound(s_abs_p, s_abs_max, ref_lse,
+                                                               row_key_counts(inputs.table, inputs.q_lens),
+                                                               geom.head_dim)))
     res["all_written"] = bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
     res["past_plan_untouched"] = (torch.equal(bits(out_buf[tokens:]), tail_out)
                                   and torch.equal(bits(lse_buf[tokens:]), tail_lse))
@@ -164,15 +176,18 @@ def summary_row(case: Case, fmt: KvFormat, arm: str, res: dict) -> dict:
     return row
 
 
-def decode_arm(backend: str = "jit", fused: bool | None = None) -> Callable:
-    """The decode launcher (`fused`: as `decode`'s, None = one fused launch when the plan is one wave)."""
+def decode_arm(backend: str = "jit", fused: bool | None = None, fp8_math: str | None = None) -> Callable:
+    """The decode launcher (`fused`: as `decode`'s, None = one fused launch when the plan is one wave; `fp8_math`: as
+    `decode`'s, the plan balanced for that partial's wave, `decode.partial_wave`)."""
     def launch(inputs: GateInputs, out: torch.Tensor, lse: torch.Tensor):
-        from ...kernels.decode import decode, plan_decode
+        from ...kernels.decode import decode, partial_wave, plan_decode
 
-        plan = plan_decode(inputs.pool.layout, inputs.case.seq_lens, device=inputs.pool.device,
-                           chunk_tokens=inputs.case.chunk_tokens, merge_group=inputs.case.merge_group)
+        lay = inputs.pool.layout
+        plan = plan_decode(lay, inputs.case.seq_lens, device=inputs.pool.device,
+                           chunk_tokens=inputs.case.chunk_tokens, merge_group=inputs.case.merge_group,
+                           num_sms=partial_wave(lay, inputs.pool.device, fp8_math if lay.quantized else None))
         return decode(inputs.pool, inputs.query, inputs.table, plan=plan, out=out, lse=lse, backend=backend,
-                      fused=fused)
+                      fused=fused, **({"fp8_math": fp8_math} if fp8_math is not None else {}))
 
     return launch
 
@@ -222,15 +237,17 @@ def replay_workspace(ws, inputs: GateInputs, out: torch.Tensor, lse: torch.Tenso
     return out, lse
 
 
-def graph_arm(backend: str = "jit", fused: bool | None = None) -> Callable:
+def graph_arm(backend: str = "jit", fused: bool | None = None, fp8_math: str | None = None) -> Callable:
     """The decode through the workspace's CUDA graph (`replay_workspace`): a workspace of the case's batch and
     longest length with its default chunks, planned for the case's lengths with the gate's poisoned block table.
-    `fused`: as the workspace's step (None: one fused launch when its plan is one wave)."""
+    `fused`: as the workspace's step (None: one fused launch when its plan is one wave); `fp8_math`: the
+    workspace's."""
     def launch(inputs: GateInputs, out: torch.Tensor, lse: torch.Tensor):
         from ...kernels.workspace import DecodeWorkspace
 
         lens, lay = list(inputs.case.seq_lens), inputs.pool.layout
-        ws = DecodeWorkspace(lay, max_batch=len(lens), max_len=max(lens), device=inputs.pool.device)
+        ws = DecodeWorkspace(lay, max_batch=len(lens), max_len=max(lens), device=inputs.pool.device,
+                             fp8_math=fp8_math)
         ws.plan(lens, inputs.table.page_ids[:, :lay.pages_for(max(lens))].contiguous())
         return replay_workspace(ws, inputs, out, lse, backend=backend, fused=fused)
 
