@@ -199,17 +199,24 @@ def _gemv_case(shape, m, seed):
     return x, w, x.double() @ w.double().T
 
 
+def _gemv_within_bound(run, shape, rows: int, seed: int) -> bool:
+    """`run(x, w, out)` over a fresh case into an output poisoned with NaN: every element must be written (finite),
+    and a GEMV that returns its result must return `out` itself. True when every element is inside `_gemv_bound`."""
+    x, w, ref = _gemv_case(shape, rows, seed)
+    out = torch.full((rows, shape[0]), float("nan"), dtype=BF16, device="cuda")
+    got = run(x, w, out)
+    assert got is None or got.data_ptr() == out.data_ptr()
+    assert bool(torch.isfinite(out).all())
+    return bool(((out.double() - ref).abs() <= _gemv_bound(x, w, ref)).all())
+
+
 @pytest.mark.parametrize("rows", [1, 7, 16])
 @pytest.mark.parametrize("shape", GEMV_SHAPES, ids=[f"{n}x{k}" for n, k in GEMV_SHAPES])
 def test_stream_gemv_within_its_bound(shape, rows):
     from conftest import bench_version
 
     gs = bench_version("gemv_stream")
-    x, w, ref = _gemv_case(shape, rows, seed=shape[0] + rows)
-    out = torch.full((rows, shape[0]), float("nan"), dtype=BF16, device="cuda")  # poisoned: every element written
-    got = gs.gemv(x, w, out=out)
-    assert got.data_ptr() == out.data_ptr() and bool(torch.isfinite(out).all())
-    assert bool(((out.double() - ref).abs() <= _gemv_bound(x, w, ref)).all())
+    assert _gemv_within_bound(lambda x, w, out: gs.gemv(x, w, out=out), shape, rows, seed=shape[0] + rows)
 
 
 def test_stream_gemv_red_twin_wrong_reduction_length():
@@ -218,13 +225,12 @@ def test_stream_gemv_red_twin_wrong_reduction_length():
 
     gs = bench_version("gemv_stream")
     shape = (4096, 5376)
-    x, w, ref = _gemv_case(shape, 1, seed=3)
     cfg = gs.gemv_config(*shape, torch.cuda.get_device_properties(0).multi_processor_count)
-    out = torch.full((1, shape[0]), float("nan"), dtype=BF16, device="cuda")
-    gs.gemv_rows[(shape[0] // cfg["BLOCK_N"],)](x, w, out, 1, shape[0], shape[1] - cfg["BLOCK_K"],
-                                                 BLOCK_M=gs.GEMV_MAX_ROWS, **cfg)
-    assert bool(torch.isfinite(out).all())
-    assert not bool(((out.double() - ref).abs() <= _gemv_bound(x, w, ref)).all())
+
+    def short(x, w, out):
+        gs.gemv_rows[(shape[0] // cfg["BLOCK_N"],)](x, w, out, 1, shape[0], shape[1] - cfg["BLOCK_K"],
+                                                     BLOCK_M=gs.GEMV_MAX_ROWS, **cfg)
+    assert not _gemv_within_bound(short, shape, 1, seed=3)
 
 
 # --- the one-row register-loop GEMV (bench/versions/gemv_fma.py, not measured yet): the same bound as the stream GEMV
@@ -234,12 +240,9 @@ def test_fma_gemv_within_its_bound(shape, rows_per_program):
     from conftest import bench_version
 
     gf = bench_version("gemv_fma")
-    x, w, ref = _gemv_case(shape, 1, seed=shape[0] + rows_per_program)
     assert gf.config(*shape, rows_per_program) is not None  # the kernel runs, not F.linear
-    out = torch.full((1, shape[0]), float("nan"), dtype=BF16, device="cuda")
-    got = gf.gemv(x, w, rows_per_program, out=out)
-    assert got.data_ptr() == out.data_ptr() and bool(torch.isfinite(out).all())
-    assert bool(((out.double() - ref).abs() <= _gemv_bound(x, w, ref)).all())
+    assert _gemv_within_bound(lambda x, w, out: gf.gemv(x, w, rows_per_program, out=out), shape, 1,
+                              seed=shape[0] + rows_per_program)
 
 
 def test_fma_gemv_red_twin_wrong_reduction_length():
@@ -248,9 +251,8 @@ def test_fma_gemv_red_twin_wrong_reduction_length():
 
     gf = bench_version("gemv_fma")
     shape = (4096, 5376)
-    x, w, ref = _gemv_case(shape, 1, seed=5)
     cfg = gf.config(*shape, 4)
-    out = torch.full((1, shape[0]), float("nan"), dtype=BF16, device="cuda")
-    gf.gemv_fma_rows[(shape[0] // cfg["ROWS"],)](x.reshape(-1), w, out, shape[1] - cfg["BLOCK_K"], **cfg)
-    assert bool(torch.isfinite(out).all())
-    assert not bool(((out.double() - ref).abs() <= _gemv_bound(x, w, ref)).all())
+
+    def short(x, w, out):
+        gf.gemv_fma_rows[(shape[0] // cfg["ROWS"],)](x.reshape(-1), w, out, shape[1] - cfg["BLOCK_K"], **cfg)
+    assert not _gemv_within_bound(short, shape, 1, seed=5)

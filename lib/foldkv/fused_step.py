@@ -310,6 +310,6 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
             mod.apply_rotary_pos_emb = own
 
 
-__all__ = ["fused_step", "norm_eps", "fork", "join", "side_streams", "branched_attention_modules", "BRANCHES", "rms_norm", "rope",
-           "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "norm_modules", "mlp_modules",
-           "layer_modules"]
+__all__ = ["fused_step", "norm_eps", "fork", "join", "side_streams", "branched_attention_modules", "BRANCHES",
+           "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "norm_modules",
+           "mlp_modules", "layer_modules"]

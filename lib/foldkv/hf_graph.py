@@ -158,7 +158,7 @@ class DecodeStep:
 
         b = self.cache.batch
         ws = DecodeWorkspace(first.pool.layout, max_batch=b, max_len=self.cache.max_tokens, device=self.cache.device,
-                             fp8_math=getattr(self.cache, "fp8_math", None))
+                             fp8_math=self.cache.fp8_math)
         ws.plan(self.lens, first.device_table.page_ids[:b])
         return ws
 

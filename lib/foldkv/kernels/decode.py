@@ -61,9 +61,9 @@ def parse_fp8_math(fp8_math: str | None, quantized: bool) -> str:
 
 
 def partial_kernel_name(fmt: KvFormat | str, quantized: bool = False, fp8_math: str | None = None) -> str:
-    """The partial kernel of `fmt` pages; `quantized`: over an FP8 pool (folded only), whose `fp8_math` (None: the
-    default) picks the exact partial or the tensor-core one."""
-    fp8_math = parse_fp8_math(fp8_math, quantized)
+    """The partial kernel of `fmt` pages; `quantized`: over an FP8 pool (folded only), whose `fp8_math` (as
+    `parse_fp8_math` returned it at the public boundary; None: the default) picks the exact partial or the
+    tensor-core one."""
     return (f"decode_partial_{KvFormat.parse(fmt).value}" + ("_fp8" if quantized else "")
             + ("_tc" if fp8_math == "tensor_cores" else ""))
 
@@ -233,10 +233,9 @@ def launch_step(pool: PagedKvPool, query: torch.Tensor, page_ids: torch.Tensor, 
                 lse: torch.Tensor, *, fused: bool | None, backend: str, kernels: Mapping[str, Callable] | None,
                 fp8_math: str | None = None) -> None:
     """Launch one decode step on checked inputs (`fp8_math` parsed): the fused kernel or the three, as `use_fused`
-    says. `plan` is a
-    DecodePlan or a DecodeWorkspace: both hold the step's device tensors under the kernels' argument names, and
-    `num_chunks` (the partial writes slots [0, num_chunks); a workspace's part_o holds a scratch slot past them, which
-    level one's empty groups use)."""
+    says. `plan` is a DecodePlan or a DecodeWorkspace: both hold the step's device tensors under the kernels' argument
+    names, and `num_chunks` (the partial writes slots [0, num_chunks); a workspace's part_o holds a scratch slot past
+    them, which level one's empty groups use)."""
     geom, c = pool.geometry, plan.num_chunks
     if use_fused(plan.fused, pool.format, pool.layout.quantized, fused, kernels):
         (step,) = resolve.launch_kernels(kernel_names(pool.format, fused=True), geom, backend=backend, kernels=kernels)

@@ -130,6 +130,6 @@ def fp8_tc_extra(inputs) -> tuple[torch.Tensor, torch.Tensor]:
     return fp8_tc_extra_bounds(inputs.pool, inputs.query, inputs.table)
 
 
-__all__ = ["effective_query", "FP8_MMA_BITS_KEPT", "E4M3_FRACTION_BITS", "E4M3_SUBNORMAL_HALF_SPACING", "TWO_PART_LO", "TWO_PART_REL",
-           "TWO_PART_ABS", "Q_RANGE", "P_RANGE", "MMA_K", "BLOCK_N", "F32_COMBINE_ROUNDINGS", "fp8_tc_extra_bounds",
+__all__ = ["effective_query", "FP8_MMA_BITS_KEPT", "E4M3_FRACTION_BITS", "E4M3_SUBNORMAL_HALF_SPACING", "TWO_PART_LO",
+           "TWO_PART_REL", "TWO_PART_ABS", "Q_RANGE", "P_RANGE", "MMA_K", "BLOCK_N", "F32_COMBINE_ROUNDINGS", "fp8_tc_extra_bounds",
            "fp8_tc_extra"]
