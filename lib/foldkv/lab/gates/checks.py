@@ -187,7 +187,7 @@ def decode_arm(backend: str = "jit", fused: bool | None = None, fp8_math: str | 
                            chunk_tokens=inputs.case.chunk_tokens, merge_group=inputs.case.merge_group,
                            num_sms=partial_wave(lay, inputs.pool.device, fp8_math if lay.quantized else None))
         return decode(inputs.pool, inputs.query, inputs.table, plan=plan, out=out, lse=lse, backend=backend,
-                      fused=fused, **({"fp8_math": fp8_math} if fp8_math is not None else {}))
+                      fused=fused, fp8_math=fp8_math)
 
     return launch
 
