@@ -9,6 +9,8 @@ Arms (each one graph of the step's 421 projections in forward order, the model's
 - `stream`: the streaming GEMV of bench/versions/gemv_stream.py, every program resident at once (gemv_config);
 - `stream_cN` / `stream_sN` / `stream_wN`: the same with N programs an SM / N stages / N warps;
 - `stream_branches`: the stream GEMV on the branches above;
+- `torch_merged`: one F.linear a group over its weights concatenated (q|k|v, gate|up; what vLLM's merged linears do:
+  241 launches where the others have 411), the copies made for the arm and freed after;
 - `fma_rN` (one row only): bench/versions/gemv_fma.py, the roof's register loop with one FMA a weight element, N
   whole rows a program; `fma_r4_branches` on the branches.
 Then, with --cells, notebook 05's decode cells through generate() with the step's projections on graph branches
@@ -94,6 +96,21 @@ def make_step(projs, m: int, fn, branches: bool, dev):
     return run
 
 
+def make_merged_step(projs, m: int, dev):
+    """Every group of `groups(projs)` as one F.linear over its weights concatenated along the output dim."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    xs, ws = {}, []
+    for grp in groups(projs):
+        w = grp[0][1].weight if len(grp) == 1 else torch.cat([lin.weight for _, lin in grp])
+        if w.shape[1] not in xs:
+            xs[w.shape[1]] = (torch.randn(m, w.shape[1], device=dev, generator=g) * 0.5).to(w.dtype)
+        ws.append(w)
+
+    def run():
+        return [F.linear(xs[w.shape[1]], w) for w in ws]
+    return run
+
+
 def time_graph(run, dev, reps: int = 15) -> tuple[float, list]:
     stream = torch.cuda.Stream(device=dev)
     stream.wait_stream(torch.cuda.current_stream(dev))
@@ -151,6 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cells", nargs="*", default=[])
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--no-arms", action="store_true")
+    ap.add_argument("--arms", nargs="*", default=None, help="only these arms (default: all)")
     args = ap.parse_args(argv)
     import sys
 
@@ -192,7 +210,21 @@ def main(argv=None) -> int:
     one_row = {f"fma_r{r}": (lambda x, w, r=r: gf.gemv(x, w, r), False) for r in (2, 4, 16)}
     one_row["fma_r4_branches"] = (lambda x, w: gf.gemv(x, w, 4), True)
     for m in [] if args.no_arms else args.rows:
+        try:
+            if args.arms is not None and "torch_merged" not in args.arms:
+                raise LookupError("not asked for")
+            ms, _ = time_graph(make_merged_step(projs, m, dev), dev)
+            row = {"arm": "torch_merged", "rows": m, "ms": ms, "gbps": wbytes / ms / 1e6,
+                   "of_roof": wbytes / ms / 1e6 / roof["gbps"]}
+        except Exception as e:  # noqa: BLE001
+            row = {"arm": "torch_merged", "rows": m, "error": f"{type(e).__name__}: {e}"[:300]}
+        torch.cuda.empty_cache()
+        if row.get("error") != "LookupError: not asked for":
+            out["arms"].append(row)
+            print(row, flush=True)
         for name, (fn, br) in {**arms, **(one_row if m == 1 else {})}.items():
+            if args.arms is not None and name not in args.arms:
+                continue
             try:
                 ms, _ = time_graph(make_step(projs, m, fn, br, dev), dev)
                 row = {"arm": name, "rows": m, "ms": ms, "gbps": wbytes / ms / 1e6,
