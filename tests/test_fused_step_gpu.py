@@ -145,10 +145,10 @@ def test_masked_softmax_matches_torch(batch):
 
 # --- the projections on graph branches ------------------------------------------------------------------------------
 def test_branched_projections_compute_what_serial_ones_do():
-    """fused_step's q/k/v and gate/up branches (side streams) give the logits of the same step with every projection on
-    the current stream, bit for bit (the same cuBLAS kernels), on a 6-layer model of the 31B's kind; red twin: the
-    first layer's v projection moved by noise changes them (a scale would not: q, k and v are RMS-normed after their
-    projections, and a one-token forward attends only to itself, so its k does not reach the output at all)."""
+    """fused_step's q/k/v and gate/up branches (side streams, MERGE off) give the logits of the same step with every
+    projection on the current stream, bit for bit (the same cuBLAS kernels), on a 6-layer model of the 31B's kind; red
+    twin: the first layer's v projection moved by noise changes them (a scale would not: q, k and v are RMS-normed
+    after their projections, and a one-token forward attends only to itself, so its k does not reach the output)."""
     require_module("transformers")
     from foldkv import fused_step as fs
     from foldkv.lab.gemma31b import build_gemma4_31b
@@ -157,13 +157,14 @@ def test_branched_projections_compute_what_serial_ones_do():
     ids = torch.randint(3, 1024, (2, 1), device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
     logits, counts = {}, {}
     try:
+        fs.MERGE = False
         with torch.no_grad():
             for branches in (False, True):
                 fs.BRANCHES = branches
                 with fs.fused_step(model) as n:
                     logits[branches], counts[branches] = model(input_ids=ids).logits, n
             assert torch.isfinite(logits[True]).all()
-            assert counts[True]["branched_attention"] == 6, counts[True]
+            assert counts[True]["branched_attention"] == 6 and counts[True]["merged"] == 0, counts[True]
             assert counts[False]["branched_attention"] == 0, counts[False]
             diff = (logits[True].float() - logits[False].float()).abs().max().item()
             assert torch.equal(logits[True], logits[False]), f"branched != serial: max |diff| {diff}"
@@ -174,8 +175,79 @@ def test_branched_projections_compute_what_serial_ones_do():
                 moved = model(input_ids=ids).logits
             assert not torch.equal(moved, logits[True]), "the red twin's v projection changed nothing"
     finally:
-        fs.BRANCHES = True
+        fs.BRANCHES, fs.MERGE = True, True
     assert not any(hasattr(m, "_foldkv_branches") for m in model.modules())  # nothing left behind
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_merged_projections_step_within_the_gemv_bound(batch):
+    """fused_step with the projections merged (one GEMV a group, the norms and GELU reading its column slices in
+    place): every projection output within the bf16 GEMV bound of float64 (what each separate GEMV is held to), and
+    the step's logits finite, written and close to the unmerged step's (the projections' roundings differ by at most
+    an ulp each: measured; held at 5% of the logits' spread); red twin: the merged tensor's k rows moved by noise move
+    the logits (the step reads the merged tensor, not a stale copy)."""
+    require_module("transformers")
+    from foldkv import fused_step as fs
+    from foldkv.lab.gemma31b import build_gemma4_31b
+
+    model = build_gemma4_31b("cuda", num_layers=6, vocab_size=1024, hidden_size=512, intermediate_size=1536)
+    ids = torch.randint(3, 1024, (batch, 1), device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
+    with torch.no_grad():
+        fs.MERGE = False
+        try:
+            with fs.fused_step(model):
+                serial = model(input_ids=ids).logits
+        finally:
+            fs.MERGE = True
+        with fs.fused_step(model) as n:
+            merged = model(input_ids=ids).logits
+        assert n["merged"] == 12, n
+        assert torch.isfinite(merged).all()
+        spread = serial.float().std().item()
+        assert (merged.float() - serial.float()).abs().max().item() <= 0.05 * spread
+        x = (torch.randn(batch, 1, 512, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+             * 0.5).to(BF16)
+        for owner in [*fs.branched_attention_modules(model), *fs.mlp_modules(model)]:
+            for name, y in zip(owner._foldkv_merged[1], fs.merged_linear(owner, x)):
+                w = getattr(owner, name).weight
+                ref = x.double() @ w.double().T
+                assert bool(((y.double() - ref).abs() <= _gemv_bound(x, w, ref)).all()), name
+        attn = model.model.layers[0].self_attn
+        k = attn.k_proj.weight
+        k.add_(torch.randn(k.shape, generator=torch.Generator(device="cuda").manual_seed(7), device="cuda")
+               .to(k.dtype) * k.float().std() * 4)
+        v = getattr(attn, "v_proj", None)
+        if v is not None:
+            v.weight.add_(torch.randn(v.weight.shape, generator=torch.Generator(device="cuda").manual_seed(8),
+                                      device="cuda").to(k.dtype) * v.weight.float().std())
+        with fs.fused_step(model):
+            moved = model(input_ids=ids).logits
+        assert not torch.equal(moved, merged), "the merged tensor's rows moved and the step did not see it"
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_norm_and_gelu_read_strided_slices_as_their_packed_copies(batch):
+    """rms_norm over a head-split column slice of a merged output, and gelu_mul over the halves of a gate|up output,
+    read in place: bitwise the results of the same kernels over packed copies; red twin: the slice read as if packed
+    (wrong rows) differs."""
+    from foldkv import fused_step as fs
+
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    full = torch.randn(batch, 1, 8192 + 2 * 4096, device="cuda", generator=g).to(BF16)
+    w = torch.randn(256, device="cuda", generator=g).to(BF16)
+    k = full[..., 8192:8192 + 4096].view(batch, 1, 16, 256)
+    got = fs.rms_norm(k, w, 1e-6)
+    want = fs.rms_norm(k.contiguous(), w, 1e-6)
+    assert torch.equal(got, want)
+    if batch > 1:
+        wrong = fs.rms_norm(full.reshape(-1)[8192:8192 + batch * 4096].view(batch, 1, 16, 256), w, 1e-6)
+        assert not torch.equal(wrong, want)
+    gu = torch.randn(batch, 1, 2 * 1536, device="cuda", generator=g).to(BF16)
+    gate, up = gu.split(1536, dim=-1)
+    assert torch.equal(fs.gelu_mul(gate, up), fs.gelu_mul(gate.contiguous(), up.contiguous()))
+    if batch > 1:
+        assert not torch.equal(fs.gelu_mul(gu.reshape(-1)[:batch * 1536].view(batch, 1, 1536), up),
+                               fs.gelu_mul(gate.contiguous(), up.contiguous()))
 
 
 # --- the streaming GEMV that lost (bench/versions/gemv_stream.py): it keeps building and meeting its bound ---------

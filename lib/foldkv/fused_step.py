@@ -34,7 +34,7 @@ def _kernels() -> dict:
     if _KERNELS is None:
         from . import fused_step_kernels as k
 
-        _KERNELS = dict(rms_norm=k.rms_norm_rows, norm_add=k.norm_add_rows, rope=k.rope_rows, gelu_mul=k.gelu_mul_flat,
+        _KERNELS = dict(rms_norm=k.rms_norm_rows, norm_add=k.norm_add_rows, rope=k.rope_rows, gelu_mul=k.gelu_mul_rows,
                         softmax=k.masked_softmax_rows)
     return _KERNELS
 
@@ -54,14 +54,34 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 # --- the ops --------------------------------------------------------------------------------------------------------
 
+def _packed_rows(x: torch.Tensor) -> tuple[int, int] | None:
+    """(inner_rows, outer_stride) when x [..., m, n] is an [outer, m, n] view with packed [m, n] blocks (the last dim
+    contiguous, rows n apart, the leading dims one uniform stride): a head-split slice of a merged projection's
+    output. None otherwise."""
+    if x.dim() < 2 or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+        return None
+    lead = [(size, stride) for size, stride in zip(x.shape[:-2], x.stride()[:-2]) if size != 1]
+    for (_, outer), (size, inner) in zip(lead, lead[1:]):
+        if outer != inner * size:
+            return None
+    return x.shape[-2], (lead[-1][1] if lead else 0)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x [..., n] -> x * (mean(x^2, -1) + eps)^-0.5 [* weight (n)], computed in float32, in x's dtype."""
+    """x [..., n] -> x * (mean(x^2, -1) + eps)^-0.5 [* weight (n)], computed in float32, in x's dtype (packed). x may
+    be a strided view whose [heads, n] blocks are packed (`_packed_rows`): read in place, no copy."""
     n = x.shape[-1]
-    rows = _rows(x)
-    out = torch.empty_like(rows)
+    packed = None if x.is_contiguous() else _packed_rows(x)
+    if packed is None:
+        src = _rows(x)
+        inner, outer = src.shape[0], 0
+    else:
+        src, (inner, outer) = x, packed
+    rows = x.numel() // n
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block = _block(n)
-    _kernels()["rms_norm"][(rows.shape[0],)](rows, weight if weight is not None else rows, out, n, float(eps),
-                                             HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=_warps(block))
+    _kernels()["rms_norm"][(rows,)](src, weight if weight is not None else out, out, n, inner, outer, float(eps),
+                                    HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=_warps(block))
     return out.view(x.shape)
 
 
@@ -113,13 +133,25 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return out.view(x.shape)
 
 
+def _row_view(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] as [rows, n] with its last dim contiguous (a view where the rows have one stride, else a copy)."""
+    n = x.shape[-1]
+    try:
+        rows = x.view(-1, n)
+    except RuntimeError:
+        rows = x.reshape(-1, n)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(gate) * up, rounded as torch rounds each (same shape and dtype)."""
-    g, u = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(g)
-    n, block = g.numel(), 1024
-    _kernels()["gelu_mul"][(-(-n // block),)](g, u, out, n, BLOCK=block, num_warps=4)
-    return out
+    """gelu_tanh(gate) * up, rounded as torch rounds each (same shape and dtype; the output packed). gate and up may
+    be row-strided views (the halves of a merged gate|up output): read in place."""
+    g, u = _row_view(gate), _row_view(up)
+    rows, n = g.shape
+    out = torch.empty((rows, n), dtype=gate.dtype, device=gate.device)
+    block = 1024
+    _kernels()["gelu_mul"][(rows, -(-n // block))](g, u, out, n, g.stride(0), u.stride(0), BLOCK=block, num_warps=4)
+    return out.view(gate.shape)
 
 
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -140,6 +172,107 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype)
 
 def _norm_forward(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, module.weight if module.with_scale else None, norm_eps(module))
+
+
+# --- projections that read one input: one GEMV over their weights merged, else graph branches ----------------------
+# A step's GEMVs are ~85% of the read roof each, the rest of each one its ramp and its tail. Projections that read the
+# same input (a layer's q, k and v; gate and up) read their weights as one matrix when `merge_projections` has laid
+# them out as row blocks of one tensor: one GEMV of 16,384 x 5,376 instead of three, 241 launches a step of the 31B
+# instead of 411, and cuBLAS reads a larger matrix nearer the roof (the 31B's projections alone: 14.6 ms at one row
+# against 15.2 on branches and 16.3 serial; bench/MODEL_DECODE_NOTES.md). The modules' weights become views of that
+# tensor, so the model holds no more memory and every other forward computes what it did. The merged GEMV's outputs
+# are column slices of one [rows, q + k + v] output; the norms after them read those slices in place.
+MERGE = True  # False: no merging (the tests compare the two)
+_MERGED = "_foldkv_merged"  # attribute of an attention module / MLP: (merged weight, names, row counts)
+
+
+def _mergeable(linears: list[nn.Module]) -> bool:
+    ws = [lin.weight for lin in linears]
+    return (all(type(lin) is nn.Linear and lin.bias is None for lin in linears)
+            and all(type(w) is nn.Parameter and type(w.data) is torch.Tensor and w.is_contiguous() for w in ws)
+            and len({(w.dtype, w.device, w.shape[1]) for w in ws}) == 1)
+
+
+def _merge(owner: nn.Module, names: tuple[str, ...]) -> bool:
+    """Lay owner's `names` projections' weights out as row blocks of one new tensor; the modules' weights become
+    views of it (Parameters, requires_grad kept). False (nothing changed) when they are not plain bias-free Linears
+    of one dtype, device and input width (a DTensor shard, a quantised weight)."""
+    if getattr(owner, _MERGED, None) is not None and _merged_weight(owner) is not None:
+        return True
+    linears = [getattr(owner, n, None) for n in names]
+    if any(lin is None for lin in linears) or not _mergeable(linears):
+        return False
+    ws = [lin.weight for lin in linears]
+    with torch.no_grad():
+        merged = torch.cat([w.detach() for w in ws])
+        start = 0
+        for lin, w in zip(linears, ws):
+            rows = w.shape[0]
+            lin.weight = nn.Parameter(merged[start:start + rows], requires_grad=w.requires_grad)
+            start += rows
+    setattr(owner, _MERGED, (merged, names, tuple(w.shape[0] for w in ws)))
+    del ws, linears, lin, w  # the old weights' last references
+    if merged.is_cuda:  # the old weights' blocks go back to the driver: a model of 60 layers never holds two copies
+        torch.cuda.empty_cache()
+    return True
+
+
+def _merged_weight(owner: nn.Module) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """(merged weight, row counts) while the modules' weights are still its views in order; else None (a weight
+    replaced since the merge: the projections run as their own)."""
+    held = getattr(owner, _MERGED, None)
+    if held is None:
+        return None
+    merged, names, rows = held
+    start = 0
+    for name, n in zip(names, rows):
+        w = getattr(getattr(owner, name, None), "weight", None)
+        if (w is None or w.data_ptr() != merged.data_ptr() + start * merged.stride(0) * merged.element_size()
+                or w.shape[0] != n or w.untyped_storage().data_ptr() != merged.untyped_storage().data_ptr()):
+            return None
+        start += n
+    return merged, rows
+
+
+def _attention_names(attn: nn.Module) -> tuple[str, ...]:
+    return ("q_proj",) + tuple(n for n in ("k_proj", "v_proj") if isinstance(getattr(attn, n, None), nn.Linear))
+
+
+def merge_projections(model: nn.Module) -> int:
+    """Merge each attention's q|k(|v) and each Gemma 4 MLP's gate|up weights (module comment above); idempotent.
+    Returns how many groups are merged. The model's parameters stay what they were, as views: `split_projections`
+    gives each its own tensor again (for a checkpoint format that refuses shared storage)."""
+    done = 0
+    for attn in branched_attention_modules(model):
+        done += _merge(attn, _attention_names(attn))
+    for mlp in mlp_modules(model):
+        done += _merge(mlp, ("gate_proj", "up_proj"))
+    return done
+
+
+def split_projections(model: nn.Module) -> int:
+    """Undo `merge_projections`: every merged group's weights copied into tensors of their own. Returns how many."""
+    done = 0
+    for owner in model.modules():
+        held = getattr(owner, _MERGED, None)
+        if held is None:
+            continue
+        for name in held[1]:
+            lin = getattr(owner, name)
+            lin.weight = nn.Parameter(lin.weight.detach().clone(), requires_grad=lin.weight.requires_grad)
+        delattr(owner, _MERGED)
+        done += 1
+    return done
+
+
+def merged_linear(owner: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The owner's merged projections of x as one GEMV, split into each projection's output (column slices of one
+    output); None when the owner is not merged (or no longer is)."""
+    held = _merged_weight(owner) if MERGE else None
+    if held is None:
+        return None
+    merged, rows = held
+    return torch.nn.functional.linear(x, merged).split(rows, dim=-1)
 
 
 # --- projections that read one input, as graph branches ------------------------------------------------------------
@@ -193,6 +326,10 @@ class _BranchedProjections:
     def q(self, x: torch.Tensor) -> torch.Tensor:
         self.join_all()
         self.input = x
+        outs = merged_linear(self.attn, x)
+        if outs is not None:
+            self.pending = {n: (y, None) for n, y in zip(self.names, outs[1:])}
+            return outs[0]
         self.pending = dict(zip(self.names, fork(x, [getattr(self.attn, n) for n in self.names])))
         return nn.Linear.forward(self.attn.q_proj, x)
 
@@ -215,9 +352,14 @@ def branched_attention_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def _mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    gate = fork(x, [mlp.gate_proj])[0]
-    up = mlp.up_proj(x)
-    return mlp.down_proj(gelu_mul(join(gate), up))
+    outs = merged_linear(mlp, x)
+    if outs is not None:
+        gate, up = outs
+    else:
+        branch = fork(x, [mlp.gate_proj])[0]
+        up = mlp.up_proj(x)
+        gate = join(branch)
+    return mlp.down_proj(gelu_mul(gate, up))
 
 
 def _layer_forward(layer: nn.Module, hidden_states: torch.Tensor, per_layer_input=None, **kwargs) -> torch.Tensor:
@@ -273,7 +415,9 @@ def layer_modules(model: nn.Module) -> list[nn.Module]:
 def fused_step(model: nn.Module) -> Iterator[dict]:
     """Within the block, `model`'s RMSNorms, MLPs, decoder layers and its attention's RoPE run the kernels above
     (forwards replaced on the instances; `apply_rotary_pos_emb` in the attention classes' modules); yields how many
-    of each. Outside it, everything is as it was."""
+    of each. Outside it, every forward is as it was; the projections merged on entry (`merge_projections`, MERGE)
+    stay merged: the same values, laid out as views of one tensor a group."""
+    merged = merge_projections(model) if MERGE else 0
     swapped: list[tuple[nn.Module, object]] = []
     for m in norm_modules(model):
         swapped.append((m, functools.partial(_norm_forward, m)))
@@ -282,7 +426,7 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
     layers = layer_modules(model)
     for m in layers:
         swapped.append((m, functools.partial(_layer_forward, m)))
-    branched = branched_attention_modules(model) if BRANCHES else []
+    branched = branched_attention_modules(model) if BRANCHES or MERGE else []
     for attn in branched:
         proj = attn._foldkv_branches = _BranchedProjections(attn)
         swapped.append((attn.q_proj, proj.q))
@@ -297,7 +441,7 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
         mod.apply_rotary_pos_emb = _rope_function(own)
     counts = {"norms": sum(type(m).__name__ == "Gemma4RMSNorm" for m, _ in swapped),
               "mlps": sum(type(m).__name__ == "Gemma4TextMLP" for m, _ in swapped), "layers": len(layers),
-              "rope": len(ropes), "branched_attention": len(branched)}
+              "rope": len(ropes), "branched_attention": len(branched), "merged": merged}
     try:
         yield counts
     finally:
@@ -310,6 +454,7 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
             mod.apply_rotary_pos_emb = own
 
 
-__all__ = ["fused_step", "norm_eps", "fork", "join", "side_streams", "branched_attention_modules", "BRANCHES",
+__all__ = ["fused_step", "norm_eps", "fork", "join", "side_streams", "branched_attention_modules", "BRANCHES", "MERGE",
+           "merge_projections", "split_projections", "merged_linear",
            "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "norm_modules",
            "mlp_modules", "layer_modules"]

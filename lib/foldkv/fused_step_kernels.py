@@ -31,11 +31,15 @@ if triton is not None:
         return y
 
     @triton.jit
-    def rms_norm_rows(x_ptr, w_ptr, y_ptr, n, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    def rms_norm_rows(x_ptr, w_ptr, y_ptr, n, inner_rows, outer_stride, eps, HAS_WEIGHT: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        """Row r of x at (r // inner_rows) * outer_stride + (r % inner_rows) * n (a [outer, inner_rows, n] view whose
+        inner rows are packed: a head-split slice of a merged projection's output); y [rows, n] packed."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         keep = cols < n
-        x = tl.load(x_ptr + row * n + cols, mask=keep, other=0.0).to(tl.float32)
+        at = (row // inner_rows) * outer_stride + (row % inner_rows) * n
+        x = tl.load(x_ptr + at + cols, mask=keep, other=0.0).to(tl.float32)
         y = _normed(x, w_ptr, cols, keep, n, eps, HAS_WEIGHT)
         tl.store(y_ptr + row * n + cols, _rounded(y, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=keep)
 
@@ -76,17 +80,19 @@ if triton is not None:
         tl.store(y_ptr + row * D + cols, y.to(out_ty))
 
     @triton.jit
-    def gelu_mul_flat(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
-        """round(round(gelu_tanh(g)) * u): torch's tanh GELU (0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))))."""
-        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    def gelu_mul_rows(g_ptr, u_ptr, y_ptr, n, g_stride, u_stride, BLOCK: tl.constexpr):
+        """round(round(gelu_tanh(g)) * u): torch's tanh GELU (0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))); row
+        program_id(0) of g and u at its own row stride (the halves of a merged gate|up output), y [rows, n] packed."""
+        row = tl.program_id(0).to(tl.int64)
+        at = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         keep = at < n
         out_ty = y_ptr.dtype.element_ty
-        g = tl.load(g_ptr + at, mask=keep, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + at, mask=keep, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * g_stride + at, mask=keep, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * u_stride + at, mask=keep, other=0.0).to(tl.float32)
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         t = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0  # tanh(inner), saturating to +-1 without overflow
         act = _rounded(0.5 * g * (1.0 + t), out_ty)
-        tl.store(y_ptr + at, _rounded(act * u, out_ty).to(out_ty), mask=keep)
+        tl.store(y_ptr + row * n + at, _rounded(act * u, out_ty).to(out_ty), mask=keep)
 
     @triton.jit
     def masked_softmax_rows(s_ptr, m_ptr, p_ptr, n, rows_per_mask, BLOCK: tl.constexpr):

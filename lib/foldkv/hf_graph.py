@@ -215,6 +215,11 @@ class DecodeStep:
         self.started = True
         self.model = getattr(forward, "__self__", None)
         self.fuse = dev.type == "cuda" and self.model is not None
+        if self.fuse:  # before the warm-up: the merged weights are allocated once, on the current stream
+            from .fused_step import MERGE, merge_projections
+
+            if MERGE:
+                merge_projections(self.model)
         if self.mode == "static":
             return self._body(forward)
         from .kernels.workspace import capture_graph

@@ -1,0 +1,171 @@
+"""Merged projections (`foldkv.fused_step.merge_projections`) on the CPU: a layer's q|k(|v) and gate|up weights laid
+out as row blocks of one tensor, the modules' weights its views; what the decode step reads through them
+(`merged_linear`, the branched attention's q/k/v); and the packed-rows layout the fused norm reads in place.
+
+The model is the 31B architecture shrunk (6 layers, hidden 128) in float32. A merged weight's views are the same
+values at the same shapes, so every forward of the model computes bit for bit what it did (same CPU kernels). The
+merged GEMV reduces each output over the same K in another GEMM, so its outputs are held to the float32 GEMV bound
+against the separate projections (K * 2^-23 * sum |x w| per element), with a red twin (a weight replaced after the
+merge is noticed, and a slice of the wrong rows differs by more than the bound).
+
+Reproduce: pytest tests/test_merge_projections_cpu.py -k merged_linear
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import require_module
+
+SMALL = dict(vocab_size=512, vocab_size_per_layer_input=512, hidden_size=128, intermediate_size=256)
+
+
+@pytest.fixture()
+def model():
+    require_module("transformers")
+    from foldkv.lab import gemma31b
+
+    return gemma31b.build_gemma4_31b("cpu", num_layers=6, dtype=torch.float32, **SMALL)
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.shape[-1] * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T) + 1e-30
+
+
+def test_merge_keeps_every_parameter_and_every_forward(model):
+    from foldkv import fused_step as fs
+
+    ids = torch.randint(3, 512, (2, 7), generator=torch.Generator().manual_seed(0))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert fs.merge_projections(model) == 12  # 6 attentions + 6 MLPs
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    assert all(isinstance(p, nn.Parameter) for p in after.values())
+    # 6 layers: q|k|v (or q|k) -> 1 storage, gate|up -> 1: 18 - 6 (global layers have no v) ... counted exactly:
+    attn = fs.branched_attention_modules(model)
+    saved = sum(len(fs._attention_names(a)) - 1 for a in attn) + len(fs.mlp_modules(model))
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == len(storages) - saved
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, logits)
+    pointers = [p.data_ptr() for p in model.parameters()]
+    assert fs.merge_projections(model) == 12  # idempotent: nothing re-laid
+    assert [p.data_ptr() for p in model.parameters()] == pointers
+
+
+def test_split_gives_each_weight_its_own_tensor_again(model):
+    from foldkv import fused_step as fs
+
+    storages = len({p.untyped_storage().data_ptr() for p in model.parameters()})
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fs.merge_projections(model)
+    assert fs.split_projections(model) == 12
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == storages
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not any(hasattr(m, fs._MERGED) for m in model.modules())
+    assert fs.merged_linear(model.model.layers[0].self_attn, torch.ones(1, 128)) is None
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_merged_linear_within_the_gemv_bound_of_the_separate_projections(model, rows):
+    from foldkv import fused_step as fs
+
+    fs.merge_projections(model)
+    x = torch.randn(rows, 1, 128, generator=torch.Generator().manual_seed(rows))
+    for owner in [*fs.branched_attention_modules(model), *fs.mlp_modules(model)]:
+        names = owner._foldkv_merged[1]
+        outs = fs.merged_linear(owner, x)
+        assert len(outs) == len(names)
+        for name, y in zip(names, outs):
+            w = getattr(owner, name).weight
+            ref = x.double() @ w.double().T
+            assert y.shape == (rows, 1, w.shape[0])
+            assert bool(((y.double() - ref).abs() <= _bound(x, w)).all()), name
+        # red twin: the next projection's rows are not this one's (they differ by far more than the bound)
+        if len(outs) > 1:
+            w0 = getattr(owner, names[0]).weight
+            n = min(outs[0].shape[-1], outs[1].shape[-1])
+            ref = (x.double() @ w0.double().T)[..., :n]
+            assert not bool(((outs[1][..., :n].double() - ref).abs() <= _bound(x, w0)[..., :n]).all())
+
+
+def test_a_weight_replaced_after_the_merge_is_not_read_through_the_merged_tensor(model):
+    from foldkv import fused_step as fs
+
+    fs.merge_projections(model)
+    attn = model.model.layers[0].self_attn
+    assert fs.merged_linear(attn, torch.ones(1, 128)) is not None
+    attn.k_proj.weight = nn.Parameter(attn.k_proj.weight.detach().clone() * 2)
+    assert fs.merged_linear(attn, torch.ones(1, 128)) is None  # the step falls back to the module's own weight
+    assert fs.merge_projections(model) == 12  # merging again takes the new weight
+    outs = fs.merged_linear(attn, torch.ones(1, 128))
+    assert outs is not None and torch.allclose(outs[1], attn.k_proj(torch.ones(1, 128)), rtol=0, atol=1e-4)
+
+
+def test_unmergeable_groups_are_left_as_they_are(model):
+    from foldkv import fused_step as fs
+
+    attn = model.model.layers[0].self_attn
+    attn.k_proj.bias = nn.Parameter(torch.zeros(attn.k_proj.out_features))  # a bias: not a plain projection
+    mlp = model.model.layers[1].mlp
+    mlp.up_proj.weight = nn.Parameter(mlp.up_proj.weight.detach().double())  # another dtype
+    assert fs.merge_projections(model) == 10
+    assert not hasattr(attn, fs._MERGED) and not hasattr(mlp, fs._MERGED)
+
+
+def test_branched_attention_through_the_merged_weights_computes_the_attention(model):
+    """The attention module's forward with its q/k/v served by `_BranchedProjections` over the merged weights (column
+    slices of one output, read by the norms as strided views) against the same forward unmerged; float32 bound of the
+    projections' reduction order carried through: measured here ~1e-6, held at 1e-4 relative."""
+    from foldkv import fused_step as fs
+
+    for layer in (model.model.layers[0], model.model.layers[5]):
+        attn = layer.self_attn
+        x = torch.randn(2, 1, 128, generator=torch.Generator().manual_seed(1))
+        want = _attend(model, layer, x)
+        fs.merge_projections(model)
+        proj = fs._BranchedProjections(attn)
+        attn.q_proj.forward = proj.q
+        for name in proj.names:
+            getattr(attn, name).forward = lambda h, name=name: proj.take(name, h)
+        try:
+            got = _attend(model, layer, x)
+            assert not proj.pending  # every merged output was taken
+        finally:
+            del attn.q_proj.forward
+            for name in proj.names:
+                del getattr(attn, name).forward
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), (got - want).abs().max()
+
+
+def _attend(model, layer, x):
+    """One token per sequence through `layer`'s attention with no cache (it attends to itself)."""
+    pos = torch.zeros(x.shape[0], 1, dtype=torch.long)
+    emb = model.model.rotary_emb(x, pos, model.config.layer_types[layer.self_attn.layer_idx])
+    with torch.no_grad():
+        out, _ = layer.self_attn(hidden_states=x, position_embeddings=emb, attention_mask=None, shared_kv_states={})
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 4, 8), (3, 1, 2, 16), (1, 1, 4, 8)])
+def test_packed_rows_reads_a_head_split_slice(shape):
+    from foldkv.fused_step import _packed_rows
+
+    b, t, h, d = shape
+    full = torch.randn(b, t, 3 * h * d)
+    view = full[..., h * d:2 * h * d].view(b, t, h, d)
+    inner, outer = _packed_rows(view)
+    assert inner == h
+    flat = full.reshape(-1)
+    rows = torch.stack([flat[(r // h) * outer + (r % h) * d + h * d:][:d] for r in range(b * t * h)])
+    assert torch.equal(rows, view.reshape(-1, d))
+    # red twins: a transposed view, a column-strided one, leading dims of two strides are not packed rows
+    assert _packed_rows(view.transpose(-1, -2)) is None
+    assert _packed_rows(full[..., ::2]) is None
+    three = torch.randn(b, 3, 3 * h * d)[:, :2, h * d:2 * h * d].unflatten(-1, (h, d))
+    assert (_packed_rows(three) is None) == (b > 1)
