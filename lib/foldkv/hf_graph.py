@@ -310,10 +310,10 @@ def cache_keyword(model: torch.nn.Module) -> str:
 
 def install(model: torch.nn.Module) -> None:
     """Route `model`'s forward through the decode step of the FoldKvCache it is called with (idempotent), and make
-    generate()'s decoding loop `foldkv.hf_loop.decode_loop` when that cache has a decode step (a `custom_generate` the
-    caller passes wins). The wrappers are methods bound to the model (a copy of the model, `copy.deepcopy`, gets its
-    own), keep the class methods' signatures (functools.wraps: generate() reads forward's) and call them for every
-    other call."""
+    generate()'s decoding loop `foldkv.hf_loop.decode_loop` when that cache has a decode step and the call is greedy or
+    sampling (`hf_loop.applies`; a `custom_generate` the caller passes wins). The wrappers are methods bound to the
+    model (a copy of the model, `copy.deepcopy`, gets its own), keep the class methods' signatures (functools.wraps:
+    generate() reads forward's) and call them for every other call."""
     if isinstance(vars(model).get("forward"), types.MethodType) and getattr(vars(model)["forward"], "_foldkv", False):
         return
     own_forward = type(model).forward

@@ -12,10 +12,11 @@ finished sequences and criteria, in the same order), waits for the flag as `_sam
 the ids and the cache alone. The prompt's forward(s) (`_prefill`, chunked prefill included) and the first decode step
 (the capture) go through transformers' own path, and every forward goes through the model's (wrapped) forward.
 
-`hf_graph.install` makes it generate()'s decoding method when the cache passed has a decode step and the caller passed
-no `custom_generate` (the transformers hook for a decoding loop: a callable with `_sample`'s signature). What it does not
-cover goes to `_sample` unchanged: a cache without a decode step, streamers, `return_dict_in_generate`, synced GPUs, an
-assistant model, a transformers without `_prefill` (before 5.2x).
+`hf_graph.install` makes it generate()'s decoding method when the cache passed has a decode step, the caller passed
+no `custom_generate` (the transformers hook for a decoding loop: a callable with `_sample`'s signature) and the call is
+greedy or sampling (`applies`). What it does not cover goes to transformers' own method unchanged: a cache without a
+decode step, beams and the other modes, streamers, a tokenizer (stop strings), `return_dict_in_generate`, synced GPUs,
+an assistant model, a transformers without `_prefill` (before 5.2x).
 """
 
 from __future__ import annotations
@@ -47,20 +48,21 @@ def covers(model: torch.nn.Module, generation_config: Any, synced_gpus: bool, st
 
 def applies(model: torch.nn.Module, kwargs: dict) -> bool:
     """Whether generate(**kwargs) should get this loop as its decoding method (`hf_graph.install`): the cache has a
-    decode step, the caller set no decoding method of its own, and nothing asks for a mode or output the loop leaves to
-    transformers (beams, an assistant, prompt lookup, a streamer, synced GPUs, a dict of outputs)."""
+    decode step, the caller set no decoding method of its own, nothing is passed that transformers hands only to its own
+    methods (a callable `custom_generate` gets none of them: a streamer, synced GPUs, an assistant, a tokenizer), and
+    the generation config generate() will use (the model's, the one passed, the keywords; unset fields at transformers'
+    defaults) asks for greedy or multinomial sampling without a dict of outputs."""
     from .hf_graph import DecodeStep
 
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-
-    def value(name: str, default: Any) -> Any:
-        return kwargs[name] if name in kwargs else getattr(config, name, default)
-
-    return (kwargs.get("custom_generate") is None
-            and isinstance(getattr(_cache_of(kwargs), "decode_step", None), DecodeStep)
-            and kwargs.get("assistant_model") is None and kwargs.get("streamer") is None
-            and not kwargs.get("synced_gpus") and value("num_beams", 1) == 1
-            and value("prompt_lookup_num_tokens", None) is None and not value("return_dict_in_generate", False))
+    if (kwargs.get("custom_generate") is not None or not hasattr(type(model), "_prefill")
+            or not isinstance(getattr(_cache_of(kwargs), "decode_step", None), DecodeStep)
+            or any(kwargs.get(k) is not None
+                   for k in ("assistant_model", "streamer", "tokenizer", "assistant_tokenizer"))
+            or kwargs.get("synced_gpus")):
+        return False
+    rest = {k: v for k, v in kwargs.items() if k != "generation_config"}
+    config, _ = model._prepare_generation_config(kwargs.get("generation_config"), **rest)
+    return _sampling_mode(config) and not config.return_dict_in_generate
 
 
 def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_processor: Any, stopping_criteria: Any,
