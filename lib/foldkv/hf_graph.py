@@ -314,9 +314,11 @@ def cache_keyword(model: torch.nn.Module) -> str:
 
 
 def install(model: torch.nn.Module) -> None:
-    """Route `model`'s forward through the decode step of the FoldKvCache it is called with (idempotent). The
-    wrapper is a method bound to the model (a copy of the model, `copy.deepcopy`, gets its own), keeps the class
-    forward's signature (functools.wraps: generate() reads it) and calls that forward for every other call."""
+    """Route `model`'s forward through the decode step of the FoldKvCache it is called with (idempotent), and make
+    generate()'s decoding loop `foldkv.hf_loop.decode_loop` when that cache has a decode step and the call is greedy or
+    sampling (`hf_loop.applies`; a `custom_generate` the caller passes wins). The wrappers are methods bound to the
+    model (a copy of the model, `copy.deepcopy`, gets its own), keep the class methods' signatures (functools.wraps:
+    generate() reads forward's) and call them for every other call."""
     if isinstance(vars(model).get("forward"), types.MethodType) and getattr(vars(model)["forward"], "_foldkv", False):
         return
     own_forward = type(model).forward
@@ -332,6 +334,18 @@ def install(model: torch.nn.Module) -> None:
 
     forward._foldkv = True
     model.forward = types.MethodType(forward, model)
+    if hasattr(type(model), "generate"):
+        own_generate = type(model).generate
+
+        @functools.wraps(own_generate)
+        def generate(self, *args, **kwargs):
+            from .hf_loop import applies, decode_loop
+
+            if applies(self, kwargs):
+                kwargs["custom_generate"] = decode_loop
+            return own_generate(self, *args, **kwargs)
+
+        model.generate = types.MethodType(generate, model)
 
 
 __all__ = ["DecodeStep", "RingMask", "STEP_MODES", "REPLAN_STEPS", "cache_keyword", "install", "ring_attention"]

@@ -1,0 +1,117 @@
+"""generate()'s decoding loop on a FoldKvCache with a decode step: transformers' sampling loop
+(`GenerationMixin._sample`, greedy or multinomial) with nothing between one step's end and the next step's replay but
+that replay's launch.
+
+transformers' loop reads `unfinished_sequences.max() == 0` on the host after every token (a device sync: the host
+must know whether to go on), then runs `prepare_inputs_for_generation`, `_update_model_kwargs_for_generation` and the
+model's forward wrapper before the next step reaches the GPU, which idles meanwhile (on the 31B at one H200, 0.4-0.8 ms
+a token: 2-5% of a step). Once the cache's decode step has started (`hf_graph.DecodeStep`: one graph replay a step that
+reads the token ids and nothing else of the forward's arguments), the step needs none of that. This loop computes the
+next tokens, the stopping criteria and the finished flag as `_sample` does (the same processors, selection, padding of
+finished sequences and criteria, in the same order), waits for the flag as `_sample` does, and then calls the model with
+the ids and the cache alone. The prompt's forward(s) (`_prefill`, chunked prefill included) and the first decode step
+(the capture) go through transformers' own path, and every forward goes through the model's (wrapped) forward.
+
+`hf_graph.install` makes it generate()'s decoding method when the cache passed has a decode step, the caller passed
+no `custom_generate` (the transformers hook for a decoding loop: a callable with `_sample`'s signature) and the call is
+greedy or sampling (`applies`). What it does not cover goes to transformers' own method unchanged: a cache without a
+decode step, beams and the other modes, streamers, a tokenizer (stop strings), `return_dict_in_generate`, synced GPUs,
+an assistant model, a transformers without `_prefill` (before 5.2x).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+LOOP_STEPS: dict[str, int] = {"thin": 0, "transformers": 0}  # decode steps run by each loop (tests read it)
+
+
+def _cache_of(model_kwargs: dict) -> Any:
+    return model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+
+
+def _sampling_mode(generation_config: Any) -> bool:
+    from transformers.generation.configuration_utils import GenerationMode
+
+    return generation_config.get_generation_mode() in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+
+
+def covers(model: torch.nn.Module, generation_config: Any, synced_gpus: bool, streamer: Any, cache: Any) -> bool:
+    """Whether the thin loop runs this generate() call (module docstring); otherwise transformers' own method does."""
+    step = getattr(cache, "decode_step", None)
+    return (step is not None and hasattr(type(model), "_prefill") and streamer is None and not synced_gpus
+            and not generation_config.return_dict_in_generate and not getattr(generation_config, "is_assistant", False)
+            and not model.config.is_encoder_decoder and _sampling_mode(generation_config))
+
+
+def applies(model: torch.nn.Module, kwargs: dict) -> bool:
+    """Whether generate(**kwargs) should get this loop as its decoding method (`hf_graph.install`): the cache has a
+    decode step, the caller set no decoding method of its own, nothing is passed that transformers hands only to its own
+    methods (a callable `custom_generate` gets none of them: a streamer, synced GPUs, an assistant, a tokenizer), and
+    the generation config generate() will use (the model's, the one passed, the keywords; unset fields at transformers'
+    defaults) asks for greedy or multinomial sampling without a dict of outputs."""
+    from .hf_graph import DecodeStep
+
+    if (kwargs.get("custom_generate") is not None or not hasattr(type(model), "_prefill")
+            or not isinstance(getattr(_cache_of(kwargs), "decode_step", None), DecodeStep)
+            or any(kwargs.get(k) is not None
+                   for k in ("assistant_model", "streamer", "tokenizer", "assistant_tokenizer"))
+            or kwargs.get("synced_gpus")):
+        return False
+    rest = {k: v for k, v in kwargs.items() if k != "generation_config"}
+    config, _ = model._prepare_generation_config(kwargs.get("generation_config"), **rest)
+    return _sampling_mode(config) and not config.return_dict_in_generate
+
+
+def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_processor: Any, stopping_criteria: Any,
+                generation_config: Any, synced_gpus: bool = False, streamer: Any = None,
+                **model_kwargs) -> torch.LongTensor:
+    """`GenerationMixin._sample`'s contract (same arguments, the prompt and its new tokens as one LongTensor)."""
+    from transformers.generation.utils import GenerationMixin
+
+    cache = _cache_of(model_kwargs)
+    if not covers(model, generation_config, synced_gpus, streamer, cache):
+        from transformers.generation.utils import GENERATION_MODES_MAPPING
+
+        own = getattr(GenerationMixin, GENERATION_MODES_MAPPING[generation_config.get_generation_mode()],
+                      GenerationMixin._sample)
+        return own(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                   synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+    step = cache.decode_step
+    cache_kw = "cache" if "cache" in model_kwargs else "past_key_values"
+    pad_token_id = generation_config._pad_token_tensor
+    if pad_token_id is not None:
+        pad_token_id = pad_token_id.to(input_ids.device)
+    has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    do_sample = generation_config.do_sample
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+
+    outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
+    while True:
+        if not step.started:  # the prompt's output or the capturing step: transformers' own bookkeeping
+            model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
+        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+        del outputs
+        scores = logits_processor(input_ids, logits)
+        if do_sample:
+            next_tokens = torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            next_tokens = torch.argmax(scores, dim=-1)
+        if has_eos_stopping_criteria:
+            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+        unfinished = unfinished & ~stopping_criteria(input_ids, None)
+        if bool(unfinished.max() == 0):  # _sample's stop check, the one sync a token
+            return input_ids
+        if step.started:
+            LOOP_STEPS["thin"] += 1
+            outputs = model(input_ids=next_tokens[:, None], **{cache_kw: cache})
+        else:
+            LOOP_STEPS["transformers"] += 1
+            model_inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
+            outputs = model(**model_inputs, return_dict=True)
+
+
+__all__ = ["LOOP_STEPS", "applies", "covers", "decode_loop"]

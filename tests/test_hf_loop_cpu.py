@@ -1,0 +1,331 @@
+"""generate()'s thin decoding loop (`foldkv.hf_loop.decode_loop`, made generate()'s decoding method by
+`hf_graph.install` for a FoldKvCache with a decode step) against transformers' own loop (`GenerationMixin._sample`), on
+the CPU with decode_step="static": the same tokens (greedy, sampling, EOS with the padding after it), the thin path
+taking every decode step after the capturing one (counted exactly in `hf_loop.LOOP_STEPS`), and every call it does
+not cover (beams, a dict of outputs, a streamer, stop strings with their tokenizer) left to transformers.
+
+The model is test_hf_step_cpu's tiny synthetic Gemma 4 (sliding window 8: the rings wrap over a prompt of 17 and 12 new
+tokens), float32, prompts left-padded (3 lengths) or one unpadded prompt, prefilled whole or in chunks of 4 (17 = 4 x 4
++ 1: the last chunk, one column, is the capturing step). "Loop off" is the same generate() with `hf_loop.applies`
+answering False (transformers' `_sample` runs, as without the loop); the tokens must also equal the eager decode path's
+(decode_step="eager") and transformers' own attention's (sdpa, DynamicCache).
+
+Red twins: a loop that feeds the thin step the previous token, one that skips the logits processors on the thin path,
+one that does not pad finished sequences there: each changes the tokens. A loop forced onto a streamer or onto stop
+strings loses what transformers hands only to its own methods (the streamer's tokens, the tokenizer).
+
+Reproduce one case: pytest tests/test_hf_loop_cpu.py -k "greedy and split and chunk-4 and padded"
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from conftest import TINY_SYNTHETIC, left_padded_batch, require_module
+from foldkv.lab.model import cache_keyword
+
+LENGTHS = (5, 17, 11)
+NEW = 12
+WINDOW = 8
+PAD = 0  # the synthetic checkpoint's pad_token_id
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    require_module("transformers")
+    require_module("safetensors")
+    import foldkv.hf  # noqa: F401
+    from foldkv.lab.model import load_model
+    from foldkv.lab.synthetic import make_synthetic_checkpoint
+
+    ckpt = make_synthetic_checkpoint(tmp_path_factory.mktemp("loop"), seed=3, sliding_window=WINDOW, **TINY_SYNTHETIC)
+    return {impl: load_model(ckpt, dtype=torch.float32, attn_implementation=impl) for impl in ("sdpa", "foldkv")}
+
+
+BATCHES = {"padded": lambda b: b, "single": lambda b: (b[0][1:2], torch.ones_like(b[0][1:2]))}
+
+
+@pytest.fixture(scope="module", params=list(BATCHES))
+def batch(request):
+    """(name, (input_ids, attention_mask)): the left-padded batch of 3 (conftest.left_padded_batch) or its longest
+    prompt alone (no padding: generate() drops the all-ones mask)."""
+    return request.param, BATCHES[request.param](left_padded_batch(LENGTHS, TINY_SYNTHETIC["vocab_size"]))
+
+
+def _cache(model, fmt="folded", decode_step="static"):
+    from foldkv.hf import FoldKvCache
+
+    return FoldKvCache(model, max_batch=4, max_tokens=max(LENGTHS) + NEW, kv_format=fmt, scatter_seed=5,
+                       decode_step=decode_step)
+
+
+def _generate(model, batch, cache=None, *, loop=True, seed=None, **kw):
+    """(sequences [B, prompt + new], LOOP_STEPS' growth {"thin": n, "transformers": n}) of one generate(); loop=False:
+    transformers' own loop (`hf_loop.applies` answers False). seed: torch seeded before the call."""
+    from foldkv import hf_loop
+
+    ids, mask = batch
+    if cache is not None:
+        kw[cache_keyword(model)] = cache
+    kw.setdefault("do_sample", False)
+    before = dict(hf_loop.LOOP_STEPS)
+    with pytest.MonkeyPatch.context() as mp:
+        if not loop:
+            mp.setattr(hf_loop, "applies", lambda model, kwargs: False)
+        if seed is not None:
+            torch.manual_seed(seed)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, **kw)
+    return out, {k: hf_loop.LOOP_STEPS[k] - before[k] for k in before}
+
+
+def _broken_loop(monkeypatch, old: str, new: str) -> None:
+    """Install a copy of `decode_loop` with `old` (found exactly once in its source) replaced by `new`: install's
+    generate() reads `hf_loop.decode_loop` at every call."""
+    from foldkv import hf_loop
+
+    src = inspect.getsource(hf_loop.decode_loop)
+    assert src.count(old) == 1, f"{old!r} is not in decode_loop's source once: the twin would not break it"
+    scope = dict(vars(hf_loop))
+    exec(compile(src.replace(old, new), hf_loop.__file__, "exec"), scope)
+    monkeypatch.setattr(hf_loop, "decode_loop", scope["decode_loop"])
+
+
+# --- greedy: the thin loop's tokens are transformers' ---------------------------------------------------------------
+
+def _greedy(models, batch, fmt, chunk):
+    """(thin loop's output, its LOOP_STEPS growth, loop off's output, its growth, cache) of one greedy generate();
+    min_new_tokens keeps every sequence going (the synthetic eos, 1, is suppressed), so the counts are exact."""
+    model = models["foldkv"]
+    kw = dict(min_new_tokens=NEW, prefill_chunk_size=chunk)
+    cache = _cache(model, fmt)
+    got, steps = _generate(model, batch, cache, **kw)
+    want, off_steps = _generate(model, batch, _cache(model, fmt), loop=False, **kw)
+    return got, steps, want, off_steps, cache
+
+
+@pytest.mark.parametrize("chunk", [None, 4], ids=["whole", "chunk-4"])
+@pytest.mark.parametrize("fmt", ["folded", "split"])
+def test_greedy_thin_loop_equals_transformers_loop(models, batch, fmt, chunk):
+    _, inputs = batch
+    got, steps, want, off_steps, cache = _greedy(models, inputs, fmt, chunk)
+    assert got.shape == (inputs[0].shape[0], inputs[0].shape[1] + NEW)
+    where = (got != want).nonzero()[:4].tolist()
+    assert torch.equal(got, want), f"thin loop vs transformers' loop: tokens differ at {where}"
+    # the eager decode path and transformers' own attention give the same tokens
+    eager, _ = _generate(models["foldkv"], inputs, _cache(models["foldkv"], fmt, "eager"),
+                         min_new_tokens=NEW, prefill_chunk_size=chunk)
+    incumbent, _ = _generate(models["sdpa"], inputs, min_new_tokens=NEW, prefill_chunk_size=chunk)
+    assert torch.equal(got, eager) and torch.equal(got, incumbent)
+    # NEW - 1 decode forwards: the first one captures through transformers' path, the rest are thin; a last prompt
+    # chunk of one column (17 in chunks of 4) is the capturing step, so every decode forward is thin
+    captured_in_prefill = chunk is not None and max(LENGTHS) % chunk == 1
+    assert steps == {"thin": NEW - 1 - (not captured_in_prefill), "transformers": int(not captured_in_prefill)}
+    assert off_steps == {"thin": 0, "transformers": 0}
+    assert cache.decode_step.steps == NEW - 1 + captured_in_prefill  # every forward after the capture is a step
+
+
+def test_a_custom_generate_of_the_caller_wins(models):
+    """custom_generate=GenerationMixin._sample (a callable with _sample's signature): transformers' loop runs, not the
+    thin one, with the thin loop's tokens (its twin: the greedy test's thin count, > 0 without it)."""
+    from transformers.generation.utils import GenerationMixin
+
+    inputs = left_padded_batch(LENGTHS, TINY_SYNTHETIC["vocab_size"])
+    model = models["foldkv"]
+    got, steps = _generate(model, inputs, _cache(model), min_new_tokens=NEW, custom_generate=GenerationMixin._sample)
+    want, loop_steps = _generate(model, inputs, _cache(model), min_new_tokens=NEW)
+    assert steps == {"thin": 0, "transformers": 0} and loop_steps["thin"] == NEW - 2
+    assert torch.equal(got, want)
+
+
+# --- EOS: finished sequences padded, the loop stopping when all are ---------------------------------------------------
+
+def _eos_case(models, batch, case):
+    """(eos ids, the expected output) from a greedy generation without EOS: eos = sequence 0's 4th new token
+    ("one_finishes"), or one token of each sequence ("all_finish": the generation ends early). Expected: those tokens,
+    PAD after each sequence's first EOS, cut after the step where the last sequence finished."""
+    ids = batch[0]
+    model = models["foldkv"]
+    free, _ = _generate(model, batch, _cache(model), loop=False, min_new_tokens=NEW)
+    new = free[:, ids.shape[1]:]
+    picks = [(0, 3)] if case == "one_finishes" else [(0, 3), (1, 5), (2, 2)][:ids.shape[0]]
+    eos = sorted({int(new[b, s]) for b, s in picks})
+    want = new.clone()
+    ends = []
+    for b in range(new.shape[0]):
+        hits = [s for s in range(NEW) if int(new[b, s]) in eos]
+        end = hits[0] if hits else NEW - 1
+        want[b, end + 1:] = PAD
+        ends.append(end)
+    return eos, torch.cat([ids, want[:, :max(ends) + 1]], dim=1), ends
+
+
+@pytest.mark.parametrize("case", ["one_finishes", "all_finish"])
+def test_eos_stops_and_pads_as_transformers(models, batch, case):
+    _, inputs = batch
+    model = models["foldkv"]
+    eos, want, ends = _eos_case(models, inputs, case)
+    assert ends[0] == 3 < NEW - 1  # sequence 0 finishes early: PAD follows its EOS
+    got, steps = _generate(model, inputs, _cache(model), eos_token_id=eos, pad_token_id=PAD)
+    off, off_steps = _generate(model, inputs, _cache(model), loop=False, eos_token_id=eos, pad_token_id=PAD)
+    assert torch.equal(off, want), "transformers' loop is not what the test expects"
+    assert got.shape == want.shape and torch.equal(got, want), f"thin loop: {got[:, inputs[0].shape[1]:]}"
+    if case == "all_finish":
+        assert want.shape[1] < inputs[0].shape[1] + NEW  # the loop stopped before max_new_tokens
+    generated = want.shape[1] - inputs[0].shape[1]
+    assert steps == {"thin": generated - 2, "transformers": 1} and off_steps == {"thin": 0, "transformers": 0}
+
+
+# --- sampling ---------------------------------------------------------------------------------------------------------
+
+SAMPLING = dict(do_sample=True, top_k=8, temperature=0.7, min_new_tokens=NEW)
+
+
+def _sampled(models, batch, seed=123):
+    model = models["foldkv"]
+    got, steps = _generate(model, batch, _cache(model), seed=seed, **SAMPLING)
+    want, _ = _generate(model, batch, _cache(model), loop=False, seed=seed, **SAMPLING)
+    return got, want, steps
+
+
+def test_sampling_thin_loop_equals_transformers_loop(models, batch):
+    _, inputs = batch
+    got, want, steps = _sampled(models, inputs)
+    assert torch.equal(got, want), f"sampled tokens differ at {(got != want).nonzero()[:4].tolist()}"
+    incumbent, _ = _generate(models["sdpa"], inputs, seed=123, **SAMPLING)
+    assert torch.equal(got, incumbent)
+    assert steps == {"thin": NEW - 2, "transformers": 1}
+    # the seed decided: another seed samples another continuation, and it is not the greedy one
+    other, _ = _generate(models["foldkv"], inputs, _cache(models["foldkv"]), seed=7, **SAMPLING)
+    greedy, _ = _generate(models["foldkv"], inputs, _cache(models["foldkv"]), min_new_tokens=NEW)
+    assert not torch.equal(got, other) and not torch.equal(got, greedy)
+
+
+# --- red twins: a broken thin loop changes the tokens -----------------------------------------------------------------
+
+BROKEN = {
+    # the thin step fed the token before the new one
+    "previous_token": ("outputs = model(input_ids=next_tokens[:, None]",
+                       "outputs = model(input_ids=input_ids[:, -2:-1]"),
+    # top_k and temperature dropped once the step has started
+    "no_processors": ("scores = logits_processor(input_ids, logits)",
+                      "scores = logits if step.started else logits_processor(input_ids, logits)"),
+    # finished sequences not padded once the step has started
+    "no_padding": ("if has_eos_stopping_criteria:", "if has_eos_stopping_criteria and not step.started:"),
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN))
+def test_a_broken_thin_loop_changes_the_tokens(models, broken, monkeypatch):
+    """On the padded batch (with one sequence, the last to finish ends the loop: nothing to pad)."""
+    inputs = left_padded_batch(LENGTHS, TINY_SYNTHETIC["vocab_size"])
+    _broken_loop(monkeypatch, *BROKEN[broken])
+    if broken == "previous_token":
+        got, steps, want, _, _ = _greedy(models, inputs, "folded", None)
+    elif broken == "no_processors":
+        got, want, steps = _sampled(models, inputs)
+    else:
+        eos, want, _ = _eos_case(models, inputs, "one_finishes")
+        model = models["foldkv"]
+        got, steps = _generate(model, inputs, _cache(model), eos_token_id=eos, pad_token_id=PAD)
+    assert steps["thin"] > 0  # the broken copy ran
+    assert not torch.equal(got, want), f"{broken}: the thin loop's tokens did not change"
+
+
+# --- what the thin loop leaves to transformers ------------------------------------------------------------------------
+
+class _Streamer:
+    """A transformers streamer (put / end) that keeps what it is handed."""
+
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, value):
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ended = True
+
+
+def _tokenizer():
+    """A word-level tokenizer over the synthetic vocabulary (id i is "w<i>"; id 3 is "abcdef", the prefix
+    StopStringCriteria tokenizes to clean the vocabulary)."""
+    require_module("tokenizers")
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {("abcdef" if i == 3 else f"w{i}"): i for i in range(TINY_SYNTHETIC["vocab_size"])}
+    tok = Tokenizer(WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", eos_token="w1")
+
+
+def _fallback_kwargs(case):
+    if case == "dict":
+        return dict(return_dict_in_generate=True, output_logits=True)
+    if case == "streamer":
+        return dict(streamer=_Streamer())
+    return dict(stop_strings=["w55"], tokenizer=_tokenizer())  # case "stop_strings"
+
+
+@pytest.mark.parametrize("case", ["dict", "streamer", "stop_strings"])
+def test_calls_the_loop_does_not_cover_go_to_transformers(models, case):
+    from foldkv import hf_loop
+
+    inputs = left_padded_batch(LENGTHS, TINY_SYNTHETIC["vocab_size"])
+    model = models["foldkv"]
+    kw, off_kw = _fallback_kwargs(case), _fallback_kwargs(case)
+    cache = _cache(model)
+    assert not hf_loop.applies(model, dict(kw, cache=cache))
+    got, steps = _generate(model, inputs, cache, min_new_tokens=NEW, **kw)
+    want, _ = _generate(model, inputs, _cache(model), loop=False, min_new_tokens=NEW, **off_kw)
+    assert steps == {"thin": 0, "transformers": 0}
+    if case == "dict":
+        assert torch.equal(got.sequences, want.sequences) and len(got.logits) == NEW
+        assert torch.equal(torch.stack(got.logits), torch.stack(want.logits))
+        # covers() refuses it too, were decode_loop called
+        assert not hf_loop.covers(model, model._prepare_generation_config(None, **kw)[0], False, None, cache)
+        return
+    assert torch.equal(got, want)
+    if case == "streamer":
+        streamer, off_streamer = kw["streamer"], off_kw["streamer"]
+        assert len(streamer.puts) == 1 + NEW and streamer.ended  # the prompt, then every token
+        assert all(torch.equal(a, b) for a, b in zip(streamer.puts, off_streamer.puts))
+    else:  # sequence 0's 4th new token is 55 ("w55"): it stops there, PAD after
+        assert int(got[0, inputs[0].shape[1] + 3]) == 55 and bool((got[0, inputs[0].shape[1] + 4:] == PAD).all())
+
+
+@pytest.mark.parametrize("case", ["streamer", "stop_strings"])
+def test_a_loop_forced_onto_them_loses_what_transformers_keeps(models, case, monkeypatch):
+    """Red twins of the fall-backs: `applies` answering True anyway. transformers hands a callable custom_generate
+    none of its own methods' arguments: the streamer gets the prompt alone, stop strings find no tokenizer."""
+    from foldkv import hf_loop
+
+    inputs = left_padded_batch(LENGTHS, TINY_SYNTHETIC["vocab_size"])
+    model = models["foldkv"]
+    monkeypatch.setattr(hf_loop, "applies", lambda model, kwargs: True)
+    kw = _fallback_kwargs(case)
+    if case == "streamer":
+        _, steps = _generate(model, inputs, _cache(model), min_new_tokens=NEW, **kw)
+        assert steps["thin"] == NEW - 2 and len(kw["streamer"].puts) == 1 and not kw["streamer"].ended
+    else:
+        with pytest.raises(ValueError, match="could not locate a tokenizer"):
+            _generate(model, inputs, _cache(model), min_new_tokens=NEW, **kw)
+
+
+def test_beams_are_refused_with_or_without_the_loop(models):
+    """A FoldKvCache refuses beam search; the loop is not asked to take it (`applies`), and generate() raises the same
+    refusal as without the loop. Twin: the same call with one beam is the loop's."""
+    from foldkv import FoldKvInputError, hf_loop
+
+    inputs = BATCHES["single"](left_padded_batch(LENGTHS, TINY_SYNTHETIC["vocab_size"]))  # 2 beams fit max_batch
+    model = models["foldkv"]
+    assert not hf_loop.applies(model, dict(cache=_cache(model), num_beams=2))
+    assert hf_loop.applies(model, dict(cache=_cache(model), num_beams=1))
+    for loop in (True, False):
+        with pytest.raises(FoldKvInputError, match="beam search reorders the cache"):
+            _generate(model, inputs, _cache(model), loop=loop, num_beams=2)
