@@ -43,8 +43,8 @@ def launcher(kernel):
         slots = MMA["ctas_per_sm"] * torch.cuda.get_device_properties(inputs.pool.device).multi_processor_count
         plan = plan_decode(inputs.pool.layout, inputs.case.seq_lens, device=inputs.pool.device, num_sms=slots,
                            chunk_tokens=inputs.case.chunk_tokens, merge_group=inputs.case.merge_group)
-        return decode(inputs.pool, inputs.query, inputs.table, plan=plan, out=out, lse=lse,
-                      kernels={"decode_partial_folded_fp8": kernel})
+        return decode(inputs.pool, inputs.query, inputs.table, plan=plan, out=out, lse=lse, fp8_math="exact",
+                      kernels={"decode_partial_folded_fp8": kernel})  # a version in place of the exact partial
     return launch
 
 
@@ -54,7 +54,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
-    launches = {name: gates.decode_arm("jit") if kw is None else launcher(decode_partial_fp8_mma.build(G, **kw))
+    launches = {name: gates.decode_arm("jit", fp8_math="exact") if kw is None
+                else launcher(decode_partial_fp8_mma.build(G, **kw))
                 for name, kw in ARMS.items()}
     rows = []
     for case in gates.decode_cases(args.size):

@@ -37,10 +37,12 @@ def partial_variant(name: str, what: str, build: Callable[[], object], fp8: bool
     """An experiment's arm: the decode of `fmt` (folded over the FP8 pool, or a bf16 pool with fp8=False) with its
     partial kernel replaced by `build()` (a version's or the library's builder with other params), planned with
     `plan_kw` (plan_decode's keywords) when given."""
-    kernels = lambda case: {partial_kernel_name(fmt, fp8): build()}  # noqa: E731
+    # over the FP8 pool the experiment stands in for the exact (converting) partial, named: fp8_math="exact"
+    kernels = lambda case: {partial_kernel_name(fmt, fp8, "exact"): build()}  # noqa: E731
     return ArmSpec(name, what, "folded_fp8" if fp8 else fmt.value, False,
                    generated_arm("decode", fmt, "jit", kernels=kernels, plan_kw=plan_kw and (lambda case: plan_kw),
-                                 dtype=FP8_DTYPE if fp8 else torch.bfloat16), generated=True)
+                                 dtype=FP8_DTYPE if fp8 else torch.bfloat16, fp8_math="exact" if fp8 else None),
+                   generated=True)
 
 
 G = GEMMA4_31B

@@ -151,8 +151,8 @@ def test_batched_softmax_reductions_give_the_same_bits(cuda_device, partial):
     plan = plan_decode(inputs.pool.layout, list(inputs.case.seq_lens), device=cuda_device, chunk_tokens=512)
 
     def run(reduce_batch, query):
-        kernels = {partial_kernel_name(fmt, fp8): build(GEOM, fmt, reduce_batch=reduce_batch)}
-        return decode(inputs.pool, query, inputs.table, plan=plan, kernels=kernels)
+        kernels = {partial_kernel_name(fmt, fp8, "exact"): build(GEOM, fmt, reduce_batch=reduce_batch)}
+        return decode(inputs.pool, query, inputs.table, plan=plan, kernels=kernels, fp8_math="exact" if fp8 else None)
 
     one = run(1, inputs.query)
     batched = run(per_thread, inputs.query)

@@ -1,8 +1,15 @@
 """CPU tests of the FP8 wgmma accumulation characterisation (foldkv.lab.fp8_accumulation): the model and its fit
 give back the rule synthetic data was made with (b = 13, b = 23; truncation against round-to-nearest), each with a
-red twin that shows the check can fail; and the kernel factory emits FP8 wgmma (e4m3 operands) for sm_90a."""
+red twin that shows the check can fail; the kernel factory emits FP8 wgmma (e4m3 operands) for sm_90a; and against
+the H200's committed characterisation (papermill_runs/h200-20261204-s21/fp8_accumulation.json, operands drawn again):
+truncation at b = 14 reproduces every cell, and the derived `accumulation_bound` holds over every cell's measured max
+while its red twins (b + 4, no per-addend count, the earlier running-sum term) fail on the positive cells."""
 
 from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +114,101 @@ def test_kernel_refuses_a_grouping_that_does_not_divide_the_steps():
     require_tilelang()
     with pytest.raises(ValueError, match="divide"):
         fa.program(16, fresh_every=3)
+
+
+# --- the H200's characterisation (committed) and the bound derived from its rule ------------------------------------
+H200_RUN = Path(__file__).resolve().parents[1] / "papermill_runs" / "h200-20261204-s21" / "fp8_accumulation.json"
+
+
+@pytest.fixture(scope="module")
+def h200() -> dict:
+    """The committed characterisation and, per cell, its operands drawn again (same trials, n, seed) with the exact
+    reference, the rule's model (truncate, b = BITS_KEPT) and the bound's per-step inputs."""
+    result = json.loads(H200_RUN.read_text())
+    assert result["fit"]["bits"] == 13 and result["all_written"]  # what the probe's distance picked, on the H200
+    steps = sorted({r["steps"] for r in result["cells"]})
+    fresh = sorted({r["fresh_every"] for r in result["cells"] if r["fresh_every"] is not None})
+    cells = fa.grid_cells(result["trials"], steps, fa.SPREADS, fa.SIGNS, [None, *fresh], result["n"], result["seed"])
+    model = []
+    for cell, row in zip(cells, result["cells"]):
+        assert [cell[k] for k in ("spread", "signs", "steps", "fresh_every")] == \
+            [row[k] for k in ("spread", "signs", "steps", "fresh_every")]
+        ref, abs_sum = fa.reference(cell["a"], cell["b"])
+        prods = fa.products(cell["a"], cell["b"])
+        at_fit = fa.error_stats(fa.simulate(prods, 13, "nearest", cell["fresh_every"]), ref, abs_sum)
+        sim = fa.simulate(prods, fa.BITS_KEPT, "truncate", cell["fresh_every"])
+        del prods
+        err = (sim - ref).abs()
+        bound = fa.accumulation_bound(*fa.step_sums(cell["a"], cell["b"]), fa.BITS_KEPT, cell["fresh_every"])
+        model.append(dict(stats=fa.error_stats(sim, ref, abs_sum), at_fit=at_fit,
+                          over_bound=float((err / bound).max())))
+    return {"result": result, "model": model}
+
+
+def test_the_committed_cells_are_drawn_again_exactly(h200):
+    """The operands drawn again on the CPU are the H200's: the JSON's model statistics (nearest, b = 13, the probe's
+    fit) come back to the last digit."""
+    for row, m in zip(h200["result"]["cells"], h200["model"]):
+        for k in ("q50", "q99", "max"):
+            assert m["at_fit"][k] == pytest.approx(row[f"model_{k}"], rel=1e-6, abs=1e-12), (row, k)
+
+
+def test_truncation_at_14_bits_reproduces_the_positive_cells_the_fit_under_reads(h200):
+    """Cell by cell the rule is truncate, b = 14: the all-positive one-accumulator cells of 2 steps or more (where the
+    running sum is the largest addend) match in median, p99 and max within 10% (20% at 2 steps), and the mixed cells
+    within a summed distance of 5. The red twin: the probe's fit (nearest, b = 13) is 2.5x or more low on the
+    positive cells of 8 and 16 steps."""
+    mixed = 0.0
+    for row, m in zip(h200["result"]["cells"], h200["model"]):
+        meas = {k: row[f"measured_{k}"] for k in ("q50", "q99", "max", "bias")}
+        if row["signs"] == "mixed":
+            mixed += fa.distance(m["stats"], meas)
+        elif row["fresh_every"] is None and row["steps"] >= 2 and meas["q50"] > 0:
+            for k in ("q50", "q99", "max"):
+                assert m["stats"][k] == pytest.approx(meas[k], rel=0.2 if row["steps"] == 2 else 0.1), (row, k)
+            assert m["stats"]["bias"] == meas["bias"] == -1.0  # always low: truncation
+            if row["steps"] >= 8:  # red twin: the probe's fit under-reads the accumulator's growth
+                assert meas["q50"] > 2.5 * m["at_fit"]["q50"], row
+    assert mixed < 5.0, mixed
+
+
+def test_the_accumulation_bound_holds_over_every_measured_cell(h200):
+    """`accumulation_bound` at b = 14 against every cell of the H200's run: the rule's model stays within 0.5 of the
+    bound on every output of every cell; the measured max is below the bound's 1st percentile over the cell's
+    outputs by 1.25x or more everywhere, and below its smallest value in all cells but two (spread 8, positive, 1 and
+    2 steps: >= 0.8 of it), which the model reproduces and the bound holds output by output."""
+    assert max(m["over_bound"] for m in h200["model"]) <= 0.5
+    rows = fa.bound_table(h200["result"])
+    assert len(rows) == 66
+    assert min(r["margin_q01"] for r in rows) >= 1.25, min(rows, key=lambda r: r["margin_q01"])
+    below_min = [r for r in rows if r["margin_min"] < 1]
+    assert [(r["spread"], r["signs"], r["steps"], r["fresh_every"]) for r in below_min] == \
+        [(8, "positive", 1, None), (8, "positive", 2, None)]
+    assert min(r["margin_min"] for r in rows) >= 0.8
+    worst = next(r for r in rows
+                 if (r["spread"], r["signs"], r["steps"], r["fresh_every"]) == (8, "positive", 16, None))
+    assert worst["measured_max"] == pytest.approx(9.55e-3, rel=1e-2) and worst["margin_min"] > 2
+
+
+@pytest.mark.parametrize("twin", ["b + 4", "one loss per add", "running sum per add"])
+def test_red_twins_fail_on_the_positive_cells(h200, twin):
+    """The check can fail: the same bound at b + 4 = 18, the bound without the per-addend count (lanes=1: one grid
+    step lost per add), and the earlier term 2^-13 x the running sum of |products| per add (FP8_MMA_BITS_KEPT's
+    placeholder) each fall below the measured max on positive cells, where the bound at b = 14 holds."""
+    result = h200["result"]
+    if twin == "running sum per add":
+        rows = []
+        cells = fa.grid_cells(result["trials"], fa.STEPS, fa.SPREADS, fa.SIGNS, [None, 1, 4], result["n"],
+                              result["seed"])
+        for cell, row in zip(cells, result["cells"]):
+            _, abs_sums, _ = fa.step_sums(cell["a"], cell["b"])
+            f = cell["fresh_every"] or cell["steps"]
+            groups = abs_sums.view(*abs_sums.shape[:-1], -1, f)
+            rel = 2.0**-13 * groups.cumsum(-1).sum((-1, -2)) / abs_sums.sum(-1)
+            rows.append(dict(row, margin_q01=float(torch.quantile(rel.flatten(), 0.01)) / row["measured_max"]
+                             if row["measured_max"] > 0 else math.inf))
+    else:
+        rows = fa.bound_table(result, fa.BITS_KEPT + 4) if twin == "b + 4" else fa.bound_table(result, lanes=1)
+    failing = [r for r in rows if r["margin_q01"] < 1]
+    assert any(r["signs"] == "positive" and r["steps"] == 16 for r in failing), twin
+    assert min(r["margin_q01"] for r in rows if r["signs"] == "positive") < 0.35, twin

@@ -1,4 +1,5 @@
-"""GPU gates of the FP8 folded decode: the kernel against the float64 reference over the same dequantized rows on
+"""GPU gates of the FP8 folded decode (the default tensor-core partial and "exact"): the kernel against the float64
+reference over the same dequantized rows on
 hostile pools (NaN rows, NaN and Inf scales on unused pages), a rerun bit-identical, the graph workspace over an FP8
 pool, and the needle at the start, middle and end of 4K / 64K / 200K keys with its red twin (a dropped needle must
 fail). Reproduce one case: FOLDKV_REQUIRE_GPU=1 pytest tests/test_fp8_gpu.py -k '<id>'."""
@@ -18,11 +19,14 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("lens", [(1,), (63,), (64,), (65,), (10_602,), (163_336,), (1, 97, 16_384, 54),
                                   (262_144, 1, 63, 64, 65)],
                          ids=["1", "63", "64", "65", "10602", "163336", "ragged4", "ragged-edges"])
-def test_fp8_decode_against_float64(cuda_device, lens):
+@pytest.mark.parametrize("fp8_math", [None, "exact"], ids=["default-tensor-cores", "exact"])
+def test_fp8_decode_against_float64(cuda_device, lens, fp8_math):
+    """Both FP8 partials, each against its own bound (`run_case` picks it by the partial the arm resolves: the
+    default tensor-core one with `gates.fp8_tc`'s terms, "exact" with the bf16 gate's)."""
     inputs = gates.make_inputs(gates.Case("fp8", lens), KvFormat.FOLDED, cuda_device, 4, dtype=FP8_DTYPE)
-    res = gates.run_case(inputs, gates.decode_arm("jit"))
-    assert res["passed"], gates.summary_row(inputs.case, KvFormat.FOLDED, "jit fp8", res)
-    again = gates.run_case(inputs, gates.decode_arm("jit"))["outputs"]
+    res = gates.run_case(inputs, gates.decode_arm("jit", fp8_math=fp8_math))
+    assert res["passed"], gates.summary_row(inputs.case, KvFormat.FOLDED, f"jit fp8 {fp8_math}", res)
+    again = gates.run_case(inputs, gates.decode_arm("jit", fp8_math=fp8_math))["outputs"]
     assert torch.equal(again[0], res["outputs"][0]) and torch.equal(again[1], res["outputs"][1])
 
 

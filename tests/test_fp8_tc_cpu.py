@@ -1,4 +1,5 @@
-"""The FP8 tensor-core decode option (`fp8_math="tensor_cores"`, kernels/decode_partial_fp8_tc.py) on the CPU: its
+"""The FP8 tensor-core decode (`fp8_math="tensor_cores"`, the FP8 pool's default; kernels/decode_partial_fp8_tc.py) on
+the CPU, with "exact" (the conversion partial) selectable by name: its
 refusals (a bad value, tensor cores asked of a bf16 pool) with nothing written, in decode, the workspace and the
 FoldKvCache; its registry entry and the resolver's names; the plan's wave of two CTAs an SM; its emitted CUDA (e4m3
 wgmma for both gemms, the transpose's barriers) and its AOT manifest entry; and the derivation behind its GPU bound
@@ -96,7 +97,10 @@ def test_fp8_cache_refuses_a_bad_fp8_math(checkpoint):
             FoldKvCache(model, max_batch=1, max_tokens=64, dtype=dtype, fp8_math=value)
     cache = FoldKvCache(model, max_batch=1, max_tokens=64, dtype=FP8_DTYPE, fp8_math="tensor_cores")
     assert cache.fp8_math == "tensor_cores"
-    assert FoldKvCache(model, max_batch=1, max_tokens=64, dtype=FP8_DTYPE).fp8_math == DEFAULT_FP8_MATH == "exact"
+    default = FoldKvCache(model, max_batch=1, max_tokens=64, dtype=FP8_DTYPE).fp8_math
+    assert default == DEFAULT_FP8_MATH == "tensor_cores"
+    assert FoldKvCache(model, max_batch=1, max_tokens=64, dtype=FP8_DTYPE, fp8_math="exact").fp8_math == "exact"
+    assert FoldKvCache(model, max_batch=1, max_tokens=64).fp8_math == "exact"  # a bf16 cache: nothing to convert
 
 
 def test_registry_entry_and_names():
@@ -107,11 +111,20 @@ def test_registry_entry_and_names():
                             transpose="t4x16", precise=True)
     assert resolve.kernel_params(TC) == v.params
     assert registry.get("decode_partial_folded_fp8").params["threads"] == 256  # the exact one: unchanged
-    assert partial_kernel_name("folded", True) == "decode_partial_folded_fp8"  # the default: exact
+    assert partial_kernel_name("folded", True) == TC  # the default: tensor cores
+    assert partial_kernel_name("folded", True, "exact") == "decode_partial_folded_fp8"  # by name
     assert partial_kernel_name("folded", True, "tensor_cores") == TC
+    assert partial_kernel_name("folded") == "decode_partial_folded"  # a bf16 pool: no FP8 partial to pick
+    assert partial_kernel_name("folded", False, "tensor_cores") == "decode_partial_folded"
+    assert kernel_names("folded", True) == (TC, "merge_groups", "merge_final")
+    assert kernel_names("folded", True, fp8_math="exact") == ("decode_partial_folded_fp8", "merge_groups",
+                                                                "merge_final")
     assert kernel_names("folded", True, fp8_math="tensor_cores") == (TC, "merge_groups", "merge_final")
     assert replaceable_kernels("folded", True, "tensor_cores") == (TC, "merge_groups", "merge_final")  # no fused step
-    assert parse_fp8_math(None, True) == "exact" and parse_fp8_math("exact", False) == "exact"
+    assert parse_fp8_math(None, True) == "tensor_cores" and parse_fp8_math("exact", True) == "exact"
+    assert parse_fp8_math(None, False) == "exact" and parse_fp8_math("exact", False) == "exact"
+    # both FP8 partials stay registered (and so AOT-built: the build walks the registry)
+    assert {TC, "decode_partial_folded_fp8"} <= {v.name for v in registry.VARIANTS}
 
 
 def test_the_tensor_core_partial_plans_for_two_ctas_an_sm():
@@ -119,10 +132,11 @@ def test_the_tensor_core_partial_plans_for_two_ctas_an_sm():
     partial and the bf16 ones keep one CTA an SM. No FP8 plan is fused."""
     fp8 = fk.PagedKvLayout(G, "folded", 64, 200, dtype=FP8_DTYPE)
     cpu = torch.device("cpu")
-    assert partial_wave(fp8, cpu, "tensor_cores") == 2 * DEFAULT_SMS
-    assert partial_wave(fp8, cpu) == partial_wave(fk.PagedKvLayout(G, "folded", 64, 200), cpu) == DEFAULT_SMS
-    tc = DecodeWorkspace(fp8, max_batch=4, max_len=8192, device="cpu", fp8_math="tensor_cores")
-    exact = DecodeWorkspace(fp8, max_batch=4, max_len=8192, device="cpu")
+    assert partial_wave(fp8, cpu, "tensor_cores") == partial_wave(fp8, cpu) == 2 * DEFAULT_SMS  # the default
+    assert partial_wave(fp8, cpu, "exact") == partial_wave(fk.PagedKvLayout(G, "folded", 64, 200), cpu) == DEFAULT_SMS
+    tc = DecodeWorkspace(fp8, max_batch=4, max_len=8192, device="cpu")  # the default: tensor cores
+    exact = DecodeWorkspace(fp8, max_batch=4, max_len=8192, device="cpu", fp8_math="exact")
+    assert exact.fp8_math == "exact"
     assert tc.num_chunks * G.num_kv_heads == 2 * DEFAULT_SMS  # one wave of 264 CTAs holds 4 x 4 + 1 chunks
     assert exact.num_chunks * G.num_kv_heads == DEFAULT_SMS
     assert tc.one_wave and not tc.fused and tc.fp8_math == "tensor_cores"

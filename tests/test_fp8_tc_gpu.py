@@ -1,6 +1,7 @@
-"""GPU gates of the FP8 tensor-core decode (`fp8_math="tensor_cores"`, kernels/decode_partial_fp8_tc.py), held to
-the bound derived in `foldkv.lab.gates.fp8_tc` (the bf16 gate's terms plus the two-part query and P, and FP8 wgmma's
-accumulation with `FP8_MMA_BITS_KEPT` a placeholder until measured) against `foldkv.paged_attention_reference` over
+"""GPU gates of the FP8 tensor-core decode (`fp8_math="tensor_cores"`, the FP8 pool's default;
+kernels/decode_partial_fp8_tc.py), held to the bound derived in `foldkv.lab.gates.fp8_tc` (the bf16 gate's terms plus
+the two-part query and P, and FP8 wgmma's accumulation per addend at the measured `FP8_MMA_BITS_KEPT` = 14) against
+`foldkv.paged_attention_reference` over
 the same FP8 pool: hostile pools, outputs poisoned first and every element written, lengths 1, 63, 65, 10,602 and a
 ragged batch; eager (three launches: no fused step for FP8 rows) and through the workspace's CUDA graph; a rerun
 bit-identical; AOT == JIT bit for bit; `FoldKvCache(..., fp8_math="tensor_cores")` through generate() on every decode

@@ -24,9 +24,10 @@ asks for: FP8 wgmma accumulates in reduced precision, so it never sums across ti
 Best so far (run 14): t4x16, precise, two CTAs per SM: 0.64-0.67x the bf16 folded decode at 163,336 tokens and on
 ragged batches (the library's FP8 partial: 1.22-1.36x), error 2.2-3.2e-3 against float64, within the gate's bound.
 In the library since run 17b as `decode_partial_folded_fp8_tc` (lib/foldkv/kernels/decode_partial_fp8_tc.py,
-`fp8_math="tensor_cores"`, not the default until its bound is measured): that served configuration (t4x16, precise)
-is the library's kernel; this file builds the library's program through its hook points (`TcHooks`) with the probe's
-other options: transpose "none" / "t16x4", one e4m3 part (precise=False: the red twin of the GPU tests), panel_acc.
+`fp8_math="tensor_cores"`, the FP8 pool's default decode partial since run 17's outcome): that served configuration
+(t4x16, precise) is the library's kernel; this file builds the library's program through its hook points (`TcHooks`)
+with the probe's other options: transpose "none" / "t16x4", one e4m3 part (precise=False: the red twin of the GPU
+tests), panel_acc.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
@@ -180,7 +181,9 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
 
 
 def build(geom: AttentionGeometry, **tiling):
-    """Compile the probe (JIT); a drop-in for `kernels={"decode_partial_folded_fp8": ...}`."""
+    """Compile the probe (JIT); a drop-in for `kernels={"decode_partial_folded_fp8": ...}` with
+    `fp8_math="exact"` (the name it stands in for is the exact partial's), or for
+    `kernels={"decode_partial_folded_fp8_tc": ...}` by default."""
     tilelang = require_tilelang()
 
     @tilelang.jit(target=target(), pass_configs=pass_configs())

@@ -59,6 +59,6 @@ def _conversion_source(source: str):
 
 def build(geom: AttentionGeometry, kind: str, **tiling):
     """Compile the probe `kind` ("copy" or "skip") of the library's FP8 partial (its argument list: a drop-in for
-    `kernels={"decode_partial_folded_fp8": ...}`)."""
+    `kernels={"decode_partial_folded_fp8": ...}` with `fp8_math="exact"`)."""
     with _conversion_source(probe_source(kind)):
         return build_decode_partial_fp8(geom, "folded", **tiling)

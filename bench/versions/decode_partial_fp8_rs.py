@@ -3,7 +3,7 @@ from the TMA'd panels (16- and 8-byte shared loads), converts them exactly to bf
 S^T = K Q^T and O^T = V^T P^T as their A operands. No bf16 tile is written to shared memory: no conversion pass, no
 named barrier 7, no proxy fence; the tensor cores read only the B operands (permuted query, P) from shared memory.
 Same argument list and outputs as the library's decode_partial_folded_fp8 (a drop-in for the launcher's
-`kernels={"decode_partial_folded_fp8": build(GEMMA4_31B)}`).
+`kernels={"decode_partial_folded_fp8": build(GEMMA4_31B)}` with `fp8_math="exact"`).
 
 What it tries (bench/FP8_NOTES.md runs 2-3: the library partial is consumer-bound, ~3.3 us per 64-token tile against
 ~1.2 us for its bytes; run 2 -> 3 (one -> two consumer warpgroups, 4.4 -> 3.3 us) puts its conversion at ~2.2 us of

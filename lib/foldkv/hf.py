@@ -398,10 +398,10 @@ class FoldKvCache(Cache):
         CUDA, the float64 reference elsewhere), "reference" or "kernel". backend: the kernels' "jit" or "aot".
         poison: fill pools with NaN (a row read before it is written shows as NaN). scatter_seed: pages drawn in a
         random order (tests).
-    fp8_math: how the kernels' decode over an FP8 pool multiplies (`foldkv.kernels.decode.parse_fp8_math`): "exact"
-        (None: the default) converts the e4m3 rows exactly to bf16 and runs bf16 MMA, the slower, exact partial;
-        "tensor_cores" runs FP8 MMA with the query and P in two e4m3 parts (faster; not the default until its bound
-        is measured on the H200). "tensor_cores" with a bf16 pool is refused.
+    fp8_math: how the kernels' decode over an FP8 pool multiplies (`foldkv.kernels.decode.parse_fp8_math`):
+        "tensor_cores" (None: the default over an FP8 pool) runs FP8 MMA with the query and P in two e4m3 parts
+        (faster; held to its own derived bound, `foldkv.lab.gates.fp8_tc`); "exact" converts the e4m3 rows exactly to
+        bf16 and runs bf16 MMA, the slower, exact-conversion partial. "tensor_cores" with a bf16 pool is refused.
     decode_step: how decode steps (one token per sequence, after the prompt) run. "graph" (the default with kernel
         attention on CUDA): the whole forward, every layer, is one CUDA graph captured at the first decode step and
         replayed (`foldkv.hf_graph`: sliding layers on fixed-address rings, global layers through one

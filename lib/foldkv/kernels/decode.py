@@ -22,10 +22,12 @@ Shapes and dtypes of each argument are in the docstrings of decode_partial.py an
 TileLang; "aot": from the active AOT build), or from `kernels={name: callable}` for the names given there (an
 experiment's partial, say); the pool's page size must be the partial's.
 
-FP8 pools take `fp8_math` (parsed once here, `parse_fp8_math`): "exact" (the default) converts each e4m3 row to bf16
-exactly and runs bf16 MMA (decode_partial.py's FP8 partial: the slower, exact one); "tensor_cores" runs both gemms
-as FP8 MMA with the query and P in two e4m3 parts (decode_partial_fp8_tc.py: ~0.65x the bf16 folded decode, its
-error bound to be measured on the H200 before it becomes the default). A bf16 pool refuses "tensor_cores".
+FP8 pools take `fp8_math` (parsed once here, `parse_fp8_math`): "tensor_cores" (the default) runs both gemms as FP8
+MMA with the query and P in two e4m3 parts (decode_partial_fp8_tc.py: ~0.65x the bf16 folded decode, held to its own
+derived bound, foldkv.lab.gates.fp8_tc, whose accumulation term rests on FP8 wgmma's accumulation as measured on the
+H200); "exact" converts each e4m3 row to bf16 exactly and runs bf16 MMA (decode_partial.py's FP8 partial: the slower,
+exact-conversion one, held to the bf16 gate's bound). A bf16 pool refuses "tensor_cores" (its default is "exact",
+which changes nothing there).
 """
 
 from __future__ import annotations
@@ -43,15 +45,15 @@ from .plan import MAX_BATCH, MAX_LEN, DecodePlan, device_sms, plan_decode
 
 
 FP8_MATH = ("exact", "tensor_cores")  # how an FP8 pool's partial multiplies (module docstring)
-DEFAULT_FP8_MATH = "exact"  # "tensor_cores" becomes the default once its bound is measured (bench/FP8_NOTES.md, 17b)
+DEFAULT_FP8_MATH = "tensor_cores"  # an FP8 pool's default partial (a bf16 pool's: "exact", `parse_fp8_math`)
 
 
 def parse_fp8_math(fp8_math: str | None, quantized: bool) -> str:
-    """`fp8_math` checked once at the public boundary: None -> DEFAULT_FP8_MATH; a value not in FP8_MATH, or
-    "tensor_cores" asked of a bf16 pool (`quantized` False), raises FoldKvInputError. A bf16 pool's rows are exact
-    already, so "exact" is accepted there and changes nothing."""
+    """`fp8_math` checked once at the public boundary: None -> DEFAULT_FP8_MATH over an FP8 pool (`quantized`),
+    "exact" over a bf16 one; a value not in FP8_MATH, or "tensor_cores" asked of a bf16 pool, raises
+    FoldKvInputError. A bf16 pool's rows are exact already, so "exact" is accepted there and changes nothing."""
     if fp8_math is None:
-        return DEFAULT_FP8_MATH
+        return DEFAULT_FP8_MATH if quantized else "exact"
     if not isinstance(fp8_math, str) or fp8_math not in FP8_MATH:
         raise FoldKvInputError(f"fp8_math={fp8_math!r}: expected one of {FP8_MATH} (\"exact\": e4m3 rows converted"
                                " exactly to bf16, bf16 MMA; \"tensor_cores\": FP8 MMA, query and P in two e4m3 parts)")
@@ -62,10 +64,10 @@ def parse_fp8_math(fp8_math: str | None, quantized: bool) -> str:
 
 def partial_kernel_name(fmt: KvFormat | str, quantized: bool = False, fp8_math: str | None = None) -> str:
     """The partial kernel of `fmt` pages; `quantized`: over an FP8 pool (folded only), whose `fp8_math` (as
-    `parse_fp8_math` returned it at the public boundary; None: the default) picks the exact partial or the
-    tensor-core one."""
-    return (f"decode_partial_{KvFormat.parse(fmt).value}" + ("_fp8" if quantized else "")
-            + ("_tc" if fp8_math == "tensor_cores" else ""))
+    `parse_fp8_math` returned it at the public boundary; None: the default, the tensor-core one) picks the exact
+    partial or the tensor-core one."""
+    tc = quantized and (fp8_math or DEFAULT_FP8_MATH) == "tensor_cores"
+    return f"decode_partial_{KvFormat.parse(fmt).value}" + ("_fp8" if quantized else "") + ("_tc" if tc else "")
 
 
 def kernel_names(fmt: KvFormat | str, quantized: bool = False, fused: bool = False,
@@ -206,9 +208,9 @@ def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: D
     that kernel's arguments} replacing the backend's kernel of that name (an experiment's variant; names from
     `replaceable_kernels(pool.format)`). fused: None launches one fused kernel when the plan is one wave
     (`plan.fused`) and `kernels` replaces none of the three-launch kernels, else the three; True / False ask for
-    one or the other (True refused for a plan that is not one wave). fp8_math (FP8 pools): "exact" (None: the
-    default) converts the e4m3 rows exactly to bf16 and runs bf16 MMA, the slower, exact partial; "tensor_cores" runs
-    FP8 MMA with the query and P in two e4m3 parts (faster; its bound not measured yet: not the default). Refused
+    one or the other (True refused for a plan that is not one wave). fp8_math (FP8 pools): "tensor_cores" (None: the
+    default) runs FP8 MMA with the query and P in two e4m3 parts (faster; held to its own derived bound); "exact"
+    converts the e4m3 rows exactly to bf16 and runs bf16 MMA, the slower, exact-conversion partial. Refused
     (FoldKvInputError, nothing launched) when not one of those, or "tensor_cores" on a bf16 pool. A plan made here
     balances that partial's wave (`partial_wave`: 2 x SMs for the tensor-core one).
     """

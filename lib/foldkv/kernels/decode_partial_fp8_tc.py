@@ -1,7 +1,8 @@
 """The FP8 folded decode partial on FP8 tensor cores (`fp8_math="tensor_cores"`): one CTA = one chunk of one
-request's pages x one KV head, over an FP8 pool, both gemms in e4m3 wgmma (no e4m3 -> bf16 conversion). Not the
-default: its accuracy contract (bound below) is still to be measured on the H200 (bench/FP8_NOTES.md, run 17b); the
-default FP8 partial is decode_partial.py's exact one (e4m3 rows converted exactly to bf16, bf16 wgmma).
+request's pages x one KV head, over an FP8 pool, both gemms in e4m3 wgmma (no e4m3 -> bf16 conversion). The FP8
+pool's default decode partial, held to its own derived bound (foldkv.lab.gates.fp8_tc, whose accumulation term rests
+on FP8 wgmma's accumulation measured on the H200: bench/FP8_NOTES.md, run 17); `fp8_math="exact"` picks
+decode_partial.py's exact one instead (e4m3 rows converted exactly to bf16, bf16 wgmma: slower).
 
 An FP8 pool's row is 640 e4m3 bytes plus one float32 scale per token and KV head (`foldkv.fp8`); the score window is
 row[0:D] and the value window row[R:D+R], as in the bf16 folded partial. Per 64-token tile:

@@ -70,8 +70,8 @@ _DECODE_PARTIAL = {
 # ragged requests; bench/FP8_NOTES.md). A third stage changed nothing. reduce_batch = the 2 queries a consumer thread
 # holds when two warpgroups split S's 16 columns (as above).
 _DECODE_PARTIAL_FP8 = dict(page_size=64, block_n=64, num_stages=2, threads=256, block_h=16, reduce_batch=2)
-# FP8 folded on FP8 tensor cores (decode_partial_fp8_tc.py; fp8_math="tensor_cores", not the default until its bound
-# is measured): the value window transposed by the consumer ("t4x16": conflict-free), the query and P in two e4m3
+# FP8 folded on FP8 tensor cores (decode_partial_fp8_tc.py; fp8_math="tensor_cores", the FP8 pool's default decode
+# partial): the value window transposed by the consumer ("t4x16": conflict-free), the query and P in two e4m3
 # parts (precise), two CTAs per SM with one stage of the 40 KB e4m3 tiles each (~99 KB of shared memory a CTA; the
 # plan's wave is 2 x SMs): 0.64-0.67x the bf16 folded decode at 163,336 tokens and on ragged batches, where the exact
 # partial takes 1.22-1.36x (bench/FP8_NOTES.md, runs 12-16). Two stages with two CTAs do not fit (~245 KB).

@@ -73,8 +73,9 @@ def _segment(n: int) -> int:
 class DecodeWorkspace:
     """Fixed-address tensors of decode steps for up to `max_batch` requests of up to `max_len` tokens on pools of
     `layout` (module docstring). num_chunks: the partial's grid (chunks per step, >= max_batch; default
-    `default_num_chunks`); merge_group: slots per level-one group. fp8_math: an FP8 pool's partial, "exact" (None:
-    the default) or "tensor_cores" (`decode.parse_fp8_math`; refused for a bf16 layout), fixed for the workspace and
+    `default_num_chunks`); merge_group: slots per level-one group. fp8_math: an FP8 pool's partial, "tensor_cores"
+    (None: the default) or "exact" (the slower, exact-conversion one; `decode.parse_fp8_math`; "tensor_cores" refused
+    for a bf16 layout), fixed for the workspace and
     its graph; num_sms (default `decode.partial_wave`: the CTAs of that partial at once, 2 x SMs for the tensor-core
     one) sizes the waves of the default num_chunks and the one-wave layout."""
 

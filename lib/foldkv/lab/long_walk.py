@@ -187,7 +187,7 @@ def long_walk(fmt: KvFormat | str = KvFormat.FOLDED, *, steps: int = WALK_STEPS,
     from ..kernels.decode import decode
     from ..kernels.workspace import DecodeWorkspace
     from ..reference import paged_attention_reference
-    from .gates import OUT_POISON, bits as _bits, compare, compare_lse, lse_bound
+    from .gates import OUT_POISON, bits as _bits, compare, compare_lse, decode_extra, lse_bound
 
     fmt, device = KvFormat.parse(fmt), torch.device(device)
     lay = PagedKvLayout(format=fmt, page_size=64, num_pages=walk_pool_pages(max_batch, max_len), dtype=dtype)
@@ -249,20 +249,22 @@ def long_walk(fmt: KvFormat | str = KvFormat.FOLDED, *, steps: int = WALK_STEPS,
             d_out, d_lse = decode(pool, query, now, backend=backend)
             ref, ref_lse, pv_abs, s_abs_p, s_abs_max = paged_attention_reference(
                 pool, query, now, None, abs_weighted=True, score_abs=True)
-            bound = lse_bound(s_abs_p, s_abs_max, ref_lse, torch.tensor(lens), geom.head_dim)
+            extra_out, extra_lse = decode_extra(pool, query, now, ws.fp8_math)  # the partial's own terms
+            bound = extra_lse + lse_bound(s_abs_p, s_abs_max, ref_lse, torch.tensor(lens), geom.head_dim)
             row = {"step": step, "batch": len(lens), "max_len": max(lens), "chunks_used": ws.chunks_used,
                    "bitwise_equal_to_eager": bool(torch.equal(_bits(out), _bits(e_out))
                                                   and torch.equal(_bits(lse), _bits(e_lse))),
                    "all_written": bool(torch.isfinite(out).all() and torch.isfinite(lse).all())}
-            row.update(compare(out, ref, pv_abs, p_scaled=lay.quantized))
+            row.update(compare(out, ref, pv_abs, p_scaled=lay.quantized, extra=extra_out))
             row.update(compare_lse(lse, ref_lse, bound))
-            eager = compare(d_out, ref, pv_abs, p_scaled=lay.quantized)
+            eager = compare(d_out, ref, pv_abs, p_scaled=lay.quantized, extra=extra_out)
             eager.update(compare_lse(d_lse, ref_lse, bound))
             row["eager_decode_ok"] = all(eager[k] for k in ("elementwise_ok", "rel_ok", "lse_ok"))
             row["passed"] = all(row[k] for k in ("bitwise_equal_to_eager", "all_written", "elementwise_ok", "rel_ok",
                                                  "lse_ok", "eager_decode_ok"))
             checks.append(row)
             del out, lse, e_out, e_lse, now, query, d_out, d_lse, ref, ref_lse, pv_abs, s_abs_p, s_abs_max, bound
+            del extra_out
             del eager
             torch.cuda.synchronize(device)
             check_seconds += time.perf_counter() - c0

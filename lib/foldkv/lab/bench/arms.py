@@ -50,7 +50,7 @@ def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | Non
                   kernels: Callable[["AttentionCase"], dict] | None = None,
                   plan_kw: Callable[["AttentionCase"], dict] | None = None,
                   dtype: torch.dtype = torch.bfloat16, fp8_rows: str | None = None,
-                  fused: bool | None = None) -> Callable[["AttentionCase"], ArmImpl]:
+                  fused: bool | None = None, fp8_math: str | None = None) -> Callable[["AttentionCase"], ArmImpl]:
     """The builder of a generated-kernel arm: `op` "decode" (foldkv.kernels.decode.decode over a plan made once,
     captured in a CUDA graph) or "prefill" (foldkv.kernels.prefill.prefill, timed eagerly), on the case's pools of
     format `fmt`, through launcher backend `backend` ("jit" or "aot") with kernel `params` (prefill tilings).
@@ -59,7 +59,8 @@ def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | Non
     experiment's chunking). backend "aot" without an active build is "not run", not an error. `dtype`: the pool's
     stored dtype (float8_e4m3fn: the FP8 folded decode, checked against the reference over its dequantized pool).
     `fp8_rows`: the prefill's `fp8_rows` (how it reads an FP8 pool), the launcher's default when None. `fused`: the
-    decode's (None: one fused launch when the plan is one wave; False: the three launches)."""
+    decode's (None: one fused launch when the plan is one wave; False: the three launches). `fp8_math`: the decode's
+    FP8 partial (None: the default, tensor cores; "exact" to time or replace the converting one)."""
     fmt = KvFormat.parse(fmt)
     if op not in ("decode", "prefill"):
         raise ValueError(f"op {op!r}: expected 'decode' or 'prefill'")
@@ -100,6 +101,8 @@ def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | Non
         if op == "decode":
             if fused is not None:
                 kw["fused"] = info["fused"] = fused
+            if fp8_math is not None:
+                kw["fp8_math"] = info["fp8_math"] = fp8_math
             extra = plan_kw(case) if plan_kw is not None else {}
             kw["plan"] = plan = plan_decode(pools[0].layout, case.table_cpu.seq_lens, device=case.device, **extra)
             info.update(chunks=plan.num_chunks, chunk_tokens=plan.chunk_tokens, plan_kw=extra,
@@ -238,7 +241,8 @@ def _generated_specs(op: str) -> list[ArmSpec]:
     bf16 = [ArmSpec(f"{fmt.value}_{backend}", f"generated {fmt.value}{what} ({backend.upper()})", fmt.value, False,
                     generated_arm(op, fmt, backend), generated=True)
             for fmt in (KvFormat.SPLIT, KvFormat.FOLDED) for backend in ("jit", "aot")]
-    fp8 = [ArmSpec(f"folded_fp8_{backend}", f"generated folded {op} over the FP8 (e4m3) pool ({backend.upper()})",
+    fp8 = [ArmSpec(f"folded_fp8_{backend}", f"generated folded {op} over the FP8 (e4m3) pool ({backend.upper()})"
+                   + (", the default partial: FP8 tensor cores" if op == "decode" else ""),
                    "folded_fp8", False, generated_arm(op, KvFormat.FOLDED, backend, dtype=FP8_DTYPE), generated=True)
            for backend in ("jit", "aot")]
     return bf16 + fp8
@@ -260,6 +264,9 @@ DECODE_ARMS: dict[str, ArmSpec] = {a.name: a for a in [
     ArmSpec("fi_tc_fp8", "FlashInfer decode, tensor cores, e4m3 split pool (per-tensor scales)", "split_fp8", True,
             _flashinfer("decode", tc=True, fp8=True)),
 ] + _generated_specs("decode") + [
+    ArmSpec("folded_fp8_exact_jit", "generated folded decode over the FP8 (e4m3) pool, fp8_math='exact' (rows"
+            " converted exactly to bf16, bf16 MMA; JIT)", "folded_fp8", False,
+            generated_arm("decode", KvFormat.FOLDED, "jit", dtype=FP8_DTYPE, fp8_math="exact"), generated=True)] + [
     ArmSpec(f"{fmt.value}_graph", f"generated {fmt.value}, graph workspace (JIT): fixed grids, exact-count plan",
             fmt.value, False, workspace_arm(fmt), generated=True) for fmt in (KvFormat.SPLIT, KvFormat.FOLDED)]}
 PREFILL_ARMS: dict[str, ArmSpec] = {a.name: a for a in [

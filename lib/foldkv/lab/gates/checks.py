@@ -136,12 +136,33 @@ def compare_lse(lse: torch.Tensor, ref_lse: torch.Tensor, bound: torch.Tensor) -
             "lse_ok": frac <= 1.0}
 
 
+def decode_fp8_math(pool: PagedKvPool, fp8_math: str | None) -> str:
+    """The FP8 decode partial a decode over `pool` with `fp8_math` (None: the default) runs, as `decode` resolves
+    it: "tensor_cores" or "exact" ("exact" for a bf16 pool, whose rows need no conversion)."""
+    from ...kernels.decode import parse_fp8_math
+
+    return parse_fp8_math(fp8_math, pool.layout.quantized)
+
+
+def decode_extra(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, fp8_math: str | None):
+    """The terms a decode's kernel adds to the bf16 gate's bound, by the partial it resolves: the FP8 tensor-core
+    partial's (`fp8_tc.fp8_tc_extra_bounds`: (out [B, Hq, D], lse [B, Hq]) float64), or (None, 0.0) for the exact
+    FP8 partial and a bf16 pool (the bf16 gate's bound, with `compare(p_scaled=...)`, is the whole bound)."""
+    if decode_fp8_math(pool, fp8_math) != "tensor_cores":
+        return None, 0.0
+    from .fp8_tc import fp8_tc_extra_bounds
+
+    return fp8_tc_extra_bounds(pool, query, table)
+
+
 def run_case(inputs: GateInputs, launch: Callable, pad_rows: int = 3,
              extra: Callable[[GateInputs], tuple] | None = None) -> dict:
     """Launch one kernel arm on a gate's inputs with poisoned outputs; check it against the float64 reference, that
     every planned row is written and finite, and that every row past the plan is bit-for-bit untouched. `extra`:
     extra(inputs) -> (output terms [Tq, Hq, D], LSE terms [Tq, Hq]) a kernel's own roundings add to the derived
-    bounds (the FP8 tensor-core decode's: `fp8_tc.fp8_tc_extra`)."""
+    bounds (the FP8 tensor-core decode's: `fp8_tc.fp8_tc_extra`). None: a decode arm that names its `fp8_math`
+    (`launch.fp8_math`: `decode_arm`, `graph_arm`; None there is the default) over an FP8 pool gets the terms of the
+    partial it resolves (`decode_extra`: the tensor-core one's by default, none for "exact")."""
     geom = inputs.pool.geometry
     tokens = inputs.query.shape[0]
     out_buf, lse_buf = poisoned_outputs(tokens, geom, inputs.pool.device, pad_rows)
@@ -153,7 +174,12 @@ def run_case(inputs: GateInputs, launch: Callable, pad_rows: int = 3,
     ref, ref_lse, pv_abs, s_abs_p, s_abs_max = paged_attention_reference(
         ref_pool, inputs.query, ref_table, inputs.q_lens, abs_weighted=True, score_abs=True)
     del ref_pool
-    extra_out, extra_lse = extra(inputs) if extra is not None else (None, 0.0)
+    if extra is not None:
+        extra_out, extra_lse = extra(inputs)
+    elif hasattr(launch, "fp8_math") and inputs.q_lens is None:  # a decode arm: its partial's own terms
+        extra_out, extra_lse = decode_extra(inputs.pool, inputs.query, inputs.table, launch.fp8_math)
+    else:
+        extra_out, extra_lse = None, 0.0
     res = compare(out, ref, pv_abs, p_scaled=p_scaled, extra=extra_out)
     res.update(compare_lse(lse, ref_lse, extra_lse + lse_bound(s_abs_p, s_abs_max, ref_lse,
                                                                row_key_counts(inputs.table, inputs.q_lens),
@@ -178,7 +204,8 @@ def summary_row(case: Case, fmt: KvFormat, arm: str, res: dict) -> dict:
 
 def decode_arm(backend: str = "jit", fused: bool | None = None, fp8_math: str | None = None) -> Callable:
     """The decode launcher (`fused`: as `decode`'s, None = one fused launch when the plan is one wave; `fp8_math`: as
-    `decode`'s, the plan balanced for that partial's wave, `decode.partial_wave`)."""
+    `decode`'s, None the default: the tensor-core partial over an FP8 pool; the plan balanced for that partial's
+    wave, `decode.partial_wave`). `launch.fp8_math` tells `run_case` which partial's bound applies."""
     def launch(inputs: GateInputs, out: torch.Tensor, lse: torch.Tensor):
         from ...kernels.decode import decode, partial_wave, plan_decode
 
@@ -189,6 +216,7 @@ def decode_arm(backend: str = "jit", fused: bool | None = None, fp8_math: str | 
         return decode(inputs.pool, inputs.query, inputs.table, plan=plan, out=out, lse=lse, backend=backend,
                       fused=fused, fp8_math=fp8_math)
 
+    launch.fp8_math = fp8_math  # run_case picks the bound of the partial it resolves
     return launch
 
 
@@ -251,6 +279,7 @@ def graph_arm(backend: str = "jit", fused: bool | None = None, fp8_math: str | N
         ws.plan(lens, inputs.table.page_ids[:, :lay.pages_for(max(lens))].contiguous())
         return replay_workspace(ws, inputs, out, lse, backend=backend, fused=fused)
 
+    launch.fp8_math = fp8_math  # run_case picks the bound of the partial it resolves
     return launch
 
 

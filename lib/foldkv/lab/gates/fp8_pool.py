@@ -13,7 +13,8 @@ from ...layout import KvFormat, value_window_columns
 from ...pool import BlockTable, PagedKvLayout, PagedKvPool
 from ...prep import fill_sequences
 from ...reference import paged_attention_reference
-from .checks import ABS_TOL, P_ROUNDING, REL_TOL, bf16_ulp, compare, decode_arm, prefill_arm, run_case, summary_row
+from .checks import (ABS_TOL, P_ROUNDING, REL_TOL, bf16_ulp, compare, decode_arm, decode_extra, prefill_arm,
+                     run_case, summary_row)
 from .inputs import Case, make_inputs
 from .sections import gpu_section
 
@@ -152,7 +153,8 @@ def fp8_kernel_gate(cases: list[Case], backends, seed: int, build_dir: str | Non
     """GPU gate: every `kind` case ("decode" or "prefill") over an FP8 folded pool (hostile as `make_inputs` makes
     it, NaN/Inf scales on the unused pages) against the float64 reference over the rows the kernel attends over
     (`run_case` with `attended_rows`: the decode and the prefill's "in_kernel" rows read the dequantized rows, with the
-    derived P x scale term; the prefill's "gather" rows are the FP8 rows rounded to bf16, with the bf16 bound), AOT
+    derived P x scale term; the prefill's "gather" rows are the FP8 rows rounded to bf16, with the bf16 bound; the
+    decode runs both FP8 partials, the default tensor-core one with its own terms, `fp8_tc`, and "exact"), AOT
     against JIT bit for bit when "aot" is in `backends` and `build_dir` holds a build. A prefill case runs both ways
     of reading the rows. Records `fp8_<kind>_gates` (not run without CUDA) and returns its rows."""
     from ...aot import use_build
@@ -164,7 +166,9 @@ def fp8_kernel_gate(cases: list[Case], backends, seed: int, build_dir: str | Non
     with_aot = "aot" in backends and build_dir is not None
     if with_aot:
         use_build(build_dir)
-    arms = ({"fp8": decode_arm} if kind == "decode" else
+    # the decode's two FP8 partials: the default (tensor cores, held to its own bound: `run_case` adds it) and "exact"
+    arms = ({"fp8": decode_arm, "fp8 exact": lambda backend: decode_arm(backend, fp8_math="exact")}
+            if kind == "decode" else
             {f"fp8 {rows}": lambda backend, rows=rows: prefill_arm(backend, rows) for rows in ("gather", "in_kernel")})
     rows = []
     for case in [c for c in cases if c.kind == kind]:
@@ -190,11 +194,13 @@ NEEDLE_SCORE = 2.0  # the folded query is this times the needle key's unit vecto
 
 
 def needle(length: int, position: int, *, seed: int = 0, device: torch.device | str = "cuda",
-           dtype: torch.dtype | None = None, backend: str = "jit", drop_needle: bool = False) -> dict:
+           dtype: torch.dtype | None = None, backend: str = "jit", drop_needle: bool = False,
+           fp8_math: str | None = None) -> dict:
     """Kernel-level needle over an FP8 folded pool (bf16 with `dtype=torch.bfloat16`): `length` random keys (raw
     projections through the prep), the query of every head set to NEEDLE_SCORE x the unit key of the token at
     `position`, so that token holds nearly all the attention. Three checks, each with a derived bound:
-    - kernel: the decode against the float64 reference over the same pool (`compare`: the gates' bound);
+    - kernel: the decode against the float64 reference over the same pool (`compare`: the gates' bound, plus the
+      tensor-core partial's own terms when `fp8_math` resolves to it, the FP8 default: `checks.decode_extra`);
     - leak: the reference against the needle's own value (dequantized), |ref - v| <= w (max|v_j| + |v|) per head,
       w = sum_{j != p} e^(s_j - s_p) / (1 + that sum), from the float32 scores of every key (+1% for their rounding);
     - end to end: the decode against the needle's true value (the float32 row both a bf16 and an FP8 pool round
@@ -254,15 +260,18 @@ def needle(length: int, position: int, *, seed: int = 0, device: torch.device | 
         pool.data[page, :, off] = pool.data[p2, :, o2]
         if lay.quantized:
             pool.scales[page, :, off] = pool.scales[p2, :, o2]
-    out, _ = decode(pool, query, table, backend=backend)
+    out, _ = decode(pool, query, table, backend=backend, fp8_math=fp8_math)
     torch.cuda.synchronize(device)
     ref, _, pv_abs = paged_attention_reference(pool, query, table, abs_weighted=True)
-    kernel = compare(out, ref, pv_abs, p_scaled=lay.quantized)
+    extra, _ = decode_extra(pool, query, table, fp8_math)  # the partial's own terms (None: exact or bf16)
+    kernel = compare(out, ref, pv_abs, p_scaled=lay.quantized, extra=extra)
 
     ref_err = (ref[0] - v_need).abs()
     quant = (ROW_REL * v_truth.abs() + ROW_SUB * scale.repeat_interleave(group, 0)[:, None] if lay.quantized
              else P_ROUNDING * v_truth.abs())  # the row's own rounding from float32: foldkv.fp8's bound, or bf16's
     kernel_bound = ABS_TOL + REL_TOL * ref[0].abs() + bf16_ulp(ref[0]) + P_ROUNDING * pv_abs[0]
+    if extra is not None:
+        kernel_bound = kernel_bound + extra[0]
     e2e = (out[0].double() - v_truth).abs()
     e2e_bound = quant + leak_bound + kernel_bound
     res = {"length": length, "position": position, "dtype": str(dtype).replace("torch.", ""),

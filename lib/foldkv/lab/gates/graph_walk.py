@@ -10,7 +10,7 @@ from ...config import GEMMA4_31B, AttentionGeometry
 from ...layout import KvFormat
 from ...pool import BlockTable
 from ...reference import paged_attention_reference
-from .checks import compare, compare_lse, lse_bound
+from .checks import compare, compare_lse, decode_extra, lse_bound
 from .geometry import gate_geometry
 from .inputs import OUT_POISON, Case, bits, make_inputs, require_parsed
 from .sections import gpu_section
@@ -84,8 +84,10 @@ def graph_walk(fmt: KvFormat, seq_lens=WALK_LENGTHS, *, steps: int = WALK_STEPS,
             now = BlockTable(table.page_ids, torch.tensor(lens, dtype=torch.int32, device=device))
             ref, ref_lse, pv_abs, s_abs_p, s_abs_max = paged_attention_reference(
                 pool, query, now, None, abs_weighted=True, score_abs=True)
-            row.update(compare(out, ref, pv_abs, p_scaled=pool.layout.quantized))
-            row.update(compare_lse(lse, ref_lse, lse_bound(s_abs_p, s_abs_max, ref_lse, torch.tensor(lens), d)))
+            extra_out, extra_lse = decode_extra(pool, query, now, graph_ws.fp8_math)  # the partial's own terms
+            row.update(compare(out, ref, pv_abs, p_scaled=pool.layout.quantized, extra=extra_out))
+            row.update(compare_lse(lse, ref_lse,
+                                   extra_lse + lse_bound(s_abs_p, s_abs_max, ref_lse, torch.tensor(lens), d)))
             row["checked"] = True
             row["passed"] = all(row[k] for k in ("bitwise_equal_to_eager", "all_written", "elementwise_ok", "rel_ok",
                                                  "lse_ok"))
