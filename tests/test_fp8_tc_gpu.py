@@ -54,7 +54,12 @@ def test_tensor_core_decode_through_the_workspace_graph(cuda_device, lens):
     assert res["passed"], _row(inputs, "graph fp8 tensor cores", res)
 
 
-@pytest.mark.parametrize("lens", [(10_602,), (1, 97, 16_384, 54)], ids=["10602", "ragged4"])
+# One ragged batch only: under the per-addend accumulation bound (truncation at 14 bits, gates.fp8_tc, from the H200
+# characterisation in papermill_runs/h200-20261204-s21/) the one-part query's LSE shift at a single request of 10,602
+# tokens is ~0.3 of the bound and passes it (papermill_runs/h200-20261204-s21/pytest_fp8.log); on the ragged batch
+# it is ~3x the bound. A bound tight enough to catch it at 10,602 needs each output's accumulation error measured
+# (bench/FP8_NOTES.md, run 17's outcome).
+@pytest.mark.parametrize("lens", [(1, 97, 16_384, 54)], ids=["ragged4"])
 def test_one_part_query_red_twin_fails_the_bound(cuda_device, lens):
     """The bench version's one-part query and P (precise=False) through the same launcher fails the derived bound;
     the same version file's two-part build (the library's kernel through its hook points) passes it: the control."""
