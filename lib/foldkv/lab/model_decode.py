@@ -252,10 +252,14 @@ def measure_decode(model: nn.Module, arm_name: str, *, context: int, batch: int,
         ids = torch.randint(3, int(model.config.vocab_size), (batch, context + 1), device=dev,
                             generator=torch.Generator(device=dev).manual_seed(seed + 1))
         clock = step_clock(dev)
+        from ..hf_loop import LOOP_STEPS
+
+        thin0 = LOOP_STEPS["thin"]
         t0 = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, stopping_criteria=[clock],
                              **{cache_keyword(model): cache})
+        thin_steps = LOOP_STEPS["thin"] - thin0
         peak = torch.cuda.max_memory_allocated(dev) - before
         memory = memory_components(cache, peak, weight_bytes(model))
         device_ms = _device_step_ms(cache, replay_reps) if arm.format is not None else None
@@ -277,6 +281,8 @@ def measure_decode(model: nn.Module, arm_name: str, *, context: int, batch: int,
         else 1e3 * report["host_s_median"],
         "weight_bytes": wbytes, "kv_bytes": kvbytes, "floor_ms": floor_ms, "tpot_over_floor": tpot / floor_ms,
         "generate_s": stamps[-1] - t0, "tokens": out[:, context + 1:].cpu().tolist(),
+        "thin_loop_steps": thin_steps,  # decode steps generate() ran through foldkv.hf_loop's thin path
+        "merged_groups": sum(hasattr(m, "_foldkv_merged") for m in model.modules()),  # fused_step.merge_projections
     }
 
 
