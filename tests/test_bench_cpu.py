@@ -824,3 +824,23 @@ def test_plan_model_sets_the_plans_prediction_beside_the_measured_step():
     assert rows["drawn/short_many"]["mispredicted"] is True  # red twin: 1.30 against the fixed batches' 0.93
     assert rows["drawn/short_many"]["ratio"] == pytest.approx(1.30)
     assert "**yes**" in bench.plan_model_markdown(doc) and "0.930-0.930" in bench.plan_model_markdown(doc)
+
+
+@pytest.mark.parametrize("fp8_math", [None, "tensor_cores", "exact"])
+def test_decode_arms_plan_the_partials_wave(fp8_math):
+    """A decode arm's plan balances the wave of the partial it launches (decode.partial_wave), as decode() plans
+    without a plan: 2 x SMs CTAs for the FP8 tensor-core partial (the FP8 default), one a SM otherwise; an arm's own
+    num_sms is kept. Red twin: a bf16 pool or the exact FP8 partial keeps one CTA a SM."""
+    from foldkv import KvFormat, PagedKvLayout
+    from foldkv.kernels.plan import DEFAULT_SMS
+    from foldkv.lab.bench.arms import decode_plan_kwargs
+
+    fp8 = PagedKvLayout(GEMMA4_31B, KvFormat.FOLDED, 64, 0, torch.float8_e4m3fn)
+    bf16 = PagedKvLayout(GEMMA4_31B, KvFormat.FOLDED, 64, 0, torch.bfloat16)
+    cpu = torch.device("cpu")
+    want = DEFAULT_SMS * (1 if fp8_math == "exact" else 2)
+    assert decode_plan_kwargs(fp8, cpu, fp8_math, {})["num_sms"] == want
+    assert decode_plan_kwargs(fp8, cpu, fp8_math, {"num_sms": 7, "chunk_tokens": 64}) == {"num_sms": 7,
+                                                                                          "chunk_tokens": 64}
+    if fp8_math != "tensor_cores":
+        assert decode_plan_kwargs(bf16, cpu, fp8_math, {})["num_sms"] == DEFAULT_SMS

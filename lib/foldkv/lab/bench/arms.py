@@ -103,7 +103,8 @@ def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | Non
                 kw["fused"] = info["fused"] = fused
             if fp8_math is not None:
                 kw["fp8_math"] = info["fp8_math"] = fp8_math
-            extra = plan_kw(case) if plan_kw is not None else {}
+            extra = decode_plan_kwargs(pools[0].layout, case.device, fp8_math,
+                                       plan_kw(case) if plan_kw is not None else {})
             kw["plan"] = plan = plan_decode(pools[0].layout, case.table_cpu.seq_lens, device=case.device, **extra)
             info.update(chunks=plan.num_chunks, chunk_tokens=plan.chunk_tokens, plan_kw=extra,
                         one_launch=plan.fused if fused is None else fused)
@@ -118,6 +119,18 @@ def generated_arm(op: str, fmt: KvFormat | str, backend: str, params: dict | Non
                        reference_kind=against)
 
     return build
+
+
+def decode_plan_kwargs(layout, device, fp8_math: str | None, extra: dict) -> dict:
+    """plan_decode's keywords for a decode arm: the arm's own (`plan_kw`), with the wave the plan balances set to the
+    partial's (`decode.partial_wave`: 2 x SMs for the FP8 tensor-core partial, which holds two CTAs an SM) where the
+    arm sets none, as `decode()` plans when it is given no plan. A plan balanced for one CTA an SM leaves half of
+    that partial's CTA slots empty on a single request."""
+    from ...kernels.decode import parse_fp8_math, partial_wave
+
+    if "num_sms" in extra:
+        return dict(extra)
+    return {**extra, "num_sms": partial_wave(layout, device, parse_fp8_math(fp8_math, layout.quantized))}
 
 
 def workspace_arm(fmt: KvFormat | str, backend: str = "jit",
