@@ -42,7 +42,9 @@ def test_merge_keeps_every_parameter_and_every_forward(model):
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert fs.merged_groups(model) == 0
     assert fs.merge_projections(model) == 12  # 6 attentions + 6 MLPs
+    assert fs.merged_groups(model) == 12
     after = dict(model.named_parameters())
     assert after.keys() == before.keys()
     assert all(torch.equal(after[n], before[n]) for n in before)
@@ -65,6 +67,7 @@ def test_split_gives_each_weight_its_own_tensor_again(model):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     fs.merge_projections(model)
     assert fs.split_projections(model) == 12
+    assert fs.merged_groups(model) == 0
     assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == storages
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert not any(hasattr(m, fs._MERGED) for m in model.modules())
@@ -102,6 +105,7 @@ def test_a_weight_replaced_after_the_merge_is_not_read_through_the_merged_tensor
     assert fs.merged_linear(attn, torch.ones(1, 128)) is not None
     attn.k_proj.weight = nn.Parameter(attn.k_proj.weight.detach().clone() * 2)
     assert fs.merged_linear(attn, torch.ones(1, 128)) is None  # the step falls back to the module's own weight
+    assert fs.merged_groups(model) == 11  # the replaced group no longer counts
     assert fs.merge_projections(model) == 12  # merging again takes the new weight
     outs = fs.merged_linear(attn, torch.ones(1, 128))
     assert outs is not None and torch.allclose(outs[1], attn.k_proj(torch.ones(1, 128)), rtol=0, atol=1e-4)

@@ -197,7 +197,7 @@ def _merge(owner: nn.Module, names: tuple[str, ...]) -> bool:
     """Lay owner's `names` projections' weights out as row blocks of one new tensor; the modules' weights become
     views of it (Parameters, requires_grad kept). False (nothing changed) when they are not plain bias-free Linears
     of one dtype, device and input width (a DTensor shard, a quantised weight)."""
-    if getattr(owner, _MERGED, None) is not None and _merged_weight(owner) is not None:
+    if _merged_weight(owner) is not None:
         return True
     linears = [getattr(owner, n, None) for n in names]
     if any(lin is None for lin in linears) or not _mergeable(linears):
@@ -263,6 +263,12 @@ def split_projections(model: nn.Module) -> int:
         delattr(owner, _MERGED)
         done += 1
     return done
+
+
+def merged_groups(model: nn.Module) -> int:
+    """How many of `model`'s projection groups are merged (`merge_projections`) and still read through their merged
+    tensor."""
+    return sum(_merged_weight(m) is not None for m in model.modules())
 
 
 def merged_linear(owner: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
@@ -455,6 +461,6 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
 
 
 __all__ = ["fused_step", "norm_eps", "fork", "join", "side_streams", "branched_attention_modules", "BRANCHES", "MERGE",
-           "merge_projections", "split_projections", "merged_linear",
+           "merge_projections", "split_projections", "merged_linear", "merged_groups",
            "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "norm_modules",
            "mlp_modules", "layer_modules"]

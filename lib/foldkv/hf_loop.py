@@ -54,15 +54,14 @@ def applies(model: torch.nn.Module, kwargs: dict) -> bool:
     defaults) asks for greedy or multinomial sampling without a dict of outputs."""
     from .hf_graph import DecodeStep
 
-    if (kwargs.get("custom_generate") is not None or not hasattr(type(model), "_prefill")
-            or not isinstance(getattr(_cache_of(kwargs), "decode_step", None), DecodeStep)
-            or any(kwargs.get(k) is not None
-                   for k in ("assistant_model", "streamer", "tokenizer", "assistant_tokenizer"))
-            or kwargs.get("synced_gpus")):
+    cache = _cache_of(kwargs)
+    if (kwargs.get("custom_generate") is not None
+            or not isinstance(getattr(cache, "decode_step", None), DecodeStep)
+            or any(kwargs.get(k) is not None for k in ("assistant_model", "tokenizer", "assistant_tokenizer"))):
         return False
     rest = {k: v for k, v in kwargs.items() if k != "generation_config"}
     config, _ = model._prepare_generation_config(kwargs.get("generation_config"), **rest)
-    return _sampling_mode(config) and not config.return_dict_in_generate
+    return covers(model, config, bool(kwargs.get("synced_gpus")), kwargs.get("streamer"), cache)
 
 
 def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_processor: Any, stopping_criteria: Any,

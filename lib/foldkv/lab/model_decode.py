@@ -252,6 +252,7 @@ def measure_decode(model: nn.Module, arm_name: str, *, context: int, batch: int,
         ids = torch.randint(3, int(model.config.vocab_size), (batch, context + 1), device=dev,
                             generator=torch.Generator(device=dev).manual_seed(seed + 1))
         clock = step_clock(dev)
+        from ..fused_step import merged_groups
         from ..hf_loop import LOOP_STEPS
 
         thin0 = LOOP_STEPS["thin"]
@@ -282,7 +283,7 @@ def measure_decode(model: nn.Module, arm_name: str, *, context: int, batch: int,
         "weight_bytes": wbytes, "kv_bytes": kvbytes, "floor_ms": floor_ms, "tpot_over_floor": tpot / floor_ms,
         "generate_s": stamps[-1] - t0, "tokens": out[:, context + 1:].cpu().tolist(),
         "thin_loop_steps": thin_steps,  # decode steps generate() ran through foldkv.hf_loop's thin path
-        "merged_groups": sum(hasattr(m, "_foldkv_merged") for m in model.modules()),  # fused_step.merge_projections
+        "merged_groups": merged_groups(model),  # projection groups the step read with one GEMV
     }
 
 
