@@ -6,7 +6,11 @@ For a quick look at a change of the decode step before the batch of record (note
 
 --decode ARM:CONTEXT:BATCH (model_decode.measure_decode), --tail ARM:CONTEXT:BATCH (measure_prefill_tail, chunk
 4096), --profile (step_kernels at 4K x 1), --compile N (measure_static_compile: transformers' static cache and
-automatic compile on an N-token prompt, last: it leaves the compiler's state behind). Results are not records: the batch's notebook is.
+automatic compile on an N-token prompt, last: it leaves the compiler's state behind), --profile-top N (kernels the
+profile lists). --merge-ab: after the cells above (merged projections, the library's default), the model's
+projections are split again (`fused_step.split_projections`, MERGE off) and the --decode cells and the profile run a
+second time ("unmerged"). --loop-ab: the --decode cells again with generate()'s own loop (`hf_loop.applies` answering
+False). Results are not records: the batch's notebook is.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--compile", type=int, default=0)
+    ap.add_argument("--profile-top", type=int, default=16)
+    ap.add_argument("--merge-ab", action="store_true")
+    ap.add_argument("--loop-ab", action="store_true")
     args = ap.parse_args(argv)
     import foldkv.hf  # noqa: F401
     from foldkv.lab import gemma31b, model_decode as md
@@ -50,10 +57,40 @@ def main(argv=None) -> int:
                                                      for a, n, b in _cells(args.decode)])
     out["tail"] = md.run_cells(md.measure_prefill_tail, [dict(model=model, arm_name=a, context=n, batch=b,
                                                               chunk=4096) for a, n, b in _cells(args.tail)])
-    if args.profile:
-        out["profile"] = md.step_kernels(model, "foldkv-folded", context=4096, batch=1, top=16)
-        for k in out["profile"]:
+    def profile(key):
+        out[key] = md.step_kernels(model, "foldkv-folded", context=4096, batch=1, top=args.profile_top)
+        total = sum(k["ms"] for k in out[key]) / max(sum(k["share"] for k in out[key]), 1e-9)
+        print(f"{key}: {total:.3f} ms of kernels a step")
+        for k in out[key]:
             print(f"{k['ms']:8.3f} ms {k['calls']:5d}  {k['kernel']}")
+
+    def decode_cells(label):
+        rows = md.run_cells(md.measure_decode, [dict(model=model, arm_name=a, context=n, batch=b,
+                                                     new_tokens=args.new_tokens, read_gbps=roof["gbps"])
+                                                for a, n, b in _cells(args.decode)])
+        for r in rows:
+            r["variant"] = label
+        return rows
+
+    if args.profile:
+        profile("profile")
+    if args.loop_ab:
+        from foldkv import hf_loop
+
+        own = hf_loop.applies
+        hf_loop.applies = lambda *a, **k: False
+        try:
+            out["decode"] += decode_cells("transformers loop")
+        finally:
+            hf_loop.applies = own
+    if args.merge_ab:
+        from foldkv import fused_step
+
+        print(f"split {fused_step.split_projections(model)} merged groups", flush=True)
+        fused_step.MERGE = False
+        out["decode"] += decode_cells("unmerged")
+        if args.profile:
+            profile("profile_unmerged")
     if args.compile:
         out["compile"] = md.run_cells(md.measure_static_compile, [dict(model=model, prompt_tokens=args.compile,
                                                                        new_tokens=args.new_tokens)])
@@ -63,6 +100,11 @@ def main(argv=None) -> int:
     if os.environ.get("OUT"):
         open(os.path.join(os.environ["OUT"], "probe.json"), "w").write(text)
     print(md.decode_table(out["decode"]))
+    for r in out["decode"]:
+        if r.get("status") == "ran":
+            print(f"{r.get('variant', 'library'):18s} {r['arm']:14s} {r['context']:>7d} x {r['batch']:<3d}"
+                  f" TPOT {r['tpot_ms']:.2f} device {r['device_step_ms']} step call {r['step_call_ms']}"
+                  f" thin steps {r.get('thin_loop_steps')} merged groups {r.get('merged_groups')}")
     print(md.memory_table(out["decode"] + out["tail"]))
     for r in out.get("compile", []):
         print({k: v for k, v in r.items() if k != "tokens"})
