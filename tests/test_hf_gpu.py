@@ -186,3 +186,48 @@ def test_generate_through_flashinfer(gpu_models, batch):
     print(f"\nflashinfer: vs reference {vs_ref}; reference vs incumbent {ref_vs_inc}; neutral {neutral}")
     bound = max(2 * neutral["gap"], 2 * ref_vs_inc["gap"], 4 * _bf16_ulp(float(incumbent[1].abs().max())))
     assert vs_ref["gap"] <= bound, f"flashinfer vs reference gap {vs_ref['gap']:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("arm", ["folded", "flashinfer"])
+def test_a_stop_after_a_step_run_ahead_leaves_the_cache_as_transformers_loop(gpu_models, batch, arm):
+    """generate()'s thin loop (`foldkv.hf_loop`) issues each graph replay before the host reads the stop flag; an EOS
+    stop takes that step back (`DecodeStep.rewind`, the FlashInfer step re-planning its own wrapper). After a stop
+    where every sequence ends before max_new_tokens, the thin loop's tokens, the cache's host and device counters and
+    the logits of one more step on the same cache equal those transformers' own loop leaves, bit for bit (the same
+    graph over the same rows). Red twin: tests/test_hf_loop_cpu.py (a rewind leaving a counter ahead).
+    Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_hf_gpu.py -k "run_ahead" """
+    from foldkv import hf_loop
+    from foldkv.hf import FoldKvCache
+
+    model = gpu_models["foldkv"]
+    ids, mask = batch
+    free, _ = _run(model, batch, FoldKvCache(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW,
+                                             kv_format="folded", dtype=torch.bfloat16, scatter_seed=3))
+    eos = sorted({int(free[0, 3]), int(free[1, 5]), int(free[2, 2])})  # every sequence ends early
+
+    def once(loop: bool):
+        if arm == "flashinfer":
+            require_module("flashinfer")
+            from foldkv.lab.flashinfer_model import FlashInferCache as cls
+        else:
+            cls = FoldKvCache
+        cache = cls(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW,
+                    kv_format="split" if arm == "flashinfer" else "folded", dtype=torch.bfloat16, scatter_seed=3)
+        before = dict(hf_loop.LOOP_STEPS)
+        with pytest.MonkeyPatch.context() as mp:
+            if not loop:
+                mp.setattr(hf_loop, "applies", lambda model, kwargs: False)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=0, **{cache_keyword(model): cache})
+        step = cache.decode_step
+        state = (cache.get_seq_length(), [list(layer.lengths) for layer in cache.global_layers], list(step.lens),
+                 step.dev_lens.tolist(), step.col.tolist(), step.steps)
+        with torch.no_grad():
+            logits = model(input_ids=out[:, -1:], **{cache_keyword(model): cache}).logits.float().cpu()
+        return out.cpu(), state, logits, hf_loop.LOOP_STEPS["rewound"] - before["rewound"]
+
+    got, state, logits, rewound = once(True)
+    want, want_state, want_logits, _ = once(False)
+    assert got.shape[1] < ids.shape[1] + NEW and rewound == 1  # the stop came early and took a step back
+    assert torch.equal(got, want) and state == want_state
+    assert torch.equal(logits, want_logits), "the step after the stop read another cache"

@@ -122,8 +122,9 @@ def test_greedy_thin_loop_equals_transformers_loop(models, batch, fmt, chunk):
     # NEW - 1 decode forwards: the first one captures through transformers' path, the rest are thin; a last prompt
     # chunk of one column (17 in chunks of 4) is the capturing step, so every decode forward is thin
     captured_in_prefill = chunk is not None and max(LENGTHS) % chunk == 1
-    assert steps == {"thin": NEW - 1 - (not captured_in_prefill), "transformers": int(not captured_in_prefill)}
-    assert off_steps == {"thin": 0, "transformers": 0}
+    assert steps == {"thin": NEW - 1 - (not captured_in_prefill), "transformers": int(not captured_in_prefill),
+                     "rewound": 0}  # the length criterion's stop is known before a step would run ahead
+    assert off_steps == {"thin": 0, "transformers": 0, "rewound": 0}
     assert cache.decode_step.steps == NEW - 1 + captured_in_prefill  # every forward after the capture is a step
 
 
@@ -136,7 +137,7 @@ def test_a_custom_generate_of_the_caller_wins(models):
     model = models["foldkv"]
     got, steps = _generate(model, inputs, _cache(model), min_new_tokens=NEW, custom_generate=GenerationMixin._sample)
     want, loop_steps = _generate(model, inputs, _cache(model), min_new_tokens=NEW)
-    assert steps == {"thin": 0, "transformers": 0} and loop_steps["thin"] == NEW - 2
+    assert steps == {"thin": 0, "transformers": 0, "rewound": 0} and loop_steps["thin"] == NEW - 2
     assert torch.equal(got, want)
 
 
@@ -175,7 +176,89 @@ def test_eos_stops_and_pads_as_transformers(models, batch, case):
     if case == "all_finish":
         assert want.shape[1] < inputs[0].shape[1] + NEW  # the loop stopped before max_new_tokens
     generated = want.shape[1] - inputs[0].shape[1]
-    assert steps == {"thin": generated - 2, "transformers": 1} and off_steps == {"thin": 0, "transformers": 0}
+    # an EOS stop before max_new_tokens takes back the step run ahead of it
+    rewound = int(want.shape[1] < inputs[0].shape[1] + NEW)
+    assert steps == {"thin": generated - 2, "transformers": 1, "rewound": rewound}
+    assert off_steps == {"thin": 0, "transformers": 0, "rewound": 0}
+
+
+# --- the step run ahead of the stop check, taken back ---------------------------------------------------------------
+
+def _state(cache):
+    """What a stop leaves in a cache with a decode step: its columns and lengths on the host, the step's lengths, its
+    device counters (lengths, ring column)."""
+    step = cache.decode_step
+    return (cache.get_seq_length(), [list(layer.lengths) for layer in cache.global_layers], list(step.lens),
+            step.dev_lens.tolist(), step.col.tolist(), step.steps)
+
+
+def _after_stop(models, inputs, loop, rewind=None, monkeypatch=None):
+    """(output, LOOP_STEPS growth, cache state, logits of one more step) of an EOS stop before max_new_tokens
+    ("all_finish"), then one decode forward of each sequence's last token on the same cache: a cache the stop left
+    one step ahead reads its ring and pools one column off. rewind: replaces DecodeStep.rewind (red twins)."""
+    from foldkv.hf_graph import DecodeStep
+
+    model = models["foldkv"]
+    eos, _, _ = _eos_case(models, inputs, "all_finish")
+    if rewind is not None:
+        monkeypatch.setattr(DecodeStep, "rewind", rewind)
+    cache = _cache(model)
+    out, steps = _generate(model, inputs, cache, loop=loop, eos_token_id=eos, pad_token_id=PAD)
+    state = _state(cache)
+    with torch.no_grad():
+        logits = model(input_ids=out[:, -1:], **{cache_keyword(model): cache}).logits
+    return out, steps, state, logits
+
+
+def test_a_stop_leaves_the_cache_as_transformers_loop_does(models, batch):
+    _, inputs = batch
+    got, steps, state, logits = _after_stop(models, inputs, loop=True)
+    want, _, want_state, want_logits = _after_stop(models, inputs, loop=False)
+    assert steps["rewound"] == 1 and torch.equal(got, want)
+    assert state == want_state, f"after the stop: {state} where transformers' loop leaves {want_state}"
+    assert torch.equal(logits, want_logits), "the next step after a stop reads another cache"
+
+
+def _rewind_without(counter):
+    """DecodeStep.rewind with one device counter left one step ahead."""
+    from foldkv.hf_graph import DecodeStep
+
+    own = DecodeStep.rewind
+
+    def rewind(self):
+        keep = getattr(self, counter).clone()
+        own(self)
+        getattr(self, counter).copy_(keep)
+    return rewind
+
+
+@pytest.mark.parametrize("counter", ["dev_lens", "col"])
+def test_a_rewind_that_leaves_a_counter_ahead_is_seen(models, counter, monkeypatch):
+    """Red twins: the state check and the next step's logits both see a device counter the rewind did not step back."""
+    inputs = left_padded_batch(LENGTHS, TINY_SYNTHETIC["vocab_size"])
+    _, steps, state, logits = _after_stop(models, inputs, loop=True, rewind=_rewind_without(counter),
+                                          monkeypatch=monkeypatch)
+    monkeypatch.undo()
+    _, _, want_state, want_logits = _after_stop(models, inputs, loop=False)
+    assert steps["rewound"] == 1
+    assert state != want_state
+    assert not torch.equal(logits, want_logits)
+
+
+def test_no_column_left_is_refused_by_both_loops(models):
+    """A cache with columns for 5 new tokens asked for NEW: the step past its columns is refused with the step's
+    error under either loop (the thin loop runs no step ahead into it)."""
+    from foldkv import FoldKvInputError
+    from foldkv.hf import FoldKvCache
+
+    inputs = left_padded_batch(LENGTHS, TINY_SYNTHETIC["vocab_size"])
+    model = models["foldkv"]
+    for loop in (True, False):
+        cache = FoldKvCache(model, max_batch=4, max_tokens=max(LENGTHS) + 5, kv_format="folded", scatter_seed=5,
+                            decode_step="static")
+        with pytest.raises(FoldKvInputError, match="holds max_tokens"):
+            _generate(model, inputs, cache, loop=loop, min_new_tokens=NEW)
+        assert cache.get_seq_length() == max(LENGTHS) + 5
 
 
 # --- sampling ---------------------------------------------------------------------------------------------------------
@@ -196,7 +279,7 @@ def test_sampling_thin_loop_equals_transformers_loop(models, batch):
     assert torch.equal(got, want), f"sampled tokens differ at {(got != want).nonzero()[:4].tolist()}"
     incumbent, _ = _generate(models["sdpa"], inputs, seed=123, **SAMPLING)
     assert torch.equal(got, incumbent)
-    assert steps == {"thin": NEW - 2, "transformers": 1}
+    assert steps == {"thin": NEW - 2, "transformers": 1, "rewound": 0}
     # the seed decided: another seed samples another continuation, and it is not the greedy one
     other, _ = _generate(models["foldkv"], inputs, _cache(models["foldkv"]), seed=7, **SAMPLING)
     greedy, _ = _generate(models["foldkv"], inputs, _cache(models["foldkv"]), min_new_tokens=NEW)
@@ -207,8 +290,7 @@ def test_sampling_thin_loop_equals_transformers_loop(models, batch):
 
 BROKEN = {
     # the thin step fed the token before the new one
-    "previous_token": ("outputs = model(input_ids=next_tokens[:, None]",
-                       "outputs = model(input_ids=input_ids[:, -2:-1]"),
+    "previous_token": ("step_ids = next_tokens[:, None]", "step_ids = input_ids[:, -2:-1]"),
     # top_k and temperature dropped once the step has started
     "no_processors": ("scores = logits_processor(input_ids, logits)",
                       "scores = logits if step.started else logits_processor(input_ids, logits)"),
@@ -283,7 +365,7 @@ def test_calls_the_loop_does_not_cover_go_to_transformers(models, case):
     assert not hf_loop.applies(model, dict(kw, cache=cache))
     got, steps = _generate(model, inputs, cache, min_new_tokens=NEW, **kw)
     want, _ = _generate(model, inputs, _cache(model), loop=False, min_new_tokens=NEW, **off_kw)
-    assert steps == {"thin": 0, "transformers": 0}
+    assert steps == {"thin": 0, "transformers": 0, "rewound": 0}
     if case == "dict":
         assert torch.equal(got.sequences, want.sequences) and len(got.logits) == NEW
         assert torch.equal(torch.stack(got.logits), torch.stack(want.logits))

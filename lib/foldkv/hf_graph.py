@@ -148,6 +148,34 @@ class DecodeStep:
         else:
             self.ws.advance()
 
+    def host_replan(self) -> None:
+        """A fresh plan for the lengths the host holds now (after `rewind`)."""
+        if self.ws is not None:
+            self.ws.plan(self.lens)
+
+    def room(self) -> int:
+        """Decode steps the cache still holds columns for."""
+        return self.cache.max_tokens - self.cache.global_layers[0].columns
+
+    def rewind(self) -> None:
+        """Undo the last step (one replay after the capture): `foldkv.hf_loop` runs a step ahead of the stop check and
+        takes it back when generation stopped. The device counters (lengths, the ring column) step back on the
+        current stream, after that replay; the host's lengths, the cache's columns and the plan step back with them.
+        What the step wrote stays but is outside every length: the ring slot it wrote (column t) is read by no step
+        before a step at column t rewrites it, and a global pool's row past a length is never read. A step taken
+        again with the same token writes the same rows."""
+        if not self.started or self.steps < 2:
+            raise FoldKvInputError("rewind() takes back a replayed step; this decode step has run none")
+        self.dev_lens.sub_(1)
+        self.col.sub_(1)
+        self.lens = [n - 1 for n in self.lens]
+        self.steps -= 1
+        self.host_s.pop()
+        for layer in self.cache.global_layers:
+            layer.columns -= 1
+            layer.lengths[:len(self.lens)] = self.lens
+        self.host_replan()
+
     # -- the global layers' attention (a lab arm may serve them through another library: `foldkv.lab`) ------------
     def _global_workspace(self, first: Any) -> Any:
         """The decode state the global layers share, planned for this step's lengths: foldkv's DecodeWorkspace with

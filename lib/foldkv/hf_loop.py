@@ -1,6 +1,6 @@
 """generate()'s decoding loop on a FoldKvCache with a decode step: transformers' sampling loop
 (`GenerationMixin._sample`, greedy or multinomial) with nothing between one step's end and the next step's replay but
-that replay's launch.
+that replay's launch, and that replay issued before the host waits for the stop flag.
 
 transformers' loop reads `unfinished_sequences.max() == 0` on the host after every token (a device sync: the host
 must know whether to go on), then runs `prepare_inputs_for_generation`, `_update_model_kwargs_for_generation` and the
@@ -8,8 +8,13 @@ model's forward wrapper before the next step reaches the GPU, which idles meanwh
 a token: 2-5% of a step). Once the cache's decode step has started (`hf_graph.DecodeStep`: one graph replay a step that
 reads the token ids and nothing else of the forward's arguments), the step needs none of that. This loop computes the
 next tokens, the stopping criteria and the finished flag as `_sample` does (the same processors, selection, padding of
-finished sequences and criteria, in the same order), waits for the flag as `_sample` does, and then calls the model with
-the ids and the cache alone. The prompt's forward(s) (`_prefill`, chunked prefill included) and the first decode step
+finished sequences and criteria, in the same order), all on the device in stream order, then issues the next step
+(the model called with the ids and the cache alone) and only then waits for the flag, as gpt-fast and vLLM's runners
+keep the GPU a step ahead of the host: the host's work for token t+1 (reading the flag, the processors, the criteria,
+the next launch) runs while step t+1 runs on the GPU, which does not wait for the host. When the flag says stop, the
+step run ahead is taken back (`DecodeStep.rewind`: counters and lengths one step back; its rows lie past every length
+and a later step rewrites them), so the cache holds what `_sample` leaves it. No step runs ahead past max_length or
+past the cache's columns. The prompt's forward(s) (`_prefill`, chunked prefill included) and the first decode step
 (the capture) go through transformers' own path, and every forward goes through the model's (wrapped) forward.
 
 `hf_graph.install` makes it generate()'s decoding method when the cache passed has a decode step, the caller passed
@@ -25,7 +30,8 @@ from typing import Any
 
 import torch
 
-LOOP_STEPS: dict[str, int] = {"thin": 0, "transformers": 0}  # decode steps run by each loop (tests read it)
+# decode steps run by each loop, and steps run ahead and taken back at a stop (tests read it)
+LOOP_STEPS: dict[str, int] = {"thin": 0, "transformers": 0, "rewound": 0}
 
 
 def _cache_of(model_kwargs: dict) -> Any:
@@ -86,6 +92,7 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
     has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     do_sample = generation_config.do_sample
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    max_length = generation_config.max_length
 
     outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
     while True:
@@ -102,11 +109,22 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
             next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
         unfinished = unfinished & ~stopping_criteria(input_ids, None)
+        # the next step is issued before the host waits for the stop flag (module docstring); not when the length
+        # criterion stops here anyway, nor without a column left for it (the call below then refuses it, as it would
+        # under _sample)
+        step_ids = next_tokens[:, None]
+        ahead = step.started and (max_length is None or input_ids.shape[-1] < max_length) and step.room() > 0
+        if ahead:
+            outputs = model(input_ids=step_ids, **{cache_kw: cache})
         if bool(unfinished.max() == 0):  # _sample's stop check, the one sync a token
+            if ahead:
+                step.rewind()
+                LOOP_STEPS["rewound"] += 1
             return input_ids
         if step.started:
             LOOP_STEPS["thin"] += 1
-            outputs = model(input_ids=next_tokens[:, None], **{cache_kw: cache})
+            if not ahead:
+                outputs = model(input_ids=step_ids, **{cache_kw: cache})
         else:
             LOOP_STEPS["transformers"] += 1
             model_inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)

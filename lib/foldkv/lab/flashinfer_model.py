@@ -72,6 +72,9 @@ class FlashInferStep(DecodeStep):
         self.lens = [n + 1 for n in self.lens]
         self._fi_plan()
 
+    def host_replan(self) -> None:
+        self._fi_plan()
+
     def _global_decode(self, layer: Any, folded: torch.Tensor) -> torch.Tensor:
         b = folded.shape[0]
         self.fi.run(folded.contiguous(), _kv_views(layer.pool), out=self.fi_out[:b])

@@ -133,19 +133,37 @@ def check_cache_bytes(results: Sequence[dict]) -> list[str]:
 # --- one generation, measured ---------------------------------------------------------------------------------------
 
 def step_clock(device: torch.device):
-    """A generate() stopping criterion that never stops: it stamps the clock (`.stamps`) after every generated token
-    (after a CUDA synchronize, so the stamp is when the token exists)."""
+    """A generate() stopping criterion that never stops: `.stamps`, the time (perf_counter seconds) each generated
+    token existed. On CUDA the first call synchronizes (the prompt's token: its stamp is a host time) and every later
+    call records a CUDA event in stream order, without a sync, so a loop that keeps the GPU a step ahead of the host
+    (`foldkv.hf_loop`) is timed as it runs; `.stamps` (read after generate() returns) synchronizes once and places
+    each event after the first stamp by the events' elapsed times. Elsewhere each call stamps the host clock."""
     from transformers import StoppingCriteria
 
     class StepClock(StoppingCriteria):
         def __init__(self):
-            self.stamps: list[float] = []
+            self._host: list[float] = []
+            self._events: list = []
 
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
             if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            self.stamps.append(time.perf_counter())
+                if not self._events:
+                    torch.cuda.synchronize(device)
+                    self._host.append(time.perf_counter())
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(torch.cuda.current_stream(device))
+                self._events.append(event)
+            else:
+                self._host.append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        @property
+        def stamps(self) -> list[float]:
+            if not self._events:
+                return list(self._host)
+            self._events[-1].synchronize()
+            first = self._events[0]
+            return [self._host[0] + first.elapsed_time(e) / 1e3 for e in self._events]
 
     return StepClock()
 
