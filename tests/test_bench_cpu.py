@@ -5,6 +5,7 @@ redraw modes) into a temp dir. No timing is asserted: CPU timings here only exer
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 
@@ -732,6 +733,12 @@ def test_fp8_prefill_in_kernel_arm_is_reported_not_gated():
 
 
 # --- drawn cells: shapes, seeds, their targets, the plan's model ------------------------------------------------------
+def _spans_log_strata(lens, hi) -> bool:
+    """A batch of k lengths in [1, hi] with one length in each of k equal strata of log [1, hi]."""
+    k = len(lens)
+    return sorted(min(k - 1, int(k * math.log(n) / math.log(hi))) for n in lens) == list(range(k))
+
+
 @pytest.mark.parametrize("shape", list(bench.DRAWN_SHAPES))
 def test_drawn_shapes_hold_their_sizes_and_ranges(shape):
     from foldkv.lab.bench import case
@@ -745,6 +752,9 @@ def test_drawn_shapes_hold_their_sizes_and_ranges(shape):
         assert want[0] <= len(lens) <= want[1]
     else:
         assert len(lens) == int(shape.rstrip("0123456789") and shape[len(shape.rstrip("0123456789")):])
+    if shape == "mixed":  # one length in each log stratum: the handful spans the range (its longest in the top one)
+        assert _spans_log_strata(lens, hi)
+        assert not _spans_log_strata([464, 30, 7, 2], hi)  # red twin: s21b's independent draw, all short
     # a shape's draw depends on the seed and its name only (red twin: another seed draws other lengths)
     assert bench.draw_batches(7, [shape]) == {shape: bench.draw_batches(7)[shape]}
     assert bench.draw_batches(8, [shape]) != bench.draw_batches(7, [shape])

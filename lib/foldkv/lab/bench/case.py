@@ -36,14 +36,16 @@ UNIFORM_TOKENS = (1024, 48 * 1024)  # a ragged batch's lengths, uniform in this 
 LONGTAIL_SHORT, LONGTAIL_LONG = (1, 4096), (65536, 200_000)  # the long-tail mix: 9 short requests in 10, 1 long
 LONGTAIL_EVERY = 10  # request i is long when i % LONGTAIL_EVERY == 0: exactly 10% of the batch, spread through it
 SHORT_MANY_BATCH, SHORT_MANY_TOKENS = (100, 256), (1, 8192)  # "short_many": 100-256 requests of 1-8K
-MIXED_BATCH, MIXED_TOKENS = (4, 8), (1, 150_000)  # "mixed": a handful of lengths, log-uniform in 1-150K
+MIXED_BATCH, MIXED_TOKENS = (4, 8), (1, 150_000)  # "mixed": a handful of lengths spanning 1-150K (log strata)
 
 
 def draw_shape(name: str, rng: random.Random) -> list[int]:
     """One batch of the named shape, drawn from `rng`: "uniform<B>" (B requests, lengths uniform in UNIFORM_TOKENS),
     "longtail<B>" (B requests; every LONGTAIL_EVERY-th uniform in LONGTAIL_LONG, the rest in LONGTAIL_SHORT),
-    "short_many" (a batch size uniform in SHORT_MANY_BATCH, lengths in SHORT_MANY_TOKENS), "mixed" (a batch size
-    in MIXED_BATCH, lengths log-uniform in MIXED_TOKENS). Raises ValueError for another name."""
+    "short_many" (a batch size uniform in SHORT_MANY_BATCH, lengths in SHORT_MANY_TOKENS), "mixed" (a batch size n
+    in MIXED_BATCH, one length log-uniform in each of n equal strata of log MIXED_TOKENS, in drawn order: the handful
+    spans the range, its longest above MIXED_TOKENS[1] ** ((n - 1) / n), where independent draws could all be short).
+    Raises ValueError for another name."""
     head = name.rstrip("0123456789")
     count = name[len(head):]
     if head == "uniform" and count:
@@ -54,8 +56,11 @@ def draw_shape(name: str, rng: random.Random) -> list[int]:
         return [rng.randint(*SHORT_MANY_TOKENS) for _ in range(rng.randint(*SHORT_MANY_BATCH))]
     if name == "mixed":
         lo, hi = (math.log(t) for t in MIXED_TOKENS)
-        return [min(MIXED_TOKENS[1], max(1, round(math.exp(rng.uniform(lo, hi)))))
-                for _ in range(rng.randint(*MIXED_BATCH))]
+        n = rng.randint(*MIXED_BATCH)
+        width = (hi - lo) / n
+        lens = [min(MIXED_TOKENS[1], max(1, round(math.exp(lo + width * (i + rng.random()))))) for i in range(n)]
+        rng.shuffle(lens)
+        return lens
     raise ValueError(f"unknown batch shape {name!r}: uniform<B>, longtail<B>, short_many or mixed")
 
 
