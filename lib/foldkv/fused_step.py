@@ -10,7 +10,12 @@ the block (the step `foldkv.hf_graph` runs and captures), each of them for one k
 - `gelu_mul`: the MLP's act(gate) * up (tanh GELU), the activation rounded before the product as torch rounds it;
 - the decoder layer's tails, `norm_add_norm` (post-attention norm, the residual add, the pre-feedforward norm: one
   pass over the row, two outputs) and `norm_add_scale` (post-feedforward norm, the residual add, the layer scalar);
-- `masked_softmax`: the ring attention's float32 softmax of masked scores, rounded to the model dtype.
+- `masked_softmax`: the ring attention's float32 softmax of masked scores, rounded to the model dtype;
+- a sliding layer's attention inside DecodeStep's step (`sliding_route`: a RingMask, the step's ring, CUDA), between
+  the q|k|v GEMV and o_proj, as three kernels instead of ten (`FUSE_SLIDING`): `q_norm_rope` (q_norm then RoPE of
+  each query head, read in place from the GEMV's output), `kv_to_ring` (k_norm + RoPE and v_norm written straight
+  into the rings' slot for this step, read on the device: update_sliding's two index_copy_), `ring_attend`
+  (hf_graph.ring_attention: q.K^T, the masked softmax and P.V in one kernel, each rounding point kept).
 Rounding points are torch's, so most outputs are bitwise the modules'; a sum (of squares, of exponentials) reduced in
 another order, or the tanh of another formula, may move a bf16 output by one ulp (the GPU tests bound each op).
 Layers these formulas do not describe (a MoE block, per-layer inputs, another activation) keep their own forwards.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import MutableMapping
 import sys
 from typing import Iterator
 
@@ -35,7 +41,8 @@ def _kernels() -> dict:
         from . import fused_step_kernels as k
 
         _KERNELS = dict(rms_norm=k.rms_norm_rows, norm_add=k.norm_add_rows, rope=k.rope_rows, gelu_mul=k.gelu_mul_rows,
-                        softmax=k.masked_softmax_rows)
+                        softmax=k.masked_softmax_rows, q_norm_rope=k.q_norm_rope_rows, kv_ring=k.kv_norm_rope_ring,
+                        ring_attention=k.ring_attention_rows)
     return _KERNELS
 
 
@@ -166,6 +173,133 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype)
     _kernels()["softmax"][(rows.shape[0],)](rows, m, out, n, rows.shape[0] // m.shape[0], BLOCK=block,
                                             num_warps=_warps(block))
     return out.view(scores.shape)
+
+
+# --- a sliding layer's decode attention on its ring: three kernels ------------------------------------------------
+# Inside DecodeStep's step a sliding layer runs, after its q|k|v GEMV: q_norm, k_norm, v_norm (3 launches), RoPE of q
+# and k (2), index_copy of k and v into the rings (2), then ring_attention's q.K^T matmul, masked softmax and P.V
+# matmul (3): 10 launches. `q_norm_rope`, `kv_to_ring` and `ring_attend` do the same in 3, at torch's rounding points.
+FUSE_SLIDING = True  # False: sliding layers run transformers' forward and hf_graph.ring_attention (the tests compare)
+RING_SPLITS_MAX = 4  # ring_attend's most programs a KV head (each recomputes the head's scores; module comment)
+
+
+def _head_rows(x: torch.Tensor, heads: int, d: int, name: str) -> int:
+    """The row stride of x [B, 1, heads * d] (a projection's output or a column slice of a merged one), whose last
+    dim is contiguous. Raises FoldKvInputError otherwise."""
+    from .validate import FoldKvInputError
+
+    if x.dim() != 3 or x.shape[1] != 1 or x.shape[2] != heads * d or x.stride(2) != 1:
+        raise FoldKvInputError(f"{name}: expected [B, 1, {heads} * {d}] with its last dim contiguous, got"
+                               f" {tuple(x.shape)} strides {x.stride()}")
+    return x.stride(0)
+
+
+def _rope_table(t: torch.Tensor, b: int, d: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+    from .validate import FoldKvInputError
+
+    if t.shape != (b, 1, d) or t.dtype != dtype:
+        raise FoldKvInputError(f"{name}: expected [{b}, 1, {d}] {dtype}, got {tuple(t.shape)} {t.dtype}")
+    return t.contiguous()
+
+
+def _check_head_dim(d: int) -> None:
+    from .validate import FoldKvInputError
+
+    if d < 16 or d & (d - 1):
+        raise FoldKvInputError(f"head_dim {d}: the ring kernels take a power of two >= 16")
+
+
+def q_norm_rope(q: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                heads: int) -> torch.Tensor:
+    """q [B, 1, heads * d] (a q projection's output, or the q columns of a merged q|k|v output: read in place),
+    weight [d], cos/sin [B, 1, d] (q's dtype) -> RoPE(Gemma4RMSNorm(q per head)) as [B, heads, d] packed: the norm
+    in float32 rounded once (`rms_norm`), then `rope`'s three roundings of the rounded row. The same per-element
+    formulas and the same row reduction as `rms_norm` followed by `rope` (bitwise theirs); within one bf16 ulp of
+    the module's norm, then RoPE's roundings (the GPU tests)."""
+    b, d = q.shape[0], weight.shape[0]
+    _check_head_dim(d)
+    stride = _head_rows(q, heads, d, "q")
+    cos, sin = _rope_table(cos, b, d, q.dtype, "cos"), _rope_table(sin, b, d, q.dtype, "sin")
+    out = torch.empty((b, heads, d), dtype=q.dtype, device=q.device)
+    _kernels()["q_norm_rope"][(b * heads,)](q, weight, cos, sin, out, heads, stride, d, float(eps), D=d,
+                                            num_warps=_warps(d))
+    return out
+
+
+def kv_to_ring(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps: float, v_eps: float,
+               cos: torch.Tensor, sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
+               slot: torch.Tensor) -> None:
+    """k, v [B, 1, Hkv * d] (projection outputs or column slices of a merged one, read in place): RoPE(k_norm(k))
+    written into ring_k[:, :, slot] and v_norm(v) (no weight) into ring_v[:, :, slot]; rings [B, Hkv, W, d] packed,
+    slot a device tensor [1] int64 (read by the kernel: the step is graph-captured). What update_sliding's two
+    index_copy_ store after the modules' norms and RoPE, with `q_norm_rope`'s formulas; no other slot is written."""
+    from .validate import FoldKvInputError
+
+    b, hkv, w, d = ring_k.shape
+    _check_head_dim(d)
+    ks, vs = _head_rows(k, hkv, d, "k"), _head_rows(v, hkv, d, "v")
+    if (ring_v.shape != ring_k.shape or not ring_k.is_contiguous() or not ring_v.is_contiguous()
+            or ring_k.dtype != k.dtype or ring_v.dtype != v.dtype or k.shape[0] != b or v.shape[0] != b
+            or k_weight.shape != (d,)):
+        raise FoldKvInputError(f"rings {tuple(ring_k.shape)} {ring_k.dtype} / {tuple(ring_v.shape)} {ring_v.dtype}"
+                               f" (packed) for k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}")
+    if slot.shape != (1,) or slot.dtype != torch.long or slot.device != ring_k.device:
+        raise FoldKvInputError(f"slot: expected a [1] int64 tensor on {ring_k.device}, got {tuple(slot.shape)}"
+                               f" {slot.dtype} on {slot.device}")
+    cos, sin = _rope_table(cos, b, d, k.dtype, "cos"), _rope_table(sin, b, d, k.dtype, "sin")
+    _kernels()["kv_ring"][(b * hkv,)](k, v, k_weight, cos, sin, ring_k, ring_v, slot, hkv, ks, vs, w, d,
+                                      float(k_eps), float(v_eps), D=d, num_warps=_warps(d))
+
+
+def ring_splits(programs: int, d: int, device: torch.device) -> int:
+    """Programs a KV head for `ring_attend`: doubled (up to RING_SPLITS_MAX, each a slice of >= 16 output columns)
+    while the B x Hkv heads fill under half the SMs. Each recomputes its head's scores (K read again, from L2)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    splits = 1
+    while splits * 2 <= RING_SPLITS_MAX and programs * splits * 2 <= sms and d // (splits * 2) >= 16:
+        splits *= 2
+    return splits
+
+
+def ring_attend(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, mask: torch.Tensor, scaling: float,
+                splits: int | None = None) -> torch.Tensor:
+    """hf_graph.ring_attention for one decode token in one kernel: q [B, Hq, d] packed (head h = kv * group + r),
+    rings [B, Hkv, W, d] packed, mask [B, 1, 1, W] bool (True: attend; every row has one) -> [B, 1, Hq, d].
+    Rounding points are ring_attention's: scores q.K^T accumulated in float32 and rounded to the model dtype (as
+    torch's bf16 matmul returns them), times `scaling` rounded again when it is not 1.0, the masked softmax in float32
+    rounded to the model dtype, P.V accumulated in float32 and rounded once. Only the order of the float32 sums
+    differs (over d for a score, over W for the softmax's sum and for P.V): a score is torch's bitwise where its
+    float32 sum is exact in any order (within one bf16 ulp plus d 2^-23 sum|q k| otherwise), a probability then within
+    one bf16 ulp, and the output within sum_j ulp(p_j)|v_j| + W 2^-23 sum_j |p_j v_j| plus its own rounding (the
+    GPU tests hold these bounds). `splits` programs a KV head (None: `ring_splits`), each computing d / splits output
+    columns from the same scores: the output does not depend on it."""
+    from .validate import FoldKvInputError
+
+    b, hkv, w, d = ring_k.shape
+    hq = q.shape[1] if q.dim() == 3 else -1
+    _check_head_dim(d)
+    if (q.dim() != 3 or q.shape != (b, hq, d) or hq % hkv or not q.is_contiguous() or ring_v.shape != ring_k.shape
+            or not ring_k.is_contiguous() or not ring_v.is_contiguous() or not q.dtype == ring_k.dtype == ring_v.dtype):
+        raise FoldKvInputError(f"ring_attend: q {tuple(q.shape)} {q.dtype} against rings {tuple(ring_k.shape)}"
+                               f" {ring_k.dtype} / {tuple(ring_v.shape)} {ring_v.dtype}: packed, one dtype, whole"
+                               " query groups")
+    if mask.shape != (b, 1, 1, w) or mask.dtype != torch.bool:
+        raise FoldKvInputError(f"ring mask: expected [{b}, 1, 1, {w}] bool, got {tuple(mask.shape)} {mask.dtype}")
+    group = hq // hkv
+    w_block, g_pad = _block(w), max(16, _block(group))
+    if w_block * g_pad > 16384:
+        raise FoldKvInputError(f"ring_attend holds a [{g_pad}, {w_block}] score tile; window {w} x group {group}"
+                               " is past it")
+    splits = ring_splits(b * hkv, d, q.device) if splits is None else int(splits)
+    if splits < 1 or d % (splits * 16):
+        raise FoldKvInputError(f"splits={splits}: each program takes a multiple of 16 of the {d} columns")
+    m = mask.reshape(b, w).contiguous().view(torch.uint8)  # a view, no copy
+    out = torch.empty((b, 1, hq, d), dtype=q.dtype, device=q.device)
+    scaling = float(scaling)
+    _kernels()["ring_attention"][(b * hkv, splits)](
+        q, ring_k, ring_v, m, out, hkv, w, scaling, GROUP=group, GROUP_PAD=g_pad, D=d, BLOCK_D=16, W_BLOCK=w_block,
+        SCALE=scaling != 1.0, SPLIT=splits, num_warps=8, num_stages=2)
+    return out
 
 
 # --- the swapped forwards -------------------------------------------------------------------------------------------
@@ -381,6 +515,80 @@ def _layer_forward(layer: nn.Module, hidden_states: torch.Tensor, per_layer_inpu
     return norm_add_scale(x, h, layer.post_feedforward_layernorm, layer.layer_scalar)
 
 
+def sliding_attention_modules(model: nn.Module) -> list[nn.Module]:
+    """Sliding Gemma4TextAttention modules the fused ring attention describes: their own K/V (not a layer reusing
+    another's; one that stores its K/V for later layers, `store_full_length_kv`, hands on the rings as its forward
+    does), q/k/v/o projections, q_norm and k_norm with weights, v_norm without, a power-of-two
+    head_dim >= 16. The global (k_eq_v) layers are not among them (they fold into foldkv's pool)."""
+    def norm(m, name, scaled):
+        n = getattr(m, name, None)
+        return (type(n).__name__ == "Gemma4RMSNorm" and getattr(n, "with_scale", None) is scaled
+                and (hasattr(n, "eps") or hasattr(n, "variance_epsilon")) and (not scaled or n.weight.dim() == 1))
+
+    d = lambda m: int(getattr(m, "head_dim", 0) or 0)  # noqa: E731
+    return [m for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"
+            and getattr(m, "is_sliding", False) is True and not getattr(m, "is_kv_shared_layer", False)
+            and all(isinstance(getattr(m, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            and norm(m, "q_norm", True) and norm(m, "k_norm", True) and norm(m, "v_norm", False)
+            and d(m) >= 16 and d(m) & (d(m) - 1) == 0]
+
+
+def sliding_route(attn: nn.Module, kwargs: dict) -> tuple | str:
+    """Where a sliding attention call goes: (ring K, ring V, slot, mask [B, 1, 1, W]) when it is a decode step of
+    `foldkv.hf_graph.DecodeStep` that the fused ring attention computes (the mask a RingMask: the cache's started step
+    made it; the step holds this layer's ring and stores sliding rows with DecodeStep.update_sliding; the model's
+    attention is foldkv's, which sends a RingMask to hf_graph.ring_attention; one token per sequence on CUDA), else
+    the reason it keeps transformers' forward (prefill, eager decode, CPU, FUSE_SLIDING off)."""
+    if not FUSE_SLIDING:
+        return "FUSE_SLIDING is off"
+    from .hf_graph import DecodeStep, RingMask
+
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, RingMask):
+        return "not a ring step (no RingMask: prefill or eager decode)"
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    step = getattr(cache, "decode_step", None)
+    ring = step.sliding_ring(attn.layer_idx) if isinstance(step, DecodeStep) else None
+    if ring is None:
+        return "the cache's decode step holds no ring of this layer it stores with DecodeStep.update_sliding"
+    from .hf import SLIDING_IMPLEMENTATION
+
+    if getattr(attn.config, "_attn_implementation", None) not in SLIDING_IMPLEMENTATION:
+        return "the model's attention is not foldkv's"
+    x, pe = kwargs.get("hidden_states"), kwargs.get("position_embeddings")
+    if not (isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[1] == 1 and isinstance(pe, (tuple, list))
+            and len(pe) == 2):
+        return "not one token per sequence with (cos, sin)"
+    if getattr(attn, "store_full_length_kv", False) and not isinstance(kwargs.get("shared_kv_states"),
+                                                                                  MutableMapping):
+        return "a layer storing its K/V for later layers called without shared_kv_states"
+    if not x.is_cuda:
+        return "not on CUDA"
+    return (*ring, mask.mask)
+
+
+def _sliding_forward(attn: nn.Module, *args, **kwargs):
+    """Gemma4TextAttention.forward of a sliding layer inside DecodeStep's step (`sliding_route`) as the q|k|v
+    projections (merged or branched: the swapped q_proj / k_proj / v_proj), `q_norm_rope`, `kv_to_ring` (the
+    step's rows into the rings at the step's slot, what update_sliding stores), `ring_attend` and o_proj; every other
+    call is the class's forward."""
+    route = "positional arguments" if args else sliding_route(attn, kwargs)
+    if isinstance(route, str):
+        return type(attn).forward(attn, *args, **kwargs)
+    ring_k, ring_v, slot, mask = route
+    x = kwargs["hidden_states"]
+    cos, sin = kwargs["position_embeddings"]
+    d = int(attn.head_dim)
+    q = attn.q_proj(x)
+    q = q_norm_rope(q, attn.q_norm.weight, norm_eps(attn.q_norm), cos, sin, q.shape[-1] // d)
+    k, v = attn.k_proj(x), attn.v_proj(x)
+    kv_to_ring(k, v, attn.k_norm.weight, norm_eps(attn.k_norm), norm_eps(attn.v_norm), cos, sin, ring_k, ring_v, slot)
+    if getattr(attn, "store_full_length_kv", False):  # what the class's forward hands on: update_sliding's rings
+        kwargs["shared_kv_states"][attn.layer_type] = ring_k, ring_v
+    out = ring_attend(q, ring_k, ring_v, mask, attn.scaling)
+    return attn.o_proj(out.view(x.shape[0], 1, -1)), None
+
+
 def _rope_function(own):
     @functools.wraps(own)
     def apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim: int = 1):
@@ -438,6 +646,9 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
         swapped.append((attn.q_proj, proj.q))
         for name in proj.names:
             swapped.append((getattr(attn, name), functools.partial(proj.take, name)))
+    sliding = sliding_attention_modules(model) if FUSE_SLIDING else []
+    for attn in sliding:
+        swapped.append((attn, functools.partial(_sliding_forward, attn)))
     modules = {type(m).__module__ for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"}
     ropes = [(sys.modules[name], sys.modules[name].apply_rotary_pos_emb) for name in sorted(modules)
              if hasattr(sys.modules.get(name), "apply_rotary_pos_emb")]
@@ -447,7 +658,8 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
         mod.apply_rotary_pos_emb = _rope_function(own)
     counts = {"norms": sum(type(m).__name__ == "Gemma4RMSNorm" for m, _ in swapped),
               "mlps": sum(type(m).__name__ == "Gemma4TextMLP" for m, _ in swapped), "layers": len(layers),
-              "rope": len(ropes), "branched_attention": len(branched), "merged": merged}
+              "rope": len(ropes), "branched_attention": len(branched), "merged": merged,
+              "sliding_attention": len(sliding)}
     try:
         yield counts
     finally:
@@ -463,4 +675,5 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
 __all__ = ["fused_step", "norm_eps", "fork", "join", "side_streams", "branched_attention_modules", "BRANCHES", "MERGE",
            "merge_projections", "split_projections", "merged_linear", "merged_groups",
            "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "norm_modules",
-           "mlp_modules", "layer_modules"]
+           "mlp_modules", "layer_modules", "FUSE_SLIDING", "q_norm_rope", "kv_to_ring", "ring_attend", "ring_splits",
+           "sliding_attention_modules", "sliding_route"]

@@ -106,3 +106,92 @@ if triton is not None:
         e = tl.exp(s - tl.max(s, axis=0))
         p = e / tl.sum(e, axis=0)
         tl.store(p_ptr + row * n + cols, _rounded(p, p_ptr.dtype.element_ty).to(p_ptr.dtype.element_ty), mask=keep)
+
+    # --- a sliding layer's decode attention on its ring: two prologue kernels and the ring attention ---------------
+    @triton.jit
+    def _norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, n, eps, OUT: tl.constexpr, D: tl.constexpr):
+        """One head row at x_ptr: RMSNorm with weight (rms_norm_rows' formula: float32, rounded once), then RoPE
+        (rope_rows' three roundings) of the rounded row against the cos/sin row; float32 values of OUT precision.
+        The partner half is normed again from its own load (the same per-element formula): bitwise the two kernels."""
+        cols = tl.arange(0, D)
+        half: tl.constexpr = D // 2
+        x = tl.load(x_ptr + cols).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+        y = _rounded(x * inv * tl.load(w_ptr + cols).to(tl.float32), OUT)
+        pc = (cols + half) % D
+        xp = tl.load(x_ptr + pc).to(tl.float32)
+        yp = _rounded(xp * inv * tl.load(w_ptr + pc).to(tl.float32), OUT)
+        rot = tl.where(cols < half, -yp, yp)
+        c = tl.load(cos_ptr + cols).to(tl.float32)
+        s = tl.load(sin_ptr + cols).to(tl.float32)
+        return _rounded(_rounded(y * c, OUT) + _rounded(rot * s, OUT), OUT)
+
+    @triton.jit
+    def q_norm_rope_rows(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, heads, x_stride, n, eps, D: tl.constexpr):
+        """Row r = (b, h) of the query: x at b * x_stride + h * D (a merged q|k|v output's q columns, read in place),
+        cos/sin [B, D] row b; y [B * heads, D] packed: RoPE(q_norm(x))."""
+        row = tl.program_id(0).to(tl.int64)
+        b = row // heads
+        at = b * x_stride + (row % heads) * D
+        out_ty = y_ptr.dtype.element_ty
+        y = _norm_rope(x_ptr + at, w_ptr, cos_ptr + b * D, sin_ptr + b * D, n, eps, out_ty, D)
+        tl.store(y_ptr + row * D + tl.arange(0, D), y.to(out_ty))
+
+    @triton.jit
+    def kv_norm_rope_ring(k_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, ring_k_ptr, ring_v_ptr, slot_ptr, heads, k_stride,
+                          v_stride, window, n, eps_k, eps_v, D: tl.constexpr):
+        """KV head row r = (b, h): RoPE(k_norm(k)) into ring_k[b, h, slot] and v_norm(v) (no weight) into
+        ring_v[b, h, slot]; rings [B, heads, window, D] packed, slot read from the device (slot_ptr[0], int64)."""
+        row = tl.program_id(0).to(tl.int64)
+        b = row // heads
+        h = row % heads
+        cols = tl.arange(0, D)
+        slot = tl.load(slot_ptr).to(tl.int64)
+        dst = (row * window + slot) * D + cols
+        out_ty = ring_k_ptr.dtype.element_ty
+        k = _norm_rope(k_ptr + b * k_stride + h * D, w_ptr, cos_ptr + b * D, sin_ptr + b * D, n, eps_k, out_ty, D)
+        tl.store(ring_k_ptr + dst, k.to(out_ty))
+        v = tl.load(v_ptr + b * v_stride + h * D + cols).to(tl.float32)
+        v = v * (1.0 / tl.sqrt(tl.sum(v * v, axis=0) / n + eps_v))
+        tl.store(ring_v_ptr + dst, _rounded(v, out_ty).to(out_ty))
+
+    @triton.jit
+    def ring_attention_rows(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, heads_kv, window, scaling, GROUP: tl.constexpr,
+                            GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, W_BLOCK: tl.constexpr,
+                            SCALE: tl.constexpr, SPLIT: tl.constexpr):
+        """One decode token's attention over a ring for KV head program_id(0) = b * heads_kv + kv: its GROUP query
+        rows (heads kv * GROUP + r of q [B, heads_kv * GROUP, D], padded to GROUP_PAD >= 16 rows for tl.dot) against
+        the window slots of K/V [B, heads_kv, window, D] (packed), mask [B, window] (uint8, 1: attend). As
+        hf_graph.ring_attention rounds: scores accumulated in float32 over D, rounded to the model dtype (torch's bf16
+        matmul output); times scaling rounded again (SCALE); masked float32 softmax rounded to the model dtype;
+        P.V accumulated in float32 over the window, rounded once. program_id(1) of SPLIT computes output columns
+        [id * D / SPLIT, (id + 1) * D / SPLIT) (each recomputes the same scores: bitwise the same P)."""
+        bh = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(1).to(tl.int64)
+        b = bh // heads_kv
+        out_ty = o_ptr.dtype.element_ty
+        rows = tl.arange(0, GROUP_PAD)
+        row_ok = rows < GROUP
+        slots = tl.arange(0, W_BLOCK)
+        slot_ok = slots < window
+        q_rows = (bh * GROUP + rows.to(tl.int64)) * D
+        kv_rows = (bh * window + slots.to(tl.int64)) * D
+        acc = tl.zeros((GROUP_PAD, W_BLOCK), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            dd = d0 + tl.arange(0, BLOCK_D)
+            q = tl.load(q_ptr + q_rows[:, None] + dd[None, :], mask=row_ok[:, None], other=0.0)
+            kt = tl.load(k_ptr + kv_rows[None, :] + dd[:, None], mask=slot_ok[None, :], other=0.0)
+            acc = tl.dot(q, kt, acc)
+        s = _rounded(acc, out_ty)
+        if SCALE:
+            s = _rounded(s * scaling, out_ty)
+        live = tl.load(m_ptr + b * window + slots, mask=slot_ok, other=0) != 0
+        s = tl.where((live & slot_ok)[None, :], s, float("-inf"))
+        e = tl.exp(s - tl.max(s, axis=1)[:, None])
+        p = _rounded(e / tl.sum(e, axis=1)[:, None], out_ty).to(out_ty)
+        width: tl.constexpr = D // SPLIT
+        for j in range(0, width, BLOCK_D):
+            dd = part * width + j + tl.arange(0, BLOCK_D)
+            v = tl.load(v_ptr + kv_rows[:, None] + dd[None, :], mask=slot_ok[:, None], other=0.0)
+            o = tl.dot(p, v)
+            tl.store(o_ptr + q_rows[:, None] + dd[None, :], _rounded(o, out_ty).to(out_ty), mask=row_ok[:, None])

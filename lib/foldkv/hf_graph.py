@@ -317,6 +317,16 @@ class DecodeStep:
         ring_v.index_copy_(2, self.slot, value)
         return ring_k, ring_v
 
+    def sliding_ring(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(ring K, ring V, slot) of a sliding layer while this step runs: where `update_sliding` stores the step's
+        rows (slot: a device tensor [1], this step's) and what ring_attention reads; `foldkv.fused_step`'s fused
+        sliding attention writes and reads them itself. None before the step starts, for a layer without a ring, or
+        when a subclass stores sliding rows its own way (its update_sliding is not this one)."""
+        if not self.started or type(self).update_sliding is not DecodeStep.update_sliding:
+            return None
+        ring = self.rings.get(layer_idx)
+        return None if ring is None else (ring[0], ring[1], self.slot)
+
     def attend(self, layer: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor) -> torch.Tensor:
         """A global layer's step: store the new rows at slot len_b - 1, decode over the pool. query [B, Hq, 1, D],
