@@ -9,7 +9,8 @@ For a quick look at a change of the decode step before the batch of record (note
 automatic compile on an N-token prompt, last: it leaves the compiler's state behind), --profile-top N (kernels the
 profile lists). --merge-ab: after the cells above (merged projections, the library's default), the model's
 projections are split again (`fused_step.split_projections`, MERGE off) and the --decode cells and the profile run a
-second time ("unmerged"). --loop-ab: the --decode cells again with generate()'s own loop (`hf_loop.applies` answering
+second time ("unmerged"). --sliding-ab: the --decode cells again with the sliding layers' attention unfused
+(`fused_step.FUSE_SLIDING` off). --loop-ab: the --decode cells again with generate()'s own loop (`hf_loop.applies` answering
 False). Results are not records: the batch's notebook is.
 """
 
@@ -39,6 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-top", type=int, default=16)
     ap.add_argument("--merge-ab", action="store_true")
     ap.add_argument("--loop-ab", action="store_true")
+    ap.add_argument("--sliding-ab", action="store_true")
     args = ap.parse_args(argv)
     import foldkv.hf  # noqa: F401
     from foldkv.lab import gemma31b, model_decode as md
@@ -82,6 +84,14 @@ def main(argv=None) -> int:
             out["decode"] += decode_cells("transformers loop")
         finally:
             hf_loop.applies = own
+    if args.sliding_ab:
+        from foldkv import fused_step
+
+        fused_step.FUSE_SLIDING = False
+        try:
+            out["decode"] += decode_cells("sliding unfused")
+        finally:
+            fused_step.FUSE_SLIDING = True
     if args.merge_ab:
         from foldkv import fused_step
 
