@@ -167,8 +167,9 @@ def check_study(results: dict, gated: Sequence[str] | None = None,
             not_ran = [x for x in (a, b) if sections.get(x, {}).get("passed") is None]
             sections[name] = {"passed": None if not_ran else False, "pair": True,
                               "failures": [] if not_ran else [f"both arms ran but no cell holds the pair {name}"],
-                              "status": "; ".join(f"{x}: {results.get('arm_status', {}).get(x, 'not run')}"
-                                                  for x in not_ran)}
+                              "status": "not run: " + "; ".join(
+                                  f"arm {x} did not run ({results.get('arm_status', {}).get(x, 'not run')})"
+                                  .replace("(not run: ", "(") for x in not_ran)}
             continue
         gap, argmax, over = _judge(series, neutral, slack, neutral_argmax)
         sections[name] = {"passed": not over, "failures": over, "gap": gap, "argmax": argmax, "gated": True,
@@ -192,7 +193,7 @@ def record_sections(record, results: dict) -> dict[str, str]:
         if not sec.get("pair"):
             continue
         if sec["passed"] is None:
-            record.not_run(f"pair:{name}", f"not run: {sec['status']}")
+            record.not_run(f"pair:{name}", sec["status"])
         elif sec["passed"]:
             record.ran(f"pair:{name}", gap=sec["gap"], argmax=sec["argmax"], gated=True)
         else:
