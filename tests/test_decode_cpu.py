@@ -448,3 +448,25 @@ def test_pool_of_the_kernels_page_size_passes_the_page_check(monkeypatch):
     _forbid_builds(monkeypatch)
     pool, table, query, out, lse = _cpu_case()
     _refused("decode runs on a CUDA device", pool, query, table, out, lse)
+
+
+@pytest.mark.parametrize("name", ["fp8-math-unknown", "fp8-math-tensor-cores-on-bf16"])
+def test_refusal_table_fp8_math_rows_are_refused_before_the_device(name):
+    """The refusals table's fp8_math rows (gates.DECODE_REFUSALS, notebook 02's refusal section on the GPU): on a bf16
+    pool on the CPU, decode refuses each naming the fault before any device check or kernel build; the red twin, the
+    same pool with fp8_math="exact" (a no-op on bf16 rows), is not refused for fp8_math."""
+    from foldkv import KvFormat
+    from foldkv.lab import gates
+    from foldkv.kernels.decode import decode
+    from foldkv.validate import FoldKvInputError
+
+    what, make, expect = gates.DECODE_REFUSALS[name]
+    inputs = gates.make_inputs(gates.Case("refuse", (65,)), KvFormat.FOLDED, "cpu", 0)
+    with pytest.raises(FoldKvInputError, match=expect):
+        decode(inputs.pool, inputs.query, inputs.table, **make(inputs))
+    try:
+        decode(inputs.pool, inputs.query, inputs.table, fp8_math="exact")
+    except FoldKvInputError as exc:  # refused later for the CPU device, not for fp8_math
+        assert "fp8_math" not in str(exc), exc
+    except Exception:  # no GPU / TileLang here: anything past the refusals
+        pass

@@ -578,3 +578,104 @@ def test_fp8_reference_arm_shows_the_format_drift(model32, settings, length):
     assert bool(torch.isfinite(fp8.logits).all())
     assert float(gap.max()) > 10 * FLOAT32_TOL, gap.tolist()
     assert float(gap.max()) < float(ref.logits.abs().max()), gap.tolist()
+
+
+# --- the FP8 kernel arms: the tensor-core decode and "exact", each gated against the reference over its own pool ----
+
+def test_fp8_kernel_arms_name_their_decode_partial():
+    """`folded-fp8` is the FP8 pool's default decode, the tensor-core partial, named explicitly (a change of default
+    does not change what the arm measures); `folded-fp8-exact` is the exact-conversion partial, a separate arm; both
+    in notebook 03's default arms, each paired with the reference over the same FP8 pool."""
+    from foldkv.lab import drift
+    from foldkv.lab.model import MODEL_ARMS
+
+    assert MODEL_ARMS["folded-fp8"].fp8_math == "tensor_cores"
+    assert MODEL_ARMS["folded-fp8-exact"].fp8_math == "exact"
+    assert all(spec.fp8_math is None for a, spec in MODEL_ARMS.items() if spec.pool_dtype is None)
+    assert drift.gated_pairs() == (("folded-fp8", "ref-folded-fp8"), ("folded-fp8-exact", "ref-folded-fp8"))
+    assert set(drift.gated_pairs()) <= set(drift.PAIRS) and ("folded-fp8", "folded-fp8-exact") in drift.PAIRS
+    assert "folded-fp8" not in drift.gated_arms() and "folded-fp8-exact" not in drift.gated_arms()
+    nb = json.load(open(os.path.join(os.path.dirname(__file__), os.pardir, "notebooks", "03_drift_study.ipynb")))
+    params = next(c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", []))
+    ns: dict = {}
+    exec("".join(params["source"]), ns)
+    assert {"folded-fp8", "folded-fp8-exact", "ref-folded-fp8"} <= set(ns["arms"])
+
+
+@pytest.mark.parametrize("arm", ["folded-fp8", "folded-fp8-exact"])
+def test_arm_cache_passes_the_arms_decode_partial(monkeypatch, arm):
+    import foldkv.hf
+    from foldkv.lab.model import MODEL_ARMS, arm_cache
+
+    made = {}
+    monkeypatch.setattr(foldkv.hf, "FoldKvCache", lambda model, **kw: made.update(kw) or "cache")
+    assert arm_cache(object(), arm, 10) == "cache"
+    assert made["fp8_math"] == MODEL_ARMS[arm].fp8_math and made["dtype"] == torch.float8_e4m3fn
+    arm_cache(object(), "folded", 10)
+    assert made["fp8_math"] is None  # a bf16 arm names none (FoldKvCache refuses "tensor_cores" on bf16)
+
+
+def _fp8_study(pair_gaps: list[list], arm_gaps=GOOD, pair_eq=None, neutral=NEUTRAL) -> dict:
+    """A study with the FP8 kernel arm, its reference, and the gated pair between them."""
+    name = "folded-fp8 vs ref-folded-fp8"
+    pairs = {i: {name: {"gap": list(g), "argmax_equal": (pair_eq or {}).get(i, [True] * len(g))}}
+             for i, g in enumerate(pair_gaps)}
+    return _study({"folded": [list(g) for g in arm_gaps], "folded-fp8": [list(g) for g in arm_gaps],
+                   "ref-folded-fp8": [list(g) for g in arm_gaps]}, neutral, pairs=pairs)
+
+
+def test_fp8_kernel_pair_is_judged_by_the_bf16_kernels_limits():
+    """The pair's gap quantiles are held to exactly the limits the gated bf16 arm `folded` gets against the
+    incumbent; far-off gaps of the FP8 arm against the incumbent (the format's drift) are reported, not failed."""
+    from foldkv.lab.drift import check_study
+
+    far = [[1.0] * 4] * 2  # the FP8 arm far from the incumbent: not gated
+    checks = check_study(_study({"folded": [list(g) for g in GOOD], "folded-fp8": far, "ref-folded-fp8": far}, NEUTRAL,
+                                pairs={i: {"folded-fp8 vs ref-folded-fp8": {"gap": list(g), "argmax_equal": [True] * 4}}
+                                       for i, g in enumerate(GOOD)}))
+    pair = checks["sections"]["folded-fp8 vs ref-folded-fp8"]
+    assert pair["passed"] is True and pair["gated"] and checks["passed"], pair
+    assert {q: v["limit"] for q, v in pair["gap"].items()} == \
+        {q: v["limit"] for q, v in checks["sections"]["folded"]["gap"].items()}
+    assert checks["sections"]["folded-fp8"]["passed"] is True and checks["sections"]["folded-fp8"]["not_gated_over"]
+
+
+def test_fp8_kernel_pair_red_twin_fails_past_the_limit():
+    """The red twin: the pair's gaps 3x past the neutral's neighbourhood fail the pair's section and the study (the
+    same numbers as the arm's against the incumbent would not fail it); so do flips the single pass does not make."""
+    from foldkv.lab.drift import check_study
+
+    broken = [[3 * 2e-5 + g for g in c] for c in GOOD]
+    checks = check_study(_fp8_study(broken))
+    pair = checks["sections"]["folded-fp8 vs ref-folded-fp8"]
+    assert pair["passed"] is False and not checks["passed"]
+    assert any(f.startswith("gap p50") for f in pair["failures"]), pair
+    # 12 steps flipped by the pair alone, none by the single pass alone: P = 2^-12; the gaps themselves are small
+    small = [[1e-5] * 4] * 3
+    flips = check_study(_fp8_study(small, arm_gaps=small, neutral=[[2e-5] * 4] * 3,
+                                   pair_eq={i: [False] * 4 for i in range(3)}))
+    pair = flips["sections"]["folded-fp8 vs ref-folded-fp8"]
+    assert pair["passed"] is False and any(f.startswith("argmax") for f in pair["failures"]), pair
+
+
+def test_fp8_kernel_pair_section_in_the_record(tmp_path):
+    """In the notebook's record the pair is its own section: ran when both arms ran, not run (with the reason) when
+    the kernel arm could not run (a CPU), failed on a failed check; absent when the study did not ask for both arms."""
+    from foldkv.lab.drift import check_study, record_sections
+    from foldkv.lab.report import RunRecord
+
+    res = _fp8_study(GOOD)
+    res["checks"] = check_study(res)
+    assert record_sections(RunRecord("03_drift_study", tmp_path), res)["pair:folded-fp8 vs ref-folded-fp8"] == "ran"
+    cpu = _study({"ref-folded-fp8": [list(g) for g in GOOD]}, NEUTRAL)
+    cpu["parameters"]["arms"] += ["folded-fp8"]
+    cpu["arm_status"]["folded-fp8"] = "not run: the generated kernels need a CUDA device"
+    cpu["checks"] = check_study(cpu)
+    sections = record_sections(RunRecord("03_drift_study", tmp_path), cpu)
+    assert sections["pair:folded-fp8 vs ref-folded-fp8"].startswith("not run") and "CUDA" in \
+        sections["pair:folded-fp8 vs ref-folded-fp8"]
+    assert "pair:folded-fp8-exact vs ref-folded-fp8" not in sections  # folded-fp8-exact was not asked for
+    bad = _fp8_study([[3 * 2e-5 + g for g in c] for c in GOOD])
+    bad["checks"] = check_study(bad)
+    assert record_sections(RunRecord("03_drift_study", tmp_path), bad)[
+        "pair:folded-fp8 vs ref-folded-fp8"].startswith("failed: gap")

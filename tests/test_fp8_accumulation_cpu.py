@@ -3,7 +3,9 @@ give back the rule synthetic data was made with (b = 13, b = 23; truncation agai
 red twin that shows the check can fail; the kernel factory emits FP8 wgmma (e4m3 operands) for sm_90a; and against
 the H200's committed characterisation (papermill_runs/h200-20261204-s21/fp8_accumulation.json, operands drawn again):
 truncation at b = 14 reproduces every cell, and the derived `accumulation_bound` holds over every cell's measured max
-while its red twins (b + 4, no per-addend count, the earlier running-sum term) fail on the positive cells."""
+while its red twins (b + 4, no per-addend count, the earlier running-sum term) fail on the positive cells; notebook
+02's section over that data (`gates.fp8_wgmma`): the record's fields, the per-output check a GPU run records, each
+with a red twin."""
 
 from __future__ import annotations
 
@@ -212,3 +214,93 @@ def test_red_twins_fail_on_the_positive_cells(h200, twin):
     failing = [r for r in rows if r["margin_q01"] < 1]
     assert any(r["signs"] == "positive" and r["steps"] == 16 for r in failing), twin
     assert min(r["margin_q01"] for r in rows if r["signs"] == "positive") < 0.35, twin
+
+
+# --- notebook 02's section (gates.fp8_wgmma): the record's fields, each check with its red twin ---------------------
+
+@pytest.fixture(scope="module")
+def committed_record(tmp_path_factory):
+    from foldkv.lab import gates
+    from foldkv.lab.report import RunRecord
+
+    record = RunRecord("02_correctness_gates", tmp_path_factory.mktemp("rec"))
+    return record, gates.fp8_wgmma_committed(record)
+
+
+def test_section_records_the_committed_rule_and_the_bound_over_every_cell(committed_record):
+    """The committed H200 data, labelled with its path: the fitted rule as the probe printed it, the bound's rule
+    (truncate, b = 14 per addend), promotion (one accumulator over 16 k32 steps against a fresh one per step) and the
+    bound against all 66 cells, computed from the data."""
+    from foldkv.lab.gates import fp8_wgmma
+
+    record, summary = committed_record
+    assert record.sections[fp8_wgmma.COMMITTED_SECTION] == "ran"
+    assert record.results[fp8_wgmma.COMMITTED_SECTION]["source"].endswith(fp8_wgmma.COMMITTED_RUN)
+    assert summary["device"] == "NVIDIA H200" and summary["commit"]
+    assert summary["rule"]["fitted"] == {"mode": "nearest", "bits_kept": 13, "distance": pytest.approx(769.7, 1e-3)}
+    assert (summary["rule"]["bound_rule"]["mode"], summary["rule"]["bound_rule"]["bits_kept"]) == ("truncate", 14)
+    pos = summary["promotion"]["positive"]
+    assert summary["promotion"]["steps"] == 16 and 40 < pos["one_over_fresh_q50_min"] < pos["one_over_fresh_q50_max"]
+    assert summary["bound"]["passed"] and summary["bound"]["cells"] == 66 and not summary["bound"]["cells_failing"]
+    assert summary["bound"]["check"].startswith("every cell's measured max")  # quantiles only: no per-output errors
+    assert summary["passed"] and len(summary["bound_cells"]) == 66
+    text = fp8_wgmma.rule_text(summary)
+    assert "nearest, b = 13" in text and "truncate, b = 14" in text and "**holds** over 66 of 66" in text
+
+
+def test_section_red_twin_a_bound_at_b_plus_4_fails_the_committed_cells(committed_record):
+    from foldkv.lab.gates import fp8_wgmma
+
+    _, summary = committed_record
+    result = json.loads(H200_RUN.read_text())
+    twin = fp8_wgmma.bound_verdict(fa.bound_table(result, fa.BITS_KEPT + 4))
+    assert not twin["passed"] and any(c["signs"] == "positive" for c in twin["cells_failing"])
+    assert fp8_wgmma.bound_verdict(summary["bound_cells"])["passed"]
+
+
+def test_section_plot_draws_measured_and_bound(committed_record):
+    from foldkv.lab import gates
+
+    fig = gates.plot_fp8_wgmma_bound(committed_record[1], "committed")
+    lines = [ln for ax in fig.axes for ln in ax.get_lines()]
+    assert len(fig.axes) == 2 and len(lines) == 2 * 3 * 3  # signs x spreads x (measured, smallest, median)
+
+
+def test_output_bound_check_holds_on_the_rule_and_fails_past_it():
+    """Output by output (what a GPU run records): C made by the bound's own rule stays within the bound; the red twin,
+    C made with 4 bits fewer kept, exceeds it on all-positive operands."""
+    g = torch.Generator().manual_seed(3)
+    a, b = fa.draw_operands(2, 16, 8, "positive", generator=g)
+    prods = fa.products(a, b)
+    ok = fa.output_bound_check(a, b, fa.simulate(prods, fa.BITS_KEPT, "truncate").float(), None)
+    assert ok["bound_over_max"] <= 1 and ok["bound_outputs_over"] == 0
+    bad = fa.output_bound_check(a, b, fa.simulate(prods, fa.BITS_KEPT - 4, "truncate").float(), None)
+    assert bad["bound_over_max"] > 1 and bad["bound_outputs_over"] > 0
+    nan = fa.output_bound_check(a, b, torch.full((2, 64, 16), float("nan")), None)
+    assert nan["bound_outputs_over"] == 2 * 64 * 16  # an unwritten output counts as over
+
+
+def test_bound_verdict_uses_each_outputs_check_when_recorded():
+    from foldkv.lab.gates import fp8_wgmma
+
+    rows = [{"spread": 0, "signs": "mixed", "steps": 1, "fresh_every": None, "margin_q01": 0.5, "bound_over_max": 0.9},
+            {"spread": 8, "signs": "positive", "steps": 16, "fresh_every": None, "margin_q01": 2.0,
+             "bound_over_max": 0.4}]
+    v = fp8_wgmma.bound_verdict(rows)
+    assert v["passed"] and v["check"].startswith("every output")  # the per-output check decides, not the quantile
+    rows[1]["bound_over_max"] = 1.01  # red twin: one output past its bound
+    v = fp8_wgmma.bound_verdict(rows)
+    assert not v["passed"] and v["cells_failing"] == [{"spread": 8, "signs": "positive", "steps": 16,
+                                                       "fresh_every": None}]
+
+
+def test_section_without_cuda_is_not_run(tmp_path):
+    from foldkv.lab import gates
+    from foldkv.lab.gates import fp8_wgmma
+    from foldkv.lab.report import RunRecord
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the section runs (notebook 02, tests/test_fp8_accumulation_gpu.py)")
+    record = RunRecord("02_correctness_gates", tmp_path)
+    assert gates.accumulation_gate(record, "smoke") is None
+    assert record.sections[fp8_wgmma.SECTION] == "not run: no CUDA device"

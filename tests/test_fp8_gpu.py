@@ -2,7 +2,7 @@
 reference over the same dequantized rows on
 hostile pools (NaN rows, NaN and Inf scales on unused pages), a rerun bit-identical, the graph workspace over an FP8
 pool, and the needle at the start, middle and end of 4K / 64K / 200K keys with its red twin (a dropped needle must
-fail). Reproduce one case: FOLDKV_REQUIRE_GPU=1 pytest tests/test_fp8_gpu.py -k '<id>'."""
+fail) through the tensor-core partial, "exact" and a bf16 pool. Reproduce one case: FOLDKV_REQUIRE_GPU=1 pytest tests/test_fp8_gpu.py -k '<id>'."""
 
 from __future__ import annotations
 
@@ -37,17 +37,32 @@ def test_fp8_graph_walk(cuda_device):
     assert not bad, bad[:3]
 
 
+# The needle's pools and decodes: the FP8 pool through the tensor-core partial (its default, named) and through
+# "exact", and a bf16 pool (the bf16 decode the FP8 ones stand beside); (pool dtype, fp8_math, the partial that runs)
+NEEDLE_POOLS = {"fp8-tensor-cores": (FP8_DTYPE, "tensor_cores", "tensor_cores"),
+                "fp8-exact": (FP8_DTYPE, "exact", "exact"), "bf16": (torch.bfloat16, None, "bf16")}
+
+
 @pytest.mark.parametrize("where", ["start", "middle", "end"])
 @pytest.mark.parametrize("length", list(gates.NEEDLE_LENGTHS))
-def test_needle(cuda_device, length, where):
+@pytest.mark.parametrize("pool", list(NEEDLE_POOLS))
+def test_needle(cuda_device, pool, length, where):
+    """The needle at the start, middle and end of 4K / 64K / 200K keys comes back through each decode, each held to
+    its own derived bound (the tensor-core partial with `gates.fp8_tc`'s terms: `needle` adds them by the partial)."""
+    dtype, fp8_math, partial = NEEDLE_POOLS[pool]
     position = {"start": 0, "middle": length // 2, "end": length - 1}[where]
-    res = gates.needle(length, position, device=cuda_device)
-    assert res["passed"], {k: res[k] for k in ("kernel_ok", "kernel_max_abs", "leak_ok", "leak_max_over_bound",
-                                               "e2e_ok", "e2e_max_abs", "e2e_max_over_bound", "needle_weight_min")}
+    res = gates.needle(length, position, device=cuda_device, dtype=dtype, fp8_math=fp8_math)
+    assert res["partial"] == partial
+    assert res["passed"], {k: res[k] for k in ("partial", "kernel_ok", "kernel_max_abs", "leak_ok",
+                                               "leak_max_over_bound", "e2e_ok", "e2e_max_abs", "e2e_max_over_bound",
+                                               "needle_weight_min")}
 
 
-def test_needle_red_twin(cuda_device):
-    res = gates.needle(4096, 2048, device=cuda_device, drop_needle=True)
+@pytest.mark.parametrize("pool", list(NEEDLE_POOLS))
+def test_needle_red_twin(cuda_device, pool):
+    dtype, fp8_math, partial = NEEDLE_POOLS[pool]
+    res = gates.needle(4096, 2048, device=cuda_device, dtype=dtype, fp8_math=fp8_math, drop_needle=True)
+    assert res["partial"] == partial
     assert res["kernel_ok"], "the kernel still matches the reference over the changed pool"
     assert not res["e2e_ok"], res
 

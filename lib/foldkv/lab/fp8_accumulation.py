@@ -380,11 +380,26 @@ def measure(a: torch.Tensor, b: torch.Tensor, fresh_every: Optional[int], device
     return c.cpu(), bool(torch.isfinite(c).all())
 
 
+def output_bound_check(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, fresh_every: Optional[int],
+                       bits: int = BITS_KEPT) -> dict:
+    """The measured C [trials, 64, n] against `accumulation_bound` output by output (what a cell's quantiles cannot
+    say): the largest |C - ref| / bound over the cell's outputs ("bound_over_max", <= 1 holds; an exact output
+    counts 0) and how many outputs exceed their bound ("bound_outputs_over"; a NaN output counts as over)."""
+    ref, _ = reference(a, b)
+    err = (c.double().to(ref.device) - ref).abs()
+    bound = accumulation_bound(*step_sums(a, b), bits, fresh_every)
+    ratio = torch.where(err == 0, torch.zeros_like(err), err / bound)
+    return {"bound_over_max": float(ratio.max()), "bound_outputs_over": int((~(ratio <= 1)).sum())}
+
+
 def characterise(device="cuda", steps: Sequence[int] = STEPS, spreads: Sequence[int] = SPREADS,
                  signs: Sequence[str] = SIGNS, fresh_every: Sequence[int] = (1, 4), trials: int = 32,
-                 n: int = N_DEFAULT, bits: Iterable[int] = BITS, seed: int = 0) -> dict:
+                 n: int = N_DEFAULT, bits: Iterable[int] = BITS, seed: int = 0,
+                 bound_bits: Optional[int] = BITS_KEPT) -> dict:
     """Measure every cell (spread x signs x steps, one accumulator and each `fresh_every` that divides the steps),
     fit the rule over all of them, and tabulate error against steps. Raises ArmUnavailable off sm_90.
+    `bound_bits`: each cell's outputs also checked one by one against `accumulation_bound` at that b
+    (`output_bound_check`: "bound_over_max", "bound_outputs_over" per cell); None skips it.
     Returns {"status": "ran", "cells": [...], "fit": {...}, "all_written": bool}; the simulation runs on `device`."""
     dev = require_sm90(device)
     cells = []
@@ -396,8 +411,10 @@ def characterise(device="cuda", steps: Sequence[int] = STEPS, spreads: Sequence[
     for cell, meas, sim in zip(cells, result.pop("measured"), result.pop("simulated")):
         rows.append({**{k: cell[k] for k in ("spread", "signs", "steps", "fresh_every", "written")},
                      **{f"measured_{k}": v for k, v in meas.items()}, **{f"model_{k}": v for k, v in sim.items()}})
+        if bound_bits is not None:
+            rows[-1].update(output_bound_check(cell["a"], cell["b"], cell["c"], cell["fresh_every"], bound_bits))
     return {"status": "ran", "cells": rows, "fit": result, "all_written": all(c["written"] for c in cells),
-            "trials": trials, "n": n, "seed": seed}
+            "trials": trials, "n": n, "seed": seed, "bound_bits": bound_bits}
 
 
 # --- tables ---------------------------------------------------------------------------------------------------------

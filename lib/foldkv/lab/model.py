@@ -10,7 +10,8 @@ cache passed as `past_key_values` (`cache` in transformers >= 5.24):
 | `folded`     | same                                                  | same, folded pool                                     |
 | `ref-split`  | same                                                  | `FoldKvCache(attention="reference")`: float64 `paged_attention_reference` over the pool, cast to the model dtype |
 | `ref-folded` | same                                                  | same, folded pool                                     |
-| `folded-fp8` | same                                                  | `FoldKvCache(dtype=float8_e4m3fn)`: the FP8 folded pool (`foldkv.fp8`), the FP8 kernels |
+| `folded-fp8` | same                                                  | `FoldKvCache(dtype=float8_e4m3fn, fp8_math="tensor_cores")`: the FP8 folded pool (`foldkv.fp8`), its default decode (the FP8 tensor-core partial) |
+| `folded-fp8-exact` | same                                            | same, `fp8_math="exact"`: the exact-conversion FP8 partial (bf16 MMA over exactly converted rows) |
 | `ref-folded-fp8` | same                                              | same, the FP8 folded pool (`foldkv.fp8`): the format's drift, read dequantized |
 
 The foldkv arms' sliding layers keep the incumbent's attention (sdpa beside sdpa, eager beside eager), so an arm and
@@ -50,6 +51,7 @@ class ModelArm:
     format: KvFormat | None  # None: the model's own attention
     backend: str  # "model" | "kernel" | "reference" (FoldKvCache's `attention=`)
     pool_dtype: torch.dtype | None = None  # the pool's stored dtype when fixed by the arm (the FP8 pool)
+    fp8_math: str | None = None  # a kernel arm over an FP8 pool: which decode partial (FoldKvCache's `fp8_math`)
 
 
 MODEL_ARMS: dict[str, ModelArm] = {
@@ -58,7 +60,8 @@ MODEL_ARMS: dict[str, ModelArm] = {
     "folded": ModelArm("folded", KvFormat.FOLDED, "kernel"),
     "ref-split": ModelArm("ref-split", KvFormat.SPLIT, "reference"),
     "ref-folded": ModelArm("ref-folded", KvFormat.FOLDED, "reference"),
-    "folded-fp8": ModelArm("folded-fp8", KvFormat.FOLDED, "kernel", FP8_DTYPE),
+    "folded-fp8": ModelArm("folded-fp8", KvFormat.FOLDED, "kernel", FP8_DTYPE, "tensor_cores"),
+    "folded-fp8-exact": ModelArm("folded-fp8-exact", KvFormat.FOLDED, "kernel", FP8_DTYPE, "exact"),
     "ref-folded-fp8": ModelArm("ref-folded-fp8", KvFormat.FOLDED, "reference", FP8_DTYPE),
 }
 
@@ -167,7 +170,7 @@ def arm_cache(model: nn.Module, arm: str | ModelArm, capacity: int, settings: Ar
     dtype = spec.pool_dtype or (torch.bfloat16 if spec.backend == "kernel" else s.ref_pool_dtype)
     return FoldKvCache(model, max_batch=batch, max_tokens=int(capacity), kv_format=spec.format, dtype=dtype,
                        page_size=s.page_size, attention=spec.backend, backend=s.kernel_backend, poison=s.poison,
-                       scatter_seed=s.scatter_seed)
+                       scatter_seed=s.scatter_seed, fp8_math=spec.fp8_math)
 
 
 # --- loading and walking -------------------------------------------------------------------------------------------

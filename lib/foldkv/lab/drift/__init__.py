@@ -20,7 +20,9 @@ The checks (`check_study`, per arm; a failed check fails the arm's section of th
   allows (see `GAP_FACTOR`).
 - argmax (the same arms): the arm's argmax disagrees with the incumbent no more often than the incumbent's own single
   pass does, beyond what chance allows (see `ARGMAX_ALPHA`).
-The FP8 arms (`folded-fp8`, `ref-folded-fp8`) get the same figures, reported, not gated (their format's drift).
+- the gated pairs (`gated_pairs`: each FP8 kernel arm, `folded-fp8` on the tensor-core partial and `folded-fp8-exact`,
+  against `ref-folded-fp8`, the float64 reference over the same FP8 pool): gap and argmax with the same limits.
+The FP8 arms against the incumbent get the same figures, reported, not gated (their format's drift).
 The drift line (`drift_line`) is descriptive: it is placed above what was measured, so it is no check.
 """
 
@@ -28,7 +30,7 @@ from .study import (PAIRS, RESULTS_NAME, PARTIAL_NAME, resolve_device, resolve_d
                     run_cell, build_cells, DEFAULT_LENGTHS, default_lengths, run_study)
 from .summary import QUANTILES, is_finite, finite_max, quantiles, gaps_of, summarize, drift_line
 from .checks import (GAP_FACTOR, GAP_SLACK_ULPS, GAP_QUANTILES, ARGMAX_ALPHA, dtype_ulp, binomial_tail, gated_arms,
-                     check_study, record_sections)
+                     gated_pairs, pair_name, check_study, record_sections)
 from .tables import (checks_table, cell_table, summary_table, model_summary, agreement_per_cell, drift_line_text,
                      checks_text)
 from .plots import plot_gap_distribution, plot_gap_vs_step_and_length
@@ -37,7 +39,7 @@ __all__ = [
     "PAIRS", "RESULTS_NAME", "PARTIAL_NAME", "resolve_device", "resolve_dtype", "prepare_model", "prompt_token_ids",
     "run_cell", "build_cells", "DEFAULT_LENGTHS", "default_lengths", "run_study", "QUANTILES", "is_finite",
     "finite_max", "quantiles", "gaps_of", "summarize", "drift_line", "GAP_FACTOR", "GAP_SLACK_ULPS",
-    "GAP_QUANTILES", "ARGMAX_ALPHA", "dtype_ulp", "binomial_tail", "gated_arms", "check_study", "record_sections",
+    "GAP_QUANTILES", "ARGMAX_ALPHA", "dtype_ulp", "binomial_tail", "gated_arms", "gated_pairs", "pair_name", "check_study", "record_sections",
     "checks_table", "cell_table", "summary_table", "model_summary", "agreement_per_cell", "drift_line_text",
     "checks_text", "plot_gap_distribution", "plot_gap_vs_step_and_length",
 ]

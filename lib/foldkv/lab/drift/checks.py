@@ -1,6 +1,7 @@
 """The drift study's checks (see the package docstring): finite logits for every arm, and for the gated arms the gap
-against the neutral figure (`GAP_FACTOR`) and the argmax flips against the single pass's (`ARGMAX_ALPHA`); their
-outcome written into a run record's sections."""
+against the neutral figure (`GAP_FACTOR`) and the argmax flips against the single pass's (`ARGMAX_ALPHA`); the same
+two limits for the gated pairs (an FP8 kernel arm against the float64 reference over the same FP8 pool,
+`gated_pairs`); their outcome written into a run record's sections."""
 
 from __future__ import annotations
 
@@ -58,10 +59,57 @@ def gated_arms() -> tuple[str, ...]:
     return tuple(a for a, spec in MODEL_ARMS.items() if spec.backend == "kernel" and spec.pool_dtype is None)
 
 
-def check_study(results: dict, gated: Sequence[str] | None = None) -> dict[str, Any]:
+def gated_pairs() -> tuple[tuple[str, str], ...]:
+    """The pairs the gap and argmax checks gate, with the limits the bf16 kernel arms are held to against the
+    incumbent: each kernel arm over a pool of its own dtype (the FP8 arms: `folded-fp8`, the tensor-core partial, and
+    `folded-fp8-exact`) against the reference arm over the same format and pool dtype (`ref-folded-fp8`, float64
+    over the same FP8 rows). The pair takes the format's error out (both read the same rows), so what remains is the
+    kernel's own, which the neutral figure gauges as it does for a bf16 kernel against the incumbent."""
+    refs = {(spec.format, spec.pool_dtype): a for a, spec in MODEL_ARMS.items()
+            if spec.backend == "reference" and spec.pool_dtype is not None}
+    return tuple((a, refs[(spec.format, spec.pool_dtype)]) for a, spec in MODEL_ARMS.items()
+                 if spec.backend == "kernel" and spec.pool_dtype is not None and (spec.format, spec.pool_dtype) in refs)
+
+
+def pair_name(a: str, b: str) -> str:
+    """The key of a pair in a cell's "pairs" (and of its section in the checks): "<a> vs <b>"."""
+    return f"{a} vs {b}"
+
+
+def _judge(series: list[tuple[dict, dict]], neutral: dict, slack: float, neutral_argmax: bool) -> tuple[dict, Any, list]:
+    """The gap and argmax judgement of one series (an arm against the incumbent, or a pair) over its cells:
+    `series` [(cell, {"gap": [...], "argmax_equal": [...]})]. Returns (gap, argmax, findings): each gap quantile
+    against GAP_FACTOR x the neutral's + `slack`, McNemar's test of the series' flips against the single pass's, and
+    the findings over either limit (failures for a gated series, notes for another)."""
+    over = []
+    q_arm = quantiles([g for _, rec in series for g in rec["gap"]])
+    gap = {}
+    for q in GAP_QUANTILES:
+        limit = GAP_FACTOR * neutral[q] + slack if math.isfinite(neutral[q]) else slack
+        gap[q] = {"arm": q_arm[q], "neutral": neutral[q], "limit": limit}
+        if not q_arm[q] <= limit:
+            over.append(f"gap {q} {q_arm[q]:.4g} > {GAP_FACTOR:g} x neutral {q} {neutral[q]:.4g}"
+                        f" + slack {slack:.3g} = {limit:.4g}")
+    if neutral_argmax:
+        b = sum(1 for c, rec in series for a, n in zip(rec["argmax_equal"], c["neutral_argmax_equal"]) if n and not a)
+        c_ = sum(1 for c, rec in series for a, n in zip(rec["argmax_equal"], c["neutral_argmax_equal"]) if a and not n)
+        p = binomial_tail(b, b + c_)
+        argmax = {"arm_only_flips": b, "neutral_only_flips": c_, "p": p}
+        if p < ARGMAX_ALPHA:
+            over.append(f"argmax: {b} steps flipped by the arm alone against {c_} by the single pass alone"
+                        f" (P = {p:.2g} < {ARGMAX_ALPHA:g} under 'the arm is another reordering')")
+    else:
+        argmax = "not checked: the results record no single-pass argmax (neutral_argmax_equal)"
+    return gap, argmax, over
+
+
+def check_study(results: dict, gated: Sequence[str] | None = None,
+                pairs: Sequence[tuple[str, str]] | None = None) -> dict[str, Any]:
     """The study's checks, per section: `incumbent` (its logits, margins and neutral gaps finite) and each arm that
     ran (finite; and for the arms in `gated`, default `gated_arms()`, gap and argmax: see the module docstring and
-    GAP_FACTOR / ARGMAX_ALPHA; other arms get those figures too, marked not gated). Returns {"sections": {name:
+    GAP_FACTOR / ARGMAX_ALPHA; other arms get those figures too, marked not gated), and each pair in `pairs`
+    (default `gated_pairs()`) whose two arms the study lists: a section "<a> vs <b>", gap and argmax gated with the
+    same limits (the pair's gap in place of the arm's against the incumbent; its NaN steps fail the arms' sections). Returns {"sections": {name:
     {"passed": True | False | None, "failures": [...], ...}}, "passed": ...}; None: the arm never ran (its status
     says why), so nothing was checked. Reads results as run_study returns them or as drift_results.json holds them."""
     gated = gated_arms() if gated is None else tuple(gated)
@@ -103,43 +151,53 @@ def check_study(results: dict, gated: Sequence[str] | None = None) -> dict[str, 
                     steps |= {s for s, g in enumerate(pair["gap"]) if not is_finite(g)}
             if steps:
                 failures.append(f"NaN/Inf logits: {_where(cell, i)}, steps {sorted(steps)}")
-        over = []  # gap and argmax findings: failures for a gated arm, notes for another
-        q_arm = quantiles([g for _, _, rec in ran for g in rec["gap"]])
-        gap = {}
-        for q in GAP_QUANTILES:
-            limit = GAP_FACTOR * neutral[q] + slack if math.isfinite(neutral[q]) else slack
-            gap[q] = {"arm": q_arm[q], "neutral": neutral[q], "limit": limit}
-            if not q_arm[q] <= limit:
-                over.append(f"gap {q} {q_arm[q]:.4g} > {GAP_FACTOR:g} x neutral {q} {neutral[q]:.4g}"
-                                f" + slack {slack:.3g} = {limit:.4g}")
-        if neutral_argmax:
-            b = sum(1 for _, c, rec in ran for a, n in zip(rec["argmax_equal"], c["neutral_argmax_equal"]) if n and not a)
-            c_ = sum(1 for _, c, rec in ran for a, n in zip(rec["argmax_equal"], c["neutral_argmax_equal"]) if a and not n)
-            p = binomial_tail(b, b + c_)
-            argmax = {"arm_only_flips": b, "neutral_only_flips": c_, "p": p}
-            if p < ARGMAX_ALPHA:
-                over.append(f"argmax: {b} steps flipped by the arm alone against {c_} by the single pass alone"
-                                f" (P = {p:.2g} < {ARGMAX_ALPHA:g} under 'the arm is another reordering')")
-        else:
-            argmax = "not checked: the results record no single-pass argmax (neutral_argmax_equal)"
+        # gap and argmax findings: failures for a gated arm, notes for another
+        gap, argmax, over = _judge([(c, rec) for _, c, rec in ran], neutral, slack, neutral_argmax)
         if arm in gated:
             failures += over
         sections[arm] = {"passed": not failures, "failures": failures, "gap": gap, "argmax": argmax,
                          "gated": arm in gated, "not_gated_over": [] if arm in gated else over}
+    listed = set(results["parameters"]["arms"])
+    for a, b in (gated_pairs() if pairs is None else tuple(pairs)):
+        if not {a, b} <= listed:  # a pair of arms the study was not asked for has no section
+            continue
+        name = pair_name(a, b)
+        series = [(c, c["pairs"][name]) for c in cells if name in c.get("pairs", {})]
+        if not series:
+            not_ran = [x for x in (a, b) if sections.get(x, {}).get("passed") is None]
+            sections[name] = {"passed": None if not_ran else False, "pair": True,
+                              "failures": [] if not_ran else [f"both arms ran but no cell holds the pair {name}"],
+                              "status": "not run: " + "; ".join(
+                                  f"arm {x} did not run ({results.get('arm_status', {}).get(x, 'not run')})"
+                                  .replace("(not run: ", "(") for x in not_ran)}
+            continue
+        gap, argmax, over = _judge(series, neutral, slack, neutral_argmax)
+        sections[name] = {"passed": not over, "failures": over, "gap": gap, "argmax": argmax, "gated": True,
+                          "not_gated_over": [], "pair": True}
     return {"gap_factor": GAP_FACTOR, "slack": slack, "slack_note": slack_note, "argmax_alpha": ARGMAX_ALPHA,
             "neutral": neutral, "sections": sections,
             "passed": all(v["passed"] is not False for v in sections.values())}
 
 
 def record_sections(record, results: dict) -> dict[str, str]:
-    """Write the study's sections into a `foldkv.lab.report.RunRecord`: `incumbent` and `arm:<name>` each "ran", "not run:
-    ..." or "failed: ..." (an arm that errored, or any failed check; the failures named). Returns the sections."""
+    """Write the study's sections into a `foldkv.lab.report.RunRecord`: `incumbent`, `arm:<name>` and each gated pair's
+    `pair:<a> vs <b>` "ran", "not run: ..." or "failed: ..." (an arm that errored, or any failed check; the failures
+    named). Returns the sections."""
     checks = results.get("checks") or check_study(results)
     inc = checks["sections"]["incumbent"]
     if inc["passed"]:
         record.ran("incumbent")
     else:
         record.failed("incumbent", "; ".join(inc["failures"]))
+    for name, sec in checks["sections"].items():  # the gated pairs: "pair:<a> vs <b>"
+        if not sec.get("pair"):
+            continue
+        if sec["passed"] is None:
+            record.not_run(f"pair:{name}", sec["status"])
+        elif sec["passed"]:
+            record.ran(f"pair:{name}", gap=sec["gap"], argmax=sec["argmax"], gated=True)
+        else:
+            record.failed(f"pair:{name}", "; ".join(sec["failures"]))
     for arm, status in results["arm_status"].items():
         sec = checks["sections"].get(arm, {})
         if status.startswith("not run"):

@@ -25,7 +25,8 @@ from .checks import check_study
 from .summary import drift_line, finite_max, summarize
 
 PAIRS = (("ref-folded", "ref-split"), ("folded", "split"), ("split", "ref-split"), ("folded", "ref-folded"),
-         ("ref-folded-fp8", "ref-folded"), ("folded-fp8", "ref-folded-fp8"), ("folded-fp8", "folded"))
+         ("ref-folded-fp8", "ref-folded"), ("folded-fp8", "ref-folded-fp8"), ("folded-fp8", "folded"),
+         ("folded-fp8-exact", "ref-folded-fp8"), ("folded-fp8", "folded-fp8-exact"))
 RESULTS_NAME = "drift_results.json"
 PARTIAL_NAME = "drift_results.partial.json"
 

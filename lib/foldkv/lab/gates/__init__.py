@@ -11,6 +11,8 @@
 - `fp8_tc`: the derived bound of the FP8 tensor-core decode (`fp8_math="tensor_cores"`, an FP8 pool's default): the
   terms it adds to the bf16 gate's, its accumulation term from FP8 wgmma's accumulation as measured on the H200
   (`foldkv.lab.fp8_accumulation`); `checks.run_case` adds them to a decode arm that resolves that partial;
+- `fp8_wgmma`: notebook 02's FP8 wgmma accumulation section: the characterisation measured on the GPU (its rule, where
+  promotion is needed, the accumulation bound against every cell), and the committed H200 characterisation read again;
 - `graph_walk`: one CUDA graph of the decode workspace replayed while the requests grow;
 - `build`: the emitted-CUDA barrier checks and the AOT build and verify;
 - `sanitizer`: compute-sanitizer memcheck, racecheck and synccheck (side by side) over one case of every kernel;
@@ -34,6 +36,8 @@ from .fp8_pool import (BF16_REL, FP8_DELTA, fp8_row_check, fp8_output_bound, fp8
                        fp8_format_gate, fp8_kernel_gate, NEEDLE_LENGTHS, NEEDLE_SCORE, needle, needle_gate)
 from .fp8_tc import (FP8_MMA_BITS_KEPT, TWO_PART_REL, TWO_PART_ABS, effective_query, query_parts,
                      fp8_tc_extra_bounds, fp8_tc_extra)
+from .fp8_wgmma import accumulation_gate, committed_section as fp8_wgmma_committed, plot_bound as plot_fp8_wgmma_bound, \
+    rule_text as fp8_wgmma_rule_text
 from .graph_walk import WALK_LENGTHS, WALK_STEPS, graph_walk, graph_walk_gate
 from .build import barrier_check, aot_build_gate
 from .sanitizer import sanitizer_gate
@@ -41,7 +45,8 @@ from .sections import gpu_section, run_kernel_gates, gates_tables, plot_errors, 
 
 __all__ = [
     "FP8_MMA_BITS_KEPT", "TWO_PART_REL", "TWO_PART_ABS", "effective_query", "query_parts", "fp8_tc_extra_bounds",
-    "fp8_tc_extra", "KERNEL_HEAD", "gate_geometry", "replay_workspace", "graph_arm", "decode_fp8_math", "decode_extra",
+    "fp8_tc_extra", "accumulation_gate", "fp8_wgmma_committed", "plot_fp8_wgmma_bound", "fp8_wgmma_rule_text",
+    "KERNEL_HEAD", "gate_geometry", "replay_workspace", "graph_arm", "decode_fp8_math", "decode_extra",
     "POISON_PAGE_IDS", "OUT_POISON", "Case", "decode_cases", "prefill_cases", "GateInputs", "case_q_lens",
     "make_inputs", "poisoned_outputs", "bits", "P_ROUNDING", "P_SCALED_ROUNDING", "ABS_TOL", "REL_TOL", "FRO_TOL",
     "LSE_ROUNDING", "LSE_MMA_K", "LSE_TILE_MAX", "LSE_TILE_MIN", "LSE_MERGE_LEVELS", "LSE_APPROX", "bf16_ulp",

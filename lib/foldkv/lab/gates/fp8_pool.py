@@ -13,8 +13,8 @@ from ...layout import KvFormat, value_window_columns
 from ...pool import BlockTable, PagedKvLayout, PagedKvPool
 from ...prep import fill_sequences
 from ...reference import paged_attention_reference
-from .checks import (ABS_TOL, P_ROUNDING, REL_TOL, bf16_ulp, compare, decode_arm, decode_extra, prefill_arm,
-                     run_case, summary_row)
+from .checks import (ABS_TOL, P_ROUNDING, REL_TOL, bf16_ulp, compare, decode_arm, decode_extra, decode_fp8_math,
+                     prefill_arm, run_case, summary_row)
 from .inputs import Case, make_inputs
 from .sections import gpu_section
 
@@ -206,7 +206,8 @@ def needle(length: int, position: int, *, seed: int = 0, device: torch.device | 
     - end to end: the decode against the needle's true value (the float32 row both a bf16 and an FP8 pool round
       from): ROW_REL |v| + ROW_SUB scale (the quantization, foldkv.fp8) + the leak + the kernel's bound.
     `drop_needle=True` (the red twin) overwrites the needle row with another token's after the query and the leak
-    bound are made (from the intact pool): the end-to-end check must fail."""
+    bound are made (from the intact pool): the end-to-end check must fail. `fp8_math`: the FP8 decode partial (None:
+    the FP8 pool's default, the tensor-core one); the row's "partial" names the one that ran ("bf16" on a bf16 pool)."""
     from ...fp8 import FP8_DTYPE, ROW_REL, ROW_SUB
     from ...kernels.decode import decode
     from ...layout import value_window, value_window_to_head
@@ -275,6 +276,7 @@ def needle(length: int, position: int, *, seed: int = 0, device: torch.device | 
     e2e = (out[0].double() - v_truth).abs()
     e2e_bound = quant + leak_bound + kernel_bound
     res = {"length": length, "position": position, "dtype": str(dtype).replace("torch.", ""),
+           "partial": decode_fp8_math(pool, fp8_math) if lay.quantized else "bf16",
            "needle_weight_min": float((1 - w).min()), "kernel_max_abs": kernel["max_abs"],
            "kernel_ok": kernel["elementwise_ok"] and kernel["rel_ok"],
            "leak_max_over_bound": float((ref_err / leak_bound.clamp_min(1e-300)).max()),
@@ -286,13 +288,17 @@ def needle(length: int, position: int, *, seed: int = 0, device: torch.device | 
     return res
 
 
-def needle_gate(seed: int, record, lengths=NEEDLE_LENGTHS) -> list[dict]:
-    """GPU gate: `needle` at the start, middle and end of each length, FP8 folded, plus its red twin (the needle
-    dropped, which must fail). Records `fp8_needle` (not run without CUDA)."""
+NEEDLE_FP8_MATH = "tensor_cores"  # the notebook's needle runs the FP8 pool's default decode, named
+
+
+def needle_gate(seed: int, record, lengths=NEEDLE_LENGTHS, fp8_math: str = NEEDLE_FP8_MATH) -> list[dict]:
+    """GPU gate: `needle` at the start, middle and end of each length, FP8 folded, through the `fp8_math` decode
+    partial (the tensor-core one, the FP8 default; tests/test_fp8_gpu.py runs "exact" and a bf16 pool too), plus its
+    red twin (the needle dropped, which must fail). Records `fp8_needle` (not run without CUDA)."""
     if not gpu_section(record, "fp8_needle"):
         return []
-    rows = [needle(n, p, seed=seed) for n in lengths for p in (0, n // 2, n - 1)]
-    twin = needle(lengths[0], lengths[0] // 2, seed=seed, drop_needle=True)
+    rows = [needle(n, p, seed=seed, fp8_math=fp8_math) for n in lengths for p in (0, n // 2, n - 1)]
+    twin = needle(lengths[0], lengths[0] // 2, seed=seed, drop_needle=True, fp8_math=fp8_math)
     rows.append(dict(twin, passed=not twin["passed"]))  # the red twin passes when the needle check fails
     record.ran("fp8_needle", rows=rows, passed=all(r["passed"] for r in rows))
     return rows

@@ -62,6 +62,12 @@ DECODE_REFUSALS: dict[str, tuple[str, Callable[[GateInputs], dict], str]] = {
         i, page_ids=i.table.page_ids.long())}, "dtype"),
     "out-float32": ("an output buffer in float32", lambda i: {"out": torch.zeros(
         i.query.shape, dtype=torch.float32, device=i.pool.device)}, "out"),
+    # fp8_math, parsed once at decode's boundary (kernels.decode.parse_fp8_math): "tensor_cores" is the FP8 pool's
+    # default decode (FP8 wgmma, held to gates.fp8_tc's bound), "exact" the exact-conversion one (the bf16 gate's)
+    "fp8-math-unknown": ('fp8_math="fast" (known: "tensor_cores", the FP8 default; "exact")',
+                         lambda i: {"fp8_math": "fast"}, "fp8_math"),
+    "fp8-math-tensor-cores-on-bf16": ('fp8_math="tensor_cores" on a bf16 pool (its decode is exact bf16)',
+                                      lambda i: {"fp8_math": "tensor_cores"}, "needs an FP8 pool"),
 }
 
 PREFILL_REFUSALS: dict[str, tuple[str, Callable[[GateInputs], dict], str]] = {
