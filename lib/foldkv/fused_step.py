@@ -12,10 +12,10 @@ the block (the step `foldkv.hf_graph` runs and captures), each of them for one k
   pass over the row, two outputs) and `norm_add_scale` (post-feedforward norm, the residual add, the layer scalar);
 - `masked_softmax`: the ring attention's float32 softmax of masked scores, rounded to the model dtype;
 - a sliding layer's attention inside DecodeStep's step (`sliding_route`: a RingMask, the step's ring, CUDA), between
-  the q|k|v GEMV and o_proj, as three kernels instead of ten (`FUSE_SLIDING`): `q_norm_rope` (q_norm then RoPE of
-  each query head, read in place from the GEMV's output), `kv_to_ring` (k_norm + RoPE and v_norm written straight
-  into the rings' slot for this step, read on the device: update_sliding's two index_copy_), `ring_attend`
-  (hf_graph.ring_attention: q.K^T, the masked softmax and P.V in one kernel, each rounding point kept).
+  the q|k|v GEMV and o_proj, with its seven small launches before the ring attention as two (`FUSE_SLIDING`):
+  `q_norm_rope` (q_norm then RoPE of each query head, read in place from the GEMV's output) and `kv_to_ring` (k_norm
+  + RoPE and v_norm written straight into the rings' slot for this step, read on the device: update_sliding's two
+  index_copy_); the ring attention itself stays `hf_graph.ring_attention`.
 Rounding points are torch's, so most outputs are bitwise the modules'; a sum (of squares, of exponentials) reduced in
 another order, or the tanh of another formula, may move a bf16 output by one ulp (the GPU tests bound each op).
 Layers these formulas do not describe (a MoE block, per-layer inputs, another activation) keep their own forwards.
@@ -41,8 +41,7 @@ def _kernels() -> dict:
         from . import fused_step_kernels as k
 
         _KERNELS = dict(rms_norm=k.rms_norm_rows, norm_add=k.norm_add_rows, rope=k.rope_rows, gelu_mul=k.gelu_mul_rows,
-                        softmax=k.masked_softmax_rows, q_norm_rope=k.q_norm_rope_rows, kv_ring=k.kv_norm_rope_ring,
-                        ring_attention=k.ring_attention_rows)
+                        softmax=k.masked_softmax_rows, q_norm_rope=k.q_norm_rope_rows, kv_ring=k.kv_norm_rope_ring)
     return _KERNELS
 
 
@@ -178,9 +177,10 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype)
 # --- a sliding layer's decode attention on its ring: three kernels ------------------------------------------------
 # Inside DecodeStep's step a sliding layer runs, after its q|k|v GEMV: q_norm, k_norm, v_norm (3 launches), RoPE of q
 # and k (2), index_copy of k and v into the rings (2), then ring_attention's q.K^T matmul, masked softmax and P.V
-# matmul (3): 10 launches. `q_norm_rope`, `kv_to_ring` and `ring_attend` do the same in 3, at torch's rounding points.
+# matmul (3): 10 launches. `q_norm_rope` and `kv_to_ring` do the first 7 in 2, at torch's rounding points; the ring
+# attention stays cuBLAS's two batched matmuls around the fused softmax (`hf_graph.ring_attention`): one Triton
+# kernel for it was 1.0-2.3 ms a step slower on the 31B (bench/versions/ring_attention_triton.py).
 FUSE_SLIDING = True  # False: sliding layers run transformers' forward and hf_graph.ring_attention (the tests compare)
-RING_SPLITS_MAX = 4  # ring_attend's most programs a KV head (each recomputes the head's scores; module comment)
 
 
 def _head_rows(x: torch.Tensor, heads: int, d: int, name: str) -> int:
@@ -249,57 +249,6 @@ def kv_to_ring(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps: 
     cos, sin = _rope_table(cos, b, d, k.dtype, "cos"), _rope_table(sin, b, d, k.dtype, "sin")
     _kernels()["kv_ring"][(b * hkv,)](k, v, k_weight, cos, sin, ring_k, ring_v, slot, hkv, ks, vs, w, d,
                                       float(k_eps), float(v_eps), D=d, num_warps=_warps(d))
-
-
-def ring_splits(programs: int, d: int, device: torch.device) -> int:
-    """Programs a KV head for `ring_attend`: doubled (up to RING_SPLITS_MAX, each a slice of >= 16 output columns)
-    while the B x Hkv heads fill under half the SMs. Each recomputes its head's scores (K read again, from L2)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    splits = 1
-    while splits * 2 <= RING_SPLITS_MAX and programs * splits * 2 <= sms and d // (splits * 2) >= 16:
-        splits *= 2
-    return splits
-
-
-def ring_attend(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, mask: torch.Tensor, scaling: float,
-                splits: int | None = None) -> torch.Tensor:
-    """hf_graph.ring_attention for one decode token in one kernel: q [B, Hq, d] packed (head h = kv * group + r),
-    rings [B, Hkv, W, d] packed, mask [B, 1, 1, W] bool (True: attend; every row has one) -> [B, 1, Hq, d].
-    Rounding points are ring_attention's: scores q.K^T accumulated in float32 and rounded to the model dtype (as
-    torch's bf16 matmul returns them), times `scaling` rounded again when it is not 1.0, the masked softmax in float32
-    rounded to the model dtype, P.V accumulated in float32 and rounded once. Only the order of the float32 sums
-    differs (over d for a score, over W for the softmax's sum and for P.V): a score is torch's bitwise where its
-    float32 sum is exact in any order (within one bf16 ulp plus d 2^-23 sum|q k| otherwise), a probability then within
-    one bf16 ulp, and the output within sum_j ulp(p_j)|v_j| + W 2^-23 sum_j |p_j v_j| plus its own rounding (the
-    GPU tests hold these bounds). `splits` programs a KV head (None: `ring_splits`), each computing d / splits output
-    columns from the same scores: the output does not depend on it."""
-    from .validate import FoldKvInputError
-
-    b, hkv, w, d = ring_k.shape
-    hq = q.shape[1] if q.dim() == 3 else -1
-    _check_head_dim(d)
-    if (q.dim() != 3 or q.shape != (b, hq, d) or hq % hkv or not q.is_contiguous() or ring_v.shape != ring_k.shape
-            or not ring_k.is_contiguous() or not ring_v.is_contiguous() or not q.dtype == ring_k.dtype == ring_v.dtype):
-        raise FoldKvInputError(f"ring_attend: q {tuple(q.shape)} {q.dtype} against rings {tuple(ring_k.shape)}"
-                               f" {ring_k.dtype} / {tuple(ring_v.shape)} {ring_v.dtype}: packed, one dtype, whole"
-                               " query groups")
-    if mask.shape != (b, 1, 1, w) or mask.dtype != torch.bool:
-        raise FoldKvInputError(f"ring mask: expected [{b}, 1, 1, {w}] bool, got {tuple(mask.shape)} {mask.dtype}")
-    group = hq // hkv
-    w_block, g_pad = _block(w), max(16, _block(group))
-    if w_block * g_pad > 16384:
-        raise FoldKvInputError(f"ring_attend holds a [{g_pad}, {w_block}] score tile; window {w} x group {group}"
-                               " is past it")
-    splits = ring_splits(b * hkv, d, q.device) if splits is None else int(splits)
-    if splits < 1 or d % (splits * 16):
-        raise FoldKvInputError(f"splits={splits}: each program takes a multiple of 16 of the {d} columns")
-    m = mask.reshape(b, w).contiguous().view(torch.uint8)  # a view, no copy
-    out = torch.empty((b, 1, hq, d), dtype=q.dtype, device=q.device)
-    scaling = float(scaling)
-    _kernels()["ring_attention"][(b * hkv, splits)](
-        q, ring_k, ring_v, m, out, hkv, w, scaling, GROUP=group, GROUP_PAD=g_pad, D=d, BLOCK_D=16, W_BLOCK=w_block,
-        SCALE=scaling != 1.0, SPLIT=splits, num_warps=8, num_stages=2)
-    return out
 
 
 # --- the swapped forwards -------------------------------------------------------------------------------------------
@@ -570,7 +519,7 @@ def sliding_route(attn: nn.Module, kwargs: dict) -> tuple | str:
 def _sliding_forward(attn: nn.Module, *args, **kwargs):
     """Gemma4TextAttention.forward of a sliding layer inside DecodeStep's step (`sliding_route`) as the q|k|v
     projections (merged or branched: the swapped q_proj / k_proj / v_proj), `q_norm_rope`, `kv_to_ring` (the
-    step's rows into the rings at the step's slot, what update_sliding stores), `ring_attend` and o_proj; every other
+    step's rows into the rings at the step's slot, what update_sliding stores), `hf_graph.ring_attention` and o_proj; every other
     call is the class's forward."""
     route = "positional arguments" if args else sliding_route(attn, kwargs)
     if isinstance(route, str):
@@ -585,8 +534,10 @@ def _sliding_forward(attn: nn.Module, *args, **kwargs):
     kv_to_ring(k, v, attn.k_norm.weight, norm_eps(attn.k_norm), norm_eps(attn.v_norm), cos, sin, ring_k, ring_v, slot)
     if getattr(attn, "store_full_length_kv", False):  # what the class's forward hands on: update_sliding's rings
         kwargs["shared_kv_states"][attn.layer_type] = ring_k, ring_v
-    out = ring_attend(q, ring_k, ring_v, mask, attn.scaling)
-    return attn.o_proj(out.view(x.shape[0], 1, -1)), None
+    from .hf_graph import RingMask, ring_attention
+
+    out, _ = ring_attention(attn, q[:, :, None], ring_k, ring_v, RingMask(mask))
+    return attn.o_proj(out.reshape(x.shape[0], 1, -1)), None
 
 
 def _rope_function(own):
@@ -675,5 +626,5 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
 __all__ = ["fused_step", "norm_eps", "fork", "join", "side_streams", "branched_attention_modules", "BRANCHES", "MERGE",
            "merge_projections", "split_projections", "merged_linear", "merged_groups",
            "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "norm_modules",
-           "mlp_modules", "layer_modules", "FUSE_SLIDING", "q_norm_rope", "kv_to_ring", "ring_attend", "ring_splits",
+           "mlp_modules", "layer_modules", "FUSE_SLIDING", "q_norm_rope", "kv_to_ring",
            "sliding_attention_modules", "sliding_route"]

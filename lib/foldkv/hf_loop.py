@@ -9,7 +9,8 @@ a token: 2-5% of a step). Once the cache's decode step has started (`hf_graph.De
 reads the token ids and nothing else of the forward's arguments), the step needs none of that. This loop computes the
 next tokens, the stopping criteria and the finished flag as `_sample` does (the same processors, selection, padding of
 finished sequences and criteria, in the same order), all on the device in stream order, then issues the next step
-(the model called with the ids and the cache alone) and only then waits for the flag, as gpt-fast and vLLM's runners
+(the model called with the ids and the cache alone) and only then waits for the flag (copied to pinned memory and
+marked by an event before that step is queued: a sync on the stream would wait for the step too), as gpt-fast and vLLM's runners
 keep the GPU a step ahead of the host: the host's work for token t+1 (reading the flag, the processors, the criteria,
 the next launch) runs while step t+1 runs on the GPU, which does not wait for the host. When the flag says stop, the
 step run ahead is taken back (`DecodeStep.rewind`: counters and lengths one step back; its rows lie past every length
@@ -70,6 +71,32 @@ def applies(model: torch.nn.Module, kwargs: dict) -> bool:
     return covers(model, config, bool(kwargs.get("synced_gpus")), kwargs.get("streamer"), cache)
 
 
+class _HostFlag:
+    """A device bool copied to the host behind the work queued so far, read later without waiting for what is queued
+    after the copy: on CUDA a pinned buffer, a non-blocking copy and an event (`read` waits on that event only);
+    elsewhere the value itself."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self.copied = torch.cuda.Event()
+        self.value = None
+
+    def copy(self, flag: torch.Tensor) -> None:
+        if self.cuda:
+            self.host.copy_(flag, non_blocking=True)
+            self.copied.record()
+        else:
+            self.value = bool(flag)
+
+    def read(self) -> bool:
+        if self.cuda:
+            self.copied.synchronize()
+            return bool(self.host)
+        return self.value
+
+
 def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_processor: Any, stopping_criteria: Any,
                 generation_config: Any, synced_gpus: bool = False, streamer: Any = None,
                 **model_kwargs) -> torch.LongTensor:
@@ -93,6 +120,7 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
     do_sample = generation_config.do_sample
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     max_length = generation_config.max_length
+    flag = _HostFlag(input_ids.device)
 
     outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
     while True:
@@ -115,8 +143,14 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
         step_ids = next_tokens[:, None]
         ahead = step.started and (max_length is None or input_ids.shape[-1] < max_length) and step.room() > 0
         if ahead:
+            # the flag is copied out and marked before the next step is queued: waiting on that mark waits for this
+            # token only (a sync on the stream, as `.item()` does, would wait for the step queued behind it too)
+            flag.copy(unfinished.max() == 0)
             outputs = model(input_ids=step_ids, **{cache_kw: cache})
-        if bool(unfinished.max() == 0):  # _sample's stop check, the one sync a token
+            stop = flag.read()
+        else:
+            stop = bool(unfinished.max() == 0)  # _sample's stop check, the one sync a token
+        if stop:
             if ahead:
                 step.rewind()
                 LOOP_STEPS["rewound"] += 1
