@@ -10,7 +10,9 @@ time) at the cost of more of them.
 Prediction (bench/MODEL_DECODE_NOTES.md run 6, written before any run): the roof's ~0.95 in a projection's body, a
 tail of about one program's time (ROWS=4 over K=5,376: 43 KB, ~6 us at a shared read), so ~0.88-0.92 of the roof
 for the step's 411 projections at one row, against cuBLAS on graph branches' 0.89: a win only with ROWS <= 4.
-Not measured yet. Rows > 1: F.linear (eight rows would need 8 FMAs a weight element, past the CUDA cores' rate).
+Outcome (bench/gemv_probe.py --rows 1 --arms ..., papermill_runs/h200-20261204-s21/gemv.log; MODEL_DECODE_NOTES run 6):
+ROWS=2 alone 15.54 ms (0.87 of the roof), ROWS=4 on graph branches 15.15 ms against cuBLAS on branches' 15.18 and the
+merged cuBLAS GEMVs' 14.57: a tie with the branches, behind the merge; not adopted. Rows > 1: F.linear (eight rows would need 8 FMAs a weight element, past the CUDA cores' rate).
 
     gemv(x, weight, rows_per_program=4)     # x [..., K] of one row @ weight [N, K]^T
 """
