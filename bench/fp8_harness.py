@@ -29,19 +29,21 @@ from foldkv.lab.report import environment
 from foldkv.provenance import provenance
 from foldkv.pool import BlockTable, PagedKvLayout
 from versions import (decode_fused_ll, decode_fused_ll_compact, decode_fused_smem_tail,  # bench/versions/
-                      decode_fused_tail_paths, decode_partial_fp8_mma, decode_partial_fp8_probe, decode_partial_fp8_rs)
+                      decode_fused_tail_paths, decode_partial_fp8_mma, decode_partial_fp8_probe, decode_partial_fp8_rs,
+                      decode_partial_fp8_tc_t32)
 
 
 def partial_variant(name: str, what: str, build: Callable[[], object], fp8: bool = True,
-                    fmt: KvFormat = KvFormat.FOLDED, plan_kw: dict | None = None) -> ArmSpec:
+                    fmt: KvFormat = KvFormat.FOLDED, plan_kw: dict | None = None, fp8_math: str = "exact") -> ArmSpec:
     """An experiment's arm: the decode of `fmt` (folded over the FP8 pool, or a bf16 pool with fp8=False) with its
     partial kernel replaced by `build()` (a version's or the library's builder with other params), planned with
-    `plan_kw` (plan_decode's keywords) when given."""
-    # over the FP8 pool the experiment stands in for the exact (converting) partial, named: fp8_math="exact"
-    kernels = lambda case: {partial_kernel_name(fmt, fp8, "exact"): build()}  # noqa: E731
+    `plan_kw` (plan_decode's keywords) when given. Over the FP8 pool the experiment stands in for the partial of
+    `fp8_math` ("exact": the converting one, named so by runs 1-16; "tensor_cores": the FP8 tensor-core partial,
+    whose plan then balances its wave of 2 x SMs, `decode.partial_wave`)."""
+    kernels = lambda case: {partial_kernel_name(fmt, fp8, fp8_math): build()}  # noqa: E731
     return ArmSpec(name, what, "folded_fp8" if fp8 else fmt.value, False,
                    generated_arm("decode", fmt, "jit", kernels=kernels, plan_kw=plan_kw and (lambda case: plan_kw),
-                                 dtype=FP8_DTYPE if fp8 else torch.bfloat16, fp8_math="exact" if fp8 else None),
+                                 dtype=FP8_DTYPE if fp8 else torch.bfloat16, fp8_math=fp8_math if fp8 else None),
                    generated=True)
 
 
@@ -102,6 +104,13 @@ def _fp8_mma(name: str, transpose: str, two: bool, precise: bool = False) -> Arm
 FP8_MMA = [_fp8_mma(name, t, two, p) for name, t, p in (("fp8_mma", "none", False), ("fp8_mma_t", "t16x4", False),
                                                         ("fp8_mma_t4", "t4x16", False), ("fp8_mma_t4p", "t4x16", True))
            for two in (False, True)]
+# run 19: the FP8 tensor-core partial at a 32-token tile with three (or two) stages a CTA, two CTAs an SM
+# (bench/versions/decode_partial_fp8_tc_t32.py), in place of the library's tensor-core partial (fp8_math="tensor_cores":
+# its plan balances 2 x SMs CTAs a wave); checked first against the float64 reference over the dequantized pool
+FP8_TC_T32 = [partial_variant(f"fp8_tc_t32s{s}", f"FP8 tensor-core partial, 32-token tile, {s} stages a CTA, two CTAs"
+                              " an SM (query and P in two e4m3 parts)",
+                              lambda s=s: decode_partial_fp8_tc_t32.build(G, num_stages=s), fp8_math="tensor_cores")
+              for s in (3, 2)]
 # run 12: a one-wave plan's step is one launch, the partial merging its request-heads at its tail (the library's
 # decode_fused_<format>, what folded_jit / split_jit run there); these arms run the three launches on the same plan
 THREE_LAUNCHES = [ArmSpec(f"{f.value}_three", f"{f.value} decode, three launches (partial, merge_groups, merge_final)",
@@ -160,6 +169,7 @@ NARROW = [ArmSpec(f"folded_w{w}", f"bf16 folded decode planned for {w} SMs ({w /
                   generated=True)
           for w in (32, 64, 96)]
 ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA,
+        *FP8_TC_T32,
         *THREE_LAUNCHES, *LL_FUSED, *LL_PROBES, *LL_COMPACT, *TAIL_SIZES, *SMEM_TAIL, *NARROW,
         "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 

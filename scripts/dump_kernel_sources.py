@@ -75,6 +75,7 @@ VERSIONS = {
         "decode_partial_fp8_mma").build(g, transpose=t, precise=p, num_stages=1 if two else 2,
                                         ctas_per_sm=2 if two else 1)
        for t, p in (("none", False), ("t16x4", False), ("t4x16", False), ("t4x16", True)) for two in (False, True)},
+    **{f"fp8_tc_t32s{s}": lambda g, s=s: _version("decode_partial_fp8_tc_t32").build(g, num_stages=s) for s in (3, 2)},
     "fp8_cvt": lambda g: _library("decode_partial").build_decode_partial_fp8(g, "folded", e4m3_convert="cvt"),
     "fp8_t256": lambda g: _library("decode_partial").build_decode_partial_fp8(g, "folded", threads=256),
     "folded_t256": lambda g: _library("decode_partial").build_decode_partial(g, "folded", threads=256, reduce_batch=2),

@@ -854,3 +854,24 @@ def test_decode_arms_plan_the_partials_wave(fp8_math):
                                                                                           "chunk_tokens": 64}
     if fp8_math != "tensor_cores":
         assert decode_plan_kwargs(bf16, cpu, fp8_math, {})["num_sms"] == DEFAULT_SMS
+
+
+def test_fp8_harness_has_the_32_token_tensor_core_arms():
+    """Run 19's arms (bench/versions/decode_partial_fp8_tc_t32.py) stand in for the library's tensor-core partial,
+    and the version's shared-memory reader finds the launch's dynamic shared memory."""
+    import importlib
+    import sys
+
+    bench_dir = os.path.join(checkout_root(), "bench")
+    sys.path.insert(0, bench_dir)  # the harness imports bench/versions/
+    try:
+        harness = importlib.import_module("fp8_harness")
+        t32 = importlib.import_module("versions.decode_partial_fp8_tc_t32")
+    finally:
+        sys.path.remove(bench_dir)
+    names = [a.name for a in harness.ARMS if not isinstance(a, str)]
+    assert {"fp8_tc_t32s3", "fp8_tc_t32s2"} <= set(names) and len(names) == len(set(names))
+    assert t32.PARAMS["block_n"] == 32 and t32.PARAMS["num_stages"] == 3 and t32.PARAMS["ctas_per_sm"] == 2
+    host = "".join(f"  (((TVMFFIAny*)stack_ffi_any)[{i}].v_int64) = ((int64_t){n});\n"
+                   for i, n in enumerate([4, 256, 1, 1, 91648]))
+    assert t32.smem_bytes(host) == 91648 <= t32.SMEM_LIMIT_2CTA
