@@ -13,12 +13,22 @@ Arms (each one graph of the step's 421 projections in forward order, the model's
   241 launches where the others have 411), the copies made for the arm and freed after;
 - `fma_rN` (one row only): bench/versions/gemv_fma.py, the roof's register loop with one FMA a weight element, N
   whole rows a program; `fma_r4_branches` on the branches.
+- the PDL experiment (one row only; bench/versions/gemv_pdl.py, MODEL_DECODE_NOTES run 11), `CHAIN_ARMS`: the same
+  411 projections serial, each projection's input written by a dependent small kernel reading the previous one's
+  output (`_norm`: gemv_pdl.head_norm, the library's rms_norm_rows formula over 256-wide head rows) or none:
+  `fma_rN_norm` gemv_fma's kernel + the norm, plain launches; `fma_r4_norm_pf` gemv_pdl's kernel (one weight tile
+  loaded first) + the norm, plain launches (the kernel's change alone); `fma_rN_norm_pdl` both launched with PDL, the
+  GEMV's first tile loaded before its wait; `fma_r4_norm_pdl_nopf` PDL with the wait first (no prefetch);
+  `fma_r4_norm_pdl_pf2` two tiles; `fma_rN_pdl` PDL GEMVs back to back, no norm (against `fma_rN`). Each PDL arm's
+  outputs are compared bitwise with the same kernels' plain launches (`same_as_plain`); before the PDL arms,
+  gemv_pdl's PTX order and race checks (`pdl_checks`).
 Then, with --cells, notebook 05's decode cells through generate() with the step's projections on graph branches
 (foldkv.fused_step.BRANCHES, the library's) and without; --no-arms skips the projections-only arms.
 Prints one table; JSON to $OUT/gemv_probe.json.
 
     python3 bench/gemv_probe.py --cells foldkv-folded:4096:1 foldkv-folded:32768:8
     python3 bench/gemv_probe.py --rows 1          # the projections alone at one row, the fma_rN arms included
+    python3 bench/gemv_probe.py --rows 1 --arms fma_r4 fma_r4_pdl fma_r4_norm fma_r4_norm_pdl   # PDL, run 10
 """
 
 from __future__ import annotations
@@ -30,6 +40,53 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+
+# The PDL experiment's arms (one row): rows a program; the GEMV ("fma": gemv_fma.gemv, "pdl": gemv_pdl.gemv); weight
+# tiles loaded before the wait; PDL launches (GEMV and norm); a dependent norm between consecutive projections.
+CHAIN_ARMS = {
+    "fma_r4_norm": dict(rows=4, gemv="fma", prefetch=0, pdl=False, norm=True),
+    "fma_r4_norm_pf": dict(rows=4, gemv="pdl", prefetch=1, pdl=False, norm=True),
+    "fma_r4_norm_pdl": dict(rows=4, gemv="pdl", prefetch=1, pdl=True, norm=True),
+    "fma_r4_norm_pdl_nopf": dict(rows=4, gemv="pdl", prefetch=0, pdl=True, norm=True),
+    "fma_r4_norm_pdl_pf2": dict(rows=4, gemv="pdl", prefetch=2, pdl=True, norm=True),
+    "fma_r4_pdl": dict(rows=4, gemv="pdl", prefetch=1, pdl=True, norm=False),
+    "fma_r2_norm": dict(rows=2, gemv="fma", prefetch=0, pdl=False, norm=True),
+    "fma_r2_norm_pdl": dict(rows=2, gemv="pdl", prefetch=1, pdl=True, norm=True),
+    "fma_r2_pdl": dict(rows=2, gemv="pdl", prefetch=1, pdl=True, norm=False),
+}
+# Every arm's name, for --arms (main checks its own tables against these).
+BASE_ARMS = ("torch", "torch_branches", "stream", "stream_branches", "stream_c2", "stream_c8", "stream_s4", "stream_s2",
+             "stream_w8")
+ONE_ROW_ARMS = ("fma_r2", "fma_r4", "fma_r16", "fma_r4_branches")
+ARM_NAMES = ("torch_merged",) + BASE_ARMS + ONE_ROW_ARMS + tuple(CHAIN_ARMS)
+HEAD_D = 256  # the chain's norm row (gemv_pdl.HEAD_D; here for the CPU-side plan)
+
+
+def norm_plan(shapes: list[tuple[int, int]], d: int = HEAD_D) -> list[dict]:
+    """For consecutive weights [N, K] in forward order: the norm before each projection after the first, reading the
+    previous output (n_prev) and writing the next input (k) as k / d head rows. Refuses dims that are not whole rows
+    (the 31B's are all multiples of 256)."""
+    plan = []
+    for (n_prev, _), (_, k) in zip(shapes, shapes[1:]):
+        if n_prev % d or k % d:
+            raise ValueError(f"norm between an output of {n_prev} and an input of {k}: not multiples of {d}")
+        plan.append(dict(n_prev=n_prev, k=k, programs=k // d, wraps=n_prev < k))
+    return plan
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="*", default=[1, 8])
+    ap.add_argument("--cells", nargs="*", default=[])
+    ap.add_argument("--new-tokens", type=int, default=40)
+    ap.add_argument("--no-arms", action="store_true")
+    ap.add_argument("--arms", nargs="*", default=None, help="only these arms (default: all)")
+    args = ap.parse_args(argv)
+    unknown = sorted(set(args.arms or ()) - set(ARM_NAMES))
+    if unknown:  # a misspelt arm would otherwise run nothing, silently, on a device session
+        ap.error(f"unknown arms {unknown}; known: {' '.join(ARM_NAMES)}")
+    return args
 
 
 def projections(model) -> list[tuple[str, torch.nn.Linear]]:
@@ -111,6 +168,32 @@ def make_merged_step(projs, m: int, dev):
     return run
 
 
+def make_chain_step(projs, spec: dict, dev, gemv_fn, norm_fn, pdl: bool | None = None):
+    """Every projection of `projs` serially at one row, in forward order: with spec["norm"], the input of each after
+    the first is norm_fn(previous output, K, gamma, pdl) (a dependent kernel between every two projections); without,
+    one fixed random input per K (make_step's). gemv_fn(x, w, pdl). pdl: None for spec["pdl"]."""
+    pdl = spec["pdl"] if pdl is None else pdl
+    if spec["norm"]:
+        norm_plan([tuple(lin.weight.shape) for _, lin in projs])
+    g = torch.Generator(device=dev).manual_seed(0)
+    xs = {}
+    for _, lin in projs:
+        k = lin.weight.shape[1]
+        if k not in xs:
+            xs[k] = (torch.randn(1, k, device=dev, generator=g) * 0.5).to(lin.weight.dtype)
+    gamma = (1 + 0.1 * torch.randn(HEAD_D, device=dev, generator=g)).to(projs[0][1].weight.dtype)
+
+    def run():
+        outs, prev = [], None
+        for _, lin in projs:
+            k = lin.weight.shape[1]
+            x = norm_fn(prev, k, gamma, pdl) if spec["norm"] and prev is not None else xs[k]
+            prev = gemv_fn(x, lin.weight, pdl)
+            outs.append(prev)
+        return outs
+    return run
+
+
 def time_graph(run, dev, reps: int = 15) -> tuple[float, list]:
     stream = torch.cuda.Stream(device=dev)
     stream.wait_stream(torch.cuda.current_stream(dev))
@@ -162,14 +245,42 @@ def check_shapes(projs, dev) -> list[dict]:
     return rows
 
 
+def pdl_checks(gp) -> dict:
+    """gemv_pdl's preconditions (its header): the PTX order of loads and wait, the race check eager and in a graph."""
+    out = {}
+    for name, fn in (("ptx_pf0", lambda: gp.ptx_order(0)), ("ptx_pf1", lambda: gp.ptx_order(1)),
+                     ("ptx_pf1_red", lambda: gp.ptx_order(1, red_x_early=True)),
+                     ("race_eager", lambda: gp.race_check()), ("race_graph", lambda: gp.race_check(graph=True)),
+                     ("race_graph_pf0", lambda: gp.race_check(prefetch=0, graph=True)),
+                     ("race_graph_r2", lambda: gp.race_check(rows_per_program=2, graph=True))):
+        try:
+            out[name] = fn()
+        except Exception as e:  # noqa: BLE001 - recorded, the arms still run (and say so)
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    return out
+
+
+def chain_arm(name: str, spec: dict, projs, dev, wbytes: float, roof_gbps: float, gf, gp) -> dict:
+    """One CHAIN_ARMS arm timed as one graph; a PDL arm's outputs compared bitwise with its kernels' plain launches."""
+    if spec["gemv"] == "fma":
+        gemv_fn = lambda x, w, pdl: gf.gemv(x, w, spec["rows"])  # noqa: E731
+    else:
+        gemv_fn = lambda x, w, pdl: gp.gemv(x, w, spec["rows"], spec["prefetch"], pdl=pdl)  # noqa: E731
+    norm_fn = lambda y, k, gamma, pdl: gp.head_norm(y, k, gamma, pdl=pdl)  # noqa: E731
+    ms, outs = time_graph(make_chain_step(projs, spec, dev, gemv_fn, norm_fn), dev)
+    row = {"arm": name, "rows": 1, "ms": ms, "gbps": wbytes / ms / 1e6, "of_roof": wbytes / ms / 1e6 / roof_gbps,
+           "launches": len(projs) + (len(projs) - 1 if spec["norm"] else 0)}
+    if spec["pdl"]:
+        got = torch.cat([o.reshape(-1) for o in outs])
+        plain = torch.cat([o.reshape(-1) for o in make_chain_step(projs, spec, dev, gemv_fn, norm_fn, pdl=False)()])
+        torch.cuda.synchronize(dev)
+        row["same_as_plain"] = bool(torch.equal(got, plain))
+        row["finite"] = bool(torch.isfinite(got).all())
+    return row
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, nargs="*", default=[1, 8])
-    ap.add_argument("--cells", nargs="*", default=[])
-    ap.add_argument("--new-tokens", type=int, default=40)
-    ap.add_argument("--no-arms", action="store_true")
-    ap.add_argument("--arms", nargs="*", default=None, help="only these arms (default: all)")
-    args = ap.parse_args(argv)
+    args = parse_args(argv)
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -209,6 +320,17 @@ def main(argv=None) -> int:
             "stream_w8": (stream_fn(num_warps=8), False)}
     one_row = {f"fma_r{r}": (lambda x, w, r=r: gf.gemv(x, w, r), False) for r in (2, 4, 16)}
     one_row["fma_r4_branches"] = (lambda x, w: gf.gemv(x, w, 4), True)
+    assert tuple(arms) == BASE_ARMS and tuple(one_row) == ONE_ROW_ARMS  # --arms checks names against these
+    chains = [n for n in CHAIN_ARMS if args.arms is None or n in args.arms]
+    gp = None
+    if 1 in args.rows and not args.no_arms and chains:
+        try:
+            from versions import gemv_pdl as gp
+        except Exception as e:  # noqa: BLE001 - no PDL here: every chain arm is an error row
+            gp = f"{type(e).__name__}: {e}"[:300]
+        if not isinstance(gp, str) and any(CHAIN_ARMS[n]["pdl"] for n in chains):
+            out["pdl_checks"] = pdl_checks(gp)
+            print("pdl checks", json.dumps(out["pdl_checks"], default=str), flush=True)
     for m in [] if args.no_arms else args.rows:
         try:
             if args.arms is not None and "torch_merged" not in args.arms:
@@ -231,6 +353,16 @@ def main(argv=None) -> int:
                        "of_roof": wbytes / ms / 1e6 / roof["gbps"]}
             except Exception as e:  # noqa: BLE001 - a config that does not build is a row, not the end of the probe
                 row = {"arm": name, "rows": m, "error": f"{type(e).__name__}: {e}"[:300]}
+            out["arms"].append(row)
+            print(row, flush=True)
+        for name in chains if m == 1 else []:
+            try:
+                if isinstance(gp, str) or gp is None:
+                    raise RuntimeError(f"versions.gemv_pdl: {gp}")
+                row = chain_arm(name, CHAIN_ARMS[name], projs, dev, wbytes, roof["gbps"], gf, gp)
+            except Exception as e:  # noqa: BLE001 - as above
+                row = {"arm": name, "rows": m, "error": f"{type(e).__name__}: {e}"[:300]}
+            torch.cuda.empty_cache()
             out["arms"].append(row)
             print(row, flush=True)
     for spec in args.cells:

@@ -328,3 +328,54 @@ def test_fma_gemv_red_twin_wrong_reduction_length():
     def short(x, w, out):
         gf.gemv_fma_rows[(shape[0] // cfg["ROWS"],)](x.reshape(-1), w, out, shape[1] - cfg["BLOCK_K"], **cfg)
     assert not _gemv_within_bound(short, shape, 1, seed=5)
+
+
+# --- the same GEMV under programmatic dependent launch (bench/versions/gemv_pdl.py, not measured yet) ---------------
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("shape", GEMV_SHAPES, ids=[f"{n}x{k}" for n, k in GEMV_SHAPES])
+def test_pdl_gemv_within_its_bound(shape, prefetch, pdl):
+    from conftest import bench_version
+
+    gp = bench_version("gemv_pdl")
+    assert _gemv_within_bound(lambda x, w, out: gp.gemv(x, w, 4, prefetch, pdl=pdl, out=out), shape, 1,
+                              seed=shape[0] + prefetch)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_pdl_gemv_waits_for_its_producer_and_launches_early(prefetch, graph):
+    """A producer writing x 20 us after letting its dependent launch: the PDL GEMV is bitwise its plain launch on the
+    clean x (the wait holds), and the red twin reading the head's x before the wait is wrong (the GEMV did launch
+    early: PDL is in effect, in a graph too)."""
+    from conftest import bench_version
+
+    got = bench_version("gemv_pdl").race_check(prefetch=prefetch, graph=graph)
+    assert got["ok"], got
+    assert got["red_caught"], got
+
+
+def test_pdl_gemv_ptx_loads_no_x_before_its_wait():
+    from conftest import bench_version
+
+    gp = bench_version("gemv_pdl")
+    pf0, pf1, red = gp.ptx_order(0), gp.ptx_order(1), gp.ptx_order(1, red_x_early=True)
+    assert (pf0["waits"], pf0["loads_before_wait"]) == (1, 0)
+    assert pf1["waits"] == 1 and 0 < pf1["loads_before_wait"] <= pf1["weight_loads_expected"], pf1
+    assert red["loads_before_wait"] > pf1["loads_before_wait"], red  # an x load before the wait is visible here
+
+
+def test_head_norm_is_rms_norm_of_the_head_rows():
+    """gemv_pdl.head_norm (the probe's dependent kernel) against fused_step.rms_norm over the same head rows, with
+    and without PDL: bitwise (the same formula, the same rounding)."""
+    from conftest import bench_version
+    from foldkv import fused_step as fs
+
+    gp = bench_version("gemv_pdl")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    y = torch.randn(1, 4096, generator=g, device="cuda").to(BF16)
+    gamma = (1 + 0.1 * torch.randn(256, generator=g, device="cuda")).to(BF16)
+    src = torch.cat([y, y], dim=1)[:, :5376]  # k = 5,376 > 4,096: the rows wrap around y
+    want = fs.rms_norm(src.reshape(-1, 256), gamma, 1e-6).reshape(1, -1)
+    for pdl in (False, True):
+        assert torch.equal(gp.head_norm(y, 5376, gamma, 1e-6, pdl=pdl), want)
