@@ -28,7 +28,7 @@ Prints one table; JSON to $OUT/gemv_probe.json.
 
     python3 bench/gemv_probe.py --cells foldkv-folded:4096:1 foldkv-folded:32768:8
     python3 bench/gemv_probe.py --rows 1          # the projections alone at one row, the fma_rN arms included
-    python3 bench/gemv_probe.py --rows 1 --arms fma_r4 fma_r4_pdl fma_r4_norm fma_r4_norm_pdl   # PDL, run 10
+    python3 bench/gemv_probe.py --rows 1 --arms fma_r4 fma_r4_pdl fma_r4_norm fma_r4_norm_pdl   # PDL, run 11
 """
 
 from __future__ import annotations
