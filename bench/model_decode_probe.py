@@ -10,7 +10,9 @@ automatic compile on an N-token prompt, last: it leaves the compiler's state beh
 profile lists). --merge-ab: after the cells above (merged projections, the library's default), the model's
 projections are split again (`fused_step.split_projections`, MERGE off) and the --decode cells and the profile run a
 second time ("unmerged"). --sliding-ab: the --decode cells again with the sliding layers' attention unfused
-(`fused_step.FUSE_SLIDING` off). --loop-ab: the --decode cells again with generate()'s own loop (`hf_loop.applies` answering
+(`fused_step.FUSE_SLIDING` off). --global-ab: the --decode cells again with the global layers' query and row as two
+Triton kernels (bench/versions/global_step_triton.py installed on DecodeStep.attend, label "global kernels"; the
+library's attend restored after; its calls and fallback reasons are printed). --loop-ab: the --decode cells again with generate()'s own loop (`hf_loop.applies` answering
 False). Results are not records: the batch's notebook is.
 """
 
@@ -30,7 +32,7 @@ def _cells(specs):
         yield arm, int(n), int(b)
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decode", nargs="*", default=[])
     ap.add_argument("--tail", nargs="*", default=[])
@@ -41,7 +43,12 @@ def main(argv=None) -> int:
     ap.add_argument("--merge-ab", action="store_true")
     ap.add_argument("--loop-ab", action="store_true")
     ap.add_argument("--sliding-ab", action="store_true")
-    args = ap.parse_args(argv)
+    ap.add_argument("--global-ab", action="store_true")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     import foldkv.hf  # noqa: F401
     from foldkv.lab import gemma31b, model_decode as md
     from foldkv.lab.bench.roofs import measure_read_roof
@@ -92,6 +99,21 @@ def main(argv=None) -> int:
             out["decode"] += decode_cells("sliding unfused")
         finally:
             fused_step.FUSE_SLIDING = True
+    if args.global_ab:
+        import sys
+
+        bench = os.path.dirname(os.path.abspath(__file__))
+        if bench not in sys.path:
+            sys.path.insert(0, bench)
+        from versions.global_step_triton import install
+
+        route = install()
+        try:
+            out["decode"] += decode_cells("global kernels")
+        finally:
+            route.uninstall()
+        out["global_kernels"] = route.report()
+        print(f"global kernels: {out['global_kernels']}", flush=True)
     if args.merge_ab:
         from foldkv import fused_step
 

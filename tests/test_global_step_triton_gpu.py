@@ -1,0 +1,186 @@
+"""bench/versions/global_step_triton.py on the GPU: the global layer's query and row as two Triton kernels, each
+against the library functions it replaces, then the whole step with the version installed and not.
+
+Bounds, from where each op rounds:
+- `query_into` (global_query_rows): fold_query's arithmetic (q and w_k to float32 exactly, one float32 product, rounded
+  once to bf16, RNE) and moves of bf16 values otherwise: bitwise `fold_query` copied into the workspace's query; rows
+  past the batch are not written.
+- `row_into_pool` (global_row_store): moves of bf16 values: bitwise `store_rows(rows_from_key_value(...))` over the
+  whole pool (the step's slots poisoned first, so an unwritten slot or a write elsewhere shows).
+- the whole step (tiny synthetic Gemma 4, graph mode): the decode after them is the same `ws.step`, so the greedy
+  tokens and logits are torch.equal installed and not; an FP8 pool falls back (the refusal counted, nothing run).
+Red twins: the query's rotated halves swapped in the column map; the row stored one offset off.
+
+Reproduce: FOLDKV_REQUIRE_GPU=1 PYTHONPATH=lib pytest tests/test_global_step_triton_gpu.py -k "row and folded and 8"
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import bench_version, left_padded_batch, require_hopper, require_module, require_tilelang
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+FORMATS = ["folded", "split"]
+
+
+def _version():
+    require_hopper()
+    require_module("triton")
+    return bench_version("global_step_triton")
+
+
+def _gen(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _geom():
+    from foldkv import GEMMA4_31B
+
+    return GEMMA4_31B  # the synthetic model's global layers have this geometry too: 32 q heads, 4 KV heads, D 512
+
+
+def _heads(batch, heads, d, seed, extra=3):
+    """[B, heads, 1, D] bf16, strided as the model hands it over (a transposed head view of a wider projection
+    output); random, non-zero, per-row scales."""
+    g = _gen(seed)
+    rms = torch.exp(torch.randn(batch, 1, 1, generator=g, device="cuda"))
+    full = (torch.randn(batch, 1, (heads + extra) * d, generator=g, device="cuda") * rms).to(BF16)
+    x = full[..., : heads * d].view(batch, 1, heads, d).transpose(1, 2)
+    assert bool((x != 0).all())
+    return x
+
+
+def _weight(d, seed):
+    return torch.exp(0.5 * torch.randn(d, generator=_gen(seed), device="cuda")).to(BF16)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_query_kernel_is_fold_query(batch, fmt):
+    gst = _version()
+    from foldkv.layout import KvFormat
+    from foldkv.prep import fold_query
+
+    geom = _geom()
+    hq, d, r = geom.num_q_heads, geom.head_dim, geom.rotary_width
+    q = _heads(batch, hq, d, seed=batch)
+    w = _weight(d, 100 + batch)
+    want = fold_query(geom, fmt, q[:, :, 0], w, BF16)
+
+    def run(cols=None):
+        out = torch.full((batch + 2, hq, d), float("nan"), dtype=BF16, device="cuda")  # poisoned; 2 rows past B
+        gst.query_into(geom, fmt, q, w, out, score_cols=cols)
+        assert bool(torch.isnan(out[batch:]).all()), "a row past the batch was written"
+        return out[:batch]
+
+    got = run()
+    assert bool(torch.isfinite(got).all())
+    assert torch.equal(got, want)
+    score = gst.column_maps(geom, fmt, q.device)[0]
+    half = r // 2
+    swapped = torch.cat([score[half:r], score[:half], score[r:]])  # the two rotated halves exchanged
+    assert not torch.equal(run(swapped), want), "red twin: the rotated columns swapped"
+    if KvFormat.parse(fmt) is KvFormat.FOLDED:  # the fold is there: the unrotated columns are not q's own
+        assert not torch.equal(got[..., r:], q[:, :, 0][..., score[r:].long()])
+
+
+def _pool(geom, fmt, batch, seed):
+    from foldkv.pool import PagedKvLayout, PagedKvPool
+
+    pages = 2 * batch + 3
+    pool = PagedKvPool(PagedKvLayout(geom, fmt, page_size=16, num_pages=pages), device="cuda")
+    pool.data.copy_(torch.randn(pool.data.shape, generator=_gen(seed), device="cuda").to(BF16))
+    g = torch.Generator().manual_seed(seed)
+    at_pages = torch.randperm(pages, generator=g)[:batch].cuda()
+    at_offsets = torch.randint(0, 15, (batch,), generator=g).cuda()  # < page_size - 1: room for the red twin
+    pool.data[at_pages, :, at_offsets, :] = float("nan")  # the slots to write: poisoned
+    return pool, at_pages, at_offsets
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_row_kernel_is_rows_from_key_value_then_store_rows(batch, fmt):
+    gst = _version()
+    from foldkv.prep import rows_from_key_value, store_rows
+
+    geom = _geom()
+    hkv, d = geom.num_kv_heads, geom.head_dim
+    key = _heads(batch, hkv, d, seed=20 + batch)
+    value = _heads(batch, hkv, d, seed=30 + batch, extra=0)
+    ref, pages, offsets = _pool(geom, fmt, batch, seed=40 + batch)
+    rows = rows_from_key_value(geom, ref.format, key[:, :, 0], value[:, :, 0], ref.layout.row_dtype)
+    store_rows(ref, pages, offsets, rows, check_finite=False)
+    assert bool(torch.isfinite(ref.data).all())
+
+    def run(offsets_written):
+        pool, _, _ = _pool(geom, fmt, batch, seed=40 + batch)
+        gst.row_into_pool(geom, pool, key, value, pages, offsets_written)
+        return torch.equal(pool.data, ref.data)  # the slots hold the rows, every other row is unchanged
+
+    assert run(offsets)
+    assert not run(offsets + 1), "red twin: the row stored one offset off"
+
+
+# --- the whole step ---------------------------------------------------------------------------------------------
+LENGTHS = (97, 300, 1000)
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def synthetic_model(tmp_path_factory):
+    require_hopper()
+    require_tilelang()
+    require_module("triton")
+    require_module("transformers")
+    require_module("safetensors")
+    import foldkv.hf  # noqa: F401
+    from foldkv.lab.model import load_model
+    from foldkv.lab.synthetic import make_synthetic_checkpoint
+
+    ckpt = make_synthetic_checkpoint(tmp_path_factory.mktemp("synthetic_global_gpu"), seed=2)
+    return load_model(ckpt, device="cuda", dtype=BF16, attn_implementation="foldkv")
+
+
+def _generate(model, fmt, dtype=None, decode_step="graph"):
+    from foldkv.hf import FoldKvCache
+    from foldkv.lab.model import cache_keyword
+
+    ids, mask = left_padded_batch(LENGTHS, model.config.vocab_size, seed=7)
+    cache = FoldKvCache(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW, scatter_seed=3,
+                        decode_step=decode_step, kv_format=fmt, dtype=dtype)
+    out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=NEW, min_new_tokens=NEW,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True,
+                         **{cache_keyword(model): cache})
+    return out.sequences[:, ids.shape[1]:].cpu(), torch.stack(out.logits).float().cpu()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_step_with_and_without_the_global_kernels(synthetic_model, fmt):
+    gst = _version()
+    from foldkv.hf_graph import DecodeStep
+
+    library = DecodeStep.attend
+    plain = _generate(synthetic_model, fmt)
+    with gst.installed() as route:
+        assert DecodeStep.attend is not library
+        kernels = _generate(synthetic_model, fmt)
+    assert DecodeStep.attend is library
+    assert route.calls > 0 and not route.refusals, route.report()
+    assert bool(torch.isfinite(kernels[1]).all())
+    assert torch.equal(kernels[0], plain[0]), "greedy tokens differ"
+    gap = (kernels[1] - plain[1]).abs().max().item()
+    assert torch.equal(kernels[1], plain[1]), f"logits differ (max |gap| {gap:.3g}): the kernels are not bitwise"
+
+
+def test_an_fp8_pool_falls_back_to_the_library(synthetic_model):
+    gst = _version()
+    from foldkv.fp8 import FP8_DTYPE
+
+    plain = _generate(synthetic_model, "folded", dtype=FP8_DTYPE)
+    with gst.installed() as route:
+        kernels = _generate(synthetic_model, "folded", dtype=FP8_DTYPE)
+    assert route.calls == 0 and route.refusals and all("FP8" in why for why in route.refusals), route.report()
+    assert torch.equal(kernels[0], plain[0]) and torch.equal(kernels[1], plain[1])
