@@ -47,6 +47,23 @@ def require_module(name: str) -> None:
         skip_or_fail(f"{name} is not installed")
 
 
+def synthetic_gpu_models(tmp_path_factory, *implementations: str, needs: tuple[str, ...] = (), seed: int = 2) -> dict:
+    """The GPU model tests' model: the default synthetic Gemma 4 (`make_synthetic_checkpoint`, `seed`) in bf16 on the
+    GPU, loaded once per attention implementation ({implementation: model}). Skips (fails under FOLDKV_REQUIRE_GPU)
+    without a Hopper GPU, TileLang, transformers, safetensors or the modules in `needs`."""
+    require_hopper()  # (a module fixture runs before the gpu mark's cuda_device check)
+    require_tilelang()
+    for name in ("transformers", "safetensors", *needs):
+        require_module(name)
+    import foldkv.hf  # noqa: F401  (registers "foldkv")
+    from foldkv.lab.model import load_model
+    from foldkv.lab.synthetic import make_synthetic_checkpoint
+
+    ckpt = make_synthetic_checkpoint(tmp_path_factory.mktemp("synthetic_gpu"), seed=seed)
+    return {impl: load_model(ckpt, device="cuda", dtype=torch.bfloat16, attn_implementation=impl)
+            for impl in implementations}
+
+
 # The tiny synthetic Gemma 4 of the CPU model tests (test_hf_cpu, test_drift_cpu): hidden 64, vocab 128, the 31B global
 # attention geometry; one checkpoint per session.
 TINY_SYNTHETIC = dict(hidden_size=64, intermediate_size=128, vocab_size=128)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import bench_version, left_padded_batch, require_hopper, require_module, require_tilelang
+from conftest import bench_version, left_padded_batch, require_hopper, require_module, synthetic_gpu_models
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -131,18 +131,7 @@ NEW = 12
 
 @pytest.fixture(scope="module")
 def synthetic_model(tmp_path_factory):
-    require_hopper()
-    require_tilelang()
-    require_module("triton")
-    require_module("transformers")
-    require_module("safetensors")
-    import foldkv.hf  # noqa: F401
-    from foldkv.lab.model import load_model
-    from foldkv.lab.synthetic import make_synthetic_checkpoint
-
-    ckpt = make_synthetic_checkpoint(tmp_path_factory.mktemp("synthetic_global_gpu"), seed=2)
-    return load_model(ckpt, device="cuda", dtype=BF16, attn_implementation="foldkv")
-
+    return synthetic_gpu_models(tmp_path_factory, "foldkv", needs=("triton",))["foldkv"]
 
 def _generate(model, fmt, dtype=None, decode_step="graph"):
     from foldkv.hf import FoldKvCache

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from conftest import left_padded_batch, require_hopper, require_module, require_tilelang
+from conftest import left_padded_batch, require_module, synthetic_gpu_models
 from foldkv.lab.model import cache_keyword
 
 pytestmark = pytest.mark.gpu
@@ -30,17 +30,7 @@ NEW = 16
 
 @pytest.fixture(scope="module")
 def gpu_models(tmp_path_factory):
-    require_hopper()
-    require_tilelang()
-    require_module("transformers")
-    require_module("safetensors")
-    import foldkv.hf  # noqa: F401  (registers "foldkv")
-    from foldkv.lab.model import load_model
-    from foldkv.lab.synthetic import make_synthetic_checkpoint
-
-    ckpt = make_synthetic_checkpoint(tmp_path_factory.mktemp("synthetic_hf_gpu"), seed=2)
-    return {impl: load_model(ckpt, device="cuda", dtype=torch.bfloat16, attn_implementation=impl)
-            for impl in ("sdpa", "eager", "foldkv")}
+    return synthetic_gpu_models(tmp_path_factory, "sdpa", "eager", "foldkv")
 
 
 @pytest.fixture(scope="module")
