@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import MutableMapping
 import sys
+from collections.abc import MutableMapping
 from typing import Iterator
 
 import torch
@@ -174,7 +174,7 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype)
     return out.view(scores.shape)
 
 
-# --- a sliding layer's decode attention on its ring: three kernels ------------------------------------------------
+# --- a sliding layer's decode step before its ring attention: two kernels -----------------------------------------
 # Inside DecodeStep's step a sliding layer runs, after its q|k|v GEMV: q_norm, k_norm, v_norm (3 launches), RoPE of q
 # and k (2), index_copy of k and v into the rings (2), then ring_attention's q.K^T matmul, masked softmax and P.V
 # matmul (3): 10 launches. `q_norm_rope` and `kv_to_ring` do the first 7 in 2, at torch's rounding points; the ring
@@ -519,8 +519,8 @@ def sliding_route(attn: nn.Module, kwargs: dict) -> tuple | str:
 def _sliding_forward(attn: nn.Module, *args, **kwargs):
     """Gemma4TextAttention.forward of a sliding layer inside DecodeStep's step (`sliding_route`) as the q|k|v
     projections (merged or branched: the swapped q_proj / k_proj / v_proj), `q_norm_rope`, `kv_to_ring` (the
-    step's rows into the rings at the step's slot, what update_sliding stores), `hf_graph.ring_attention` and o_proj; every other
-    call is the class's forward."""
+    step's rows into the rings at the step's slot, what update_sliding stores), `hf_graph.ring_attention` and
+    o_proj; every other call is the class's forward."""
     route = "positional arguments" if args else sliding_route(attn, kwargs)
     if isinstance(route, str):
         return type(attn).forward(attn, *args, **kwargs)

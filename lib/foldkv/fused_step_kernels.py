@@ -107,7 +107,7 @@ if triton is not None:
         p = e / tl.sum(e, axis=0)
         tl.store(p_ptr + row * n + cols, _rounded(p, p_ptr.dtype.element_ty).to(p_ptr.dtype.element_ty), mask=keep)
 
-    # --- a sliding layer's decode attention on its ring: two prologue kernels and the ring attention ---------------
+    # --- a sliding layer's decode step before its ring attention: the query's and the ring's kernels ---------------
     @triton.jit
     def _norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, n, eps, OUT: tl.constexpr, D: tl.constexpr):
         """One head row at x_ptr: RMSNorm with weight (rms_norm_rows' formula: float32, rounded once), then RoPE
@@ -152,5 +152,5 @@ if triton is not None:
         k = _norm_rope(k_ptr + b * k_stride + h * D, w_ptr, cos_ptr + b * D, sin_ptr + b * D, n, eps_k, out_ty, D)
         tl.store(ring_k_ptr + dst, k.to(out_ty))
         v = tl.load(v_ptr + b * v_stride + h * D + cols).to(tl.float32)
-        v = v * (1.0 / tl.sqrt(tl.sum(v * v, axis=0) / n + eps_v))
+        v = _normed(v, w_ptr, cols, cols < D, n, eps_v, False)  # v_norm has no weight: w_ptr is not read
         tl.store(ring_v_ptr + dst, _rounded(v, out_ty).to(out_ty))

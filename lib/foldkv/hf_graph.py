@@ -116,10 +116,9 @@ class DecodeStep:
     def __call__(self, forward: Callable, kwargs: dict) -> Any:
         t0 = time.perf_counter()
         c = self.cache
-        first = c.global_layers[0]
-        if first.columns + 1 > c.max_tokens:
-            raise FoldKvInputError(f"this step takes the sequences to {first.columns + 1} columns; the FoldKvCache"
-                                   f" holds max_tokens={c.max_tokens}")
+        if self.room() < 1:
+            raise FoldKvInputError(f"this step takes the sequences to {c.global_layers[0].columns + 1} columns; the"
+                                   f" FoldKvCache holds max_tokens={c.max_tokens}")
         if not self.started:
             out = self._start(forward, kwargs)
         else:
@@ -130,9 +129,7 @@ class DecodeStep:
                 out = self.output
             else:
                 out = self._body(forward)
-        for layer in c.global_layers:  # host counters only (the pools' block tables keep the prompt's lengths)
-            layer.columns += 1
-            layer.lengths[:len(self.lens)] = self.lens
+        self._count_columns(+1)
         self.steps += 1
         self.host_s.append(time.perf_counter() - t0)
         return out
@@ -171,10 +168,15 @@ class DecodeStep:
         self.lens = [n - 1 for n in self.lens]
         self.steps -= 1
         self.host_s.pop()
-        for layer in self.cache.global_layers:
-            layer.columns -= 1
-            layer.lengths[:len(self.lens)] = self.lens
+        self._count_columns(-1)
         self.host_replan()
+
+    def _count_columns(self, delta: int) -> None:
+        """The global layers' host counters after a step (+1) or its rewind (-1): their columns, and their lengths
+        set to the step's (the pools' block tables keep the prompt's lengths)."""
+        for layer in self.cache.global_layers:
+            layer.columns += delta
+            layer.lengths[:len(self.lens)] = self.lens
 
     # -- the global layers' attention (a lab arm may serve them through another library: `foldkv.lab`) ------------
     def _global_workspace(self, first: Any) -> Any:

@@ -2,21 +2,21 @@
 (`GenerationMixin._sample`, greedy or multinomial) with nothing between one step's end and the next step's replay but
 that replay's launch, and that replay issued before the host waits for the stop flag.
 
-transformers' loop reads `unfinished_sequences.max() == 0` on the host after every token (a device sync: the host
-must know whether to go on), then runs `prepare_inputs_for_generation`, `_update_model_kwargs_for_generation` and the
-model's forward wrapper before the next step reaches the GPU, which idles meanwhile (on the 31B at one H200, 0.4-0.8 ms
-a token: 2-5% of a step). Once the cache's decode step has started (`hf_graph.DecodeStep`: one graph replay a step that
-reads the token ids and nothing else of the forward's arguments), the step needs none of that. This loop computes the
-next tokens, the stopping criteria and the finished flag as `_sample` does (the same processors, selection, padding of
-finished sequences and criteria, in the same order), all on the device in stream order, then issues the next step
-(the model called with the ids and the cache alone) and only then waits for the flag (copied to pinned memory and
-marked by an event before that step is queued: a sync on the stream would wait for the step too), as gpt-fast and vLLM's runners
-keep the GPU a step ahead of the host: the host's work for token t+1 (reading the flag, the processors, the criteria,
-the next launch) runs while step t+1 runs on the GPU, which does not wait for the host. When the flag says stop, the
-step run ahead is taken back (`DecodeStep.rewind`: counters and lengths one step back; its rows lie past every length
-and a later step rewrites them), so the cache holds what `_sample` leaves it. No step runs ahead past max_length or
-past the cache's columns. The prompt's forward(s) (`_prefill`, chunked prefill included) and the first decode step
-(the capture) go through transformers' own path, and every forward goes through the model's (wrapped) forward.
+transformers' loop reads `unfinished_sequences.max() == 0` on the host after every token (a device sync: the host must
+know whether to go on), then runs `prepare_inputs_for_generation`, `_update_model_kwargs_for_generation` and the model's
+forward wrapper before the next step reaches the GPU, which idles meanwhile (on the 31B at one H200, 0.4-0.8 ms a token:
+2-5% of a step). Once the cache's decode step has started (`hf_graph.DecodeStep`: one graph replay a step that reads the
+token ids and nothing else of the forward's arguments), the step needs none of that. This loop computes the next tokens,
+the stopping criteria and the finished flag as `_sample` does (the same processors, selection, padding of finished
+sequences and criteria, in the same order), all on the device in stream order, then issues the next step (the model
+called with the ids and the cache alone) and only then waits for the flag (copied to pinned memory and marked by an
+event before that step is queued: a sync on the stream would wait for the step too), as gpt-fast and vLLM's runners keep
+the GPU a step ahead of the host: the host's work for token t+1 (reading the flag, the processors, the criteria, the
+next launch) runs while step t+1 runs on the GPU, which does not wait for the host. When the flag says stop, the step
+run ahead is taken back (`DecodeStep.rewind`: counters and lengths one step back; its rows lie past every length and a
+later step rewrites them), so the cache holds what `_sample` leaves it. No step runs ahead past max_length or past the
+cache's columns. The prompt's forward(s) (`_prefill`, chunked prefill included) and the first decode step (the capture)
+go through transformers' own path, and every forward goes through the model's (wrapped) forward.
 
 `hf_graph.install` makes it generate()'s decoding method when the cache passed has a decode step, the caller passed
 no `custom_generate` (the transformers hook for a decoding loop: a callable with `_sample`'s signature) and the call is
@@ -142,15 +142,13 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
         # under _sample)
         step_ids = next_tokens[:, None]
         ahead = step.started and (max_length is None or input_ids.shape[-1] < max_length) and step.room() > 0
+        # _sample's stop check, the one sync a token: the flag is copied out and marked before the next step is
+        # queued, so waiting on that mark waits for this token only (a sync on the stream, as `.item()` does, would
+        # wait for the step queued behind it too)
+        flag.copy(unfinished.max() == 0)
         if ahead:
-            # the flag is copied out and marked before the next step is queued: waiting on that mark waits for this
-            # token only (a sync on the stream, as `.item()` does, would wait for the step queued behind it too)
-            flag.copy(unfinished.max() == 0)
             outputs = model(input_ids=step_ids, **{cache_kw: cache})
-            stop = flag.read()
-        else:
-            stop = bool(unfinished.max() == 0)  # _sample's stop check, the one sync a token
-        if stop:
+        if flag.read():
             if ahead:
                 step.rewind()
                 LOOP_STEPS["rewound"] += 1

@@ -39,7 +39,8 @@ __all__ = [
     "PAIRS", "RESULTS_NAME", "PARTIAL_NAME", "resolve_device", "resolve_dtype", "prepare_model", "prompt_token_ids",
     "run_cell", "build_cells", "DEFAULT_LENGTHS", "default_lengths", "run_study", "QUANTILES", "is_finite",
     "finite_max", "quantiles", "gaps_of", "summarize", "drift_line", "GAP_FACTOR", "GAP_SLACK_ULPS",
-    "GAP_QUANTILES", "ARGMAX_ALPHA", "dtype_ulp", "binomial_tail", "gated_arms", "gated_pairs", "pair_name", "check_study", "record_sections",
+    "GAP_QUANTILES", "ARGMAX_ALPHA", "dtype_ulp", "binomial_tail", "gated_arms", "gated_pairs", "pair_name",
+    "check_study", "record_sections",
     "checks_table", "cell_table", "summary_table", "model_summary", "agreement_per_cell", "drift_line_text",
     "checks_text", "plot_gap_distribution", "plot_gap_vs_step_and_length",
 ]

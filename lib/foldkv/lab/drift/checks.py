@@ -76,7 +76,8 @@ def pair_name(a: str, b: str) -> str:
     return f"{a} vs {b}"
 
 
-def _judge(series: list[tuple[dict, dict]], neutral: dict, slack: float, neutral_argmax: bool) -> tuple[dict, Any, list]:
+def _judge(series: list[tuple[dict, dict]], neutral: dict, slack: float,
+           neutral_argmax: bool) -> tuple[dict, Any, list]:
     """The gap and argmax judgement of one series (an arm against the incumbent, or a pair) over its cells:
     `series` [(cell, {"gap": [...], "argmax_equal": [...]})]. Returns (gap, argmax, findings): each gap quantile
     against GAP_FACTOR x the neutral's + `slack`, McNemar's test of the series' flips against the single pass's, and
@@ -105,13 +106,14 @@ def _judge(series: list[tuple[dict, dict]], neutral: dict, slack: float, neutral
 
 def check_study(results: dict, gated: Sequence[str] | None = None,
                 pairs: Sequence[tuple[str, str]] | None = None) -> dict[str, Any]:
-    """The study's checks, per section: `incumbent` (its logits, margins and neutral gaps finite) and each arm that
-    ran (finite; and for the arms in `gated`, default `gated_arms()`, gap and argmax: see the module docstring and
-    GAP_FACTOR / ARGMAX_ALPHA; other arms get those figures too, marked not gated), and each pair in `pairs`
-    (default `gated_pairs()`) whose two arms the study lists: a section "<a> vs <b>", gap and argmax gated with the
-    same limits (the pair's gap in place of the arm's against the incumbent; its NaN steps fail the arms' sections). Returns {"sections": {name:
-    {"passed": True | False | None, "failures": [...], ...}}, "passed": ...}; None: the arm never ran (its status
-    says why), so nothing was checked. Reads results as run_study returns them or as drift_results.json holds them."""
+    """The study's checks, per section: `incumbent` (its logits, margins and neutral gaps finite) and each arm that ran
+    (finite; and for the arms in `gated`, default `gated_arms()`, gap and argmax: see the module docstring and
+    GAP_FACTOR / ARGMAX_ALPHA; other arms get those figures too, marked not gated), and each pair in `pairs` (default
+    `gated_pairs()`) whose two arms the study lists: a section "<a> vs <b>", gap and argmax gated with the same limits
+    (the pair's gap in place of the arm's against the incumbent; its NaN steps fail the arms' sections). Returns
+    {"sections": {name: {"passed": True | False | None, "failures": [...], ...}}, "passed": ...}; None: the arm never
+    ran (its status says why), so nothing was checked. Reads results as run_study returns them or as drift_results.json
+    holds them."""
     gated = gated_arms() if gated is None else tuple(gated)
     cells = results["cells"]
     dtype = results["parameters"].get("dtype", "bfloat16")
