@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import time
+from unittest import mock
 
 import torch
 
@@ -61,11 +62,7 @@ def main(argv=None) -> int:
     md.run_cells(md.measure_prefill, [dict(model=model, arm_name=a, prompt_tokens=256, new_tokens=2,
                                            prefill_chunk=4096) for a in dict.fromkeys(
                                                a for a, _, _ in _cells(args.decode + args.tail))])
-    out["decode"] = md.run_cells(md.measure_decode, [dict(model=model, arm_name=a, context=n, batch=b,
-                                                          new_tokens=args.new_tokens, read_gbps=roof["gbps"])
-                                                     for a, n, b in _cells(args.decode)])
-    out["tail"] = md.run_cells(md.measure_prefill_tail, [dict(model=model, arm_name=a, context=n, batch=b,
-                                                              chunk=4096) for a, n, b in _cells(args.tail)])
+
     def profile(key):
         out[key] = md.step_kernels(model, "foldkv-folded", context=4096, batch=1, top=args.profile_top)
         total = sum(k["ms"] for k in out[key]) / max(sum(k["share"] for k in out[key]), 1e-9)
@@ -81,24 +78,21 @@ def main(argv=None) -> int:
             r["variant"] = label
         return rows
 
+    out["decode"] = decode_cells("library")
+    out["tail"] = md.run_cells(md.measure_prefill_tail, [dict(model=model, arm_name=a, context=n, batch=b,
+                                                              chunk=4096) for a, n, b in _cells(args.tail)])
+
     # the profiles come last: after torch.profiler every replay of the process runs ~1 ms slower (its hooks stay)
     if args.loop_ab:
         from foldkv import hf_loop
 
-        own = hf_loop.applies
-        hf_loop.applies = lambda *a, **k: False
-        try:
+        with mock.patch.object(hf_loop, "applies", lambda *a, **k: False):
             out["decode"] += decode_cells("transformers loop")
-        finally:
-            hf_loop.applies = own
     if args.sliding_ab:
         from foldkv import fused_step
 
-        fused_step.FUSE_SLIDING = False
-        try:
+        with mock.patch.object(fused_step, "FUSE_SLIDING", False):
             out["decode"] += decode_cells("sliding unfused")
-        finally:
-            fused_step.FUSE_SLIDING = True
     if args.global_ab:
         import sys
 
@@ -118,11 +112,10 @@ def main(argv=None) -> int:
         from foldkv import fused_step
 
         print(f"split {fused_step.split_projections(model)} merged groups", flush=True)
-        fused_step.MERGE = False
-        out["decode"] += decode_cells("unmerged")
-        if args.profile:
-            profile("profile_unmerged")
-        fused_step.MERGE = True  # the next step merges again
+        with mock.patch.object(fused_step, "MERGE", False):  # the next step after the block merges again
+            out["decode"] += decode_cells("unmerged")
+            if args.profile:
+                profile("profile_unmerged")
     if args.profile:
         profile("profile")
     if args.compile:
@@ -136,7 +129,7 @@ def main(argv=None) -> int:
     print(md.decode_table(out["decode"]))
     for r in out["decode"]:
         if r.get("status") == "ran":
-            print(f"{r.get('variant', 'library'):18s} {r['arm']:14s} {r['context']:>7d} x {r['batch']:<3d}"
+            print(f"{r['variant']:18s} {r['arm']:14s} {r['context']:>7d} x {r['batch']:<3d}"
                   f" TPOT {r['tpot_ms']:.2f} device {r['device_step_ms']} step call {r['step_call_ms']}"
                   f" thin steps {r.get('thin_loop_steps')} merged groups {r.get('merged_groups')}")
     print(md.memory_table(out["decode"] + out["tail"]))
