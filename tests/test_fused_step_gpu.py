@@ -346,13 +346,16 @@ def test_pdl_gemv_within_its_bound(shape, prefetch, pdl):
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_pdl_gemv_waits_for_its_producer_and_launches_early(prefetch, graph):
     """A producer writing x 20 us after letting its dependent launch: the PDL GEMV is bitwise its plain launch on the
-    clean x (the wait holds), and the red twin reading the head's x before the wait is wrong (the GEMV did launch
-    early: PDL is in effect, in a graph too)."""
+    clean x (the wait holds, eager and in a graph), and in a graph the red twin reading the head's x before the wait
+    is wrong (the GEMV did launch early: capture kept the programmatic edge). Eagerly the overlap is not asserted: on
+    the H200 (Triton 3.6.0) an eager PDL launch did not start during its producer's sleep (MODEL_DECODE_NOTES run 11)
+    and the library only launches under PDL inside its step's graph."""
     from conftest import bench_version
 
     got = bench_version("gemv_pdl").race_check(prefetch=prefetch, graph=graph)
     assert got["ok"], got
-    assert got["red_caught"], got
+    if graph:
+        assert got["red_caught"], got
 
 
 def test_pdl_gemv_ptx_loads_no_x_before_its_wait():

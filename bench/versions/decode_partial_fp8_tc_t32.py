@@ -1,5 +1,9 @@
 """The FP8 tensor-core partial with a 32-token tile and three stages a CTA at two CTAs an SM (run 19).
 
+Outcome (bench/FP8_NOTES.md, "Run 19: outcome"): 1.04-1.08x the bf16 folded time (predicted 0.82-0.98x), two stages
+the same as three, and its output FAILS the harness's check (LSE right, the value side wrong: P's parts at M = 32 or
+V^T at 32 tokens). Kept as the measured negative: the fixed part of a tile is ~1 us, so no tile under 64 tokens.
+
 Lab notebook (bench/FP8_NOTES.md, run 19). Question: run 14 left the served FP8 tensor-core partial
 (`decode_partial_folded_fp8_tc`: 64-token tile, one stage, two CTAs an SM) at 0.64-0.67x the bf16 folded decode,
 with two bounds named: the consumer's chain (transpose + two-part split + gemms: 1.57 us a 64-token tile in L2) and the
