@@ -4,21 +4,23 @@ For a quick look at a change of the decode step before the batch of record (note
 
     python3 bench/model_decode_probe.py --decode foldkv-folded:4096:1 flashinfer:4096:1 --tail foldkv-folded:32768:8
 
---decode ARM:CONTEXT:BATCH (model_decode.measure_decode), --tail ARM:CONTEXT:BATCH (measure_prefill_tail, chunk
-4096), --profile (step_kernels at 4K x 1), --compile N (measure_static_compile: transformers' static cache and
-automatic compile on an N-token prompt, last: it leaves the compiler's state behind), --profile-top N (kernels the
-profile lists). --merge-ab: after the cells above (merged projections, the library's default), the model's
-projections are split again (`fused_step.split_projections`, MERGE off) and the --decode cells and the profile run a
-second time ("unmerged"). --sliding-ab: the --decode cells again with the sliding layers' attention unfused
-(`fused_step.FUSE_SLIDING` off). --global-ab: the --decode cells again with the global layers' query and row as two
-Triton kernels (bench/versions/global_step_triton.py installed on DecodeStep.attend, label "global kernels"; the
-library's attend restored after; its calls and fallback reasons are printed). --loop-ab: the --decode cells again with generate()'s own loop (`hf_loop.applies` answering
-False). Results are not records: the batch's notebook is.
+--decode ARM:CONTEXT:BATCH (model_decode.measure_decode), --tail ARM:CONTEXT:BATCH (measure_prefill_tail, chunk 4096),
+--profile (step_kernels at 4K x 1), --compile N (measure_static_compile: transformers' static cache and automatic
+compile on an N-token prompt, last: it leaves the compiler's state behind), --profile-top N (kernels the profile
+lists). --merge-ab: after the cells above (merged projections, the library's default), the model's projections are
+split again (`fused_step.split_projections`, MERGE off) and the --decode cells and the profile run a second time
+("unmerged"). --sliding-ab: the --decode cells again with the sliding layers' attention unfused
+(`fused_step.FUSE_SLIDING` off). --global-ab: the --decode cells again with the global layers' query and row on the
+torch path (`global_step.FUSE_GLOBAL` off, label "global unfused"); the library cells' route answers are counted and
+printed ("kernels" or the reason a call took the torch path). --loop-ab: the --decode cells again with generate()'s
+own loop (`hf_loop.applies` answering False). Results are not records: the batch's notebook is.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import os
 import time
@@ -78,7 +80,23 @@ def main(argv=None) -> int:
             r["variant"] = label
         return rows
 
-    out["decode"] = decode_cells("library")
+    routes: collections.Counter = collections.Counter()
+
+    def counted(route):
+        def global_route(*a):
+            why = route(*a)
+            routes[why or "kernels"] += 1
+            return why
+        return global_route
+
+    from foldkv import global_step
+
+    with (mock.patch.object(global_step, "global_route", counted(global_step.global_route)) if args.global_ab
+          else contextlib.nullcontext()):
+        out["decode"] = decode_cells("library")
+    if args.global_ab:
+        out["global_routes"] = dict(routes)
+        print(f"global routes of the library cells: {out['global_routes']}", flush=True)
     out["tail"] = md.run_cells(md.measure_prefill_tail, [dict(model=model, arm_name=a, context=n, batch=b,
                                                               chunk=4096) for a, n, b in _cells(args.tail)])
 
@@ -94,20 +112,8 @@ def main(argv=None) -> int:
         with mock.patch.object(fused_step, "FUSE_SLIDING", False):
             out["decode"] += decode_cells("sliding unfused")
     if args.global_ab:
-        import sys
-
-        bench = os.path.dirname(os.path.abspath(__file__))
-        if bench not in sys.path:
-            sys.path.insert(0, bench)
-        from versions.global_step_triton import install
-
-        route = install()
-        try:
-            out["decode"] += decode_cells("global kernels")
-        finally:
-            route.uninstall()
-        out["global_kernels"] = route.report()
-        print(f"global kernels: {out['global_kernels']}", flush=True)
+        with mock.patch.object(global_step, "FUSE_GLOBAL", False):
+            out["decode"] += decode_cells("global unfused")
     if args.merge_ab:
         from foldkv import fused_step
 

@@ -1,5 +1,5 @@
-"""The Triton kernels of `foldkv.fused_step`, defined where Triton is installed (a CUDA build of torch brings it; the
-CPU-only install has none, and `foldkv.fused_step` is used only on CUDA)."""
+"""The Triton kernels of `foldkv.fused_step` and `foldkv.global_step`, defined where Triton is installed (a CUDA build
+of torch brings it; the CPU-only install has none, and both modules launch them only on CUDA)."""
 
 try:
     import triton
@@ -154,3 +154,44 @@ if triton is not None:
         v = tl.load(v_ptr + b * v_stride + h * D + cols).to(tl.float32)
         v = _normed(v, w_ptr, cols, cols < D, n, eps_v, False)  # v_norm has no weight: w_ptr is not read
         tl.store(ring_v_ptr + dst, _rounded(v, out_ty).to(out_ty))
+
+    # --- a global layer's decode step after its norms and RoPE: the format's query and the page row ---------------
+    @triton.jit
+    def global_query_rows(q_ptr, w_ptr, cols_ptr, out_ptr, heads, q_sb, q_sh, q_sd, D: tl.constexpr,
+                          BLOCK: tl.constexpr, FOLD_FROM: tl.constexpr, FOLDED: tl.constexpr):
+        """Row (b, h) = program_id(0) of the format's query into out [rows, D] packed: column j holds the head
+        column cols[j] of q [B, heads, 1, D] (strides q_sb, q_sh, q_sd); FOLDED, columns j >= FOLD_FROM are
+        fp32(q) * fp32(w[cols[j]]) rounded once to out's dtype (fold_query's arithmetic)."""
+        row = tl.program_id(0).to(tl.int64)
+        b = row // heads
+        h = row % heads
+        j = tl.arange(0, BLOCK)
+        keep = j < D
+        src = tl.load(cols_ptr + j, mask=keep, other=0).to(tl.int64)
+        x = tl.load(q_ptr + b * q_sb + h * q_sh + src * q_sd, mask=keep, other=0.0).to(tl.float32)
+        if FOLDED:
+            w = tl.load(w_ptr + src, mask=keep, other=0.0).to(tl.float32)
+            x = tl.where(j >= FOLD_FROM, x * w, x)
+        out_ty = out_ptr.dtype.element_ty
+        tl.store(out_ptr + row * D + j, _rounded(x, out_ty).to(out_ty), mask=keep)
+
+    @triton.jit
+    def global_row_store(k_ptr, v_ptr, cols_ptr, pages_ptr, offsets_ptr, pool_ptr, heads, page_size, k_sb, k_sh,
+                         k_sd, v_sb, v_sh, v_sd, WIDTH: tl.constexpr, BLOCK: tl.constexpr, KEY_COLS: tl.constexpr):
+        """Row (b, h) = program_id(0): column j < KEY_COLS is key[b, h, 0, cols[j]], the others value[b, h, 0,
+        cols[j]] (key/value [B, heads, 1, D] strided, the pool's dtype: moved, not converted), stored at
+        pool[pages[b], h, offsets[b], j] (pool [pages, heads, page_size, WIDTH] packed; pages/offsets int64 read on
+        the device). Nothing else is written."""
+        row = tl.program_id(0).to(tl.int64)
+        b = row // heads
+        h = row % heads
+        j = tl.arange(0, BLOCK)
+        keep = j < WIDTH
+        is_key = j < KEY_COLS
+        src = tl.load(cols_ptr + j, mask=keep, other=0).to(tl.int64)
+        kx = tl.load(k_ptr + b * k_sb + h * k_sh + src * k_sd, mask=keep & is_key, other=0.0)
+        vx = tl.load(v_ptr + b * v_sb + h * v_sh + src * v_sd, mask=keep & (j >= KEY_COLS), other=0.0)
+        x = tl.where(is_key, kx, vx)
+        page = tl.load(pages_ptr + b).to(tl.int64)
+        offset = tl.load(offsets_ptr + b).to(tl.int64)
+        tl.store(pool_ptr + ((page * heads + h) * page_size + offset) * WIDTH + j, x, mask=keep)

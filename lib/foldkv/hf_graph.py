@@ -19,9 +19,10 @@ matter. The grouped query heads of a KV head are laid out as that head's query r
 K [B, Hkv, W, d]), so no K/V is repeated per query head.
 
 Global layers keep their pools; the step stores each sequence's row at slot len_b - 1 (pages and offsets computed on
-the device from the block table) and runs the workspace's decode step on the layer's pool. All global layers share
-one workspace and one page order (the layers' pools are the same shape and their tables the same), advanced once a
-step (`advance()`, one launch before the replay) and planned again every `REPLAN_STEPS` steps.
+the device from the block table) and runs the workspace's decode step on the layer's pool (on CUDA with a bf16 pool,
+the query and the row go there as two Triton kernels: `foldkv.global_step`). All global layers share one workspace and
+one page order (the layers' pools are the same shape and their tables the same), advanced once a step (`advance()`,
+one launch before the replay) and planned again every `REPLAN_STEPS` steps.
 
 Modes: "graph" (CUDA, kernel attention) captures the step after running it once eagerly on the capture stream (its
 warm-up); "static" runs the same fixed-address step eagerly every step (any device; with attention="reference" the
@@ -42,6 +43,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import global_step
 from .prep import fold_query, rows_from_key_value, store_rows
 from .reference import paged_attention_reference
 from .pool import BlockTable
@@ -197,11 +199,15 @@ class DecodeStep:
         b = folded.shape[0]
         if self.ws is not None:
             self.ws.query[:b].copy_(folded)
-            self.ws.step(layer.pool, backend=self.cache.backend, check=False)
-            return self.ws.out[:b]
+            return self._workspace_decode(layer, b)
         # the float64 reference through the host table (static mode only: it reads the lengths on the host)
         table = BlockTable(layer.host_table.page_ids[:b], torch.tensor(self.lens, dtype=torch.int32))
         return paged_attention_reference(layer.pool, folded, table)[0]
+
+    def _workspace_decode(self, layer: Any, b: int) -> torch.Tensor:
+        """The workspace's decode step over the layer's pool, its query (ws.query[:b]) written: [B, Hq, D]."""
+        self.ws.step(layer.pool, backend=self.cache.backend, check=False)
+        return self.ws.out[:b]
 
     def _start(self, forward: Callable, kwargs: dict) -> Any:
         """The first decode step: the fixed tensors, the rings from the sliding layers' caches, the plan; then the
@@ -332,9 +338,14 @@ class DecodeStep:
     def attend(self, layer: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor) -> torch.Tensor:
         """A global layer's step: store the new rows at slot len_b - 1, decode over the pool. query [B, Hq, 1, D],
-        key/value [B, Hkv, 1, D]. Returns [B, 1, Hq, D] in query's dtype."""
+        key/value [B, Hkv, 1, D]. Returns [B, 1, Hq, D] in query's dtype. On CUDA with a bf16 pool the query and the
+        rows go to the workspace and the pool as two Triton kernels (`foldkv.global_step`, bitwise this path)."""
         geom, pool = layer.geometry, layer.pool
         b, hq, _, d = query.shape
+        if global_step.global_route(self, layer, module, query, key, value) is None:
+            global_step.query_into(geom, pool.format, query, module.k_norm.weight, self.ws.query)
+            global_step.row_into_pool(geom, pool, key, value, self.store_pages, self.store_offsets)
+            return self._workspace_decode(layer, b).to(query.dtype).view(b, 1, hq, d)
         rows = rows_from_key_value(geom, pool.format, key[:, :, 0], value[:, :, 0], pool.layout.row_dtype)
         folded = fold_query(geom, pool.format, query[:, :, 0], module.k_norm.weight, pool.layout.query_dtype)
         store_rows(pool, self.store_pages, self.store_offsets, rows, check_finite=False)

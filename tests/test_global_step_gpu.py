@@ -1,5 +1,5 @@
-"""bench/versions/global_step_triton.py on the GPU: the global layer's query and row as two Triton kernels, each
-against the library functions it replaces, then the whole step with the version installed and not.
+"""foldkv.global_step on the GPU: a global layer's query and row as two Triton kernels (`query_into`, `row_into_pool`),
+each against the library functions it replaces, then the whole step with `FUSE_GLOBAL` on and off.
 
 Bounds, from where each op rounds:
 - `query_into` (global_query_rows): fold_query's arithmetic (q and w_k to float32 exactly, one float32 product, rounded
@@ -7,11 +7,13 @@ Bounds, from where each op rounds:
   past the batch are not written.
 - `row_into_pool` (global_row_store): moves of bf16 values: bitwise `store_rows(rows_from_key_value(...))` over the
   whole pool (the step's slots poisoned first, so an unwritten slot or a write elsewhere shows).
-- the whole step (tiny synthetic Gemma 4, graph mode): the decode after them is the same `ws.step`, so the greedy
-  tokens and logits are torch.equal installed and not; an FP8 pool falls back (the refusal counted, nothing run).
-Red twins: the query's rotated halves swapped in the column map; the row stored one offset off.
+- the whole step (tiny synthetic Gemma 4, graph mode, batch 1 and 8): the decode after them is the same `ws.step`, so
+  the greedy tokens and logits are torch.equal with FUSE_GLOBAL on and off; an FP8 pool takes the torch path (every
+  route says FP8, no kernel launched).
+Red twins: the query's rotated halves swapped in the column map; the row stored one offset off (a kernel test and the
+whole step).
 
-Reproduce: FOLDKV_REQUIRE_GPU=1 PYTHONPATH=lib pytest tests/test_global_step_triton_gpu.py -k "row and folded and 8"
+Reproduce: FOLDKV_REQUIRE_GPU=1 PYTHONPATH=lib pytest tests/test_global_step_gpu.py -k "row and folded and 8"
 """
 
 from __future__ import annotations
@@ -19,17 +21,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import bench_version, left_padded_batch, require_hopper, require_module, synthetic_gpu_models
+from conftest import left_padded_batch, require_hopper, require_module, synthetic_gpu_models
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 FORMATS = ["folded", "split"]
 
 
-def _version():
+def _library():
     require_hopper()
     require_module("triton")
-    return bench_version("global_step_triton")
+    from foldkv import global_step
+
+    return global_step
 
 
 def _gen(seed):
@@ -60,7 +64,7 @@ def _weight(d, seed):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_query_kernel_is_fold_query(batch, fmt):
-    gst = _version()
+    gst = _library()
     from foldkv.layout import KvFormat
     from foldkv.prep import fold_query
 
@@ -103,7 +107,7 @@ def _pool(geom, fmt, batch, seed):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_row_kernel_is_rows_from_key_value_then_store_rows(batch, fmt):
-    gst = _version()
+    gst = _library()
     from foldkv.prep import rows_from_key_value, store_rows
 
     geom = _geom()
@@ -125,7 +129,7 @@ def test_row_kernel_is_rows_from_key_value_then_store_rows(batch, fmt):
 
 
 # --- the whole step ---------------------------------------------------------------------------------------------
-LENGTHS = (97, 300, 1000)
+LENGTHS = {1: (300,), 8: (97, 300, 1000, 5, 64, 129, 700, 33)}
 NEW = 12
 
 
@@ -133,12 +137,14 @@ NEW = 12
 def synthetic_model(tmp_path_factory):
     return synthetic_gpu_models(tmp_path_factory, "foldkv", needs=("triton",))["foldkv"]
 
-def _generate(model, fmt, dtype=None, decode_step="graph"):
+
+def _generate(model, fmt, batch, dtype=None, decode_step="graph"):
     from foldkv.hf import FoldKvCache
     from foldkv.lab.model import cache_keyword
 
-    ids, mask = left_padded_batch(LENGTHS, model.config.vocab_size, seed=7)
-    cache = FoldKvCache(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW, scatter_seed=3,
+    lengths = LENGTHS[batch]
+    ids, mask = left_padded_batch(lengths, model.config.vocab_size, seed=7)
+    cache = FoldKvCache(model, max_batch=len(lengths), max_tokens=max(lengths) + NEW, scatter_seed=3,
                         decode_step=decode_step, kv_format=fmt, dtype=dtype)
     out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=NEW, min_new_tokens=NEW,
                          do_sample=False, output_logits=True, return_dict_in_generate=True,
@@ -146,30 +152,47 @@ def _generate(model, fmt, dtype=None, decode_step="graph"):
     return out.sequences[:, ids.shape[1]:].cpu(), torch.stack(out.logits).float().cpu()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_the_step_with_and_without_the_global_kernels(synthetic_model, fmt):
-    gst = _version()
-    from foldkv.hf_graph import DecodeStep
+def _spied(monkeypatch, gst):
+    """Every route's answer and every launch of the row kernel, recorded: (routes, rows)."""
+    routes, rows = [], []
+    route, row = gst.global_route, gst.row_into_pool
+    monkeypatch.setattr(gst, "global_route", lambda *a: routes.append(route(*a)) or routes[-1])
+    monkeypatch.setattr(gst, "row_into_pool", lambda *a: rows.append(1) or row(*a))
+    return routes, rows
 
-    library = DecodeStep.attend
-    plain = _generate(synthetic_model, fmt)
-    with gst.installed() as route:
-        assert DecodeStep.attend is not library
-        kernels = _generate(synthetic_model, fmt)
-    assert DecodeStep.attend is library
-    assert route.calls > 0 and not route.refusals, route.report()
+
+@pytest.mark.parametrize("batch", sorted(LENGTHS))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_step_with_and_without_the_global_kernels(synthetic_model, fmt, batch, monkeypatch):
+    gst = _library()
+    routes, rows = _spied(monkeypatch, gst)
+    monkeypatch.setattr(gst, "FUSE_GLOBAL", False)
+    plain = _generate(synthetic_model, fmt, batch)
+    assert not rows and routes and set(routes) == {"FUSE_GLOBAL is off"}
+    monkeypatch.setattr(gst, "FUSE_GLOBAL", True)
+    routes.clear()
+    kernels = _generate(synthetic_model, fmt, batch)
+    assert rows and routes and set(routes) == {None}, set(routes)
     assert bool(torch.isfinite(kernels[1]).all())
     assert torch.equal(kernels[0], plain[0]), "greedy tokens differ"
     gap = (kernels[1] - plain[1]).abs().max().item()
     assert torch.equal(kernels[1], plain[1]), f"logits differ (max |gap| {gap:.3g}): the kernels are not bitwise"
 
+    # red twin: the step's row stored one offset off in its page (the slot the decode reads keeps an old row)
+    row = gst.row_into_pool
+    monkeypatch.setattr(gst, "row_into_pool", lambda geom, pool, k, v, pages, offsets: row(
+        geom, pool, k, v, pages, torch.remainder(offsets + 1, pool.layout.page_size)))
+    twin = _generate(synthetic_model, fmt, batch)
+    assert not torch.equal(twin[1], kernels[1]), "rows stored one offset off changed nothing"
 
-def test_an_fp8_pool_falls_back_to_the_library(synthetic_model):
-    gst = _version()
+
+def test_an_fp8_pool_takes_the_torch_path(synthetic_model, monkeypatch):
+    gst = _library()
     from foldkv.fp8 import FP8_DTYPE
 
-    plain = _generate(synthetic_model, "folded", dtype=FP8_DTYPE)
-    with gst.installed() as route:
-        kernels = _generate(synthetic_model, "folded", dtype=FP8_DTYPE)
-    assert route.calls == 0 and route.refusals and all("FP8" in why for why in route.refusals), route.report()
-    assert torch.equal(kernels[0], plain[0]) and torch.equal(kernels[1], plain[1])
+    routes, rows = _spied(monkeypatch, gst)
+    fused = _generate(synthetic_model, "folded", 8, dtype=FP8_DTYPE)
+    assert not rows and routes and all(r is not None and "FP8" in r for r in routes), set(routes)
+    monkeypatch.setattr(gst, "FUSE_GLOBAL", False)
+    plain = _generate(synthetic_model, "folded", 8, dtype=FP8_DTYPE)
+    assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])

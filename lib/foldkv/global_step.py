@@ -1,0 +1,158 @@
+"""A global layer's work inside `foldkv.hf_graph.DecodeStep.attend` as two Triton kernels, between the model's norms and
+RoPE and the workspace's decode.
+
+transformers' forward hands `attend` the query [B, Hq, 1, D] and key/value [B, Hkv, 1, D], normed and RoPE'd. The
+library's torch path then makes the format's row (`rows_from_key_value`: gathers and a cat), folds the query
+(`fold_query`: gathers, float32 conversions, a product, a cat), stores the rows (`store_rows`: index_put) and copies
+the query into the workspace: 13 launches a layer folded, 5 split, before the decode. Here they are two:
+- `query_into` (`global_query_rows`, grid B x Hq): the format's query read in place from the strided query and
+  written straight into the workspace's query; folded, the unrotated columns are fp32(q) * fp32(w_k) rounded once to
+  the query dtype (RNE), fold_query's arithmetic. The rotated columns and the whole split query are moves.
+- `row_into_pool` (`global_row_store`, grid B x Hkv): the row assembled from key/value columns (folded: [K[rot] |
+  V[unrot] | V[rot]], split: [K | V]) and stored at the step's slot, page and offset read on the device from
+  DecodeStep's `store_pages` / `store_offsets` (the prologue's tensors: the step stays graph-capturable). Moves of
+  bf16 values; no other row is written.
+Both are bitwise the functions they replace (the GPU tests hold the whole step's tokens and logits equal with
+`FUSE_GLOBAL` on and off), and the decode after them is the same `ws.step`. A global layer's step launches 19 -> 8
+kernels folded, 11 -> 8 split (the model's 5 norm/RoPE kernels and the decode stay); the 31B's 10 global layers save
+~0.3 ms a step folded, the same at 4K x 1 as at 128K x 8 (launches, not context), ~0.1 ms split
+(bench/MODEL_DECODE_NOTES.md).
+
+`global_route` says which calls they describe: a bf16 pool (folded or split; an FP8 pool's rows are quantized with a
+per-row scale, which the row kernel does not do), bf16 query/key/value, foldkv's DecodeWorkspace with DecodeStep's own
+global decode (not the reference, not a lab arm's other library), CUDA with Triton. Every other call takes the torch
+path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .fused_step import _block, _warps
+from .layout import KvFormat, rotated_columns, score_window_columns, value_window_columns
+
+FUSE_GLOBAL = True  # False: every global layer takes the torch path (the tests and the probe compare)
+BF16 = torch.bfloat16
+W_K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # converted exactly to float32, as fold_query does
+
+
+def _kernels():
+    from . import fused_step_kernels as k
+
+    return k
+
+
+_MAPS: dict[tuple, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
+
+
+def column_maps(geom: Any, fmt: KvFormat | str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(score_cols [D] int32, row_cols [row_width] int32, fold_from, key_cols) on `device`, made once per (geometry,
+    format, device), so a graph capture makes none (the step's warm-up made them): the query's column j is head
+    column score_cols[j], folded from fold_from on; the row's column j is key (j < key_cols) or value at
+    row_cols[j]."""
+    fmt = KvFormat.parse(fmt)
+    key = (geom, fmt, torch.device(device))
+    got = _MAPS.get(key)
+    if got is None:
+        d = geom.head_dim
+        score = score_window_columns(geom, fmt)
+        if fmt is KvFormat.SPLIT:
+            row, fold_from, key_cols = torch.cat([torch.arange(d), torch.arange(d)]), d, d
+        else:
+            row = torch.cat([rotated_columns(geom), value_window_columns(geom, fmt)])
+            fold_from = key_cols = geom.rotary_width
+        got = _MAPS[key] = (score.to(torch.int32).to(device), row.to(torch.int32).to(device), fold_from, key_cols)
+    return got
+
+
+def query_into(geom: Any, fmt: KvFormat | str, query: torch.Tensor, k_norm_weight: torch.Tensor,
+               out: torch.Tensor, score_cols: torch.Tensor | None = None) -> None:
+    """query [B, Hq, 1, D] (normed, RoPE'd, any strides) -> the format's query in out[:B] (out [>= B, Hq, D]
+    packed; rows past B untouched): bitwise `fold_query(geom, fmt, query[:, :, 0], k_norm_weight, out.dtype)`.
+    score_cols: another [D] int32 column map (the tests' red twin); the format's by default."""
+    fmt = KvFormat.parse(fmt)
+    b, hq, _, d = query.shape
+    score, _, fold_from, _ = column_maps(geom, fmt, query.device)
+    score = score if score_cols is None else score_cols
+    block = _block(d)
+    _kernels().global_query_rows[(b * hq,)](query, k_norm_weight, score, out, hq, query.stride(0), query.stride(1),
+                                            query.stride(3), D=d, BLOCK=block, FOLD_FROM=fold_from,
+                                            FOLDED=fmt is KvFormat.FOLDED, num_warps=_warps(block))
+
+
+def row_into_pool(geom: Any, pool: Any, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
+                  offsets: torch.Tensor) -> None:
+    """key/value [B, Hkv, 1, D] (normed, RoPE'd key; normed value; the pool's dtype, any strides) -> one row per
+    (b, h) at pool.data[pages[b], h, offsets[b]] (pages/offsets [>= B] int64 on the pool's device, read by the
+    kernel): bitwise `store_rows(pool, pages, offsets, rows_from_key_value(geom, pool.format, key[:, :, 0],
+    value[:, :, 0], row_dtype))` for a bf16 pool."""
+    b, hkv, _, _ = key.shape
+    _, row, _, key_cols = column_maps(geom, pool.format, key.device)
+    width = pool.layout.row_width
+    block = _block(width)
+    _kernels().global_row_store[(b * hkv,)](key, value, row, pages, offsets, pool.data, hkv, pool.layout.page_size,
+                                            key.stride(0), key.stride(1), key.stride(3), value.stride(0),
+                                            value.stride(1), value.stride(3), WIDTH=width, BLOCK=block,
+                                            KEY_COLS=key_cols, num_warps=_warps(block))
+
+
+def describe_pool(pool: Any) -> str | None:
+    """Why the kernels do not describe this pool (None: they do)."""
+    lay = pool.layout
+    if lay.quantized:
+        return (f"an FP8 pool ({lay.dtype}): its rows are quantized with a per-row scale (store_rows' quantize_rows),"
+                " which global_row_store does not do")
+    if lay.dtype != BF16:
+        return f"a {lay.dtype} pool: the kernels store bf16 rows"
+    if not pool.data.is_contiguous():
+        return "the pool's data is not packed [pages, Hkv, page_size, row_width]"
+    return None
+
+
+def global_route(step: Any, layer: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor) -> str | None:
+    """None when the two kernels describe this call of `DecodeStep.attend` (module docstring), else the reason it takes
+    the torch path. The device and Triton are asked last, so that on the CPU a call the kernels describe answers
+    "not CUDA"."""
+    if not FUSE_GLOBAL:
+        return "FUSE_GLOBAL is off"
+    if getattr(step, "ws", None) is None:
+        return "no foldkv DecodeWorkspace (reference attention, or another library's global decode)"
+    from .hf_graph import DecodeStep
+
+    if type(step)._global_decode is not DecodeStep._global_decode:
+        return f"{type(step).__name__} decodes the global layers its own way"
+    pool, geom = layer.pool, layer.geometry
+    why = describe_pool(pool)
+    if why:
+        return why
+    b = query.shape[0]
+    hq, hkv, d = geom.num_q_heads, geom.num_kv_heads, geom.head_dim
+    if query.shape != (b, hq, 1, d) or key.shape != (b, hkv, 1, d) or value.shape != key.shape:
+        return f"shapes q {tuple(query.shape)} k {tuple(key.shape)} v {tuple(value.shape)}"
+    if not (query.dtype == key.dtype == value.dtype == BF16):
+        return f"dtypes q {query.dtype} k {key.dtype} v {value.dtype}: the kernels take bf16"
+    q_out = step.ws.query
+    if (q_out.dtype != pool.layout.query_dtype or not q_out.is_contiguous() or q_out.shape[1:] != (hq, d)
+            or q_out.shape[0] < b):
+        return f"workspace query {tuple(q_out.shape)} {q_out.dtype}"
+    devices = {t.device for t in (query, key, value, q_out, pool.data)}
+    w = module.k_norm.weight
+    if w.dtype not in W_K_DTYPES or w.shape != (d,) or w.device != query.device:
+        return f"k_norm weight {tuple(w.shape)} {w.dtype} on {w.device}"
+    for name in ("store_pages", "store_offsets"):
+        t = getattr(step, name)
+        if t.dtype != torch.long or t.dim() != 1 or t.shape[0] < b or t.device != pool.data.device:
+            return f"{name} {tuple(t.shape)} {t.dtype} on {t.device}"
+    if len(devices) != 1:
+        return f"tensors on {sorted(map(str, devices))}"
+    if query.device.type != "cuda":
+        return "not CUDA"
+    if _kernels().triton is None:
+        return "no Triton"
+    return None
+
+
+__all__ = ["FUSE_GLOBAL", "column_maps", "describe_pool", "global_route", "query_into", "row_into_pool"]

@@ -1,0 +1,194 @@
+"""foldkv.global_step without a GPU: which calls of `DecodeStep.attend` its two kernels take (`global_route`), the pools
+they describe, their column maps, and the probe's --global-ab flag. A call the kernels describe stops only at "not
+CUDA" on the CPU; each thing they do not describe (the red twins: FUSE_GLOBAL off, no workspace, a subclass's own
+global decode, an FP8 or float32 pool, other dtypes or shapes, the workspace's query, the slot tensors) answers its own
+reason. A CPU generate() routes every global layer's step through `global_route` and takes the torch path (the kernels
+themselves are tests/test_global_step_gpu.py's).
+
+Reproduce: pytest tests/test_global_step_cpu.py -k route
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY_SYNTHETIC, left_padded_batch, require_module
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+BF16 = torch.bfloat16
+
+
+def test_the_probe_parses_global_ab():
+    spec = importlib.util.spec_from_file_location("model_decode_probe", BENCH / "model_decode_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    args = probe.parser().parse_args(["--decode", "foldkv-folded:4096:1", "foldkv-split:4096:1", "--global-ab"])
+    assert args.global_ab and args.decode == ["foldkv-folded:4096:1", "foldkv-split:4096:1"]
+    assert not probe.parser().parse_args([]).global_ab
+
+
+def _pool(fmt="folded", dtype=BF16):
+    from foldkv import GEMMA4_31B
+    from foldkv.pool import PagedKvLayout, PagedKvPool
+
+    return PagedKvPool(PagedKvLayout(GEMMA4_31B, fmt, page_size=16, num_pages=2, dtype=dtype))
+
+
+@pytest.mark.parametrize("fmt", ["folded", "split"])
+def test_the_pools_the_kernels_describe(fmt):
+    from foldkv import global_step as gs
+    from foldkv.fp8 import FP8_DTYPE
+
+    assert gs.describe_pool(_pool(fmt)) is None
+    why = gs.describe_pool(_pool(fmt, torch.float32))
+    assert why is not None and "float32" in why
+    fp8 = gs.describe_pool(_pool("folded", FP8_DTYPE))
+    assert fp8 is not None and "FP8" in fp8 and "quantized" in fp8
+
+
+def test_the_column_maps():
+    from foldkv import GEMMA4_31B, global_step as gs
+    from foldkv.layout import folded_row_sources, score_window_columns
+
+    score, row, fold_from, key_cols = gs.column_maps(GEMMA4_31B, "folded", torch.device("cpu"))
+    is_key, head_col = folded_row_sources(GEMMA4_31B)
+    assert torch.equal(row.long(), head_col) and key_cols == int(is_key.sum()) == fold_from == 128
+    assert torch.equal(score.long(), score_window_columns(GEMMA4_31B, "folded")) and score.dtype == torch.int32
+    score, row, fold_from, key_cols = gs.column_maps(GEMMA4_31B, "split", torch.device("cpu"))
+    d = GEMMA4_31B.head_dim
+    assert torch.equal(score.long(), torch.arange(d)) and torch.equal(row.long(), torch.arange(2 * d) % d)
+    assert fold_from == key_cols == d
+
+
+def _heads(batch, heads, d, extra=3):
+    """[B, heads, 1, D] bf16 strided as the model hands it over (a transposed head view of a wider output)."""
+    full = torch.randn(batch, 1, (heads + extra) * d).to(BF16)
+    return full[..., : heads * d].view(batch, 1, heads, d).transpose(1, 2)
+
+
+def _described_call(batch=3, fmt="folded", cls=None):
+    """(step, layer, module, query, key, value): a call of attend that the kernels describe, on the CPU."""
+    from foldkv import GEMMA4_31B
+    from foldkv.hf_graph import DecodeStep
+
+    geom = GEMMA4_31B
+    hq, hkv, d = geom.num_q_heads, geom.num_kv_heads, geom.head_dim
+    step = object.__new__(cls or DecodeStep)
+    step.ws = types.SimpleNamespace(query=torch.zeros(batch + 1, hq, d, dtype=BF16))
+    step.store_pages = torch.zeros(batch + 1, dtype=torch.long)
+    step.store_offsets = torch.zeros(batch + 1, dtype=torch.long)
+    layer = types.SimpleNamespace(pool=_pool(fmt), geometry=geom)
+    module = types.SimpleNamespace(k_norm=types.SimpleNamespace(weight=torch.ones(d, dtype=BF16)))
+    return step, layer, module, _heads(batch, hq, d), _heads(batch, hkv, d), _heads(batch, hkv, d, extra=0)
+
+
+@pytest.mark.parametrize("fmt", ["folded", "split"])
+def test_route_of_a_described_call_stops_at_cuda(fmt):
+    from foldkv import global_step as gs
+
+    assert gs.FUSE_GLOBAL
+    want = "not CUDA"
+    assert gs.global_route(*_described_call(fmt=fmt)) == want
+    assert gs.global_route(*_described_call(batch=1, fmt=fmt)) == want
+
+
+def _other_decode_step():
+    from foldkv.hf_graph import DecodeStep
+
+    class OwnDecode(DecodeStep):
+        def _global_decode(self, layer, folded):
+            raise AssertionError("not called")
+
+    return OwnDecode
+
+
+def _edit(call, what):
+    """The described call with one thing it must not describe (the red twins)."""
+    from foldkv.fp8 import FP8_DTYPE
+
+    step, layer, module, q, k, v = call
+    if what == "no workspace":
+        step.ws = None
+    elif what == "fp8 pool":
+        layer.pool = _pool("folded", FP8_DTYPE)
+    elif what == "float32 pool":
+        layer.pool = _pool("folded", torch.float32)
+    elif what == "float16 query":
+        q = q.to(torch.float16)
+    elif what == "one head short":
+        k = k[:, 1:]
+    elif what == "workspace too short":
+        step.ws.query = step.ws.query[:1]
+    elif what == "int32 pages":
+        step.store_pages = step.store_pages.int()
+    elif what == "k_norm weight too long":
+        module.k_norm.weight = torch.ones(q.shape[-1] + 1, dtype=BF16)
+    return step, layer, module, q, k, v
+
+
+TWINS = {"no workspace": "no foldkv DecodeWorkspace", "fp8 pool": "FP8", "float32 pool": "float32 pool",
+         "float16 query": "dtypes", "one head short": "shapes", "workspace too short": "workspace query",
+         "int32 pages": "store_pages", "k_norm weight too long": "k_norm weight"}
+
+
+@pytest.mark.parametrize("what", sorted(TWINS))
+def test_route_of_an_undescribed_call_says_why(what):
+    from foldkv import global_step as gs
+
+    why = gs.global_route(*_edit(_described_call(), what))
+    assert why is not None and why != "not CUDA" and TWINS[what] in why, why
+
+
+def test_route_refuses_a_subclass_that_decodes_its_own_way_and_the_switch_off(monkeypatch):
+    from foldkv import global_step as gs
+
+    why = gs.global_route(*_described_call(cls=_other_decode_step()))
+    assert why is not None and "OwnDecode decodes the global layers its own way" in why
+    monkeypatch.setattr(gs, "FUSE_GLOBAL", False)
+    assert gs.global_route(*_described_call()) == "FUSE_GLOBAL is off"
+
+
+LENGTHS = (5, 17, 11)
+NEW = 4
+
+
+def test_every_global_step_of_a_cpu_generate_takes_the_torch_path(tmp_path, monkeypatch):
+    """A static decode step on the CPU (reference attention, float32): every global layer's attend asks the route,
+    which answers (no workspace), and the kernels' launchers are never called; the tokens and logits equal those with
+    FUSE_GLOBAL off."""
+    require_module("transformers")
+    require_module("safetensors")
+    import foldkv.hf  # noqa: F401
+    from foldkv import global_step as gs
+    from foldkv.hf import FoldKvCache
+    from foldkv.lab.model import cache_keyword, load_model
+    from foldkv.lab.synthetic import make_synthetic_checkpoint
+
+    ckpt = make_synthetic_checkpoint(tmp_path, seed=3, sliding_window=8, **TINY_SYNTHETIC)
+    model = load_model(ckpt, dtype=torch.float32, attn_implementation="foldkv")
+    ids, mask = left_padded_batch(LENGTHS, TINY_SYNTHETIC["vocab_size"])
+    routes = []
+    route = gs.global_route
+    monkeypatch.setattr(gs, "global_route", lambda *a: routes.append(route(*a)) or routes[-1])
+    for name in ("query_into", "row_into_pool"):
+        monkeypatch.setattr(gs, name, lambda *a, _n=name: pytest.fail(f"{_n} launched on the CPU"))
+
+    def run():
+        cache = FoldKvCache(model, max_batch=4, max_tokens=max(LENGTHS) + NEW, scatter_seed=5, decode_step="static")
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             **{cache_keyword(model): cache})
+        return out.sequences, torch.stack(out.logits), len(cache.global_layers)
+
+    tokens, logits, layers = run()
+    assert len(routes) == (NEW - 1) * layers and all(r.startswith("no foldkv DecodeWorkspace") for r in routes), routes
+    monkeypatch.setattr(gs, "FUSE_GLOBAL", False)
+    routes.clear()
+    off = run()
+    assert routes and set(routes) == {"FUSE_GLOBAL is off"}
+    assert torch.equal(off[0], tokens) and torch.equal(off[1], logits)
