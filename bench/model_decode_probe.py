@@ -13,7 +13,10 @@ second time ("unmerged"). --sliding-ab: the --decode cells again with the slidin
 (`fused_step.FUSE_SLIDING` off). --global-ab: the --decode cells again with the global layers' query and row as two
 Triton kernels (bench/versions/global_step_triton.py installed on DecodeStep.attend, label "global kernels"; the
 library's attend restored after; its calls and fallback reasons are printed). --loop-ab: the --decode cells again with generate()'s own loop (`hf_loop.applies` answering
-False). Results are not records: the batch's notebook is.
+False). --pdl-ab: the --decode cells again with `foldkv.gemv.PDL_GEMV` off (the projections cuBLAS's F.linear, the
+step's Triton kernels launched without programmatic dependent launch; label "PDL off"); the library's cells run it on
+(its default): how many projection calls took the PDL GEMV and why the others did not are printed for both (host
+calls: a captured step counts its warm-up and its capture). Results are not records: the batch's notebook is.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--loop-ab", action="store_true")
     ap.add_argument("--sliding-ab", action="store_true")
     ap.add_argument("--global-ab", action="store_true")
+    ap.add_argument("--pdl-ab", action="store_true")
     return ap
 
 
@@ -78,7 +82,13 @@ def main(argv=None) -> int:
             r["variant"] = label
         return rows
 
+    from foldkv import gemv
+
+    gemv.reset()
     out["decode"] = decode_cells("library")
+    out["pdl_gemv"] = {"library": gemv.report()}
+    print(f"PDL GEMV (library, PDL_GEMV={gemv.PDL_GEMV}, HAS_GDC={gemv.HAS_GDC}): {out['pdl_gemv']['library']}",
+          flush=True)
     out["tail"] = md.run_cells(md.measure_prefill_tail, [dict(model=model, arm_name=a, context=n, batch=b,
                                                               chunk=4096) for a, n, b in _cells(args.tail)])
 
@@ -108,6 +118,12 @@ def main(argv=None) -> int:
             route.uninstall()
         out["global_kernels"] = route.report()
         print(f"global kernels: {out['global_kernels']}", flush=True)
+    if args.pdl_ab:
+        gemv.reset()
+        with mock.patch.object(gemv, "PDL_GEMV", False):
+            out["decode"] += decode_cells("PDL off")
+        out["pdl_gemv"]["PDL off"] = gemv.report()
+        print(f"PDL GEMV (PDL off): {out['pdl_gemv']['PDL off']}", flush=True)
     if args.merge_ab:
         from foldkv import fused_step
 
