@@ -13,7 +13,11 @@ split again (`fused_step.split_projections`, MERGE off) and the --decode cells a
 (`fused_step.FUSE_SLIDING` off). --global-ab: the --decode cells again with the global layers' query and row on the
 torch path (`global_step.FUSE_GLOBAL` off, label "global unfused"); the library cells' route answers are counted and
 printed ("kernels" or the reason a call took the torch path). --loop-ab: the --decode cells again with generate()'s
-own loop (`hf_loop.applies` answering False). Results are not records: the batch's notebook is.
+own loop (`hf_loop.applies` answering False). --pdl-ab: the --decode cells again with `foldkv.gemv.PDL_GEMV` off (the
+projections cuBLAS's F.linear, the step's Triton kernels launched without programmatic dependent launch; label "PDL
+off"); the library's cells run it on (its default): how many projection calls took the PDL GEMV and why the others did
+not are printed for both (host calls: a captured step counts its warm-up and its capture). Results are not records:
+the batch's notebook is.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--loop-ab", action="store_true")
     ap.add_argument("--sliding-ab", action="store_true")
     ap.add_argument("--global-ab", action="store_true")
+    ap.add_argument("--pdl-ab", action="store_true")
     return ap
 
 
@@ -89,7 +94,9 @@ def main(argv=None) -> int:
             return why
         return global_route
 
-    from foldkv import global_step
+    from foldkv import gemv, global_step
+
+    gemv.reset()
 
     with (mock.patch.object(global_step, "global_route", counted(global_step.global_route)) if args.global_ab
           else contextlib.nullcontext()):
@@ -97,6 +104,9 @@ def main(argv=None) -> int:
     if args.global_ab:
         out["global_routes"] = dict(routes)
         print(f"global routes of the library cells: {out['global_routes']}", flush=True)
+    out["pdl_gemv"] = {"library": gemv.report()}
+    print(f"PDL GEMV (library, PDL_GEMV={gemv.PDL_GEMV}, HAS_GDC={gemv.HAS_GDC}): {out['pdl_gemv']['library']}",
+          flush=True)
     out["tail"] = md.run_cells(md.measure_prefill_tail, [dict(model=model, arm_name=a, context=n, batch=b,
                                                               chunk=4096) for a, n, b in _cells(args.tail)])
 
@@ -114,6 +124,12 @@ def main(argv=None) -> int:
     if args.global_ab:
         with mock.patch.object(global_step, "FUSE_GLOBAL", False):
             out["decode"] += decode_cells("global unfused")
+    if args.pdl_ab:
+        gemv.reset()
+        with mock.patch.object(gemv, "PDL_GEMV", False):
+            out["decode"] += decode_cells("PDL off")
+        out["pdl_gemv"]["PDL off"] = gemv.report()
+        print(f"PDL GEMV (PDL off): {out['pdl_gemv']['PDL off']}", flush=True)
     if args.merge_ab:
         from foldkv import fused_step
 

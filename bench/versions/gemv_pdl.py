@@ -25,7 +25,9 @@ between each (`fma_r4_norm`) ~17.4 ms; under PDL with one prefetched tile (`fma_
 with no prefetch (`_nopf`) ~16.7; without norms `fma_r4_pdl` ~15.4 against `fma_r4`'s 16.54 (s21): ~3 us saved a GEMV
 + norm boundary, ~1 ms for the 31B's 4K x 1 step if the whole chain took PDL. Not measured yet.
 
-PDL chain-wide (a later step; not done here). Rules, from the CUDA programming guide (4.5, Programmatic Dependent
+PDL chain-wide: in the library since run 12 (`foldkv.gemv`: this kernel at ROWS=2, PREFETCH=1 for the step's
+one-row projections; fused_step's kernels entering through `fused_step_kernels._chain`; the lab's checks in
+`foldkv.lab.pdl_checks`). Rules, from the CUDA programming guide (4.5, Programmatic Dependent
 Launch) and the PTX ISA (griddepcontrol):
 - every kernel launched with PDL must execute `gdc_wait()` before it reads anything a kernel of this step wrote, and
   before any store into a buffer a kernel ahead may still read or write; before the wait it may read only what no

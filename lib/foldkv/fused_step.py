@@ -16,6 +16,11 @@ the block (the step `foldkv.hf_graph` runs and captures), each of them for one k
   `q_norm_rope` (q_norm then RoPE of each query head, read in place from the GEMV's output) and `kv_to_ring` (k_norm
   + RoPE and v_norm written straight into the rings' slot for this step, read on the device: update_sliding's two
   index_copy_); the ring attention itself stays `hf_graph.ring_attention`.
+- the step's projections at one row (`foldkv.gemv`, PDL_GEMV): the merged q|k|v and gate|up GEMVs (`merged_linear`),
+  o_proj, down_proj and the LM head (`projection_modules`) as one-row Triton GEMVs under programmatic dependent launch,
+  and the kernels above launched with PDL too (`gemv.pdl_kw`): each waits for the kernel ahead before its first load,
+  so their outputs are bitwise their plain launches'; the GEMV is within its float32 accumulation bound of float64,
+  not bitwise cuBLAS.
 Rounding points are torch's, so most outputs are bitwise the modules'; a sum (of squares, of exponentials) reduced in
 another order, or the tanh of another formula, may move a bf16 output by one ulp (the GPU tests bound each op).
 Layers these formulas do not describe (a MoE block, per-layer inputs, another activation) keep their own forwards.
@@ -32,6 +37,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from . import gemv
+
 _KERNELS: dict | None = None
 
 
@@ -43,6 +50,11 @@ def _kernels() -> dict:
         _KERNELS = dict(rms_norm=k.rms_norm_rows, norm_add=k.norm_add_rows, rope=k.rope_rows, gelu_mul=k.gelu_mul_rows,
                         softmax=k.masked_softmax_rows, q_norm_rope=k.q_norm_rope_rows, kv_ring=k.kv_norm_rope_ring)
     return _KERNELS
+
+
+def _pdl(x: torch.Tensor) -> dict:
+    """A kernel's launch keywords under programmatic dependent launch (`foldkv.gemv.pdl_kw`; {} when off)."""
+    return gemv.pdl_kw(x)
 
 
 def _block(n: int) -> int:
@@ -87,7 +99,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block = _block(n)
     _kernels()["rms_norm"][(rows,)](src, weight if weight is not None else out, out, n, inner, outer, float(eps),
-                                    HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=_warps(block))
+                                    HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=_warps(block), **_pdl(x))
     return out.view(x.shape)
 
 
@@ -125,7 +137,7 @@ def _norm_add(x, residual, first, second, scalar):
     _kernels()["norm_add"][(rows.shape[0],)](
         rows, res, w1 if has1 else rows, w2 if has2 else rows, h, y, scalar if scalar is not None else rows, n,
         eps1, eps2, HAS_W1=has1, HAS_W2=has2, SECOND=second is not None, SCALE=scalar is not None, BLOCK=block,
-        num_warps=_warps(block))
+        num_warps=_warps(block), **_pdl(x))
     return h.view(x.shape), y.view(x.shape)
 
 
@@ -135,7 +147,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rows = _rows(x)
     out = torch.empty_like(rows)
     _kernels()["rope"][(rows.shape[0],)](rows, cos.contiguous(), sin.contiguous(), out, h, D=d,
-                                         num_warps=_warps(d))
+                                         num_warps=_warps(d), **_pdl(x))
     return out.view(x.shape)
 
 
@@ -156,7 +168,8 @@ def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     rows, n = g.shape
     out = torch.empty((rows, n), dtype=gate.dtype, device=gate.device)
     block = 1024
-    _kernels()["gelu_mul"][(rows, -(-n // block))](g, u, out, n, g.stride(0), u.stride(0), BLOCK=block, num_warps=4)
+    _kernels()["gelu_mul"][(rows, -(-n // block))](g, u, out, n, g.stride(0), u.stride(0), BLOCK=block, num_warps=4,
+                                                    **_pdl(gate))
     return out.view(gate.shape)
 
 
@@ -170,7 +183,7 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype)
     out = torch.empty(rows.shape, dtype=dtype, device=rows.device)
     block = _block(n)
     _kernels()["softmax"][(rows.shape[0],)](rows, m, out, n, rows.shape[0] // m.shape[0], BLOCK=block,
-                                            num_warps=_warps(block))
+                                            num_warps=_warps(block), **_pdl(scores))
     return out.view(scores.shape)
 
 
@@ -222,7 +235,7 @@ def q_norm_rope(q: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Te
     cos, sin = _rope_table(cos, b, d, q.dtype, "cos"), _rope_table(sin, b, d, q.dtype, "sin")
     out = torch.empty((b, heads, d), dtype=q.dtype, device=q.device)
     _kernels()["q_norm_rope"][(b * heads,)](q, weight, cos, sin, out, heads, stride, d, float(eps), D=d,
-                                            num_warps=_warps(d))
+                                            num_warps=_warps(d), **_pdl(q))
     return out
 
 
@@ -248,7 +261,7 @@ def kv_to_ring(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps: 
                                f" {slot.dtype} on {slot.device}")
     cos, sin = _rope_table(cos, b, d, k.dtype, "cos"), _rope_table(sin, b, d, k.dtype, "sin")
     _kernels()["kv_ring"][(b * hkv,)](k, v, k_weight, cos, sin, ring_k, ring_v, slot, hkv, ks, vs, w, d,
-                                      float(k_eps), float(v_eps), D=d, num_warps=_warps(d))
+                                      float(k_eps), float(v_eps), D=d, num_warps=_warps(d), **_pdl(k))
 
 
 # --- the swapped forwards -------------------------------------------------------------------------------------------
@@ -361,7 +374,30 @@ def merged_linear(owner: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]
     if held is None:
         return None
     merged, rows = held
-    return torch.nn.functional.linear(x, merged).split(rows, dim=-1)
+    return gemv.linear(x, merged).split(rows, dim=-1)  # one row on CUDA: the PDL GEMV (foldkv.gemv), else F.linear
+
+
+# --- the step's projections that read their own input: the PDL GEMV at one row (foldkv.gemv) -----------------------
+# The merged groups go through `merged_linear`; each attention's o_proj, each MLP's down_proj and the LM head are plain
+# nn.Linear modules called inside transformers' forwards (and `_sliding_forward`): within fused_step their forwards are
+# `gemv.linear` over their own weight (F.linear for anything but one row on CUDA: what nn.Linear.forward computes).
+# Unmerged q/k/v and gate/up projections (MERGE off, graph branches) keep nn.Linear's forward.
+def projection_modules(model: nn.Module) -> list[nn.Module]:
+    """The plain nn.Linear o_proj of every Gemma4TextAttention, down_proj of every Gemma4TextMLP, and the model's
+    lm_head: the single projections fused_step routes through `foldkv.gemv.linear`."""
+    found = []
+    for m in model.modules():
+        kind = type(m).__name__
+        if kind == "Gemma4TextAttention":
+            found.append(getattr(m, "o_proj", None))
+        elif kind == "Gemma4TextMLP":
+            found.append(getattr(m, "down_proj", None))
+    found.append(getattr(model, "lm_head", None))
+    return [lin for lin in dict.fromkeys(found) if type(lin) is nn.Linear]
+
+
+def _projection_forward(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return gemv.linear(x, lin.weight, lin.bias)
 
 
 # --- projections that read one input, as graph branches ------------------------------------------------------------
@@ -600,6 +636,9 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
     sliding = sliding_attention_modules(model) if FUSE_SLIDING else []
     for attn in sliding:
         swapped.append((attn, functools.partial(_sliding_forward, attn)))
+    projections = projection_modules(model)
+    for lin in projections:
+        swapped.append((lin, functools.partial(_projection_forward, lin)))
     modules = {type(m).__module__ for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"}
     ropes = [(sys.modules[name], sys.modules[name].apply_rotary_pos_emb) for name in sorted(modules)
              if hasattr(sys.modules.get(name), "apply_rotary_pos_emb")]
@@ -610,7 +649,7 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
     counts = {"norms": sum(type(m).__name__ == "Gemma4RMSNorm" for m, _ in swapped),
               "mlps": sum(type(m).__name__ == "Gemma4TextMLP" for m, _ in swapped), "layers": len(layers),
               "rope": len(ropes), "branched_attention": len(branched), "merged": merged,
-              "sliding_attention": len(sliding)}
+              "sliding_attention": len(sliding), "projections": len(projections)}
     try:
         yield counts
     finally:
@@ -627,4 +666,4 @@ __all__ = ["fused_step", "norm_eps", "fork", "join", "side_streams", "branched_a
            "merge_projections", "split_projections", "merged_linear", "merged_groups",
            "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "norm_modules",
            "mlp_modules", "layer_modules", "FUSE_SLIDING", "q_norm_rope", "kv_to_ring",
-           "sliding_attention_modules", "sliding_route"]
+           "sliding_attention_modules", "sliding_route", "projection_modules"]

@@ -1,5 +1,10 @@
 """The Triton kernels of `foldkv.fused_step` and `foldkv.global_step`, defined where Triton is installed (a CUDA build
-of torch brings it; the CPU-only install has none, and both modules launch them only on CUDA)."""
+of torch brings it; the CPU-only install has none, and both modules launch them only on CUDA).
+
+Programmatic dependent launch (`foldkv.gemv`'s header): each kernel takes a constexpr GDC (default False). Launched
+with PDL (`gemv.pdl_kw`: GDC=True and launch_pdl=True together) it lets its dependents launch at its top and waits for
+the kernel ahead (`_chain`) before its first load, so everything it reads and writes is after the wait, as in its
+plain build: the outputs are bitwise the plain launch's."""
 
 try:
     import triton
@@ -8,6 +13,25 @@ except ImportError:  # no Triton: nothing here, and nothing imports these names
     triton = None
 
 if triton is not None:
+    try:  # Triton's grid dependency control (triton-lang/triton PR 6394)
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:  # an older Triton: GDC is never set (foldkv.gemv.HAS_GDC is False); these keep _chain valid
+
+        @triton.jit
+        def gdc_wait():
+            pass
+
+        @triton.jit
+        def gdc_launch_dependents():
+            pass
+
+    @triton.jit
+    def _chain(GDC: tl.constexpr):
+        """A PDL-launched kernel's entry (GDC): its dependents may launch now (they wait in turn), then it waits for
+        the kernel ahead to complete and its writes to be visible. Nothing for a plain launch (GDC False)."""
+        if GDC:
+            gdc_launch_dependents()
+            gdc_wait()
 
     @triton.jit
     def _rounded(x, OUT: tl.constexpr):
@@ -32,9 +56,10 @@ if triton is not None:
 
     @triton.jit
     def rms_norm_rows(x_ptr, w_ptr, y_ptr, n, inner_rows, outer_stride, eps, HAS_WEIGHT: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, GDC: tl.constexpr = False):
         """Row r of x at (r // inner_rows) * outer_stride + (r % inner_rows) * n (a [outer, inner_rows, n] view whose
         inner rows are packed: a head-split slice of a merged projection's output); y [rows, n] packed."""
+        _chain(GDC)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         keep = cols < n
@@ -46,8 +71,9 @@ if triton is not None:
     @triton.jit
     def norm_add_rows(x_ptr, res_ptr, w1_ptr, w2_ptr, h_ptr, y_ptr, scalar_ptr, n, eps1, eps2,
                       HAS_W1: tl.constexpr, HAS_W2: tl.constexpr, SECOND: tl.constexpr, SCALE: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, GDC: tl.constexpr = False):
         """h = round(res + round(norm1(x))); SECOND: y = round(norm2(h)); SCALE: h = round(h * scalar)."""
+        _chain(GDC)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         keep = cols < n
@@ -64,8 +90,9 @@ if triton is not None:
             tl.store(y_ptr + row * n + cols, _rounded(y, out_ty).to(out_ty), mask=keep)
 
     @triton.jit
-    def rope_rows(x_ptr, cos_ptr, sin_ptr, y_ptr, heads, D: tl.constexpr):
+    def rope_rows(x_ptr, cos_ptr, sin_ptr, y_ptr, heads, D: tl.constexpr, GDC: tl.constexpr = False):
         """Row r of x [rows, D] (rows = B*T*heads) with cos/sin row r // heads: x*cos + rotate_half(x)*sin."""
+        _chain(GDC)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, D)
         half: tl.constexpr = D // 2
@@ -80,9 +107,10 @@ if triton is not None:
         tl.store(y_ptr + row * D + cols, y.to(out_ty))
 
     @triton.jit
-    def gelu_mul_rows(g_ptr, u_ptr, y_ptr, n, g_stride, u_stride, BLOCK: tl.constexpr):
+    def gelu_mul_rows(g_ptr, u_ptr, y_ptr, n, g_stride, u_stride, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
         """round(round(gelu_tanh(g)) * u): torch's tanh GELU (0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))); row
         program_id(0) of g and u at its own row stride (the halves of a merged gate|up output), y [rows, n] packed."""
+        _chain(GDC)
         row = tl.program_id(0).to(tl.int64)
         at = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         keep = at < n
@@ -95,8 +123,10 @@ if triton is not None:
         tl.store(y_ptr + row * n + at, _rounded(act * u, out_ty).to(out_ty), mask=keep)
 
     @triton.jit
-    def masked_softmax_rows(s_ptr, m_ptr, p_ptr, n, rows_per_mask, BLOCK: tl.constexpr):
+    def masked_softmax_rows(s_ptr, m_ptr, p_ptr, n, rows_per_mask, BLOCK: tl.constexpr,
+                            GDC: tl.constexpr = False):
         """Row r of scores [rows, n]: softmax over the columns whose mask (row r // rows_per_mask) is True, float32."""
+        _chain(GDC)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         keep = cols < n
@@ -127,9 +157,11 @@ if triton is not None:
         return _rounded(_rounded(y * c, OUT) + _rounded(rot * s, OUT), OUT)
 
     @triton.jit
-    def q_norm_rope_rows(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, heads, x_stride, n, eps, D: tl.constexpr):
+    def q_norm_rope_rows(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, heads, x_stride, n, eps, D: tl.constexpr,
+                         GDC: tl.constexpr = False):
         """Row r = (b, h) of the query: x at b * x_stride + h * D (a merged q|k|v output's q columns, read in place),
         cos/sin [B, D] row b; y [B * heads, D] packed: RoPE(q_norm(x))."""
+        _chain(GDC)
         row = tl.program_id(0).to(tl.int64)
         b = row // heads
         at = b * x_stride + (row % heads) * D
@@ -139,9 +171,11 @@ if triton is not None:
 
     @triton.jit
     def kv_norm_rope_ring(k_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, ring_k_ptr, ring_v_ptr, slot_ptr, heads, k_stride,
-                          v_stride, window, n, eps_k, eps_v, D: tl.constexpr):
+                          v_stride, window, n, eps_k, eps_v, D: tl.constexpr,
+                          GDC: tl.constexpr = False):
         """KV head row r = (b, h): RoPE(k_norm(k)) into ring_k[b, h, slot] and v_norm(v) (no weight) into
         ring_v[b, h, slot]; rings [B, heads, window, D] packed, slot read from the device (slot_ptr[0], int64)."""
+        _chain(GDC)
         row = tl.program_id(0).to(tl.int64)
         b = row // heads
         h = row % heads

@@ -1,0 +1,146 @@
+"""Does programmatic dependent launch hold in the decode step's kernels? The lab's checks of `foldkv.gemv` (the PDL
+GEMV) and of `foldkv.fused_step`'s kernels launched with PDL (`gemv.pdl_kw`), on the GPU.
+
+- `race_check`: a producer (`late_copy`) that lets its dependent launch at once and writes x only `delay_ns` later,
+  over x poisoned with NaN, then the consumer under PDL. `ok`: the consumer's output is bitwise its output on the
+  clean x (the wait held); `red_caught`: its red twin is wrong (the consumer did launch during its producer: PDL is in
+  effect). Eagerly the H200 did not overlap the launches at all (MODEL_DECODE_NOTES run 11: the red twin not caught
+  eagerly), so only the graph's red_caught says something; the graph keeps the programmatic edge.
+  Consumers: "gemv" (`gemv.linear`; red twin: its head's x loaded before the wait, `RED_X_EARLY`) and "rms_norm"
+  (`fused_step.rms_norm`, standing for every fused_step kernel: they enter through the same `_chain`; red twin: the
+  kernel launched with PDL but built without its wait, GDC False).
+- `ptx_order`: the library GEMV's global loads before its `griddepcontrol.wait` in the PTX: weight loads only, at most
+  ROWS x HEAD x 2 bytes / (16 bytes x threads) of them a thread; more with the red twin (its x loads).
+
+    race_check("gemv", graph=True)        # {"ok": True, "red_caught": True, ...}
+    race_check("rms_norm", graph=True)
+    ptx_order(), ptx_order(red_x_early=True)
+"""
+
+from __future__ import annotations
+
+import re
+from unittest import mock
+
+import torch
+
+CONSUMERS = ("gemv", "rms_norm")
+_LD_GLOBAL = re.compile(r"(@!?%p\d+\s+)?ld\.global")  # Triton's loads: inline asm, often predicated
+_LATE_COPY = None
+
+
+def _late_copy():
+    """The producer kernel (built once): dst = src, written DELAY_NS after each program starts; its dependents may
+    launch at once (the trigger first)."""
+    global _LATE_COPY
+    if _LATE_COPY is None:
+        import triton
+        import triton.language as tl
+        from triton.language.extra.cuda import gdc_launch_dependents, globaltimer
+
+        @triton.jit
+        def late_copy(src_ptr, dst_ptr, n, DELAY_NS: tl.constexpr, BLOCK: tl.constexpr):
+            gdc_launch_dependents()
+            t0 = globaltimer()
+            t = t0
+            while t - t0 < DELAY_NS:
+                t = globaltimer()
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            keep = (offs < n) & (t - t0 >= DELAY_NS)  # the store's mask depends on the clock: it stays after it
+            tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=keep), mask=keep)
+
+        _LATE_COPY = late_copy
+    return _LATE_COPY
+
+
+def _require() -> None:
+    from foldkv import gemv
+
+    if not (torch.cuda.is_available() and gemv.HAS_GDC):
+        raise RuntimeError("the PDL checks need CUDA and a Triton with triton.language.extra.cuda.gdc_wait")
+
+
+def _consumer(name: str, k: int, n: int, red: bool):
+    """(make x's buffer, consume(x) -> output) for a consumer; red: its red twin."""
+    from foldkv import fused_step as fs
+    from foldkv import gemv
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    if name == "gemv":
+        w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(torch.bfloat16)
+        return lambda x: gemv.linear(x, w, _red_x_early=red)
+    if name == "rms_norm":
+        gamma = (1 + 0.1 * torch.randn(256, device="cuda", generator=g)).to(torch.bfloat16)
+        if not red:
+            return lambda x: fs.rms_norm(x.view(-1, 256), gamma, 1e-6)
+
+        def no_wait(x):  # launched with PDL, built without the wait: what a kernel missing its _chain does
+            with mock.patch.object(gemv, "pdl_kw", lambda t: dict(GDC=False, launch_pdl=True)):
+                return fs.rms_norm(x.view(-1, 256), gamma, 1e-6)
+        return no_wait
+    raise ValueError(f"consumer {name!r}: one of {CONSUMERS}")
+
+
+def race_check(consumer: str = "gemv", k: int = 5376, n: int = 4096, delay_ns: int = 20_000,
+               graph: bool = False) -> dict:
+    """{"ok": the consumer under PDL after the late producer is bitwise itself on the clean x, "red_caught": its red
+    twin is not} (module docstring); graph: captured in one CUDA graph and replayed."""
+    import triton
+
+    from foldkv import gemv
+
+    _require()
+    if not gemv.PDL_GEMV:
+        raise RuntimeError("gemv.PDL_GEMV is off: nothing would launch with PDL")
+    dev = torch.device("cuda")
+    src = (torch.randn(1, k, device=dev, generator=torch.Generator(device=dev).manual_seed(3)) * 0.5).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    block = 1024
+    producer = _late_copy()
+    result = dict(consumer=consumer, graph=graph, delay_ns=delay_ns)
+    for red in (False, True):
+        consume = _consumer(consumer, k, n, red)
+        ref = _consumer(consumer, k, n, False)(src)
+
+        def once():
+            dst.fill_(float("nan"))
+            producer[(triton.cdiv(k, block),)](src, dst, k, DELAY_NS=delay_ns, BLOCK=block)
+            return consume(dst)
+
+        if graph:
+            once()  # compiled and warmed before the capture
+            torch.cuda.synchronize()
+            cg = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cg):
+                y = once()
+            cg.replay()
+        else:
+            y = once()
+        torch.cuda.synchronize()
+        same = bool(torch.equal(y, ref))
+        result["red_caught" if red else "ok"] = (not same) if red else same
+    return result
+
+
+def ptx_order(k: int = 5376, n: int = 4096, red_x_early: bool = False) -> dict:
+    """The library GEMV's (foldkv.gemv: ROWS, PREFETCH) global loads before its first `griddepcontrol.wait` in the
+    PTX of one launch on a [n, k] weight, against the weight loads its prefetch needs."""
+    from foldkv import gemv
+
+    _require()
+    dev = torch.device("cuda")
+    x = torch.ones(k, dtype=torch.bfloat16, device=dev)
+    w = torch.ones(n, k, dtype=torch.bfloat16, device=dev)
+    y = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
+    cfg = gemv.config(n, k)
+    compiled = gemv.gemv_pdl_rows[(n // cfg["ROWS"],)](x, w, y, k, GDC=True, RED_X_EARLY=red_x_early,
+                                                       launch_pdl=True, **cfg)
+    lines = [ln.strip() for ln in compiled.asm["ptx"].splitlines()]
+    waits = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")]
+    before = [ln for ln in lines[:waits[0]] if _LD_GLOBAL.match(ln)] if waits else []
+    return dict(red_x_early=red_x_early, waits=len(waits), loads_before_wait=len(before),
+                weight_loads_expected=cfg["ROWS"] * cfg["HEAD"] * 2 // (32 * cfg["num_warps"] * 16),
+                loads=before[:8])
+
+
+__all__ = ["CONSUMERS", "race_check", "ptx_order"]

@@ -1,0 +1,200 @@
+"""foldkv.gemv's route without a GPU: which projections take the PDL GEMV (one bf16 row against a contiguous bf16
+weight with a tile, on CUDA with Triton's grid dependency control) and the reason each other call is F.linear; that
+F.linear is what they compute then (bitwise nn.Linear); which of the step's projections fused_step routes (the merged
+groups, o_proj, down_proj, the LM head) and that it puts them back; that every fused_step kernel enters through the
+PDL chain entry and every launch site passes the PDL keywords (a static check of the sources, with red twins: a
+kernel without its entry, a launch without the keywords); and the probe's --pdl-ab flag.
+
+Reproduce: pytest tests/test_gemv_cpu.py
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import require_module
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16 = torch.bfloat16
+# the 31B's step projections [N, K] at batch 1 (merged: sliding q|k|v, global q|k, gate|up; o_proj sliding and
+# global; down_proj; the LM head): 50 sliding + 10 global layers
+STEP_SHAPES = {"sliding_qkv": ((16384, 5376), 50), "global_qk": ((18432, 5376), 10), "gate_up": ((43008, 5376), 60),
+               "sliding_o": ((5376, 8192), 50), "global_o": ((5376, 16384), 10), "down": ((5376, 21504), 60),
+               "lm_head": ((262144, 5376), 1)}
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    from foldkv import gemv
+
+    gemv.reset()
+    yield
+    gemv.PDL_GEMV = True
+
+
+def test_the_31b_step_takes_the_kernel_at_one_row_only():
+    from foldkv import gemv
+
+    assert sum(count for _, count in STEP_SHAPES.values()) == 241  # the step's GEMVs, merged
+    for name, ((n, k), _) in STEP_SHAPES.items():
+        assert gemv.shape_refusal(1, n, k, BF16, BF16, True, False) is None, name
+        cfg = gemv.config(n, k)
+        assert cfg["ROWS"] == 2 and cfg["HEAD"] == cfg["BLOCK_K"] and k % cfg["BLOCK_K"] == 0, name
+        assert gemv.shape_refusal(8, n, k, BF16, BF16, True, False) == "not one row", name
+    assert gemv.config(5376, 5376)["BLOCK_K"] == 256 and gemv.config(5376, 21504)["BLOCK_K"] == 1024
+    # red twins: what the kernel cannot describe is refused, each with its reason
+    assert "no tile" in gemv.shape_refusal(1, 4096, 5376 + 64, BF16, BF16, True, False)  # K = 5,440: 64 | K only
+    assert "no tile" in gemv.shape_refusal(1, 4097, 5376, BF16, BF16, True, False)  # N odd: ROWS = 2 does not divide
+    assert "not bf16" in gemv.shape_refusal(1, 4096, 5376, torch.float16, torch.float16, True, False)
+    assert "not bf16" in gemv.shape_refusal(1, 4096, 5376, torch.float32, BF16, True, False)
+    assert gemv.shape_refusal(1, 4096, 5376, BF16, BF16, False, False) == "the weight is not contiguous"
+    assert gemv.shape_refusal(1, 4096, 5376, BF16, BF16, True, True) == "a bias"
+
+
+def test_the_route_on_this_machine_and_its_fallback_is_f_linear():
+    from foldkv import gemv
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 512, generator=g).to(BF16)
+    one = torch.randn(1, 1, 512, generator=g).to(BF16)
+    cases = [(one, w, None, "not on CUDA"), (one.expand(3, 1, 512), w, None, "not one row"),
+             (one.float(), w.float(), None, "not bf16"), (one, w.t().contiguous().t()[:, :512], None, "not contig"),
+             (one, w, torch.zeros(256, dtype=BF16), "a bias"), (one[..., :256], w, None, "not a projection")]
+    for x, wi, b, why in cases:
+        assert why in gemv.refusal(x, wi, b), why
+        if why != "not a projection":
+            assert torch.equal(gemv.linear(x, wi, b), nn.functional.linear(x, wi, b)), why
+    assert gemv.report()["kernel"] == 0 and sum(gemv.report()["refusals"].values()) == len(cases) - 1
+    gemv.PDL_GEMV = False
+    assert gemv.refusal(one, w) == "PDL_GEMV is off"
+    assert gemv.pdl_kw(one) == {}
+    gemv.reset()
+    assert gemv.report() == {"kernel": 0, "refusals": {}}
+
+
+def test_pdl_kw_follows_the_switch_triton_and_the_device(monkeypatch):
+    from foldkv import gemv
+
+    cuda = SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(gemv, "HAS_GDC", True)
+    assert gemv.pdl_kw(cuda) == {"GDC": True, "launch_pdl": True}  # the constexpr and the launch option together
+    assert gemv.pdl_kw(torch.zeros(1)) == {}
+    gemv.PDL_GEMV = False
+    assert gemv.pdl_kw(cuda) == {}
+    gemv.PDL_GEMV = True
+    monkeypatch.setattr(gemv, "HAS_GDC", False)
+    assert gemv.pdl_kw(cuda) == {}
+    if gemv.triton is None:  # this machine: F.linear however the switch is set
+        assert gemv.refusal(torch.zeros(1, 512, dtype=BF16), torch.zeros(256, 512, dtype=BF16)) == "not on CUDA"
+
+
+@pytest.fixture()
+def model():
+    require_module("transformers")
+    from foldkv.lab import gemma31b
+
+    return gemma31b.build_gemma4_31b("cpu", num_layers=6, dtype=BF16, vocab_size=512, vocab_size_per_layer_input=512,
+                                     hidden_size=128, intermediate_size=256)
+
+
+def test_fused_step_routes_the_merged_groups_o_down_and_the_lm_head(model):
+    from foldkv import fused_step as fs
+    from foldkv import gemv
+
+    layers = model.model.layers
+    want = [layer.self_attn.o_proj for layer in layers] + [layer.mlp.down_proj for layer in layers] + [model.lm_head]
+    assert set(fs.projection_modules(model)) == set(want) and len(fs.projection_modules(model)) == 13
+    assert not {layer.self_attn.q_proj for layer in layers} & set(fs.projection_modules(model))
+    x = torch.randn(1, 1, 128, generator=torch.Generator().manual_seed(1)).to(BF16)
+    with torch.no_grad(), fs.fused_step(model) as n:
+        assert n["projections"] == 13 and n["merged"] == 12
+        assert all("forward" in vars(lin) for lin in want)
+        attn, mlp = layers[0].self_attn, layers[0].mlp
+        o_in = torch.randn(1, 1, attn.o_proj.in_features, generator=torch.Generator().manual_seed(2)).to(BF16)
+        assert torch.equal(attn.o_proj(o_in), nn.functional.linear(o_in, attn.o_proj.weight))
+        assert torch.equal(model.lm_head(x), nn.functional.linear(x, model.lm_head.weight))
+        qkv = fs.merged_linear(attn, x)
+        assert torch.equal(qkv[0], nn.functional.linear(x, attn.q_proj.weight))
+        gate, up = fs.merged_linear(mlp, x)
+        assert torch.equal(up, nn.functional.linear(x, mlp.up_proj.weight))
+        # every call went through gemv.linear, which on this machine says why it is F.linear
+        assert gemv.report() == {"kernel": 0, "refusals": {"not on CUDA": 4}}
+        # red twin: an unmerged projection's own forward is not routed (nn.Linear's: nothing counted)
+        layers[0].self_attn.q_proj.__class__.forward(layers[0].self_attn.q_proj, x)
+        assert sum(gemv.report()["refusals"].values()) == 4
+    assert not any("forward" in vars(lin) for lin in want)  # put back
+    model.lm_head(x)
+    assert sum(gemv.report()["refusals"].values()) == 4  # outside the block: nn.Linear's own forward
+
+
+# --- every fused_step kernel is a link of the PDL chain: a static check of the two sources -------------------------
+def chain_problems(kernels_src: str, step_src: str) -> list[str]:
+    """What breaks the PDL chain in fused_step_kernels' source (`kernels_src`) and fused_step's (`step_src`): a kernel
+    launched by fused_step (a value of `_kernels()`'s dict) without a `GDC: tl.constexpr = False` parameter or whose
+    first statement after its docstring is not `_chain(GDC)`; a launch `_kernels()[...][grid](...)` without
+    `**_pdl(...)`."""
+    problems = []
+    step = ast.parse(step_src)
+    launched = set()
+    for node in ast.walk(step):
+        if isinstance(node, ast.FunctionDef) and node.name == "_kernels":
+            for call in ast.walk(node):
+                if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "dict":
+                    launched |= {kw.value.attr for kw in call.keywords if isinstance(kw.value, ast.Attribute)}
+    if not launched:
+        problems.append("no kernels found in fused_step._kernels")
+    defs = {n.name: n for n in ast.walk(ast.parse(kernels_src)) if isinstance(n, ast.FunctionDef)}
+    for name in sorted(launched):
+        fn = defs.get(name)
+        if fn is None:
+            problems.append(f"{name}: not defined")
+            continue
+        args = fn.args.args
+        defaults = dict(zip([a.arg for a in args][len(args) - len(fn.args.defaults):], fn.args.defaults))
+        gdc = [a for a in args if a.arg == "GDC"]
+        if not gdc or ast.unparse(gdc[0].annotation) != "tl.constexpr" or getattr(defaults.get("GDC"), "value",
+                                                                                   None) is not False:
+            problems.append(f"{name}: no GDC: tl.constexpr = False parameter")
+        doc = isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
+        body = fn.body[1:] if doc else fn.body
+        if not body or ast.unparse(body[0]) != "_chain(GDC)":
+            problems.append(f"{name}: its first statement is not _chain(GDC)")
+    for node in ast.walk(step):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                and isinstance(node.func.value, ast.Subscript) and "_kernels()" in ast.unparse(node.func.value)):
+            if not any(kw.arg is None and ast.unparse(kw.value).startswith("_pdl(") for kw in node.keywords):
+                problems.append(f"line {node.lineno}: {ast.unparse(node.func)} launched without **_pdl(...)")
+    return problems
+
+
+def test_every_fused_step_kernel_is_a_link_of_the_pdl_chain():
+    kernels = (ROOT / "lib/foldkv/fused_step_kernels.py").read_text()
+    step = (ROOT / "lib/foldkv/fused_step.py").read_text()
+    assert chain_problems(kernels, step) == []
+    assert step.count("**_pdl(") == 7  # the seven launch sites
+    # red twins: a kernel without its entry, a launch without the keywords
+    no_entry = kernels.replace("        _chain(GDC)\n        row = tl.program_id(0).to(tl.int64)\n        cols = "
+                               "tl.arange(0, D)\n        half", "        row = tl.program_id(0).to(tl.int64)\n"
+                               "        cols = tl.arange(0, D)\n        half", 1)
+    assert no_entry != kernels
+    assert chain_problems(no_entry, step) == ["rope_rows: its first statement is not _chain(GDC)"]
+    no_kw = step.replace(", **_pdl(scores))", ")", 1)
+    assert no_kw != step
+    found = chain_problems(kernels, no_kw)
+    assert len(found) == 1 and "launched without **_pdl" in found[0]
+
+
+def test_the_probe_parses_pdl_ab():
+    spec = importlib.util.spec_from_file_location("model_decode_probe", ROOT / "bench" / "model_decode_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    args = probe.parser().parse_args(["--decode", "foldkv-folded:4096:1", "--pdl-ab"])
+    assert args.pdl_ab and args.decode == ["foldkv-folded:4096:1"]
+    assert not probe.parser().parse_args([]).pdl_ab
