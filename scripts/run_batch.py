@@ -149,6 +149,12 @@ def summarize(results: list[dict], out_dir: str) -> str:
     lines = ["# papermill batch", "", f"out: `{os.path.relpath(out_dir, ROOT)}`", "",
              "| notebook | status | seconds | ran | redrawn | not run | failed |", "|---|---|---|---|---|---|---|"]
     not_measured = []
+    # a notebook papermill wrote into out_dir but whose run wrote no entry was stopped mid-run (killed, timed out)
+    finished = {r["notebook"] for r in results}
+    for stem in sorted({os.path.basename(p)[:-len(".ipynb")] for p in glob.glob(os.path.join(out_dir, "*.ipynb"))}
+                       - finished):
+        lines.append(f"| {stem} | did not finish: no entry (stopped mid-run) | | | | | |")
+        not_measured.append((stem, "every section after the last executed cell", "did not finish"))
     for r in results:
         groups = section_counts(r["sections"])
         not_measured += [(r["notebook"], s, v) for key in ("redrawn", "not run", "failed") for s, v in groups[key]]

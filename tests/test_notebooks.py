@@ -203,6 +203,11 @@ def test_record_redrawn_and_summary_columns(tmp_path):
     assert "| 05_x | not run: no section ran | 1.0 | 0 | 0 | 1 | 0 |" in text
     assert "| 06_x | failed: PapermillExecutionError: x | 1.0 | 0 | 0 | 0 | 0 |" in text
     assert "- 04_benchmarks / single: redrawn from h200-x" in text and "- 01_byte_floor / b: failed: x" in text
+    assert "did not finish" not in text  # red twin of the check below: tmp_path holds no notebook yet
+    (tmp_path / "02_stopped.ipynb").write_text("{}")  # papermill's output of a run killed before its entry
+    stopped = run_batch.summarize([measured], str(tmp_path))
+    assert "| 02_stopped | did not finish: no entry (stopped mid-run) |" in stopped
+    assert "none: every section ran" not in stopped
     both = dict(measured, sections={"a": "ran", "b": "redrawn from h200-x"})
     assert "| 01_byte_floor | ok; part redrawn from h200-x |" in run_batch.summarize([both], str(tmp_path))
 
