@@ -127,6 +127,32 @@ class Destructible:
 
 
 @contextlib.contextmanager
+def exact_projections() -> Iterator[None]:
+    """Every projection (F.linear) computed in float64 from its bf16 operands and rounded once to bf16, and foldkv's
+    PDL GEMV off so that every projection goes through it: the neutral figure's rounding. Beside cuBLAS's (float32
+    accumulation, then one rounding) it is another legitimate rounding of the same products, so how far a model's
+    logits move between the two is what the projections' rounding alone does to them."""
+    from unittest import mock
+
+    from foldkv import gemv
+
+    def linear(x, weight, bias=None):
+        y = x.double() @ weight.double().T
+        return (y if bias is None else y + bias.double()).to(x.dtype)
+
+    with mock.patch.object(torch.nn.functional, "linear", linear), mock.patch.object(gemv, "PDL_GEMV", False):
+        yield
+
+
+def rounding_bound(neutral: torch.Tensor, incumbent: torch.Tensor) -> float:
+    """What a projection rounding as good as the incumbent's may move logits by: each of the two sits within the
+    neutral figure (max |exact-rounded logits - incumbent's|) of the exact-rounded logits, so by the triangle
+    inequality the two are within twice it of each other. A rounding worse than the incumbent's (a row dropped, a
+    reduction short) is not, which is what the red twins check."""
+    return 2.0 * (neutral.float() - incumbent.float()).abs().max().item()
+
+
+@contextlib.contextmanager
 def collecting_at_every_allocation() -> Iterator[None]:
     """The cyclic collector's thresholds at 1 (an allocation may start a collection of every generation), restored
     after: what makes a capture test's garbage die mid-capture unless the collector is paused."""
