@@ -9,8 +9,9 @@ Bounds:
 - fused_step's kernels with PDL against their plain launches: bitwise (the wait comes before every load and store;
   only the ordering changes).
 - the whole step (the synthetic Gemma 4 at batch 1, graph): PDL_GEMV on against off. The GEMV is not bitwise cuBLAS,
-  so the logits are held to the bound the merged projections are held to against the unmerged ones (5% of the
-  logits' spread: each projection's rounding moves by at most an ulp), and the greedy tokens must agree up to the
+  so the logits are held to the bound the merged projections are held to against the unmerged ones (twice the
+  neutral figure: how far the step with every projection rounded once from float64 moves them from cuBLAS's,
+  conftest's `rounding_bound`, step by step), and the greedy tokens must agree up to the
   first step whose reference top-two margin is itself inside twice that bound (there a flip is a rounding, not a
   bug: the sequences part and nothing after is compared). The static step with PDL on is bitwise the graph's.
 Red twins: the GEMV told a reduction one K block short; in a graph, the GEMV's head x loaded before its wait and a
