@@ -30,7 +30,7 @@ from foldkv.provenance import provenance
 from foldkv.pool import BlockTable, PagedKvLayout
 from versions import (decode_fused_ll, decode_fused_ll_compact, decode_fused_smem_tail,  # bench/versions/
                       decode_fused_tail_paths, decode_partial_fp8_mma, decode_partial_fp8_probe, decode_partial_fp8_rs,
-                      decode_partial_fp8_tc_t32)
+                      decode_partial_fp8_tc_t32, decode_partial_fp8_tc_ws)
 
 
 def partial_variant(name: str, what: str, build: Callable[[], object], fp8: bool = True,
@@ -111,6 +111,14 @@ FP8_TC_T32 = [partial_variant(f"fp8_tc_t32s{s}", f"FP8 tensor-core partial, 32-t
                               " an SM (query and P in two e4m3 parts)",
                               lambda s=s: decode_partial_fp8_tc_t32.build(G, num_stages=s), fp8_math="tensor_cores")
               for s in (3, 2)]
+# run 20: the FP8 tensor-core partial with V^T written by a transposer warpgroup (value window read from global memory)
+# and the consumer's chain without the transpose, a T.WSSchedule (bench/versions/decode_partial_fp8_tc_ws.py), in
+# place of the library's tensor-core partial; `_r96`: the transposer at 96 registers (the consumer 160; ptxas spills
+# 60 bytes), against the default 112 / 144 (no spill)
+FP8_TC_WS = [partial_variant(f"fp8_tc_ws{suffix}", f"FP8 tensor-core partial, V^T by a transposer warpgroup, consumer"
+                             f" without the transpose (transposer {n} registers), two CTAs an SM",
+                             lambda n=n: decode_partial_fp8_tc_ws.build(G, transposer_nreg=n), fp8_math="tensor_cores")
+             for suffix, n in (("", 112), ("_r96", 96))]
 # run 12: a one-wave plan's step is one launch, the partial merging its request-heads at its tail (the library's
 # decode_fused_<format>, what folded_jit / split_jit run there); these arms run the three launches on the same plan
 THREE_LAUNCHES = [ArmSpec(f"{f.value}_three", f"{f.value} decode, three launches (partial, merge_groups, merge_final)",
@@ -169,7 +177,7 @@ NARROW = [ArmSpec(f"folded_w{w}", f"bf16 folded decode planned for {w} SMs ({w /
                   generated=True)
           for w in (32, 64, 96)]
 ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA,
-        *FP8_TC_T32,
+        *FP8_TC_T32, *FP8_TC_WS,
         *THREE_LAUNCHES, *LL_FUSED, *LL_PROBES, *LL_COMPACT, *TAIL_SIZES, *SMEM_TAIL, *NARROW,
         "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 

@@ -76,6 +76,8 @@ VERSIONS = {
                                         ctas_per_sm=2 if two else 1)
        for t, p in (("none", False), ("t16x4", False), ("t4x16", False), ("t4x16", True)) for two in (False, True)},
     **{f"fp8_tc_t32s{s}": lambda g, s=s: _version("decode_partial_fp8_tc_t32").build(g, num_stages=s) for s in (3, 2)},
+    **{f"fp8_tc_ws{suffix}": lambda g, n=n: _version("decode_partial_fp8_tc_ws").build(g, transposer_nreg=n)
+       for suffix, n in (("", 112), ("_r96", 96))},
     "fp8_cvt": lambda g: _library("decode_partial").build_decode_partial_fp8(g, "folded", e4m3_convert="cvt"),
     "fp8_t256": lambda g: _library("decode_partial").build_decode_partial_fp8(g, "folded", threads=256),
     "folded_t256": lambda g: _library("decode_partial").build_decode_partial(g, "folded", threads=256, reduce_batch=2),
