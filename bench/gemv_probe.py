@@ -22,6 +22,15 @@ Arms (each one graph of the step's 421 projections in forward order, the model's
   `fma_r4_norm_pdl_pf2` two tiles; `fma_rN_pdl` PDL GEMVs back to back, no norm (against `fma_rN`). Each PDL arm's
   outputs are compared bitwise with the same kernels' plain launches (`same_as_plain`); before the PDL arms,
   gemv_pdl's PTX order and race checks (`pdl_checks`).
+- the PDL GEMV of a few rows (rows M = 1..8; bench/versions/gemv_pdl_rows.py, MODEL_DECODE_NOTES run 13),
+  `ROWS_ARMS`: each weight row read once against all M rows of x, N weight rows a program (`_rN`): `pdl_m_rN` the
+  411 projections serial under PDL (first weight tile before the wait), `plain_m_rN` the same kernel's plain build and
+  launch; `_norm`: gemv_pdl.head_norm between consecutive projections over the M rows (the chain arms' dependent
+  kernel); `_merged`: the 241 merged weights of `torch_merged` (q|k|v, gate|up) instead of the 411. Each arm first
+  checks the kernel took every projection (no F.linear: `kernel_calls`, `refusals`), records the builds' registers
+  and spills (`kernel_stats`), and each distinct weight shape against float64 (`bound`: the float32-accumulation
+  bound); a PDL arm's outputs bitwise its plain twin's (`same_as_plain`), `finite`; before them the race check (in a
+  graph and eager) and the PTX order of the M-row kernel (`pdl_checks_rows`).
 Then, with --cells, notebook 05's decode cells through generate() with the step's projections on graph branches
 (foldkv.fused_step.BRANCHES, the library's) and without; --no-arms skips the projections-only arms.
 Prints one table; JSON to $OUT/gemv_probe.json.
@@ -29,6 +38,7 @@ Prints one table; JSON to $OUT/gemv_probe.json.
     python3 bench/gemv_probe.py --cells foldkv-folded:4096:1 foldkv-folded:32768:8
     python3 bench/gemv_probe.py --rows 1          # the projections alone at one row, the fma_rN arms included
     python3 bench/gemv_probe.py --rows 1 --arms fma_r4 fma_r4_pdl fma_r4_norm fma_r4_norm_pdl   # PDL, run 11
+    python3 bench/gemv_probe.py --rows 8 4 2 --arms torch_merged pdl_m_r2 plain_m_r2 pdl_m_r2_merged   # run 13
 """
 
 from __future__ import annotations
@@ -55,11 +65,17 @@ CHAIN_ARMS = {
     "fma_r2_norm_pdl": dict(rows=2, gemv="pdl", prefetch=1, pdl=True, norm=True),
     "fma_r2_pdl": dict(rows=2, gemv="pdl", prefetch=1, pdl=True, norm=False),
 }
+# The PDL GEMV of 1..8 rows (versions/gemv_pdl_rows.py): weight rows a program; launched with PDL (GEMV and norm);
+# a dependent norm between consecutive projections; the merged weights (241 GEMVs) instead of the 411.
+ROWS_ARMS = {f"{'pdl' if pdl else 'plain'}_m_r{r}{tail}": dict(rows=r, pdl=pdl, norm=tail == "_norm",
+                                                               merged=tail == "_merged")
+             for r, tails in ((2, ("", "_norm", "_merged")), (1, ("",)), (4, ("",))) for tail in tails
+             for pdl in (True, False)}
 # Every arm's name, for --arms (main checks its own tables against these).
 BASE_ARMS = ("torch", "torch_branches", "stream", "stream_branches", "stream_c2", "stream_c8", "stream_s4", "stream_s2",
              "stream_w8")
 ONE_ROW_ARMS = ("fma_r2", "fma_r4", "fma_r16", "fma_r4_branches")
-ARM_NAMES = ("torch_merged",) + BASE_ARMS + ONE_ROW_ARMS + tuple(CHAIN_ARMS)
+ARM_NAMES = ("torch_merged",) + BASE_ARMS + ONE_ROW_ARMS + tuple(CHAIN_ARMS) + tuple(ROWS_ARMS)
 HEAD_D = 256  # the chain's norm row (gemv_pdl.HEAD_D; here for the CPU-side plan)
 
 
@@ -153,25 +169,32 @@ def make_step(projs, m: int, fn, branches: bool, dev):
     return run
 
 
-def make_merged_step(projs, m: int, dev):
-    """Every group of `groups(projs)` as one F.linear over its weights concatenated along the output dim."""
+def merged_weights(projs) -> list[torch.Tensor]:
+    """Each group of `groups(projs)` as one weight, concatenated along the output dim (a copy for a group of two or
+    three; the projection's own weight alone)."""
+    return [grp[0][1].weight if len(grp) == 1 else torch.cat([lin.weight for _, lin in grp]) for grp in groups(projs)]
+
+
+def make_merged_step(projs, m: int, dev, fn=None, ws: list | None = None):
+    """Every group of `groups(projs)` as one F.linear (or fn(x, w)) over its weights concatenated along the output
+    dim (`ws`: those weights, already made)."""
     g = torch.Generator(device=dev).manual_seed(0)
-    xs, ws = {}, []
-    for grp in groups(projs):
-        w = grp[0][1].weight if len(grp) == 1 else torch.cat([lin.weight for _, lin in grp])
+    fn = F.linear if fn is None else fn
+    xs, ws = {}, merged_weights(projs) if ws is None else ws
+    for w in ws:
         if w.shape[1] not in xs:
             xs[w.shape[1]] = (torch.randn(m, w.shape[1], device=dev, generator=g) * 0.5).to(w.dtype)
-        ws.append(w)
 
     def run():
-        return [F.linear(xs[w.shape[1]], w) for w in ws]
+        return [fn(xs[w.shape[1]], w) for w in ws]
     return run
 
 
-def make_chain_step(projs, spec: dict, dev, gemv_fn, norm_fn, pdl: bool | None = None):
-    """Every projection of `projs` serially at one row, in forward order: with spec["norm"], the input of each after
-    the first is norm_fn(previous output, K, gamma, pdl) (a dependent kernel between every two projections); without,
-    one fixed random input per K (make_step's). gemv_fn(x, w, pdl). pdl: None for spec["pdl"]."""
+def make_chain_step(projs, spec: dict, dev, gemv_fn, norm_fn, pdl: bool | None = None, m: int = 1):
+    """Every projection of `projs` serially at m rows (one by default), in forward order: with spec["norm"], the input
+    of each after the first is norm_fn(previous output, K, gamma, pdl) (a dependent kernel between every two
+    projections); without, one fixed random input [m, K] per K (make_step's). gemv_fn(x, w, pdl). pdl: None for
+    spec["pdl"]."""
     pdl = spec["pdl"] if pdl is None else pdl
     if spec["norm"]:
         norm_plan([tuple(lin.weight.shape) for _, lin in projs])
@@ -180,7 +203,7 @@ def make_chain_step(projs, spec: dict, dev, gemv_fn, norm_fn, pdl: bool | None =
     for _, lin in projs:
         k = lin.weight.shape[1]
         if k not in xs:
-            xs[k] = (torch.randn(1, k, device=dev, generator=g) * 0.5).to(lin.weight.dtype)
+            xs[k] = (torch.randn(m, k, device=dev, generator=g) * 0.5).to(lin.weight.dtype)
     gamma = (1 + 0.1 * torch.randn(HEAD_D, device=dev, generator=g)).to(projs[0][1].weight.dtype)
 
     def run():
@@ -279,6 +302,77 @@ def chain_arm(name: str, spec: dict, projs, dev, wbytes: float, roof_gbps: float
     return row
 
 
+def rows_norm(gp):
+    """The `_norm` arms' dependent kernel at m rows: gemv_pdl.head_norm over the previous output's m rows flattened
+    (m K / 256 head rows, each the RMSNorm of 256 of the previous output's elements, wrapping), viewed [m, K]."""
+    def norm_fn(y, k, gamma, pdl):
+        m = y.shape[0]
+        return gp.head_norm(y.reshape(1, -1), m * k, gamma, pdl=pdl).view(m, k)
+    return norm_fn
+
+
+def pdl_checks_rows(gr, m: int, rows_list) -> dict:
+    """The M-row kernel's PDL preconditions at m rows: the race check in a graph (ok, red_caught) and eagerly (ok),
+    the PTX order (no x load before the wait) and its red twin, per rows a program."""
+    out = {}
+    for r in sorted(set(rows_list)):
+        for name, fn in ((f"race_graph_r{r}", lambda: gr.race_check(m, r, graph=True)),
+                         (f"race_eager_r{r}", lambda: gr.race_check(m, r)),
+                         (f"ptx_r{r}", lambda: gr.ptx_order(m, r)),
+                         (f"ptx_r{r}_red", lambda: gr.ptx_order(m, r, red_x_early=True))):
+            try:
+                out[name] = fn()
+            except Exception as e:  # noqa: BLE001 - recorded, the arms still run (and say so)
+                out[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    return out
+
+
+def rows_arm(name: str, spec: dict, projs, m: int, dev, wbytes: float, roof_gbps: float, gr, gp) -> dict:
+    """One ROWS_ARMS arm at m rows timed as one graph: the kernel must take every projection (else an error row, never
+    a timing of F.linear); the builds' registers and spills; each distinct weight shape against float64; a PDL arm's
+    outputs bitwise its plain twin's."""
+    rows = spec["rows"]
+    ws = merged_weights(projs) if spec["merged"] else [lin.weight for _, lin in projs]
+    why = {tuple(w.shape): gr.shape_refusal(m, *w.shape, w.dtype, w.dtype, w.is_contiguous(), False, rows)
+           for w in ws}
+    why = {s: r for s, r in why.items() if r is not None}
+    if why:
+        raise ValueError(f"the kernel refuses {why}")
+    gemv_fn = lambda x, w, pdl: gr.linear(x, w, rows=rows, pdl=pdl)  # noqa: E731
+    row = {"arm": name, "rows": m, "rows_a_program": rows,
+           "kernel_stats": [gr.kernel_stats(k, m, rows, pdl=spec["pdl"]) for k in sorted({w.shape[1] for w in ws})]}
+    g = torch.Generator(device=dev).manual_seed(1)
+    bound = {}
+    for w in ws:
+        if tuple(w.shape) not in bound:
+            x = (torch.randn(m, w.shape[1], device=dev, generator=g) * 0.5).to(w.dtype)
+            bound[tuple(w.shape)] = gr.bound_check(gemv_fn(x, w, False), x, w)
+    row["bound"] = {"within": all(b["within"] for b in bound.values()),
+                    "worst": max(b["worst"] for b in bound.values()), "shapes": len(bound)}
+    gr.reset()
+    if spec["merged"]:
+        step = make_merged_step(projs, m, dev, lambda x, w: gemv_fn(x, w, spec["pdl"]), ws=ws)
+        plain = make_merged_step(projs, m, dev, lambda x, w: gemv_fn(x, w, False), ws=ws) if spec["pdl"] else None
+    else:
+        chain = dict(norm=spec["norm"], pdl=spec["pdl"])
+        step = make_chain_step(projs, chain, dev, gemv_fn, rows_norm(gp), m=m)
+        plain = make_chain_step(projs, chain, dev, gemv_fn, rows_norm(gp), pdl=False, m=m) if spec["pdl"] else None
+    ms, outs = time_graph(step, dev)
+    calls = gr.report()
+    if calls["refusals"]:
+        raise RuntimeError(f"F.linear inside the arm: {calls['refusals']}")
+    row.update(ms=ms, gbps=wbytes / ms / 1e6, of_roof=wbytes / ms / 1e6 / roof_gbps, kernel_calls=calls["kernel"],
+               launches=len(ws) + (len(ws) - 1 if spec["norm"] else 0))
+    if plain is not None:
+        got = torch.cat([o.reshape(-1) for o in outs])
+        ref = torch.cat([o.reshape(-1) for o in plain()])
+        torch.cuda.synchronize(dev)
+        row["same_as_plain"] = bool(torch.equal(got, ref))
+        row["finite"] = bool(torch.isfinite(got).all())
+    del ws, outs
+    return row
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import sys
@@ -322,6 +416,16 @@ def main(argv=None) -> int:
     one_row["fma_r4_branches"] = (lambda x, w: gf.gemv(x, w, 4), True)
     assert tuple(arms) == BASE_ARMS and tuple(one_row) == ONE_ROW_ARMS  # --arms checks names against these
     chains = [n for n in CHAIN_ARMS if args.arms is None or n in args.arms]
+    rows_arms = [n for n in ROWS_ARMS if args.arms is None or n in args.arms]
+    gr = None
+    if rows_arms and not args.no_arms:
+        try:
+            from versions import gemv_pdl as gp_rows
+            from versions import gemv_pdl_rows as gr
+            if not gr.HAS_GDC:
+                raise RuntimeError("no Triton with grid dependency control (gdc_wait)")
+        except Exception as e:  # noqa: BLE001 - no PDL here: every rows arm is an error row
+            gr = f"{type(e).__name__}: {e}"[:300]
     gp = None
     if 1 in args.rows and not args.no_arms and chains:
         try:
@@ -353,6 +457,20 @@ def main(argv=None) -> int:
                        "of_roof": wbytes / ms / 1e6 / roof["gbps"]}
             except Exception as e:  # noqa: BLE001 - a config that does not build is a row, not the end of the probe
                 row = {"arm": name, "rows": m, "error": f"{type(e).__name__}: {e}"[:300]}
+            out["arms"].append(row)
+            print(row, flush=True)
+        if rows_arms and not isinstance(gr, (str, type(None))) and 1 <= m <= gr.MAX_M \
+                and any(ROWS_ARMS[n]["pdl"] for n in rows_arms):
+            out.setdefault("pdl_checks_rows", {})[m] = pdl_checks_rows(gr, m, [ROWS_ARMS[n]["rows"] for n in rows_arms])
+            print(f"pdl checks at {m} rows", json.dumps(out["pdl_checks_rows"][m], default=str), flush=True)
+        for name in rows_arms:
+            try:
+                if isinstance(gr, str) or gr is None:
+                    raise RuntimeError(f"versions.gemv_pdl_rows: {gr}")
+                row = rows_arm(name, ROWS_ARMS[name], projs, m, dev, wbytes, roof["gbps"], gr, gp_rows)
+            except Exception as e:  # noqa: BLE001 - as above
+                row = {"arm": name, "rows": m, "error": f"{type(e).__name__}: {e}"[:300]}
+            torch.cuda.empty_cache()
             out["arms"].append(row)
             print(row, flush=True)
         for name in chains if m == 1 else []:

@@ -8,9 +8,11 @@ GEMV) and of `foldkv.fused_step`'s kernels launched with PDL (`gemv.pdl_kw`), on
   eagerly), so only the graph's red_caught says something; the graph keeps the programmatic edge.
   Consumers: "gemv" (`gemv.linear`; red twin: its head's x loaded before the wait, `RED_X_EARLY`) and "rms_norm"
   (`fused_step.rms_norm`, standing for every fused_step kernel: they enter through the same `_chain`; red twin: the
-  kernel launched with PDL but built without its wait, GDC False).
+  kernel launched with PDL but built without its wait, GDC False); or a lab version's own, as a factory
+  `make(k, n, red) -> consume(x)` over x of `rows` rows (bench/versions/gemv_pdl_rows.py's GEMV of 1..8 rows).
 - `ptx_order`: the library GEMV's global loads before its `griddepcontrol.wait` in the PTX: weight loads only, at most
   ROWS x HEAD x 2 bytes / (16 bytes x threads) of them a thread; more with the red twin (its x loads).
+  `loads_before_wait(ptx)`: the scan itself, for a lab version's kernel.
 
     race_check("gemv", graph=True)        # {"ok": True, "red_caught": True, ...}
     race_check("rms_norm", graph=True)
@@ -60,11 +62,20 @@ def _require() -> None:
         raise RuntimeError("the PDL checks need CUDA and a Triton with triton.language.extra.cuda.gdc_wait")
 
 
-def _consumer(name: str, k: int, n: int, red: bool):
-    """(make x's buffer, consume(x) -> output) for a consumer; red: its red twin."""
+def loads_before_wait(ptx: str) -> tuple[int, list[str]]:
+    """(the `griddepcontrol.wait` instructions in a kernel's PTX, its global loads before the first of them)."""
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    waits = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")]
+    return len(waits), [ln for ln in lines[:waits[0]] if _LD_GLOBAL.match(ln)] if waits else []
+
+
+def _consumer(name, k: int, n: int, red: bool):
+    """consume(x) -> output for a consumer (a name of CONSUMERS, or a factory make(k, n, red)); red: its red twin."""
     from foldkv import fused_step as fs
     from foldkv import gemv
 
+    if callable(name):
+        return name(k, n, red)
     g = torch.Generator(device="cuda").manual_seed(7)
     if name == "gemv":
         w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(torch.bfloat16)
@@ -81,10 +92,11 @@ def _consumer(name: str, k: int, n: int, red: bool):
     raise ValueError(f"consumer {name!r}: one of {CONSUMERS}")
 
 
-def race_check(consumer: str = "gemv", k: int = 5376, n: int = 4096, delay_ns: int = 20_000,
-               graph: bool = False) -> dict:
+def race_check(consumer="gemv", k: int = 5376, n: int = 4096, delay_ns: int = 20_000, graph: bool = False,
+               rows: int = 1) -> dict:
     """{"ok": the consumer under PDL after the late producer is bitwise itself on the clean x, "red_caught": its red
-    twin is not} (module docstring); graph: captured in one CUDA graph and replayed."""
+    twin is not} (module docstring); graph: captured in one CUDA graph and replayed. consumer: a name of CONSUMERS or
+    a factory make(k, n, red) -> consume(x); x is [rows, k] (the named consumers take one row)."""
     import triton
 
     from foldkv import gemv
@@ -93,18 +105,20 @@ def race_check(consumer: str = "gemv", k: int = 5376, n: int = 4096, delay_ns: i
     if not gemv.PDL_GEMV:
         raise RuntimeError("gemv.PDL_GEMV is off: nothing would launch with PDL")
     dev = torch.device("cuda")
-    src = (torch.randn(1, k, device=dev, generator=torch.Generator(device=dev).manual_seed(3)) * 0.5).to(torch.bfloat16)
+    src = (torch.randn(rows, k, device=dev, generator=torch.Generator(device=dev).manual_seed(3)) * 0.5).to(
+        torch.bfloat16)
     dst = torch.empty_like(src)
     block = 1024
     producer = _late_copy()
-    result = dict(consumer=consumer, graph=graph, delay_ns=delay_ns)
+    name = consumer if isinstance(consumer, str) else getattr(consumer, "__name__", repr(consumer))
+    result = dict(consumer=name, graph=graph, delay_ns=delay_ns)
     for red in (False, True):
         consume = _consumer(consumer, k, n, red)
         ref = _consumer(consumer, k, n, False)(src)
 
         def once():
             dst.fill_(float("nan"))
-            producer[(triton.cdiv(k, block),)](src, dst, k, DELAY_NS=delay_ns, BLOCK=block)
+            producer[(triton.cdiv(rows * k, block),)](src, dst, rows * k, DELAY_NS=delay_ns, BLOCK=block)
             return consume(dst)
 
         if graph:
@@ -135,12 +149,10 @@ def ptx_order(k: int = 5376, n: int = 4096, red_x_early: bool = False) -> dict:
     cfg = gemv.config(n, k)
     compiled = gemv.gemv_pdl_rows[(n // cfg["ROWS"],)](x, w, y, k, GDC=True, RED_X_EARLY=red_x_early,
                                                        launch_pdl=True, **cfg)
-    lines = [ln.strip() for ln in compiled.asm["ptx"].splitlines()]
-    waits = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")]
-    before = [ln for ln in lines[:waits[0]] if _LD_GLOBAL.match(ln)] if waits else []
-    return dict(red_x_early=red_x_early, waits=len(waits), loads_before_wait=len(before),
+    waits, before = loads_before_wait(compiled.asm["ptx"])
+    return dict(red_x_early=red_x_early, waits=waits, loads_before_wait=len(before),
                 weight_loads_expected=cfg["ROWS"] * cfg["HEAD"] * 2 // (32 * cfg["num_warps"] * 16),
                 loads=before[:8])
 
 
-__all__ = ["CONSUMERS", "race_check", "ptx_order"]
+__all__ = ["CONSUMERS", "race_check", "ptx_order", "loads_before_wait"]
