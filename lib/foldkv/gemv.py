@@ -5,9 +5,10 @@ with ~600 small kernels between them. Each GEMV loses its launch, its ramp and i
 launched before the kernel ahead of it has finished and waits (`gdc_wait`, PTX `griddepcontrol.wait`) before it
 reads what that kernel wrote. The weights are written by no kernel of a step, so this GEMV's programs load their
 first weight tile *before* the wait: the next projection's bytes stream during the previous kernel's tail and the
-small kernels between (bench/MODEL_DECODE_NOTES.md runs 11 and 12; the lab version bench/versions/gemv_pdl.py).
-Measured on the H200 (bench/gemv_probe.py --rows 1, the 31B's 411 projections in one graph): this configuration,
-`fma_r2_pdl`, 15.46 ms against cuBLAS merged's 15.62 and 15.79 for the same kernel without PDL.
+small kernels between (the measurements: bench/MODEL_DECODE_NOTES.md; the lab version bench/versions/gemv_pdl.py).
+Measured on the H200 (bench/gemv_probe.py --rows 1, the 31B's 411 projections in one graph): this configuration
+15.46 ms against cuBLAS merged's 15.62 and 15.79 for the same kernel without PDL; in the 31B's step at 4K x 1, 0.85 ms
+less a token than cuBLAS's GEMVs.
 
 The kernel (`gemv_pdl_rows`): ROWS = 2 whole weight rows a program, a register loop of BLOCK_K columns (float32
 partial products, summed along K once at the end, rounded once to the output dtype), its first PREFETCH = 1 tile of
@@ -43,8 +44,8 @@ from collections import Counter
 import torch
 
 PDL_GEMV = True  # False: every projection is F.linear and fused_step's kernels launch without PDL
-ROWS = 2  # weight rows a program (run 11: r2 beat r4 under PDL, 15.46 against 15.83 ms)
-PREFETCH = 1  # weight tiles loaded before the wait (run 11: pf1 beat none and two)
+ROWS = 2  # weight rows a program: under PDL two rows' shorter tail beat four (15.46 against 15.83 ms, the 411 GEMVs)
+PREFETCH = 1  # weight tiles loaded before the wait: one beat none (the ramp) and two (registers cut residency)
 TILE = 4096  # weight elements a program loads a step: 8 KB of bf16 (gemv_fma's, the read roof kernel's)
 DTYPES = (torch.bfloat16,)
 
