@@ -31,6 +31,17 @@ Arms (each one graph of the step's 421 projections in forward order, the model's
   and spills (`kernel_stats`), and each distinct weight shape against float64 (`bound`: the float32-accumulation
   bound); a PDL arm's outputs bitwise its plain twin's (`same_as_plain`), `finite`; before them the race check (in a
   graph and eager) and the PTX order of the M-row kernel (`pdl_checks_rows`).
+- the tensor-core PDL GEMM of 1..16 rows (rows M = 1..16, padded to the MMA's 16; bench/versions/gemv_pdl_tc.py,
+  MODEL_DECODE_NOTES run 14), `TC_ARMS`: each program 64 weight rows x 16 padded rows of x through tl.dot, the K range
+  split (a float32 workspace and a small PDL reduce, `split_sum`) where N / 64 programs would not cover the SMs:
+  `pdl_tc` the 411 projections serial under PDL (first weight tile before the wait), `plain_tc` the plain builds and
+  launches; `_norm`: gemv_pdl.head_norm between consecutive projections (as the rows arms); `_merged`: the 241 merged
+  weights; `pdl_tc_merged_<variant>` the merged step under another configuration (gemv_pdl_tc.VARIANTS: `_k256` 256
+  columns a stage and 3 stages, `_s3` 3 stages, `_n128` 128 weight rows a program, `_nosplit` no split-K). Each arm
+  records what the rows arms record (kernel_calls, refusals, the float64 bound per shape, same_as_plain, finite) and
+  the builds' registers, spills, shared memory and MMA kind (`kernel_stats`), the grids (`grids`: programs a shape,
+  the split, resident programs an SM) and its launches (GEMMs + split reduces + norms); before them, per M, the race
+  check (graph and eager) and the PTX order of the tensor-core kernel (`pdl_checks_tc`).
 Then, with --cells, notebook 05's decode cells through generate() with the step's projections on graph branches
 (foldkv.fused_step.BRANCHES, the library's) and without; --no-arms skips the projections-only arms.
 Prints one table; JSON to $OUT/gemv_probe.json.
@@ -39,6 +50,7 @@ Prints one table; JSON to $OUT/gemv_probe.json.
     python3 bench/gemv_probe.py --rows 1          # the projections alone at one row, the fma_rN arms included
     python3 bench/gemv_probe.py --rows 1 --arms fma_r4 fma_r4_pdl fma_r4_norm fma_r4_norm_pdl   # PDL, run 11
     python3 bench/gemv_probe.py --rows 8 4 2 --arms torch_merged pdl_m_r2 plain_m_r2 pdl_m_r2_merged   # run 13
+    python3 bench/gemv_probe.py --rows 8 --arms torch_merged pdl_tc_merged plain_tc_merged pdl_tc plain_tc   # run 14
 """
 
 from __future__ import annotations
@@ -71,11 +83,19 @@ ROWS_ARMS = {f"{'pdl' if pdl else 'plain'}_m_r{r}{tail}": dict(rows=r, pdl=pdl, 
                                                                merged=tail == "_merged")
              for r, tails in ((2, ("", "_norm", "_merged")), (1, ("",)), (4, ("",))) for tail in tails
              for pdl in (True, False)}
+# The tensor-core PDL GEMM of 1..16 rows (versions/gemv_pdl_tc.py): launched with PDL (GEMM, split reduce, norm); a
+# dependent norm between consecutive projections; the merged weights; a configuration variant (gemv_pdl_tc.VARIANTS'
+# keys, "" the default; merged and PDL only, against pdl_tc_merged).
+TC_VARIANTS = ("_k256", "_s3", "_n128", "_nosplit")
+TC_ARMS = {f"{'pdl' if pdl else 'plain'}_tc{tail}": dict(pdl=pdl, norm=tail == "_norm", merged=tail == "_merged",
+                                                         variant="")
+           for tail in ("", "_norm", "_merged") for pdl in (True, False)}
+TC_ARMS.update({f"pdl_tc_merged{v}": dict(pdl=True, norm=False, merged=True, variant=v) for v in TC_VARIANTS})
 # Every arm's name, for --arms (main checks its own tables against these).
 BASE_ARMS = ("torch", "torch_branches", "stream", "stream_branches", "stream_c2", "stream_c8", "stream_s4", "stream_s2",
              "stream_w8")
 ONE_ROW_ARMS = ("fma_r2", "fma_r4", "fma_r16", "fma_r4_branches")
-ARM_NAMES = ("torch_merged",) + BASE_ARMS + ONE_ROW_ARMS + tuple(CHAIN_ARMS) + tuple(ROWS_ARMS)
+ARM_NAMES = ("torch_merged",) + BASE_ARMS + ONE_ROW_ARMS + tuple(CHAIN_ARMS) + tuple(ROWS_ARMS) + tuple(TC_ARMS)
 HEAD_D = 256  # the chain's norm row (gemv_pdl.HEAD_D; here for the CPU-side plan)
 
 
@@ -373,6 +393,85 @@ def rows_arm(name: str, spec: dict, projs, m: int, dev, wbytes: float, roof_gbps
     return row
 
 
+def tc_plan(tc, shapes, m: int, variant: str = "", norm: bool = False) -> dict:
+    """What a TC_ARMS arm launches over weights of `shapes` ([N, K] in order) at m rows, without a GPU: the kernel's
+    refusals by shape (empty when it takes every one), its grid per distinct shape (programs, split, resident
+    programs an SM by the shared-memory estimate) and the launches (GEMMs, split reduces, norms between)."""
+    over = tc.VARIANTS[variant]
+    why, grids, launches = {}, {}, 0
+    for n, k in shapes:
+        r = tc.shape_refusal(m, n, k, torch.bfloat16, torch.bfloat16, True, False, **over)
+        if r is not None:
+            why[(n, k)] = r
+            continue
+        cfg = tc.config(n, k, m, **over)
+        launches += tc.launches(cfg)
+        grids.setdefault(f"{n}x{k}", dict(programs=tc.programs(n, cfg), split=cfg["SPLIT"],
+                                            ctas_per_sm=tc.ctas_per_sm(cfg), smem_estimate=tc.smem_estimate(cfg)))
+    return dict(refusals=why, grids=grids, launches=launches + (len(shapes) - 1 if norm else 0),
+                splits=sum(g["split"] > 1 for g in grids.values()))
+
+
+def pdl_checks_tc(tc, m: int) -> dict:
+    """The tensor-core kernel's PDL preconditions at m rows (its default configuration, a weight that splits K): the
+    race check in a graph (ok, red_caught) and eagerly (ok), the PTX order (no x load, no cp.async before the wait)
+    and its red twin."""
+    out = {}
+    for name, fn in (("race_graph", lambda: tc.race_check(m, graph=True)), ("race_eager", lambda: tc.race_check(m)),
+                     ("race_graph_nosplit", lambda: tc.race_check(m, graph=True, n=16384)),
+                     ("ptx", lambda: tc.ptx_order(m)), ("ptx_red", lambda: tc.ptx_order(m, red_x_early=True))):
+        try:
+            out[name] = fn()
+        except Exception as e:  # noqa: BLE001 - recorded, the arms still run (and say so)
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    return out
+
+
+def tc_arm(name: str, spec: dict, projs, m: int, dev, wbytes: float, roof_gbps: float, tc, gp) -> dict:
+    """One TC_ARMS arm at m rows timed as one graph: the kernel must take every projection (else an error row, never a
+    timing of F.linear); the grids and launches (`tc_plan`), the builds' registers, spills, shared memory and MMA
+    kind; each distinct weight shape against float64; a PDL arm's outputs bitwise its plain twin's."""
+    over = tc.VARIANTS[spec["variant"]]
+    ws = merged_weights(projs) if spec["merged"] else [lin.weight for _, lin in projs]
+    plan = tc_plan(tc, [tuple(w.shape) for w in ws], m, spec["variant"], spec["norm"])
+    if plan["refusals"]:
+        raise ValueError(f"the kernel refuses {plan['refusals']}")
+    gemv_fn = lambda x, w, pdl: tc.linear(x, w, pdl=pdl, **over)  # noqa: E731
+    shapes = sorted({tuple(w.shape) for w in ws})
+    row = {"arm": name, "rows": m, "variant": spec["variant"], "grids": plan["grids"],
+           "kernel_stats": [tc.kernel_stats(n, k, m, pdl=spec["pdl"], **over) for n, k in shapes]}
+    g = torch.Generator(device=dev).manual_seed(1)
+    bound = {}
+    for w in ws:
+        if tuple(w.shape) not in bound:
+            x = (torch.randn(m, w.shape[1], device=dev, generator=g) * 0.5).to(w.dtype)
+            bound[tuple(w.shape)] = tc.bound_check(gemv_fn(x, w, False), x, w)
+    row["bound"] = {"within": all(b["within"] for b in bound.values()),
+                    "worst": max(b["worst"] for b in bound.values()), "shapes": len(bound)}
+    tc.reset()
+    if spec["merged"]:
+        step = make_merged_step(projs, m, dev, lambda x, w: gemv_fn(x, w, spec["pdl"]), ws=ws)
+        plain = make_merged_step(projs, m, dev, lambda x, w: gemv_fn(x, w, False), ws=ws) if spec["pdl"] else None
+    else:
+        chain = dict(norm=spec["norm"], pdl=spec["pdl"])
+        step = make_chain_step(projs, chain, dev, gemv_fn, rows_norm(gp), m=m)
+        plain = make_chain_step(projs, chain, dev, gemv_fn, rows_norm(gp), pdl=False, m=m) if spec["pdl"] else None
+    ms, outs = time_graph(step, dev)
+    calls = tc.report()
+    if calls["refusals"]:
+        raise RuntimeError(f"F.linear inside the arm: {calls['refusals']}")
+    row.update(ms=ms, gbps=wbytes / ms / 1e6, of_roof=wbytes / ms / 1e6 / roof_gbps, kernel_calls=calls["kernel"],
+               launches=plan["launches"], split_weights=plan["splits"])
+    if plain is not None:
+        got = torch.cat([o.reshape(-1) for o in outs])
+        ref = torch.cat([o.reshape(-1) for o in plain()])
+        torch.cuda.synchronize(dev)
+        row["same_as_plain"] = bool(torch.equal(got, ref))
+        row["finite"] = bool(torch.isfinite(got).all())
+    del ws, outs
+    return row
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import sys
@@ -426,6 +525,16 @@ def main(argv=None) -> int:
                 raise RuntimeError("no Triton with grid dependency control (gdc_wait)")
         except Exception as e:  # noqa: BLE001 - no PDL here: every rows arm is an error row
             gr = f"{type(e).__name__}: {e}"[:300]
+    tc_arms = [n for n in TC_ARMS if args.arms is None or n in args.arms]
+    tc = None
+    if tc_arms and not args.no_arms:
+        try:
+            from versions import gemv_pdl as gp_tc
+            from versions import gemv_pdl_tc as tc
+            if not tc.HAS_GDC:
+                raise RuntimeError("no Triton with grid dependency control (gdc_wait)")
+        except Exception as e:  # noqa: BLE001 - no PDL here: every tensor-core arm is an error row
+            tc = f"{type(e).__name__}: {e}"[:300]
     gp = None
     if 1 in args.rows and not args.no_arms and chains:
         try:
@@ -468,6 +577,20 @@ def main(argv=None) -> int:
                 if isinstance(gr, str) or gr is None:
                     raise RuntimeError(f"versions.gemv_pdl_rows: {gr}")
                 row = rows_arm(name, ROWS_ARMS[name], projs, m, dev, wbytes, roof["gbps"], gr, gp_rows)
+            except Exception as e:  # noqa: BLE001 - as above
+                row = {"arm": name, "rows": m, "error": f"{type(e).__name__}: {e}"[:300]}
+            torch.cuda.empty_cache()
+            out["arms"].append(row)
+            print(row, flush=True)
+        if tc_arms and not isinstance(tc, (str, type(None))) and 1 <= m <= tc.MAX_M \
+                and any(TC_ARMS[n]["pdl"] for n in tc_arms):
+            out.setdefault("pdl_checks_tc", {})[m] = pdl_checks_tc(tc, m)
+            print(f"tensor-core pdl checks at {m} rows", json.dumps(out["pdl_checks_tc"][m], default=str), flush=True)
+        for name in tc_arms:
+            try:
+                if isinstance(tc, str) or tc is None:
+                    raise RuntimeError(f"versions.gemv_pdl_tc: {tc}")
+                row = tc_arm(name, TC_ARMS[name], projs, m, dev, wbytes, roof["gbps"], tc, gp_tc)
             except Exception as e:  # noqa: BLE001 - as above
                 row = {"arm": name, "rows": m, "error": f"{type(e).__name__}: {e}"[:300]}
             torch.cuda.empty_cache()

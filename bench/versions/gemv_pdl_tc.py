@@ -1,0 +1,360 @@
+"""The decode step's projections at 2..16 rows of x as a tensor-core skinny GEMM under programmatic dependent launch:
+x [M, K] (M padded to 16) @ W [N, K]^T, the weight the MMA's large side, the batch its small one.
+
+Question: at batch 8 the step's 241 merged projections are cuBLAS's (foldkv.gemv refuses: "not one row"), 14.90 ms
+for the 61.4 GB at 0.911 of the roof (s21, run 6), and cuBLAS kernels never trigger their PDL dependents, so the
+chain's boundaries keep their gaps (run 11: 1.26-2.61 us a boundary). The CUDA-core M-row GEMV
+(`gemv_pdl_rows.py`, run 13) predicts its own loss at 8 rows: 13 instructions a weight element. On the tensor cores a
+weight element costs a sixteenth of one MMA lane-op whatever M <= 16 is: the kernel is load-bound at every M. Does a
+Triton tensor-core kernel read the weights as well as cuBLAS does, so that the step's chain can be PDL at batch 8?
+
+Design (`gemv_tc`): each program owns BLOCK_N = 64 weight rows (the wgmma's M = 64 of one warpgroup, 4 warps) and one
+K range (K_SPLIT columns, SPLIT ranges a weight), and loops over it in BLOCK_K = 128 steps:
+acc [BLOCK_N, 16] += tl.dot(w [BLOCK_N, BLOCK_K], xT [BLOCK_K, 16]), bf16 operands, float32 accumulation; x's rows
+>= M masked to zero (never read: a masked lane loads nothing), so one build serves M = 1..16 (M a runtime argument).
+The first weight tile (PREFETCH = 1: 64 x 128 x 2 = 16 KB a program, 32 registers a thread) is loaded into registers
+*before* `gdc_wait()`; then `gdc_launch_dependents()` (gemv.py's order); x only after the wait; the loop is Triton's
+software pipeline (num_stages = 4: three weight tiles of 16 KB in flight a program, cp.async into shared memory).
+SPLIT = 1: the output rounded once to bf16 and stored for the M real rows only, transposed back to [M, N]. SPLIT > 1:
+each program stores its float32 partial into a workspace [SPLIT, M, N] and a second PDL kernel (`split_sum`: it
+triggers at its top and waits before its first load, as fused_step's small kernels) sums the SPLIT partials in a fixed
+order and rounds once: no atomics, so a PDL launch is bitwise its plain launch.
+
+Why split-K, and only there (`config`): the grid must cover the H200's 132 SMs (a program streams one SM's share; an
+SM without a program reads nothing). N / 64 programs cover them for the wide weights (q|k|v 256, global q|k 288,
+gate|up 672, the LM head 4,096), not for the three weights whose N is the hidden size: o_proj (sliding, global) and
+down_proj, N = 5,376: 84 programs. BLOCK_N below 64 leaves wgmma (m64: Triton falls back to mma.sync, the operand
+path of gemv_stream.py, run 5: 0.75-0.78 of the roof), so those take SPLIT = the smallest divisor of K / BLOCK_K
+that brings the grid to >= 132 programs: 2 (168 programs; K = 8,192 / 16,384 / 21,504 -> 32 / 64 / 84 tiles a
+split), 120 of the step's 241 GEMVs, each one small reduce (8 x 5,376 x 2 float32 read, 86 KB written at 8 rows).
+The unmerged 411 projections (the probe's `pdl_tc` arms) split their narrow ones too (q 8,192 -> 2, k / v 4,096 -> 3,
+global k 2,048 -> 6). A split keeps >= MIN_SPLIT_TILES tiles (the pipeline fills) and the prefetched head.
+Shared memory: 4 stages x (16 KB weight + 4 KB x) = 80 KB (+ the head's 16 KB if Triton stages it for the MMA) -> two
+programs an SM (228 KB), 264 resident slots: every grid of the merged step but gate|up's (672) and the LM head's
+(4,096) is resident at once, so its programs share the read and end together.
+
+Numerics: the tensor cores' products of bf16 are exact; their float32 sums (aligned to the largest term, truncated:
+Fasi et al., "Numerical behavior of NVIDIA tensor cores", 2021) lose at most one float32 ulp of a partial bounded by
+sum_k |x_k w_k| per term, the split's fixed-order adds one more each (the count stays <= K), and the result is rounded
+once to bf16: |y - ref| <= ulp(ref) + K 2^-23 sum_k |x_k w_k| of float64, the bound the library GEMV and the M-row
+version are held to (`bound_check`: gemv_pdl_rows'). Not bitwise cuBLAS.
+
+Reused: `foldkv.gemv` (HAS_GDC, gdc_wait / gdc_launch_dependents, its bias / dtype / layout refusals), the M-row
+version `gemv_pdl_rows` (its float64 bound check), `foldkv.lab.pdl_checks` (the race check's producer and bitwise
+comparison, the PTX scan).
+
+Prediction (bench/MODEL_DECODE_NOTES.md run 14, written before any run): the merged step's 241 GEMMs (+ 120 split
+reduces) at 8 rows ~16.0 ms (14.6-17.5) against cuBLAS merged's ~14.9: a loss of ~7% (a body at ~0.88 of the roof,
+~2 us a boundary under PDL); break-even for the step only if the body reads at >= ~0.92; the same at 2 and 4 rows,
++2-4% at 16 (x's L2 re-reads). Not measured yet.
+
+    linear(x, weight, pdl=True, **over)           # x [..., K] of 1..16 rows @ weight [N, K]^T; else F.linear
+    refusal(x, weight, ...), shape_refusal(m, n, k, ...)   # None when linear() takes the kernel, else why not
+    config(n, k, m, block_n=, block_k=, stages=, split=, prefetch=)   # the launch, None without a tile
+    programs(n, cfg), smem_estimate(cfg), ctas_per_sm(cfg), launches(n, cfg)   # what the grid and the SM hold
+    bound_check(y, x, w)                          # against float64 (gemv_pdl_rows')
+    race_check(m, graph), ptx_order(m)            # PDL: the wait holds / no x load before it (lab.pdl_checks)
+    kernel_stats(n, k, m)                         # n_regs, n_spills, shared bytes, wgmma in the PTX
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import torch
+
+from foldkv import gemv as lib
+from versions import gemv_pdl_rows as rows_version
+
+MAX_M = 16  # rows of x a launch takes: the MMA's small side, padded to BLOCK_M
+BLOCK_M = 16
+BLOCK_N = 64  # weight rows a program: wgmma's m64 for one warpgroup
+BLOCK_K = 128  # weight columns a pipeline stage: 16 KB of weight a stage at BLOCK_N = 64
+STAGES = 4  # Triton's num_stages: three tiles in flight a program
+PREFETCH = 1  # weight tiles loaded before the wait: 1 or 0
+SMS = 132  # the H200's SMs: the grid covers at least this many programs
+MIN_SPLIT_TILES = 4  # a K split keeps at least this many BLOCK_K tiles
+SMEM_PER_SM = 228 * 1024  # the H200's shared memory an SM (each resident CTA also reserves 1 KB)
+SMEM_PER_CTA = 227 * 1024  # the most one CTA may have
+REDUCE_BLOCK = 1024  # split_sum's elements a program
+HAS_GDC = lib.HAS_GDC
+triton = lib.triton
+bound_check = rows_version.bound_check  # the float32-accumulation bound against float64, in chunks of weight rows
+
+# The probe's variants of the configuration (`config` keywords): the default, a wider K tile, fewer stages, a
+# taller tile (two warpgroups), no split-K (the N = 5,376 weights at 84 programs).
+VARIANTS = {"": {}, "_k256": dict(block_k=256, stages=3), "_s3": dict(stages=3), "_n128": dict(block_n=128),
+            "_nosplit": dict(split=1)}
+
+_CALLS: Counter = Counter()  # "kernel" and each refusal's reason since reset()
+_CP_ASYNC = re.compile(r"(@!?%p\d+\s+)?cp\.async")
+
+
+if HAS_GDC:
+    import triton.language as tl
+
+    from foldkv.gemv import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def gemv_tc(x_ptr, w_ptr, y_ptr, ws_ptr, M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
+                GDC: tl.constexpr, RED_X_EARLY: tl.constexpr = False):
+        """y [M, N] = x [M, K] @ w [N, K]^T (x, w, y contiguous; M <= BLOCK_M) for this program's BLOCK_N weight rows
+        (program_id 0) and K range [pid1 K_SPLIT, (pid1 + 1) K_SPLIT) (program_id 1; K_SPLIT % BLOCK_K == 0).
+        SPLIT == 1: y rounded once from float32; else the float32 partial into ws [SPLIT, M, N] (split_sum adds).
+        PREFETCH: the range's first weight tile loaded before the wait (GDC). RED_X_EARLY (a red twin for the race
+        check, never for use): that tile's x loaded before the wait too, and used."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        k_lo = pid_k.to(tl.int64) * K_SPLIT
+        live_n = rn < N
+        live_m = rm < M
+        w_at = w_ptr + rn[:, None] * K + (k_lo + rk)[None, :]  # [BLOCK_N, BLOCK_K]
+        x_at = x_ptr + rm[None, :] * K + (k_lo + rk)[:, None]  # [BLOCK_K, BLOCK_M]: x transposed, K contiguous
+        if PREFETCH:
+            if EVEN_N:
+                w_head = tl.load(w_at, eviction_policy="evict_first")
+            else:
+                w_head = tl.load(w_at, mask=live_n[:, None], other=0.0, eviction_policy="evict_first")
+            if RED_X_EARLY:
+                x_head = tl.load(x_at, mask=live_m[None, :], other=0.0)
+        if GDC:
+            gdc_wait()
+            gdc_launch_dependents()
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if PREFETCH:
+            if not RED_X_EARLY:
+                x_head = tl.load(x_at, mask=live_m[None, :], other=0.0)
+            acc = tl.dot(w_head, x_head, acc=acc)
+        for k0 in range(PREFETCH * BLOCK_K, K_SPLIT, BLOCK_K):
+            if EVEN_N:
+                w = tl.load(w_at + k0, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_at + k0, mask=live_n[:, None], other=0.0, eviction_policy="evict_first")
+            xt = tl.load(x_at + k0, mask=live_m[None, :], other=0.0)
+            acc = tl.dot(w, xt, acc=acc)
+        live = live_m[None, :] & live_n[:, None]
+        if SPLIT == 1:
+            tl.store(y_ptr + rm[None, :] * N + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=live)
+        else:
+            row = (pid_k * M + rm[None, :]).to(tl.int64)
+            tl.store(ws_ptr + row * N + rn[:, None], acc, mask=live)
+
+    @triton.jit
+    def split_sum(ws_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+        """y [MN] = sum over s < SPLIT of ws [s, MN] (float32, in the order s = 0, 1, ...), rounded once to y's dtype.
+        With GDC: its dependents may launch at once (the trigger first), the wait before its first load."""
+        if GDC:
+            gdc_launch_dependents()
+            gdc_wait()
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = offs < MN
+        acc = tl.load(ws_ptr + offs, mask=live, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(ws_ptr + s * MN + offs, mask=live, other=0.0)
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=live)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def config(n: int, k: int, m: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K, stages: int = STAGES,
+           split: int | None = None, prefetch: int = PREFETCH, sms: int = SMS) -> dict | None:
+    """The launch for a weight [n, k] at m rows of x: BLOCK_K the largest power of two up to block_k dividing k (at
+    least 64); SPLIT (None: chosen) the smallest divisor of the k / BLOCK_K tiles that brings cdiv(n, block_n) x SPLIT
+    to >= sms programs with >= MIN_SPLIT_TILES tiles a split, else the largest such divisor (a weight too small for
+    the SMs), else 1; num_warps 4 a 64-row tile (one warpgroup), 8 at 128. None when m is not 1..MAX_M, block_n not 64
+    or 128, prefetch not 0 or 1, stages < 1, no tile divides k, or a given split does not divide the tiles or leaves
+    a split shorter than the prefetched head."""
+    if not 1 <= m <= MAX_M or n < 1 or block_n not in (64, 128) or prefetch not in (0, 1) or stages < 1:
+        return None
+    bk = block_k
+    while bk >= 64 and k % bk:
+        bk //= 2
+    if bk < 64:
+        return None
+    tiles = k // bk
+    if split is None:
+        fits = [s for s in range(1, tiles + 1) if tiles % s == 0 and tiles // s >= min(MIN_SPLIT_TILES, tiles)
+                and tiles // s >= prefetch]
+        split = next((s for s in fits if _cdiv(n, block_n) * s >= sms), fits[-1] if fits else 1)
+    if split < 1 or tiles % split or tiles // split < max(prefetch, 1):
+        return None
+    return dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=bk, PREFETCH=prefetch, SPLIT=split,
+                num_warps=4 if block_n == 64 else 8, num_stages=stages)
+
+
+def programs(n: int, cfg: dict) -> int:
+    """The GEMM's grid: cdiv(n, BLOCK_N) row tiles x SPLIT K ranges."""
+    return _cdiv(n, cfg["BLOCK_N"]) * cfg["SPLIT"]
+
+
+def launches(cfg: dict) -> int:
+    """Kernels a GEMV launches: the GEMM, and split_sum when it splits K."""
+    return 1 + (cfg["SPLIT"] > 1)
+
+
+def smem_estimate(cfg: dict) -> int:
+    """Shared memory a program is expected to take: num_stages buffers of the weight tile and x's tile, and the
+    prefetched head's weight tile staged once for the MMA (an upper estimate; kernel_stats reads the build's)."""
+    w_tile = cfg["BLOCK_N"] * cfg["BLOCK_K"] * 2
+    x_tile = cfg["BLOCK_K"] * cfg["BLOCK_M"] * 2
+    return cfg["num_stages"] * (w_tile + x_tile) + cfg["PREFETCH"] * (w_tile + x_tile)
+
+
+def ctas_per_sm(cfg: dict, smem: int | None = None) -> int:
+    """Programs an SM holds by shared memory (each CTA reserves 1 KB more): 0 when one does not fit."""
+    smem = smem_estimate(cfg) if smem is None else smem
+    return 0 if smem > SMEM_PER_CTA else SMEM_PER_SM // (smem + 1024)
+
+
+def shape_refusal(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool,
+                  has_bias: bool, **over) -> str | None:
+    """None when a GEMV of m rows against a weight [n, k] is this kernel's, else why not: the library's refusals for
+    the bias, the dtypes and the layout (`foldkv.gemv.shape_refusal`), then the rows, then the tile (`over`: config's
+    keywords)."""
+    why = lib.shape_refusal(1, n, k, x_dtype, w_dtype, w_contiguous, has_bias)
+    if why is not None and not why.startswith("no tile"):  # the library's tile is not this kernel's
+        return why
+    if m < 1:
+        return "no row"
+    if m > MAX_M:
+        return f"{m} rows, more than {MAX_M}"
+    if config(n, k, m, **over) is None:
+        return f"no tile for a [{n}, {k}] weight ({over or 'the default configuration'})"
+    return None
+
+
+def refusal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **over) -> str | None:
+    """None when `linear(x, weight, bias, **over)` runs the kernel; else why it is F.linear."""
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        return "not a projection's shapes"
+    n, k = weight.shape
+    why = shape_refusal(x.numel() // max(k, 1), n, k, x.dtype, weight.dtype, weight.is_contiguous(),
+                        bias is not None, **over)
+    if why is not None:
+        return why
+    if x.device.type != "cuda" or weight.device != x.device:
+        return "not on CUDA"
+    if not HAS_GDC:
+        return "no Triton with grid dependency control (gdc_wait)"
+    return None
+
+
+def launch(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict, pdl: bool = True, *,
+           red_x_early: bool = False, k_split: int | None = None, m: int | None = None,
+           reduce_splits: int | None = None, grid: tuple | None = None):
+    """The kernels themselves on x [m, K] (contiguous) into y [m, N]; returns the GEMM's compiled kernel. The keywords
+    past `pdl` are the red twins' and kernel_stats' (never for use): k_split (the columns a program covers: one tile
+    short drops a K block), m (rows of x the kernel is told), reduce_splits (partials split_sum adds), grid."""
+    n, k = weight.shape
+    m = xs.shape[0] if m is None else m
+    split = cfg["SPLIT"]
+    ws = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=y.device)
+    kw = dict(launch_pdl=True) if pdl else {}  # only passed when set, as gemv_pdl's launches
+    grid = (_cdiv(n, cfg["BLOCK_N"]), split) if grid is None else grid
+    compiled = gemv_tc[grid](xs, weight, y, ws, m, n, k, k // split if k_split is None else k_split,
+                             EVEN_N=n % cfg["BLOCK_N"] == 0, GDC=pdl, RED_X_EARLY=red_x_early, **cfg, **kw)
+    if split > 1:
+        mn = m * n
+        split_sum[(_cdiv(mn, REDUCE_BLOCK),)](ws, y, mn, SPLIT=split if reduce_splits is None else reduce_splits,
+                                              BLOCK=REDUCE_BLOCK, GDC=pdl, num_warps=4, **kw)
+    return compiled
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = True,
+           out: torch.Tensor | None = None, _red_x_early: bool = False, **over) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T: the kernel when `refusal` is None (pdl: launched with launch_pdl and waiting,
+    else the plain builds and launches), else F.linear; each call counted (`report`). `out` ([M, N] contiguous, the
+    kernel's route only): written in place. `over`: config's keywords (the probe's variants)."""
+    why = refusal(x, weight, bias, **over)
+    _CALLS["kernel" if why is None else why] += 1
+    if why is not None:
+        return torch.nn.functional.linear(x, weight, bias)
+    n, k = weight.shape
+    m = x.numel() // k
+    cfg = config(n, k, m, **over)
+    xs = x.reshape(m, k)
+    xs = xs if xs.is_contiguous() else xs.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    launch(xs, weight, y, cfg, pdl, red_x_early=_red_x_early)
+    return y.view(*x.shape[:-1], n)
+
+
+def report() -> dict:
+    return {"kernel": _CALLS.get("kernel", 0), "refusals": {k: v for k, v in _CALLS.items() if k != "kernel"}}
+
+
+def reset() -> None:
+    _CALLS.clear()
+
+
+# --- checks (GPU) ----------------------------------------------------------------------------------------------------
+def _consumer(m: int, **over):
+    """pdl_checks.race_check's consumer factory: make(k, n, red) -> consume(x [m, k]), the weight seeded (the same
+    weight for the reference and the checked launch)."""
+    def make(k: int, n: int, red: bool):
+        g = torch.Generator(device="cuda").manual_seed(7)
+        w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(torch.bfloat16)
+        return lambda x: linear(x.view(m, k), w, pdl=True, _red_x_early=red, **over)
+    make.__name__ = f"gemv_tc(M={m}{''.join(f', {a}={b}' for a, b in over.items())})"
+    return make
+
+
+def race_check(m: int = 8, graph: bool = False, k: int = 5376, n: int = 4096, **over) -> dict:
+    """foldkv.lab.pdl_checks.race_check with this kernel as the consumer of m rows (a [4096, 5376] weight: 64 row
+    tiles, SPLIT 3, so split_sum is in the chain too): ok (the wait holds) and red_caught (the red twin, x's first
+    tile loaded before the wait, is wrong: PDL launched it early)."""
+    from foldkv.lab import pdl_checks
+
+    return dict(pdl_checks.race_check(_consumer(m, **over), k=k, n=n, graph=graph, rows=m), m=m,
+                split=config(n, k, m, **over)["SPLIT"])
+
+
+def ptx_order(m: int = 8, k: int = 5376, n: int = 4096, red_x_early: bool = False, **over) -> dict:
+    """The PDL build's global loads before its first `griddepcontrol.wait` (foldkv.lab.pdl_checks' scan): the
+    prefetched weight tile only (BLOCK_N x BLOCK_K x 2 bytes / (16 bytes x threads) loads a thread), no cp.async (the
+    pipeline's copies, x's among them) before it; more loads with the red twin (its x tile)."""
+    from foldkv.lab import pdl_checks
+
+    dev = torch.device("cuda")
+    cfg = config(n, k, m, **over)
+    x = torch.ones(m, k, dtype=torch.bfloat16, device=dev)
+    w = torch.ones(n, k, dtype=torch.bfloat16, device=dev)
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+    ptx = launch(x, w, y, cfg, True, red_x_early=red_x_early).asm["ptx"]
+    waits, before = pdl_checks.loads_before_wait(ptx)
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    first = next((i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")), len(lines))
+    return dict(m=m, red_x_early=red_x_early, waits=waits, loads_before_wait=len(before),
+                cp_async_before_wait=sum(bool(_CP_ASYNC.match(ln)) for ln in lines[:first]),
+                weight_loads_expected=cfg["BLOCK_N"] * cfg["BLOCK_K"] * 2 // (32 * cfg["num_warps"] * 16),
+                loads=before[:8])
+
+
+def kernel_stats(n: int, k: int, m: int, pdl: bool = True, **over) -> dict:
+    """The build a weight [n, k] at m rows takes (compiled by a launch of one program on an unwritten [n, k] weight:
+    the output is never read): n_regs, n_spills, shared bytes (against smem_estimate), whether the PTX multiplies with
+    wgmma (Hopper's MMA from shared memory) or mma.sync."""
+    dev = torch.device("cuda")
+    cfg = config(n, k, m, **over)
+    x = torch.zeros(m, k, dtype=torch.bfloat16, device=dev)
+    w = torch.empty(n, k, dtype=torch.bfloat16, device=dev)
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+    compiled = launch(x, w, y, cfg, pdl, grid=(1, 1))
+    ptx = compiled.asm["ptx"]
+    shared = getattr(getattr(compiled, "metadata", None), "shared", None)
+    return dict(n=n, k=k, m=m, n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None),
+                shared=shared, smem_estimate=smem_estimate(cfg),
+                ctas_per_sm=ctas_per_sm(cfg, shared) if isinstance(shared, int) else None,
+                wgmma="wgmma" in ptx, mma_sync="mma.sync" in ptx, programs=programs(n, cfg), **cfg)
+
+
+__all__ = ["MAX_M", "BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "PREFETCH", "SMS", "HAS_GDC", "VARIANTS", "config",
+           "programs", "launches", "smem_estimate", "ctas_per_sm", "shape_refusal", "refusal", "launch", "linear",
+           "report", "reset", "bound_check", "race_check", "ptx_order", "kernel_stats"]

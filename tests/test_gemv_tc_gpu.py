@@ -1,0 +1,142 @@
+"""bench/versions/gemv_pdl_tc.py (the tensor-core PDL GEMM of 1..16 rows of x, not measured yet) on the GPU.
+
+Bound: every output element against float64 within the float32-accumulation bound the library GEMV and the M-row
+version are held to, |y - ref| <= ulp(ref) + K 2^-23 sum_k |x_k w_k| (tests/test_fused_step_gpu.py's
+`_gemv_within_bound`: the output poisoned with NaN first, every element must be written; the tensor cores' truncated
+float32 sums stay inside it, the module's header says why), at M = 2, 3, 8, 16 over the 31B's projection shapes
+(merged q|k|v, global q|k and gate|up; o_proj sliding and global and down_proj, which split K; the narrow global
+k_proj, split 6) and awkward ones: N = 4,098 (not a whole number of 64-row tiles: masked rows) with K = 5,888 (46
+tiles, split 2), a [6, 256] weight (one program, 58 rows masked) and a [6, 128] one (the prefetched tile only: the
+loop runs no step). The configuration variants the probe times (wider K tile, 3 stages, 128-row tiles, no split, no
+prefetch), PDL and plain, within the same bound.
+Red twins: the kernel told a K range one tile short (with and without a split); told M - 1 rows (one x row dropped,
+its output row zero: the bound, not the NaN check, must catch it); split_sum told one partial fewer; each misses the
+bound. PDL: the PDL builds bitwise the plain ones (split and not); foldkv.lab.pdl_checks' race check with this kernel
+as its consumer (eager: the wait holds; in a graph: the wait holds and the red twin, x's first tile loaded before the
+wait, is caught), on a weight that splits K (split_sum in the chain) and one that does not; the PTX scan (the
+prefetched weight tile's loads only before the wait, no cp.async; the red twin's x loads visible).
+
+Reproduce: FOLDKV_REQUIRE_GPU=1 PYTHONPATH=$PWD/lib python -m pytest -q tests/test_gemv_tc_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import bench_version
+from test_fused_step_gpu import _gemv_case, _gemv_within_bound
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+MS = (2, 3, 8, 16)
+# the 31B's [N, K]: sliding q|k|v merged, global q|k merged, gate|up merged, sliding o_proj, global o_proj, down_proj,
+# global k_proj (unmerged: split 6); awkward: masked rows and 46 tiles, one program, one tile
+SHAPES = [(16384, 5376), (18432, 5376), (43008, 5376), (5376, 8192), (5376, 16384), (5376, 21504), (2048, 5376),
+          (4098, 5888), (6, 256), (6, 128)]
+SPLIT_SHAPES = {(5376, 8192), (5376, 16384), (5376, 21504), (2048, 5376), (4098, 5888)}
+
+
+@pytest.fixture()
+def tc():
+    from conftest import skip_or_fail
+
+    mod = bench_version("gemv_pdl_tc")
+    if not mod.HAS_GDC:
+        skip_or_fail("Triton has no triton.language.extra.cuda.gdc_wait (PDL)")
+    mod.reset()
+    return mod
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+@pytest.mark.parametrize("m", MS)
+def test_tc_within_the_gemv_bound(tc, m, shape):
+    n, k = shape
+    assert tc.shape_refusal(m, n, k, BF16, BF16, True, False) is None
+    assert (tc.config(n, k, m)["SPLIT"] > 1) == (shape in SPLIT_SHAPES), tc.config(n, k, m)
+    assert _gemv_within_bound(lambda x, w, out: tc.linear(x, w, out=out), shape, m, seed=n + k + m)
+    assert tc.report() == {"kernel": 1, "refusals": {}}  # the kernel, not F.linear
+
+
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "plain"])
+@pytest.mark.parametrize("variant", ["_k256", "_s3", "_n128", "_nosplit", "_nopf"])
+@pytest.mark.parametrize("m", [3, 8])
+def test_variants_within_the_bound(tc, m, variant, pdl):
+    over = tc.VARIANTS.get(variant, dict(prefetch=0))
+    for shape in [(16384, 5376), (5376, 21504), (4098, 5888)]:
+        assert _gemv_within_bound(lambda x, w, out: tc.linear(x, w, pdl=pdl, out=out, **over), shape, m,
+                                  seed=shape[1] + m)
+    assert tc.report()["refusals"] == {}
+
+
+@pytest.mark.parametrize("shape", [(16384, 5376), (5376, 21504)], ids=["whole", "split"])
+def test_batch_shaped_x_and_pdl_bitwise_plain(tc, shape):
+    n, k = shape
+    for m in (2, 8, 16):
+        x, w, _ = _gemv_case(shape, m, seed=m)
+        x3 = x.view(m, 1, k)  # the step's [batch, 1, K]
+        y = tc.linear(x3, w)
+        assert y.shape == (m, 1, n)
+        assert torch.equal(y, tc.linear(x3, w, pdl=False))  # only the ordering differs
+        assert torch.equal(y, tc.linear(x3, w))  # and a launch is deterministic (no atomics in the split)
+
+
+@pytest.mark.parametrize("shape", [(16384, 5376), (5376, 8192)], ids=["whole", "split"])
+@pytest.mark.parametrize("m", [2, 8])
+def test_red_twin_one_tile_short(tc, m, shape):
+    cfg = tc.config(*shape, m)
+
+    def short(x, w, out):
+        tc.launch(x, w, out, cfg, True, k_split=shape[1] // cfg["SPLIT"] - cfg["BLOCK_K"])
+    assert not _gemv_within_bound(short, shape, m, seed=3)
+
+
+@pytest.mark.parametrize("shape", [(16384, 5376), (5376, 8192)], ids=["whole", "split"])
+@pytest.mark.parametrize("m", [2, 3, 16])
+def test_red_twin_one_x_row_dropped(tc, m, shape):
+    cfg = tc.config(*shape, m)
+
+    def dropped(x, w, out):
+        out[-1].zero_()  # written, so the bound (not the NaN check) must catch it
+        tc.launch(x, w, out, cfg, False, m=m - 1)
+    assert not _gemv_within_bound(dropped, shape, m, seed=4)
+
+
+@pytest.mark.parametrize("m", [2, 8])
+def test_red_twin_a_split_partial_dropped(tc, m):
+    shape = (5376, 21504)
+    cfg = tc.config(*shape, m)
+    assert cfg["SPLIT"] == 2
+
+    def one_partial(x, w, out):
+        tc.launch(x, w, out, cfg, True, reduce_splits=cfg["SPLIT"] - 1)
+    assert not _gemv_within_bound(one_partial, shape, m, seed=5)
+
+
+@pytest.mark.parametrize("n", [4096, 16384], ids=["split", "whole"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("m", [2, 8, 16])
+def test_pdl_waits_for_its_producer(tc, m, graph, n):
+    """The wait holds (eager and in a graph); in the graph the red twin is caught: the kernel did launch during its
+    producer (eagerly the H200 did not overlap, MODEL_DECODE_NOTES run 11: not asserted)."""
+    got = tc.race_check(m, graph=graph, n=n)
+    assert got["split"] == (3 if n == 4096 else 1), got
+    assert got["ok"], got
+    if graph:
+        assert got["red_caught"], got
+
+
+@pytest.mark.parametrize("m", [2, 8])
+def test_ptx_loads_no_x_before_its_wait(tc, m):
+    plain, red = tc.ptx_order(m), tc.ptx_order(m, red_x_early=True)
+    assert plain["waits"] == 1 and 0 < plain["loads_before_wait"] <= plain["weight_loads_expected"], plain
+    assert plain["cp_async_before_wait"] == 0, plain
+    assert red["loads_before_wait"] > plain["loads_before_wait"], red
+
+
+def test_kernel_stats_are_read(tc):
+    got = tc.kernel_stats(5376, 21504, 8)
+    assert isinstance(got["n_regs"], int) and got["n_regs"] > 0 and isinstance(got["n_spills"], int), got
+    assert isinstance(got["shared"], int) and got["shared"] > 0, got
+    assert got["SPLIT"] == 2 and got["programs"] == 168, got
+    assert got["wgmma"] or got["mma_sync"], got  # the tensor cores multiply, one way or the other
