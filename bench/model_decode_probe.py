@@ -16,8 +16,10 @@ printed ("kernels" or the reason a call took the torch path). --loop-ab: the --d
 own loop (`hf_loop.applies` answering False). --pdl-ab: the --decode cells again with `foldkv.gemv.PDL_GEMV` off (the
 projections cuBLAS's F.linear, the step's Triton kernels launched without programmatic dependent launch; label "PDL
 off"); the library's cells run it on (its default): how many projection calls took the PDL GEMV and why the others did
-not are printed for both (host calls: a captured step counts its warm-up and its capture). Results are not records:
-the batch's notebook is.
+not are printed for both (host calls: a captured step counts its warm-up and its capture). --ring-ab: the --decode
+cells again with a sliding layer's ring attention as three split-window PDL kernels
+(`bench/versions/ring_attention_split.py` installed; label "ring split"); how many ring attentions took the kernels
+and the reasons the others did not are printed. Results are not records: the batch's notebook is.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--sliding-ab", action="store_true")
     ap.add_argument("--global-ab", action="store_true")
     ap.add_argument("--pdl-ab", action="store_true")
+    ap.add_argument("--ring-ab", action="store_true")
     return ap
 
 
@@ -121,6 +124,14 @@ def main(argv=None) -> int:
 
         with mock.patch.object(fused_step, "FUSE_SLIDING", False):
             out["decode"] += decode_cells("sliding unfused")
+    if args.ring_ab:
+        from versions.ring_attention_split import installed as ring_split  # bench/ is this script's directory
+
+        with ring_split() as route:
+            out["decode"] += decode_cells("ring split")
+        out["ring_split"] = route.report()
+        print(f"ring split: {out['ring_split']['calls']} calls took the kernels; refusals"
+              f" {out['ring_split']['refusals']}", flush=True)
     if args.global_ab:
         with mock.patch.object(global_step, "FUSE_GLOBAL", False):
             out["decode"] += decode_cells("global unfused")

@@ -1,0 +1,114 @@
+"""bench/versions/ring_attention_split.py without a GPU: the split's plan (chunks partition the window once; the 31B's
+geometry gives 256 programs at batch 1; a plan one chunk short is caught), the route's refusals (each named, a CPU
+call falling back to the library bitwise with its reason counted), installing patches both call sites and restores
+them (on exit, on an exception), and the probe's --ring-ab flag."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import bench_version
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def ras():
+    return bench_version("ring_attention_split")
+
+
+def _covered_once(ras, p: dict, window: int) -> bool:
+    seen = [s for r in ras.chunk_slots(p, window) for s in r]
+    return sorted(seen) == list(range(window)) and len(seen) == window
+
+
+@pytest.mark.parametrize("window", [1, 15, 16, 64, 100, 128, 1000, 1024, 4096])
+def test_the_chunks_partition_the_window(ras, window):
+    p = ras.plan(1, 32, 16, window, 256)
+    assert _covered_once(ras, p, window)
+    assert p["CHUNK"] >= 16 and p["CHUNK"] & (p["CHUNK"] - 1) == 0 and p["CHUNK"] <= ras.CHUNK
+    assert p["S_BLOCK"] >= p["chunks"] and p["W_BLOCK"] >= window
+    short = dict(p, chunks=p["chunks"] - 1)  # red twin: one chunk short of the window
+    assert not _covered_once(ras, short, window)
+
+
+def test_the_31b_geometry(ras):
+    p = ras.plan(1, 32, 16, 1024, 256)
+    assert (p["GROUP"], p["G_PAD"], p["CHUNK"], p["chunks"], p["programs"], p["sum_programs"]) == (2, 16, 64, 16,
+                                                                                                 256, 32)
+    assert ras.plan(8, 32, 16, 1024, 256)["programs"] == 2048
+    synthetic = ras.plan(3, 32, 4, 128, 32)  # tests/test_fused_step_sliding_gpu.py's synthetic geometry
+    assert (synthetic["GROUP"], synthetic["chunks"]) == (8, 2)
+    assert ras.shape_refusal(1, 32, 16, 1024, 256, torch.bfloat16) is None
+    assert ras.shape_refusal(3, 32, 4, 128, 32, torch.bfloat16) is None
+
+
+@pytest.mark.parametrize("args,words", [
+    ((1, 32, 16, 1024, 256, torch.float32), "bf16 or fp16"),
+    ((1, 30, 16, 1024, 256, torch.bfloat16), "whole groups"),
+    ((1, 64, 2, 1024, 256, torch.bfloat16), "group 32"),
+    ((1, 32, 16, 1024, 512, torch.bfloat16), "head_dim 512"),
+    ((1, 32, 16, 1024, 96, torch.bfloat16), "head_dim 96"),
+    ((1, 32, 16, 8192, 256, torch.bfloat16), "window 8192"),
+])
+def test_shape_refusals_name_their_reason(ras, args, words):
+    assert words in ras.shape_refusal(*args)
+
+
+def _call(b=2, hq=8, hkv=4, w=40, d=16, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, 1, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, w, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, w, d, generator=g).to(dtype)
+    m = torch.rand(b, 1, 1, w, generator=g) < 0.7
+    m[..., 0] = True
+    return q, k, v, m
+
+
+def test_route_refusals(ras):
+    from foldkv.hf_graph import RingMask
+
+    q, k, v, m = _call()
+    assert ras.refusal(q, k, v, m) == "not a RingMask"
+    assert ras.refusal(q, k, v, RingMask(m)) == "not on CUDA"
+    assert "rings" in ras.refusal(q, k[:, :, :-1], v, RingMask(m))
+    assert "mask" in ras.refusal(q, k, v, RingMask(m[..., :-1]))
+    assert "contiguous" in ras.refusal(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, RingMask(m))
+    assert "dtypes" in ras.refusal(q, k.half(), v, RingMask(m))
+
+
+def test_install_patches_both_call_sites_and_falls_back_on_cpu(ras):
+    from foldkv import hf, hf_graph
+    from foldkv.hf_graph import RingMask
+
+    library, hf_library = hf_graph.ring_attention, hf.ring_attention
+    q, k, v, m = _call()
+    module = torch.nn.Module()
+    module.scaling = 1.0
+    want = library(module, q, k, v, RingMask(m))[0]
+    with ras.installed() as route:
+        assert hf_graph.ring_attention is not library and hf_graph.ring_attention._ring_attention_split
+        assert hf.ring_attention is hf_graph.ring_attention
+        with pytest.raises(RuntimeError, match="already"):
+            ras.install()
+        got = hf_graph.ring_attention(module, q, k, v, RingMask(m))[0]
+        assert torch.equal(got, want)  # the CPU call is the library's
+        assert route.report() == {"calls": 0, "refusals": {"not on CUDA": 1}}
+    assert hf_graph.ring_attention is library and hf.ring_attention is hf_library
+    with pytest.raises(ValueError):
+        with ras.installed():
+            raise ValueError("inside")
+    assert hf_graph.ring_attention is library and hf.ring_attention is hf_library
+
+
+def test_the_probe_parses_ring_ab():
+    spec = importlib.util.spec_from_file_location("model_decode_probe", BENCH / "model_decode_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    args = probe.parser().parse_args(["--decode", "foldkv-folded:4096:1", "--ring-ab"])
+    assert args.ring_ab and args.decode == ["foldkv-folded:4096:1"]
+    assert not probe.parser().parse_args([]).ring_ab

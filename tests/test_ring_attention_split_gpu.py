@@ -1,0 +1,226 @@
+"""bench/versions/ring_attention_split.py on the GPU: the three split-window kernels against a float64 reference at
+ring_attention's rounding points and against `hf_graph.ring_attention` itself, the PDL launch bitwise its plain
+launch, and the whole synthetic model step with the version installed and not.
+
+Bounds, from where each op rounds (ulp: a bf16 ulp, 2^(floor(log2 |x|) - 7); u = 2^-24):
+- scores (the kernel's scratch): torch's float32 q.K^T rounded to bf16, by tensor cores in another order: within
+  ulp(s) + scaling * d 2u * sum_i |q_i k_i| of the float64 product rounded (the rounding may straddle, the float32 sum
+  is off by at most d 2u of its absolute sum: 2u, not u, for the tensor cores' accumulation);
+- the output given the kernel's scores: P = round(softmax) off by at most one ulp(p_j) from the float64 softmax
+  rounded (float32's exp and sum are ~2^-13 relative at W = 1,024, far under a bf16 ulp), P.V's float32 sum off by at
+  most W 2u sum_j |p_j v_j|, then the output's own rounding: |o - ref| <= 1.25 (ulp(ref) + sum_j ulp(p_j) |v_j| +
+  W 2u sum_j p_j |v_j|) (1.25: the second-order terms);
+- against ring_attention (cuBLAS's scores, not the kernel's): each score within delta (above) of the exact one moves
+  p_j by at most p_j (e^(2 delta_max) - 1), so the kernels' output and the library's are each within that bound plus
+  sum_j p_j (e^(2 delta_max) - 1) |v_j| of the float64 reference from exact scores (and within twice it of each other).
+Red twins (must break the tight bound): a chunk left out of the sum; the mask ignored (a partly filled window).
+The whole step (tiny synthetic Gemma 4, rings of 128 slots wrapping, group 8): greedy tokens equal, logits within
+conftest's `rounding_bound` of a neutral figure: the same step with an exact ring attention (float64 at the same
+rounding points) against the library's; the chunk-dropping twin outside it.
+
+Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_ring_attention_split_gpu.py -k "31b and 8"
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import bench_version, left_padded_batch, rounding_bound, skip_or_fail, synthetic_gpu_models
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+U = 2.0 ** -24
+GEOMETRIES = {"31b": (32, 16, 256, 1024, 1.0), "synthetic": (32, 4, 32, 128, 0.125)}  # Hq, Hkv, d, W, scaling
+
+
+@pytest.fixture(scope="module")
+def ras():
+    return bench_version("ring_attention_split")
+
+
+def _ulp(x: torch.Tensor) -> torch.Tensor:
+    a = x.double().abs().clamp_min(2.0 ** -126)
+    return torch.exp2(torch.floor(torch.log2(a)) - 7)
+
+
+def _inputs(batch, geometry, fill, seed):
+    hq, hkv, d, w, scaling = GEOMETRIES[geometry]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = (torch.randn(batch, hq, 1, d, generator=g, device="cuda") / math.sqrt(d) / scaling).to(BF16)
+    k = torch.randn(batch, hkv, w, d, generator=g, device="cuda").to(BF16)
+    v = torch.randn(batch, hkv, w, d, generator=g, device="cuda").to(BF16)
+    slots = torch.arange(w, device="cuda")
+    if fill == "full":
+        m = torch.ones(batch, w, dtype=torch.bool, device="cuda")
+    else:  # a ring's live slots: a run of n_b slots (wrapping) that holds slot 0, which a dropped chunk 0 then misses
+        rows = []
+        for b in range(batch):
+            n = [1, 300, w - 1, 77, w // 2, 5, 640, 33][b % 8] % w or 1
+            shift = (7 * b + 3) % n
+            rows.append(((slots + shift) % w) < n)
+        m = torch.stack(rows)
+    return q, k, v, m.view(batch, 1, 1, w), scaling
+
+
+def _module(scaling):
+    module = torch.nn.Module()
+    module.scaling = scaling
+    return module
+
+
+def _grouped(q, hkv):
+    b, hq, _, d = q.shape
+    return q.reshape(b, hkv, hq // hkv, d)
+
+
+def _from_scores(s, v, m):
+    """float64 softmax of the masked bf16 scores s [B, Hkv, G, W], rounded to bf16 (P), P.V in float64: (P, o)."""
+    b, w = m.shape[0], m.shape[-1]
+    x = s.double().masked_fill(~m.reshape(b, 1, 1, w), float("-inf"))
+    p = torch.softmax(x, dim=-1).to(BF16)
+    return p, p.double() @ v.double()
+
+
+def _exact_scores(q, k, scaling):
+    s = (_grouped(q, k.shape[1]).double() @ k.double().transpose(-1, -2)).to(BF16)
+    return (s.double() * scaling).to(BF16) if scaling != 1.0 else s
+
+
+def _score_slack(q, k, scaling):
+    d = q.shape[-1]
+    return scaling * d * 2 * U * (_grouped(q, k.shape[1]).double().abs() @ k.double().abs().transpose(-1, -2))
+
+
+def _output_bound(p, v, o, extra=None):
+    w = v.shape[2]
+    pv = p.double() @ v.double().abs()
+    bound = _ulp(o) + _ulp(p) * (p != 0) @ v.double().abs() + w * 2 * U * pv
+    if extra is not None:
+        bound = bound + extra * pv
+    return 1.25 * bound + 2.0 ** -133
+
+
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+@pytest.mark.parametrize("fill", ["full", "partial"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_split_against_float64_and_ring_attention(ras, batch, fill, geometry):
+    from foldkv.hf_graph import RingMask, ring_attention
+
+    q, k, v, m, scaling = _inputs(batch, geometry, fill, seed=batch * 10 + (fill == "full"))
+    hkv = k.shape[1]
+    assert ras.refusal(q, k, v, RingMask(m)) is None
+    scratch = {}
+    got = ras.ring_attend(q, k, v, m, scaling, scratch=scratch)
+    b, _, hq, d = got.shape
+    assert got.shape == (batch, 1, q.shape[1], q.shape[3]) and bool(torch.isfinite(got).all())
+    got_g = got.reshape(b, hkv, hq // hkv, d).double()
+
+    # the scores
+    exact = _exact_scores(q, k, scaling)
+    ours = scratch["scores"]
+    delta = _ulp(torch.maximum(exact.double().abs(), ours.double().abs())) + _score_slack(q, k, scaling)
+    assert bool(((ours.double() - exact.double()).abs() <= delta).all()), "scores outside their bound"
+
+    # the output given the kernels' scores
+    p, ref = _from_scores(ours, v, m)
+    tight = _output_bound(p, v, ref)
+    err = (got_g - ref).abs()
+    assert bool((err <= tight).all()), f"output outside its bound: max excess {(err - tight).max().item():.3g}"
+
+    # against ring_attention through the float64 reference from exact scores
+    p_x, ref_x = _from_scores(exact, v, m)
+    live = m.reshape(b, 1, 1, -1)
+    d_max = torch.where(live, delta, torch.zeros_like(delta)).amax(dim=-1, keepdim=True)
+    loose = _output_bound(p_x, v, ref_x, extra=torch.expm1(2 * d_max))
+    lib = ring_attention(_module(scaling), q, k, v, RingMask(m))[0].reshape(b, hkv, hq // hkv, d).double()
+    assert bool(((lib - ref_x).abs() <= loose).all()), "the library outside the loose bound (the bound is wrong)"
+    assert bool(((got_g - ref_x).abs() <= loose).all()), "the kernels outside the loose bound"
+    assert bool(((got_g - lib).abs() <= 2 * loose).all())
+
+    # red twins
+    drop = ras.ring_attend(q, k, v, m, scaling, _red="drop_chunk").reshape(b, hkv, hq // hkv, d).double()
+    assert bool(((drop - ref).abs() > tight).any()), "red twin: a chunk dropped stays within the bound"
+    if fill == "partial":
+        blind = ras.ring_attend(q, k, v, m, scaling, _red="no_mask").reshape(b, hkv, hq // hkv, d).double()
+        assert bool(((blind - ref).abs() > tight).any()), "red twin: the mask ignored stays within the bound"
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_pdl_launch_is_bitwise_the_plain_launch(ras, batch):
+    from foldkv import gemv
+
+    if not gemv.HAS_GDC:
+        skip_or_fail("this Triton has no grid dependency control (gdc_wait)")
+    q, k, v, m, scaling = _inputs(batch, "31b", "partial", seed=5)
+    plain = ras.ring_attend(q, k, v, m, scaling, pdl=False)
+    pdl = ras.ring_attend(q, k, v, m, scaling, pdl=True)
+    assert torch.equal(plain, pdl)
+    assert torch.equal(ras.ring_attend(q, k, v, m, scaling), plain)  # the library's switch: the same values
+
+
+def test_a_strided_query_reads_as_a_packed_one(ras):
+    q, k, v, m, scaling = _inputs(3, "31b", "partial", seed=6)
+    b, hq, _, d = q.shape
+    wide = torch.zeros(b, hq, 1, 2 * d, dtype=q.dtype, device=q.device)
+    wide[..., d:] = q
+    strided = wide[..., d:]  # the query's rows 2 d apart, as a column slice of a wider output
+    assert not strided.is_contiguous()
+    assert torch.equal(ras.ring_attend(strided, k, v, m, scaling), ras.ring_attend(q, k, v, m, scaling))
+
+
+# --- the whole step ---------------------------------------------------------------------------------------------
+LENGTHS = (97, 300, 1000)  # rings of 128 slots: partly filled, wrapped
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def synthetic_model(tmp_path_factory):
+    return synthetic_gpu_models(tmp_path_factory, "foldkv")["foldkv"]
+
+
+def _generate(model):
+    from foldkv.hf import FoldKvCache
+    from foldkv.lab.model import cache_keyword
+
+    ids, mask = left_padded_batch(LENGTHS, model.config.vocab_size, seed=7)
+    cache = FoldKvCache(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW, scatter_seed=3,
+                        decode_step="graph")
+    out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=NEW, min_new_tokens=NEW,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True,
+                         **{cache_keyword(model): cache})
+    return out.sequences[:, ids.shape[1]:].cpu(), torch.stack(out.logits).float().cpu()
+
+
+def _exact_ring_attention(module, query, key, value, mask):
+    """ring_attention in float64 at its rounding points (scores rounded, scaled and rounded, the softmax rounded,
+    P.V rounded once): the neutral figure's ring attention."""
+    b, hq, _, d = query.shape
+    s = _exact_scores(query, key, float(module.scaling))
+    _, o = _from_scores(s, value, mask.mask)
+    return o.to(query.dtype).reshape(b, 1, hq, d), None
+
+
+def test_the_step_with_and_without_the_split(ras, synthetic_model, monkeypatch):
+    from foldkv import hf, hf_graph
+
+    lib = _generate(synthetic_model)
+    with ras.installed() as route:
+        split = _generate(synthetic_model)
+    assert route.calls > 0, "the split kernels never ran"
+    assert route.refusals == {}, f"refused: {route.refusals}"
+    with monkeypatch.context() as mp:
+        mp.setattr(hf_graph, "ring_attention", _exact_ring_attention)
+        mp.setattr(hf, "ring_attention", _exact_ring_attention)
+        neutral = _generate(synthetic_model)
+    assert bool(torch.isfinite(split[1]).all())
+    assert torch.equal(split[0], lib[0]), "greedy tokens differ"
+    gap = (split[1] - lib[1]).abs().max().item()
+    bound = rounding_bound(neutral[1], lib[1])
+    assert gap <= bound, f"logits gap {gap:.3g} past the neutral figure's bound {bound:.3g}"
+    with ras.installed(red="drop_chunk"):
+        twin = _generate(synthetic_model)
+    twin_gap = (twin[1] - lib[1]).abs().max().item()
+    assert twin_gap > bound, f"red twin: a chunk dropped moved logits by {twin_gap:.3g} only (bound {bound:.3g})"
