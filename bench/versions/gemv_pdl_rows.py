@@ -185,9 +185,9 @@ def accumulator_registers(m: int, rows: int) -> int:
 def shape_refusal(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool,
                   has_bias: bool, rows: int = ROWS, prefetch: int = PREFETCH) -> str | None:
     """None when a GEMV of m rows against a weight [n, k] is this kernel's, else why not: the library's refusals for
-    the bias, the dtypes and the layout (`foldkv.gemv.shape_refusal`), then the rows, then the tile."""
-    why = lib.shape_refusal(1, n, k, x_dtype, w_dtype, w_contiguous, has_bias)
-    if why is not None and not why.startswith("no tile"):  # the library's tile is not this kernel's
+    the bias, the dtypes and the layout (`foldkv.gemv.operand_refusal`), then the rows, then the tile."""
+    why = lib.operand_refusal(x_dtype, w_dtype, w_contiguous, has_bias)
+    if why is not None:
         return why
     if m < 1:
         return "no row"
@@ -201,18 +201,7 @@ def shape_refusal(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.d
 def refusal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = ROWS,
             prefetch: int = PREFETCH) -> str | None:
     """None when `linear(x, weight, bias, rows=rows, prefetch=prefetch)` runs the kernel; else why it is F.linear."""
-    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        return "not a projection's shapes"
-    n, k = weight.shape
-    why = shape_refusal(x.numel() // max(k, 1), n, k, x.dtype, weight.dtype, weight.is_contiguous(),
-                        bias is not None, rows, prefetch)
-    if why is not None:
-        return why
-    if x.device.type != "cuda" or weight.device != x.device:
-        return "not on CUDA"
-    if not HAS_GDC:
-        return "no Triton with grid dependency control (gdc_wait)"
-    return None
+    return lib.tensor_refusal(x, weight, bias, lambda *a: shape_refusal(*a, rows, prefetch))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, rows: int = ROWS,

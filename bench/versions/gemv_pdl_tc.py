@@ -216,10 +216,10 @@ def ctas_per_sm(cfg: dict, smem: int | None = None) -> int:
 def shape_refusal(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool,
                   has_bias: bool, **over) -> str | None:
     """None when a GEMV of m rows against a weight [n, k] is this kernel's, else why not: the library's refusals for
-    the bias, the dtypes and the layout (`foldkv.gemv.shape_refusal`), then the rows, then the tile (`over`: config's
+    the bias, the dtypes and the layout (`foldkv.gemv.operand_refusal`), then the rows, then the tile (`over`: config's
     keywords)."""
-    why = lib.shape_refusal(1, n, k, x_dtype, w_dtype, w_contiguous, has_bias)
-    if why is not None and not why.startswith("no tile"):  # the library's tile is not this kernel's
+    why = lib.operand_refusal(x_dtype, w_dtype, w_contiguous, has_bias)
+    if why is not None:
         return why
     if m < 1:
         return "no row"
@@ -232,18 +232,7 @@ def shape_refusal(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.d
 
 def refusal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **over) -> str | None:
     """None when `linear(x, weight, bias, **over)` runs the kernel; else why it is F.linear."""
-    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        return "not a projection's shapes"
-    n, k = weight.shape
-    why = shape_refusal(x.numel() // max(k, 1), n, k, x.dtype, weight.dtype, weight.is_contiguous(),
-                        bias is not None, **over)
-    if why is not None:
-        return why
-    if x.device.type != "cuda" or weight.device != x.device:
-        return "not on CUDA"
-    if not HAS_GDC:
-        return "no Triton with grid dependency control (gdc_wait)"
-    return None
+    return lib.tensor_refusal(x, weight, bias, lambda *a: shape_refusal(*a, **over))
 
 
 def launch(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict, pdl: bool = True, *,

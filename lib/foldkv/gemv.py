@@ -112,16 +112,25 @@ def config(n: int, k: int, rows: int = ROWS, prefetch: int = PREFETCH) -> dict |
                 num_warps=max(1, min(8, rows * block_k // 512)))
 
 
-def shape_refusal(rows: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool,
-                  has_bias: bool) -> str | None:
-    """The part of `refusal` that reads no device: None when a GEMV of `rows` rows against a weight [n, k] is the
-    kernel's, else why not."""
+def operand_refusal(x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool, has_bias: bool) -> str | None:
+    """What no GEMV kernel of the step takes, whatever its rows and tile (this one and the lab's versions): a bias,
+    other dtypes than bf16 x bf16, a weight that is not contiguous."""
     if has_bias:
         return "a bias"
     if w_dtype not in DTYPES or x_dtype != w_dtype:
         return f"{x_dtype} x {w_dtype}, not bf16 x bf16"
     if not w_contiguous:
         return "the weight is not contiguous"
+    return None
+
+
+def shape_refusal(rows: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool,
+                  has_bias: bool) -> str | None:
+    """The part of `refusal` that reads no device: None when a GEMV of `rows` rows against a weight [n, k] is the
+    kernel's, else why not."""
+    why = operand_refusal(x_dtype, w_dtype, w_contiguous, has_bias)
+    if why is not None:
+        return why
     if rows != 1:
         return "not one row" if rows > 1 else "no row"
     if config(n, k) is None:
@@ -134,11 +143,18 @@ def refusal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     dtypes, the layout, the rows, a shape without a tile, then the device and Triton's PDL support)."""
     if not PDL_GEMV:
         return "PDL_GEMV is off"
+    return tensor_refusal(x, weight, bias, shape_refusal)
+
+
+def tensor_refusal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shape_refusal_of) -> str | None:
+    """A GEMV kernel's route on the tensors themselves (this one's and the lab's versions'): their shapes, then the
+    kernel's `shape_refusal_of(rows, n, k, x_dtype, w_dtype, w_contiguous, has_bias)`, then the device and Triton's grid
+    dependency control. None when the kernel takes the call."""
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         return "not a projection's shapes"
     n, k = weight.shape
-    why = shape_refusal(x.numel() // max(k, 1), n, k, x.dtype, weight.dtype, weight.is_contiguous(),
-                        bias is not None)
+    why = shape_refusal_of(x.numel() // max(k, 1), n, k, x.dtype, weight.dtype, weight.is_contiguous(),
+                           bias is not None)
     if why is not None:
         return why
     if x.device.type != "cuda" or weight.device != x.device:
@@ -184,5 +200,5 @@ def reset() -> None:
     _CALLS.clear()
 
 
-__all__ = ["PDL_GEMV", "ROWS", "PREFETCH", "HAS_GDC", "config", "shape_refusal", "refusal", "linear", "pdl_kw",
-           "report", "reset"]
+__all__ = ["PDL_GEMV", "ROWS", "PREFETCH", "HAS_GDC", "config", "operand_refusal", "shape_refusal", "refusal",
+           "tensor_refusal", "linear", "pdl_kw", "report", "reset"]
