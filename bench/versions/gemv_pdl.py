@@ -10,11 +10,12 @@ before it reads what that kernel wrote. The weights are written by nobody during
 their first weight loads (to registers) before the wait: the next projection's bytes start streaming during the
 previous kernel's tail and the small kernels between, and its programs are resident when the wait returns (no launch,
 no ramp).
-The kernel (`gemv_pdl_rows`): gemv_fma's register loop (ROWS whole rows a program, float32 partial products, `config`
-reused from gemv_fma), with HEAD = PREFETCH x BLOCK_K columns loaded first; then `gdc_wait()`; then
-`gdc_launch_dependents()` (the kernel after this one may launch once every program here has passed its wait: at most
-one kernel runs ahead); then the head's x load, the loop over the remaining columns as gemv_fma's, the head's partial
-sum last (float32 throughout, rounded once; the head summed apart: not bitwise gemv_fma's).
+The kernel (`gemv_pdl_rows`, now the library's `foldkv.gemv` and imported from there): gemv_fma's register loop
+(ROWS whole rows a program, float32 partial products, `config` reused from gemv_fma), with HEAD = PREFETCH x BLOCK_K
+columns loaded first; then `gdc_wait()`; then `gdc_launch_dependents()` (the kernel after this one may launch once
+every program here has passed its wait: at most one kernel runs ahead); then the head's x load, the loop over the
+remaining columns as gemv_fma's, the head's partial sum last (float32 throughout, rounded once; the head summed apart:
+not bitwise gemv_fma's).
 PREFETCH = 0 is gemv_fma's loop with the wait at the top (PDL's launch overlap without the prefetch). `head_norm_rows`
 is the dependent small kernel of the probe's arms: the library's rms_norm_rows body (`_normed`, `_rounded` from
 foldkv.fused_step_kernels) over one 256-wide head row a program, one warp, as fused_step launches q_norm/k_norm; with
@@ -77,58 +78,27 @@ What must hold before any timing means something (bench/gemv_probe.py records ea
 
 from __future__ import annotations
 
-import re
-
 import torch
 import triton
 import triton.language as tl
 
+from foldkv import gemv as _library
 from foldkv.fused_step_kernels import _normed, _rounded
+from foldkv.lab import pdl_checks
 from versions import gemv_fma
 
-try:  # Triton's grid dependency control (triton-lang/triton PR 6394, 2025; tutorial 11-programmatic-dependent-launch)
+HAS_GDC = _library.HAS_GDC  # Triton's grid dependency control; without it the module imports, gemv()/head_norm() refuse
+if HAS_GDC:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    HAS_GDC = True
-except ImportError:  # an older Triton: the module imports, gemv()/head_norm() refuse
-    HAS_GDC = False
+    # the kernel measured here is the one the library serves (foldkv.gemv: its ROWS and PREFETCH are this file's
+    # winning arm); the arms run it at the other ROWS / HEAD values
+    gemv_pdl_rows = _library.gemv_pdl_rows
 try:
     from triton.language.extra.cuda import globaltimer
 except ImportError:
     globaltimer = None
 
-_LD_GLOBAL = re.compile(r"(@!?%p\d+\s+)?ld\.global")  # Triton's loads: inline asm, often predicated
 HEAD_D = 256  # the dependent norm's row: a sliding head (fused_step's q_norm/k_norm rows at D = 256)
-
-
-@triton.jit
-def gemv_pdl_rows(x_ptr, w_ptr, y_ptr, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, HEAD: tl.constexpr,
-                  GDC: tl.constexpr, RED_X_EARLY: tl.constexpr = False):
-    """y [N] = w [N, K] @ x [K] for this program's ROWS rows (N % ROWS == 0; HEAD and K - HEAD multiples of BLOCK_K).
-    The first HEAD columns of the weight rows are loaded before the wait (GDC), consumed after it. RED_X_EARLY (a red
-    twin, never for use): the head's x loaded before the wait too."""
-    rn = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    w_rows = w_ptr + rn[:, None] * K
-    if HEAD > 0:
-        rh = tl.arange(0, HEAD)
-        w_head = tl.load(w_rows + rh[None, :], eviction_policy="evict_first")
-        if RED_X_EARLY:
-            x_head = tl.load(x_ptr + rh)
-    if GDC:
-        gdc_wait()
-        gdc_launch_dependents()
-    if HEAD > 0:
-        if not RED_X_EARLY:
-            x_head = tl.load(x_ptr + rh)  # issued before the loop, summed after it: the loop's loads start at once
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-    for k0 in range(HEAD, K, BLOCK_K):
-        w = tl.load(w_rows + k0 + rk[None, :], eviction_policy="evict_first").to(tl.float32)
-        x = tl.load(x_ptr + k0 + rk).to(tl.float32)
-        acc += w * x[None, :]
-    y = tl.sum(acc, axis=1)
-    if HEAD > 0:
-        y += tl.sum(w_head.to(tl.float32) * x_head.to(tl.float32)[None, :], axis=1)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -190,22 +160,6 @@ def head_norm(y: torch.Tensor, k: int, gamma: torch.Tensor, eps: float = 1e-6, p
 
 
 # --- does the wait hold, and does PDL overlap at all? ----------------------------------------------------------------
-if globaltimer is not None:
-
-    @triton.jit
-    def late_copy(src_ptr, dst_ptr, n, DELAY_NS: tl.constexpr, BLOCK: tl.constexpr):
-        """dst = src, written DELAY_NS after this program starts; its dependents may launch at once (the trigger
-        first). The store's mask depends on the clock, so the copy stays after the delay."""
-        gdc_launch_dependents()
-        t0 = globaltimer()
-        t = t0
-        while t - t0 < DELAY_NS:
-            t = globaltimer()
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        keep = (offs < n) & (t - t0 >= DELAY_NS)
-        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=keep), mask=keep)
-
-
 def race_check(k: int = 5376, n: int = 4096, prefetch: int = 1, rows_per_program: int = 4,
                delay_ns: int = 20_000, graph: bool = False) -> dict:
     """A producer that lets its dependent launch at once and writes x only `delay_ns` later, over x poisoned with NaN,
@@ -225,7 +179,7 @@ def race_check(k: int = 5376, n: int = 4096, prefetch: int = 1, rows_per_program
 
     def once(pf: int, red: bool) -> torch.Tensor:
         dst.fill_(float("nan"))
-        late_copy[(triton.cdiv(k, block),)](src, dst, k, DELAY_NS=delay_ns, BLOCK=block)
+        pdl_checks._late_copy()[(triton.cdiv(k, block),)](src, dst, k, DELAY_NS=delay_ns, BLOCK=block)
         return gemv(dst, w, rows_per_program, pf, pdl=True, _red_x_early=red)
 
     result = dict(prefetch=prefetch, rows=rows_per_program, graph=graph)
@@ -264,9 +218,7 @@ def ptx_order(prefetch: int = 1, rows_per_program: int = 4, k: int = 5376, n: in
     head = prefetch * cfg["BLOCK_K"]
     compiled = gemv_pdl_rows[(n // cfg["ROWS"],)](x, w, y, k, HEAD=head, GDC=True, RED_X_EARLY=red_x_early, **cfg,
                                                   launch_pdl=True)
-    lines = [ln.strip() for ln in compiled.asm["ptx"].splitlines()]
-    waits = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")]
-    before = [ln for ln in lines[:waits[0]] if _LD_GLOBAL.match(ln)] if waits else []
-    return dict(prefetch=prefetch, red_x_early=red_x_early, waits=len(waits), loads_before_wait=len(before),
+    waits, before = pdl_checks.loads_before_wait(compiled.asm["ptx"])
+    return dict(prefetch=prefetch, red_x_early=red_x_early, waits=waits, loads_before_wait=len(before),
                 weight_loads_expected=rows_per_program * head * 2 // (32 * cfg["num_warps"] * 16),
                 loads=before[:8])
