@@ -56,6 +56,7 @@ Prints one table; JSON to $OUT/gemv_probe.json.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import time
@@ -156,14 +157,19 @@ def groups(projs):
     return out
 
 
+def _inputs(weights, m: int, dev, g: torch.Generator) -> dict:
+    """{K: x [m, K]}: one random input (never zeros) per K of `weights`, drawn from g in the weights' order."""
+    xs = {}
+    for w in weights:
+        if w.shape[1] not in xs:
+            xs[w.shape[1]] = (torch.randn(m, w.shape[1], device=dev, generator=g) * 0.5).to(w.dtype)
+    return xs
+
+
 def make_step(projs, m: int, fn, branches: bool, dev):
     """A function running every projection of `projs` on [m, K] inputs (one random input per K, never zeros)."""
     g = torch.Generator(device=dev).manual_seed(0)
-    xs = {}
-    for _, lin in projs:
-        k = lin.weight.shape[1]
-        if k not in xs:
-            xs[k] = (torch.randn(m, k, device=dev, generator=g) * 0.5).to(lin.weight.dtype)
+    xs = _inputs([lin.weight for _, lin in projs], m, dev, g)
     grouped = groups(projs)
     side = [torch.cuda.Stream(device=dev) for _ in range(2)]
 
@@ -200,10 +206,8 @@ def make_merged_step(projs, m: int, dev, fn=None, ws: list | None = None):
     dim (`ws`: those weights, already made)."""
     g = torch.Generator(device=dev).manual_seed(0)
     fn = F.linear if fn is None else fn
-    xs, ws = {}, merged_weights(projs) if ws is None else ws
-    for w in ws:
-        if w.shape[1] not in xs:
-            xs[w.shape[1]] = (torch.randn(m, w.shape[1], device=dev, generator=g) * 0.5).to(w.dtype)
+    ws = merged_weights(projs) if ws is None else ws
+    xs = _inputs(ws, m, dev, g)
 
     def run():
         return [fn(xs[w.shape[1]], w) for w in ws]
@@ -219,11 +223,7 @@ def make_chain_step(projs, spec: dict, dev, gemv_fn, norm_fn, pdl: bool | None =
     if spec["norm"]:
         norm_plan([tuple(lin.weight.shape) for _, lin in projs])
     g = torch.Generator(device=dev).manual_seed(0)
-    xs = {}
-    for _, lin in projs:
-        k = lin.weight.shape[1]
-        if k not in xs:
-            xs[k] = (torch.randn(m, k, device=dev, generator=g) * 0.5).to(lin.weight.dtype)
+    xs = _inputs([lin.weight for _, lin in projs], m, dev, g)
     gamma = (1 + 0.1 * torch.randn(HEAD_D, device=dev, generator=g)).to(projs[0][1].weight.dtype)
 
     def run():
@@ -288,19 +288,25 @@ def check_shapes(projs, dev) -> list[dict]:
     return rows
 
 
-def pdl_checks(gp) -> dict:
-    """gemv_pdl's preconditions (its header): the PTX order of loads and wait, the race check eager and in a graph."""
+def _recorded(checks) -> dict:
+    """{name: fn()} for (name, fn) pairs, a check that raises recorded as {"error": ...}: the arms still run (and say
+    so)."""
     out = {}
-    for name, fn in (("ptx_pf0", lambda: gp.ptx_order(0)), ("ptx_pf1", lambda: gp.ptx_order(1)),
-                     ("ptx_pf1_red", lambda: gp.ptx_order(1, red_x_early=True)),
-                     ("race_eager", lambda: gp.race_check()), ("race_graph", lambda: gp.race_check(graph=True)),
-                     ("race_graph_pf0", lambda: gp.race_check(prefetch=0, graph=True)),
-                     ("race_graph_r2", lambda: gp.race_check(rows_per_program=2, graph=True))):
+    for name, fn in checks:
         try:
             out[name] = fn()
         except Exception as e:  # noqa: BLE001 - recorded, the arms still run (and say so)
             out[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     return out
+
+
+def pdl_checks(gp) -> dict:
+    """gemv_pdl's preconditions (its header): the PTX order of loads and wait, the race check eager and in a graph."""
+    return _recorded((("ptx_pf0", lambda: gp.ptx_order(0)), ("ptx_pf1", lambda: gp.ptx_order(1)),
+                      ("ptx_pf1_red", lambda: gp.ptx_order(1, red_x_early=True)),
+                      ("race_eager", lambda: gp.race_check()), ("race_graph", lambda: gp.race_check(graph=True)),
+                      ("race_graph_pf0", lambda: gp.race_check(prefetch=0, graph=True)),
+                      ("race_graph_r2", lambda: gp.race_check(rows_per_program=2, graph=True))))
 
 
 def chain_arm(name: str, spec: dict, projs, dev, wbytes: float, roof_gbps: float, gf, gp) -> dict:
@@ -334,17 +340,47 @@ def rows_norm(gp):
 def pdl_checks_rows(gr, m: int, rows_list) -> dict:
     """The M-row kernel's PDL preconditions at m rows: the race check in a graph (ok, red_caught) and eagerly (ok),
     the PTX order (no x load before the wait) and its red twin, per rows a program."""
-    out = {}
-    for r in sorted(set(rows_list)):
-        for name, fn in ((f"race_graph_r{r}", lambda: gr.race_check(m, r, graph=True)),
-                         (f"race_eager_r{r}", lambda: gr.race_check(m, r)),
-                         (f"ptx_r{r}", lambda: gr.ptx_order(m, r)),
-                         (f"ptx_r{r}_red", lambda: gr.ptx_order(m, r, red_x_early=True))):
-            try:
-                out[name] = fn()
-            except Exception as e:  # noqa: BLE001 - recorded, the arms still run (and say so)
-                out[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
-    return out
+    return _recorded(check for r in sorted(set(rows_list))
+                     for check in ((f"race_graph_r{r}", lambda r=r: gr.race_check(m, r, graph=True)),
+                                   (f"race_eager_r{r}", lambda r=r: gr.race_check(m, r)),
+                                   (f"ptx_r{r}", lambda r=r: gr.ptx_order(m, r)),
+                                   (f"ptx_r{r}_red", lambda r=r: gr.ptx_order(m, r, red_x_early=True))))
+
+
+def _timed_kernel_arm(row: dict, spec: dict, projs, ws, m: int, dev, wbytes: float, roof_gbps: float, gemv_fn,
+                      kernel, gp, **counts) -> dict:
+    """What rows_arm and tc_arm share once their kernel takes every weight of `ws`: each distinct weight shape
+    against float64 (`kernel.bound_check` of a plain launch), the arm timed as one graph (merged step or chain),
+    F.linear inside it refused, a PDL arm's outputs bitwise its plain twin's. `counts` (launches, ...) go in the row."""
+    g = torch.Generator(device=dev).manual_seed(1)
+    bound = {}
+    for w in ws:
+        if tuple(w.shape) not in bound:
+            x = (torch.randn(m, w.shape[1], device=dev, generator=g) * 0.5).to(w.dtype)
+            bound[tuple(w.shape)] = kernel.bound_check(gemv_fn(x, w, False), x, w)
+    row["bound"] = {"within": all(b["within"] for b in bound.values()),
+                    "worst": max(b["worst"] for b in bound.values()), "shapes": len(bound)}
+    kernel.reset()
+    if spec["merged"]:
+        step = make_merged_step(projs, m, dev, lambda x, w: gemv_fn(x, w, spec["pdl"]), ws=ws)
+        plain = make_merged_step(projs, m, dev, lambda x, w: gemv_fn(x, w, False), ws=ws) if spec["pdl"] else None
+    else:
+        chain = dict(norm=spec["norm"], pdl=spec["pdl"])
+        step = make_chain_step(projs, chain, dev, gemv_fn, rows_norm(gp), m=m)
+        plain = make_chain_step(projs, chain, dev, gemv_fn, rows_norm(gp), pdl=False, m=m) if spec["pdl"] else None
+    ms, outs = time_graph(step, dev)
+    calls = kernel.report()
+    if calls["refusals"]:
+        raise RuntimeError(f"F.linear inside the arm: {calls['refusals']}")
+    row.update(ms=ms, gbps=wbytes / ms / 1e6, of_roof=wbytes / ms / 1e6 / roof_gbps, kernel_calls=calls["kernel"],
+               **counts)
+    if plain is not None:
+        got = torch.cat([o.reshape(-1) for o in outs])
+        ref = torch.cat([o.reshape(-1) for o in plain()])
+        torch.cuda.synchronize(dev)
+        row["same_as_plain"] = bool(torch.equal(got, ref))
+        row["finite"] = bool(torch.isfinite(got).all())
+    return row
 
 
 def rows_arm(name: str, spec: dict, projs, m: int, dev, wbytes: float, roof_gbps: float, gr, gp) -> dict:
@@ -361,36 +397,8 @@ def rows_arm(name: str, spec: dict, projs, m: int, dev, wbytes: float, roof_gbps
     gemv_fn = lambda x, w, pdl: gr.linear(x, w, rows=rows, pdl=pdl)  # noqa: E731
     row = {"arm": name, "rows": m, "rows_a_program": rows,
            "kernel_stats": [gr.kernel_stats(k, m, rows, pdl=spec["pdl"]) for k in sorted({w.shape[1] for w in ws})]}
-    g = torch.Generator(device=dev).manual_seed(1)
-    bound = {}
-    for w in ws:
-        if tuple(w.shape) not in bound:
-            x = (torch.randn(m, w.shape[1], device=dev, generator=g) * 0.5).to(w.dtype)
-            bound[tuple(w.shape)] = gr.bound_check(gemv_fn(x, w, False), x, w)
-    row["bound"] = {"within": all(b["within"] for b in bound.values()),
-                    "worst": max(b["worst"] for b in bound.values()), "shapes": len(bound)}
-    gr.reset()
-    if spec["merged"]:
-        step = make_merged_step(projs, m, dev, lambda x, w: gemv_fn(x, w, spec["pdl"]), ws=ws)
-        plain = make_merged_step(projs, m, dev, lambda x, w: gemv_fn(x, w, False), ws=ws) if spec["pdl"] else None
-    else:
-        chain = dict(norm=spec["norm"], pdl=spec["pdl"])
-        step = make_chain_step(projs, chain, dev, gemv_fn, rows_norm(gp), m=m)
-        plain = make_chain_step(projs, chain, dev, gemv_fn, rows_norm(gp), pdl=False, m=m) if spec["pdl"] else None
-    ms, outs = time_graph(step, dev)
-    calls = gr.report()
-    if calls["refusals"]:
-        raise RuntimeError(f"F.linear inside the arm: {calls['refusals']}")
-    row.update(ms=ms, gbps=wbytes / ms / 1e6, of_roof=wbytes / ms / 1e6 / roof_gbps, kernel_calls=calls["kernel"],
-               launches=len(ws) + (len(ws) - 1 if spec["norm"] else 0))
-    if plain is not None:
-        got = torch.cat([o.reshape(-1) for o in outs])
-        ref = torch.cat([o.reshape(-1) for o in plain()])
-        torch.cuda.synchronize(dev)
-        row["same_as_plain"] = bool(torch.equal(got, ref))
-        row["finite"] = bool(torch.isfinite(got).all())
-    del ws, outs
-    return row
+    return _timed_kernel_arm(row, spec, projs, ws, m, dev, wbytes, roof_gbps, gemv_fn, gr, gp,
+                             launches=len(ws) + (len(ws) - 1 if spec["norm"] else 0))
 
 
 def tc_plan(tc, shapes, m: int, variant: str = "", norm: bool = False) -> dict:
@@ -416,15 +424,9 @@ def pdl_checks_tc(tc, m: int) -> dict:
     """The tensor-core kernel's PDL preconditions at m rows (its default configuration, a weight that splits K): the
     race check in a graph (ok, red_caught) and eagerly (ok), the PTX order (no x load, no cp.async before the wait)
     and its red twin."""
-    out = {}
-    for name, fn in (("race_graph", lambda: tc.race_check(m, graph=True)), ("race_eager", lambda: tc.race_check(m)),
-                     ("race_graph_nosplit", lambda: tc.race_check(m, graph=True, n=16384)),
-                     ("ptx", lambda: tc.ptx_order(m)), ("ptx_red", lambda: tc.ptx_order(m, red_x_early=True))):
-        try:
-            out[name] = fn()
-        except Exception as e:  # noqa: BLE001 - recorded, the arms still run (and say so)
-            out[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
-    return out
+    return _recorded((("race_graph", lambda: tc.race_check(m, graph=True)), ("race_eager", lambda: tc.race_check(m)),
+                      ("race_graph_nosplit", lambda: tc.race_check(m, graph=True, n=16384)),
+                      ("ptx", lambda: tc.ptx_order(m)), ("ptx_red", lambda: tc.ptx_order(m, red_x_early=True))))
 
 
 def tc_arm(name: str, spec: dict, projs, m: int, dev, wbytes: float, roof_gbps: float, tc, gp) -> dict:
@@ -440,36 +442,8 @@ def tc_arm(name: str, spec: dict, projs, m: int, dev, wbytes: float, roof_gbps: 
     shapes = sorted({tuple(w.shape) for w in ws})
     row = {"arm": name, "rows": m, "variant": spec["variant"], "grids": plan["grids"],
            "kernel_stats": [tc.kernel_stats(n, k, m, pdl=spec["pdl"], **over) for n, k in shapes]}
-    g = torch.Generator(device=dev).manual_seed(1)
-    bound = {}
-    for w in ws:
-        if tuple(w.shape) not in bound:
-            x = (torch.randn(m, w.shape[1], device=dev, generator=g) * 0.5).to(w.dtype)
-            bound[tuple(w.shape)] = tc.bound_check(gemv_fn(x, w, False), x, w)
-    row["bound"] = {"within": all(b["within"] for b in bound.values()),
-                    "worst": max(b["worst"] for b in bound.values()), "shapes": len(bound)}
-    tc.reset()
-    if spec["merged"]:
-        step = make_merged_step(projs, m, dev, lambda x, w: gemv_fn(x, w, spec["pdl"]), ws=ws)
-        plain = make_merged_step(projs, m, dev, lambda x, w: gemv_fn(x, w, False), ws=ws) if spec["pdl"] else None
-    else:
-        chain = dict(norm=spec["norm"], pdl=spec["pdl"])
-        step = make_chain_step(projs, chain, dev, gemv_fn, rows_norm(gp), m=m)
-        plain = make_chain_step(projs, chain, dev, gemv_fn, rows_norm(gp), pdl=False, m=m) if spec["pdl"] else None
-    ms, outs = time_graph(step, dev)
-    calls = tc.report()
-    if calls["refusals"]:
-        raise RuntimeError(f"F.linear inside the arm: {calls['refusals']}")
-    row.update(ms=ms, gbps=wbytes / ms / 1e6, of_roof=wbytes / ms / 1e6 / roof_gbps, kernel_calls=calls["kernel"],
-               launches=plan["launches"], split_weights=plan["splits"])
-    if plain is not None:
-        got = torch.cat([o.reshape(-1) for o in outs])
-        ref = torch.cat([o.reshape(-1) for o in plain()])
-        torch.cuda.synchronize(dev)
-        row["same_as_plain"] = bool(torch.equal(got, ref))
-        row["finite"] = bool(torch.isfinite(got).all())
-    del ws, outs
-    return row
+    return _timed_kernel_arm(row, spec, projs, ws, m, dev, wbytes, roof_gbps, gemv_fn, tc, gp,
+                             launches=plan["launches"], split_weights=plan["splits"])
 
 
 def main(argv=None) -> int:
@@ -515,26 +489,37 @@ def main(argv=None) -> int:
     one_row["fma_r4_branches"] = (lambda x, w: gf.gemv(x, w, 4), True)
     assert tuple(arms) == BASE_ARMS and tuple(one_row) == ONE_ROW_ARMS  # --arms checks names against these
     chains = [n for n in CHAIN_ARMS if args.arms is None or n in args.arms]
+
+    def pdl_version(name: str, asked: list):
+        """(versions.<name>, versions.gemv_pdl: its norm) when asked and Triton has grid dependency control; else
+        (None or why not, None): no PDL here, every arm of it an error row."""
+        if not asked or args.no_arms:
+            return None, None
+        try:
+            from versions import gemv_pdl
+            mod = importlib.import_module(f"versions.{name}")
+            if not mod.HAS_GDC:
+                raise RuntimeError("no Triton with grid dependency control (gdc_wait)")
+            return mod, gemv_pdl
+        except Exception as e:  # noqa: BLE001 - no PDL here: every arm of this version is an error row
+            return f"{type(e).__name__}: {e}"[:300], None
+
+    def record(name: str, m: int, version, make_row) -> None:
+        """One arm's row (an error row when its version did not load or the arm raised), printed and kept."""
+        try:
+            if isinstance(version, str) or version is None:
+                raise RuntimeError(f"the version: {version}")
+            row = make_row()
+        except Exception as e:  # noqa: BLE001 - a config that does not build is a row, not the end of the probe
+            row = {"arm": name, "rows": m, "error": f"{type(e).__name__}: {e}"[:300]}
+        torch.cuda.empty_cache()
+        out["arms"].append(row)
+        print(row, flush=True)
+
     rows_arms = [n for n in ROWS_ARMS if args.arms is None or n in args.arms]
-    gr = None
-    if rows_arms and not args.no_arms:
-        try:
-            from versions import gemv_pdl as gp_rows
-            from versions import gemv_pdl_rows as gr
-            if not gr.HAS_GDC:
-                raise RuntimeError("no Triton with grid dependency control (gdc_wait)")
-        except Exception as e:  # noqa: BLE001 - no PDL here: every rows arm is an error row
-            gr = f"{type(e).__name__}: {e}"[:300]
+    gr, gp_rows = pdl_version("gemv_pdl_rows", rows_arms)
     tc_arms = [n for n in TC_ARMS if args.arms is None or n in args.arms]
-    tc = None
-    if tc_arms and not args.no_arms:
-        try:
-            from versions import gemv_pdl as gp_tc
-            from versions import gemv_pdl_tc as tc
-            if not tc.HAS_GDC:
-                raise RuntimeError("no Triton with grid dependency control (gdc_wait)")
-        except Exception as e:  # noqa: BLE001 - no PDL here: every tensor-core arm is an error row
-            tc = f"{type(e).__name__}: {e}"[:300]
+    tc, gp_tc = pdl_version("gemv_pdl_tc", tc_arms)
     gp = None
     if 1 in args.rows and not args.no_arms and chains:
         try:
@@ -573,39 +558,16 @@ def main(argv=None) -> int:
             out.setdefault("pdl_checks_rows", {})[m] = pdl_checks_rows(gr, m, [ROWS_ARMS[n]["rows"] for n in rows_arms])
             print(f"pdl checks at {m} rows", json.dumps(out["pdl_checks_rows"][m], default=str), flush=True)
         for name in rows_arms:
-            try:
-                if isinstance(gr, str) or gr is None:
-                    raise RuntimeError(f"versions.gemv_pdl_rows: {gr}")
-                row = rows_arm(name, ROWS_ARMS[name], projs, m, dev, wbytes, roof["gbps"], gr, gp_rows)
-            except Exception as e:  # noqa: BLE001 - as above
-                row = {"arm": name, "rows": m, "error": f"{type(e).__name__}: {e}"[:300]}
-            torch.cuda.empty_cache()
-            out["arms"].append(row)
-            print(row, flush=True)
+            record(name, m, gr, lambda: rows_arm(name, ROWS_ARMS[name], projs, m, dev, wbytes, roof["gbps"], gr,
+                                                 gp_rows))
         if tc_arms and not isinstance(tc, (str, type(None))) and 1 <= m <= tc.MAX_M \
                 and any(TC_ARMS[n]["pdl"] for n in tc_arms):
             out.setdefault("pdl_checks_tc", {})[m] = pdl_checks_tc(tc, m)
             print(f"tensor-core pdl checks at {m} rows", json.dumps(out["pdl_checks_tc"][m], default=str), flush=True)
         for name in tc_arms:
-            try:
-                if isinstance(tc, str) or tc is None:
-                    raise RuntimeError(f"versions.gemv_pdl_tc: {tc}")
-                row = tc_arm(name, TC_ARMS[name], projs, m, dev, wbytes, roof["gbps"], tc, gp_tc)
-            except Exception as e:  # noqa: BLE001 - as above
-                row = {"arm": name, "rows": m, "error": f"{type(e).__name__}: {e}"[:300]}
-            torch.cuda.empty_cache()
-            out["arms"].append(row)
-            print(row, flush=True)
+            record(name, m, tc, lambda: tc_arm(name, TC_ARMS[name], projs, m, dev, wbytes, roof["gbps"], tc, gp_tc))
         for name in chains if m == 1 else []:
-            try:
-                if isinstance(gp, str) or gp is None:
-                    raise RuntimeError(f"versions.gemv_pdl: {gp}")
-                row = chain_arm(name, CHAIN_ARMS[name], projs, dev, wbytes, roof["gbps"], gf, gp)
-            except Exception as e:  # noqa: BLE001 - as above
-                row = {"arm": name, "rows": m, "error": f"{type(e).__name__}: {e}"[:300]}
-            torch.cuda.empty_cache()
-            out["arms"].append(row)
-            print(row, flush=True)
+            record(name, m, gp, lambda: chain_arm(name, CHAIN_ARMS[name], projs, dev, wbytes, roof["gbps"], gf, gp))
     for spec in args.cells:
         arm, n, b = spec.split(":")
         for g in ("branches", "serial"):
