@@ -101,6 +101,33 @@ def bench_version(name: str):
     return importlib.import_module(f"versions.{name}")
 
 
+_BENCH_SCRIPTS: dict = {}
+
+
+def bench_script(name: str):
+    """The script bench/<name>.py as a module, loaded once a session with bench/ on the path (as when it runs): the
+    tests read its parsers, arm tables and CPU-side helpers."""
+    if name not in _BENCH_SCRIPTS:
+        bench = Path(__file__).resolve().parents[1] / "bench"
+        if str(bench) not in sys.path:
+            sys.path.insert(0, str(bench))
+        spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        _BENCH_SCRIPTS[name] = mod
+    return _BENCH_SCRIPTS[name]
+
+
+def pdl_bench_version(name: str):
+    """A bench version built on `foldkv.gemv`'s programmatic dependent launch (`bench_version`), its call counts
+    reset; skipped (failed under FOLDKV_REQUIRE_GPU=1) where Triton has no grid dependency control."""
+    mod = bench_version(name)
+    if not mod.HAS_GDC:
+        skip_or_fail("Triton has no triton.language.extra.cuda.gdc_wait (PDL)")
+    mod.reset()
+    return mod
+
+
 @pytest.fixture
 def cuda_device() -> torch.device:
     """A Hopper CUDA device with TileLang, or skip (fail under FOLDKV_REQUIRE_GPU=1)."""

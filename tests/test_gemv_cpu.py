@@ -11,7 +11,6 @@ Reproduce: pytest tests/test_gemv_cpu.py
 from __future__ import annotations
 
 import ast
-import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import require_module
+from conftest import bench_script, require_module
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = torch.bfloat16
@@ -192,9 +191,7 @@ def test_every_fused_step_kernel_is_a_link_of_the_pdl_chain():
 
 
 def test_the_probe_parses_pdl_ab():
-    spec = importlib.util.spec_from_file_location("model_decode_probe", ROOT / "bench" / "model_decode_probe.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = bench_script("model_decode_probe")
     args = probe.parser().parse_args(["--decode", "foldkv-folded:4096:1", "--pdl-ab"])
     assert args.pdl_ab and args.decode == ["foldkv-folded:4096:1"]
     assert not probe.parser().parse_args([]).pdl_ab

@@ -9,7 +9,6 @@ Reproduce: pytest tests/test_gemv_rows_cpu.py
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import bench_version
+from conftest import bench_script, bench_version
 from test_gemv_cpu import STEP_SHAPES
 from test_gemv_probe_cpu import _model_31b_shapes
 
@@ -113,10 +112,7 @@ def test_off_the_gpu_it_is_f_linear_with_the_reason(gr):
 # --- the probe's rows arms -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location("gemv_probe_rows", ROOT / "bench" / "gemv_probe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_script("gemv_probe")
 
 
 def test_the_rows_arms_and_their_plain_twins(probe):

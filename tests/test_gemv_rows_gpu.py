@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import bench_version
+from conftest import pdl_bench_version
 from test_fused_step_gpu import _gemv_case, _gemv_within_bound
 
 pytestmark = pytest.mark.gpu
@@ -31,13 +31,7 @@ SHAPES = [(16384, 5376), (43008, 5376), (5376, 8192), (5376, 16384), (5376, 2150
 
 @pytest.fixture()
 def gr():
-    from conftest import skip_or_fail
-
-    mod = bench_version("gemv_pdl_rows")
-    if not mod.HAS_GDC:
-        skip_or_fail("Triton has no triton.language.extra.cuda.gdc_wait (PDL)")
-    mod.reset()
-    return mod
+    return pdl_bench_version("gemv_pdl_rows")
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])

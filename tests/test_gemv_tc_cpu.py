@@ -11,7 +11,6 @@ Reproduce: pytest tests/test_gemv_tc_cpu.py
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import bench_version
+from conftest import bench_script, bench_version
 from test_gemv_cpu import STEP_SHAPES
 from test_gemv_probe_cpu import _model_31b_shapes
 
@@ -85,16 +84,8 @@ def grid_problems(config, shapes, ms=range(1, 17)) -> list[str]:
     return problems
 
 
-_PROBE = None
-
-
 def _probe():
-    global _PROBE
-    if _PROBE is None:
-        spec = importlib.util.spec_from_file_location("gemv_probe_tc", ROOT / "bench" / "gemv_probe.py")
-        _PROBE = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(_PROBE)
-    return _PROBE
+    return bench_script("gemv_probe")
 
 
 @pytest.fixture()

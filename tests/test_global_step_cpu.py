@@ -10,23 +10,18 @@ Reproduce: pytest tests/test_global_step_cpu.py -k route
 
 from __future__ import annotations
 
-import importlib.util
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY_SYNTHETIC, left_padded_batch, require_module
+from conftest import TINY_SYNTHETIC, bench_script, left_padded_batch, require_module
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 BF16 = torch.bfloat16
 
 
 def test_the_probe_parses_global_ab():
-    spec = importlib.util.spec_from_file_location("model_decode_probe", BENCH / "model_decode_probe.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = bench_script("model_decode_probe")
     args = probe.parser().parse_args(["--decode", "foldkv-folded:4096:1", "foldkv-split:4096:1", "--global-ab"])
     assert args.global_ab and args.decode == ["foldkv-folded:4096:1", "foldkv-split:4096:1"]
     assert not probe.parser().parse_args([]).global_ab

@@ -5,15 +5,11 @@ them (on exit, on an exception), and the probe's --ring-ab flag."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import bench_version
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from conftest import bench_script, bench_version
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +102,7 @@ def test_install_patches_both_call_sites_and_falls_back_on_cpu(ras):
 
 
 def test_the_probe_parses_ring_ab():
-    spec = importlib.util.spec_from_file_location("model_decode_probe", BENCH / "model_decode_probe.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = bench_script("model_decode_probe")
     args = probe.parser().parse_args(["--decode", "foldkv-folded:4096:1", "--ring-ab"])
     assert args.ring_ab and args.decode == ["foldkv-folded:4096:1"]
     assert not probe.parser().parse_args([]).ring_ab
