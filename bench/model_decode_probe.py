@@ -19,7 +19,10 @@ off"); the library's cells run it on (its default): how many projection calls to
 not are printed for both (host calls: a captured step counts its warm-up and its capture). --ring-ab: the --decode
 cells again with a sliding layer's ring attention as three split-window PDL kernels
 (`bench/versions/ring_attention_split.py` installed; label "ring split"); how many ring attentions took the kernels
-and the reasons the others did not are printed. Results are not records: the batch's notebook is.
+and the reasons the others did not are printed. --tc-ab: the --decode cells again with `foldkv.gemv.TC_ROWS` None (the
+projections of 2..16 rows cuBLAS's, label "tensor cores off") and (1, 16) (the one-row projections on the tensor-core
+kernel too, label "tensor cores at one row"); the projection calls each kernel took are printed for each. Results are
+not records: the batch's notebook is.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--global-ab", action="store_true")
     ap.add_argument("--pdl-ab", action="store_true")
     ap.add_argument("--ring-ab", action="store_true")
+    ap.add_argument("--tc-ab", action="store_true")
     return ap
 
 
@@ -135,6 +139,13 @@ def main(argv=None) -> int:
     if args.global_ab:
         with mock.patch.object(global_step, "FUSE_GLOBAL", False):
             out["decode"] += decode_cells("global unfused")
+    if args.tc_ab:
+        for label, rows in (("tensor cores off", None), ("tensor cores at one row", (1, 16))):
+            gemv.reset()
+            with mock.patch.object(gemv, "TC_ROWS", rows):
+                out["decode"] += decode_cells(label)
+            out["pdl_gemv"][label] = gemv.report()
+            print(f"PDL GEMV ({label}): {out['pdl_gemv'][label]}", flush=True)
     if args.pdl_ab:
         gemv.reset()
         with mock.patch.object(gemv, "PDL_GEMV", False):

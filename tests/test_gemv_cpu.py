@@ -1,9 +1,10 @@
-"""foldkv.gemv's route without a GPU: which projections take the PDL GEMV (one bf16 row against a contiguous bf16
-weight with a tile, on CUDA with Triton's grid dependency control) and the reason each other call is F.linear; that
+"""foldkv.gemv's route without a GPU: which projections take a PDL kernel (1..16 bf16 rows against a contiguous bf16
+weight with a tile, on CUDA with Triton's grid dependency control: the one-row GEMV at one row, the tensor-core GEMM
+at 2..16, every grid of the 31B's step covering the SMs) and the reason each other call is F.linear; that
 F.linear is what they compute then (bitwise nn.Linear); which of the step's projections fused_step routes (the merged
 groups, o_proj, down_proj, the LM head) and that it puts them back; that every fused_step kernel enters through the
 PDL chain entry and every launch site passes the PDL keywords (a static check of the sources, with red twins: a
-kernel without its entry, a launch without the keywords); and the probe's --pdl-ab flag.
+kernel without its entry, a launch without the keywords); and the probe's --pdl-ab and --tc-ab flags.
 
 Reproduce: pytest tests/test_gemv_cpu.py
 """
@@ -38,15 +39,28 @@ def _reset():
     gemv.PDL_GEMV = True
 
 
-def test_the_31b_step_takes_the_kernel_at_one_row_only():
+def test_the_31b_step_takes_a_kernel_at_1_to_16_rows():
     from foldkv import gemv
 
     assert sum(count for _, count in STEP_SHAPES.values()) == 241  # the step's GEMVs, merged
+    assert gemv.TC_ROWS == (2, 16) and gemv.kernel_for(1) == "gemv" and gemv.kernel_for(17) is None
     for name, ((n, k), _) in STEP_SHAPES.items():
         assert gemv.shape_refusal(1, n, k, BF16, BF16, True, False) is None, name
         cfg = gemv.config(n, k)
         assert cfg["ROWS"] == 2 and cfg["HEAD"] == cfg["BLOCK_K"] and k % cfg["BLOCK_K"] == 0, name
-        assert gemv.shape_refusal(8, n, k, BF16, BF16, True, False) == "not one row", name
+        for m in (2, 8, 16):
+            assert gemv.kernel_for(m) == "tc" and gemv.shape_refusal(m, n, k, BF16, BF16, True, False) is None, name
+            tc = gemv.tc_config(n, k, m)
+            programs = -(-n // tc["BLOCK_N"]) * tc["SPLIT"]
+            assert programs >= gemv.SMS and k % (tc["SPLIT"] * tc["BLOCK_K"]) == 0, (name, m, tc)
+        assert gemv.shape_refusal(17, n, k, BF16, BF16, True, False) == "17 rows, more than 16", name
+    # red twin: with the tensor-core kernel off, 2..16 rows are cuBLAS's again, with the reason
+    try:
+        gemv.TC_ROWS = None
+        assert "tensor-core kernel off" in gemv.shape_refusal(8, 5376, 21504, BF16, BF16, True, False)
+        assert gemv.shape_refusal(1, 5376, 21504, BF16, BF16, True, False) is None
+    finally:
+        gemv.TC_ROWS = (2, 16)
     assert gemv.config(5376, 5376)["BLOCK_K"] == 256 and gemv.config(5376, 21504)["BLOCK_K"] == 1024
     # red twins: what the kernel cannot describe is refused, each with its reason
     assert "no tile" in gemv.shape_refusal(1, 4096, 5376 + 64, BF16, BF16, True, False)  # K = 5,440: 64 | K only
@@ -63,7 +77,7 @@ def test_the_route_on_this_machine_and_its_fallback_is_f_linear():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(256, 512, generator=g).to(BF16)
     one = torch.randn(1, 1, 512, generator=g).to(BF16)
-    cases = [(one, w, None, "not on CUDA"), (one.expand(3, 1, 512), w, None, "not one row"),
+    cases = [(one, w, None, "not on CUDA"), (one.expand(17, 1, 512), w, None, "more than 16"),
              (one.float(), w.float(), None, "not bf16"), (one, w.t().contiguous().t()[:, :512], None, "not contig"),
              (one, w, torch.zeros(256, dtype=BF16), "a bias"), (one[..., :256], w, None, "not a projection")]
     for x, wi, b, why in cases:
@@ -195,3 +209,5 @@ def test_the_probe_parses_pdl_ab():
     args = probe.parser().parse_args(["--decode", "foldkv-folded:4096:1", "--pdl-ab"])
     assert args.pdl_ab and args.decode == ["foldkv-folded:4096:1"]
     assert not probe.parser().parse_args([]).pdl_ab
+    assert probe.parser().parse_args(["--decode", "foldkv-folded:4096:8", "--tc-ab"]).tc_ab
+    assert not probe.parser().parse_args([]).tc_ab

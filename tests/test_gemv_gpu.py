@@ -1,4 +1,4 @@
-"""foldkv.gemv (the decode step's one-row projections as a Triton GEMV under programmatic dependent launch) and
+"""foldkv.gemv (the decode step's projections at 1..16 rows as Triton kernels under programmatic dependent launch) and
 fused_step's kernels launched with PDL, on the GPU.
 
 Bounds:
@@ -8,7 +8,9 @@ Bounds:
   |y - ref| <= ulp(ref) + K * 2^-23 * sum_k |x_k w_k| (test_fused_step_gpu's `_gemv_bound`, the same derivation).
 - fused_step's kernels with PDL against their plain launches: bitwise (the wait comes before every load and store;
   only the ordering changes).
-- the whole step (the synthetic Gemma 4 at batch 1, graph): PDL_GEMV on against off. The GEMV is not bitwise cuBLAS,
+- the route at 2..16 rows (the tensor-core GEMM, `foldkv.gemv.gemv_tc`; its own tests: test_gemv_tc_gpu.py) within
+  the same bound, every element written.
+- the whole step (the synthetic Gemma 4 at batch 1 and a left-padded batch of 8, graph): PDL_GEMV on against off. The GEMV is not bitwise cuBLAS,
   so the logits are held to the bound the merged projections are held to against the unmerged ones (twice the
   neutral figure: how far the step with every projection rounded once from float64 moves them from cuBLAS's,
   conftest's `rounding_bound`, step by step), and the greedy tokens must agree up to the
@@ -93,22 +95,36 @@ def test_pdl_gemv_red_twin_one_block_short():
     assert not _within_bound(y, x, w)
 
 
-def test_what_is_not_one_bf16_row_is_f_linear():
+@pytest.mark.parametrize("m", [2, 3, 8, 16])
+@pytest.mark.parametrize("shape", [(16384, 5376), (5376, 21504), (262144, 5376)], ids=["qkv", "down", "lm_head"])
+def test_the_route_takes_the_tensor_core_kernel_at_2_to_16_rows(shape, m):
+    from foldkv import gemv
+    from test_fused_step_gpu import _gemv_within_bound
+
+    n, k = shape
+    assert gemv.kernel_for(m) == "tc"
+    gemv.reset()
+    assert _gemv_within_bound(lambda x, w, out: gemv.linear(x, w, out=out), shape, m, seed=n + k + m)
+    assert gemv.report() == {"kernel": 1, "refusals": {}}
+
+
+def test_what_no_kernel_takes_is_f_linear():
     from foldkv import gemv
 
     x, w = _case(4096, 5376, seed=4)
     gemv.reset()
-    for xi, why in [(x.expand(2, 1, 5376).contiguous(), "not one row"), (x.float(), "not bf16"),
-                    (x, "PDL_GEMV is off")]:
+    cases = [(x.expand(17, 1, 5376).contiguous(), "17 rows, more than 16"), (x.float(), "not bf16"),
+             (x, "PDL_GEMV is off"), (x.expand(8, 1, 5376).contiguous(), "tensor-core kernel off")]
+    for xi, why in cases:
         wi = w.float() if xi.dtype == torch.float32 else w
-        if why == "PDL_GEMV is off":
-            gemv.PDL_GEMV = False
+        gemv.PDL_GEMV = why != "PDL_GEMV is off"
+        gemv.TC_ROWS = None if why == "tensor-core kernel off" else (2, 16)
         try:
             assert why in gemv.refusal(xi, wi)
             assert torch.equal(gemv.linear(xi, wi), torch.nn.functional.linear(xi, wi))
         finally:
-            gemv.PDL_GEMV = True
-    assert gemv.report()["kernel"] == 0 and sum(gemv.report()["refusals"].values()) == 3
+            gemv.PDL_GEMV, gemv.TC_ROWS = True, (2, 16)
+    assert gemv.report()["kernel"] == 0 and sum(gemv.report()["refusals"].values()) == len(cases)
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
@@ -205,12 +221,18 @@ def synthetic_model(tmp_path_factory):
     return synthetic_gpu_models(tmp_path_factory, "foldkv")["foldkv"]
 
 
-def _generate(model, decode_step="graph"):
+# batch 1 (the one-row GEMV) and a left-padded batch of 8 (the tensor-core GEMM)
+BATCHES = {1: (300,), 8: (300, 257, 1, 129, 65, 63, 200, 17)}
+
+
+def _generate(model, decode_step="graph", batch=1):
     from foldkv.hf import FoldKvCache
     from foldkv.lab.model import cache_keyword
 
-    ids, mask = left_padded_batch((300,), model.config.vocab_size, seed=7)
-    cache = FoldKvCache(model, max_batch=1, max_tokens=300 + NEW, scatter_seed=3, decode_step=decode_step)
+    lens = BATCHES[batch]
+    ids, mask = left_padded_batch(lens, model.config.vocab_size, seed=7)
+    cache = FoldKvCache(model, max_batch=len(lens), max_tokens=max(lens) + NEW, scatter_seed=3,
+                        decode_step=decode_step)
     out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=NEW, min_new_tokens=NEW,
                          do_sample=False, output_logits=True, return_dict_in_generate=True,
                          **{cache_keyword(model): cache})
@@ -238,27 +260,28 @@ def _agree(got, want, neutral) -> tuple[int, list[float]]:
     return want[0].shape[1], bounds
 
 
-def test_the_step_with_and_without_the_pdl_gemv(synthetic_model, monkeypatch):
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_the_step_with_and_without_the_pdl_gemv(synthetic_model, monkeypatch, batch):
     from foldkv import fused_step as fs
     from foldkv import gemv
 
     try:
         gemv.PDL_GEMV = False
         gemv.reset()
-        plain = _generate(synthetic_model)
+        plain = _generate(synthetic_model, batch=batch)
         assert gemv.report()["kernel"] == 0
     finally:
         gemv.PDL_GEMV = True
     gemv.reset()
-    pdl = _generate(synthetic_model)
+    pdl = _generate(synthetic_model, batch=batch)
     routed = fs.merged_groups(synthetic_model) + len(fs.projection_modules(synthetic_model))
     assert gemv.report() == {"kernel": 2 * routed, "refusals": {}}, gemv.report()  # the warm-up and the capture
     assert bool(torch.isfinite(pdl[1]).all())
     with exact_projections():
-        neutral = _generate(synthetic_model)
+        neutral = _generate(synthetic_model, batch=batch)
     steps, bounds = _agree(pdl, plain, neutral)
     assert steps >= 2, (steps, bounds)  # the prompt's forward and at least the first step
-    static = _generate(synthetic_model, "static")  # the graph replays the static step bit for bit
+    static = _generate(synthetic_model, "static", batch)  # the graph replays the static step bit for bit
     assert torch.equal(static[0], pdl[0]) and torch.equal(static[1], pdl[1])
 
     # red twin: every routed projection's input missing its last K block (a reduction one block short) moves the
@@ -271,6 +294,6 @@ def test_the_step_with_and_without_the_pdl_gemv(synthetic_model, monkeypatch):
         return own(cut, weight, bias, **kw)
 
     monkeypatch.setattr(gemv, "linear", short)
-    twin = _generate(synthetic_model)
+    twin = _generate(synthetic_model, batch=batch)
     # (logits[0] is the prompt's forward, not a step; logits[1] is the first step's, after the same tokens)
     assert (twin[1][1] - plain[1][1]).abs().max().item() > bounds[1], "a GEMV one block short stayed inside the bound"

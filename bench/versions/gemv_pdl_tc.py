@@ -46,7 +46,11 @@ comparison, the PTX scan).
 Prediction (bench/MODEL_DECODE_NOTES.md run 14, written before any run): the merged step's 241 GEMMs (+ 120 split
 reduces) at 8 rows ~16.0 ms (14.6-17.5) against cuBLAS merged's ~14.9: a loss of ~7% (a body at ~0.88 of the roof,
 ~2 us a boundary under PDL); break-even for the step only if the body reads at >= ~0.92; the same at 2 and 4 rows,
-+2-4% at 16 (x's L2 re-reads). Not measured yet.
++2-4% at 16 (x's L2 re-reads).
+Outcome (run 14, s24): 14.69 ms at 8 rows against cuBLAS merged's 15.23 in the same process (0.925 of the roof),
+14.55 / 14.72 / 14.78 at 2 / 4 / 16 rows (cuBLAS 15.13 / 15.34 / 15.50); no split 15.47, 128-row tiles 15.34, plain
+launches 14.87. The kernel, its configuration and its launch are now the library's (`foldkv.gemv`: gemv_tc,
+split_sum, tc_config, tc_launch) for 2..16 rows; this file keeps the lab's variants and checks around them.
 
     linear(x, weight, pdl=True, **over)           # x [..., K] of 1..16 rows @ weight [N, K]^T; else F.linear
     refusal(x, weight, ...), shape_refusal(m, n, k, ...)   # None when linear() takes the kernel, else why not
@@ -67,17 +71,17 @@ import torch
 from foldkv import gemv as lib
 from versions import gemv_pdl_rows as rows_version
 
-MAX_M = 16  # rows of x a launch takes: the MMA's small side, padded to BLOCK_M
-BLOCK_M = 16
-BLOCK_N = 64  # weight rows a program: wgmma's m64 for one warpgroup
-BLOCK_K = 128  # weight columns a pipeline stage: 16 KB of weight a stage at BLOCK_N = 64
-STAGES = 4  # Triton's num_stages: three tiles in flight a program
-PREFETCH = 1  # weight tiles loaded before the wait: 1 or 0
-SMS = 132  # the H200's SMs: the grid covers at least this many programs
-MIN_SPLIT_TILES = 4  # a K split keeps at least this many BLOCK_K tiles
+MAX_M = lib.MAX_ROWS  # rows of x a launch takes: the MMA's small side, padded to BLOCK_M
+BLOCK_M = lib.TC_BLOCK_M
+BLOCK_N = lib.TC_BLOCK_N  # weight rows a program: wgmma's m64 for one warpgroup
+BLOCK_K = lib.TC_BLOCK_K  # weight columns a pipeline stage: 16 KB of weight a stage at BLOCK_N = 64
+STAGES = lib.TC_STAGES  # Triton's num_stages: three tiles in flight a program
+PREFETCH = lib.TC_PREFETCH  # weight tiles loaded before the wait: 1 or 0
+SMS = lib.SMS  # the H200's SMs: the grid covers at least this many programs
+MIN_SPLIT_TILES = lib.MIN_SPLIT_TILES  # a K split keeps at least this many BLOCK_K tiles
 SMEM_PER_SM = 228 * 1024  # the H200's shared memory an SM (each resident CTA also reserves 1 KB)
 SMEM_PER_CTA = 227 * 1024  # the most one CTA may have
-REDUCE_BLOCK = 1024  # split_sum's elements a program
+REDUCE_BLOCK = lib.REDUCE_BLOCK  # split_sum's elements a program
 HAS_GDC = lib.HAS_GDC
 triton = lib.triton
 bound_check = rows_version.bound_check  # the float32-accumulation bound against float64, in chunks of weight rows
@@ -92,101 +96,18 @@ _CP_ASYNC = re.compile(r"(@!?%p\d+\s+)?cp\.async")
 
 
 if HAS_GDC:
-    import triton.language as tl
+    gemv_tc = lib.gemv_tc  # the library's kernels (the winner of run 14)
+    split_sum = lib.split_sum
 
-    from foldkv.gemv import gdc_launch_dependents, gdc_wait
-
-    @triton.jit
-    def gemv_tc(x_ptr, w_ptr, y_ptr, ws_ptr, M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
-                GDC: tl.constexpr, RED_X_EARLY: tl.constexpr = False):
-        """y [M, N] = x [M, K] @ w [N, K]^T (x, w, y contiguous; M <= BLOCK_M) for this program's BLOCK_N weight rows
-        (program_id 0) and K range [pid1 K_SPLIT, (pid1 + 1) K_SPLIT) (program_id 1; K_SPLIT % BLOCK_K == 0).
-        SPLIT == 1: y rounded once from float32; else the float32 partial into ws [SPLIT, M, N] (split_sum adds).
-        PREFETCH: the range's first weight tile loaded before the wait (GDC). RED_X_EARLY (a red twin for the race
-        check, never for use): that tile's x loaded before the wait too, and used."""
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
-        k_lo = pid_k.to(tl.int64) * K_SPLIT
-        live_n = rn < N
-        live_m = rm < M
-        w_at = w_ptr + rn[:, None] * K + (k_lo + rk)[None, :]  # [BLOCK_N, BLOCK_K]
-        x_at = x_ptr + rm[None, :] * K + (k_lo + rk)[:, None]  # [BLOCK_K, BLOCK_M]: x transposed, K contiguous
-        if PREFETCH:
-            if EVEN_N:
-                w_head = tl.load(w_at, eviction_policy="evict_first")
-            else:
-                w_head = tl.load(w_at, mask=live_n[:, None], other=0.0, eviction_policy="evict_first")
-            if RED_X_EARLY:
-                x_head = tl.load(x_at, mask=live_m[None, :], other=0.0)
-        if GDC:
-            gdc_wait()
-            gdc_launch_dependents()
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        if PREFETCH:
-            if not RED_X_EARLY:
-                x_head = tl.load(x_at, mask=live_m[None, :], other=0.0)
-            acc = tl.dot(w_head, x_head, acc=acc)
-        for k0 in range(PREFETCH * BLOCK_K, K_SPLIT, BLOCK_K):
-            if EVEN_N:
-                w = tl.load(w_at + k0, eviction_policy="evict_first")
-            else:
-                w = tl.load(w_at + k0, mask=live_n[:, None], other=0.0, eviction_policy="evict_first")
-            xt = tl.load(x_at + k0, mask=live_m[None, :], other=0.0)
-            acc = tl.dot(w, xt, acc=acc)
-        live = live_m[None, :] & live_n[:, None]
-        if SPLIT == 1:
-            tl.store(y_ptr + rm[None, :] * N + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=live)
-        else:
-            row = (pid_k * M + rm[None, :]).to(tl.int64)
-            tl.store(ws_ptr + row * N + rn[:, None], acc, mask=live)
-
-    @triton.jit
-    def split_sum(ws_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
-        """y [MN] = sum over s < SPLIT of ws [s, MN] (float32, in the order s = 0, 1, ...), rounded once to y's dtype.
-        With GDC: its dependents may launch at once (the trigger first), the wait before its first load."""
-        if GDC:
-            gdc_launch_dependents()
-            gdc_wait()
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        live = offs < MN
-        acc = tl.load(ws_ptr + offs, mask=live, other=0.0)
-        for s in tl.static_range(1, SPLIT):
-            acc += tl.load(ws_ptr + s * MN + offs, mask=live, other=0.0)
-        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=live)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+_cdiv = lib._cdiv
+launch = lib.tc_launch  # the kernels on x [m, K] into y [m, N] (the red twins' keywords: tc_launch's)
 
 
 def config(n: int, k: int, m: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K, stages: int = STAGES,
            split: int | None = None, prefetch: int = PREFETCH, sms: int = SMS) -> dict | None:
-    """The launch for a weight [n, k] at m rows of x: BLOCK_K the largest power of two up to block_k dividing k (at
-    least 64); SPLIT (None: chosen) the smallest divisor of the k / BLOCK_K tiles that brings cdiv(n, block_n) x SPLIT
-    to >= sms programs with >= MIN_SPLIT_TILES tiles a split, else the largest such divisor (a weight too small for
-    the SMs), else 1; num_warps 4 a 64-row tile (one warpgroup), 8 at 128. None when m is not 1..MAX_M, block_n not 64
-    or 128, prefetch not 0 or 1, stages < 1, no tile divides k, or a given split does not divide the tiles or leaves
-    a split shorter than the prefetched head."""
-    if not 1 <= m <= MAX_M or n < 1 or block_n not in (64, 128) or prefetch not in (0, 1) or stages < 1:
-        return None
-    bk = block_k
-    while bk >= 64 and k % bk:
-        bk //= 2
-    if bk < 64:
-        return None
-    tiles = k // bk
-    if split is None:
-        fits = [s for s in range(1, tiles + 1) if tiles % s == 0 and tiles // s >= min(MIN_SPLIT_TILES, tiles)
-                and tiles // s >= prefetch]
-        split = next((s for s in fits if _cdiv(n, block_n) * s >= sms), fits[-1] if fits else 1)
-    if split < 1 or tiles % split or tiles // split < max(prefetch, 1):
-        return None
-    return dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=bk, PREFETCH=prefetch, SPLIT=split,
-                num_warps=4 if block_n == 64 else 8, num_stages=stages)
+    """The launch for a weight [n, k] at m rows of x (`foldkv.gemv.tc_config`, the keywords the probe's variants)."""
+    return lib.tc_config(n, k, m, block_n=block_n, block_k=block_k, stages=stages, split=split, prefetch=prefetch,
+                         sms=sms)
 
 
 def programs(n: int, cfg: dict) -> int:
@@ -233,27 +154,6 @@ def shape_refusal(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.d
 def refusal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **over) -> str | None:
     """None when `linear(x, weight, bias, **over)` runs the kernel; else why it is F.linear."""
     return lib.tensor_refusal(x, weight, bias, lambda *a: shape_refusal(*a, **over))
-
-
-def launch(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict, pdl: bool = True, *,
-           red_x_early: bool = False, k_split: int | None = None, m: int | None = None,
-           reduce_splits: int | None = None, grid: tuple | None = None):
-    """The kernels themselves on x [m, K] (contiguous) into y [m, N]; returns the GEMM's compiled kernel. The keywords
-    past `pdl` are the red twins' and kernel_stats' (never for use): k_split (the columns a program covers: one tile
-    short drops a K block), m (rows of x the kernel is told), reduce_splits (partials split_sum adds), grid."""
-    n, k = weight.shape
-    m = xs.shape[0] if m is None else m
-    split = cfg["SPLIT"]
-    ws = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=y.device)
-    kw = dict(launch_pdl=True) if pdl else {}  # only passed when set, as gemv_pdl's launches
-    grid = (_cdiv(n, cfg["BLOCK_N"]), split) if grid is None else grid
-    compiled = gemv_tc[grid](xs, weight, y, ws, m, n, k, k // split if k_split is None else k_split,
-                             EVEN_N=n % cfg["BLOCK_N"] == 0, GDC=pdl, RED_X_EARLY=red_x_early, **cfg, **kw)
-    if split > 1:
-        mn = m * n
-        split_sum[(_cdiv(mn, REDUCE_BLOCK),)](ws, y, mn, SPLIT=split if reduce_splits is None else reduce_splits,
-                                              BLOCK=REDUCE_BLOCK, GDC=pdl, num_warps=4, **kw)
-    return compiled
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = True,

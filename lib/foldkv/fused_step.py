@@ -16,8 +16,9 @@ the block (the step `foldkv.hf_graph` runs and captures), each of them for one k
   `q_norm_rope` (q_norm then RoPE of each query head, read in place from the GEMV's output) and `kv_to_ring` (k_norm
   + RoPE and v_norm written straight into the rings' slot for this step, read on the device: update_sliding's two
   index_copy_); the ring attention itself stays `hf_graph.ring_attention`.
-- the step's projections at one row (`foldkv.gemv`, PDL_GEMV): the merged q|k|v and gate|up GEMVs (`merged_linear`),
-  o_proj, down_proj and the LM head (`projection_modules`) as one-row Triton GEMVs under programmatic dependent launch,
+- the step's projections at 1..16 rows (`foldkv.gemv`, PDL_GEMV): the merged q|k|v and gate|up GEMVs (`merged_linear`),
+  o_proj, down_proj and the LM head (`projection_modules`) as Triton kernels under programmatic dependent launch (a
+  CUDA-core GEMV at one row, a tensor-core skinny GEMM at 2..16),
   and the kernels above launched with PDL too (`gemv.pdl_kw`): each waits for the kernel ahead before its first load,
   so their outputs are bitwise their plain launches'; the GEMV is within its float32 accumulation bound of float64,
   not bitwise cuBLAS.
@@ -374,13 +375,13 @@ def merged_linear(owner: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]
     if held is None:
         return None
     merged, rows = held
-    return gemv.linear(x, merged).split(rows, dim=-1)  # one row on CUDA: the PDL GEMV (foldkv.gemv), else F.linear
+    return gemv.linear(x, merged).split(rows, dim=-1)  # 1..16 rows on CUDA: foldkv.gemv's PDL kernels, else F.linear
 
 
-# --- the step's projections that read their own input: the PDL GEMV at one row (foldkv.gemv) -----------------------
+# --- the step's projections that read their own input: the PDL kernels at 1..16 rows (foldkv.gemv) ----------------
 # The merged groups go through `merged_linear`; each attention's o_proj, each MLP's down_proj and the LM head are plain
 # nn.Linear modules called inside transformers' forwards (and `_sliding_forward`): within fused_step their forwards are
-# `gemv.linear` over their own weight (F.linear for anything but one row on CUDA: what nn.Linear.forward computes).
+# `gemv.linear` over their own weight (F.linear past 16 rows or off CUDA: what nn.Linear.forward computes).
 # Unmerged q/k/v and gate/up projections (MERGE off, graph branches) keep nn.Linear's forward.
 def projection_modules(model: nn.Module) -> list[nn.Module]:
     """The plain nn.Linear o_proj of every Gemma4TextAttention, down_proj of every Gemma4TextMLP, and the model's

@@ -1,23 +1,33 @@
-"""The decode step's projections at one row as a Triton GEMV launched under programmatic dependent launch (PDL).
+"""The decode step's projections at 1..16 rows as Triton kernels launched under programmatic dependent launch (PDL).
 
-At batch 1 a Gemma 4 decode step is 241 projection GEMVs (the 31B, merged q|k|v and gate|up: `fused_step.MERGE`)
-with ~600 small kernels between them. Each GEMV loses its launch, its ramp and its tail; under PDL a kernel may be
-launched before the kernel ahead of it has finished and waits (`gdc_wait`, PTX `griddepcontrol.wait`) before it
-reads what that kernel wrote. The weights are written by no kernel of a step, so this GEMV's programs load their
-first weight tile *before* the wait: the next projection's bytes stream during the previous kernel's tail and the
-small kernels between (the measurements: bench/MODEL_DECODE_NOTES.md; the lab version bench/versions/gemv_pdl.py).
-Measured on the H200 (bench/gemv_probe.py --rows 1, the 31B's 411 projections in one graph): this configuration
-15.46 ms against cuBLAS merged's 15.62 and 15.79 for the same kernel without PDL; in the 31B's step at 4K x 1, 0.85 ms
-less a token than cuBLAS's GEMVs.
+A Gemma 4 decode step at batch B <= 16 is 241 projections (the 31B, merged q|k|v and gate|up: `fused_step.MERGE`) of
+B rows against weights that are the step's bytes, with ~600 small kernels between them. Each projection loses its
+launch, its ramp and its tail; under PDL a kernel may be launched before the kernel ahead of it has finished and waits
+(`gdc_wait`, PTX `griddepcontrol.wait`) before it reads what that kernel wrote. The weights are written by no kernel of
+a step, so these kernels' programs load their first weight tile *before* the wait: the next projection's bytes stream
+during the previous kernel's tail and the small kernels between (bench/MODEL_DECODE_NOTES.md; the lab versions
+bench/versions/gemv_pdl.py and gemv_pdl_tc.py). Two kernels, by rows of x (`TC_ROWS`):
 
-The kernel (`gemv_pdl_rows`): ROWS = 2 whole weight rows a program, a register loop of BLOCK_K columns (float32
-partial products, summed along K once at the end, rounded once to the output dtype), its first PREFETCH = 1 tile of
-weight columns loaded before `gdc_wait()`; then `gdc_launch_dependents()` (the kernel after it may launch once every
-program here has passed its wait); the head tile's partial sum is added last. Not bitwise cuBLAS: within the float32
-accumulation bound |y - ref| <= ulp(ref) + K 2^-23 sum_k |x_k w_k| of float64 (tests/test_gemv_gpu.py).
+- **one row: `gemv_pdl_rows`**, a CUDA-core GEMV: ROWS = 2 whole weight rows a program, a register loop of BLOCK_K
+  columns (float32 partial products, summed along K once at the end, rounded once), its first PREFETCH = 1 tile loaded
+  before `gdc_wait()`, then `gdc_launch_dependents()`. Measured (bench/gemv_probe.py --rows 1, the 31B's 411
+  projections in one graph): 15.46 ms against cuBLAS merged's 15.62; in the 31B's step at 4K x 1, 0.85 ms less a token.
+- **2..16 rows: `gemv_tc`**, a skinny GEMM on the tensor cores: each program 64 weight rows (wgmma's m64, one
+  warpgroup) x the rows of x padded to 16 (the MMA's small side; rows past M masked, never read), looping over its K
+  range in 128-column tiles through Triton's 4-stage pipeline (two programs an SM), the range's first 16 KB weight tile
+  in registers before the wait, x only after it. A CUDA-core GEMV issues M FMAs a weight element (13 instructions at
+  8 rows: it lost 2.9x to cuBLAS); on the tensor cores the arithmetic is free at every M <= 16 and the kernel is
+  load-bound. Where 64-row tiles cannot cover the SMs (o_proj and down_proj, N = 5,376: 84 tiles) K is split (the
+  smallest split that gives >= 132 programs) and a small PDL kernel (`split_sum`) adds the float32 partials in a fixed
+  order and rounds once: no atomics, so a PDL launch is bitwise its plain launch. Measured (the 241 merged
+  projections in one graph): 14.69 ms at 8 rows against cuBLAS's 15.23 (0.965x), 0.96x at 2, 4 and 16 rows.
 
-`linear(x, weight, bias)` runs it for x of exactly one row (B*T == 1) against a contiguous bf16 weight on CUDA with a
-Triton that has grid dependency control (`triton.language.extra.cuda.gdc_wait`); anything else is
+Neither is bitwise cuBLAS: both are within the float32-accumulation bound |y - ref| <= ulp(ref) + K 2^-23
+sum_k |x_k w_k| of float64 (tests/test_gemv_gpu.py, tests/test_gemv_tc_gpu.py; the tensor cores' truncated float32
+sums lose at most one ulp of a partial a term).
+
+`linear(x, weight, bias)` runs them for x of 1..16 rows (B*T) against a contiguous bf16 weight on CUDA with a Triton
+that has grid dependency control (`triton.language.extra.cuda.gdc_wait`); anything else is
 `torch.nn.functional.linear` (the reason counted: `report()`). `foldkv.fused_step` routes the step's projections
 through it: the merged groups (`merged_linear`), each attention's o_proj, each MLP's down_proj and the LM head.
 
@@ -31,10 +41,12 @@ bitwise their plain launches' (only the ordering changes). Kernels that are not 
 never trigger: a PDL kernel after one of them starts once it has exited (launch latency hidden, not its tail).
 
     PDL_GEMV = True                       # the switch (tests and bench/model_decode_probe.py --pdl-ab flip it)
-    linear(x, weight)                     # x [..., K] of one row @ weight [N, K]^T; else F.linear
-    refusal(x, weight)                    # None when linear() takes the kernel, else why not
+    TC_ROWS = (2, 16)                     # the rows the tensor-core kernel takes; None: cuBLAS past one row
+    linear(x, weight)                     # x [..., K] of 1..16 rows @ weight [N, K]^T; else F.linear
+    refusal(x, weight)                    # None when linear() takes a kernel, else why not
+    kernel_for(rows)                      # "gemv" or "tc": which kernel a number of rows takes (or None)
     pdl_kw(x)                             # the launch keywords of fused_step's kernels ({} without PDL)
-    report(), reset()                     # the calls that took the kernel, the refusals by reason
+    report(), reset()                     # the calls that took a kernel, the refusals by reason
 """
 
 from __future__ import annotations
@@ -44,10 +56,24 @@ from collections import Counter
 import torch
 
 PDL_GEMV = True  # False: every projection is F.linear and fused_step's kernels launch without PDL
+# The rows of x the tensor-core kernel takes (inclusive); one row below them is the CUDA-core GEMV's. None: past one
+# row every projection is cuBLAS's (the A/B of bench/model_decode_probe.py --tc-ab).
+TC_ROWS: tuple[int, int] | None = (2, 16)
+MAX_ROWS = 16  # the tensor-core kernel's padded side: rows of x a launch takes
+# one row (gemv_pdl_rows)
 ROWS = 2  # weight rows a program: under PDL two rows' shorter tail beat four (15.46 against 15.83 ms, the 411 GEMVs)
 PREFETCH = 1  # weight tiles loaded before the wait: one beat none (the ramp) and two (registers cut residency)
 TILE = 4096  # weight elements a program loads a step: 8 KB of bf16 (gemv_fma's, the read roof kernel's)
 DTYPES = (torch.bfloat16,)
+# 2..16 rows (gemv_tc)
+TC_BLOCK_M = 16  # x's rows padded to the MMA's small side
+TC_BLOCK_N = 64  # weight rows a program: wgmma's m64 for one warpgroup
+TC_BLOCK_K = 128  # weight columns a pipeline stage: 16 KB of weight at 64 rows
+TC_STAGES = 4  # Triton's num_stages: three tiles in flight a program, ~100 KB: two programs an SM
+TC_PREFETCH = 1  # weight tiles loaded before the wait
+SMS = 132  # the H200's SMs: a grid covers at least this many programs (split-K where row tiles cannot)
+MIN_SPLIT_TILES = 4  # a K split keeps at least this many BLOCK_K tiles (the pipeline fills)
+REDUCE_BLOCK = 1024  # split_sum's elements a program
 
 try:
     import triton
@@ -97,6 +123,68 @@ if HAS_GDC:
             y += tl.sum(w_head.to(tl.float32) * x_head.to(tl.float32)[None, :], axis=1)
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
 
+    @triton.jit
+    def gemv_tc(x_ptr, w_ptr, y_ptr, ws_ptr, M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
+                GDC: tl.constexpr, RED_X_EARLY: tl.constexpr = False):
+        """y [M, N] = x [M, K] @ w [N, K]^T (x, w, y contiguous; M <= BLOCK_M) for this program's BLOCK_N weight rows
+        (program_id 0) and K range [pid1 K_SPLIT, (pid1 + 1) K_SPLIT) (program_id 1; K_SPLIT % BLOCK_K == 0).
+        SPLIT == 1: y rounded once from float32; else the float32 partial into ws [SPLIT, M, N] (split_sum adds).
+        PREFETCH: the range's first weight tile loaded before the wait (GDC). RED_X_EARLY (a red twin for the race
+        check, never for use): that tile's x loaded before the wait too, and used."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        k_lo = pid_k.to(tl.int64) * K_SPLIT
+        live_n = rn < N
+        live_m = rm < M
+        w_at = w_ptr + rn[:, None] * K + (k_lo + rk)[None, :]  # [BLOCK_N, BLOCK_K]
+        x_at = x_ptr + rm[None, :] * K + (k_lo + rk)[:, None]  # [BLOCK_K, BLOCK_M]: x transposed, K contiguous
+        if PREFETCH:
+            if EVEN_N:
+                w_head = tl.load(w_at, eviction_policy="evict_first")
+            else:
+                w_head = tl.load(w_at, mask=live_n[:, None], other=0.0, eviction_policy="evict_first")
+            if RED_X_EARLY:
+                x_head = tl.load(x_at, mask=live_m[None, :], other=0.0)
+        if GDC:
+            gdc_wait()
+            gdc_launch_dependents()
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if PREFETCH:
+            if not RED_X_EARLY:
+                x_head = tl.load(x_at, mask=live_m[None, :], other=0.0)
+            acc = tl.dot(w_head, x_head, acc=acc)
+        for k0 in range(PREFETCH * BLOCK_K, K_SPLIT, BLOCK_K):
+            if EVEN_N:
+                w = tl.load(w_at + k0, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_at + k0, mask=live_n[:, None], other=0.0, eviction_policy="evict_first")
+            xt = tl.load(x_at + k0, mask=live_m[None, :], other=0.0)
+            acc = tl.dot(w, xt, acc=acc)
+        live = live_m[None, :] & live_n[:, None]
+        if SPLIT == 1:
+            tl.store(y_ptr + rm[None, :] * N + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=live)
+        else:
+            row = (pid_k * M + rm[None, :]).to(tl.int64)
+            tl.store(ws_ptr + row * N + rn[:, None], acc, mask=live)
+
+    @triton.jit
+    def split_sum(ws_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+        """y [MN] = sum over s < SPLIT of ws [s, MN] (float32, in the order s = 0, 1, ...), rounded once to y's dtype.
+        With GDC: its dependents may launch at once (the trigger first), the wait before its first load."""
+        if GDC:
+            gdc_launch_dependents()
+            gdc_wait()
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = offs < MN
+        acc = tl.load(ws_ptr + offs, mask=live, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(ws_ptr + s * MN + offs, mask=live, other=0.0)
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=live)
+
 
 def config(n: int, k: int, rows: int = ROWS, prefetch: int = PREFETCH) -> dict | None:
     """ROWS, BLOCK_K, HEAD and num_warps for a weight [n, k]: BLOCK_K the largest power of two up to TILE / rows that
@@ -110,6 +198,65 @@ def config(n: int, k: int, rows: int = ROWS, prefetch: int = PREFETCH) -> dict |
     # 16 elements a thread a step (two 16-byte loads), as the roof's kernel: 512 tile elements a warp, up to 8 warps
     return dict(ROWS=rows, BLOCK_K=block_k, HEAD=prefetch * block_k,
                 num_warps=max(1, min(8, rows * block_k // 512)))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def tc_config(n: int, k: int, m: int, block_n: int = TC_BLOCK_N, block_k: int = TC_BLOCK_K, stages: int = TC_STAGES,
+              split: int | None = None, prefetch: int = TC_PREFETCH, sms: int = SMS) -> dict | None:
+    """gemv_tc's launch for a weight [n, k] at m rows of x: BLOCK_K the largest power of two up to block_k dividing k
+    (at least 64); SPLIT (None: chosen) the smallest divisor of the k / BLOCK_K tiles that brings cdiv(n, block_n) x
+    SPLIT to >= sms programs with >= MIN_SPLIT_TILES tiles a split, else the largest such divisor (a weight too small
+    for the SMs), else 1; num_warps 4 a 64-row tile (one warpgroup), 8 at 128. None when m is not 1..MAX_ROWS, block_n
+    not 64 or 128, prefetch not 0 or 1, stages < 1, no tile divides k, or a given split does not divide the tiles or
+    leaves a split shorter than the prefetched head. (The keywords are the lab's variants: bench/gemv_probe.py.)"""
+    if not 1 <= m <= MAX_ROWS or n < 1 or block_n not in (64, 128) or prefetch not in (0, 1) or stages < 1:
+        return None
+    bk = block_k
+    while bk >= 64 and k % bk:
+        bk //= 2
+    if bk < 64:
+        return None
+    tiles = k // bk
+    if split is None:
+        fits = [s for s in range(1, tiles + 1) if tiles % s == 0 and tiles // s >= min(MIN_SPLIT_TILES, tiles)
+                and tiles // s >= prefetch]
+        split = next((s for s in fits if _cdiv(n, block_n) * s >= sms), fits[-1] if fits else 1)
+    if split < 1 or tiles % split or tiles // split < max(prefetch, 1):
+        return None
+    return dict(BLOCK_M=TC_BLOCK_M, BLOCK_N=block_n, BLOCK_K=bk, PREFETCH=prefetch, SPLIT=split,
+                num_warps=4 if block_n == 64 else 8, num_stages=stages)
+
+
+def tc_launch(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict, pdl: bool = True, *,
+              red_x_early: bool = False, k_split: int | None = None, m: int | None = None,
+              reduce_splits: int | None = None, grid: tuple | None = None):
+    """gemv_tc (and split_sum when cfg splits K) on x [m, K] (contiguous) into y [m, N]; returns the GEMM's compiled
+    kernel. pdl: launched with launch_pdl and built waiting, else the plain builds. The keywords past `pdl` are the
+    lab's red twins' and kernel_stats' (never for use): k_split (the columns a program covers), m (rows of x the kernel
+    is told), reduce_splits (partials split_sum adds), grid."""
+    n, k = weight.shape
+    m = xs.shape[0] if m is None else m
+    split = cfg["SPLIT"]
+    ws = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=y.device)
+    kw = dict(launch_pdl=True) if pdl else {}
+    grid = (_cdiv(n, cfg["BLOCK_N"]), split) if grid is None else grid
+    compiled = gemv_tc[grid](xs, weight, y, ws, m, n, k, k // split if k_split is None else k_split,
+                             EVEN_N=n % cfg["BLOCK_N"] == 0, GDC=pdl, RED_X_EARLY=red_x_early, **cfg, **kw)
+    if split > 1:
+        mn = m * n
+        split_sum[(_cdiv(mn, REDUCE_BLOCK),)](ws, y, mn, SPLIT=split if reduce_splits is None else reduce_splits,
+                                              BLOCK=REDUCE_BLOCK, GDC=pdl, num_warps=4, **kw)
+    return compiled
+
+
+def kernel_for(rows: int) -> str | None:
+    """Which kernel `rows` rows of x take: "tc" inside TC_ROWS, "gemv" at one row outside it, else None."""
+    if TC_ROWS is not None and TC_ROWS[0] <= rows <= TC_ROWS[1]:
+        return "tc"
+    return "gemv" if rows == 1 else None
 
 
 def operand_refusal(x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool, has_bias: bool) -> str | None:
@@ -126,14 +273,19 @@ def operand_refusal(x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bo
 
 def shape_refusal(rows: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool,
                   has_bias: bool) -> str | None:
-    """The part of `refusal` that reads no device: None when a GEMV of `rows` rows against a weight [n, k] is the
-    kernel's, else why not."""
+    """The part of `refusal` that reads no device: None when a projection of `rows` rows against a weight [n, k] is a
+    kernel's (`kernel_for(rows)`), else why not."""
     why = operand_refusal(x_dtype, w_dtype, w_contiguous, has_bias)
     if why is not None:
         return why
-    if rows != 1:
-        return "not one row" if rows > 1 else "no row"
-    if config(n, k) is None:
+    if rows < 1:
+        return "no row"
+    if rows > MAX_ROWS:
+        return f"{rows} rows, more than {MAX_ROWS}"
+    kernel = kernel_for(rows)
+    if kernel is None:
+        return f"{rows} rows and the tensor-core kernel off (TC_ROWS {TC_ROWS})"
+    if (tc_config(n, k, rows) if kernel == "tc" else config(n, k)) is None:
         return f"no tile for a [{n}, {k}] weight"
     return None
 
@@ -166,19 +318,23 @@ def tensor_refusal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            out: torch.Tensor | None = None, _red_x_early: bool = False) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias): the PDL GEMV when `refusal` is None, else F.linear; each call counted
-    (`report`). `out` ([1, N] contiguous, the kernel's route only): written in place."""
+    """x [..., K] @ weight [N, K]^T (+ bias): the kernel `kernel_for` the rows names when `refusal` is None, else
+    F.linear; each call counted (`report`). `out` ([rows, N] contiguous, the kernels' route only): written in place."""
     why = refusal(x, weight, bias)
     _CALLS["kernel" if why is None else why] += 1
     if why is not None:
         return torch.nn.functional.linear(x, weight, bias)
     n, k = weight.shape
-    cfg = config(n, k)
-    row = x.reshape(k)
-    row = row if row.is_contiguous() else row.contiguous()
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device) if out is None else out
-    gemv_pdl_rows[(n // cfg["ROWS"],)](row, weight, y, k, GDC=True, RED_X_EARLY=_red_x_early, launch_pdl=True,
-                                       **cfg)
+    m = x.numel() // k
+    xs = x.reshape(m, k)
+    xs = xs if xs.is_contiguous() else xs.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    if kernel_for(m) == "tc":
+        tc_launch(xs, weight, y, tc_config(n, k, m), red_x_early=_red_x_early)
+    else:
+        cfg = config(n, k)
+        gemv_pdl_rows[(n // cfg["ROWS"],)](xs, weight, y, k, GDC=True, RED_X_EARLY=_red_x_early, launch_pdl=True,
+                                           **cfg)
     return y.view(*x.shape[:-1], n)
 
 
@@ -200,5 +356,6 @@ def reset() -> None:
     _CALLS.clear()
 
 
-__all__ = ["PDL_GEMV", "ROWS", "PREFETCH", "HAS_GDC", "config", "operand_refusal", "shape_refusal", "refusal",
-           "tensor_refusal", "linear", "pdl_kw", "report", "reset"]
+__all__ = ["PDL_GEMV", "TC_ROWS", "MAX_ROWS", "ROWS", "PREFETCH", "HAS_GDC", "config", "tc_config", "tc_launch",
+           "kernel_for", "operand_refusal", "shape_refusal", "refusal", "tensor_refusal", "linear", "pdl_kw", "report",
+           "reset"]
