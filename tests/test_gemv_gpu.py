@@ -13,7 +13,8 @@ Bounds:
 - the whole step (the synthetic Gemma 4 at batch 1 and a left-padded batch of 8, graph): PDL_GEMV on against off. The GEMV is not bitwise cuBLAS,
   so the logits are held to the bound the merged projections are held to against the unmerged ones (twice the
   neutral figure: how far the step with every projection rounded once from float64 moves them from cuBLAS's,
-  conftest's `rounding_bound`, step by step), and the greedy tokens must agree up to the
+  conftest's `rounding_bound`, step by step, the exact-rounded run made to follow the incumbent's tokens so that
+  every step's figure describes the same inputs), and the greedy tokens must agree up to the
   first step whose reference top-two margin is itself inside twice that bound (there a flip is a rounding, not a
   bug: the sequences part and nothing after is compared). The static step with PDL on is bitwise the graph's.
 Red twins: the GEMV told a reduction one K block short; in a graph, the GEMV's head x loaded before its wait and a
@@ -115,15 +116,16 @@ def test_what_no_kernel_takes_is_f_linear():
     gemv.reset()
     cases = [(x.expand(17, 1, 5376).contiguous(), "17 rows, more than 16"), (x.float(), "not bf16"),
              (x, "PDL_GEMV is off"), (x.expand(8, 1, 5376).contiguous(), "tensor-core kernel off")]
+    saved = gemv.TC_ROWS
     for xi, why in cases:
         wi = w.float() if xi.dtype == torch.float32 else w
         gemv.PDL_GEMV = why != "PDL_GEMV is off"
-        gemv.TC_ROWS = None if why == "tensor-core kernel off" else (2, 16)
+        gemv.TC_ROWS = None if why == "tensor-core kernel off" else saved
         try:
             assert why in gemv.refusal(xi, wi)
             assert torch.equal(gemv.linear(xi, wi), torch.nn.functional.linear(xi, wi))
         finally:
-            gemv.PDL_GEMV, gemv.TC_ROWS = True, (2, 16)
+            gemv.PDL_GEMV, gemv.TC_ROWS = True, saved
     assert gemv.report()["kernel"] == 0 and sum(gemv.report()["refusals"].values()) == len(cases)
 
 
@@ -225,7 +227,12 @@ def synthetic_model(tmp_path_factory):
 BATCHES = {1: (300,), 8: (300, 257, 1, 129, 65, 63, 200, 17)}
 
 
-def _generate(model, decode_step="graph", batch=1):
+def _generate(model, decode_step="graph", batch=1, follow=None):
+    """(new tokens, logits of every step) of greedy generate() through a FoldKvCache. follow: new tokens [B, NEW] the
+    run is made to pick at every step (a logits processor; the logits returned are the model's own, unprocessed): the
+    exact-rounded run taken along the incumbent's sequence, so its figure describes the same inputs at every step."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
     from foldkv.hf import FoldKvCache
     from foldkv.lab.model import cache_keyword
 
@@ -233,21 +240,30 @@ def _generate(model, decode_step="graph", batch=1):
     ids, mask = left_padded_batch(lens, model.config.vocab_size, seed=7)
     cache = FoldKvCache(model, max_batch=len(lens), max_tokens=max(lens) + NEW, scatter_seed=3,
                         decode_step=decode_step)
+    extra = {}
+    if follow is not None:
+        start = ids.shape[1]
+
+        class Follow(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                pick = follow[:, input_ids.shape[1] - start].to(scores.device)
+                return torch.full_like(scores, float("-inf")).scatter_(1, pick[:, None], 0.0)
+
+        extra["logits_processor"] = LogitsProcessorList([Follow()])
     out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=NEW, min_new_tokens=NEW,
                          do_sample=False, output_logits=True, return_dict_in_generate=True,
-                         **{cache_keyword(model): cache})
+                         **{cache_keyword(model): cache}, **extra)
     return out.sequences[:, ids.shape[1]:].cpu(), torch.stack(out.logits).float().cpu()
 
 
 def _agree(got, want, neutral) -> tuple[int, list[float]]:
-    """Steps compared and each step's bound (`rounding_bound`: twice how far the exact-rounded projections move the
-    logits from the incumbent's at that step). Tokens equal and logits within the bound, up to the first step where
-    the got sequence parts at a top-two margin inside twice the bound (a rounding flip), or where the exact-rounded
-    run's tokens parted from the incumbent's (its figure no longer describes the same inputs)."""
+    """Steps compared and each step's bound (`rounding_bound`: twice how far the exact-rounded projections, taken
+    along the incumbent's tokens, move the logits from the incumbent's at that step). Tokens equal and logits within
+    the bound, up to the first step where the got sequence parts at a top-two margin inside twice the bound (a
+    rounding flip: the sequences part and nothing after is compared)."""
+    assert torch.equal(neutral[0], want[0]), "the exact-rounded run did not follow the incumbent's tokens"
     bounds = []
     for t in range(want[0].shape[1]):
-        if t and not torch.equal(neutral[0][:, :t], want[0][:, :t]):
-            return t, bounds
         bound = rounding_bound(neutral[1][t], want[1][t])
         assert bound > 0, f"step {t}: the exact-rounded logits equal the incumbent's: no neutral figure"
         bounds.append(bound)
@@ -278,7 +294,7 @@ def test_the_step_with_and_without_the_pdl_gemv(synthetic_model, monkeypatch, ba
     assert gemv.report() == {"kernel": 2 * routed, "refusals": {}}, gemv.report()  # the warm-up and the capture
     assert bool(torch.isfinite(pdl[1]).all())
     with exact_projections():
-        neutral = _generate(synthetic_model, batch=batch)
+        neutral = _generate(synthetic_model, batch=batch, follow=plain[0])
     steps, bounds = _agree(pdl, plain, neutral)
     assert steps >= 2, (steps, bounds)  # the prompt's forward and at least the first step
     static = _generate(synthetic_model, "static", batch)  # the graph replays the static step bit for bit

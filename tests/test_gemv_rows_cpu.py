@@ -68,11 +68,12 @@ def test_red_twins_of_the_route(gr):
     from foldkv import gemv
 
     # the library's route with its tensor-core kernel off refuses every case of more than one row
+    saved = gemv.TC_ROWS
     try:
         gemv.TC_ROWS = None
         lib = route_problems(lambda m, n, k, xd, wd, c, b, rows: gemv.shape_refusal(m, n, k, xd, wd, c, b))
     finally:
-        gemv.TC_ROWS = (2, 16)
+        gemv.TC_ROWS = saved
     assert any("m=8 [262144, 5376]" in p and "tensor-core kernel off" in p for p in lib), lib
     # a route without the rows limit takes nine rows
     unlimited = route_problems(lambda m, n, k, xd, wd, c, b, rows: gr.shape_refusal(min(m, 8), n, k, xd, wd, c, b,

@@ -6,23 +6,23 @@ launch, its ramp and its tail; under PDL a kernel may be launched before the ker
 (`gdc_wait`, PTX `griddepcontrol.wait`) before it reads what that kernel wrote. The weights are written by no kernel of
 a step, so these kernels' programs load their first weight tile *before* the wait: the next projection's bytes stream
 during the previous kernel's tail and the small kernels between (bench/MODEL_DECODE_NOTES.md; the lab versions
-bench/versions/gemv_pdl.py and gemv_pdl_tc.py). Two kernels, by rows of x (`TC_ROWS`):
+bench/versions/gemv_pdl.py and gemv_pdl_tc.py). The kernel (`gemv_tc`, rows of x in `TC_ROWS`, 1..16 by default):
 
-- **one row: `gemv_pdl_rows`**, a CUDA-core GEMV: ROWS = 2 whole weight rows a program, a register loop of BLOCK_K
-  columns (float32 partial products, summed along K once at the end, rounded once), its first PREFETCH = 1 tile loaded
-  before `gdc_wait()`, then `gdc_launch_dependents()`. Measured (bench/gemv_probe.py --rows 1, the 31B's 411
-  projections in one graph): 15.46 ms against cuBLAS merged's 15.62; in the 31B's step at 4K x 1, 0.85 ms less a token.
-- **2..16 rows: `gemv_tc`**, a skinny GEMM on the tensor cores: each program 64 weight rows (wgmma's m64, one
-  warpgroup) x the rows of x padded to 16 (the MMA's small side; rows past M masked, never read), looping over its K
-  range in 128-column tiles through Triton's 4-stage pipeline (two programs an SM), the range's first 16 KB weight tile
-  in registers before the wait, x only after it. A CUDA-core GEMV issues M FMAs a weight element (13 instructions at
-  8 rows: it lost 2.9x to cuBLAS); on the tensor cores the arithmetic is free at every M <= 16 and the kernel is
-  load-bound. Where 64-row tiles cannot cover the SMs (o_proj and down_proj, N = 5,376: 84 tiles) K is split (the
-  smallest split that gives >= 132 programs) and a small PDL kernel (`split_sum`) adds the float32 partials in a fixed
-  order and rounds once: no atomics, so a PDL launch is bitwise its plain launch. Measured (the 241 merged
-  projections in one graph): 14.69 ms at 8 rows against cuBLAS's 15.23 (0.965x), 0.96x at 2, 4 and 16 rows.
+- a skinny GEMM on the tensor cores: each program 64 weight rows (wgmma's m64, one warpgroup) x the rows of x padded
+  to 16 (the MMA's small side; rows past M masked, never read), looping over its K range in 128-column tiles through
+  Triton's 4-stage pipeline (two programs an SM), the range's first 16 KB weight tile in registers before the wait, x
+  only after it. A CUDA-core GEMV issues M FMAs a weight element (13 instructions at 8 rows: it lost 2.9x to cuBLAS);
+  on the tensor cores the arithmetic is free at every M <= 16 and the kernel is load-bound. Where 64-row tiles cannot
+  cover the SMs (o_proj and down_proj, N = 5,376: 84 tiles) K is split (the smallest split that gives >= 132
+  programs) and a small PDL kernel (`split_sum`) adds the float32 partials in a fixed order and rounds once: no
+  atomics, so a PDL launch is bitwise its plain launch.
+- Measured (bench/gemv_probe.py, the 241 merged projections in one graph): 14.69 ms at 8 rows against cuBLAS's 15.23
+  (0.965x), 0.96x at 2, 4 and 16 rows; in the 31B's step (bench/model_decode_probe.py --tc-ab, one process) 0.84-0.87
+  ms less a token at batch 8 than cuBLAS's GEMMs, and 0.20 ms less at batch 1 than the CUDA-core GEMV below.
+- `gemv_pdl_rows`, the one-row CUDA-core GEMV (2 whole weight rows a program, a register loop, its first tile before
+  the wait), is what one row takes when TC_ROWS leaves it out (the A/B's other arm).
 
-Neither is bitwise cuBLAS: both are within the float32-accumulation bound |y - ref| <= ulp(ref) + K 2^-23
+Neither kernel is bitwise cuBLAS: both are within the float32-accumulation bound |y - ref| <= ulp(ref) + K 2^-23
 sum_k |x_k w_k| of float64 (tests/test_gemv_gpu.py, tests/test_gemv_tc_gpu.py; the tensor cores' truncated float32
 sums lose at most one ulp of a partial a term).
 
@@ -41,10 +41,10 @@ bitwise their plain launches' (only the ordering changes). Kernels that are not 
 never trigger: a PDL kernel after one of them starts once it has exited (launch latency hidden, not its tail).
 
     PDL_GEMV = True                       # the switch (tests and bench/model_decode_probe.py --pdl-ab flip it)
-    TC_ROWS = (2, 16)                     # the rows the tensor-core kernel takes; None: cuBLAS past one row
+    TC_ROWS = (1, 16)                     # the rows the tensor-core kernel takes; None: cuBLAS past one row
     linear(x, weight)                     # x [..., K] of 1..16 rows @ weight [N, K]^T; else F.linear
     refusal(x, weight)                    # None when linear() takes a kernel, else why not
-    kernel_for(rows)                      # "gemv" or "tc": which kernel a number of rows takes (or None)
+    kernel_for(rows)                      # "tc" or "gemv": which kernel a number of rows takes (or None)
     pdl_kw(x)                             # the launch keywords of fused_step's kernels ({} without PDL)
     report(), reset()                     # the calls that took a kernel, the refusals by reason
 """
@@ -58,7 +58,7 @@ import torch
 PDL_GEMV = True  # False: every projection is F.linear and fused_step's kernels launch without PDL
 # The rows of x the tensor-core kernel takes (inclusive); one row below them is the CUDA-core GEMV's. None: past one
 # row every projection is cuBLAS's (the A/B of bench/model_decode_probe.py --tc-ab).
-TC_ROWS: tuple[int, int] | None = (2, 16)
+TC_ROWS: tuple[int, int] | None = (1, 16)
 MAX_ROWS = 16  # the tensor-core kernel's padded side: rows of x a launch takes
 # one row (gemv_pdl_rows)
 ROWS = 2  # weight rows a program: under PDL two rows' shorter tail beat four (15.46 against 15.83 ms, the 411 GEMVs)
