@@ -1,4 +1,4 @@
-"""bench/versions/gemv_pdl_rows.py (the PDL GEMV of 1..8 rows of x, not measured yet) on the GPU.
+"""bench/versions/gemv_pdl_rows.py (the PDL GEMV of 1..8 rows of x: lost to cuBLAS 2.9x at 8 rows) on the GPU.
 
 Bound: every output element against float64 within the float32-accumulation bound the one-row kernels are held to,
 |y - ref| <= ulp(ref) + K 2^-23 sum_k |x_k w_k| (tests/test_fused_step_gpu.py's `_gemv_within_bound`: the output

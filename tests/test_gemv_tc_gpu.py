@@ -1,4 +1,4 @@
-"""bench/versions/gemv_pdl_tc.py (the tensor-core PDL GEMM of 1..16 rows of x, not measured yet) on the GPU.
+"""bench/versions/gemv_pdl_tc.py (the tensor-core PDL GEMM of 1..16 rows of x: its kernel is foldkv.gemv's) on the GPU.
 
 Bound: every output element against float64 within the float32-accumulation bound the library GEMV and the M-row
 version are held to, |y - ref| <= ulp(ref) + K 2^-23 sum_k |x_k w_k| (tests/test_fused_step_gpu.py's

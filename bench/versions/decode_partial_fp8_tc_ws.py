@@ -43,7 +43,9 @@ merge pass overlapping q_s with V^T; `check_emitted` reads it), `__launch_bounds
 Prediction (written before any run; bench/FP8_NOTES.md run 20): L2 span 1.17-1.30 us a 64-token tile; from DRAM
 163,336: 106-118 us (0.54-0.61x bf16 folded); 81,653: 60-68 us; uniform8 130-145; uniform32 580-650; check passes with
 the served error (2.2-3.2e-3).
-Outcome: to be written after the H200 run (bench/FP8_NOTES.md, run 20).
+Outcome (s24, bench/FP8_NOTES.md run 20): 143.7 us at 163,336 (0.75x bf16 folded), 80.8 at 81,653 (0.79x), uniform8
+170.0 (0.73x), uniform32 777.9 (0.76x): 6-8% slower than the served tensor-core partial in the same run; the check
+passed with the served error. Lost: the transposer, with the value window's global loads, is the longer chain.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations

@@ -31,7 +31,10 @@ ms read. `kernel_stats` reads n_regs / n_spills off the compiled kernels (the pr
 
 Prediction (bench/MODEL_DECODE_NOTES.md run 13, written before any run): at M = 2 a tie with cuBLAS merged (as the
 one-row kernel at M = 1); at M = 8 slower than cuBLAS merged by ~1.3x (CUDA-core issue and registers, not bytes); ROWS
-= 4 at M = 8 spills. Not measured yet.
+= 4 at M = 8 spills.
+Outcome (run 13, s24): at 8 rows the merged step's 241 GEMVs took 44.24 ms against cuBLAS merged's 15.23 (2.9x; the
+prediction said ~1.34x): ~8 warps an SM hide neither the loads nor the FMAs. Lost; the library takes the tensor-core
+kernel (`foldkv.gemv.gemv_tc`) at 1..16 rows. Kept as the control.
 
     linear(x, weight, rows=2, prefetch=1, pdl=True)   # x [..., K] of 1..8 rows @ weight [N, K]^T; else F.linear
     refusal(x, weight, ...), shape_refusal(m, n, k, ...) # None when linear() takes the kernel, else why not

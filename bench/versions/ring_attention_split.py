@@ -49,7 +49,10 @@ Triton. Anything else is the library's ring_attention, the reason counted (`Inst
 
 Prediction (run 15): ~8 us a layer at batch 1 (6.5-11) against ~10.8, plus ~4 PDL boundaries a layer (~0.7 us each):
 ~0.25 ms a step at 4K x 1 (16.43 -> ~16.2 ms device); at batch 8 ~40 us a layer (K and V at ~80% of the roof): the
-step at 4K x 8 / 128K x 8 ~0.15-0.5 ms faster depending on where cuBLAS reads the batch-8 rings. Not measured yet.
+step at 4K x 8 / 128K x 8 ~0.15-0.5 ms faster depending on where cuBLAS reads the batch-8 rings.
+Outcome (run 15, s24): slower everywhere: device step +0.12 ms at 4K x 1, +0.44 at 4K x 8, +0.46 at 128K x 8 (the
+kernels took all 300 ring attentions). Three launches a layer with their own ramps and tails cost more than cuBLAS's two
+GEMMs and the softmax. Lost; the library keeps hf_graph.ring_attention.
 
 Check first on the GPU, in this order:
 1. `FOLDKV_REQUIRE_GPU=1 pytest tests/test_ring_attention_split_gpu.py tests/test_ring_attention_split_cpu.py`;
