@@ -70,7 +70,7 @@ def test_the_31b_step_takes_a_kernel_at_1_to_16_rows():
     try:  # the one-row CUDA-core GEMV's own tiles
         gemv.TC_ROWS = None
         assert "no tile" in gemv.shape_refusal(1, 4096, 5376 + 64, BF16, BF16, True, False)  # K = 5,440: 64 | K only
-        assert "no tile" in gemv.shape_refusal(1, 4097, 5376, BF16, BF16, True, False)  # N odd: ROWS = 2 does not divide
+        assert "no tile" in gemv.shape_refusal(1, 4097, 5376, BF16, BF16, True, False)  # N odd: ROWS = 2 can't divide
     finally:
         gemv.TC_ROWS = saved
     assert "not bf16" in gemv.shape_refusal(1, 4096, 5376, torch.float16, torch.float16, True, False)

@@ -8,16 +8,17 @@ Bounds:
   |y - ref| <= ulp(ref) + K * 2^-23 * sum_k |x_k w_k| (test_fused_step_gpu's `_gemv_bound`, the same derivation).
 - fused_step's kernels with PDL against their plain launches: bitwise (the wait comes before every load and store;
   only the ordering changes).
-- the route at 2..16 rows (the tensor-core GEMM, `foldkv.gemv.gemv_tc`; its own tests: test_gemv_tc_gpu.py) within
-  the same bound, every element written.
-- the whole step (the synthetic Gemma 4 at batch 1 and a left-padded batch of 8, graph): PDL_GEMV on against off. The GEMV is not bitwise cuBLAS,
-  so the logits are held to the bound the merged projections are held to against the unmerged ones (twice the
-  neutral figure: how far the step with every projection rounded once from float64 moves them from cuBLAS's,
-  conftest's `rounding_bound`, step by step, the exact-rounded run made to follow the incumbent's tokens so that
-  every step's figure describes the same inputs), and the greedy tokens must agree up to the
-  first step whose reference top-two margin is itself inside twice that bound (there a flip is a rounding, not a
+- the route at 1..16 rows (the tensor-core GEMM, `foldkv.gemv.gemv_tc`) within the same bound, every element
+  written. Its PTX order and its red twins are test_gemv_tc_gpu.py's; here the one-block-short red twin and the PTX
+  order read the one-row CUDA-core GEMV (`gemv_pdl_rows`: what one row takes when TC_ROWS leaves it out).
+- the whole step (the synthetic Gemma 4 at batch 1 and a left-padded batch of 8, graph): PDL_GEMV on against off.
+  The kernels are not bitwise cuBLAS, so the logits are held to the bound the merged projections are held to against
+  the unmerged ones (twice the neutral figure: how far the step with every projection rounded once from float64
+  moves them from cuBLAS's, conftest's `rounding_bound`, step by step, the exact-rounded run made to follow the
+  incumbent's tokens so that every step's figure describes the same inputs), and the greedy tokens must agree up to
+  the first step whose reference top-two margin is itself inside twice that bound (there a flip is a rounding, not a
   bug: the sequences part and nothing after is compared). The static step with PDL on is bitwise the graph's.
-Red twins: the GEMV told a reduction one K block short; in a graph, the GEMV's head x loaded before its wait and a
+Red twins: the GEMV told a reduction one K block short; in a graph, the route's head x loaded before its wait and a
 fused_step kernel launched with PDL but built without its wait (each reads the poisoned x: `foldkv.lab.pdl_checks`);
 the step with every routed projection's input missing its last K block moves the logits past the bound.
 

@@ -150,7 +150,7 @@ def test_red_twin_without_the_split_the_hidden_size_weights_leave_sms_idle(tc):
 
 
 def test_the_probe_variants_cover_the_merged_step(tc):
-    assert set(tc.VARIANTS) == {"", "_k256", "_s3", "_n128", "_nosplit"}
+    assert set(tc.VARIANTS) == {"", "_k256", "_s3", "_s2", "_tailfit", "_n128", "_nosplit"}
     for variant, over in tc.VARIANTS.items():
         got = grid_problems(lambda n, k, m: tc.config(n, k, m, **over), merged_shapes(), ms=(2, 8, 16))
         assert (got == []) == (variant != "_nosplit"), (variant, got)
@@ -158,6 +158,27 @@ def test_the_probe_variants_cover_the_merged_step(tc):
             cfg = tc.config(n, k, 8, **over)
             assert tc.ctas_per_sm(cfg) >= 1 and tc.smem_estimate(cfg) <= tc.SMEM_PER_CTA, (variant, n, k, cfg)
     assert tc.config(5376, 21504, 8, **tc.VARIANTS["_n128"])["num_warps"] == 8
+    assert tc.ctas_per_sm(tc.config(18432, 5376, 8, **tc.VARIANTS["_s2"])) == 3
+
+
+def test_tail_fit_changes_only_the_weight_with_a_small_last_wave(tc):
+    # the merged step at 1..16 rows: only the global q|k (288 programs on 2 x 132 slots: a 24-program last wave) takes
+    # two stages (three programs an SM: 396 slots, one wave); every other weight keeps the default
+    for m in (1, 8, 16):
+        for n, k in set(merged_shapes()):
+            got, default = tc.config(n, k, m, tail_fit=True), tc.config(n, k, m)
+            if (n, k) == (18432, 5376):
+                assert default["num_stages"] == 4 and tc.programs(n, default) == 288, default
+                assert got["num_stages"] == 2 and tc.programs(n, got) <= 132 * tc.ctas_per_sm(got), got
+            else:
+                assert got == default, (n, k, m, got)
+    # red twin: with a fill threshold of 0 nothing is a tail, so the global q|k keeps its two waves
+    saved = tc.TAIL_FILL
+    try:
+        tc.TAIL_FILL = 0.0
+        assert tc.config(18432, 5376, 8, tail_fit=True)["num_stages"] == 4
+    finally:
+        tc.TAIL_FILL = saved
     assert tc.ctas_per_sm(tc.config(5376, 21504, 8, **tc.VARIANTS["_k256"])) == 1
 
 
@@ -219,17 +240,20 @@ def test_what_each_tc_arm_launches_over_the_31b(tc):
     assert len(probe.tc_plan(tc, merged, 17)["refusals"]) == len(set(merged))
 
 
-def _run14_commands() -> list[list[str]]:
+def _probe_commands(run: int) -> list[list[str]]:
+    """The gemv_probe commands of MODEL_DECODE_NOTES' "Run N: prediction" section (up to the next section)."""
     notes = (ROOT / "bench" / "MODEL_DECODE_NOTES.md").read_text()
-    section = notes[notes.index("## Run 14: prediction"):]
-    found = re.findall(r"python3 bench/gemv_probe\.py (.*?)\n\n", section, re.S)
-    assert found, "no probe command in run 14's section"
+    start = notes.index(f"## Run {run}: prediction")
+    end = notes.find("\n## ", start + 1)
+    section = notes[start:end if end >= 0 else None]
+    found = re.findall(r"python3 bench/gemv_probe\.py (.*?)\n\n", section + "\n\n", re.S)
+    assert found, f"no probe command in run {run}'s section"
     return [f.replace("\\\n", " ").split() for f in found]
 
 
 def test_run_14s_commands_parse():
     probe = _probe()
-    commands = _run14_commands()
+    commands = _probe_commands(14)
     assert len(commands) == 2
     asked = set()
     for argv in commands:
@@ -238,7 +262,18 @@ def test_run_14s_commands_parse():
         asked |= set(args.arms)
     assert probe.parse_args(commands[0]).rows == [8]
     assert sorted(probe.parse_args(commands[1]).rows) == [2, 4, 16]
-    assert set(probe.TC_ARMS) <= asked
+    assert set(probe.TC_ARMS) - {"pdl_tc_merged_s2", "pdl_tc_merged_tailfit"} <= asked  # (those two: run 17)
     # red twin: a misspelt arm in the command is refused before any GPU work
     with pytest.raises(SystemExit):
         probe.parse_args([a.replace("pdl_tc_merged_k256", "pdl_tc_merged_k265") for a in commands[0]])
+
+
+def test_run_17s_commands_parse():
+    probe = _probe()
+    commands = _probe_commands(17)
+    asked = set()
+    for argv in commands:
+        args = probe.parse_args(argv)
+        assert "torch_merged" in args.arms and "pdl_tc_merged" in args.arms, argv
+        asked |= set(args.arms)
+    assert {"pdl_tc_merged_s2", "pdl_tc_merged_tailfit"} <= asked

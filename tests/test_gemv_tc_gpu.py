@@ -7,8 +7,8 @@ float32 sums stay inside it, the module's header says why), at M = 2, 3, 8, 16 o
 (merged q|k|v, global q|k and gate|up; o_proj sliding and global and down_proj, which split K; the narrow global
 k_proj, split 6) and awkward ones: N = 4,098 (not a whole number of 64-row tiles: masked rows) with K = 5,888 (46
 tiles, split 2), a [6, 256] weight (one program, 58 rows masked) and a [6, 128] one (the prefetched tile only: the
-loop runs no step). The configuration variants the probe times (wider K tile, 3 stages, 128-row tiles, no split, no
-prefetch), PDL and plain, within the same bound.
+loop runs no step). The configuration variants the probe times (wider K tile, 3 stages, 2 stages, 2 stages where
+the last wave is a tail, 128-row tiles, no split, no prefetch), PDL and plain, within the same bound.
 Red twins: the kernel told a K range one tile short (with and without a split); told M - 1 rows (one x row dropped,
 its output row zero: the bound, not the NaN check, must catch it); split_sum told one partial fewer; each misses the
 bound. PDL: the PDL builds bitwise the plain ones (split and not); foldkv.lab.pdl_checks' race check with this kernel
@@ -53,11 +53,12 @@ def test_tc_within_the_gemv_bound(tc, m, shape):
 
 
 @pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "plain"])
-@pytest.mark.parametrize("variant", ["_k256", "_s3", "_n128", "_nosplit", "_nopf"])
+@pytest.mark.parametrize("variant", ["_k256", "_s3", "_s2", "_tailfit", "_n128", "_nosplit", "_nopf"])
 @pytest.mark.parametrize("m", [3, 8])
 def test_variants_within_the_bound(tc, m, variant, pdl):
     over = tc.VARIANTS.get(variant, dict(prefetch=0))
-    for shape in [(16384, 5376), (5376, 21504), (4098, 5888)]:
+    # (18432, 5376): the global q|k, the one weight `_tailfit` gives two stages
+    for shape in [(16384, 5376), (5376, 21504), (4098, 5888), (18432, 5376)]:
         assert _gemv_within_bound(lambda x, w, out: tc.linear(x, w, pdl=pdl, out=out, **over), shape, m,
                                   seed=shape[1] + m)
     assert tc.report()["refusals"] == {}

@@ -88,7 +88,9 @@ bound_check = rows_version.bound_check  # the float32-accumulation bound against
 
 # The probe's variants of the configuration (`config` keywords): the default, a wider K tile, fewer stages, a
 # taller tile (two warpgroups), no split-K (the N = 5,376 weights at 84 programs).
-VARIANTS = {"": {}, "_k256": dict(block_k=256, stages=3), "_s3": dict(stages=3), "_n128": dict(block_n=128),
+TAIL_FILL = 0.4  # tail_fit: a last wave holding under this share of the resident slots is a tail worth removing
+VARIANTS = {"": {}, "_k256": dict(block_k=256, stages=3), "_s3": dict(stages=3), "_s2": dict(stages=2),
+            "_tailfit": dict(tail_fit=True), "_n128": dict(block_n=128),
             "_nosplit": dict(split=1)}
 
 _CALLS: Counter = Counter()  # "kernel" and each refusal's reason since reset()
@@ -104,10 +106,21 @@ launch = lib.tc_launch  # the kernels on x [m, K] into y [m, N] (the red twins' 
 
 
 def config(n: int, k: int, m: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K, stages: int = STAGES,
-           split: int | None = None, prefetch: int = PREFETCH, sms: int = SMS) -> dict | None:
-    """The launch for a weight [n, k] at m rows of x (`foldkv.gemv.tc_config`, the keywords the probe's variants)."""
-    return lib.tc_config(n, k, m, block_n=block_n, block_k=block_k, stages=stages, split=split, prefetch=prefetch,
-                         sms=sms)
+           split: int | None = None, prefetch: int = PREFETCH, sms: int = SMS, tail_fit: bool = False) -> dict | None:
+    """The launch for a weight [n, k] at m rows of x (`foldkv.gemv.tc_config`, the keywords the probe's variants).
+    tail_fit (MODEL_DECODE_NOTES run 17): where the grid's last wave would hold under TAIL_FILL of the resident slots,
+    two stages instead (60 KB a program: three an SM) when that holds the whole grid in one wave."""
+    cfg = lib.tc_config(n, k, m, block_n=block_n, block_k=block_k, stages=stages, split=split, prefetch=prefetch,
+                        sms=sms)
+    if not tail_fit or cfg is None:
+        return cfg
+    grid, slots = programs(n, cfg), sms * ctas_per_sm(cfg)
+    if 0 < grid % slots < TAIL_FILL * slots:
+        two = lib.tc_config(n, k, m, block_n=block_n, block_k=block_k, stages=2, split=split, prefetch=prefetch,
+                            sms=sms)
+        if two is not None and programs(n, two) <= sms * ctas_per_sm(two):
+            return two
+    return cfg
 
 
 def programs(n: int, cfg: dict) -> int:
