@@ -19,10 +19,10 @@ off"); the library's cells run it on (its default): how many projection calls to
 not are printed for both (host calls: a captured step counts its warm-up and its capture). --ring-ab: the --decode
 cells again with a sliding layer's ring attention as three split-window PDL kernels
 (`bench/versions/ring_attention_split.py` installed; label "ring split"); how many ring attentions took the kernels
-and the reasons the others did not are printed. --tc-ab: the --decode cells again with `foldkv.gemv.TC_ROWS` None (the
-projections of 2..16 rows cuBLAS's, label "tensor cores off") and (1, 16) (the one-row projections on the tensor-core
-kernel too, label "tensor cores at one row"); the projection calls each kernel took are printed for each. Results are
-not records: the batch's notebook is.
+and the reasons the others did not are printed. --tc-ab: the --decode cells again with the one-row projections on
+the one-row CUDA-core GEMV that served them before the tensor-core kernel (`bench/versions/gemv_pdl.py` installed;
+label "one-row CUDA-core GEMV"; at batch > 1 nothing changes: for cuBLAS there, --pdl-ab); the calls it took are
+printed. Results are not records: the batch's notebook is.
 """
 
 from __future__ import annotations
@@ -140,12 +140,12 @@ def main(argv=None) -> int:
         with mock.patch.object(global_step, "FUSE_GLOBAL", False):
             out["decode"] += decode_cells("global unfused")
     if args.tc_ab:
-        for label, rows in (("tensor cores off", None), ("tensor cores at one row", (1, 16))):
-            gemv.reset()
-            with mock.patch.object(gemv, "TC_ROWS", rows):
-                out["decode"] += decode_cells(label)
-            out["pdl_gemv"][label] = gemv.report()
-            print(f"PDL GEMV ({label}): {out['pdl_gemv'][label]}", flush=True)
+        from versions.gemv_pdl import installed as one_row_gemv  # bench/ is this script's directory
+
+        with one_row_gemv() as took:
+            out["decode"] += decode_cells("one-row CUDA-core GEMV")
+        out["pdl_gemv"]["one-row CUDA-core GEMV"] = dict(took)
+        print(f"one-row CUDA-core GEMV: {dict(took)}", flush=True)
     if args.pdl_ab:
         gemv.reset()
         with mock.patch.object(gemv, "PDL_GEMV", False):

@@ -1,6 +1,6 @@
-"""foldkv.gemv's route without a GPU: which projections take a PDL kernel (1..16 bf16 rows against a contiguous bf16
-weight with a tile, on CUDA with Triton's grid dependency control: the one-row GEMV at one row, the tensor-core GEMM
-at 2..16, every grid of the 31B's step covering the SMs) and the reason each other call is F.linear; that
+"""foldkv.gemv's route without a GPU: which projections take the PDL kernel (1..16 bf16 rows against a contiguous bf16
+weight with a tile, on CUDA with Triton's grid dependency control: the tensor-core GEMM, every grid of the 31B's step
+covering the SMs) and the reason each other call is F.linear; that
 F.linear is what they compute then (bitwise nn.Linear); which of the step's projections fused_step routes (the merged
 groups, o_proj, down_proj, the LM head) and that it puts them back; that every fused_step kernel enters through the
 PDL chain entry and every launch site passes the PDL keywords (a static check of the sources, with red twins: a
@@ -39,40 +39,22 @@ def _reset():
     gemv.PDL_GEMV = True
 
 
-def test_the_31b_step_takes_a_kernel_at_1_to_16_rows():
+def test_the_31b_step_takes_the_kernel_at_1_to_16_rows():
     from foldkv import gemv
 
     assert sum(count for _, count in STEP_SHAPES.values()) == 241  # the step's GEMVs, merged
-    assert gemv.TC_ROWS == (1, 16) and gemv.kernel_for(1) == "tc" and gemv.kernel_for(17) is None
     for name, ((n, k), _) in STEP_SHAPES.items():
-        assert gemv.shape_refusal(1, n, k, BF16, BF16, True, False) is None, name
-        cfg = gemv.config(n, k)
-        assert cfg["ROWS"] == 2 and cfg["HEAD"] == cfg["BLOCK_K"] and k % cfg["BLOCK_K"] == 0, name
         for m in (1, 2, 8, 16):
-            assert gemv.kernel_for(m) == "tc" and gemv.shape_refusal(m, n, k, BF16, BF16, True, False) is None, name
+            assert gemv.shape_refusal(m, n, k, BF16, BF16, True, False) is None, name
             tc = gemv.tc_config(n, k, m)
             programs = -(-n // tc["BLOCK_N"]) * tc["SPLIT"]
             assert programs >= gemv.SMS and k % (tc["SPLIT"] * tc["BLOCK_K"]) == 0, (name, m, tc)
+            assert tc["PREFETCH"] == 1 and k // tc["SPLIT"] >= tc["BLOCK_K"], (name, m, tc)
         assert gemv.shape_refusal(17, n, k, BF16, BF16, True, False) == "17 rows, more than 16", name
-    # red twin: with the tensor-core kernel off, one row is the CUDA-core GEMV's and 2..16 rows cuBLAS's, with the
-    # reason
-    saved = gemv.TC_ROWS
-    try:
-        gemv.TC_ROWS = None
-        assert "tensor-core kernel off" in gemv.shape_refusal(8, 5376, 21504, BF16, BF16, True, False)
-        assert gemv.shape_refusal(1, 5376, 21504, BF16, BF16, True, False) is None
-    finally:
-        gemv.TC_ROWS = saved
-    assert gemv.config(5376, 5376)["BLOCK_K"] == 256 and gemv.config(5376, 21504)["BLOCK_K"] == 1024
+    assert gemv.tc_config(5376, 21504, 1)["SPLIT"] == 2 and gemv.tc_config(43008, 5376, 1)["SPLIT"] == 1
     # red twins: what the kernel cannot describe is refused, each with its reason
     assert "no tile" in gemv.shape_refusal(1, 4096, 5376 + 32, BF16, BF16, True, False)  # K = 5,408: 32 | K only
-    saved = gemv.TC_ROWS
-    try:  # the one-row CUDA-core GEMV's own tiles
-        gemv.TC_ROWS = None
-        assert "no tile" in gemv.shape_refusal(1, 4096, 5376 + 64, BF16, BF16, True, False)  # K = 5,440: 64 | K only
-        assert "no tile" in gemv.shape_refusal(1, 4097, 5376, BF16, BF16, True, False)  # N odd: ROWS = 2 can't divide
-    finally:
-        gemv.TC_ROWS = saved
+    assert gemv.shape_refusal(0, 4096, 5376, BF16, BF16, True, False) == "no row"
     assert "not bf16" in gemv.shape_refusal(1, 4096, 5376, torch.float16, torch.float16, True, False)
     assert "not bf16" in gemv.shape_refusal(1, 4096, 5376, torch.float32, BF16, True, False)
     assert gemv.shape_refusal(1, 4096, 5376, BF16, BF16, False, False) == "the weight is not contiguous"

@@ -8,9 +8,8 @@ Bounds:
   |y - ref| <= ulp(ref) + K * 2^-23 * sum_k |x_k w_k| (test_fused_step_gpu's `_gemv_bound`, the same derivation).
 - fused_step's kernels with PDL against their plain launches: bitwise (the wait comes before every load and store;
   only the ordering changes).
-- the route at 1..16 rows (the tensor-core GEMM, `foldkv.gemv.gemv_tc`) within the same bound, every element
-  written. Its PTX order and its red twins are test_gemv_tc_gpu.py's; here the one-block-short red twin and the PTX
-  order read the one-row CUDA-core GEMV (`gemv_pdl_rows`: what one row takes when TC_ROWS leaves it out).
+- the route at 1..16 rows (the tensor-core GEMM, `foldkv.gemv.gemv_tc`; its own tests: test_gemv_tc_gpu.py) within
+  the same bound, every element written.
 - the whole step (the synthetic Gemma 4 at batch 1 and a left-padded batch of 8, graph): PDL_GEMV on against off.
   The kernels are not bitwise cuBLAS, so the logits are held to the bound the merged projections are held to against
   the unmerged ones (twice the neutral figure: how far the step with every projection rounded once from float64
@@ -18,7 +17,7 @@ Bounds:
   incumbent's tokens so that every step's figure describes the same inputs), and the greedy tokens must agree up to
   the first step whose reference top-two margin is itself inside twice that bound (there a flip is a rounding, not a
   bug: the sequences part and nothing after is compared). The static step with PDL on is bitwise the graph's.
-Red twins: the GEMV told a reduction one K block short; in a graph, the route's head x loaded before its wait and a
+Red twins: the kernel told a K range one tile short; in a graph, the route's head x loaded before its wait and a
 fused_step kernel launched with PDL but built without its wait (each reads the poisoned x: `foldkv.lab.pdl_checks`);
 the step with every routed projection's input missing its last K block moves the logits past the bound.
 
@@ -90,21 +89,19 @@ def test_pdl_gemv_red_twin_one_block_short():
 
     n, k = 4096, 5376
     x, w = _case(n, k, seed=3)
-    cfg = gemv.config(n, k)
+    cfg = gemv.tc_config(n, k, 1)
     y = torch.empty(1, n, dtype=BF16, device="cuda")
-    gemv.gemv_pdl_rows[(n // cfg["ROWS"],)](x.reshape(-1), w, y, k - cfg["BLOCK_K"], GDC=True, launch_pdl=True,
-                                            **cfg)
+    gemv.tc_launch(x.reshape(1, k), w, y, cfg, k_split=k // cfg["SPLIT"] - cfg["BLOCK_K"])
     assert not _within_bound(y, x, w)
 
 
 @pytest.mark.parametrize("m", [2, 3, 8, 16])
 @pytest.mark.parametrize("shape", [(16384, 5376), (5376, 21504), (262144, 5376)], ids=["qkv", "down", "lm_head"])
-def test_the_route_takes_the_tensor_core_kernel_at_2_to_16_rows(shape, m):
+def test_the_route_takes_the_kernel_at_2_to_16_rows(shape, m):
     from foldkv import gemv
     from test_fused_step_gpu import _gemv_within_bound
 
     n, k = shape
-    assert gemv.kernel_for(m) == "tc"
     gemv.reset()
     assert _gemv_within_bound(lambda x, w, out: gemv.linear(x, w, out=out), shape, m, seed=n + k + m)
     assert gemv.report() == {"kernel": 1, "refusals": {}}
@@ -116,17 +113,15 @@ def test_what_no_kernel_takes_is_f_linear():
     x, w = _case(4096, 5376, seed=4)
     gemv.reset()
     cases = [(x.expand(17, 1, 5376).contiguous(), "17 rows, more than 16"), (x.float(), "not bf16"),
-             (x, "PDL_GEMV is off"), (x.expand(8, 1, 5376).contiguous(), "tensor-core kernel off")]
-    saved = gemv.TC_ROWS
+             (x, "PDL_GEMV is off")]
     for xi, why in cases:
         wi = w.float() if xi.dtype == torch.float32 else w
         gemv.PDL_GEMV = why != "PDL_GEMV is off"
-        gemv.TC_ROWS = None if why == "tensor-core kernel off" else saved
         try:
             assert why in gemv.refusal(xi, wi)
             assert torch.equal(gemv.linear(xi, wi), torch.nn.functional.linear(xi, wi))
         finally:
-            gemv.PDL_GEMV, gemv.TC_ROWS = True, saved
+            gemv.PDL_GEMV = True
     assert gemv.report()["kernel"] == 0 and sum(gemv.report()["refusals"].values()) == len(cases)
 
 
@@ -148,6 +143,7 @@ def test_pdl_gemv_ptx_loads_no_x_before_its_wait():
 
     plain, red = ptx_order(), ptx_order(red_x_early=True)
     assert plain["waits"] == 1 and 0 < plain["loads_before_wait"] <= plain["weight_loads_expected"], plain
+    assert plain["cp_async_before_wait"] == 0, plain
     assert red["loads_before_wait"] > plain["loads_before_wait"], red
 
 
@@ -307,7 +303,7 @@ def test_the_step_with_and_without_the_pdl_gemv(synthetic_model, monkeypatch, ba
 
     def short(x, weight, bias=None, **kw):
         cut = x.clone()
-        cut[..., -gemv.config(*weight.shape)["BLOCK_K"]:] = 0
+        cut[..., -gemv.tc_config(*weight.shape, 1)["BLOCK_K"]:] = 0
         return own(cut, weight, bias, **kw)
 
     monkeypatch.setattr(gemv, "linear", short)

@@ -67,14 +67,9 @@ def test_the_route_gives_each_case_its_reason(gr):
 def test_red_twins_of_the_route(gr):
     from foldkv import gemv
 
-    # the library's route with its tensor-core kernel off refuses every case of more than one row
-    saved = gemv.TC_ROWS
-    try:
-        gemv.TC_ROWS = None
-        lib = route_problems(lambda m, n, k, xd, wd, c, b, rows: gemv.shape_refusal(m, n, k, xd, wd, c, b))
-    finally:
-        gemv.TC_ROWS = saved
-    assert any("m=8 [262144, 5376]" in p and "tensor-core kernel off" in p for p in lib), lib
+    # the library's route (the tensor-core kernel, up to 16 rows) takes the nine rows this one refuses
+    lib = route_problems(lambda m, n, k, xd, wd, c, b, rows: gemv.shape_refusal(m, n, k, xd, wd, c, b))
+    assert any(p.startswith("m=9 [16384, 5376]") and "more than 8" in p for p in lib), lib
     # a route without the rows limit takes nine rows
     unlimited = route_problems(lambda m, n, k, xd, wd, c, b, rows: gr.shape_refusal(min(m, 8), n, k, xd, wd, c, b,
                                                                                        rows))
@@ -93,7 +88,7 @@ def test_every_step_shape_has_a_tile_at_every_m(gr):
                 assert cfg["BLOCK_K"] <= (2048 if m <= 2 else 512), (name, m)
     assert gr.config(5376, 21504, 2)["BLOCK_K"] == 1024 and gr.config(5376, 21504, 8)["BLOCK_K"] == 512
     assert gr.config(43008, 5376, 8)["BLOCK_K"] == 256  # 5,376 = 21 x 256: one warp a program
-    assert gr.config(5376, 8192, 1) == dict(M=1, ROWS=2, BLOCK_K=2048, PREFETCH=1, num_warps=8)  # gemv.config's
+    assert gr.config(5376, 8192, 1) == dict(M=1, ROWS=2, BLOCK_K=2048, PREFETCH=1, num_warps=8)  # gemv_pdl.config's
     assert gr.config(16384, 5376, 8, prefetch=0)["PREFETCH"] == 0 and gr.config(16384, 5376, 8, prefetch=2) is None
     # the register argument: 8 columns x ROWS x M float32 accumulators a thread; 4 rows at M = 8 pass the 255
     assert gr.accumulator_registers(8, 2) == 128 and gr.accumulator_registers(8, 4) == 256 > 255

@@ -10,7 +10,8 @@ before it reads what that kernel wrote. The weights are written by nobody during
 their first weight loads (to registers) before the wait: the next projection's bytes start streaming during the
 previous kernel's tail and the small kernels between, and its programs are resident when the wait returns (no launch,
 no ramp).
-The kernel (`gemv_pdl_rows`, now the library's `foldkv.gemv` and imported from there): gemv_fma's register loop
+The kernel (`gemv_pdl_rows`; it served the step's one-row projections in foldkv.gemv until the tensor-core kernel
+took one row too, MODEL_DECODE_NOTES run 16): gemv_fma's register loop
 (ROWS whole rows a program, float32 partial products, `config` reused from gemv_fma), with HEAD = PREFETCH x BLOCK_K
 columns loaded first; then `gdc_wait()`; then `gdc_launch_dependents()` (the kernel after this one may launch once
 every program here has passed its wait: at most one kernel runs ahead); then the head's x load, the loop over the
@@ -27,9 +28,9 @@ with no prefetch (`_nopf`) ~16.7; without norms `fma_r4_pdl` ~15.4 against `fma_
 + norm boundary, ~1 ms for the 31B's 4K x 1 step if the whole chain took PDL. Not measured yet.
 
 PDL chain-wide: in the library since run 12 (`foldkv.gemv`: this kernel at ROWS=2, PREFETCH=1 for the step's
-one-row projections; fused_step's kernels entering through `fused_step_kernels._chain`; the lab's checks in
-`foldkv.lab.pdl_checks`). Rules, from the CUDA programming guide (4.5, Programmatic Dependent
-Launch) and the PTX ISA (griddepcontrol):
+one-row projections until run 16, the tensor-core kernel since; fused_step's kernels entering through
+`fused_step_kernels._chain`; the lab's checks in `foldkv.lab.pdl_checks`). Rules, from the CUDA programming guide
+(4.5, Programmatic Dependent Launch) and the PTX ISA (griddepcontrol):
 - every kernel launched with PDL must execute `gdc_wait()` before it reads anything a kernel of this step wrote, and
   before any store into a buffer a kernel ahead may still read or write; before the wait it may read only what no
   kernel of the step writes (weights, norm weights). The wait covers the prerequisite grid (the kernel ahead); that
@@ -72,11 +73,16 @@ What must hold before any timing means something (bench/gemv_probe.py records ea
   arms measure plain launches.
 
     gemv(x, weight, rows_per_program=4, prefetch=1, pdl=True)     # x [..., K] of one row @ weight [N, K]^T
+    config(n, k), installed()                                     # the served configuration; it, in foldkv.gemv
     head_norm(y, k, gamma, eps, pdl=True)                         # [1, k] from the head rows of y (see below)
     race_check(k, n), ptx_order(prefetch)                         # does the wait hold? does PDL overlap at all?
 """
 
 from __future__ import annotations
+
+import collections
+import contextlib
+from unittest import mock
 
 import torch
 import triton
@@ -88,11 +94,43 @@ from foldkv.lab import pdl_checks
 from versions import gemv_fma
 
 HAS_GDC = _library.HAS_GDC  # Triton's grid dependency control; without it the module imports, gemv()/head_norm() refuse
+# The configuration that served the step's one-row projections (in foldkv.gemv until the tensor-core kernel,
+# bench/versions/gemv_pdl_tc.py, took one row too: 0.20 ms less a step at 4K x 1); the arms run other values.
+ROWS = 2  # weight rows a program: under PDL two rows' shorter tail beat four (15.46 against 15.83 ms, the 411 GEMVs)
+PREFETCH = 1  # weight tiles loaded before the wait: one beat none (the ramp) and two (registers cut residency)
+
 if HAS_GDC:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    # the kernel measured here is the one the library serves (foldkv.gemv: its ROWS and PREFETCH are this file's
-    # winning arm); the arms run it at the other ROWS / HEAD values
-    gemv_pdl_rows = _library.gemv_pdl_rows
+
+    @triton.jit
+    def gemv_pdl_rows(x_ptr, w_ptr, y_ptr, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, HEAD: tl.constexpr,
+                      GDC: tl.constexpr, RED_X_EARLY: tl.constexpr = False):
+        """y [N] = w [N, K] @ x [K] for this program's ROWS rows (N % ROWS == 0; HEAD and K - HEAD multiples of
+        BLOCK_K). The first HEAD weight columns are loaded before the wait (GDC), consumed after it. RED_X_EARLY (a red
+        twin for the lab's race check, never for use): the head's x loaded before the wait too."""
+        rn = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        w_rows = w_ptr + rn[:, None] * K
+        if HEAD > 0:
+            rh = tl.arange(0, HEAD)
+            w_head = tl.load(w_rows + rh[None, :], eviction_policy="evict_first")
+            if RED_X_EARLY:
+                x_head = tl.load(x_ptr + rh)
+        if GDC:
+            gdc_wait()
+            gdc_launch_dependents()
+        if HEAD > 0:
+            if not RED_X_EARLY:
+                x_head = tl.load(x_ptr + rh)  # issued before the loop, summed after it
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+        for k0 in range(HEAD, K, BLOCK_K):
+            w = tl.load(w_rows + k0 + rk[None, :], eviction_policy="evict_first").to(tl.float32)
+            x = tl.load(x_ptr + k0 + rk).to(tl.float32)
+            acc += w * x[None, :]
+        y = tl.sum(acc, axis=1)
+        if HEAD > 0:
+            y += tl.sum(w_head.to(tl.float32) * x_head.to(tl.float32)[None, :], axis=1)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
 try:
     from triton.language.extra.cuda import globaltimer
 except ImportError:
@@ -146,6 +184,34 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, rows_per_program: int = 4, prefe
     gemv_pdl_rows[(n // cfg["ROWS"],)](row, weight, y, k, HEAD=head, GDC=pdl, RED_X_EARLY=_red_x_early, **cfg,
                                        **_launch_kw(pdl))
     return y.view(*x.shape[:-1], n)
+
+
+def config(n: int, k: int, rows: int = ROWS, prefetch: int = PREFETCH) -> dict | None:
+    """The served configuration's launch for a weight [n, k] (gemv_fma.config's ROWS, BLOCK_K and warps, and HEAD =
+    prefetch x BLOCK_K); None without a tile or with the head past k."""
+    cfg = gemv_fma.config(n, k, rows)
+    if cfg is None or prefetch * cfg["BLOCK_K"] > k:
+        return None
+    return dict(cfg, HEAD=prefetch * cfg["BLOCK_K"])
+
+
+@contextlib.contextmanager
+def installed():
+    """foldkv.gemv.linear with its one-row calls (those the library's kernel would take) on this kernel at ROWS and
+    PREFETCH under PDL, as the library served them before the tensor-core kernel: bench/model_decode_probe.py --tc-ab.
+    Yields the count of calls it took."""
+    _require_gdc()
+    served = _library.linear
+    took = collections.Counter()
+
+    def linear(x, weight, bias=None, **kw):
+        if x.numel() == weight.shape[-1] and _library.refusal(x, weight, bias) is None and config(*weight.shape):
+            took["one-row GEMV"] += 1
+            return gemv(x, weight, ROWS, PREFETCH, pdl=True, out=kw.get("out"))
+        return served(x, weight, bias, **kw)
+
+    with mock.patch.object(_library, "linear", linear):
+        yield took
 
 
 def head_norm(y: torch.Tensor, k: int, gamma: torch.Tensor, eps: float = 1e-6, pdl: bool = True) -> torch.Tensor:

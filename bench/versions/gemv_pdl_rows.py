@@ -7,7 +7,7 @@ one row the library's Triton GEMV under programmatic dependent launch saved 0.85
 weight tile loaded before `gdc_wait`, the chain's launches and ramps hidden). Does the same kernel, carrying M rows of
 x, read the weights as well at M = 2..8, so the same chain can replace cuBLAS at batch 2..8?
 
-Design (`gemv_m_rows`): gemv.gemv_pdl_rows' program (ROWS whole weight rows, a register loop of BLOCK_K columns, float32
+Design (`gemv_m_rows`): gemv_pdl.gemv_pdl_rows' program (ROWS whole weight rows, a register loop of BLOCK_K columns, float32
 products summed along K once at the end, rounded once to bf16) with M exact (a constexpr, one build per M: nothing is
 padded or masked) and one float32 accumulator tile (ROWS, BLOCK_K) per row of x: ROWS x M partial sums for each
 column a thread owns. The weight tile is loaded once per step and multiplied against the M rows of x (x is M x K x 2
@@ -53,8 +53,8 @@ import torch
 from foldkv import gemv as lib
 
 MAX_M = 8  # rows of x a launch takes (the decode step's batch up to 8)
-ROWS = lib.ROWS  # weight rows a program (the library's 2; the probe's arms try 1, 2, 4)
-PREFETCH = lib.PREFETCH  # weight tiles loaded before the wait: 1 (gemv's) or 0
+ROWS = 2  # weight rows a program (gemv_pdl.ROWS, the one-row GEMV's; the probe's arms try 1, 2, 4)
+PREFETCH = 1  # weight tiles loaded before the wait: 1 (gemv_pdl.PREFETCH) or 0
 HAS_GDC = lib.HAS_GDC
 triton = lib.triton
 

@@ -63,7 +63,6 @@ split_sum, tc_config, tc_launch) for 2..16 rows; this file keeps the lab's varia
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 
 import torch
@@ -94,7 +93,6 @@ VARIANTS = {"": {}, "_k256": dict(block_k=256, stages=3), "_s3": dict(stages=3),
             "_nosplit": dict(split=1)}
 
 _CALLS: Counter = Counter()  # "kernel" and each refusal's reason since reset()
-_CP_ASYNC = re.compile(r"(@!?%p\d+\s+)?cp\.async")
 
 
 if HAS_GDC:
@@ -219,24 +217,11 @@ def race_check(m: int = 8, graph: bool = False, k: int = 5376, n: int = 4096, **
 
 
 def ptx_order(m: int = 8, k: int = 5376, n: int = 4096, red_x_early: bool = False, **over) -> dict:
-    """The PDL build's global loads before its first `griddepcontrol.wait` (foldkv.lab.pdl_checks' scan): the
-    prefetched weight tile only (BLOCK_N x BLOCK_K x 2 bytes / (16 bytes x threads) loads a thread), no cp.async (the
-    pipeline's copies, x's among them) before it; more loads with the red twin (its x tile)."""
+    """foldkv.lab.pdl_checks.ptx_order of this configuration (`over`: config's keywords): the PDL build's global loads
+    before its first wait (the prefetched weight tile only, no cp.async); more loads with the red twin (its x tile)."""
     from foldkv.lab import pdl_checks
 
-    dev = torch.device("cuda")
-    cfg = config(n, k, m, **over)
-    x = torch.ones(m, k, dtype=torch.bfloat16, device=dev)
-    w = torch.ones(n, k, dtype=torch.bfloat16, device=dev)
-    y = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-    ptx = launch(x, w, y, cfg, True, red_x_early=red_x_early).asm["ptx"]
-    waits, before = pdl_checks.loads_before_wait(ptx)
-    lines = [ln.strip() for ln in ptx.splitlines()]
-    first = next((i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")), len(lines))
-    return dict(m=m, red_x_early=red_x_early, waits=waits, loads_before_wait=len(before),
-                cp_async_before_wait=sum(bool(_CP_ASYNC.match(ln)) for ln in lines[:first]),
-                weight_loads_expected=cfg["BLOCK_N"] * cfg["BLOCK_K"] * 2 // (32 * cfg["num_warps"] * 16),
-                loads=before[:8])
+    return pdl_checks.ptx_order(m, k, n, red_x_early, cfg=config(n, k, m, **over))
 
 
 def kernel_stats(n: int, k: int, m: int, pdl: bool = True, **over) -> dict:

@@ -17,11 +17,10 @@ the block (the step `foldkv.hf_graph` runs and captures), each of them for one k
   + RoPE and v_norm written straight into the rings' slot for this step, read on the device: update_sliding's two
   index_copy_); the ring attention itself stays `hf_graph.ring_attention`.
 - the step's projections at 1..16 rows (`foldkv.gemv`, PDL_GEMV): the merged q|k|v and gate|up GEMVs (`merged_linear`),
-  o_proj, down_proj and the LM head (`projection_modules`) as Triton kernels under programmatic dependent launch (a
-  CUDA-core GEMV at one row, a tensor-core skinny GEMM at 2..16),
-  and the kernels above launched with PDL too (`gemv.pdl_kw`): each waits for the kernel ahead before its first load,
-  so their outputs are bitwise their plain launches'; the GEMV is within its float32 accumulation bound of float64,
-  not bitwise cuBLAS.
+  o_proj, down_proj and the LM head (`projection_modules`) as a tensor-core skinny GEMM under programmatic dependent
+  launch, and the kernels above launched with PDL too (`gemv.pdl_kw`): each waits for the kernel ahead before its
+  first load, so their outputs are bitwise their plain launches'; the GEMM is within its float32 accumulation bound
+  of float64, not bitwise cuBLAS.
 Rounding points are torch's, so most outputs are bitwise the modules'; a sum (of squares, of exponentials) reduced in
 another order, or the tanh of another formula, may move a bf16 output by one ulp (the GPU tests bound each op).
 Layers these formulas do not describe (a MoE block, per-layer inputs, another activation) keep their own forwards.

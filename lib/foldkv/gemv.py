@@ -6,7 +6,7 @@ launch, its ramp and its tail; under PDL a kernel may be launched before the ker
 (`gdc_wait`, PTX `griddepcontrol.wait`) before it reads what that kernel wrote. The weights are written by no kernel of
 a step, so these kernels' programs load their first weight tile *before* the wait: the next projection's bytes stream
 during the previous kernel's tail and the small kernels between (bench/MODEL_DECODE_NOTES.md; the lab versions
-bench/versions/gemv_pdl.py and gemv_pdl_tc.py). The kernel (`gemv_tc`, rows of x in `TC_ROWS`, 1..16 by default):
+bench/versions/gemv_pdl.py and gemv_pdl_tc.py). The kernel (`gemv_tc`), for 1..16 rows of x:
 
 - a skinny GEMM on the tensor cores: each program 64 weight rows (wgmma's m64, one warpgroup) x the rows of x padded
   to 16 (the MMA's small side; rows past M masked, never read), looping over its K range in 128-column tiles through
@@ -17,16 +17,15 @@ bench/versions/gemv_pdl.py and gemv_pdl_tc.py). The kernel (`gemv_tc`, rows of x
   programs) and a small PDL kernel (`split_sum`) adds the float32 partials in a fixed order and rounds once: no
   atomics, so a PDL launch is bitwise its plain launch.
 - Measured (bench/gemv_probe.py, the 241 merged projections in one graph): 14.69 ms at 8 rows against cuBLAS's 15.23
-  (0.965x), 0.96x at 2, 4 and 16 rows; in the 31B's step (bench/model_decode_probe.py --tc-ab, one process) 0.84-0.87
-  ms less a token at batch 8 than cuBLAS's GEMMs, and 0.20 ms less at batch 1 than the CUDA-core GEMV below.
-- `gemv_pdl_rows`, the one-row CUDA-core GEMV (2 whole weight rows a program, a register loop, its first tile before
-  the wait), is what one row takes when TC_ROWS leaves it out (the A/B's other arm).
+  (0.965x), 0.96x at 2, 4 and 16 rows; in the 31B's step (bench/model_decode_probe.py, one process) 0.84-0.87 ms less
+  a token at batch 8 than cuBLAS's GEMMs, and 0.20 ms less at batch 1 than the one-row CUDA-core GEMV that served one
+  row before it (bench/versions/gemv_pdl.py).
 
-Neither kernel is bitwise cuBLAS: both are within the float32-accumulation bound |y - ref| <= ulp(ref) + K 2^-23
-sum_k |x_k w_k| of float64 (tests/test_gemv_gpu.py, tests/test_gemv_tc_gpu.py; the tensor cores' truncated float32
-sums lose at most one ulp of a partial a term).
+Not bitwise cuBLAS: within the float32-accumulation bound |y - ref| <= ulp(ref) + K 2^-23 sum_k |x_k w_k| of
+float64 (tests/test_gemv_gpu.py, tests/test_gemv_tc_gpu.py; the tensor cores' truncated float32 sums lose at most one
+ulp of a partial a term).
 
-`linear(x, weight, bias)` runs them for x of 1..16 rows (B*T) against a contiguous bf16 weight on CUDA with a Triton
+`linear(x, weight, bias)` runs it for x of 1..16 rows (B*T) against a contiguous bf16 weight on CUDA with a Triton
 that has grid dependency control (`triton.language.extra.cuda.gdc_wait`); anything else is
 `torch.nn.functional.linear` (the reason counted: `report()`). `foldkv.fused_step` routes the step's projections
 through it: the merged groups (`merged_linear`), each attention's o_proj, each MLP's down_proj and the LM head.
@@ -41,10 +40,8 @@ bitwise their plain launches' (only the ordering changes). Kernels that are not 
 never trigger: a PDL kernel after one of them starts once it has exited (launch latency hidden, not its tail).
 
     PDL_GEMV = True                       # the switch (tests and bench/model_decode_probe.py --pdl-ab flip it)
-    TC_ROWS = (1, 16)                     # the rows the tensor-core kernel takes; None: cuBLAS past one row
     linear(x, weight)                     # x [..., K] of 1..16 rows @ weight [N, K]^T; else F.linear
-    refusal(x, weight)                    # None when linear() takes a kernel, else why not
-    kernel_for(rows)                      # "tc" or "gemv": which kernel a number of rows takes (or None)
+    refusal(x, weight)                    # None when linear() takes the kernel, else why not
     pdl_kw(x)                             # the launch keywords of fused_step's kernels ({} without PDL)
     report(), reset()                     # the calls that took a kernel, the refusals by reason
 """
@@ -56,16 +53,8 @@ from collections import Counter
 import torch
 
 PDL_GEMV = True  # False: every projection is F.linear and fused_step's kernels launch without PDL
-# The rows of x the tensor-core kernel takes (inclusive); one row below them is the CUDA-core GEMV's. None: past one
-# row every projection is cuBLAS's (the A/B of bench/model_decode_probe.py --tc-ab).
-TC_ROWS: tuple[int, int] | None = (1, 16)
 MAX_ROWS = 16  # the tensor-core kernel's padded side: rows of x a launch takes
-# one row (gemv_pdl_rows)
-ROWS = 2  # weight rows a program: under PDL two rows' shorter tail beat four (15.46 against 15.83 ms, the 411 GEMVs)
-PREFETCH = 1  # weight tiles loaded before the wait: one beat none (the ramp) and two (registers cut residency)
-TILE = 4096  # weight elements a program loads a step: 8 KB of bf16 (gemv_fma's, the read roof kernel's)
 DTYPES = (torch.bfloat16,)
-# 2..16 rows (gemv_tc)
 TC_BLOCK_M = 16  # x's rows padded to the MMA's small side
 TC_BLOCK_N = 64  # weight rows a program: wgmma's m64 for one warpgroup
 TC_BLOCK_K = 128  # weight columns a pipeline stage: 16 KB of weight at 64 rows
@@ -92,36 +81,6 @@ _CALLS: Counter = Counter()  # "kernel" and each refusal's reason: what linear()
 
 
 if HAS_GDC:
-
-    @triton.jit
-    def gemv_pdl_rows(x_ptr, w_ptr, y_ptr, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, HEAD: tl.constexpr,
-                      GDC: tl.constexpr, RED_X_EARLY: tl.constexpr = False):
-        """y [N] = w [N, K] @ x [K] for this program's ROWS rows (N % ROWS == 0; HEAD and K - HEAD multiples of
-        BLOCK_K). The first HEAD weight columns are loaded before the wait (GDC), consumed after it. RED_X_EARLY (a red
-        twin for the lab's race check, never for use): the head's x loaded before the wait too."""
-        rn = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        w_rows = w_ptr + rn[:, None] * K
-        if HEAD > 0:
-            rh = tl.arange(0, HEAD)
-            w_head = tl.load(w_rows + rh[None, :], eviction_policy="evict_first")
-            if RED_X_EARLY:
-                x_head = tl.load(x_ptr + rh)
-        if GDC:
-            gdc_wait()
-            gdc_launch_dependents()
-        if HEAD > 0:
-            if not RED_X_EARLY:
-                x_head = tl.load(x_ptr + rh)  # issued before the loop, summed after it
-        rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-        for k0 in range(HEAD, K, BLOCK_K):
-            w = tl.load(w_rows + k0 + rk[None, :], eviction_policy="evict_first").to(tl.float32)
-            x = tl.load(x_ptr + k0 + rk).to(tl.float32)
-            acc += w * x[None, :]
-        y = tl.sum(acc, axis=1)
-        if HEAD > 0:
-            y += tl.sum(w_head.to(tl.float32) * x_head.to(tl.float32)[None, :], axis=1)
-        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
 
     @triton.jit
     def gemv_tc(x_ptr, w_ptr, y_ptr, ws_ptr, M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -186,20 +145,6 @@ if HAS_GDC:
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=live)
 
 
-def config(n: int, k: int, rows: int = ROWS, prefetch: int = PREFETCH) -> dict | None:
-    """ROWS, BLOCK_K, HEAD and num_warps for a weight [n, k]: BLOCK_K the largest power of two up to TILE / rows that
-    divides k (the 31B's K = 5,376 = 21 x 256 takes 256, 21,504 takes 1,024, 8,192 and 16,384 take 2,048); HEAD =
-    prefetch x BLOCK_K. None when nothing of at least 128 divides k, rows does not divide n, or the head is past k."""
-    block_k = TILE // rows
-    while block_k >= 128 and k % block_k:
-        block_k //= 2
-    if rows < 1 or n % rows or block_k < 128 or prefetch * block_k > k:
-        return None
-    # 16 elements a thread a step (two 16-byte loads), as the roof's kernel: 512 tile elements a warp, up to 8 warps
-    return dict(ROWS=rows, BLOCK_K=block_k, HEAD=prefetch * block_k,
-                num_warps=max(1, min(8, rows * block_k // 512)))
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -252,13 +197,6 @@ def tc_launch(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict
     return compiled
 
 
-def kernel_for(rows: int) -> str | None:
-    """Which kernel `rows` rows of x take: "tc" inside TC_ROWS, "gemv" at one row outside it, else None."""
-    if TC_ROWS is not None and TC_ROWS[0] <= rows <= TC_ROWS[1]:
-        return "tc"
-    return "gemv" if rows == 1 else None
-
-
 def operand_refusal(x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool, has_bias: bool) -> str | None:
     """What no GEMV kernel of the step takes, whatever its rows and tile (this one and the lab's versions): a bias,
     other dtypes than bf16 x bf16, a weight that is not contiguous."""
@@ -273,8 +211,8 @@ def operand_refusal(x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bo
 
 def shape_refusal(rows: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool,
                   has_bias: bool) -> str | None:
-    """The part of `refusal` that reads no device: None when a projection of `rows` rows against a weight [n, k] is a
-    kernel's (`kernel_for(rows)`), else why not."""
+    """The part of `refusal` that reads no device: None when a projection of `rows` rows against a weight [n, k] is the
+    kernel's, else why not."""
     why = operand_refusal(x_dtype, w_dtype, w_contiguous, has_bias)
     if why is not None:
         return why
@@ -282,10 +220,7 @@ def shape_refusal(rows: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torc
         return "no row"
     if rows > MAX_ROWS:
         return f"{rows} rows, more than {MAX_ROWS}"
-    kernel = kernel_for(rows)
-    if kernel is None:
-        return f"{rows} rows and the tensor-core kernel off (TC_ROWS {TC_ROWS})"
-    if (tc_config(n, k, rows) if kernel == "tc" else config(n, k)) is None:
+    if tc_config(n, k, rows) is None:
         return f"no tile for a [{n}, {k}] weight"
     return None
 
@@ -318,8 +253,9 @@ def tensor_refusal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            out: torch.Tensor | None = None, _red_x_early: bool = False) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias): the kernel `kernel_for` the rows names when `refusal` is None, else
-    F.linear; each call counted (`report`). `out` ([rows, N] contiguous, the kernels' route only): written in place."""
+    """x [..., K] @ weight [N, K]^T (+ bias): the tensor-core kernel when `refusal` is None, else F.linear; each call
+    counted (`report`). `out` ([rows, N] contiguous, the kernel's route only): written in place. `_red_x_early` (the
+    lab's race check's red twin, never for use): x's first tile loaded before the wait."""
     why = refusal(x, weight, bias)
     _CALLS["kernel" if why is None else why] += 1
     if why is not None:
@@ -329,12 +265,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     xs = x.reshape(m, k)
     xs = xs if xs.is_contiguous() else xs.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    if kernel_for(m) == "tc":
-        tc_launch(xs, weight, y, tc_config(n, k, m), red_x_early=_red_x_early)
-    else:
-        cfg = config(n, k)
-        gemv_pdl_rows[(n // cfg["ROWS"],)](xs, weight, y, k, GDC=True, RED_X_EARLY=_red_x_early, launch_pdl=True,
-                                           **cfg)
+    tc_launch(xs, weight, y, tc_config(n, k, m), red_x_early=_red_x_early)
     return y.view(*x.shape[:-1], n)
 
 
@@ -356,6 +287,5 @@ def reset() -> None:
     _CALLS.clear()
 
 
-__all__ = ["PDL_GEMV", "TC_ROWS", "MAX_ROWS", "ROWS", "PREFETCH", "HAS_GDC", "config", "tc_config", "tc_launch",
-           "kernel_for", "operand_refusal", "shape_refusal", "refusal", "tensor_refusal", "linear", "pdl_kw", "report",
-           "reset"]
+__all__ = ["PDL_GEMV", "MAX_ROWS", "HAS_GDC", "tc_config", "tc_launch", "operand_refusal", "shape_refusal", "refusal",
+           "tensor_refusal", "linear", "pdl_kw", "report", "reset"]

@@ -1,22 +1,23 @@
 """Does programmatic dependent launch hold in the decode step's kernels? The lab's checks of `foldkv.gemv` (the PDL
-GEMV) and of `foldkv.fused_step`'s kernels launched with PDL (`gemv.pdl_kw`), on the GPU.
+projections) and of `foldkv.fused_step`'s kernels launched with PDL (`gemv.pdl_kw`), on the GPU.
 
 - `race_check`: a producer (`late_copy`) that lets its dependent launch at once and writes x only `delay_ns` later,
   over x poisoned with NaN, then the consumer under PDL. `ok`: the consumer's output is bitwise its output on the
   clean x (the wait held); `red_caught`: its red twin is wrong (the consumer did launch during its producer: PDL is in
   effect). Eagerly the H200 did not overlap the launches at all (MODEL_DECODE_NOTES run 11: the red twin not caught
   eagerly), so only the graph's red_caught says something; the graph keeps the programmatic edge.
-  Consumers: "gemv" (`gemv.linear`; red twin: its head's x loaded before the wait, `RED_X_EARLY`) and "rms_norm"
-  (`fused_step.rms_norm`, standing for every fused_step kernel: they enter through the same `_chain`; red twin: the
-  kernel launched with PDL but built without its wait, GDC False); or a lab version's own, as a factory
+  Consumers: "gemv" (`gemv.linear` at one row; red twin: its first x tile loaded before the wait, `RED_X_EARLY`)
+  and "rms_norm" (`fused_step.rms_norm`, standing for every fused_step kernel: they enter through the same `_chain`;
+  red twin: the kernel launched with PDL but built without its wait, GDC False); or a lab version's own, as a factory
   `make(k, n, red) -> consume(x)` over x of `rows` rows (bench/versions/gemv_pdl_rows.py's GEMV of 1..8 rows).
-- `ptx_order`: the library GEMV's global loads before its `griddepcontrol.wait` in the PTX: weight loads only, at most
-  ROWS x HEAD x 2 bytes / (16 bytes x threads) of them a thread; more with the red twin (its x loads).
+- `ptx_order`: the library kernel's (the tensor-core GEMM) global loads before its `griddepcontrol.wait` in the PTX:
+  the prefetched weight tile only, BLOCK_N x BLOCK_K x 2 bytes / (16 bytes x threads) loads a thread, and no
+  cp.async; more with the red twin (its x loads).
   `loads_before_wait(ptx)`: the scan itself, for a lab version's kernel.
 
     race_check("gemv", graph=True)        # {"ok": True, "red_caught": True, ...}
     race_check("rms_norm", graph=True)
-    ptx_order(), ptx_order(red_x_early=True)
+    ptx_order(), ptx_order(8, red_x_early=True)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 CONSUMERS = ("gemv", "rms_norm")
 _LD_GLOBAL = re.compile(r"(@!?%p\d+\s+)?ld\.global")  # Triton's loads: inline asm, often predicated
+_CP_ASYNC = re.compile(r"(@!?%p\d+\s+)?cp\.async")
 _LATE_COPY = None
 
 
@@ -136,22 +138,26 @@ def race_check(consumer="gemv", k: int = 5376, n: int = 4096, delay_ns: int = 20
     return result
 
 
-def ptx_order(k: int = 5376, n: int = 4096, red_x_early: bool = False) -> dict:
-    """The library GEMV's (foldkv.gemv: ROWS, PREFETCH) global loads before its first `griddepcontrol.wait` in the
-    PTX of one launch on a [n, k] weight, against the weight loads its prefetch needs."""
+def ptx_order(m: int = 1, k: int = 5376, n: int = 4096, red_x_early: bool = False, cfg: dict | None = None) -> dict:
+    """The library kernel's (foldkv.gemv.gemv_tc, m rows of x; `cfg`: a lab variant's launch, default
+    gemv.tc_config's) global loads before its first `griddepcontrol.wait` in the PTX of one launch on a [n, k] weight:
+    the prefetched weight tile only (BLOCK_N x BLOCK_K x 2 bytes / (16 bytes x threads) loads a thread), no cp.async
+    (the pipeline's copies, x's among them) before it; more loads with the red twin (its x tile)."""
     from foldkv import gemv
 
     _require()
     dev = torch.device("cuda")
-    x = torch.ones(k, dtype=torch.bfloat16, device=dev)
+    cfg = gemv.tc_config(n, k, m) if cfg is None else cfg
+    x = torch.ones(m, k, dtype=torch.bfloat16, device=dev)
     w = torch.ones(n, k, dtype=torch.bfloat16, device=dev)
-    y = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
-    cfg = gemv.config(n, k)
-    compiled = gemv.gemv_pdl_rows[(n // cfg["ROWS"],)](x, w, y, k, GDC=True, RED_X_EARLY=red_x_early,
-                                                       launch_pdl=True, **cfg)
-    waits, before = loads_before_wait(compiled.asm["ptx"])
-    return dict(red_x_early=red_x_early, waits=waits, loads_before_wait=len(before),
-                weight_loads_expected=cfg["ROWS"] * cfg["HEAD"] * 2 // (32 * cfg["num_warps"] * 16),
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+    ptx = gemv.tc_launch(x, w, y, cfg, True, red_x_early=red_x_early).asm["ptx"]
+    waits, before = loads_before_wait(ptx)
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    first = next((i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")), len(lines))
+    return dict(m=m, red_x_early=red_x_early, waits=waits, loads_before_wait=len(before),
+                cp_async_before_wait=sum(bool(_CP_ASYNC.match(ln)) for ln in lines[:first]),
+                weight_loads_expected=cfg["BLOCK_N"] * cfg["BLOCK_K"] * 2 // (32 * cfg["num_warps"] * 16),
                 loads=before[:8])
 
 
