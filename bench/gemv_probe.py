@@ -38,8 +38,9 @@ Arms (each one graph of the step's 421 projections in forward order, the model's
   launches; `_norm`: gemv_pdl.head_norm between consecutive projections (as the rows arms); `_merged`: the 241 merged
   weights; `pdl_tc_merged_<variant>` the merged step under another configuration (gemv_pdl_tc.VARIANTS: `_k256` 256
   columns a stage and 3 stages, `_s3` 3 stages, `_s2` 2 stages (three programs an SM), `_tailfit` 2 stages only where
-  the default grid's last wave is a small tail (the global q|k: 288 programs on 264 slots), `_n128` 128 weight rows a
-  program, `_nosplit` no split-K). Each arm
+  the default grid's last wave is a small tail (the global q|k: 288 programs on 264 slots), `_fixup` the split weights'
+  partials summed by the last program of each row tile instead of split_sum, `_n128` 128 weight rows a program,
+  `_nosplit` no split-K). Each arm
   records what the rows arms record (kernel_calls, refusals, the float64 bound per shape, same_as_plain, finite) and
   the builds' registers, spills, shared memory and MMA kind (`kernel_stats`), the grids (`grids`: programs a shape,
   the split, resident programs an SM) and its launches (GEMMs + split reduces + norms); before them, per M, the race
@@ -89,7 +90,7 @@ ROWS_ARMS = {f"{'pdl' if pdl else 'plain'}_m_r{r}{tail}": dict(rows=r, pdl=pdl, 
 # The tensor-core PDL GEMM of 1..16 rows (versions/gemv_pdl_tc.py): launched with PDL (GEMM, split reduce, norm); a
 # dependent norm between consecutive projections; the merged weights; a configuration variant (gemv_pdl_tc.VARIANTS'
 # keys, "" the default; merged and PDL only, against pdl_tc_merged).
-TC_VARIANTS = ("_k256", "_s3", "_s2", "_tailfit", "_n128", "_nosplit")
+TC_VARIANTS = ("_k256", "_s3", "_s2", "_tailfit", "_fixup", "_n128", "_nosplit")
 TC_ARMS = {f"{'pdl' if pdl else 'plain'}_tc{tail}": dict(pdl=pdl, norm=tail == "_norm", merged=tail == "_merged",
                                                          variant="")
            for tail in ("", "_norm", "_merged") for pdl in (True, False)}

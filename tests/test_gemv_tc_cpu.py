@@ -143,7 +143,7 @@ def test_red_twin_without_the_split_the_hidden_size_weights_leave_sms_idle(tc):
 
 
 def test_the_probe_variants_cover_the_merged_step(tc):
-    assert set(tc.VARIANTS) == {"", "_k256", "_s3", "_s2", "_tailfit", "_n128", "_nosplit"}
+    assert set(tc.VARIANTS) == {"", "_k256", "_s3", "_s2", "_tailfit", "_fixup", "_n128", "_nosplit"}
     for variant, over in tc.VARIANTS.items():
         got = grid_problems(lambda n, k, m: tc.config(n, k, m, **over), merged_shapes(), ms=(2, 8, 16))
         assert (got == []) == (variant != "_nosplit"), (variant, got)
@@ -255,18 +255,32 @@ def test_run_14s_commands_parse():
         asked |= set(args.arms)
     assert probe.parse_args(commands[0]).rows == [8]
     assert sorted(probe.parse_args(commands[1]).rows) == [2, 4, 16]
-    assert set(probe.TC_ARMS) - {"pdl_tc_merged_s2", "pdl_tc_merged_tailfit"} <= asked  # (those two: run 17)
+    assert set(probe.TC_ARMS) - {"pdl_tc_merged_s2", "pdl_tc_merged_tailfit", "pdl_tc_merged_fixup"} <= asked  # runs 17-18
     # red twin: a misspelt arm in the command is refused before any GPU work
     with pytest.raises(SystemExit):
         probe.parse_args([a.replace("pdl_tc_merged_k256", "pdl_tc_merged_k265") for a in commands[0]])
 
 
-def test_run_17s_commands_parse():
+@pytest.mark.parametrize("run, arms", [(17, {"pdl_tc_merged_s2", "pdl_tc_merged_tailfit"}),
+                                       (18, {"pdl_tc_merged_fixup"})])
+def test_prepared_runs_commands_parse(run, arms):
     probe = _probe()
-    commands = _probe_commands(17)
     asked = set()
-    for argv in commands:
+    for argv in _probe_commands(run):
         args = probe.parse_args(argv)
         assert "torch_merged" in args.arms and "pdl_tc_merged" in args.arms, argv
         asked |= set(args.arms)
-    assert {"pdl_tc_merged_s2", "pdl_tc_merged_tailfit"} <= asked
+    assert arms <= asked, (run, asked)
+
+
+def test_fixup_takes_the_split_weights_only_and_launches_no_reduce(tc):
+    merged = merged_shapes()
+    for m in (1, 8, 16):
+        plain = [tc.config(n, k, m) for n, k in merged]
+        fixed = [tc.config(n, k, m, fixup=True) for n, k in merged]
+        for cfg, fix in zip(plain, fixed):
+            assert {k: v for k, v in fix.items() if k != "FIXUP"} == cfg  # the same tiles, grid and split
+            assert fix.get("FIXUP", False) == (cfg["SPLIT"] > 1)
+        assert sum(tc.launches(c) for c in plain) == 241 + 120 and sum(tc.launches(c) for c in fixed) == 241
+    # red twin: a weight that does not split has nothing to fix up (and launches as the library's)
+    assert "FIXUP" not in tc.config(43008, 5376, 8, fixup=True)

@@ -16,6 +16,11 @@ as its consumer (eager: the wait holds; in a graph: the wait holds and the red t
 wait, is caught), on a weight that splits K (split_sum in the chain) and one that does not; the PTX scan (the
 prefetched weight tile's loads only before the wait, no cp.async; the red twin's x loads visible).
 
+The `_fixup` variant (split_sum folded into the GEMM: the last program of a row tile sums the partials): bitwise the
+library's GEMM + split_sum at 1, 3, 8, 16 rows on the split shapes, PDL and plain, every element written, its counters
+back at zero after a call and after each of three graph replays; red twin: told one split more, no program is the
+last, so nothing is written; its race check (eager, and in a graph with the red twin caught).
+
 Reproduce: FOLDKV_REQUIRE_GPU=1 PYTHONPATH=$PWD/lib python -m pytest -q tests/test_gemv_tc_gpu.py
 """
 
@@ -106,6 +111,69 @@ def test_red_twin_a_split_partial_dropped(tc, m):
     def one_partial(x, w, out):
         tc.launch(x, w, out, cfg, True, reduce_splits=cfg["SPLIT"] - 1)
     assert not _gemv_within_bound(one_partial, shape, m, seed=5)
+
+
+# --- the `_fixup` variant: split_sum folded into the GEMM (MODEL_DECODE_NOTES run 18) -------------------------------
+FIXUP_SHAPES = [(5376, 8192), (5376, 21504), (4098, 5888), (2048, 5376)]
+
+
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "plain"])
+@pytest.mark.parametrize("shape", FIXUP_SHAPES, ids=[f"{n}x{k}" for n, k in FIXUP_SHAPES])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+def test_fixup_is_bitwise_the_split_sum_and_leaves_its_counters_at_zero(tc, m, shape, pdl):
+    n, k = shape
+    cfg = tc.config(n, k, m, fixup=True)
+    assert cfg["FIXUP"] and cfg["SPLIT"] > 1, cfg
+    got = {}
+
+    def fixed(x, w, out):
+        got["ref"] = tc.linear(x, w, pdl=pdl)  # the library's kernels: the GEMM and split_sum
+        tc.linear(x, w, pdl=pdl, out=out, fixup=True)
+        got["y"], got["cnt"] = out.clone(), tc.counters(w, cfg).clone()
+    assert _gemv_within_bound(fixed, shape, m, seed=n + m)  # poisoned first: every element written
+    assert torch.equal(got["y"], got["ref"].view(m, n))
+    assert not got["cnt"].any(), got["cnt"]
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_fixup_replayed_in_a_graph(tc, m):
+    shape = (5376, 21504)
+    x, w, _ = _gemv_case(shape, m, seed=11)
+    ref = tc.linear(x, w)
+    out = torch.full((m, shape[0]), float("nan"), dtype=BF16, device="cuda")
+    tc.linear(x, w, out=out, fixup=True)  # compiled and its counters made before the capture
+    torch.cuda.synchronize()
+    cg = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cg):
+        tc.linear(x, w, out=out, fixup=True)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        cg.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref) and not tc.counters(w, tc.config(*shape, m, fixup=True)).any()
+
+
+@pytest.mark.parametrize("m", [2, 8])
+def test_fixup_red_twin_told_one_split_more_never_writes(tc, m):
+    """The kernel told SPLIT + 1: no program is the last, so nothing is written (the output stays poisoned) and the
+    counters stay at the grid's SPLIT (a fresh buffer, so the variant's own stay clean)."""
+    shape = (5376, 21504)
+    x, w, _ = _gemv_case(shape, m, seed=12)
+    cfg = tc.config(*shape, m, fixup=True)
+    cnt = torch.zeros(-(-shape[0] // cfg["BLOCK_N"]), dtype=torch.int32, device="cuda")
+    out = torch.full((m, shape[0]), float("nan"), dtype=BF16, device="cuda")
+    tc.launch(x, w, out, cfg, True, reduce_splits=cfg["SPLIT"] + 1, cnt=cnt)
+    torch.cuda.synchronize()
+    assert torch.isnan(out.float()).all()
+    assert torch.equal(cnt, torch.full_like(cnt, cfg["SPLIT"]))
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_fixup_waits_for_its_producer(tc, graph):
+    got = tc.race_check(8, graph=graph, n=4096, fixup=True)
+    assert got["split"] == 3 and got["ok"], got
+    if graph:
+        assert got["red_caught"], got
 
 
 @pytest.mark.parametrize("n", [4096, 16384], ids=["split", "whole"])

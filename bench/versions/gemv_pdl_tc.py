@@ -47,6 +47,12 @@ Prediction (bench/MODEL_DECODE_NOTES.md run 14, written before any run): the mer
 reduces) at 8 rows ~16.0 ms (14.6-17.5) against cuBLAS merged's ~14.9: a loss of ~7% (a body at ~0.88 of the roof,
 ~2 us a boundary under PDL); break-even for the step only if the body reads at >= ~0.92; the same at 2 and 4 rows,
 +2-4% at 16 (x's L2 re-reads).
+Variants prepared after it (MODEL_DECODE_NOTES runs 17-18, not measured yet): `tail_fit` (two stages where the
+default grid's last wave is a small tail: the global q|k) and `fixup`: split_sum folded into the GEMM, the last of a row
+tile's SPLIT programs to arrive (an int32 counter a row tile, acq_rel atomics, set back to zero by that program) sums
+the float32 partials in split_sum's order and rounds once, so it is bitwise the default and 120 launches fewer a step.
+`gemv_tc_fixup` is a copy of the library kernel's body with that ending (a lab version's own file would copy it too;
+if it wins, the library's kernel takes the ending as a constexpr and the copy goes).
 Outcome (run 14, s24): 14.69 ms at 8 rows against cuBLAS merged's 15.23 in the same process (0.925 of the roof),
 14.55 / 14.72 / 14.78 at 2 / 4 / 16 rows (cuBLAS 15.13 / 15.34 / 15.50); no split 15.47, 128-row tiles 15.34, plain
 launches 14.87. The kernel, its configuration and its launch are now the library's (`foldkv.gemv`: gemv_tc,
@@ -89,27 +95,120 @@ bound_check = rows_version.bound_check  # the float32-accumulation bound against
 # taller tile (two warpgroups), no split-K (the N = 5,376 weights at 84 programs).
 TAIL_FILL = 0.4  # tail_fit: a last wave holding under this share of the resident slots is a tail worth removing
 VARIANTS = {"": {}, "_k256": dict(block_k=256, stages=3), "_s3": dict(stages=3), "_s2": dict(stages=2),
-            "_tailfit": dict(tail_fit=True), "_n128": dict(block_n=128),
+            "_tailfit": dict(tail_fit=True), "_fixup": dict(fixup=True), "_n128": dict(block_n=128),
             "_nosplit": dict(split=1)}
 
 _CALLS: Counter = Counter()  # "kernel" and each refusal's reason since reset()
 
 
 if HAS_GDC:
+    import triton.language as tl
+
+    from foldkv.gemv import gdc_launch_dependents, gdc_wait
+
     gemv_tc = lib.gemv_tc  # the library's kernels (the winner of run 14)
     split_sum = lib.split_sum
 
+    @triton.jit
+    def gemv_tc_fixup(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
+                      EVEN_N: tl.constexpr, GDC: tl.constexpr, RED_X_EARLY: tl.constexpr = False):
+        """foldkv.gemv.gemv_tc's body (SPLIT > 1 only; the same loads, wait, MMA loop and partial store: a copy, see
+        the header) with split_sum folded in: after its partial is stored, each program counts itself in on its row
+        tile's counter (cnt [cdiv(N, BLOCK_N)] int32, zero between calls); the last of the SPLIT to arrive sums the
+        partials in the order s = 0, 1, ... (split_sum's), rounds once, stores y and sets the counter back to 0."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        k_lo = pid_k.to(tl.int64) * K_SPLIT
+        live_n = rn < N
+        live_m = rm < M
+        w_at = w_ptr + rn[:, None] * K + (k_lo + rk)[None, :]
+        x_at = x_ptr + rm[None, :] * K + (k_lo + rk)[:, None]
+        if PREFETCH:
+            if EVEN_N:
+                w_head = tl.load(w_at, eviction_policy="evict_first")
+            else:
+                w_head = tl.load(w_at, mask=live_n[:, None], other=0.0, eviction_policy="evict_first")
+            if RED_X_EARLY:
+                x_head = tl.load(x_at, mask=live_m[None, :], other=0.0)
+        if GDC:
+            gdc_wait()
+            gdc_launch_dependents()
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if PREFETCH:
+            if not RED_X_EARLY:
+                x_head = tl.load(x_at, mask=live_m[None, :], other=0.0)
+            acc = tl.dot(w_head, x_head, acc=acc)
+        for k0 in range(PREFETCH * BLOCK_K, K_SPLIT, BLOCK_K):
+            if EVEN_N:
+                w = tl.load(w_at + k0, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_at + k0, mask=live_n[:, None], other=0.0, eviction_policy="evict_first")
+            xt = tl.load(x_at + k0, mask=live_m[None, :], other=0.0)
+            acc = tl.dot(w, xt, acc=acc)
+        live = live_m[None, :] & live_n[:, None]
+        row = (pid_k * M + rm[None, :]).to(tl.int64)
+        tl.store(ws_ptr + row * N + rn[:, None], acc, mask=live)
+        tl.debug_barrier()  # every thread's partial issued before the one release below
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tot = tl.load(ws_ptr + rm[None, :].to(tl.int64) * N + rn[:, None], mask=live, other=0.0,
+                          cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT):
+                tot += tl.load(ws_ptr + (s * M + rm[None, :]).to(tl.int64) * N + rn[:, None], mask=live,
+                               other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + rm[None, :] * N + rn[:, None], tot.to(y_ptr.dtype.element_ty), mask=live)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
 _cdiv = lib._cdiv
-launch = lib.tc_launch  # the kernels on x [m, K] into y [m, N] (the red twins' keywords: tc_launch's)
+_COUNTERS: dict = {}  # the fixup's row-tile counters, one buffer a weight (data_ptr, device): zero between calls
+
+
+def counters(weight: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """The fixup's counters for `weight` (int32 [cdiv(N, BLOCK_N)], zeros; made once a weight, so that launches on
+    different weights never share one, and kept: each call leaves them at zero)."""
+    key = (weight.data_ptr(), weight.device, cfg["BLOCK_N"])
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(_cdiv(weight.shape[0], cfg["BLOCK_N"]), dtype=torch.int32, device=weight.device)
+    return _COUNTERS[key]
+
+
+def launch(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict, pdl: bool = True, *,
+           red_x_early: bool = False, k_split: int | None = None, m: int | None = None,
+           reduce_splits: int | None = None, grid: tuple | None = None, cnt: torch.Tensor | None = None):
+    """The kernels on x [m, K] into y [m, N]: `foldkv.gemv.tc_launch` (its red twins' keywords), or with cfg["FIXUP"]
+    (a split weight, the `_fixup` variant) `gemv_tc_fixup` alone, reduce_splits then the SPLIT it is told (the red
+    twin: one more than the grid's never arrives) and `cnt` its counters (default `counters(weight)`)."""
+    if not cfg.get("FIXUP"):
+        return lib.tc_launch(xs, weight, y, {k: v for k, v in cfg.items() if k != "FIXUP"}, pdl,
+                             red_x_early=red_x_early, k_split=k_split, m=m, reduce_splits=reduce_splits, grid=grid)
+    n, k = weight.shape
+    m = xs.shape[0] if m is None else m
+    kw = {key: v for key, v in cfg.items() if key != "FIXUP"}
+    split = kw["SPLIT"]
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=y.device)
+    grid = (_cdiv(n, kw["BLOCK_N"]), split) if grid is None else grid
+    kw["SPLIT"] = split if reduce_splits is None else reduce_splits
+    return gemv_tc_fixup[grid](xs, weight, y, ws, counters(weight, cfg) if cnt is None else cnt, m, n, k,
+                               k // split if k_split is None else k_split, EVEN_N=n % kw["BLOCK_N"] == 0, GDC=pdl,
+                               RED_X_EARLY=red_x_early, **kw, **(dict(launch_pdl=True) if pdl else {}))
 
 
 def config(n: int, k: int, m: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K, stages: int = STAGES,
-           split: int | None = None, prefetch: int = PREFETCH, sms: int = SMS, tail_fit: bool = False) -> dict | None:
+           split: int | None = None, prefetch: int = PREFETCH, sms: int = SMS, tail_fit: bool = False,
+           fixup: bool = False) -> dict | None:
     """The launch for a weight [n, k] at m rows of x (`foldkv.gemv.tc_config`, the keywords the probe's variants).
     tail_fit (MODEL_DECODE_NOTES run 17): where the grid's last wave would hold under TAIL_FILL of the resident slots,
-    two stages instead (60 KB a program: three an SM) when that holds the whole grid in one wave."""
+    two stages instead (60 KB a program: three an SM) when that holds the whole grid in one wave. fixup (run 18): a
+    split weight's partials summed by the last program of its row tile (`gemv_tc_fixup`, FIXUP in the launch), no
+    split_sum."""
     cfg = lib.tc_config(n, k, m, block_n=block_n, block_k=block_k, stages=stages, split=split, prefetch=prefetch,
                         sms=sms)
+    if fixup and cfg is not None and cfg["SPLIT"] > 1:
+        cfg = dict(cfg, FIXUP=True)
     if not tail_fit or cfg is None:
         return cfg
     grid, slots = programs(n, cfg), sms * ctas_per_sm(cfg)
@@ -127,8 +226,8 @@ def programs(n: int, cfg: dict) -> int:
 
 
 def launches(cfg: dict) -> int:
-    """Kernels a GEMV launches: the GEMM, and split_sum when it splits K."""
-    return 1 + (cfg["SPLIT"] > 1)
+    """Kernels a GEMV launches: the GEMM, and split_sum when it splits K (none with the fixup)."""
+    return 1 + (cfg["SPLIT"] > 1 and not cfg.get("FIXUP"))
 
 
 def smem_estimate(cfg: dict) -> int:
@@ -233,7 +332,8 @@ def kernel_stats(n: int, k: int, m: int, pdl: bool = True, **over) -> dict:
     x = torch.zeros(m, k, dtype=torch.bfloat16, device=dev)
     w = torch.empty(n, k, dtype=torch.bfloat16, device=dev)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-    compiled = launch(x, w, y, cfg, pdl, grid=(1, 1))
+    cnt = torch.zeros(_cdiv(n, cfg["BLOCK_N"]), dtype=torch.int32, device=dev)  # one program: never the last
+    compiled = launch(x, w, y, cfg, pdl, grid=(1, 1), cnt=cnt)
     ptx = compiled.asm["ptx"]
     shared = getattr(getattr(compiled, "metadata", None), "shared", None)
     return dict(n=n, k=k, m=m, n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None),
