@@ -22,7 +22,9 @@ cells again with a sliding layer's ring attention as three split-window PDL kern
 and the reasons the others did not are printed. --tc-ab: the --decode cells again with the one-row projections on
 the one-row CUDA-core GEMV that served them before the tensor-core kernel (`bench/versions/gemv_pdl.py` installed;
 label "one-row CUDA-core GEMV"; at batch > 1 nothing changes: for cuBLAS there, --pdl-ab); the calls it took are
-printed. Results are not records: the batch's notebook is.
+printed. --lab-ab: the --decode cells again with `bench/versions/gemv_pdl_tc.py` installed three ways (labels
+"fixup": split_sum folded into the GEMM; "GELU in down_proj": the MLP's activation made in down_proj's x loads; "fixup
++ GELU"); the calls each took are printed. Results are not records: the batch's notebook is.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--pdl-ab", action="store_true")
     ap.add_argument("--ring-ab", action="store_true")
     ap.add_argument("--tc-ab", action="store_true")
+    ap.add_argument("--lab-ab", action="store_true")
     return ap
 
 
@@ -146,6 +149,16 @@ def main(argv=None) -> int:
             out["decode"] += decode_cells("one-row CUDA-core GEMV")
         out["pdl_gemv"]["one-row CUDA-core GEMV"] = dict(took)
         print(f"one-row CUDA-core GEMV: {dict(took)}", flush=True)
+    if args.lab_ab:
+        from versions.gemv_pdl_tc import installed as tc_lab  # bench/ is this script's directory
+
+        out["lab"] = {}
+        for label, opts in (("fixup", dict(fixup=True)), ("GELU in down_proj", dict(gelu=True)),
+                            ("fixup + GELU", dict(fixup=True, gelu=True))):
+            with tc_lab(**opts) as took:
+                out["decode"] += decode_cells(label)
+            out["lab"][label] = dict(took)
+            print(f"{label}: {dict(took)}", flush=True)
     if args.pdl_ab:
         gemv.reset()
         with mock.patch.object(gemv, "PDL_GEMV", False):

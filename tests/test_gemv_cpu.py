@@ -4,7 +4,7 @@ covering the SMs) and the reason each other call is F.linear; that
 F.linear is what they compute then (bitwise nn.Linear); which of the step's projections fused_step routes (the merged
 groups, o_proj, down_proj, the LM head) and that it puts them back; that every fused_step kernel enters through the
 PDL chain entry and every launch site passes the PDL keywords (a static check of the sources, with red twins: a
-kernel without its entry, a launch without the keywords); and the probe's --pdl-ab and --tc-ab flags.
+kernel without its entry, a launch without the keywords); and the probe's --pdl-ab, --tc-ab and --lab-ab flags.
 
 Reproduce: pytest tests/test_gemv_cpu.py
 """
@@ -201,3 +201,5 @@ def test_the_probe_parses_pdl_ab():
     assert not probe.parser().parse_args([]).pdl_ab
     assert probe.parser().parse_args(["--decode", "foldkv-folded:4096:8", "--tc-ab"]).tc_ab
     assert not probe.parser().parse_args([]).tc_ab
+    assert probe.parser().parse_args(["--decode", "foldkv-folded:4096:8", "--lab-ab"]).lab_ab
+    assert not probe.parser().parse_args([]).lab_ab

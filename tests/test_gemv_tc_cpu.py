@@ -255,7 +255,8 @@ def test_run_14s_commands_parse():
         asked |= set(args.arms)
     assert probe.parse_args(commands[0]).rows == [8]
     assert sorted(probe.parse_args(commands[1]).rows) == [2, 4, 16]
-    assert set(probe.TC_ARMS) - {"pdl_tc_merged_s2", "pdl_tc_merged_tailfit", "pdl_tc_merged_fixup"} <= asked  # runs 17-18
+    later = {"pdl_tc_merged_s2", "pdl_tc_merged_tailfit", "pdl_tc_merged_fixup"}  # runs 17-18's
+    assert set(probe.TC_ARMS) - later <= asked
     # red twin: a misspelt arm in the command is refused before any GPU work
     with pytest.raises(SystemExit):
         probe.parse_args([a.replace("pdl_tc_merged_k256", "pdl_tc_merged_k265") for a in commands[0]])
@@ -284,3 +285,42 @@ def test_fixup_takes_the_split_weights_only_and_launches_no_reduce(tc):
         assert sum(tc.launches(c) for c in plain) == 241 + 120 and sum(tc.launches(c) for c in fixed) == 241
     # red twin: a weight that does not split has nothing to fix up (and launches as the library's)
     assert "FIXUP" not in tc.config(43008, 5376, 8, fixup=True)
+
+
+def test_linear_gelu_off_the_gpu_is_the_library_s_two_steps(tc):
+    from foldkv import gemv
+
+    g = torch.Generator().manual_seed(3)
+    both = torch.randn(3, 1, 2 * 512, generator=g).to(BF16)
+    gate, up = both.split(512, dim=-1)  # the halves of a merged gate|up output: one row stride
+    w = torch.randn(256, 512, generator=g).to(BF16)
+    tc.reset()
+    got = tc.linear_gelu(gate, up, w)
+    assert torch.equal(got, gemv.linear(nn.functional.gelu(gate, approximate="tanh") * up, w))
+    assert tc.report() == {"kernel": 0, "refusals": {"not on CUDA": 1}}
+
+
+def test_installed_patches_only_what_it_is_asked_and_puts_it_back(tc):
+    from foldkv import fused_step, gemv
+
+    linear, mlp = gemv.linear, fused_step._mlp_forward
+    with tc.installed(gelu=True) as took:
+        assert gemv.linear is linear and fused_step._mlp_forward is not mlp and took == {}
+    with tc.installed(fixup=True):
+        assert gemv.linear is not linear and fused_step._mlp_forward is mlp
+    with tc.installed(fixup=True, gelu=True):
+        assert gemv.linear is not linear and fused_step._mlp_forward is not mlp
+    assert gemv.linear is linear and fused_step._mlp_forward is mlp
+    # off the GPU the patched route is the library's: F.linear with its reason
+    x, w = torch.ones(1, 512, dtype=BF16), torch.ones(256, 512, dtype=BF16)
+    with tc.installed(fixup=True) as took:
+        assert torch.equal(gemv.linear(x, w), nn.functional.linear(x, w)) and took == {}
+
+
+def test_run_19s_step_command_parses():
+    notes = (ROOT / "bench" / "MODEL_DECODE_NOTES.md").read_text()
+    section = notes[notes.index("## Run 19: prediction"):]
+    found = re.findall(r"python3 bench/model_decode_probe\.py (.*?)\n\n", section + "\n\n", re.S)
+    assert found, "no step command in run 19's section"
+    args = bench_script("model_decode_probe").parser().parse_args(found[0].replace("\\\n", " ").split())
+    assert args.lab_ab and args.decode and all(int(c.split(":")[2]) <= 16 for c in args.decode), args

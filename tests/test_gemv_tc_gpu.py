@@ -1,4 +1,5 @@
-"""bench/versions/gemv_pdl_tc.py (the tensor-core PDL GEMM of 1..16 rows of x: its kernel is foldkv.gemv's) on the GPU.
+"""bench/versions/gemv_pdl_tc.py (the tensor-core PDL GEMM of 1..16 rows of x: its kernel is foldkv.gemv's; the lab's
+options around it) on the GPU.
 
 Bound: every output element against float64 within the float32-accumulation bound the library GEMV and the M-row
 version are held to, |y - ref| <= ulp(ref) + K 2^-23 sum_k |x_k w_k| (tests/test_fused_step_gpu.py's
@@ -20,6 +21,10 @@ The `_fixup` variant (split_sum folded into the GEMM: the last program of a row 
 library's GEMM + split_sum at 1, 3, 8, 16 rows on the split shapes, PDL and plain, every element written, its counters
 back at zero after a call and after each of three graph replays; red twin: told one split more, no program is the
 last, so nothing is written; its race check (eager, and in a graph with the red twin caught).
+
+`linear_gelu` (the MLP's activation in down_proj's x loads): bitwise fused_step.gelu_mul then the library kernel at
+1, 3, 8, 16 rows (with split_sum and with the fixup; the output poisoned first); red twin: gate and up swapped; the
+synthetic Gemma 4's generate() with fixup and GELU installed bitwise the library's at batch 1 and 8.
 
 Reproduce: FOLDKV_REQUIRE_GPU=1 PYTHONPATH=$PWD/lib python -m pytest -q tests/test_gemv_tc_gpu.py
 """
@@ -174,6 +179,64 @@ def test_fixup_waits_for_its_producer(tc, graph):
     assert got["split"] == 3 and got["ok"], got
     if graph:
         assert got["red_caught"], got
+
+
+# --- linear_gelu: the MLP's activation made in down_proj's x loads (MODEL_DECODE_NOTES run 19) ----------------------
+def _gate_up(m: int, k: int, seed: int):
+    """gate, up: the halves of a merged gate|up output [m, 1, 2k] (one row stride), the 31B's activations' scale."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    both = (torch.randn(m, 1, 2 * k, generator=g, device="cuda") * 2.0).to(BF16)
+    return both.split(k, dim=-1)
+
+
+@pytest.mark.parametrize("fixup", [False, True], ids=["split_sum", "fixup"])
+@pytest.mark.parametrize("shape", [(5376, 21504), (4098, 5888), (256, 512)], ids=["down", "awkward", "small"])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+def test_linear_gelu_is_bitwise_gelu_mul_then_the_kernel(tc, m, shape, fixup):
+    from foldkv import fused_step, gemv
+
+    n, k = shape
+    gate, up = _gate_up(m, k, seed=n + m)
+    w = (torch.randn(n, k, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda") * k ** -0.5).to(
+        BF16)
+    want = gemv.linear(fused_step.gelu_mul(gate, up), w)
+    out = torch.full((m, n), float("nan"), dtype=BF16, device="cuda")  # every element must be written
+    tc.reset()
+    got = tc.linear_gelu(gate, up, w, out=out, fixup=fixup)
+    assert tc.report() == {"kernel": 1, "refusals": {}}
+    assert got.data_ptr() == out.data_ptr() and bool(torch.isfinite(out).all())
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max().item()
+
+
+def test_linear_gelu_red_twin_gate_and_up_swapped(tc):
+    from foldkv import fused_step, gemv
+
+    m, (n, k) = 8, (5376, 21504)
+    gate, up = _gate_up(m, k, seed=5)
+    w = (torch.randn(n, k, generator=torch.Generator(device="cuda").manual_seed(2), device="cuda") * k ** -0.5).to(
+        BF16)
+    assert not torch.equal(tc.linear_gelu(up, gate, w), gemv.linear(fused_step.gelu_mul(gate, up), w))
+
+
+@pytest.fixture(scope="module")
+def synthetic_model(tmp_path_factory):
+    from conftest import synthetic_gpu_models
+
+    return synthetic_gpu_models(tmp_path_factory, "foldkv")["foldkv"]
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_the_step_with_the_lab_options_is_bitwise_the_library(tc, synthetic_model, batch):
+    """generate() through a FoldKvCache (graph step) with fixup and GELU installed: tokens and logits bitwise the
+    library's (both options make the same roundings of the same sums); the GELU route took every MLP."""
+    from test_gemv_gpu import _generate
+
+    want = _generate(synthetic_model, batch=batch)
+    with tc.installed(fixup=True, gelu=True) as took:
+        got = _generate(synthetic_model, batch=batch)
+    layers = sum(type(m).__name__ == "Gemma4TextMLP" for m in synthetic_model.modules())
+    assert took["gelu"] >= 2 * layers, took  # the warm-up and the capture, every layer
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("n", [4096, 16384], ids=["split", "whole"])
