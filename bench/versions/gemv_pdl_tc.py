@@ -336,8 +336,8 @@ def linear_gelu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, *, p
 
     why = refusal(gate, weight, None, **over)
     g, u = (fused_step._row_view(t) for t in (gate, up)) if why is None else (gate, up)
-    if why is None and (gate.shape != up.shape or g.stride(0) != u.stride(0)):
-        why = "gate and up not one row stride"
+    if why is None and (gate.shape != up.shape or (g.shape[0] > 1 and g.stride(0) != u.stride(0))):
+        why = "gate and up not one row stride"  # (one row: its stride is never used)
     _CALLS["kernel" if why is None else why] += 1
     if why is not None:  # the library's kernel on CUDA; torch's tanh GELU elsewhere (what the MLP computes there)
         act = (fused_step.gelu_mul(gate, up) if gate.is_cuda and lib.HAS_GDC else
