@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from conftest import exact_projections, left_padded_batch, require_module, rounding_bound, synthetic_gpu_models
+from test_fused_step_gpu import _gemv_case, _gemv_within_bound
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -49,57 +50,37 @@ def _gdc():
     assert gemv.PDL_GEMV
 
 
-def _ulp(y: torch.Tensor) -> torch.Tensor:
-    e = torch.floor(torch.log2(y.float().abs().clamp_min(1e-30)))
-    return torch.pow(2.0, e - 7)
-
-
-def _case(n, k, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = (torch.randn(1, 1, k, generator=g, device="cuda") * 0.5).to(BF16)
-    w = (torch.randn(n, k, generator=g, device="cuda") * k ** -0.5).to(BF16)
-    return x, w
-
-
-def _within_bound(y, x, w) -> bool:
-    ref = x.double().reshape(1, -1) @ w.double().T
-    mag = x.double().abs().reshape(1, -1) @ w.double().abs().T
-    bound = _ulp(ref).double() + x.shape[-1] * 2.0 ** -23 * mag
-    assert bool(torch.isfinite(y).all())
-    return bool(((y.double().reshape(1, -1) - ref).abs() <= bound).all())
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
 def test_pdl_gemv_within_its_bound(shape):
     from foldkv import gemv
 
     n, k = shape
-    x, w = _case(n, k, seed=n + k)
-    assert gemv.refusal(x, w) is None
-    out = torch.full((1, n), float("nan"), dtype=BF16, device="cuda")  # every element must be written
     gemv.reset()
-    y = gemv.linear(x, w, out=out)
-    assert y.shape == (1, 1, n) and y.data_ptr() == out.data_ptr()
+
+    def one_row(x, w, out):  # x as the step's [1, 1, K]
+        assert gemv.refusal(x.view(1, 1, k), w) is None
+        y = gemv.linear(x.view(1, 1, k), w, out=out)
+        assert y.shape == (1, 1, n)
+        return y
+    assert _gemv_within_bound(one_row, shape, 1, seed=n + k)  # poisoned first: every element written, into out
     assert gemv.report() == {"kernel": 1, "refusals": {}}
-    assert _within_bound(y, x, w)
 
 
 def test_pdl_gemv_red_twin_one_block_short():
     from foldkv import gemv
 
-    n, k = 4096, 5376
-    x, w = _case(n, k, seed=3)
+    shape = n, k = 4096, 5376
     cfg = gemv.tc_config(n, k, 1)
-    y = torch.empty(1, n, dtype=BF16, device="cuda")
-    gemv.tc_launch(x.reshape(1, k), w, y, cfg, k_split=k // cfg["SPLIT"] - cfg["BLOCK_K"])
-    assert not _within_bound(y, x, w)
+
+    def short(x, w, out):
+        gemv.tc_launch(x, w, out, cfg, k_split=k // cfg["SPLIT"] - cfg["BLOCK_K"])
+    assert not _gemv_within_bound(short, shape, 1, seed=3)
 
 
 @pytest.mark.parametrize("m", [2, 3, 8, 16])
 @pytest.mark.parametrize("shape", [(16384, 5376), (5376, 21504), (262144, 5376)], ids=["qkv", "down", "lm_head"])
 def test_the_route_takes_the_kernel_at_2_to_16_rows(shape, m):
     from foldkv import gemv
-    from test_fused_step_gpu import _gemv_within_bound
 
     n, k = shape
     gemv.reset()
@@ -110,7 +91,8 @@ def test_the_route_takes_the_kernel_at_2_to_16_rows(shape, m):
 def test_what_no_kernel_takes_is_f_linear():
     from foldkv import gemv
 
-    x, w = _case(4096, 5376, seed=4)
+    x, w, _ = _gemv_case((4096, 5376), 1, seed=4)
+    x = x.view(1, 1, 5376)
     gemv.reset()
     cases = [(x.expand(17, 1, 5376).contiguous(), "17 rows, more than 16"), (x.float(), "not bf16"),
              (x, "PDL_GEMV is off")]

@@ -188,14 +188,10 @@ def accumulator_registers(m: int, rows: int) -> int:
 def shape_refusal(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool,
                   has_bias: bool, rows: int = ROWS, prefetch: int = PREFETCH) -> str | None:
     """None when a GEMV of m rows against a weight [n, k] is this kernel's, else why not: the library's refusals for
-    the bias, the dtypes and the layout (`foldkv.gemv.operand_refusal`), then the rows, then the tile."""
-    why = lib.operand_refusal(x_dtype, w_dtype, w_contiguous, has_bias)
+    the bias, the dtypes, the layout and the rows (`foldkv.gemv.rows_refusal`), then the tile."""
+    why = lib.rows_refusal(m, MAX_M, x_dtype, w_dtype, w_contiguous, has_bias)
     if why is not None:
         return why
-    if m < 1:
-        return "no row"
-    if m > MAX_M:
-        return f"{m} rows, more than {MAX_M}"
     if config(n, k, m, rows, prefetch) is None:
         return f"no tile for a [{n}, {k}] weight at {rows} rows a program"
     return None

@@ -58,7 +58,7 @@ too; what wins goes into the library's kernel as a constexpr and the copy goes).
 Outcome (run 14, s24): 14.69 ms at 8 rows against cuBLAS merged's 15.23 in the same process (0.925 of the roof),
 14.55 / 14.72 / 14.78 at 2 / 4 / 16 rows (cuBLAS 15.13 / 15.34 / 15.50); no split 15.47, 128-row tiles 15.34, plain
 launches 14.87. The kernel, its configuration and its launch are now the library's (`foldkv.gemv`: gemv_tc,
-split_sum, tc_config, tc_launch) for 2..16 rows; this file keeps the lab's variants and checks around them.
+split_sum, tc_config, tc_launch) for 1..16 rows; this file keeps the lab's variants and checks around them.
 
     linear(x, weight, pdl=True, **over)           # x [..., K] of 1..16 rows @ weight [N, K]^T; else F.linear
     refusal(x, weight, ...), shape_refusal(m, n, k, ...)   # None when linear() takes the kernel, else why not
@@ -112,8 +112,7 @@ if HAS_GDC:
 
     from foldkv.gemv import gdc_launch_dependents, gdc_wait
 
-    gemv_tc = lib.gemv_tc  # the library's kernels (the winner of run 14)
-    split_sum = lib.split_sum
+    split_sum = lib.split_sum  # the library's reduce (the GEMM's kernel is foldkv.gemv.gemv_tc, through tc_launch)
 
     from foldkv.fused_step_kernels import _rounded
 
@@ -232,8 +231,8 @@ def launch(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict, p
                                  **dict(kw, SPLIT=told if fixup else split), **pdl_kw)
     if split > 1 and not fixup:
         mn = m * n
-        split_sum[(_cdiv(mn, lib.REDUCE_BLOCK),)](ws, y, mn, SPLIT=told, BLOCK=lib.REDUCE_BLOCK, GDC=pdl, num_warps=4,
-                                                  **pdl_kw)
+        split_sum[(_cdiv(mn, REDUCE_BLOCK),)](ws, y, mn, SPLIT=told, BLOCK=REDUCE_BLOCK, GDC=pdl, num_warps=4,
+                                              **pdl_kw)
     return compiled
 
 
@@ -287,15 +286,11 @@ def ctas_per_sm(cfg: dict, smem: int | None = None) -> int:
 def shape_refusal(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool,
                   has_bias: bool, **over) -> str | None:
     """None when a GEMV of m rows against a weight [n, k] is this kernel's, else why not: the library's refusals for
-    the bias, the dtypes and the layout (`foldkv.gemv.operand_refusal`), then the rows, then the tile (`over`: config's
+    the bias, the dtypes, the layout and the rows (`foldkv.gemv.rows_refusal`), then the tile (`over`: config's
     keywords)."""
-    why = lib.operand_refusal(x_dtype, w_dtype, w_contiguous, has_bias)
+    why = lib.rows_refusal(m, MAX_M, x_dtype, w_dtype, w_contiguous, has_bias)
     if why is not None:
         return why
-    if m < 1:
-        return "no row"
-    if m > MAX_M:
-        return f"{m} rows, more than {MAX_M}"
     if config(n, k, m, **over) is None:
         return f"no tile for a [{n}, {k}] weight ({over or 'the default configuration'})"
     return None

@@ -198,8 +198,8 @@ def tc_launch(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict
 
 
 def operand_refusal(x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool, has_bias: bool) -> str | None:
-    """What no GEMV kernel of the step takes, whatever its rows and tile (this one and the lab's versions): a bias,
-    other dtypes than bf16 x bf16, a weight that is not contiguous."""
+    """What no GEMV kernel of the step takes, whatever its rows and tile: a bias, other dtypes than bf16 x bf16, a
+    weight that is not contiguous."""
     if has_bias:
         return "a bias"
     if w_dtype not in DTYPES or x_dtype != w_dtype:
@@ -209,17 +209,27 @@ def operand_refusal(x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bo
     return None
 
 
-def shape_refusal(rows: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool,
-                  has_bias: bool) -> str | None:
-    """The part of `refusal` that reads no device: None when a projection of `rows` rows against a weight [n, k] is the
-    kernel's, else why not."""
+def rows_refusal(rows: int, max_rows: int, x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool,
+                 has_bias: bool) -> str | None:
+    """What a kernel taking 1..max_rows rows of x refuses before its tile (this one and the lab's versions):
+    `operand_refusal`'s reasons, then no row or more rows than it takes."""
     why = operand_refusal(x_dtype, w_dtype, w_contiguous, has_bias)
     if why is not None:
         return why
     if rows < 1:
         return "no row"
-    if rows > MAX_ROWS:
-        return f"{rows} rows, more than {MAX_ROWS}"
+    if rows > max_rows:
+        return f"{rows} rows, more than {max_rows}"
+    return None
+
+
+def shape_refusal(rows: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool,
+                  has_bias: bool) -> str | None:
+    """The part of `refusal` that reads no device: None when a projection of `rows` rows against a weight [n, k] is the
+    kernel's, else why not."""
+    why = rows_refusal(rows, MAX_ROWS, x_dtype, w_dtype, w_contiguous, has_bias)
+    if why is not None:
+        return why
     if tc_config(n, k, rows) is None:
         return f"no tile for a [{n}, {k}] weight"
     return None
@@ -287,5 +297,6 @@ def reset() -> None:
     _CALLS.clear()
 
 
-__all__ = ["PDL_GEMV", "MAX_ROWS", "HAS_GDC", "tc_config", "tc_launch", "operand_refusal", "shape_refusal", "refusal",
+__all__ = ["PDL_GEMV", "MAX_ROWS", "HAS_GDC", "tc_config", "tc_launch", "operand_refusal", "rows_refusal",
+           "shape_refusal", "refusal",
            "tensor_refusal", "linear", "pdl_kw", "report", "reset"]
