@@ -22,9 +22,10 @@ cells again with a sliding layer's ring attention as three split-window PDL kern
 and the reasons the others did not are printed. --tc-ab: the --decode cells again with the one-row projections on
 the one-row CUDA-core GEMV that served them before the tensor-core kernel (`bench/versions/gemv_pdl.py` installed;
 label "one-row CUDA-core GEMV"; at batch > 1 nothing changes: for cuBLAS there, --pdl-ab); the calls it took are
-printed. --lab-ab: the --decode cells again with `bench/versions/gemv_pdl_tc.py` installed three ways (labels
+printed. --lab-ab: the --decode cells again with `bench/versions/gemv_pdl_tc.py` installed four ways (labels
 "fixup": split_sum folded into the GEMM; "GELU in down_proj": the MLP's activation made in down_proj's x loads; "fixup
-+ GELU"); the calls each took are printed. Results are not records: the batch's notebook is.
++ GELU"; "tail fit + fixup + GELU": with two stages where that removes a last wave's tail); the calls each took are
+printed. Results are not records: the batch's notebook is.
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ def main(argv=None) -> int:
 
         out["lab"] = {}
         for label, opts in (("fixup", dict(fixup=True)), ("GELU in down_proj", dict(gelu=True)),
-                            ("fixup + GELU", dict(fixup=True, gelu=True))):
+                            ("fixup + GELU", dict(fixup=True, gelu=True)),
+                            ("tail fit + fixup + GELU", dict(fixup=True, gelu=True, tail_fit=True))):
             with tc_lab(**opts) as took:
                 out["decode"] += decode_cells(label)
             out["lab"][label] = dict(took)

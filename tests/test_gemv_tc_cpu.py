@@ -310,6 +310,8 @@ def test_installed_patches_only_what_it_is_asked_and_puts_it_back(tc):
         assert gemv.linear is not linear and fused_step._mlp_forward is mlp
     with tc.installed(fixup=True, gelu=True):
         assert gemv.linear is not linear and fused_step._mlp_forward is not mlp
+    with tc.installed(tail_fit=True):
+        assert gemv.linear is not linear and fused_step._mlp_forward is mlp
     assert gemv.linear is linear and fused_step._mlp_forward is mlp
     # off the GPU the patched route is the library's: F.linear with its reason
     x, w = torch.ones(1, 512, dtype=BF16), torch.ones(256, 512, dtype=BF16)

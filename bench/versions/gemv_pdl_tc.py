@@ -346,9 +346,10 @@ def linear_gelu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, *, p
 
 
 @contextlib.contextmanager
-def installed(fixup: bool = False, gelu: bool = False):
+def installed(fixup: bool = False, gelu: bool = False, tail_fit: bool = False):
     """The decode step with this version's options (bench/model_decode_probe.py --lab-ab): fixup, every projection
-    the library's kernel takes run with the `_fixup` ending (foldkv.gemv.linear patched); gelu, each merged MLP's
+    the library's kernel takes run with the `_fixup` ending; tail_fit, with `config`'s tail_fit (both patch
+    foldkv.gemv.linear); gelu, each merged MLP's
     down_proj made from its gate|up output by `linear_gelu` (fused_step._mlp_forward patched: in effect for a
     fused_step block entered inside this one). Yields the calls each took."""
     from foldkv import fused_step
@@ -356,10 +357,15 @@ def installed(fixup: bool = False, gelu: bool = False):
     took = Counter()
     served, own_mlp = lib.linear, fused_step._mlp_forward
 
+    opts = dict(fixup=fixup, tail_fit=tail_fit)
+
     def linear(x, weight, bias=None, **kw):
         if lib.refusal(x, weight, bias) is None and not kw.get("_red_x_early"):
-            took["fixup"] += config(*weight.shape, x.numel() // weight.shape[1], fixup=True).get("FIXUP", False)
-            return globals()["linear"](x, weight, bias, out=kw.get("out"), fixup=True)
+            n, k = weight.shape
+            cfg, plain = config(n, k, x.numel() // k, **opts), lib.tc_config(n, k, x.numel() // k)
+            took["fixup"] += cfg.get("FIXUP", False)
+            took["tail_fit"] += cfg["num_stages"] != plain["num_stages"]
+            return globals()["linear"](x, weight, bias, out=kw.get("out"), **opts)
         return served(x, weight, bias, **kw)
 
     def mlp_forward(mlp, x):
@@ -367,10 +373,10 @@ def installed(fixup: bool = False, gelu: bool = False):
         if outs is None:
             return own_mlp(mlp, x)
         took["gelu"] += 1
-        return linear_gelu(*outs, mlp.down_proj.weight, fixup=fixup)
+        return linear_gelu(*outs, mlp.down_proj.weight, **opts)
 
     with contextlib.ExitStack() as stack:
-        if fixup:
+        if fixup or tail_fit:
             stack.enter_context(mock.patch.object(lib, "linear", linear))
         if gelu:
             stack.enter_context(mock.patch.object(fused_step, "_mlp_forward", mlp_forward))
