@@ -25,7 +25,9 @@ label "one-row CUDA-core GEMV"; at batch > 1 nothing changes: for cuBLAS there, 
 printed. --lab-ab: the --decode cells again with `bench/versions/gemv_pdl_tc.py` installed four ways (labels
 "fixup": split_sum folded into the GEMM; "GELU in down_proj": the MLP's activation made in down_proj's x loads; "fixup
 + GELU"; "tail fit + fixup + GELU": with two stages where that removes a last wave's tail); the calls each took are
-printed. Results are not records: the batch's notebook is.
+printed. --tails-ab: the --decode cells again without the layer's tail links (`foldkv.fused_step` TAIL_SUMS and
+TAIL_NEXT_NORM off, each and both; labels "no tail sums", "no next norm", "no tail links"). Results are not records:
+the batch's notebook is.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ring-ab", action="store_true")
     ap.add_argument("--tc-ab", action="store_true")
     ap.add_argument("--lab-ab", action="store_true")
+    ap.add_argument("--tails-ab", action="store_true")
     return ap
 
 
@@ -161,6 +164,14 @@ def main(argv=None) -> int:
                 out["decode"] += decode_cells(label)
             out["lab"][label] = dict(took)
             print(f"{label}: {dict(took)}", flush=True)
+    if args.tails_ab:
+        from foldkv import fused_step
+
+        for label, sums, ahead in (("no tail sums", False, True), ("no next norm", True, False),
+                                   ("no tail links", False, False)):
+            with (mock.patch.object(fused_step, "TAIL_SUMS", sums),
+                  mock.patch.object(fused_step, "TAIL_NEXT_NORM", ahead)):
+                out["decode"] += decode_cells(label)
     if args.pdl_ab:
         gemv.reset()
         with mock.patch.object(gemv, "PDL_GEMV", False):

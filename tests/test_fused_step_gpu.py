@@ -144,6 +144,108 @@ def test_masked_softmax_matches_torch(batch):
 
 
 # --- the projections on graph branches ------------------------------------------------------------------------------
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_a_tail_sums_split_partials_as_split_sum_does(batch, parts):
+    """norm_add_rows given a split GEMM's float32 partials (PARTS) computes, bit for bit, what it computes from
+    split_sum's sum of them (both tails: the second norm, and the layer scalar), its x never read (NaN-poisoned);
+    red twin: told one partial fewer, it does not."""
+    from foldkv import gemv
+    from foldkv.fused_step import _norm_add
+
+    post, pre = _norm(5376, True, 1), _norm(5376, True, 2)
+    ws = torch.randn(parts, batch, 5376, generator=torch.Generator(device="cuda").manual_seed(30 + batch),
+                     device="cuda") * 3
+    res = _input((batch, 1, 5376), 40 + batch, spread=0.5)
+    summed = torch.full((batch, 1, 5376), float("nan"), dtype=BF16, device="cuda")
+    gemv.sum_partials(ws, summed.view(batch, 5376), pdl=gemv.HAS_GDC)
+    poisoned = torch.full_like(summed, float("nan"))
+    scalar = torch.tensor([0.6171875], device="cuda", dtype=BF16)
+    for second, scale in ((pre, None), (None, scalar), (pre, scalar)):
+        want = _norm_add(summed, res, post, second, scale)
+        got = _norm_add(poisoned, res, post, second, scale, ws)
+        assert all(bool(torch.isfinite(t).all()) for t in (*want, *got))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (second, scale)
+    red = _norm_add(poisoned, res, post, pre, None, ws[:parts - 1])
+    assert not torch.equal(red[0], _norm_add(summed, res, post, pre, None)[0])
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_tail_norms_its_output_as_the_next_layer_would(batch):
+    """norm_add_rows' second output with the layer scalar (the next layer's input_layernorm of the scaled sum) is
+    bitwise rms_norm of the tail's own output, what that layer computes; red twin: another eps is not."""
+    from foldkv.fused_step import _norm_add, norm_eps, rms_norm
+
+    post, nxt = _norm(5376, True, 1), _norm(5376, True, 3)
+    x, res = _input((batch, 1, 5376), 50 + batch), _input((batch, 1, 5376), 60 + batch, spread=0.5)
+    scalar = torch.tensor([0.6171875], device="cuda", dtype=BF16)
+    h, y = _norm_add(x, res, post, nxt, scalar)
+    assert torch.equal(y, rms_norm(h, nxt.weight, norm_eps(nxt)))
+    assert not torch.equal(_norm_add(x, res, post, _norm(5376, True, 3, eps=1e-3), scalar)[1], y)
+
+
+def _tail_run(model, ids, sums: bool, next_norm: bool, monkeypatch):
+    """The 6-layer model's logits with the tail links as told, and (partials a norm summed, rms_norm calls)."""
+    from foldkv import fused_step as fs
+
+    took = {"summed": 0, "rms_norm": 0}
+    own_unsummed, own_norm = fs._unsummed, fs.rms_norm
+
+    def unsummed(owner, y):
+        parts = own_unsummed(owner, y)
+        took["summed"] += parts is not None
+        return parts
+
+    def norm(*a, **kw):
+        took["rms_norm"] += 1
+        return own_norm(*a, **kw)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(fs, "TAIL_SUMS", sums)
+        mp.setattr(fs, "TAIL_NEXT_NORM", next_norm)
+        mp.setattr(fs, "_unsummed", unsummed)
+        mp.setattr(fs, "rms_norm", norm)
+        with torch.no_grad(), fs.fused_step(model) as n:
+            logits = model(input_ids=ids).logits
+    return logits, took, n
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_the_tail_links_are_bitwise_the_step_without_them(batch, monkeypatch):
+    """A 6-layer model of the 31B's kind, one token a sequence: the logits with split partials summed by the norms
+    and the next layer's input norm made by the tail are bitwise those without either (each alone too); the sums
+    took every MLP's down_proj (split K at this size), the next norms every layer but the first; nothing is left on
+    the modules. Red twins: the norm told one partial fewer, and the tail norming with the post-feedforward norm's
+    weight instead of the next layer's, each move the logits (the routes are read, not recomputed)."""
+    require_module("transformers")
+    from foldkv import fused_step as fs
+    from foldkv import gemv
+    from foldkv.lab.gemma31b import build_gemma4_31b
+
+    model = build_gemma4_31b("cuda", num_layers=6, vocab_size=1024, hidden_size=512, intermediate_size=1536)
+    ids = torch.randint(3, 1024, (batch, 1), device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
+    assert gemv.tc_config(512, 1536, batch)["SPLIT"] > 1  # down_proj splits K: the sums have partials to take
+    base, off, _ = _tail_run(model, ids, False, False, monkeypatch)
+    got, on, n = _tail_run(model, ids, True, True, monkeypatch)
+    assert n["next_norms"] == 5 and n["tail_owners"] == 12, n
+    assert bool(torch.isfinite(got).all()) and torch.equal(got, base)
+    assert off["summed"] == 0 and on["summed"] == 6, on  # the attention's o_proj: transformers' forward here
+    assert off["rms_norm"] - on["rms_norm"] == 5, (off, on)
+    for sums, next_norm in ((True, False), (False, True)):
+        assert torch.equal(_tail_run(model, ids, sums, next_norm, monkeypatch)[0], base), (sums, next_norm)
+    marks = ("_foldkv_next", "_foldkv_input_normed", "_foldkv_tail", "_foldkv_unsummed")
+    assert not any(k in m.__dict__ for m in model.modules() for k in marks), "tail marks left on the modules"
+
+    own_unsummed, own_norm_add = fs._unsummed, fs._norm_add
+    with monkeypatch.context() as mp:
+        mp.setattr(fs, "_unsummed", lambda owner, y: (lambda p: None if p is None else p[:-1])(own_unsummed(owner, y)))
+        assert not torch.equal(_tail_run(model, ids, True, False, monkeypatch)[0], base)
+    with monkeypatch.context() as mp:
+        mp.setattr(fs, "_norm_add", lambda x, res, first, second, scalar, parts=None: own_norm_add(
+            x, res, first, first if (second is not None and scalar is not None) else second, scalar, parts))
+        assert not torch.equal(_tail_run(model, ids, False, True, monkeypatch)[0], base)
+
+
 def test_branched_projections_compute_what_serial_ones_do():
     """fused_step's q/k/v and gate/up branches (side streams, MERGE off) give the logits of the same step with every
     projection on the current stream, bit for bit (the same cuBLAS kernels), on a 6-layer model of the 31B's kind; red

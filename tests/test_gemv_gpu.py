@@ -256,6 +256,36 @@ def _agree(got, want, neutral) -> tuple[int, list[float]]:
 
 
 @pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_the_graph_step_with_and_without_the_tail_links(synthetic_model, monkeypatch, batch):
+    """generate() through a FoldKvCache (graph step): the tail links (split partials summed by the layer's norms, the
+    next layer's input norm made by the tail: fused_step TAIL_SUMS, TAIL_NEXT_NORM) give the tokens and logits of
+    the step without them, bit for bit, having taken every sliding o_proj and every down_proj whose GEMM splits K."""
+    from foldkv import fused_step as fs
+    from foldkv import gemv
+
+    with monkeypatch.context() as mp:
+        mp.setattr(fs, "TAIL_SUMS", False)
+        mp.setattr(fs, "TAIL_NEXT_NORM", False)
+        without = _generate(synthetic_model, batch=batch)
+    summed, own = [], fs._unsummed
+
+    def counted(owner, y):
+        parts = own(owner, y)
+        summed.extend([owner] if parts is not None else [])
+        return parts
+
+    monkeypatch.setattr(fs, "_unsummed", counted)
+    with_links = _generate(synthetic_model, batch=batch)
+    assert torch.equal(with_links[0], without[0]) and torch.equal(with_links[1], without[1])
+    rows = len(BATCHES[batch])
+    splits = lambda lin: (gemv.tc_config(*lin.weight.shape, rows) or {}).get("SPLIT", 1) > 1  # noqa: E731
+    split = [m for m in fs.mlp_modules(synthetic_model) if splits(m.down_proj)]
+    split += [a for a in fs.sliding_attention_modules(synthetic_model) if splits(a.o_proj)]
+    assert split, "no projection of the synthetic model splits K: nothing to check"
+    assert sorted(map(id, summed)) == sorted(map(id, split * 2)), (len(summed), len(split))  # warm-up and capture
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES))
 def test_the_step_with_and_without_the_pdl_gemv(synthetic_model, monkeypatch, batch):
     from foldkv import fused_step as fs
     from foldkv import gemv

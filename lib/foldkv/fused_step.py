@@ -126,18 +126,20 @@ def norm_add_scale(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, sca
     return _norm_add(x, residual, norm, None, scalar)[0]
 
 
-def _norm_add(x, residual, first, second, scalar):
+def _norm_add(x, residual, first, second, scalar, parts=None):
+    """norm_add_rows; parts: x's float32 split partials [P, rows, n] (x itself unwritten, not read)."""
     n = x.shape[-1]
-    rows, res = _rows(x), _rows(residual)
-    h = torch.empty_like(rows)
-    y = torch.empty_like(rows) if second is not None else h
+    res = _rows(residual)
+    src = _rows(x) if parts is None else parts
+    h = torch.empty(res.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty_like(h) if second is not None else h
     w1, eps1, has1 = _norm_args(first)
     w2, eps2, has2 = _norm_args(second)
     block = _block(n)
-    _kernels()["norm_add"][(rows.shape[0],)](
-        rows, res, w1 if has1 else rows, w2 if has2 else rows, h, y, scalar if scalar is not None else rows, n,
-        eps1, eps2, HAS_W1=has1, HAS_W2=has2, SECOND=second is not None, SCALE=scalar is not None, BLOCK=block,
-        num_warps=_warps(block), **_pdl(x))
+    _kernels()["norm_add"][(res.shape[0],)](
+        src, res, w1 if has1 else h, w2 if has2 else h, h, y, scalar if scalar is not None else h, n,
+        eps1, eps2, res.numel(), HAS_W1=has1, HAS_W2=has2, SECOND=second is not None, SCALE=scalar is not None,
+        BLOCK=block, PARTS=0 if parts is None else parts.shape[0], num_warps=_warps(block), **_pdl(x))
     return h.view(x.shape), y.view(x.shape)
 
 
@@ -484,20 +486,58 @@ def _mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         branch = fork(x, [mlp.gate_proj])[0]
         up = mlp.up_proj(x)
         gate = join(branch)
-    return mlp.down_proj(gelu_mul(gate, up))
+    return _tail_projection(mlp, mlp.down_proj, gelu_mul(gate, up))
+
+
+# --- a layer's tail links ---------------------------------------------------------------------------------------------
+# A sliding layer's o_proj and every down_proj (N = 5,376: K split in 2) have one reader, the layer's norm_add_rows,
+# which adds their float32 partials itself (`gemv.linear_unsummed`, PARTS): split_sum's link goes. The layer's last
+# norm_add_rows also makes the next decoder layer's input_layernorm of its output (SECOND), which that layer takes
+# when its input is that output: rms_norm_rows' link goes. The same formulas at the same rounding points: bitwise
+# the step without them (bench/MODEL_DECODE_NOTES.md, run 20).
+TAIL_SUMS = True  # False: split_sum adds the partials (the tests compare the two)
+TAIL_NEXT_NORM = True  # False: each layer norms its own input
+
+
+def _tail_projection(owner: nn.Module, lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """lin(x), whose partials are left to the layer's norm (held on the owner for `_unsummed`) when the owner's output
+    is read by `_layer_forward` alone (marked on entry, no hooks) and the kernel splits K."""
+    ours = getattr(lin.__dict__.get("forward"), "func", None) is _projection_forward
+    if not (TAIL_SUMS and ours and owner.__dict__.get("_foldkv_tail") and not (
+            owner._forward_hooks or lin._forward_hooks or nn.modules.module._global_forward_hooks)):
+        return lin(x)
+    y, parts = gemv.linear_unsummed(x, lin.weight, lin.bias)
+    if parts is not None:
+        owner.__dict__["_foldkv_unsummed"] = (y, parts)
+    return y
+
+
+def _unsummed(owner: nn.Module, y: torch.Tensor) -> torch.Tensor | None:
+    """The partials of the owner's output y that `_tail_projection` left (y unwritten), else None."""
+    held = owner.__dict__.pop("_foldkv_unsummed", None)
+    if held is not None and held[0] is not y:
+        raise RuntimeError(f"{type(owner).__name__} returned another tensor than its projection's unsummed output")
+    return None if held is None else held[1]
 
 
 def _layer_forward(layer: nn.Module, hidden_states: torch.Tensor, per_layer_input=None, **kwargs) -> torch.Tensor:
     """Gemma4TextDecoderLayer.forward without a MoE block or per-layer inputs, its tails fused. Every keyword the
     model passes the layer (masks, positions, cache, shared KV states) goes on to self_attn, as the layer passes it."""
-    x = layer.input_layernorm(hidden_states)
+    made = layer.__dict__.pop("_foldkv_input_normed", None)
+    x = made[1] if made is not None and made[0] is hidden_states else layer.input_layernorm(hidden_states)
     x, _ = layer.self_attn(hidden_states=x, **kwargs)
     branched = getattr(layer.self_attn, "_foldkv_branches", None)
     if branched is not None:
         branched.join_all()
-    h, x = norm_add_norm(x, hidden_states, layer.post_attention_layernorm, layer.pre_feedforward_layernorm)
+    h, x = _norm_add(x, hidden_states, layer.post_attention_layernorm, layer.pre_feedforward_layernorm, None,
+                     _unsummed(layer.self_attn, x))
     x = layer.mlp(x)
-    return norm_add_scale(x, h, layer.post_feedforward_layernorm, layer.layer_scalar)
+    nxt = layer.__dict__.get("_foldkv_next") if TAIL_NEXT_NORM else None
+    out, normed = _norm_add(x, h, layer.post_feedforward_layernorm, None if nxt is None else nxt.input_layernorm,
+                            layer.layer_scalar, _unsummed(layer.mlp, x))
+    if nxt is not None:
+        nxt.__dict__["_foldkv_input_normed"] = (out, normed)
+    return out
 
 
 def sliding_attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -573,7 +613,7 @@ def _sliding_forward(attn: nn.Module, *args, **kwargs):
     from .hf_graph import RingMask, ring_attention
 
     out, _ = ring_attention(attn, q[:, :, None], ring_k, ring_v, RingMask(mask))
-    return attn.o_proj(out.reshape(x.shape[0], 1, -1)), None
+    return _tail_projection(attn, attn.o_proj, out.reshape(x.shape[0], 1, -1)), None
 
 
 def _rope_function(own):
@@ -612,6 +652,19 @@ def layer_modules(model: nn.Module) -> list[nn.Module]:
             and isinstance(getattr(m, "layer_scalar", None), torch.Tensor) and m.layer_scalar.numel() == 1]
 
 
+def _mark_tails(model: nn.Module, layers: list[nn.Module]) -> dict:
+    """Marks, for `_layer_forward`, each layer's attention and MLP (their outputs read by its norms alone) and each
+    layer's next decoder layer when both are fused (consecutive in a ModuleList). Plain attributes (not submodules)."""
+    ours = set(layers)
+    for m in layers:
+        m.self_attn.__dict__["_foldkv_tail"] = m.mlp.__dict__["_foldkv_tail"] = True
+    pairs = [(a, b) for seq in model.modules() if isinstance(seq, nn.ModuleList)
+             for a, b in zip(list(seq), list(seq)[1:]) if a in ours and b in ours]
+    for a, b in pairs:
+        a.__dict__["_foldkv_next"] = b
+    return {"tail_owners": 2 * len(layers), "next_norms": len(pairs)}
+
+
 @contextlib.contextmanager
 def fused_step(model: nn.Module) -> Iterator[dict]:
     """Within the block, `model`'s RMSNorms, MLPs, decoder layers and its attention's RoPE run the kernels above
@@ -627,6 +680,7 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
     layers = layer_modules(model)
     for m in layers:
         swapped.append((m, functools.partial(_layer_forward, m)))
+    tails = _mark_tails(model, layers)
     branched = branched_attention_modules(model) if BRANCHES or MERGE else []
     for attn in branched:
         proj = attn._foldkv_branches = _BranchedProjections(attn)
@@ -649,12 +703,16 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
     counts = {"norms": sum(type(m).__name__ == "Gemma4RMSNorm" for m, _ in swapped),
               "mlps": sum(type(m).__name__ == "Gemma4TextMLP" for m, _ in swapped), "layers": len(layers),
               "rope": len(ropes), "branched_attention": len(branched), "merged": merged,
-              "sliding_attention": len(sliding), "projections": len(projections)}
+              "sliding_attention": len(sliding), "projections": len(projections), **tails}
     try:
         yield counts
     finally:
         for m, _ in swapped:
             del m.forward
+        for m in layers:
+            for owner, name in ((m, "_foldkv_next"), (m, "_foldkv_input_normed"), (m.self_attn, "_foldkv_tail"),
+                                (m.mlp, "_foldkv_tail"), (m.self_attn, "_foldkv_unsummed"), (m.mlp, "_foldkv_unsummed")):
+                owner.__dict__.pop(name, None)
         for attn in branched:
             attn._foldkv_branches.join_all()
             del attn._foldkv_branches
@@ -666,4 +724,4 @@ __all__ = ["fused_step", "norm_eps", "fork", "join", "side_streams", "branched_a
            "merge_projections", "split_projections", "merged_linear", "merged_groups",
            "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "norm_modules",
            "mlp_modules", "layer_modules", "FUSE_SLIDING", "q_norm_rope", "kv_to_ring",
-           "sliding_attention_modules", "sliding_route", "projection_modules"]
+           "sliding_attention_modules", "sliding_route", "projection_modules", "TAIL_SUMS", "TAIL_NEXT_NORM"]

@@ -69,16 +69,24 @@ if triton is not None:
         tl.store(y_ptr + row * n + cols, _rounded(y, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def norm_add_rows(x_ptr, res_ptr, w1_ptr, w2_ptr, h_ptr, y_ptr, scalar_ptr, n, eps1, eps2,
+    def norm_add_rows(x_ptr, res_ptr, w1_ptr, w2_ptr, h_ptr, y_ptr, scalar_ptr, n, eps1, eps2, part_stride,
                       HAS_W1: tl.constexpr, HAS_W2: tl.constexpr, SECOND: tl.constexpr, SCALE: tl.constexpr,
-                      BLOCK: tl.constexpr, GDC: tl.constexpr = False):
-        """h = round(res + round(norm1(x))); SECOND: y = round(norm2(h)); SCALE: h = round(h * scalar)."""
+                      BLOCK: tl.constexpr, PARTS: tl.constexpr = 0, GDC: tl.constexpr = False):
+        """h = round(res + round(norm1(x))); SCALE: h = round(h * scalar); SECOND: y = round(norm2(h)). PARTS > 0: x
+        is the sum of PARTS float32 partials part_stride apart (a split GEMM's [PARTS, rows, n] workspace), added in
+        the order 0, 1, ... and rounded once to h's dtype: gemv.split_sum's arithmetic, so the same x."""
         _chain(GDC)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         keep = cols < n
         out_ty = h_ptr.dtype.element_ty
-        x = tl.load(x_ptr + row * n + cols, mask=keep, other=0.0).to(tl.float32)
+        if PARTS > 0:
+            x = tl.load(x_ptr + row * n + cols, mask=keep, other=0.0)
+            for s in tl.static_range(1, PARTS):
+                x += tl.load(x_ptr + s * part_stride + row * n + cols, mask=keep, other=0.0)
+            x = _rounded(x, out_ty)
+        else:
+            x = tl.load(x_ptr + row * n + cols, mask=keep, other=0.0).to(tl.float32)
         a = _rounded(_normed(x, w1_ptr, cols, keep, n, eps1, HAS_W1), out_ty)
         r = tl.load(res_ptr + row * n + cols, mask=keep, other=0.0).to(tl.float32)
         h = _rounded(r + a, out_ty)

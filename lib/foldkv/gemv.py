@@ -177,24 +177,33 @@ def tc_config(n: int, k: int, m: int, block_n: int = TC_BLOCK_N, block_k: int = 
 
 def tc_launch(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict, pdl: bool = True, *,
               red_x_early: bool = False, k_split: int | None = None, m: int | None = None,
-              reduce_splits: int | None = None, grid: tuple | None = None):
+              reduce_splits: int | None = None, grid: tuple | None = None, ws: torch.Tensor | None = None):
     """gemv_tc (and split_sum when cfg splits K) on x [m, K] (contiguous) into y [m, N]; returns the GEMM's compiled
     kernel. pdl: launched with launch_pdl and built waiting, else the plain builds. The keywords past `pdl` are the
     lab's red twins' and kernel_stats' (never for use): k_split (the columns a program covers), m (rows of x the kernel
-    is told), reduce_splits (partials split_sum adds), grid."""
+    is told), reduce_splits (partials split_sum adds), grid. ws ([SPLIT, m, N] float32, given when cfg splits K): the
+    partials are left there and not summed (`linear_unsummed`: their reader sums them)."""
     n, k = weight.shape
     m = xs.shape[0] if m is None else m
     split = cfg["SPLIT"]
-    ws = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=y.device)
+    summed = ws is None
+    ws = (y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=y.device)) if summed else ws
     kw = dict(launch_pdl=True) if pdl else {}
     grid = (_cdiv(n, cfg["BLOCK_N"]), split) if grid is None else grid
     compiled = gemv_tc[grid](xs, weight, y, ws, m, n, k, k // split if k_split is None else k_split,
                              EVEN_N=n % cfg["BLOCK_N"] == 0, GDC=pdl, RED_X_EARLY=red_x_early, **cfg, **kw)
-    if split > 1:
-        mn = m * n
-        split_sum[(_cdiv(mn, REDUCE_BLOCK),)](ws, y, mn, SPLIT=split if reduce_splits is None else reduce_splits,
-                                              BLOCK=REDUCE_BLOCK, GDC=pdl, num_warps=4, **kw)
+    if split > 1 and summed:
+        sum_partials(ws, y, reduce_splits, pdl)
     return compiled
+
+
+def sum_partials(ws: torch.Tensor, y: torch.Tensor, splits: int | None = None, pdl: bool = True) -> None:
+    """y [m, N] = the float32 partials ws [SPLIT, m, N] added in the order 0, 1, ... and rounded once (`split_sum`;
+    splits: how many it adds, the lab's red twin's)."""
+    mn = ws.shape[1] * ws.shape[2]
+    split_sum[(_cdiv(mn, REDUCE_BLOCK),)](ws, y, mn, SPLIT=ws.shape[0] if splits is None else splits,
+                                          BLOCK=REDUCE_BLOCK, GDC=pdl, num_warps=4,
+                                          **(dict(launch_pdl=True) if pdl else {}))
 
 
 def operand_refusal(x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool, has_bias: bool) -> str | None:
@@ -279,6 +288,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.view(*x.shape[:-1], n)
 
 
+def linear_unsummed(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`linear` for a reader that sums split partials itself: (y, None) with y written when the call is not split K
+    (F.linear's route included); (y, ws) when the kernel split K, y [..., N] not written and ws [SPLIT, rows, N] the
+    float32 partials, to be added in the order 0, 1, ... and rounded once to y's dtype (`sum_partials`, or
+    fused_step's norm_add_rows with PARTS): the reader's link replaces split_sum's."""
+    why = refusal(x, weight, bias)
+    n, k = weight.shape
+    m = x.numel() // max(k, 1)
+    cfg = tc_config(n, k, m) if why is None else None
+    if cfg is None or cfg["SPLIT"] == 1:
+        return linear(x, weight, bias), None
+    _CALLS["kernel"] += 1
+    xs = x.reshape(m, k)
+    xs = xs if xs.is_contiguous() else xs.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    ws = torch.empty(cfg["SPLIT"], m, n, dtype=torch.float32, device=x.device)
+    tc_launch(xs, weight, y, cfg, ws=ws)
+    return y.view(*x.shape[:-1], n), ws
+
+
 def pdl_kw(t: torch.Tensor) -> dict:
     """The keywords fused_step's kernels launch with: {GDC: True, launch_pdl: True} when PDL_GEMV is on, Triton has
     grid dependency control and `t` (the kernel's input) is on CUDA; else none (a plain launch of the plain build)."""
@@ -299,4 +329,4 @@ def reset() -> None:
 
 __all__ = ["PDL_GEMV", "MAX_ROWS", "HAS_GDC", "tc_config", "tc_launch", "operand_refusal", "rows_refusal",
            "shape_refusal", "refusal",
-           "tensor_refusal", "linear", "pdl_kw", "report", "reset"]
+           "tensor_refusal", "linear", "linear_unsummed", "sum_partials", "pdl_kw", "report", "reset"]
