@@ -25,9 +25,8 @@ label "one-row CUDA-core GEMV"; at batch > 1 nothing changes: for cuBLAS there, 
 printed. --lab-ab: the --decode cells again with `bench/versions/gemv_pdl_tc.py` installed four ways (labels
 "fixup": split_sum folded into the GEMM; "GELU in down_proj": the MLP's activation made in down_proj's x loads; "fixup
 + GELU"; "tail fit + fixup + GELU": with two stages where that removes a last wave's tail); the calls each took are
-printed. --tails-ab: the --decode cells again without the layer's links (`foldkv.fused_step` TAIL_SUMS,
-TAIL_NEXT_NORM, GELU_IN_GATE_UP off, each and all; labels "no tail sums", "no next norm", "no GELU in gate|up", "no
-tail links"). Results are not records:
+printed. --tails-ab: the --decode cells again without the layer's tail links (`foldkv.fused_step` TAIL_SUMS and
+TAIL_NEXT_NORM off, each and both; labels "no tail sums", "no next norm", "no tail links"). Results are not records:
 the batch's notebook is.
 """
 
@@ -168,12 +167,10 @@ def main(argv=None) -> int:
     if args.tails_ab:
         from foldkv import fused_step
 
-        for label, sums, ahead, gelu in (("no tail sums", False, True, True), ("no next norm", True, False, True),
-                                         ("no GELU in gate|up", True, True, False),
-                                         ("no tail links", False, False, False)):
+        for label, sums, ahead in (("no tail sums", False, True), ("no next norm", True, False),
+                                   ("no tail links", False, False)):
             with (mock.patch.object(fused_step, "TAIL_SUMS", sums),
-                  mock.patch.object(fused_step, "TAIL_NEXT_NORM", ahead),
-                  mock.patch.object(fused_step, "GELU_IN_GATE_UP", gelu)):
+                  mock.patch.object(fused_step, "TAIL_NEXT_NORM", ahead)):
                 out["decode"] += decode_cells(label)
     if args.pdl_ab:
         gemv.reset()

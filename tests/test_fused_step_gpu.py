@@ -184,45 +184,12 @@ def test_a_tail_norms_its_output_as_the_next_layer_would(batch):
     assert not torch.equal(_norm_add(x, res, post, _norm(5376, True, 3, eps=1e-3), scalar)[1], y)
 
 
-GELU_PAIR_SHAPES = [(43008, 5376), (3072, 512)]  # the 31B's merged gate|up; the 6-layer test model's
-
-
-@pytest.mark.parametrize("rows", [1, 3, 8, 16])
-@pytest.mark.parametrize("shape", GELU_PAIR_SHAPES, ids=[f"{n}x{k}" for n, k in GELU_PAIR_SHAPES])
-def test_gelu_pairs_is_bitwise_the_gemm_then_gelu_mul(shape, rows):
-    """gemv.linear_gelu_pairs (the activation in the gate|up GEMM's epilogue) into a NaN-poisoned output: every element
-    written, bitwise gelu_mul of the library's GEMM's gate and up; red twin: the weight's halves exchanged (up's rows
-    taken as gate's) is not."""
-    from foldkv import gemv
-    from foldkv.fused_step import gelu_mul
-
-    n, k = shape
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    x = torch.randn(rows, k, generator=g, device="cuda").to(BF16)
-    w = (torch.randn(n, k, generator=g, device="cuda") * 2 * k ** -0.5).to(BF16)
-    assert gemv.gelu_pairs_refusal(x, w) is None
-    gate, up = gemv.linear(x, w).split(n // 2, dim=-1)
-    want = gelu_mul(gate, up)
-    out = torch.full((rows, n // 2), float("nan"), dtype=BF16, device="cuda")
-    got = gemv.linear_gelu_pairs(x, w, out=out)
-    assert got.data_ptr() == out.data_ptr() and bool(torch.isfinite(out).all())
-    assert torch.equal(got, want), (got.float() - want.float()).abs().max().item()
-    swapped = torch.cat([w[n // 2:], w[:n // 2]])
-    assert not torch.equal(gemv.linear_gelu_pairs(x, swapped), want)
-
-
-def _tail_run(model, ids, sums: bool, next_norm: bool, monkeypatch, gelu: bool | None = None):
-    """The 6-layer model's logits with the tail links as told (gelu: GELU_IN_GATE_UP, default as next_norm), and
-    (partials a norm summed, rms_norm calls, activations made by the gate|up GEMM)."""
+def _tail_run(model, ids, sums: bool, next_norm: bool, monkeypatch):
+    """The 6-layer model's logits with the tail links as told, and (partials a norm summed, rms_norm calls)."""
     from foldkv import fused_step as fs
-    from foldkv import gemv
 
-    took = {"summed": 0, "rms_norm": 0, "gelu_pairs": 0}
-    own_unsummed, own_norm, own_pairs = fs._unsummed, fs.rms_norm, gemv.linear_gelu_pairs
-
-    def pairs(*a, **kw):
-        took["gelu_pairs"] += 1
-        return own_pairs(*a, **kw)
+    took = {"summed": 0, "rms_norm": 0}
+    own_unsummed, own_norm = fs._unsummed, fs.rms_norm
 
     def unsummed(owner, y):
         parts = own_unsummed(owner, y)
@@ -236,8 +203,6 @@ def _tail_run(model, ids, sums: bool, next_norm: bool, monkeypatch, gelu: bool |
     with monkeypatch.context() as mp:
         mp.setattr(fs, "TAIL_SUMS", sums)
         mp.setattr(fs, "TAIL_NEXT_NORM", next_norm)
-        mp.setattr(fs, "GELU_IN_GATE_UP", next_norm if gelu is None else gelu)
-        mp.setattr(gemv, "linear_gelu_pairs", pairs)
         mp.setattr(fs, "_unsummed", unsummed)
         mp.setattr(fs, "rms_norm", norm)
         with torch.no_grad(), fs.fused_step(model) as n:
@@ -247,10 +212,10 @@ def _tail_run(model, ids, sums: bool, next_norm: bool, monkeypatch, gelu: bool |
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_the_tail_links_are_bitwise_the_step_without_them(batch, monkeypatch):
-    """A 6-layer model of the 31B's kind, one token a sequence: the logits with split partials summed by the norms,
-    the next layer's input norm made by the tail and the activation made by the gate|up GEMM are bitwise those
-    without any (each alone too); the sums took every MLP's down_proj (split K at this size), the next norms every
-    layer but the first, the activations every MLP; nothing is left on the modules. Red twins: the norm told one partial fewer, and the tail norming with the post-feedforward norm's
+    """A 6-layer model of the 31B's kind, one token a sequence: the logits with split partials summed by the norms
+    and the next layer's input norm made by the tail are bitwise those without either (each alone too); the sums
+    took every MLP's down_proj (split K at this size), the next norms every layer but the first; nothing is left on
+    the modules. Red twins: the norm told one partial fewer, and the tail norming with the post-feedforward norm's
     weight instead of the next layer's, each move the logits (the routes are read, not recomputed)."""
     require_module("transformers")
     from foldkv import fused_step as fs
@@ -266,9 +231,8 @@ def test_the_tail_links_are_bitwise_the_step_without_them(batch, monkeypatch):
     assert bool(torch.isfinite(got).all()) and torch.equal(got, base)
     assert off["summed"] == 0 and on["summed"] == 6, on  # the attention's o_proj: transformers' forward here
     assert off["rms_norm"] - on["rms_norm"] == 5, (off, on)
-    assert off["gelu_pairs"] == 0 and on["gelu_pairs"] == 6, (off, on)
-    for sums, next_norm, gelu in ((True, False, False), (False, True, False), (False, False, True)):
-        assert torch.equal(_tail_run(model, ids, sums, next_norm, monkeypatch, gelu)[0], base), (sums, next_norm)
+    for sums, next_norm in ((True, False), (False, True)):
+        assert torch.equal(_tail_run(model, ids, sums, next_norm, monkeypatch)[0], base), (sums, next_norm)
     marks = ("_foldkv_next", "_foldkv_input_normed", "_foldkv_tail", "_foldkv_unsummed")
     assert not any(k in m.__dict__ for m in model.modules() for k in marks), "tail marks left on the modules"
 

@@ -90,23 +90,6 @@ def test_a_handed_off_output_not_returned_is_an_error(model):
         fs._unsummed(mlp, other)  # red twin: the identity is checked
 
 
-def test_the_gate_up_epilogue_says_what_it_does_not_take(monkeypatch):
-    from foldkv import fused_step as fs
-    from foldkv import gemv
-
-    x = lambda k: torch.ones(1, 1, k, dtype=torch.bfloat16)  # noqa: E731
-    w = lambda n, k: torch.ones(n, k, dtype=torch.bfloat16)  # noqa: E731
-    assert gemv.gelu_pairs_refusal(x(512), w(3072, 512)) == "not on CUDA"  # the 6-layer test model's gate|up
-    assert gemv.gelu_pairs_refusal(x(4096), w(256, 4096)) == "a [256, 4096] weight splits K"
-    assert gemv.gelu_pairs_refusal(x(512), w(96, 512)) == "96 rows are not whole tiles of gate and up rows"
-    assert gemv.gelu_pairs_refusal(x(512), w(3072, 256)) == "not a projection's shapes"
-    with pytest.raises(ValueError, match="not on CUDA"):
-        gemv.linear_gelu_pairs(x(512), w(3072, 512))  # nothing launched: the caller's route decides
-    monkeypatch.setattr(gemv, "PDL_GEMV", False)
-    assert gemv.gelu_pairs_refusal(x(512), w(3072, 512)) == "PDL_GEMV is off"
-    assert fs.GELU_IN_GATE_UP is True
-
-
 def test_run_20s_step_command_parses():
     notes = (ROOT / "bench" / "MODEL_DECODE_NOTES.md").read_text()
     section = notes[notes.index("## Run 20: prediction"):]

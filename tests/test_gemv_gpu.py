@@ -258,8 +258,7 @@ def _agree(got, want, neutral) -> tuple[int, list[float]]:
 @pytest.mark.parametrize("batch", sorted(BATCHES))
 def test_the_graph_step_with_and_without_the_tail_links(synthetic_model, monkeypatch, batch):
     """generate() through a FoldKvCache (graph step): the tail links (split partials summed by the layer's norms, the
-    next layer's input norm made by the tail, the activation made by the gate|up GEMM: fused_step TAIL_SUMS,
-    TAIL_NEXT_NORM, GELU_IN_GATE_UP) give the tokens and logits of
+    next layer's input norm made by the tail: fused_step TAIL_SUMS, TAIL_NEXT_NORM) give the tokens and logits of
     the step without them, bit for bit, having taken every sliding o_proj and every down_proj whose GEMM splits K."""
     from foldkv import fused_step as fs
     from foldkv import gemv
@@ -267,7 +266,6 @@ def test_the_graph_step_with_and_without_the_tail_links(synthetic_model, monkeyp
     with monkeypatch.context() as mp:
         mp.setattr(fs, "TAIL_SUMS", False)
         mp.setattr(fs, "TAIL_NEXT_NORM", False)
-        mp.setattr(fs, "GELU_IN_GATE_UP", False)
         without = _generate(synthetic_model, batch=batch)
     summed, own = [], fs._unsummed
 

@@ -478,16 +478,7 @@ def branched_attention_modules(model: nn.Module) -> list[nn.Module]:
             and not getattr(m, "is_kv_shared_layer", False)]
 
 
-# The MLP's activation made in the merged gate|up GEMM's epilogue (`gemv.linear_gelu_pairs`): gelu_mul's link goes,
-# the same roundings (bench/MODEL_DECODE_NOTES.md, run 21).
-GELU_IN_GATE_UP = True  # False: the gate|up GEMM, then gelu_mul (the tests compare the two)
-
-
 def _mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    held = _merged_weight(mlp) if MERGE and GELU_IN_GATE_UP else None
-    if (held is not None and len(held[1]) == 2 and held[1][0] == held[1][1]
-            and gemv.gelu_pairs_refusal(x, held[0]) is None):
-        return _tail_projection(mlp, mlp.down_proj, gemv.linear_gelu_pairs(x, held[0]))
     outs = merged_linear(mlp, x)
     if outs is not None:
         gate, up = outs
@@ -733,5 +724,4 @@ __all__ = ["fused_step", "norm_eps", "fork", "join", "side_streams", "branched_a
            "merge_projections", "split_projections", "merged_linear", "merged_groups",
            "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "norm_modules",
            "mlp_modules", "layer_modules", "FUSE_SLIDING", "q_norm_rope", "kv_to_ring",
-           "sliding_attention_modules", "sliding_route", "projection_modules", "TAIL_SUMS", "TAIL_NEXT_NORM",
-           "GELU_IN_GATE_UP"]
+           "sliding_attention_modules", "sliding_route", "projection_modules", "TAIL_SUMS", "TAIL_NEXT_NORM"]

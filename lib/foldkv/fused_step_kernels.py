@@ -125,16 +125,10 @@ if triton is not None:
         out_ty = y_ptr.dtype.element_ty
         g = tl.load(g_ptr + row * g_stride + at, mask=keep, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * u_stride + at, mask=keep, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * n + at, gelu_tanh_mul(g, u, out_ty).to(out_ty), mask=keep)
-
-    @triton.jit
-    def gelu_tanh_mul(g, u, OUT: tl.constexpr):
-        """round(round(gelu_tanh(g)) * u) in float32 for g and u already in OUT's precision: the MLP's act(gate) * up
-        with torch's two roundings (gelu_mul_rows, and foldkv.gemv's gate|up epilogue: one formula, bitwise)."""
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         t = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0  # tanh(inner), saturating to +-1 without overflow
-        act = _rounded(0.5 * g * (1.0 + t), OUT)
-        return _rounded(act * u, OUT)
+        act = _rounded(0.5 * g * (1.0 + t), out_ty)
+        tl.store(y_ptr + row * n + at, _rounded(act * u, out_ty).to(out_ty), mask=keep)
 
     @triton.jit
     def masked_softmax_rows(s_ptr, m_ptr, p_ptr, n, rows_per_mask, BLOCK: tl.constexpr,

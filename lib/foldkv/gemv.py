@@ -81,31 +81,23 @@ _CALLS: Counter = Counter()  # "kernel" and each refusal's reason: what linear()
 
 
 if HAS_GDC:
-    from .fused_step_kernels import _rounded, gelu_tanh_mul
 
     @triton.jit
     def gemv_tc(x_ptr, w_ptr, y_ptr, ws_ptr, M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
-                GDC: tl.constexpr, RED_X_EARLY: tl.constexpr = False, GELU_PAIRS: tl.constexpr = False):
+                GDC: tl.constexpr, RED_X_EARLY: tl.constexpr = False):
         """y [M, N] = x [M, K] @ w [N, K]^T (x, w, y contiguous; M <= BLOCK_M) for this program's BLOCK_N weight rows
         (program_id 0) and K range [pid1 K_SPLIT, (pid1 + 1) K_SPLIT) (program_id 1; K_SPLIT % BLOCK_K == 0).
         SPLIT == 1: y rounded once from float32; else the float32 partial into ws [SPLIT, M, N] (split_sum adds).
         PREFETCH: the range's first weight tile loaded before the wait (GDC). RED_X_EARLY (a red twin for the race
-        check, never for use): that tile's x loaded before the wait too, and used. GELU_PAIRS (SPLIT 1; w a merged
-        gate|up, its first N / 2 rows gate's): the program's rows are BLOCK_N / 2 gate rows and the up rows of the same
-        columns, and y [M, N / 2] = gelu_tanh(gate) * up with gelu_mul_rows' roundings (`linear_gelu_pairs`)."""
+        check, never for use): that tile's x loaded before the wait too, and used."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        if GELU_PAIRS:
-            half = tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
-            rn = pid_n.to(tl.int64) * (BLOCK_N // 2) + half + (tl.arange(0, BLOCK_N) // (BLOCK_N // 2)) * (N // 2)
-            live_n = pid_n.to(tl.int64) * (BLOCK_N // 2) + half < N // 2
-        else:
-            rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-            live_n = rn < N
+        rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         k_lo = pid_k.to(tl.int64) * K_SPLIT
+        live_n = rn < N
         live_m = rm < M
         w_at = w_ptr + rn[:, None] * K + (k_lo + rk)[None, :]  # [BLOCK_N, BLOCK_K]
         x_at = x_ptr + rm[None, :] * K + (k_lo + rk)[:, None]  # [BLOCK_K, BLOCK_M]: x transposed, K contiguous
@@ -132,14 +124,7 @@ if HAS_GDC:
             xt = tl.load(x_at + k0, mask=live_m[None, :], other=0.0)
             acc = tl.dot(w, xt, acc=acc)
         live = live_m[None, :] & live_n[:, None]
-        if GELU_PAIRS:  # the gate|up GEMM's rounding, then the activation of each column's pair
-            out_ty = y_ptr.dtype.element_ty
-            pairs = tl.permute(tl.reshape(_rounded(acc, out_ty), (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0))
-            gate, up = tl.split(pairs)
-            cols = pid_n.to(tl.int64) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            tl.store(y_ptr + rm[None, :] * (N // 2) + cols[:, None], gelu_tanh_mul(gate, up, out_ty).to(out_ty),
-                     mask=live_m[None, :] & (cols < N // 2)[:, None])
-        elif SPLIT == 1:
+        if SPLIT == 1:
             tl.store(y_ptr + rm[None, :] * N + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=live)
         else:
             row = (pid_k * M + rm[None, :]).to(tl.int64)
@@ -192,14 +177,12 @@ def tc_config(n: int, k: int, m: int, block_n: int = TC_BLOCK_N, block_k: int = 
 
 def tc_launch(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict, pdl: bool = True, *,
               red_x_early: bool = False, k_split: int | None = None, m: int | None = None,
-              reduce_splits: int | None = None, grid: tuple | None = None, ws: torch.Tensor | None = None,
-              gelu_pairs: bool = False):
+              reduce_splits: int | None = None, grid: tuple | None = None, ws: torch.Tensor | None = None):
     """gemv_tc (and split_sum when cfg splits K) on x [m, K] (contiguous) into y [m, N]; returns the GEMM's compiled
     kernel. pdl: launched with launch_pdl and built waiting, else the plain builds. The keywords past `pdl` are the
     lab's red twins' and kernel_stats' (never for use): k_split (the columns a program covers), m (rows of x the kernel
     is told), reduce_splits (partials split_sum adds), grid. ws ([SPLIT, m, N] float32, given when cfg splits K): the
-    partials are left there and not summed (`linear_unsummed`: their reader sums them). gelu_pairs: y [m, N / 2] the
-    activation of a merged gate|up (`linear_gelu_pairs`)."""
+    partials are left there and not summed (`linear_unsummed`: their reader sums them)."""
     n, k = weight.shape
     m = xs.shape[0] if m is None else m
     split = cfg["SPLIT"]
@@ -208,8 +191,7 @@ def tc_launch(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict
     kw = dict(launch_pdl=True) if pdl else {}
     grid = (_cdiv(n, cfg["BLOCK_N"]), split) if grid is None else grid
     compiled = gemv_tc[grid](xs, weight, y, ws, m, n, k, k // split if k_split is None else k_split,
-                             EVEN_N=n % cfg["BLOCK_N"] == 0, GDC=pdl, RED_X_EARLY=red_x_early,
-                             **(dict(GELU_PAIRS=True) if gelu_pairs else {}), **cfg, **kw)
+                             EVEN_N=n % cfg["BLOCK_N"] == 0, GDC=pdl, RED_X_EARLY=red_x_early, **cfg, **kw)
     if split > 1 and summed:
         sum_partials(ws, y, reduce_splits, pdl)
     return compiled
@@ -327,40 +309,6 @@ def linear_unsummed(x: torch.Tensor, weight: torch.Tensor,
     return y.view(*x.shape[:-1], n), ws
 
 
-def gelu_pairs_refusal(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    """None when `linear_gelu_pairs(x, weight)` runs the kernel: `refusal`'s route, K not split, and whole tiles of
-    BLOCK_N / 2 gate rows (the weight's rows a multiple of BLOCK_N); else why not."""
-    def pairs_refusal(rows, n, k, *operands):
-        why = shape_refusal(rows, n, k, *operands)
-        cfg = tc_config(n, k, rows) if why is None else None
-        if cfg is not None and cfg["SPLIT"] != 1:
-            return f"a [{n}, {k}] weight splits K"
-        if cfg is not None and n % cfg["BLOCK_N"]:
-            return f"{n} rows are not whole tiles of gate and up rows"
-        return why
-
-    return "PDL_GEMV is off" if not PDL_GEMV else tensor_refusal(x, weight, None, pairs_refusal)
-
-
-def linear_gelu_pairs(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """gelu_tanh(x @ gate^T) * (x @ up^T) for weight = gate rows then up rows (an MLP's merged gate|up), made in the
-    GEMM's epilogue: each program holds the gate and up rows of the same columns, so the activation is made once, in
-    registers (fused_step_kernels.gelu_tanh_mul: gelu_mul_rows' formula and roundings, bitwise the GEMM then
-    gelu_mul). [..., N / 2]. Only where `gelu_pairs_refusal` is None (the caller checks; ValueError otherwise).
-    `out` ([rows, N / 2] contiguous): written in place."""
-    why = gelu_pairs_refusal(x, weight)
-    if why is not None:
-        raise ValueError(f"linear_gelu_pairs: {why}")
-    _CALLS["kernel"] += 1
-    n, k = weight.shape
-    m = x.numel() // k
-    xs = x.reshape(m, k)
-    xs = xs if xs.is_contiguous() else xs.contiguous()
-    y = torch.empty(m, n // 2, dtype=x.dtype, device=x.device) if out is None else out
-    tc_launch(xs, weight, y, tc_config(n, k, m), gelu_pairs=True)
-    return y.view(*x.shape[:-1], n // 2)
-
-
 def pdl_kw(t: torch.Tensor) -> dict:
     """The keywords fused_step's kernels launch with: {GDC: True, launch_pdl: True} when PDL_GEMV is on, Triton has
     grid dependency control and `t` (the kernel's input) is on CUDA; else none (a plain launch of the plain build)."""
@@ -381,5 +329,4 @@ def reset() -> None:
 
 __all__ = ["PDL_GEMV", "MAX_ROWS", "HAS_GDC", "tc_config", "tc_launch", "operand_refusal", "rows_refusal",
            "shape_refusal", "refusal",
-           "tensor_refusal", "linear", "linear_unsummed", "sum_partials",
-           "gelu_pairs_refusal", "linear_gelu_pairs", "pdl_kw", "report", "reset"]
+           "tensor_refusal", "linear", "linear_unsummed", "sum_partials", "pdl_kw", "report", "reset"]
