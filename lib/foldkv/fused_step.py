@@ -10,6 +10,8 @@ the block (the step `foldkv.hf_graph` runs and captures), each of them for one k
 - `gelu_mul`: the MLP's act(gate) * up (tanh GELU), the activation rounded before the product as torch rounds it;
 - the decoder layer's tails, `norm_add_norm` (post-attention norm, the residual add, the pre-feedforward norm: one
   pass over the row, two outputs) and `norm_add_scale` (post-feedforward norm, the residual add, the layer scalar);
+- the layer's tail links (TAIL_SUMS, TAIL_NEXT_NORM): a split projection's float32 partials summed by the norm that
+  reads them, and the next decoder layer's input norm made by this layer's last kernel, bitwise the step without;
 - `masked_softmax`: the ring attention's float32 softmax of masked scores, rounded to the model dtype;
 - a sliding layer's attention inside DecodeStep's step (`sliding_route`: a RingMask, the step's ring, CUDA), between
   the q|k|v GEMV and o_proj, with its seven small launches before the ring attention as two (`FUSE_SLIDING`):
