@@ -499,6 +499,7 @@ def _mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
 # the step without them (bench/MODEL_DECODE_NOTES.md, run 20).
 TAIL_SUMS = True  # False: split_sum adds the partials (the tests compare the two)
 TAIL_NEXT_NORM = True  # False: each layer norms its own input
+_TAIL_MARKS = ("_foldkv_next", "_foldkv_input_normed", "_foldkv_tail", "_foldkv_unsummed")  # fused_step's, on exit gone
 
 
 def _tail_projection(owner: nn.Module, lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -711,9 +712,8 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
     finally:
         for m, _ in swapped:
             del m.forward
-        for m in layers:
-            for owner, name in ((m, "_foldkv_next"), (m, "_foldkv_input_normed"), (m.self_attn, "_foldkv_tail"),
-                                (m.mlp, "_foldkv_tail"), (m.self_attn, "_foldkv_unsummed"), (m.mlp, "_foldkv_unsummed")):
+        for owner in (o for m in layers for o in (m, m.self_attn, m.mlp)):
+            for name in _TAIL_MARKS:
                 owner.__dict__.pop(name, None)
         for attn in branched:
             attn._foldkv_branches.join_all()

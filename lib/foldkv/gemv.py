@@ -275,17 +275,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [..., K] @ weight [N, K]^T (+ bias): the tensor-core kernel when `refusal` is None, else F.linear; each call
     counted (`report`). `out` ([rows, N] contiguous, the kernel's route only): written in place. `_red_x_early` (the
     lab's race check's red twin, never for use): x's first tile loaded before the wait."""
-    why = refusal(x, weight, bias)
-    _CALLS["kernel" if why is None else why] += 1
-    if why is not None:
-        return torch.nn.functional.linear(x, weight, bias)
-    n, k = weight.shape
-    m = x.numel() // k
-    xs = x.reshape(m, k)
-    xs = xs if xs.is_contiguous() else xs.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    tc_launch(xs, weight, y, tc_config(n, k, m), red_x_early=_red_x_early)
-    return y.view(*x.shape[:-1], n)
+    return _route(x, weight, bias, out, _red_x_early, summed=True)[0]
 
 
 def linear_unsummed(x: torch.Tensor, weight: torch.Tensor,
@@ -294,18 +284,24 @@ def linear_unsummed(x: torch.Tensor, weight: torch.Tensor,
     (F.linear's route included); (y, ws) when the kernel split K, y [..., N] not written and ws [SPLIT, rows, N] the
     float32 partials, to be added in the order 0, 1, ... and rounded once to y's dtype (`sum_partials`, or
     fused_step's norm_add_rows with PARTS): the reader's link replaces split_sum's."""
+    return _route(x, weight, bias, None, False, summed=False)
+
+
+def _route(x, weight, bias, out, red_x_early: bool, summed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`linear` and `linear_unsummed`: (y, ws), ws the unsummed partials (None when summed, unsplit or F.linear)."""
     why = refusal(x, weight, bias)
+    _CALLS["kernel" if why is None else why] += 1
+    if why is not None:
+        return torch.nn.functional.linear(x, weight, bias), None
     n, k = weight.shape
-    m = x.numel() // max(k, 1)
-    cfg = tc_config(n, k, m) if why is None else None
-    if cfg is None or cfg["SPLIT"] == 1:
-        return linear(x, weight, bias), None
-    _CALLS["kernel"] += 1
+    m = x.numel() // k
+    cfg = tc_config(n, k, m)
     xs = x.reshape(m, k)
     xs = xs if xs.is_contiguous() else xs.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    ws = torch.empty(cfg["SPLIT"], m, n, dtype=torch.float32, device=x.device)
-    tc_launch(xs, weight, y, cfg, ws=ws)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    ws = None if summed or cfg["SPLIT"] == 1 else torch.empty(cfg["SPLIT"], m, n, dtype=torch.float32,
+                                                               device=x.device)
+    tc_launch(xs, weight, y, cfg, red_x_early=red_x_early, ws=ws)
     return y.view(*x.shape[:-1], n), ws
 
 

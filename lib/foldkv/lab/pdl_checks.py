@@ -64,11 +64,17 @@ def _require() -> None:
         raise RuntimeError("the PDL checks need CUDA and a Triton with triton.language.extra.cuda.gdc_wait")
 
 
-def loads_before_wait(ptx: str) -> tuple[int, list[str]]:
-    """(the `griddepcontrol.wait` instructions in a kernel's PTX, its global loads before the first of them)."""
+def _before_wait(ptx: str) -> tuple[int, list[str]]:
+    """(the `griddepcontrol.wait` instructions in a kernel's PTX, its lines before the first of them: all without)."""
     lines = [ln.strip() for ln in ptx.splitlines()]
     waits = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")]
-    return len(waits), [ln for ln in lines[:waits[0]] if _LD_GLOBAL.match(ln)] if waits else []
+    return len(waits), lines[:waits[0]] if waits else lines
+
+
+def loads_before_wait(ptx: str) -> tuple[int, list[str]]:
+    """(the `griddepcontrol.wait` instructions in a kernel's PTX, its global loads before the first of them)."""
+    waits, head = _before_wait(ptx)
+    return waits, [ln for ln in head if _LD_GLOBAL.match(ln)] if waits else []
 
 
 def _consumer(name, k: int, n: int, red: bool):
@@ -152,11 +158,10 @@ def ptx_order(m: int = 1, k: int = 5376, n: int = 4096, red_x_early: bool = Fals
     w = torch.ones(n, k, dtype=torch.bfloat16, device=dev)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     ptx = gemv.tc_launch(x, w, y, cfg, True, red_x_early=red_x_early).asm["ptx"]
-    waits, before = loads_before_wait(ptx)
-    lines = [ln.strip() for ln in ptx.splitlines()]
-    first = next((i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")), len(lines))
+    waits, head = _before_wait(ptx)
+    before = [ln for ln in head if _LD_GLOBAL.match(ln)] if waits else []
     return dict(m=m, red_x_early=red_x_early, waits=waits, loads_before_wait=len(before),
-                cp_async_before_wait=sum(bool(_CP_ASYNC.match(ln)) for ln in lines[:first]),
+                cp_async_before_wait=sum(bool(_CP_ASYNC.match(ln)) for ln in head),
                 weight_loads_expected=cfg["BLOCK_N"] * cfg["BLOCK_K"] * 2 // (32 * cfg["num_warps"] * 16),
                 loads=before[:8])
 
