@@ -139,10 +139,10 @@ def test_fused_step_routes_the_merged_groups_o_down_and_the_lm_head(model):
 
 # --- every fused_step kernel is a link of the PDL chain: a static check of the two sources -------------------------
 def chain_problems(kernels_src: str, step_src: str) -> list[str]:
-    """What breaks the PDL chain in fused_step_kernels' source (`kernels_src`) and fused_step's (`step_src`): a kernel
-    launched by fused_step (a value of `_kernels()`'s dict) without a `GDC: tl.constexpr = False` parameter or whose
-    first statement after its docstring is not `_chain(GDC)`; a launch `_kernels()[...][grid](...)` without
-    `**_pdl(...)`."""
+    """What breaks the PDL chain in fused_step_kernels' source (`kernels_src`) and its launches' (fused_step_ops,
+    `step_src`): a kernel launched there (a value of `_kernels()`'s dict) without a `GDC: tl.constexpr = False`
+    parameter or whose first statement after its docstring is not `_chain(GDC)`; a launch `_kernels()[...][grid](...)`
+    without `**_pdl(...)`."""
     problems = []
     step = ast.parse(step_src)
     launched = set()
@@ -152,7 +152,7 @@ def chain_problems(kernels_src: str, step_src: str) -> list[str]:
                 if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "dict":
                     launched |= {kw.value.attr for kw in call.keywords if isinstance(kw.value, ast.Attribute)}
     if not launched:
-        problems.append("no kernels found in fused_step._kernels")
+        problems.append("no kernels found in fused_step_ops._kernels")
     defs = {n.name: n for n in ast.walk(ast.parse(kernels_src)) if isinstance(n, ast.FunctionDef)}
     for name in sorted(launched):
         fn = defs.get(name)
@@ -179,7 +179,7 @@ def chain_problems(kernels_src: str, step_src: str) -> list[str]:
 
 def test_every_fused_step_kernel_is_a_link_of_the_pdl_chain():
     kernels = (ROOT / "lib/foldkv/fused_step_kernels.py").read_text()
-    step = (ROOT / "lib/foldkv/fused_step.py").read_text()
+    step = (ROOT / "lib/foldkv/fused_step_ops.py").read_text()
     assert chain_problems(kernels, step) == []
     assert step.count("**_pdl(") == 7  # the seven launch sites
     # red twins: a kernel without its entry, a launch without the keywords

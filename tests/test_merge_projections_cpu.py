@@ -158,7 +158,7 @@ def _attend(model, layer, x):
 
 @pytest.mark.parametrize("shape", [(2, 1, 4, 8), (3, 1, 2, 16), (1, 1, 4, 8)])
 def test_packed_rows_reads_a_head_split_slice(shape):
-    from foldkv.fused_step import _packed_rows
+    from foldkv.fused_step_ops import _packed_rows
 
     b, t, h, d = shape
     full = torch.randn(b, t, 3 * h * d)

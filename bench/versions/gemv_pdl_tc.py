@@ -327,10 +327,10 @@ def linear_gelu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, *, p
     output). What the kernel does not take (`refusal` on gate, or gate and up at other strides): fused_step.gelu_mul
     (off CUDA torch's tanh GELU) then foldkv.gemv.linear, the library's two steps. `over`: config's keywords
     (fixup=True with it)."""
-    from foldkv import fused_step
+    from foldkv import fused_step, fused_step_ops
 
     why = refusal(gate, weight, None, **over)
-    g, u = (fused_step._row_view(t) for t in (gate, up)) if why is None else (gate, up)
+    g, u = (fused_step_ops._row_view(t) for t in (gate, up)) if why is None else (gate, up)
     if why is None and (gate.shape != up.shape or (g.shape[0] > 1 and g.stride(0) != u.stride(0))):
         why = "gate and up not one row stride"  # (one row: its stride is never used)
     _CALLS["kernel" if why is None else why] += 1

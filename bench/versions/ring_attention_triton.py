@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from foldkv.fused_step_kernels import _rounded
-from foldkv.fused_step import _block, _check_head_dim
+from foldkv.fused_step_ops import _block, _check_head_dim
 
 RING_SPLITS_MAX = 4  # most programs a KV head
 

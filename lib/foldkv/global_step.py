@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .fused_step import _block, _warps
+from .fused_step_ops import _block, _warps
 from .layout import KvFormat, rotated_columns, score_window_columns, value_window_columns
 
 FUSE_GLOBAL = True  # False: every global layer takes the torch path (the tests and the probe compare)

@@ -1,0 +1,236 @@
+"""The host side of `foldkv.fused_step_kernels`: each op of the decode step's small elementwise work as one launch
+(its shapes, strides and checks, its output, its PDL keywords), the formula each computes stated where it is defined.
+`foldkv.fused_step` swaps the model's forwards for these inside the step; `foldkv.global_step` launches with the same
+helpers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import gemv
+
+_KERNELS: dict | None = None
+
+
+def _kernels() -> dict:
+    global _KERNELS
+    if _KERNELS is None:
+        from . import fused_step_kernels as k
+
+        _KERNELS = dict(rms_norm=k.rms_norm_rows, norm_add=k.norm_add_rows, rope=k.rope_rows, gelu_mul=k.gelu_mul_rows,
+                        softmax=k.masked_softmax_rows, q_norm_rope=k.q_norm_rope_rows, kv_ring=k.kv_norm_rope_ring)
+    return _KERNELS
+
+
+def _pdl(x: torch.Tensor) -> dict:
+    """A kernel's launch keywords under programmatic dependent launch (`foldkv.gemv.pdl_kw`; {} when off)."""
+    return gemv.pdl_kw(x)
+
+
+def _block(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _warps(block: int) -> int:
+    return min(16, max(1, block // 256))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.is_contiguous() else rows.contiguous()
+
+
+# --- the ops --------------------------------------------------------------------------------------------------------
+
+def _packed_rows(x: torch.Tensor) -> tuple[int, int] | None:
+    """(inner_rows, outer_stride) when x [..., m, n] is an [outer, m, n] view with packed [m, n] blocks (the last dim
+    contiguous, rows n apart, the leading dims one uniform stride): a head-split slice of a merged projection's
+    output. None otherwise."""
+    if x.dim() < 2 or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+        return None
+    lead = [(size, stride) for size, stride in zip(x.shape[:-2], x.stride()[:-2]) if size != 1]
+    for (_, outer), (size, inner) in zip(lead, lead[1:]):
+        if outer != inner * size:
+            return None
+    return x.shape[-2], (lead[-1][1] if lead else 0)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x [..., n] -> x * (mean(x^2, -1) + eps)^-0.5 [* weight (n)], computed in float32, in x's dtype (packed). x may
+    be a strided view whose [heads, n] blocks are packed (`_packed_rows`): read in place, no copy."""
+    n = x.shape[-1]
+    packed = None if x.is_contiguous() else _packed_rows(x)
+    if packed is None:
+        src = _rows(x)
+        inner, outer = src.shape[0], 0
+    else:
+        src, (inner, outer) = x, packed
+    rows = x.numel() // n
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    block = _block(n)
+    _kernels()["rms_norm"][(rows,)](src, weight if weight is not None else out, out, n, inner, outer, float(eps),
+                                    HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=_warps(block), **_pdl(x))
+    return out.view(x.shape)
+
+
+def norm_eps(norm: nn.Module) -> float:
+    """A Gemma 4 RMSNorm's epsilon: `eps` up to transformers 5.24, `variance_epsilon` from 5.25."""
+    eps = getattr(norm, "eps", None)
+    return float(norm.variance_epsilon if eps is None else eps)
+
+
+def _norm_args(norm: nn.Module | None) -> tuple:
+    if norm is None:
+        return None, 1e-6, False
+    return (norm.weight if norm.with_scale else None), norm_eps(norm), bool(norm.with_scale)
+
+
+def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, first: nn.Module,
+                  second: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, y): h = residual + first(x), y = second(h), each rounded to x's dtype where the modules round."""
+    return _norm_add(x, residual, first, second, None)
+
+
+def norm_add_scale(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, scalar: torch.Tensor) -> torch.Tensor:
+    """(residual + norm(x)) * scalar ([1] tensor), each rounded to x's dtype where torch rounds."""
+    return _norm_add(x, residual, norm, None, scalar)[0]
+
+
+def _norm_add(x, residual, first, second, scalar, parts=None):
+    """norm_add_rows; parts: x's float32 split partials [P, rows, n] (x itself unwritten, not read)."""
+    n = x.shape[-1]
+    res = _rows(residual)
+    src = _rows(x) if parts is None else parts
+    h = torch.empty(res.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty_like(h) if second is not None else h
+    w1, eps1, has1 = _norm_args(first)
+    w2, eps2, has2 = _norm_args(second)
+    block = _block(n)
+    _kernels()["norm_add"][(res.shape[0],)](
+        src, res, w1 if has1 else h, w2 if has2 else h, h, y, scalar if scalar is not None else h, n,
+        eps1, eps2, res.numel(), HAS_W1=has1, HAS_W2=has2, SECOND=second is not None, SCALE=scalar is not None,
+        BLOCK=block, PARTS=0 if parts is None else parts.shape[0], num_warps=_warps(block), **_pdl(x))
+    return h.view(x.shape), y.view(x.shape)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D] with cos, sin [B, T, D] (all one dtype): x * cos + rotate_half(x) * sin, per head."""
+    b, t, h, d = x.shape
+    rows = _rows(x)
+    out = torch.empty_like(rows)
+    _kernels()["rope"][(rows.shape[0],)](rows, cos.contiguous(), sin.contiguous(), out, h, D=d,
+                                         num_warps=_warps(d), **_pdl(x))
+    return out.view(x.shape)
+
+
+def _row_view(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] as [rows, n] with its last dim contiguous (a view where the rows have one stride, else a copy)."""
+    n = x.shape[-1]
+    try:
+        rows = x.view(-1, n)
+    except RuntimeError:
+        rows = x.reshape(-1, n)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up, rounded as torch rounds each (same shape and dtype; the output packed). gate and up may
+    be row-strided views (the halves of a merged gate|up output): read in place."""
+    g, u = _row_view(gate), _row_view(up)
+    rows, n = g.shape
+    out = torch.empty((rows, n), dtype=gate.dtype, device=gate.device)
+    block = 1024
+    _kernels()["gelu_mul"][(rows, -(-n // block))](g, u, out, n, g.stride(0), u.stride(0), BLOCK=block, num_warps=4,
+                                                    **_pdl(gate))
+    return out.view(gate.shape)
+
+
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """scores [B, ..., n] (any float dtype), mask [B, n] bool (True: attend; every row has one) -> the float32
+    softmax of the masked scores, in `dtype`: scores.float().masked_fill(~mask, -inf).softmax(-1).to(dtype)."""
+    n = scores.shape[-1]
+    rows = _rows(scores)
+    m = mask.reshape(mask.shape[0], n).contiguous()
+    m = m.view(torch.uint8) if m.dtype == torch.bool else m  # a view, no copy
+    out = torch.empty(rows.shape, dtype=dtype, device=rows.device)
+    block = _block(n)
+    _kernels()["softmax"][(rows.shape[0],)](rows, m, out, n, rows.shape[0] // m.shape[0], BLOCK=block,
+                                            num_warps=_warps(block), **_pdl(scores))
+    return out.view(scores.shape)
+
+
+# --- a sliding layer's decode step before its ring attention: two kernels -----------------------------------------
+# Inside DecodeStep's step a sliding layer runs, after its q|k|v GEMV: q_norm, k_norm, v_norm (3 launches), RoPE of q
+# and k (2), index_copy of k and v into the rings (2), then ring_attention's q.K^T matmul, masked softmax and P.V
+# matmul (3): 10 launches. `q_norm_rope` and `kv_to_ring` do the first 7 in 2, at torch's rounding points; the ring
+# attention stays cuBLAS's two batched matmuls around the fused softmax (`hf_graph.ring_attention`): one Triton
+# kernel for it was 1.0-2.3 ms a step slower on the 31B (bench/versions/ring_attention_triton.py).
+
+
+def _head_rows(x: torch.Tensor, heads: int, d: int, name: str) -> int:
+    """The row stride of x [B, 1, heads * d] (a projection's output or a column slice of a merged one), whose last
+    dim is contiguous. Raises FoldKvInputError otherwise."""
+    from .validate import FoldKvInputError
+
+    if x.dim() != 3 or x.shape[1] != 1 or x.shape[2] != heads * d or x.stride(2) != 1:
+        raise FoldKvInputError(f"{name}: expected [B, 1, {heads} * {d}] with its last dim contiguous, got"
+                               f" {tuple(x.shape)} strides {x.stride()}")
+    return x.stride(0)
+
+
+def _rope_table(t: torch.Tensor, b: int, d: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+    from .validate import FoldKvInputError
+
+    if t.shape != (b, 1, d) or t.dtype != dtype:
+        raise FoldKvInputError(f"{name}: expected [{b}, 1, {d}] {dtype}, got {tuple(t.shape)} {t.dtype}")
+    return t.contiguous()
+
+
+def _check_head_dim(d: int) -> None:
+    from .validate import FoldKvInputError
+
+    if d < 16 or d & (d - 1):
+        raise FoldKvInputError(f"head_dim {d}: the ring kernels take a power of two >= 16")
+
+
+def q_norm_rope(q: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                heads: int) -> torch.Tensor:
+    """q [B, 1, heads * d] (a q projection's output, or the q columns of a merged q|k|v output: read in place),
+    weight [d], cos/sin [B, 1, d] (q's dtype) -> RoPE(Gemma4RMSNorm(q per head)) as [B, heads, d] packed: the norm
+    in float32 rounded once (`rms_norm`), then `rope`'s three roundings of the rounded row. The same per-element
+    formulas and the same row reduction as `rms_norm` followed by `rope` (bitwise theirs); within one bf16 ulp of
+    the module's norm, then RoPE's roundings (the GPU tests)."""
+    b, d = q.shape[0], weight.shape[0]
+    _check_head_dim(d)
+    stride = _head_rows(q, heads, d, "q")
+    cos, sin = _rope_table(cos, b, d, q.dtype, "cos"), _rope_table(sin, b, d, q.dtype, "sin")
+    out = torch.empty((b, heads, d), dtype=q.dtype, device=q.device)
+    _kernels()["q_norm_rope"][(b * heads,)](q, weight, cos, sin, out, heads, stride, d, float(eps), D=d,
+                                            num_warps=_warps(d), **_pdl(q))
+    return out
+
+
+def kv_to_ring(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps: float, v_eps: float,
+               cos: torch.Tensor, sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
+               slot: torch.Tensor) -> None:
+    """k, v [B, 1, Hkv * d] (projection outputs or column slices of a merged one, read in place): RoPE(k_norm(k))
+    written into ring_k[:, :, slot] and v_norm(v) (no weight) into ring_v[:, :, slot]; rings [B, Hkv, W, d] packed,
+    slot a device tensor [1] int64 (read by the kernel: the step is graph-captured). What update_sliding's two
+    index_copy_ store after the modules' norms and RoPE, with `q_norm_rope`'s formulas; no other slot is written."""
+    from .validate import FoldKvInputError
+
+    b, hkv, w, d = ring_k.shape
+    _check_head_dim(d)
+    ks, vs = _head_rows(k, hkv, d, "k"), _head_rows(v, hkv, d, "v")
+    if (ring_v.shape != ring_k.shape or not ring_k.is_contiguous() or not ring_v.is_contiguous()
+            or ring_k.dtype != k.dtype or ring_v.dtype != v.dtype or k.shape[0] != b or v.shape[0] != b
+            or k_weight.shape != (d,)):
+        raise FoldKvInputError(f"rings {tuple(ring_k.shape)} {ring_k.dtype} / {tuple(ring_v.shape)} {ring_v.dtype}"
+                               f" (packed) for k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}")
+    if slot.shape != (1,) or slot.dtype != torch.long or slot.device != ring_k.device:
+        raise FoldKvInputError(f"slot: expected a [1] int64 tensor on {ring_k.device}, got {tuple(slot.shape)}"
+                               f" {slot.dtype} on {slot.device}")
+    cos, sin = _rope_table(cos, b, d, k.dtype, "cos"), _rope_table(sin, b, d, k.dtype, "sin")
+    _kernels()["kv_ring"][(b * hkv,)](k, v, k_weight, cos, sin, ring_k, ring_v, slot, hkv, ks, vs, w, d,
+                                      float(k_eps), float(v_eps), D=d, num_warps=_warps(d), **_pdl(k))
