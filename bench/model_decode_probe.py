@@ -26,8 +26,11 @@ printed. --lab-ab: the --decode cells again with `bench/versions/gemv_pdl_tc.py`
 "fixup": split_sum folded into the GEMM; "GELU in down_proj": the MLP's activation made in down_proj's x loads; "fixup
 + GELU"; "tail fit + fixup + GELU": with two stages where that removes a last wave's tail); the calls each took are
 printed. --tails-ab: the --decode cells again without the layer's tail links (`foldkv.fused_step` TAIL_SUMS and
-TAIL_NEXT_NORM off, each and both; labels "no tail sums", "no next norm", "no tail links"). Results are not records:
-the batch's notebook is.
+TAIL_NEXT_NORM off, each and both; labels "no tail sums", "no next norm", "no tail links"). --prologue-ab: the --decode
+cells again with a sliding layer's prologue in one launch (`bench/versions/sliding_prologue_one.py` installed; label
+"one-launch prologue"); the calls it took are printed. --global-prologue-ab: the --decode cells again with a global
+layer's norms, RoPE, query and row as two PDL kernels (`bench/versions/global_prologue_fused.py` installed; label
+"fused global prologue"); the route's answers are printed. Results are not records: the batch's notebook is.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tc-ab", action="store_true")
     ap.add_argument("--lab-ab", action="store_true")
     ap.add_argument("--tails-ab", action="store_true")
+    ap.add_argument("--prologue-ab", action="store_true")
+    ap.add_argument("--global-prologue-ab", action="store_true")
     return ap
 
 
@@ -172,6 +177,20 @@ def main(argv=None) -> int:
             with (mock.patch.object(fused_step, "TAIL_SUMS", sums),
                   mock.patch.object(fused_step, "TAIL_NEXT_NORM", ahead)):
                 out["decode"] += decode_cells(label)
+    if args.prologue_ab:
+        from versions.sliding_prologue_one import installed as one_launch  # bench/ is this script's directory
+
+        with one_launch() as took:
+            out["decode"] += decode_cells("one-launch prologue")
+        out["one_launch_prologue"] = dict(took)
+        print(f"one-launch prologue: {dict(took)}", flush=True)
+    if args.global_prologue_ab:
+        from versions.global_prologue_fused import installed as fused_global  # bench/ is this script's directory
+
+        with fused_global() as calls:
+            out["decode"] += decode_cells("fused global prologue")
+        out["fused_global_prologue"] = dict(calls)
+        print(f"fused global prologue: {dict(calls)}", flush=True)
     if args.pdl_ab:
         gemv.reset()
         with mock.patch.object(gemv, "PDL_GEMV", False):

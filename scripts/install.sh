@@ -16,6 +16,10 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 TORCH_CPU="torch==2.13.0"   # the only place the fallback torch is named (pyproject states the supported range)
+# A CPU build of torch brings no Triton; this one is the H200's (a CUDA torch brings its own and it is kept), so the
+# step's Triton kernels run in Triton's interpreter on CPU tensors (tests/test_triton_interpret_cpu.py). Its
+# interpreter's range() over a runtime bound converts a one-element array to an int, which NumPy 2.4 refuses.
+TRITON_CPU=("triton==3.6.0" "numpy<2.4")
 EXTRAS="test,notebooks,kernels,aot"
 MIN_PYTHON="3.10"
 
@@ -71,6 +75,10 @@ if [ -n "$torch_version" ]; then
 else
   say "no torch in this environment: pip install $TORCH_CPU (the CPU build; a GPU user installs a CUDA torch first)"
   "$PY" -m pip install "$TORCH_CPU"
+fi
+if "$PY" -c 'import sys, torch; sys.exit(torch.version.cuda is not None)' 2>/dev/null; then
+  say "a CPU torch: pip install ${TRITON_CPU[*]} (the kernels' interpreter; a CUDA torch brings its own Triton)"
+  "$PY" -m pip install "${TRITON_CPU[@]}"
 fi
 say "pip install -e .[$EXTRAS] (foldkv from lib/, editable, with what its tests and notebooks use)"
 "$PY" -m pip install -e ".[$EXTRAS]"

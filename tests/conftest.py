@@ -64,6 +64,41 @@ def synthetic_gpu_models(tmp_path_factory, *implementations: str, needs: tuple[s
             for impl in implementations}
 
 
+def graph_generate(model, lengths, new: int, **cache_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy `generate()` of a left-padded batch of `lengths` (seed 7) through a FoldKvCache whose decode step is one
+    CUDA graph: (new tokens [B, new], logits [new, B, vocab] float32), both on the CPU. cache_kwargs go to the cache
+    (kv_format=, dtype=, ...)."""
+    from foldkv.hf import FoldKvCache
+    from foldkv.lab.model import cache_keyword
+
+    ids, mask = left_padded_batch(lengths, model.config.vocab_size, seed=7)
+    cache = FoldKvCache(model, max_batch=len(lengths), max_tokens=max(lengths) + new, scatter_seed=3,
+                        decode_step="graph", **cache_kwargs)
+    out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True,
+                         **{cache_keyword(model): cache})
+    return out.sequences[:, ids.shape[1]:].cpu(), torch.stack(out.logits).float().cpu()
+
+
+class NormStub(torch.nn.Module):
+    """What foldkv's fused step ops read of a Gemma 4 RMSNorm: `weight` (bf16, exp of a seeded normal: positive,
+    spread), `with_scale`, `eps`."""
+
+    def __init__(self, d: int, seed: int, eps: float = 1e-6, scaled: bool = True, device: str = "cpu"):
+        super().__init__()
+        g = torch.Generator(device=device).manual_seed(seed)
+        w = torch.exp(0.5 * torch.randn(d, generator=g, device=device)).to(torch.bfloat16)
+        self.weight, self.with_scale, self.eps = torch.nn.Parameter(w), scaled, eps
+
+
+def attention_norms(d: int, device: str = "cpu", seed: int = 1) -> torch.nn.Module:
+    """What a layer's fused decode prologue reads of a Gemma 4 attention: q_norm and k_norm (weighted), v_norm (not)."""
+    attn = torch.nn.Module()
+    attn.q_norm, attn.k_norm = NormStub(d, seed, device=device), NormStub(d, seed + 1, device=device)
+    attn.v_norm = NormStub(d, seed + 2, scaled=False, device=device)
+    return attn
+
+
 # The tiny synthetic Gemma 4 of the CPU model tests (test_hf_cpu, test_drift_cpu): hidden 64, vocab 128, the 31B global
 # attention geometry; one checkpoint per session.
 TINY_SYNTHETIC = dict(hidden_size=64, intermediate_size=128, vocab_size=128)

@@ -10,10 +10,13 @@ Reproduce: pytest tests/test_fused_step_sliding_cpu.py -k route
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
-from conftest import TINY_SYNTHETIC, left_padded_batch, require_module
+from conftest import TINY_SYNTHETIC, bench_script, bench_version, left_padded_batch, require_module
 from foldkv.lab.model import cache_keyword
 
 LENGTHS = (5, 17, 11)
@@ -154,3 +157,43 @@ def test_the_ring_seam(model):
         assert step.sliding_ring(sliding[0]) is None
     finally:
         step.__class__ = DecodeStep
+
+
+def test_run_22s_step_command_parses():
+    notes = (Path(__file__).resolve().parents[1] / "bench" / "MODEL_DECODE_NOTES.md").read_text()
+    section = notes[notes.index("## Run 22: prediction"):]
+    found = re.findall(r"python3 bench/model_decode_probe\.py (.*?)\n", section)
+    assert found, "no step command in run 22's section"
+    args = bench_script("model_decode_probe").parser().parse_args(found[0].split())
+    assert args.prologue_ab and len(args.decode) == 3, args
+    assert not bench_script("model_decode_probe").parser().parse_args([]).prologue_ab
+
+
+@pytest.mark.parametrize("bad", ["slot_dtype", "ring_shape", "q_width", None])
+def test_the_one_launch_prologue_refuses_before_launching(bad):
+    """bench/versions/sliding_prologue_one.py asks the library's checks (`q_rows_args`, `kv_rows_args`) before its
+    launch: a bad input raises FoldKvInputError on any machine and nothing is written (the rings stay poisoned)."""
+    from foldkv.validate import FoldKvInputError
+
+    one = bench_version("sliding_prologue_one")
+    b, hq, hkv, d, w = 2, 4, 2, 16, 8
+    q = torch.randn(b, 1, hq * d + (3 if bad == "q_width" else 0), dtype=torch.bfloat16)
+    k, v = torch.randn(b, 1, hkv * d, dtype=torch.bfloat16), torch.randn(b, 1, hkv * d, dtype=torch.bfloat16)
+    cos, sin = torch.randn(b, 1, d, dtype=torch.bfloat16), torch.randn(b, 1, d, dtype=torch.bfloat16)
+    ring_k = torch.full((b, hkv, w, d), float("nan"), dtype=torch.bfloat16)
+    ring_v = torch.full((b, hkv, w + (1 if bad == "ring_shape" else 0), d), float("nan"), dtype=torch.bfloat16)
+    slot = torch.tensor([3], dtype=torch.int32 if bad == "slot_dtype" else torch.long)
+    attn = torch.nn.Module()
+    for name in ("q_norm", "k_norm", "v_norm"):
+        norm = torch.nn.Module()
+        norm.weight, norm.eps = torch.nn.Parameter(torch.ones(d, dtype=torch.bfloat16)), 1e-6
+        setattr(attn, name, norm)
+    if bad is None:  # red twin of the refusals: good inputs pass both checks (the launch needs a GPU)
+        from foldkv import fused_step_ops as ops
+
+        assert ops.q_rows_args(q, attn.q_norm.weight, 1e-6, cos, sin, hq)[0].shape == (b, hq, d)
+        assert ops.kv_rows_args(k, v, attn.k_norm.weight, 1e-6, 1e-6, cos, sin, ring_k, ring_v, slot)[0] == b * hkv
+        return
+    with pytest.raises(FoldKvInputError):
+        one.sliding_prologue(attn, q, k, v, cos, sin, ring_k, ring_v, slot)
+    assert bool(ring_k.isnan().all() and ring_v.isnan().all()), "something was written before the refusal"

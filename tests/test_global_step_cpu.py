@@ -10,12 +10,14 @@ Reproduce: pytest tests/test_global_step_cpu.py -k route
 
 from __future__ import annotations
 
+import re
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY_SYNTHETIC, bench_script, left_padded_batch, require_module
+from conftest import TINY_SYNTHETIC, bench_script, bench_version, left_padded_batch, require_module
 
 BF16 = torch.bfloat16
 
@@ -187,3 +189,32 @@ def test_every_global_step_of_a_cpu_generate_takes_the_torch_path(tmp_path, monk
     off = run()
     assert routes and set(routes) == {"FUSE_GLOBAL is off"}
     assert torch.equal(off[0], tokens) and torch.equal(off[1], logits)
+
+
+def test_run_23s_step_command_parses():
+    notes = (Path(__file__).resolve().parents[1] / "bench" / "MODEL_DECODE_NOTES.md").read_text()
+    section = notes[notes.index("## Run 23: prediction"):]
+    found = re.findall(r"python3 bench/model_decode_probe\.py (.*?)\n", section)
+    assert found, "no step command in run 23's section"
+    args = bench_script("model_decode_probe").parser().parse_args(found[0].split())
+    assert args.global_prologue_ab and len(args.decode) == 3, args
+    assert not bench_script("model_decode_probe").parser().parse_args([]).global_prologue_ab
+
+
+def test_the_fused_global_prologue_takes_only_a_started_step_and_its_modules(tmp_path):
+    """bench/versions/global_prologue_fused.py: its forward goes to the kernels only inside a started decode step
+    (anything else answers why and runs the class's forward), and it describes the global attention modules only."""
+    require_module("transformers")
+    require_module("safetensors")
+    fused = bench_version("global_prologue_fused")
+    import foldkv.hf  # noqa: F401
+    from foldkv.lab.model import load_model
+    from foldkv.lab.synthetic import make_synthetic_checkpoint
+
+    ckpt = make_synthetic_checkpoint(tmp_path, seed=3, sliding_window=8, **TINY_SYNTHETIC)
+    model = load_model(ckpt, dtype=torch.float32, attn_implementation="foldkv")
+    mods = fused.global_attention_modules(model)
+    every = [m for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"]
+    assert mods and all(not m.is_sliding for m in mods) and len(mods) < len(every)  # red twin: the sliding ones left
+    x = torch.randn(2, 1, model.config.hidden_size)
+    assert fused.route(mods[0], {"hidden_states": x}) == "not a started decode step"

@@ -28,7 +28,7 @@ import math
 import pytest
 import torch
 
-from conftest import bench_version, left_padded_batch, rounding_bound, skip_or_fail, synthetic_gpu_models
+from conftest import bench_version, graph_generate, rounding_bound, skip_or_fail, synthetic_gpu_models
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -182,16 +182,7 @@ def synthetic_model(tmp_path_factory):
 
 
 def _generate(model):
-    from foldkv.hf import FoldKvCache
-    from foldkv.lab.model import cache_keyword
-
-    ids, mask = left_padded_batch(LENGTHS, model.config.vocab_size, seed=7)
-    cache = FoldKvCache(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW, scatter_seed=3,
-                        decode_step="graph")
-    out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=NEW, min_new_tokens=NEW,
-                         do_sample=False, output_logits=True, return_dict_in_generate=True,
-                         **{cache_keyword(model): cache})
-    return out.sequences[:, ids.shape[1]:].cpu(), torch.stack(out.logits).float().cpu()
+    return graph_generate(model, LENGTHS, NEW)
 
 
 def _exact_ring_attention(module, query, key, value, mask):

@@ -14,10 +14,10 @@ the block (the step `foldkv.hf_graph` runs and captures), each of them for one k
   reads them, and the next decoder layer's input norm made by this layer's last kernel, bitwise the step without;
 - `masked_softmax`: the ring attention's float32 softmax of masked scores, rounded to the model dtype;
 - a sliding layer's attention inside DecodeStep's step (`sliding_route`: a RingMask, the step's ring, CUDA), between
-  the q|k|v GEMV and o_proj, with its seven small launches before the ring attention as two (`FUSE_SLIDING`):
-  `q_norm_rope` (q_norm then RoPE of each query head, read in place from the GEMV's output) and `kv_to_ring` (k_norm
-  + RoPE and v_norm written straight into the rings' slot for this step, read on the device: update_sliding's two
-  index_copy_); the ring attention itself stays `hf_graph.ring_attention`.
+  the q|k|v GEMV and o_proj, with its seven small launches before the ring attention as two (`FUSE_SLIDING`;
+  `sliding_prologue`): `q_norm_rope` (q_norm then RoPE of each query head, read in place from the GEMV's output) and
+  `kv_to_ring` (k_norm + RoPE and v_norm written straight into the rings' slot for this step, read on the device:
+  update_sliding's two index_copy_); the ring attention itself stays `hf_graph.ring_attention`.
 - the step's projections at 1..16 rows (`foldkv.gemv`, PDL_GEMV): the merged q|k|v and gate|up GEMVs (`merged_linear`),
   o_proj, down_proj and the LM head (`projection_modules`) as a tensor-core skinny GEMM under programmatic dependent
   launch, and the kernels above launched with PDL too (`gemv.pdl_kw`): each waits for the kernel ahead before its
@@ -42,7 +42,8 @@ from torch import nn
 
 from . import gemv
 from .fused_step_ops import (_norm_add, gelu_mul, kv_to_ring, masked_softmax, norm_add_norm,  # noqa: F401
-                             norm_add_scale, norm_eps, q_norm_rope, rms_norm, rope)  # (the public ones: __all__)
+                             norm_add_scale, norm_eps, q_norm_rope, rms_norm, rope,  # (the public ones: __all__)
+                             sliding_prologue)
 
 
 FUSE_SLIDING = True  # False: sliding layers run transformers' forward and hf_graph.ring_attention (the tests compare)
@@ -377,20 +378,17 @@ def sliding_route(attn: nn.Module, kwargs: dict) -> tuple | str:
 
 def _sliding_forward(attn: nn.Module, *args, **kwargs):
     """Gemma4TextAttention.forward of a sliding layer inside DecodeStep's step (`sliding_route`) as the q|k|v
-    projections (merged or branched: the swapped q_proj / k_proj / v_proj), `q_norm_rope`, `kv_to_ring` (the
-    step's rows into the rings at the step's slot, what update_sliding stores), `hf_graph.ring_attention` and
-    o_proj; every other call is the class's forward."""
+    projections (merged or branched: the swapped q_proj / k_proj / v_proj), `sliding_prologue` (`q_norm_rope`, and
+    `kv_to_ring`: the step's rows into the rings at the step's slot, what update_sliding stores),
+    `hf_graph.ring_attention` and o_proj; every other call is the class's forward."""
     route = "positional arguments" if args else sliding_route(attn, kwargs)
     if isinstance(route, str):
         return type(attn).forward(attn, *args, **kwargs)
     ring_k, ring_v, slot, mask = route
     x = kwargs["hidden_states"]
     cos, sin = kwargs["position_embeddings"]
-    d = int(attn.head_dim)
-    q = attn.q_proj(x)
-    q = q_norm_rope(q, attn.q_norm.weight, norm_eps(attn.q_norm), cos, sin, q.shape[-1] // d)
-    k, v = attn.k_proj(x), attn.v_proj(x)
-    kv_to_ring(k, v, attn.k_norm.weight, norm_eps(attn.k_norm), norm_eps(attn.v_norm), cos, sin, ring_k, ring_v, slot)
+    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    q = sliding_prologue(attn, q, k, v, cos, sin, ring_k, ring_v, slot)
     if getattr(attn, "store_full_length_kv", False):  # what the class's forward hands on: update_sliding's rings
         kwargs["shared_kv_states"][attn.layer_type] = ring_k, ring_v
     from .hf_graph import RingMask, ring_attention
@@ -505,5 +503,5 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
 __all__ = ["fused_step", "norm_eps", "fork", "join", "side_streams", "branched_attention_modules", "BRANCHES", "MERGE",
            "merge_projections", "split_projections", "merged_linear", "merged_groups",
            "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "norm_modules",
-           "mlp_modules", "layer_modules", "FUSE_SLIDING", "q_norm_rope", "kv_to_ring",
+           "mlp_modules", "layer_modules", "FUSE_SLIDING", "q_norm_rope", "kv_to_ring", "sliding_prologue",
            "sliding_attention_modules", "sliding_route", "projection_modules", "TAIL_SUMS", "TAIL_NEXT_NORM"]

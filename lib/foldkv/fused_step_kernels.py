@@ -166,12 +166,8 @@ if triton is not None:
         return _rounded(_rounded(y * c, OUT) + _rounded(rot * s, OUT), OUT)
 
     @triton.jit
-    def q_norm_rope_rows(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, heads, x_stride, n, eps, D: tl.constexpr,
-                         GDC: tl.constexpr = False):
-        """Row r = (b, h) of the query: x at b * x_stride + h * D (a merged q|k|v output's q columns, read in place),
-        cos/sin [B, D] row b; y [B * heads, D] packed: RoPE(q_norm(x))."""
-        _chain(GDC)
-        row = tl.program_id(0).to(tl.int64)
+    def _q_row(row, x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, heads, x_stride, n, eps, D: tl.constexpr):
+        """Query row `row` = (b, h): RoPE(q_norm(x)) from x at b * x_stride + h * D into y [B * heads, D] packed."""
         b = row // heads
         at = b * x_stride + (row % heads) * D
         out_ty = y_ptr.dtype.element_ty
@@ -179,13 +175,9 @@ if triton is not None:
         tl.store(y_ptr + row * D + tl.arange(0, D), y.to(out_ty))
 
     @triton.jit
-    def kv_norm_rope_ring(k_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, ring_k_ptr, ring_v_ptr, slot_ptr, heads, k_stride,
-                          v_stride, window, n, eps_k, eps_v, D: tl.constexpr,
-                          GDC: tl.constexpr = False):
-        """KV head row r = (b, h): RoPE(k_norm(k)) into ring_k[b, h, slot] and v_norm(v) (no weight) into
-        ring_v[b, h, slot]; rings [B, heads, window, D] packed, slot read from the device (slot_ptr[0], int64)."""
-        _chain(GDC)
-        row = tl.program_id(0).to(tl.int64)
+    def _kv_row(row, k_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, ring_k_ptr, ring_v_ptr, slot_ptr, heads, k_stride,
+                v_stride, window, n, eps_k, eps_v, D: tl.constexpr):
+        """KV head row `row` = (b, h): RoPE(k_norm(k)) into ring_k[b, h, slot], v_norm(v) into ring_v[b, h, slot]."""
         b = row // heads
         h = row % heads
         cols = tl.arange(0, D)
@@ -197,6 +189,24 @@ if triton is not None:
         v = tl.load(v_ptr + b * v_stride + h * D + cols).to(tl.float32)
         v = _normed(v, w_ptr, cols, cols < D, n, eps_v, False)  # v_norm has no weight: w_ptr is not read
         tl.store(ring_v_ptr + dst, _rounded(v, out_ty).to(out_ty))
+
+    @triton.jit
+    def q_norm_rope_rows(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, heads, x_stride, n, eps, D: tl.constexpr,
+                         GDC: tl.constexpr = False):
+        """Row r = (b, h) of the query: x at b * x_stride + h * D (a merged q|k|v output's q columns, read in place),
+        cos/sin [B, D] row b; y [B * heads, D] packed: RoPE(q_norm(x))."""
+        _chain(GDC)
+        _q_row(tl.program_id(0).to(tl.int64), x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, heads, x_stride, n, eps, D)
+
+    @triton.jit
+    def kv_norm_rope_ring(k_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, ring_k_ptr, ring_v_ptr, slot_ptr, heads, k_stride,
+                          v_stride, window, n, eps_k, eps_v, D: tl.constexpr,
+                          GDC: tl.constexpr = False):
+        """KV head row r = (b, h): RoPE(k_norm(k)) into ring_k[b, h, slot] and v_norm(v) (no weight) into
+        ring_v[b, h, slot]; rings [B, heads, window, D] packed, slot read from the device (slot_ptr[0], int64)."""
+        _chain(GDC)
+        _kv_row(tl.program_id(0).to(tl.int64), k_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, ring_k_ptr, ring_v_ptr,
+                slot_ptr, heads, k_stride, v_stride, window, n, eps_k, eps_v, D)
 
     # --- a global layer's decode step after its norms and RoPE: the format's query and the page row ---------------
     @triton.jit

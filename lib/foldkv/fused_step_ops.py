@@ -194,6 +194,18 @@ def _check_head_dim(d: int) -> None:
         raise FoldKvInputError(f"head_dim {d}: the ring kernels take a power of two >= 16")
 
 
+def q_rows_args(q: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                heads: int) -> tuple[torch.Tensor, tuple, int]:
+    """`q_norm_rope`'s checks and its kernel's arguments: (out [B, heads, d], the row arguments, d). Raises
+    FoldKvInputError before anything is launched or allocated past the output."""
+    b, d = q.shape[0], weight.shape[0]
+    _check_head_dim(d)
+    stride = _head_rows(q, heads, d, "q")
+    cos, sin = _rope_table(cos, b, d, q.dtype, "cos"), _rope_table(sin, b, d, q.dtype, "sin")
+    out = torch.empty((b, heads, d), dtype=q.dtype, device=q.device)
+    return out, (q, weight, cos, sin, out, heads, stride, d, float(eps)), d
+
+
 def q_norm_rope(q: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                 heads: int) -> torch.Tensor:
     """q [B, 1, heads * d] (a q projection's output, or the q columns of a merged q|k|v output: read in place),
@@ -201,23 +213,16 @@ def q_norm_rope(q: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Te
     in float32 rounded once (`rms_norm`), then `rope`'s three roundings of the rounded row. The same per-element
     formulas and the same row reduction as `rms_norm` followed by `rope` (bitwise theirs); within one bf16 ulp of
     the module's norm, then RoPE's roundings (the GPU tests)."""
-    b, d = q.shape[0], weight.shape[0]
-    _check_head_dim(d)
-    stride = _head_rows(q, heads, d, "q")
-    cos, sin = _rope_table(cos, b, d, q.dtype, "cos"), _rope_table(sin, b, d, q.dtype, "sin")
-    out = torch.empty((b, heads, d), dtype=q.dtype, device=q.device)
-    _kernels()["q_norm_rope"][(b * heads,)](q, weight, cos, sin, out, heads, stride, d, float(eps), D=d,
-                                            num_warps=_warps(d), **_pdl(q))
+    out, args, d = q_rows_args(q, weight, eps, cos, sin, heads)
+    _kernels()["q_norm_rope"][(out.shape[0] * heads,)](*args, D=d, num_warps=_warps(d), **_pdl(q))
     return out
 
 
-def kv_to_ring(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps: float, v_eps: float,
-               cos: torch.Tensor, sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
-               slot: torch.Tensor) -> None:
-    """k, v [B, 1, Hkv * d] (projection outputs or column slices of a merged one, read in place): RoPE(k_norm(k))
-    written into ring_k[:, :, slot] and v_norm(v) (no weight) into ring_v[:, :, slot]; rings [B, Hkv, W, d] packed,
-    slot a device tensor [1] int64 (read by the kernel: the step is graph-captured). What update_sliding's two
-    index_copy_ store after the modules' norms and RoPE, with `q_norm_rope`'s formulas; no other slot is written."""
+def kv_rows_args(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps: float, v_eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
+                 slot: torch.Tensor) -> tuple[int, tuple, int]:
+    """`kv_to_ring`'s checks and its kernel's arguments: (rows B * Hkv, the row arguments, d). Raises
+    FoldKvInputError before anything is launched or written."""
     from .validate import FoldKvInputError
 
     b, hkv, w, d = ring_k.shape
@@ -232,5 +237,28 @@ def kv_to_ring(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps: 
         raise FoldKvInputError(f"slot: expected a [1] int64 tensor on {ring_k.device}, got {tuple(slot.shape)}"
                                f" {slot.dtype} on {slot.device}")
     cos, sin = _rope_table(cos, b, d, k.dtype, "cos"), _rope_table(sin, b, d, k.dtype, "sin")
-    _kernels()["kv_ring"][(b * hkv,)](k, v, k_weight, cos, sin, ring_k, ring_v, slot, hkv, ks, vs, w, d,
-                                      float(k_eps), float(v_eps), D=d, num_warps=_warps(d), **_pdl(k))
+    return b * hkv, (k, v, k_weight, cos, sin, ring_k, ring_v, slot, hkv, ks, vs, w, d, float(k_eps),
+                     float(v_eps)), d
+
+
+def kv_to_ring(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps: float, v_eps: float,
+               cos: torch.Tensor, sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
+               slot: torch.Tensor) -> None:
+    """k, v [B, 1, Hkv * d] (projection outputs or column slices of a merged one, read in place): RoPE(k_norm(k))
+    written into ring_k[:, :, slot] and v_norm(v) (no weight) into ring_v[:, :, slot]; rings [B, Hkv, W, d] packed,
+    slot a device tensor [1] int64 (read by the kernel: the step is graph-captured). What update_sliding's two
+    index_copy_ store after the modules' norms and RoPE, with `q_norm_rope`'s formulas; no other slot is written."""
+    rows, args, d = kv_rows_args(k, v, k_weight, k_eps, v_eps, cos, sin, ring_k, ring_v, slot)
+    _kernels()["kv_ring"][(rows,)](*args, D=d, num_warps=_warps(d), **_pdl(k))
+
+
+def sliding_prologue(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """A sliding layer's decode step before its ring attention, from its projections' outputs q, k, v [B, 1, H * d]:
+    `q_norm_rope` (returned, [B, Hq, d]) then `kv_to_ring` (the step's K and V rows into the rings at `slot`), with
+    the module's norms."""
+    d = ring_k.shape[-1]
+    out = q_norm_rope(q, attn.q_norm.weight, norm_eps(attn.q_norm), cos, sin, q.shape[-1] // d)
+    kv_to_ring(k, v, attn.k_norm.weight, norm_eps(attn.k_norm), norm_eps(attn.v_norm), cos, sin, ring_k, ring_v,
+               slot)
+    return out

@@ -1,0 +1,146 @@
+"""bench/versions/global_prologue_fused.py on the GPU: a global layer's norms, RoPE, query and row as two PDL kernels,
+against the seven launches they replace (fused_step's rms_norm and rope, then `global_step.query_into` and
+`row_into_pool`), then in the whole step.
+
+Bounds: the same per-element formulas and rounding points, the row's norm reduced over the row loaded in its natural
+order as rms_norm_rows reduces it: bitwise. The query into a poisoned workspace (rows past the batch unwritten), the
+row into a pool whose step slots are poisoned (every other row unchanged); PDL and plain launches alike. The whole
+step (the synthetic model's graph generate(), folded and split pools): greedy tokens and logits torch.equal with and
+without the version, every global layer's step through the kernels (the route's count). Red twins: the rotated
+halves of the query swapped; the row stored one offset off; in the step, the rows stored one offset off.
+
+Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_global_prologue_fused_gpu.py -k "row and folded and 8"
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import attention_norms, bench_version, graph_generate, require_module, synthetic_gpu_models
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+FORMATS = ["folded", "split"]
+
+
+def _version():
+    require_module("triton")
+    return bench_version("global_prologue_fused")
+
+
+def _gen(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _inputs(batch, seed):
+    from foldkv import GEMMA4_31B as geom
+
+    hq, hkv, d = geom.num_q_heads, geom.num_kv_heads, geom.head_dim
+    g = _gen(seed)
+    rms = torch.exp(torch.randn(batch, 1, 1, generator=g, device="cuda"))
+    x = (torch.randn(batch, 1, (hq + hkv) * d, generator=g, device="cuda") * rms).to(BF16)  # merged q|k output
+    ang = torch.rand(batch, 1, d, generator=g, device="cuda") * 40.0
+    ang[..., 64:256] = 0.0  # proportional RoPE: only [0, 64) and [256, 320) rotate (cos 1, sin 0 elsewhere)
+    ang[..., 320:] = 0.0
+    return geom, x[..., : hq * d], x[..., hq * d:], ang.cos().to(BF16), ang.sin().to(BF16)
+
+
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "plain"])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_query_is_norm_rope_then_query_into(batch, fmt, pdl, monkeypatch):
+    fused = _version()
+    from foldkv import fused_step_ops as ops, gemv, global_step as gst
+
+    monkeypatch.setattr(gemv, "PDL_GEMV", pdl)
+    geom, q, _, cos, sin = _inputs(batch, seed=batch)
+    hq, d, r = geom.num_q_heads, geom.head_dim, geom.rotary_width
+    attn = attention_norms(d, "cuda")
+    roped = ops.rope(ops.rms_norm(q.view(batch, 1, hq, d), attn.q_norm.weight, 1e-6), cos, sin)
+    want = torch.full((batch, hq, d), float("nan"), dtype=BF16, device="cuda")
+    gst.query_into(geom, fmt, roped.transpose(1, 2), attn.k_norm.weight, want)
+
+    def run(cols=None):
+        out = torch.full((batch + 2, hq, d), float("nan"), dtype=BF16, device="cuda")
+        fused.query_fused(geom, fmt, q, attn, cos, sin, out, score_cols=cols)
+        assert bool(out[batch:].isnan().all()), "a row past the batch was written"
+        return out[:batch]
+
+    got = run()
+    assert bool(torch.isfinite(got).all())
+    assert torch.equal(got, want), f"{(got.float() - want.float()).abs().max().item():.3g}"
+    score = gst.column_maps(geom, fmt, q.device)[0]
+    swapped = torch.cat([score[r // 2:r], score[: r // 2], score[r:]])
+    assert not torch.equal(run(swapped), want), "red twin: the rotated halves swapped"
+
+
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "plain"])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_row_is_norms_rope_then_row_into_pool(batch, fmt, pdl, monkeypatch):
+    fused = _version()
+    from foldkv import fused_step_ops as ops, gemv, global_step as gst
+    from foldkv.pool import PagedKvLayout, PagedKvPool
+
+    monkeypatch.setattr(gemv, "PDL_GEMV", pdl)
+    geom, _, k, cos, sin = _inputs(batch, seed=20 + batch)
+    hkv, d = geom.num_kv_heads, geom.head_dim
+    attn = attention_norms(d, "cuda")
+    key = ops.rope(ops.rms_norm(k.view(batch, 1, hkv, d), attn.k_norm.weight, 1e-6), cos, sin).transpose(1, 2)
+    value = ops.rms_norm(k.view(batch, 1, hkv, d), None, 1e-6).transpose(1, 2)
+    pages = 2 * batch + 3
+    g = torch.Generator().manual_seed(batch)
+    at_pages = torch.randperm(pages, generator=g)[:batch].cuda()
+    at_offsets = torch.randint(0, 15, (batch,), generator=g).cuda()
+
+    def pool():
+        p = PagedKvPool(PagedKvLayout(geom, fmt, page_size=16, num_pages=pages), device="cuda")
+        p.data.copy_(torch.randn(p.data.shape, generator=_gen(40 + batch), device="cuda").to(BF16))
+        p.data[at_pages, :, at_offsets, :] = float("nan")  # the slots to write: poisoned
+        return p
+
+    want = pool()
+    gst.row_into_pool(geom, want, key, value, at_pages, at_offsets)
+    assert bool(torch.isfinite(want.data).all())
+
+    def run(offsets):
+        p = pool()
+        fused.row_fused(geom, p, k, k, attn, cos, sin, at_pages, offsets)
+        return torch.equal(p.data, want.data)
+
+    assert run(at_offsets)
+    assert not run(at_offsets + 1), "red twin: the row stored one offset off"
+
+
+LENGTHS = (97, 300, 1000, 5, 64, 129, 700, 33)
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def synthetic_model(tmp_path_factory):
+    return synthetic_gpu_models(tmp_path_factory, "foldkv", needs=("triton",))["foldkv"]
+
+
+def _generate(model, fmt):
+    return graph_generate(model, LENGTHS, NEW, kv_format=fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_step_with_the_fused_global_prologue(synthetic_model, fmt, monkeypatch):
+    fused = _version()
+    library = _generate(synthetic_model, fmt)
+    with fused.installed() as calls:
+        got = _generate(synthetic_model, fmt)
+    layers = len(fused.global_attention_modules(synthetic_model))
+    assert layers and calls["kernels"] >= layers and calls["kernels"] % layers == 0, dict(calls)
+    assert bool(torch.isfinite(got[1]).all())
+    assert torch.equal(got[0], library[0]), "greedy tokens differ"
+    assert torch.equal(got[1], library[1]), f"logits differ (max |gap| {(got[1] - library[1]).abs().max().item():.3g})"
+
+    row = fused.row_fused  # red twin: the step's rows stored one offset off in their page
+    monkeypatch.setattr(fused, "row_fused", lambda geom, pool, k, v, attn, cos, sin, pages, offsets: row(
+        geom, pool, k, v, attn, cos, sin, pages, torch.remainder(offsets + 1, pool.layout.page_size)))
+    with fused.installed():
+        twin = _generate(synthetic_model, fmt)
+    assert not torch.equal(twin[1], library[1]), "rows stored one offset off changed nothing"

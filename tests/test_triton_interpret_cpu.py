@@ -1,0 +1,527 @@
+"""The decode step's Triton kernels in Triton's interpreter, on CPU tensors: `foldkv.fused_step_ops`' launches (norms,
+the residual tails with and without split partials, RoPE, GELU x up, the ring's masked softmax, a sliding layer's
+prologue), `foldkv.gemv`'s tensor-core GEMM and its split sum, `foldkv.global_step`'s query and row kernels, and the
+lab's (the read roof's streaming sum; bench/versions/sliding_prologue_one.py and global_prologue_fused.py), each
+against what it replaces. The GPU tests hold the compiled kernels to the same statements on the H200; these run
+everywhere Triton is installed (a CPU torch gets the H200's Triton from scripts/install.sh), so a launch that passes a
+wrong stride, a moved host function that lost a name, or a formula that left torch's rounding points fails in CI.
+
+Triton's interpreter is chosen when a kernel is defined (`TRITON_INTERPRET=1` at import), so the kernels run in a
+child pytest of this file (`test_the_kernels_in_the_interpreter`); in this process the others skip. Two things the
+interpreter of Triton 3.6 (the H200's) does otherwise than the GPU are put right in the child, so that the statements
+are the GPU's (`_as_on_the_gpu`): it multiplies bf16 tiles as their uint16 bits (tl.dot), and it converts float32 to
+bf16 by truncation where the GPU's `cvt.rn` rounds to nearest even (`.to(tl.bfloat16)`). Its `range` over a runtime
+bound needs NumPy < 2.4 (scripts/install.sh pins it with Triton on a CPU torch).
+
+Bounds, from where each op rounds:
+- RMSNorm and the prologue: inputs on a grid (k/8, |k| <= 16) whose float32 sums of squares are exact in any order,
+  so the kernel's and torch's float32 values are the same and the bf16 results bitwise; a second norm over a rounded
+  residual (not on the grid) is held against the same formula over the kernel's own h: the two float32 sums differ by
+  at most n 2^-24 of the sum, far below bf16's half ulp, so at most one rounding moves: <= ulp(ref).
+- RoPE, the row moves and the fold: the same float32 products and roundings as torch: bitwise.
+- GELU x up and the softmax: exp in the interpreter (numpy) and in torch differ by float32 ulps, which can move one
+  bf16 rounding: GELU <= (ulp(act) + |g| 2^-23) |up| + ulp(ref) (`_gelu_within`), the softmax <= ulp(ref).
+- the GEMM: float32 accumulation against float64, |y - ref| <= ulp(ref) + K 2^-23 sum_k |x_k w_k| (test_gemv_gpu's).
+Every kernel writes into an output poisoned with NaN (every element written) and has a red twin that must fail.
+
+Reproduce: pytest tests/test_triton_interpret_cpu.py            (the child: TRITON_INTERPRET=1 pytest <this file>)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import NormStub, attention_norms, require_module
+
+INSIDE = os.environ.get("TRITON_INTERPRET") == "1"
+inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's child process "
+                                               "(test_the_kernels_in_the_interpreter)")
+ROOT = Path(__file__).resolve().parents[1]
+BF16 = torch.bfloat16
+
+
+def _as_on_the_gpu() -> None:
+    """The interpreter's bf16 dot and float32 -> bf16 conversion made the GPU's (module docstring): bf16 operands
+    converted exactly to float32 before the float32 matmul (the tensor cores' exact products), and a float32 value
+    converted to bf16 rounded to nearest even (torch's conversion, which is cvt.rn's)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    def f32(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h.data
+        return (h.data.astype(np.uint32) << 16).view(np.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 not in (a.dtype.scalar, b.dtype.scalar):
+            return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        return ti.TensorHandle(np.matmul(f32(a), f32(b), dtype=d.data.dtype) + d.data, d.dtype.scalar)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rne = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(BF16)
+            return ti.TensorHandle(rne.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    dot, cast = ti.InterpreterBuilder.create_dot, ti.InterpreterBuilder.cast_impl
+    ti.InterpreterBuilder.create_dot, ti.InterpreterBuilder.cast_impl = create_dot, cast_impl  # fp_trunc calls cast_impl
+
+
+if INSIDE:
+    _as_on_the_gpu()
+
+
+def test_the_kernels_in_the_interpreter(request):
+    if INSIDE:
+        pytest.skip("this is the interpreter's own run")
+    require_module("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "-W",
+                        "ignore:Conversion of an array:DeprecationWarning", "-k", f"not {request.node.name}",
+                        __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    tail = r.stdout[-6000:] + r.stderr[-2000:]
+    assert r.returncode == 0, tail
+    summary = r.stdout.strip().splitlines()[-1]
+    # every test of the file but this one ran and passed: "N passed, 1 deselected in ..." and nothing else
+    assert re.fullmatch(r"=* ?\d+ passed, 1 deselected in [\d.]+s( \(.*\))? ?=*", summary), tail
+
+
+# --- inputs ---------------------------------------------------------------------------------------------------------
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _grid(shape, seed: int) -> torch.Tensor:
+    """bf16 values k/8, |k| <= 16, none zero: float32 sums of their squares are exact in any order (< 2^24 / 64)."""
+    k = torch.randint(1, 17, shape, generator=_gen(seed)) * (torch.randint(0, 2, shape, generator=_gen(seed + 1)) * 2 - 1)
+    return (k / 8).to(BF16)
+
+
+def _weight(n: int, seed: int) -> torch.Tensor:
+    return (torch.randint(1, 64, (n,), generator=_gen(seed)) / 32).to(BF16)
+
+
+def _randn(shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=_gen(seed)) * scale).to(BF16)
+
+
+def _ulp(x: torch.Tensor) -> torch.Tensor:
+    from foldkv.lab.gates.checks import bf16_ulp
+
+    return bf16_ulp(x.double())
+
+
+def _norm_ref(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """rms_norm_rows' formula in torch: float32, x * (1 / sqrt(sum(x^2) / n + eps)) [* w], rounded once."""
+    xf = x.float()
+    y = xf * (1.0 / torch.sqrt((xf * xf).sum(-1, keepdim=True) / x.shape[-1] + eps))
+    return (y * w.float() if w is not None else y).to(x.dtype)
+
+
+def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, 1, H, D] with cos/sin [B, 1, D]: torch's bf16 x * cos + rotate_half(x) * sin (each op rounded)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, :, None] + rot * sin[:, :, None]
+
+
+def _ops():
+    from foldkv import fused_step_ops
+
+    return fused_step_ops
+
+
+# --- norms and the residual tails -----------------------------------------------------------------------------------
+@inside
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("view", ["packed", "head_slice"])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_rms_norm(rows, view, weighted):
+    ops = _ops()
+    n, heads = 64, 3
+    full = _grid((rows, 1, heads + 2, n), seed=rows)  # a merged output's heads
+    x = full[:, :, 1:1 + heads] if view == "head_slice" else full[:, :, :heads].contiguous()
+    w = _weight(n, 5) if weighted else None
+    assert view == "packed" or rows == 1 or not x.is_contiguous()  # a head slice read in place (_packed_rows)
+    want = _norm_ref(x, w, 1e-6)
+    assert torch.equal(ops.rms_norm(x, w, 1e-6), want)
+    assert not torch.equal(ops.rms_norm(x, w, 0.5), want), "red twin: another epsilon"
+
+
+@inside
+@pytest.mark.parametrize("tail", ["norm_add_norm", "norm_add_scale"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_norm_add(rows, tail):
+    ops = _ops()
+    n = 96
+    x, res = _grid((rows, 1, n), seed=10 + rows), _randn((rows, 1, n), seed=20 + rows)
+    first, second = NormStub(n, 1, 1e-6), NormStub(n, 2, 1e-5)
+    scalar = torch.tensor([0.75], dtype=BF16)
+    h_want = res + _norm_ref(x, first.weight, 1e-6)  # torch's bf16 add: one rounding
+    if tail == "norm_add_norm":
+        h, y = ops.norm_add_norm(x, res, first, second)
+        assert torch.equal(h, h_want)
+        y_ref = _norm_ref(h, second.weight, 1e-5)  # the formula over the kernel's own h (not on the grid)
+        assert bool(((y.double() - y_ref.double()).abs() <= _ulp(y_ref)).all())
+        _, twin = ops.norm_add_norm(x, res, first, first)  # red twin: the first norm's weight in the second
+        assert not bool(((twin.double() - y_ref.double()).abs() <= _ulp(y_ref)).all())
+    else:
+        h = ops.norm_add_scale(x, res, first, scalar)
+        assert torch.equal(h, h_want * scalar)
+        assert not torch.equal(ops.norm_add_scale(x, res, second, scalar), h_want * scalar), "red twin: other norm"
+
+
+@inside
+@pytest.mark.parametrize("splits", [2, 3])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_norm_add_reads_split_partials_as_split_sum_adds_them(rows, splits):
+    from foldkv import gemv
+
+    ops = _ops()
+    n = 80
+    parts = torch.randn(splits, rows, n, generator=_gen(splits)) * 0.3
+    res = _randn((rows, 1, n), seed=30)
+    first, second = NormStub(n, 3, 1e-6), NormStub(n, 4, 1e-6)
+    summed = torch.full((rows, n), float("nan"), dtype=BF16)
+    gemv.sum_partials(parts, summed, pdl=False)
+    in_order = parts[0].clone()
+    for p in parts[1:]:
+        in_order += p
+    assert torch.equal(summed, in_order.to(BF16))
+    x = summed.view(rows, 1, n)
+    want = ops._norm_add(x, res, first, second, None)
+    poisoned = torch.full_like(x, float("nan"))  # x itself is not read when the partials are given
+    got = ops._norm_add(poisoned, res, first, second, None, parts=parts)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    twin = ops._norm_add(poisoned, res, first, second, None, parts=parts[:-1])  # red twin: one partial fewer
+    assert not torch.equal(twin[0], want[0])
+
+
+# --- RoPE, GELU x up, the masked softmax ----------------------------------------------------------------------------
+@inside
+@pytest.mark.parametrize("batch", [1, 4])
+def test_rope(batch):
+    ops = _ops()
+    heads, d = 3, 32
+    x = _randn((batch, 1, heads, d), seed=40)
+    cos, sin = _randn((batch, 1, d), seed=41), _randn((batch, 1, d), seed=42)
+    want = _rope_ref(x, cos, sin)
+    assert torch.equal(ops.rope(x, cos, sin), want)
+    assert not torch.equal(ops.rope(x, sin, cos), want), "red twin: cos and sin exchanged"
+
+
+def _gelu_within(y: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """y against torch's tanh GELU in float32 rounded once, times up rounded once. The kernel's tanh (through exp)
+    and torch's differ by at most ~4 float32 ulps of |t| <= 1 (2^-22), so act = 0.5 g (1 + t) by 0.5 |g| 2^-22 before
+    its rounding (which moves by at most ulp(act)); the product's rounding adds ulp(ref)."""
+    act = torch.nn.functional.gelu(gate.float(), approximate="tanh").to(BF16)
+    ref = act * up
+    slack = (_ulp(act) + gate.double().abs() * 2.0 ** -23) * up.double().abs() + _ulp(ref)
+    return bool(((y.double() - ref.double()).abs() <= slack).all())
+
+
+@inside
+@pytest.mark.parametrize("n", [1, 1000, 3000])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gelu_mul(rows, n):
+    ops = _ops()
+    merged = _randn((rows, 1, 2 * n), seed=n + rows, scale=2.0)
+    gate, up = merged[..., :n], merged[..., n:]  # the halves of a merged gate|up output, read in place
+    y = ops.gelu_mul(gate, up)
+    assert bool(y.isfinite().all()) and _gelu_within(y, gate, up)
+    if n > 1:
+        assert not _gelu_within(ops.gelu_mul(up, gate), gate, up), "red twin: gate and up exchanged"
+
+
+@inside
+@pytest.mark.parametrize("window", [1, 17, 64])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_masked_softmax(batch, window):
+    ops = _ops()
+    scores = _randn((batch, 2, 3, window), seed=window, scale=4.0)
+    mask = torch.rand(batch, window, generator=_gen(window)) > 0.4
+    mask[:, 0] = True
+    ref = torch.softmax(scores.float().masked_fill(~mask[:, None, None], float("-inf")), -1).to(BF16)
+
+    def within(p):
+        return bool(((p.double() - ref.double()).abs() <= _ulp(ref)).all())
+
+    p = ops.masked_softmax(scores, mask, BF16)
+    assert within(p) and bool((p[~mask[:, None, None].expand_as(p)] == 0).all())
+    if not bool(mask.all()):
+        assert not within(ops.masked_softmax(scores, torch.ones_like(mask), BF16)), "red twin: the mask ignored"
+
+
+# --- a sliding layer's prologue -------------------------------------------------------------------------------------
+def _prologue_inputs(batch: int, hq: int, hkv: int, d: int, seed: int):
+    x = _grid((batch, 1, (hq + 2 * hkv) * d), seed=seed)  # a merged q|k|v output: the slices are read in place
+    q, k, v = x[..., : hq * d], x[..., hq * d:(hq + hkv) * d], x[..., (hq + hkv) * d:]
+    cos, sin = _randn((batch, 1, d), seed=seed + 1), _randn((batch, 1, d), seed=seed + 2)
+    return q, k, v, cos, sin
+
+
+@inside
+@pytest.mark.parametrize("batch", [1, 3])
+def test_q_norm_rope(batch):
+    ops = _ops()
+    hq, d = 4, 64
+    q, _, _, cos, sin = _prologue_inputs(batch, hq, 2, d, seed=50)
+    w = _weight(d, 51)
+    want = _rope_ref(_norm_ref(q.view(batch, 1, hq, d), w, 1e-6), cos, sin).view(batch, hq, d)
+    got = ops.q_norm_rope(q, w, 1e-6, cos, sin, hq)
+    assert torch.equal(got, want)
+    assert torch.equal(got, ops.rope(ops.rms_norm(q.view(batch, 1, hq, d), w, 1e-6), cos, sin).view(batch, hq, d))
+    assert not torch.equal(ops.q_norm_rope(q, w, 1e-6, sin, cos, hq), want), "red twin: cos and sin exchanged"
+
+
+@inside
+@pytest.mark.parametrize("slot", [0, 5, 15])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_kv_to_ring_writes_the_slot_and_nothing_else(batch, slot):
+    ops = _ops()
+    hq, hkv, d, window = 4, 2, 64, 16
+    _, k, v, cos, sin = _prologue_inputs(batch, hq, hkv, d, seed=60)
+    w = _weight(d, 61)
+    k_want = _rope_ref(_norm_ref(k.view(batch, 1, hkv, d), w, 1e-6), cos, sin)[:, 0]
+    v_want = _norm_ref(v.view(batch, 1, hkv, d), None, 1e-5)[:, 0]
+
+    def run(at):
+        ring_k = torch.full((batch, hkv, window, d), float("nan"), dtype=BF16)
+        ring_v = torch.full_like(ring_k, float("nan"))
+        ops.kv_to_ring(k, v, w, 1e-6, 1e-5, cos, sin, ring_k, ring_v, torch.tensor([at]))
+        return ring_k, ring_v
+
+    ring_k, ring_v = run(slot)
+    assert torch.equal(ring_k[:, :, slot], k_want) and torch.equal(ring_v[:, :, slot], v_want)
+    others = [s for s in range(window) if s != slot]
+    assert bool(ring_k[:, :, others].isnan().all() and ring_v[:, :, others].isnan().all()), "another slot written"
+    twin_k, _ = run((slot + 1) % window)  # red twin: the row in the next slot
+    assert not torch.equal(twin_k[:, :, slot], k_want)
+
+
+# --- the tensor-core GEMM and its split sum -------------------------------------------------------------------------
+def _gemv_bound(x, w, ref):
+    mag = x.double().abs() @ w.double().abs().T
+    return _ulp(ref) + x.shape[-1] * 2.0 ** -23 * mag
+
+
+@inside
+@pytest.mark.parametrize("shape", [(200, 256), (130, 1024), (64, 512)])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_gemv_tc_within_the_float32_bound(rows, shape):
+    from foldkv import gemv
+
+    n, k = shape
+    x = _randn((rows, k), seed=rows, scale=0.5)
+    w = _randn((n, k), seed=k + n, scale=k ** -0.5)
+    ref = x.double() @ w.double().T
+    cfg = gemv.tc_config(n, k, rows)
+    assert cfg is not None and (cfg["SPLIT"] > 1) == (k == 1024)  # the 1,024 column weight splits K in two
+
+    def run(**twin):
+        y = torch.full((rows, n), float("nan"), dtype=BF16)
+        gemv.tc_launch(x, w, y, cfg, pdl=False, **twin)
+        return y
+
+    y = run()
+    assert bool(y.isfinite().all()) and bool(((y.double() - ref).abs() <= _gemv_bound(x, w, ref)).all())
+    short = k // cfg["SPLIT"] - cfg["BLOCK_K"]  # red twin: each program's range one tile short
+    twin = run(k_split=short)
+    assert not bool(((twin.double() - ref).abs() <= _gemv_bound(x, w, ref)).all())
+
+
+# --- a global layer's query and row ---------------------------------------------------------------------------------
+def _geom():
+    from foldkv import GEMMA4_31B
+
+    return GEMMA4_31B
+
+
+def _heads(batch, heads, d, seed, extra=3):
+    full = _randn((batch, 1, (heads + extra) * d), seed=seed)
+    return full[..., : heads * d].view(batch, 1, heads, d).transpose(1, 2)  # strided, as the model hands it over
+
+
+@inside
+@pytest.mark.parametrize("fmt", ["folded", "split"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_global_query_is_fold_query(batch, fmt):
+    from foldkv import global_step as gst
+    from foldkv.prep import fold_query
+
+    geom = _geom()
+    hq, d, r = geom.num_q_heads, geom.head_dim, geom.rotary_width
+    q = _heads(batch, hq, d, seed=70 + batch)
+    w = _weight(d, 71)
+    want = fold_query(geom, fmt, q[:, :, 0], w, BF16)
+
+    def run(cols=None):
+        out = torch.full((batch + 2, hq, d), float("nan"), dtype=BF16)
+        gst.query_into(geom, fmt, q, w, out, score_cols=cols)
+        assert bool(out[batch:].isnan().all()), "a row past the batch was written"
+        return out[:batch]
+
+    assert torch.equal(run(), want)
+    score = gst.column_maps(geom, fmt, q.device)[0]
+    swapped = torch.cat([score[r // 2:r], score[: r // 2], score[r:]])
+    assert not torch.equal(run(swapped), want), "red twin: the rotated halves swapped"
+
+
+@inside
+@pytest.mark.parametrize("fmt", ["folded", "split"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_global_row_is_rows_from_key_value_then_store_rows(batch, fmt):
+    from foldkv import global_step as gst
+    from foldkv.pool import PagedKvLayout, PagedKvPool
+    from foldkv.prep import rows_from_key_value, store_rows
+
+    geom = _geom()
+    hkv, d = geom.num_kv_heads, geom.head_dim
+    key, value = _heads(batch, hkv, d, seed=80 + batch), _heads(batch, hkv, d, seed=90 + batch, extra=0)
+    pages = 2 * batch + 3
+    at_pages = torch.randperm(pages, generator=_gen(batch))[:batch]
+    at_offsets = torch.randint(0, 3, (batch,), generator=_gen(batch + 1))
+
+    def pool():
+        p = PagedKvPool(PagedKvLayout(geom, fmt, page_size=4, num_pages=pages), device="cpu")
+        p.data.copy_(torch.randn(p.data.shape, generator=_gen(7)).to(BF16))
+        p.data[at_pages, :, at_offsets, :] = float("nan")  # the slots to write: poisoned
+        return p
+
+    ref = pool()
+    store_rows(ref, at_pages, at_offsets, rows_from_key_value(geom, ref.format, key[:, :, 0], value[:, :, 0],
+                                                              ref.layout.row_dtype), check_finite=False)
+    assert bool(ref.data.isfinite().all())
+
+    def run(offsets):
+        p = pool()
+        gst.row_into_pool(geom, p, key, value, at_pages, offsets)
+        return torch.equal(p.data, ref.data)  # the slots hold the rows, every other row is unchanged
+
+    assert run(at_offsets)
+    assert not run(at_offsets + 1), "red twin: the row stored one offset off"
+
+
+# --- lab versions of the step's kernels -----------------------------------------------------------------------------
+@inside
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_one_launch_sliding_prologue_is_the_two_launches(batch):
+    from conftest import bench_version
+
+    one = bench_version("sliding_prologue_one")
+    ops = _ops()
+    hq, hkv, d, window, slot = 4, 2, 64, 8, 3
+    q, k, v, cos, sin = _prologue_inputs(batch, hq, hkv, d, seed=100 + batch)
+    attn = attention_norms(d)
+
+    def rings():
+        return (torch.full((batch, hkv, window, d), float("nan"), dtype=BF16),
+                torch.full((batch, hkv, window, d), float("nan"), dtype=BF16))
+
+    want_k, want_v = rings()
+    want_q = ops.sliding_prologue(attn, q, k, v, cos, sin, want_k, want_v, torch.tensor([slot]))
+    got_k, got_v = rings()
+    got_q = one.sliding_prologue(attn, q, k, v, cos, sin, got_k, got_v, torch.tensor([slot]))
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_k.nan_to_num(7.0), want_k.nan_to_num(7.0))  # the slot bitwise, the other slots unwritten
+    assert torch.equal(got_v.nan_to_num(7.0), want_v.nan_to_num(7.0))
+    assert not bool(got_k[:, :, slot].isnan().any())
+    twin_k, _ = rings()  # red twin: the KV rows left out of the grid
+    one.sliding_prologue(attn, q, k, v, cos, sin, twin_k, rings()[1], torch.tensor([slot]), red_skip_kv=True)
+    assert not torch.equal(twin_k.nan_to_num(7.0), want_k.nan_to_num(7.0))
+
+
+@inside
+def test_the_stream_read_kernel_reads_around_a_capped_buffer():
+    """The read roof's Triton streaming sum (`lab.bench.roofs`) over more blocks than its buffer holds wraps around
+    it, and its partials sum to what was read."""
+    from foldkv.lab import bench
+    from foldkv.lab.bench import roofs
+
+    run = roofs.stream_read_kernel()
+    bufs, n_blocks = bench.stream_read_buffers(10 * 8192 + 5, "cpu", 3, max_bytes=4 * 8192)
+    part = torch.full((6,), float("nan"))
+    run(bufs[0], part, n_blocks)
+    assert roofs._sum_error(part, bufs[0], n_blocks) <= roofs.SUM_TOL
+    run(bufs[0], part)  # red twin: one pass over the buffer is not what the check expects of the byte count
+    assert roofs._sum_error(part, bufs[0], n_blocks) > roofs.SUM_TOL
+
+
+@inside
+@pytest.mark.parametrize("fmt", ["folded", "split"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_fused_global_query_is_the_norm_rope_then_the_query_kernel(batch, fmt):
+    from conftest import bench_version
+    from foldkv import global_step as gst
+
+    fused = bench_version("global_prologue_fused")
+    ops = _ops()
+    geom = _geom()
+    hq, hkv, d, r = geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.rotary_width
+    x = _randn((batch, 1, (hq + hkv) * d), seed=110 + batch)  # a merged q|k output: q read in place
+    q = x[..., : hq * d]
+    cos, sin = _randn((batch, 1, d), seed=111), _randn((batch, 1, d), seed=112)
+    attn = attention_norms(d)
+    roped = ops.rope(ops.rms_norm(q.view(batch, 1, hq, d), attn.q_norm.weight, 1e-6), cos, sin)
+    want = torch.full((batch + 1, hq, d), float("nan"), dtype=BF16)
+    gst.query_into(geom, fmt, roped.transpose(1, 2), attn.k_norm.weight, want)
+
+    def run(cols=None):
+        out = torch.full((batch + 1, hq, d), float("nan"), dtype=BF16)
+        fused.query_fused(geom, fmt, q, attn, cos, sin, out, score_cols=cols)
+        return out
+
+    got = run()
+    assert torch.equal(got[:batch], want[:batch]) and bool(got[batch:].isnan().all())
+    score = gst.column_maps(geom, fmt, q.device)[0]
+    swapped = torch.cat([score[r // 2:r], score[: r // 2], score[r:]])
+    assert not torch.equal(run(swapped)[:batch], want[:batch]), "red twin: the rotated halves swapped"
+
+
+@inside
+@pytest.mark.parametrize("fmt", ["folded", "split"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_fused_global_row_is_the_norms_rope_then_the_row_kernel(batch, fmt):
+    from conftest import bench_version
+    from foldkv import global_step as gst
+    from foldkv.pool import PagedKvLayout, PagedKvPool
+
+    fused = bench_version("global_prologue_fused")
+    ops = _ops()
+    geom = _geom()
+    hq, hkv, d = geom.num_q_heads, geom.num_kv_heads, geom.head_dim
+    x = _randn((batch, 1, (hq + hkv) * d), seed=120 + batch)
+    k = x[..., hq * d:]  # k_eq_v: the value is the key projection's output before its norm
+    cos, sin = _randn((batch, 1, d), seed=121), _randn((batch, 1, d), seed=122)
+    attn = attention_norms(d)
+    key = ops.rope(ops.rms_norm(k.view(batch, 1, hkv, d), attn.k_norm.weight, 1e-6), cos, sin).transpose(1, 2)
+    value = ops.rms_norm(k.view(batch, 1, hkv, d), None, 1e-6).transpose(1, 2)
+    pages = 2 * batch + 1
+    at_pages = torch.randperm(pages, generator=_gen(batch))[:batch]
+    at_offsets = torch.randint(0, 3, (batch,), generator=_gen(batch + 1))
+
+    def pool():
+        p = PagedKvPool(PagedKvLayout(geom, fmt, page_size=4, num_pages=pages), device="cpu")
+        p.data.copy_(torch.randn(p.data.shape, generator=_gen(8)).to(BF16))
+        p.data[at_pages, :, at_offsets, :] = float("nan")
+        return p
+
+    want = pool()
+    gst.row_into_pool(geom, want, key, value, at_pages, at_offsets)
+    assert bool(want.data.isfinite().all())
+
+    def run(offsets):
+        p = pool()
+        fused.row_fused(geom, p, k, k, attn, cos, sin, at_pages, offsets)
+        return torch.equal(p.data, want.data)
+
+    assert run(at_offsets)
+    assert not run(at_offsets + 1), "red twin: the row stored one offset off"
