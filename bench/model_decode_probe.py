@@ -5,7 +5,7 @@ For a quick look at a change of the decode step before the batch of record (note
     python3 bench/model_decode_probe.py --decode foldkv-folded:4096:1 flashinfer:4096:1 --tail foldkv-folded:32768:8
 
 --decode ARM:CONTEXT:BATCH (model_decode.measure_decode), --tail ARM:CONTEXT:BATCH (measure_prefill_tail, chunk 4096),
---profile (step_kernels at 4K x 1), --compile N (measure_static_compile: transformers' static cache and automatic
+--profile (step_kernels at 4K x 1; --profile-at CONTEXT:BATCH another cell, e.g. 4096:8), --compile N (measure_static_compile: transformers' static cache and automatic
 compile on an N-token prompt, last: it leaves the compiler's state behind), --profile-top N (kernels the profile
 lists). --merge-ab: after the cells above (merged projections, the library's default), the model's projections are
 split again (`fused_step.split_projections`, MERGE off) and the --decode cells and the profile run a second time
@@ -52,6 +52,17 @@ def _cells(specs):
         yield arm, int(n), int(b)
 
 
+def _context_batch(text: str) -> tuple[int, int]:
+    """CONTEXT:BATCH, two positive integers (parsed once, at the command line)."""
+    try:
+        context, batch = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected CONTEXT:BATCH, e.g. 4096:8") from None
+    if context < 1 or batch < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: context and batch are positive")
+    return context, batch
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decode", nargs="*", default=[])
@@ -60,6 +71,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--compile", type=int, default=0)
     ap.add_argument("--profile-top", type=int, default=16)
+    ap.add_argument("--profile-at", type=_context_batch, default=(4096, 1), help="the profiled cell, CONTEXT:BATCH")
     ap.add_argument("--merge-ab", action="store_true")
     ap.add_argument("--loop-ab", action="store_true")
     ap.add_argument("--sliding-ab", action="store_true")
@@ -89,10 +101,13 @@ def main(argv=None) -> int:
                                            prefill_chunk=4096) for a in dict.fromkeys(
                                                a for a, _, _ in _cells(args.decode + args.tail))])
 
+    at_context, at_batch = args.profile_at
+
     def profile(key):
-        out[key] = md.step_kernels(model, "foldkv-folded", context=4096, batch=1, top=args.profile_top)
+        out[key] = md.step_kernels(model, "foldkv-folded", context=at_context, batch=at_batch, top=args.profile_top)
+        out[key + "_at"] = {"context": at_context, "batch": at_batch}
         total = sum(k["ms"] for k in out[key]) / max(sum(k["share"] for k in out[key]), 1e-9)
-        print(f"{key}: {total:.3f} ms of kernels a step")
+        print(f"{key} ({at_context} x {at_batch}): {total:.3f} ms of kernels a step")
         for k in out[key]:
             print(f"{k['ms']:8.3f} ms {k['calls']:5d}  {k['kernel']}")
 

@@ -98,3 +98,15 @@ def test_run_20s_step_command_parses():
     args = bench_script("model_decode_probe").parser().parse_args(found[0].split())
     assert args.tails_ab and args.decode, args
     assert not bench_script("model_decode_probe").parser().parse_args([]).tails_ab
+
+
+@pytest.mark.parametrize("text, want", [("4096:8", (4096, 8)), ("131072:1", (131072, 1)), ("4096", None),
+                                        ("0:8", None), ("4k:8", None)])
+def test_the_probe_parses_the_profiled_cell(text, want):
+    ap = bench_script("model_decode_probe").parser()
+    if want is None:  # red twins: a malformed cell is refused at the command line
+        with pytest.raises(SystemExit):
+            ap.parse_args(["--profile", "--profile-at", text])
+        return
+    assert ap.parse_args(["--profile", "--profile-at", text]).profile_at == want
+    assert ap.parse_args(["--profile"]).profile_at == (4096, 1)

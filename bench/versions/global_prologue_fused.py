@@ -77,7 +77,7 @@ if triton is not None:
     @triton.jit
     def global_query_fused(q_ptr, w_ptr, cos_ptr, sin_ptr, wk_ptr, cols_ptr, out_ptr, heads, q_stride, n, eps,
                            D: tl.constexpr, FOLD_FROM: tl.constexpr, FOLDED: tl.constexpr,
-                           MODEL: tl.constexpr, GDC: tl.constexpr = False):
+                           GDC: tl.constexpr = False):
         """Row (b, h): the format's query of RoPE(q_norm(q)) (q at b * q_stride + h * D) into out [rows, D] packed:
         column j is head column cols[j]; FOLDED, columns j >= FOLD_FROM times w_k, rounded once to out's dtype."""
         _chain(GDC)
@@ -87,7 +87,7 @@ if triton is not None:
         inv = _inverse_norm(base, n, eps, D)
         j = tl.arange(0, D)
         c = tl.load(cols_ptr + j).to(tl.int64)
-        x = _roped_at(base, w_ptr, cos_ptr + b * D, sin_ptr + b * D, c, inv, MODEL, D)
+        x = _roped_at(base, w_ptr, cos_ptr + b * D, sin_ptr + b * D, c, inv, cos_ptr.dtype.element_ty, D)
         if FOLDED:
             x = tl.where(j >= FOLD_FROM, x * tl.load(wk_ptr + c).to(tl.float32), x)
         out_ty = out_ptr.dtype.element_ty
@@ -96,10 +96,11 @@ if triton is not None:
     @triton.jit
     def global_row_fused(k_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, cols_ptr, pages_ptr, offsets_ptr, pool_ptr, heads,
                          page_size, k_stride, v_stride, n, eps_k, eps_v, D: tl.constexpr, WIDTH: tl.constexpr,
-                         BLOCK: tl.constexpr, KEY_COLS: tl.constexpr, MODEL: tl.constexpr, GDC: tl.constexpr = False):
+                         BLOCK: tl.constexpr, KEY_COLS: tl.constexpr, GDC: tl.constexpr = False):
         """Row (b, h): column j < KEY_COLS is RoPE(k_norm(k))[cols[j]], the others v_norm(v)[cols[j]] (no weight), each
-        rounded to the model's dtype, stored at pool[pages[b], h, offsets[b], j]; nothing else is written."""
+        rounded to the model's dtype (cos's), stored at pool[pages[b], h, offsets[b], j]; nothing else is written."""
         _chain(GDC)
+        model_ty = cos_ptr.dtype.element_ty
         row = tl.program_id(0).to(tl.int64)
         b = row // heads
         h = row % heads
@@ -110,17 +111,13 @@ if triton is not None:
         j = tl.arange(0, BLOCK)
         keep = j < WIDTH
         c = tl.load(cols_ptr + j, mask=keep, other=0).to(tl.int64)
-        key = _roped_at(k_base, w_ptr, cos_ptr + b * D, sin_ptr + b * D, c, inv_k, MODEL, D)
-        value = _rounded(tl.load(v_base + c).to(tl.float32) * inv_v, MODEL)
+        key = _roped_at(k_base, w_ptr, cos_ptr + b * D, sin_ptr + b * D, c, inv_k, model_ty, D)
+        value = _rounded(tl.load(v_base + c).to(tl.float32) * inv_v, model_ty)
         x = tl.where(j < KEY_COLS, key, value)
         page = tl.load(pages_ptr + b).to(tl.int64)
         offset = tl.load(offsets_ptr + b).to(tl.int64)
         out_ty = pool_ptr.dtype.element_ty
         tl.store(pool_ptr + ((page * heads + h) * page_size + offset) * WIDTH + j, x.to(out_ty), mask=keep)
-
-
-def _model_dtype(t: torch.Tensor):
-    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[t.dtype]
 
 
 def query_fused(geom: Any, fmt: KvFormat | str, q: torch.Tensor, attn: nn.Module, cos: torch.Tensor,
@@ -138,8 +135,8 @@ def query_fused(geom: Any, fmt: KvFormat | str, q: torch.Tensor, attn: nn.Module
     score = score if score_cols is None else score_cols
     global_query_fused[(b * hq,)](q, attn.q_norm.weight, cos, sin, attn.k_norm.weight, score, out, hq, stride, d,
                                   fused_step_ops.norm_eps(attn.q_norm), D=d, FOLD_FROM=fold_from,
-                                  FOLDED=fmt is KvFormat.FOLDED, MODEL=_model_dtype(q),
-                                  num_warps=fused_step_ops._warps(d), **fused_step_ops._pdl(q))
+                                  FOLDED=fmt is KvFormat.FOLDED, num_warps=fused_step_ops._warps(d),
+                                  **fused_step_ops._pdl(q))
 
 
 def row_fused(geom: Any, pool: Any, k: torch.Tensor, v: torch.Tensor, attn: nn.Module, cos: torch.Tensor,
@@ -157,7 +154,7 @@ def row_fused(geom: Any, pool: Any, k: torch.Tensor, v: torch.Tensor, attn: nn.M
     global_row_fused[(b * hkv,)](k, v, attn.k_norm.weight, cos, sin, row, pages, offsets, pool.data, hkv,
                                  pool.layout.page_size, ks, vs, d, fused_step_ops.norm_eps(attn.k_norm),
                                  fused_step_ops.norm_eps(attn.v_norm), D=d, WIDTH=width,
-                                 BLOCK=fused_step_ops._block(width), KEY_COLS=key_cols, MODEL=_model_dtype(k),
+                                 BLOCK=fused_step_ops._block(width), KEY_COLS=key_cols,
                                  num_warps=fused_step_ops._warps(d), **fused_step_ops._pdl(k))
 
 
