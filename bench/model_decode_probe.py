@@ -30,7 +30,8 @@ TAIL_NEXT_NORM off, each and both; labels "no tail sums", "no next norm", "no ta
 cells again with a sliding layer's prologue in one launch (`bench/versions/sliding_prologue_one.py` installed; label
 "one-launch prologue"); the calls it took are printed. --global-prologue-ab: the --decode cells again with a global
 layer's norms, RoPE, query and row as two PDL kernels (`bench/versions/global_prologue_fused.py` installed; label
-"fused global prologue"); the route's answers are printed. Results are not records: the batch's notebook is.
+"fused global prologue"); the route's answers are printed; with --prologue-ab too, the cells once more with both
+(label "both prologues"). Results are not records: the batch's notebook is.
 """
 
 from __future__ import annotations
@@ -206,6 +207,9 @@ def main(argv=None) -> int:
             out["decode"] += decode_cells("fused global prologue")
         out["fused_global_prologue"] = dict(calls)
         print(f"fused global prologue: {dict(calls)}", flush=True)
+    if args.prologue_ab and args.global_prologue_ab:  # both versions at once: do their savings add?
+        with one_launch(), fused_global():
+            out["decode"] += decode_cells("both prologues")
     if args.pdl_ab:
         gemv.reset()
         with mock.patch.object(gemv, "PDL_GEMV", False):

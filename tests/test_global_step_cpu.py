@@ -197,7 +197,7 @@ def test_run_23s_step_command_parses():
     found = re.findall(r"python3 bench/model_decode_probe\.py (.*?)\n", section)
     assert found, "no step command in run 23's section"
     args = bench_script("model_decode_probe").parser().parse_args(found[0].split())
-    assert args.global_prologue_ab and len(args.decode) == 3, args
+    assert args.global_prologue_ab and args.prologue_ab and len(args.decode) == 3, args  # with run 22: "both"
     assert not bench_script("model_decode_probe").parser().parse_args([]).global_prologue_ab
 
 
