@@ -73,6 +73,10 @@ def _as_on_the_gpu() -> None:
 
     dot, cast = ti.InterpreterBuilder.create_dot, ti.InterpreterBuilder.cast_impl
     ti.InterpreterBuilder.create_dot, ti.InterpreterBuilder.cast_impl = create_dot, cast_impl  # fp_trunc calls cast_impl
+    _INTERPRETER_OWN.update(dot=dot, cast=cast)
+
+
+_INTERPRETER_OWN: dict = {}  # the interpreter's own create_dot and cast_impl (the shim's red twin)
 
 
 if INSIDE:
@@ -92,6 +96,36 @@ def test_the_kernels_in_the_interpreter(request):
     summary = r.stdout.strip().splitlines()[-1]
     # every test of the file but this one ran and passed: "N passed, 1 deselected in ..." and nothing else
     assert re.fullmatch(r"=* ?\d+ passed, 1 deselected in [\d.]+s( \(.*\))? ?=*", summary), tail
+
+
+@inside
+def test_the_interpreter_converts_and_multiplies_as_the_gpu(monkeypatch):
+    """With `_as_on_the_gpu`, a kernel's float32 -> bf16 store rounds to nearest even and a bf16 tl.dot multiplies the
+    values (torch's results); the interpreter's own conversion and dot (the red twins) do not."""
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    @triton.jit
+    def convert_and_dot(x_ptr, y_ptr, a_ptr, b_ptr, c_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(y_ptr + i, tl.load(x_ptr + i).to(tl.bfloat16))
+        a = tl.load(a_ptr + i[:, None] * N + i[None, :])
+        b = tl.load(b_ptr + i[:, None] * N + i[None, :])
+        tl.store(c_ptr + i[:, None] * N + i[None, :], tl.dot(a, b))
+
+    x = torch.randn(16, generator=_gen(1)) * 3
+    a, b = _randn((16, 16), seed=2), _randn((16, 16), seed=3)
+
+    def run():
+        y, c = torch.empty(16, dtype=BF16), torch.empty(16, 16)
+        convert_and_dot[(1,)](x, y, a, b, c, N=16)
+        return torch.equal(y, x.to(BF16)), bool(((c.double() - a.double() @ b.double()).abs() < 1e-4).all())
+
+    assert run() == (True, True)
+    monkeypatch.setattr(ti.InterpreterBuilder, "cast_impl", _INTERPRETER_OWN["cast"])
+    monkeypatch.setattr(ti.InterpreterBuilder, "create_dot", _INTERPRETER_OWN["dot"])
+    assert run() == (False, False), "the interpreter's own conversion and dot matched the GPU's"
 
 
 # --- inputs ---------------------------------------------------------------------------------------------------------
