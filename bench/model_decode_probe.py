@@ -30,8 +30,10 @@ TAIL_NEXT_NORM off, each and both; labels "no tail sums", "no next norm", "no ta
 cells again with a sliding layer's prologue in one launch (`bench/versions/sliding_prologue_one.py` installed; label
 "one-launch prologue"); the calls it took are printed. --global-prologue-ab: the --decode cells again with a global
 layer's norms, RoPE, query and row as two PDL kernels (`bench/versions/global_prologue_fused.py` installed; label
-"fused global prologue"); the route's answers are printed; with --prologue-ab too, the cells once more with both
-(label "both prologues"). Results are not records: the batch's notebook is.
+"fused global prologue"); the route's answers are printed. --glue-ab: the --decode cells again with the step's
+prologue and rotary tables on a side branch of its graph (`bench/versions/step_glue_branch.py`; label "glue on a
+branch"). With more than one of --prologue-ab, --global-prologue-ab and --glue-ab, the cells once more with all of
+them (label: their labels joined by " + "). Results are not records: the batch's notebook is.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import importlib
 import json
 import os
 import time
@@ -84,6 +87,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tails-ab", action="store_true")
     ap.add_argument("--prologue-ab", action="store_true")
     ap.add_argument("--global-prologue-ab", action="store_true")
+    ap.add_argument("--glue-ab", action="store_true")
     return ap
 
 
@@ -193,23 +197,22 @@ def main(argv=None) -> int:
             with (mock.patch.object(fused_step, "TAIL_SUMS", sums),
                   mock.patch.object(fused_step, "TAIL_NEXT_NORM", ahead)):
                 out["decode"] += decode_cells(label)
-    if args.prologue_ab:
-        from versions.sliding_prologue_one import installed as one_launch  # bench/ is this script's directory
-
-        with one_launch() as took:
-            out["decode"] += decode_cells("one-launch prologue")
-        out["one_launch_prologue"] = dict(took)
-        print(f"one-launch prologue: {dict(took)}", flush=True)
-    if args.global_prologue_ab:
-        from versions.global_prologue_fused import installed as fused_global  # bench/ is this script's directory
-
-        with fused_global() as calls:
-            out["decode"] += decode_cells("fused global prologue")
-        out["fused_global_prologue"] = dict(calls)
-        print(f"fused global prologue: {dict(calls)}", flush=True)
-    if args.prologue_ab and args.global_prologue_ab:  # both versions at once: do their savings add?
-        with one_launch(), fused_global():
-            out["decode"] += decode_cells("both prologues")
+    # the lab versions of runs 22-24, each alone, then together when more than one is asked for (entered in this
+    # order: the branch's joins wrap what the others swap in)
+    lab_versions = [(label, name) for flag, label, name in (
+        (args.prologue_ab, "one-launch prologue", "sliding_prologue_one"),
+        (args.global_prologue_ab, "fused global prologue", "global_prologue_fused"),
+        (args.glue_ab, "glue on a branch", "step_glue_branch")) if flag]
+    for label, name in lab_versions:
+        with importlib.import_module(f"versions.{name}").installed() as took:  # bench/ is this script's directory
+            out["decode"] += decode_cells(label)
+        out.setdefault("lab_versions", {})[label] = dict(took)
+        print(f"{label}: {dict(took)}", flush=True)
+    if len(lab_versions) > 1:
+        with contextlib.ExitStack() as stack:
+            for _, name in lab_versions:
+                stack.enter_context(importlib.import_module(f"versions.{name}").installed())
+            out["decode"] += decode_cells(" + ".join(label for label, _ in lab_versions))
     if args.pdl_ab:
         gemv.reset()
         with mock.patch.object(gemv, "PDL_GEMV", False):

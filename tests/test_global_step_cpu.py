@@ -218,3 +218,35 @@ def test_the_fused_global_prologue_takes_only_a_started_step_and_its_modules(tmp
     assert mods and all(not m.is_sliding for m in mods) and len(mods) < len(every)  # red twin: the sliding ones left
     x = torch.randn(2, 1, model.config.hidden_size)
     assert fused.route(mods[0], {"hidden_states": x}) == "not a started decode step"
+
+
+def test_run_24s_step_command_parses_and_the_branch_leaves_a_cpu_step_alone(tmp_path):
+    """Run 24's probe command asks all three lab versions; on the CPU (a static step, no fused step) the branch's body
+    is DecodeStep's own: no step takes the branch and the tokens are the library's."""
+    notes = (Path(__file__).resolve().parents[1] / "bench" / "MODEL_DECODE_NOTES.md").read_text()
+    section = notes[notes.index("## Run 24: prediction"):]
+    found = re.findall(r"python3 bench/model_decode_probe\.py (.*?)\n", section)
+    args = bench_script("model_decode_probe").parser().parse_args(found[0].split())
+    assert args.glue_ab and args.prologue_ab and args.global_prologue_ab and len(args.decode) == 3, args
+    assert not bench_script("model_decode_probe").parser().parse_args([]).glue_ab
+    require_module("transformers")
+    require_module("safetensors")
+    glue = bench_version("step_glue_branch")
+    import foldkv.hf  # noqa: F401
+    from foldkv.hf import FoldKvCache
+    from foldkv.lab.model import cache_keyword, load_model
+    from foldkv.lab.synthetic import make_synthetic_checkpoint
+
+    ckpt = make_synthetic_checkpoint(tmp_path, seed=3, sliding_window=8, **TINY_SYNTHETIC)
+    model = load_model(ckpt, dtype=torch.float32, attn_implementation="foldkv")
+    ids, mask = left_padded_batch(LENGTHS, TINY_SYNTHETIC["vocab_size"])
+
+    def run():
+        cache = FoldKvCache(model, max_batch=4, max_tokens=max(LENGTHS) + NEW, scatter_seed=5, decode_step="static")
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
+                              do_sample=False, **{cache_keyword(model): cache})
+
+    plain = run()
+    with glue.installed() as took:
+        branched = run()
+    assert took["steps"] == 0 and torch.equal(branched, plain)
