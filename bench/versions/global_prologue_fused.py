@@ -1,4 +1,4 @@
-"""A global layer's decode step before its decode as two PDL kernels: the norms and RoPE inside the query and row kernels.
+"""A global layer's step before its decode as two PDL kernels: the norms and RoPE inside the query and row kernels.
 
 What it tries (MODEL_DECODE_NOTES "Run 23: prediction"; written before any GPU run): inside the 31B's step each of the
 10 global (k_eq_v) layers runs transformers' attention forward, which between the merged q|k GEMM and the workspace's
@@ -13,11 +13,11 @@ launches two:
   (k_eq_v: the value is the key projection before its norm), the row stored at the step's page and offset.
 Both are PDL links (`_chain`): they wait for the GEMM before their first load. The per-element formulas and rounding
 points are rms_norm's, rope's and global_step's (the row's norm is reduced over the row loaded in its natural order,
-as rms_norm_rows loads it; the output columns are then read again gathered, like `_norm_rope`'s partner half), so the
-query and the row are bitwise the seven kernels' (tests/test_triton_interpret_cpu.py on the CPU,
-tests/test_global_prologue_fused_gpu.py on the H200). The layer's o_proj goes through fused_step's tail projection
-(its split partials summed by the layer's norm, as a sliding layer's are), so the global layers' 10 `split_sum` links
-go too.
+as rms_norm_rows loads it; the output columns are then read again gathered by the library's `_roped_at`, which
+`_norm_rope` calls too), so the query and the row are bitwise the seven kernels' (tests/test_triton_interpret_cpu.py
+on the CPU, tests/test_global_prologue_fused_gpu.py on the H200). The layer's o_proj goes through fused_step's tail
+projection (its split partials summed by the layer's norm, as a sliding layer's are), so the global layers' 10
+`split_sum` links go too.
 
 Prediction (per global layer, 10 a step): 7 launches -> 2, and the two that stay become PDL links. Five small-kernel
 links at ~0.4-1 us (run 20: ~0.4 us a link between small kernels; these norms are one-row programs, 32 + 4 + 4 at batch
@@ -53,26 +53,13 @@ from foldkv.layout import KvFormat
 if triton is not None:
     import triton.language as tl
 
-    from foldkv.fused_step_kernels import _chain, _rounded
+    from foldkv.fused_step_kernels import _chain, _inverse_rms, _roped_at, _rounded
 
     @triton.jit
     def _inverse_norm(base, n, eps, D: tl.constexpr):
-        """(mean(x^2) + eps)^-0.5 of the row at base, x in float32, reduced over the row loaded in its natural order
-        (rms_norm_rows' reduction)."""
-        x = tl.load(base + tl.arange(0, D)).to(tl.float32)
-        return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
-
-    @triton.jit
-    def _roped_at(base, w_ptr, cos_ptr, sin_ptr, c, inv, OUT: tl.constexpr, D: tl.constexpr):
-        """Column(s) c of RoPE(norm(x)) (norm: x * inv * w rounded once; RoPE: rope_rows' three roundings)."""
-        half: tl.constexpr = D // 2
-        p = (c + half) % D
-        y = _rounded(tl.load(base + c).to(tl.float32) * inv * tl.load(w_ptr + c).to(tl.float32), OUT)
-        yp = _rounded(tl.load(base + p).to(tl.float32) * inv * tl.load(w_ptr + p).to(tl.float32), OUT)
-        rot = tl.where(c < half, -yp, yp)
-        cs = tl.load(cos_ptr + c).to(tl.float32)
-        sn = tl.load(sin_ptr + c).to(tl.float32)
-        return _rounded(_rounded(y * cs, OUT) + _rounded(rot * sn, OUT), OUT)
+        """The inverse RMS of the head row at base, reduced over the row loaded in its natural order (rms_norm_rows'
+        reduction)."""
+        return _inverse_rms(tl.load(base + tl.arange(0, D)).to(tl.float32), n, eps)
 
     @triton.jit
     def global_query_fused(q_ptr, w_ptr, cos_ptr, sin_ptr, wk_ptr, cols_ptr, out_ptr, heads, q_stride, n, eps,

@@ -48,9 +48,14 @@ if triton is not None:
             return x.to(OUT).to(tl.float32)
 
     @triton.jit
+    def _inverse_rms(x, n, eps):
+        """(mean(x^2) + eps)^-0.5 of a float32 row x of n columns: every norm's one reduction here."""
+        return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+
+    @triton.jit
     def _normed(x, w_ptr, cols, keep, n, eps, HAS_WEIGHT: tl.constexpr):
         """x (float32 row) * (mean(x^2) + eps)^-0.5 [* weight], float32."""
-        y = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps))
+        y = x * _inverse_rms(x, n, eps)
         if HAS_WEIGHT:
             y = y * tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
         return y
@@ -148,22 +153,27 @@ if triton is not None:
 
     # --- a sliding layer's decode step before its ring attention: the query's and the ring's kernels ---------------
     @triton.jit
-    def _norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, n, eps, OUT: tl.constexpr, D: tl.constexpr):
-        """One head row at x_ptr: RMSNorm with weight (rms_norm_rows' formula: float32, rounded once), then RoPE
-        (rope_rows' three roundings) of the rounded row against the cos/sin row; float32 values of OUT precision.
-        The partner half is normed again from its own load (the same per-element formula): bitwise the two kernels."""
-        cols = tl.arange(0, D)
+    def _roped_at(x_ptr, w_ptr, cos_ptr, sin_ptr, c, inv, OUT: tl.constexpr, D: tl.constexpr):
+        """Column(s) c of RoPE(norm(x)) for the head row at x_ptr whose inverse RMS is inv: the norm x * inv * w
+        rounded once (rms_norm_rows' formula), then rope_rows' three roundings against the cos/sin row; float32 values
+        of OUT precision. The partner column (c + D/2) mod D is normed from its own load (the same per-element
+        formula), so any column set is bitwise the two kernels' at those columns."""
         half: tl.constexpr = D // 2
-        x = tl.load(x_ptr + cols).to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
-        y = _rounded(x * inv * tl.load(w_ptr + cols).to(tl.float32), OUT)
-        pc = (cols + half) % D
-        xp = tl.load(x_ptr + pc).to(tl.float32)
-        yp = _rounded(xp * inv * tl.load(w_ptr + pc).to(tl.float32), OUT)
-        rot = tl.where(cols < half, -yp, yp)
-        c = tl.load(cos_ptr + cols).to(tl.float32)
-        s = tl.load(sin_ptr + cols).to(tl.float32)
-        return _rounded(_rounded(y * c, OUT) + _rounded(rot * s, OUT), OUT)
+        p = (c + half) % D
+        y = _rounded(tl.load(x_ptr + c).to(tl.float32) * inv * tl.load(w_ptr + c).to(tl.float32), OUT)
+        yp = _rounded(tl.load(x_ptr + p).to(tl.float32) * inv * tl.load(w_ptr + p).to(tl.float32), OUT)
+        rot = tl.where(c < half, -yp, yp)
+        cs = tl.load(cos_ptr + c).to(tl.float32)
+        sn = tl.load(sin_ptr + c).to(tl.float32)
+        return _rounded(_rounded(y * cs, OUT) + _rounded(rot * sn, OUT), OUT)
+
+    @triton.jit
+    def _norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, n, eps, OUT: tl.constexpr, D: tl.constexpr):
+        """One head row at x_ptr: RMSNorm with weight (its reduction over the row loaded in its natural order, as
+        rms_norm_rows reduces it), then RoPE: `_roped_at` of every column, bitwise the two kernels."""
+        cols = tl.arange(0, D)
+        inv = _inverse_rms(tl.load(x_ptr + cols).to(tl.float32), n, eps)
+        return _roped_at(x_ptr, w_ptr, cos_ptr, sin_ptr, cols, inv, OUT, D)
 
     @triton.jit
     def _q_row(row, x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, heads, x_stride, n, eps, D: tl.constexpr):
