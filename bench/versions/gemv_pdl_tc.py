@@ -92,7 +92,6 @@ SMS = lib.SMS  # the H200's SMs: the grid covers at least this many programs
 MIN_SPLIT_TILES = lib.MIN_SPLIT_TILES  # a K split keeps at least this many BLOCK_K tiles
 SMEM_PER_SM = 228 * 1024  # the H200's shared memory an SM (each resident CTA also reserves 1 KB)
 SMEM_PER_CTA = 227 * 1024  # the most one CTA may have
-REDUCE_BLOCK = lib.REDUCE_BLOCK  # split_sum's elements a program
 HAS_GDC = lib.HAS_GDC
 triton = lib.triton
 bound_check = rows_version.bound_check  # the float32-accumulation bound against float64, in chunks of weight rows
@@ -111,8 +110,6 @@ if HAS_GDC:
     import triton.language as tl
 
     from foldkv.gemv import gdc_launch_dependents, gdc_wait
-
-    split_sum = lib.split_sum  # the library's reduce (the GEMM's kernel is foldkv.gemv.gemv_tc, through tc_launch)
 
     from foldkv.fused_step_kernels import _rounded
 
@@ -230,9 +227,7 @@ def launch(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict, p
                                  FIXUP=fixup, GELU=up is not None, RED_X_EARLY=red_x_early,
                                  **dict(kw, SPLIT=told if fixup else split), **pdl_kw)
     if split > 1 and not fixup:
-        mn = m * n
-        split_sum[(_cdiv(mn, REDUCE_BLOCK),)](ws, y, mn, SPLIT=told, BLOCK=REDUCE_BLOCK, GDC=pdl, num_warps=4,
-                                              **pdl_kw)
+        lib.sum_partials(ws, y, told, pdl)
     return compiled
 
 
