@@ -80,6 +80,58 @@ def graph_generate(model, lengths, new: int, **cache_kwargs) -> tuple[torch.Tens
     return out.sequences[:, ids.shape[1]:].cpu(), torch.stack(out.logits).float().cpu()
 
 
+def query_kernel_check(geom, fmt, batch: int, want: torch.Tensor, write) -> tuple[bool, bool]:
+    """A kernel writing a global layer's format query, against `want` [batch, Hq, D]: `write(out, score_cols)` fills
+    out [batch + 2, Hq, D] on want's device, poisoned with NaN (score_cols None: the format's column map). Asserts no
+    row past the batch is written, in either run. Returns (the batch's rows finite and equal to want; equal with the
+    map's two rotated halves exchanged: the red twin, False for a kernel that reads the map)."""
+    from foldkv.global_step import column_maps
+
+    hq, d, r = geom.num_q_heads, geom.head_dim, geom.rotary_width
+
+    def run(cols):
+        out = torch.full((batch + 2, hq, d), float("nan"), dtype=want.dtype, device=want.device)
+        write(out, cols)
+        assert bool(out[batch:].isnan().all()), "a row past the batch was written"
+        return bool(torch.isfinite(out[:batch]).all()) and torch.equal(out[:batch], want)
+
+    score = column_maps(geom, fmt, want.device)[0]
+    swapped = torch.cat([score[r // 2:r], score[: r // 2], score[r:]])  # the two rotated halves exchanged
+    return run(None), run(swapped)
+
+
+def row_store_check(geom, fmt, batch: int, device: str, seed: int, reference, store,
+                    page_size: int = 16) -> tuple[bool, bool]:
+    """A kernel storing a global layer's step rows: `reference(pool, pages, offsets)` and `store(pool, pages, offsets)`
+    each into a fresh bf16 pool of 2 * batch + 3 pages of random rows whose step slots (a distinct page a sequence, an
+    offset below page_size - 1) are poisoned with NaN. Asserts the reference wrote every slot. Returns (the store's
+    pool equal to the reference's: the slots hold the rows and no other row changed; equal with the rows stored one
+    offset off: the red twin, False for a right store)."""
+    from foldkv.pool import PagedKvLayout, PagedKvPool
+
+    pages = 2 * batch + 3
+    g = torch.Generator().manual_seed(seed)
+    at_pages = torch.randperm(pages, generator=g)[:batch].to(device)
+    at_offsets = torch.randint(0, page_size - 1, (batch,), generator=g).to(device)
+
+    def pool():
+        p = PagedKvPool(PagedKvLayout(geom, fmt, page_size=page_size, num_pages=pages), device=device)
+        p.data.copy_(torch.randn(p.data.shape, generator=torch.Generator().manual_seed(seed + 1)).to(p.data.dtype))
+        p.data[at_pages, :, at_offsets, :] = float("nan")
+        return p
+
+    want = pool()
+    reference(want, at_pages, at_offsets)
+    assert bool(torch.isfinite(want.data).all()), "the reference left a step slot unwritten"
+
+    def run(offsets):
+        p = pool()
+        store(p, at_pages, offsets)
+        return torch.equal(p.data, want.data)
+
+    return run(at_offsets), run(at_offsets + 1)
+
+
 class NormStub(torch.nn.Module):
     """What foldkv's fused step ops read of a Gemma 4 RMSNorm: `weight` (bf16, exp of a seeded normal: positive,
     spread), `with_scale`, `eps`."""

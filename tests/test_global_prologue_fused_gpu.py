@@ -17,7 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import attention_norms, bench_version, graph_generate, require_module, synthetic_gpu_models
+from conftest import (attention_norms, bench_version, graph_generate, query_kernel_check, require_module,
+                      row_store_check, synthetic_gpu_models)
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -55,24 +56,16 @@ def test_query_is_norm_rope_then_query_into(batch, fmt, pdl, monkeypatch):
 
     monkeypatch.setattr(gemv, "PDL_GEMV", pdl)
     geom, q, _, cos, sin = _inputs(batch, seed=batch)
-    hq, d, r = geom.num_q_heads, geom.head_dim, geom.rotary_width
+    hq, d = geom.num_q_heads, geom.head_dim
     attn = attention_norms(d, "cuda")
     roped = ops.rope(ops.rms_norm(q.view(batch, 1, hq, d), attn.q_norm.weight, 1e-6), cos, sin)
     want = torch.full((batch, hq, d), float("nan"), dtype=BF16, device="cuda")
     gst.query_into(geom, fmt, roped.transpose(1, 2), attn.k_norm.weight, want)
 
-    def run(cols=None):
-        out = torch.full((batch + 2, hq, d), float("nan"), dtype=BF16, device="cuda")
-        fused.query_fused(geom, fmt, q, attn, cos, sin, out, score_cols=cols)
-        assert bool(out[batch:].isnan().all()), "a row past the batch was written"
-        return out[:batch]
-
-    got = run()
-    assert bool(torch.isfinite(got).all())
-    assert torch.equal(got, want), f"{(got.float() - want.float()).abs().max().item():.3g}"
-    score = gst.column_maps(geom, fmt, q.device)[0]
-    swapped = torch.cat([score[r // 2:r], score[: r // 2], score[r:]])
-    assert not torch.equal(run(swapped), want), "red twin: the rotated halves swapped"
+    ok, twin = query_kernel_check(geom, fmt, batch, want, lambda out, cols: fused.query_fused(
+        geom, fmt, q, attn, cos, sin, out, score_cols=cols))
+    assert ok
+    assert not twin, "red twin: the rotated halves swapped"
 
 
 @pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "plain"])
@@ -81,7 +74,6 @@ def test_query_is_norm_rope_then_query_into(batch, fmt, pdl, monkeypatch):
 def test_row_is_norms_rope_then_row_into_pool(batch, fmt, pdl, monkeypatch):
     fused = _version()
     from foldkv import fused_step_ops as ops, gemv, global_step as gst
-    from foldkv.pool import PagedKvLayout, PagedKvPool
 
     monkeypatch.setattr(gemv, "PDL_GEMV", pdl)
     geom, _, k, cos, sin = _inputs(batch, seed=20 + batch)
@@ -89,28 +81,12 @@ def test_row_is_norms_rope_then_row_into_pool(batch, fmt, pdl, monkeypatch):
     attn = attention_norms(d, "cuda")
     key = ops.rope(ops.rms_norm(k.view(batch, 1, hkv, d), attn.k_norm.weight, 1e-6), cos, sin).transpose(1, 2)
     value = ops.rms_norm(k.view(batch, 1, hkv, d), None, 1e-6).transpose(1, 2)
-    pages = 2 * batch + 3
-    g = torch.Generator().manual_seed(batch)
-    at_pages = torch.randperm(pages, generator=g)[:batch].cuda()
-    at_offsets = torch.randint(0, 15, (batch,), generator=g).cuda()
-
-    def pool():
-        p = PagedKvPool(PagedKvLayout(geom, fmt, page_size=16, num_pages=pages), device="cuda")
-        p.data.copy_(torch.randn(p.data.shape, generator=_gen(40 + batch), device="cuda").to(BF16))
-        p.data[at_pages, :, at_offsets, :] = float("nan")  # the slots to write: poisoned
-        return p
-
-    want = pool()
-    gst.row_into_pool(geom, want, key, value, at_pages, at_offsets)
-    assert bool(torch.isfinite(want.data).all())
-
-    def run(offsets):
-        p = pool()
-        fused.row_fused(geom, p, k, k, attn, cos, sin, at_pages, offsets)
-        return torch.equal(p.data, want.data)
-
-    assert run(at_offsets)
-    assert not run(at_offsets + 1), "red twin: the row stored one offset off"
+    ok, twin = row_store_check(
+        geom, fmt, batch, "cuda", 40 + batch,
+        lambda pool, pages, offsets: gst.row_into_pool(geom, pool, key, value, pages, offsets),
+        lambda pool, pages, offsets: fused.row_fused(geom, pool, k, k, attn, cos, sin, pages, offsets))
+    assert ok
+    assert not twin, "red twin: the row stored one offset off"
 
 
 LENGTHS = (97, 300, 1000, 5, 64, 129, 700, 33)

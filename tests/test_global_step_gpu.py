@@ -21,7 +21,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import left_padded_batch, require_hopper, require_module, synthetic_gpu_models
+from conftest import (left_padded_batch, query_kernel_check, require_hopper, require_module, row_store_check,
+                      synthetic_gpu_models)
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -74,34 +75,13 @@ def test_query_kernel_is_fold_query(batch, fmt):
     w = _weight(d, 100 + batch)
     want = fold_query(geom, fmt, q[:, :, 0], w, BF16)
 
-    def run(cols=None):
-        out = torch.full((batch + 2, hq, d), float("nan"), dtype=BF16, device="cuda")  # poisoned; 2 rows past B
-        gst.query_into(geom, fmt, q, w, out, score_cols=cols)
-        assert bool(torch.isnan(out[batch:]).all()), "a row past the batch was written"
-        return out[:batch]
-
-    got = run()
-    assert bool(torch.isfinite(got).all())
-    assert torch.equal(got, want)
+    ok, twin = query_kernel_check(geom, fmt, batch, want,
+                                  lambda out, cols: gst.query_into(geom, fmt, q, w, out, score_cols=cols))
+    assert ok
+    assert not twin, "red twin: the rotated columns swapped"
     score = gst.column_maps(geom, fmt, q.device)[0]
-    half = r // 2
-    swapped = torch.cat([score[half:r], score[:half], score[r:]])  # the two rotated halves exchanged
-    assert not torch.equal(run(swapped), want), "red twin: the rotated columns swapped"
     if KvFormat.parse(fmt) is KvFormat.FOLDED:  # the fold is there: the unrotated columns are not q's own
-        assert not torch.equal(got[..., r:], q[:, :, 0][..., score[r:].long()])
-
-
-def _pool(geom, fmt, batch, seed):
-    from foldkv.pool import PagedKvLayout, PagedKvPool
-
-    pages = 2 * batch + 3
-    pool = PagedKvPool(PagedKvLayout(geom, fmt, page_size=16, num_pages=pages), device="cuda")
-    pool.data.copy_(torch.randn(pool.data.shape, generator=_gen(seed), device="cuda").to(BF16))
-    g = torch.Generator().manual_seed(seed)
-    at_pages = torch.randperm(pages, generator=g)[:batch].cuda()
-    at_offsets = torch.randint(0, 15, (batch,), generator=g).cuda()  # < page_size - 1: room for the red twin
-    pool.data[at_pages, :, at_offsets, :] = float("nan")  # the slots to write: poisoned
-    return pool, at_pages, at_offsets
+        assert not torch.equal(want[..., r:], q[:, :, 0][..., score[r:].long()])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -114,18 +94,15 @@ def test_row_kernel_is_rows_from_key_value_then_store_rows(batch, fmt):
     hkv, d = geom.num_kv_heads, geom.head_dim
     key = _heads(batch, hkv, d, seed=20 + batch)
     value = _heads(batch, hkv, d, seed=30 + batch, extra=0)
-    ref, pages, offsets = _pool(geom, fmt, batch, seed=40 + batch)
-    rows = rows_from_key_value(geom, ref.format, key[:, :, 0], value[:, :, 0], ref.layout.row_dtype)
-    store_rows(ref, pages, offsets, rows, check_finite=False)
-    assert bool(torch.isfinite(ref.data).all())
 
-    def run(offsets_written):
-        pool, _, _ = _pool(geom, fmt, batch, seed=40 + batch)
-        gst.row_into_pool(geom, pool, key, value, pages, offsets_written)
-        return torch.equal(pool.data, ref.data)  # the slots hold the rows, every other row is unchanged
+    def reference(pool, pages, offsets):
+        rows = rows_from_key_value(geom, pool.format, key[:, :, 0], value[:, :, 0], pool.layout.row_dtype)
+        store_rows(pool, pages, offsets, rows, check_finite=False)
 
-    assert run(offsets)
-    assert not run(offsets + 1), "red twin: the row stored one offset off"
+    ok, twin = row_store_check(geom, fmt, batch, "cuda", 40 + batch, reference,
+                               lambda pool, pages, offsets: gst.row_into_pool(geom, pool, key, value, pages, offsets))
+    assert ok  # the slots hold the rows, every other row is unchanged
+    assert not twin, "red twin: the row stored one offset off"
 
 
 # --- the whole step ---------------------------------------------------------------------------------------------

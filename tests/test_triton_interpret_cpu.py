@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import NormStub, attention_norms, require_module
+from conftest import NormStub, attention_norms, query_kernel_check, require_module, row_store_check
 
 INSIDE = os.environ.get("TRITON_INTERPRET") == "1"
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's child process "
@@ -399,21 +399,15 @@ def test_global_query_is_fold_query(batch, fmt):
     from foldkv.prep import fold_query
 
     geom = _geom()
-    hq, d, r = geom.num_q_heads, geom.head_dim, geom.rotary_width
+    hq, d = geom.num_q_heads, geom.head_dim
     q = _heads(batch, hq, d, seed=70 + batch)
     w = _weight(d, 71)
     want = fold_query(geom, fmt, q[:, :, 0], w, BF16)
 
-    def run(cols=None):
-        out = torch.full((batch + 2, hq, d), float("nan"), dtype=BF16)
-        gst.query_into(geom, fmt, q, w, out, score_cols=cols)
-        assert bool(out[batch:].isnan().all()), "a row past the batch was written"
-        return out[:batch]
-
-    assert torch.equal(run(), want)
-    score = gst.column_maps(geom, fmt, q.device)[0]
-    swapped = torch.cat([score[r // 2:r], score[: r // 2], score[r:]])
-    assert not torch.equal(run(swapped), want), "red twin: the rotated halves swapped"
+    ok, twin = query_kernel_check(geom, fmt, batch, want,
+                                  lambda out, cols: gst.query_into(geom, fmt, q, w, out, score_cols=cols))
+    assert ok
+    assert not twin, "red twin: the rotated halves swapped"
 
 
 @inside
@@ -421,34 +415,21 @@ def test_global_query_is_fold_query(batch, fmt):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_global_row_is_rows_from_key_value_then_store_rows(batch, fmt):
     from foldkv import global_step as gst
-    from foldkv.pool import PagedKvLayout, PagedKvPool
     from foldkv.prep import rows_from_key_value, store_rows
 
     geom = _geom()
     hkv, d = geom.num_kv_heads, geom.head_dim
     key, value = _heads(batch, hkv, d, seed=80 + batch), _heads(batch, hkv, d, seed=90 + batch, extra=0)
-    pages = 2 * batch + 3
-    at_pages = torch.randperm(pages, generator=_gen(batch))[:batch]
-    at_offsets = torch.randint(0, 3, (batch,), generator=_gen(batch + 1))
 
-    def pool():
-        p = PagedKvPool(PagedKvLayout(geom, fmt, page_size=4, num_pages=pages), device="cpu")
-        p.data.copy_(torch.randn(p.data.shape, generator=_gen(7)).to(BF16))
-        p.data[at_pages, :, at_offsets, :] = float("nan")  # the slots to write: poisoned
-        return p
+    def reference(pool, pages, offsets):
+        rows = rows_from_key_value(geom, pool.format, key[:, :, 0], value[:, :, 0], pool.layout.row_dtype)
+        store_rows(pool, pages, offsets, rows, check_finite=False)
 
-    ref = pool()
-    store_rows(ref, at_pages, at_offsets, rows_from_key_value(geom, ref.format, key[:, :, 0], value[:, :, 0],
-                                                              ref.layout.row_dtype), check_finite=False)
-    assert bool(ref.data.isfinite().all())
-
-    def run(offsets):
-        p = pool()
-        gst.row_into_pool(geom, p, key, value, at_pages, offsets)
-        return torch.equal(p.data, ref.data)  # the slots hold the rows, every other row is unchanged
-
-    assert run(at_offsets)
-    assert not run(at_offsets + 1), "red twin: the row stored one offset off"
+    ok, twin = row_store_check(geom, fmt, batch, "cpu", 80 + batch, reference,
+                               lambda pool, pages, offsets: gst.row_into_pool(geom, pool, key, value, pages, offsets),
+                               page_size=4)
+    assert ok  # the slots hold the rows, every other row is unchanged
+    assert not twin, "red twin: the row stored one offset off"
 
 
 # --- lab versions of the step's kernels -----------------------------------------------------------------------------
@@ -506,25 +487,18 @@ def test_the_fused_global_query_is_the_norm_rope_then_the_query_kernel(batch, fm
     fused = bench_version("global_prologue_fused")
     ops = _ops()
     geom = _geom()
-    hq, hkv, d, r = geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.rotary_width
+    hq, hkv, d = geom.num_q_heads, geom.num_kv_heads, geom.head_dim
     x = _randn((batch, 1, (hq + hkv) * d), seed=110 + batch)  # a merged q|k output: q read in place
     q = x[..., : hq * d]
     cos, sin = _randn((batch, 1, d), seed=111), _randn((batch, 1, d), seed=112)
     attn = attention_norms(d)
     roped = ops.rope(ops.rms_norm(q.view(batch, 1, hq, d), attn.q_norm.weight, 1e-6), cos, sin)
-    want = torch.full((batch + 1, hq, d), float("nan"), dtype=BF16)
+    want = torch.full((batch, hq, d), float("nan"), dtype=BF16)
     gst.query_into(geom, fmt, roped.transpose(1, 2), attn.k_norm.weight, want)
-
-    def run(cols=None):
-        out = torch.full((batch + 1, hq, d), float("nan"), dtype=BF16)
-        fused.query_fused(geom, fmt, q, attn, cos, sin, out, score_cols=cols)
-        return out
-
-    got = run()
-    assert torch.equal(got[:batch], want[:batch]) and bool(got[batch:].isnan().all())
-    score = gst.column_maps(geom, fmt, q.device)[0]
-    swapped = torch.cat([score[r // 2:r], score[: r // 2], score[r:]])
-    assert not torch.equal(run(swapped)[:batch], want[:batch]), "red twin: the rotated halves swapped"
+    ok, twin = query_kernel_check(geom, fmt, batch, want, lambda out, cols: fused.query_fused(
+        geom, fmt, q, attn, cos, sin, out, score_cols=cols))
+    assert ok
+    assert not twin, "red twin: the rotated halves swapped"
 
 
 @inside
@@ -533,7 +507,6 @@ def test_the_fused_global_query_is_the_norm_rope_then_the_query_kernel(batch, fm
 def test_the_fused_global_row_is_the_norms_rope_then_the_row_kernel(batch, fmt):
     from conftest import bench_version
     from foldkv import global_step as gst
-    from foldkv.pool import PagedKvLayout, PagedKvPool
 
     fused = bench_version("global_prologue_fused")
     ops = _ops()
@@ -545,24 +518,9 @@ def test_the_fused_global_row_is_the_norms_rope_then_the_row_kernel(batch, fmt):
     attn = attention_norms(d)
     key = ops.rope(ops.rms_norm(k.view(batch, 1, hkv, d), attn.k_norm.weight, 1e-6), cos, sin).transpose(1, 2)
     value = ops.rms_norm(k.view(batch, 1, hkv, d), None, 1e-6).transpose(1, 2)
-    pages = 2 * batch + 1
-    at_pages = torch.randperm(pages, generator=_gen(batch))[:batch]
-    at_offsets = torch.randint(0, 3, (batch,), generator=_gen(batch + 1))
-
-    def pool():
-        p = PagedKvPool(PagedKvLayout(geom, fmt, page_size=4, num_pages=pages), device="cpu")
-        p.data.copy_(torch.randn(p.data.shape, generator=_gen(8)).to(BF16))
-        p.data[at_pages, :, at_offsets, :] = float("nan")
-        return p
-
-    want = pool()
-    gst.row_into_pool(geom, want, key, value, at_pages, at_offsets)
-    assert bool(want.data.isfinite().all())
-
-    def run(offsets):
-        p = pool()
-        fused.row_fused(geom, p, k, k, attn, cos, sin, at_pages, offsets)
-        return torch.equal(p.data, want.data)
-
-    assert run(at_offsets)
-    assert not run(at_offsets + 1), "red twin: the row stored one offset off"
+    ok, twin = row_store_check(
+        geom, fmt, batch, "cpu", 120 + batch,
+        lambda pool, pages, offsets: gst.row_into_pool(geom, pool, key, value, pages, offsets),
+        lambda pool, pages, offsets: fused.row_fused(geom, pool, k, k, attn, cos, sin, pages, offsets), page_size=4)
+    assert ok
+    assert not twin, "red twin: the row stored one offset off"
