@@ -7,6 +7,7 @@ import gc
 import importlib
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -203,6 +204,19 @@ def bench_script(name: str):
         spec.loader.exec_module(mod)
         _BENCH_SCRIPTS[name] = mod
     return _BENCH_SCRIPTS[name]
+
+
+def probe_command_of_run(run: int):
+    """The parsed arguments (bench/model_decode_probe.py's parser) of the first probe command written in
+    bench/MODEL_DECODE_NOTES.md's "Run N: prediction" section (continuation lines joined): the command a prediction
+    names is one the probe takes. Fails the test when the section names none."""
+    notes = (Path(__file__).resolve().parents[1] / "bench" / "MODEL_DECODE_NOTES.md").read_text()
+    start = notes.index(f"## Run {run}: prediction")
+    end = notes.find("\n## ", start + 1)
+    section = notes[start:end if end >= 0 else len(notes)] + "\n\n"
+    found = re.findall(r"python3 bench/model_decode_probe\.py (.*?)\n\n", section, re.S)
+    assert found, f"no step command in run {run}'s section"
+    return bench_script("model_decode_probe").parser().parse_args(found[0].replace("\\\n", " ").split())
 
 
 def pdl_bench_version(name: str):

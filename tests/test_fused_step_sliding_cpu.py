@@ -10,13 +10,11 @@ Reproduce: pytest tests/test_fused_step_sliding_cpu.py -k route
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 import torch
 
-from conftest import TINY_SYNTHETIC, bench_script, bench_version, left_padded_batch, require_module
+from conftest import (TINY_SYNTHETIC, bench_script, bench_version, left_padded_batch, probe_command_of_run,
+                      require_module)
 from foldkv.lab.model import cache_keyword
 
 LENGTHS = (5, 17, 11)
@@ -160,11 +158,7 @@ def test_the_ring_seam(model):
 
 
 def test_run_22s_step_command_parses():
-    notes = (Path(__file__).resolve().parents[1] / "bench" / "MODEL_DECODE_NOTES.md").read_text()
-    section = notes[notes.index("## Run 22: prediction"):]
-    found = re.findall(r"python3 bench/model_decode_probe\.py (.*?)\n", section)
-    assert found, "no step command in run 22's section"
-    args = bench_script("model_decode_probe").parser().parse_args(found[0].split())
+    args = probe_command_of_run(22)
     assert args.prologue_ab and len(args.decode) == 3, args
     assert not bench_script("model_decode_probe").parser().parse_args([]).prologue_ab
 

@@ -11,13 +11,12 @@ Reproduce: pytest tests/test_fused_step_tails_cpu.py
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY_SYNTHETIC, bench_script, require_module
+from conftest import TINY_SYNTHETIC, bench_script, probe_command_of_run, require_module
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKS = ("_foldkv_next", "_foldkv_input_normed", "_foldkv_tail", "_foldkv_unsummed")
@@ -91,11 +90,7 @@ def test_a_handed_off_output_not_returned_is_an_error(model):
 
 
 def test_run_20s_step_command_parses():
-    notes = (ROOT / "bench" / "MODEL_DECODE_NOTES.md").read_text()
-    section = notes[notes.index("## Run 20: prediction"):]
-    found = re.findall(r"python3 bench/model_decode_probe\.py (.*?)\n", section)
-    assert found, "no step command in run 20's section"
-    args = bench_script("model_decode_probe").parser().parse_args(found[0].split())
+    args = probe_command_of_run(20)
     assert args.tails_ab and args.decode, args
     assert not bench_script("model_decode_probe").parser().parse_args([]).tails_ab
 

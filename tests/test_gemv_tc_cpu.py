@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import bench_script, bench_version
+from conftest import bench_script, bench_version, probe_command_of_run
 from test_gemv_cpu import STEP_SHAPES
 from test_gemv_probe_cpu import _model_31b_shapes
 
@@ -320,9 +320,5 @@ def test_installed_patches_only_what_it_is_asked_and_puts_it_back(tc):
 
 
 def test_run_19s_step_command_parses():
-    notes = (ROOT / "bench" / "MODEL_DECODE_NOTES.md").read_text()
-    section = notes[notes.index("## Run 19: prediction"):]
-    found = re.findall(r"python3 bench/model_decode_probe\.py (.*?)\n\n", section + "\n\n", re.S)
-    assert found, "no step command in run 19's section"
-    args = bench_script("model_decode_probe").parser().parse_args(found[0].replace("\\\n", " ").split())
+    args = probe_command_of_run(19)
     assert args.lab_ab and args.decode and all(int(c.split(":")[2]) <= 16 for c in args.decode), args

@@ -10,14 +10,13 @@ Reproduce: pytest tests/test_global_step_cpu.py -k route
 
 from __future__ import annotations
 
-import re
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY_SYNTHETIC, bench_script, bench_version, left_padded_batch, require_module
+from conftest import (TINY_SYNTHETIC, bench_script, bench_version, left_padded_batch, probe_command_of_run,
+                      require_module)
 
 BF16 = torch.bfloat16
 
@@ -192,11 +191,7 @@ def test_every_global_step_of_a_cpu_generate_takes_the_torch_path(tmp_path, monk
 
 
 def test_run_23s_step_command_parses():
-    notes = (Path(__file__).resolve().parents[1] / "bench" / "MODEL_DECODE_NOTES.md").read_text()
-    section = notes[notes.index("## Run 23: prediction"):]
-    found = re.findall(r"python3 bench/model_decode_probe\.py (.*?)\n", section)
-    assert found, "no step command in run 23's section"
-    args = bench_script("model_decode_probe").parser().parse_args(found[0].split())
+    args = probe_command_of_run(23)
     assert args.global_prologue_ab and args.prologue_ab and len(args.decode) == 3, args  # with run 22: "both"
     assert not bench_script("model_decode_probe").parser().parse_args([]).global_prologue_ab
 
@@ -223,10 +218,7 @@ def test_the_fused_global_prologue_takes_only_a_started_step_and_its_modules(tmp
 def test_run_24s_step_command_parses_and_the_branch_leaves_a_cpu_step_alone(tmp_path):
     """Run 24's probe command asks all three lab versions; on the CPU (a static step, no fused step) the branch's body
     is DecodeStep's own: no step takes the branch and the tokens are the library's."""
-    notes = (Path(__file__).resolve().parents[1] / "bench" / "MODEL_DECODE_NOTES.md").read_text()
-    section = notes[notes.index("## Run 24: prediction"):]
-    found = re.findall(r"python3 bench/model_decode_probe\.py (.*?)\n", section)
-    args = bench_script("model_decode_probe").parser().parse_args(found[0].split())
+    args = probe_command_of_run(24)
     assert args.glue_ab and args.prologue_ab and args.global_prologue_ab and len(args.decode) == 3, args
     assert not bench_script("model_decode_probe").parser().parse_args([]).glue_ab
     require_module("transformers")

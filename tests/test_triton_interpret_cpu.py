@@ -72,7 +72,8 @@ def _as_on_the_gpu() -> None:
         return cast(self, src, dst_type)
 
     dot, cast = ti.InterpreterBuilder.create_dot, ti.InterpreterBuilder.cast_impl
-    ti.InterpreterBuilder.create_dot, ti.InterpreterBuilder.cast_impl = create_dot, cast_impl  # fp_trunc calls cast_impl
+    # (create_fp_trunc calls cast_impl)
+    ti.InterpreterBuilder.create_dot, ti.InterpreterBuilder.cast_impl = create_dot, cast_impl
     _INTERPRETER_OWN.update(dot=dot, cast=cast)
 
 
@@ -142,7 +143,8 @@ def _gen(seed: int) -> torch.Generator:
 
 def _grid(shape, seed: int) -> torch.Tensor:
     """bf16 values k/8, |k| <= 16, none zero: float32 sums of their squares are exact in any order (< 2^24 / 64)."""
-    k = torch.randint(1, 17, shape, generator=_gen(seed)) * (torch.randint(0, 2, shape, generator=_gen(seed + 1)) * 2 - 1)
+    sign = torch.randint(0, 2, shape, generator=_gen(seed + 1)) * 2 - 1
+    k = torch.randint(1, 17, shape, generator=_gen(seed)) * sign
     return (k / 8).to(BF16)
 
 
