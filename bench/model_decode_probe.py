@@ -5,35 +5,35 @@ For a quick look at a change of the decode step before the batch of record (note
     python3 bench/model_decode_probe.py --decode foldkv-folded:4096:1 flashinfer:4096:1 --tail foldkv-folded:32768:8
 
 --decode ARM:CONTEXT:BATCH (model_decode.measure_decode), --tail ARM:CONTEXT:BATCH (measure_prefill_tail, chunk 4096),
---profile (step_kernels at 4K x 1; --profile-at CONTEXT:BATCH another cell, e.g. 4096:8), --compile N (measure_static_compile: transformers' static cache and automatic
-compile on an N-token prompt, last: it leaves the compiler's state behind), --profile-top N (kernels the profile
-lists). --merge-ab: after the cells above (merged projections, the library's default), the model's projections are
-split again (`fused_step.split_projections`, MERGE off) and the --decode cells and the profile run a second time
-("unmerged"). --sliding-ab: the --decode cells again with the sliding layers' attention unfused
-(`fused_step.FUSE_SLIDING` off). --global-ab: the --decode cells again with the global layers' query and row on the
-torch path (`global_step.FUSE_GLOBAL` off, label "global unfused"); the library cells' route answers are counted and
-printed ("kernels" or the reason a call took the torch path). --loop-ab: the --decode cells again with generate()'s
-own loop (`hf_loop.applies` answering False). --pdl-ab: the --decode cells again with `foldkv.gemv.PDL_GEMV` off (the
-projections cuBLAS's F.linear, the step's Triton kernels launched without programmatic dependent launch; label "PDL
-off"); the library's cells run it on (its default): how many projection calls took the PDL GEMV and why the others did
-not are printed for both (host calls: a captured step counts its warm-up and its capture). --ring-ab: the --decode
-cells again with a sliding layer's ring attention as three split-window PDL kernels
-(`bench/versions/ring_attention_split.py` installed; label "ring split"); how many ring attentions took the kernels
-and the reasons the others did not are printed. --tc-ab: the --decode cells again with the one-row projections on
-the one-row CUDA-core GEMV that served them before the tensor-core kernel (`bench/versions/gemv_pdl.py` installed;
-label "one-row CUDA-core GEMV"; at batch > 1 nothing changes: for cuBLAS there, --pdl-ab); the calls it took are
-printed. --lab-ab: the --decode cells again with `bench/versions/gemv_pdl_tc.py` installed four ways (labels
-"fixup": split_sum folded into the GEMM; "GELU in down_proj": the MLP's activation made in down_proj's x loads; "fixup
-+ GELU"; "tail fit + fixup + GELU": with two stages where that removes a last wave's tail); the calls each took are
-printed. --tails-ab: the --decode cells again without the layer's tail links (`foldkv.fused_step` TAIL_SUMS and
-TAIL_NEXT_NORM off, each and both; labels "no tail sums", "no next norm", "no tail links"). --prologue-ab: the --decode
-cells again with a sliding layer's prologue in one launch (`bench/versions/sliding_prologue_one.py` installed; label
-"one-launch prologue"); the calls it took are printed. --global-prologue-ab: the --decode cells again with a global
-layer's norms, RoPE, query and row as two PDL kernels (`bench/versions/global_prologue_fused.py` installed; label
-"fused global prologue"); the route's answers are printed. --glue-ab: the --decode cells again with the step's
-prologue and rotary tables on a side branch of its graph (`bench/versions/step_glue_branch.py`; label "glue on a
-branch"). With more than one of --prologue-ab, --global-prologue-ab and --glue-ab, the cells once more with all of
-them (label: their labels joined by " + "). Results are not records: the batch's notebook is.
+--profile (step_kernels at 4K x 1; --profile-at CONTEXT:BATCH another cell, e.g. 4096:8), --compile N
+(measure_static_compile: transformers' static cache and automatic compile on an N-token prompt, last: it leaves the
+compiler's state behind), --profile-top N (kernels the profile lists). --merge-ab: after the cells above (merged
+projections, the library's default), the model's projections are split again (`fused_step.split_projections`, MERGE off)
+and the --decode cells and the profile run a second time ("unmerged"). --sliding-ab: the --decode cells again with the
+sliding layers' attention unfused (`fused_step.FUSE_SLIDING` off). --global-ab: the --decode cells again with the global
+layers' query and row on the torch path (`global_step.FUSE_GLOBAL` off, label "global unfused"); the library cells'
+route answers are counted and printed ("kernels" or the reason a call took the torch path). --loop-ab: the --decode
+cells again with generate()'s own loop (`hf_loop.applies` answering False). --pdl-ab: the --decode cells again with
+`foldkv.gemv.PDL_GEMV` off (the projections cuBLAS's F.linear, the step's Triton kernels launched without programmatic
+dependent launch; label "PDL off"); the library's cells run it on (its default): how many projection calls took the PDL
+GEMV and why the others did not are printed for both (host calls: a captured step counts its warm-up and its capture).
+--ring-ab: the --decode cells again with a sliding layer's ring attention as three split-window PDL kernels
+(`bench/versions/ring_attention_split.py` installed; label "ring split"); how many ring attentions took the kernels and
+the reasons the others did not are printed. --tc-ab: the --decode cells again with the one-row projections on the
+one-row CUDA-core GEMV that served them before the tensor-core kernel (`bench/versions/gemv_pdl.py` installed; label
+"one-row CUDA-core GEMV"; at batch > 1 nothing changes: for cuBLAS there, --pdl-ab); the calls it took are printed.
+--lab-ab: the --decode cells again with `bench/versions/gemv_pdl_tc.py` installed four ways (labels "fixup": split_sum
+folded into the GEMM; "GELU in down_proj": the MLP's activation made in down_proj's x loads; "fixup + GELU"; "tail fit +
+fixup + GELU": with two stages where that removes a last wave's tail); the calls each took are printed. --tails-ab: the
+--decode cells again without the layer's tail links (`foldkv.fused_step` TAIL_SUMS and TAIL_NEXT_NORM off, each and
+both; labels "no tail sums", "no next norm", "no tail links"). --prologue-ab: the --decode cells again with a sliding
+layer's prologue in one launch (`bench/versions/sliding_prologue_one.py` installed; label "one-launch prologue"); the
+calls it took are printed. --global-prologue-ab: the --decode cells again with a global layer's norms, RoPE, query and
+row as two PDL kernels (`bench/versions/global_prologue_fused.py` installed; label "fused global prologue"); the route's
+answers are printed. --glue-ab: the --decode cells again with the step's prologue and rotary tables on a side branch of
+its graph (`bench/versions/step_glue_branch.py`; label "glue on a branch"). With more than one of --prologue-ab,
+--global-prologue-ab and --glue-ab, the cells once more with all of them (label: their labels joined by " + "). Results
+are not records: the batch's notebook is.
 """
 
 from __future__ import annotations
