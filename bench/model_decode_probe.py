@@ -31,9 +31,11 @@ layer's prologue in one launch (`bench/versions/sliding_prologue_one.py` install
 calls it took are printed. --global-prologue-ab: the --decode cells again with a global layer's norms, RoPE, query and
 row as two PDL kernels (`bench/versions/global_prologue_fused.py` installed; label "fused global prologue"); the route's
 answers are printed. --glue-ab: the --decode cells again with the step's prologue and rotary tables on a side branch of
-its graph (`bench/versions/step_glue_branch.py`; label "glue on a branch"). With more than one of --prologue-ab,
---global-prologue-ab and --glue-ab, the cells once more with all of them (label: their labels joined by " + "). Results
-are not records: the batch's notebook is.
+its graph (`bench/versions/step_glue_branch.py`; label "glue on a branch"). --ring-head-ab: the --decode cells again
+with a sliding layer's ring attention as one program a sequence and KV head where those fill the SMs (batch 8 on the
+31B; `bench/versions/ring_attention_head.py`; label "ring per head"); the calls it took and its refusals are printed.
+With more than one of --prologue-ab, --global-prologue-ab, --glue-ab and --ring-head-ab, the cells once more with all
+of them (label: their labels joined by " + "). Results are not records: the batch's notebook is.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prologue-ab", action="store_true")
     ap.add_argument("--global-prologue-ab", action="store_true")
     ap.add_argument("--glue-ab", action="store_true")
+    ap.add_argument("--ring-head-ab", action="store_true")
     return ap
 
 
@@ -197,17 +200,18 @@ def main(argv=None) -> int:
             with (mock.patch.object(fused_step, "TAIL_SUMS", sums),
                   mock.patch.object(fused_step, "TAIL_NEXT_NORM", ahead)):
                 out["decode"] += decode_cells(label)
-    # the lab versions of runs 22-24, each alone, then together when more than one is asked for (entered in this
+    # the lab versions of runs 22-25, each alone, then together when more than one is asked for (entered in this
     # order: the branch's joins wrap what the others swap in)
     lab_versions = [(label, name) for flag, label, name in (
         (args.prologue_ab, "one-launch prologue", "sliding_prologue_one"),
         (args.global_prologue_ab, "fused global prologue", "global_prologue_fused"),
-        (args.glue_ab, "glue on a branch", "step_glue_branch")) if flag]
+        (args.glue_ab, "glue on a branch", "step_glue_branch"),
+        (args.ring_head_ab, "ring per head", "ring_attention_head")) if flag]
     for label, name in lab_versions:
         with importlib.import_module(f"versions.{name}").installed() as took:  # bench/ is this script's directory
             out["decode"] += decode_cells(label)
-        out.setdefault("lab_versions", {})[label] = dict(took)
-        print(f"{label}: {dict(took)}", flush=True)
+        out.setdefault("lab_versions", {})[label] = took.report() if hasattr(took, "report") else dict(took)
+        print(f"{label}: {out['lab_versions'][label]}", flush=True)
     if len(lab_versions) > 1:
         with contextlib.ExitStack() as stack:
             for _, name in lab_versions:

@@ -280,6 +280,29 @@ def rounding_bound(neutral: torch.Tensor, incumbent: torch.Tensor) -> float:
     return 2.0 * (neutral.float() - incumbent.float()).abs().max().item()
 
 
+def ring_reference(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sliding layer's ring attention in float64 from its rounded scores s [B, Hkv, G, W]: the softmax of the
+    masked scores (mask [B, ..., W] bool, True: attend) rounded to v's dtype (P), and P.V [B, Hkv, G, d] in float64."""
+    b, w = mask.shape[0], mask.shape[-1]
+    x = scores.double().masked_fill(~mask.reshape(b, 1, 1, w), float("-inf"))
+    p = torch.softmax(x, dim=-1).to(v.dtype)
+    return p, p.double() @ v.double()
+
+
+def ring_output_bound(p: torch.Tensor, v: torch.Tensor, o: torch.Tensor, extra=None) -> torch.Tensor:
+    """How far a ring attention's output may sit from `ring_reference`'s o given the same scores (u = 2^-24): P off
+    by one ulp(p_j) (float32's exp and sum are far under a bf16 ulp), P.V's float32 sum over W slots off by at most
+    W 2u sum_j |p_j v_j| (2u: tensor-core accumulation), the output's own rounding ulp(o), times 1.25 for the
+    second-order terms; `extra` (a relative move of every p_j, e.g. from other scores) adds extra sum_j p_j |v_j|."""
+    from foldkv.lab.gates.checks import bf16_ulp
+
+    pv = p.double() @ v.double().abs()
+    bound = bf16_ulp(o.double()) + bf16_ulp(p.double()) @ v.double().abs() + v.shape[2] * 2 * 2.0 ** -24 * pv
+    if extra is not None:
+        bound = bound + extra * pv
+    return 1.25 * bound + 2.0 ** -133
+
+
 @contextlib.contextmanager
 def collecting_at_every_allocation() -> Iterator[None]:
     """The cyclic collector's thresholds at 1 (an allocation may start a collection of every generation), restored

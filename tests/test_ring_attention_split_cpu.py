@@ -1,7 +1,8 @@
-"""bench/versions/ring_attention_split.py without a GPU: the split's plan (chunks partition the window once; the 31B's
-geometry gives 256 programs at batch 1; a plan one chunk short is caught), the route's refusals (each named, a CPU
-call falling back to the library bitwise with its reason counted), installing patches both call sites and restores
-them (on exit, on an exception), and the probe's --ring-ab flag."""
+"""bench/versions/ring_attention_split.py and ring_attention_head.py without a GPU: the split's plan (chunks partition
+the window once; the 31B's geometry gives 256 programs at batch 1; a plan one chunk short is caught), the routes'
+refusals (each named, a CPU call falling back to the library bitwise with its reason counted; the per-head route
+takes a batch only when its programs fill the SMs), installing patches both call sites and restores them (on exit,
+on an exception; one version at a time), and the probe's --ring-ab and --ring-head-ab flags."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def test_install_patches_both_call_sites_and_falls_back_on_cpu(ras):
     module.scaling = 1.0
     want = library(module, q, k, v, RingMask(m))[0]
     with ras.installed() as route:
-        assert hf_graph.ring_attention is not library and hf_graph.ring_attention._ring_attention_split
+        assert hf_graph.ring_attention is not library and hf_graph.ring_attention._ring_version == "split"
         assert hf.ring_attention is hf_graph.ring_attention
         with pytest.raises(RuntimeError, match="already"):
             ras.install()
@@ -106,3 +107,52 @@ def test_the_probe_parses_ring_ab():
     args = probe.parser().parse_args(["--decode", "foldkv-folded:4096:1", "--ring-ab"])
     assert args.ring_ab and args.decode == ["foldkv-folded:4096:1"]
     assert not probe.parser().parse_args([]).ring_ab
+
+
+# --- ring_attention_head.py -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("batch,hkv,sms,taken", [
+    (8, 16, 132, True),    # the 31B at batch 8: 128 programs on the H200's 132 SMs
+    (1, 16, 132, False),   # batch 1: 16 programs
+    (29, 4, 132, True),    # 116 = 7/8 of 132, rounded up: the least taken
+    (1, 115, 132, False),  # one program short of it
+])
+def test_the_per_head_route_takes_batches_that_fill_the_sms(batch, hkv, sms, taken):
+    head = bench_version("ring_attention_head")
+    why = head.programs_refusal(batch, hkv, sms)
+    assert (why is None) == taken, why
+    if not taken:
+        assert f"{batch * hkv} programs" in why and "fill the SMs" in why
+    assert head.programs_refusal(1, 1, sms, min_programs=1) is None  # the tests' opening of the route
+
+
+def test_the_per_head_route_falls_back_on_cpu_and_installs_alone():
+    from foldkv import hf, hf_graph
+    from foldkv.hf_graph import RingMask
+
+    head = bench_version("ring_attention_head")
+    library, hf_library = hf_graph.ring_attention, hf.ring_attention
+    q, k, v, m = _call()
+    module = torch.nn.Module()
+    module.scaling = 0.5
+    want = library(module, q, k, v, RingMask(m))[0]
+    with head.installed(min_programs=1) as route:
+        assert hf_graph.ring_attention._ring_version == "per-head" and hf.ring_attention is hf_graph.ring_attention
+        with pytest.raises(RuntimeError, match="already has the per-head kernels"):
+            bench_version("ring_attention_split").install()
+        assert torch.equal(hf_graph.ring_attention(module, q, k, v, RingMask(m))[0], want)
+        assert route.report() == {"calls": 0, "refusals": {"not on CUDA": 1}}
+    assert hf_graph.ring_attention is library and hf.ring_attention is hf_library
+
+
+def test_the_probe_parses_ring_head_ab():
+    probe = bench_script("model_decode_probe")
+    args = probe.parser().parse_args(["--decode", "foldkv-folded:4096:8", "--ring-head-ab"])
+    assert args.ring_head_ab and not args.ring_ab
+    assert not probe.parser().parse_args([]).ring_head_ab
+
+
+def test_run_25s_step_command_parses():
+    from conftest import probe_command_of_run
+
+    args = probe_command_of_run(25)
+    assert args.ring_head_ab and "foldkv-folded:4096:8" in args.decode and "foldkv-folded:4096:1" in args.decode, args

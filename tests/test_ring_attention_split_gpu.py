@@ -1,6 +1,9 @@
-"""bench/versions/ring_attention_split.py on the GPU: the three split-window kernels against a float64 reference at
-ring_attention's rounding points and against `hf_graph.ring_attention` itself, the PDL launch bitwise its plain
-launch, and the whole synthetic model step with the version installed and not.
+"""A sliding layer's ring attention over 64-slot chunks on the GPU, both lab versions: bench/versions/
+ring_attention_split.py (three split-window kernels) and ring_attention_head.py (one program a sequence and KV head,
+its route opened to any batch here: `min_programs=1`), each against a float64 reference at ring_attention's rounding
+points and against `hf_graph.ring_attention` itself, its PDL launch bitwise its plain launch, and the whole synthetic
+model step with the version installed and not. Both keep ring_attention's rounding points and write their scores to
+a scratch, so one set of bounds holds both.
 
 Bounds, from where each op rounds (ulp: a bf16 ulp, 2^(floor(log2 |x|) - 7); u = 2^-24):
 - scores (the kernel's scratch): torch's float32 q.K^T rounded to bf16, by tensor cores in another order: within
@@ -18,7 +21,7 @@ The whole step (tiny synthetic Gemma 4, rings of 128 slots wrapping, group 8): g
 conftest's `rounding_bound` of a neutral figure: the same step with an exact ring attention (float64 at the same
 rounding points) against the library's; the chunk-dropping twin outside it.
 
-Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_ring_attention_split_gpu.py -k "31b and 8"
+Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_ring_attention_split_gpu.py -k "head and 31b and 8"
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import math
 import pytest
 import torch
 
-from conftest import bench_version, graph_generate, rounding_bound, skip_or_fail, synthetic_gpu_models
+from conftest import (bench_version, graph_generate, ring_output_bound, ring_reference, rounding_bound,
+                      skip_or_fail, synthetic_gpu_models)
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -36,9 +40,26 @@ U = 2.0 ** -24
 GEOMETRIES = {"31b": (32, 16, 256, 1024, 1.0), "synthetic": (32, 4, 32, 128, 0.125)}  # Hq, Hkv, d, W, scaling
 
 
-@pytest.fixture(scope="module")
-def ras():
-    return bench_version("ring_attention_split")
+VERSIONS = {"split": ("ring_attention_split", {}), "head": ("ring_attention_head", {"min_programs": 1})}
+
+
+class Version:
+    """A lab version's `ring_attend` and `installed` (the route opened to the tests' batches: VERSIONS' keywords),
+    and the shapes both describe (ring_attention_split.refusal)."""
+
+    def __init__(self, key: str):
+        name, self.route_kw = VERSIONS[key]
+        self.module = bench_version(name)
+        self.ring_attend = self.module.ring_attend
+        self.refusal = bench_version("ring_attention_split").refusal
+
+    def installed(self, red=None):
+        return self.module.installed(red, **self.route_kw)
+
+
+@pytest.fixture(scope="module", params=list(VERSIONS))
+def ras(request):
+    return Version(request.param)
 
 
 def _ulp(x: torch.Tensor) -> torch.Tensor:
@@ -76,14 +97,6 @@ def _grouped(q, hkv):
     return q.reshape(b, hkv, hq // hkv, d)
 
 
-def _from_scores(s, v, m):
-    """float64 softmax of the masked bf16 scores s [B, Hkv, G, W], rounded to bf16 (P), P.V in float64: (P, o)."""
-    b, w = m.shape[0], m.shape[-1]
-    x = s.double().masked_fill(~m.reshape(b, 1, 1, w), float("-inf"))
-    p = torch.softmax(x, dim=-1).to(BF16)
-    return p, p.double() @ v.double()
-
-
 def _exact_scores(q, k, scaling):
     s = (_grouped(q, k.shape[1]).double() @ k.double().transpose(-1, -2)).to(BF16)
     return (s.double() * scaling).to(BF16) if scaling != 1.0 else s
@@ -94,19 +107,10 @@ def _score_slack(q, k, scaling):
     return scaling * d * 2 * U * (_grouped(q, k.shape[1]).double().abs() @ k.double().abs().transpose(-1, -2))
 
 
-def _output_bound(p, v, o, extra=None):
-    w = v.shape[2]
-    pv = p.double() @ v.double().abs()
-    bound = _ulp(o) + _ulp(p) * (p != 0) @ v.double().abs() + w * 2 * U * pv
-    if extra is not None:
-        bound = bound + extra * pv
-    return 1.25 * bound + 2.0 ** -133
-
-
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 @pytest.mark.parametrize("fill", ["full", "partial"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_split_against_float64_and_ring_attention(ras, batch, fill, geometry):
+def test_against_float64_and_ring_attention(ras, batch, fill, geometry):
     from foldkv.hf_graph import RingMask, ring_attention
 
     q, k, v, m, scaling = _inputs(batch, geometry, fill, seed=batch * 10 + (fill == "full"))
@@ -125,16 +129,16 @@ def test_split_against_float64_and_ring_attention(ras, batch, fill, geometry):
     assert bool(((ours.double() - exact.double()).abs() <= delta).all()), "scores outside their bound"
 
     # the output given the kernels' scores
-    p, ref = _from_scores(ours, v, m)
-    tight = _output_bound(p, v, ref)
+    p, ref = ring_reference(ours, v, m)
+    tight = ring_output_bound(p, v, ref)
     err = (got_g - ref).abs()
     assert bool((err <= tight).all()), f"output outside its bound: max excess {(err - tight).max().item():.3g}"
 
     # against ring_attention through the float64 reference from exact scores
-    p_x, ref_x = _from_scores(exact, v, m)
+    p_x, ref_x = ring_reference(exact, v, m)
     live = m.reshape(b, 1, 1, -1)
     d_max = torch.where(live, delta, torch.zeros_like(delta)).amax(dim=-1, keepdim=True)
-    loose = _output_bound(p_x, v, ref_x, extra=torch.expm1(2 * d_max))
+    loose = ring_output_bound(p_x, v, ref_x, extra=torch.expm1(2 * d_max))
     lib = ring_attention(_module(scaling), q, k, v, RingMask(m))[0].reshape(b, hkv, hq // hkv, d).double()
     assert bool(((lib - ref_x).abs() <= loose).all()), "the library outside the loose bound (the bound is wrong)"
     assert bool(((got_g - ref_x).abs() <= loose).all()), "the kernels outside the loose bound"
@@ -171,6 +175,18 @@ def test_a_strided_query_reads_as_a_packed_one(ras):
     assert torch.equal(ras.ring_attend(strided, k, v, m, scaling), ras.ring_attend(q, k, v, m, scaling))
 
 
+def test_the_per_head_route_takes_the_31b_at_batch_8_and_not_at_batch_1():
+    """On this device's SMs (the H200's 132): the 31B's batch-8 rings (128 programs) go to the kernel, batch 1's (16)
+    stay the library's."""
+    from foldkv.hf_graph import RingMask
+
+    head = bench_version("ring_attention_head")
+    for batch, taken in ((8, True), (1, False)):
+        q, k, v, m, _ = _inputs(batch, "31b", "full", seed=7)
+        why = head.refusal(q, k, v, RingMask(m))
+        assert (why is None) == taken, why
+
+
 # --- the whole step ---------------------------------------------------------------------------------------------
 LENGTHS = (97, 300, 1000)  # rings of 128 slots: partly filled, wrapped
 NEW = 12
@@ -190,17 +206,17 @@ def _exact_ring_attention(module, query, key, value, mask):
     P.V rounded once): the neutral figure's ring attention."""
     b, hq, _, d = query.shape
     s = _exact_scores(query, key, float(module.scaling))
-    _, o = _from_scores(s, value, mask.mask)
+    _, o = ring_reference(s, value, mask.mask)
     return o.to(query.dtype).reshape(b, 1, hq, d), None
 
 
-def test_the_step_with_and_without_the_split(ras, synthetic_model, monkeypatch):
+def test_the_step_with_and_without_the_version(ras, synthetic_model, monkeypatch):
     from foldkv import hf, hf_graph
 
     lib = _generate(synthetic_model)
     with ras.installed() as route:
         split = _generate(synthetic_model)
-    assert route.calls > 0, "the split kernels never ran"
+    assert route.calls > 0, "the version's kernels never ran"
     assert route.refusals == {}, f"refused: {route.refusals}"
     with monkeypatch.context() as mp:
         mp.setattr(hf_graph, "ring_attention", _exact_ring_attention)

@@ -1,10 +1,11 @@
 """The decode step's Triton kernels in Triton's interpreter, on CPU tensors: `foldkv.fused_step_ops`' launches (norms,
 the residual tails with and without split partials, RoPE, GELU x up, the ring's masked softmax, a sliding layer's
 prologue), `foldkv.gemv`'s tensor-core GEMM and its split sum, `foldkv.global_step`'s query and row kernels, and the
-lab's (the read roof's streaming sum; bench/versions/sliding_prologue_one.py and global_prologue_fused.py), each
-against what it replaces. The GPU tests hold the compiled kernels to the same statements on the H200; these run
-everywhere Triton is installed (a CPU torch gets the H200's Triton from scripts/install.sh), so a launch that passes a
-wrong stride, a moved host function that lost a name, or a formula that left torch's rounding points fails in CI.
+lab's (the read roof's streaming sum; bench/versions/sliding_prologue_one.py, global_prologue_fused.py and
+ring_attention_head.py), each against what it replaces. The GPU tests hold the compiled kernels to the same statements
+on the H200; these run everywhere Triton is installed (a CPU torch gets the H200's Triton from scripts/install.sh), so
+a launch that passes a wrong stride, a moved host function that lost a name, or a formula that left torch's rounding
+points fails in CI.
 
 Triton's interpreter is chosen when a kernel is defined (`TRITON_INTERPRET=1` at import), so the kernels run in a
 child pytest of this file (`test_the_kernels_in_the_interpreter`); in this process the others skip. Two things the
@@ -21,6 +22,8 @@ Bounds, from where each op rounds:
 - RoPE, the row moves and the fold: the same float32 products and roundings as torch: bitwise.
 - GELU x up and the softmax: exp in the interpreter (numpy) and in torch differ by float32 ulps, which can move one
   bf16 rounding: GELU <= (ulp(act) + |g| 2^-23) |up| + ulp(ref) (`_gelu_within`), the softmax <= ulp(ref).
+- the per-head ring attention: scores bitwise (query and K on a grid where every float32 sum is exact), the output
+  within conftest's `ring_output_bound` of the float64 softmax and P.V over those scores.
 - the GEMM: float32 accumulation against float64, |y - ref| <= ulp(ref) + K 2^-23 sum_k |x_k w_k| (test_gemv_gpu's).
 Every kernel writes into an output poisoned with NaN (every element written) and has a red twin that must fail.
 
@@ -526,3 +529,47 @@ def test_the_fused_global_row_is_the_norms_rope_then_the_row_kernel(batch, fmt):
         lambda pool, pages, offsets: fused.row_fused(geom, pool, k, k, attn, cos, sin, pages, offsets), page_size=4)
     assert ok
     assert not twin, "red twin: the row stored one offset off"
+
+
+def _ring_inputs(batch: int, hq: int, hkv: int, d: int, w: int, seed: int):
+    """The query and K on a grid (k/64 and k/8: every score's float32 sum over d is exact in any order, so the
+    kernel's rounded scores are torch's bitwise), V random; each sequence's live slots a wrapping run that holds slot
+    0 (a dropped chunk 0 then drops live slots), one sequence with a single live slot."""
+    q = (_grid((batch, hq, 1, d), seed).float() / 8).to(BF16)
+    k = _grid((batch, hkv, w, d), seed + 2)
+    v = _randn((batch, hkv, w, d), seed + 4)
+    slots = torch.arange(w)
+    m = torch.stack([((slots + (5 * i + 3) % n) % w) < n for i, n in enumerate([1, w // 2, w - 7][:batch])])
+    return q, k, v, m.view(batch, 1, 1, w)
+
+
+@inside
+@pytest.mark.parametrize("scaling", [1.0, 0.125])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_per_head_ring_attention_within_its_bound(batch, scaling):
+    """bench/versions/ring_attention_head.py: its scores torch's (q.K^T rounded, times scaling rounded) bitwise, its
+    output within `ring_output_bound` of the float64 softmax and P.V over those scores; the red twins (a chunk left
+    out of P.V, the mask ignored) outside it."""
+    from conftest import bench_version, ring_output_bound, ring_reference
+
+    head = bench_version("ring_attention_head")
+    hq, hkv, d, w = 8, 2, 64, 200  # four query heads a KV head; the last of four chunks holds 8 slots
+    q, k, v, m = _ring_inputs(batch, hq, hkv, d, w, seed=130 + batch)
+    group = hq // hkv
+    want = (q.reshape(batch, hkv, group, d).float() @ k.float().transpose(-1, -2)).to(BF16)
+    if scaling != 1.0:
+        want = (want.float() * scaling).to(BF16)
+
+    def attend(red=None):
+        scratch = {}
+        out = head.ring_attend(q, k, v, m, scaling, pdl=False, scratch=scratch, _red=red)
+        return out.reshape(batch, hkv, group, d).double(), scratch
+
+    got, scratch = attend()
+    assert torch.equal(scratch["scores"], want)
+    p, ref = ring_reference(want, v, m)
+    bound = ring_output_bound(p, v, ref)
+    assert bool(((got - ref).abs() <= bound).all()), f"max excess {((got - ref).abs() - bound).max().item():.3g}"
+    for red in ("drop_chunk", "no_mask"):
+        twin, _ = attend(red)
+        assert bool(((twin - ref).abs() > bound).any()), f"red twin {red} stayed within the bound"

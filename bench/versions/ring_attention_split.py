@@ -291,11 +291,16 @@ def ring_attend(query: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
 class Installed:
     """One installation: `foldkv.hf_graph.ring_attention` (what fused_step's sliding forward calls) and the name
     `foldkv.hf` imported (what foldkv's attention function calls for a RingMask) patched; calls (ring attentions the
-    kernels served), refusals (reason -> count)."""
+    kernels served), refusals (reason -> count). `attend` (query, key, value, mask [B, 1, 1, W] bool, scaling, red)
+    and `refuse` (query, key, value, RingMask) are a version's (this file's `ring_attend` and `refusal` by default;
+    ring_attention_head.py installs its own through this class); `name` is what `ring_attention._ring_version` says."""
 
-    def __init__(self, red: str | None = None):
-        if getattr(hf_graph.ring_attention, "_ring_attention_split", False):
-            raise RuntimeError("hf_graph.ring_attention already has the split kernels installed")
+    def __init__(self, red: str | None = None, *, attend=None, refuse=None, name: str = "split"):
+        installed_name = getattr(hf_graph.ring_attention, "_ring_version", None)
+        if installed_name is not None:
+            raise RuntimeError(f"hf_graph.ring_attention already has the {installed_name} kernels installed")
+        attend = attend or (lambda q, k, v, m, scaling, red: ring_attend(q, k, v, m, scaling, _red=red))
+        refuse = refuse or refusal
         self.library = hf_graph.ring_attention
         self.hf_library = _hf.ring_attention
         self.calls = 0
@@ -303,15 +308,15 @@ class Installed:
         library, state = self.library, self
 
         def ring_attention(module, query, key, value, mask):
-            why = refusal(query, key, value, mask)
+            why = refuse(query, key, value, mask)
             if why is not None:
                 state.refusals[why] += 1
                 return library(module, query, key, value, mask)
             state.calls += 1
-            return ring_attend(query, key, value, mask.mask, float(module.scaling), _red=red), None
+            return attend(query, key, value, mask.mask, float(module.scaling), red), None
 
-        ring_attention._ring_attention_split = True
-        ring_attention.__doc__ = "hf_graph.ring_attention by the split kernels (bench/versions/ring_attention_split)."
+        ring_attention._ring_version = name
+        ring_attention.__doc__ = f"hf_graph.ring_attention by the {name} kernels (bench/versions/)."
         hf_graph.ring_attention = ring_attention
         _hf.ring_attention = ring_attention
 
