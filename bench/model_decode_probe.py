@@ -31,11 +31,13 @@ layer's prologue in one launch (`bench/versions/sliding_prologue_one.py` install
 calls it took are printed. --global-prologue-ab: the --decode cells again with a global layer's norms, RoPE, query and
 row as two PDL kernels (`bench/versions/global_prologue_fused.py` installed; label "fused global prologue"); the route's
 answers are printed. --glue-ab: the --decode cells again with the step's prologue and rotary tables on a side branch of
-its graph (`bench/versions/step_glue_branch.py`; label "glue on a branch"). --ring-head-ab: the --decode cells again
-with a sliding layer's ring attention as one program a sequence and KV head where those fill the SMs (batch 8 on the
-31B; `bench/versions/ring_attention_head.py`; label "ring per head"); the calls it took and its refusals are printed.
-With more than one of --prologue-ab, --global-prologue-ab, --glue-ab and --ring-head-ab, the cells once more with all
-of them (label: their labels joined by " + "). Results are not records: the batch's notebook is.
+its graph (`bench/versions/step_glue_branch.py`; label "glue on a branch"). --ring-one-ab: the --decode cells again
+with a sliding layer's ring attention in one launch (the window split over about two programs an SM, an online
+softmax, the last program of a KV head combining; `bench/versions/ring_attention_one_launch.py`; label "ring in one
+launch"); the calls it took and its refusals are printed. With more than one of --prologue-ab, --global-prologue-ab,
+--glue-ab and --ring-one-ab, the cells once more with all of them (label: their labels joined by " + ").
+--profile-lab: with --profile and any of those four, the profile once more with all of them installed ("profile_lab"
+in the JSON: the versions' own kernel times). Results are not records: the batch's notebook is.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prologue-ab", action="store_true")
     ap.add_argument("--global-prologue-ab", action="store_true")
     ap.add_argument("--glue-ab", action="store_true")
-    ap.add_argument("--ring-head-ab", action="store_true")
+    ap.add_argument("--ring-one-ab", action="store_true")
+    ap.add_argument("--profile-lab", action="store_true")
     return ap
 
 
@@ -206,7 +209,7 @@ def main(argv=None) -> int:
         (args.prologue_ab, "one-launch prologue", "sliding_prologue_one"),
         (args.global_prologue_ab, "fused global prologue", "global_prologue_fused"),
         (args.glue_ab, "glue on a branch", "step_glue_branch"),
-        (args.ring_head_ab, "ring per head", "ring_attention_head")) if flag]
+        (args.ring_one_ab, "ring in one launch", "ring_attention_one_launch")) if flag]
     for label, name in lab_versions:
         with importlib.import_module(f"versions.{name}").installed() as took:  # bench/ is this script's directory
             out["decode"] += decode_cells(label)
@@ -233,6 +236,11 @@ def main(argv=None) -> int:
                 profile("profile_unmerged")
     if args.profile:
         profile("profile")
+        if args.profile_lab and lab_versions:
+            with contextlib.ExitStack() as stack:
+                for _, name in lab_versions:
+                    stack.enter_context(importlib.import_module(f"versions.{name}").installed())
+                profile("profile_lab")
     if args.compile:
         out["compile"] = md.run_cells(md.measure_static_compile, [dict(model=model, prompt_tokens=args.compile,
                                                                        new_tokens=args.new_tokens)])

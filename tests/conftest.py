@@ -280,12 +280,15 @@ def rounding_bound(neutral: torch.Tensor, incumbent: torch.Tensor) -> float:
     return 2.0 * (neutral.float() - incumbent.float()).abs().max().item()
 
 
-def ring_reference(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_reference(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   rounded: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """A sliding layer's ring attention in float64 from its rounded scores s [B, Hkv, G, W]: the softmax of the
-    masked scores (mask [B, ..., W] bool, True: attend) rounded to v's dtype (P), and P.V [B, Hkv, G, d] in float64."""
+    masked scores (mask [B, ..., W] bool, True: attend) rounded to v's dtype (P; float64 when not `rounded`), and
+    P.V [B, Hkv, G, d] in float64."""
     b, w = mask.shape[0], mask.shape[-1]
     x = scores.double().masked_fill(~mask.reshape(b, 1, 1, w), float("-inf"))
-    p = torch.softmax(x, dim=-1).to(v.dtype)
+    p = torch.softmax(x, dim=-1)
+    p = p.to(v.dtype) if rounded else p
     return p, p.double() @ v.double()
 
 

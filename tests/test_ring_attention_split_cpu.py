@@ -1,8 +1,8 @@
-"""bench/versions/ring_attention_split.py and ring_attention_head.py without a GPU: the split's plan (chunks partition
-the window once; the 31B's geometry gives 256 programs at batch 1; a plan one chunk short is caught), the routes'
-refusals (each named, a CPU call falling back to the library bitwise with its reason counted; the per-head route
-takes a batch only when its programs fill the SMs), installing patches both call sites and restores them (on exit,
-on an exception; one version at a time), and the probe's --ring-ab and --ring-head-ab flags."""
+"""bench/versions/ring_attention_split.py and ring_attention_one_launch.py without a GPU: the plans (the split's
+chunks partition the window once, the one launch's splits partition the chunks once; the 31B's geometry gives 256
+programs at batch 1 and 8; a plan one chunk or split short is caught), the routes' refusals (each named, a CPU call
+falling back to the library bitwise with its reason counted), installing patches both call sites and restores them
+(on exit, on an exception; one version at a time), and the probe's --ring-ab and --ring-one-ab flags."""
 
 from __future__ import annotations
 
@@ -109,50 +109,65 @@ def test_the_probe_parses_ring_ab():
     assert not probe.parser().parse_args([]).ring_ab
 
 
-# --- ring_attention_head.py -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("batch,hkv,sms,taken", [
-    (8, 16, 132, True),    # the 31B at batch 8: 128 programs on the H200's 132 SMs
-    (1, 16, 132, False),   # batch 1: 16 programs
-    (29, 4, 132, True),    # 116 = 7/8 of 132, rounded up: the least taken
-    (1, 115, 132, False),  # one program short of it
-])
-def test_the_per_head_route_takes_batches_that_fill_the_sms(batch, hkv, sms, taken):
-    head = bench_version("ring_attention_head")
-    why = head.programs_refusal(batch, hkv, sms)
-    assert (why is None) == taken, why
-    if not taken:
-        assert f"{batch * hkv} programs" in why and "fill the SMs" in why
-    assert head.programs_refusal(1, 1, sms, min_programs=1) is None  # the tests' opening of the route
+# --- ring_attention_one_launch.py ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def one():
+    return bench_version("ring_attention_one_launch")
 
 
-def test_the_per_head_route_falls_back_on_cpu_and_installs_alone():
+@pytest.mark.parametrize("splits", [None, 1, 2, 3, 5, 16, 40])
+@pytest.mark.parametrize("window", [1, 64, 65, 200, 1000, 1024])
+def test_the_one_launch_splits_partition_the_chunks(one, window, splits):
+    p = one.plan(3, 32, 4, window, 64, sms=132, splits=splits)
+    parts = one.split_chunks(p)
+    assert [c for r in parts for c in r] == list(range(p["chunks"])) and all(len(r) for r in parts)
+    assert len(parts) == p["splits"] <= p["S_BLOCK"] and p["programs"] == p["pairs"] * p["splits"]
+    short = dict(p, splits=p["splits"] - 1)  # red twin: one split short
+    assert [c for r in one.split_chunks(short) for c in r] != list(range(p["chunks"]))
+
+
+def test_the_one_launch_plan_on_the_31b(one):
+    """About two programs an SM on the H200's 132: batch 1, 16 KV heads x 16 one-chunk splits; batch 8, 128 x 2 of
+    eight chunks; batch 16 and more, the whole window a program (no combine)."""
+    got = {b: one.plan(b, 32, 16, 1024, 256, sms=132) for b in (1, 8, 16, 32)}
+    assert [(got[b]["splits"], got[b]["CPS"], got[b]["programs"]) for b in (1, 8, 16, 32)] == [
+        (16, 1, 256), (2, 8, 256), (1, 16, 256), (1, 16, 512)]
+
+
+def test_the_one_launch_route_falls_back_on_cpu_and_installs_alone(one):
     from foldkv import hf, hf_graph
     from foldkv.hf_graph import RingMask
 
-    head = bench_version("ring_attention_head")
     library, hf_library = hf_graph.ring_attention, hf.ring_attention
     q, k, v, m = _call()
     module = torch.nn.Module()
     module.scaling = 0.5
     want = library(module, q, k, v, RingMask(m))[0]
-    with head.installed(min_programs=1) as route:
-        assert hf_graph.ring_attention._ring_version == "per-head" and hf.ring_attention is hf_graph.ring_attention
-        with pytest.raises(RuntimeError, match="already has the per-head kernels"):
+    with one.installed() as route:
+        assert hf_graph.ring_attention._ring_version == "one-launch" and hf.ring_attention is hf_graph.ring_attention
+        with pytest.raises(RuntimeError, match="already has the one-launch kernels"):
             bench_version("ring_attention_split").install()
         assert torch.equal(hf_graph.ring_attention(module, q, k, v, RingMask(m))[0], want)
         assert route.report() == {"calls": 0, "refusals": {"not on CUDA": 1}}
     assert hf_graph.ring_attention is library and hf.ring_attention is hf_library
 
 
-def test_the_probe_parses_ring_head_ab():
+def test_a_wrong_out_is_refused_before_the_launch(one):
+    q, k, v, m = _call()
+    with pytest.raises(ValueError, match="packed"):
+        one.ring_attend(q, k, v, m, 1.0, out=torch.empty(2, 1, 8, 17, dtype=torch.bfloat16))
+
+
+def test_the_probe_parses_ring_one_ab():
     probe = bench_script("model_decode_probe")
-    args = probe.parser().parse_args(["--decode", "foldkv-folded:4096:8", "--ring-head-ab"])
-    assert args.ring_head_ab and not args.ring_ab
-    assert not probe.parser().parse_args([]).ring_head_ab
+    args = probe.parser().parse_args(["--decode", "foldkv-folded:4096:8", "--ring-one-ab"])
+    assert args.ring_one_ab and not args.ring_ab
+    assert not probe.parser().parse_args([]).ring_one_ab
 
 
 def test_run_25s_step_command_parses():
     from conftest import probe_command_of_run
 
     args = probe_command_of_run(25)
-    assert args.ring_head_ab and "foldkv-folded:4096:8" in args.decode and "foldkv-folded:4096:1" in args.decode, args
+    assert args.ring_one_ab and "foldkv-folded:4096:8" in args.decode and "foldkv-folded:4096:1" in args.decode, args
+    assert args.profile and args.profile_lab and args.profile_at == (4096, 8), args

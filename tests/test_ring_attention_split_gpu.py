@@ -1,9 +1,8 @@
 """A sliding layer's ring attention over 64-slot chunks on the GPU, both lab versions: bench/versions/
-ring_attention_split.py (three split-window kernels) and ring_attention_head.py (one program a sequence and KV head,
-its route opened to any batch here: `min_programs=1`), each against a float64 reference at ring_attention's rounding
-points and against `hf_graph.ring_attention` itself, its PDL launch bitwise its plain launch, and the whole synthetic
-model step with the version installed and not. Both keep ring_attention's rounding points and write their scores to
-a scratch, so one set of bounds holds both.
+ring_attention_split.py (three split-window kernels at ring_attention's rounding points) and
+ring_attention_one_launch.py (one launch: an online softmax over each split of the window, the last program of a KV
+head combining), each against a float64 reference and against `hf_graph.ring_attention` itself, its PDL launch
+bitwise its plain launch, and the whole synthetic model step with the version installed and not.
 
 Bounds, from where each op rounds (ulp: a bf16 ulp, 2^(floor(log2 |x|) - 7); u = 2^-24):
 - scores (the kernel's scratch): torch's float32 q.K^T rounded to bf16, by tensor cores in another order: within
@@ -16,12 +15,18 @@ Bounds, from where each op rounds (ulp: a bf16 ulp, 2^(floor(log2 |x|) - 7); u =
 - against ring_attention (cuBLAS's scores, not the kernel's): each score within delta (above) of the exact one moves
   p_j by at most p_j (e^(2 delta_max) - 1), so the kernels' output and the library's are each within that bound plus
   sum_j p_j (e^(2 delta_max) - 1) |v_j| of the float64 reference from exact scores (and within twice it of each other).
-Red twins (must break the tight bound): a chunk left out of the sum; the mask ignored (a partly filled window).
+- the one launch (no scores kept; P = exp(s - m) unnormalised, rounded): its scores are within delta of the exact
+  ones as the split's are, P's rounding is at most 2^-8 p_j <= ulp(p_j), and its rescales and combine add float32
+  roundings, at most (2 chunks + 8) 2^-24 relative; so it is held to the loose bound above with the float64 softmax
+  unrounded and that term added. Every output element written (a NaN-poisoned output), a rerun bitwise (the combine
+  sums the splits in one order whichever program arrives last), the counters zero after every call.
+Red twins (must break the tight bound, the one launch's loose one): a chunk left out of the sum; the mask ignored (a
+partly filled window).
 The whole step (tiny synthetic Gemma 4, rings of 128 slots wrapping, group 8): greedy tokens equal, logits within
 conftest's `rounding_bound` of a neutral figure: the same step with an exact ring attention (float64 at the same
 rounding points) against the library's; the chunk-dropping twin outside it.
 
-Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_ring_attention_split_gpu.py -k "head and 31b and 8"
+Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_ring_attention_split_gpu.py -k "one_launch and 31b and 8"
 """
 
 from __future__ import annotations
@@ -40,26 +45,23 @@ U = 2.0 ** -24
 GEOMETRIES = {"31b": (32, 16, 256, 1024, 1.0), "synthetic": (32, 4, 32, 128, 0.125)}  # Hq, Hkv, d, W, scaling
 
 
-VERSIONS = {"split": ("ring_attention_split", {}), "head": ("ring_attention_head", {"min_programs": 1})}
+VERSIONS = ["ring_attention_split", "ring_attention_one_launch"]
 
 
-class Version:
-    """A lab version's `ring_attend` and `installed` (the route opened to the tests' batches: VERSIONS' keywords),
-    and the shapes both describe (ring_attention_split.refusal)."""
-
-    def __init__(self, key: str):
-        name, self.route_kw = VERSIONS[key]
-        self.module = bench_version(name)
-        self.ring_attend = self.module.ring_attend
-        self.refusal = bench_version("ring_attention_split").refusal
-
-    def installed(self, red=None):
-        return self.module.installed(red, **self.route_kw)
-
-
-@pytest.fixture(scope="module", params=list(VERSIONS))
+@pytest.fixture(scope="module", params=VERSIONS)
 def ras(request):
-    return Version(request.param)
+    """Either lab version (the tests every version passes)."""
+    return bench_version(request.param)
+
+
+@pytest.fixture(scope="module")
+def split():
+    return bench_version("ring_attention_split")
+
+
+@pytest.fixture(scope="module")
+def one():
+    return bench_version("ring_attention_one_launch")
 
 
 def _ulp(x: torch.Tensor) -> torch.Tensor:
@@ -110,14 +112,14 @@ def _score_slack(q, k, scaling):
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 @pytest.mark.parametrize("fill", ["full", "partial"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_against_float64_and_ring_attention(ras, batch, fill, geometry):
+def test_split_against_float64_and_ring_attention(split, batch, fill, geometry):
     from foldkv.hf_graph import RingMask, ring_attention
 
     q, k, v, m, scaling = _inputs(batch, geometry, fill, seed=batch * 10 + (fill == "full"))
     hkv = k.shape[1]
-    assert ras.refusal(q, k, v, RingMask(m)) is None
+    assert split.refusal(q, k, v, RingMask(m)) is None
     scratch = {}
-    got = ras.ring_attend(q, k, v, m, scaling, scratch=scratch)
+    got = split.ring_attend(q, k, v, m, scaling, scratch=scratch)
     b, _, hq, d = got.shape
     assert got.shape == (batch, 1, q.shape[1], q.shape[3]) and bool(torch.isfinite(got).all())
     got_g = got.reshape(b, hkv, hq // hkv, d).double()
@@ -145,11 +147,61 @@ def test_against_float64_and_ring_attention(ras, batch, fill, geometry):
     assert bool(((got_g - lib).abs() <= 2 * loose).all())
 
     # red twins
-    drop = ras.ring_attend(q, k, v, m, scaling, _red="drop_chunk").reshape(b, hkv, hq // hkv, d).double()
+    drop = split.ring_attend(q, k, v, m, scaling, _red="drop_chunk").reshape(b, hkv, hq // hkv, d).double()
     assert bool(((drop - ref).abs() > tight).any()), "red twin: a chunk dropped stays within the bound"
     if fill == "partial":
-        blind = ras.ring_attend(q, k, v, m, scaling, _red="no_mask").reshape(b, hkv, hq // hkv, d).double()
+        blind = split.ring_attend(q, k, v, m, scaling, _red="no_mask").reshape(b, hkv, hq // hkv, d).double()
         assert bool(((blind - ref).abs() > tight).any()), "red twin: the mask ignored stays within the bound"
+
+
+@pytest.mark.parametrize("splits", [None, 1])
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+@pytest.mark.parametrize("fill", ["full", "partial"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_one_launch_against_float64_and_ring_attention(one, batch, fill, geometry, splits):
+    from foldkv.hf_graph import RingMask, ring_attention
+
+    q, k, v, m, scaling = _inputs(batch, geometry, fill, seed=batch * 10 + (fill == "full"))
+    hkv = k.shape[1]
+    assert one.refusal(q, k, v, RingMask(m)) is None
+
+    def attend(red=None):
+        scratch = {}
+        out = torch.full((batch, 1, q.shape[1], q.shape[3]), float("nan"), dtype=q.dtype, device=q.device)
+        one.ring_attend(q, k, v, m, scaling, splits=splits, out=out, scratch=scratch, _red=red)
+        return out, scratch
+
+    got, scratch = attend()
+    b, _, hq, d = got.shape
+    assert bool(torch.isfinite(got).all()), "an output element left unwritten"
+    assert not bool(scratch["counters"].any()), "a counter left up"
+    assert torch.equal(attend()[0], got), "a rerun differs"
+    got_g = got.reshape(b, hkv, hq // hkv, d).double()
+
+    exact = _exact_scores(q, k, scaling)
+    delta = _ulp(exact.double().abs()) * 2 + _score_slack(q, k, scaling)  # the kernel's scores are not kept
+    live = m.reshape(b, 1, 1, -1)
+    d_max = torch.where(live, delta, torch.zeros_like(delta)).amax(dim=-1, keepdim=True)
+    p_x, ref_x = ring_reference(exact, v, m, rounded=False)
+    rescales = (2 * scratch["plan"]["chunks"] + 8) * U
+    loose = ring_output_bound(p_x, v, ref_x, extra=torch.expm1(2 * d_max) + rescales)
+    err = (got_g - ref_x).abs()
+    assert bool((err <= loose).all()), f"output outside its bound: max excess {(err - loose).max().item():.3g}"
+    lib = ring_attention(_module(scaling), q, k, v, RingMask(m))[0].reshape(b, hkv, hq // hkv, d).double()
+    assert bool(((got_g - lib).abs() <= 2 * loose).all())
+
+    # red twins (NaN, a row with no live slot left, is outside too)
+    drop = attend("drop_chunk")[0].reshape(b, hkv, hq // hkv, d).double()
+    assert not bool(((drop - ref_x).abs() <= loose).all()), "red twin: a chunk dropped stays within the bound"
+    if fill == "partial":
+        blind = attend("no_mask")[0].reshape(b, hkv, hq // hkv, d).double()
+        assert not bool(((blind - ref_x).abs() <= loose).all()), "red twin: the mask ignored stays within the bound"
+    if scratch["plan"]["splits"] > 1:
+        counters = attend("no_reset")[1]["counters"]
+        assert bool(counters.all()), "red twin: the counters went back to 0"
+        stuck = attend()[0]
+        counters.zero_()
+        assert bool(stuck.isnan().all()), "red twin: a combine ran with its counter left up"
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -173,18 +225,6 @@ def test_a_strided_query_reads_as_a_packed_one(ras):
     strided = wide[..., d:]  # the query's rows 2 d apart, as a column slice of a wider output
     assert not strided.is_contiguous()
     assert torch.equal(ras.ring_attend(strided, k, v, m, scaling), ras.ring_attend(q, k, v, m, scaling))
-
-
-def test_the_per_head_route_takes_the_31b_at_batch_8_and_not_at_batch_1():
-    """On this device's SMs (the H200's 132): the 31B's batch-8 rings (128 programs) go to the kernel, batch 1's (16)
-    stay the library's."""
-    from foldkv.hf_graph import RingMask
-
-    head = bench_version("ring_attention_head")
-    for batch, taken in ((8, True), (1, False)):
-        q, k, v, m, _ = _inputs(batch, "31b", "full", seed=7)
-        why = head.refusal(q, k, v, RingMask(m))
-        assert (why is None) == taken, why
 
 
 # --- the whole step ---------------------------------------------------------------------------------------------

@@ -293,7 +293,8 @@ class Installed:
     `foldkv.hf` imported (what foldkv's attention function calls for a RingMask) patched; calls (ring attentions the
     kernels served), refusals (reason -> count). `attend` (query, key, value, mask [B, 1, 1, W] bool, scaling, red)
     and `refuse` (query, key, value, RingMask) are a version's (this file's `ring_attend` and `refusal` by default;
-    ring_attention_head.py installs its own through this class); `name` is what `ring_attention._ring_version` says."""
+    ring_attention_one_launch.py installs its own through this class); `name` is what the patched function's
+    `_ring_version` says."""
 
     def __init__(self, red: str | None = None, *, attend=None, refuse=None, name: str = "split"):
         installed_name = getattr(hf_graph.ring_attention, "_ring_version", None)
