@@ -78,26 +78,30 @@ def test_route_refusals(ras):
     assert "dtypes" in ras.refusal(q, k.half(), v, RingMask(m))
 
 
-def test_install_patches_both_call_sites_and_falls_back_on_cpu(ras):
+@pytest.mark.parametrize("name,label,other", [("ring_attention_split", "split", "ring_attention_one_launch"),
+                                              ("ring_attention_one_launch", "one-launch", "ring_attention_split")])
+def test_install_patches_both_call_sites_and_falls_back_on_cpu(name, label, other):
     from foldkv import hf, hf_graph
     from foldkv.hf_graph import RingMask
 
+    version = bench_version(name)
     library, hf_library = hf_graph.ring_attention, hf.ring_attention
     q, k, v, m = _call()
     module = torch.nn.Module()
-    module.scaling = 1.0
+    module.scaling = 0.5
     want = library(module, q, k, v, RingMask(m))[0]
-    with ras.installed() as route:
-        assert hf_graph.ring_attention is not library and hf_graph.ring_attention._ring_version == "split"
+    with version.installed() as route:
+        assert hf_graph.ring_attention is not library and hf_graph.ring_attention._ring_version == label
         assert hf.ring_attention is hf_graph.ring_attention
-        with pytest.raises(RuntimeError, match="already"):
-            ras.install()
+        for again in (version, bench_version(other)):  # one version at a time
+            with pytest.raises(RuntimeError, match=f"already has the {label} kernels"):
+                again.install()
         got = hf_graph.ring_attention(module, q, k, v, RingMask(m))[0]
         assert torch.equal(got, want)  # the CPU call is the library's
         assert route.report() == {"calls": 0, "refusals": {"not on CUDA": 1}}
     assert hf_graph.ring_attention is library and hf.ring_attention is hf_library
     with pytest.raises(ValueError):
-        with ras.installed():
+        with version.installed():
             raise ValueError("inside")
     assert hf_graph.ring_attention is library and hf.ring_attention is hf_library
 
@@ -132,24 +136,6 @@ def test_the_one_launch_plan_on_the_31b(one):
     got = {b: one.plan(b, 32, 16, 1024, 256, sms=132) for b in (1, 8, 16, 32)}
     assert [(got[b]["splits"], got[b]["CPS"], got[b]["programs"]) for b in (1, 8, 16, 32)] == [
         (16, 1, 256), (2, 8, 256), (1, 16, 256), (1, 16, 512)]
-
-
-def test_the_one_launch_route_falls_back_on_cpu_and_installs_alone(one):
-    from foldkv import hf, hf_graph
-    from foldkv.hf_graph import RingMask
-
-    library, hf_library = hf_graph.ring_attention, hf.ring_attention
-    q, k, v, m = _call()
-    module = torch.nn.Module()
-    module.scaling = 0.5
-    want = library(module, q, k, v, RingMask(m))[0]
-    with one.installed() as route:
-        assert hf_graph.ring_attention._ring_version == "one-launch" and hf.ring_attention is hf_graph.ring_attention
-        with pytest.raises(RuntimeError, match="already has the one-launch kernels"):
-            bench_version("ring_attention_split").install()
-        assert torch.equal(hf_graph.ring_attention(module, q, k, v, RingMask(m))[0], want)
-        assert route.report() == {"calls": 0, "refusals": {"not on CUDA": 1}}
-    assert hf_graph.ring_attention is library and hf.ring_attention is hf_library
 
 
 def test_a_wrong_out_is_refused_before_the_launch(one):

@@ -104,6 +104,7 @@ def _counters(device: torch.device, pairs: int) -> torch.Tensor:
 
 if triton is not None:
     from foldkv.fused_step_kernels import _chain, _rounded
+    from versions.ring_attention_split import group_query
 
     @triton.jit
     def ring_one_launch(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, part_ptr, stat_ptr, count_ptr, heads_kv, window, chunks,
@@ -122,13 +123,11 @@ if triton is not None:
         bh = tl.program_id(0).to(tl.int64)
         sp = tl.program_id(1)
         b = bh // heads_kv
-        kv = bh % heads_kv
         out_ty = o_ptr.dtype.element_ty
         rows = tl.arange(0, G_PAD)
         row_ok = rows < GROUP
         dd = tl.arange(0, D)
-        q = tl.load(q_ptr + b * q_sb + (kv * GROUP + rows)[:, None].to(tl.int64) * q_sh + dd[None, :] * q_sd,
-                    mask=row_ok[:, None], other=0.0)
+        q = group_query(q_ptr, bh, heads_kv, q_sb, q_sh, q_sd, GROUP, G_PAD, D)
         m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, D], dtype=tl.float32)

@@ -161,6 +161,17 @@ if triton is not None:
     from foldkv.fused_step_kernels import _chain, _rounded
 
     @triton.jit
+    def group_query(q_ptr, bh, heads_kv, q_sb, q_sh, q_sd, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                    D: tl.constexpr):
+        """KV head bh = b * heads_kv + kv's GROUP query rows q[b, kv * GROUP + r, 0, :] (strides q_sb, q_sh, q_sd:
+        transformers' repeat_kv order), padded with zero rows to G_PAD for tl.dot: [G_PAD, D]."""
+        rows = tl.arange(0, G_PAD)
+        dd = tl.arange(0, D)
+        head_rows = ((bh % heads_kv) * GROUP + rows)[:, None].to(tl.int64)
+        at = (bh // heads_kv) * q_sb + head_rows * q_sh + dd[None, :] * q_sd
+        return tl.load(q_ptr + at, mask=(rows < GROUP)[:, None], other=0.0)
+
+    @triton.jit
     def ring_scores(q_ptr, k_ptr, s_ptr, heads_kv, window, q_sb, q_sh, q_sd, scaling, GROUP: tl.constexpr,
                     G_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, SCALE: tl.constexpr,
                     GDC: tl.constexpr = False):
@@ -170,16 +181,13 @@ if triton is not None:
         _chain(GDC)
         bh = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1).to(tl.int64)
-        b = bh // heads_kv
-        kv = bh % heads_kv
         out_ty = s_ptr.dtype.element_ty
         rows = tl.arange(0, G_PAD)
         row_ok = rows < GROUP
         dd = tl.arange(0, D)
         slots = c * CHUNK + tl.arange(0, CHUNK)
         slot_ok = slots < window
-        q = tl.load(q_ptr + b * q_sb + (kv * GROUP + rows)[:, None].to(tl.int64) * q_sh + dd[None, :] * q_sd,
-                    mask=row_ok[:, None], other=0.0)
+        q = group_query(q_ptr, bh, heads_kv, q_sb, q_sh, q_sd, GROUP, G_PAD, D)
         k = tl.load(k_ptr + (bh * window + slots)[:, None] * D + dd[None, :], mask=slot_ok[:, None], other=0.0)
         acc = tl.dot(q, tl.trans(k))  # [G_PAD, CHUNK] float32
         s = _rounded(acc, out_ty)
