@@ -23,10 +23,11 @@ Bounds, from where each op rounds (ulp: a bf16 ulp, 2^(floor(log2 |x|) - 7); u =
 Red twins (must break the tight bound, the one launch's loose one): a chunk left out of the sum; the mask ignored (a
 partly filled window).
 The whole step (tiny synthetic Gemma 4, rings of 128 slots wrapping, group 8): greedy tokens equal, logits within
-conftest's `rounding_bound` of a neutral figure: the same step with an exact ring attention (float64, the scores
-rounded as every version rounds them, P not rounded) against the library's. The library and the split round P once
-after the softmax, the one launch once before normalising it: roundings of the same size at other points, each within
-that figure of the exact step, so the two steps are within twice it of each other. The chunk-dropping twin outside.
+conftest's `rounding_bound` of a neutral figure: the same step with an exact ring attention (float64 past the
+roundings the version shares with the library) against the library's. The split keeps every rounding point of
+ring_attention, so its exact attention rounds the scores and P where both do; the one launch rounds P before
+normalising it where the library rounds after (roundings of the same size at other points), so its exact attention
+rounds only the scores, and each step sits within that figure of it. The chunk-dropping twin outside.
 
 Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_ring_attention_split_gpu.py -k "one_launch and 31b and 8"
 """
@@ -243,13 +244,18 @@ def _generate(model):
     return graph_generate(model, LENGTHS, NEW)
 
 
-def _exact_ring_attention(module, query, key, value, mask):
-    """ring_attention in float64 with its scores' roundings (rounded, scaled and rounded) and no other: the softmax and
-    P.V exact, the output rounded once: the neutral figure's ring attention."""
-    b, hq, _, d = query.shape
-    s = _exact_scores(query, key, float(module.scaling))
-    _, o = ring_reference(s, value, mask.mask, rounded=False)
-    return o.to(query.dtype).reshape(b, 1, hq, d), None
+SHARED_P_ROUNDING = {"ring_attention_split": True, "ring_attention_one_launch": False}  # P rounded where the library does
+
+
+def _exact_ring_attention(rounded_p: bool):
+    """ring_attention in float64 with its scores' roundings (rounded, scaled and rounded), P rounded too when
+    `rounded_p`, P.V exact, the output rounded once: the neutral figure's ring attention."""
+    def attention(module, query, key, value, mask):
+        b, hq, _, d = query.shape
+        s = _exact_scores(query, key, float(module.scaling))
+        _, o = ring_reference(s, value, mask.mask, rounded=rounded_p)
+        return o.to(query.dtype).reshape(b, 1, hq, d), None
+    return attention
 
 
 def test_the_step_with_and_without_the_version(ras, synthetic_model, monkeypatch):
@@ -260,9 +266,10 @@ def test_the_step_with_and_without_the_version(ras, synthetic_model, monkeypatch
         split = _generate(synthetic_model)
     assert route.calls > 0, "the version's kernels never ran"
     assert route.refusals == {}, f"refused: {route.refusals}"
+    exact = _exact_ring_attention(SHARED_P_ROUNDING[ras.__name__.rsplit(".", 1)[-1]])
     with monkeypatch.context() as mp:
-        mp.setattr(hf_graph, "ring_attention", _exact_ring_attention)
-        mp.setattr(hf, "ring_attention", _exact_ring_attention)
+        mp.setattr(hf_graph, "ring_attention", exact)
+        mp.setattr(hf, "ring_attention", exact)
         neutral = _generate(synthetic_model)
     assert bool(torch.isfinite(split[1]).all())
     assert torch.equal(split[0], lib[0]), "greedy tokens differ"
