@@ -244,7 +244,8 @@ def _generate(model):
     return graph_generate(model, LENGTHS, NEW)
 
 
-SHARED_P_ROUNDING = {"ring_attention_split": True, "ring_attention_one_launch": False}  # P rounded where the library does
+# whether a version rounds P where the library does (after the softmax)
+SHARED_P_ROUNDING = {"ring_attention_split": True, "ring_attention_one_launch": False}
 
 
 def _exact_ring_attention(rounded_p: bool):
