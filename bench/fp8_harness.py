@@ -30,7 +30,7 @@ from foldkv.provenance import provenance
 from foldkv.pool import BlockTable, PagedKvLayout
 from versions import (decode_fused_ll, decode_fused_ll_compact, decode_fused_smem_tail,  # bench/versions/
                       decode_fused_tail_paths, decode_partial_fp8_mma, decode_partial_fp8_probe, decode_partial_fp8_rs,
-                      decode_partial_fp8_tc_t32, decode_partial_fp8_tc_ws)
+                      decode_partial_fp8_tc_t32, decode_partial_fp8_tc_vrot, decode_partial_fp8_tc_ws)
 
 
 def partial_variant(name: str, what: str, build: Callable[[], object], fp8: bool = True,
@@ -119,6 +119,12 @@ FP8_TC_WS = [partial_variant(f"fp8_tc_ws{suffix}", f"FP8 tensor-core partial, V^
                              f" without the transpose (transposer {n} registers), two CTAs an SM",
                              lambda n=n: decode_partial_fp8_tc_ws.build(G, transposer_nreg=n), fp8_math="tensor_cores")
              for suffix, n in (("", 112), ("_r96", 96))]
+# run 21: the FP8 tensor-core partial over a pool whose V_rot panel is stored pre-transposed (a permuted copy of the
+# case's pool, made at the arm's first call: bench/versions/decode_partial_fp8_tc_vrot.py), three panels transposed a
+# tile instead of four; the reference reads the unpermuted pool
+FP8_TC_VROT = partial_variant("fp8_tc_vrot", "FP8 tensor-core partial, V_rot pre-transposed in the pool (three value"
+                              " panels transposed a tile), two CTAs an SM",
+                              lambda: decode_partial_fp8_tc_vrot.harness_kernel(G), fp8_math="tensor_cores")
 # run 12: a one-wave plan's step is one launch, the partial merging its request-heads at its tail (the library's
 # decode_fused_<format>, what folded_jit / split_jit run there); these arms run the three launches on the same plan
 THREE_LAUNCHES = [ArmSpec(f"{f.value}_three", f"{f.value} decode, three launches (partial, merge_groups, merge_final)",
@@ -177,7 +183,7 @@ NARROW = [ArmSpec(f"folded_w{w}", f"bf16 folded decode planned for {w} SMs ({w /
                   generated=True)
           for w in (32, 64, 96)]
 ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA,
-        *FP8_TC_T32, *FP8_TC_WS,
+        *FP8_TC_T32, *FP8_TC_WS, FP8_TC_VROT,
         *THREE_LAUNCHES, *LL_FUSED, *LL_PROBES, *LL_COMPACT, *TAIL_SIZES, *SMEM_TAIL, *NARROW,
         "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 

@@ -119,11 +119,12 @@ __device__ __forceinline__ float foldkv_max_scale64(const float* scale, int vali
 """
 
 
-def transpose_values_macro(block_n: int, threads: int):
-    """The value window's e4m3 panels (a list of [block_n, 128] shared tiles, in column order) into V^T [512, block_n],
-    the K-major operand FP8 wgmma needs: each consumer thread one 4-token x 16-column block of every panel
-    (T.Parallel(block_n / 4, 8): a quarter-warp reads one token row's 128 bytes); the first and the last panel's calls
-    carry the barriers (DEVICE_SOURCE). `tokens_left()`: the tile's tokens in the chunk (past it: 0 in V^T)."""
+def transpose_panel_macro(block_n: int, threads: int):
+    """One e4m3 panel [block_n, 128] of the value window into V^T's rows d0..d0+127 (V^T [512, block_n], the K-major
+    operand FP8 wgmma needs): each consumer thread one 4-token x 16-column block (T.Parallel(block_n / 4, 8): a
+    quarter-warp reads one token row's 128 bytes); `first` waits on the named barrier before its stores (the previous
+    tile's value gemm reads V^T), `last` fences and waits after them (DEVICE_SOURCE). `tokens_left()`: the tile's
+    tokens in the chunk (past it: 0 in V^T)."""
     import tilelang.language as T
 
     tok_blocks, col_blocks = block_n // 4, FP8_PANEL // 16
@@ -138,6 +139,16 @@ def transpose_values_macro(block_n: int, threads: int):
             T.call_extern("handle", TRANSPOSE_FN, int(first), int(last), TRANSPOSE_BARRIER_ID, threads, j % 8,
                           tokens_left() - i * 4, *[T.address_of(panels[n][i * 4 + r, j * 16]) for r in range(4)],
                           *[T.address_of(v_t[d0 + j * 16 + T.bitwise_xor(m, j % 8), i * 4]) for m in range(16)])
+
+    return transpose_panel
+
+
+def transpose_values_macro(block_n: int, threads: int):
+    """The value window's e4m3 panels (a list of [block_n, 128] shared tiles, in column order) into V^T [512, block_n]
+    by `transpose_panel_macro`, the first and the last panel's calls carrying the barriers."""
+    import tilelang.language as T
+
+    transpose_panel = transpose_panel_macro(block_n, threads)
 
     @T.macro
     def transpose_values(panels, v_t, tokens_left):
