@@ -280,6 +280,26 @@ def rounding_bound(neutral: torch.Tensor, incumbent: torch.Tensor) -> float:
     return 2.0 * (neutral.float() - incumbent.float()).abs().max().item()
 
 
+# the FP8 tensor-core partial's versions (bench/versions/decode_partial_fp8_tc_*.py) gated in its place: the lengths
+# and their ids, and the launch
+FP8_TC_LENS = [(1,), (63,), (65,), (10_602,), (1, 97, 16_384, 54)]
+FP8_TC_IDS = ["1", "63", "65", "10602", "ragged4"]
+
+
+def fp8_tc_launch(kernel=None):
+    """A `gates.run_case` launch: foldkv's decode over the case's FP8 pool with fp8_math="tensor_cores", planned for
+    that partial's wave of 2 x SMs, its partial replaced by `kernel` (None: the library's)."""
+    def launch(inp, out, lse):
+        from foldkv.kernels.decode import decode, partial_wave, plan_decode
+
+        plan = plan_decode(inp.pool.layout, inp.case.seq_lens, device=inp.pool.device,
+                           num_sms=partial_wave(inp.pool.layout, inp.pool.device, "tensor_cores"))
+        return decode(inp.pool, inp.query, inp.table, plan=plan, out=out, lse=lse, fp8_math="tensor_cores",
+                      kernels=None if kernel is None else {"decode_partial_folded_fp8_tc": kernel})
+
+    return launch
+
+
 def ring_reference(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                    rounded: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """A sliding layer's ring attention in float64 from its rounded scores s [B, Hkv, G, W]: the softmax of the

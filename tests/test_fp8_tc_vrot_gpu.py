@@ -17,13 +17,9 @@ from foldkv import GEMMA4_31B, KvFormat
 from foldkv.fp8 import FP8_DTYPE
 from foldkv.lab import gates
 
-from conftest import bench_script, bench_version
+from conftest import FP8_TC_IDS, FP8_TC_LENS, bench_script, bench_version, fp8_tc_launch
 
 pytestmark = pytest.mark.gpu
-TC = "tensor_cores"
-TC_KERNEL = "decode_partial_folded_fp8_tc"
-LENS = [(1,), (63,), (65,), (10_602,), (1, 97, 16_384, 54)]
-IDS = ["1", "63", "65", "10602", "ragged4"]
 
 
 @pytest.fixture(scope="module")
@@ -36,28 +32,16 @@ def vrot_kernel(vrot):
     return vrot.build(GEMMA4_31B)
 
 
-def _launch(kernel=None):
-    def launch(inp, out, lse):
-        from foldkv.kernels.decode import decode, partial_wave, plan_decode
-
-        plan = plan_decode(inp.pool.layout, inp.case.seq_lens, device=inp.pool.device,
-                           num_sms=partial_wave(inp.pool.layout, inp.pool.device, TC))
-        return decode(inp.pool, inp.query, inp.table, plan=plan, out=out, lse=lse, fp8_math=TC,
-                      kernels=None if kernel is None else {TC_KERNEL: kernel})
-
-    return launch
-
-
-@pytest.mark.parametrize("lens", LENS, ids=IDS)
+@pytest.mark.parametrize("lens", FP8_TC_LENS, ids=FP8_TC_IDS)
 def test_bitwise_the_served_partial(cuda_device, vrot, vrot_kernel, lens):
     inputs = gates.make_inputs(gates.Case("fp8tcvrot", lens), KvFormat.FOLDED, cuda_device, 4, dtype=FP8_DTYPE)
-    served = gates.run_case(inputs, _launch(), extra=gates.fp8_tc_extra)
-    res = gates.run_case(inputs, _launch(vrot.OverVrotPool(vrot_kernel)), extra=gates.fp8_tc_extra)
+    served = gates.run_case(inputs, fp8_tc_launch(), extra=gates.fp8_tc_extra)
+    res = gates.run_case(inputs, fp8_tc_launch(vrot.OverVrotPool(vrot_kernel)), extra=gates.fp8_tc_extra)
     row = gates.summary_row(inputs.case, KvFormat.FOLDED, "fp8 tc vrot", res)
     assert res["all_written"] and res["passed"], row
     for a, b in zip(res["outputs"], served["outputs"]):
         assert gates.bits(a).equal(gates.bits(b)), "not bitwise the served partial"
-    twin = gates.run_case(inputs, _launch(vrot_kernel), extra=gates.fp8_tc_extra)["outputs"]
+    twin = gates.run_case(inputs, fp8_tc_launch(vrot_kernel), extra=gates.fp8_tc_extra)["outputs"]
     assert not gates.bits(twin[0]).equal(gates.bits(served["outputs"][0])), "red twin: the unpermuted pool read alike"
 
 

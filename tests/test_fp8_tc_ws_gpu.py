@@ -16,13 +16,9 @@ from foldkv import GEMMA4_31B, KvFormat
 from foldkv.fp8 import FP8_DTYPE
 from foldkv.lab import gates
 
-from conftest import bench_version
+from conftest import FP8_TC_IDS, FP8_TC_LENS, bench_version, fp8_tc_launch
 
 pytestmark = pytest.mark.gpu
-TC = "tensor_cores"
-TC_KERNEL = "decode_partial_folded_fp8_tc"
-LENS = [(1,), (63,), (65,), (10_602,), (1, 97, 16_384, 54)]
-IDS = ["1", "63", "65", "10602", "ragged4"]
 
 
 @pytest.fixture(scope="module")
@@ -30,25 +26,13 @@ def ws_kernel():
     return bench_version("decode_partial_fp8_tc_ws").build(GEMMA4_31B)
 
 
-def _launch(kernel):
-    def launch(inp, out, lse):
-        from foldkv.kernels.decode import decode, partial_wave, plan_decode
-
-        plan = plan_decode(inp.pool.layout, inp.case.seq_lens, device=inp.pool.device,
-                           num_sms=partial_wave(inp.pool.layout, inp.pool.device, TC))
-        return decode(inp.pool, inp.query, inp.table, plan=plan, out=out, lse=lse, fp8_math=TC,
-                      kernels={TC_KERNEL: kernel})
-
-    return launch
-
-
-@pytest.mark.parametrize("lens", LENS, ids=IDS)
+@pytest.mark.parametrize("lens", FP8_TC_LENS, ids=FP8_TC_IDS)
 def test_transposer_version_within_the_tensor_core_bound(cuda_device, ws_kernel, lens):
     inputs = gates.make_inputs(gates.Case("fp8tcws", lens), KvFormat.FOLDED, cuda_device, 4, dtype=FP8_DTYPE)
-    res = gates.run_case(inputs, _launch(ws_kernel), extra=gates.fp8_tc_extra)
+    res = gates.run_case(inputs, fp8_tc_launch(ws_kernel), extra=gates.fp8_tc_extra)
     assert res["all_written"], gates.summary_row(inputs.case, KvFormat.FOLDED, "fp8 tc ws", res)
     assert res["passed"], gates.summary_row(inputs.case, KvFormat.FOLDED, "fp8 tc ws", res)
-    again = gates.run_case(inputs, _launch(ws_kernel))["outputs"]
+    again = gates.run_case(inputs, fp8_tc_launch(ws_kernel))["outputs"]
     for a, b in zip(again, res["outputs"]):
         assert gates.bits(a).equal(gates.bits(b))
 
