@@ -13,6 +13,8 @@ measures); one request at 10,602, 40,002 and 131,072 tokens.
     python bench/plan_harness.py --plans                          # CPU: the two plans' chunk counts and estimates
     python bench/plan_harness.py --draw 920385503 --only drawn920385503/short_many --caps 16 24 32 48 64
                                   # a drawn batch of notebook 04 (its seed re-creates it), the plan at fixed caps
+    python bench/plan_harness.py --draw 920385503 --only drawn920385503/short_many uniform128 --two-ctas
+                                  # also the folded partial at two CTAs an SM (fp8_harness's folded_2cta_w264)
 
 Then the host time of updating a plan per step (workspace plan()/advance() against FlashInfer's plan()).
 Lab notes (prediction, outcome): bench/DECODE_NOTES.md, runs 7 and 8.
@@ -101,8 +103,16 @@ def show_plans(draw_seeds=(), caps=()):
                   f"{estimated_step(pages, cap, GEOM.num_kv_heads, DEFAULT_SMS):8.1f}")
 
 
+def two_cta_arm() -> ArmSpec:
+    """fp8_harness's `folded_2cta_w264` (run 11): the folded partial at two CTAs an SM, one stage each, planned for a
+    wave of 2 x 132, so that one CTA's prologue, first load and epilogue run under the other's stream."""
+    from fp8_harness import TWO_CTAS  # bench/
+
+    return next(a for a in TWO_CTAS if a.name == "folded_2cta_w264")
+
+
 def bench(rounds: int, out_json: str | None, only: list[str] | None, one_wave: bool = False,
-          host_batches: list[int] = (), one_level: bool = False, draw_seeds=(), caps=()):
+          host_batches: list[int] = (), one_level: bool = False, draw_seeds=(), caps=(), two_ctas: bool = False):
     device = torch.device("cuda")
     roof = measure_read_roof(device)
     print(f"read roof measured: {roof['gbps']:.0f} GB/s ({roof['method']})", flush=True)
@@ -114,6 +124,8 @@ def bench(rounds: int, out_json: str | None, only: list[str] | None, one_wave: b
         arms += [one_level_arm(KvFormat.FOLDED, 8), one_level_arm(KvFormat.FOLDED, 40),
                  one_level_arm(KvFormat.SPLIT, 40)]
     arms += [cap_arm(KvFormat.FOLDED, c) for c in caps]
+    if two_ctas:
+        arms.append(two_cta_arm())
     cells = []
     for name, lens in cases(draw_seeds=draw_seeds).items():
         if only and name not in only:
@@ -165,11 +177,14 @@ def main(argv=None):
                     help="batch sizes of the host-time table (workspace plan/advance vs FlashInfer plan())")
     ap.add_argument("--draw", type=int, nargs="*", default=[], help="seeds of notebook 04's drawn batches to add")
     ap.add_argument("--caps", type=int, nargs="*", default=[], help="also time the folded decode cut at these caps")
+    ap.add_argument("--two-ctas", action="store_true", help="also time the folded partial at two CTAs an SM, one stage"
+                    " each, planned for a wave of 2 x SMs (fp8_harness's folded_2cta_w264, run 11's)")
     args = ap.parse_args(argv)
     if args.plans:
         show_plans(args.draw, args.caps)
         return 0
-    bench(args.rounds, args.json, args.only, args.one_wave, args.host_batches, args.one_level, args.draw, args.caps)
+    bench(args.rounds, args.json, args.only, args.one_wave, args.host_batches, args.one_level, args.draw, args.caps,
+          args.two_ctas)
     return 0
 
 

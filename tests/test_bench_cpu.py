@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 
 import pytest
@@ -535,6 +536,18 @@ def test_plan_harness_measures_the_lab_serving_cases():
     assert (len(many), min(many), max(many)) == (171, 67, 8178)
     assert drawn["drawn920385503/short_many"] == bench.draw_batches(920385503, ["short_many"])["short_many"]
     assert harness.cap_arm(KvFormat.FOLDED, 32).name == "folded_cap32"
+    sys.path.insert(0, bench_dir)  # --two-ctas takes fp8_harness's arm (bench/)
+    try:
+        two = harness.two_cta_arm()
+    finally:
+        sys.path.remove(bench_dir)
+    assert two.name == "folded_2cta_w264" and two.format == "folded"
+    # run 22's command (DECODE_NOTES) names cases the harness has, with the flag it parses
+    notes = open(os.path.join(checkout_root(), "bench", "DECODE_NOTES.md")).read()
+    section = notes[notes.index("## Run 22: prediction"):]
+    cmd = re.search(r"python plan_harness\.py (.*)", section).group(1).split()
+    only = cmd[cmd.index("--only") + 1:cmd.index("--two-ctas")]
+    assert set(only) <= set(harness.cases(draw_seeds=[920385503])), only
 
 
 @pytest.mark.parametrize("nbytes, copies, cap, want_buffers, want_buffer_bytes", [
