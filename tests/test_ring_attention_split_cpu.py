@@ -131,11 +131,13 @@ def test_the_one_launch_splits_partition_the_chunks(one, window, splits):
 
 
 def test_the_one_launch_plan_on_the_31b(one):
-    """About two programs an SM on the H200's 132: batch 1, 16 KV heads x 16 one-chunk splits; batch 8, 128 x 2 of
-    eight chunks; batch 16 and more, the whole window a program (no combine)."""
-    got = {b: one.plan(b, 32, 16, 1024, 256, sms=132) for b in (1, 8, 16, 32)}
-    assert [(got[b]["splits"], got[b]["CPS"], got[b]["programs"]) for b in (1, 8, 16, 32)] == [
-        (16, 1, 256), (2, 8, 256), (1, 16, 256), (1, 16, 512)]
+    """On the H200's 132 SMs: batch 1, 16 KV heads x 16 one-chunk splits of one stage (about two programs an SM);
+    batch 4, 64 pairs x 4 splits of four chunks; batch 8 and more (128 pairs and up: 7/8 of the SMs), the whole window
+    a program with two stages, nothing combined."""
+    got = {b: one.plan(b, 32, 16, 1024, 256, sms=132) for b in (1, 4, 8, 16)}
+    assert [(got[b]["splits"], got[b]["CPS"], got[b]["STAGES"], got[b]["programs"]) for b in (1, 4, 8, 16)] == [
+        (16, 1, 1, 256), (4, 4, 1, 256), (1, 16, 2, 128), (1, 16, 2, 256)]
+    assert one.plan(8, 32, 16, 1024, 256, sms=132, splits=2)["STAGES"] == 1  # split: one stage, two an SM
 
 
 def test_a_wrong_out_is_refused_before_the_launch(one):

@@ -13,11 +13,13 @@ rounding points (an exact softmax needs every chunk's scores before any P) and l
 batch 1 (16 programs on 132 SMs, K read in 32-byte row pieces).
 
 Here one launch does it all, flash-decoding's way:
-- grid (B x Hkv, S): program (bh, s) takes chunks [s CPS, (s + 1) CPS) of the window's 64-slot chunks; S from the
-  SMs (`plan`: about two programs an SM: batch 1 on the 31B, 16 pairs x 16 splits of one chunk; batch 8, 128 x 2 of
-  eight chunks; 16 and more pairs a split of the whole window);
-- per chunk: the GROUP query rows (padded to 16 for `tl.dot`) against K [64, d] (one coalesced 32 KB tile, `STAGES`
-  in flight), the scores rounded as ring_attention rounds them (to the model dtype, times scaling rounded again),
+- grid (B x Hkv, S): program (bh, s) takes chunks [s CPS, (s + 1) CPS) of the window's 64-slot chunks (`plan`):
+  when the (sequence, KV head) pairs fill the SMs (batch 8 on the 31B: 128 pairs on 132 SMs) S = 1, one program a
+  pair streaming the whole window with the next chunk's K and V tiles in flight (two stages, one program an SM);
+  with fewer pairs the window is split for about two programs an SM, one stage each (batch 1: 16 pairs x 16 splits
+  of one chunk);
+- per chunk: the GROUP query rows (padded to 16 for `tl.dot`) against K [64, d] (one coalesced 32 KB tile), the
+  scores rounded as ring_attention rounds them (to the model dtype, times scaling rounded again),
   the dead slots at -inf, the running max and sum in float32 (online softmax), P = exp(s - max) rounded to the model
   dtype for `tl.dot` with V [64, d] (V's tile loaded beside K's: nothing orders them), one float32 accumulator;
 - S = 1: the program divides by its sum and stores the rounded output. S > 1: it stores its accumulator, max and sum
@@ -67,22 +69,32 @@ except ImportError:  # the CPU-only install: the route refuses ("no Triton")
     triton = None
 
 CHUNK = 64  # ring slots a tile: 32 KB of K or V at d = 256
-PROGRAMS_PER_SM = 2  # the split aims at about this many programs an SM
+WHOLE_WINDOW_SHARE = 0.875  # (sequence, KV head) pairs >= this share of the SMs: one program a pair, no split
+PROGRAMS_PER_SM = 2  # fewer pairs: the window split so that there are about this many programs an SM
 WARPS = 4
-STAGES = 2  # K and V tiles in flight a program (2 x 64 KB of shared memory at d = 256)
 _COUNTERS: dict = {}  # (device, pairs) -> int32 [pairs], zero between calls
 
 
 def plan(batch: int, hq: int, hkv: int, window: int, d: int, sms: int, splits: int | None = None) -> dict:
     """ring_attention_split.plan's geometry at 64-slot chunks, and the split: S programs a (sequence, KV head) of CPS
-    chunks each, S from `sms` (about PROGRAMS_PER_SM programs an SM) unless `splits` is given; no split empty."""
+    chunks each (no split empty), and the K/V tiles a program keeps in flight (STAGES). When the pairs fill the SMs
+    (WHOLE_WINDOW_SHARE: batch 8 on the 31B, 128 pairs on 132 SMs) one program a pair streams the whole window with
+    its next chunk's K and V in flight (2 x 64 KB of shared memory at d = 256: one program an SM) and nothing is
+    combined; with fewer pairs the window is split for about PROGRAMS_PER_SM programs an SM, one stage each (64 KB:
+    two or three fit an SM), the other program on the SM covering a program's loads. `splits` forces S."""
     p = split.plan(batch, hq, hkv, window, d, CHUNK)
     pairs = batch * hkv
-    want = max(1, (PROGRAMS_PER_SM * int(sms)) // pairs) if splits is None else int(splits)
+    if splits is not None:
+        want = int(splits)
+    elif pairs >= WHOLE_WINDOW_SHARE * sms:
+        want = 1
+    else:
+        want = -(-PROGRAMS_PER_SM * int(sms) // pairs)
     want = max(1, min(want, p["chunks"]))
     cps = -(-p["chunks"] // want)
     s = -(-p["chunks"] // cps)
-    return dict(p, pairs=pairs, splits=s, CPS=cps, S_BLOCK=max(2, 1 << (s - 1).bit_length()), programs=pairs * s)
+    return dict(p, pairs=pairs, splits=s, CPS=cps, STAGES=2 if s == 1 and cps > 1 else 1,
+                S_BLOCK=max(2, 1 << (s - 1).bit_length()), programs=pairs * s)
 
 
 def split_chunks(p: dict) -> list[range]:
@@ -214,7 +226,7 @@ def ring_attend(query: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
         query, ring_k, ring_v, m, out, part, stat, counters, hkv, w, p["chunks"], p["CPS"], p["splits"],
         query.stride(0), query.stride(1), query.stride(3), scaling, 0 if _red == "drop_chunk" else -1,
         GROUP=p["GROUP"], G_PAD=p["G_PAD"], D=d, CHUNK=p["CHUNK"], S_BLOCK=p["S_BLOCK"], SCALE=scaling != 1.0,
-        ONE=one, STAGES=STAGES, RED_NO_MASK=_red == "no_mask", RED_NO_RESET=_red == "no_reset", num_warps=WARPS,
+        ONE=one, STAGES=p["STAGES"], RED_NO_MASK=_red == "no_mask", RED_NO_RESET=_red == "no_reset", num_warps=WARPS,
         **kw)
     if scratch is not None:
         scratch.update(plan=p, counters=counters)
