@@ -280,6 +280,43 @@ def rounding_bound(neutral: torch.Tensor, incumbent: torch.Tensor) -> float:
     return 2.0 * (neutral.float() - incumbent.float()).abs().max().item()
 
 
+def triton_sm90(fn, signature: dict, constexprs: dict, divisible: tuple = (), num_warps: int = 4) -> dict:
+    """Compile a @triton.jit function for sm_90a without a GPU (Triton's own backend and the ptxas it ships), as its JIT
+    would specialise it: `divisible` names the arguments known divisible by 16 (aligned pointers, strides). Returns
+    the PTX's instruction counts ("ops": opcode -> count, predicates stripped), the shared memory and ptxas's
+    registers and spill bytes. Skips where Triton or its nvidia backend is missing."""
+    import collections
+    import subprocess
+    import tempfile
+
+    require_module("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+    except ImportError:
+        skip_or_fail("this Triton has no nvidia backend")
+    names = fn.arg_names
+    sig = dict(signature, **{k: "constexpr" for k in constexprs})
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in divisible})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    ptx = kernel.asm["ptx"]
+    ops = collections.Counter(re.findall(r"^\s+(?:@!?%p\d+\s+)?([a-z][a-z0-9_.]+)", ptx, re.M))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.ptx"
+        path.write_text(ptx)
+        ptxas = get_ptxas(90)
+        r = subprocess.run([getattr(ptxas, "path", ptxas), "-arch=sm_90a", "-v", str(path), "-o", str(path) + ".o"],
+                           capture_output=True, text=True)
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill", r.stderr)]
+    assert regs, r.stderr[-2000:]
+    return {"ops": ops, "shared": kernel.metadata.shared, "registers": int(regs.group(1)), "spill_bytes": sum(spills)}
+
+
 # the FP8 tensor-core partial's versions (bench/versions/decode_partial_fp8_tc_*.py) gated in its place: the lengths
 # and their ids, and the launch
 FP8_TC_LENS = [(1,), (63,), (65,), (10_602,), (1, 97, 16_384, 54)]

@@ -131,13 +131,13 @@ def test_the_one_launch_splits_partition_the_chunks(one, window, splits):
 
 
 def test_the_one_launch_plan_on_the_31b(one):
-    """On the H200's 132 SMs: batch 1, 16 KV heads x 16 one-chunk splits of one stage (about two programs an SM);
-    batch 4, 64 pairs x 4 splits of four chunks; batch 8 and more (128 pairs and up: 7/8 of the SMs), the whole window
-    a program with two stages, nothing combined."""
+    """On the H200's 132 SMs: batch 1, 16 KV heads x 16 one-chunk splits (about two programs an SM); batch 4, 64 pairs
+    x 4 splits of four chunks; batch 8 and more (128 pairs and up: 7/8 of the SMs), the whole window a program,
+    nothing combined."""
     got = {b: one.plan(b, 32, 16, 1024, 256, sms=132) for b in (1, 4, 8, 16)}
-    assert [(got[b]["splits"], got[b]["CPS"], got[b]["STAGES"], got[b]["programs"]) for b in (1, 4, 8, 16)] == [
-        (16, 1, 1, 256), (4, 4, 1, 256), (1, 16, 2, 128), (1, 16, 2, 256)]
-    assert one.plan(8, 32, 16, 1024, 256, sms=132, splits=2)["STAGES"] == 1  # split: one stage, two an SM
+    assert [(got[b]["splits"], got[b]["CPS"], got[b]["programs"]) for b in (1, 4, 8, 16)] == [
+        (16, 1, 256), (4, 4, 256), (1, 16, 128), (1, 16, 256)]
+    assert one.plan(8, 32, 16, 1024, 256, sms=132, splits=2)["programs"] == 256
 
 
 def test_a_wrong_out_is_refused_before_the_launch(one):
@@ -159,3 +159,42 @@ def test_run_25s_step_command_parses():
     args = probe_command_of_run(25)
     assert args.ring_one_ab and "foldkv-folded:4096:8" in args.decode and "foldkv-folded:4096:1" in args.decode, args
     assert args.profile and args.profile_lab and args.profile_at == (4096, 8), args
+
+
+ONE_LAUNCH_SIGNATURE = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "m_ptr": "*u8", "o_ptr": "*bf16",
+                        "part_ptr": "*fp32", "stat_ptr": "*fp32", "count_ptr": "*i32", "heads_kv": "i32",
+                        "window": "i32", "chunks": "i32", "cps": "i32", "splits": "i32", "q_sb": "i32", "q_sh": "i32",
+                        "q_sd": "i32", "scaling": "fp32", "skip": "i32"}
+
+
+def _one_launch_sm90(one, p: dict, stages: int) -> dict:
+    from conftest import triton_sm90
+
+    consts = dict(GROUP=2, G_PAD=16, D=256, CHUNK=64, S_BLOCK=p["S_BLOCK"], SCALE=False, ONE=p["splits"] == 1,
+                  STAGES=stages, RED_NO_MASK=False, RED_NO_RESET=False, GDC=True)
+    return triton_sm90(one.ring_one_launch, ONE_LAUNCH_SIGNATURE, consts, num_warps=one.WARPS,
+                       divisible=("q_ptr", "k_ptr", "v_ptr", "m_ptr", "o_ptr", "part_ptr", "stat_ptr", "count_ptr",
+                                  "heads_kv", "window", "q_sb", "q_sh"))
+
+
+def _fits(got: dict, per_sm: int, warps: int) -> bool:
+    """`per_sm` programs within an H200 SM's 65,536 registers and 227 KB of shared memory."""
+    return per_sm * got["registers"] * 32 * warps <= 65536 and per_sm * got["shared"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_the_one_launch_compiles_for_the_h200_as_planned(one, batch):
+    """The kernel at the 31B's geometry compiled for sm_90a on the CPU (Triton's backend and ptxas), as the plan
+    launches it at batch 1 (16 one-chunk splits and a combine) and 8 (the whole window a program): no spill; the K and
+    V loads asynchronous (cp.async, `STAGES` deep); the programs an SM the plan counts on fit its registers and shared
+    memory; PDL's two instructions and, split, the counter's atomic. Red twin: three stages would not fit two programs
+    an SM."""
+    p = one.plan(batch, 32, 16, 1024, 256, sms=132)
+    got = _one_launch_sm90(one, p, one.STAGES)
+    ops, per_sm = got["ops"], -(-p["programs"] // 132)
+    assert got["spill_bytes"] == 0 and _fits(got, per_sm, one.WARPS), (per_sm, got)
+    assert ops["griddepcontrol.launch_dependents"] == ops["griddepcontrol.wait"] == 1
+    assert ops["cp.async.cg.shared.global"] > 0, ops
+    assert (sum(n for k, n in ops.items() if k.startswith("atom.")) > 0) == (p["splits"] > 1), ops
+    if per_sm > 1:
+        assert not _fits(_one_launch_sm90(one, p, 3), per_sm, one.WARPS), "red twin: three stages fit as well"

@@ -15,9 +15,8 @@ batch 1 (16 programs on 132 SMs, K read in 32-byte row pieces).
 Here one launch does it all, flash-decoding's way:
 - grid (B x Hkv, S): program (bh, s) takes chunks [s CPS, (s + 1) CPS) of the window's 64-slot chunks (`plan`):
   when the (sequence, KV head) pairs fill the SMs (batch 8 on the 31B: 128 pairs on 132 SMs) S = 1, one program a
-  pair streaming the whole window with the next chunk's K and V tiles in flight (two stages, one program an SM);
-  with fewer pairs the window is split for about two programs an SM, one stage each (batch 1: 16 pairs x 16 splits
-  of one chunk);
+  pair streaming the whole window with the next chunk's K and V tiles in flight (`STAGES`); with fewer pairs the
+  window is split for about two programs an SM (batch 1: 16 pairs x 16 splits of one chunk);
 - per chunk: the GROUP query rows (padded to 16 for `tl.dot`) against K [64, d] (one coalesced 32 KB tile), the
   scores rounded as ring_attention rounds them (to the model dtype, times scaling rounded again),
   the dead slots at -inf, the running max and sum in float32 (online softmax), P = exp(s - max) rounded to the model
@@ -72,16 +71,18 @@ CHUNK = 64  # ring slots a tile: 32 KB of K or V at d = 256
 WHOLE_WINDOW_SHARE = 0.875  # (sequence, KV head) pairs >= this share of the SMs: one program a pair, no split
 PROGRAMS_PER_SM = 2  # fewer pairs: the window split so that there are about this many programs an SM
 WARPS = 4
+# K and V tiles in flight a program: at two stages the 31B's kernel takes 75,776 B of shared memory and 168 registers
+# a thread (compiled for sm_90a on the CPU: tests/test_ring_attention_split_cpu.py), so three programs fit an SM; one
+# stage takes 43,008 B but 212 registers (the tiles pass through registers); three stages, 141,312 B: one an SM
+STAGES = 2
 _COUNTERS: dict = {}  # (device, pairs) -> int32 [pairs], zero between calls
 
 
 def plan(batch: int, hq: int, hkv: int, window: int, d: int, sms: int, splits: int | None = None) -> dict:
     """ring_attention_split.plan's geometry at 64-slot chunks, and the split: S programs a (sequence, KV head) of CPS
-    chunks each (no split empty), and the K/V tiles a program keeps in flight (STAGES). When the pairs fill the SMs
-    (WHOLE_WINDOW_SHARE: batch 8 on the 31B, 128 pairs on 132 SMs) one program a pair streams the whole window with
-    its next chunk's K and V in flight (2 x 64 KB of shared memory at d = 256: one program an SM) and nothing is
-    combined; with fewer pairs the window is split for about PROGRAMS_PER_SM programs an SM, one stage each (64 KB:
-    two or three fit an SM), the other program on the SM covering a program's loads. `splits` forces S."""
+    chunks each (no split empty). When the pairs fill the SMs (WHOLE_WINDOW_SHARE: batch 8 on the 31B, 128 pairs on
+    132 SMs) one program a pair streams the whole window, its next chunk's K and V in flight, and nothing is combined;
+    with fewer pairs the window is split for about PROGRAMS_PER_SM programs an SM. `splits` forces S."""
     p = split.plan(batch, hq, hkv, window, d, CHUNK)
     pairs = batch * hkv
     if splits is not None:
@@ -93,8 +94,7 @@ def plan(batch: int, hq: int, hkv: int, window: int, d: int, sms: int, splits: i
     want = max(1, min(want, p["chunks"]))
     cps = -(-p["chunks"] // want)
     s = -(-p["chunks"] // cps)
-    return dict(p, pairs=pairs, splits=s, CPS=cps, STAGES=2 if s == 1 and cps > 1 else 1,
-                S_BLOCK=max(2, 1 << (s - 1).bit_length()), programs=pairs * s)
+    return dict(p, pairs=pairs, splits=s, CPS=cps, S_BLOCK=max(2, 1 << (s - 1).bit_length()), programs=pairs * s)
 
 
 def split_chunks(p: dict) -> list[range]:
@@ -226,7 +226,7 @@ def ring_attend(query: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
         query, ring_k, ring_v, m, out, part, stat, counters, hkv, w, p["chunks"], p["CPS"], p["splits"],
         query.stride(0), query.stride(1), query.stride(3), scaling, 0 if _red == "drop_chunk" else -1,
         GROUP=p["GROUP"], G_PAD=p["G_PAD"], D=d, CHUNK=p["CHUNK"], S_BLOCK=p["S_BLOCK"], SCALE=scaling != 1.0,
-        ONE=one, STAGES=p["STAGES"], RED_NO_MASK=_red == "no_mask", RED_NO_RESET=_red == "no_reset", num_warps=WARPS,
+        ONE=one, STAGES=STAGES, RED_NO_MASK=_red == "no_mask", RED_NO_RESET=_red == "no_reset", num_warps=WARPS,
         **kw)
     if scratch is not None:
         scratch.update(plan=p, counters=counters)
