@@ -280,7 +280,8 @@ def rounding_bound(neutral: torch.Tensor, incumbent: torch.Tensor) -> float:
     return 2.0 * (neutral.float() - incumbent.float()).abs().max().item()
 
 
-def triton_sm90(fn, signature: dict, constexprs: dict, divisible: tuple = (), num_warps: int = 4) -> dict:
+def triton_sm90(fn, signature: dict, constexprs: dict, divisible: tuple = (), num_warps: int = 4,
+                num_stages: int | None = None) -> dict:
     """Compile a @triton.jit function for sm_90a without a GPU (Triton's own backend and the ptxas it ships), as its JIT
     would specialise it: `divisible` names the arguments known divisible by 16 (aligned pointers, strides). Returns
     the PTX's instruction counts ("ops": opcode -> count, predicates stripped), the shared memory and ptxas's
@@ -302,7 +303,8 @@ def triton_sm90(fn, signature: dict, constexprs: dict, divisible: tuple = (), nu
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                     attrs={(names.index(k),): [["tt.divisibility", 16]] for k in divisible})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    options = dict(num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = kernel.asm["ptx"]
     ops = collections.Counter(re.findall(r"^\s+(?:@!?%p\d+\s+)?([a-z][a-z0-9_.]+)", ptx, re.M))
     with tempfile.TemporaryDirectory() as tmp:

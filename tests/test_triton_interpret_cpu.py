@@ -28,6 +28,10 @@ Bounds, from where each op rounds:
 - the GEMM: float32 accumulation against float64, |y - ref| <= ulp(ref) + K 2^-23 sum_k |x_k w_k| (test_gemv_gpu's).
 Every kernel writes into an output poisoned with NaN (every element written) and has a red twin that must fail.
 
+The child logs every kernel launch's specialisation (argument types, alignment, constexprs, warps, stages), and the
+parent compiles each for sm_90a with Triton's own backend and ptxas (`conftest.triton_sm90`), with GDC on as well
+where the kernel has it: a kernel the H200's JIT would refuse to build, or one that spills, fails here.
+
 Reproduce: pytest tests/test_triton_interpret_cpu.py            (the child: TRITON_INTERPRET=1 pytest <this file>)
 """
 
@@ -84,11 +88,68 @@ def _as_on_the_gpu() -> None:
 _INTERPRETER_OWN: dict = {}  # the interpreter's own create_dot and cast_impl (the shim's red twin)
 
 
+LAUNCH_LOG = "FOLDKV_TRITON_LAUNCH_LOG"  # the child appends each kernel launch's specialisation here (JSON lines)
+_POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64",
+                  torch.int32: "*i32", torch.int64: "*i64", torch.int16: "*i16", torch.int8: "*i8", torch.uint8: "*u8",
+                  torch.bool: "*i1", torch.float8_e4m3fn: "*fp8e4nv"}
+
+
+def _record_launches(path: str) -> None:
+    """Every grid launch of a module-level kernel in this process appended to `path` as its JIT would specialise it:
+    a tensor a pointer of its dtype (divisible by 16 when its address is), an int i32 or i64 (divisible by 16 when it
+    is), a float fp32, the tl.constexpr parameters by value (their defaults filled in), num_warps and num_stages.
+    Kernels a test defines (`<locals>`) and constexpr values JSON cannot hold are left out."""
+    import inspect
+    import json
+
+    from triton.runtime import interpreter as ti
+
+    run = ti.InterpretedFunction.run
+
+    def recorded(self, *args, grid, warmup, **kwargs):
+        fn = self.fn
+        if "<locals>" not in fn.__qualname__:
+            params = inspect.signature(fn).parameters
+            bound = dict(zip(params, args))
+            bound.update({k: v for k, v in kwargs.items() if k in params})
+            spec, ok = [], True
+            for name, p in params.items():
+                value = bound.get(name, p.default)
+                if "constexpr" in str(p.annotation):
+                    ok = ok and (value is None or isinstance(value, (bool, int, float, str)))
+                    spec.append([name, "constexpr", value])
+                elif isinstance(value, torch.Tensor):
+                    spec.append([name, _POINTER_TYPES[value.dtype], value.data_ptr() % 16 == 0])
+                elif isinstance(value, bool):
+                    spec.append([name, "i1", False])
+                elif isinstance(value, int):
+                    spec.append([name, "i32" if -2 ** 31 <= value < 2 ** 31 else "i64", value % 16 == 0])
+                elif isinstance(value, float):
+                    spec.append([name, "fp32", False])
+                else:
+                    ok = False
+            options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+            if ok:
+                with open(path, "a") as fh:
+                    fh.write(json.dumps({"module": fn.__module__, "name": fn.__qualname__, "spec": spec,
+                                         "options": options}) + "\n")
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    ti.InterpretedFunction.run = recorded
+
+
 if INSIDE:
     _as_on_the_gpu()
+    if os.environ.get(LAUNCH_LOG):
+        _record_launches(os.environ[LAUNCH_LOG])
+
+PARENT_TESTS = ("test_the_kernels_in_the_interpreter", "test_every_launched_kernel_compiles_for_the_h200")
 
 
-def test_the_kernels_in_the_interpreter(request):
+@pytest.fixture(scope="module")
+def interpreter_run(tmp_path_factory):
+    """This file's tests in a child pytest under TRITON_INTERPRET=1 (the parent's two tests deselected there), its
+    kernel launches logged (`_record_launches`): (the child's CompletedProcess, the log's path)."""
     if INSIDE:
         pytest.skip("this is the interpreter's own run")
     require_module("triton")
@@ -99,15 +160,85 @@ def test_the_kernels_in_the_interpreter(request):
     if old_triton and tuple(int(v) for v in numpy.__version__.split(".")[:2]) >= (2, 4):
         pytest.skip(f"Triton {triton.__version__}'s interpreter needs NumPy < 2.4 (range over a runtime bound), this is"
                     f" {numpy.__version__}; scripts/install.sh pins it beside a CPU torch")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    log = tmp_path_factory.mktemp("launches") / "launches.jsonl"
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", **{LAUNCH_LOG: str(log)})
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "-W",
-                        "ignore:Conversion of an array:DeprecationWarning", "-k", f"not {request.node.name}",
-                        __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+                        "ignore:Conversion of an array:DeprecationWarning", "-k",
+                        " and ".join(f"not {name}" for name in PARENT_TESTS), __file__], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=1200)
+    return r, log
+
+
+def test_the_kernels_in_the_interpreter(interpreter_run):
+    r, _ = interpreter_run
     tail = r.stdout[-6000:] + r.stderr[-2000:]
     assert r.returncode == 0, tail
     summary = r.stdout.strip().splitlines()[-1]
-    # every test of the file but this one ran and passed: "N passed, 1 deselected in ..." and nothing else
-    assert re.fullmatch(r"=* ?\d+ passed, 1 deselected in [\d.]+s( \(.*\))? ?=*", summary), tail
+    # every test of the file but the parent's two ran and passed: "N passed, 2 deselected in ..." and nothing else
+    assert re.fullmatch(r"=* ?\d+ passed, 2 deselected in [\d.]+s( \(.*\))? ?=*", summary), tail
+
+
+def _compile_specs(log: Path) -> list[dict]:
+    """The log's distinct specialisations, each as launched and, where the kernel has the constexpr GDC, once more
+    with it on (the step's PDL path); a red twin's (a RED_* constexpr set) left out: never built for use."""
+    import json
+
+    seen, specs = set(), []
+    for line in log.read_text().splitlines():
+        rec = json.loads(line)
+        if any(n.startswith("RED_") and v for n, k, v in rec["spec"] if k == "constexpr"):
+            continue
+        for gdc in (None, True):
+            if gdc is not None and not any(n == "GDC" for n, _, _ in rec["spec"]):
+                continue
+            spec = [[n, k, gdc if n == "GDC" and gdc is not None else v] for n, k, v in rec["spec"]]
+            key = json.dumps([rec["module"], rec["name"], spec, rec["options"]], sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                specs.append(dict(rec, spec=spec))
+    return specs
+
+
+def _compile_failures(specs: list[dict]) -> list[str]:
+    """Each spec compiled for sm_90a (conftest.triton_sm90): what failed to build or spilled, a line each."""
+    import importlib
+
+    from conftest import bench_version, triton_sm90
+
+    failures = []
+    for s in specs:
+        module = s["module"]
+        fn = getattr(bench_version(module.split(".", 1)[1]) if module.startswith("versions.")
+                     else importlib.import_module(module), s["name"])
+        signature = {n: k for n, k, _ in s["spec"] if k != "constexpr"}
+        constexprs = {n: v for n, k, v in s["spec"] if k == "constexpr"}
+        divisible = tuple(n for n, k, v in s["spec"] if k != "constexpr" and v is True)
+        try:
+            got = triton_sm90(fn, signature, constexprs, divisible, num_warps=s["options"].get("num_warps", 4),
+                              num_stages=s["options"].get("num_stages"))
+        except Exception as exc:  # noqa: BLE001 (every failure listed)
+            failures.append(f"{module}.{s['name']} {constexprs}: {type(exc).__name__}: {str(exc)[:300]}")
+            continue
+        if got["spill_bytes"]:
+            failures.append(f"{module}.{s['name']} {constexprs}: {got['spill_bytes']} bytes of spills")
+    return failures
+
+
+def test_every_launched_kernel_compiles_for_the_h200(interpreter_run):
+    """Each kernel the interpreter ran, at each specialisation the tests launched (and with GDC on), compiled for
+    sm_90a on this machine (conftest.triton_sm90: Triton's backend and its ptxas) with no spill: what the H200's JIT
+    would build, so a construct the GPU backend refuses, or a tile that spills, fails here and not on the device.
+    Red twin: one of those specialisations with its BLOCK made 3 (no power of two) is listed as failing."""
+    r, log = interpreter_run
+    assert r.returncode == 0 and log.exists(), "the interpreter's run failed or launched nothing"
+    specs = _compile_specs(log)
+    names = {(s["module"], s["name"]) for s in specs}
+    assert ("foldkv.fused_step_kernels", "rms_norm_rows") in names and len(names) >= 10, sorted(names)
+    failures = _compile_failures(specs)
+    assert not failures, "\n".join(failures)
+    norm = next(s for s in specs if s["name"] == "rms_norm_rows")
+    twin = dict(norm, spec=[[n, k, 3 if n == "BLOCK" else v] for n, k, v in norm["spec"]])
+    assert len(_compile_failures([twin])) == 1, "red twin: a block of 3 compiled"
 
 
 @inside
