@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The lab's measurements whose predictions are written and not yet run on the H200, a device call a PART (each under
+# the call's 600 s), logs and JSON into $OUT. The predictions and what proves each wrong are in the notes:
+#   PART=tests    the GPU tests of the pending versions and of the library code they build on (~5-7 min)
+#   PART=probe    the 31B step (bench/MODEL_DECODE_NOTES.md runs 22-25): the library, each version alone, all four
+#                 together, then the profile at 4K x 8 of the library and with the versions installed (~4-6 min)
+#   PART=kernels  the FP8 partial over a pre-transposed V_rot (bench/FP8_NOTES.md run 21) from DRAM and in L2, then
+#                 many short requests at two CTAs an SM (bench/DECODE_NOTES.md run 22) (~4-6 min)
+# Prepare on the CPU machine first: scripts/prepare_device_run.sh (carry .devsite build/aot build/checkout.json).
+#
+#   PART=probe bash scripts/lab_calls.sh      # on the device machine, repo root
+set -u
+OUTD=${OUT:-/tmp/foldkv_out}
+mkdir -p "$OUTD"
+source .devsite/env.sh
+JIT_CACHE=$(mktemp -d /tmp/foldkv_jit_cache_XXXXXX)
+trap 'rm -rf "$JIT_CACHE"' EXIT
+export PYTHONPATH=$PWD/lib:$PYTHONPATH TILELANG_CACHE_DIR=$JIT_CACHE FOLDKV_AOT_DIR=$PWD/build/aot PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUTD/gpu.txt"
+git rev-parse HEAD > "$OUTD/commit.txt" 2>/dev/null || cp build/checkout.json "$OUTD/" 2>/dev/null
+t0=$(date +%s)
+PART=${PART:-tests}
+
+if [ "$PART" = tests ]; then
+  FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-540} python3 -m pytest -q -ra --tb=short -p no:cacheprovider \
+    tests/test_fused_step_gpu.py tests/test_gemv_gpu.py tests/test_fused_step_sliding_gpu.py \
+    tests/test_global_step_gpu.py tests/test_sliding_prologue_one_gpu.py tests/test_global_prologue_fused_gpu.py \
+    tests/test_step_glue_branch_gpu.py tests/test_ring_attention_split_gpu.py tests/test_fp8_tc_vrot_gpu.py \
+    > "$OUTD/pytest_lab.log" 2>&1
+  echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/pytest_lab.log")"
+fi
+
+if [ "$PART" = probe ]; then
+  OUT=$OUTD timeout ${PROBE_S:-560} python3 bench/model_decode_probe.py \
+    --decode foldkv-folded:4096:1 foldkv-folded:4096:8 foldkv-folded:32768:1 \
+    --prologue-ab --global-prologue-ab --glue-ab --ring-one-ab \
+    --profile --profile-at 4096:8 --profile-lab --profile-top 30 > "$OUTD/probe_lab.log" 2>&1
+  echo "probe rc=$? at $(( $(date +%s) - t0 )) s"
+  tail -40 "$OUTD/probe_lab.log"
+fi
+
+if [ "$PART" = kernels ]; then
+  (cd bench && timeout ${FP8_S:-300} python3 fp8_harness.py --no-flashinfer --rounds 5 --single 81653 163336 \
+     --batches uniform8 uniform32 --arms folded_jit folded_fp8_jit fp8_tc_vrot read_folded read_folded_fp8 \
+     --json "$OUTD/fp8_vrot.json" > "$OUTD/fp8_vrot.log" 2>&1
+   echo "fp8 vrot rc=$? at $(( $(date +%s) - t0 )) s"
+   timeout ${FP8_L2_S:-90} python3 fp8_harness.py --no-flashinfer --rounds 5 --single 163336 --batches \
+     --resident-pages 32 --arms folded_jit folded_fp8_jit fp8_tc_vrot --json "$OUTD/fp8_vrot_l2.json" \
+     > "$OUTD/fp8_vrot_l2.log" 2>&1
+   echo "fp8 vrot L2 rc=$? at $(( $(date +%s) - t0 )) s"
+   timeout ${PLAN_S:-200} python3 plan_harness.py --rounds 10 --draw 920385503 \
+     --only drawn920385503/short_many drawn920385503/uniform24 uniform128 longtail64 --two-ctas --host-batches \
+     --json "$OUTD/plan_2cta.json" > "$OUTD/plan_2cta.log" 2>&1
+   echo "plan 2cta rc=$? at $(( $(date +%s) - t0 )) s")
+  tail -12 "$OUTD/fp8_vrot.log" "$OUTD/fp8_vrot_l2.log" "$OUTD/plan_2cta.log"
+fi
