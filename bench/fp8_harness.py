@@ -122,6 +122,15 @@ FP8_TC_WS = [partial_variant(f"fp8_tc_ws{suffix}", f"FP8 tensor-core partial, V^
 # run 21: the FP8 tensor-core partial over a pool whose V_rot panel is stored pre-transposed (a permuted copy of the
 # case's pool, made at the arm's first call: bench/versions/decode_partial_fp8_tc_vrot.py), three panels transposed a
 # tile instead of four; the reference reads the unpermuted pool
+# the served tensor-core partial alone: merge_groups and merge_final replaced by nothing (a timing probe: the output is
+# never written, so its check fails by design): the step less its two merge launches, which an FP8 step pays where a
+# bf16 one-wave step merges at its partial's tail
+FP8_TC_PARTIAL_ONLY = ArmSpec("fp8_tc_partial_only", "FP8 tensor-core partial alone, no merges (probe: output not"
+                              " written)", "folded_fp8", False,
+                              generated_arm("decode", KvFormat.FOLDED, "jit", dtype=FP8_DTYPE, fp8_math="tensor_cores",
+                                            kernels=lambda case: {"merge_groups": lambda *a: None,
+                                                                  "merge_final": lambda *a: None}),
+                              generated=True)
 FP8_TC_VROT = partial_variant("fp8_tc_vrot", "FP8 tensor-core partial, V_rot pre-transposed in the pool (three value"
                               " panels transposed a tile), two CTAs an SM",
                               lambda: decode_partial_fp8_tc_vrot.harness_kernel(G), fp8_math="tensor_cores")
@@ -183,7 +192,7 @@ NARROW = [ArmSpec(f"folded_w{w}", f"bf16 folded decode planned for {w} SMs ({w /
                   generated=True)
           for w in (32, 64, 96)]
 ARMS = ["folded_jit", "split_jit", "folded_fp8_jit", *VARIANTS, RS, *PROBES, *SPLITS, *BATCHED, *TWO_CTAS, *FP8_MMA,
-        *FP8_TC_T32, *FP8_TC_WS, FP8_TC_VROT,
+        *FP8_TC_T32, *FP8_TC_WS, FP8_TC_VROT, FP8_TC_PARTIAL_ONLY,
         *THREE_LAUNCHES, *LL_FUSED, *LL_PROBES, *LL_COMPACT, *TAIL_SIZES, *SMEM_TAIL, *NARROW,
         "read_folded", "read_folded_fp8", "fi_tc", "fi_tc_fp8"]
 

@@ -41,8 +41,8 @@ fi
 
 if [ "$PART" = kernels ]; then
   (cd bench && timeout ${FP8_S:-300} python3 fp8_harness.py --no-flashinfer --rounds 5 --single 81653 163336 \
-     --batches uniform8 uniform32 --arms folded_jit folded_fp8_jit fp8_tc_vrot read_folded read_folded_fp8 \
-     --json "$OUTD/fp8_vrot.json" > "$OUTD/fp8_vrot.log" 2>&1
+     --batches uniform8 uniform32 --arms folded_jit folded_fp8_jit fp8_tc_vrot fp8_tc_partial_only read_folded \
+     read_folded_fp8 --json "$OUTD/fp8_vrot.json" > "$OUTD/fp8_vrot.log" 2>&1
    echo "fp8 vrot rc=$? at $(( $(date +%s) - t0 )) s"
    timeout ${FP8_L2_S:-90} python3 fp8_harness.py --no-flashinfer --rounds 5 --single 163336 --batches \
      --resident-pages 32 --arms folded_jit folded_fp8_jit fp8_tc_vrot --json "$OUTD/fp8_vrot_l2.json" \
