@@ -26,17 +26,16 @@ one-row CUDA-core GEMV that served them before the tensor-core kernel (`bench/ve
 folded into the GEMM; "GELU in down_proj": the MLP's activation made in down_proj's x loads; "fixup + GELU"; "tail fit +
 fixup + GELU": with two stages where that removes a last wave's tail); the calls each took are printed. --tails-ab: the
 --decode cells again without the layer's tail links (`foldkv.fused_step` TAIL_SUMS and TAIL_NEXT_NORM off, each and
-both; labels "no tail sums", "no next norm", "no tail links"). --prologue-ab: the --decode cells again with a sliding
-layer's prologue in one launch (`bench/versions/sliding_prologue_one.py` installed; label "one-launch prologue"); the
-calls it took are printed. --global-prologue-ab: the --decode cells again with a global layer's norms, RoPE, query and
-row as two PDL kernels (`bench/versions/global_prologue_fused.py` installed; label "fused global prologue"); the route's
-answers are printed. --glue-ab: the --decode cells again with the step's prologue and rotary tables on a side branch of
-its graph (`bench/versions/step_glue_branch.py`; label "glue on a branch"). --ring-one-ab: the --decode cells again
-with a sliding layer's ring attention in one launch (the window split over about two programs an SM, an online
-softmax, the last program of a KV head combining; `bench/versions/ring_attention_one_launch.py`; label "ring in one
-launch"); the calls it took and its refusals are printed. With more than one of --prologue-ab, --global-prologue-ab,
---glue-ab and --ring-one-ab, the cells once more with all of them (label: their labels joined by " + ").
---profile-lab: with --profile and any of those four, the profile once more with all of them installed ("profile_lab"
+both; labels "no tail sums", "no next norm", "no tail links"). --global-prologue-ab: the --decode cells again with a
+global layer's norms, RoPE, query and row as two PDL kernels (`bench/versions/global_prologue_fused.py` installed; label
+"fused global prologue"); the route's answers are printed. --glue-ab: the --decode cells again with the step's prologue
+and rotary tables on a side branch of its graph (`bench/versions/step_glue_branch.py`; label "glue on a branch").
+--ring-one-ab: the --decode cells again with a sliding layer's ring attention in one launch (the window split over about
+two programs an SM, an online softmax, the last program of a KV head combining;
+`bench/versions/ring_attention_one_launch.py`; label "ring in one launch"); the calls it took and its refusals are
+printed. With more than one of --global-prologue-ab, --glue-ab and --ring-one-ab, the cells once more with all of them
+(label: their labels joined by " + ").
+--profile-lab: with --profile and any of those three, the profile once more with all of them installed ("profile_lab"
 in the JSON: the versions' own kernel times). Results are not records: the batch's notebook is.
 """
 
@@ -89,7 +88,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tc-ab", action="store_true")
     ap.add_argument("--lab-ab", action="store_true")
     ap.add_argument("--tails-ab", action="store_true")
-    ap.add_argument("--prologue-ab", action="store_true")
     ap.add_argument("--global-prologue-ab", action="store_true")
     ap.add_argument("--glue-ab", action="store_true")
     ap.add_argument("--ring-one-ab", action="store_true")
@@ -203,10 +201,9 @@ def main(argv=None) -> int:
             with (mock.patch.object(fused_step, "TAIL_SUMS", sums),
                   mock.patch.object(fused_step, "TAIL_NEXT_NORM", ahead)):
                 out["decode"] += decode_cells(label)
-    # the lab versions of runs 22-25, each alone, then together when more than one is asked for (entered in this
+    # the lab versions of runs 23-25, each alone, then together when more than one is asked for (entered in this
     # order: the branch's joins wrap what the others swap in)
     lab_versions = [(label, name) for flag, label, name in (
-        (args.prologue_ab, "one-launch prologue", "sliding_prologue_one"),
         (args.global_prologue_ab, "fused global prologue", "global_prologue_fused"),
         (args.glue_ab, "glue on a branch", "step_glue_branch"),
         (args.ring_one_ab, "ring in one launch", "ring_attention_one_launch")) if flag]

@@ -157,19 +157,14 @@ def test_the_ring_seam(model):
         step.__class__ = DecodeStep
 
 
-def test_run_22s_step_command_parses():
-    args = probe_command_of_run(22)
-    assert args.prologue_ab and len(args.decode) == 3, args
-    assert not bench_script("model_decode_probe").parser().parse_args([]).prologue_ab
-
-
 @pytest.mark.parametrize("bad", ["slot_dtype", "ring_shape", "q_width", None])
 def test_the_one_launch_prologue_refuses_before_launching(bad):
-    """bench/versions/sliding_prologue_one.py asks the library's checks (`q_rows_args`, `kv_rows_args`) before its
-    launch: a bad input raises FoldKvInputError on any machine and nothing is written (the rings stay poisoned)."""
+    """`fused_step_ops.sliding_prologue` asks both checks (`q_rows_args`, `kv_rows_args`) before its one launch: a bad
+    input raises FoldKvInputError on any machine and nothing is written (the rings stay poisoned)."""
     from foldkv.validate import FoldKvInputError
 
-    one = bench_version("sliding_prologue_one")
+    from foldkv import fused_step_ops as ops
+
     b, hq, hkv, d, w = 2, 4, 2, 16, 8
     q = torch.randn(b, 1, hq * d + (3 if bad == "q_width" else 0), dtype=torch.bfloat16)
     k, v = torch.randn(b, 1, hkv * d, dtype=torch.bfloat16), torch.randn(b, 1, hkv * d, dtype=torch.bfloat16)
@@ -183,11 +178,9 @@ def test_the_one_launch_prologue_refuses_before_launching(bad):
         norm.weight, norm.eps = torch.nn.Parameter(torch.ones(d, dtype=torch.bfloat16)), 1e-6
         setattr(attn, name, norm)
     if bad is None:  # red twin of the refusals: good inputs pass both checks (the launch needs a GPU)
-        from foldkv import fused_step_ops as ops
-
         assert ops.q_rows_args(q, attn.q_norm.weight, 1e-6, cos, sin, hq)[0].shape == (b, hq, d)
         assert ops.kv_rows_args(k, v, attn.k_norm.weight, 1e-6, 1e-6, cos, sin, ring_k, ring_v, slot)[0] == b * hkv
         return
     with pytest.raises(FoldKvInputError):
-        one.sliding_prologue(attn, q, k, v, cos, sin, ring_k, ring_v, slot)
+        ops.sliding_prologue(attn, q, k, v, cos, sin, ring_k, ring_v, slot)
     assert bool(ring_k.isnan().all() and ring_v.isnan().all()), "something was written before the refusal"

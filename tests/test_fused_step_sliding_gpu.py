@@ -120,8 +120,8 @@ def test_the_step_with_and_without_the_fused_sliding_prologue(synthetic_model, d
     from foldkv import fused_step as fs, fused_step_ops as ops
 
     calls = []
-    own = ops.kv_to_ring  # what fused_step's sliding_prologue calls
-    monkeypatch.setattr(ops, "kv_to_ring", lambda *a, **kw: calls.append(1) or own(*a, **kw))
+    own = ops.kv_rows_args  # what fused_step's sliding_prologue asks for its KV rows' launch
+    monkeypatch.setattr(ops, "kv_rows_args", lambda *a, **kw: calls.append(1) or own(*a, **kw))
     try:
         fs.FUSE_SLIDING = False
         unfused = _generate(synthetic_model, decode_step)
@@ -140,7 +140,7 @@ def test_the_step_with_and_without_the_fused_sliding_prologue(synthetic_model, d
 
     # red twin: the step's K/V rows written one slot ahead (the ring's slot the step reads keeps an old row)
     def one_off(k, v, kw, ke, ve, cos, sin, rk, rv, slot):
-        own(k, v, kw, ke, ve, cos, sin, rk, rv, torch.remainder(slot + 1, rk.shape[2]))
-    monkeypatch.setattr(ops, "kv_to_ring", one_off)
+        return own(k, v, kw, ke, ve, cos, sin, rk, rv, torch.remainder(slot + 1, rk.shape[2]))
+    monkeypatch.setattr(ops, "kv_rows_args", one_off)
     twin = _generate(synthetic_model, decode_step)
     assert not torch.equal(twin[1], fused[1]), "rows written one slot off changed nothing"

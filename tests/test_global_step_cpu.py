@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from conftest import (TINY_SYNTHETIC, bench_script, bench_version, left_padded_batch, probe_command_of_run,
+from conftest import (TINY_SYNTHETIC, bench_script, bench_version, left_padded_batch,
                       require_module)
 
 BF16 = torch.bfloat16
@@ -190,12 +190,6 @@ def test_every_global_step_of_a_cpu_generate_takes_the_torch_path(tmp_path, monk
     assert torch.equal(off[0], tokens) and torch.equal(off[1], logits)
 
 
-def test_run_23s_step_command_parses():
-    args = probe_command_of_run(23)
-    assert args.global_prologue_ab and args.prologue_ab and len(args.decode) == 3, args  # with run 22: "both"
-    assert not bench_script("model_decode_probe").parser().parse_args([]).global_prologue_ab
-
-
 def test_the_fused_global_prologue_takes_only_a_started_step_and_its_modules(tmp_path):
     """bench/versions/global_prologue_fused.py: its forward goes to the kernels only inside a started decode step
     (anything else answers why and runs the class's forward), and it describes the global attention modules only."""
@@ -215,11 +209,9 @@ def test_the_fused_global_prologue_takes_only_a_started_step_and_its_modules(tmp
     assert fused.route(mods[0], {"hidden_states": x}) == "not a started decode step"
 
 
-def test_run_24s_step_command_parses_and_the_branch_leaves_a_cpu_step_alone(tmp_path):
-    """Run 24's probe command asks all three lab versions; on the CPU (a static step, no fused step) the branch's body
-    is DecodeStep's own: no step takes the branch and the tokens are the library's."""
-    args = probe_command_of_run(24)
-    assert args.glue_ab and args.prologue_ab and args.global_prologue_ab and len(args.decode) == 3, args
+def test_the_branch_leaves_a_cpu_step_alone(tmp_path):
+    """bench/versions/step_glue_branch.py on the CPU (a static step, no fused step): the branch's body is DecodeStep's
+    own: no step takes the branch and the tokens are the library's."""
     assert not bench_script("model_decode_probe").parser().parse_args([]).glue_ab
     require_module("transformers")
     require_module("safetensors")

@@ -1,11 +1,11 @@
 """The decode step's Triton kernels in Triton's interpreter, on CPU tensors: `foldkv.fused_step_ops`' launches (norms,
 the residual tails with and without split partials, RoPE, GELU x up, the ring's masked softmax, a sliding layer's
-prologue), `foldkv.gemv`'s tensor-core GEMM and its split sum, `foldkv.global_step`'s query and row kernels, and the
-lab's (the read roof's streaming sum; bench/versions/sliding_prologue_one.py, global_prologue_fused.py and
+prologue in one launch and as two), `foldkv.gemv`'s tensor-core GEMM and its split sum, `foldkv.global_step`'s query and
+row kernels, and the lab's (the read roof's streaming sum; bench/versions/global_prologue_fused.py and
 ring_attention_one_launch.py), each against what it replaces. The GPU tests hold the compiled kernels to the same
 statements on the H200; these run everywhere Triton is installed (a CPU torch gets the H200's Triton from
-scripts/install.sh), so a launch that passes a wrong stride, a moved host function that lost a name, or a formula
-that left torch's rounding points fails in CI.
+scripts/install.sh), so a launch that passes a wrong stride, a moved host function that lost a name, or a formula that
+left torch's rounding points fails in CI.
 
 Triton's interpreter is chosen when a kernel is defined (`TRITON_INTERPRET=1` at import), so the kernels run in a
 child pytest of this file (`test_the_kernels_in_the_interpreter`); in this process the others skip. Two things the
@@ -573,9 +573,8 @@ def test_global_row_is_rows_from_key_value_then_store_rows(batch, fmt):
 @inside
 @pytest.mark.parametrize("batch", [1, 3])
 def test_the_one_launch_sliding_prologue_is_the_two_launches(batch):
-    from conftest import bench_version
+    from conftest import two_launch_prologue
 
-    one = bench_version("sliding_prologue_one")
     ops = _ops()
     hq, hkv, d, window, slot = 4, 2, 64, 8, 3
     q, k, v, cos, sin = _prologue_inputs(batch, hq, hkv, d, seed=100 + batch)
@@ -586,15 +585,15 @@ def test_the_one_launch_sliding_prologue_is_the_two_launches(batch):
                 torch.full((batch, hkv, window, d), float("nan"), dtype=BF16))
 
     want_k, want_v = rings()
-    want_q = ops.sliding_prologue(attn, q, k, v, cos, sin, want_k, want_v, torch.tensor([slot]))
+    want_q = two_launch_prologue(attn, q, k, v, cos, sin, want_k, want_v, torch.tensor([slot]))
     got_k, got_v = rings()
-    got_q = one.sliding_prologue(attn, q, k, v, cos, sin, got_k, got_v, torch.tensor([slot]))
+    got_q = ops.sliding_prologue(attn, q, k, v, cos, sin, got_k, got_v, torch.tensor([slot]))
     assert torch.equal(got_q, want_q)
     assert torch.equal(got_k.nan_to_num(7.0), want_k.nan_to_num(7.0))  # the slot bitwise, the other slots unwritten
     assert torch.equal(got_v.nan_to_num(7.0), want_v.nan_to_num(7.0))
     assert not bool(got_k[:, :, slot].isnan().any())
     twin_k, _ = rings()  # red twin: the KV rows left out of the grid
-    one.sliding_prologue(attn, q, k, v, cos, sin, twin_k, rings()[1], torch.tensor([slot]), red_skip_kv=True)
+    ops.sliding_prologue(attn, q, k, v, cos, sin, twin_k, rings()[1], torch.tensor([slot]), _red_skip_kv=True)
     assert not torch.equal(twin_k.nan_to_num(7.0), want_k.nan_to_num(7.0))
 
 

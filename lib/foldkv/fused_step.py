@@ -14,10 +14,11 @@ the block (the step `foldkv.hf_graph` runs and captures), each of them for one k
   reads them, and the next decoder layer's input norm made by this layer's last kernel, bitwise the step without;
 - `masked_softmax`: the ring attention's float32 softmax of masked scores, rounded to the model dtype;
 - a sliding layer's attention inside DecodeStep's step (`sliding_route`: a RingMask, the step's ring, CUDA), between
-  the q|k|v GEMV and o_proj, with its seven small launches before the ring attention as two (`FUSE_SLIDING`;
-  `sliding_prologue`): `q_norm_rope` (q_norm then RoPE of each query head, read in place from the GEMV's output) and
-  `kv_to_ring` (k_norm + RoPE and v_norm written straight into the rings' slot for this step, read on the device:
-  update_sliding's two index_copy_); the ring attention itself stays `hf_graph.ring_attention`.
+  the q|k|v GEMV and o_proj, with its seven small launches before the ring attention as one (`FUSE_SLIDING`;
+  `sliding_prologue`): what `q_norm_rope` (q_norm then RoPE of each query head, read in place from the GEMV's output)
+  and `kv_to_ring` (k_norm + RoPE and v_norm written straight into the rings' slot for this step, read on the device:
+  update_sliding's two index_copy_) compute, their row bodies side by side in one kernel; the ring attention itself
+  stays `hf_graph.ring_attention`.
 - the step's projections at 1..16 rows (`foldkv.gemv`, PDL_GEMV): the merged q|k|v and gate|up GEMVs (`merged_linear`),
   o_proj, down_proj and the LM head (`projection_modules`) as a tensor-core skinny GEMM under programmatic dependent
   launch, and the kernels above launched with PDL too (`gemv.pdl_kw`): each waits for the kernel ahead before its

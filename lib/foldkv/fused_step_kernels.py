@@ -218,6 +218,22 @@ if triton is not None:
         _kv_row(tl.program_id(0).to(tl.int64), k_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, ring_k_ptr, ring_v_ptr,
                 slot_ptr, heads, k_stride, v_stride, window, n, eps_k, eps_v, D)
 
+    @triton.jit
+    def sliding_prologue_rows(x_ptr, q_w_ptr, q_cos_ptr, q_sin_ptr, y_ptr, q_heads, x_stride, q_n, q_eps,
+                              k_ptr, v_ptr, k_w_ptr, k_cos_ptr, k_sin_ptr, ring_k_ptr, ring_v_ptr, slot_ptr, kv_heads,
+                              k_stride, v_stride, window, kv_n, eps_k, eps_v, q_rows, D: tl.constexpr,
+                              GDC: tl.constexpr = False):
+        """A sliding layer's prologue in one launch: program r < q_rows is query row r (`q_norm_rope_rows`' body),
+        the others KV row r - q_rows (`kv_norm_rope_ring`'s): the two row kinds run side by side, not one kernel
+        after the other."""
+        _chain(GDC)
+        row = tl.program_id(0).to(tl.int64)
+        if row < q_rows:
+            _q_row(row, x_ptr, q_w_ptr, q_cos_ptr, q_sin_ptr, y_ptr, q_heads, x_stride, q_n, q_eps, D)
+        else:
+            _kv_row(row - q_rows, k_ptr, v_ptr, k_w_ptr, k_cos_ptr, k_sin_ptr, ring_k_ptr, ring_v_ptr, slot_ptr,
+                    kv_heads, k_stride, v_stride, window, kv_n, eps_k, eps_v, D)
+
     # --- a global layer's decode step after its norms and RoPE: the format's query and the page row ---------------
     @triton.jit
     def global_query_rows(q_ptr, w_ptr, cols_ptr, out_ptr, heads, q_sb, q_sh, q_sd, D: tl.constexpr,

@@ -19,7 +19,8 @@ def _kernels() -> dict:
         from . import fused_step_kernels as k
 
         _KERNELS = dict(rms_norm=k.rms_norm_rows, norm_add=k.norm_add_rows, rope=k.rope_rows, gelu_mul=k.gelu_mul_rows,
-                        softmax=k.masked_softmax_rows, q_norm_rope=k.q_norm_rope_rows, kv_ring=k.kv_norm_rope_ring)
+                        softmax=k.masked_softmax_rows, q_norm_rope=k.q_norm_rope_rows, kv_ring=k.kv_norm_rope_ring,
+                        sliding_prologue=k.sliding_prologue_rows)
     return _KERNELS
 
 
@@ -160,12 +161,13 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype)
     return out.view(scores.shape)
 
 
-# --- a sliding layer's decode step before its ring attention: two kernels -----------------------------------------
+# --- a sliding layer's decode step before its ring attention: one kernel ------------------------------------------
 # Inside DecodeStep's step a sliding layer runs, after its q|k|v GEMV: q_norm, k_norm, v_norm (3 launches), RoPE of q
 # and k (2), index_copy of k and v into the rings (2), then ring_attention's q.K^T matmul, masked softmax and P.V
-# matmul (3): 10 launches. `q_norm_rope` and `kv_to_ring` do the first 7 in 2, at torch's rounding points; the ring
-# attention stays cuBLAS's two batched matmuls around the fused softmax (`hf_graph.ring_attention`): one Triton
-# kernel for it was 1.0-2.3 ms a step slower on the 31B (bench/versions/ring_attention_triton.py).
+# matmul (3): 10 launches. `q_norm_rope` and `kv_to_ring` do the first 7 at torch's rounding points, and
+# `sliding_prologue` runs both in one launch; the ring attention stays cuBLAS's two batched matmuls around the fused
+# softmax (`hf_graph.ring_attention`): the Triton kernels tried for it were slower on the 31B
+# (bench/versions/ring_attention_triton.py, ring_attention_split.py, ring_attention_one_launch.py).
 
 
 def _head_rows(x: torch.Tensor, heads: int, d: int, name: str) -> int:
@@ -253,12 +255,23 @@ def kv_to_ring(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps: 
 
 
 def sliding_prologue(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+                     sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, slot: torch.Tensor, *,
+                     _red_skip_kv: bool = False) -> torch.Tensor:
     """A sliding layer's decode step before its ring attention, from its projections' outputs q, k, v [B, 1, H * d]:
-    `q_norm_rope` (returned, [B, Hq, d]) then `kv_to_ring` (the step's K and V rows into the rings at `slot`), with
-    the module's norms."""
+    what `q_norm_rope` (returned, [B, Hq, d]) and `kv_to_ring` (the step's K and V rows into the rings at `slot`)
+    compute, with the module's norms, in one launch (`sliding_prologue_rows`: the two kernels' row bodies side by
+    side, so the outputs are bitwise theirs; one launch and one PDL boundary fewer a layer, -0.07 ms a step on the 31B,
+    bench/MODEL_DECODE_NOTES.md run 22). Both calls' checks run before the launch. `_red_skip_kv` (the tests' red
+    twin, never for use): the grid holds the query rows only, so the rings' slot is not written."""
+    from .validate import FoldKvInputError
+
     d = ring_k.shape[-1]
-    out = q_norm_rope(q, attn.q_norm.weight, norm_eps(attn.q_norm), cos, sin, q.shape[-1] // d)
-    kv_to_ring(k, v, attn.k_norm.weight, norm_eps(attn.k_norm), norm_eps(attn.v_norm), cos, sin, ring_k, ring_v,
-               slot)
+    out, q_args, dq = q_rows_args(q, attn.q_norm.weight, norm_eps(attn.q_norm), cos, sin, q.shape[-1] // d)
+    kv_rows, kv_args, dk = kv_rows_args(k, v, attn.k_norm.weight, norm_eps(attn.k_norm), norm_eps(attn.v_norm), cos,
+                                        sin, ring_k, ring_v, slot)
+    if dq != dk:
+        raise FoldKvInputError(f"q heads of {dq} and rings of {dk}: one head_dim for both")
+    q_rows = out.shape[0] * out.shape[1]
+    grid = (q_rows + (0 if _red_skip_kv else kv_rows),)
+    _kernels()["sliding_prologue"][grid](*q_args, *kv_args, q_rows, D=dq, num_warps=_warps(dq), **_pdl(q))
     return out
