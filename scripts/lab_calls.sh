@@ -22,7 +22,7 @@ PART=${PART:-tests}
 
 if [ "$PART" = tests ]; then
   FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-540} python3 -m pytest -q -ra --tb=short -p no:cacheprovider \
-    tests/test_fused_step_gpu.py tests/test_fused_step_sliding_gpu.py tests/test_sliding_prologue_gpu.py \
+    tests/test_fused_step_gpu.py tests/test_fused_step_sliding_gpu.py \
     tests/test_fp8_tc_vrot_gpu.py > "$OUTD/pytest_lab.log" 2>&1
   echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/pytest_lab.log")"
 fi
