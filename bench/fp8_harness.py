@@ -119,9 +119,6 @@ FP8_TC_WS = [partial_variant(f"fp8_tc_ws{suffix}", f"FP8 tensor-core partial, V^
                              f" without the transpose (transposer {n} registers), two CTAs an SM",
                              lambda n=n: decode_partial_fp8_tc_ws.build(G, transposer_nreg=n), fp8_math="tensor_cores")
              for suffix, n in (("", 112), ("_r96", 96))]
-# run 21: the FP8 tensor-core partial over a pool whose V_rot panel is stored pre-transposed (a permuted copy of the
-# case's pool, made at the arm's first call: bench/versions/decode_partial_fp8_tc_vrot.py), three panels transposed a
-# tile instead of four; the reference reads the unpermuted pool
 # the served tensor-core partial alone: merge_groups and merge_final replaced by nothing (a timing probe: the output is
 # never written, so its check fails by design): the step less its two merge launches, which an FP8 step pays where a
 # bf16 one-wave step merges at its partial's tail
@@ -131,6 +128,9 @@ FP8_TC_PARTIAL_ONLY = ArmSpec("fp8_tc_partial_only", "FP8 tensor-core partial al
                                             kernels=lambda case: {"merge_groups": lambda *a: None,
                                                                   "merge_final": lambda *a: None}),
                               generated=True)
+# run 21: the FP8 tensor-core partial over a pool whose V_rot panel is stored pre-transposed (a permuted copy of the
+# case's pool, made at the arm's first call: bench/versions/decode_partial_fp8_tc_vrot.py), three panels transposed a
+# tile instead of four; the reference reads the unpermuted pool
 FP8_TC_VROT = partial_variant("fp8_tc_vrot", "FP8 tensor-core partial, V_rot pre-transposed in the pool (three value"
                               " panels transposed a tile), two CTAs an SM",
                               lambda: decode_partial_fp8_tc_vrot.harness_kernel(G), fp8_math="tensor_cores")

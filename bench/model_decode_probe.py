@@ -95,6 +95,16 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+@contextlib.contextmanager
+def all_installed(versions):
+    """Every (label, name) of bench/versions/ installed for the block, in the order given (bench/ is this script's
+    directory)."""
+    with contextlib.ExitStack() as stack:
+        for _, name in versions:
+            stack.enter_context(importlib.import_module(f"versions.{name}").installed())
+        yield
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     import foldkv.hf  # noqa: F401
@@ -213,9 +223,7 @@ def main(argv=None) -> int:
         out.setdefault("lab_versions", {})[label] = took.report() if hasattr(took, "report") else dict(took)
         print(f"{label}: {out['lab_versions'][label]}", flush=True)
     if len(lab_versions) > 1:
-        with contextlib.ExitStack() as stack:
-            for _, name in lab_versions:
-                stack.enter_context(importlib.import_module(f"versions.{name}").installed())
+        with all_installed(lab_versions):
             out["decode"] += decode_cells(" + ".join(label for label, _ in lab_versions))
     if args.pdl_ab:
         gemv.reset()
@@ -234,9 +242,7 @@ def main(argv=None) -> int:
     if args.profile:
         profile("profile")
         if args.profile_lab and lab_versions:
-            with contextlib.ExitStack() as stack:
-                for _, name in lab_versions:
-                    stack.enter_context(importlib.import_module(f"versions.{name}").installed())
+            with all_installed(lab_versions):
                 profile("profile_lab")
     if args.compile:
         out["compile"] = md.run_cells(md.measure_static_compile, [dict(model=model, prompt_tokens=args.compile,

@@ -105,6 +105,7 @@ def _record_launches(path: str) -> None:
     from triton.runtime import interpreter as ti
 
     run = ti.InterpretedFunction.run
+    written: set = set()
 
     def recorded(self, *args, grid, warmup, **kwargs):
         fn = self.fn
@@ -129,10 +130,11 @@ def _record_launches(path: str) -> None:
                 else:
                     ok = False
             options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
-            if ok:
+            line = json.dumps({"module": fn.__module__, "name": fn.__qualname__, "spec": spec, "options": options})
+            if ok and line not in written:  # each specialisation once
+                written.add(line)
                 with open(path, "a") as fh:
-                    fh.write(json.dumps({"module": fn.__module__, "name": fn.__qualname__, "spec": spec,
-                                         "options": options}) + "\n")
+                    fh.write(line + "\n")
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     ti.InterpretedFunction.run = recorded
@@ -188,10 +190,10 @@ def _compile_specs(log: Path) -> list[dict]:
         rec = json.loads(line)
         if any(n.startswith("RED_") and v for n, k, v in rec["spec"] if k == "constexpr"):
             continue
-        for gdc in (None, True):
-            if gdc is not None and not any(n == "GDC" for n, _, _ in rec["spec"]):
-                continue
-            spec = [[n, k, gdc if n == "GDC" and gdc is not None else v] for n, k, v in rec["spec"]]
+        variants = [rec["spec"]]
+        if any(n == "GDC" for n, _, _ in rec["spec"]):
+            variants.append([[n, k, True if n == "GDC" else v] for n, k, v in rec["spec"]])
+        for spec in variants:
             key = json.dumps([rec["module"], rec["name"], spec, rec["options"]], sort_keys=True)
             if key not in seen:
                 seen.add(key)
