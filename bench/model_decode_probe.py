@@ -27,15 +27,15 @@ folded into the GEMM; "GELU in down_proj": the MLP's activation made in down_pro
 fixup + GELU": with two stages where that removes a last wave's tail); the calls each took are printed. --tails-ab: the
 --decode cells again without the layer's tail links (`foldkv.fused_step` TAIL_SUMS and TAIL_NEXT_NORM off, each and
 both; labels "no tail sums", "no next norm", "no tail links"). --global-prologue-ab: the --decode cells again with a
-global layer's norms, RoPE, query and row as two PDL kernels (`bench/versions/global_prologue_fused.py` installed; label
-"fused global prologue"); the route's answers are printed. --glue-ab: the --decode cells again with the step's prologue
+global layer's forward transformers' (`fused_step.FUSE_GLOBAL_PROLOGUE` off: its norms and RoPE as five kernels, then
+DecodeStep.attend's two; label "global prologue unfused"). --glue-ab: the --decode cells again with the step's prologue
 and rotary tables on a side branch of its graph (`bench/versions/step_glue_branch.py`; label "glue on a branch").
 --ring-one-ab: the --decode cells again with a sliding layer's ring attention in one launch (the window split over about
 two programs an SM, an online softmax, the last program of a KV head combining;
 `bench/versions/ring_attention_one_launch.py`; label "ring in one launch"); the calls it took and its refusals are
-printed. With more than one of --global-prologue-ab, --glue-ab and --ring-one-ab, the cells once more with all of them
+printed. With both --glue-ab and --ring-one-ab, the cells once more with both
 (label: their labels joined by " + ").
---profile-lab: with --profile and any of those three, the profile once more with all of them installed ("profile_lab"
+--profile-lab: with --profile and either of those two, the profile once more with all of them installed ("profile_lab"
 in the JSON: the versions' own kernel times). Results are not records: the batch's notebook is.
 """
 
@@ -211,10 +211,14 @@ def main(argv=None) -> int:
             with (mock.patch.object(fused_step, "TAIL_SUMS", sums),
                   mock.patch.object(fused_step, "TAIL_NEXT_NORM", ahead)):
                 out["decode"] += decode_cells(label)
-    # the lab versions of runs 23-25, each alone, then together when more than one is asked for (entered in this
-    # order: the branch's joins wrap what the others swap in)
+    if args.global_prologue_ab:
+        from foldkv import fused_step
+
+        with mock.patch.object(fused_step, "FUSE_GLOBAL_PROLOGUE", False):
+            out["decode"] += decode_cells("global prologue unfused")
+    # the lab versions of runs 24-25, each alone, then together when both are asked for (entered in this order: the
+    # branch's joins wrap what the other swaps in)
     lab_versions = [(label, name) for flag, label, name in (
-        (args.global_prologue_ab, "fused global prologue", "global_prologue_fused"),
         (args.glue_ab, "glue on a branch", "step_glue_branch"),
         (args.ring_one_ab, "ring in one launch", "ring_attention_one_launch")) if flag]
     for label, name in lab_versions:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lab's measurements whose predictions are written and not yet run on the H200, a device call a PART (each under
 # the call's 600 s), logs and JSON into $OUT. The predictions and what proves each wrong are in the notes:
-#   PART=tests    the GPU tests of the pending versions and of the library code they build on (~3-4 min)
+#   PART=tests    the GPU tests of the pending versions and of the library code not yet run on the GPU (~3-4 min)
 #   PART=kernels  the FP8 partial over a pre-transposed V_rot and the FP8 step's merges (bench/FP8_NOTES.md run 21),
 #                 then many short requests at two CTAs an SM (bench/DECODE_NOTES.md run 22) (~4-6 min)
 # (The 31B step's runs 22-25 were measured at 9f9ef77: papermill_runs/h200-20261205-s27.)
@@ -22,8 +22,8 @@ PART=${PART:-tests}
 
 if [ "$PART" = tests ]; then
   FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-540} python3 -m pytest -q -ra --tb=short -p no:cacheprovider \
-    tests/test_fused_step_gpu.py tests/test_fused_step_sliding_gpu.py \
-    tests/test_fp8_tc_vrot_gpu.py > "$OUTD/pytest_lab.log" 2>&1
+    tests/test_fused_step_gpu.py tests/test_fused_step_sliding_gpu.py tests/test_global_prologue_gpu.py \
+    tests/test_global_step_gpu.py tests/test_fp8_tc_vrot_gpu.py > "$OUTD/pytest_lab.log" 2>&1
   echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/pytest_lab.log")"
 fi
 

@@ -52,7 +52,9 @@ def test_the_swap_takes_the_sliding_layers_only(model):
     with fs.fused_step(model) as n:
         assert n["sliding_attention"] == len(sliding)
         assert all("forward" in vars(layers[i].self_attn) for i in sliding)
-        assert not any("forward" in vars(layers[i].self_attn) for i in range(len(layers)) if i not in sliding)
+        others = [layers[i].self_attn for i in range(len(layers)) if i not in sliding]  # the global forward's
+        assert all(("forward" in vars(m)) == (m in fs.global_attention_modules(model)) for m in others)
+        assert not any(getattr(vars(m).get("forward"), "func", None) is fs._sliding_forward for m in others)
     assert not any("forward" in vars(layer.self_attn) for layer in layers)  # put back
 
 

@@ -138,6 +138,29 @@ def test_fused_step_routes_the_merged_groups_o_down_and_the_lm_head(model):
 
 
 # --- every fused_step kernel is a link of the PDL chain: a static check of the two sources -------------------------
+def entry_problems(kernels_src: str, names) -> list[str]:
+    """Each kernel of `names` in fused_step_kernels' source that is not defined, has no `GDC: tl.constexpr = False`
+    parameter, or whose first statement after its docstring is not `_chain(GDC)`."""
+    problems = []
+    defs = {n.name: n for n in ast.walk(ast.parse(kernels_src)) if isinstance(n, ast.FunctionDef)}
+    for name in sorted(names):
+        fn = defs.get(name)
+        if fn is None:
+            problems.append(f"{name}: not defined")
+            continue
+        args = fn.args.args
+        defaults = dict(zip([a.arg for a in args][len(args) - len(fn.args.defaults):], fn.args.defaults))
+        gdc = [a for a in args if a.arg == "GDC"]
+        if not gdc or ast.unparse(gdc[0].annotation) != "tl.constexpr" or getattr(defaults.get("GDC"), "value",
+                                                                                   None) is not False:
+            problems.append(f"{name}: no GDC: tl.constexpr = False parameter")
+        doc = isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
+        body = fn.body[1:] if doc else fn.body
+        if not body or ast.unparse(body[0]) != "_chain(GDC)":
+            problems.append(f"{name}: its first statement is not _chain(GDC)")
+    return problems
+
+
 def chain_problems(kernels_src: str, step_src: str) -> list[str]:
     """What breaks the PDL chain in fused_step_kernels' source (`kernels_src`) and its launches' (fused_step_ops,
     `step_src`): a kernel launched there (a value of `_kernels()`'s dict) without a `GDC: tl.constexpr = False`
@@ -153,22 +176,7 @@ def chain_problems(kernels_src: str, step_src: str) -> list[str]:
                     launched |= {kw.value.attr for kw in call.keywords if isinstance(kw.value, ast.Attribute)}
     if not launched:
         problems.append("no kernels found in fused_step_ops._kernels")
-    defs = {n.name: n for n in ast.walk(ast.parse(kernels_src)) if isinstance(n, ast.FunctionDef)}
-    for name in sorted(launched):
-        fn = defs.get(name)
-        if fn is None:
-            problems.append(f"{name}: not defined")
-            continue
-        args = fn.args.args
-        defaults = dict(zip([a.arg for a in args][len(args) - len(fn.args.defaults):], fn.args.defaults))
-        gdc = [a for a in args if a.arg == "GDC"]
-        if not gdc or ast.unparse(gdc[0].annotation) != "tl.constexpr" or getattr(defaults.get("GDC"), "value",
-                                                                                   None) is not False:
-            problems.append(f"{name}: no GDC: tl.constexpr = False parameter")
-        doc = isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
-        body = fn.body[1:] if doc else fn.body
-        if not body or ast.unparse(body[0]) != "_chain(GDC)":
-            problems.append(f"{name}: its first statement is not _chain(GDC)")
+    problems += entry_problems(kernels_src, launched)
     for node in ast.walk(step):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
                 and isinstance(node.func.value, ast.Subscript) and "_kernels()" in ast.unparse(node.func.value)):
@@ -192,6 +200,29 @@ def test_every_fused_step_kernel_is_a_link_of_the_pdl_chain():
     assert no_kw != step
     found = chain_problems(kernels, no_kw)
     assert len(found) == 1 and "launched without **_pdl" in found[0]
+
+
+def pdl_launches(src: str) -> set[str]:
+    """The kernels a module launches as `_kernels().NAME[grid](..., **_pdl(...))` (global_step's form)."""
+    return {node.func.value.attr for node in ast.walk(ast.parse(src))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+            and isinstance(node.func.value, ast.Attribute) and ast.unparse(node.func.value.value) == "_kernels()"
+            and any(kw.arg is None and ast.unparse(kw.value).startswith("_pdl(") for kw in node.keywords)}
+
+
+def test_the_global_prologue_kernels_are_links_of_the_pdl_chain():
+    """global_step's two kernels that run inside the fused step's global forward are PDL links; its two kernels after
+    the model's norms (DecodeStep.attend) are plain launches."""
+    kernels = (ROOT / "lib/foldkv/fused_step_kernels.py").read_text()
+    src = (ROOT / "lib/foldkv/global_step.py").read_text()
+    linked = pdl_launches(src)
+    assert linked == {"global_query_prologue", "global_row_prologue"}, linked
+    assert entry_problems(kernels, linked) == []
+    no_kw = src.replace("num_warps=_warps(d), **_pdl(k))", "num_warps=_warps(d))", 1)  # red twins
+    assert no_kw != src and pdl_launches(no_kw) == {"global_query_prologue"}
+    no_entry = kernels.replace("        _chain(GDC)\n        model_ty = cos_ptr", "        model_ty = cos_ptr", 1)
+    assert no_entry != kernels
+    assert entry_problems(no_entry, linked) == ["global_row_prologue: its first statement is not _chain(GDC)"]
 
 
 def test_the_probe_parses_pdl_ab():

@@ -190,23 +190,31 @@ def test_every_global_step_of_a_cpu_generate_takes_the_torch_path(tmp_path, monk
     assert torch.equal(off[0], tokens) and torch.equal(off[1], logits)
 
 
-def test_the_fused_global_prologue_takes_only_a_started_step_and_its_modules(tmp_path):
-    """bench/versions/global_prologue_fused.py: its forward goes to the kernels only inside a started decode step
-    (anything else answers why and runs the class's forward), and it describes the global attention modules only."""
+def test_the_global_forward_takes_only_a_started_step_and_its_modules(tmp_path, monkeypatch):
+    """fused_step's global forward: the swap takes the global attention modules only (not the sliding ones) and puts
+    them back; its route answers why for anything but a started decode step (and with FUSE_GLOBAL_PROLOGUE off, that),
+    so a CPU generate() inside fused_step runs the class's forward."""
     require_module("transformers")
     require_module("safetensors")
-    fused = bench_version("global_prologue_fused")
     import foldkv.hf  # noqa: F401
+    from foldkv import fused_step as fs
     from foldkv.lab.model import load_model
     from foldkv.lab.synthetic import make_synthetic_checkpoint
 
     ckpt = make_synthetic_checkpoint(tmp_path, seed=3, sliding_window=8, **TINY_SYNTHETIC)
     model = load_model(ckpt, dtype=torch.float32, attn_implementation="foldkv")
-    mods = fused.global_attention_modules(model)
+    mods = fs.global_attention_modules(model)
     every = [m for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"]
     assert mods and all(not m.is_sliding for m in mods) and len(mods) < len(every)  # red twin: the sliding ones left
+    with fs.fused_step(model) as n:
+        assert n["global_attention"] == len(mods) and all("forward" in vars(m) for m in mods)
+    assert not any("forward" in vars(m) for m in every)  # put back
     x = torch.randn(2, 1, model.config.hidden_size)
-    assert fused.route(mods[0], {"hidden_states": x}) == "not a started decode step"
+    assert fs.global_forward_route(mods[0], {"hidden_states": x}) == "not a started decode step"
+    monkeypatch.setattr(fs, "FUSE_GLOBAL_PROLOGUE", False)
+    assert fs.global_forward_route(mods[0], {"hidden_states": x}) == "FUSE_GLOBAL_PROLOGUE is off"
+    with fs.fused_step(model) as n:
+        assert n["global_attention"] == 0
 
 
 def test_the_branch_leaves_a_cpu_step_alone(tmp_path):

@@ -141,7 +141,12 @@ def _spied(monkeypatch, gst):
 @pytest.mark.parametrize("batch", sorted(LENGTHS))
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_step_with_and_without_the_global_kernels(synthetic_model, fmt, batch, monkeypatch):
+    """DecodeStep.attend's two kernels: the fused step's global forward (tests/test_global_prologue_gpu.py) is off,
+    so every global layer runs transformers' forward into attend."""
     gst = _library()
+    from foldkv import fused_step
+
+    monkeypatch.setattr(fused_step, "FUSE_GLOBAL_PROLOGUE", False)
     routes, rows = _spied(monkeypatch, gst)
     monkeypatch.setattr(gst, "FUSE_GLOBAL", False)
     plain = _generate(synthetic_model, fmt, batch)

@@ -1,8 +1,8 @@
 """The decode step's Triton kernels in Triton's interpreter, on CPU tensors: `foldkv.fused_step_ops`' launches (norms,
 the residual tails with and without split partials, RoPE, GELU x up, the ring's masked softmax, a sliding layer's
 prologue in one launch and as two), `foldkv.gemv`'s tensor-core GEMM and its split sum, `foldkv.global_step`'s query and
-row kernels, and the lab's (the read roof's streaming sum; bench/versions/global_prologue_fused.py and
-ring_attention_one_launch.py), each against what it replaces. The GPU tests hold the compiled kernels to the same
+row kernels (after the model's norms and RoPE, and with them inside), and the lab's (the read roof's streaming sum;
+bench/versions/ring_attention_one_launch.py), each against what it replaces. The GPU tests hold the compiled kernels to the same
 statements on the H200; these run everywhere Triton is installed (a CPU torch gets the H200's Triton from
 scripts/install.sh), so a launch that passes a wrong stride, a moved host function that lost a name, or a formula that
 left torch's rounding points fails in CI.
@@ -619,10 +619,8 @@ def test_the_stream_read_kernel_reads_around_a_capped_buffer():
 @pytest.mark.parametrize("fmt", ["folded", "split"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_the_fused_global_query_is_the_norm_rope_then_the_query_kernel(batch, fmt):
-    from conftest import bench_version
     from foldkv import global_step as gst
 
-    fused = bench_version("global_prologue_fused")
     ops = _ops()
     geom = _geom()
     hq, hkv, d = geom.num_q_heads, geom.num_kv_heads, geom.head_dim
@@ -633,7 +631,7 @@ def test_the_fused_global_query_is_the_norm_rope_then_the_query_kernel(batch, fm
     roped = ops.rope(ops.rms_norm(q.view(batch, 1, hq, d), attn.q_norm.weight, 1e-6), cos, sin)
     want = torch.full((batch, hq, d), float("nan"), dtype=BF16)
     gst.query_into(geom, fmt, roped.transpose(1, 2), attn.k_norm.weight, want)
-    ok, twin = query_kernel_check(geom, fmt, batch, want, lambda out, cols: fused.query_fused(
+    ok, twin = query_kernel_check(geom, fmt, batch, want, lambda out, cols: gst.query_from_projection(
         geom, fmt, q, attn, cos, sin, out, score_cols=cols))
     assert ok
     assert not twin, "red twin: the rotated halves swapped"
@@ -643,10 +641,8 @@ def test_the_fused_global_query_is_the_norm_rope_then_the_query_kernel(batch, fm
 @pytest.mark.parametrize("fmt", ["folded", "split"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_the_fused_global_row_is_the_norms_rope_then_the_row_kernel(batch, fmt):
-    from conftest import bench_version
     from foldkv import global_step as gst
 
-    fused = bench_version("global_prologue_fused")
     ops = _ops()
     geom = _geom()
     hq, hkv, d = geom.num_q_heads, geom.num_kv_heads, geom.head_dim
@@ -659,7 +655,7 @@ def test_the_fused_global_row_is_the_norms_rope_then_the_row_kernel(batch, fmt):
     ok, twin = row_store_check(
         geom, fmt, batch, "cpu", 120 + batch,
         lambda pool, pages, offsets: gst.row_into_pool(geom, pool, key, value, pages, offsets),
-        lambda pool, pages, offsets: fused.row_fused(geom, pool, k, k, attn, cos, sin, pages, offsets), page_size=4)
+        lambda pool, pages, offsets: gst.row_from_projection(geom, pool, k, k, attn, cos, sin, pages, offsets), page_size=4)
     assert ok
     assert not twin, "red twin: the row stored one offset off"
 

@@ -19,6 +19,10 @@ the block (the step `foldkv.hf_graph` runs and captures), each of them for one k
   and `kv_to_ring` (k_norm + RoPE and v_norm written straight into the rings' slot for this step, read on the device:
   update_sliding's two index_copy_) compute, their row bodies side by side in one kernel; the ring attention itself
   stays `hf_graph.ring_attention`.
+- a global (k_eq_v) layer's attention inside DecodeStep's step (`global_forward_route`: a bf16 pool the workspace
+  decodes; `FUSE_GLOBAL_PROLOGUE`), between the q|k GEMV and o_proj: its five norm and RoPE launches and
+  `foldkv.global_step`'s query and row kernels as two PDL kernels (`global_step.query_from_projection`,
+  `row_from_projection`), then the workspace's decode.
 - the step's projections at 1..16 rows (`foldkv.gemv`, PDL_GEMV): the merged q|k|v and gate|up GEMVs (`merged_linear`),
   o_proj, down_proj and the LM head (`projection_modules`) as a tensor-core skinny GEMM under programmatic dependent
   launch, and the kernels above launched with PDL too (`gemv.pdl_kw`): each waits for the kernel ahead before its
@@ -41,13 +45,14 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from . import gemv
+from . import gemv, global_step
 from .fused_step_ops import (_norm_add, gelu_mul, kv_to_ring, masked_softmax, norm_add_norm,  # noqa: F401
                              norm_add_scale, norm_eps, q_norm_rope, rms_norm, rope,  # (the public ones: __all__)
                              sliding_prologue)
 
 
 FUSE_SLIDING = True  # False: sliding layers run transformers' forward and hf_graph.ring_attention (the tests compare)
+FUSE_GLOBAL_PROLOGUE = True  # False: global layers run transformers' forward into DecodeStep.attend (the tests compare)
 
 
 # --- the swapped forwards -------------------------------------------------------------------------------------------
@@ -398,6 +403,77 @@ def _sliding_forward(attn: nn.Module, *args, **kwargs):
     return _tail_projection(attn, attn.o_proj, out.reshape(x.shape[0], 1, -1)), None
 
 
+def global_attention_modules(model: nn.Module) -> list[nn.Module]:
+    """Global Gemma4TextAttention modules `_global_forward` describes: not sliding, their own K/V (not shared, not
+    stored for later layers), q/k/o projections (v_proj, when there is one: k_eq_v has none), q_norm and k_norm with
+    weights, v_norm without."""
+    def norm(m, name, scaled):
+        n = getattr(m, name, None)
+        return (type(n).__name__ == "Gemma4RMSNorm" and getattr(n, "with_scale", None) is scaled
+                and (hasattr(n, "eps") or hasattr(n, "variance_epsilon")))
+
+    return [m for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"
+            and getattr(m, "is_sliding", True) is False and not getattr(m, "is_kv_shared_layer", False)
+            and not getattr(m, "store_full_length_kv", False)
+            and all(isinstance(getattr(m, n, None), nn.Linear) for n in ("q_proj", "k_proj", "o_proj"))
+            and (getattr(m, "v_proj", None) is None or isinstance(m.v_proj, nn.Linear))
+            and norm(m, "q_norm", True) and norm(m, "k_norm", True) and norm(m, "v_norm", False)]
+
+
+def global_forward_route(attn: nn.Module, kwargs: dict) -> tuple | str:
+    """(step, layer) when this global attention call is a decode step of the cache's started DecodeStep whose layer
+    `global_step.global_route` takes to its kernels (asked on the projections' shapes and dtypes), the model's
+    attention foldkv's; else why it keeps transformers' forward (prefill, eager decode, an FP8 pool, CPU, a switch
+    off)."""
+    if not FUSE_GLOBAL_PROLOGUE:
+        return "FUSE_GLOBAL_PROLOGUE is off"
+    from .hf import SLIDING_IMPLEMENTATION, FoldKvLayer
+    from .hf_graph import DecodeStep
+
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    step = getattr(cache, "decode_step", None)
+    if not (isinstance(step, DecodeStep) and step.started):
+        return "not a started decode step"
+    if getattr(attn.config, "_attn_implementation", None) not in SLIDING_IMPLEMENTATION:
+        return "the model's attention is not foldkv's"
+    layer = cache.layers[attn.layer_idx] if attn.layer_idx < len(cache.layers) else None
+    if not isinstance(layer, FoldKvLayer):
+        return "not a foldkv global layer"
+    geom = layer.geometry
+    x, pe = kwargs.get("hidden_states"), kwargs.get("position_embeddings")
+    if not (isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[1] == 1 and isinstance(pe, (tuple, list))
+            and len(pe) == 2):
+        return "not one token per sequence with (cos, sin)"
+    b, d = x.shape[0], geom.head_dim
+    q = x.new_empty(b, geom.num_q_heads, 1, d)  # shapes and dtypes for the route; nothing is read from them
+    kv = x.new_empty(b, geom.num_kv_heads, 1, d)
+    why = global_step.global_route(step, layer, attn, q, kv, kv)
+    return why if why is not None else (step, layer)
+
+
+def _global_forward(attn: nn.Module, *args, **kwargs):
+    """Gemma4TextAttention.forward of a global layer inside DecodeStep's step (`global_forward_route`) as its
+    projections (merged or branched: the swapped q_proj / k_proj), `global_step.query_from_projection` into the
+    workspace's query and `row_from_projection` into the pool (what the forward's norms and RoPE, then
+    DecodeStep.attend, compute), the workspace's decode and o_proj (its split partials left to the layer's norm, as
+    a sliding layer's are); every other call is the class's forward."""
+    route = "positional arguments" if args else global_forward_route(attn, kwargs)
+    if isinstance(route, str):
+        return type(attn).forward(attn, *args, **kwargs)
+    step, layer = route
+    layer.check_module(attn)
+    x = kwargs["hidden_states"]
+    cos, sin = kwargs["position_embeddings"]
+    b = x.shape[0]
+    q, k = attn.q_proj(x), attn.k_proj(x)
+    v = attn.v_proj(x) if attn.v_proj is not None else k  # attention_k_eq_v: the value is the key before its norm
+    global_step.query_from_projection(layer.geometry, layer.pool.format, q, attn, cos, sin, step.ws.query)
+    global_step.row_from_projection(layer.geometry, layer.pool, k, v, attn, cos, sin, step.store_pages,
+                                    step.store_offsets)
+    out = step._workspace_decode(layer, b).to(x.dtype).reshape(b, 1, -1)
+    return _tail_projection(attn, attn.o_proj, out), None
+
+
 def _rope_function(own):
     @functools.wraps(own)
     def apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim: int = 1):
@@ -472,6 +548,9 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
     sliding = sliding_attention_modules(model) if FUSE_SLIDING else []
     for attn in sliding:
         swapped.append((attn, functools.partial(_sliding_forward, attn)))
+    global_ = global_attention_modules(model) if FUSE_GLOBAL_PROLOGUE else []
+    for attn in global_:
+        swapped.append((attn, functools.partial(_global_forward, attn)))
     projections = projection_modules(model)
     for lin in projections:
         swapped.append((lin, functools.partial(_projection_forward, lin)))
@@ -485,7 +564,7 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
     counts = {"norms": sum(type(m).__name__ == "Gemma4RMSNorm" for m, _ in swapped),
               "mlps": sum(type(m).__name__ == "Gemma4TextMLP" for m, _ in swapped), "layers": len(layers),
               "rope": len(ropes), "branched_attention": len(branched), "merged": merged,
-              "sliding_attention": len(sliding), "projections": len(projections), **tails}
+              "sliding_attention": len(sliding), "global_attention": len(global_), "projections": len(projections), **tails}
     try:
         yield counts
     finally:
@@ -505,4 +584,5 @@ __all__ = ["fused_step", "norm_eps", "fork", "join", "side_streams", "branched_a
            "merge_projections", "split_projections", "merged_linear", "merged_groups",
            "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "norm_modules",
            "mlp_modules", "layer_modules", "FUSE_SLIDING", "q_norm_rope", "kv_to_ring", "sliding_prologue",
-           "sliding_attention_modules", "sliding_route", "projection_modules", "TAIL_SUMS", "TAIL_NEXT_NORM"]
+           "sliding_attention_modules", "sliding_route", "FUSE_GLOBAL_PROLOGUE", "global_attention_modules",
+           "global_forward_route", "projection_modules", "TAIL_SUMS", "TAIL_NEXT_NORM"]

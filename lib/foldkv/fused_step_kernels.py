@@ -274,3 +274,57 @@ if triton is not None:
         page = tl.load(pages_ptr + b).to(tl.int64)
         offset = tl.load(offsets_ptr + b).to(tl.int64)
         tl.store(pool_ptr + ((page * heads + h) * page_size + offset) * WIDTH + j, x, mask=keep)
+
+    # --- a global layer's decode step from its projections' outputs: the norms and RoPE inside the two kernels above
+    @triton.jit
+    def _inverse_norm(base, n, eps, D: tl.constexpr):
+        """The inverse RMS of the head row at base, reduced over the row loaded in its natural order (rms_norm_rows'
+        reduction)."""
+        return _inverse_rms(tl.load(base + tl.arange(0, D)).to(tl.float32), n, eps)
+
+    @triton.jit
+    def global_query_prologue(q_ptr, w_ptr, cos_ptr, sin_ptr, wk_ptr, cols_ptr, out_ptr, heads, q_stride, n, eps,
+                              D: tl.constexpr, FOLD_FROM: tl.constexpr, FOLDED: tl.constexpr,
+                              GDC: tl.constexpr = False):
+        """Row (b, h): the format's query of RoPE(q_norm(q)) (q at b * q_stride + h * D, read in place) into out
+        [rows, D] packed: column j is head column cols[j] (`_roped_at`: rms_norm_rows' and rope_rows' roundings);
+        FOLDED, columns j >= FOLD_FROM times w_k, rounded once to out's dtype (`global_query_rows`' arithmetic)."""
+        _chain(GDC)
+        row = tl.program_id(0).to(tl.int64)
+        b = row // heads
+        base = q_ptr + b * q_stride + (row % heads) * D
+        inv = _inverse_norm(base, n, eps, D)
+        j = tl.arange(0, D)
+        c = tl.load(cols_ptr + j).to(tl.int64)
+        x = _roped_at(base, w_ptr, cos_ptr + b * D, sin_ptr + b * D, c, inv, cos_ptr.dtype.element_ty, D)
+        if FOLDED:
+            x = tl.where(j >= FOLD_FROM, x * tl.load(wk_ptr + c).to(tl.float32), x)
+        out_ty = out_ptr.dtype.element_ty
+        tl.store(out_ptr + row * D + j, _rounded(x, out_ty).to(out_ty))
+
+    @triton.jit
+    def global_row_prologue(k_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, cols_ptr, pages_ptr, offsets_ptr, pool_ptr, heads,
+                            page_size, k_stride, v_stride, n, eps_k, eps_v, D: tl.constexpr, WIDTH: tl.constexpr,
+                            BLOCK: tl.constexpr, KEY_COLS: tl.constexpr, GDC: tl.constexpr = False):
+        """Row (b, h): column j < KEY_COLS is RoPE(k_norm(k))[cols[j]], the others v_norm(v)[cols[j]] (no weight), each
+        rounded to the model's dtype (cos's), stored at pool[pages[b], h, offsets[b], j] (`global_row_store`'s
+        addressing); nothing else is written."""
+        _chain(GDC)
+        model_ty = cos_ptr.dtype.element_ty
+        row = tl.program_id(0).to(tl.int64)
+        b = row // heads
+        h = row % heads
+        k_base = k_ptr + b * k_stride + h * D
+        v_base = v_ptr + b * v_stride + h * D
+        inv_k = _inverse_norm(k_base, n, eps_k, D)
+        inv_v = _inverse_norm(v_base, n, eps_v, D)
+        j = tl.arange(0, BLOCK)
+        keep = j < WIDTH
+        c = tl.load(cols_ptr + j, mask=keep, other=0).to(tl.int64)
+        key = _roped_at(k_base, w_ptr, cos_ptr + b * D, sin_ptr + b * D, c, inv_k, model_ty, D)
+        value = _rounded(tl.load(v_base + c).to(tl.float32) * inv_v, model_ty)
+        x = tl.where(j < KEY_COLS, key, value)
+        page = tl.load(pages_ptr + b).to(tl.int64)
+        offset = tl.load(offsets_ptr + b).to(tl.int64)
+        out_ty = pool_ptr.dtype.element_ty
+        tl.store(pool_ptr + ((page * heads + h) * page_size + offset) * WIDTH + j, x.to(out_ty), mask=keep)

@@ -1,5 +1,5 @@
-"""A global layer's work inside `foldkv.hf_graph.DecodeStep.attend` as two Triton kernels, between the model's norms and
-RoPE and the workspace's decode.
+"""A global layer's work inside `foldkv.hf_graph.DecodeStep`'s step as two Triton kernels, between its projections (or
+its norms and RoPE) and the workspace's decode.
 
 transformers' forward hands `attend` the query [B, Hq, 1, D] and key/value [B, Hkv, 1, D], normed and RoPE'd. The
 library's torch path then makes the format's row (`rows_from_key_value`: gathers and a cat), folds the query
@@ -18,6 +18,14 @@ kernels folded, 11 -> 8 split (the model's 5 norm/RoPE kernels and the decode st
 ~0.3 ms a step folded, the same at 4K x 1 as at 128K x 8 (launches, not context), ~0.1 ms split
 (bench/MODEL_DECODE_NOTES.md).
 
+Inside `foldkv.fused_step` the global layer's forward is swapped too (`fused_step.FUSE_GLOBAL_PROLOGUE`): it hands the
+projections' outputs to `query_from_projection` and `row_from_projection` (`global_query_prologue`,
+`global_row_prologue`): the model's five norm and RoPE kernels computed inside what the two kernels above do (q_norm
+and RoPE of each query head read in place; k_norm, RoPE and v_norm of the row), both PDL links: 7 launches a layer ->
+2, bitwise the same query and rows (-0.04 ms a step on the 31B at 4K x 1
+and 32K x 1, -0.01 at 4K x 8: bench/MODEL_DECODE_NOTES.md run 23). `query_into` and `row_into_pool` stay the path
+of a step without the swap.
+
 `global_route` says which calls they describe: a bf16 pool (folded or split; an FP8 pool's rows are quantized with a
 per-row scale, which the row kernel does not do), bf16 query/key/value, foldkv's DecodeWorkspace with DecodeStep's own
 global decode (not the reference, not a lab arm's other library), CUDA with Triton. Every other call takes the torch
@@ -30,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .fused_step_ops import _block, _warps
+from .fused_step_ops import _block, _head_rows, _pdl, _rope_table, _warps, norm_eps
 from .layout import KvFormat, rotated_columns, score_window_columns, value_window_columns
 
 FUSE_GLOBAL = True  # False: every global layer takes the torch path (the tests and the probe compare)
@@ -98,6 +106,42 @@ def row_into_pool(geom: Any, pool: Any, key: torch.Tensor, value: torch.Tensor, 
                                             KEY_COLS=key_cols, num_warps=_warps(block))
 
 
+def query_from_projection(geom: Any, fmt: KvFormat | str, q: torch.Tensor, attn: torch.nn.Module,
+                          cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
+                          score_cols: torch.Tensor | None = None) -> None:
+    """q [B, 1, Hq * D] (the q projection's output or the q columns of a merged one, read in place), cos/sin
+    [B, 1, D] -> the format's query of RoPE(q_norm(q)) in out[:B] (out [>= B, Hq, D] packed): bitwise fused_step's
+    `rms_norm` and `rope`, then `query_into`, in one launch (`global_query_prologue`, a PDL link). score_cols:
+    another column map (the tests' red twin)."""
+    fmt = KvFormat.parse(fmt)
+    hq, d = geom.num_q_heads, geom.head_dim
+    b = q.shape[0]
+    stride = _head_rows(q, hq, d, "q")
+    cos, sin = _rope_table(cos, b, d, q.dtype, "cos"), _rope_table(sin, b, d, q.dtype, "sin")
+    score, _, fold_from, _ = column_maps(geom, fmt, q.device)
+    score = score if score_cols is None else score_cols
+    _kernels().global_query_prologue[(b * hq,)](
+        q, attn.q_norm.weight, cos, sin, attn.k_norm.weight, score, out, hq, stride, d, norm_eps(attn.q_norm), D=d,
+        FOLD_FROM=fold_from, FOLDED=fmt is KvFormat.FOLDED, num_warps=_warps(d), **_pdl(q))
+
+
+def row_from_projection(geom: Any, pool: Any, k: torch.Tensor, v: torch.Tensor, attn: torch.nn.Module,
+                        cos: torch.Tensor, sin: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -> None:
+    """k, v [B, 1, Hkv * D] (the key projection's output, and the value's: the same tensor for k_eq_v, whose value
+    is the key before its norm) -> one row per (b, h) at pool.data[pages[b], h, offsets[b]]: bitwise `rms_norm` and
+    `rope` of the key, `rms_norm` of the value, then `row_into_pool`, in one launch (`global_row_prologue`)."""
+    hkv, d = geom.num_kv_heads, geom.head_dim
+    b = k.shape[0]
+    ks, vs = _head_rows(k, hkv, d, "k"), _head_rows(v, hkv, d, "v")
+    cos, sin = _rope_table(cos, b, d, k.dtype, "cos"), _rope_table(sin, b, d, k.dtype, "sin")
+    _, row, _, key_cols = column_maps(geom, pool.format, k.device)
+    width = pool.layout.row_width
+    _kernels().global_row_prologue[(b * hkv,)](
+        k, v, attn.k_norm.weight, cos, sin, row, pages, offsets, pool.data, hkv, pool.layout.page_size, ks, vs, d,
+        norm_eps(attn.k_norm), norm_eps(attn.v_norm), D=d, WIDTH=width, BLOCK=_block(width), KEY_COLS=key_cols,
+        num_warps=_warps(d), **_pdl(k))
+
+
 def describe_pool(pool: Any) -> str | None:
     """Why the kernels do not describe this pool (None: they do)."""
     lay = pool.layout
@@ -155,4 +199,5 @@ def global_route(step: Any, layer: Any, module: torch.nn.Module, query: torch.Te
     return None
 
 
-__all__ = ["FUSE_GLOBAL", "column_maps", "describe_pool", "global_route", "query_into", "row_into_pool"]
+__all__ = ["FUSE_GLOBAL", "column_maps", "describe_pool", "global_route", "query_into", "row_into_pool",
+           "query_from_projection", "row_from_projection"]

@@ -1,15 +1,16 @@
-"""bench/versions/global_prologue_fused.py on the GPU: a global layer's norms, RoPE, query and row as two PDL kernels,
-against the seven launches they replace (fused_step's rms_norm and rope, then `global_step.query_into` and
-`row_into_pool`), then in the whole step.
+"""A global layer's prologue inside the fused step on the GPU (`foldkv.fused_step`'s `_global_forward`,
+FUSE_GLOBAL_PROLOGUE): its norms, RoPE, query and row as two PDL kernels (`global_step.query_from_projection`,
+`row_from_projection`), against the seven launches they replace (fused_step's rms_norm and rope, then
+`global_step.query_into` and `row_into_pool`), then in the whole step.
 
 Bounds: the same per-element formulas and rounding points, the row's norm reduced over the row loaded in its natural
 order as rms_norm_rows reduces it: bitwise. The query into a poisoned workspace (rows past the batch unwritten), the
 row into a pool whose step slots are poisoned (every other row unchanged); PDL and plain launches alike. The whole
-step (the synthetic model's graph generate(), folded and split pools): greedy tokens and logits torch.equal with and
-without the version, every global layer's step through the kernels (the route's count). Red twins: the rotated
+step (the synthetic model's graph generate(), folded and split pools): greedy tokens and logits torch.equal with
+FUSE_GLOBAL_PROLOGUE on and off, every global layer's step through the kernels (a spy's count). Red twins: the rotated
 halves of the query swapped; the row stored one offset off; in the step, the rows stored one offset off.
 
-Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_global_prologue_fused_gpu.py -k "row and folded and 8"
+Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_global_prologue_gpu.py -k "row and folded and 8"
 """
 
 from __future__ import annotations
@@ -17,17 +18,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import (attention_norms, bench_version, graph_generate, query_kernel_check, require_module,
-                      row_store_check, synthetic_gpu_models)
+from conftest import (attention_norms, graph_generate, query_kernel_check, require_module, row_store_check,
+                      synthetic_gpu_models)
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 FORMATS = ["folded", "split"]
 
 
-def _version():
+def _triton():
     require_module("triton")
-    return bench_version("global_prologue_fused")
 
 
 def _gen(seed):
@@ -51,7 +51,7 @@ def _inputs(batch, seed):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_query_is_norm_rope_then_query_into(batch, fmt, pdl, monkeypatch):
-    fused = _version()
+    _triton()
     from foldkv import fused_step_ops as ops, gemv, global_step as gst
 
     monkeypatch.setattr(gemv, "PDL_GEMV", pdl)
@@ -62,7 +62,7 @@ def test_query_is_norm_rope_then_query_into(batch, fmt, pdl, monkeypatch):
     want = torch.full((batch, hq, d), float("nan"), dtype=BF16, device="cuda")
     gst.query_into(geom, fmt, roped.transpose(1, 2), attn.k_norm.weight, want)
 
-    ok, twin = query_kernel_check(geom, fmt, batch, want, lambda out, cols: fused.query_fused(
+    ok, twin = query_kernel_check(geom, fmt, batch, want, lambda out, cols: gst.query_from_projection(
         geom, fmt, q, attn, cos, sin, out, score_cols=cols))
     assert ok
     assert not twin, "red twin: the rotated halves swapped"
@@ -72,7 +72,7 @@ def test_query_is_norm_rope_then_query_into(batch, fmt, pdl, monkeypatch):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_row_is_norms_rope_then_row_into_pool(batch, fmt, pdl, monkeypatch):
-    fused = _version()
+    _triton()
     from foldkv import fused_step_ops as ops, gemv, global_step as gst
 
     monkeypatch.setattr(gemv, "PDL_GEMV", pdl)
@@ -84,7 +84,7 @@ def test_row_is_norms_rope_then_row_into_pool(batch, fmt, pdl, monkeypatch):
     ok, twin = row_store_check(
         geom, fmt, batch, "cuda", 40 + batch,
         lambda pool, pages, offsets: gst.row_into_pool(geom, pool, key, value, pages, offsets),
-        lambda pool, pages, offsets: fused.row_fused(geom, pool, k, k, attn, cos, sin, pages, offsets))
+        lambda pool, pages, offsets: gst.row_from_projection(geom, pool, k, k, attn, cos, sin, pages, offsets))
     assert ok
     assert not twin, "red twin: the row stored one offset off"
 
@@ -103,20 +103,30 @@ def _generate(model, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_the_step_with_the_fused_global_prologue(synthetic_model, fmt, monkeypatch):
-    fused = _version()
-    library = _generate(synthetic_model, fmt)
-    with fused.installed() as calls:
-        got = _generate(synthetic_model, fmt)
-    layers = len(fused.global_attention_modules(synthetic_model))
-    assert layers and calls["kernels"] >= layers and calls["kernels"] % layers == 0, dict(calls)
-    assert bool(torch.isfinite(got[1]).all())
-    assert torch.equal(got[0], library[0]), "greedy tokens differ"
-    assert torch.equal(got[1], library[1]), f"logits differ (max |gap| {(got[1] - library[1]).abs().max().item():.3g})"
+def test_the_step_with_the_global_prologue(synthetic_model, fmt, monkeypatch):
+    _triton()
+    from foldkv import fused_step as fs, global_step as gst
 
-    row = fused.row_fused  # red twin: the step's rows stored one offset off in their page
-    monkeypatch.setattr(fused, "row_fused", lambda geom, pool, k, v, attn, cos, sin, pages, offsets: row(
+    monkeypatch.setattr(fs, "FUSE_GLOBAL_PROLOGUE", False)
+    unfused = _generate(synthetic_model, fmt)
+    monkeypatch.setattr(fs, "FUSE_GLOBAL_PROLOGUE", True)
+    calls = []
+    query, row = gst.query_from_projection, gst.row_from_projection
+
+    def spy(*a, **k):
+        calls.append(a[0])
+        return query(*a, **k)
+
+    monkeypatch.setattr(gst, "query_from_projection", spy)
+    got = _generate(synthetic_model, fmt)
+    layers = len(fs.global_attention_modules(synthetic_model))
+    assert layers and calls and len(calls) % layers == 0 and len(calls) >= (NEW - 1) * layers, (len(calls), layers)
+    assert bool(torch.isfinite(got[1]).all())
+    assert torch.equal(got[0], unfused[0]), "greedy tokens differ"
+    assert torch.equal(got[1], unfused[1]), f"logits differ (max |gap| {(got[1] - unfused[1]).abs().max().item():.3g})"
+
+    # red twin: the step's rows stored one offset off in their page
+    monkeypatch.setattr(gst, "row_from_projection", lambda geom, pool, k, v, attn, cos, sin, pages, offsets: row(
         geom, pool, k, v, attn, cos, sin, pages, torch.remainder(offsets + 1, pool.layout.page_size)))
-    with fused.installed():
-        twin = _generate(synthetic_model, fmt)
-    assert not torch.equal(twin[1], library[1]), "rows stored one offset off changed nothing"
+    twin = _generate(synthetic_model, fmt)
+    assert not torch.equal(twin[1], unfused[1]), "rows stored one offset off changed nothing"
