@@ -2,6 +2,8 @@
 # The lab's measurements whose predictions are written and not yet run on the H200, a device call a PART (each under
 # the call's 600 s), logs and JSON into $OUT. The predictions and what proves each wrong are in the notes:
 #   PART=tests    the GPU tests of the pending versions and of the library code not yet run on the GPU (~3-4 min)
+#   PART=probe    the 31B step at 4K x 1, 4K x 8, 32K x 1: the library, its global prologue off (run 23's A/B), the
+#                 stop check on a side stream (bench/MODEL_DECODE_NOTES.md run 26) (~4-6 min)
 #   PART=kernels  the FP8 partial over a pre-transposed V_rot and the FP8 step's merges (bench/FP8_NOTES.md run 21),
 #                 then many short requests at two CTAs an SM (bench/DECODE_NOTES.md run 22) (~4-6 min)
 # (The 31B step's runs 22-25 were measured at 9f9ef77: papermill_runs/h200-20261205-s27.)
@@ -23,8 +25,16 @@ PART=${PART:-tests}
 if [ "$PART" = tests ]; then
   FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-540} python3 -m pytest -q -ra --tb=short -p no:cacheprovider \
     tests/test_fused_step_gpu.py tests/test_fused_step_sliding_gpu.py tests/test_global_prologue_gpu.py \
-    tests/test_global_step_gpu.py tests/test_fp8_tc_vrot_gpu.py > "$OUTD/pytest_lab.log" 2>&1
+    tests/test_global_step_gpu.py tests/test_loop_tail_side_stream_gpu.py tests/test_fp8_tc_vrot_gpu.py \
+    > "$OUTD/pytest_lab.log" 2>&1
   echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/pytest_lab.log")"
+fi
+
+if [ "$PART" = probe ]; then
+  timeout ${PROBE_S:-420} python3 bench/model_decode_probe.py --decode foldkv-folded:4096:1 foldkv-folded:4096:8 \
+    foldkv-folded:32768:1 --global-prologue-ab --loop-tail-ab > "$OUTD/probe_lab.log" 2>&1
+  echo "probe rc=$? at $(( $(date +%s) - t0 )) s"
+  grep -E "^(library|global|stop)" "$OUTD/probe_lab.log" | head -20  # probe.json: the probe writes it into $OUT
 fi
 
 if [ "$PART" = kernels ]; then

@@ -411,3 +411,25 @@ def test_beams_are_refused_with_or_without_the_loop(models):
     for loop in (True, False):
         with pytest.raises(FoldKvInputError, match="beam search reorders the cache"):
             _generate(model, inputs, _cache(model), loop=loop, num_beams=2)
+
+
+# --- bench/versions/loop_tail_side_stream.py (the stop check on a side stream; its GPU test holds its tokens) -------
+
+def test_the_side_stream_loop_leaves_a_cpu_generate_to_the_served_loop(models, batch):
+    """On the CPU (no streams) the version hands every call to the loop it replaced: the same tokens, the same thin
+    steps, no token checked on a side stream; on exit the served loop is back. The probe parses --loop-tail-ab."""
+    from conftest import bench_script, bench_version
+    from foldkv import hf_loop
+
+    side = bench_version("loop_tail_side_stream")
+    _, inputs = batch
+    model = models["foldkv"]
+    want, want_steps = _generate(model, inputs, _cache(model), min_new_tokens=NEW)
+    served = hf_loop.decode_loop
+    with side.installed() as took:
+        assert hf_loop.decode_loop is not served
+        got, steps = _generate(model, inputs, _cache(model), min_new_tokens=NEW)
+    assert hf_loop.decode_loop is served
+    assert torch.equal(got, want) and steps == want_steps and want_steps["thin"] > 0 and took["tokens"] == 0
+    probe = bench_script("model_decode_probe").parser()
+    assert probe.parse_args(["--loop-tail-ab"]).loop_tail_ab and not probe.parse_args([]).loop_tail_ab

@@ -8,6 +8,8 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
+
 from conftest import bench_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,3 +46,12 @@ def test_the_harness_arms_and_cases_exist():
     args = _command("plan_harness.py")
     only = args[args.index("--only") + 1:args.index("--two-ctas")]
     assert set(only) <= set(plan.cases(draw_seeds=[920385503])), only
+
+
+def test_the_probe_command_parses():
+    probe = bench_script("model_decode_probe").parser()
+    args = probe.parse_args(_command("model_decode_probe.py"))
+    assert args.loop_tail_ab and args.global_prologue_ab and "foldkv-folded:4096:8" in args.decode
+    twin = SCRIPT.replace("--loop-tail-ab", "--loop-gone-ab")  # red twin: a flag the probe lacks
+    with pytest.raises(SystemExit):
+        probe.parse_args(_command("model_decode_probe.py", twin))

@@ -1,0 +1,87 @@
+"""bench/versions/loop_tail_side_stream.py on the GPU: generate()'s thin loop with each token's stop check on a side
+stream, against the library's thin loop (`foldkv.hf_loop.decode_loop`).
+
+Bounds: the same kernels on the same inputs, only the check issued on another stream: the synthetic model's graph
+generate() (bf16, a left-padded batch of 8 whose rings wrap) gives torch.equal sequences with and without the version:
+greedy with min_new_tokens (the cells' call), greedy with EOS ids taken from the free run so that one sequence, then
+all, finish early (the padding after an EOS, the stop and the step run ahead taken back), and sampling from one seed.
+The version took every thin token's check (its count), and the library's loop ran as many thin steps and rewinds.
+Red twin: the side stream not waiting for the token ids, so the check reads them before the argmax wrote them: the
+sequences differ.
+
+Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_loop_tail_side_stream_gpu.py -k all_finish
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import bench_version, left_padded_batch, synthetic_gpu_models
+
+pytestmark = pytest.mark.gpu
+LENGTHS = (97, 300, 1000, 5, 64, 129, 700, 33)
+NEW = 12
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def synthetic_model(tmp_path_factory):
+    return synthetic_gpu_models(tmp_path_factory, "foldkv", needs=("triton",))["foldkv"]
+
+
+def _generate(model, seed=None, **kw):
+    """(the new tokens [B, <= NEW] on the CPU, LOOP_STEPS' growth) of one plain generate() (no dict of outputs: the
+    thin loop's calls) through a graph FoldKvCache."""
+    from foldkv import hf_loop
+    from foldkv.hf import FoldKvCache
+    from foldkv.lab.model import cache_keyword
+
+    ids, mask = left_padded_batch(LENGTHS, model.config.vocab_size, seed=7)
+    cache = FoldKvCache(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW, scatter_seed=3,
+                        decode_step="graph")
+    before = dict(hf_loop.LOOP_STEPS)
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=NEW,
+                         **{cache_keyword(model): cache}, **kw)
+    return out[:, ids.shape[1]:].cpu(), {k: hf_loop.LOOP_STEPS[k] - before[k] for k in before}
+
+
+def _eos(model, case):
+    """EOS ids from the library's free run: sequence 0's 4th token ("one_finishes"), or a token of each sequence."""
+    free, _ = _generate(model, do_sample=False, min_new_tokens=NEW)
+    picks = [(0, 3)] if case == "one_finishes" else [(b, 2 + b % 4) for b in range(free.shape[0])]
+    return sorted({int(free[b, s]) for b, s in picks})
+
+
+CALLS = {
+    "greedy": lambda model: dict(do_sample=False, min_new_tokens=NEW),
+    "one_finishes": lambda model: dict(do_sample=False, eos_token_id=_eos(model, "one_finishes"), pad_token_id=PAD),
+    "all_finish": lambda model: dict(do_sample=False, eos_token_id=_eos(model, "all_finish"), pad_token_id=PAD),
+    "sampling": lambda model: dict(do_sample=True, top_k=50, min_new_tokens=NEW),
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+def test_the_loop_with_its_check_on_a_side_stream(synthetic_model, call):
+    side = bench_version("loop_tail_side_stream")
+    kw = CALLS[call](synthetic_model)
+    want, want_steps = _generate(synthetic_model, seed=11, **kw)
+    with side.installed() as took:
+        got, steps = _generate(synthetic_model, seed=11, **kw)
+    assert want_steps["thin"] >= 1 and steps == want_steps, (steps, want_steps)
+    assert took["tokens"] >= want_steps["thin"], (took, want_steps)
+    assert got.shape == want.shape and torch.equal(got, want), f"{got} where the library's loop gives {want}"
+    if call == "all_finish":
+        assert want.shape[1] < NEW and steps["rewound"] == 1  # stopped early, the step run ahead taken back
+    if call == "one_finishes":
+        assert (want[0] == PAD).any()  # sequence 0 padded after its EOS
+
+
+def test_a_check_that_does_not_wait_for_the_ids_is_seen(synthetic_model):
+    side = bench_version("loop_tail_side_stream")
+    want, _ = _generate(synthetic_model, do_sample=False, min_new_tokens=NEW)
+    with side.installed(red_no_ids_wait=True):
+        twin, _ = _generate(synthetic_model, do_sample=False, min_new_tokens=NEW)
+    assert not torch.equal(twin, want), "a check reading the ids before the argmax wrote them changed nothing"
