@@ -7,7 +7,7 @@ Bounds: the same per-element formulas and rounding points, the row's norm reduce
 order as rms_norm_rows reduces it: bitwise. The query into a poisoned workspace (rows past the batch unwritten), the
 row into a pool whose step slots are poisoned (every other row unchanged); PDL and plain launches alike. The whole
 step (the synthetic model's graph generate(), folded and split pools): greedy tokens and logits torch.equal with
-FUSE_GLOBAL_PROLOGUE on and off, every global layer's step through the kernels (a spy's count). Red twins: the rotated
+FUSE_GLOBAL_PROLOGUE on and off, every global layer's step through the kernels (a spy's count at the warm-up and the capture). Red twins: the rotated
 halves of the query swapped; the row stored one offset off; in the step, the rows stored one offset off.
 
 Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_global_prologue_gpu.py -k "row and folded and 8"
@@ -120,7 +120,8 @@ def test_the_step_with_the_global_prologue(synthetic_model, fmt, monkeypatch):
     monkeypatch.setattr(gst, "query_from_projection", spy)
     got = _generate(synthetic_model, fmt)
     layers = len(fs.global_attention_modules(synthetic_model))
-    assert layers and calls and len(calls) % layers == 0 and len(calls) >= (NEW - 1) * layers, (len(calls), layers)
+    assert layers and calls and len(calls) % layers == 0, (len(calls), layers)  # warm-up and capture: the replays
+    # run the graph, not Python
     assert bool(torch.isfinite(got[1]).all())
     assert torch.equal(got[0], unfused[0]), "greedy tokens differ"
     assert torch.equal(got[1], unfused[1]), f"logits differ (max |gap| {(got[1] - unfused[1]).abs().max().item():.3g})"
