@@ -3,9 +3,10 @@
 # the call's 600 s), logs and JSON into $OUT. The predictions and what proves each wrong are in the notes:
 #   PART=tests    the GPU tests of the pending versions and of the library code not yet run on the GPU (~3-4 min)
 #   PART=probe    the 31B step at 4K x 1, 4K x 8, 32K x 1: the library, its global prologue off (run 23's A/B), the
-#                 stop check on a side stream (bench/MODEL_DECODE_NOTES.md run 26) (~4-6 min)
-#   PART=kernels  the FP8 partial over a pre-transposed V_rot and the FP8 step's merges (bench/FP8_NOTES.md run 21),
-#                 then many short requests at two CTAs an SM (bench/DECODE_NOTES.md run 22) (~4-6 min)
+#                 stop check on a side stream (bench/MODEL_DECODE_NOTES.md run 26) (~2-4 min)
+#   PART=kernels  the FP8 version's GPU test, then the FP8 partial over a pre-transposed V_rot and the FP8 step's
+#                 merges (bench/FP8_NOTES.md run 21), then many short requests at two CTAs an SM
+#                 (bench/DECODE_NOTES.md run 22) (~5-7 min)
 # (The 31B step's runs 22-25 were measured at 9f9ef77: papermill_runs/h200-20261205-s27.)
 # Prepare on the CPU machine first: scripts/prepare_device_run.sh (carry .devsite build/aot build/checkout.json).
 #
@@ -25,8 +26,7 @@ PART=${PART:-tests}
 if [ "$PART" = tests ]; then
   FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-540} python3 -m pytest -q -ra --tb=short -p no:cacheprovider \
     tests/test_fused_step_gpu.py tests/test_fused_step_sliding_gpu.py tests/test_global_prologue_gpu.py \
-    tests/test_global_step_gpu.py tests/test_loop_tail_side_stream_gpu.py tests/test_fp8_tc_vrot_gpu.py \
-    > "$OUTD/pytest_lab.log" 2>&1
+    tests/test_global_step_gpu.py tests/test_loop_tail_side_stream_gpu.py > "$OUTD/pytest_lab.log" 2>&1
   echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/pytest_lab.log")"
 fi
 
@@ -38,6 +38,9 @@ if [ "$PART" = probe ]; then
 fi
 
 if [ "$PART" = kernels ]; then
+  FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-150} python3 -m pytest -q -ra --tb=short -p no:cacheprovider \
+    tests/test_fp8_tc_vrot_gpu.py > "$OUTD/pytest_kernels.log" 2>&1
+  echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/pytest_kernels.log")"
   (cd bench && timeout ${FP8_S:-300} python3 fp8_harness.py --no-flashinfer --rounds 5 --single 81653 163336 \
      --batches uniform8 uniform32 --arms folded_jit folded_fp8_jit fp8_tc_vrot fp8_tc_partial_only read_folded \
      read_folded_fp8 --json "$OUTD/fp8_vrot.json" > "$OUTD/fp8_vrot.log" 2>&1
