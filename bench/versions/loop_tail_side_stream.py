@@ -58,16 +58,10 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
     if not (hf_loop.covers(model, generation_config, synced_gpus, streamer, cache) and input_ids.is_cuda):
         return _served(model, input_ids, logits_processor, stopping_criteria, generation_config,
                        synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
-    step = cache.decode_step
-    cache_kw = "cache" if "cache" in model_kwargs else "past_key_values"
-    pad_token_id = generation_config._pad_token_tensor
-    if pad_token_id is not None:
-        pad_token_id = pad_token_id.to(input_ids.device)
-    has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    step, cache_kw, pad_token_id, has_eos_stopping_criteria, unfinished, flag = hf_loop.loop_state(
+        input_ids, stopping_criteria, generation_config, model_kwargs)
     do_sample = generation_config.do_sample
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     max_length = generation_config.max_length
-    flag = hf_loop._HostFlag(input_ids.device)
     main, side = torch.cuda.current_stream(input_ids.device), check_stream(input_ids.device)
 
     outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)

@@ -97,6 +97,17 @@ class _HostFlag:
         return self.value
 
 
+def loop_state(input_ids: torch.Tensor, stopping_criteria: Any, generation_config: Any, model_kwargs: dict) -> tuple:
+    """What the loop holds from token to token, as `_sample` sets it up: (the cache's decode step, the cache's keyword,
+    the pad id on the ids' device, whether a criterion stops at EOS, the finished flags [B] int64 all 1, the host's
+    stop flag)."""
+    pad = generation_config._pad_token_tensor
+    return (_cache_of(model_kwargs).decode_step, "cache" if "cache" in model_kwargs else "past_key_values",
+            None if pad is None else pad.to(input_ids.device),
+            any(hasattr(c, "eos_token_id") for c in stopping_criteria),
+            torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device), _HostFlag(input_ids.device))
+
+
 def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_processor: Any, stopping_criteria: Any,
                 generation_config: Any, synced_gpus: bool = False, streamer: Any = None,
                 **model_kwargs) -> torch.LongTensor:
@@ -111,16 +122,10 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
                       GenerationMixin._sample)
         return own(model, input_ids, logits_processor, stopping_criteria, generation_config,
                    synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
-    step = cache.decode_step
-    cache_kw = "cache" if "cache" in model_kwargs else "past_key_values"
-    pad_token_id = generation_config._pad_token_tensor
-    if pad_token_id is not None:
-        pad_token_id = pad_token_id.to(input_ids.device)
-    has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    step, cache_kw, pad_token_id, has_eos_stopping_criteria, unfinished, flag = loop_state(
+        input_ids, stopping_criteria, generation_config, model_kwargs)
     do_sample = generation_config.do_sample
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     max_length = generation_config.max_length
-    flag = _HostFlag(input_ids.device)
 
     outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
     while True:
@@ -163,4 +168,4 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
             outputs = model(**model_inputs, return_dict=True)
 
 
-__all__ = ["LOOP_STEPS", "applies", "covers", "decode_loop"]
+__all__ = ["LOOP_STEPS", "applies", "covers", "decode_loop", "loop_state"]
