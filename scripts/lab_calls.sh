@@ -3,7 +3,8 @@
 # the call's 600 s), logs and JSON into $OUT. The predictions and what proves each wrong are in the notes:
 #   PART=tests    the GPU tests of the pending versions and of the library code not yet run on the GPU (~3-4 min)
 #   PART=probe    the 31B step at 4K x 1, 4K x 8, 32K x 1: the library, its global prologue off (run 23's A/B), the
-#                 stop check on a side stream (bench/MODEL_DECODE_NOTES.md run 26) (~2-4 min)
+#                 stop check on a side stream (bench/MODEL_DECODE_NOTES.md run 26); then o_proj at one row with an
+#                 L2-resident weight prefix (run 27's first measurement, bench/l2_prefix_probe.py) (~3-5 min)
 #   PART=kernels  the FP8 version's GPU test, then the FP8 partial over a pre-transposed V_rot and the FP8 step's
 #                 merges (bench/FP8_NOTES.md run 21), then many short requests at two CTAs an SM
 #                 (bench/DECODE_NOTES.md run 22) (~5-7 min)
@@ -35,6 +36,8 @@ if [ "$PART" = probe ]; then
     foldkv-folded:32768:1 --global-prologue-ab --loop-tail-ab > "$OUTD/probe_lab.log" 2>&1
   echo "probe rc=$? at $(( $(date +%s) - t0 )) s"
   grep -E "^(library|global|stop)" "$OUTD/probe_lab.log" | head -20  # probe.json: the probe writes it into $OUT
+  timeout ${L2_S:-120} python3 bench/l2_prefix_probe.py > "$OUTD/l2_prefix.log" 2>&1  # run 27's first measurement
+  echo "l2 prefix rc=$? at $(( $(date +%s) - t0 )) s"; tail -12 "$OUTD/l2_prefix.log"
 fi
 
 if [ "$PART" = kernels ]; then

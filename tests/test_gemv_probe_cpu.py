@@ -105,3 +105,21 @@ def test_the_chain_step_feeds_each_projection_the_norm_of_the_last_output(probe,
         assert first == [("gemv", (768, 512), True), ("gemv", (256, 512), True), ("gemv", (512, 256), True)]
     assert all(c[-1] is False for c in calls[len(calls) // 2:])  # pdl=False overrides the spec
     assert all(torch.equal(a, b) for a, b in zip(outs, plain))
+
+
+def test_the_l2_prefix_probe_plans_whole_blocks_and_refuses_a_prefix_past_the_weight():
+    """bench/l2_prefix_probe.py's plan (run 27's first measurement): each prefix in whole stream-read blocks covering
+    at least its megabytes, copies past L2; a prefix larger than the weight refused before anything is allocated."""
+    from foldkv.lab.bench.roofs import STREAM_BLOCK
+
+    probe = bench_script("l2_prefix_probe")
+    n, k = probe.SHAPES["5376x8192"]
+    p = probe.plan(n, k, [0, 8, 24, 33])
+    assert p["blocks"][0] == 0 and p["copies"] * p["weight_bytes"] >= 700 << 20
+    for mb in (8, 24, 33):
+        got = p["blocks"][mb] * STREAM_BLOCK * 2
+        assert (mb << 20) <= got < (mb << 20) + 2 * STREAM_BLOCK
+    with pytest.raises(ValueError, match="prefix of 89 MB"):  # red twin: past the 84 MB weight
+        probe.plan(n, k, [89])
+    args = probe.parser().parse_args(["--prefix-mb", "0", "24", "--shapes", "5376x16384"])
+    assert args.prefix_mb == [0, 24] and args.shapes == ["5376x16384"]
