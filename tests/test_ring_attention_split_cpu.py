@@ -198,3 +198,26 @@ def test_the_one_launch_compiles_for_the_h200_as_planned(one, batch):
     assert (sum(n for k, n in ops.items() if k.startswith("atom.")) > 0) == (p["splits"] > 1), ops
     if per_sm > 1:
         assert not _fits(_one_launch_sm90(one, p, 3), per_sm, one.WARPS), "red twin: three stages fit as well"
+
+
+def test_the_two_branch_ring_attention_refuses_what_it_does_not_describe_and_goes_back():
+    """bench/versions/ring_attention_branched.py without a GPU (its kernels are the library's; its GPU test holds them
+    bitwise): a CPU call, an odd batch of 3 and unpacked rings refused with their reasons; installed, the library's
+    ring attention is patched in both places foldkv calls it and put back after; the probe parses --ring-branch-ab."""
+    from foldkv import hf, hf_graph
+    from foldkv.hf_graph import RingMask
+
+    branched = bench_version("ring_attention_branched")
+    q, k, v, m = _call()
+    assert branched.refusal(q, k, v, RingMask(m)) == "not on CUDA"  # described: only the device is missing
+    q3, k3, v3, m3 = _call(b=3)
+    assert "odd" in branched.refusal(q3, k3, v3, RingMask(m3))
+    assert branched.refusal(*_call(b=1, hkv=4)[:3], RingMask(_call(b=1)[3])) == "not on CUDA"
+    assert branched.refusal(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, RingMask(m)) == "rings not packed"
+    library = hf_graph.ring_attention
+    with branched.installed() as state:
+        assert hf_graph.ring_attention is not library and hf.ring_attention is hf_graph.ring_attention
+        assert state.report() == {"calls": 0, "refusals": {}}
+    assert hf_graph.ring_attention is library and hf.ring_attention is library
+    probe = bench_script("model_decode_probe").parser()
+    assert probe.parse_args(["--ring-branch-ab"]).ring_branch_ab and not probe.parse_args([]).ring_branch_ab
