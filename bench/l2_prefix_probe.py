@@ -128,7 +128,6 @@ def measure_shape(name: str, prefix_mb: list[int], rounds: int, dev) -> list[dic
     base = rows[0]["gemv_us"] if rows and rows[0]["prefix_mb"] == 0 else None
     for r in rows:
         r["saved_us"] = None if base is None else base - r["gemv_us"]
-    del ws
     return rows
 
 

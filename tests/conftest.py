@@ -351,6 +351,17 @@ def two_launch_prologue(attn, q, k, v, cos, sin, ring_k, ring_v, slot):
     return out
 
 
+# the ring attention tests' geometries: the 31B's sliding layers and the synthetic model's (Hq, Hkv, d, W, scaling)
+RING_GEOMETRIES = {"31b": (32, 16, 256, 1024, 1.0), "synthetic": (32, 4, 32, 128, 0.125)}
+
+
+def scaled_module(scaling: float) -> torch.nn.Module:
+    """A module with only `scaling`: what `hf_graph.ring_attention` reads of its attention module."""
+    module = torch.nn.Module()
+    module.scaling = scaling
+    return module
+
+
 def ring_reference(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                    rounded: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """A sliding layer's ring attention in float64 from its rounded scores s [B, Hkv, G, W]: the softmax of the

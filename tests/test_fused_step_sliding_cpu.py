@@ -13,8 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import (TINY_SYNTHETIC, bench_script, bench_version, left_padded_batch, probe_command_of_run,
-                      require_module)
+from conftest import TINY_SYNTHETIC, left_padded_batch, require_module
 from foldkv.lab.model import cache_keyword
 
 LENGTHS = (5, 17, 11)
@@ -163,9 +162,8 @@ def test_the_ring_seam(model):
 def test_the_one_launch_prologue_refuses_before_launching(bad):
     """`fused_step_ops.sliding_prologue` asks both checks (`q_rows_args`, `kv_rows_args`) before its one launch: a bad
     input raises FoldKvInputError on any machine and nothing is written (the rings stay poisoned)."""
-    from foldkv.validate import FoldKvInputError
-
     from foldkv import fused_step_ops as ops
+    from foldkv.validate import FoldKvInputError
 
     b, hq, hkv, d, w = 2, 4, 2, 16, 8
     q = torch.randn(b, 1, hq * d + (3 if bad == "q_width" else 0), dtype=torch.bfloat16)

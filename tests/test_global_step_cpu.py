@@ -15,8 +15,7 @@ import types
 import pytest
 import torch
 
-from conftest import (TINY_SYNTHETIC, bench_script, bench_version, left_padded_batch,
-                      require_module)
+from conftest import TINY_SYNTHETIC, bench_script, bench_version, left_padded_batch, require_module
 
 BF16 = torch.bfloat16
 

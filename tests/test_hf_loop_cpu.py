@@ -292,10 +292,10 @@ BROKEN = {
     # the thin step fed the token before the new one
     "previous_token": ("step_ids = next_tokens[:, None]", "step_ids = input_ids[:, -2:-1]"),
     # top_k and temperature dropped once the step has started
-    "no_processors": ("scores = logits_processor(input_ids, logits)",
-                      "scores = logits if step.started else logits_processor(input_ids, logits)"),
+    "no_processors": ("pick_tokens(input_ids, logits, logits_processor,",
+                      "pick_tokens(input_ids, logits, (lambda i, s: s) if step.started else logits_processor,"),
     # finished sequences not padded once the step has started
-    "no_padding": ("if has_eos_stopping_criteria:", "if has_eos_stopping_criteria and not step.started:"),
+    "no_padding": ("has_eos_stopping_criteria)", "has_eos_stopping_criteria and not step.started)"),
 }
 
 

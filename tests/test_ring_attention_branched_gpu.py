@@ -18,11 +18,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import bench_version, graph_generate, synthetic_gpu_models
+from conftest import RING_GEOMETRIES, bench_version, graph_generate, scaled_module, synthetic_gpu_models
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
-GEOMETRIES = {"31b": (32, 16, 256, 1024, 1.0), "synthetic": (32, 4, 32, 128, 0.125)}  # Hq, Hkv, d, W, scaling
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +30,7 @@ def branched():
 
 
 def _inputs(batch, geometry, seed):
-    hq, hkv, d, w, scaling = GEOMETRIES[geometry]
+    hq, hkv, d, w, scaling = RING_GEOMETRIES[geometry]
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = (torch.randn(batch, hq, 1, d, generator=g, device="cuda") / d ** 0.5 / scaling).to(BF16)
     k = torch.randn(batch, hkv, w, d, generator=g, device="cuda").to(BF16)
@@ -41,20 +40,14 @@ def _inputs(batch, geometry, seed):
     return q, k, v, m.view(batch, 1, 1, w), scaling
 
 
-def _module(scaling):
-    module = torch.nn.Module()
-    module.scaling = scaling
-    return module
-
-
-@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+@pytest.mark.parametrize("geometry", list(RING_GEOMETRIES))
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_the_halves_are_the_library(branched, batch, geometry):
     from foldkv.hf_graph import RingMask, ring_attention
 
     q, k, v, m, scaling = _inputs(batch, geometry, seed=batch)
     assert branched.refusal(q, k, v, RingMask(m)) is None
-    want = ring_attention(_module(scaling), q, k, v, RingMask(m))[0]
+    want = ring_attention(scaled_module(scaling), q, k, v, RingMask(m))[0]
     torch.cuda.synchronize()
     got = branched.ring_attend(q, k, v, m, scaling)
     assert bool(torch.isfinite(got).all()), "an output element left unwritten"

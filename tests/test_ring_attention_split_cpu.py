@@ -221,3 +221,11 @@ def test_the_two_branch_ring_attention_refuses_what_it_does_not_describe_and_goe
     assert hf_graph.ring_attention is library and hf.ring_attention is library
     probe = bench_script("model_decode_probe").parser()
     assert probe.parse_args(["--ring-branch-ab"]).ring_branch_ab and not probe.parse_args([]).ring_branch_ab
+    # what each half calls: the library's ring attention writing P.V into a slice of one output (its `out=`)
+    from conftest import scaled_module
+
+    b, hq, hkv, d = q.shape[0], q.shape[1], k.shape[1], q.shape[-1]
+    whole = library(scaled_module(0.5), q, k, v, RingMask(m))[0]
+    out = torch.full((b, hkv, hq // hkv, d), float("nan"), dtype=v.dtype)
+    library(scaled_module(0.5), q[1:], k[1:], v[1:], RingMask(m[1:]), out=out[1:])
+    assert out[0].isnan().all() and torch.equal(out[1:].reshape(b - 1, 1, hq, d), whole[1:])

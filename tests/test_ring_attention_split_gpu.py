@@ -39,13 +39,12 @@ import math
 import pytest
 import torch
 
-from conftest import (bench_version, graph_generate, ring_output_bound, ring_reference, rounding_bound,
-                      skip_or_fail, synthetic_gpu_models)
+from conftest import (RING_GEOMETRIES, bench_version, graph_generate, ring_output_bound, ring_reference,
+                      rounding_bound, scaled_module, skip_or_fail, synthetic_gpu_models)
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 U = 2.0 ** -24
-GEOMETRIES = {"31b": (32, 16, 256, 1024, 1.0), "synthetic": (32, 4, 32, 128, 0.125)}  # Hq, Hkv, d, W, scaling
 
 
 VERSIONS = ["ring_attention_split", "ring_attention_one_launch"]
@@ -73,7 +72,7 @@ def _ulp(x: torch.Tensor) -> torch.Tensor:
 
 
 def _inputs(batch, geometry, fill, seed):
-    hq, hkv, d, w, scaling = GEOMETRIES[geometry]
+    hq, hkv, d, w, scaling = RING_GEOMETRIES[geometry]
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = (torch.randn(batch, hq, 1, d, generator=g, device="cuda") / math.sqrt(d) / scaling).to(BF16)
     k = torch.randn(batch, hkv, w, d, generator=g, device="cuda").to(BF16)
@@ -91,12 +90,6 @@ def _inputs(batch, geometry, fill, seed):
     return q, k, v, m.view(batch, 1, 1, w), scaling
 
 
-def _module(scaling):
-    module = torch.nn.Module()
-    module.scaling = scaling
-    return module
-
-
 def _grouped(q, hkv):
     b, hq, _, d = q.shape
     return q.reshape(b, hkv, hq // hkv, d)
@@ -112,7 +105,7 @@ def _score_slack(q, k, scaling):
     return scaling * d * 2 * U * (_grouped(q, k.shape[1]).double().abs() @ k.double().abs().transpose(-1, -2))
 
 
-@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+@pytest.mark.parametrize("geometry", list(RING_GEOMETRIES))
 @pytest.mark.parametrize("fill", ["full", "partial"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_split_against_float64_and_ring_attention(split, batch, fill, geometry):
@@ -144,7 +137,7 @@ def test_split_against_float64_and_ring_attention(split, batch, fill, geometry):
     live = m.reshape(b, 1, 1, -1)
     d_max = torch.where(live, delta, torch.zeros_like(delta)).amax(dim=-1, keepdim=True)
     loose = ring_output_bound(p_x, v, ref_x, extra=torch.expm1(2 * d_max))
-    lib = ring_attention(_module(scaling), q, k, v, RingMask(m))[0].reshape(b, hkv, hq // hkv, d).double()
+    lib = ring_attention(scaled_module(scaling), q, k, v, RingMask(m))[0].reshape(b, hkv, hq // hkv, d).double()
     assert bool(((lib - ref_x).abs() <= loose).all()), "the library outside the loose bound (the bound is wrong)"
     assert bool(((got_g - ref_x).abs() <= loose).all()), "the kernels outside the loose bound"
     assert bool(((got_g - lib).abs() <= 2 * loose).all())
@@ -158,7 +151,7 @@ def test_split_against_float64_and_ring_attention(split, batch, fill, geometry):
 
 
 @pytest.mark.parametrize("splits", [None, 1])
-@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+@pytest.mark.parametrize("geometry", list(RING_GEOMETRIES))
 @pytest.mark.parametrize("fill", ["full", "partial"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_one_launch_against_float64_and_ring_attention(one, batch, fill, geometry, splits, request):
@@ -195,7 +188,7 @@ def test_one_launch_against_float64_and_ring_attention(one, batch, fill, geometr
     loose = ring_output_bound(p_x, v, ref_x, extra=torch.expm1(2 * d_max) + rescales)
     err = (got_g - ref_x).abs()
     assert bool((err <= loose).all()), f"output outside its bound: max excess {(err - loose).max().item():.3g}"
-    lib = ring_attention(_module(scaling), q, k, v, RingMask(m))[0].reshape(b, hkv, hq // hkv, d).double()
+    lib = ring_attention(scaled_module(scaling), q, k, v, RingMask(m))[0].reshape(b, hkv, hq // hkv, d).double()
     assert bool(((got_g - lib).abs() <= 2 * loose).all())
 
     # red twins (NaN, a row with no live slot left, is outside too)

@@ -41,6 +41,8 @@ from foldkv import hf_loop
 
 @functools.lru_cache(maxsize=None)
 def check_stream(device: torch.device) -> torch.cuda.Stream:
+    """The check's stream, its own: not fused_step's side streams, which become branches of the step's graph while it
+    is captured (the loop's check runs outside the graph, and may still be queued when the capture starts)."""
     return torch.cuda.Stream(device=device)
 
 
@@ -73,13 +75,8 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
             torch.cuda._sleep(20_000_000)  # the main stream held back ~10 ms, so the race is lost every token
         logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
         del outputs
-        scores = logits_processor(input_ids, logits)
-        if do_sample:
-            next_tokens = torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-        else:
-            next_tokens = torch.argmax(scores, dim=-1)
-        if has_eos_stopping_criteria:
-            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+        next_tokens = hf_loop.pick_tokens(input_ids, logits, logits_processor, do_sample, unfinished, pad_token_id,
+                                          has_eos_stopping_criteria)
         step_ids = next_tokens[:, None]
         ahead = step.started and (max_length is None or input_ids.shape[-1] + 1 < max_length) and step.room() > 0
         checked = side if step.started else main  # the first tokens: in stream order, as the served loop

@@ -7,8 +7,8 @@ profile at ~11 us a layer for 3.5 us of bytes (32-256 CTAs each, a ramp and a ta
 Here the heads are cut in two halves (the batch's two halves when B is even: their rings, queries and masks are
 contiguous slices; the KV heads' two halves at B = 1), each half's three kernels issued on its own stream (the main
 one and fused_step's side stream: a fork and a join, branches of the captured graph), so one half's launches, ramps
-and tails overlap the other's body. Each half is the library's arithmetic on its heads (the same matmuls per head,
-the same softmax rows), written into its slice of one output (P.V's `out=`), so no copy joins them.
+and tails overlap the other's body. Each half is `hf_graph.ring_attention` on its heads (the same matmuls per head,
+the same softmax rows), writing into its slice of one output (its `out=`), so no copy joins them.
 Described: CUDA, B even or B = 1 with an even Hkv; anything else is the library's, the reason counted.
 
 Prediction: the second half's three launches and ramps hidden behind the first's body, ~1.5-3 us a layer at one row
@@ -27,12 +27,17 @@ Check first on the GPU, in this order:
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Iterator
 
 import torch
 
-from foldkv import fused_step
+from foldkv import fused_step, hf_graph
 from versions import ring_attention_split as split  # bench/versions/: its installation (calls, refusals)
+
+
+LIBRARY = hf_graph.ring_attention  # each half's: taken at import, before `installed` patches the name
+assert not hasattr(LIBRARY, "_ring_version"), "imported while a lab ring attention was installed"
 
 
 def refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -> str | None:
@@ -48,17 +53,6 @@ def refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -
     return None
 
 
-def _half(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor, scaling: float,
-          out: torch.Tensor) -> None:
-    """hf_graph.ring_attention's arithmetic over these heads: q [b, h, g, d], rings [b, h, W, d], m [b, W] bool, out
-    [b, h, g, d] packed (P.V written there)."""
-    scores = torch.matmul(q, k.transpose(-1, -2))
-    if scaling != 1.0:
-        scores = scores * scaling
-    probs = fused_step.masked_softmax(scores, m, v.dtype)
-    torch.matmul(probs, v, out=out)
-
-
 def ring_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float,
                 _red: str | None = None) -> torch.Tensor:
     """query [B, Hq, 1, d], rings [B, Hkv, W, d] packed, mask [B, 1, 1, W] bool -> [B, 1, Hq, d]: the two halves on
@@ -66,26 +60,29 @@ def ring_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mas
     half's mask rows (at B = 1, the second half's mask with slot 0 dead)."""
     b, hq, _, d = query.shape
     hkv = key.shape[1]
-    q = query.reshape(b, hkv, hq // hkv, d)
-    m = mask.reshape(b, -1)
-    out = torch.empty(q.shape, dtype=value.dtype, device=value.device)
+    g = hq // hkv
+    out = torch.empty(b, hkv, g, d, dtype=value.dtype, device=value.device)
     if b % 2 == 0:
         h = b // 2
-        halves = [(slice(0, h), slice(None)), (slice(h, b), slice(None))]
-        masks = [m[:h], m[h:]] if _red != "swap_masks" else [m[h:], m[:h]]
+        halves = [(slice(0, h), slice(None), slice(None)), (slice(h, b), slice(None), slice(None))]
+        masks = [mask[:h], mask[h:]] if _red != "swap_masks" else [mask[h:], mask[:h]]
     else:
         h = hkv // 2
-        halves = [(slice(None), slice(0, h)), (slice(None), slice(h, hkv))]
-        masks = [m, m] if _red != "swap_masks" else [m, m.clone().index_fill_(1, m.new_zeros(1, dtype=torch.long),
-                                                                           False)]
+        halves = [(slice(None), slice(0, h), slice(0, h * g)), (slice(None), slice(h, hkv), slice(h * g, hq))]
+        masks = [mask, mask] if _red != "swap_masks" else [mask, mask.clone().index_fill_(-1, mask.new_zeros(
+            1, dtype=torch.long), False)]
+    module = types.SimpleNamespace(scaling=scaling)
     main = torch.cuda.current_stream(value.device)
     side = fused_step.side_streams(value.device)[0]
     side.wait_stream(main)  # the query and the rings written
+
+    def half(i: int) -> None:  # the library's ring attention on these heads, P.V into their slice of out
+        (bs, hs, qs), ms = halves[i], masks[i]
+        LIBRARY(module, query[bs, qs], key[bs, hs], value[bs, hs], hf_graph.RingMask(ms), out=out[bs, hs])
+
     with torch.cuda.stream(side):
-        (bs, hs), ms = halves[1], masks[1]
-        _half(q[bs, hs], key[bs, hs], value[bs, hs], ms, scaling, out[bs, hs])
-    (bs, hs), ms = halves[0], masks[0]
-    _half(q[bs, hs], key[bs, hs], value[bs, hs], ms, scaling, out[bs, hs])
+        half(1)
+    half(0)
     main.wait_stream(side)  # the join (o_proj reads both halves): after it main reuses nothing the side still reads
     return out.reshape(b, 1, hq, d)
 

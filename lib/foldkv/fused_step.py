@@ -330,22 +330,27 @@ def _layer_forward(layer: nn.Module, hidden_states: torch.Tensor, per_layer_inpu
     return out
 
 
+def _attention_norms(m: nn.Module) -> bool:
+    """The attention's norms are the formula the fused kernels compute: Gemma 4 RMSNorms with an epsilon, q_norm and
+    k_norm with a one-dimensional weight, v_norm without."""
+    def norm(name, scaled):
+        n = getattr(m, name, None)
+        return (type(n).__name__ == "Gemma4RMSNorm" and getattr(n, "with_scale", None) is scaled
+                and (hasattr(n, "eps") or hasattr(n, "variance_epsilon")) and (not scaled or n.weight.dim() == 1))
+
+    return norm("q_norm", True) and norm("k_norm", True) and norm("v_norm", False)
+
+
 def sliding_attention_modules(model: nn.Module) -> list[nn.Module]:
     """Sliding Gemma4TextAttention modules the fused ring attention describes: their own K/V (not a layer reusing
     another's; one that stores its K/V for later layers, `store_full_length_kv`, hands on the rings as its forward
     does), q/k/v/o projections, q_norm and k_norm with weights, v_norm without, a power-of-two
     head_dim >= 16. The global (k_eq_v) layers are not among them (they fold into foldkv's pool)."""
-    def norm(m, name, scaled):
-        n = getattr(m, name, None)
-        return (type(n).__name__ == "Gemma4RMSNorm" and getattr(n, "with_scale", None) is scaled
-                and (hasattr(n, "eps") or hasattr(n, "variance_epsilon")) and (not scaled or n.weight.dim() == 1))
-
     d = lambda m: int(getattr(m, "head_dim", 0) or 0)  # noqa: E731
     return [m for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"
             and getattr(m, "is_sliding", False) is True and not getattr(m, "is_kv_shared_layer", False)
             and all(isinstance(getattr(m, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-            and norm(m, "q_norm", True) and norm(m, "k_norm", True) and norm(m, "v_norm", False)
-            and d(m) >= 16 and d(m) & (d(m) - 1) == 0]
+            and _attention_norms(m) and d(m) >= 16 and d(m) & (d(m) - 1) == 0]
 
 
 def sliding_route(attn: nn.Module, kwargs: dict) -> tuple | str:
@@ -405,19 +410,13 @@ def _sliding_forward(attn: nn.Module, *args, **kwargs):
 
 def global_attention_modules(model: nn.Module) -> list[nn.Module]:
     """Global Gemma4TextAttention modules `_global_forward` describes: not sliding, their own K/V (not shared, not
-    stored for later layers), q/k/o projections (v_proj, when there is one: k_eq_v has none), q_norm and k_norm with
-    weights, v_norm without."""
-    def norm(m, name, scaled):
-        n = getattr(m, name, None)
-        return (type(n).__name__ == "Gemma4RMSNorm" and getattr(n, "with_scale", None) is scaled
-                and (hasattr(n, "eps") or hasattr(n, "variance_epsilon")))
-
+    stored for later layers), q/k/o projections (v_proj, when there is one: k_eq_v has none), the norms the kernels
+    compute (`_attention_norms`)."""
     return [m for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"
             and getattr(m, "is_sliding", True) is False and not getattr(m, "is_kv_shared_layer", False)
             and not getattr(m, "store_full_length_kv", False)
             and all(isinstance(getattr(m, n, None), nn.Linear) for n in ("q_proj", "k_proj", "o_proj"))
-            and (getattr(m, "v_proj", None) is None or isinstance(m.v_proj, nn.Linear))
-            and norm(m, "q_norm", True) and norm(m, "k_norm", True) and norm(m, "v_norm", False)]
+            and (getattr(m, "v_proj", None) is None or isinstance(m.v_proj, nn.Linear)) and _attention_norms(m)]
 
 
 def global_forward_route(attn: nn.Module, kwargs: dict) -> tuple | str:
@@ -564,7 +563,8 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
     counts = {"norms": sum(type(m).__name__ == "Gemma4RMSNorm" for m, _ in swapped),
               "mlps": sum(type(m).__name__ == "Gemma4TextMLP" for m, _ in swapped), "layers": len(layers),
               "rope": len(ropes), "branched_attention": len(branched), "merged": merged,
-              "sliding_attention": len(sliding), "global_attention": len(global_), "projections": len(projections), **tails}
+              "sliding_attention": len(sliding), "global_attention": len(global_), "projections": len(projections),
+              **tails}
     try:
         yield counts
     finally:

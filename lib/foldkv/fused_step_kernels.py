@@ -168,12 +168,16 @@ if triton is not None:
         return _rounded(_rounded(y * cs, OUT) + _rounded(rot * sn, OUT), OUT)
 
     @triton.jit
+    def _inverse_norm(base, n, eps, D: tl.constexpr):
+        """The inverse RMS of the head row at base, reduced over the row loaded in its natural order (rms_norm_rows'
+        reduction)."""
+        return _inverse_rms(tl.load(base + tl.arange(0, D)).to(tl.float32), n, eps)
+
+    @triton.jit
     def _norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, n, eps, OUT: tl.constexpr, D: tl.constexpr):
-        """One head row at x_ptr: RMSNorm with weight (its reduction over the row loaded in its natural order, as
-        rms_norm_rows reduces it), then RoPE: `_roped_at` of every column, bitwise the two kernels."""
-        cols = tl.arange(0, D)
-        inv = _inverse_rms(tl.load(x_ptr + cols).to(tl.float32), n, eps)
-        return _roped_at(x_ptr, w_ptr, cos_ptr, sin_ptr, cols, inv, OUT, D)
+        """One head row at x_ptr: RMSNorm with weight (`_inverse_norm`), then RoPE: `_roped_at` of every column,
+        bitwise the two kernels."""
+        return _roped_at(x_ptr, w_ptr, cos_ptr, sin_ptr, tl.arange(0, D), _inverse_norm(x_ptr, n, eps, D), OUT, D)
 
     @triton.jit
     def _q_row(row, x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, heads, x_stride, n, eps, D: tl.constexpr):
@@ -276,12 +280,6 @@ if triton is not None:
         tl.store(pool_ptr + ((page * heads + h) * page_size + offset) * WIDTH + j, x, mask=keep)
 
     # --- a global layer's decode step from its projections' outputs: the norms and RoPE inside the two kernels above
-    @triton.jit
-    def _inverse_norm(base, n, eps, D: tl.constexpr):
-        """The inverse RMS of the head row at base, reduced over the row loaded in its natural order (rms_norm_rows'
-        reduction)."""
-        return _inverse_rms(tl.load(base + tl.arange(0, D)).to(tl.float32), n, eps)
-
     @triton.jit
     def global_query_prologue(q_ptr, w_ptr, cos_ptr, sin_ptr, wk_ptr, cols_ptr, out_ptr, heads, q_stride, n, eps,
                               D: tl.constexpr, FOLD_FROM: tl.constexpr, FOLDED: tl.constexpr,

@@ -22,9 +22,8 @@ Inside `foldkv.fused_step` the global layer's forward is swapped too (`fused_ste
 projections' outputs to `query_from_projection` and `row_from_projection` (`global_query_prologue`,
 `global_row_prologue`): the model's five norm and RoPE kernels computed inside what the two kernels above do (q_norm
 and RoPE of each query head read in place; k_norm, RoPE and v_norm of the row), both PDL links: 7 launches a layer ->
-2, bitwise the same query and rows (-0.04 ms a step on the 31B at 4K x 1
-and 32K x 1, -0.01 at 4K x 8: bench/MODEL_DECODE_NOTES.md run 23). `query_into` and `row_into_pool` stay the path
-of a step without the swap.
+2, bitwise the same query and rows (-0.04 ms a step on the 31B at 4K x 1 and 32K x 1, -0.01 at 4K x 8:
+bench/MODEL_DECODE_NOTES.md run 23). `query_into` and `row_into_pool` stay the path of a step without the swap.
 
 `global_route` says which calls they describe: a bf16 pool (folded or split; an FP8 pool's rows are quantized with a
 per-row scale, which the row kernel does not do), bf16 query/key/value, foldkv's DecodeWorkspace with DecodeStep's own

@@ -61,13 +61,14 @@ class RingMask:
 
 
 def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   mask: RingMask) -> tuple[torch.Tensor, None]:
+                   mask: RingMask, out: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
     """A sliding layer's decode attention over its ring, computed as transformers' eager attention computes it (scores
     by a matmul in the model's dtype, softmax in float32, rounded back, a matmul with V). query [B, Hq, 1, d],
     key/value [B, Hkv, W, d]: each KV head's query heads (h = kv * group + r, transformers' repeat_kv order) become
     that head's query rows, so no K/V is repeated. Two batched matmuls over B x Hkv heads keep the whole chip busy
     where an SDPA kernel parallel over heads and query rows runs B x Hkv CTAs (16 at batch 1). Returns
-    ([B, 1, Hq, d], None), what transformers' attention functions return."""
+    ([B, 1, Hq, d], None), what transformers' attention functions return; `out` ([B, Hkv, Hq / Hkv, d] packed): P.V
+    written there (the lab's ring attention in parts writes each part into its slice)."""
     b, hq, _, d = query.shape
     hkv = key.shape[1]
     q = query.reshape(b, hkv, hq // hkv, d)
@@ -80,7 +81,7 @@ def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         probs = masked_softmax(scores, mask.mask, value.dtype)
     else:
         probs = torch.softmax(scores.float().masked_fill(~mask.mask, float("-inf")), dim=-1).to(value.dtype)
-    return torch.matmul(probs, value).reshape(b, 1, hq, d), None
+    return torch.matmul(probs, value, out=out).reshape(b, 1, hq, d), None
 
 
 class DecodeStep:

@@ -108,6 +108,18 @@ def loop_state(input_ids: torch.Tensor, stopping_criteria: Any, generation_confi
             torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device), _HostFlag(input_ids.device))
 
 
+def pick_tokens(input_ids: torch.Tensor, logits: torch.Tensor, logits_processor: Any, do_sample: bool,
+                unfinished: torch.Tensor, pad_token_id: torch.Tensor | None, has_eos: bool) -> torch.Tensor:
+    """Each sequence's next token from its float32 logits [B, V], as `_sample` picks it: the processors, then a
+    multinomial draw or the argmax; a finished sequence (when a criterion stops at EOS) gets the pad id."""
+    scores = logits_processor(input_ids, logits)
+    if do_sample:
+        tokens = torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    else:
+        tokens = torch.argmax(scores, dim=-1)
+    return tokens * unfinished + pad_token_id * (1 - unfinished) if has_eos else tokens
+
+
 def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_processor: Any, stopping_criteria: Any,
                 generation_config: Any, synced_gpus: bool = False, streamer: Any = None,
                 **model_kwargs) -> torch.LongTensor:
@@ -133,13 +145,8 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
             model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
         logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
         del outputs
-        scores = logits_processor(input_ids, logits)
-        if do_sample:
-            next_tokens = torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-        else:
-            next_tokens = torch.argmax(scores, dim=-1)
-        if has_eos_stopping_criteria:
-            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+        next_tokens = pick_tokens(input_ids, logits, logits_processor, do_sample, unfinished, pad_token_id,
+                                  has_eos_stopping_criteria)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
         unfinished = unfinished & ~stopping_criteria(input_ids, None)
         # the next step is issued before the host waits for the stop flag (module docstring); not when the length
@@ -168,4 +175,4 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
             outputs = model(**model_inputs, return_dict=True)
 
 
-__all__ = ["LOOP_STEPS", "applies", "covers", "decode_loop", "loop_state"]
+__all__ = ["LOOP_STEPS", "applies", "covers", "decode_loop", "loop_state", "pick_tokens"]
