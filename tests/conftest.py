@@ -388,6 +388,46 @@ def ring_output_bound(p: torch.Tensor, v: torch.Tensor, o: torch.Tensor, extra=N
     return 1.25 * bound + 2.0 ** -133
 
 
+GREEDY_PICK_CASES = ("ties", "nan", "eos_below_min", "eos_at_min", "all_neg_inf", "finished")
+GREEDY_PICK_RED = {"ties": "last_of_a_tie", "eos_below_min": "no_eos_mask"}  # the case each red twin must fail
+
+
+def greedy_pick_case(case: str, batch: int, vocab: int, device="cpu", seed: int = 0) -> dict:
+    """`hf_loop.pick_tokens`' keywords for a greedy pick (bench/versions/greedy_pick_fused.py's tests): random bf16
+    logits [B, V] with each row holding the case: "ties" (the maximum at two columns of the first chunk and one of the
+    last), "nan" (a larger number, then two NaNs), "eos_below_min" / "eos_at_min" (an EOS id the maximum, the
+    min_new_tokens processor one token short of its minimum / at it), "all_neg_inf" (the odd rows all -inf),
+    "finished" (the even rows finished: padded with 7). Every row unfinished but in "finished"; EOS ids 2 and V - 3."""
+    from transformers.generation.logits_process import LogitsProcessorList, MinNewTokensLengthLogitsProcessor
+
+    if case not in GREEDY_PICK_CASES:
+        raise ValueError(f"case {case!r}: one of {GREEDY_PICK_CASES}")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, vocab, generator=g).to(torch.bfloat16)
+    eos, last = [2, vocab - 3], vocab - 1
+    for r in range(batch):
+        if case == "ties":
+            x[r, 1 + r] = x[r, 4 + r] = x[r, last - r] = 20.0
+        elif case == "nan":
+            x[r, last - r] = 40.0
+            x[r, 7 + r] = x[r, last - 1 - r] = float("nan")
+        elif case.startswith("eos"):
+            x[r, eos[r % 2]], x[r, 11 + r] = 50.0, 30.0
+        elif case == "all_neg_inf" and r % 2:
+            x[r] = float("-inf")
+        elif case == "finished":
+            x[r, 13 + r] = 30.0
+    new, prompt = (4 if case == "eos_below_min" else 5), 10
+    unfinished = torch.ones(batch, dtype=torch.long)
+    if case == "finished":
+        unfinished[::2] = 0
+    processors = LogitsProcessorList([MinNewTokensLengthLogitsProcessor(prompt, 5, eos, device=device)])
+    return dict(input_ids=torch.zeros(batch, prompt + new, dtype=torch.long, device=device), logits=x.to(device),
+                logits_processor=processors,
+                do_sample=False, unfinished=unfinished.to(device), pad_token_id=torch.tensor(7, device=device),
+                has_eos=True)
+
+
 @contextlib.contextmanager
 def collecting_at_every_allocation() -> Iterator[None]:
     """The cyclic collector's thresholds at 1 (an allocation may start a collection of every generation), restored

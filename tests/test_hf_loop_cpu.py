@@ -292,8 +292,9 @@ BROKEN = {
     # the thin step fed the token before the new one
     "previous_token": ("step_ids = next_tokens[:, None]", "step_ids = input_ids[:, -2:-1]"),
     # top_k and temperature dropped once the step has started
-    "no_processors": ("pick_tokens(input_ids, logits, logits_processor,",
-                      "pick_tokens(input_ids, logits, (lambda i, s: s) if step.started else logits_processor,"),
+    "no_processors": ("pick_tokens(input_ids, outputs.logits[:, -1], logits_processor,",
+                      "pick_tokens(input_ids, outputs.logits[:, -1], (lambda i, s: s) if step.started else"
+                      " logits_processor,"),
     # finished sequences not padded once the step has started
     "no_padding": ("has_eos_stopping_criteria)", "has_eos_stopping_criteria and not step.started)"),
 }
@@ -433,3 +434,41 @@ def test_the_side_stream_loop_leaves_a_cpu_generate_to_the_served_loop(models, b
     assert torch.equal(got, want) and steps == want_steps and want_steps["thin"] > 0 and took["tokens"] == 0
     probe = bench_script("model_decode_probe").parser()
     assert probe.parse_args(["--loop-tail-ab"]).loop_tail_ab and not probe.parse_args([]).loop_tail_ab
+
+
+# --- bench/versions/greedy_pick_fused.py (the greedy pick in two launches; its GPU and interpreter tests hold it) ---
+
+def test_the_two_launch_pick_leaves_a_cpu_generate_to_the_library_pick(models, batch):
+    """On the CPU the version hands every pick to the library's (counted under its reason): the same tokens and thin
+    steps; on exit the library's pick is back. It reads the processors a greedy generate() gets: min_new_tokens' EOS
+    ids while below the minimum, none at it; another processor is refused by name. The probe parses --greedy-pick-ab."""
+    from transformers.generation.logits_process import (LogitsProcessorList, MinLengthLogitsProcessor,
+                                                        MinNewTokensLengthLogitsProcessor,
+                                                        RepetitionPenaltyLogitsProcessor)
+
+    from conftest import bench_script, bench_version, probe_command_of_run
+    from foldkv import hf_loop
+
+    pick = bench_version("greedy_pick_fused")
+    _, inputs = batch
+    model = models["foldkv"]
+    want, want_steps = _generate(model, inputs, _cache(model), min_new_tokens=NEW)
+    served = hf_loop.pick_tokens
+    with pick.installed() as took:
+        assert hf_loop.pick_tokens is not served
+        got, steps = _generate(model, inputs, _cache(model), min_new_tokens=NEW)
+    assert hf_loop.pick_tokens is served
+    assert torch.equal(got, want) and steps == want_steps and want_steps["thin"] > 0
+    assert took["tokens"] == 0 and took["refusals"] == {"logits not on the ids' CUDA device": NEW}, dict(took)
+    ids = torch.zeros(1, 10, dtype=torch.long)
+    new = MinNewTokensLengthLogitsProcessor(8, 3, [5, 1])  # 2 new tokens of a minimum of 3: EOS masked
+    assert pick.masked_eos(ids, LogitsProcessorList([new])) == (1, 5)
+    assert pick.masked_eos(ids, LogitsProcessorList([MinNewTokensLengthLogitsProcessor(7, 3, [5])])) == ()
+    assert pick.masked_eos(ids, LogitsProcessorList([new, MinLengthLogitsProcessor(11, 9)])) == (1, 5, 9)
+    assert pick.masked_eos(ids, LogitsProcessorList([MinLengthLogitsProcessor(10, 9)])) == ()
+    refused = pick.masked_eos(ids, LogitsProcessorList([new, RepetitionPenaltyLogitsProcessor(1.2)]))
+    assert refused == "processor RepetitionPenaltyLogitsProcessor"  # red twin: a processor it does not describe
+    probe = bench_script("model_decode_probe").parser()
+    assert probe.parse_args(["--greedy-pick-ab"]).greedy_pick_ab and not probe.parse_args([]).greedy_pick_ab
+    noted = probe_command_of_run(29)  # the notes' command for run 29 is one the probe takes
+    assert noted.greedy_pick_ab and noted.loop_tail_ab and "foldkv-folded:4096:8" in noted.decode

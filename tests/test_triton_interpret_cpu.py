@@ -2,7 +2,8 @@
 the residual tails with and without split partials, RoPE, GELU x up, the ring's masked softmax, a sliding layer's
 prologue in one launch and as two), `foldkv.gemv`'s tensor-core GEMM and its split sum, `foldkv.global_step`'s query and
 row kernels (after the model's norms and RoPE, and with them inside), and the lab's (the read roof's streaming sum;
-bench/versions/ring_attention_one_launch.py), each against what it replaces. The GPU tests hold the compiled kernels to the same
+bench/versions/ring_attention_one_launch.py; the greedy pick of bench/versions/greedy_pick_fused.py), each against what
+it replaces. The GPU tests hold the compiled kernels to the same
 statements on the H200; these run everywhere Triton is installed (a CPU torch gets the H200's Triton from
 scripts/install.sh), so a launch that passes a wrong stride, a moved host function that lost a name, or a formula that
 left torch's rounding points fails in CI.
@@ -46,7 +47,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import NormStub, attention_norms, query_kernel_check, require_module, row_store_check
+from conftest import (GREEDY_PICK_CASES, NormStub, attention_norms, query_kernel_check, require_module,
+                      row_store_check)
 
 INSIDE = os.environ.get("TRITON_INTERPRET") == "1"
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's child process "
@@ -717,3 +719,31 @@ def test_the_one_launch_ring_attention_within_its_bound(batch, scaling, splits):
         again, _ = attend()
         left_up["counters"].zero_()
         assert bool(again.isnan().all()), "red twin: a combine ran with its counter left up"
+
+
+@inside
+@pytest.mark.parametrize("case", GREEDY_PICK_CASES)
+@pytest.mark.parametrize("vocab", [1000, 4097, 262144])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_two_launch_greedy_pick_is_the_library_pick(case, vocab, batch):
+    """bench/versions/greedy_pick_fused.py's two kernels against `hf_loop.pick_tokens` on the same logits and
+    processors (conftest.greedy_pick_case): the same int64 ids, into a poisoned output; the case's red twin
+    (conftest.GREEDY_PICK_RED) picks another."""
+    from conftest import GREEDY_PICK_RED, bench_version, greedy_pick_case
+    from foldkv import hf_loop
+
+    pick = bench_version("greedy_pick_fused")
+    kw = greedy_pick_case(case, batch, vocab, seed=vocab + batch)
+    want = hf_loop.pick_tokens(**kw)
+    eos = pick.masked_eos(kw["input_ids"], kw["logits_processor"])
+    assert eos == ((2, vocab - 3) if case == "eos_below_min" else ())
+
+    def fused(red=None):
+        out = torch.full((batch,), -(1 << 40), dtype=torch.long)
+        pick.fused_pick(kw["logits"], pick.eos_table(eos, "cpu"), len(eos), kw["unfinished"], kw["pad_token_id"],
+                        red=red, out=out)
+        return out
+
+    assert torch.equal(fused(), want), f"{fused().tolist()} where the library picks {want.tolist()}"
+    if case in GREEDY_PICK_RED:
+        assert not torch.equal(fused(GREEDY_PICK_RED[case]), want), f"red twin {GREEDY_PICK_RED[case]} picked the same"

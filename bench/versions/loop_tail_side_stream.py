@@ -73,10 +73,9 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
         main.wait_stream(side)  # the last token's check: the grown prompt and the finished flags
         if _red_no_ids_wait and step.started:
             torch.cuda._sleep(20_000_000)  # the main stream held back ~10 ms, so the race is lost every token
-        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+        next_tokens = hf_loop.pick_tokens(input_ids, outputs.logits[:, -1], logits_processor, do_sample, unfinished,
+                                          pad_token_id, has_eos_stopping_criteria)
         del outputs
-        next_tokens = hf_loop.pick_tokens(input_ids, logits, logits_processor, do_sample, unfinished, pad_token_id,
-                                          has_eos_stopping_criteria)
         step_ids = next_tokens[:, None]
         ahead = step.started and (max_length is None or input_ids.shape[-1] + 1 < max_length) and step.room() > 0
         checked = side if step.started else main  # the first tokens: in stream order, as the served loop

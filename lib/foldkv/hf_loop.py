@@ -110,8 +110,10 @@ def loop_state(input_ids: torch.Tensor, stopping_criteria: Any, generation_confi
 
 def pick_tokens(input_ids: torch.Tensor, logits: torch.Tensor, logits_processor: Any, do_sample: bool,
                 unfinished: torch.Tensor, pad_token_id: torch.Tensor | None, has_eos: bool) -> torch.Tensor:
-    """Each sequence's next token from its float32 logits [B, V], as `_sample` picks it: the processors, then a
-    multinomial draw or the argmax; a finished sequence (when a criterion stops at EOS) gets the pad id."""
+    """Each sequence's next token from the last position's logits [B, V] (the model's output, its dtype), as `_sample`
+    picks it: the logits copied to float32, the processors, then a multinomial draw or the argmax; a finished
+    sequence (when a criterion stops at EOS) gets the pad id."""
+    logits = logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
     scores = logits_processor(input_ids, logits)
     if do_sample:
         tokens = torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
@@ -143,10 +145,9 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
     while True:
         if not step.started:  # the prompt's output or the capturing step: transformers' own bookkeeping
             model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
-        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+        next_tokens = pick_tokens(input_ids, outputs.logits[:, -1], logits_processor, do_sample, unfinished,
+                                  pad_token_id, has_eos_stopping_criteria)
         del outputs
-        next_tokens = pick_tokens(input_ids, logits, logits_processor, do_sample, unfinished, pad_token_id,
-                                  has_eos_stopping_criteria)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
         unfinished = unfinished & ~stopping_criteria(input_ids, None)
         # the next step is issued before the host waits for the stop flag (module docstring); not when the length
