@@ -2,8 +2,8 @@
 the residual tails with and without split partials, RoPE, GELU x up, the ring's masked softmax, a sliding layer's
 prologue in one launch and as two), `foldkv.gemv`'s tensor-core GEMM and its split sum, `foldkv.global_step`'s query and
 row kernels (after the model's norms and RoPE, and with them inside), and the lab's (the read roof's streaming sum;
-bench/versions/ring_attention_one_launch.py; the greedy pick of bench/versions/greedy_pick_fused.py), each against what
-it replaces. The GPU tests hold the compiled kernels to the same
+bench/versions/ring_attention_one_launch.py; the greedy pick of bench/versions/greedy_pick_fused.py, alone and inside a
+CPU generate()), each against what it replaces. The GPU tests hold the compiled kernels to the same
 statements on the H200; these run everywhere Triton is installed (a CPU torch gets the H200's Triton from
 scripts/install.sh), so a launch that passes a wrong stride, a moved host function that lost a name, or a formula that
 left torch's rounding points fails in CI.
@@ -747,3 +747,43 @@ def test_the_two_launch_greedy_pick_is_the_library_pick(case, vocab, batch):
     assert torch.equal(fused(), want), f"{fused().tolist()} where the library picks {want.tolist()}"
     if case in GREEDY_PICK_RED:
         assert not torch.equal(fused(GREEDY_PICK_RED[case]), want), f"red twin {GREEDY_PICK_RED[case]} picked the same"
+
+
+@inside
+def test_generate_with_the_two_launch_greedy_pick(tmp_path):
+    """generate() on the tiny synthetic Gemma 4 (float32, a left-padded batch of 3, a static FoldKvCache: the thin
+    loop) with bench/versions/greedy_pick_fused.py picking every token in the interpreter: the library's sequences
+    for greedy with min_new_tokens, with EOS ids from the free run (one sequence finishing: the padding), and with an
+    EOS the free run picked masked by min_new_tokens; the red twin that never masks EOS changes them."""
+    import foldkv.hf  # noqa: F401
+    from conftest import TINY_SYNTHETIC, bench_version, left_padded_batch
+    from foldkv.hf import FoldKvCache
+    from foldkv.lab.model import cache_keyword, load_model
+    from foldkv.lab.synthetic import make_synthetic_checkpoint
+
+    pick = bench_version("greedy_pick_fused")
+    lengths, new = (5, 17, 11), 12
+    ckpt = make_synthetic_checkpoint(tmp_path, seed=3, sliding_window=8, **TINY_SYNTHETIC)
+    model = load_model(ckpt, dtype=torch.float32, attn_implementation="foldkv")
+    ids, mask = left_padded_batch(lengths, TINY_SYNTHETIC["vocab_size"])
+
+    def generate(**kw):
+        cache = FoldKvCache(model, max_batch=4, max_tokens=max(lengths) + new, scatter_seed=5, decode_step="static")
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                             **{cache_keyword(model): cache}, **kw)
+        return out[:, ids.shape[1]:]
+
+    free = generate(min_new_tokens=new)
+    calls = {"greedy": dict(min_new_tokens=new),
+             "one_finishes": dict(eos_token_id=[int(free[0, 3])], pad_token_id=0),
+             "eos_masked": dict(eos_token_id=[int(free[0, 2])], min_new_tokens=6, pad_token_id=0)}
+    for name, kw in calls.items():
+        want = generate(**kw)
+        with pick.installed(interpreted=True) as took:
+            got = generate(**kw)
+        assert took["tokens"] == want.shape[1] and not took["refusals"], (name, dict(took))
+        assert torch.equal(got, want), f"{name}: {got.tolist()} where the library's pick gives {want.tolist()}"
+    assert (generate(**calls["one_finishes"])[0] == 0).any()  # sequence 0 padded after its EOS
+    with pick.installed(red="no_eos_mask", interpreted=True):
+        twin = generate(**calls["eos_masked"])
+    assert not torch.equal(twin, generate(**calls["eos_masked"])), "a pick that never masks EOS changed nothing"

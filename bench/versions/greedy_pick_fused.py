@@ -172,13 +172,13 @@ _TOOK: dict = {"tokens": 0, "refusals": collections.Counter()}
 
 def pick_tokens(input_ids: torch.Tensor, logits: torch.Tensor, logits_processor: Any, do_sample: bool,
                 unfinished: torch.Tensor, pad_token_id: torch.Tensor | None, has_eos: bool, *, _library: Any = None,
-                _red: str | None = None) -> torch.Tensor:
+                _red: str | None = None, _interpreted: bool = False) -> torch.Tensor:
     """`hf_loop.pick_tokens`' contract: the fused pick when it describes the call (module docstring), else the
-    library's, the reason counted."""
+    library's, the reason counted. `_interpreted`: CPU logits taken too (Triton's interpreter runs the kernels)."""
     eos = None
     if do_sample:
         why = "sampling"
-    elif triton is None or not logits.is_cuda or logits.device != input_ids.device:
+    elif triton is None or not (logits.is_cuda or _interpreted) or logits.device != input_ids.device:
         why = "logits not on the ids' CUDA device"
     elif logits.dim() != 2 or logits.stride(1) != 1:
         why = "logits not [B, V] with the vocabulary contiguous"
@@ -196,13 +196,14 @@ def pick_tokens(input_ids: torch.Tensor, logits: torch.Tensor, logits_processor:
 
 
 @contextlib.contextmanager
-def installed(red: str | None = None) -> Iterator[dict]:
+def installed(red: str | None = None, interpreted: bool = False) -> Iterator[dict]:
     """`hf_loop.pick_tokens` (the library loop's and run 26's version's pick, read at every token) replaced by this
-    one for the block (bench/model_decode_probe.py --greedy-pick-ab); yields {"tokens": n, "refusals": Counter}."""
+    one for the block (bench/model_decode_probe.py --greedy-pick-ab); yields {"tokens": n, "refusals": Counter}.
+    `interpreted`: CPU logits picked too, for a process under TRITON_INTERPRET=1 (the CPU tests)."""
     served = hf_loop.pick_tokens
     _TOOK["tokens"] = 0
     _TOOK["refusals"] = collections.Counter()
-    hf_loop.pick_tokens = functools.partial(pick_tokens, _library=served, _red=red)
+    hf_loop.pick_tokens = functools.partial(pick_tokens, _library=served, _red=red, _interpreted=interpreted)
     try:
         yield _TOOK
     finally:
