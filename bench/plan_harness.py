@@ -7,7 +7,9 @@ the float64 reference first, CUDA-graph replays, arms interleaved round by round
 
 Cases (the serving batches): ragged batches of 8, 32, 64 and 128 requests with lengths uniform in 1K-48K and a
 long-tail mix of 64 (90% of 1-4K, 10% of 64K-200K), drawn by `foldkv.lab.bench.serving_cases` (the batches notebook 04
-measures); one request at 10,602, 40,002 and 131,072 tokens.
+measures); one request at 10,602, 40,002 and 131,072 tokens; the 31B decode step's global-layer shapes at notebook
+05's short cells (`MODEL_STEP_CASES`: one and eight requests of 4,100 tokens, one of 32,772). --only runs the cases
+named, in that order (an unknown name stops the harness before it touches the GPU).
 
     python bench/plan_harness.py --json $OUT/plan.json          # on the H200 (source .devsite/env.sh first)
     python bench/plan_harness.py --plans                          # CPU: the two plans' chunk counts and estimates
@@ -45,14 +47,17 @@ GEOM = foldkv.GEMMA4_31B
 
 
 SINGLE_LENGTHS = (10602, 40002, 131072)
+# the 31B decode step's global layers at notebook 05's short cells (bench/model_decode_probe.py): the prompt and a few
+# generated tokens, one request or eight of the same length
+MODEL_STEP_CASES = {"step4k_x1": [4100], "step4k_x8": [4100] * 8, "step32k_x1": [32772]}
 
 
 def cases(seed: int = 0, draw_seeds=(), draw_shapes=DRAWN_SHAPES) -> dict[str, list[int]]:
     """The serving batches (the lab's `serving_cases`, the ones notebook 04 measures), one request at each of
-    SINGLE_LENGTHS, and for each of `draw_seeds` notebook 04's drawn batches of `draw_shapes` (`drawn<seed>/<shape>`:
-    the seed a run printed re-creates its batches)."""
+    SINGLE_LENGTHS, the 31B step's global-layer shapes (MODEL_STEP_CASES), and for each of `draw_seeds` notebook 04's
+    drawn batches of `draw_shapes` (`drawn<seed>/<shape>`: the seed a run printed re-creates its batches)."""
     drawn = {f"drawn{s}/{shape}": lens for s in draw_seeds for shape, lens in draw_batches(s, draw_shapes).items()}
-    return {**serving_cases(seed), **{f"single{n}": [n] for n in SINGLE_LENGTHS}, **drawn}
+    return {**serving_cases(seed), **{f"single{n}": [n] for n in SINGLE_LENGTHS}, **MODEL_STEP_CASES, **drawn}
 
 
 def cap_arm(fmt: KvFormat, cap_pages: int) -> ArmSpec:
@@ -113,6 +118,10 @@ def two_cta_arm() -> ArmSpec:
 
 def bench(rounds: int, out_json: str | None, only: list[str] | None, one_wave: bool = False,
           host_batches: list[int] = (), one_level: bool = False, draw_seeds=(), caps=(), two_ctas: bool = False):
+    known = cases(draw_seeds=draw_seeds)
+    unknown = [n for n in only or () if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown cases {unknown}; --plans lists them")
     device = torch.device("cuda")
     roof = measure_read_roof(device)
     print(f"read roof measured: {roof['gbps']:.0f} GB/s ({roof['method']})", flush=True)
@@ -127,9 +136,8 @@ def bench(rounds: int, out_json: str | None, only: list[str] | None, one_wave: b
     if two_ctas:
         arms.append(two_cta_arm())
     cells = []
-    for name, lens in cases(draw_seeds=draw_seeds).items():
-        if only and name not in only:
-            continue
+    for name in only or list(known):  # in the order asked: a call cut short keeps the first
+        lens = known[name]
         case = AttentionCase(lens, device=device, fi_kv_layout="HND", min_copies=1)
         cells.append(run_cell(f"plan/{name}", "decode", case, arms, rounds=rounds, warmup=3, roof=roof,
                               log=lambda s: print(s, flush=True)))

@@ -8,7 +8,7 @@
 #                 L2-resident weight prefix (run 27's first measurement, bench/l2_prefix_probe.py) (~3-5 min)
 #   PART=kernels  the FP8 version's GPU test, then the FP8 partial over a pre-transposed V_rot and the FP8 step's
 #                 merges (bench/FP8_NOTES.md run 21), then many short requests at two CTAs an SM
-#                 (bench/DECODE_NOTES.md run 22) (~5-7 min)
+#                 (bench/DECODE_NOTES.md run 22) and the 31B step's global decode shapes (run 22b) (~6-8 min)
 # (The 31B step's runs 22-25 were measured at 9f9ef77: papermill_runs/h200-20261205-s27.)
 # Prepare on the CPU machine first: scripts/prepare_device_run.sh (carry .devsite build/aot build/checkout.json).
 #
@@ -56,7 +56,8 @@ if [ "$PART" = kernels ]; then
      > "$OUTD/fp8_vrot_l2.log" 2>&1
    echo "fp8 vrot L2 rc=$? at $(( $(date +%s) - t0 )) s"
    timeout ${PLAN_S:-200} python3 plan_harness.py --rounds 10 --draw 920385503 \
-     --only drawn920385503/short_many drawn920385503/uniform24 uniform128 longtail64 --two-ctas --host-batches \
+     --only drawn920385503/short_many step4k_x8 step4k_x1 step32k_x1 drawn920385503/uniform24 uniform128 longtail64 \
+     --two-ctas --host-batches \
      --json "$OUTD/plan_2cta.json" > "$OUTD/plan_2cta.log" 2>&1
    echo "plan 2cta rc=$? at $(( $(date +%s) - t0 )) s")
   tail -12 "$OUTD/fp8_vrot.log" "$OUTD/fp8_vrot_l2.log" "$OUTD/plan_2cta.log"

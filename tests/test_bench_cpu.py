@@ -542,12 +542,19 @@ def test_plan_harness_measures_the_lab_serving_cases():
     finally:
         sys.path.remove(bench_dir)
     assert two.name == "folded_2cta_w264" and two.format == "folded"
-    # run 22's command (DECODE_NOTES) names cases the harness has, with the flag it parses
+    # the 31B step's global-layer shapes: notebook 05's 4K and 32K contexts and a few generated tokens
+    assert {n: cases[n] for n in ("step4k_x1", "step4k_x8", "step32k_x1")} == {
+        "step4k_x1": [4100], "step4k_x8": [4100] * 8, "step32k_x1": [32772]}
+    # runs 22 and 22b's commands (DECODE_NOTES) name cases the harness has, with the flag it parses
     notes = open(os.path.join(checkout_root(), "bench", "DECODE_NOTES.md")).read()
-    section = notes[notes.index("## Run 22: prediction"):]
-    cmd = re.search(r"python plan_harness\.py (.*)", section).group(1).split()
-    only = cmd[cmd.index("--only") + 1:cmd.index("--two-ctas")]
-    assert set(only) <= set(harness.cases(draw_seeds=[920385503])), only
+    for run in ("22", "22b"):
+        section = notes[notes.index(f"## Run {run}: prediction"):]
+        cmd = re.search(r"python plan_harness\.py (.*)", section).group(1).split()
+        only = cmd[cmd.index("--only") + 1:cmd.index("--two-ctas")]
+        assert set(only) <= set(harness.cases(draw_seeds=[920385503])), (run, only)
+    assert "step4k_x8" in only
+    with pytest.raises(SystemExit, match="unknown cases"):  # a case the harness lacks stops it before the GPU
+        harness.bench(1, None, ["step4k_x9"])
 
 
 @pytest.mark.parametrize("nbytes, copies, cap, want_buffers, want_buffer_bytes", [
