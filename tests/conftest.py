@@ -81,6 +81,25 @@ def graph_generate(model, lengths, new: int, **cache_kwargs) -> tuple[torch.Tens
     return out.sequences[:, ids.shape[1]:].cpu(), torch.stack(out.logits).float().cpu()
 
 
+def thin_loop_generate(model, lengths, new: int, seed: int | None = None, **generate_kw) -> tuple[torch.Tensor, dict]:
+    """A plain `generate()` (no dict of outputs: the calls `foldkv.hf_loop`'s thin loop takes) of a left-padded batch of
+    `lengths` (seed 7) through a FoldKvCache whose decode step is one CUDA graph, torch seeded with `seed` first:
+    (new tokens [B, <= new] on the CPU, the growth of `hf_loop.LOOP_STEPS`). generate_kw go to generate()."""
+    from foldkv import hf_loop
+    from foldkv.hf import FoldKvCache
+    from foldkv.lab.model import cache_keyword
+
+    ids, mask = left_padded_batch(lengths, model.config.vocab_size, seed=7)
+    cache = FoldKvCache(model, max_batch=len(lengths), max_tokens=max(lengths) + new, scatter_seed=3,
+                        decode_step="graph")
+    before = dict(hf_loop.LOOP_STEPS)
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new,
+                         **{cache_keyword(model): cache}, **generate_kw)
+    return out[:, ids.shape[1]:].cpu(), {k: hf_loop.LOOP_STEPS[k] - before[k] for k in before}
+
+
 def query_kernel_check(geom, fmt, batch: int, want: torch.Tensor, write) -> tuple[bool, bool]:
     """A kernel writing a global layer's format query, against `want` [batch, Hq, D]: `write(out, score_cols)` fills
     out [batch + 2, Hq, D] on want's device, poisoned with NaN (score_cols None: the format's column map). Asserts no

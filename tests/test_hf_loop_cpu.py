@@ -414,51 +414,49 @@ def test_beams_are_refused_with_or_without_the_loop(models):
             _generate(model, inputs, _cache(model), loop=loop, num_beams=2)
 
 
-# --- bench/versions/loop_tail_side_stream.py (the stop check on a side stream; its GPU test holds its tokens) -------
+# --- the lab's versions of the loop on the CPU (their GPU tests hold their tokens) ------------------------------------
 
-def test_the_side_stream_loop_leaves_a_cpu_generate_to_the_served_loop(models, batch):
-    """On the CPU (no streams) the version hands every call to the loop it replaced: the same tokens, the same thin
-    steps, no token checked on a side stream; on exit the served loop is back. The probe parses --loop-tail-ab."""
-    from conftest import bench_script, bench_version
+def _generate_with_version(models, batch, version: str, patched: str) -> dict:
+    """A greedy generate() (min_new_tokens) without and with bench/versions/<version>.py installed, which must swap
+    `hf_loop.<patched>` inside its block and put it back after: the same tokens and thin steps; what it took."""
+    from conftest import bench_version
     from foldkv import hf_loop
 
-    side = bench_version("loop_tail_side_stream")
     _, inputs = batch
     model = models["foldkv"]
     want, want_steps = _generate(model, inputs, _cache(model), min_new_tokens=NEW)
-    served = hf_loop.decode_loop
-    with side.installed() as took:
-        assert hf_loop.decode_loop is not served
+    served = getattr(hf_loop, patched)
+    with bench_version(version).installed() as took:
+        assert getattr(hf_loop, patched) is not served
         got, steps = _generate(model, inputs, _cache(model), min_new_tokens=NEW)
-    assert hf_loop.decode_loop is served
-    assert torch.equal(got, want) and steps == want_steps and want_steps["thin"] > 0 and took["tokens"] == 0
+    assert getattr(hf_loop, patched) is served
+    assert torch.equal(got, want) and steps == want_steps and want_steps["thin"] > 0
+    return took
+
+
+def test_the_side_stream_loop_leaves_a_cpu_generate_to_the_served_loop(models, batch):
+    """bench/versions/loop_tail_side_stream.py: on the CPU (no streams) the version hands every call to the loop it
+    replaced, no token checked on a side stream. The probe parses --loop-tail-ab."""
+    from conftest import bench_script
+
+    took = _generate_with_version(models, batch, "loop_tail_side_stream", "decode_loop")
+    assert took["tokens"] == 0
     probe = bench_script("model_decode_probe").parser()
     assert probe.parse_args(["--loop-tail-ab"]).loop_tail_ab and not probe.parse_args([]).loop_tail_ab
 
 
-# --- bench/versions/greedy_pick_fused.py (the greedy pick in two launches; its GPU and interpreter tests hold it) ---
-
 def test_the_two_launch_pick_leaves_a_cpu_generate_to_the_library_pick(models, batch):
-    """On the CPU the version hands every pick to the library's (counted under its reason): the same tokens and thin
-    steps; on exit the library's pick is back. It reads the processors a greedy generate() gets: min_new_tokens' EOS
-    ids while below the minimum, none at it; another processor is refused by name. The probe parses --greedy-pick-ab."""
+    """bench/versions/greedy_pick_fused.py: on the CPU the version hands every pick to the library's (counted under its
+    reason). It reads the processors a greedy generate() gets: min_new_tokens' EOS ids while below the minimum, none
+    at it; another processor is refused by name. The probe parses --greedy-pick-ab (and the notes' command)."""
     from transformers.generation.logits_process import (LogitsProcessorList, MinLengthLogitsProcessor,
                                                         MinNewTokensLengthLogitsProcessor,
                                                         RepetitionPenaltyLogitsProcessor)
 
     from conftest import bench_script, bench_version, probe_command_of_run
-    from foldkv import hf_loop
 
+    took = _generate_with_version(models, batch, "greedy_pick_fused", "pick_tokens")
     pick = bench_version("greedy_pick_fused")
-    _, inputs = batch
-    model = models["foldkv"]
-    want, want_steps = _generate(model, inputs, _cache(model), min_new_tokens=NEW)
-    served = hf_loop.pick_tokens
-    with pick.installed() as took:
-        assert hf_loop.pick_tokens is not served
-        got, steps = _generate(model, inputs, _cache(model), min_new_tokens=NEW)
-    assert hf_loop.pick_tokens is served
-    assert torch.equal(got, want) and steps == want_steps and want_steps["thin"] > 0
     assert took["tokens"] == 0 and took["refusals"] == {"logits not on the ids' CUDA device": NEW}, dict(took)
     ids = torch.zeros(1, 10, dtype=torch.long)
     new = MinNewTokensLengthLogitsProcessor(8, 3, [5, 1])  # 2 new tokens of a minimum of 3: EOS masked

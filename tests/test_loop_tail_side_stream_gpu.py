@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import bench_version, left_padded_batch, synthetic_gpu_models
+from conftest import bench_version, synthetic_gpu_models, thin_loop_generate
 
 pytestmark = pytest.mark.gpu
 LENGTHS = (97, 300, 1000, 5, 64, 129, 700, 33)
@@ -31,21 +31,7 @@ def synthetic_model(tmp_path_factory):
 
 
 def _generate(model, seed=None, **kw):
-    """(the new tokens [B, <= NEW] on the CPU, LOOP_STEPS' growth) of one plain generate() (no dict of outputs: the
-    thin loop's calls) through a graph FoldKvCache."""
-    from foldkv import hf_loop
-    from foldkv.hf import FoldKvCache
-    from foldkv.lab.model import cache_keyword
-
-    ids, mask = left_padded_batch(LENGTHS, model.config.vocab_size, seed=7)
-    cache = FoldKvCache(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW, scatter_seed=3,
-                        decode_step="graph")
-    before = dict(hf_loop.LOOP_STEPS)
-    if seed is not None:
-        torch.manual_seed(seed)
-    out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=NEW,
-                         **{cache_keyword(model): cache}, **kw)
-    return out[:, ids.shape[1]:].cpu(), {k: hf_loop.LOOP_STEPS[k] - before[k] for k in before}
+    return thin_loop_generate(model, LENGTHS, NEW, seed=seed, **kw)
 
 
 def _eos(model, case):
