@@ -81,6 +81,31 @@ def graph_generate(model, lengths, new: int, **cache_kwargs) -> tuple[torch.Tens
     return out.sequences[:, ids.shape[1]:].cpu(), torch.stack(out.logits).float().cpu()
 
 
+# the loop versions' GPU tests (generate() on the synthetic model through a graph FoldKvCache): a left-padded batch of 8
+# whose rings wrap, the new tokens, the pad id
+THIN_LOOP_LENGTHS, THIN_LOOP_NEW, THIN_LOOP_PAD = (97, 300, 1000, 5, 64, 129, 700, 33), 12, 0
+
+
+def free_run_tokens(model, picks) -> list[int]:
+    """The tokens of the library's free greedy run (`thin_loop_generate` of THIN_LOOP_LENGTHS, min_new_tokens: no
+    early stop) at (sequence, step) pairs, sorted, once each: EOS ids that end those sequences there."""
+    free, _ = thin_loop_generate(model, THIN_LOOP_LENGTHS, THIN_LOOP_NEW, do_sample=False,
+                                 min_new_tokens=THIN_LOOP_NEW)
+    return sorted({int(free[b, s]) for b, s in picks})
+
+
+# generate()'s keywords of the loop tests' calls (each a function of the model): the cells' greedy call, EOS ids from
+# the free run so that one sequence (its 4th token), then all, finish early, sampling from a seed
+THIN_LOOP_CALLS = {
+    "greedy": lambda model: dict(do_sample=False, min_new_tokens=THIN_LOOP_NEW),
+    "one_finishes": lambda model: dict(do_sample=False, eos_token_id=free_run_tokens(model, [(0, 3)]),
+                                       pad_token_id=THIN_LOOP_PAD),
+    "all_finish": lambda model: dict(do_sample=False, pad_token_id=THIN_LOOP_PAD, eos_token_id=free_run_tokens(
+        model, [(b, 2 + b % 4) for b in range(len(THIN_LOOP_LENGTHS))])),
+    "sampling": lambda model: dict(do_sample=True, top_k=50, min_new_tokens=THIN_LOOP_NEW),
+}
+
+
 def thin_loop_generate(model, lengths, new: int, seed: int | None = None, **generate_kw) -> tuple[torch.Tensor, dict]:
     """A plain `generate()` (no dict of outputs: the calls `foldkv.hf_loop`'s thin loop takes) of a left-padded batch of
     `lengths` (seed 7) through a FoldKvCache whose decode step is one CUDA graph, torch seeded with `seed` first:

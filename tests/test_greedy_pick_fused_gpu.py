@@ -21,13 +21,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import (GREEDY_PICK_CASES, GREEDY_PICK_RED, bench_version, greedy_pick_case, require_module,
+from conftest import (GREEDY_PICK_CASES, GREEDY_PICK_RED, THIN_LOOP_CALLS, THIN_LOOP_LENGTHS, THIN_LOOP_NEW,
+                      THIN_LOOP_PAD, bench_version, free_run_tokens, greedy_pick_case, require_module,
                       synthetic_gpu_models, thin_loop_generate)
 
 pytestmark = pytest.mark.gpu
-LENGTHS = (97, 300, 1000, 5, 64, 129, 700, 33)
-NEW = 12
-PAD = 0
+LENGTHS, NEW, PAD = THIN_LOOP_LENGTHS, THIN_LOOP_NEW, THIN_LOOP_PAD
 
 
 @pytest.fixture(scope="module")
@@ -67,22 +66,11 @@ def _generate(model, seed=None, **kw):
     return thin_loop_generate(model, LENGTHS, NEW, seed=seed, **kw)
 
 
-def _free_tokens(model, picks):
-    """Tokens of the library's free greedy run (min_new_tokens: no early stop) at (sequence, step) pairs."""
-    free, _ = _generate(model, do_sample=False, min_new_tokens=NEW)
-    return sorted({int(free[b, s]) for b, s in picks})
-
-
 CALLS = {
-    "greedy": lambda model: dict(do_sample=False, min_new_tokens=NEW),
-    "one_finishes": lambda model: dict(do_sample=False, eos_token_id=_free_tokens(model, [(0, 3)]),
-                                       pad_token_id=PAD),
-    "all_finish": lambda model: dict(do_sample=False, pad_token_id=PAD,
-                                     eos_token_id=_free_tokens(model, [(b, 2 + b % 4) for b in range(8)])),
+    **THIN_LOOP_CALLS,
     # EOS = what sequence 0 picked at its 3rd token, masked until the 6th: the pick must take the runner-up there
     "eos_masked": lambda model: dict(do_sample=False, min_new_tokens=6, pad_token_id=PAD,
-                                     eos_token_id=_free_tokens(model, [(0, 2)])),
-    "sampling": lambda model: dict(do_sample=True, top_k=50, min_new_tokens=NEW),
+                                     eos_token_id=free_run_tokens(model, [(0, 2)])),
 }
 
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import bench_version, synthetic_gpu_models, thin_loop_generate
+from conftest import (THIN_LOOP_CALLS, THIN_LOOP_LENGTHS, THIN_LOOP_NEW, THIN_LOOP_PAD, bench_version,
+                      synthetic_gpu_models, thin_loop_generate)
 
 pytestmark = pytest.mark.gpu
-LENGTHS = (97, 300, 1000, 5, 64, 129, 700, 33)
-NEW = 12
-PAD = 0
+LENGTHS, NEW, PAD = THIN_LOOP_LENGTHS, THIN_LOOP_NEW, THIN_LOOP_PAD
+CALLS = THIN_LOOP_CALLS
 
 
 @pytest.fixture(scope="module")
@@ -32,21 +32,6 @@ def synthetic_model(tmp_path_factory):
 
 def _generate(model, seed=None, **kw):
     return thin_loop_generate(model, LENGTHS, NEW, seed=seed, **kw)
-
-
-def _eos(model, case):
-    """EOS ids from the library's free run: sequence 0's 4th token ("one_finishes"), or a token of each sequence."""
-    free, _ = _generate(model, do_sample=False, min_new_tokens=NEW)
-    picks = [(0, 3)] if case == "one_finishes" else [(b, 2 + b % 4) for b in range(free.shape[0])]
-    return sorted({int(free[b, s]) for b, s in picks})
-
-
-CALLS = {
-    "greedy": lambda model: dict(do_sample=False, min_new_tokens=NEW),
-    "one_finishes": lambda model: dict(do_sample=False, eos_token_id=_eos(model, "one_finishes"), pad_token_id=PAD),
-    "all_finish": lambda model: dict(do_sample=False, eos_token_id=_eos(model, "all_finish"), pad_token_id=PAD),
-    "sampling": lambda model: dict(do_sample=True, top_k=50, min_new_tokens=NEW),
-}
 
 
 @pytest.mark.parametrize("call", list(CALLS))
