@@ -39,10 +39,13 @@ printed. --ring-branch-ab: the --decode cells again with a sliding layer's ring 
 graph branches (`bench/versions/ring_attention_branched.py`; label "ring on two branches"); its calls and refusals are
 printed. --greedy-pick-ab: the --decode cells again with each token's greedy pick (the processors' EOS mask, the
 argmax, the padding) in two Triton launches (`bench/versions/greedy_pick_fused.py`; label "greedy pick in two
-launches"); the tokens it took and its refusals are printed. With more than one of --glue-ab, --ring-one-ab,
---loop-tail-ab, --ring-branch-ab and --greedy-pick-ab, the cells once more with all of them (label: their labels joined
-by " + "; --ring-one-ab and --ring-branch-ab both patch the ring attention: not together).
---profile-lab: with --profile and any of those five, the profile once more with all of them installed ("profile_lab"
+launches"); the tokens it took and its refusals are printed. --l2-prefetch-ab: the --decode cells again with each
+sliding o_proj's first 24 MB read into L2 on a branch beside the ring attention at one row
+(`bench/versions/oproj_l2_prefetch.py`; label "o_proj prefix in L2"); its calls and refusals are printed. With more
+than one of --glue-ab, --ring-one-ab, --loop-tail-ab, --ring-branch-ab, --greedy-pick-ab and --l2-prefetch-ab, the
+cells once more with all of them (label: their labels joined by " + "; --ring-one-ab and --ring-branch-ab both
+patch the ring attention: not together; the L2 prefetch wraps whichever is installed before it).
+--profile-lab: with --profile and any of those six, the profile once more with all of them installed ("profile_lab"
 in the JSON: the versions' own kernel times). Results are not records: the batch's notebook is.
 """
 
@@ -101,6 +104,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--loop-tail-ab", action="store_true")
     ap.add_argument("--ring-branch-ab", action="store_true")
     ap.add_argument("--greedy-pick-ab", action="store_true")
+    ap.add_argument("--l2-prefetch-ab", action="store_true")
     ap.add_argument("--profile-lab", action="store_true")
     return ap
 
@@ -226,14 +230,15 @@ def main(argv=None) -> int:
 
         with mock.patch.object(fused_step, "FUSE_GLOBAL_PROLOGUE", False):
             out["decode"] += decode_cells("global prologue unfused")
-    # the lab versions of runs 24-29, each alone, then together when more than one is asked for (entered in this
-    # order: the branch's joins wrap what the others swap in)
+    # the lab versions of runs 24-29, each alone, then together when more than one is asked for (entered in this order:
+    # the glue branch's joins wrap what the others swap in, the L2 prefetch wraps the ring attention installed before)
     lab_versions = [(label, name) for flag, label, name in (
         (args.glue_ab, "glue on a branch", "step_glue_branch"),
         (args.ring_one_ab, "ring in one launch", "ring_attention_one_launch"),
         (args.loop_tail_ab, "stop check on a side stream", "loop_tail_side_stream"),
         (args.ring_branch_ab, "ring on two branches", "ring_attention_branched"),
-        (args.greedy_pick_ab, "greedy pick in two launches", "greedy_pick_fused")) if flag]
+        (args.greedy_pick_ab, "greedy pick in two launches", "greedy_pick_fused"),
+        (args.l2_prefetch_ab, "o_proj prefix in L2", "oproj_l2_prefetch")) if flag]
     for label, name in lab_versions:
         with importlib.import_module(f"versions.{name}").installed() as took:  # bench/ is this script's directory
             out["decode"] += decode_cells(label)

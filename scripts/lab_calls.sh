@@ -4,8 +4,9 @@
 #   PART=tests    the GPU tests of the pending versions and of the library code not yet run on the GPU (~3-4 min)
 #   PART=probe    the 31B step at 4K x 1, 4K x 8, 32K x 1: the library, its global prologue off (run 23's A/B), the
 #                 stop check on a side stream (bench/MODEL_DECODE_NOTES.md run 26), the ring attention on two
-#                 branches (run 28), the greedy pick in two launches (run 29); then o_proj at one row with an
-#                 L2-resident weight prefix (run 27's first measurement, bench/l2_prefix_probe.py) (~3-5 min)
+#                 branches (run 28), the greedy pick in two launches (run 29), o_proj's first rows read into L2
+#                 beside the ring attention (run 27); then o_proj at one row with an L2-resident weight prefix
+#                 (run 27's first measurement, bench/l2_prefix_probe.py) (~4-5 min)
 #   PART=kernels  the FP8 version's GPU test, then the FP8 partial over a pre-transposed V_rot and the FP8 step's
 #                 merges (bench/FP8_NOTES.md run 21), then many short requests at two CTAs an SM
 #                 (bench/DECODE_NOTES.md run 22) and the 31B step's global decode shapes (run 22b) (~6-8 min)
@@ -29,16 +30,17 @@ if [ "$PART" = tests ]; then
   FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-540} python3 -m pytest -q -ra --tb=short -p no:cacheprovider \
     tests/test_fused_step_gpu.py tests/test_fused_step_sliding_gpu.py tests/test_global_prologue_gpu.py \
     tests/test_global_step_gpu.py tests/test_loop_tail_side_stream_gpu.py \
-    tests/test_ring_attention_branched_gpu.py tests/test_greedy_pick_fused_gpu.py > "$OUTD/pytest_lab.log" 2>&1
+    tests/test_ring_attention_branched_gpu.py tests/test_greedy_pick_fused_gpu.py tests/test_oproj_l2_prefetch_gpu.py \
+    > "$OUTD/pytest_lab.log" 2>&1
   echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/pytest_lab.log")"
 fi
 
 if [ "$PART" = probe ]; then
   timeout ${PROBE_S:-420} python3 bench/model_decode_probe.py --decode foldkv-folded:4096:1 foldkv-folded:4096:8 \
-    foldkv-folded:32768:1 --global-prologue-ab --loop-tail-ab --ring-branch-ab --greedy-pick-ab \
+    foldkv-folded:32768:1 --global-prologue-ab --loop-tail-ab --ring-branch-ab --greedy-pick-ab --l2-prefetch-ab \
     > "$OUTD/probe_lab.log" 2>&1
   echo "probe rc=$? at $(( $(date +%s) - t0 )) s"
-  grep -E "^(library|global|stop|ring|greedy)" "$OUTD/probe_lab.log" | head -24  # probe.json: the probe writes it into $OUT
+  grep -E "^(library|global|stop|ring|greedy|o_proj)" "$OUTD/probe_lab.log" | head -30  # probe.json: the probe writes it into $OUT
   timeout ${L2_S:-120} python3 bench/l2_prefix_probe.py > "$OUTD/l2_prefix.log" 2>&1  # run 27's first measurement
   echo "l2 prefix rc=$? at $(( $(date +%s) - t0 )) s"; tail -12 "$OUTD/l2_prefix.log"
 fi

@@ -51,7 +51,7 @@ def test_the_harness_arms_and_cases_exist():
 def test_the_probe_command_parses():
     probe = bench_script("model_decode_probe").parser()
     args = probe.parse_args(_command("model_decode_probe.py"))
-    assert args.loop_tail_ab and args.greedy_pick_ab and args.global_prologue_ab
+    assert args.loop_tail_ab and args.greedy_pick_ab and args.l2_prefetch_ab and args.global_prologue_ab
     assert "foldkv-folded:4096:8" in args.decode
     twin = SCRIPT.replace("--loop-tail-ab", "--loop-gone-ab")  # red twin: a flag the probe lacks
     with pytest.raises(SystemExit):

@@ -229,3 +229,41 @@ def test_the_two_branch_ring_attention_refuses_what_it_does_not_describe_and_goe
     out = torch.full((b, hkv, hq // hkv, d), float("nan"), dtype=v.dtype)
     library(scaled_module(0.5), q[1:], k[1:], v[1:], RingMask(m[1:]), out=out[1:])
     assert out[0].isnan().all() and torch.equal(out[1:].reshape(b - 1, 1, hq, d), whole[1:])
+
+
+def test_the_l2_prefetch_refuses_what_it_does_not_describe_and_goes_back():
+    """bench/versions/oproj_l2_prefetch.py without a GPU (its ring attention is the library's; its GPU test holds the
+    step's tokens and the read's sum): batch 2, a float32 or strided o_proj weight and a CPU call refused with their
+    reasons; the prefix is whole stream blocks of the weight (24 MB of the 31B's sliding o_proj: its first 1,536 rows;
+    a prefix past the weight is the weight); installed, the library's ring attention is wrapped (a CPU call falls
+    back to it bitwise, counted) and put back after; the probe parses --l2-prefetch-ab and the notes' run 27 command."""
+    from conftest import probe_command_of_run, scaled_module
+    from foldkv import hf_graph
+    from foldkv.hf_graph import RingMask
+    from foldkv.lab.bench.roofs import STREAM_BLOCK
+
+    pre = bench_version("oproj_l2_prefetch")
+    module = scaled_module(0.5)
+    module.o_proj = torch.nn.Linear(128, 64, bias=False, dtype=torch.bfloat16)
+    q, k, v, m = _call(b=1)
+    assert pre.refusal(module, q) == "not on CUDA"  # described: only the device is missing
+    assert "batch 2" in pre.refusal(module, _call(b=2)[0])
+    module.o_proj.weight.data = module.o_proj.weight.data.float()
+    assert "contiguous bf16" in pre.refusal(module, q)
+    module.o_proj.weight.data = torch.randn(64, 128).to(torch.bfloat16).t().contiguous().t()
+    assert "contiguous bf16" in pre.refusal(module, q)
+    sliding_o_proj = torch.empty(5376, 8192, dtype=torch.bfloat16, device="meta")
+    blocks = pre.prefix_blocks(sliding_o_proj)
+    assert blocks * STREAM_BLOCK == 1536 * 8192 and pre.prefix_blocks(sliding_o_proj, 1 << 20) == 5376 * 8192 // 4096
+    module.o_proj.weight.data = torch.randn(64, 128).to(torch.bfloat16)
+    library = hf_graph.ring_attention
+    want = library(module, q, k, v, RingMask(m))[0]
+    with pre.installed() as state:
+        assert hf_graph.ring_attention is not library
+        got = hf_graph.ring_attention(module, q, k, v, RingMask(m))[0]
+        assert state.report() == {"calls": 0, "refusals": {"not on CUDA": 1}}
+    assert hf_graph.ring_attention is library and torch.equal(got, want)
+    probe = bench_script("model_decode_probe").parser()
+    assert probe.parse_args(["--l2-prefetch-ab"]).l2_prefetch_ab and not probe.parse_args([]).l2_prefetch_ab
+    noted = probe_command_of_run(27)
+    assert noted.l2_prefetch_ab and noted.ring_branch_ab and "foldkv-folded:4096:1" in noted.decode
