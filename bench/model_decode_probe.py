@@ -109,6 +109,13 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _between_steps(r: dict) -> str:
+    """TPOT less the device step (ms): the loop's device work between two replays (runs 26 and 29 move it)."""
+    if r.get("tpot_ms") is None or r.get("device_step_ms") is None:
+        return "n/a"
+    return f"{r['tpot_ms'] - r['device_step_ms']:.3f}"
+
+
 @contextlib.contextmanager
 def all_installed(versions):
     """Every (label, name) of bench/versions/ installed for the block, in the order given (bench/ is this script's
@@ -279,7 +286,8 @@ def main(argv=None) -> int:
         if r.get("status") == "ran":
             print(f"{r['variant']:18s} {r['arm']:14s} {r['context']:>7d} x {r['batch']:<3d}"
                   f" TPOT {r['tpot_ms']:.2f} device {r['device_step_ms']} step call {r['step_call_ms']}"
-                  f" thin steps {r.get('thin_loop_steps')} merged groups {r.get('merged_groups')}")
+                  f" thin steps {r.get('thin_loop_steps')} merged groups {r.get('merged_groups')}"
+                  f" TPOT - device {_between_steps(r)}")
     print(md.memory_table(out["decode"] + out["tail"]))
     for r in out.get("compile", []):
         print({k: v for k, v in r.items() if k != "tokens"})

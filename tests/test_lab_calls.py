@@ -56,3 +56,10 @@ def test_the_probe_command_parses():
     twin = SCRIPT.replace("--loop-tail-ab", "--loop-gone-ab")  # red twin: a flag the probe lacks
     with pytest.raises(SystemExit):
         probe.parse_args(_command("model_decode_probe.py", twin))
+
+
+def test_the_probe_prints_the_loops_share_of_a_token():
+    """The probe's per-cell line carries TPOT - device step (what runs 26 and 29 predict), n/a where a cell has none."""
+    probe = bench_script("model_decode_probe")
+    assert probe._between_steps({"tpot_ms": 16.07, "device_step_ms": 15.972415924072266}) == "0.098"
+    assert probe._between_steps({"tpot_ms": 16.07, "device_step_ms": None}) == "n/a"
