@@ -63,3 +63,11 @@ def test_the_probe_prints_the_loops_share_of_a_token():
     probe = bench_script("model_decode_probe")
     assert probe._between_steps({"tpot_ms": 16.07, "device_step_ms": 15.972415924072266}) == "0.098"
     assert probe._between_steps({"tpot_ms": 16.07, "device_step_ms": None}) == "n/a"
+
+
+def test_the_ring_probe_command_parses():
+    probe = bench_script("ring_probe").parser()
+    args = probe.parse_args(_command("ring_probe.py"))
+    assert args.batches == [1, 8] and args.arms == ["library", "read"]
+    with pytest.raises(SystemExit):  # red twin: an arm the probe lacks
+        probe.parse_args(["--arms", "library", "cublas_gone"])

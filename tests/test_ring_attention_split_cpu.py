@@ -267,3 +267,42 @@ def test_the_l2_prefetch_refuses_what_it_does_not_describe_and_goes_back():
     assert probe.parse_args(["--l2-prefetch-ab"]).l2_prefetch_ab and not probe.parse_args([]).l2_prefetch_ab
     noted = probe_command_of_run(27)
     assert noted.l2_prefetch_ab and noted.ring_branch_ab and "foldkv-folded:4096:1" in noted.decode
+
+
+def test_the_ring_probe_plans_and_checks_what_it_times():
+    """bench/ring_probe.py without a GPU: its layers rotate past L2 (64 one-row layers of 16 MiB, 8 of 128 MiB at
+    batch 8), a batch of 0 is refused before anything is allocated; `within` passes the library's ring attention
+    (the CPU path, every slot live) and fails its red twins: another KV head's output, an element left unwritten; the
+    read's check fails a wrong sum; the notes' run 30 command parses."""
+    import re
+    from pathlib import Path
+
+    from foldkv import hf_graph
+    from foldkv.hf_graph import RingMask
+
+    rp = bench_script("ring_probe")
+    assert rp.plan(1) == {"layers": 64, "layer_bytes": 16 << 20}
+    assert rp.plan(8) == {"layers": 8, "layer_bytes": 128 << 20}
+    with pytest.raises(ValueError, match="batch 0"):
+        rp.plan(0)
+    q, k, v, _ = _call(b=2, hq=8, hkv=4, w=40, d=16)
+    q = (q.float() * 0.5).to(q.dtype)
+    mask = RingMask(torch.ones(2, 1, 1, 40, dtype=torch.bool))
+    out = torch.full((2, 4, 2, 16), float("nan"), dtype=torch.bfloat16)
+    module = torch.nn.Module()
+    module.scaling = 1.0
+    hf_graph.ring_attention(module, q, k, v, mask, out=out)
+    got = out.reshape(2, 8, 16)
+    assert rp.within(got, q[:, :, 0], k, v)["ok"]
+    assert not rp.within(got.roll(2, dims=1), q[:, :, 0], k, v)["ok"]  # red twin: heads of another KV head
+    hole = got.clone()
+    hole[1, 3, 5] = float("nan")
+    assert rp.within(hole, q[:, :, 0], k, v) == {"ok": False, "worst": float("inf"), "written": False}
+    x = torch.randn(4 * 4096).to(torch.bfloat16)
+    parts = torch.zeros(4)
+    parts[0] = float(x.double().sum())
+    assert rp.read_check(parts, x)["ok"] and not rp.read_check(parts * 0.5 + 1.0, x)["ok"]
+    notes = (Path(__file__).resolve().parents[1] / "bench" / "MODEL_DECODE_NOTES.md").read_text()
+    section = notes[notes.index("## Run 30: first measurement"):]
+    cmd = re.search(r"python3 bench/ring_probe\.py (.*)", section).group(1).split()
+    assert rp.parser().parse_args(cmd).batches == [1, 8]
