@@ -137,7 +137,8 @@ _EOS_TABLES: dict[tuple, torch.Tensor] = {}  # (device, ids) -> [EOS_MAX] int64,
 def _eos_ids(processor: Any) -> tuple[int, ...]:
     held = _EOS_IDS.get(id(processor))
     if held is None or held[0] is not processor:
-        held = _EOS_IDS[id(processor)] = (processor, tuple(int(i) for i in processor.eos_token_id.reshape(-1).tolist()))
+        ids = tuple(int(i) for i in processor.eos_token_id.reshape(-1).tolist())
+        held = _EOS_IDS[id(processor)] = (processor, ids)
     return held[1]
 
 
