@@ -7,9 +7,9 @@
 #                 branches (run 28), the greedy pick in two launches (run 29), o_proj's first rows read into L2
 #                 beside the ring attention (run 27); then o_proj at one row with an L2-resident weight prefix
 #                 (run 27's first measurement, bench/l2_prefix_probe.py) (~4-5 min)
-#   PART=ring     a sliding layer's ring attention against FlashInfer's decode and a plain read of its bytes at
-#                 batch 1 and 8 (run 30's first measurement, bench/ring_probe.py; the library and the read first, in
-#                 case FlashInfer compiles for long) (~1-2 min: beside notebook 05's call)
+#   PART=ring     a sliding layer's ring attention against foldkv's and FlashInfer's decode and a plain read of its
+#                 bytes at batch 1 and 8 (run 30's first measurement, bench/ring_probe.py; foldkv's arms first, in
+#                 case FlashInfer compiles for long) (~2-4 min: beside notebook 05's call)
 #   PART=kernels  the FP8 version's GPU test, then the FP8 partial over a pre-transposed V_rot and the FP8 step's
 #                 merges (bench/FP8_NOTES.md run 21), then many short requests at two CTAs an SM
 #                 (bench/DECODE_NOTES.md run 22) and the 31B step's global decode shapes (run 22b) (~6-8 min)
@@ -49,8 +49,9 @@ if [ "$PART" = probe ]; then
 fi
 
 if [ "$PART" = ring ]; then
-  timeout ${RING_S:-60} python3 bench/ring_probe.py --batches 1 8 --arms library read > "$OUTD/ring_probe_lib.log" 2>&1
-  echo "ring probe (library, read) rc=$? at $(( $(date +%s) - t0 )) s"; tail -6 "$OUTD/ring_probe_lib.log"
+  timeout ${RING_S:-120} python3 bench/ring_probe.py --batches 1 8 --arms ring_cublas split_jit split_graph read_split \
+    > "$OUTD/ring_probe_foldkv.log" 2>&1
+  echo "ring probe (foldkv, read) rc=$? at $(( $(date +%s) - t0 )) s"; tail -10 "$OUTD/ring_probe_foldkv.log"
   timeout ${RING_FI_S:-150} python3 bench/ring_probe.py --batches 1 8 > "$OUTD/ring_probe.log" 2>&1
   echo "ring probe rc=$? at $(( $(date +%s) - t0 )) s"; tail -10 "$OUTD/ring_probe.log"
 fi

@@ -68,6 +68,6 @@ def test_the_probe_prints_the_loops_share_of_a_token():
 def test_the_ring_probe_command_parses():
     probe = bench_script("ring_probe").parser()
     args = probe.parse_args(_command("ring_probe.py"))
-    assert args.batches == [1, 8] and args.arms == ["library", "read"]
+    assert args.batches == [1, 8] and args.arms == ["ring_cublas", "split_jit", "split_graph", "read_split"]
     with pytest.raises(SystemExit):  # red twin: an arm the probe lacks
-        probe.parse_args(["--arms", "library", "cublas_gone"])
+        probe.parse_args(["--arms", "ring_cublas", "cublas_gone"])

@@ -269,40 +269,53 @@ def test_the_l2_prefetch_refuses_what_it_does_not_describe_and_goes_back():
     assert noted.l2_prefetch_ab and noted.ring_branch_ab and "foldkv-folded:4096:1" in noted.decode
 
 
-def test_the_ring_probe_plans_and_checks_what_it_times():
-    """bench/ring_probe.py without a GPU: its layers rotate past L2 (64 one-row layers of 16 MiB, 8 of 128 MiB at
-    batch 8), a batch of 0 is refused before anything is allocated; `within` passes the library's ring attention
-    (the CPU path, every slot live) and fails its red twins: another KV head's output, an element left unwritten; the
-    read's check fails a wrong sum; the notes' run 30 command parses."""
+def test_the_ring_probe_times_the_library_ring_attention_as_a_harness_arm():
+    """bench/ring_probe.py on the CPU: its ring arm runs in the lab's decode harness (a tiny geometry, 2 requests of a
+    64-token window): rings made from the split pool's pages hold exactly those rows, the library's ring attention
+    over them passes the harness's check against the float64 reference (poisoned output, written whole, its guard
+    row untouched) as the plain torch decode does; red twin: each request given the next one's ring fails it. A
+    batch of 0 is refused before anything is allocated; the split read is a registered arm; the notes' run 30 command
+    parses."""
     import re
     from pathlib import Path
 
-    from foldkv import hf_graph
-    from foldkv.hf_graph import RingMask
+    from foldkv.config import AttentionGeometry
+    from foldkv.layout import KvFormat
+    from foldkv.lab.bench import run_cell
+    from foldkv.lab.bench.arms import DECODE_ARMS, READ_SPLIT
+    from foldkv.lab.bench.case import AttentionCase
 
     rp = bench_script("ring_probe")
-    assert rp.plan(1) == {"layers": 64, "layer_bytes": 16 << 20}
-    assert rp.plan(8) == {"layers": 8, "layer_bytes": 128 << 20}
-    with pytest.raises(ValueError, match="batch 0"):
-        rp.plan(0)
-    q, k, v, _ = _call(b=2, hq=8, hkv=4, w=40, d=16)
-    q = (q.float() * 0.5).to(q.dtype)
-    mask = RingMask(torch.ones(2, 1, 1, 40, dtype=torch.bool))
-    out = torch.full((2, 4, 2, 16), float("nan"), dtype=torch.bfloat16)
-    module = torch.nn.Module()
-    module.scaling = 1.0
-    hf_graph.ring_attention(module, q, k, v, mask, out=out)
-    got = out.reshape(2, 8, 16)
-    assert rp.within(got, q[:, :, 0], k, v)["ok"]
-    assert not rp.within(got.roll(2, dims=1), q[:, :, 0], k, v)["ok"]  # red twin: heads of another KV head
-    hole = got.clone()
-    hole[1, 3, 5] = float("nan")
-    assert rp.within(hole, q[:, :, 0], k, v) == {"ok": False, "worst": float("inf"), "written": False}
-    x = torch.randn(4 * 4096).to(torch.bfloat16)
-    parts = torch.zeros(4)
-    parts[0] = float(x.double().sum())
-    assert rp.read_check(parts, x)["ok"] and not rp.read_check(parts * 0.5 + 1.0, x)["ok"]
+    geom = AttentionGeometry(num_q_heads=8, num_kv_heads=4, head_dim=32, name="tiny ring")
+    case = AttentionCase([64, 64], device="cpu", geom=geom, page_size=16, min_copies=1, max_copies=1)
+    pool = case.pools(KvFormat.SPLIT)[0]
+    k, v = rp.rings_from_pool(pool, case.table_cpu.page_ids, 64)
+    assert k.shape == v.shape == (2, 4, 64, 32) and k.is_contiguous()
+    page, slot = case.table_cpu.page_ids[1, 2], 5  # request 1's token 2 * 16 + 5
+    assert torch.equal(k[1, :, 37], pool.data[page, :, slot, :32])
+    assert torch.equal(v[1, :, 37], pool.data[page, :, slot, 32:])
+    cell = run_cell("ring/x2", "decode", case, [rp.ring_arm(), "torch"], rounds=1, warmup=1, log=lambda s: None)
+    ring = cell["arms"]["ring_cublas"]
+    assert ring["status"] == "ok" and ring["check"]["ok"] and ring["check"]["no_overrun"], ring["check"]
+    assert cell["arms"]["torch"]["check"]["ok"]
+    with pytest.raises(ValueError, match="batches"):
+        rp.cases([1, 0], "cpu")
+    assert READ_SPLIT in DECODE_ARMS and DECODE_ARMS[READ_SPLIT].format == "split"
     notes = (Path(__file__).resolve().parents[1] / "bench" / "MODEL_DECODE_NOTES.md").read_text()
     section = notes[notes.index("## Run 30: first measurement"):]
     cmd = re.search(r"python3 bench/ring_probe\.py (.*)", section).group(1).split()
     assert rp.parser().parse_args(cmd).batches == [1, 8]
+
+
+def test_the_ring_probe_red_twin_fails_the_check():
+    """The same harness cell with each request given the next request's ring: outside the tolerance."""
+    from foldkv.config import AttentionGeometry
+    from foldkv.lab.bench import run_cell
+    from foldkv.lab.bench.case import AttentionCase
+
+    rp = bench_script("ring_probe")
+    geom = AttentionGeometry(num_q_heads=8, num_kv_heads=4, head_dim=32, name="tiny ring")
+    case = AttentionCase([64, 64], device="cpu", geom=geom, page_size=16, min_copies=1, max_copies=1)
+    twin = run_cell("ring/x2", "decode", case, [rp.ring_arm("other_request")], rounds=1, warmup=1,
+                    log=lambda s: None)["arms"]["ring_cublas"]
+    assert not twin["check"]["ok"], twin["check"]

@@ -230,19 +230,20 @@ def _flashinfer(kind: str, tc: bool = False, fp8: bool = False) -> Callable[["At
 
 READ_FOLDED = "read_folded"  # the floor of every decode cell: a plain read of the folded pool's bytes, same run
 READ_FOLDED_FP8 = "read_folded_fp8"  # the floor of the FP8 folded decode: a plain read of its pool's bytes
+READ_SPLIT = "read_split"  # the floor of a split-only case (a geometry without folding: bench/ring_probe.py)
 
 
-def _stream_read(dtype: torch.dtype) -> Callable[["AttentionCase"], ArmImpl]:
+def _stream_read(dtype: torch.dtype, fmt: KvFormat = KvFormat.FOLDED) -> Callable[["AttentionCase"], ArmImpl]:
     def build(case: "AttentionCase") -> ArmImpl:
-        """The streaming read (`roofs.stream_read_arm`) of the bytes a folded decode reads from its pool of `dtype`
-        (an FP8 pool's scales included), over as many rotated copies as the case's folded pools (its buffers capped:
-        the case's pools already hold the memory)."""
+        """The streaming read (`roofs.stream_read_arm`) of the bytes a `fmt` decode reads from its pool of `dtype`
+        (an FP8 pool's scales included), over as many rotated copies as the case's pools of that format (its buffers
+        capped: the case's pools already hold the memory)."""
         from foldkv import floor
 
         from .roofs import stream_read_arm
 
-        kv = floor.step_bytes(case.geom, KvFormat.FOLDED, case.seq_lens, dtype=dtype)["kv"]
-        return stream_read_arm(kv, case.device, copies=case.copies_for(KvFormat.FOLDED, dtype))
+        kv = floor.step_bytes(case.geom, fmt, case.seq_lens, dtype=dtype)["kv"]
+        return stream_read_arm(kv, case.device, copies=case.copies_for(fmt, dtype))
 
     return build
 
@@ -274,6 +275,8 @@ DECODE_ARMS: dict[str, ArmSpec] = {a.name: a for a in [
             _stream_read(torch.bfloat16)),
     ArmSpec(READ_FOLDED_FP8, "plain streaming read of the FP8 folded pool's bytes (rows and scales: its floor)",
             "folded_fp8", False, _stream_read(FP8_DTYPE)),
+    ArmSpec(READ_SPLIT, "plain streaming read of the split pool's bytes (no attention: a split-only case's floor)",
+            "split", False, _stream_read(torch.bfloat16, KvFormat.SPLIT)),
     ArmSpec("fi_tc_fp8", "FlashInfer decode, tensor cores, e4m3 split pool (per-tensor scales)", "split_fp8", True,
             _flashinfer("decode", tc=True, fp8=True)),
 ] + _generated_specs("decode") + [
