@@ -269,25 +269,30 @@ def test_the_l2_prefetch_refuses_what_it_does_not_describe_and_goes_back():
     assert noted.l2_prefetch_ab and noted.ring_branch_ab and "foldkv-folded:4096:1" in noted.decode
 
 
+def _tiny_ring_case():
+    """bench/ring_probe.py's case at a tiny geometry on the CPU: 2 requests of a 64-token window, 16-token pages."""
+    from foldkv.config import AttentionGeometry
+    from foldkv.lab.bench.case import AttentionCase
+
+    geom = AttentionGeometry(num_q_heads=8, num_kv_heads=4, head_dim=32, name="tiny ring")
+    return AttentionCase([64, 64], device="cpu", geom=geom, page_size=16, min_copies=1, max_copies=1)
+
+
 def test_the_ring_probe_times_the_library_ring_attention_as_a_harness_arm():
-    """bench/ring_probe.py on the CPU: its ring arm runs in the lab's decode harness (a tiny geometry, 2 requests of a
-    64-token window): rings made from the split pool's pages hold exactly those rows, the library's ring attention
-    over them passes the harness's check against the float64 reference (poisoned output, written whole, its guard
-    row untouched) as the plain torch decode does; red twin: each request given the next one's ring fails it. A
-    batch of 0 is refused before anything is allocated; the split read is a registered arm; the notes' run 30 command
-    parses."""
+    """bench/ring_probe.py on the CPU: its ring arm runs in the lab's decode harness (`_tiny_ring_case`): rings made
+    from the split pool's pages hold exactly those rows, the library's ring attention over them passes the harness's
+    check against the float64 reference (poisoned output, written whole, its guard row untouched) as the plain torch
+    decode does (its red twin: the next test). A batch of 0 is refused before anything is allocated; the split read
+    is a registered arm; the notes' run 30 command parses."""
     import re
     from pathlib import Path
 
-    from foldkv.config import AttentionGeometry
     from foldkv.layout import KvFormat
     from foldkv.lab.bench import run_cell
     from foldkv.lab.bench.arms import DECODE_ARMS, READ_SPLIT
-    from foldkv.lab.bench.case import AttentionCase
 
     rp = bench_script("ring_probe")
-    geom = AttentionGeometry(num_q_heads=8, num_kv_heads=4, head_dim=32, name="tiny ring")
-    case = AttentionCase([64, 64], device="cpu", geom=geom, page_size=16, min_copies=1, max_copies=1)
+    case = _tiny_ring_case()
     pool = case.pools(KvFormat.SPLIT)[0]
     k, v = rp.rings_from_pool(pool, case.table_cpu.page_ids, 64)
     assert k.shape == v.shape == (2, 4, 64, 32) and k.is_contiguous()
@@ -309,13 +314,9 @@ def test_the_ring_probe_times_the_library_ring_attention_as_a_harness_arm():
 
 def test_the_ring_probe_red_twin_fails_the_check():
     """The same harness cell with each request given the next request's ring: outside the tolerance."""
-    from foldkv.config import AttentionGeometry
     from foldkv.lab.bench import run_cell
-    from foldkv.lab.bench.case import AttentionCase
 
     rp = bench_script("ring_probe")
-    geom = AttentionGeometry(num_q_heads=8, num_kv_heads=4, head_dim=32, name="tiny ring")
-    case = AttentionCase([64, 64], device="cpu", geom=geom, page_size=16, min_copies=1, max_copies=1)
-    twin = run_cell("ring/x2", "decode", case, [rp.ring_arm("other_request")], rounds=1, warmup=1,
+    twin = run_cell("ring/x2", "decode", _tiny_ring_case(), [rp.ring_arm("other_request")], rounds=1, warmup=1,
                     log=lambda s: None)["arms"]["ring_cublas"]
     assert not twin["check"]["ok"], twin["check"]
