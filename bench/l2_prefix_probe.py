@@ -122,7 +122,8 @@ def measure_shape(name: str, prefix_mb: list[int], rounds: int, dev) -> list[dic
         rows.append({"shape": name, "prefix_mb": mb, "prefix_bytes": blocks * STREAM_BLOCK * 2, "gemv_us": us,
                      "prefix_read_us": statistics.median(times["without"]) / len(ws), "copies": len(ws),
                      "sum_ok": max(errs) <= SUM_TOL, "max_sum_err": max(errs),
-                     "finite": bool(torch.isfinite(out).all()), "same_as_cold": bool(torch.equal(out, cold)), "kernel": gemv.refusal(x, ws[0]) is None})
+                     "finite": bool(torch.isfinite(out).all()), "same_as_cold": bool(torch.equal(out, cold)),
+                     "kernel": gemv.refusal(x, ws[0]) is None})
         print(f"{name} prefix {mb:3d} MB: GEMV {us:6.2f} us (prefix read {rows[-1]['prefix_read_us']:.2f} us)"
               f" sum_ok {rows[-1]['sum_ok']} same_as_cold {rows[-1]['same_as_cold']}", flush=True)
     base = rows[0]["gemv_us"] if rows and rows[0]["prefix_mb"] == 0 else None
