@@ -25,13 +25,13 @@ from foldkv.config import GEMMA4_31B, PRESETS, ConfigError
 LIB = str(Path(__file__).resolve().parents[1] / "lib")
 
 
-def run_generate(checkpoint: str, out: Path, *, ranks: int, prompt_shift: int = 0) -> dict:
+def run_generate(checkpoint: str, out: Path, *, ranks: int, prompt_shift: int = 0, extra: tuple[str, ...] = ()) -> dict:
     """foldkv.lab.tp_generate in a subprocess: plain for 1 rank, under torchrun for more."""
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                "-m", "foldkv.lab.tp_generate"] if ranks > 1 else [sys.executable, "-m", "foldkv.lab.tp_generate"])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([LIB, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = launch + [checkpoint, "--out", str(out), "--prompt-shift", str(prompt_shift)]
+    cmd = launch + [checkpoint, "--out", str(out), "--prompt-shift", str(prompt_shift), *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
@@ -43,7 +43,15 @@ def runs(checkpoint, tmp_path_factory) -> dict[str, dict]:
     d = tmp_path_factory.mktemp("tp")
     return {"one": run_generate(checkpoint, d / "one.json", ranks=1),
             "tp2": run_generate(checkpoint, d / "tp2.json", ranks=2),
-            "one_other_prompt": run_generate(checkpoint, d / "other.json", ranks=1, prompt_shift=1)}
+            "one_other_prompt": run_generate(checkpoint, d / "other.json", ranks=1, prompt_shift=1),
+            # the fixed-address decode step (rings, the global layers through DecodeStep), and a decode after caches
+            # filled without a prefill (notebook 05's decode cells), at both world sizes
+            "one_static": run_generate(checkpoint, d / "one_static.json", ranks=1, extra=STATIC_FILLED),
+            "tp2_static": run_generate(checkpoint, d / "tp2_static.json", ranks=2, extra=STATIC_FILLED)}
+
+
+FILLED = (300, 3)  # context, batch: past the synthetic model's 128-token window
+STATIC_FILLED = ("--decode-step", "static", "--filled", *map(str, FILLED))
 
 
 @pytest.mark.slow
@@ -72,6 +80,35 @@ def test_tp2_each_rank_holds_only_its_kv_heads(runs, kv_format):
     for r in ranks:
         assert (r["num_q_heads"], r["num_kv_heads"], r["head_dim"]) == (16, 2, 512)
         assert 2 * r["pool_bytes"] == whole["pool_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_format", ["folded", "split"])
+def test_tp2_static_step_tokens_equal_one_process(runs, kv_format):
+    one, tp2 = runs["one"]["formats"][kv_format], runs["tp2_static"]["formats"][kv_format]
+    assert runs["tp2_static"]["decode_step"] == "static" and runs["tp2_static"]["world_size"] == 2
+    assert tp2["tokens"] == one["tokens"], f"{kv_format}: TP 2, static step {tp2['tokens']} != {one['tokens']}"
+    # red twin: another prompt's tokens are not these
+    assert runs["one_other_prompt"]["formats"][kv_format]["tokens"] != tp2["tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_format", ["folded", "split"])
+def test_tp2_filled_cache_decodes_and_each_rank_reads_its_shards(runs, kv_format):
+    """fill_cache under tensor parallelism fills each rank's heads (whole heads there: the decode after it raises
+    a shape error), and the step's floor counts what a rank reads: half the KV, its weight shards."""
+    (whole,) = runs["one_static"]["formats"][kv_format]["filled"]["ranks"]
+    filled = runs["tp2_static"]["formats"][kv_format]["filled"]
+    context, batch = FILLED
+    assert (filled["context"], filled["batch"]) == (context, batch)
+    tokens = filled["tokens"]
+    assert len(tokens) == batch and all(len(t) == 8 and all(0 <= x < 128 for x in t) for t in tokens)
+    assert len(filled["ranks"]) == 2
+    for r in filled["ranks"]:
+        assert 2 * r["step_kv_bytes"] == whole["step_kv_bytes"]
+        assert r["weight_bytes"] < whole["weight_bytes"] <= sum(x["weight_bytes"] for x in filled["ranks"])
+        # red twin: the parameters counted whole (a DTensor's own size) claim the rank reads the whole model
+        assert r["whole_weight_bytes"] == whole["weight_bytes"] != r["weight_bytes"]
 
 
 class FakeAttention(nn.Module):

@@ -124,11 +124,16 @@ def global_geometry(text_model: nn.Module, attn: nn.Module) -> AttentionGeometry
     return geom.per_rank(tensor_parallel_ranks(attn, geom))
 
 
-def _local_rows(linear: nn.Module) -> int:
-    """Output rows of a projection this process computes: its weight's local shard under tensor parallelism (a
-    DTensor: transformers' tp_plan), else the whole weight."""
-    weight = linear.weight
-    return int((weight.to_local() if hasattr(weight, "to_local") else weight).shape[0])
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """What this process holds of a parameter: its local shard under tensor parallelism (a DTensor: transformers'
+    tp_plan; `shape` and `numel()` of the DTensor itself are the whole tensor's), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_rows(linear: nn.Module) -> int:
+    """Output rows of a projection this process computes (`local_tensor` of its weight; `out_features` is the whole
+    projection's under tensor parallelism)."""
+    return int(local_tensor(linear.weight).shape[0])
 
 
 def tensor_parallel_ranks(attn: nn.Module, geom: AttentionGeometry) -> int:
@@ -136,7 +141,7 @@ def tensor_parallel_ranks(attn: nn.Module, geom: AttentionGeometry) -> int:
     from its q_proj and k_proj shards. Raises ConfigError for a plan foldkv cannot serve: shards of partial heads,
     q_proj and k_proj split different ways, or a KV head's query group split from its KV head."""
     d = geom.head_dim
-    q_rows, k_rows = _local_rows(attn.q_proj), _local_rows(attn.k_proj)
+    q_rows, k_rows = local_rows(attn.q_proj), local_rows(attn.k_proj)
     q_full, k_full = geom.num_q_heads * d, geom.num_kv_heads * d
     ranks = k_full // k_rows if k_rows else 0
     if (q_rows % d or k_rows % d or not k_rows or k_full % k_rows or q_full % q_rows

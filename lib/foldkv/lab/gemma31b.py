@@ -102,8 +102,11 @@ def build_gemma4_31b(device: torch.device | str = "cuda", *, seed: int = 0, dtyp
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters (a tied tensor once): what every decode step reads."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the model's parameters this process holds (a tied tensor once; under tensor parallelism its shards
+    and the replicated tensors): what every decode step of this process reads."""
+    from ..hf import local_tensor
+
+    return sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
 
 
 __all__ = ["PARAMETERS_31B", "gemma4_31b_config", "count_parameters", "build_gemma4_31b", "weight_bytes"]

@@ -157,7 +157,7 @@ def fill_cache(cache, model: nn.Module, context: int, batch: int, *, seed: int =
     sliding layer's last sliding_window - 1 K/V."""
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    from ..hf import FoldKvCache, FoldKvLayer, text_model_of
+    from ..hf import FoldKvCache, FoldKvLayer, local_rows, text_model_of
 
     text = text_model_of(model)
     cfg = text.config
@@ -185,18 +185,18 @@ def fill_cache(cache, model: nn.Module, context: int, batch: int, *, seed: int =
             layer.columns = context
         elif isinstance(layer, DynamicSlidingWindowLayer) or getattr(layer, "is_sliding", False):
             n = min(context, int(cfg.sliding_window) - 1)
-            hkv = attn.k_proj.out_features // attn.head_dim
+            hkv = local_rows(attn.k_proj) // attn.head_dim  # this rank's heads under tensor parallelism
             layer.update(rand(batch, hkv, n, attn.head_dim), rand(batch, hkv, n, attn.head_dim))
             layer.cumulative_length = context
         else:  # a DynamicCache's full-attention layer
-            hkv = attn.k_proj.out_features // attn.head_dim
+            hkv = local_rows(attn.k_proj) // attn.head_dim
             layer.update(rand(batch, hkv, context, attn.head_dim), rand(batch, hkv, context, attn.head_dim))
 
 
 def step_kv_bytes(model: nn.Module, arm: ModelArm, context: int, batch: int) -> int:
     """Bytes of KV one decode step reads at `context` tokens a sequence (the new token included): the global layers'
     rows of the arm's format and dtype (a DynamicCache: K and V of the model dtype), and the sliding layers' window."""
-    from ..hf import global_geometry, global_layer_indices, text_model_of
+    from ..hf import global_geometry, global_layer_indices, local_rows, text_model_of
     from ..pool import PagedKvLayout
 
     text = text_model_of(model)
@@ -213,7 +213,7 @@ def step_kv_bytes(model: nn.Module, arm: ModelArm, context: int, batch: int) -> 
     for i, t in enumerate(cfg.layer_types):
         if t == "sliding_attention":
             attn = text.layers[i].self_attn
-            total += batch * window * 2 * attn.k_proj.out_features * next(model.parameters()).element_size()
+            total += batch * window * 2 * local_rows(attn.k_proj) * next(model.parameters()).element_size()
     return total
 
 

@@ -8,6 +8,7 @@ from.
 
     python -m foldkv.lab.tp_generate CKPT --out one.json
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m foldkv.lab.tp_generate CKPT --out tp2.json
+    ... --decode-step static --filled 300 3    # the fixed-address step; a decode after caches filled to 300 tokens
 
 On the CPU the process group is gloo (transformers' choice for a CPU model) and the cache's attention is the float64
 reference; on CUDA it is NCCL and the kernels.
@@ -65,8 +66,10 @@ def gather(obj: Any) -> list[Any]:
     return out
 
 
-def generate_tokens(model, kv_format: str, *, new_tokens: int, prompt_shift: int = 0) -> dict[str, Any]:
-    """Greedy new tokens of PROMPTS (each real token id + prompt_shift) through a FoldKvCache of `kv_format`."""
+def generate_tokens(model, kv_format: str, *, new_tokens: int, prompt_shift: int = 0,
+                    decode_step: str | None = None) -> dict[str, Any]:
+    """Greedy new tokens of PROMPTS (each real token id + prompt_shift) through a FoldKvCache of `kv_format`
+    (`decode_step`: FoldKvCache's; None: its default)."""
     from foldkv.hf import FoldKvCache
 
     device = next(model.parameters()).device
@@ -74,10 +77,41 @@ def generate_tokens(model, kv_format: str, *, new_tokens: int, prompt_shift: int
     mask = (ids != 0).long()
     ids = torch.where(mask.bool(), ids + prompt_shift, ids)
     cache = FoldKvCache(model, max_batch=ids.shape[0], max_tokens=ids.shape[1] + new_tokens, kv_format=kv_format,
-                        max_new_tokens=new_tokens)
+                        max_new_tokens=new_tokens, decode_step=decode_step)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                          past_key_values=cache)
     return {"tokens": out[:, ids.shape[1]:].tolist(), "ranks": gather(served_geometry(cache))}
+
+
+def step_accounting(model, kv_format: str, *, context: int, batch: int) -> dict[str, int]:
+    """What one decode step of this process reads at `context` tokens a sequence (notebook 05's floor, per rank):
+    its weights (`gemma31b.weight_bytes`: the local shards) and its KV (`model_decode.step_kv_bytes`: its heads);
+    `whole_weight_bytes` counts every parameter whole (DTensor sizes), what a rank does not read."""
+    from foldkv.lab import model_decode
+    from foldkv.lab.gemma31b import weight_bytes
+
+    return {"weight_bytes": weight_bytes(model),
+            "whole_weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "step_kv_bytes": model_decode.step_kv_bytes(model, model_decode.model_arm(f"foldkv-{kv_format}"),
+                                                        context, batch)}
+
+
+def filled_decode(model, kv_format: str, *, context: int, batch: int, new_tokens: int,
+                  decode_step: str | None = None, seed: int = 0) -> list[list[int]]:
+    """Greedy new tokens after a cache filled to `context` tokens a sequence without a prefill
+    (`model_decode.fill_cache`, as notebook 05's decode cells start): this rank's heads, random rows."""
+    from foldkv.hf import FoldKvCache
+    from foldkv.lab.model_decode import fill_cache
+
+    device = next(model.parameters()).device
+    cache = FoldKvCache(model, max_batch=batch, max_tokens=context + 1 + new_tokens, kv_format=kv_format,
+                        max_new_tokens=new_tokens, decode_step=decode_step)
+    fill_cache(cache, model, context, batch, seed=seed)
+    ids = torch.randint(3, int(model.config.vocab_size), (batch, context + 1), device=device,
+                        generator=torch.Generator(device=device).manual_seed(seed + 1))
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, past_key_values=cache)
+    return out[:, context + 1:].tolist()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -89,6 +123,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--attn", default="foldkv_eager", choices=["foldkv", "foldkv_eager"],
                    help="the attention implementation (sliding layers: eager or sdpa)")
     p.add_argument("--prompt-shift", type=int, default=0, help="add this to every real prompt token (another prompt)")
+    p.add_argument("--decode-step", default=None, choices=["eager", "static", "graph"],
+                   help="FoldKvCache's decode_step (default: its own; 'static' is the fixed-address step on any device)")
+    p.add_argument("--filled", type=int, nargs=2, default=None, metavar=("CONTEXT", "BATCH"),
+                   help="also decode after caches filled to CONTEXT tokens for BATCH sequences without a prefill, and"
+                        " record what each rank's step reads there")
     p.add_argument("--out", required=True, help="the JSON file rank 0 writes")
     args = p.parse_args(argv)
 
@@ -96,9 +135,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = load_model(args.checkpoint, dtype=getattr(torch, args.dtype), attn_implementation=args.attn)
     result: dict[str, Any] = {"world_size": size, "prompts": [list(x) for x in PROMPTS],
                               "prompt_shift": args.prompt_shift, "formats": {}}
+    result["decode_step"] = args.decode_step
     for fmt in args.formats:
-        result["formats"][fmt] = generate_tokens(model, fmt, new_tokens=args.new_tokens,
-                                                 prompt_shift=args.prompt_shift)
+        r = result["formats"][fmt] = generate_tokens(model, fmt, new_tokens=args.new_tokens,
+                                                     prompt_shift=args.prompt_shift, decode_step=args.decode_step)
+        if args.filled:
+            context, batch = args.filled
+            r["filled"] = {"context": context, "batch": batch,
+                           "tokens": filled_decode(model, fmt, context=context, batch=batch,
+                                                   new_tokens=args.new_tokens, decode_step=args.decode_step),
+                           "ranks": gather(step_accounting(model, fmt, context=context, batch=batch))}
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
