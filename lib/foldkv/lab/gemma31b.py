@@ -101,6 +101,17 @@ def build_gemma4_31b(device: torch.device | str = "cuda", *, seed: int = 0, dtyp
     return model.eval()
 
 
+def write_gemma4_31b_checkpoint(out_dir: str, *, seed: int = 0, device: torch.device | str = "cuda",
+                                dtype: str = "bfloat16", num_layers: int | None = None, **overrides) -> str:
+    """The model `build_gemma4_31b(device, seed=seed)` makes, as a checkpoint folder (config.json, safetensors shards
+    and their index; 61.4 GB at full size): the same draws, for what loads through `from_pretrained`, such as
+    transformers' tensor parallelism (`tp_plan="auto"`), which shards a checkpoint as it reads it. Returns out_dir."""
+    from .synthetic import write_drawn_checkpoint
+
+    return write_drawn_checkpoint(out_dir, gemma4_31b_config(num_layers=num_layers, dtype=dtype, **overrides), seed,
+                                  device=device)
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters this process holds (a tied tensor once; under tensor parallelism its shards
     and the replicated tensors): what every decode step of this process reads."""
@@ -109,4 +120,5 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
 
 
-__all__ = ["PARAMETERS_31B", "gemma4_31b_config", "count_parameters", "build_gemma4_31b", "weight_bytes"]
+__all__ = ["PARAMETERS_31B", "gemma4_31b_config", "count_parameters", "build_gemma4_31b", "write_gemma4_31b_checkpoint",
+           "weight_bytes"]

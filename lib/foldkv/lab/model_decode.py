@@ -452,6 +452,13 @@ def largest_batch(model: nn.Module, arm_name: str, context: int, *, free_bytes: 
     return max(0, min(limit, (free_bytes - margin_bytes) // per_seq))
 
 
+def agreed_steps(tokens: Sequence[int], base: Sequence[int]) -> int:
+    """Greedy steps of one sequence before its first token that differs from `base`'s (after a difference the two
+    condition on different text, so later positions are not compared)."""
+    same = [x == y for x, y in zip(tokens, base)]
+    return same.index(False) if False in same else len(same)
+
+
 def _said(r: dict) -> str:
     """One cell's progress line: its TPOT (and floor), TTFT or chunk time, or its status."""
     if r.get("status") != "ran":

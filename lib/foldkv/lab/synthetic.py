@@ -1,7 +1,7 @@
 """A synthetic Gemma 4 checkpoint: few layers, small vocab and width, but global layers with the 31B attention geometry.
 
 `make_synthetic_checkpoint(dir, seed=...)` writes `config.json` + `model.safetensors` in the layout a real Gemma 4 text
-checkpoint uses, so the drift study loads it through the same `from_pretrained` path as a real model. The global
+checkpoint uses (`write_drawn_checkpoint`: any configuration, shards for a full-size one), so the drift study loads it through the same `from_pretrained` path as a real model. The global
 (full-attention) layers keep what foldkv folds: 32 query heads over 4 KV heads, head_dim 512, `attention_k_eq_v`,
 proportional RoPE with factor 0.25 (theta 1e6). Everything else is shrunk (hidden 256, vocab 512, 4 layers) so a CPU
 runs it in seconds.
@@ -128,32 +128,55 @@ def draw_tensor(name: str, shape: torch.Size, seed: int, *, hidden_size: int, lo
 
 def make_synthetic_checkpoint(out_dir: str | os.PathLike, *, seed: int = 0, logit_std: float = 4.0,
                               score_std: float = 2.5, **config_overrides) -> str:
-    """Write a synthetic Gemma 4 text checkpoint (config.json + model.safetensors, bf16) into `out_dir`; return it.
+    """Write a synthetic Gemma 4 text checkpoint (config.json + model.safetensors, bf16) into `out_dir`; return it."""
+    cfg_dict = synthetic_config(**config_overrides)
+    cfg_dict["foldkv_synthetic_seed"] = int(seed)
+    return write_drawn_checkpoint(out_dir, cfg_dict, seed, logit_std=logit_std, score_std=score_std)
 
-    The module tree comes from the installed transformers (`Gemma4ForCausalLM(config)` on the meta device), so the
-    tensor names are the ones its `from_pretrained` expects; the values come from `draw_tensor`.
-    """
+
+def write_drawn_checkpoint(out_dir: str | os.PathLike, cfg_dict: dict[str, Any], seed: int, *,
+                           device: torch.device | str = "cpu", shard_bytes: int = 4 << 30, **draw_kw) -> str:
+    """Write `cfg_dict` as config.json and every tensor of the model it describes, drawn by `draw_tensor` on `device`
+    (the tied LM head once, as the embedding), in the model's dtype, into `out_dir`; return it. One
+    `model.safetensors`, or shards of at most `shard_bytes` (a full-size model) with `model.safetensors.index.json`,
+    the layout `from_pretrained` reads. The module tree comes from the installed transformers
+    (`Gemma4ForCausalLM(config)` on the meta device), so the tensor names are the ones its `from_pretrained` expects;
+    each tensor is drawn, moved to the host and written shard by shard (host memory: one shard)."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, Gemma4ForCausalLM
 
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    cfg_dict = synthetic_config(**config_overrides)
-    cfg_dict["foldkv_synthetic_seed"] = int(seed)
     with open(os.path.join(out_dir, "config.json"), "w") as fh:
         json.dump(cfg_dict, fh, indent=2)
     config = AutoConfig.from_pretrained(out_dir)
     with torch.device("meta"):
         skeleton = Gemma4ForCausalLM(config)
-    state = {}
     dtype = getattr(torch, cfg_dict["dtype"])
     tied = {"lm_head.weight"} if cfg_dict["tie_word_embeddings"] else set()
-    for name, tensor in skeleton.state_dict().items():
-        if name in tied:
-            continue
-        state[name] = draw_tensor(name, tensor.shape, seed, hidden_size=cfg_dict["hidden_size"], logit_std=logit_std,
-                            score_std=score_std).to(dtype).contiguous()
-    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    shapes = [(name, t.shape) for name, t in skeleton.state_dict().items() if name not in tied]
+    shards: list[list[tuple[str, torch.Size]]] = [[]]
+    size = 0
+    for name, shape in shapes:  # consecutive tensors up to shard_bytes a file
+        n = math.prod(shape) * dtype.itemsize
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += n
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map = {}
+    for file, shard in zip(files, shards):
+        state = {name: draw_tensor(name, shape, seed, hidden_size=cfg_dict["hidden_size"], device=device,
+                                   **draw_kw).to(dtype).contiguous().cpu() for name, shape in shard}
+        save_file(state, os.path.join(out_dir, file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(state, file))
+        del state
+    if len(files) > 1:
+        total = sum(math.prod(shape) * dtype.itemsize for _, shape in shapes)
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
     return out_dir
 
 
