@@ -73,9 +73,18 @@ MERGE = True  # False: no merging (the tests compare the two)
 _MERGED = "_foldkv_merged"  # attribute of an attention module / MLP: (merged weight, names, row counts)
 
 
+def foreign_projection(lin: nn.Module) -> bool:
+    """A projection the step leaves to its own forward: its weight not a plain tensor (a DTensor shard of transformers'
+    tensor parallelism, which reduces or gathers around the module's forward; a quantised weight) or its forward
+    already replaced on the instance by another library (transformers' tensor parallelism installs its forward there).
+    foldkv's GEMV over such a weight would skip that work, so it is neither merged, branched nor swapped."""
+    w = getattr(lin, "weight", None)
+    return (isinstance(w, torch.Tensor) and type(w.data) is not torch.Tensor) or "forward" in lin.__dict__
+
+
 def _mergeable(linears: list[nn.Module]) -> bool:
     ws = [lin.weight for lin in linears]
-    return (all(type(lin) is nn.Linear and lin.bias is None for lin in linears)
+    return (all(type(lin) is nn.Linear and lin.bias is None and not foreign_projection(lin) for lin in linears)
             and all(type(w) is nn.Parameter and type(w.data) is torch.Tensor and w.is_contiguous() for w in ws)
             and len({(w.dtype, w.device, w.shape[1]) for w in ws}) == 1)
 
@@ -184,7 +193,7 @@ def projection_modules(model: nn.Module) -> list[nn.Module]:
         elif kind == "Gemma4TextMLP":
             found.append(getattr(m, "down_proj", None))
     found.append(getattr(model, "lm_head", None))
-    return [lin for lin in dict.fromkeys(found) if type(lin) is nn.Linear]
+    return [lin for lin in dict.fromkeys(found) if type(lin) is nn.Linear and not foreign_projection(lin)]
 
 
 def _projection_forward(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -261,10 +270,13 @@ class _BranchedProjections:
 
 
 def branched_attention_modules(model: nn.Module) -> list[nn.Module]:
-    """Attention modules whose q, k (and v) projections are plain nn.Linear (a layer sharing another's KV has none)."""
+    """Attention modules whose q, k (and v) projections are plain nn.Linear (a layer sharing another's KV has none),
+    none of them a `foreign_projection` (the branches call nn.Linear.forward)."""
     return [m for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"
             and isinstance(getattr(m, "q_proj", None), nn.Linear) and isinstance(getattr(m, "k_proj", None), nn.Linear)
-            and not getattr(m, "is_kv_shared_layer", False)]
+            and not getattr(m, "is_kv_shared_layer", False)
+            and not any(foreign_projection(getattr(m, n)) for n in ("q_proj", "k_proj", "v_proj")
+                        if isinstance(getattr(m, n, None), nn.Linear))]
 
 
 def _mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -556,6 +568,7 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
     modules = {type(m).__module__ for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"}
     ropes = [(sys.modules[name], sys.modules[name].apply_rotary_pos_emb) for name in sorted(modules)
              if hasattr(sys.modules.get(name), "apply_rotary_pos_emb")]
+    prior = [m.__dict__.get("forward") for m, _ in swapped]  # another library's forward on an instance stays its
     for m, forward in swapped:
         m.forward = forward
     for mod, own in ropes:
@@ -568,8 +581,11 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
     try:
         yield counts
     finally:
-        for m, _ in swapped:
-            del m.forward
+        for (m, _), own in zip(swapped, prior):
+            if own is None:
+                del m.forward
+            else:
+                m.forward = own
         for owner in (o for m in layers for o in (m, m.self_attn, m.mlp)):
             for name in _TAIL_MARKS:
                 owner.__dict__.pop(name, None)
@@ -585,4 +601,4 @@ __all__ = ["fused_step", "norm_eps", "fork", "join", "side_streams", "branched_a
            "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "norm_modules",
            "mlp_modules", "layer_modules", "FUSE_SLIDING", "q_norm_rope", "kv_to_ring", "sliding_prologue",
            "sliding_attention_modules", "sliding_route", "FUSE_GLOBAL_PROLOGUE", "global_attention_modules",
-           "global_forward_route", "projection_modules", "TAIL_SUMS", "TAIL_NEXT_NORM"]
+           "global_forward_route", "projection_modules", "foreign_projection", "TAIL_SUMS", "TAIL_NEXT_NORM"]
