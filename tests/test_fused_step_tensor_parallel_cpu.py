@@ -1,6 +1,6 @@
-"""The fused decode step leaves a tensor-parallel projection to its own forward: a weight that is a DTensor shard, or a
+"""The fused decode step leaves a tensor-parallel projection to its own forward: a weight that is a DTensor shard, a
 forward another library installed on the instance (transformers' tensor parallelism does, and reduces or gathers
-there), is neither merged, branched nor swapped for foldkv's GEMV, and that forward is still the instance's after the
+there) or hooks around its forward, is neither merged, branched nor swapped for foldkv's GEMV, and that forward is still the instance's after the
 step. Checked on the CPU, where entering `fused_step` launches nothing.
 
 Reproduce: python -m pytest -q tests/test_fused_step_tensor_parallel_cpu.py
@@ -60,6 +60,12 @@ def test_foreign_projection(one_rank_mesh):
     wrapped = nn.Linear(8, 4, bias=False)
     wrapped.forward = functools.partial(_tp_forward, wrapped, [])
     assert foreign_projection(wrapped)
+    hooked = nn.Linear(8, 4, bias=False)
+    hooked.register_forward_hook(lambda m, i, o: o)
+    assert foreign_projection(hooked)
+    hooked_before = nn.Linear(8, 4, bias=False)
+    hooked_before.register_forward_pre_hook(lambda m, i: None)
+    assert foreign_projection(hooked_before)
 
 
 def test_sharded_projection_is_not_selected(model, one_rank_mesh):

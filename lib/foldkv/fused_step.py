@@ -75,11 +75,13 @@ _MERGED = "_foldkv_merged"  # attribute of an attention module / MLP: (merged we
 
 def foreign_projection(lin: nn.Module) -> bool:
     """A projection the step leaves to its own forward: its weight not a plain tensor (a DTensor shard of transformers'
-    tensor parallelism, which reduces or gathers around the module's forward; a quantised weight) or its forward
-    already replaced on the instance by another library (transformers' tensor parallelism installs its forward there).
-    foldkv's GEMV over such a weight would skip that work, so it is neither merged, branched nor swapped."""
+    tensor parallelism, which reduces or gathers around the module's forward; a quantised weight), its forward
+    already replaced on the instance by another library (transformers' tensor parallelism installs its forward there),
+    or hooks around its forward (torch's `parallelize_module` puts its redistribution there). A merged or branched GEMV
+    would skip that work, so such a projection is neither merged, branched nor swapped."""
     w = getattr(lin, "weight", None)
-    return (isinstance(w, torch.Tensor) and type(w.data) is not torch.Tensor) or "forward" in lin.__dict__
+    return ((isinstance(w, torch.Tensor) and type(w.data) is not torch.Tensor) or "forward" in lin.__dict__
+            or bool(lin._forward_hooks or lin._forward_pre_hooks))
 
 
 def _mergeable(linears: list[nn.Module]) -> bool:
