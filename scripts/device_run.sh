@@ -17,8 +17,9 @@
 # Time caps (seconds): JIT_S for the JIT compiles, PHASE_A_S for the side-by-side phase, PHASE_B_S for notebook 04,
 # C for notebook 05 (alone: it times generate()). Each PART is one device call under its 600 s: PART=1 the GPU tests,
 # 01, 03 and a smoke 04 side by side; PART=2 notebook 02 alone (its full-length gates need the card's memory), then
-# 04 alone (PART=2a: 02 only, PART=2b: 04 only, when the two do not fit one call); PART=3 notebook 05 alone; each part
-# compiles the JIT kernels first. PART=all (default) runs them in turn.
+# 04 alone (PART=2a: 02 only, PART=2b: 04 only, when the two do not fit one call); PART=3 notebook 05 alone; PART=tp
+# notebook 06 alone on a machine of two GPUs (not in PART=all); each part compiles the JIT kernels first. PART=all
+# (default) runs the others in turn.
 set -u
 TAG=${1:-h200-$(date +%Y%m%d)}
 OUTD=${OUT:-/tmp/foldkv_out}
@@ -73,6 +74,10 @@ fi
 if [ "$PART" = all ] || [ "$PART" = 3 ]; then  # alone: it times generate()
 timeout ${C:-200} $BATCH --only 05 > "$OUTD/batch_05.log" 2>&1
 echo "batch 05 rc=$? at $(( $(date +%s) - t0 )) s"
+fi
+if [ "$PART" = tp ]; then  # a machine of two GPUs (nvidia-h200-x2): notebook 06 alone, its three runs in turn
+NCCL_NVLS_ENABLE=0 timeout ${TP_S:-560} $BATCH --only 06 > "$OUTD/batch_06.log" 2>&1
+echo "batch 06 rc=$? at $(( $(date +%s) - t0 )) s"
 fi
 $BATCH --summarize > /dev/null 2>&1
 cp "$FOLDKV_JIT_BUILD_RECORD" papermill_runs/"$TAG"/jit_build_part$PART.json 2>/dev/null

@@ -13,10 +13,6 @@
 #   PART=kernels  the FP8 version's GPU test, then the FP8 partial over a pre-transposed V_rot and the FP8 step's
 #                 merges (bench/FP8_NOTES.md run 21), then many short requests at two CTAs an SM
 #                 (bench/DECODE_NOTES.md run 22) and the 31B step's global decode shapes (run 22b) (~6-8 min)
-#   PART=tp2      on two GPUs (nvidia-h200-x2 or h100-x2; NCCL_NVLS_ENABLE=0): the random 31B written as a checkpoint,
-#                 its tokens at TP 1 on one GPU, then torchrun at TP 2: the tokens, the decode cells (32K and 128K at
-#                 batch 8 and 16) per rank against its floor, the largest 128K batch per pool (foldkv.lab.tp_model_decode)
-#                 (~8-10 min: the checkpoint ~2, TP 1 ~1.5, TP 2 ~5; split TP2_CELLS off into a second call if it runs long)
 # (The 31B step's runs 22-25 were measured at 9f9ef77: papermill_runs/h200-20261205-s27.)
 # Prepare on the CPU machine first: scripts/prepare_device_run.sh (carry .devsite build/aot build/checkout.json).
 #
@@ -58,20 +54,6 @@ if [ "$PART" = ring ]; then
   echo "ring probe (foldkv, read) rc=$? at $(( $(date +%s) - t0 )) s"; tail -10 "$OUTD/ring_probe_foldkv.log"
   timeout ${RING_FI_S:-150} python3 bench/ring_probe.py --batches 1 8 > "$OUTD/ring_probe.log" 2>&1
   echo "ring probe rc=$? at $(( $(date +%s) - t0 )) s"; tail -10 "$OUTD/ring_probe.log"
-fi
-
-if [ "$PART" = tp2 ]; then
-  CK=${CK:-/tmp/gemma4_31b_random}  # 61.4 GB of shards on the machine's disk (kept between calls while warm)
-  [ -f "$CK/model.safetensors.index.json" ] || timeout ${CKPT_S:-240} python3 -m foldkv.lab.tp_model_decode \
-    --write-checkpoint "$CK" > "$OUTD/tp_checkpoint.log" 2>&1
-  echo "checkpoint rc=$? at $(( $(date +%s) - t0 )) s"; tail -2 "$OUTD/tp_checkpoint.log"
-  CUDA_VISIBLE_DEVICES=0 timeout ${TP1_S:-150} python3 -m foldkv.lab.tp_model_decode "$CK" --cells \
-    --largest-context 0 --out "$OUTD/tp1.json" > "$OUTD/tp1.log" 2>&1
-  echo "tp1 rc=$? at $(( $(date +%s) - t0 )) s"; tail -4 "$OUTD/tp1.log"
-  NCCL_NVLS_ENABLE=0 timeout ${TP2_S:-360} python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
-    -m foldkv.lab.tp_model_decode "$CK" --cells ${TP2_CELLS:-32768:8 32768:16 131072:8 131072:16} \
-    --out "$OUTD/tp2.json" > "$OUTD/tp2.log" 2>&1
-  echo "tp2 rc=$? at $(( $(date +%s) - t0 )) s"; grep "tp_model_decode\|TPOT\|failed" "$OUTD/tp2.log" | tail -20
 fi
 
 if [ "$PART" = kernels ]; then

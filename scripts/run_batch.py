@@ -35,6 +35,7 @@ SMOKE_PARAMETERS: dict[str, dict] = {
            "prefill_chunk": 256, "largest_context": 1024, "prefill_tail_contexts": [1024], "prefill_tail_batch": 2,
            "prefill_tail_chunk": 256,
            "compile_prompt": 0},
+    "06": {},
 }
 
 

@@ -72,16 +72,3 @@ def test_the_ring_probe_command_parses():
     with pytest.raises(SystemExit):  # red twin: an arm the probe lacks
         probe.parse_args(["--arms", "ring_cublas", "cublas_gone"])
 
-
-def test_the_tensor_parallel_commands_parse():
-    from foldkv.lab.tp_model_decode import parser
-
-    text = SCRIPT.replace("\\\n", " ")
-    calls = re.findall(r"-m foldkv\.lab\.tp_model_decode (.*?) >", text)
-    assert len(calls) == 3, calls
-    cells = re.search(r"TP2_CELLS:-([^}]*)}", text).group(1)
-    parsed = [parser().parse_args(shlex.split(c.replace("${TP2_CELLS:-" + cells + "}", cells))) for c in calls]
-    assert parsed[0].write_checkpoint and parsed[1].cells == [] and parsed[1].largest_context == 0
-    assert parsed[2].cells == [(32768, 8), (32768, 16), (131072, 8), (131072, 16)] and parsed[2].out
-    with pytest.raises(SystemExit):  # red twin: a cell the runner refuses
-        parser().parse_args(["ck", "--out", "x.json", "--cells", "32768x8"])

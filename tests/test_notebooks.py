@@ -143,6 +143,22 @@ def test_generate_records(batch):
             assert rec["sections"][section] == "not run: no CUDA device", rec["sections"]
 
 
+def test_tensor_parallel_records(batch):
+    """Notebook 06 on a CPU: what a card holds at TP 1 and 2 computed, TP 2's tokens equal to one process's on the
+    synthetic model under torchrun, the 31B's cells not run for want of GPUs."""
+    _, out, _ = batch
+    rec = _record(out, "06_tensor_parallel")
+    rows = {(r["ranks"], r["arm"]): r for r in rec["results"]["capacity"]["rows"]}
+    folded1, folded2 = rows[(1, "foldkv-folded")], rows[(2, "foldkv-folded")]
+    assert folded2["rank_kv_bytes_per_seq"] * 2 == folded1["rank_kv_bytes_per_seq"]
+    assert folded2["rank_weight_bytes"] < folded1["rank_weight_bytes"] and folded2["per_card_pair"] > folded1["per_card_pair"]
+    assert rows[(1, "foldkv-split")]["largest_batch"] < folded1["largest_batch"] < rows[(1, "foldkv-fp8")]["largest_batch"]
+    assert rec["sections"]["tp_cpu_check"] == "ran"
+    check = rec["results"]["tp_cpu_check"]["rows"]
+    assert [r["pool"] for r in check] == ["folded", "split"] and all(r["tokens_equal"] for r in check)
+    assert rec["sections"]["tp_31b"].startswith("not run")
+
+
 def test_cpu_benchmarks_say_they_are_redrawn(batch):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
@@ -262,6 +278,7 @@ OVERRIDES = {
     "03_drift_study": {"arms": '["ref-split", "ref-folded"]'},
     "04_benchmarks": {"smoke": "true", "sections": '["single", "sweep"]', "decode_arms": "torch,fi_tc"},
     "05_generate": {"contexts": "8192,32768", "arms": '["sdpa", "foldkv-split"]'},
+    "06_tensor_parallel": {"capacity_context": "32768", "arms": "foldkv-folded,foldkv-split"},
 }
 
 
@@ -287,9 +304,12 @@ def test_text_overrides_take_effect(notebook, tmp_path):
     elif notebook == "04_benchmarks":
         assert got["smoke"] is True and got["sections"] == ["single", "sweep"]
         assert got["decode_arms"] == ["torch", "fi_tc"]
-    else:
+    elif notebook == "05_generate":
         assert got["contexts"] == [8192, 32768] and got["arms"] == ["sdpa", "foldkv-split"]
         assert [r["context"] for r in rec["results"]["cache_bytes_31b"]["rows"]] == [8192, 32768]
+    else:
+        assert got["capacity_context"] == 32768 and got["arms"] == ["foldkv-folded", "foldkv-split"]
+        assert {r["arm"] for r in rec["results"]["capacity"]["rows"]} == {"foldkv-folded", "foldkv-split"}
 
 
 # One out-of-range value per notebook: refused at the cell right after the parameters, before any work.
@@ -300,6 +320,7 @@ BAD_OVERRIDES = {
     "03_drift_study": ("lengths", "[5, 0]", "lengths: 0 is not positive"),
     "04_benchmarks": ("sections", '["single", "prefil"]', "sections: unknown value 'prefil'"),
     "05_generate": ("arms", '["sdpa", "foldkv-fold"]', "arms: unknown value 'foldkv-fold'"),
+    "06_tensor_parallel": ("ranks", "1", "ranks: 1 is below 2"),
 }
 
 

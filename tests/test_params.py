@@ -110,6 +110,9 @@ def test_spec_covers_the_parameters_cell_and_its_defaults_pass(notebook):
                      "largest_context": "65536"},
      {"decode_contexts": [32768, 131072], "arms": ["sdpa", "foldkv-split"], "decode_batches": [8],
       "largest_context": 65536}),
+    ("06_tensor_parallel", {"decode_contexts": "32768,131072", "arms": "foldkv-folded", "ranks": "4",
+                            "largest_context": "0"},
+     {"decode_contexts": [32768, 131072], "arms": ["foldkv-folded"], "ranks": 4, "largest_context": 0}),
 ])
 def test_read_parameters_reads_text_overrides(notebook, overrides, want):
     got = read_parameters(notebook, {**_defaults(notebook), **overrides})
@@ -160,6 +163,10 @@ MAX = GEMMA4_31B.max_position  # 262,144
     ("05_generate", {"new_tokens": "3"}, "new_tokens: 3 is below 4"),
     ("05_generate", {"arms": '["sdpa", "eager"]'}, "arms: unknown value 'eager'"),
     ("05_generate", {"largest_context": f"{MAX + 1}"}, f"largest_context: {MAX + 1} is past the model's max_position"),
+    ("06_tensor_parallel", {"arms": '["foldkv-folded", "sdpa"]'}, "arms: unknown value 'sdpa'"),
+    ("06_tensor_parallel", {"ranks": "1"}, "ranks: 1 is below 2"),
+    ("06_tensor_parallel", {"ranks": "3"}, "ranks: 3 tensor-parallel ranks over 4 KV heads"),
+    ("06_tensor_parallel", {"capacity_context": f"{MAX + 1}"}, f"capacity_context: {MAX + 1} is past the model's max_position"),
 ])
 def test_read_parameters_refuses_out_of_range(notebook, overrides, message):
     with pytest.raises(ParameterError) as exc:

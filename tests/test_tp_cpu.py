@@ -9,10 +9,6 @@ make_synthetic_checkpoint as m; m('/tmp/ck', seed=3, hidden_size=64, intermediat
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,19 +18,12 @@ from torch import nn
 from conftest import require_module
 from foldkv.config import GEMMA4_31B, PRESETS, ConfigError
 
-LIB = str(Path(__file__).resolve().parents[1] / "lib")
-
 
 def run_generate(checkpoint: str, out: Path, *, ranks: int, prompt_shift: int = 0, extra: tuple[str, ...] = ()) -> dict:
     """foldkv.lab.tp_generate in a subprocess: plain for 1 rank, under torchrun for more."""
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-               "-m", "foldkv.lab.tp_generate"] if ranks > 1 else [sys.executable, "-m", "foldkv.lab.tp_generate"])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([LIB, os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = launch + [checkpoint, "--out", str(out), "--prompt-shift", str(prompt_shift), *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text())
+    from foldkv.lab.tp_generate import launch
+
+    return launch(checkpoint, out, ranks=ranks, args=("--prompt-shift", str(prompt_shift), *extra))
 
 
 @pytest.fixture(scope="module")

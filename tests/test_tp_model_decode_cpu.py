@@ -98,3 +98,92 @@ def test_runner_without_a_gpu_a_rank_stops_before_loading(tmp_path, monkeypatch)
     with pytest.raises(SystemExit, match="one CUDA device a rank"):
         tp_model_decode.main(["--write-checkpoint", str(tmp_path / "ck")])
     assert not loaded and not out.exists() and not (tmp_path / "ck").exists()
+
+
+def test_gpu_steps_parse_and_skip_a_written_checkpoint(tmp_path):
+    from foldkv.lab.tp_model_decode import gpu_steps, parser
+
+    kw = dict(ranks=2, cells=[(32768, 8), (131072, 16)], arms=["foldkv-folded", "foldkv-split"], new_tokens=32,
+              prompt_tokens=1024, largest_context=131072, seed=0)
+    ck = tmp_path / "ck"
+    steps = gpu_steps(str(ck), str(tmp_path), **kw)
+    assert [s.name for s in steps] == ["checkpoint", "tp1", "tp2"]
+    args = [parser().parse_args(list(s.argv[s.argv.index("foldkv.lab.tp_model_decode") + 1:])) for s in steps]
+    assert args[0].write_checkpoint == str(ck)
+    assert args[1].cells == [] and args[1].largest_context == 0 and steps[1].env == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert args[2].cells == [(32768, 8), (131072, 16)] and args[2].arms == ["foldkv-folded", "foldkv-split"]
+    assert steps[2].argv[1:6] == ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    assert steps[2].env == {"NCCL_NVLS_ENABLE": "0"}
+    ck.mkdir()
+    (ck / "model.safetensors.index.json").write_text("{}")
+    assert [s.name for s in gpu_steps(str(ck), str(tmp_path), **kw)] == ["tp1", "tp2"]
+
+
+def test_run_steps_stops_at_the_first_failure(tmp_path):
+    import sys
+
+    from foldkv.lab.tp_model_decode import Step, run_steps
+
+    out = tmp_path / "a.json"
+    write = f"import json; json.dump({{'ok': 1}}, open({str(out)!r}, 'w')); print('wrote')"
+    steps = [Step("a", (sys.executable, "-c", write), {}, str(out)),
+             Step("b", (sys.executable, "-c", "import sys; print('broken'); sys.exit(3)"), {}, None),
+             Step("c", (sys.executable, "-c", "print('never')"), {}, None)]
+    done = run_steps(steps, str(tmp_path), timeout_s=60, log=lambda _: None)
+    assert list(done) == ["a", "b"]
+    assert done["a"]["rc"] == 0 and done["a"]["result"] == {"ok": 1} and "wrote" in done["a"]["tail"]
+    assert done["b"]["rc"] == 3 and "broken" in done["b"]["tail"] and "result" not in done["b"]
+
+
+def _rank_row(tpot, floor=10.0, status="ran"):
+    return {"status": status, "tpot_ms": tpot, "tpot_p90_ms": tpot + 1, "floor_ms": floor, "host_share": 0.01,
+            "weight_bytes": 30e9, "kv_bytes": 8e9, "memory": {"peak": 50 * 2**30}}
+
+
+def test_decode_rows_take_the_slowest_rank():
+    from foldkv.lab.tp_model_decode import decode_table_rows
+
+    result = {"decode": [
+        {"arm": "foldkv-folded", "context": 32768, "batch": 8, "status": "ran",
+         "ranks": [_rank_row(12.0), _rank_row(12.6)]},
+        {"arm": "foldkv-split", "context": 32768, "batch": 8, "status": "ranks differ",
+         "ranks": [_rank_row(13.0), _rank_row(0, status="failed: OutOfMemoryError")]}]}
+    folded, split = decode_table_rows(result)
+    assert folded["tpot_ms"] == 12.6 and folded["tpot_over_floor"] == pytest.approx(1.26)
+    assert folded["decode_tokens_per_s"] == pytest.approx(8e3 / 12.6)
+    assert "tpot_ms" not in split and split["status"] == "ranks differ"
+
+
+def test_agreement_rows_beside_the_neutral_figure():
+    from foldkv.lab.tp_model_decode import agreement_rows
+
+    def run(world, folded, split, neutral):
+        return {"world_size": world, "neutral_agreed_steps": neutral, "prefill": [
+            {"arm": "foldkv-folded", "status": "ran", "ranks": [{"tokens": folded}]},
+            {"arm": "foldkv-split", "status": "ran", "ranks": [{"tokens": split}]}]}
+
+    rows = agreement_rows(run(1, [1, 2, 3, 4], [1, 2, 3, 5], 3), run(2, [1, 2, 3, 4], [1, 9, 3, 5], 1))
+    got = {r["arm"]: r.get("agreed_with_tp1") for r in rows}
+    assert got == {"foldkv-folded": 4, "foldkv-split": 1, "neutral: folded vs split (tp1)": 3,
+                   "neutral: folded vs split (tp2)": 1}
+
+
+def test_capacity_rows_a_rank_holds_its_share():
+    require_module("transformers")
+    from foldkv.lab.gemma31b import PARAMETERS_31B
+    from foldkv.lab.tp_model_decode import capacity_rows, rank_weight_bytes
+
+    assert rank_weight_bytes(1) == 2 * PARAMETERS_31B
+    half = rank_weight_bytes(2)
+    assert PARAMETERS_31B < half < PARAMETERS_31B * 1.001  # the norms stay whole on each rank
+    rows = {(r["ranks"], r["arm"]): r for r in capacity_rows([1, 2], 131072, card_bytes=139 * 2**30,
+                                                             margin_bytes=6 * 2**30)}
+    for arm in ("foldkv-folded", "foldkv-fp8", "foldkv-split"):
+        one, two = rows[(1, arm)], rows[(2, arm)]
+        assert 2 * two["rank_kv_bytes_per_seq"] == one["rank_kv_bytes_per_seq"]
+        assert two["largest_batch"] == (139 * 2**30 - half - 6 * 2**30) // two["rank_kv_bytes_per_seq"]
+        assert one["per_card_pair"] == 2 * one["largest_batch"] and two["per_card_pair"] == two["largest_batch"]
+    # notebook 05 ran 10 folded, 18 FP8, 6 split at 128K on one H200 (from the memory free after loading, a little
+    # under card - weights): the arithmetic is within one sequence of that
+    computed = [rows[(1, a)]["largest_batch"] for a in ("foldkv-folded", "foldkv-fp8", "foldkv-split")]
+    assert all(0 <= c - m <= 1 for c, m in zip(computed, [10, 18, 6])), computed

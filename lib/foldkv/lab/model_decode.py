@@ -195,26 +195,32 @@ def fill_cache(cache, model: nn.Module, context: int, batch: int, *, seed: int =
 
 def step_kv_bytes(model: nn.Module, arm: ModelArm, context: int, batch: int) -> int:
     """Bytes of KV one decode step reads at `context` tokens a sequence (the new token included): the global layers'
-    rows of the arm's format and dtype (a DynamicCache: K and V of the model dtype), and the sliding layers' window."""
+    rows of the arm's format and dtype (a DynamicCache: K and V of the model dtype), and the sliding layers' window;
+    under tensor parallelism, this rank's heads (`kv_bytes_read` over the model's own modules)."""
     from ..hf import global_geometry, global_layer_indices, local_rows, text_model_of
-    from ..pool import PagedKvLayout
 
     text = text_model_of(model)
     cfg = text.config
     glob = global_layer_indices(text)
     geom = global_geometry(text, text.layers[glob[0]].self_attn)
+    widths = [local_rows(text.layers[i].self_attn.k_proj) for i, t in enumerate(cfg.layer_types)
+              if t == "sliding_attention"]
+    return kv_bytes_read(geom, arm, global_layers=len(glob), sliding_widths=widths, window=int(cfg.sliding_window),
+                         elem=next(model.parameters()).element_size(), context=context, batch=batch)
+
+
+def kv_bytes_read(geom, arm: ModelArm, *, global_layers: int, sliding_widths: Sequence[int], window: int, elem: int,
+                  context: int, batch: int) -> int:
+    """`step_kv_bytes` from the shapes alone: `geom` the global layers' (one rank's under tensor parallelism),
+    `sliding_widths` each sliding layer's K width (KV heads x head_dim), `elem` the model dtype's bytes."""
+    from ..pool import PagedKvLayout
+
     n = context + 1
     if arm.format is None:
-        per_token = 2 * geom.num_kv_heads * geom.head_dim * next(model.parameters()).element_size()
+        per_token = 2 * geom.num_kv_heads * geom.head_dim * elem
     else:
         per_token = PagedKvLayout(geom, arm.format, 64, 0, arm.dtype).bytes_per_token
-    total = len(glob) * batch * n * per_token
-    window = min(n, int(cfg.sliding_window))
-    for i, t in enumerate(cfg.layer_types):
-        if t == "sliding_attention":
-            attn = text.layers[i].self_attn
-            total += batch * window * 2 * local_rows(attn.k_proj) * next(model.parameters()).element_size()
-    return total
+    return global_layers * batch * n * per_token + sum(batch * min(n, window) * 2 * w * elem for w in sliding_widths)
 
 
 # --- one decode cell ------------------------------------------------------------------------------------------------

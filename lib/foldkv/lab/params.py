@@ -260,6 +260,12 @@ def _model_arms() -> tuple:
 
 
 _DTYPES = ("float32", "float64", "bfloat16", "float16")
+def _tp_arms() -> tuple:
+    from .tp_model_decode import ARMS
+
+    return ARMS
+
+
 TOKENS = Param("list", "int", positive=True, tokens=True, nonempty=True)
 OUT_DIR = Param("str")
 
@@ -350,6 +356,22 @@ SPECS: dict[str, dict[str, Param]] = {
         "seed": Param("int", at_least=0),
         "out_dir": OUT_DIR,
     },
+    "06_tensor_parallel": {
+        "ranks": Param("int", at_least=2),
+        "capacity_context": Param("int", positive=True, tokens=True),
+        "card_gib": Param("float", positive=True),
+        "margin_gib": Param("float", at_least=0),
+        "arms": Param("list", "str", choices=_tp_arms, nonempty=True),
+        "decode_contexts": TOKENS,
+        "decode_batches": Param("list", "int", positive=True, nonempty=True),
+        "new_tokens": Param("int", at_least=4),
+        "prompt_tokens": Param("int", positive=True, tokens=True),
+        "largest_context": Param("int", at_least=0, tokens=True),
+        "checkpoint_dir": Param("str"),
+        "step_timeout_s": Param("int", positive=True),
+        "seed": Param("int", at_least=0),
+        "out_dir": OUT_DIR,
+    },
 }
 
 
@@ -408,7 +430,15 @@ def _cross_03(values: dict, geom: AttentionGeometry) -> None:
 
 GEOMETRY: dict[str, Callable[[dict], AttentionGeometry]] = {"01_byte_floor": _geometry_01, "03_drift_study": _geometry_03,
                                                              "05_generate": _geometry_01}
-CROSS_CHECKS: dict[str, Callable[[dict, AttentionGeometry], None]] = {"03_drift_study": _cross_03}
+def _cross_06(values: dict, geom: AttentionGeometry) -> None:
+    try:
+        geom.per_rank(values["ranks"])
+    except ConfigError as exc:  # says why: whole KV heads a rank
+        raise ParameterError(f"ranks: {exc}") from None
+
+
+CROSS_CHECKS: dict[str, Callable[[dict, AttentionGeometry], None]] = {"03_drift_study": _cross_03,
+                                                                      "06_tensor_parallel": _cross_06}
 
 
 def read_parameters(notebook: str, namespace: Mapping[str, Any]) -> dict[str, Any]:

@@ -19,12 +19,34 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 # A left-padded batch: a short prompt behind padding, and a full-width one (pad id 0).
 PROMPTS: tuple[tuple[int, ...], ...] = ((0, 0, 0, 5, 6, 7, 8, 9), (3, 4, 5, 6, 7, 8, 9, 10))
+
+
+def launch(checkpoint: str, out: str | os.PathLike, *, ranks: int, args: Sequence[str] = (),
+           timeout: float = 600) -> dict[str, Any]:
+    """This module on the CPU in a subprocess (plain for one rank, under torchrun with gloo for more; CUDA hidden) over
+    `checkpoint`, writing `out`; returns what rank 0 wrote. Raises RuntimeError with the run's output tail if it
+    fails."""
+    import subprocess
+    import sys
+
+    lib = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+           if ranks > 1 else [sys.executable])
+    cmd = run + ["-m", "foldkv.lab.tp_generate", checkpoint, "--out", os.fspath(out), *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([lib, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-6000:]}")
+    with open(out) as f:
+        return json.load(f)
 
 
 def world() -> tuple[int, int]:

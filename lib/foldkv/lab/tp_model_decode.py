@@ -20,7 +20,7 @@ shards a checkpoint as it reads it.
     CUDA_VISIBLE_DEVICES=0 python -m foldkv.lab.tp_model_decode /tmp/g31 --cells --largest-context 0 --out tp1.json
     NCCL_NVLS_ENABLE=0 python -m torch.distributed.run --standalone --nproc-per-node 2 \\
         -m foldkv.lab.tp_model_decode /tmp/g31 --out tp2.json
-(`scripts/lab_calls.sh` PART=tp2 runs the three on a two-GPU machine.)
+(Notebook 06 runs the three on a machine of two GPUs: `gpu_steps`, `run_steps`; `PART=tp bash scripts/device_run.sh`.)
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 
@@ -122,6 +124,144 @@ def largest_cells(model, arms, context: int, roof_gbps: float, seed: int, log) -
                 row["largest_batch"] = b
                 break
         rows.append(row)
+    return rows
+
+
+# --- what a card holds at TP 1 and TP n (computed) ---------------------------------------------------------------
+
+def rank_weight_bytes(ranks: int) -> int:
+    """Bytes of the 31B's weights one of `ranks` ranks holds under transformers' plan: every matrix (the projections,
+    the tied embedding / LM head) split `ranks` ways, the norms and scalars whole (counted on the meta device)."""
+    from transformers import Gemma4ForCausalLM
+
+    from .gemma31b import _text_config, gemma4_31b_config
+
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(_text_config(gemma4_31b_config(), "sdpa")).to(torch.bfloat16)
+    return sum(p.numel() * p.element_size() // (ranks if p.dim() == 2 else 1) for p in model.parameters())
+
+
+def capacity_rows(ranks_list: Sequence[int], context: int, *, card_bytes: int, margin_bytes: int,
+                  arms: Sequence[str] = ARMS) -> list[dict]:
+    """Per TP size and pool: what one rank holds (its weight shards, a `context`-token sequence's KV of its heads:
+    `model_decode.kv_bytes_read`) and the largest batch of such sequences every card holds, (card - weights - margin)
+    / KV a sequence; `per_card_pair`: sequences two cards serve (TP 1: two copies of the model, TP 2: one)."""
+    from ..config import GEMMA4_31B
+    from .gemma31b import gemma4_31b_config
+    from .model_decode import kv_bytes_read, model_arm
+
+    cfg = gemma4_31b_config()
+    sliding = sum(t == "sliding_attention" for t in cfg["layer_types"])
+    rows = []
+    for ranks in ranks_list:
+        geom = GEMMA4_31B.per_rank(ranks)
+        weights = rank_weight_bytes(ranks)
+        width = cfg["num_key_value_heads"] // ranks * cfg["head_dim"]
+        for arm in arms:
+            per_seq = kv_bytes_read(geom, model_arm(arm), global_layers=geom.num_global_layers,
+                                    sliding_widths=[width] * sliding, window=cfg["sliding_window"], elem=2,
+                                    context=context - 1, batch=1)
+            largest = max(0, (card_bytes - weights - margin_bytes) // per_seq)
+            rows.append({"ranks": ranks, "arm": arm, "rank_weight_bytes": weights, "rank_kv_bytes_per_seq": per_seq,
+                         "largest_batch": largest, "per_card_pair": largest * (2 // ranks)})
+    return rows
+
+
+# --- the three runs notebook 06 makes on a machine of `ranks` GPUs ---------------------------------------------------
+
+@dataclass(frozen=True)
+class Step:
+    name: str  # "checkpoint", "tp1", "tp<ranks>"
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    out: str | None  # the JSON it writes
+
+
+def gpu_steps(checkpoint_dir: str, out_dir: str, *, ranks: int, cells: Sequence[tuple[int, int]],
+              arms: Sequence[str], new_tokens: int, prompt_tokens: int, largest_context: int, seed: int) -> list[Step]:
+    """The random 31B written once (skipped when `checkpoint_dir` holds it), its tokens at TP 1 on one GPU, then
+    torchrun over `ranks` GPUs (NCCL, NVLink multicast off): tokens, decode cells, the largest batch."""
+    py = sys.executable
+    common = ["--arms", *arms, "--new-tokens", str(new_tokens), "--prompt-tokens", str(prompt_tokens),
+              "--seed", str(seed)]
+    steps = []
+    me = "foldkv.lab.tp_model_decode"
+    if not os.path.exists(os.path.join(checkpoint_dir, "model.safetensors.index.json")):
+        steps.append(Step("checkpoint", (py, "-m", me, "--write-checkpoint", checkpoint_dir, "--seed", str(seed)),
+                          {}, None))
+    tp1 = os.path.join(out_dir, "tp1.json")
+    steps.append(Step("tp1", (py, "-m", me, checkpoint_dir, *common, "--cells", "--largest-context", "0",
+                              "--out", tp1), {"CUDA_VISIBLE_DEVICES": "0"}, tp1))
+    tpn = os.path.join(out_dir, f"tp{ranks}.json")
+    steps.append(Step(f"tp{ranks}", (py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                                     "-m", me, checkpoint_dir, *common, "--cells",
+                                     *[f"{n}:{b}" for n, b in cells], "--largest-context", str(largest_context),
+                                     "--out", tpn), {"NCCL_NVLS_ENABLE": "0"}, tpn))
+    return steps
+
+
+def run_steps(steps: Sequence[Step], log_dir: str, *, timeout_s: float, log=print) -> dict[str, dict]:
+    """Run each step in turn (its output into log_dir/<name>.log), printing when each starts and ends; stops at the
+    first that fails. Returns {name: {"rc", "seconds", "result" (its JSON) or "tail" (the log's end)}}."""
+    import subprocess
+
+    done: dict[str, dict] = {}
+    for step in steps:
+        path = os.path.join(log_dir, f"{step.name}.log")
+        log(f"[{step.name}] {' '.join(step.argv[1:])}")
+        t0 = time.perf_counter()
+        with open(path, "w") as fh:
+            try:
+                rc = subprocess.run(step.argv, env={**os.environ, **step.env}, stdout=fh, stderr=subprocess.STDOUT,
+                                    timeout=timeout_s).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        r: dict[str, Any] = {"rc": rc, "seconds": time.perf_counter() - t0, "log": path}
+        with open(path) as fh:
+            r["tail"] = fh.read()[-2000:]
+        if rc == 0 and step.out:
+            with open(step.out) as fh:
+                r["result"] = json.load(fh)
+        done[step.name] = r
+        log(f"[{step.name}] rc {rc} in {r['seconds']:.0f} s")
+        if rc != 0:
+            break
+    return done
+
+
+def decode_table_rows(result: dict) -> list[dict]:
+    """One row a decode cell of a run: the slowest rank's TPOT (a step waits for every rank) and its floor."""
+    rows = []
+    for cell in result["decode"]:
+        ranks = [r for r in cell["ranks"] if r.get("status") == "ran"]
+        row = {"arm": cell["arm"], "context": cell["context"], "batch": cell["batch"], "status": cell["status"]}
+        if ranks and len(ranks) == len(cell["ranks"]):
+            slow = max(ranks, key=lambda r: r["tpot_ms"])
+            row.update(tpot_ms=slow["tpot_ms"], tpot_p90_ms=slow["tpot_p90_ms"], floor_ms=slow["floor_ms"],
+                       tpot_over_floor=slow["tpot_ms"] / slow["floor_ms"], host_share=slow["host_share"],
+                       decode_tokens_per_s=1e3 * cell["batch"] / slow["tpot_ms"],
+                       rank_weight_gb=slow["weight_bytes"] / 1e9, rank_kv_gb=slow["kv_bytes"] / 1e9,
+                       rank_peak_gib=max(r["memory"]["peak"] for r in ranks) / 2**30)
+        rows.append(row)
+    return rows
+
+
+def agreement_rows(tp1: dict, tpn: dict) -> list[dict]:
+    """Per arm: greedy steps of the real prompt that TP n agrees with TP 1 on (`model_decode.agreed_steps`), beside
+    the neutral figure (folded against split in the same run)."""
+    from .model_decode import agreed_steps
+
+    first = {c["arm"]: c["ranks"][0] for c in tp1["prefill"] if c["status"] == "ran"}
+    rows = []
+    for c in tpn["prefill"]:
+        base = first.get(c["arm"])
+        r = {"arm": c["arm"], "status": c["status"], "steps": len(c["ranks"][0].get("tokens") or [])}
+        if c["status"] == "ran" and base is not None:
+            r["agreed_with_tp1"] = agreed_steps(c["ranks"][0]["tokens"], base["tokens"])
+        rows.append(r)
+    for name, run in (("tp1", tp1), (f"tp{tpn['world_size']}", tpn)):
+        rows.append({"arm": f"neutral: folded vs split ({name})", "status": "ran" if "neutral_agreed_steps" in run
+                     else "n/a", "agreed_with_tp1": run.get("neutral_agreed_steps")})
     return rows
 
 
