@@ -62,22 +62,13 @@ from unittest import mock
 
 import torch
 
+from foldkv.lab.model_decode import parse_cell
+
 
 def _cells(specs):
     for s in specs:
         arm, n, b = s.split(":")
         yield arm, int(n), int(b)
-
-
-def _context_batch(text: str) -> tuple[int, int]:
-    """CONTEXT:BATCH, two positive integers (parsed once, at the command line)."""
-    try:
-        context, batch = (int(v) for v in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected CONTEXT:BATCH, e.g. 4096:8") from None
-    if context < 1 or batch < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: context and batch are positive")
-    return context, batch
 
 
 def parser() -> argparse.ArgumentParser:
@@ -88,7 +79,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--compile", type=int, default=0)
     ap.add_argument("--profile-top", type=int, default=16)
-    ap.add_argument("--profile-at", type=_context_batch, default=(4096, 1), help="the profiled cell, CONTEXT:BATCH")
+    ap.add_argument("--profile-at", type=parse_cell, default=(4096, 1), help="the profiled cell, CONTEXT:BATCH")
     ap.add_argument("--merge-ab", action="store_true")
     ap.add_argument("--loop-ab", action="store_true")
     ap.add_argument("--sliding-ab", action="store_true")

@@ -62,14 +62,14 @@ def test_written_checkpoint_red_twin_another_seed_differs(tmp_path):
 
 @pytest.mark.parametrize("text,cell", [("32768:8", (32768, 8)), ("1:1", (1, 1)), ("131072:16", (131072, 16))])
 def test_parse_cell(text, cell):
-    from foldkv.lab.tp_model_decode import parse_cell
+    from foldkv.lab.model_decode import parse_cell
 
     assert parse_cell(text) == cell
 
 
 @pytest.mark.parametrize("text", ["32768", "0:8", "8:-1", "a:b", "1:2:3", ""])
 def test_parse_cell_refuses(text):
-    from foldkv.lab.tp_model_decode import parse_cell
+    from foldkv.lab.model_decode import parse_cell
 
     with pytest.raises(argparse.ArgumentTypeError, match="cell"):
         parse_cell(text)

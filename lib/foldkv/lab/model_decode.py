@@ -458,6 +458,20 @@ def largest_batch(model: nn.Module, arm_name: str, context: int, *, free_bytes: 
     return max(0, min(limit, (free_bytes - margin_bytes) // per_seq))
 
 
+def parse_cell(text: str) -> tuple[int, int]:
+    """A decode cell named "CONTEXT:BATCH" -> (context, batch), both positive integers (parsed once, at a command
+    line: argparse's `type=`)."""
+    import argparse
+
+    try:
+        context, batch = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cell {text!r}: expected CONTEXT:BATCH, e.g. 32768:8") from None
+    if context < 1 or batch < 1:
+        raise argparse.ArgumentTypeError(f"cell {text!r}: context and batch must be positive")
+    return context, batch
+
+
 def agreed_steps(tokens: Sequence[int], base: Sequence[int]) -> int:
     """Greedy steps of one sequence before its first token that differs from `base`'s (after a difference the two
     condition on different text, so later positions are not compared)."""

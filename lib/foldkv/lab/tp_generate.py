@@ -76,6 +76,15 @@ def served_geometry(cache) -> dict[str, int]:
     return {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d, "pool_bytes": cache.pool_bytes()}
 
 
+def finish() -> None:
+    """Every rank reaches this point before the process group goes (a plain process: nothing to do)."""
+    if world()[1] > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def gather(obj: Any) -> list[Any]:
     """`obj` of every rank, in rank order ([obj] in a plain process)."""
     _, size = world()
@@ -173,11 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for fmt, r in result["formats"].items():
             print(f"[tp_generate] world {size} {fmt}: tokens {r['tokens']}; rank 0 serves"
                   f" {r['ranks'][0]['num_q_heads']} q / {r['ranks'][0]['num_kv_heads']} KV heads")
-    if size > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
+    finish()
     return result
 
 

@@ -35,25 +35,14 @@ from typing import Any, Sequence
 
 import torch
 
-from .tp_generate import gather, load_model, world
+from .model_decode import parse_cell
+from .tp_generate import finish, gather, load_model, world
 
 ARMS = ("foldkv-folded", "foldkv-fp8", "foldkv-split")
 DEFAULT_CELLS = ("32768:8", "32768:16", "131072:8", "131072:16")  # context:batch
 LARGEST_CONTEXT = 131072
 LARGEST_TRIES = 4
 MARGIN_GIB = 6  # activations, logits and the graph's pool at the largest batch (notebook 05's margin)
-
-
-def parse_cell(text: str) -> tuple[int, int]:
-    """"CONTEXT:BATCH" -> (context, batch), both positive integers."""
-    parts = text.split(":")
-    try:
-        context, batch = (int(p) for p in parts)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"cell {text!r}: expected CONTEXT:BATCH, e.g. 32768:8") from None
-    if context < 1 or batch < 1:
-        raise argparse.ArgumentTypeError(f"cell {text!r}: context and batch must be positive")
-    return context, batch
 
 
 def parser() -> argparse.ArgumentParser:
@@ -315,11 +304,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1, default=str)
         log(f"[tp_model_decode] wrote {args.out}")
-    if size > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
+    finish()
     return result
 
 
