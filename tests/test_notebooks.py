@@ -151,7 +151,7 @@ def test_tensor_parallel_records(batch):
     rows = {(r["ranks"], r["arm"]): r for r in rec["results"]["capacity"]["rows"]}
     folded1, folded2 = rows[(1, "foldkv-folded")], rows[(2, "foldkv-folded")]
     assert folded2["rank_kv_bytes_per_seq"] * 2 == folded1["rank_kv_bytes_per_seq"]
-    assert folded2["rank_weight_bytes"] < folded1["rank_weight_bytes"] and folded2["per_card_pair"] > folded1["per_card_pair"]
+    assert folded2["rank_weight_bytes"] < folded1["rank_weight_bytes"] and folded2["per_cards"] > folded1["per_cards"]
     assert rows[(1, "foldkv-split")]["largest_batch"] < folded1["largest_batch"] < rows[(1, "foldkv-fp8")]["largest_batch"]
     assert rec["sections"]["tp_cpu_check"] == "ran"
     check = rec["results"]["tp_cpu_check"]["rows"]

@@ -182,7 +182,7 @@ def test_capacity_rows_a_rank_holds_its_share():
         one, two = rows[(1, arm)], rows[(2, arm)]
         assert 2 * two["rank_kv_bytes_per_seq"] == one["rank_kv_bytes_per_seq"]
         assert two["largest_batch"] == (139 * 2**30 - half - 6 * 2**30) // two["rank_kv_bytes_per_seq"]
-        assert one["per_card_pair"] == 2 * one["largest_batch"] and two["per_card_pair"] == two["largest_batch"]
+        assert one["per_cards"] == 2 * one["largest_batch"] and two["per_cards"] == two["largest_batch"]
     # notebook 05 ran 10 folded, 18 FP8, 6 split at 128K on one H200 (from the memory free after loading, a little
     # under card - weights): the arithmetic is within one sequence of that
     computed = [rows[(1, a)]["largest_batch"] for a in ("foldkv-folded", "foldkv-fp8", "foldkv-split")]

@@ -260,6 +260,8 @@ def _model_arms() -> tuple:
 
 
 _DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
 def _tp_arms() -> tuple:
     from .tp_model_decode import ARMS
 

@@ -134,13 +134,16 @@ def capacity_rows(ranks_list: Sequence[int], context: int, *, card_bytes: int, m
                   arms: Sequence[str] = ARMS) -> list[dict]:
     """Per TP size and pool: what one rank holds (its weight shards, a `context`-token sequence's KV of its heads:
     `model_decode.kv_bytes_read`) and the largest batch of such sequences every card holds, (card - weights - margin)
-    / KV a sequence; `per_card_pair`: sequences two cards serve (TP 1: two copies of the model, TP 2: one)."""
+    / KV a sequence; `per_cards`: sequences max(ranks_list) cards serve (TP n: one model a group of n cards)."""
     from ..config import GEMMA4_31B
     from .gemma31b import gemma4_31b_config
     from .model_decode import kv_bytes_read, model_arm
 
     cfg = gemma4_31b_config()
     sliding = sum(t == "sliding_attention" for t in cfg["layer_types"])
+    cards = max(ranks_list)
+    if any(cards % r for r in ranks_list):
+        raise ValueError(f"TP sizes {list(ranks_list)}: each must divide the largest ({cards} cards)")
     rows = []
     for ranks in ranks_list:
         geom = GEMMA4_31B.per_rank(ranks)
@@ -152,7 +155,7 @@ def capacity_rows(ranks_list: Sequence[int], context: int, *, card_bytes: int, m
                                     context=context - 1, batch=1)
             largest = max(0, (card_bytes - weights - margin_bytes) // per_seq)
             rows.append({"ranks": ranks, "arm": arm, "rank_weight_bytes": weights, "rank_kv_bytes_per_seq": per_seq,
-                         "largest_batch": largest, "per_card_pair": largest * (2 // ranks)})
+                         "largest_batch": largest, "per_cards": largest * (cards // ranks)})
     return rows
 
 
