@@ -187,3 +187,67 @@ def test_capacity_rows_a_rank_holds_its_share():
     # under card - weights): the arithmetic is within one sequence of that
     computed = [rows[(1, a)]["largest_batch"] for a in ("foldkv-folded", "foldkv-fp8", "foldkv-split")]
     assert all(0 <= c - m <= 1 for c, m in zip(computed, [10, 18, 6])), computed
+
+
+def _gpu_section(tmp_path, monkeypatch, done):
+    """Notebook 06's code cells up to its GPU section, run here with two CUDA devices pretended and `run_steps`
+    answering `done`: what the section records from the runs' JSON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from foldkv.lab import tp_model_decode as tpd
+
+    nb = json.loads(open(os.path.join(os.path.dirname(__file__), "..", "notebooks", "06_tensor_parallel.ipynb")).read())
+    code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    gpu = next(c for c in code if "tpd.gpu_steps" in c)
+    ns: dict = {}
+    exec(code[0], ns)
+    ns["out_dir"] = str(tmp_path)
+    exec(code[1], ns)
+    ns["display"] = lambda *a, **k: None
+    monkeypatch.setattr(plt, "show", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(tpd, "run_steps", lambda steps, out_dir, timeout_s: done)
+    exec(gpu, ns)
+    return ns["record"]
+
+
+def _fake_runs(arms, contexts, batches):
+    def rank(t):
+        return {"status": "ran", "tpot_ms": t, "tpot_p90_ms": t + 1, "floor_ms": 9.0, "host_share": 0.01,
+                "weight_bytes": 30.7e9, "kv_bytes": 8e9, "memory": {"peak": 60 * 2**30}}
+
+    def prefill(world):
+        return [{"arm": a, "status": "ran", "context": 1024, "batch": 1, "ranks": [{"tokens": list(range(16))}] * world}
+                for a in arms]
+
+    tp1 = {"world_size": 1, "neutral_agreed_steps": 16, "prefill": prefill(1), "decode": [], "largest": []}
+    tp2 = {"world_size": 2, "neutral_agreed_steps": 12, "prefill": prefill(2),
+           "decode": [{"arm": a, "context": n, "batch": b, "status": "ran", "ranks": [rank(11.0), rank(11.5)]}
+                      for n in contexts for b in batches for a in arms],
+           "largest": [{"arm": a, "context": 131072, "batch": 29, "status": "ran",
+                        "ranks": [{"status": "ran", "largest_batch": 29, "computed_batch": 30}] * 2} for a in arms]}
+    return tp1, tp2
+
+
+def test_notebook_gpu_section_records_the_runs(tmp_path, monkeypatch):
+    require_module("matplotlib")
+    tp1, tp2 = _fake_runs(["foldkv-folded", "foldkv-fp8", "foldkv-split"], [32768, 131072], [8, 16])
+    record = _gpu_section(tmp_path, monkeypatch, {"tp1": {"rc": 0, "seconds": 1.0, "result": tp1, "tail": ""},
+                                                  "tp2": {"rc": 0, "seconds": 2.0, "result": tp2, "tail": ""}})
+    assert record.sections["tp_31b"] == "ran"
+    res = record.results["tp_31b"]
+    assert len(res["decode"]) == 12 and all(r["tpot_ms"] == 11.5 for r in res["decode"])
+    assert {r["arm"]: r.get("agreed_with_tp1") for r in res["agreement"]}["foldkv-folded"] == 16
+    assert [r["largest_batch"] for r in res["largest"]] == [29, 29, 29]
+
+
+def test_notebook_gpu_section_red_twin_a_failed_run_fails_it(tmp_path, monkeypatch):
+    require_module("matplotlib")
+    tp1, _ = _fake_runs(["foldkv-folded"], [32768], [8])
+    record = _gpu_section(tmp_path, monkeypatch, {"tp1": {"rc": 0, "seconds": 1.0, "result": tp1, "tail": ""},
+                                                  "tp2": {"rc": 1, "seconds": 2.0, "tail": "NCCL error"}})
+    assert record.sections["tp_31b"].startswith("failed") and "NCCL error" in record.sections["tp_31b"]
