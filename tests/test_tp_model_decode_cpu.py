@@ -251,3 +251,25 @@ def test_notebook_gpu_section_red_twin_a_failed_run_fails_it(tmp_path, monkeypat
     record = _gpu_section(tmp_path, monkeypatch, {"tp1": {"rc": 0, "seconds": 1.0, "result": tp1, "tail": ""},
                                                   "tp2": {"rc": 1, "seconds": 2.0, "tail": "NCCL error"}})
     assert record.sections["tp_31b"].startswith("failed") and "NCCL error" in record.sections["tp_31b"]
+
+
+@pytest.mark.parametrize("fits,everywhere,want", [(7, bool, 7), (7, lambda ok: False, None), (2, bool, None)])
+def test_largest_batch_run_steps_down_after_out_of_memory(monkeypatch, fits, everywhere, want):
+    """One sequence fewer after each out-of-memory from the computed batch (9), at most `tries` (4) batches; a batch
+    counts only when `everywhere` says every process ran it (a TP rank out of memory: both step down)."""
+    from foldkv.lab import model_decode as md
+
+    tried = []
+
+    def measure(model, arm_name, context, batch, **kw):
+        tried.append(batch)
+        if batch > fits:
+            raise RuntimeError("CUDA out of memory")
+        return {"arm": arm_name, "status": "ran", "context": context, "batch": batch, "tpot_ms": 30.0}
+
+    monkeypatch.setattr(md, "largest_batch", lambda *a, **k: 9)
+    monkeypatch.setattr(md, "measure_decode", measure)
+    row = md.largest_batch_run(None, "foldkv-folded", 131072, free_bytes=1, margin_bytes=0, read_gbps=4000.0,
+                               tries=4, everywhere=everywhere, log=lambda _: None)
+    assert row["computed_batch"] == 9 and row.get("largest_batch") == want
+    assert tried == ([9, 8, 7] if want else [9, 8, 7, 6])

@@ -193,6 +193,15 @@ def fill_cache(cache, model: nn.Module, context: int, batch: int, *, seed: int =
             layer.update(rand(batch, hkv, context, attn.head_dim), rand(batch, hkv, context, attn.head_dim))
 
 
+def filled_prompt(cache, model: nn.Module, context: int, batch: int, *, seed: int = 0) -> torch.Tensor:
+    """`cache` filled to `context` tokens a sequence (`fill_cache`) and the prompt a decode cell gives generate() over
+    it: `context + 1` random ids a sequence [batch, context + 1], of which transformers feeds only the last."""
+    fill_cache(cache, model, context, batch, seed=seed)
+    dev = next(model.parameters()).device
+    return torch.randint(3, int(model.config.vocab_size), (batch, context + 1), device=dev,
+                         generator=torch.Generator(device=dev).manual_seed(seed + 1))
+
+
 def step_kv_bytes(model: nn.Module, arm: ModelArm, context: int, batch: int) -> int:
     """Bytes of KV one decode step reads at `context` tokens a sequence (the new token included): the global layers'
     rows of the arm's format and dtype (a DynamicCache: K and V of the model dtype), and the sliding layers' window;
@@ -254,9 +263,7 @@ def measure_decode(model: nn.Module, arm_name: str, *, context: int, batch: int,
     with serving(model, arm):
         before = _fresh_memory(dev)
         cache = make_cache(model, arm, batch, context + 1 + new_tokens + replay_reps)
-        fill_cache(cache, model, context, batch, seed=seed)
-        ids = torch.randint(3, int(model.config.vocab_size), (batch, context + 1), device=dev,
-                            generator=torch.Generator(device=dev).manual_seed(seed + 1))
+        ids = filled_prompt(cache, model, context, batch, seed=seed)
         clock = step_clock(dev)
         from ..fused_step import merged_groups
         from ..hf_loop import LOOP_STEPS
@@ -477,6 +484,25 @@ def agreed_steps(tokens: Sequence[int], base: Sequence[int]) -> int:
     condition on different text, so later positions are not compared)."""
     same = [x == y for x, y in zip(tokens, base)]
     return same.index(False) if False in same else len(same)
+
+
+def largest_batch_run(model: nn.Module, arm_name: str, context: int, *, free_bytes: int, margin_bytes: int,
+                      read_gbps: float, seed: int = 0, tries: int = 6, everywhere: Callable[[bool], bool] = bool,
+                      log: Callable[[str], None] = print) -> dict:
+    """The largest batch of `context`-token sequences the arm runs: `largest_batch`'s, then one sequence fewer after
+    an out-of-memory, at most `tries` batches, each a `measure_decode` cell of 12 new tokens. `everywhere`: whether
+    every process ran the batch (a tensor-parallel run asks its ranks). The row: the last cell's, `computed_batch`,
+    and `largest_batch` when one ran."""
+    want = largest_batch(model, arm_name, context, free_bytes=free_bytes, margin_bytes=margin_bytes)
+    row: dict[str, Any] = {"arm": arm_name, "computed_batch": want, "status": "not run"}
+    for b in range(want, max(want - tries, 0), -1):
+        [r] = run_cells(measure_decode, [dict(model=model, arm_name=arm_name, context=context, batch=b, new_tokens=12,
+                                              read_gbps=read_gbps, seed=seed)], log=log)
+        row.update(r)
+        if everywhere(r["status"] == "ran"):
+            row["largest_batch"] = b
+            break
+    return row
 
 
 def _said(r: dict) -> str:

@@ -130,16 +130,13 @@ def step_accounting(model, kv_format: str, *, context: int, batch: int) -> dict[
 def filled_decode(model, kv_format: str, *, context: int, batch: int, new_tokens: int,
                   decode_step: str | None = None, seed: int = 0) -> list[list[int]]:
     """Greedy new tokens after a cache filled to `context` tokens a sequence without a prefill
-    (`model_decode.fill_cache`, as notebook 05's decode cells start): this rank's heads, random rows."""
+    (`model_decode.filled_prompt`, as notebook 05's decode cells start): this rank's heads, random rows."""
     from foldkv.hf import FoldKvCache
-    from foldkv.lab.model_decode import fill_cache
+    from foldkv.lab.model_decode import filled_prompt
 
-    device = next(model.parameters()).device
     cache = FoldKvCache(model, max_batch=batch, max_tokens=context + 1 + new_tokens, kv_format=kv_format,
                         max_new_tokens=new_tokens, decode_step=decode_step)
-    fill_cache(cache, model, context, batch, seed=seed)
-    ids = torch.randint(3, int(model.config.vocab_size), (batch, context + 1), device=device,
-                        generator=torch.Generator(device=device).manual_seed(seed + 1))
+    ids = filled_prompt(cache, model, context, batch, seed=seed)
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, do_sample=False, past_key_values=cache)
     return out[:, context + 1:].tolist()
@@ -165,8 +162,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rank, size = world()
     model = load_model(args.checkpoint, dtype=getattr(torch, args.dtype), attn_implementation=args.attn)
     result: dict[str, Any] = {"world_size": size, "prompts": [list(x) for x in PROMPTS],
-                              "prompt_shift": args.prompt_shift, "formats": {}}
-    result["decode_step"] = args.decode_step
+                              "prompt_shift": args.prompt_shift, "decode_step": args.decode_step, "formats": {}}
     for fmt in args.formats:
         r = result["formats"][fmt] = generate_tokens(model, fmt, new_tokens=args.new_tokens,
                                                      prompt_shift=args.prompt_shift, decode_step=args.decode_step)

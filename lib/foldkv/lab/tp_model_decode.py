@@ -95,25 +95,16 @@ def by_rank(rows_of_each_rank: list[list[dict]]) -> list[dict]:
 
 
 def largest_cells(model, arms, context: int, roof_gbps: float, seed: int, log) -> list[dict]:
+    """`model_decode.largest_batch_run` per arm from the memory the emptiest rank has free, a batch taken only when
+    every rank ran it (one rank out of memory: one sequence fewer on all)."""
     from . import model_decode as md
 
     torch.cuda.empty_cache()
     free = min_over_ranks(torch.cuda.mem_get_info()[0])
-    rows = []
-    for arm in arms:
-        want = md.largest_batch(model, arm, context, free_bytes=free, margin_bytes=MARGIN_GIB * 2**30)
-        row: dict[str, Any] = {"arm": arm, "context": context, "computed_batch": want, "free_bytes": free,
-                               "status": "not run"}
-        for b in range(want, max(want - LARGEST_TRIES, 0), -1):
-            [r] = md.run_cells(md.measure_decode, [dict(model=model, arm_name=arm, context=context, batch=b,
-                                                        new_tokens=12, read_gbps=roof_gbps, seed=seed)], log=log)
-            ok = min_over_ranks(int(r["status"] == "ran"))  # every rank ran it, or the batch is one too many
-            row.update({k: v for k, v in r.items() if k != "tokens"})
-            if ok:
-                row["largest_batch"] = b
-                break
-        rows.append(row)
-    return rows
+    return [{**md.largest_batch_run(model, arm, context, free_bytes=free, margin_bytes=MARGIN_GIB * 2**30,
+                                    read_gbps=roof_gbps, seed=seed, tries=LARGEST_TRIES,
+                                    everywhere=lambda ok: bool(min_over_ranks(int(ok))), log=log),
+             "free_bytes": free} for arm in arms]
 
 
 # --- what a card holds at TP 1 and TP n (computed) ---------------------------------------------------------------
