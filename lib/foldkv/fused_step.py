@@ -87,7 +87,7 @@ def foreign_projection(lin: nn.Module) -> bool:
 def _mergeable(linears: list[nn.Module]) -> bool:
     ws = [lin.weight for lin in linears]
     return (all(type(lin) is nn.Linear and lin.bias is None and not foreign_projection(lin) for lin in linears)
-            and all(type(w) is nn.Parameter and type(w.data) is torch.Tensor and w.is_contiguous() for w in ws)
+            and all(type(w) is nn.Parameter and w.is_contiguous() for w in ws)
             and len({(w.dtype, w.device, w.shape[1]) for w in ws}) == 1)
 
 

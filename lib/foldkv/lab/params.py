@@ -430,8 +430,6 @@ def _cross_03(values: dict, geom: AttentionGeometry) -> None:
         raise ParameterError(f"device: {values['device']!r} is not a device ('auto', 'cpu', 'cuda', 'cuda:0'): {exc}") from None
 
 
-GEOMETRY: dict[str, Callable[[dict], AttentionGeometry]] = {"01_byte_floor": _geometry_01, "03_drift_study": _geometry_03,
-                                                             "05_generate": _geometry_01}
 def _cross_06(values: dict, geom: AttentionGeometry) -> None:
     try:
         geom.per_rank(values["ranks"])
@@ -439,6 +437,8 @@ def _cross_06(values: dict, geom: AttentionGeometry) -> None:
         raise ParameterError(f"ranks: {exc}") from None
 
 
+GEOMETRY: dict[str, Callable[[dict], AttentionGeometry]] = {"01_byte_floor": _geometry_01, "03_drift_study": _geometry_03,
+                                                             "05_generate": _geometry_01}
 CROSS_CHECKS: dict[str, Callable[[dict, AttentionGeometry], None]] = {"03_drift_study": _cross_03,
                                                                       "06_tensor_parallel": _cross_06}
 

@@ -1,10 +1,10 @@
 """A synthetic Gemma 4 checkpoint: few layers, small vocab and width, but global layers with the 31B attention geometry.
 
 `make_synthetic_checkpoint(dir, seed=...)` writes `config.json` + `model.safetensors` in the layout a real Gemma 4 text
-checkpoint uses (`write_drawn_checkpoint`: any configuration, shards for a full-size one), so the drift study loads it through the same `from_pretrained` path as a real model. The global
-(full-attention) layers keep what foldkv folds: 32 query heads over 4 KV heads, head_dim 512, `attention_k_eq_v`,
-proportional RoPE with factor 0.25 (theta 1e6). Everything else is shrunk (hidden 256, vocab 512, 4 layers) so a CPU
-runs it in seconds.
+checkpoint uses (`write_drawn_checkpoint`: any configuration, shards for a full-size one), so the drift study loads
+it through the same `from_pretrained` path as a real model. The global (full-attention) layers keep what foldkv
+folds: 32 query heads over 4 KV heads, head_dim 512, `attention_k_eq_v`, proportional RoPE with factor 0.25 (theta
+1e6). Everything else is shrunk (hidden 256, vocab 512, 4 layers) so a CPU runs it in seconds.
 
 Why the weights are drawn the way they are:
 - Linear layers ~ N(0, 1/fan_in): every projection keeps unit-scale activations.
