@@ -13,6 +13,11 @@
 #   PART=kernels  the FP8 version's GPU test, then the FP8 partial over a pre-transposed V_rot and the FP8 step's
 #                 merges (bench/FP8_NOTES.md run 21), then many short requests at two CTAs an SM
 #                 (bench/DECODE_NOTES.md run 22) and the 31B step's global decode shapes (run 22b) (~6-8 min)
+#   PART=prefill  time to first token of the 31B through generate(): every arm's kernels built into an empty cache
+#                 (warm), first use in a fresh process with warm caches (new prompt lengths, then under cProfile: where
+#                 it goes), one profiled 16K prefill by component, steady-state TTFT at 4K and 32K (every arm,
+#                 rotated) and 128K (folded) (bench/prefill_probe.py; bench/PREFILL_NOTES.md "Time to first token")
+#                 (~7-9 min)
 # (The 31B step's runs 22-25 were measured at 9f9ef77: papermill_runs/h200-20261205-s27.)
 # Prepare on the CPU machine first: scripts/prepare_device_run.sh (carry .devsite build/aot build/checkout.json).
 #
@@ -74,4 +79,26 @@ if [ "$PART" = kernels ]; then
      --json "$OUTD/plan_2cta.json" > "$OUTD/plan_2cta.log" 2>&1
    echo "plan 2cta rc=$? at $(( $(date +%s) - t0 )) s")
   tail -12 "$OUTD/fp8_vrot.log" "$OUTD/fp8_vrot_l2.log" "$OUTD/plan_2cta.log"
+fi
+
+if [ "$PART" = prefill ]; then  # one TileLang cache for the call's processes: warm fills it, the others find it warm
+  P="python3 bench/prefill_probe.py --out $OUTD"
+  N=foldkv-folded; S=foldkv-split; L=1:8192  # the first-use cells: chunks of 8,192 (a new length is the last chunk's)
+  FIRST="$N:12000:$L $N:12000:$L $S:12001:$L $N:12001:$L $N:17000:$L $S:17000:$L $N:4096 $N:4100 $S:4100 $N:12002:$L"
+  timeout ${WARM_S:-150} $P warm --arms $N $S foldkv-fp8 flashinfer sdpa > "$OUTD/prefill_warm.log" 2>&1
+  echo "warm rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "^ +[0-9]+:" "$OUTD/prefill_warm.log"
+  timeout ${FIRST_S:-70} $P first --cells $FIRST > "$OUTD/prefill_first.log" 2>&1
+  echo "first rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "^ +[0-9]+:" "$OUTD/prefill_first.log"
+  mv "$OUTD/prefill_first.json" "$OUTD/prefill_first_plain.json" 2>/dev/null
+  timeout ${CPROF_S:-80} $P first --cprofile --cells $FIRST > "$OUTD/prefill_first_cprofile.log" 2>&1
+  echo "first (cProfile) rc=$? at $(( $(date +%s) - t0 )) s"
+  timeout ${PROF_S:-90} $P profile --cells $N:16384 --trace prefill_trace16k.json.gz > "$OUTD/prefill_profile.log" 2>&1
+  echo "profile rc=$? at $(( $(date +%s) - t0 )) s"; grep chunk "$OUTD/prefill_profile.log"
+  TT="$N:4096 $S:4096 foldkv-fp8:4096 flashinfer:4096 sdpa:4096 $N:32768 $S:32768 foldkv-fp8:32768 flashinfer:32768"
+  timeout ${TTFT_S:-200} $P ttft --rounds 2 --budget-s 185 --cells $TT sdpa:32768 > "$OUTD/prefill_ttft.log" 2>&1
+  echo "ttft rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round|matmul" "$OUTD/prefill_ttft.log"
+  mv "$OUTD/prefill_ttft.json" "$OUTD/prefill_ttft_4k32k.json" 2>/dev/null
+  timeout ${LONG_S:-75} $P ttft --rounds 1 --no-untimed --cells $N:131072 > "$OUTD/prefill_ttft128k.log" 2>&1
+  echo "ttft 128K rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round|matmul" "$OUTD/prefill_ttft128k.log"
+  (cd "$OUTD" && tar -czf prefill_logs.tgz prefill_*.log prefill_*.json && rm -f prefill_*.log prefill_*.json)
 fi

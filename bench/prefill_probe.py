@@ -1,0 +1,269 @@
+"""Lab notebook: time to first token of the 31B through `model.generate()` (the user's path), where it goes, and what
+a first use costs. One mode a process (a fresh process is what "first use" means), JSON into --out.
+
+    python3 bench/prefill_probe.py warm  --arms foldkv-folded foldkv-split     # builds every kernel the arms use
+    python3 bench/prefill_probe.py first --cells foldkv-folded:12000 foldkv-folded:12000 foldkv-split:12001 ...
+    python3 bench/prefill_probe.py ttft  --cells foldkv-folded:32768 foldkv-split:32768 --rounds 2
+    python3 bench/prefill_probe.py profile --cells foldkv-folded:16384 --trace prefill_trace.json.gz
+
+A cell is ARM:PROMPT[:BATCH[:CHUNK]] (chunk: generate()'s prefill_chunk_size, default --chunk). Every cell is a real
+random prompt through `model_decode.measure_prefill`'s call of generate() with one new token.
+- warm: each arm once at a short prompt, so that TileLang's JIT (and FlashInfer's) compile into their caches; the
+  seconds each took are the fresh-cache first use.
+- first: the cells in the order given, each timed, in a process that found the caches warm: the first call of a
+  length pays what compiles, tunes or allocates for that length. --cprofile: each cell under cProfile too, its
+  slowest functions by cumulative time saved (what the first use spends its time in).
+- ttft: the cells in `rounds` rounds, the arm order rotated each round, after one untimed call of each cell (steady
+  state: the first use of each length is paid before timing). The matmul rate is measured in the same process.
+- profile: the cells once untimed, then once under torch.profiler with the components' ranges
+  (`components`): every GPU kernel is assigned to the innermost range that launched it, or by name (GEMMs), and the
+  GPU idle time inside each prefill chunk is the host gap. --trace saves the raw chrome trace (gzip).
+Results are not records: notebook 05 is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import functools
+import gzip
+import io
+import json
+import os
+import pstats
+import shutil
+import tempfile
+import time
+
+import torch
+
+# The ranges the profile wraps around foldkv's and transformers' calls (function name -> component). The chunk range
+# is one model forward (one prefill chunk).
+CHUNK = "prefill_chunk"
+RANGES = {
+    "foldkv.hf.rows_from_key_value": "fold prep and page stores",
+    "foldkv.hf.fold_query": "fold prep and page stores",
+    "foldkv.hf.write_tokens": "fold prep and page stores",
+    "foldkv.hf.FoldKvCache.pool_attention": "global attention",
+    "foldkv.hf._sliding_attention": "sliding attention",
+    "transformers.models.gemma4.modeling_gemma4.create_causal_mask": "masks",
+    "transformers.models.gemma4.modeling_gemma4.create_sliding_window_causal_mask": "masks",
+}
+GEMM_NAMES = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "Kernel2", "splitk")
+
+
+def _cell(text: str, chunk: int) -> dict:
+    parts = text.split(":")
+    if not 2 <= len(parts) <= 4:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ARM:PROMPT[:BATCH[:CHUNK]]")
+    arm, n, *rest = parts
+    b = int(rest[0]) if rest else 1
+    c = int(rest[1]) if len(rest) > 1 else chunk
+    return {"arm": arm, "prompt": int(n), "batch": b, "chunk": c}
+
+
+@contextlib.contextmanager
+def components(model):
+    """Wrap RANGES' functions and the model's forward (CHUNK) in torch.profiler record_function ranges; restore on
+    exit."""
+    import importlib
+
+    undo = []
+    for dotted, comp in RANGES.items():
+        mod_name, _, rest = dotted.rpartition(".")
+        owner_name = None
+        try:
+            owner = importlib.import_module(mod_name)
+        except ImportError:  # Class.method
+            mod_name, _, owner_name = mod_name.rpartition(".")
+            owner = getattr(importlib.import_module(mod_name), owner_name)
+        if not hasattr(owner, rest):
+            print(f"  (no {dotted}: not wrapped)")
+            continue
+        fn = getattr(owner, rest)
+
+        def wrapped(*a, _fn=fn, _name=f"{comp}|{dotted}", **k):
+            with torch.profiler.record_function(_name):
+                return _fn(*a, **k)
+
+        setattr(owner, rest, wrapped)
+        undo.append((owner, rest, fn))
+    own = vars(model).get("forward")  # foldkv.hf_graph.install's bound forward, when installed
+    fwd = model.forward
+
+    @functools.wraps(fwd)  # generate() reads forward's signature
+    def chunk_forward(*a, **k):
+        with torch.profiler.record_function(CHUNK):
+            return fwd(*a, **k)
+
+    model.forward = chunk_forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
+        for owner, rest, fn in reversed(undo):
+            setattr(owner, rest, fn)
+
+
+def attribute(trace: dict) -> dict:
+    """Every GPU kernel of a chrome trace assigned to a component: the innermost RANGES range whose CPU span holds
+    the kernel's launch (same thread), else "GEMMs" by name, else "norms, RoPE, glue"; per CHUNK range (on the CPU)
+    the kernels it launched, their GPU span, the union of their busy time and the host gap (span - busy)."""
+    ev = trace["traceEvents"]
+    launches = {}
+    for e in ev:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = e
+    ranges = [e for e in ev if e.get("cat") == "user_annotation" and e.get("ph") == "X"]
+    comp_ranges = [e for e in ranges if "|" in e["name"]]
+    chunk_ranges = sorted((e for e in ranges if e["name"] == CHUNK), key=lambda e: e["ts"])
+    kernels = [e for e in ev if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    rows = []
+    for k in kernels:
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        comp, chunk = None, None
+        if launch is not None:
+            t, tid = launch["ts"], launch.get("tid")
+            inner = [r for r in comp_ranges if r.get("tid") == tid and r["ts"] <= t <= r["ts"] + r["dur"]]
+            if inner:
+                comp = min(inner, key=lambda r: r["dur"])["name"].split("|")[0]
+            for i, r in enumerate(chunk_ranges):
+                if r.get("tid") == tid and r["ts"] <= t <= r["ts"] + r["dur"]:
+                    chunk = i
+        if comp is None:
+            comp = "GEMMs" if any(g.lower() in k["name"].lower() for g in GEMM_NAMES) else "norms, RoPE, glue"
+        rows.append({"name": k["name"], "ts": k["ts"], "dur": k["dur"], "comp": comp, "chunk": chunk})
+    chunks = []
+    for i, r in enumerate(chunk_ranges):
+        ks = sorted((k for k in rows if k["chunk"] == i), key=lambda k: k["ts"])
+        if not ks:
+            continue
+        start, end = ks[0]["ts"], max(k["ts"] + k["dur"] for k in ks)
+        busy, cur_s, cur_e = 0.0, None, None
+        for k in ks:  # union of the kernels' intervals (streams may overlap)
+            s, e = k["ts"], k["ts"] + k["dur"]
+            if cur_e is None or s > cur_e:
+                if cur_e is not None:
+                    busy += cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        busy += cur_e - cur_s
+        by = {}
+        for k in ks:
+            by[k["comp"]] = by.get(k["comp"], 0.0) + k["dur"]
+        top = {}
+        for k in ks:
+            top[k["name"][:90]] = top.get(k["name"][:90], 0.0) + k["dur"]
+        chunks.append({"chunk": i, "cpu_ms": r["dur"] / 1e3, "gpu_span_ms": (end - start) / 1e3,
+                       "gpu_busy_ms": busy / 1e3, "host_gap_ms": (end - start - busy) / 1e3,
+                       "kernels": len(ks), "by_component_ms": {c: v / 1e3 for c, v in sorted(by.items())},
+                       "top_kernels_ms": dict(sorted(((n, v / 1e3) for n, v in top.items()),
+                                                     key=lambda x: -x[1])[:25])})
+    return {"chunks": chunks, "unattributed_kernels": sum(1 for k in rows if k["chunk"] is None)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["warm", "first", "ttft", "profile"])
+    ap.add_argument("--cells", nargs="*", default=[])
+    ap.add_argument("--arms", nargs="*", default=[])
+    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--no-untimed", action="store_true", help="ttft: no untimed first call of each cell")
+    ap.add_argument("--trace", default="")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="skip the cells left once this much time has passed")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    args = ap.parse_args(argv)
+    cells = [_cell(c, args.chunk) for c in args.cells] + [_cell(f"{a}:256", args.chunk) for a in args.arms]
+
+    import foldkv.hf  # noqa: F401
+    from foldkv.lab import gemma31b, model_decode as md
+    from foldkv.lab.bench.roofs import measure_matmul_roof
+
+    t_start = time.perf_counter()
+    model = gemma31b.build_gemma4_31b("cuda", seed=0)
+    print(f"[{args.mode}] built in {time.perf_counter() - t_start:.1f} s", flush=True)
+    out = {"mode": args.mode, "device": torch.cuda.get_device_name(), "cells": []}
+
+    def run(c, seed=0):
+        t0 = time.perf_counter()
+        r = md.measure_prefill(model, c["arm"], prompt_tokens=c["prompt"], new_tokens=1, prefill_chunk=c["chunk"],
+                               seed=seed) if c["batch"] == 1 else None
+        if r is None:
+            raise SystemExit("batch > 1 is not in this probe yet")
+        r.pop("tokens", None)
+        r.update(batch=c["batch"], chunk=c["chunk"], call_s=time.perf_counter() - t0)
+        return r
+
+    def over_budget():
+        return time.perf_counter() - t_start > args.budget_s
+
+    if args.mode in ("warm", "first"):
+        for i, c in enumerate(cells):
+            if over_budget():
+                print(f"  budget spent: {c} not run")
+                continue
+            prof = cProfile.Profile() if args.cprofile else None
+            if prof:
+                prof.enable()
+            r = run(c, seed=i)
+            if prof:
+                prof.disable()
+                s = io.StringIO()
+                pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(45)
+                r["cprofile_top"] = s.getvalue()[-9000:]
+            out["cells"].append(r)
+            print(f"  {i}: {c['arm']} {c['prompt']} (chunk {c['chunk']}): TTFT {r['ttft_s']:.3f} s", flush=True)
+    elif args.mode == "ttft":
+        out["matmul"] = measure_matmul_roof("cuda")
+        print(f"  matmul {out['matmul']['tflops']:.0f} TFLOP/s", flush=True)
+        for c in cells if not args.no_untimed else []:  # first use of each cell's length and kernels, untimed
+            run(c)
+        arms = list(dict.fromkeys(c["arm"] for c in cells))
+        for rnd in range(args.rounds):
+            order = arms[rnd % len(arms):] + arms[:rnd % len(arms)]
+            for a in order:
+                for c in (c for c in cells if c["arm"] == a):
+                    if over_budget():
+                        continue
+                    r = run(c, seed=rnd + 1)
+                    r["round"] = rnd
+                    out["cells"].append(r)
+                    print(f"  round {rnd}: {a} {c['prompt']} x {c['batch']} (chunk {c['chunk']}): TTFT "
+                          f"{r['ttft_s']:.3f} s, peak {r['peak_bytes'] / 2**30:.1f} GiB", flush=True)
+    else:  # profile
+        from torch.profiler import ProfilerActivity, profile
+
+        for c in cells:
+            run(c)
+            with components(model), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                r = run(c, seed=1)
+            path = os.path.join(tempfile.mkdtemp(), "trace.json")
+            p.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)
+            r["breakdown"] = attribute(trace)
+            out["cells"].append(r)
+            if args.trace:
+                with open(path, "rb") as src, gzip.open(os.path.join(args.out, args.trace), "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+            for ch in r["breakdown"]["chunks"]:
+                comps = ", ".join(f"{k} {v:.1f}" for k, v in ch["by_component_ms"].items())
+                print(f"  {c['arm']} {c['prompt']} chunk {ch['chunk']}: cpu {ch['cpu_ms']:.1f} ms, gpu span "
+                      f"{ch['gpu_span_ms']:.1f}, busy {ch['gpu_busy_ms']:.1f}, gap {ch['host_gap_ms']:.1f} | {comps}",
+                      flush=True)
+    name = os.path.join(args.out, f"prefill_{args.mode}.json")
+    with open(name, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    print(f"[{args.mode}] wrote {name} at {time.perf_counter() - t_start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
