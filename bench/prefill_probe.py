@@ -176,6 +176,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--no-untimed", action="store_true", help="ttft: no untimed first call of each cell")
+    ap.add_argument("--sliding", choices=["window", "masked"], default="window",
+                    help="the sliding layers' prefill: the library's (FlashAttention's window) or transformers' sdpa "
+                         "over its materialised mask (what served before foldkv.window_attention)")
     ap.add_argument("--trace", default="")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip the cells left once this much time has passed")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
@@ -186,10 +189,13 @@ def main(argv=None) -> int:
     from foldkv.lab import gemma31b, model_decode as md
     from foldkv.lab.bench.roofs import measure_matmul_roof
 
+    if args.sliding == "masked":
+        foldkv.hf._plain_window = lambda *a, **k: False  # every sliding mask call gets transformers' mask
     t_start = time.perf_counter()
     model = gemma31b.build_gemma4_31b("cuda", seed=0)
-    print(f"[{args.mode}] built in {time.perf_counter() - t_start:.1f} s", flush=True)
-    out = {"mode": args.mode, "device": torch.cuda.get_device_name(), "cells": []}
+    print(f"[{args.mode}, sliding {args.sliding}] built in {time.perf_counter() - t_start:.1f} s", flush=True)
+    out = {"mode": args.mode, "sliding": args.sliding, "device": torch.cuda.get_device_name(), "cells": [],
+           "cudnn": torch.backends.cudnn.version()}
 
     def run(c, seed=0):
         t0 = time.perf_counter()
@@ -251,14 +257,15 @@ def main(argv=None) -> int:
             r["breakdown"] = attribute(trace)
             out["cells"].append(r)
             if args.trace:
-                with open(path, "rb") as src, gzip.open(os.path.join(args.out, args.trace), "wb") as dst:
+                with open(path, "rb") as src, gzip.open(os.path.join(args.out, f"{args.sliding}_{args.trace}"),
+                                                        "wb") as dst:
                     shutil.copyfileobj(src, dst)
             for ch in r["breakdown"]["chunks"]:
                 comps = ", ".join(f"{k} {v:.1f}" for k, v in ch["by_component_ms"].items())
                 print(f"  {c['arm']} {c['prompt']} chunk {ch['chunk']}: cpu {ch['cpu_ms']:.1f} ms, gpu span "
                       f"{ch['gpu_span_ms']:.1f}, busy {ch['gpu_busy_ms']:.1f}, gap {ch['host_gap_ms']:.1f} | {comps}",
                       flush=True)
-    name = os.path.join(args.out, f"prefill_{args.mode}.json")
+    name = os.path.join(args.out, f"prefill_{args.mode}_{args.sliding}.json")
     with open(name, "w") as f:
         json.dump(out, f, indent=1, default=str)
     print(f"[{args.mode}] wrote {name} at {time.perf_counter() - t_start:.1f} s")

@@ -9,7 +9,10 @@
 How the pieces meet. transformers builds one mask per layer type, then each layer calls `cache.update(K, V)` and the
 attention function of the model's implementation with what `update` returned:
 - Sliding layers: the cache holds transformers' own `DynamicSlidingWindowLayer`; their mask and attention are
-  transformers' "sdpa" ("foldkv") or "eager" ("foldkv_eager"), unchanged.
+  transformers' "sdpa" ("foldkv") or "eager" ("foldkv_eager"), except a CUDA prefill forward whose sliding mask is
+  the plain window (no padding): its mask is a `SlidingWindow`, and `foldkv.window_attention` serves those layers
+  with FlashAttention's own window (no mask built, no masked pairs computed, nothing built per prompt length); a
+  call it cannot serve gets transformers' mask from the `SlidingWindow` and its sdpa, as before.
 - Global (full-attention, k_eq_v) layers: the cache holds a `FoldKvLayer`, whose `update` keeps nothing and returns
   the step's new K/V (normed, RoPE'd, [B, Hkv, T, D]) wrapped in a `NewRows`. The full-attention "mask" is a
   `NewTokens`: which of the step's T columns are real tokens of each sequence (left padding), read from the 2D
@@ -54,6 +57,7 @@ from .pool import BlockTable, PagedKvLayout, PagedKvPool
 from .prep import fold_query, rope_inv_freq, rows_from_key_value, write_tokens
 from .reference import paged_attention_reference
 from .validate import FoldKvInputError, check_device
+from . import window_attention
 
 from transformers import AttentionInterface, Cache
 from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
@@ -212,14 +216,45 @@ def _mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_
     """transformers' mask call for every layer type: sliding layers (the call with `local_size`) get their
     implementation's own mask, global layers the forward's NewTokens."""
     if kwargs.get("local_size") is not None:
-        return ALL_MASK_ATTENTION_FUNCTIONS[sliding](
-            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
-            mask_function=mask_function, attention_mask=attention_mask, **kwargs)
+        args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                    kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
+        if _plain_window(sliding, q_length, kv_length, q_offset, kv_offset, attention_mask, kwargs):
+            return SlidingWindow(int(kwargs["local_size"]), lambda: ALL_MASK_ATTENTION_FUNCTIONS[sliding](**args))
+        return ALL_MASK_ATTENTION_FUNCTIONS[sliding](**args)
     if mask_function is not causal_mask_function:
         raise FoldKvInputError(
             "foldkv's global layers serve plain causal attention; this model asked for another full-attention mask"
             f" ({getattr(mask_function, '__name__', mask_function)})")
     return _new_tokens(attention_mask, q_length, kv_length, kv_offset)
+
+
+class SlidingWindow:
+    """The sliding layers' "mask" of a prefill forward whose mask is the plain sliding window (no padding, no other
+    overlay, the queries the last keys): `window_attention` serves it without a mask; a call it cannot serve asks
+    `tensor()`, transformers' own mask, built once on first use."""
+
+    def __init__(self, window: int, build):
+        self.window, self._build, self._tensor = window, build, None
+
+    def tensor(self):
+        if self._build is not None:
+            self._tensor, self._build = self._build(), None
+        return self._tensor
+
+
+def _plain_window(sliding: str, q_length: int, kv_length: int, q_offset, kv_offset: int,
+                  attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
+    """Is this sliding mask call transformers' plain sliding-window causal mask of a CUDA prefill forward: sdpa's
+    sliding layers, more than one query, no overlay of another mask function (transformers then asks for vmap or
+    forbids the causal skip), the queries the last kv positions, and no padding (one read of the 2D mask)."""
+    device = kwargs.get("device", attention_mask.device if attention_mask is not None else None)
+    if sliding != "sdpa" or q_length < 2 or device is None or torch.device(device).type != "cuda":
+        return False
+    if kwargs.get("use_vmap", True) or not kwargs.get("allow_is_causal_skip", False):
+        return False
+    if int(q_offset) + q_length != kv_offset + kv_length:
+        return False
+    return attention_mask is None or bool(attention_mask.all())
 
 
 def _sliding_attention(sliding: str, module: nn.Module, *args, **kwargs):
@@ -239,6 +274,16 @@ def _attention(module: nn.Module, query: torch.Tensor, key: Any, value: Any, att
     if getattr(module, "is_sliding", False):
         if isinstance(attention_mask, RingMask):  # a decode step through the cache's DecodeStep
             return ring_attention(module, query, key, value, attention_mask)
+        if isinstance(attention_mask, SlidingWindow):
+            why = window_attention.refusal(query, key, value, window=kwargs.get("sliding_window"),
+                                           softcap=getattr(module.config, "attn_logit_softcapping", None),
+                                           dropout=kwargs.get("dropout", 0.0))
+            if why is None and kwargs.get("sliding_window") == attention_mask.window:
+                scale = kwargs.get("scaling")
+                return window_attention.window_attention(
+                    query, key, value, window=attention_mask.window,
+                    scale=query.shape[-1] ** -0.5 if scale is None else scale), None
+            attention_mask = attention_mask.tensor()
         return _sliding_attention(sliding, module, query, key, value, attention_mask, **kwargs)
     if not isinstance(key, NewRows):
         raise FoldKvInputError(
