@@ -539,9 +539,9 @@ class FoldKvCache(Cache):
             else:
                 raise ConfigError(f"layer {i} is of type {layer_type!r}; foldkv serves Gemma 4's sliding and full"
                                   " attention layers")
+        super().__init__(layers=layers)
         if self.attention == "kernel":
             self._load_kernels()
-        super().__init__(layers=layers)
         if decode_step != "eager":
             self.decode_step = self.step_class(self, decode_step)
             install(model)
@@ -612,6 +612,17 @@ class FoldKvCache(Cache):
         from .kernels.prefill import prefill
 
         self._kernels = {"decode": decode, "prefill": prefill}
+        self.resolve_prefill_kernels(self.global_layers[0].pool)
+
+    def resolve_prefill_kernels(self, pool: PagedKvPool) -> None:
+        """Build or load the prefill kernels the global layers will launch (every layer's pool has `pool`'s layout)
+        now, at the cache's creation: in a fresh process that is TileLang's import and each kernel's program
+        elaborated and loaded, seconds that would otherwise fall inside the first prompt's time to first token. The
+        resolver's cache is the process's, so a later cache finds them there. A cache whose prefill is not foldkv's
+        overrides this."""
+        from .kernels.prefill import resolve_kernels
+
+        resolve_kernels(pool, backend=self.backend)
 
     def pool_attention(self, layer: FoldKvLayer, query: torch.Tensor, table: BlockTable,
                        counts: tuple[int, ...]) -> torch.Tensor:

@@ -55,6 +55,24 @@ def launch_names(pool: PagedKvPool, fp8_rows: str = "gather") -> tuple[str, ...]
     return (dequant_pages.NAME, variant_name(pool.format))
 
 
+def kernel_params(pool: PagedKvPool, params: dict | None = None, fp8_rows: str = "gather") -> dict[str, dict]:
+    """{name: the params it is built with} of every kernel `prefill` launches for `pool`, in launch order: the
+    prefill's registered params overridden by `params`, the page size always the pool's; the gather's own."""
+    names = launch_names(pool, fp8_rows)
+    name = names[-1]
+    p = resolve.kernel_params(name, {**(params or {}), "page_size": pool.layout.page_size})
+    return {n: p if n == name else dequant_pages.kernel_params(pool) for n in names}
+
+
+def resolve_kernels(pool: PagedKvPool, *, backend: str = "jit", params: dict | None = None, fp8_rows: str = "gather",
+                    kernels: Mapping[str, Callable] | None = None) -> tuple[Callable, ...]:
+    """The kernels `prefill` launches for `pool`, in launch order, resolved now (built or loaded: TileLang imported
+    and each kernel's program elaborated on first use in a process, seconds). `prefill` gets its kernels here; a
+    FoldKvCache calls it at creation, so a process's first prompt does not pay for it."""
+    per_kernel = kernel_params(pool, params, fp8_rows)
+    return resolve.launch_kernels(tuple(per_kernel), pool.geometry, per_kernel, backend, kernels)
+
+
 # --- plan --------------------------------------------------------------------------------------------------------
 def tile_plan(q_lens: torch.Tensor, tokens_per_tile: int = TOKENS_PER_TILE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_start [B], tile_req [NT], tile_tok [NT]) int32 on the CPU: request r's queries start at row q_start[r] of
@@ -126,12 +144,10 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
         raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
     names = launch_names(pool, fp8_rows)
     resolve.check_kernels(names, kernels)
-    name = names[-1]
-    p = resolve.kernel_params(name, {**(params or {}), "page_size": pool.layout.page_size})
+    p = kernel_params(pool, params, fp8_rows)[names[-1]]
     total, table = _check(pool, query, table, q_lens, out, lse, p, kv_dtype)  # the table now on the host
     geom, dev = pool.geometry, pool.device
-    per_kernel = {n: p if n == name else dequant_pages.kernel_params(pool) for n in names}
-    *gather, kernel = resolve.launch_kernels(names, geom, per_kernel, backend, kernels)
+    *gather, kernel = resolve_kernels(pool, backend=backend, params=params, fp8_rows=fp8_rows, kernels=kernels)
     # Everything is planned on the host before the first launch and reaches the device in one asynchronous copy:
     # a copy from pageable memory waits for the stream, so a copy between the gather and the prefill would leave the
     # GPU idle for the host work after it (measured ~0.4 ms a call, bench/FP8_NOTES.md run 4).

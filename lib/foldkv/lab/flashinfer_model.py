@@ -97,6 +97,9 @@ class FlashInferCache(FoldKvCache):
             raise ValueError(f"the global layers' attention scaling is {sorted(scales)}; this arm plans sm_scale 1.0")
         self._fi_prefill: tuple | None = None
 
+    def resolve_prefill_kernels(self, pool) -> None:
+        pass  # the prefill is FlashInfer's: foldkv's prefill kernels are never launched
+
     def pool_attention(self, layer, query: torch.Tensor, table, counts: tuple[int, ...]) -> torch.Tensor:
         if self.attention != "kernel" or max(counts) == 1:
             return super().pool_attention(layer, query, table, counts)

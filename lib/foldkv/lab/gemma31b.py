@@ -59,14 +59,19 @@ def _text_config(cfg: dict[str, Any], attn_implementation: str):
     return config
 
 
-def count_parameters(cfg: dict[str, Any] | None = None) -> int:
-    """Parameters of the model `cfg` describes (default: the 31B), counted on the meta device (no memory), the tied
-    LM head once."""
+def meta_model(cfg: dict[str, Any] | None = None, attn_implementation: str = "sdpa") -> nn.Module:
+    """The `Gemma4ForCausalLM` that `cfg` (a config.json dict; default: the 31B) describes, on the meta device: its
+    module shapes without memory."""
     from transformers import Gemma4ForCausalLM
 
     with torch.device("meta"):
-        model = Gemma4ForCausalLM(_text_config(cfg or gemma4_31b_config(), "sdpa"))
-    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
+        return Gemma4ForCausalLM(_text_config(cfg or gemma4_31b_config(), attn_implementation))
+
+
+def count_parameters(cfg: dict[str, Any] | None = None) -> int:
+    """Parameters of the model `cfg` describes (default: the 31B), counted on the meta device (no memory), the tied
+    LM head once."""
+    return sum(p.numel() for p in meta_model(cfg).parameters())  # parameters() yields a tied tensor once
 
 
 @torch.no_grad()
@@ -120,5 +125,5 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
 
 
-__all__ = ["PARAMETERS_31B", "gemma4_31b_config", "count_parameters", "build_gemma4_31b", "write_gemma4_31b_checkpoint",
-           "weight_bytes"]
+__all__ = ["PARAMETERS_31B", "gemma4_31b_config", "meta_model", "count_parameters", "build_gemma4_31b",
+           "write_gemma4_31b_checkpoint", "weight_bytes"]
