@@ -31,6 +31,7 @@ from ..floor import pool_bytes, step_bytes
 from ..layout import KvFormat
 from .arms import ArmUnavailable
 from .model import cache_keyword, check_arm_available, foldkv_implementation, incumbent_implementation
+from .palette import Styles, legend_right_of
 
 GIB = 2**30
 
@@ -372,21 +373,26 @@ def runs_table(runs: Sequence[dict], columns: str = "speed") -> str:
 
 
 def plot_cache_bytes(rows: Sequence[dict], path: str | None = None):
+    """The global layers' cache against context: transformers' DynamicCache (the incumbent's black) and a
+    FoldKvCache's split and folded pools (their formats' palette colours), log-log; saved to `path` when given."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9, 4), layout="constrained")
+    st = Styles()
     x = [r["context"] for r in rows]
-    for key, label in (("dynamic_bytes", "DynamicCache (K and V)"), ("split_bytes", "FoldKvCache split"),
-                       ("folded_bytes", "FoldKvCache folded")):
-        ax.plot(x, [r[key] / GIB for r in rows], marker="o", label=label)
+    # DynamicCache holds the split pool's bytes: drawn wide and pale under it, so both lines show
+    for key, label, name, over in (("dynamic_bytes", "DynamicCache (K and V)", "dynamic-cache",
+                                    dict(linewidth=6, markersize=11, alpha=0.35)),
+                                   ("split_bytes", "FoldKvCache split", "split", {}),
+                                   ("folded_bytes", "FoldKvCache folded", "folded", {})):
+        ax.plot(x, [r[key] / GIB for r in rows], label=label, **st.line(name, **over))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("GiB, all global layers")
     ax.set_title(f"global-layer cache, batch {rows[0]['batch']}, {rows[0]['layers']} global layers (computed)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    legend_right_of(ax)
     if path:
         fig.savefig(path, dpi=90)
     return fig

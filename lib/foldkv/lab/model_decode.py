@@ -574,27 +574,31 @@ def memory_table(rows: Sequence[dict]) -> str:
 
 def plot_tpot(rows: Sequence[dict], path: str | None = None):
     """TPOT against context per arm (one panel per batch), the byte floor of the folded arm dashed. The TPOT axis is
-    logarithmic: the eager sdpa arm runs 6-17x the floor, and on a linear axis the graphed arms and the floor merge."""
+    logarithmic: the eager sdpa arm runs 6-17x the floor, and on a linear axis the graphed arms and the floor merge.
+    Each arm in its palette style, the floor a plain read's grey dashes, one legend beside the panels."""
     import matplotlib.pyplot as plt
+
+    from .palette import Styles, legend_beside
 
     ran = [r for r in rows if r["status"] == "ran"]
     batches = sorted({r["batch"] for r in ran})
-    fig, axes = plt.subplots(1, max(len(batches), 1), figsize=(6 * max(len(batches), 1), 4), squeeze=False)
+    fig, axes = plt.subplots(1, max(len(batches), 1), figsize=(5.5 * max(len(batches), 1) + 2, 4), squeeze=False,
+                             layout="constrained")
+    st = Styles()
     for ax, b in zip(axes[0], batches):
         for arm in dict.fromkeys(r["arm"] for r in ran):
             pts = sorted((r["context"], r["tpot_ms"]) for r in ran if r["arm"] == arm and r["batch"] == b)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=arm)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=arm, **st.line(arm))
         fl = sorted((r["context"], r["floor_ms"]) for r in ran if r["arm"] == "foldkv-folded" and r["batch"] == b)
         if fl:
-            ax.plot([p[0] for p in fl], [p[1] for p in fl], "k--", label="floor (folded bytes)")
+            ax.plot([p[0] for p in fl], [p[1] for p in fl], label="floor (folded bytes)", **st.line("floor"))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("TPOT (ms, log)")
         ax.set_title(f"batch {b}")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    legend_beside(fig, axes[0])
     if path:
         fig.savefig(path, dpi=90)
     return fig

@@ -1,5 +1,6 @@
 """The drift study's figures (matplotlib, optional): the gap distribution of every series (histogram and CDF) and
-the gap against the decode step and the prompt length, each with the drift line."""
+the gap against the decode step and the prompt length, each with the drift line; every series in its
+`foldkv.lab.palette` style (the neutral black and thick, the drift line a limit's dark red dashes)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 
 import torch
 
+from ..palette import Styles, legend_beside
 from .summary import gaps_of, is_finite
 
 
@@ -40,31 +42,30 @@ def plot_gap_distribution(results: dict, path: str | None = None):
     import matplotlib.ticker
 
     print(f"zero gaps drawn at {floor:.3g}; drift line {line:.3g}")
-    fig, (ax_h, ax_c) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, (ax_h, ax_c) = plt.subplots(1, 2, figsize=(14, 4.8), layout="constrained")
+    st = Styles()
     lo, hi = math.log10(floor), math.log10(max(max(finite), line)) + 0.1
     bins = torch.logspace(lo, hi, 40).tolist()
     for name, v in series.items():
-        style = dict(color="k", lw=2.5) if name == "neutral" else {}
         xs = sorted(max(g, floor) for g in v if is_finite(g))
-        ax_h.hist(xs, bins=bins, histtype="step", label=f"{name} (n={len(v)})", **style)
-        ax_c.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name, **style)
+        ax_h.hist(xs, bins=bins, histtype="step", label=f"{name} (n={len(v)})", **st.step(name))
+        ax_c.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name, **st.step(name))
     for ax in (ax_h, ax_c):
         ax.set_xscale("log")
-        ax.axvline(line, color="r", ls="--", label=f"drift line {line:.3g}")
+        ax.axvline(line, label=f"drift line {line:.3g}", **st.line("drift line", marker="None"))
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("max |Δ logit| vs incumbent (neutral: walk vs single pass)")
     ax_h.set_ylabel("steps")
     ax_c.set_ylabel("fraction of steps ≤ x")
     ax_h.set_title("histogram")
     ax_c.set_title("CDF")
-    return _laid_out(fig, path, legend_on=ax_c)
+    return _laid_out(fig, path, legend_from=ax_h)
 
 
-def _laid_out(fig, path: str | None, legend_on):
-    """The figure with its legend on the panel `legend_on`, laid out, saved to `path` when given (the run folder keeps
-    the PNG), returned."""
-    legend_on.legend(fontsize=8)
-    fig.tight_layout()
+def _laid_out(fig, path: str | None, legend_from):
+    """The figure with the legend of the panel `legend_from` beside its panels (outside the data; each series is
+    one colour on every panel), saved to `path` when given (the run folder keeps the PNG), returned."""
+    legend_beside(fig, [legend_from])
     if path is not None:
         fig.savefig(path, dpi=90)
     return fig
@@ -79,7 +80,8 @@ def plot_gap_vs_step_and_length(results: dict, path: str | None = None):
     plt = _pyplot() if any(is_finite(g) for v in series.values() for g in v) else None
     if plt is None:
         return None
-    fig, (ax_s, ax_l) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, (ax_s, ax_l) = plt.subplots(1, 2, figsize=(14, 4.8), layout="constrained")
+    st = Styles()
     for name in series:
         per_step: list[list[float]] = [[] for _ in range(steps + 1)]
         per_len: dict[int, list[float]] = {}
@@ -89,17 +91,18 @@ def plot_gap_vs_step_and_length(results: dict, path: str | None = None):
                 if is_finite(g):
                     per_step[s].append(max(g, floor))
                     per_len.setdefault(c["length"], []).append(max(g, floor))
-        style = dict(color="k", lw=2.5) if name == "neutral" else {}
         xs = [s for s in range(steps + 1) if per_step[s]]
-        ax_s.plot(xs, [max(per_step[s]) for s in xs], marker="o", label=f"{name} max", **style)
-        ax_s.plot(xs, [sorted(per_step[s])[len(per_step[s]) // 2] for s in xs], ls=":", color=ax_s.lines[-1].get_color())
+        ax_s.plot(xs, [max(per_step[s]) for s in xs], markersize=4, label=f"{name} max", **st.line(name))
+        ax_s.plot(xs, [sorted(per_step[s])[len(per_step[s]) // 2] for s in xs],
+                  **st.line(name, linestyle=":", marker="None", linewidth=1.2))
         lengths = sorted(per_len)
-        ax_l.plot(lengths, [max(per_len[n]) for n in lengths], marker="o", label=f"{name} max over steps", **style)
+        ax_l.plot(lengths, [max(per_len[n]) for n in lengths], markersize=4, label=f"{name} max over steps",
+                  **st.line(name))
     for ax in (ax_s, ax_l):
         ax.set_yscale("log")
-        ax.axhline(line, color="r", ls="--", label=f"drift line {line:.3g}")
+        ax.axhline(line, label=f"drift line {line:.3g}", **st.line("drift line", marker="None"))
         ax.set_ylabel("max |Δ logit|")
     ax_s.set_xlabel("step (0 = prefill's last row; dotted = median over cells)")
     ax_l.set_xlabel("prompt length (tokens)")
     ax_l.set_xscale("log")
-    return _laid_out(fig, path, legend_on=ax_s)
+    return _laid_out(fig, path, legend_from=ax_s)

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from .. import fp8_accumulation as fa
+from ..palette import Styles, legend_beside
 from .sections import gpu_section
 
 SECTION = "fp8_wgmma_accumulation"  # measured now (GPU)
@@ -159,30 +160,32 @@ def committed_section(record, path: str | Path | None = None) -> dict:
 
 def plot_bound(summary: dict, title: str):
     """Measured max relative error (|C - ref| / sum|a b|) against the bound's smallest value and median over the
-    outputs, by k32 steps (K = 32 x steps), one accumulator, one panel per signs, a line per spread."""
+    outputs, by k32 steps (K = 32 x steps), one accumulator, one panel per signs, a colour per spread (no arm: the
+    palette's fallback colours; measured solid, bound dashed, bound median dotted)."""
     import matplotlib.pyplot as plt
 
     rows = [r for r in summary["bound_cells"] if r["fresh_every"] is None]
-    fig, axes = plt.subplots(1, len(fa.SIGNS), figsize=(11, 4), sharey=True)
+    fig, axes = plt.subplots(1, len(fa.SIGNS), figsize=(13, 4.3), sharey=True, layout="constrained")
+    st = Styles()
     floor = 2.0**-30  # an exact cell (error 0) drawn at the floor of the log axis
     for ax, signs in zip(axes, fa.SIGNS):
-        for i, spread in enumerate(sorted({r["spread"] for r in rows})):
+        for spread in sorted({r["spread"] for r in rows}):
             cell = sorted((r for r in rows if r["signs"] == signs and r["spread"] == spread), key=lambda r: r["steps"])
             k = [32 * r["steps"] for r in cell]
-            color = f"C{i}"
-            ax.plot(k, [max(r["measured_max"], floor) for r in cell], "o-", color=color,
-                    label=f"spread {spread}: measured max")
-            ax.plot(k, [r["bound_min"] for r in cell], "v--", color=color, label=f"spread {spread}: bound, smallest")
-            ax.plot(k, [r["bound_q50"] for r in cell], ":", color=color, alpha=0.6)
+            name = f"spread {spread}"
+            ax.plot(k, [max(r["measured_max"], floor) for r in cell], label=f"{name}: measured max",
+                    **st.line(name, marker="o", linestyle="-"))
+            ax.plot(k, [r["bound_min"] for r in cell], label=f"{name}: bound, smallest",
+                    **st.line(name, marker="v", linestyle="--"))
+            ax.plot(k, [r["bound_q50"] for r in cell], alpha=0.6, **st.line(name, marker="None", linestyle=":"))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("reduction length K (32 x k32 steps), one accumulator")
         ax.set_title(f"{signs} signs")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("|error| / sum|a b|  (dotted: bound median; exact: at 2^-30)")
-    axes[-1].legend(fontsize=7, loc="lower right")
+    legend_beside(fig, axes[-1:])
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
     return fig
 
 

@@ -11,6 +11,7 @@ import torch
 from ...config import GEMMA4_31B, AttentionGeometry
 from ...layout import KvFormat
 from ...reference import paged_attention_reference
+from ..palette import Styles, legend_beside
 from .checks import ABS_TOL, FRO_TOL, REL_TOL, agree, arm_for, decode_arm, prefill_arm, run_case, summary_row
 from .fold import FOLD_CASE_RATIO, FOLD_MEAN_RATIO, folded_vs_split, folded_vs_split_overall, unrounded_truth
 from .geometry import gate_geometry
@@ -102,26 +103,28 @@ def gates_tables(results: dict, backends) -> str:
 
 def plot_errors(gate_rows: list[dict]):
     """Relative Frobenius error and max |d| of every gate row against the tokens in its batch, per format and kind,
-    with the Frobenius bound: the matplotlib figure, or None when no row is given."""
+    with the Frobenius bound (a format in its palette colour, decode dots and prefill squares): the matplotlib figure,
+    or None when no row is given."""
     if not gate_rows:
         return None
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.3), layout="constrained")
+    st = Styles()
     for fmt in dict.fromkeys(r["format"] for r in gate_rows):
         for kind, marker in (("decode", "o"), ("prefill", "s")):
             rs = [r for r in gate_rows if r["format"] == fmt and r["kind"] == kind]
-            axes[0].scatter([r["tokens"] for r in rs], [r["rel_fro"] for r in rs], marker=marker, label=f"{fmt} {kind}")
-            axes[1].scatter([r["tokens"] for r in rs], [r["max_abs"] for r in rs], marker=marker, label=f"{fmt} {kind}")
-    axes[0].axhline(FRO_TOL, color="r", ls="--", label="bound")
+            for ax, key in zip(axes, ("rel_fro", "max_abs")):
+                ax.scatter([r["tokens"] for r in rs], [r[key] for r in rs], alpha=0.8, label=f"{fmt} {kind}",
+                           **st.scatter(fmt, marker=marker))
+    axes[0].axhline(FRO_TOL, label="bound", **st.line("bound", marker="None"))
     for ax, title in zip(axes, ["relative Frobenius error", "max |Δ|"]):
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("tokens in the batch")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    legend_beside(fig, axes)
     return fig
 
 
