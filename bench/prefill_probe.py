@@ -65,8 +65,8 @@ def _cell(text: str, chunk: int) -> dict:
 
 @contextlib.contextmanager
 def components(model):
-    """Wrap RANGES' functions and the model's forward (CHUNK) in torch.profiler record_function ranges; restore on
-    exit."""
+    """Wrap RANGES' functions and the text model's forward (CHUNK) in torch.profiler record_function ranges; restore
+    on exit."""
     import importlib
 
     undo = []
@@ -89,7 +89,10 @@ def components(model):
 
         setattr(owner, rest, wrapped)
         undo.append((owner, rest, fn))
-    own = vars(model).get("forward")  # foldkv.hf_graph.install's bound forward, when installed
+    from foldkv.hf import text_model_of
+
+    model = text_model_of(model)  # one forward a chunk (the top model's forward is foldkv.hf_graph.install's)
+    own = vars(model).get("forward")
     fwd = model.forward
 
     @functools.wraps(fwd)  # generate() reads forward's signature
@@ -176,6 +179,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--no-untimed", action="store_true", help="ttft: no untimed first call of each cell")
+    ap.add_argument("--glue", choices=["fused", "unfused"], default="fused",
+                    help="a prefill's norms, RoPE, GELU x up and residual tails: the decode step's fused kernels (the "
+                         "library's) or transformers' modules (what served before DecodeStep.prefill)")
     ap.add_argument("--sliding", choices=["window", "masked"], default="window",
                     help="the sliding layers' prefill: the library's (FlashAttention's window) or transformers' sdpa "
                          "over its materialised mask (what served before foldkv.window_attention)")
@@ -189,11 +195,13 @@ def main(argv=None) -> int:
     from foldkv.lab import gemma31b, model_decode as md
     from foldkv.lab.bench.roofs import measure_matmul_roof
 
+    if args.glue == "unfused":
+        foldkv.hf_graph.DecodeStep.fuses_prefill = lambda self, kwargs: False
     if args.sliding == "masked":
         foldkv.hf._plain_window = lambda *a, **k: False  # every sliding mask call gets transformers' mask
     t_start = time.perf_counter()
     model = gemma31b.build_gemma4_31b("cuda", seed=0)
-    print(f"[{args.mode}, sliding {args.sliding}] built in {time.perf_counter() - t_start:.1f} s", flush=True)
+    print(f"[{args.mode}, sliding {args.sliding}, glue {args.glue}] built in {time.perf_counter() - t_start:.1f} s", flush=True)
     out = {"mode": args.mode, "sliding": args.sliding, "device": torch.cuda.get_device_name(), "cells": [],
            "cudnn": torch.backends.cudnn.version()}
 
@@ -257,7 +265,7 @@ def main(argv=None) -> int:
             r["breakdown"] = attribute(trace)
             out["cells"].append(r)
             if args.trace:
-                with open(path, "rb") as src, gzip.open(os.path.join(args.out, f"{args.sliding}_{args.trace}"),
+                with open(path, "rb") as src, gzip.open(os.path.join(args.out, f"{args.sliding}_{args.glue}_{args.trace}"),
                                                         "wb") as dst:
                     shutil.copyfileobj(src, dst)
             for ch in r["breakdown"]["chunks"]:
@@ -265,7 +273,8 @@ def main(argv=None) -> int:
                 print(f"  {c['arm']} {c['prompt']} chunk {ch['chunk']}: cpu {ch['cpu_ms']:.1f} ms, gpu span "
                       f"{ch['gpu_span_ms']:.1f}, busy {ch['gpu_busy_ms']:.1f}, gap {ch['host_gap_ms']:.1f} | {comps}",
                       flush=True)
-    name = os.path.join(args.out, f"prefill_{args.mode}_{args.sliding}.json")
+    out["glue"] = args.glue
+    name = os.path.join(args.out, f"prefill_{args.mode}_{args.sliding}_{args.glue}.json")
     with open(name, "w") as f:
         json.dump(out, f, indent=1, default=str)
     print(f"[{args.mode}] wrote {name} at {time.perf_counter() - t_start:.1f} s")

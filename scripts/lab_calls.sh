@@ -82,28 +82,26 @@ if [ "$PART" = kernels ]; then
 fi
 
 if [ "$PART" = prefill ]; then  # one TileLang cache for the call's processes: warm fills it, the others find it warm
-  FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-120} python3 -m pytest -q -ra --tb=short -p no:cacheprovider \
-    tests/test_window_attention_gpu.py > "$OUTD/prefill_pytest.log" 2>&1
+  FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-150} python3 -m pytest -q -ra --tb=short -p no:cacheprovider \
+    tests/test_prefill_fused_gpu.py tests/test_fused_step_gpu.py > "$OUTD/prefill_pytest.log" 2>&1
   echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/prefill_pytest.log")"
   P="python3 bench/prefill_probe.py --out $OUTD"
   N=foldkv-folded; S=foldkv-split; L=1:8192  # the first-use cells: chunks of 8,192 (a new length is the last chunk's)
   FIRST="$N:12000:$L $N:12000:$L $S:12001:$L $N:12001:$L $N:17000:$L $S:17000:$L $N:4096 $N:4100 $S:4100 $N:12002:$L"
-  timeout ${WARM_S:-150} $P warm --arms $N $S foldkv-fp8 flashinfer sdpa > "$OUTD/prefill_warm.log" 2>&1
+  timeout ${WARM_S:-120} $P warm --arms $N $S foldkv-fp8 flashinfer sdpa > "$OUTD/prefill_warm.log" 2>&1
   echo "warm rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "^ +[0-9]+:" "$OUTD/prefill_warm.log"
-  for SL in masked window; do  # masked: transformers' sdpa over its mask in the sliding layers, what served before
-    timeout ${FIRST_S:-60} $P first --sliding $SL --cells $FIRST > "$OUTD/prefill_first_$SL.log" 2>&1
-    echo "first ($SL) rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "^ +[0-9]+:" "$OUTD/prefill_first_$SL.log"
-    timeout ${PROF_S:-50} $P profile --sliding $SL --cells $N:16384 --trace trace16k.json.gz \
-      > "$OUTD/prefill_profile_$SL.log" 2>&1
-    echo "profile ($SL) rc=$? at $(( $(date +%s) - t0 )) s"; grep chunk "$OUTD/prefill_profile_$SL.log"
-  done
+  timeout ${FIRST_S:-50} $P first --cells $FIRST > "$OUTD/prefill_first.log" 2>&1
+  echo "first rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "^ +[0-9]+:" "$OUTD/prefill_first.log"
+  timeout ${PROF_S:-45} $P profile --cells $N:16384 --trace trace16k.json.gz > "$OUTD/prefill_profile.log" 2>&1
+  echo "profile rc=$? at $(( $(date +%s) - t0 )) s"; grep chunk "$OUTD/prefill_profile.log"
   TT="$N:4096 $S:4096 foldkv-fp8:4096 flashinfer:4096 sdpa:4096 $N:32768 $S:32768 foldkv-fp8:32768 flashinfer:32768"
-  timeout ${TTFT_S:-160} $P ttft --rounds 2 --budget-s 150 --cells $TT sdpa:32768 > "$OUTD/prefill_ttft.log" 2>&1
+  timeout ${TTFT_S:-150} $P ttft --rounds 2 --budget-s 140 --cells $TT sdpa:32768 > "$OUTD/prefill_ttft.log" 2>&1
   echo "ttft rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round|matmul" "$OUTD/prefill_ttft.log"
-  timeout ${MASKED_S:-45} $P ttft --sliding masked --rounds 2 --cells $N:4096 $N:32768 > "$OUTD/prefill_ttft_masked.log" 2>&1
-  echo "ttft (masked) rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round" "$OUTD/prefill_ttft_masked.log"
-  mv "$OUTD/prefill_ttft_window.json" "$OUTD/prefill_ttft_4k32k.json" 2>/dev/null
-  timeout ${LONG_S:-70} $P ttft --rounds 1 --no-untimed --cells $N:131072 > "$OUTD/prefill_ttft128k.log" 2>&1
+  mv "$OUTD/prefill_ttft_window_fused.json" "$OUTD/prefill_ttft_4k32k.json" 2>/dev/null
+  timeout ${UNFUSED_S:-45} $P ttft --glue unfused --rounds 2 --cells $N:4096 $N:32768 \
+    > "$OUTD/prefill_ttft_unfused.log" 2>&1  # transformers' modules for the glue: what served before, same call
+  echo "ttft (unfused glue) rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round" "$OUTD/prefill_ttft_unfused.log"
+  timeout ${LONG_S:-50} $P ttft --rounds 1 --no-untimed --cells $N:131072 > "$OUTD/prefill_ttft128k.log" 2>&1
   echo "ttft 128K rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round" "$OUTD/prefill_ttft128k.log"
   (cd "$OUTD" && tar -czf prefill_logs.tgz prefill_*.log prefill_*.json && rm -f prefill_*.log prefill_*.json)
 fi

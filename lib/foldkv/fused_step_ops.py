@@ -62,9 +62,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     be a strided view whose [heads, n] blocks are packed (`_packed_rows`): read in place, no copy."""
     n = x.shape[-1]
     packed = None if x.is_contiguous() else _packed_rows(x)
-    if packed is None:
-        src = _rows(x)
-        inner, outer = src.shape[0], 0
+    if packed is None:  # row r at r * n: one inner row an outer block, so the kernel sees no row count (a prefill's
+        src = _rows(x)  # length would otherwise be a Triton specialization: a build per new divisibility)
+        inner, outer = 1, n
     else:
         src, (inner, outer) = x, packed
     rows = x.numel() // n

@@ -115,6 +115,24 @@ class DecodeStep:
         mask = kwargs.get("attention_mask")
         return mask is None or isinstance(mask, dict) or bool(mask[:, -1].bool().all())
 
+    def fuses_prefill(self, kwargs: dict) -> bool:
+        """Is this forward a prefill (more than one token a sequence, before the first decode step) that the step's
+        fused kernels serve: token ids on CUDA, the cache's global layers on its kernels. Its norms, RoPE, MLP
+        activation and residual tails are then the decode step's kernels (`prefill`), whose row count is the grid's
+        only: nothing is built per prompt length."""
+        ids = kwargs.get("input_ids")
+        return (not self.started and self.cache.attention == "kernel" and ids is not None and ids.is_cuda
+                and ids.dim() == 2 and ids.shape[1] > 1 and kwargs.get("inputs_embeds") is None)
+
+    def prefill(self, forward: Callable, kwargs: dict) -> Any:
+        """A prefill forward with the model's elementwise work as `foldkv.fused_step`'s kernels (at prefill's row
+        counts each is one pass over its rows where transformers' modules take five to seven, in float32): the same
+        formulas at the same rounding points; the projections, attention and everything else the model's own."""
+        from .fused_step import fused_step
+
+        with fused_step(forward.__self__):
+            return forward(**kwargs)
+
     # -- the step --------------------------------------------------------------------------------------------------
     def __call__(self, forward: Callable, kwargs: dict) -> Any:
         t0 = time.perf_counter()
@@ -382,6 +400,8 @@ def install(model: torch.nn.Module) -> None:
         step = getattr(cache, "decode_step", None)
         if isinstance(step, DecodeStep) and not args and step.takes(kwargs):
             return step(own, kwargs)
+        if isinstance(step, DecodeStep) and not args and step.fuses_prefill(kwargs):
+            return step.prefill(own, kwargs)
         return own(*args, **kwargs)
 
     forward._foldkv = True

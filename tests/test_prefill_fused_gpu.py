@@ -1,0 +1,55 @@
+"""A prefill forward on a FoldKvCache with the decode step's fused kernels (`DecodeStep.prefill`): on the synthetic
+Gemma 4 (bf16, a chunked prefill crossing the sliding window, batch 1 and a left-padded batch of 3) every chunk goes
+through it, and the prefill's logits equal transformers' own modules' within the neutral figure (transformers' eager
+against its sdpa: two orderings of the same bf16 model) or 4 bf16 ulps of the largest logit, the tokens reported;
+red twin: the same check catches a prefill whose fused norm uses another epsilon.
+
+Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_prefill_fused_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import left_padded_batch, synthetic_gpu_models
+
+pytestmark = pytest.mark.gpu
+
+
+def _prefill(model, ids, mask, chunk=300):
+    from foldkv import hf
+    from foldkv.lab.model import cache_keyword
+
+    cache = hf.FoldKvCache(model, max_batch=ids.shape[0], max_tokens=ids.shape[1] + 4)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, do_sample=False,
+                         prefill_chunk_size=chunk, output_logits=True, return_dict_in_generate=True,
+                         **{cache_keyword(model): cache})
+    return out.sequences[:, ids.shape[1]:].cpu(), out.logits[0].float().cpu()  # the prefill's logits [B, V]
+
+
+@pytest.mark.parametrize("lengths", [(700,), (97, 700, 301)])
+def test_fused_prefill_within_the_neutral_figure(tmp_path_factory, monkeypatch, lengths):
+    from foldkv import fused_step_ops, hf_graph
+
+    models = synthetic_gpu_models(tmp_path_factory, "foldkv", "foldkv_eager")
+    model = models["foldkv"]
+    ids, mask = left_padded_batch(lengths, model.config.vocab_size, seed=11)
+    ids, mask = ids.cuda(), mask.cuda()
+    calls = []
+    prefill = hf_graph.DecodeStep.prefill
+    monkeypatch.setattr(hf_graph.DecodeStep, "prefill", lambda self, f, kw: calls.append(1) or prefill(self, f, kw))
+    tokens, logits = _prefill(model, ids, mask)
+    assert len(calls) == -(-ids.shape[1] // 300)  # every chunk of the prompt through the fused kernels
+    monkeypatch.setattr(hf_graph.DecodeStep, "fuses_prefill", lambda self, kw: False)
+    base_tokens, base = _prefill(model, ids, mask)  # transformers' modules: what served before
+    _, eager = _prefill(models["foldkv_eager"], ids, mask)
+    bound = max(2 * (eager - base).abs().max().item(), 4 * 2.0 ** -8 * base.abs().max().item())
+    gap = (logits - base).abs().max().item()
+    assert gap <= bound, (gap, bound)
+    print(f"tokens equal: {torch.equal(tokens, base_tokens)}; prefill logit gap {gap:.3g} (bound {bound:.3g})")
+    monkeypatch.undo()
+    norm = fused_step_ops.rms_norm  # red twin: a fused norm with another epsilon is outside the bound
+    monkeypatch.setattr("foldkv.fused_step.rms_norm", lambda x, w, eps: norm(x, w, eps + 0.5))
+    _, twin = _prefill(model, ids, mask)
+    assert (twin - base).abs().max().item() > bound
