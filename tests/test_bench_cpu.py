@@ -482,6 +482,20 @@ def test_committed_read_roof_names_the_run_it_came_from(tmp_path):
     assert "4,321 GB/s" in roof["said"] and "NOT committed" in roof["said"]
 
 
+def test_committed_read_roof_is_notebook_01s_run_of_record_by_the_index(tmp_path):
+    runs = tmp_path / "papermill_runs"
+    (runs / "h200-a").mkdir(parents=True)
+    (runs / "README.md").write_text("# runs\n\n## Runs of record\n\n| notebook | run of record | what |\n"
+                                    "| --- | --- | --- |\n| 01_byte_floor | h200-a | the roof |\n")
+    record = {"results": {"measure_bandwidth": {"gbps": 4444.0, "method": "triton_stream_sum"}}}
+    (runs / "h200-a" / "01_byte_floor.record.json").write_text(json.dumps(record))
+    roof = bench.committed_read_roof(root=str(tmp_path))
+    assert roof["gbps"] == 4444.0 and roof["run"] == "h200-a" and "measured by run h200-a" in roof["said"]
+    (runs / "h200-a" / "01_byte_floor.record.json").write_text(json.dumps({"results": {}}))  # red twin: no roof
+    with pytest.raises(LookupError, match="no read roof"):
+        bench.committed_read_roof(root=str(tmp_path))
+
+
 def test_the_stream_read_arm_needs_cuda():
     with pytest.raises(ArmUnavailable, match="CUDA"):
         bench.stream_read_arm(1 << 20, "cpu", copies=2)
