@@ -33,7 +33,7 @@ def index_problems(root: str) -> list[str]:
         record = results.runs_of_record(root)
     except (LookupError, ValueError) as exc:
         return [str(exc)]
-    older = [cells[0] for cells in results._table_rows(text, OLDER_HEADING)]
+    older = [cells[0] for cells in results.index_rows(text, OLDER_HEADING)]
     problems = []
     notebooks = sorted(os.path.basename(p)[:-len(".ipynb")]
                        for p in glob.glob(os.path.join(root, "notebooks", "[0-9][0-9]_*.ipynb")))

@@ -34,7 +34,7 @@ from .case import (DEFAULT_ROTATE_BYTES, L2_BYTES, SERVING_CASES, AttentionCase,
 from .drawn import (DRAWN_SHAPES, DRAWN_TARGETS, draw_batches, draw_singles, drawn_targets_markdown, fresh_seed,
                     plan_model_markdown, plan_model_rows)
 from .results import (RESULTS_GLOB, RESULTS_NAME, RUNS_INDEX, SCHEMA, find_results, load_results, open_results,
-                      record_results, redraw_banner, resolve_mode, results_path, run_name, run_of_record,
+                      notebook_record, record_results, redraw_banner, resolve_mode, results_path, run_name, run_of_record,
                       runs_of_record, save_results)
 from .roofs import (STREAM_READ_MAX_BYTES, committed_read_roof, measure_matmul_roof, measure_read_roof,
                     stream_read_arm, stream_read_buffers)
@@ -60,7 +60,7 @@ __all__ = [
     "SCHEMA", "arm_cell_text", "arm_names", "best_folded", "cells_of", "check_arm", "committed_read_roof",
     "conclusions", "find_results", "generated_arm", "load_results", "mark_redrawn", "markdown_table", "measure_matmul_roof",
     "measure_read_roof", "open_results", "paired_ratios", "pct_of_roof", "plots", "prediction_table", "prefill_flops",
-    "ragged_lengths", "record_results", "redraw_banner", "resolve_mode", "results_path", "run_cell", "run_name",
+    "notebook_record", "ragged_lengths", "record_results", "redraw_banner", "resolve_mode", "results_path", "run_cell", "run_name",
     "run_of_record", "runs_of_record", "save_results",
     "series", "stream_read_arm", "summarize", "time_events", "torch_decode_arm", "verdicts",
 ]

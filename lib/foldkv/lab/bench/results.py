@@ -109,7 +109,7 @@ def find_results(results_glob: str = RESULTS_GLOB, *, root: str | None = None, r
     return {"path": path, "committed": committed, "results": doc}
 
 
-def _table_rows(text: str, heading: str) -> list[list[str]]:
+def index_rows(text: str, heading: str) -> list[list[str]]:
     """The cells of each body row of the first markdown table under `heading` (a line of its own)."""
     lines = text.splitlines()
     if heading not in lines:
@@ -136,11 +136,13 @@ def runs_of_record(root: str | None = None, index: str = RUNS_INDEX) -> dict[str
     root = root or checkout_root()
     path = index if os.path.isabs(index) else os.path.join(root, index)
     with open(path) as fh:
-        rows = _table_rows(fh.read(), RECORD_HEADING)
+        rows = index_rows(fh.read(), RECORD_HEADING)
     if not rows:
         raise LookupError(f"{path}: no table under {RECORD_HEADING!r}")
     out: dict[str, str | None] = {}
     for cells in rows:
+        if len(cells) < 2 or not cells[1]:
+            raise ValueError(f"{path}: row {cells} names no run of record (write {NO_RUN!r} for none yet)")
         notebook, run = cells[0], cells[1]
         if notebook in out:
             raise ValueError(f"{path}: notebook {notebook} has two runs of record ({out[notebook]}, {run})")
@@ -159,6 +161,16 @@ def run_of_record(notebook: str, *, root: str | None = None) -> str:
 def record_file(notebook: str, name: str, *, root: str | None = None) -> str:
     """The path of file `name` in `notebook`'s run of record (relative to the checkout)."""
     return os.path.join(RUNS_DIR, run_of_record(notebook, root=root), name)
+
+
+def notebook_record(notebook: str, *, root: str | None = None) -> dict:
+    """`notebook`'s record (`report.RunRecord`'s JSON: sections, results) in its run of record:
+    {"run", "path" (absolute), "committed", "record"}."""
+    root = root or checkout_root()
+    path = os.path.abspath(os.path.join(root, record_file(notebook, f"{notebook}.record.json", root=root)))
+    with open(path) as fh:
+        record = json.load(fh)
+    return {"run": run_name(path), "path": path, "committed": path in _tracked([path], root), "record": record}
 
 
 def record_results(*, root: str | None = None) -> dict:

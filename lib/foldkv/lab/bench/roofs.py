@@ -10,12 +10,7 @@ import torch
 
 from ..arms import ArmUnavailable
 from .spec import ArmImpl
-import json
-import os
-
-from foldkv.provenance import checkout_root
-
-from .results import _tracked, find_results, record_file, run_name
+from .results import find_results, notebook_record, run_name
 from .stats import summarize
 from .clock import err_text, time_events
 
@@ -190,15 +185,13 @@ def measure_matmul_roof(device: torch.device | str, n: int = 8192, reps: int = 2
 
 def committed_read_roof(results_glob: str | None = None, *, root: str | None = None) -> dict:
     """The read roof a committed run measured, for where no GPU is here to measure one: by default the one notebook
-    01's run of record measured (its record's `measure_bandwidth`, the index's lookup: `results.record_file`); with
+    01's run of record measured (its record's `measure_bandwidth`: `results.notebook_record`); with
     `results_glob`, the newest full H200 benchmark run matching it (`find_results`). Returns {"gbps", "method",
     "run", "path", "committed", "said"}, `said` a sentence naming the run. Raises LookupError when there is none."""
-    root = root or checkout_root()
     if results_glob is None:
-        path = os.path.join(root, record_file("01_byte_floor", "01_byte_floor.record.json", root=root))
-        with open(path) as fh:
-            read = (json.load(fh).get("results") or {}).get("measure_bandwidth") or {}
-        found = {"path": path, "committed": path in _tracked([path], root)}
+        found = notebook_record("01_byte_floor", root=root)
+        read = (found["record"].get("results") or {}).get("measure_bandwidth") or {}
+        path = found["path"]
     else:
         found = find_results(results_glob, root=root)
         read = (found or {}).get("results", {}).get("roof", {}).get("read", {})
