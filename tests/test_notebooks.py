@@ -146,6 +146,11 @@ def test_generate_records(batch):
     if not torch.cuda.is_available():
         for section in ("model_31b", "prefill_31b", "decode_31b", "largest_batch_31b"):
             assert rec["sections"][section] == "not run: no CUDA device", rec["sections"]
+        from foldkv.lab import bench  # the targets: those of this notebook's run of record, named
+
+        shown = bench.notebook_record("05_generate")
+        assert rec["sections"]["targets"] == f"redrawn from {shown['run']}"
+        assert rec["results"]["targets"]["targets"] == shown["record"]["results"]["targets"]
 
 
 def test_tensor_parallel_records(batch):
