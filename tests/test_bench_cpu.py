@@ -482,6 +482,20 @@ def test_committed_read_roof_names_the_run_it_came_from(tmp_path):
     assert "4,321 GB/s" in roof["said"] and "NOT committed" in roof["said"]
 
 
+def test_committed_read_roof_is_notebook_01s_run_of_record_by_the_index(tmp_path):
+    runs = tmp_path / "papermill_runs"
+    (runs / "h200-a").mkdir(parents=True)
+    (runs / "README.md").write_text("# runs\n\n## Runs of record\n\n| notebook | run of record | what |\n"
+                                    "| --- | --- | --- |\n| 01_byte_floor | h200-a | the roof |\n")
+    record = {"results": {"measure_bandwidth": {"gbps": 4444.0, "method": "triton_stream_sum"}}}
+    (runs / "h200-a" / "01_byte_floor.record.json").write_text(json.dumps(record))
+    roof = bench.committed_read_roof(root=str(tmp_path))
+    assert roof["gbps"] == 4444.0 and roof["run"] == "h200-a" and "measured by run h200-a" in roof["said"]
+    (runs / "h200-a" / "01_byte_floor.record.json").write_text(json.dumps({"results": {}}))  # red twin: no roof
+    with pytest.raises(LookupError, match="no read roof"):
+        bench.committed_read_roof(root=str(tmp_path))
+
+
 def test_the_stream_read_arm_needs_cuda():
     with pytest.raises(ArmUnavailable, match="CUDA"):
         bench.stream_read_arm(1 << 20, "cpu", copies=2)
@@ -806,8 +820,103 @@ def test_drawn_targets_hold_every_drawn_cell_with_red_twins():
     text = "\n".join(bench.conclusions(doc))
     assert "Drawn cells (seed 1234): 2 of 4 meet every bound." in text
     assert "drawn/mixed: folded graph vs eager 1.028x, target ≤ 1.01" in text
-    assert "| drawn/mixed | 3 | 1.09x (≤ 1.08: NOT met)" in bench.drawn_targets_markdown(doc)
+    assert "| drawn/mixed | 3 | 150,701 | 1.09x (≤ 1.08: NOT met)" in bench.drawn_targets_markdown(doc)
     assert "No drawn cell" in bench.drawn_targets_markdown(_doc([]))
+
+
+def _log_interp(n, n0, b0, n1, b1):
+    return b0 + (b1 - b0) * math.log(n / n0) / math.log(n1 / n0)
+
+
+@pytest.mark.parametrize("tokens, want", [
+    (1, 1.60), (10_602, 1.60), (30_000, _log_interp(30_000, 10_602, 1.60, 40_002, 1.20)), (40_002, 1.20),
+    (65_000, _log_interp(65_000, 40_002, 1.20, 100_000, 1.06)), (100_000, 1.06), (450_000, 1.06)])
+def test_single_request_bound_at_its_points_and_between(tokens, want):
+    from foldkv.lab.bench import drawn
+
+    assert drawn.single_request_bound(tokens) == pytest.approx(want, abs=1e-12)
+    assert drawn.drawn_batch_bound(tokens) == pytest.approx(max(1.08, want), abs=1e-12)
+
+
+def test_single_request_bound_is_one_table_read_by_every_target():
+    from foldkv.lab.bench import drawn
+
+    assert drawn.single_request_bound(30_000) == pytest.approx(1.2867, abs=1e-4)  # `mixed`'s ~30K: ~1.3x
+    assert drawn.single_request_bound(65_000) == pytest.approx(1.1258, abs=1e-4)
+    b = [drawn.single_request_bound(n) for n in (1, 5_000, 10_602, 20_000, 40_002, 70_000, 100_000, 10**6)]
+    assert b == sorted(b, reverse=True)  # never looser for a longer request
+    points = dict(drawn.SINGLE_REQUEST_BOUNDS)
+    by_case = {t.case: t.max_x_read for t in bench.DECODE_TARGETS}
+    assert by_case["one request at 40K"] == points[40_002] and by_case["one request at 10.6K"] == points[10_602]
+    singles = {t.single_range: t.max_x_read for t in bench.DRAWN_TARGETS if t.single_range}
+    assert singles[drawn.DRAWN_SINGLE_RANGES["long"]] == points[100_000]
+    assert singles[drawn.DRAWN_SINGLE_RANGES["mid"]] == points[40_002]
+    with pytest.raises(ValueError, match="at least 1 token"):
+        drawn.single_request_bound(0)
+
+
+def _batch_verdicts(targets) -> dict:
+    """folded / read verdicts of three drawn batches under `targets`: a few short requests (35,191 tokens, as s22b's
+    `mixed`) at 1.23x and at 1.30x the read, and 112 requests of ~3.9K (435,963 tokens, as `short_many`) at 1.127x."""
+    mixed = [28_159, 5_941, 789, 292, 9, 1]
+    many = [3_892] * 111 + [435_963 - 3_892 * 111]
+    doc = _doc([_drawn_cell("drawn/mixed", mixed, folded=123.0, read=100.0),
+                _drawn_cell("drawn/mixed_slow", mixed, folded=130.0, read=100.0),
+                _drawn_cell("drawn/short_many", many, folded=112.7, read=100.0)])
+    return {r["cell"]: r["x_read"] for r in bench.drawn.drawn_target_rows(doc, targets)}
+
+
+def _holds_the_total_token_rule(v: dict) -> bool:
+    return (v["drawn/mixed"]["met"] is True and v["drawn/mixed_slow"]["met"] is False
+            and v["drawn/short_many"]["met"] is False and v["drawn/short_many"]["bound"] == 1.08)
+
+
+def test_a_drawn_batch_is_held_to_one_request_of_its_total_tokens_with_red_twin():
+    from dataclasses import replace
+
+    from foldkv.lab.bench import drawn
+
+    v = _batch_verdicts(bench.DRAWN_TARGETS)
+    assert _holds_the_total_token_rule(v)
+    assert v["drawn/mixed"]["bound"] == pytest.approx(drawn.single_request_bound(35_191))  # 1.239
+
+    class PerRequestLength(drawn.DrawnTarget):  # red twin: the longest request's length instead of the total
+        def x_read_bound(self, cell):
+            return drawn.drawn_batch_bound(max(cell["seq_lens"]), self.max_x_read)
+
+    twin = tuple(PerRequestLength(**{f: getattr(t, f) for f in t.__dataclass_fields__}) for t in bench.DRAWN_TARGETS)
+    assert not _holds_the_total_token_rule(_batch_verdicts(twin))
+    flat = tuple(replace(t, by_total_tokens=False) for t in bench.DRAWN_TARGETS)  # red twin: 1.08x for every batch
+    assert not _holds_the_total_token_rule(_batch_verdicts(flat))
+
+
+def _tie_cell(name, split_x_read, fi_x_read):
+    """A drawn batch whose split arm and FlashInfer TC take the given multiples of the plain read of the split pool's
+    bytes (the folded read scaled by bytes)."""
+    lens = [30_000] * 24
+    r = floor.step_bytes(GEMMA4_31B, "split", [max(lens)])["total"] / floor.step_bytes(
+        GEMMA4_31B, "folded", [max(lens)])["total"]
+    return _drawn_cell(name, lens, folded=101.0, read=100.0, graph=101.0, fi_tc=100.0 * r * fi_x_read,
+                       split=100.0 * r * split_x_read)
+
+
+def test_split_vs_fi_tc_counts_a_tie_at_the_roof_with_red_twins():
+    doc = _doc([_tie_cell("drawn/tie", 1.010, 1.005),  # FI TC 0.5% ahead of split, both within 3% of the read
+                _tie_cell("drawn/off_roof", 1.050, 1.045),  # red twin: the same tie with split 5% off the read
+                _tie_cell("drawn/fi_off_roof", 1.032, 1.027),  # red twin: FI TC at the roof, split 3.2% off
+                _tie_cell("drawn/not_a_tie", 1.020, 1.000),  # red twin: FI TC 2% ahead: beyond a tie
+                _tie_cell("drawn/fi_behind", 1.010, 1.050)])  # FI TC behind split: met with no tie
+    rows = {r["cell"]: r["split_x_fi_tc"] for r in bench.drawn.drawn_target_rows(doc)}
+    assert rows["drawn/tie"]["met"] is True and rows["drawn/tie"]["tie"] is True
+    assert rows["drawn/tie"]["at_roof"]["split"] == pytest.approx(1.010)
+    assert rows["drawn/off_roof"]["met"] is False and rows["drawn/off_roof"]["value"] == pytest.approx(1.045 / 1.050)
+    assert rows["drawn/fi_off_roof"]["met"] is False and "tie" not in rows["drawn/fi_off_roof"]
+    assert rows["drawn/not_a_tie"]["met"] is False
+    assert rows["drawn/fi_behind"]["met"] is True and "tie" not in rows["drawn/fi_behind"]
+    assert "a tie at the roof" in bench.drawn_targets_markdown(doc)
+    fixed = _doc([dict(_tie_cell("batch/uniform8", 1.010, 1.005), batch=24)])  # the fixed targets' rule is the same
+    (row,) = bench.tables.target_rows(fixed)
+    assert row["split_x_fi_tc"]["met"] is True and row["split_x_fi_tc"]["tie"] is True
 
 
 def test_plan_model_sets_the_plans_prediction_beside_the_measured_step():

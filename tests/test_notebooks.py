@@ -73,6 +73,12 @@ def test_byte_floor_records(batch):
     fp8 = {r["pool"]: r for r in rec["results"]["fp8_bytes"]["rows"]}
     assert fp8["FP8 folded"]["bytes_per_token_head"] == 644 and fp8["FP8 folded"]["over_bf16_folded"] <= 0.55
     assert fp8["FP8 folded"]["tokens_per_gib"] > 1.9 * fp8["bf16 folded"]["tokens_per_gib"]
+    if not pytest.importorskip("torch").cuda.is_available():  # the roof: redrawn from this notebook's run of record
+        from foldkv.lab import bench
+
+        source = bench.run_of_record("01_byte_floor")
+        assert rec["sections"]["measure_bandwidth"] == f"redrawn from {source}"
+        assert rec["results"]["measure_bandwidth"]["path"].endswith(f"papermill_runs/{source}/01_byte_floor.record.json")
 
 
 def test_fp8_format_error_section_runs_on_the_cpu(batch):
@@ -119,11 +125,10 @@ def _run_batch_module():
 
 
 def _committed_benchmark_run():
-    """The run notebook 04 redraws on a machine without CUDA (None if no H200 results are committed)."""
+    """The run notebook 04 redraws on a machine without CUDA: its run of record in papermill_runs/README.md."""
     from foldkv.lab import bench
 
-    found = bench.find_results("papermill_runs/*/04_benchmarks.json")
-    return bench.run_name(found["path"]) if found else None
+    return bench.run_of_record("04_benchmarks")
 
 
 def test_generate_records(batch):
@@ -141,6 +146,11 @@ def test_generate_records(batch):
     if not torch.cuda.is_available():
         for section in ("model_31b", "prefill_31b", "decode_31b", "largest_batch_31b"):
             assert rec["sections"][section] == "not run: no CUDA device", rec["sections"]
+        from foldkv.lab import bench  # the targets: those of this notebook's run of record, named
+
+        shown = bench.notebook_record("05_generate")
+        assert rec["sections"]["targets"] == f"redrawn from {shown['run']}"
+        assert rec["results"]["targets"]["targets"] == shown["record"]["results"]["targets"]
 
 
 def test_tensor_parallel_records(batch):

@@ -33,8 +33,9 @@ from .case import (DEFAULT_ROTATE_BYTES, L2_BYTES, SERVING_CASES, AttentionCase,
                    serving_cases)
 from .drawn import (DRAWN_SHAPES, DRAWN_TARGETS, draw_batches, draw_singles, drawn_targets_markdown, fresh_seed,
                     plan_model_markdown, plan_model_rows)
-from .results import (RESULTS_GLOB, RESULTS_NAME, SCHEMA, find_results, load_results, open_results, redraw_banner,
-                      resolve_mode, results_path, run_name, save_results)
+from .results import (RESULTS_GLOB, RESULTS_NAME, RUNS_INDEX, SCHEMA, find_results, load_results, open_results,
+                      notebook_record, record_results, redraw_banner, resolve_mode, results_path, run_name, run_of_record,
+                      runs_of_record, save_results)
 from .roofs import (STREAM_READ_MAX_BYTES, committed_read_roof, measure_matmul_roof, measure_read_roof,
                     stream_read_arm, stream_read_buffers)
 from .plots import mark_redrawn
@@ -55,10 +56,11 @@ __all__ = [
     "DECODE_TARGETS", "READ_FOLDED", "SERVING_CASES", "STREAM_READ_MAX_BYTES", "DecodeTarget", "best_split",
     "serving_cases", "stream_read_buffers", "target_conclusions", "target_rows", "targets_markdown",
     "ArmImpl", "ArmSpec", "AttentionCase", "BenchRun", "CHECK_REL_TOL", "DECODE_ARMS", "DEFAULT_DECODE_ARMS",
-    "DEFAULT_PREFILL_ARMS", "DEFAULT_ROTATE_BYTES", "L2_BYTES", "PREFILL_ARMS", "RESULTS_GLOB", "RESULTS_NAME",
+    "DEFAULT_PREFILL_ARMS", "DEFAULT_ROTATE_BYTES", "L2_BYTES", "PREFILL_ARMS", "RESULTS_GLOB", "RESULTS_NAME", "RUNS_INDEX",
     "SCHEMA", "arm_cell_text", "arm_names", "best_folded", "cells_of", "check_arm", "committed_read_roof",
     "conclusions", "find_results", "generated_arm", "load_results", "mark_redrawn", "markdown_table", "measure_matmul_roof",
     "measure_read_roof", "open_results", "paired_ratios", "pct_of_roof", "plots", "prediction_table", "prefill_flops",
-    "ragged_lengths", "redraw_banner", "resolve_mode", "results_path", "run_cell", "run_name", "save_results",
+    "notebook_record", "ragged_lengths", "record_results", "redraw_banner", "resolve_mode", "results_path", "run_cell", "run_name",
+    "run_of_record", "runs_of_record", "save_results",
     "series", "stream_read_arm", "summarize", "time_events", "torch_decode_arm", "verdicts",
 ]

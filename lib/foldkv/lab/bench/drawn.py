@@ -8,6 +8,8 @@ A run draws with a seed it records (`fresh_seed` when none is given), so a drawn
 
 from __future__ import annotations
 
+import bisect
+import math
 import os
 import random
 import statistics
@@ -22,7 +24,7 @@ from foldkv.pool import PagedKvLayout
 from .arms import READ_FOLDED
 from .case import draw_shape, scaled
 from .cells import (TARGET_PEER, all_met, best_folded, best_split, bound_check, missing_why, ok_us, overall_text,
-                    verdict_text)
+                    split_vs_peer_check, verdict_text)
 
 DRAWN_SHAPES = ("uniform8", "uniform24", "uniform32", "uniform64", "uniform128", "short_many", "longtail64", "mixed")
 DRAWN_SINGLE_RANGES = {"long": (100_000, 262_144), "mid": (40_000, 100_000)}  # tokens, inclusive
@@ -55,18 +57,57 @@ def draw_singles(seed: int, per_range: int = 2, *, scale: float = 1.0) -> list[i
 
 
 # --- the targets of drawn cells ------------------------------------------------------------------------------------
+# The single-request bounds (best folded / plain read of the same bytes) at the lengths they are set at: notebook 04's
+# single cells of 10,602 and 40,002 tokens (`tables.DECODE_TARGETS` reads these two) and the drawn single requests
+# of 100K tokens and more (the long range of DRAWN_SINGLE_RANGES). Below the first point the bound is the first;
+# from the last on, the last.
+SINGLE_REQUEST_BOUNDS: tuple[tuple[int, float], ...] = ((10_602, 1.60), (40_002, 1.20), (100_000, 1.06))
+DRAWN_BATCH_MAX_X_READ = 1.08  # every drawn batch: the floor of its bound (`drawn_batch_bound`)
+
+
+def single_request_bound(tokens: int, points: Sequence[tuple[int, float]] = SINGLE_REQUEST_BOUNDS) -> float:
+    """The bound one request of `tokens` tokens is held to, as the single-request targets are stated: `points`' value
+    at a point, linear in log(length) between two points, the first point's value below the first, the last's from
+    the last on."""
+    if tokens < 1:
+        raise ValueError(f"tokens {tokens}: a request holds at least 1 token")
+    lens = [n for n, _ in points]
+    if tokens <= lens[0]:
+        return points[0][1]
+    if tokens >= lens[-1]:
+        return points[-1][1]
+    i = bisect.bisect_right(lens, tokens)
+    (n0, b0), (n1, b1) = points[i - 1], points[i]
+    return b0 + (b1 - b0) * math.log(tokens / n0) / math.log(n1 / n0)
+
+
+def drawn_batch_bound(total_tokens: int, floor: float = DRAWN_BATCH_MAX_X_READ) -> float:
+    """A drawn batch's bound: never more than one request of its total token count is held to
+    (`single_request_bound(total_tokens)`), and never under `floor`, the bound of every drawn batch. A batch of a
+    few short requests (`mixed`: ~30K tokens in all) is held to what one 30K request is (~1.29x); one of many
+    (`short_many`, ~450K tokens) to the floor."""
+    return max(floor, single_request_bound(total_tokens))
+
+
+def total_tokens(cell: dict) -> int:
+    """The tokens a decode cell reads: its recorded `tokens`, else the sum of its `seq_lens`, else its context."""
+    return int(cell.get("tokens") or sum(cell.get("seq_lens") or []) or cell.get("context") or 0)
+
+
 @dataclass(frozen=True)
 class DrawnTarget:
-    """The bounds one kind of drawn cell is held to: best folded time / plain-read time at most `max_x_read`; the
+    """The bounds one kind of drawn cell is held to: best folded time / plain-read time at most `max_x_read` (for
+    `by_total_tokens`, at most `drawn_batch_bound` of the cell's total tokens with `max_x_read` as its floor); the
     folded workspace graph's time / eager folded's at most `max_graph_x_eager`; FlashInfer TC's time / best split's
-    at least `min_split_x_fi_tc` (None: not held). A row holds "drawn/" cells (batches), or "drawn_single/" cells whose
-    length is in [lo, hi]."""
+    at least `min_split_x_fi_tc` (a tie at the roof met: `cells.split_vs_peer_check`; None: not held). A row holds
+    "drawn/" cells (batches), or "drawn_single/" cells whose length is in [lo, hi]."""
 
     case: str
     max_x_read: float
     max_graph_x_eager: float | None = None
     min_split_x_fi_tc: float | None = None
     single_range: tuple[int, int] | None = None
+    by_total_tokens: bool = False
 
     def holds(self, cell: dict) -> bool:
         name = str(cell.get("cell", ""))
@@ -75,11 +116,20 @@ class DrawnTarget:
         lo, hi = self.single_range
         return name.startswith(DRAWN_SINGLE) and lo <= int(cell.get("context", 0)) <= hi
 
+    def x_read_bound(self, cell: dict) -> float:
+        """The folded / plain-read bound of `cell` under this row."""
+        return drawn_batch_bound(total_tokens(cell), self.max_x_read) if self.by_total_tokens else self.max_x_read
+
+
+def _point(tokens: int) -> float:
+    return dict(SINGLE_REQUEST_BOUNDS)[tokens]
+
 
 DRAWN_TARGETS: tuple[DrawnTarget, ...] = (
-    DrawnTarget("every drawn batch", 1.08, max_graph_x_eager=1.01, min_split_x_fi_tc=1.0),
-    DrawnTarget("drawn single requests of 100K-262K", 1.06, single_range=DRAWN_SINGLE_RANGES["long"]),
-    DrawnTarget("drawn single requests of 40K-100K", 1.20, single_range=DRAWN_SINGLE_RANGES["mid"]),
+    DrawnTarget("every drawn batch", DRAWN_BATCH_MAX_X_READ, max_graph_x_eager=1.01, min_split_x_fi_tc=1.0,
+                by_total_tokens=True),
+    DrawnTarget("drawn single requests of 100K-262K", _point(100_000), single_range=DRAWN_SINGLE_RANGES["long"]),
+    DrawnTarget("drawn single requests of 40K-100K", _point(40_002), single_range=DRAWN_SINGLE_RANGES["mid"]),
 )
 
 
@@ -95,7 +145,7 @@ def drawn_target_rows(results: dict, targets: Sequence[DrawnTarget] = DRAWN_TARG
             folded, split = best_folded(c), best_split(c)
             f_us, s_us, r_us = ok_us(c, folded), ok_us(c, split), ok_us(c, READ_FOLDED)
             no_folded = failed or "no folded arm ran and passed its check"
-            checks = {"x_read": bound_check(f_us / r_us if f_us and r_us else None, t.max_x_read, True,
+            checks = {"x_read": bound_check(f_us / r_us if f_us and r_us else None, t.x_read_bound(c), True,
                                        no_folded if f_us is None else missing_why(c, READ_FOLDED, "plain-read arm"))}
             if t.max_graph_x_eager is not None:
                 g_us, e_us = ok_us(c, GRAPH_FOLDED), ok_us(c, EAGER_FOLDED)
@@ -103,13 +153,13 @@ def drawn_target_rows(results: dict, targets: Sequence[DrawnTarget] = DRAWN_TARG
                                  else missing_why(c, EAGER_FOLDED, "eager folded arm"))
                 checks["graph_x_eager"] = bound_check(g_us / e_us if g_us and e_us else None, t.max_graph_x_eager, True, why)
             if t.min_split_x_fi_tc is not None:
-                fi_us = ok_us(c, TARGET_PEER)
                 why = (failed or "no split arm ran and passed its check") if s_us is None else \
                     missing_why(c, TARGET_PEER, "FlashInfer TC arm")
-                checks["split_x_fi_tc"] = bound_check(fi_us / s_us if s_us and fi_us else None, t.min_split_x_fi_tc,
-                                                 False, why)
+                checks["split_x_fi_tc"] = split_vs_peer_check(c, split, TARGET_PEER, READ_FOLDED, t.min_split_x_fi_tc,
+                                                              why)
             rows.append({"target": t.case, "cell": c["cell"], "context": c.get("context"), "batch": c.get("batch"),
-                         "folded": folded, "split": split, **checks, "met": all_met(checks)})
+                         "tokens": total_tokens(c), "folded": folded, "split": split, **checks,
+                         "met": all_met(checks)})
     return rows
 
 
@@ -118,16 +168,17 @@ _CHECK_NAMES = {"x_read": ("folded vs plain read", "≤"), "graph_x_eager": ("fo
 
 
 def drawn_targets_markdown(results: dict, targets: Sequence[DrawnTarget] = DRAWN_TARGETS) -> str:
-    """The drawn cells' targets as a markdown table (`drawn_target_rows`), or a sentence when no cell was drawn."""
+    """The drawn cells' targets as a markdown table (`drawn_target_rows`; a batch's read bound is its total tokens',
+    `drawn_batch_bound`), or a sentence when no cell was drawn."""
     rows = drawn_target_rows(results, targets)
     if not rows:
         return "No drawn cell in this run (the `drawn` section did not run)."
-    lines = ["| target | cell | batch | " + " | ".join(n for n, _ in _CHECK_NAMES.values()) + " | all |",
-             "|---|---|---|" + "---|" * len(_CHECK_NAMES) + "---|"]
+    lines = ["| target | cell | batch | tokens | " + " | ".join(n for n, _ in _CHECK_NAMES.values()) + " | all |",
+             "|---|---|---|---|" + "---|" * len(_CHECK_NAMES) + "---|"]
     for r in rows:
         vals = [verdict_text(r[k], "read" if op == "≤" else "fi") if k in r else "–" for k, (_, op) in
                 _CHECK_NAMES.items()]
-        lines.append(f"| {r['target']} | {r['cell']} | {r['batch']} | " + " | ".join(vals) +
+        lines.append(f"| {r['target']} | {r['cell']} | {r['batch']} | {r['tokens']:,} | " + " | ".join(vals) +
                      f" | {overall_text(r['met'])} |")
     return "\n".join(lines)
 

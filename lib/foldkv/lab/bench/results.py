@@ -1,11 +1,13 @@
 """The results document of a benchmark run on disk: its schema, strict-JSON save with provenance, load, where a run
-writes (never over a committed run), and which earlier run a machine without a GPU redraws."""
+writes (never over a committed run), and which earlier run a machine without a GPU redraws: each notebook's run of
+record, read from the index of committed runs (`RUNS_INDEX`, `runs_of_record`)."""
 
 from __future__ import annotations
 
 import glob as _glob
 import json
 import os
+import re
 import subprocess
 
 import torch
@@ -17,6 +19,10 @@ from ..jsonsafe import jsonable
 SCHEMA = "foldkv.bench/1"
 RESULTS_NAME = "04_benchmarks.json"
 RESULTS_GLOB = f"papermill_runs/*/{RESULTS_NAME}"  # where the committed runs are, relative to the checkout
+RUNS_DIR = "papermill_runs"
+RUNS_INDEX = f"{RUNS_DIR}/README.md"  # the index: each notebook's run of record, each older run's one line
+RECORD_HEADING = "## Runs of record"
+NO_RUN = "none"  # a notebook's run of record that has not been made yet
 
 
 def resolve_mode(mode: str) -> str:
@@ -101,6 +107,75 @@ def find_results(results_glob: str = RESULTS_GLOB, *, root: str | None = None, r
         return None
     committed, _, path, doc = max(found, key=lambda f: (f[0], f[1]))
     return {"path": path, "committed": committed, "results": doc}
+
+
+def index_rows(text: str, heading: str) -> list[list[str]]:
+    """The cells of each body row of the first markdown table under `heading` (a line of its own)."""
+    lines = text.splitlines()
+    if heading not in lines:
+        return []
+    rows, seen_table = [], False
+    for line in lines[lines.index(heading) + 1:]:
+        if line.startswith("#"):
+            break
+        if not line.startswith("|"):
+            if seen_table:
+                break
+            continue
+        seen_table = True
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        if cells and not set(cells[0]) <= set("-: "):
+            rows.append(cells)
+    return rows[1:]  # the header row first
+
+
+def runs_of_record(root: str | None = None, index: str = RUNS_INDEX) -> dict[str, str | None]:
+    """{notebook: its run of record (a folder under papermill_runs/), or None where the index says NO_RUN}, read from
+    the index's RECORD_HEADING table: the one place a redraw looks up which run to show. A notebook named twice is
+    refused (ValueError), as is an index without that table (LookupError)."""
+    root = root or checkout_root()
+    path = index if os.path.isabs(index) else os.path.join(root, index)
+    with open(path) as fh:
+        rows = index_rows(fh.read(), RECORD_HEADING)
+    if not rows:
+        raise LookupError(f"{path}: no table under {RECORD_HEADING!r}")
+    out: dict[str, str | None] = {}
+    for cells in rows:
+        if len(cells) < 2 or not cells[1]:
+            raise ValueError(f"{path}: row {cells} names no run of record (write {NO_RUN!r} for none yet)")
+        notebook, run = cells[0], cells[1]
+        if notebook in out:
+            raise ValueError(f"{path}: notebook {notebook} has two runs of record ({out[notebook]}, {run})")
+        out[notebook] = None if run == NO_RUN else run
+    return out
+
+
+def run_of_record(notebook: str, *, root: str | None = None) -> str:
+    """The run of record of `notebook` (e.g. "04_benchmarks") by the index; LookupError when it has none."""
+    run = runs_of_record(root).get(notebook)
+    if not run:
+        raise LookupError(f"{RUNS_INDEX}: {notebook} has no run of record")
+    return run
+
+
+def record_file(notebook: str, name: str, *, root: str | None = None) -> str:
+    """The path of file `name` in `notebook`'s run of record (relative to the checkout)."""
+    return os.path.join(RUNS_DIR, run_of_record(notebook, root=root), name)
+
+
+def notebook_record(notebook: str, *, root: str | None = None) -> dict:
+    """`notebook`'s record (`report.RunRecord`'s JSON: sections, results) in its run of record:
+    {"run", "path" (absolute), "committed", "record"}."""
+    root = root or checkout_root()
+    path = os.path.abspath(os.path.join(root, record_file(notebook, f"{notebook}.record.json", root=root)))
+    with open(path) as fh:
+        record = json.load(fh)
+    return {"run": run_name(path), "path": path, "committed": path in _tracked([path], root), "record": record}
+
+
+def record_results(*, root: str | None = None) -> dict:
+    """Notebook 04's run of record's results, as `open_results` gives them (what a machine without a GPU redraws)."""
+    return open_results(record_file("04_benchmarks", RESULTS_NAME, root=root), root=root)
 
 
 def open_results(path: str, *, root: str | None = None) -> dict:

@@ -1,6 +1,6 @@
 """The roofs a run is measured against, measured in the same run: the read roof (a Triton grid-stride streaming sum
 and torch.sum over far more than L2; the faster is the roof) and the bf16 matmul rate; and, where no GPU is here,
-the read roof the newest committed H200 run measured. GB/s = 1e9 bytes/s, TFLOP/s = 1e12 FLOP/s."""
+the read roof notebook 01's run of record measured. GB/s = 1e9 bytes/s, TFLOP/s = 1e12 FLOP/s."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from ..arms import ArmUnavailable
 from .spec import ArmImpl
-from .results import RESULTS_GLOB, find_results, run_name
+from .results import find_results, notebook_record, run_name
 from .stats import summarize
 from .clock import err_text, time_events
 
@@ -183,14 +183,21 @@ def measure_matmul_roof(device: torch.device | str, n: int = 8192, reps: int = 2
     return {"tflops": 2 * n**3 / (s["median"] * 1e-6) / 1e12, "n": n, "us": s}
 
 
-def committed_read_roof(results_glob: str = RESULTS_GLOB, *, root: str | None = None) -> dict:
-    """The read roof measured by the newest full H200 run of the benchmarks (committed runs first: `find_results`),
-    for where no GPU is here to measure one: {"gbps", "method", "run", "path", "committed", "said"}, `said` a
-    sentence naming the run. Raises LookupError when no such run has a read roof."""
-    found = find_results(results_glob, root=root)
-    read = (found or {}).get("results", {}).get("roof", {}).get("read", {})
+def committed_read_roof(results_glob: str | None = None, *, root: str | None = None) -> dict:
+    """The read roof a committed run measured, for where no GPU is here to measure one: by default the one notebook
+    01's run of record measured (its record's `measure_bandwidth`: `results.notebook_record`); with
+    `results_glob`, the newest full H200 benchmark run matching it (`find_results`). Returns {"gbps", "method",
+    "run", "path", "committed", "said"}, `said` a sentence naming the run. Raises LookupError when there is none."""
+    if results_glob is None:
+        found = notebook_record("01_byte_floor", root=root)
+        read = (found["record"].get("results") or {}).get("measure_bandwidth") or {}
+        path = found["path"]
+    else:
+        found = find_results(results_glob, root=root)
+        read = (found or {}).get("results", {}).get("roof", {}).get("read", {})
+        what = f"no full H200 benchmark run with a measured read roof matched {results_glob!r}"
     if not read.get("gbps"):
-        raise LookupError(f"no full H200 benchmark run with a measured read roof matched {results_glob!r}")
+        raise LookupError(f"no read roof in {path}" if results_glob is None else what)
     run = run_name(found["path"])
     state = "committed" if found["committed"] else "NOT committed"
     return {"gbps": float(read["gbps"]), "method": read.get("method"), "run": run, "path": found["path"],
