@@ -208,9 +208,7 @@ def main(argv=None) -> int:
     def run(c, seed=0):
         t0 = time.perf_counter()
         r = md.measure_prefill(model, c["arm"], prompt_tokens=c["prompt"], new_tokens=1, prefill_chunk=c["chunk"],
-                               seed=seed) if c["batch"] == 1 else None
-        if r is None:
-            raise SystemExit("batch > 1 is not in this probe yet")
+                               seed=seed, batch=c["batch"])
         r.pop("tokens", None)
         r.update(batch=c["batch"], chunk=c["chunk"], call_s=time.perf_counter() - t0)
         return r

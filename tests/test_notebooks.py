@@ -144,7 +144,8 @@ def test_generate_records(batch):
     assert all(r["cache_bytes"] == r["expected_cache_bytes"] > 0 for r in runs)
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
-        for section in ("model_31b", "prefill_31b", "decode_31b", "largest_batch_31b"):
+        for section in ("model_31b", "prefill_31b", "ttft_31b", "first_use_31b", "e2e_31b", "prefill_memory_31b",
+                        "decode_31b", "largest_batch_31b"):
             assert rec["sections"][section] == "not run: no CUDA device", rec["sections"]
         from foldkv.lab import bench  # the targets: those of this notebook's run of record, named
 

@@ -302,23 +302,32 @@ def measure_decode(model: nn.Module, arm_name: str, *, context: int, batch: int,
 
 @torch.no_grad()
 def measure_prefill(model: nn.Module, arm_name: str, *, prompt_tokens: int, new_tokens: int, prefill_chunk: int,
-                    seed: int = 0) -> dict:
-    """TTFT and greedy tokens of one real prompt (batch 1) through `arm_name`, prefilled in chunks."""
+                    seed: int = 0, batch: int = 1) -> dict:
+    """`batch` real random prompts of `prompt_tokens` tokens through `arm_name`, prefilled in chunks of
+    `prefill_chunk` (generate()'s prefill_chunk_size), `new_tokens` greedy tokens after: TTFT (the call to the first
+    token), the call to the last token (`generate_s`), peak memory by component, and the first sequence's tokens."""
+    from .gemma31b import weight_bytes
+
     arm = model_arm(arm_name)
     dev = next(model.parameters()).device
     with serving(model, arm):
         before = _fresh_memory(dev)
-        cache = make_cache(model, arm, 1, prompt_tokens + new_tokens)
-        ids = torch.randint(3, int(model.config.vocab_size), (1, prompt_tokens), device=dev,
+        cache = make_cache(model, arm, batch, prompt_tokens + new_tokens)
+        ids = torch.randint(3, int(model.config.vocab_size), (batch, prompt_tokens), device=dev,
                             generator=torch.Generator(device=dev).manual_seed(seed + 2))
         clock = step_clock(dev)
+        torch.cuda.synchronize(dev)  # the prompt exists before the clock starts
         t0 = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, prefill_chunk_size=prefill_chunk,
                              stopping_criteria=[clock], **{cache_keyword(model): cache})
+        stamps = clock.stamps
         peak = torch.cuda.max_memory_allocated(dev) - before
-    return {"arm": arm_name, "status": "ran", "prompt_tokens": prompt_tokens, "ttft_s": clock.stamps[0] - t0,
-            "peak_bytes": peak, "tokens": out[0, prompt_tokens:].cpu().tolist()}
+        memory = memory_components(cache, peak, weight_bytes(model))
+    del cache
+    return {"arm": arm_name, "status": "ran", "prompt_tokens": prompt_tokens, "batch": batch,
+            "new_tokens": new_tokens, "ttft_s": stamps[0] - t0, "generate_s": stamps[-1] - t0, "peak_bytes": peak,
+            "memory": memory, "tokens": out[0, prompt_tokens:].cpu().tolist()}
 
 
 @torch.no_grad()

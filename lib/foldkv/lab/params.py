@@ -346,7 +346,16 @@ SPECS: dict[str, dict[str, Param]] = {
         "arms": Param("list", "str", choices=_model_arms, nonempty=True),
         "decode_contexts": TOKENS,
         "decode_batches": Param("list", "int", positive=True, nonempty=True),
-        "ttft_prompts": TOKENS,
+        "agreement_prompts": TOKENS,
+        "ttft_cells": Param("list", "str", nonempty=True),
+        "ttft_arms": Param("list", "str", choices=_model_arms, nonempty=True),
+        "ttft_rounds": Param("int", positive=True),
+        "first_use_lengths": Param("list", "int", positive=True, tokens=True),
+        "first_use_arms": Param("list", "str", choices=_model_arms, nonempty=True),
+        "e2e_prompt": Param("int", at_least=0, tokens=True),
+        "e2e_new_tokens": Param("int", at_least=2),
+        "prefill_memory_context": Param("int", at_least=0, tokens=True),
+        "prefill_memory_batches": Param("list", "int", positive=True, nonempty=True),
         "new_tokens": Param("int", at_least=4),
         "prefill_chunk": Param("int", positive=True),
         "largest_context": Param("int", positive=True, tokens=True),
@@ -437,9 +446,35 @@ def _cross_06(values: dict, geom: AttentionGeometry) -> None:
         raise ParameterError(f"ranks: {exc}") from None
 
 
+def _cross_05(values: dict, geom: AttentionGeometry) -> None:
+    """ttft_cells read as PROMPT:BATCH within the model's positions; first_use_lengths new to the notebook's process:
+    distinct, and none a prompt length the sections before it prefill (agreement_prompts, ttft_cells, e2e_prompt)."""
+    import argparse
+
+    from .model_decode import parse_cell
+
+    prompts = []
+    for text in values["ttft_cells"]:
+        try:
+            prompt, _ = parse_cell(text)
+        except argparse.ArgumentTypeError as exc:
+            raise ParameterError(f"ttft_cells: {exc} (here PROMPT:BATCH)") from None
+        if prompt > geom.max_position:
+            raise ParameterError(f"ttft_cells: {text!r}: {prompt} is past the model's max_position {geom.max_position}"
+                                 f" ({geom.name})")
+        prompts.append(prompt)
+    lengths = values["first_use_lengths"]
+    run_before = set(values["agreement_prompts"]) | set(prompts) | {values["e2e_prompt"]}
+    repeated = sorted({n for n in lengths if lengths.count(n) > 1} | (set(lengths) & run_before))
+    if repeated:
+        raise ParameterError(f"first_use_lengths: {repeated} not new to the process (repeated, or a prompt length of"
+                             " agreement_prompts, ttft_cells or e2e_prompt)")
+
+
 GEOMETRY: dict[str, Callable[[dict], AttentionGeometry]] = {"01_byte_floor": _geometry_01, "03_drift_study": _geometry_03,
                                                              "05_generate": _geometry_01}
 CROSS_CHECKS: dict[str, Callable[[dict, AttentionGeometry], None]] = {"03_drift_study": _cross_03,
+                                                                      "05_generate": _cross_05,
                                                                       "06_tensor_parallel": _cross_06}
 
 

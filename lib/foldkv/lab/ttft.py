@@ -1,0 +1,369 @@
+"""Time to first token of a whole model through `generate()` against its compute floor (notebook 05's TTFT section):
+the cells, what a first use costs, a long prompt's end-to-end latency, a long prefill's peak memory, and the verdicts.
+
+Every measurement is `model_decode.measure_prefill`: `batch` real random prompts through the arm's attention and
+cache, prefilled in chunks, timed from the call to the first token (one new token for a TTFT cell).
+- `ttft_cells`: every arm at each (prompt, batch) cell. One untimed call of each (cell, arm) first: what a process or
+  a prompt length pays once (compiles, per-shape plans, allocations) is paid there and recorded as `first_call_s`,
+  apart from the steady state. Then `rounds` rounds, the arms in rotated order (round r starts at arm r mod n, so no
+  arm always runs first or after the same arm), the median over rounds. A cell that runs out of memory "does not fit"
+  (its timed rounds are skipped). The floor: the prompt's FLOPs from the model's own shapes
+  (`prefill_floor.prefill_flops`) at the dense bf16 matmul rate measured in the same process
+  (`bench.roofs.measure_matmul_roof`); each cell's TTFT / floor.
+- `first_use_rows`: prompts of lengths this process has not run, each timed at its first call and again (steady):
+  first / steady per prompt, within `FIRST_USE_LIMIT`.
+- `e2e_rows`: one long prompt plus many new tokens a sequence: TTFT, the call to the last token, the decode between.
+- `prefill_memory_rows`: the peak of a long prefill by component at each batch (`model_decode.measure_prefill_tail`:
+  the last chunk over a nearly full cache is the prefill's peak).
+- `targets`: the verdicts, computed from the rows (`floor_targets`, `peer_targets`, `first_use_targets`,
+  `e2e_targets`, `memory_targets`).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from typing import Any, Callable, Sequence
+
+from . import model_decode as md
+from .prefill_floor import floor_seconds, model_shapes, prefill_flops
+
+# TTFT / floor bounds of foldkv folded, by prompt: (from this many tokens on, bound), longest first. A short prompt's
+# fixed costs (the LM head, the first chunk's launches, the host between chunks) are a larger share of its floor.
+FLOOR_BOUNDS: tuple[tuple[int, float], ...] = ((32_768, 1.35), (0, 1.6))
+FIRST_USE_LIMIT = 1.05  # a prompt of a new length within 5% of the steady state for its length
+FOLDED_ARMS = ("foldkv-folded", "foldkv-fp8")  # the arms held to their peers
+PEER_ARMS = ("foldkv-split", "flashinfer")  # the peers folded TTFT must not be above
+BOUNDED_ARM = "foldkv-folded"  # the arm held to FLOOR_BOUNDS and to the lowest end-to-end latency
+MEMORY_BASE_ARM = "foldkv-split"  # foldkv's prefill peak is held to this arm's at the same cell
+DOES_NOT_FIT = "does not fit"
+
+Cell = tuple[int, int]  # (prompt tokens, batch)
+
+
+def floor_bound(prompt_tokens: int) -> float:
+    """foldkv folded's TTFT / floor bound at a prompt of `prompt_tokens` (`FLOOR_BOUNDS`)."""
+    return next(bound for start, bound in FLOOR_BOUNDS if prompt_tokens >= start)
+
+
+def rotated(arms: Sequence[str], round_: int) -> list[str]:
+    """The arms in round `round_`'s order: starting at arm round_ mod n, in the given cyclic order."""
+    k = round_ % len(arms)
+    return list(arms[k:]) + list(arms[:k])
+
+
+def schedule(arms: Sequence[str], cells: Sequence[Cell], rounds: int) -> list[tuple[int, Cell, str]]:
+    """The timed calls in order: (round, cell, arm), each round every cell with the arms rotated (`rotated`)."""
+    return [(r, cell, arm) for r in range(rounds) for cell in cells for arm in rotated(arms, r)]
+
+
+def _status(row: dict) -> str:
+    """A measurement's status, an out-of-memory said as "does not fit" (the card's size, not a failure)."""
+    status = row.get("status", "failed: no status")
+    if status.startswith("failed") and "OutOfMemoryError" in status:
+        return f"{DOES_NOT_FIT}: {status[len('failed: '):]}"
+    return status
+
+
+def _call(measure: Callable[..., dict], log, **cell) -> dict:
+    [row] = md.run_cells(measure, [cell], log=log)
+    row["status"] = _status(row)
+    return row
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def timed_cells(measure: Callable[..., dict], arms: Sequence[str], cells: Sequence[Cell], *, rounds: int,
+                seed: int = 0, untimed_first: bool = True, log: Callable[[str], None] = print) -> list[dict]:
+    """`measure(arm_name=, prompt_tokens=, batch=, seed=)` (a row with "status", "ttft_s", and "generate_s" where it
+    has it) at every (cell, arm): the untimed first call of each unless `untimed_first` is off (the caller ran that
+    prompt length through every arm already), then `schedule`'s rounds, each round's prompts drawn anew. One row per
+    (cell, arm), in cell then arm order: the medians over rounds, each round's TTFT, the first call's time, the last
+    round's peak memory."""
+    if not arms or not cells or rounds < 1:
+        raise ValueError(f"arms={list(arms)}, cells={list(cells)}, rounds={rounds}: need arms, cells and rounds >= 1")
+    runs: dict[tuple[Cell, str], list[dict]] = {(c, a): [] for c in cells for a in arms}
+    first: dict[tuple[Cell, str], dict] = {}
+    if untimed_first:
+        for cell in cells:
+            for arm in arms:
+                first[cell, arm] = _call(measure, log, arm_name=arm, prompt_tokens=cell[0], batch=cell[1], seed=seed)
+    for r, cell, arm in schedule(arms, cells, rounds):
+        if first.get((cell, arm), {}).get("status", "ran") != "ran":
+            continue  # did not fit (or failed) at its first call: the rounds would say the same
+        runs[cell, arm].append(_call(measure, log, arm_name=arm, prompt_tokens=cell[0], batch=cell[1],
+                                     seed=seed + 1 + r))
+    rows = []
+    for cell in cells:
+        for arm in arms:
+            done = runs[cell, arm]
+            ran = [x for x in done if x["status"] == "ran"]
+            pre = first.get((cell, arm))
+            bad = [x["status"] for x in ([pre] if pre else []) + done if x["status"] != "ran"]
+            row: dict[str, Any] = {"arm": arm, "prompt_tokens": cell[0], "batch": cell[1],
+                                   "status": bad[0] if bad else "ran", "rounds_run": len(ran),
+                                   "ttft_rounds_s": [x["ttft_s"] for x in ran],
+                                   "ttft_s": _median([x["ttft_s"] for x in ran]),
+                                   "first_call_s": pre.get("ttft_s") if pre else None}
+            if ran and all("generate_s" in x for x in ran):
+                row["generate_s"] = _median([x["generate_s"] for x in ran])
+            if ran:
+                row.update({k: ran[-1][k] for k in ("peak_bytes", "memory", "tokens", "new_tokens") if k in ran[-1]})
+            rows.append(row)
+    return rows
+
+
+def with_floor(rows: Sequence[dict], model_or_shapes, matmul_tflops: float, prefill_chunk: int) -> list[dict]:
+    """Each row with its prompt's FLOPs (`prefill_flops` of the model's shapes at its prompt, batch and chunk), the
+    floor at `matmul_tflops`, and TTFT / floor where it ran."""
+    shapes = model_shapes(model_or_shapes)
+    out = []
+    for r in rows:
+        flops = prefill_flops(shapes, r["prompt_tokens"], r["batch"], prefill_chunk).total
+        floor = floor_seconds(flops, matmul_tflops)
+        r = {**r, "flops": flops, "floor_s": floor, "matmul_tflops": matmul_tflops}
+        r["ttft_over_floor"] = r["ttft_s"] / floor if r.get("ttft_s") is not None else None
+        out.append(r)
+    return out
+
+
+def _prefill(model, new_tokens: int, prefill_chunk: int) -> Callable[..., dict]:
+    return functools.partial(md.measure_prefill, model, new_tokens=new_tokens, prefill_chunk=prefill_chunk)
+
+
+def ttft_cells(model, arms: Sequence[str], cells: Sequence[Cell], *, rounds: int, prefill_chunk: int, seed: int = 0,
+               matmul_tflops: float | None = None, measure: Callable[..., dict] | None = None,
+               log: Callable[[str], None] = print) -> dict:
+    """TTFT at every (cell, arm) (module docstring) with its floor: {"matmul": the rate's measurement, "rows"}.
+    `matmul_tflops`: a rate already measured in this process (else measured here); `measure`: replaces
+    `measure_prefill` of one new token (the CPU tests' fake; `model` may then be a `prefill_floor.ModelShapes`)."""
+    roof = None
+    if matmul_tflops is None:
+        from .bench.roofs import measure_matmul_roof
+
+        roof = measure_matmul_roof(next(model.parameters()).device)
+        matmul_tflops = roof["tflops"]
+    measure = measure or _prefill(model, 1, prefill_chunk)
+    rows = timed_cells(measure, arms, cells, rounds=rounds, seed=seed, log=log)
+    return {"matmul": roof or {"tflops": matmul_tflops}, "rows": with_floor(rows, model, matmul_tflops, prefill_chunk)}
+
+
+def first_use_rows(model, arms: Sequence[str], lengths: Sequence[int], *, prefill_chunk: int, seed: int = 0,
+                   seen: Sequence[int] = (), measure: Callable[..., dict] | None = None,
+                   log: Callable[[str], None] = print) -> list[dict]:
+    """Prompts (batch 1) of `lengths`, none run before in this process (`seen`: the lengths that were; refused
+    before anything runs), each through every arm (the arms rotated per length, so each arm meets some lengths
+    first): the first call timed, then a second prompt of the same length (steady). Per (length, arm): first / steady
+    and whether the length was new to the process at that call (the first arm at it)."""
+    repeated = sorted({n for n in lengths if list(lengths).count(n) > 1} | (set(lengths) & set(seen)))
+    if repeated:
+        raise ValueError(f"first_use lengths {repeated} are not new to this process (repeated or already run)")
+    if not arms or not lengths:
+        raise ValueError("first_use_rows needs arms and lengths")
+    measure = measure or _prefill(model, 1, prefill_chunk)
+    rows = []
+    for i, n in enumerate(lengths):
+        for j, arm in enumerate(rotated(arms, i)):
+            first = _call(measure, log, arm_name=arm, prompt_tokens=n, batch=1, seed=seed)
+            steady = _call(measure, log, arm_name=arm, prompt_tokens=n, batch=1, seed=seed + 1)
+            row = {"arm": arm, "prompt_tokens": n, "new_to_process": j == 0,
+                   "status": next((x["status"] for x in (first, steady) if x["status"] != "ran"), "ran")}
+            if row["status"] == "ran":
+                row.update(first_s=first["ttft_s"], steady_s=steady["ttft_s"],
+                           first_over_steady=first["ttft_s"] / steady["ttft_s"])
+            rows.append(row)
+    return rows
+
+
+def e2e_rows(model, arms: Sequence[str], *, prompt_tokens: int, new_tokens: int, prefill_chunk: int, seed: int = 0,
+             untimed_first: bool = True, measure: Callable[..., dict] | None = None,
+             log: Callable[[str], None] = print) -> list[dict]:
+    """One prompt of `prompt_tokens` plus `new_tokens` greedy tokens (batch 1) per arm, once each after the untimed
+    first call (`untimed_first` off: the prompt's length already ran through every arm): TTFT, end-to-end (the call to
+    the last token), the decode between them and its time per token."""
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens={new_tokens}: the end-to-end row needs a decode (>= 2 new tokens)")
+    measure = measure or _prefill(model, new_tokens, prefill_chunk)
+    rows = timed_cells(measure, arms, [(prompt_tokens, 1)], rounds=1, seed=seed, untimed_first=untimed_first,
+                       log=log)
+    for r in rows:
+        r["new_tokens"] = new_tokens
+        if r["status"] == "ran":
+            r["e2e_s"] = r["generate_s"]
+            r["decode_s"] = r["generate_s"] - r["ttft_s"]
+            r["decode_ms_per_token"] = 1e3 * r["decode_s"] / (new_tokens - 1)
+    return rows
+
+
+def prefill_memory_rows(model, arms: Sequence[str], *, context: int, batches: Sequence[int], chunk: int,
+                        seed: int = 0, log: Callable[[str], None] = print) -> list[dict]:
+    """The peak of a `context`-token prefill at each batch per arm, by component (weights, cache, workspace,
+    activations): `measure_prefill_tail`'s last chunk over a cache filled to `context - chunk` tokens a sequence."""
+    rows = md.run_cells(md.measure_prefill_tail, [dict(model=model, arm_name=a, context=context, batch=b, chunk=chunk,
+                                                       seed=seed) for b in batches for a in arms], log=log)
+    for r in rows:
+        r["status"] = _status(r)
+    return rows
+
+
+# --- verdicts ---------------------------------------------------------------------------------------------------------
+
+def _target(text: str, value, met: bool) -> dict:
+    return {"target": text, "value": value, "met": bool(met)}
+
+
+def _cell_name(r: dict) -> str:
+    return f"{r['prompt_tokens']:,} x {r['batch']}"
+
+
+def floor_targets(rows: Sequence[dict]) -> list[dict]:
+    """foldkv folded's TTFT / floor within `floor_bound` of its prompt at every cell (a cell it did not run: not
+    met)."""
+    out = []
+    for r in rows:
+        if r["arm"] != BOUNDED_ARM:
+            continue
+        bound = floor_bound(r["prompt_tokens"])
+        value = r.get("ttft_over_floor") if r["status"] == "ran" else None
+        out.append(_target(f"{r['arm']} TTFT / floor <= {bound} at {_cell_name(r)}", value,
+                           value is not None and value <= bound))
+    return out
+
+
+def peer_targets(rows: Sequence[dict]) -> list[dict]:
+    """foldkv folded and FP8 folded TTFT <= each peer's (`PEER_ARMS`) at every cell both have. A peer that does not
+    fit where the folded arm ran is beaten; a folded arm that did not run where the peer did is not met."""
+    cells = {(r["arm"], r["prompt_tokens"], r["batch"]): r for r in rows}
+    out = []
+    for r in rows:
+        if r["arm"] not in FOLDED_ARMS:
+            continue
+        for peer in PEER_ARMS:
+            p = cells.get((peer, r["prompt_tokens"], r["batch"]))
+            if p is None:
+                continue
+            text = f"{r['arm']} TTFT <= {peer}'s at {_cell_name(r)}"
+            if r["status"] != "ran":
+                out.append(_target(text, None, False))
+            elif p["status"] != "ran":
+                out.append(_target(text + f" ({peer}: {p['status'].split(':')[0]})", None, True))
+            else:
+                out.append(_target(text, r["ttft_s"] / p["ttft_s"], r["ttft_s"] <= p["ttft_s"]))
+    return out
+
+
+def first_use_targets(rows: Sequence[dict], limit: float = FIRST_USE_LIMIT) -> list[dict]:
+    """Every prompt of a new length within `limit` x the steady state of its length (its first / steady)."""
+    return [_target(f"{r['arm']} first call at {r['prompt_tokens']:,} tokens <= {limit} x steady",
+                    r.get("first_over_steady"), r["status"] == "ran" and r["first_over_steady"] <= limit)
+            for r in rows]
+
+
+def e2e_targets(rows: Sequence[dict]) -> list[dict]:
+    """foldkv folded's end-to-end latency the lowest of the arms that ran (value: folded over the lowest other)."""
+    folded = next((r for r in rows if r["arm"] == BOUNDED_ARM), None)
+    if folded is None:
+        return []
+    others = [r["e2e_s"] for r in rows if r["arm"] != BOUNDED_ARM and r["status"] == "ran"]
+    text = (f"{BOUNDED_ARM} end-to-end lowest ({folded['prompt_tokens']:,} prompt + {folded['new_tokens']:,} tokens,"
+            " batch 1)")
+    if folded["status"] != "ran":
+        return [_target(text, None, False)]
+    if not others:
+        return [_target(text + " (no other arm ran)", None, True)]
+    return [_target(text, folded["e2e_s"] / min(others), folded["e2e_s"] <= min(others))]
+
+
+def memory_targets(rows: Sequence[dict]) -> list[dict]:
+    """Each foldkv arm's prefill peak <= `MEMORY_BASE_ARM`'s at the same cell, where both ran."""
+    ran = {(r["arm"], r["context"], r["batch"]): r for r in rows if r["status"] == "ran"}
+    out = []
+    for (arm, n, b), r in ran.items():
+        base = ran.get((MEMORY_BASE_ARM, n, b))
+        if arm.startswith("foldkv") and arm != MEMORY_BASE_ARM and base is not None:
+            out.append(_target(f"{arm} prefill peak <= {MEMORY_BASE_ARM}'s at {n:,} x {b}",
+                               r["memory"]["peak"] / base["memory"]["peak"],
+                               r["memory"]["peak"] <= base["memory"]["peak"]))
+    return out
+
+
+def targets(ttft: Sequence[dict] = (), first_use: Sequence[dict] = (), e2e: Sequence[dict] = (),
+            memory: Sequence[dict] = ()) -> list[dict]:
+    """Every verdict of the section, in order: floor, peers, first use, end-to-end, memory."""
+    return (floor_targets(ttft) + peer_targets(ttft) + first_use_targets(first_use) + e2e_targets(e2e)
+            + memory_targets(memory))
+
+
+# --- tables and the figure ----------------------------------------------------------------------------------------
+
+def ttft_table(rows: Sequence[dict]) -> str:
+    from .report import markdown_table
+
+    return markdown_table(rows, {"arm": "arm", "prompt_tokens": "prompt", "batch": "batch", "ttft_s": "TTFT s",
+                                 "floor_s": "floor s", "ttft_over_floor": "TTFT / floor",
+                                 "first_call_s": "first call s", "rounds_run": "rounds", "status": "status"},
+                          {"prompt_tokens": ",d", "ttft_s": ".3f", "floor_s": ".3f", "ttft_over_floor": ".2f",
+                           "first_call_s": ".3f"})
+
+
+def first_use_table(rows: Sequence[dict]) -> str:
+    from .report import markdown_table
+
+    return markdown_table(rows, {"arm": "arm", "prompt_tokens": "prompt", "new_to_process": "new to the process",
+                                 "first_s": "first call s", "steady_s": "steady s",
+                                 "first_over_steady": "first / steady", "status": "status"},
+                          {"prompt_tokens": ",d", "first_s": ".3f", "steady_s": ".3f", "first_over_steady": ".3f"})
+
+
+def e2e_table(rows: Sequence[dict]) -> str:
+    from .report import markdown_table
+
+    return markdown_table(rows, {"arm": "arm", "prompt_tokens": "prompt", "new_tokens": "new tokens",
+                                 "ttft_s": "TTFT s", "decode_s": "decode s", "decode_ms_per_token": "ms / token",
+                                 "e2e_s": "end-to-end s", "status": "status"},
+                          {"prompt_tokens": ",d", "new_tokens": ",d", "ttft_s": ".2f", "decode_s": ".2f",
+                           "decode_ms_per_token": ".2f", "e2e_s": ".2f"})
+
+
+def arm_style(arm: str) -> dict:
+    """Plot keywords of an arm's line (matplotlib's defaults: the one place a palette would set them)."""
+    return {"label": arm, "marker": "o"}
+
+
+def plot_ttft_over_floor(rows: Sequence[dict], path: str | None = None):
+    """TTFT / floor against prompt length per arm (one panel per batch, log x), foldkv folded's bounds dashed."""
+    import matplotlib.pyplot as plt
+
+    ran = [r for r in rows if r["status"] == "ran" and r.get("ttft_over_floor") is not None]
+    batches = sorted({r["batch"] for r in ran}) or [1]
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        prompts = sorted({r["prompt_tokens"] for r in ran if r["batch"] == b})
+        for arm in dict.fromkeys(r["arm"] for r in ran):
+            pts = sorted((r["prompt_tokens"], r["ttft_over_floor"]) for r in ran
+                         if r["arm"] == arm and r["batch"] == b)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], **arm_style(arm))
+        if prompts:
+            ax.plot(prompts, [floor_bound(p) for p in prompts], "k--", drawstyle="steps-post",
+                    label=f"{BOUNDED_ARM} bound")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt (tokens)")
+        ax.set_ylabel("TTFT / compute floor")
+        ax.set_title(f"batch {b}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=90)
+    return fig
+
+
+__all__ = ["BOUNDED_ARM", "DOES_NOT_FIT", "FIRST_USE_LIMIT", "FLOOR_BOUNDS", "FOLDED_ARMS", "MEMORY_BASE_ARM",
+           "PEER_ARMS", "arm_style", "e2e_rows", "e2e_table", "e2e_targets", "first_use_rows", "first_use_table",
+           "first_use_targets", "floor_bound", "floor_targets", "memory_targets", "peer_targets",
+           "plot_ttft_over_floor", "prefill_memory_rows", "rotated", "schedule", "targets", "timed_cells",
+           "ttft_cells", "ttft_table", "with_floor"]

@@ -1,0 +1,356 @@
+"""Notebook 05's time-to-first-token section (`foldkv.lab.ttft`) on the CPU, with a fake measurement in place of
+generate(): the arms' rotated order, the untimed first call kept apart from the steady state, a cell that runs out of
+memory recorded as not fitting, the floor from the model's shapes, the first-use and end-to-end rows, and every
+verdict on made-up rows. Red twins: a schedule that never rotates, a median that keeps the first call, a floor verdict
+that ignores the floor (TTFT in seconds held to the bound), one bound for every prompt, a peer verdict that lets a
+folded arm that did not fit pass; each is caught by the check the real function passes.
+
+The notebook's GPU sections are recorded "not run: no CUDA device" on a CPU (checked statically here on the notebook
+and by running it in tests/test_notebooks.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import pytest
+import torch
+
+from foldkv.lab import prefill_floor as pf
+from foldkv.lab import ttft
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARMS = ["foldkv-folded", "foldkv-fp8", "foldkv-split", "flashinfer", "sdpa"]
+SHAPES = pf.ModelShapes(linear_weights=10_000, lm_head_weights=500,
+                        attention=(pf.AttentionShape(4, 8, 16), pf.AttentionShape(4, 32, None)))
+
+
+class FakeMeasure:
+    """measure_prefill's stand-in: records each call; a (cell, arm)'s first call takes FIRST_S (what a first use
+    pays), later calls STEADY_S[arm] + a small per-seed spread; `oom` cells raise CUDA's out-of-memory error."""
+
+    FIRST_S = 9.0
+    STEADY_S = {a: 1.0 + 0.1 * i for i, a in enumerate(ARMS)}
+
+    def __init__(self, oom=(), fail=()):
+        self.calls, self.oom, self.fail, self.seen = [], set(oom), set(fail), set()
+
+    def __call__(self, *, arm_name, prompt_tokens, batch, seed):
+        key = (prompt_tokens, batch, arm_name)
+        self.calls.append((arm_name, prompt_tokens, batch, seed))
+        if key in self.oom:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9 GiB")
+        if key in self.fail:
+            raise RuntimeError("a kernel refused")
+        first = key not in self.seen
+        self.seen.add(key)
+        t = self.FIRST_S if first else self.STEADY_S[arm_name] + 0.01 * (seed % 3)
+        return {"arm": arm_name, "status": "ran", "prompt_tokens": prompt_tokens, "batch": batch, "ttft_s": t,
+                "generate_s": t + 2.0, "peak_bytes": 1, "memory": {"peak": 1}}
+
+
+def quiet(_):
+    pass
+
+
+# --- rotation -------------------------------------------------------------------------------------------------------
+
+def check_rotation(schedule_fn) -> None:
+    """Round r starts at arm r mod n and keeps the cyclic order; every arm runs first in some round."""
+    arms, cells = ["a", "b", "c"], [(4096, 1), (32768, 4)]
+    got = schedule_fn(arms, cells, 4)
+    assert len(got) == 4 * len(cells) * len(arms)
+    for r in range(4):
+        for cell in cells:
+            order = [a for rr, c, a in got if rr == r and c == cell]
+            k = r % 3
+            assert order == arms[k:] + arms[:k], (r, cell, order)
+    assert {next(a for rr, _, a in got if rr == r) for r in range(3)} == set(arms)
+
+
+def test_rotation_order():
+    assert ttft.rotated(ARMS, 0) == ARMS and ttft.rotated(ARMS, 7) == ARMS[2:] + ARMS[:2]
+    check_rotation(ttft.schedule)
+
+
+def test_rotation_red_twin_never_rotates():
+    def never(arms, cells, rounds):
+        return [(r, c, a) for r in range(rounds) for c in cells for a in arms]
+
+    with pytest.raises(AssertionError):
+        check_rotation(never)
+
+
+def test_timed_calls_follow_the_schedule():
+    fake = FakeMeasure()
+    cells = [(4096, 1), (32768, 4)]
+    ttft.timed_cells(fake, ARMS, cells, rounds=3, log=quiet)
+    timed = [(a, (n, b)) for a, n, b, _ in fake.calls[len(cells) * len(ARMS):]]
+    assert timed == [(a, c) for _, c, a in ttft.schedule(ARMS, cells, 3)]
+
+
+# --- the untimed first call -----------------------------------------------------------------------------------------
+
+def check_steady(rows, rounds: int) -> None:
+    """Each row's TTFT is the median of `rounds` steady calls (none of them a first call), the first call apart."""
+    for r in rows:
+        assert r["status"] == "ran" and r["rounds_run"] == rounds
+        assert FakeMeasure.FIRST_S not in r["ttft_rounds_s"], r
+        assert r["ttft_s"] == pytest.approx(statistics.median(r["ttft_rounds_s"]))
+        assert r["ttft_s"] < 2.0 and r["first_call_s"] == FakeMeasure.FIRST_S
+
+
+def test_untimed_first_call_precedes_the_rounds():
+    fake = FakeMeasure()
+    cells = [(4096, 1), (131072, 1)]
+    rows = ttft.timed_cells(fake, ARMS, cells, rounds=2, log=quiet)
+    first = fake.calls[:len(cells) * len(ARMS)]
+    assert sorted((a, n) for a, n, _, _ in first) == sorted((a, n) for n, _ in cells for a in ARMS)
+    assert len(fake.calls) == len(cells) * len(ARMS) * 3
+    check_steady(rows, 2)
+    seeds = {s for _, _, _, s in fake.calls[len(first):]}
+    assert seeds == {1, 2}, "each round draws its own prompts"
+
+
+def test_untimed_first_call_red_twin_a_median_that_keeps_it():
+    rows = ttft.timed_cells(FakeMeasure(), ARMS, [(4096, 1)], rounds=1, untimed_first=False, log=quiet)
+    with pytest.raises(AssertionError):
+        check_steady(rows, 1)
+
+
+def test_a_cell_that_runs_out_of_memory_does_not_fit():
+    fake = FakeMeasure(oom={(131072, 1, "sdpa")}, fail={(4096, 1, "flashinfer")})
+    rows = ttft.timed_cells(fake, ARMS, [(4096, 1), (131072, 1)], rounds=3, log=quiet)
+    by = {(r["arm"], r["prompt_tokens"]): r for r in rows}
+    oom = by["sdpa", 131072]
+    assert oom["status"].startswith(ttft.DOES_NOT_FIT) and "OutOfMemoryError" in oom["status"]
+    assert oom["ttft_s"] is None and oom["rounds_run"] == 0
+    assert sum(1 for a, n, _, _ in fake.calls if (a, n) == ("sdpa", 131072)) == 1, "its rounds were run anyway"
+    assert by["flashinfer", 4096]["status"].startswith("failed: RuntimeError")
+    assert all(r["status"] == "ran" for k, r in by.items() if k not in {("sdpa", 131072), ("flashinfer", 4096)})
+
+
+def test_ttft_cells_floor_from_the_shapes():
+    fake = FakeMeasure()
+    out = ttft.ttft_cells(SHAPES, ARMS[:2], [(64, 1), (200, 2)], rounds=2, prefill_chunk=32, matmul_tflops=2e-6,
+                          measure=fake, log=quiet)
+    assert out["matmul"] == {"tflops": 2e-6}
+    for r in out["rows"]:
+        flops = pf.prefill_flops(SHAPES, r["prompt_tokens"], r["batch"], 32).total
+        assert r["flops"] == flops and r["floor_s"] == pytest.approx(flops / 2e6)
+        assert r["ttft_over_floor"] == pytest.approx(r["ttft_s"] / r["floor_s"])
+    a, b = (r for r in out["rows"] if r["arm"] == ARMS[0])
+    assert b["flops"] > 2 * a["flops"], "a longer prompt at batch 2 needs more than twice the FLOPs"
+
+
+# --- first use and end to end ---------------------------------------------------------------------------------------
+
+def test_first_use_rows():
+    fake = FakeMeasure()
+    rows = ttft.first_use_rows(None, ARMS[:2], [4099, 4101, 4103], prefill_chunk=4096, seen=[4096], measure=fake,
+                               log=quiet)
+    assert [(r["prompt_tokens"], r["arm"], r["new_to_process"]) for r in rows] == [
+        (4099, ARMS[0], True), (4099, ARMS[1], False), (4101, ARMS[1], True), (4101, ARMS[0], False),
+        (4103, ARMS[0], True), (4103, ARMS[1], False)]
+    for r in rows:
+        assert r["first_over_steady"] == pytest.approx(r["first_s"] / r["steady_s"]) and r["first_over_steady"] > 1
+    assert [a for a, *_ in fake.calls[:2]] == [ARMS[0]] * 2, "first, then steady, of the same arm and length"
+
+
+@pytest.mark.parametrize("lengths,seen", [([4099, 4099], []), ([4099, 4101], [4101])])
+def test_first_use_refuses_a_length_not_new(lengths, seen):
+    fake = FakeMeasure()
+    with pytest.raises(ValueError, match="not new to this process"):
+        ttft.first_use_rows(None, ARMS[:1], lengths, prefill_chunk=4096, seen=seen, measure=fake, log=quiet)
+    assert fake.calls == [], "something ran before the refusal"
+
+
+def test_e2e_rows():
+    fake = FakeMeasure()
+    rows = ttft.e2e_rows(None, ARMS[:3], prompt_tokens=1024, new_tokens=11, prefill_chunk=256, measure=fake, log=quiet)
+    assert len(fake.calls) == 6  # the untimed first call of each arm, then one timed
+    for r in rows:
+        assert r["decode_s"] == pytest.approx(2.0) and r["e2e_s"] == pytest.approx(r["ttft_s"] + 2.0)
+        assert r["decode_ms_per_token"] == pytest.approx(200.0)
+    fake = FakeMeasure()
+    ttft.e2e_rows(None, ARMS[:3], prompt_tokens=1024, new_tokens=11, prefill_chunk=256, untimed_first=False,
+                  measure=fake, log=quiet)
+    assert len(fake.calls) == 3
+    with pytest.raises(ValueError, match="needs a decode"):
+        ttft.e2e_rows(None, ARMS[:1], prompt_tokens=1024, new_tokens=1, prefill_chunk=256, measure=fake)
+
+
+# --- verdicts on made-up rows ---------------------------------------------------------------------------------------
+
+def row(arm, prompt, batch=1, ttft_s=1.0, floor_s=1.0, status="ran"):
+    ran = status == "ran"
+    return {"arm": arm, "prompt_tokens": prompt, "batch": batch, "status": status, "ttft_s": ttft_s if ran else None,
+            "floor_s": floor_s, "ttft_over_floor": ttft_s / floor_s if ran else None}
+
+
+def check_floor_verdicts(fn) -> None:
+    rows = [row("foldkv-folded", 4096, ttft_s=0.75, floor_s=0.5),      # 1.5x: within 1.6 at 4K
+            row("foldkv-folded", 32768, ttft_s=1.0, floor_s=0.5),      # 2.0x in 1.0 s: not met
+            row("foldkv-folded", 32768, 4, ttft_s=13.0, floor_s=10.0),  # 1.3x in 13 s: met
+            row("foldkv-folded", 131072, ttft_s=15.0, floor_s=10.0),    # 1.5x: within 1.6 but not 1.35
+            row("foldkv-folded", 262144, status="does not fit: OutOfMemoryError"),
+            row("foldkv-split", 32768, ttft_s=0.1, floor_s=1.0)]        # not held to the floor
+    got = [t["met"] for t in fn(rows)]
+    assert got == [True, False, True, False, False], got
+
+
+def test_floor_verdicts():
+    check_floor_verdicts(ttft.floor_targets)
+    assert ttft.floor_bound(4096) == 1.6 and ttft.floor_bound(32768) == ttft.floor_bound(131072) == 1.35
+
+
+def test_floor_verdict_red_twin_ignores_the_floor(monkeypatch):
+    def seconds(rows):  # TTFT in seconds held to the bound: the floor never read
+        return [{"met": r["status"] == "ran" and r["ttft_s"] <= ttft.floor_bound(r["prompt_tokens"])}
+                for r in rows if r["arm"] == ttft.BOUNDED_ARM]
+
+    with pytest.raises(AssertionError):
+        check_floor_verdicts(seconds)
+    monkeypatch.setattr(ttft, "FLOOR_BOUNDS", ((0, 1.6),))  # one bound for every prompt
+    with pytest.raises(AssertionError):
+        check_floor_verdicts(ttft.floor_targets)
+
+
+def check_peer_verdicts(fn) -> None:
+    rows = [row("foldkv-folded", 4096, ttft_s=1.0), row("foldkv-fp8", 4096, ttft_s=1.2),
+            row("foldkv-split", 4096, ttft_s=1.1), row("flashinfer", 4096, ttft_s=1.05),
+            row("foldkv-folded", 131072, status="does not fit: OutOfMemoryError"), row("foldkv-fp8", 131072, ttft_s=5),
+            row("foldkv-split", 131072, ttft_s=6.0), row("flashinfer", 131072, status="does not fit: OutOfMemoryError"),
+            row("sdpa", 4096, ttft_s=0.5)]  # not a peer of this target
+    got = {t["target"]: t["met"] for t in fn(rows)}
+    assert got == {"foldkv-folded TTFT <= foldkv-split's at 4,096 x 1": True,
+                   "foldkv-folded TTFT <= flashinfer's at 4,096 x 1": True,
+                   "foldkv-fp8 TTFT <= foldkv-split's at 4,096 x 1": False,
+                   "foldkv-fp8 TTFT <= flashinfer's at 4,096 x 1": False,
+                   "foldkv-folded TTFT <= foldkv-split's at 131,072 x 1": False,
+                   "foldkv-folded TTFT <= flashinfer's at 131,072 x 1": False,
+                   "foldkv-fp8 TTFT <= foldkv-split's at 131,072 x 1": True,
+                   "foldkv-fp8 TTFT <= flashinfer's at 131,072 x 1 (flashinfer: does not fit)": True}, got
+
+
+def test_peer_verdicts():
+    check_peer_verdicts(ttft.peer_targets)
+
+
+def test_peer_verdict_red_twin_a_folded_arm_that_did_not_fit_passes():
+    def lenient(rows):
+        return [t if t["value"] is not None else {**t, "met": True} for t in ttft.peer_targets(rows)]
+
+    with pytest.raises(AssertionError):
+        check_peer_verdicts(lenient)
+
+
+def test_first_use_e2e_and_memory_verdicts():
+    fu = [{"arm": "foldkv-folded", "prompt_tokens": 4099, "status": "ran", "first_over_steady": 1.04},
+          {"arm": "foldkv-folded", "prompt_tokens": 4101, "status": "ran", "first_over_steady": 1.06},
+          {"arm": "foldkv-folded", "prompt_tokens": 4103, "status": "failed: x"}]
+    assert [t["met"] for t in ttft.first_use_targets(fu)] == [True, False, False]
+    e2e = [{"arm": a, "prompt_tokens": 131072, "new_tokens": 1024, "status": "ran", "e2e_s": s}
+           for a, s in (("foldkv-folded", 30.0), ("foldkv-split", 31.0), ("flashinfer", 29.0))]
+    [t] = ttft.e2e_targets(e2e)
+    assert not t["met"] and t["value"] == pytest.approx(30 / 29)
+    [t] = ttft.e2e_targets([r for r in e2e if r["arm"] != "flashinfer"])
+    assert t["met"]
+    [t] = ttft.e2e_targets([{**e2e[0], "status": "does not fit: OutOfMemoryError"}] + e2e[1:])
+    assert not t["met"]
+    mem = [{"arm": a, "context": 131072, "batch": b, "status": "ran", "memory": {"peak": p}}
+           for a, b, p in (("foldkv-folded", 1, 90), ("foldkv-split", 1, 95), ("foldkv-fp8", 4, 99),
+                           ("foldkv-split", 4, 98), ("sdpa", 4, 50))]
+    assert {t["target"]: t["met"] for t in ttft.memory_targets(mem)} == {
+        "foldkv-folded prefill peak <= foldkv-split's at 131,072 x 1": True,
+        "foldkv-fp8 prefill peak <= foldkv-split's at 131,072 x 4": False}
+    assert len(ttft.targets(ttft=[], first_use=fu, e2e=e2e, memory=mem)) == 3 + 1 + 2
+
+
+def test_plot_runs_headless(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    rows = [row(a, n, ttft_s=1.0 + i, floor_s=1.0) for i, a in enumerate(ARMS[:2]) for n in (4096, 32768)]
+    ttft.plot_ttft_over_floor(rows + [row("sdpa", 131072, status="does not fit")], str(tmp_path / "f.png"))
+    assert (tmp_path / "f.png").stat().st_size > 0
+
+
+# --- the notebook records the section "not run" on a CPU --------------------------------------------------------------
+
+def test_notebook_sections_wait_for_cuda():
+    """Every section the TTFT cells record is in the list the model cell hands `cuda_or_not_run`, so a CPU records each
+    as "not run: no CUDA device" before any cell could measure."""
+    with open(os.path.join(ROOT, "notebooks", "05_generate.ipynb")) as fh:
+        code = ["".join(c["source"]) for c in json.load(fh)["cells"] if c["cell_type"] == "code"]
+    gate = next(c for c in code if "cuda_or_not_run" in c)
+    for section in ("ttft_31b", "first_use_31b", "e2e_31b", "prefill_memory_31b"):
+        assert f'"{section}"' in gate, section
+        assert any(f'record.ran("{section}"' in c for c in code), section
+
+
+def _ttft_cells_of_the_notebook() -> list[str]:
+    """The code cells of notebook 05's time-to-first-token section, from its first markdown to its targets."""
+    with open(os.path.join(ROOT, "notebooks", "05_generate.ipynb")) as fh:
+        cells = json.load(fh)["cells"]
+    start = next(i for i, c in enumerate(cells) if "".join(c["source"]).startswith("### Time to first token against"))
+    end = next(i for i, c in enumerate(cells) if "".join(c["source"]).startswith("### Time to first token: targets"))
+    return ["".join(c["source"]) for c in cells[start:end + 2] if c["cell_type"] == "code"]
+
+
+def test_notebook_cells_on_fake_measurements(tmp_path, monkeypatch):
+    """The section's cells as a GPU runs them, on a tiny model with generate() replaced by fakes: every section
+    records "ran", the rows carry the floor, the first use and end-to-end rows exist, and the targets are computed."""
+    pytest.importorskip("transformers")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from transformers import Gemma4ForCausalLM
+
+    from foldkv.lab import model_decode as md
+    from foldkv.lab.bench import roofs
+    from foldkv.lab.gemma31b import _text_config
+    from foldkv.lab.report import RunRecord
+    from foldkv.lab.synthetic import synthetic_config
+
+    cfg = synthetic_config(vocab_size=160, hidden_size=64, intermediate_size=96,
+                           layer_types=["sliding_attention", "full_attention"], sliding_window=64, sliding_head_dim=16,
+                           sliding_kv_heads=2, num_q_heads=4, global_kv_heads=1, global_head_dim=512, dtype="float32")
+    cfg.pop("foldkv_synthetic", None)
+    tiny = Gemma4ForCausalLM(_text_config(cfg, "eager"))
+    steady = FakeMeasure()
+
+    def prefill(model, arm_name, *, prompt_tokens, new_tokens, prefill_chunk, seed=0, batch=1):
+        r = steady(arm_name=arm_name, prompt_tokens=prompt_tokens, batch=batch, seed=seed)
+        return {**r, "new_tokens": new_tokens, "tokens": [1] * new_tokens}
+
+    def tail(model, arm_name, *, context, batch, chunk, seed=0):
+        m = {"weights": 10, "cache": 5 * batch, "workspace": 1, "activations": 2, "peak": 18 + 5 * batch}
+        return {"arm": arm_name, "status": "ran", "context": context, "batch": batch, "chunk": chunk, "chunk_s": 0.5,
+                "peak_bytes": m["peak"] - 10, "memory": m}
+
+    monkeypatch.setattr(md, "measure_prefill", prefill)
+    monkeypatch.setattr(md, "measure_prefill_tail", tail)
+    monkeypatch.setattr(roofs, "measure_matmul_roof", lambda dev: {"tflops": 1e-6, "n": 8, "us": {}})
+    record = RunRecord("05_generate", tmp_path)
+    ns = dict(model31=tiny, record=record, out_dir=str(tmp_path), seed=0, prefill_chunk=256, os=os,
+              agreement_prompts=[256], ttft_cells=["256:1", "512:2"], ttft_arms=ARMS[:3], ttft_rounds=2,
+              first_use_lengths=[259, 261], first_use_arms=["foldkv-folded"], e2e_prompt=256, e2e_new_tokens=4,
+              prefill_memory_context=1024, prefill_memory_batches=[1, 2],
+              display=lambda *a: None, Markdown=str)
+    import matplotlib.pyplot as plt
+
+    ns["plt"] = plt
+    for source in _ttft_cells_of_the_notebook():
+        exec(source, ns)
+    sections = ("ttft_31b", "first_use_31b", "e2e_31b", "prefill_memory_31b")
+    assert {s: record.sections[s] for s in sections} == dict.fromkeys(sections, "ran")
+    rows = record.results["ttft_31b"]["rows"]
+    assert len(rows) == 2 * 3 and all(r["floor_s"] > 0 and r["ttft_over_floor"] > 0 for r in rows)
+    assert len(record.results["first_use_31b"]["rows"]) == 2 and (tmp_path / "05_ttft_over_floor.png").exists()
+    verdicts = record.results["ttft_targets"]
+    assert any(t["target"].startswith("foldkv-folded TTFT / floor") for t in verdicts)
+    assert any("end-to-end lowest" in t["target"] for t in verdicts)
+    assert any("prefill peak" in t["target"] for t in verdicts)
