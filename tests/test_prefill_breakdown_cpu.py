@@ -232,3 +232,32 @@ def test_eager_is_refused(checkpoint):
     with pytest.raises(ValueError):
         with ps.scoped_attention(eager):
             pass
+
+
+def test_cuda_events_are_linked_to_their_launching_op():
+    """kernel_events(device="cuda") on a stand-in of the profiler's events: a kernel takes its linked host op's start
+    and thread; a runtime call whose id collides with an op's is not taken for the op; the GPU-side span of a range is
+    not a kernel."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    def ev(name, id, start, end, device=DeviceType.CPU, linked=0, thread=1, stream=0, annotation=False):
+        return NS(name=name, id=id, time_range=NS(start=start, end=end, elapsed_us=lambda: end - start),
+                  device_type=device, linked_correlation_id=linked, thread=thread, device_resource_id=stream,
+                  is_user_annotation=annotation, cpu_children=[], cpu_parent=None)
+
+    events = [ev(ps.SLIDING_ATTENTION, 1, 0, 50, annotation=True),
+              ev("aten::_efficient_attention_forward", 2, 10, 20),
+              ev("cudaLaunchKernel", 2, 400, 401, linked=2),  # a runtime call: its own numbering, id 2 again
+              ev("fmha_cutlassF_bf16_aligned", 7, 100, 140, device=DeviceType.CUDA, linked=2, stream=7),
+              ev("sm90_xmma_gemm", 8, 150, 160, device=DeviceType.CUDA, linked=99, stream=7),  # no such op
+              ev(ps.SLIDING_ATTENTION, 9, 100, 140, device=DeviceType.CUDA, annotation=True, stream=7)]
+    kernels, ranges = pb.kernel_events(NS(events=lambda: events), device="cuda")
+    assert ranges == [pb.HostRange(ps.SLIDING_ATTENTION, 0, 50, 1)]
+    assert kernels == [pb.KernelEvent("fmha_cutlassF_bf16_aligned", 100, 40, 7, 10, 1),
+                       pb.KernelEvent("sm90_xmma_gemm", 150, 10, 7, None, None)]
+    b = pb.breakdown(kernels, ranges, window=(100, 170))
+    assert b.parts[pb.SLIDING] == 40_000 and b.parts[pb.GEMM] == 10_000 and b.parts[pb.GAPS] == 20_000
+    with pytest.raises(ValueError):
+        pb.kernel_events(NS(events=lambda: events), device="tpu")

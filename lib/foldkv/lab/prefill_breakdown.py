@@ -190,8 +190,8 @@ def kernel_events(prof: Any, device: str = "cuda") -> tuple[list[KernelEvent], l
     kernels = []
     if device == "cuda":
         for e in events:
-            if e.device_type != DeviceType.CUDA or e.is_user_annotation:
-                continue
+            if e.device_type != DeviceType.CUDA or e.is_user_annotation or e.name in SCOPES:
+                continue  # a range's GPU-side span is not a kernel
             op = host.get(getattr(e, "linked_correlation_id", None) or -1)
             kernels.append(KernelEvent(e.name, e.time_range.start, e.time_range.elapsed_us(),
                                        int(e.device_resource_id or 0), None if op is None else op.time_range.start,
