@@ -164,11 +164,14 @@ def test_profile_of_the_tiny_model(model):
 
     cache = FoldKvCache(model, max_batch=2, max_tokens=16)
     with torch.no_grad(), ps.scoped_attention(model, cache), profile(activities=[ProfilerActivity.CPU]) as prof:
-        _generate(model, cache)
+        with ps.components_scope(ps.CHUNK):
+            _generate(model, cache)
     kernels, ranges = pb.kernel_events(prof, device="cpu")
-    assert {r.name for r in ranges} == set(ps.SCOPES)
-    lo = min(k.start_us for k in kernels)
-    hi = max(k.start_us + k.dur_us for k in kernels)
+    assert {r.name for r in ranges} == {*ps.SCOPES, ps.CHUNK}
+    (lo, hi), = pb.chunk_windows(kernels, ranges)
+    chunk = next(r for r in ranges if r.name == ps.CHUNK)
+    assert (lo, hi) == (chunk.start_us, chunk.end_us)  # CPU ops end inside the range that runs them
+    assert lo <= min(k.start_us for k in kernels) and hi >= max(k.start_us + k.dur_us for k in kernels)
     b = pb.breakdown(kernels, ranges, window=(lo, hi))
     assert check(b, kernels, (lo, hi), ranges) == []
     assert all(b.parts[c] > 0 for c in (pb.GEMM, pb.GLOBAL, pb.SLIDING, pb.PREP_COMPONENT, pb.GLUE))
@@ -261,3 +264,11 @@ def test_cuda_events_are_linked_to_their_launching_op():
     assert b.parts[pb.SLIDING] == 40_000 and b.parts[pb.GEMM] == 10_000 and b.parts[pb.GAPS] == 20_000
     with pytest.raises(ValueError):
         pb.kernel_events(NS(events=lambda: events), device="tpu")
+
+
+def test_chunk_window_ends_with_the_last_kernel_it_launched():
+    ranges = [R(ps.CHUNK, 0, 50, thread=1), R(ps.CHUNK, 60, 70, thread=1), R(ps.PREP, 10, 20, thread=1)]
+    kernels = [K("gemm", 5, 80, launched_at=40, thread=1), K("gemm", 90, 30, launched_at=65, thread=1),
+               K("gemm", 200, 5, launched_at=45, thread=2)]  # another thread's launch is not the chunk's
+    assert pb.chunk_windows(kernels, ranges) == [(0, 85), (60, 120)]
+    assert pb.chunk_windows(kernels[:0], ranges) == [(0, 50), (60, 70)]

@@ -13,7 +13,7 @@ it, so overlapping kernels are counted once, and the stretches no kernel covers 
 exact (integer nanoseconds, `Fraction` shares): `Breakdown.parts` sums to the window to the nanosecond.
 
     events, ranges = kernel_events(prof)               # a torch.profiler.profile of one chunk (device="cpu": CPU ops)
-    b = breakdown(events, ranges, window=(t0_us, t1_us))
+    b = breakdown(events, ranges, window=chunk_windows(events, ranges)[0])   # the chunk's forward inside CHUNK
     b.seconds()  ->  {"gemm": ..., ..., "host_gaps": ...}; b.unknown -> {kernel name: seconds}
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Iterable, Sequence
 
-from .prefill_scopes import GLOBAL_ATTENTION, PREP, SCOPES, SLIDING_ATTENTION
+from .prefill_scopes import CHUNK, GLOBAL_ATTENTION, PREP, SCOPES, SLIDING_ATTENTION
 
 GEMM, GLOBAL, SLIDING, PREP_COMPONENT, GLUE, GAPS = (
     "gemm", "global_attention", "sliding_attention", "prep", "glue", "host_gaps")
@@ -106,7 +106,7 @@ def component_of(kernel: KernelEvent, ranges: Sequence[HostRange]) -> tuple[str,
     thread; else by name."""
     if kernel.launched_at is not None:
         t = kernel.launched_at
-        inside = [r for r in ranges if r.start_us <= t <= r.end_us
+        inside = [r for r in ranges if r.name in SCOPE_COMPONENT and r.start_us <= t <= r.end_us
                   and (r.thread is None or kernel.thread is None or r.thread == kernel.thread)]
         if inside:
             innermost = max(inside, key=lambda r: (r.start_us, -r.end_us))
@@ -125,8 +125,8 @@ def breakdown(kernels: Iterable[KernelEvent], ranges: Iterable[HostRange] = (),
         if k.dur_us < 0:
             raise ValueError(f"kernel {k.name!r} has a negative duration {k.dur_us}")
     for r in ranges:
-        if r.name not in SCOPES:
-            raise ValueError(f"range {r.name!r} is not one of the prefill scopes {list(SCOPES)}")
+        if r.name not in SCOPES and r.name != CHUNK:
+            raise ValueError(f"range {r.name!r} is not one of the prefill scopes {list(SCOPES) + [CHUNK]}")
     if window is None:
         if not kernels:
             raise ValueError("no kernels and no window: nothing to break down")
@@ -161,11 +161,23 @@ def breakdown(kernels: Iterable[KernelEvent], ranges: Iterable[HostRange] = (),
     return Breakdown((lo, hi), parts, counts, unknown)
 
 
+def chunk_windows(kernels: Sequence[KernelEvent], ranges: Sequence[HostRange]) -> list[tuple[float, float]]:
+    """Each CHUNK range's wall time, in order: from the range's start on the host (the forward's first launch is
+    after it) to the end of the last kernel launched inside it (the GPU finishes after the host leaves the range);
+    a range that launched nothing ends where it ends."""
+    out = []
+    for r in sorted((r for r in ranges if r.name == CHUNK), key=lambda r: r.start_us):
+        ends = [k.start_us + k.dur_us for k in kernels if k.launched_at is not None
+                and r.start_us <= k.launched_at <= r.end_us and (r.thread is None or k.thread in (None, r.thread))]
+        out.append((r.start_us, max([r.end_us, *ends])))
+    return out
+
+
 def _under_an_op(event: Any) -> bool:
     """Whether a host event runs inside another op (not only inside annotation ranges)."""
     parent = event.cpu_parent
     while parent is not None:
-        if not parent.is_user_annotation and parent.name not in SCOPES:
+        if not parent.is_user_annotation and parent.name not in SCOPES and parent.name != CHUNK:
             return True
         parent = parent.cpu_parent
     return False
@@ -186,11 +198,11 @@ def kernel_events(prof: Any, device: str = "cuda") -> tuple[list[KernelEvent], l
     # linked to its op, and its id is another numbering that may collide with an op's
     host = {e.id: e for e in events if e.device_type == DeviceType.CPU and not getattr(e, "linked_correlation_id", 0)}
     ranges = [HostRange(e.name, e.time_range.start, e.time_range.end, e.thread) for e in host.values()
-              if e.name in SCOPES]
+              if e.name in SCOPES or e.name == CHUNK]
     kernels = []
     if device == "cuda":
         for e in events:
-            if e.device_type != DeviceType.CUDA or e.is_user_annotation or e.name in SCOPES:
+            if e.device_type != DeviceType.CUDA or e.is_user_annotation or e.name in SCOPES or e.name == CHUNK:
                 continue  # a range's GPU-side span is not a kernel
             op = host.get(getattr(e, "linked_correlation_id", None) or -1)
             kernels.append(KernelEvent(e.name, e.time_range.start, e.time_range.elapsed_us(),
@@ -198,7 +210,7 @@ def kernel_events(prof: Any, device: str = "cuda") -> tuple[list[KernelEvent], l
                                        None if op is None else op.thread))
     else:
         for e in host.values():
-            if e.is_user_annotation or e.name in SCOPES or _under_an_op(e):
+            if e.is_user_annotation or e.name in SCOPES or e.name == CHUNK or _under_an_op(e):
                 continue
             kernels.append(KernelEvent(e.name, e.time_range.start, e.time_range.elapsed_us(), e.thread,
                                        e.time_range.start, e.thread))
@@ -206,4 +218,4 @@ def kernel_events(prof: Any, device: str = "cuda") -> tuple[list[KernelEvent], l
 
 
 __all__ = ["COMPONENTS", "Breakdown", "HostRange", "KernelEvent", "NAME_RULES", "SCOPE_COMPONENT", "breakdown",
-           "component_by_name", "component_of", "kernel_events"]
+           "chunk_windows", "component_by_name", "component_of", "kernel_events"]
