@@ -10,6 +10,8 @@ first call at each of a few new lengths against the same call repeated, and the 
 a steady prefill (8,192 and 4,096 tokens after a full window), so the choice between them is made on numbers.
 
     python bench/first_use_probe.py --out $OUT/first_use_probe.json     (a GPU; ~1 minute)
+    TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 python bench/first_use_probe.py    (torch's opt-in one-graph path, if it
+                                                                          takes a mask)
 Prediction (bench/PREFILL_NOTES.md, "First use"): the default is cuDNN on torch 2.11+cu130; its first call at a new
 shape costs ~0.3-1 s more than a repeat, the efficient backend's < 10 ms more.
 """

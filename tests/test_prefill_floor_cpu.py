@@ -189,3 +189,17 @@ def test_floor_seconds():
     for bad in (0, -1, None):
         with pytest.raises(ValueError):
             pf.floor_seconds(1e12, bad)
+
+
+def test_prefill_floor_measures_the_rate_in_the_same_run(tiny, monkeypatch):
+    from foldkv.lab.bench import roofs
+
+    asked = []
+    monkeypatch.setattr(roofs, "measure_matmul_roof", lambda device: asked.append(device) or {"tflops": 500.0})
+    got = pf.prefill_floor(tiny, 65, chunk=32, device="cpu")
+    total = pf.prefill_flops(tiny, 65).total
+    assert asked == ["cpu"] and got["tflops"] == 500.0
+    assert got["floor_s"] == pytest.approx(total / 500e12)
+    assert sum(got["chunk_floor_s"]) == pytest.approx(got["floor_s"]) and len(got["chunk_floor_s"]) == 3
+    assert pf.prefill_floor(tiny, 65, roof={"tflops": 250.0})["floor_s"] == pytest.approx(total / 250e12)
+    assert asked == ["cpu"]  # a given roof is not measured again

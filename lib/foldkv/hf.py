@@ -445,7 +445,8 @@ class FoldKvCache(Cache):
         the CPU, bf16 on CUDA; torch.float8_e4m3fn: the FP8 folded pool (`foldkv.fp8`: e4m3 rows, one float32 scale
         per token and KV head, half the bf16 folded bytes), folded only, read by the FP8 kernels (decode converts in
         the kernel, prefill through the page gather) or by the reference dequantized. attention: "auto" (kernels on
-        CUDA, the float64 reference elsewhere), "reference" or "kernel". backend: the kernels' "jit" or "aot".
+        CUDA, the float64 reference elsewhere), "reference" or "kernel" (its prefill kernels are built or loaded
+        when the cache is made, not in the first prompt). backend: the kernels' "jit" or "aot".
         poison: fill pools with NaN (a row read before it is written shows as NaN). scatter_seed: pages drawn in a
         random order (tests).
     fp8_math: how the kernels' decode over an FP8 pool multiplies (`foldkv.kernels.decode.parse_fp8_math`):

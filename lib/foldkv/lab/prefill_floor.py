@@ -15,6 +15,7 @@ LM head is counted in the last chunk.
     shapes = model_shapes(model)                    # or a config.json dict: built on the meta device
     flops = prefill_flops(shapes, 32_768, chunk=8_192)
     floor = floor_seconds(flops.total, roofs.measure_matmul_roof(dev)["tflops"])
+    prefill_floor(model, 32_768, chunk=8_192, device=dev)   # both, the rate measured now
 """
 
 from __future__ import annotations
@@ -162,5 +163,20 @@ def floor_seconds(flops: int | float, matmul_tflops: float) -> float:
     return float(flops) / (matmul_tflops * 1e12)
 
 
+def prefill_floor(model_or_config: nn.Module | Mapping[str, Any] | ModelShapes, prompt_tokens: int, *, batch: int = 1,
+                  chunk: int | None = None, device: Any = "cuda", roof: Mapping[str, Any] | None = None) -> dict:
+    """A prompt's FLOPs (`prefill_flops`) and its floor in seconds at the bf16 matmul rate measured now on `device`
+    (`bench.roofs.measure_matmul_roof`), or at `roof`'s (that function's result, measured earlier in the same run):
+    {"flops": PrefillFlops.as_dict(), "tflops", "floor_s", "chunk_floor_s": each chunk's}."""
+    flops = prefill_flops(model_or_config, prompt_tokens, batch, chunk)
+    if roof is None:
+        from .bench.roofs import measure_matmul_roof
+
+        roof = measure_matmul_roof(device)
+    rate = float(roof["tflops"])
+    return {"flops": flops.as_dict(), "tflops": rate, "floor_s": floor_seconds(flops.total, rate),
+            "chunk_floor_s": [floor_seconds(c, rate) for c in flops.chunks]}
+
+
 __all__ = ["ATTENTION_FLOPS_PER_PAIR_PER_DIM", "AttentionShape", "ModelShapes", "PrefillFlops", "causal_pairs",
-           "floor_seconds", "model_shapes", "prefill_flops", "window_pairs"]
+           "floor_seconds", "model_shapes", "prefill_flops", "prefill_floor", "window_pairs"]
