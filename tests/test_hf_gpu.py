@@ -221,3 +221,28 @@ def test_a_stop_after_a_step_run_ahead_leaves_the_cache_as_transformers_loop(gpu
     assert got.shape[1] < ids.shape[1] + NEW and rewound == 1  # the stop came early and took a step back
     assert torch.equal(got, want) and state == want_state
     assert torch.equal(logits, want_logits), "the step after the stop read another cache"
+
+
+@pytest.mark.parametrize("fmt", ["folded", "split"])
+def test_a_reset_cache_replays_its_graph_for_a_second_generate(gpu_models, batch, fmt):
+    """A FoldKvCache with the CUDA-graph decode step, reset after one generate() and given a second batch of the same
+    shape: the same graph replayed (not captured again: the step's graph object and capture time unchanged), the
+    greedy tokens and logits of a fresh cache bit for bit (tests/test_hf_reset_cpu.py holds the same on the CPU with
+    the static step)."""
+    from foldkv.hf import FoldKvCache
+
+    model = gpu_models["foldkv"]
+    ids, mask = batch
+    second = (ids.flip(0), mask.flip(0))  # the same shape, other prompts per row
+
+    def cache():
+        return FoldKvCache(model, max_batch=4, max_tokens=ids.shape[1] + NEW, kv_format=fmt, decode_step="graph")
+
+    used = cache()
+    _run(model, batch, used)
+    step = used.decode_step
+    graph, captured = step.graph, step.capture_s
+    used.reset()
+    got, want = _run(model, second, used), _run(model, second, cache())
+    assert used.decode_step is step and step.graph is graph and step.capture_s == captured
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -113,7 +113,7 @@ def test_a_prompt_after_decoding_is_refused(models, batch):
     cache = _cache(model, decode_step="static")
     _run(model, batch, cache)
     ids, mask = batch
-    with pytest.raises(FoldKvInputError, match="decodes one token per sequence since its decode step began"):
+    with pytest.raises(FoldKvInputError, match=f"holds {cache.get_seq_length()} tokens a sequence .*from an earlier"):
         model(input_ids=ids[:, :2], attention_mask=mask[:, :2], **{cache_keyword(model): cache})
     cache.reset()  # a reset cache serves a new prompt
     assert torch.equal(_run(model, batch, cache)[0], _run(model, batch, _cache(model, decode_step="eager"))[0])
@@ -259,7 +259,7 @@ def test_a_model_cast_to_bf16_is_served(models, batch):
 
 # Bad uses of a FoldKvCache in generate(): each refused by name before a pool is written, or served correctly.
 @pytest.mark.parametrize("use,match", [
-    ("second_generate", "a new prompt on a used FoldKvCache"),
+    ("second_generate", r"holds \d+ tokens a sequence .*from an earlier generate\(\); call cache.reset\(\)"),
     ("only_padding", "have a prompt of padding only"),
     ("another_model", "this FoldKvCache was made for another model"),
 ])

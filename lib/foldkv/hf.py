@@ -32,7 +32,9 @@ Refusals (FoldKvInputError / ConfigError) come before anything is written: a mod
 k_eq_v, Gemma 4 variants whose later layers reuse another layer's KV (num_kv_shared_layers > 0), an attention
 implementation other than foldkv's, a batch above `max_batch`, a forward that would take a sequence past
 `max_tokens` columns (checked before the first layer of that forward writes; with `max_new_tokens` given, the prompt
-is refused when prompt + max_new_tokens does not fit), right padding, beam search (reorder/crop/select).
+is refused when prompt + max_new_tokens does not fit), right padding, beam search (reorder/crop/select), a new prompt
+on a cache that still holds an earlier generate()'s tokens ("this FoldKvCache holds N tokens a sequence from an
+earlier generate()"; `cache.reset()` empties it for the next one and keeps its pages and its decode step).
 
 Written against transformers 5.5 to 5.24 (tests/test_hf_cpu.py passes on 5.5, 5.17 and 5.24): `AttentionInterface`,
 `AttentionMaskInterface`, `Cache` / `CacheLayerMixin`, the full-attention mask call without `local_size` and the
@@ -51,7 +53,7 @@ from torch import nn
 from .config import AttentionGeometry, ConfigError, geometry_from_config
 from .fp8 import FP8_DTYPE
 from .fused_step import norm_eps
-from .hf_graph import STEP_MODES, DecodeStep, RingMask, cache_keyword, install, ring_attention
+from .hf_graph import STEP_MODES, DecodeStep, RingMask, cache_keyword, install, ring_attention, used_cache_error
 from .layout import KvFormat
 from .pool import BlockTable, PagedKvLayout, PagedKvPool
 from .prep import fold_query, rope_inv_freq, rows_from_key_value, write_tokens
@@ -187,16 +189,19 @@ class NewRows:
 
 
 def _new_tokens(attention_mask: torch.Tensor | None, q_length: int, kv_length: int, kv_offset: int) -> NewTokens | None:
-    """Which of the forward's q_length new columns are real, from transformers' 2D padding mask (None: all are)."""
+    """Which of the forward's q_length new columns are real, from transformers' 2D padding mask (None: all are).
+    A forward with no new column, or a mask that does not cover what the cache holds, is a new prompt on a cache that
+    still holds an earlier generate()'s tokens (generate() takes the cache's columns as the prompt's first ones):
+    refused here, before the first layer writes."""
+    end = kv_offset + kv_length
+    if q_length == 0 and end > 0:  # a prompt no longer than what the cache holds: generate() left no column of it
+        raise used_cache_error(end)
     if attention_mask is None:
         return None
-    end = kv_offset + kv_length
     mask = attention_mask.to(torch.bool)
     if mask.shape[-1] < end:  # the mask may stop short of the new columns (transformers pads it with False)
         if mask.shape[-1] < end - q_length:  # it does not even cover what the cache holds
-            raise FoldKvInputError(
-                f"the attention mask covers {mask.shape[-1]} columns, the cache already holds {end - q_length}: a new"
-                " prompt on a used FoldKvCache (a second generate()?); reset() the cache or make a new one")
+            raise used_cache_error(end - q_length)
         mask = torch.nn.functional.pad(mask, (0, end - mask.shape[-1]))
     real = mask[:, end - q_length:end]  # [B, T]
     host = real.cpu()
@@ -364,10 +369,16 @@ class FoldKvLayer(CacheLayerMixin):
     get_max_cache_shape = get_max_length  # the same question under its name before transformers 5.17
 
     def reset(self) -> None:
+        """No token held: lengths, columns and the tables' lengths zero, the pool poisoned again. The table keeps the
+        pages it was granted (the cache's capacity, whose page ids a decode step holds on the device)."""
         self.lengths = [0] * self.cache.max_batch
         self.columns = 0
+        self.host_table.seq_lens.zero_()
+        self.device_table.seq_lens.zero_()
         if self.cache.poison:
             self.pool.data.fill_(float("nan"))
+            if self.pool.scales is not None:
+                self.pool.scales.fill_(float("nan"))
 
     def offload(self):
         raise FoldKvInputError("a FoldKvCache is not offloaded")
@@ -536,7 +547,7 @@ class FoldKvCache(Cache):
             if i in global_layers:
                 layers.append(FoldKvLayer(self, i, global_geometry(text_model, text_model.layers[i].self_attn)))
             elif layer_type == "sliding_attention":
-                layers.append(DynamicSlidingWindowLayer(sliding_window=cfg.sliding_window))
+                layers.append(self._sliding_layer())
             else:
                 raise ConfigError(f"layer {i} is of type {layer_type!r}; foldkv serves Gemma 4's sliding and full"
                                   " attention layers")
@@ -600,12 +611,24 @@ class FoldKvCache(Cache):
                 f" max_tokens={self.max_tokens}")
         self.batch = batch
 
-    def reset(self):
-        super().reset()
+    def _sliding_layer(self) -> DynamicSlidingWindowLayer:
+        return DynamicSlidingWindowLayer(sliding_window=self.sliding_window)
+
+    def reset(self) -> None:
+        """Empty the cache so that it serves another generate() (as transformers' `StaticCache.reset()`): the global
+        layers hold no token (`FoldKvLayer.reset`; each keeps its pages, so the pools' ownership is unchanged), every
+        sliding layer is a new empty one (transformers' own layer reset zeroes the held columns in place and keeps
+        them in transformers 5.17), the batch is free again, and the decode step is the same object, reset
+        (`DecodeStep.reset`: its fixed tensors and captured graph serve the next prompt of the same shape)."""
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, FoldKvLayer):
+                layer.reset()
+            else:
+                self.layers[i] = self._sliding_layer()
         self.batch, self._plan = None, None
         self._graphs.clear()
         if self.decode_step is not None:
-            self.decode_step = self.step_class(self, self.decode_step.mode)
+            self.decode_step.reset()
 
     # attention over a pool --------------------------------------------------------------------------------------
     def _load_kernels(self) -> None:

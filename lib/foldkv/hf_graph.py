@@ -28,7 +28,7 @@ Modes: "graph" (CUDA, kernel attention) captures the step after running it once 
 warm-up); "static" runs the same fixed-address step eagerly every step (any device; with attention="reference" the
 float64 reference reads the pool through the host table): the CPU tests hold the static step to the eager path, the GPU
 tests the graph to both. Once a cache decodes through its step, it only decodes: a forward of more than one token per
-sequence is refused until `reset()`.
+sequence is refused until `reset()`, which keeps the step's fixed tensors (and its graph) for the next prompt.
 """
 
 from __future__ import annotations
@@ -102,9 +102,7 @@ class DecodeStep:
         ids = kwargs.get("input_ids")
         if self.started:
             if ids is None or kwargs.get("inputs_embeds") is not None or ids.shape[1] != 1:
-                raise FoldKvInputError(
-                    "a new prompt on a used FoldKvCache (a second generate()?): this cache decodes one token per"
-                    " sequence since its decode step began; reset() it (or make a new cache) before a new prompt")
+                raise used_cache_error(self.cache.global_layers[0].columns)
             return True
         c = self.cache
         if not (ids is not None and kwargs.get("inputs_embeds") is None and ids.dim() == 2 and ids.shape[1] == 1
@@ -170,6 +168,14 @@ class DecodeStep:
         """A fresh plan for the lengths the host holds now (after `rewind`)."""
         if self.ws is not None:
             self.ws.plan(self.lens)
+
+    def reset(self) -> None:
+        """Ready for the cache's next generate() (`FoldKvCache.reset`): the next decode step starts again from that
+        prompt's state. The fixed tensors stay where they are and are refilled in place (`_refill`), so a captured
+        graph is replayed again rather than captured anew when the next batch has this one's shape and keywords."""
+        self.started = False
+        self.steps = 0
+        self.host_s = []
 
     def room(self) -> int:
         """Decode steps the cache still holds columns for."""
@@ -243,6 +249,8 @@ class DecodeStep:
         lens0 = list(first.lengths[:b])  # real tokens held before this step
         c.refuse_padding_only(lens0)
         cols = first.columns  # columns (padding included) before this step: the new token's column
+        if self._refillable(kwargs):  # a step of this shape ran before the cache's reset(): its addresses serve
+            return self._refill(forward, kwargs, lens0, cols)
         long = dict(dtype=torch.long, device=dev)
         self.lens = [n + 1 for n in lens0]
         self.dev_lens = torch.tensor(lens0, **long)
@@ -259,10 +267,7 @@ class DecodeStep:
         self.mask = torch.zeros(b, 1, 1, self.window, dtype=torch.bool, device=dev)
         self.rings = {i: self._ring(layer, cols) for i, layer in enumerate(c.layers) if c.is_sliding_layer(i)}
         self.ws = self._global_workspace(first)
-        keyword = c.cache_keyword
-        self.kwargs = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "position_ids",
-                                                                     "cache_position", keyword)}
-        self.kwargs[keyword] = c
+        self.kwargs = self._step_kwargs(kwargs)
         from .hf import NewTokens  # the global layers' "mask": one real token per sequence
 
         self.masks = {"full_attention": NewTokens(torch.ones(b, 1, dtype=torch.bool, device=dev), (1,) * b),
@@ -291,6 +296,45 @@ class DecodeStep:
         torch.cuda.current_stream(dev).wait_stream(stream)
         self.capture_s = time.perf_counter() - t0
         return out
+
+    def _step_kwargs(self, kwargs: dict) -> dict:
+        """The forward's keywords the step passes on (the ones it replaces taken out, the cache's keyword its own)."""
+        keyword = self.cache.cache_keyword
+        out = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "position_ids",
+                                                             "cache_position", keyword)}
+        out[keyword] = self.cache
+        return out
+
+    def _refillable(self, kwargs: dict) -> bool:
+        """Whether this step ran before (then `reset()`) for a batch of the same shape with the same keywords: its
+        fixed tensors (and its graph, which read them) serve the new prompt once refilled."""
+        held = getattr(self, "kwargs", None)
+        if held is None or self.ids.shape != kwargs["input_ids"].shape:
+            return False
+        new = self._step_kwargs(kwargs)
+        return held.keys() == new.keys() and all(
+            a is b or (not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b)
+            for a, b in ((held[k], new[k]) for k in new))
+
+    def _refill(self, forward: Callable, kwargs: dict, lens0: list[int], cols: int) -> Any:
+        """The first decode step after the cache's reset(), at the addresses `_start` made: the lengths, padding,
+        column, token ids and rings of the new prompt copied in place, the global decode planned again (the page ids
+        are the same: the cache's tables keep their pages), then the step run (static) or the graph replayed."""
+        self.lens = [n + 1 for n in lens0]
+        self.dev_lens.copy_(torch.tensor(lens0))
+        self.pad.copy_(torch.tensor([cols - n for n in lens0]))
+        self.col.fill_(cols)
+        self.ids.copy_(kwargs["input_ids"])
+        for i, (ring_k, ring_v) in self.rings.items():
+            k, v = self._ring(self.cache.layers[i], cols)
+            ring_k.copy_(k)
+            ring_v.copy_(v)
+        self.host_replan()
+        self.started = True
+        if self.mode == "static":
+            return self._body(forward)
+        self.graph.replay()
+        return self.output
 
     def _ring(self, layer: Any, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sliding layer's (K, V) rings [B, Hkv, W, d] holding the columns its dynamic cache kept, column c in slot
@@ -378,6 +422,12 @@ class DecodeStep:
                 "host_s_median": mid, "host_s_max": replays[-1] if replays else None}
 
 
+def used_cache_error(columns: int) -> FoldKvInputError:
+    """The refusal of a new prompt on a FoldKvCache that still holds an earlier generate()'s tokens."""
+    return FoldKvInputError(f"this FoldKvCache holds {columns} tokens a sequence (padding included) from an earlier"
+                            " generate(); call cache.reset() or make a new one")
+
+
 def cache_keyword(model: torch.nn.Module) -> str:
     """forward()'s / generate()'s cache keyword: `cache` in transformers >= 5.24, `past_key_values` before."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -420,4 +470,5 @@ def install(model: torch.nn.Module) -> None:
         model.generate = types.MethodType(generate, model)
 
 
-__all__ = ["DecodeStep", "RingMask", "STEP_MODES", "REPLAN_STEPS", "cache_keyword", "install", "ring_attention"]
+__all__ = ["DecodeStep", "RingMask", "STEP_MODES", "REPLAN_STEPS", "cache_keyword", "install", "ring_attention",
+           "used_cache_error"]
