@@ -400,7 +400,7 @@ RING_GEOMETRIES = {"31b": (32, 16, 256, 1024, 1.0), "synthetic": (32, 4, 32, 128
 
 
 def scaled_module(scaling: float) -> torch.nn.Module:
-    """A module with only `scaling`: what `hf_graph.ring_attention` reads of its attention module."""
+    """A module with only `scaling`: what `ring.ring_attention` reads of its attention module."""
     module = torch.nn.Module()
     module.scaling = scaling
     return module

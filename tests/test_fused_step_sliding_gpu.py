@@ -6,7 +6,7 @@ Bounds, from where each op rounds:
   (themselves held to the modules in test_fused_step_gpu.py): bitwise those two kernels; v_norm bitwise `rms_norm`
   without weight. The rings: the step's slot holds those rows, every other slot is unchanged.
 - the whole step (tiny synthetic Gemma 4, rings wrapping): the ring attention after them is the same
-  `hf_graph.ring_attention` either way, so FUSE_SLIDING on and off give bitwise the same greedy tokens and logits; the
+  `ring.ring_attention` either way, so FUSE_SLIDING on and off give bitwise the same greedy tokens and logits; the
   graph replays the static step bit for bit.
 - sliding_prologue: both in one launch (`fused_step_kernels.sliding_prologue_rows`, the two kernels' row bodies
   side by side), bitwise the two launches (conftest.two_launch_prologue) into a poisoned slot, with PDL and without,

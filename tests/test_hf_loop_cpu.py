@@ -1,5 +1,5 @@
 """generate()'s thin decoding loop (`foldkv.hf_loop.decode_loop`, made generate()'s decoding method by
-`hf_graph.install` for a FoldKvCache with a decode step) against transformers' own loop (`GenerationMixin._sample`), on
+`hf_loop.install` for a FoldKvCache with a decode step) against transformers' own loop (`GenerationMixin._sample`), on
 the CPU with decode_step="static": the same tokens (greedy, sampling, EOS with the padding after it), the thin path
 taking every decode step after the capturing one (counted exactly in `hf_loop.LOOP_STEPS`), and every call it does
 not cover (beams, a dict of outputs, a streamer, stop strings with their tokenizer) left to transformers.

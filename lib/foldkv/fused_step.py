@@ -18,7 +18,7 @@ the block (the step `foldkv.hf_graph` runs and captures), each of them for one k
   `sliding_prologue`): what `q_norm_rope` (q_norm then RoPE of each query head, read in place from the GEMV's output)
   and `kv_to_ring` (k_norm + RoPE and v_norm written straight into the rings' slot for this step, read on the device:
   update_sliding's two index_copy_) compute, their row bodies side by side in one kernel; the ring attention itself
-  stays `hf_graph.ring_attention`.
+  stays `ring.ring_attention`.
 - a global (k_eq_v) layer's attention inside DecodeStep's step (`global_forward_route`: a bf16 pool the workspace
   decodes; `FUSE_GLOBAL_PROLOGUE`), between the q|k GEMV and o_proj: its five norm and RoPE launches and
   `foldkv.global_step`'s query and row kernels as two PDL kernels (`global_step.query_from_projection`,
@@ -45,13 +45,15 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from . import gemv, global_step
+from . import gemv, global_step, ring
 from .fused_step_ops import (_norm_add, gelu_mul, kv_to_ring, masked_softmax, norm_add_norm,  # noqa: F401
                              norm_add_scale, norm_eps, q_norm_rope, rms_norm, rope,  # (the public ones: __all__)
                              sliding_prologue)
+from .masks import SLIDING_IMPLEMENTATION, RingMask
+from .transformers_compat import cache_of, has_forward_hooks
 
 
-FUSE_SLIDING = True  # False: sliding layers run transformers' forward and hf_graph.ring_attention (the tests compare)
+FUSE_SLIDING = True  # False: sliding layers run transformers' forward and ring.ring_attention (the tests compare)
 FUSE_GLOBAL_PROLOGUE = True  # False: global layers run transformers' forward into DecodeStep.attend (the tests compare)
 
 
@@ -81,7 +83,7 @@ def foreign_projection(lin: nn.Module) -> bool:
     would skip that work, so such a projection is neither merged, branched nor swapped."""
     w = getattr(lin, "weight", None)
     return ((isinstance(w, torch.Tensor) and type(w.data) is not torch.Tensor) or "forward" in lin.__dict__
-            or bool(lin._forward_hooks or lin._forward_pre_hooks))
+            or has_forward_hooks(lin))
 
 
 def _mergeable(linears: list[nn.Module]) -> bool:
@@ -307,8 +309,8 @@ def _tail_projection(owner: nn.Module, lin: nn.Module, x: torch.Tensor) -> torch
     """lin(x), whose partials are left to the layer's norm (held on the owner for `_unsummed`) when the owner's output
     is read by `_layer_forward` alone (marked on entry, no hooks) and the kernel splits K."""
     ours = getattr(lin.__dict__.get("forward"), "func", None) is _projection_forward
-    if not (TAIL_SUMS and ours and owner.__dict__.get("_foldkv_tail") and not (
-            owner._forward_hooks or lin._forward_hooks or nn.modules.module._global_forward_hooks)):
+    if not (TAIL_SUMS and ours and owner.__dict__.get("_foldkv_tail")
+            and not has_forward_hooks(owner, lin, pre=False, global_hooks=True)):
         return lin(x)
     y, parts = gemv.linear_unsummed(x, lin.weight, lin.bias)
     if parts is not None:
@@ -371,22 +373,17 @@ def sliding_route(attn: nn.Module, kwargs: dict) -> tuple | str:
     """Where a sliding attention call goes: (ring K, ring V, slot, mask [B, 1, 1, W]) when it is a decode step of
     `foldkv.hf_graph.DecodeStep` that the fused ring attention computes (the mask a RingMask: the cache's started step
     made it; the step holds this layer's ring and stores sliding rows with DecodeStep.update_sliding; the model's
-    attention is foldkv's, which sends a RingMask to hf_graph.ring_attention; one token per sequence on CUDA), else
+    attention is foldkv's, which sends a RingMask to ring.ring_attention; one token per sequence on CUDA), else
     the reason it keeps transformers' forward (prefill, eager decode, CPU, FUSE_SLIDING off)."""
     if not FUSE_SLIDING:
         return "FUSE_SLIDING is off"
-    from .hf_graph import DecodeStep, RingMask
-
     mask = kwargs.get("attention_mask")
     if not isinstance(mask, RingMask):
         return "not a ring step (no RingMask: prefill or eager decode)"
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    step = getattr(cache, "decode_step", None)
-    ring = step.sliding_ring(attn.layer_idx) if isinstance(step, DecodeStep) else None
+    step = getattr(cache_of(kwargs), "decode_step", None)  # the cache's DecodeStep (foldkv.hf_graph), or None
+    ring = step.sliding_ring(attn.layer_idx) if step is not None else None
     if ring is None:
         return "the cache's decode step holds no ring of this layer it stores with DecodeStep.update_sliding"
-    from .hf import SLIDING_IMPLEMENTATION
-
     if getattr(attn.config, "_attn_implementation", None) not in SLIDING_IMPLEMENTATION:
         return "the model's attention is not foldkv's"
     x, pe = kwargs.get("hidden_states"), kwargs.get("position_embeddings")
@@ -405,7 +402,7 @@ def _sliding_forward(attn: nn.Module, *args, **kwargs):
     """Gemma4TextAttention.forward of a sliding layer inside DecodeStep's step (`sliding_route`) as the q|k|v
     projections (merged or branched: the swapped q_proj / k_proj / v_proj), `sliding_prologue` (`q_norm_rope`, and
     `kv_to_ring`: the step's rows into the rings at the step's slot, what update_sliding stores),
-    `hf_graph.ring_attention` and o_proj; every other call is the class's forward."""
+    `ring.ring_attention` and o_proj; every other call is the class's forward."""
     route = "positional arguments" if args else sliding_route(attn, kwargs)
     if isinstance(route, str):
         return type(attn).forward(attn, *args, **kwargs)
@@ -416,9 +413,7 @@ def _sliding_forward(attn: nn.Module, *args, **kwargs):
     q = sliding_prologue(attn, q, k, v, cos, sin, ring_k, ring_v, slot)
     if getattr(attn, "store_full_length_kv", False):  # what the class's forward hands on: update_sliding's rings
         kwargs["shared_kv_states"][attn.layer_type] = ring_k, ring_v
-    from .hf_graph import RingMask, ring_attention
-
-    out, _ = ring_attention(attn, q[:, :, None], ring_k, ring_v, RingMask(mask))
+    out, _ = ring.ring_attention(attn, q[:, :, None], ring_k, ring_v, RingMask(mask))
     return _tail_projection(attn, attn.o_proj, out.reshape(x.shape[0], 1, -1)), None
 
 
@@ -440,17 +435,13 @@ def global_forward_route(attn: nn.Module, kwargs: dict) -> tuple | str:
     off)."""
     if not FUSE_GLOBAL_PROLOGUE:
         return "FUSE_GLOBAL_PROLOGUE is off"
-    from .hf import SLIDING_IMPLEMENTATION, FoldKvLayer
-    from .hf_graph import DecodeStep
-
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    step = getattr(cache, "decode_step", None)
-    if not (isinstance(step, DecodeStep) and step.started):
+    step = getattr(cache_of(kwargs), "decode_step", None)  # the cache's DecodeStep (foldkv.hf_graph), or None
+    if not (step is not None and step.started):
         return "not a started decode step"
     if getattr(attn.config, "_attn_implementation", None) not in SLIDING_IMPLEMENTATION:
         return "the model's attention is not foldkv's"
-    layer = cache.layers[attn.layer_idx] if attn.layer_idx < len(cache.layers) else None
-    if not isinstance(layer, FoldKvLayer):
+    layer = step.global_layer(attn.layer_idx)
+    if layer is None:
         return "not a foldkv global layer"
     geom = layer.geometry
     x, pe = kwargs.get("hidden_states"), kwargs.get("position_embeddings")

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from . import gemv
+from .transformers_compat import norm_eps
 
 _KERNELS: dict | None = None
 
@@ -73,12 +74,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     _kernels()["rms_norm"][(rows,)](src, weight if weight is not None else out, out, n, inner, outer, float(eps),
                                     HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=_warps(block), **_pdl(x))
     return out.view(x.shape)
-
-
-def norm_eps(norm: nn.Module) -> float:
-    """A Gemma 4 RMSNorm's epsilon: `eps` up to transformers 5.24, `variance_epsilon` from 5.25."""
-    eps = getattr(norm, "eps", None)
-    return float(norm.variance_epsilon if eps is None else eps)
 
 
 def _norm_args(norm: nn.Module | None) -> tuple:
@@ -166,7 +161,7 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype)
 # and k (2), index_copy of k and v into the rings (2), then ring_attention's q.K^T matmul, masked softmax and P.V
 # matmul (3): 10 launches. `q_norm_rope` and `kv_to_ring` do the first 7 at torch's rounding points, and
 # `sliding_prologue` runs both in one launch; the ring attention stays cuBLAS's two batched matmuls around the fused
-# softmax (`hf_graph.ring_attention`): the Triton kernels tried for it were slower on the 31B
+# softmax (`ring.ring_attention`): the Triton kernels tried for it were slower on the 31B
 # (bench/versions/ring_attention_triton.py, ring_attention_split.py, ring_attention_one_launch.py).
 
 

@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
-from .fused_step_ops import _block, _head_rows, _pdl, _rope_table, _warps, norm_eps
+from .fused_step_ops import _block, _head_rows, _pdl, _rope_table, _warps
 from .layout import KvFormat, rotated_columns, score_window_columns, value_window_columns
+from .transformers_compat import norm_eps
 
 FUSE_GLOBAL = True  # False: every global layer takes the torch path (the tests and the probe compare)
 BF16 = torch.bfloat16
@@ -163,9 +164,7 @@ def global_route(step: Any, layer: Any, module: torch.nn.Module, query: torch.Te
         return "FUSE_GLOBAL is off"
     if getattr(step, "ws", None) is None:
         return "no foldkv DecodeWorkspace (reference attention, or another library's global decode)"
-    from .hf_graph import DecodeStep
-
-    if type(step)._global_decode is not DecodeStep._global_decode:
+    if not step.serves_global_decode():
         return f"{type(step).__name__} decodes the global layers its own way"
     pool, geom = layer.pool, layer.geometry
     why = describe_pool(pool)

@@ -33,26 +33,30 @@ is refused when prompt + max_new_tokens does not fit), right padding, beam searc
 
 Written against transformers 5.5 to 5.24 (tests/test_hf_cpu.py passes on 5.5, 5.17 and 5.24): `AttentionInterface`,
 `AttentionMaskInterface`, `Cache` / `CacheLayerMixin`, the full-attention mask call without `local_size` and the
-sliding one with it. transformers is imported only here, so `import foldkv` works without it.
+sliding one with it. transformers is imported by this module at its top and by `foldkv.transformers_compat` (every
+private or version-dependent call, inside its functions) only, so `import foldkv` works without it. Layers import one
+way: this adapter imports the decode step (`foldkv.hf_graph`, `foldkv.hf_loop`), never the reverse.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from .config import AttentionGeometry, ConfigError, geometry_from_config
+from . import ring
 from .fp8 import FP8_DTYPE
-from .fused_step import norm_eps
-from .hf_graph import STEP_MODES, DecodeStep, RingMask, cache_keyword, install, ring_attention
+from .hf_graph import STEP_MODES, DecodeStep
+from .hf_loop import install
 from .layout import KvFormat
+from .masks import SLIDING_IMPLEMENTATION, NewTokens, RingMask
 from .pool import BlockTable, PagedKvLayout, PagedKvPool
 from .prep import fold_query, rope_inv_freq, rows_from_key_value, write_tokens
 from .reference import paged_attention_reference
+from .transformers_compat import cache_keyword, norm_eps
 from .validate import FoldKvInputError, check_device
 
 from transformers import AttentionInterface, Cache
@@ -60,8 +64,6 @@ from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, causal_mask_function
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-# The attention implementations this module registers, each with the implementation its sliding layers keep.
-SLIDING_IMPLEMENTATION = {"foldkv": "sdpa", "foldkv_eager": "eager"}
 ATTENTION_BACKENDS = ("auto", "reference", "kernel")
 
 
@@ -156,15 +158,6 @@ def tensor_parallel_ranks(attn: nn.Module, geom: AttentionGeometry) -> int:
 
 # --- what flows from update / the mask to the attention function ----------------------------------------------------
 
-@dataclass(frozen=True)
-class NewTokens:
-    """The full-attention "mask" of one forward: real [B, T] bool on the model's device (True: a real token of that
-    sequence; padding is on the left) and counts, the real tokens of each sequence among the T new columns (host)."""
-
-    real: torch.Tensor
-    counts: tuple[int, ...]
-
-
 class NewRows:
     """What a FoldKvLayer's `update` returns in place of the cached K/V: the step's new key and value ([B, Hkv, T, D],
     normed and RoPE'd, the model's dtype) and the layer that stores them. Only foldkv's attention reads it."""
@@ -238,7 +231,7 @@ def _attention(module: nn.Module, query: torch.Tensor, key: Any, value: Any, att
     Returns ([B, T, Hq, D] in query's dtype, None)."""
     if getattr(module, "is_sliding", False):
         if isinstance(attention_mask, RingMask):  # a decode step through the cache's DecodeStep
-            return ring_attention(module, query, key, value, attention_mask)
+            return ring.ring_attention(module, query, key, value, attention_mask)
         return _sliding_attention(sliding, module, query, key, value, attention_mask, **kwargs)
     if not isinstance(key, NewRows):
         raise FoldKvInputError(

@@ -29,21 +29,24 @@ warm-up); "static" runs the same fixed-address step eagerly every step (any devi
 float64 reference reads the pool through the host table): the CPU tests hold the static step to the eager path, the GPU
 tests the graph to both. Once a cache decodes through its step, it only decodes: a forward of more than one token per
 sequence is refused until `reset()`.
+
+Layers: this module imports the fused forward (`foldkv.fused_step`), the global layers' kernels (`foldkv.global_step`),
+the masks (`foldkv.masks`) and nothing of the transformers adapter above it: the adapter (`foldkv.hf`) makes the step
+with its cache, and `foldkv.hf_loop.install` routes the model's forward and generate() through it. What the lower
+modules ask of the step they get from the step object the cache carries (`sliding_ring`, `global_layer`,
+`serves_global_decode`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import time
-import types
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from . import global_step
+from . import fused_step as swap, global_step
+from .masks import NewTokens, RingMask
 from .prep import fold_query, rows_from_key_value, store_rows
 from .reference import paged_attention_reference
 from .pool import BlockTable
@@ -51,37 +54,6 @@ from .validate import FoldKvInputError
 
 STEP_MODES = ("graph", "static", "eager")
 REPLAN_STEPS = 64  # advance() lengthens each request's last chunk; a fresh plan every 64 steps keeps the cut even
-
-
-@dataclass(frozen=True)
-class RingMask:
-    """The sliding layers' mask of a decode step: mask [B, 1, 1, W] bool (True: attend) over the ring's slots."""
-
-    mask: torch.Tensor
-
-
-def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   mask: RingMask, out: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
-    """A sliding layer's decode attention over its ring, computed as transformers' eager attention computes it (scores
-    by a matmul in the model's dtype, softmax in float32, rounded back, a matmul with V). query [B, Hq, 1, d],
-    key/value [B, Hkv, W, d]: each KV head's query heads (h = kv * group + r, transformers' repeat_kv order) become
-    that head's query rows, so no K/V is repeated. Two batched matmuls over B x Hkv heads keep the whole chip busy
-    where an SDPA kernel parallel over heads and query rows runs B x Hkv CTAs (16 at batch 1). Returns
-    ([B, 1, Hq, d], None), what transformers' attention functions return; `out` ([B, Hkv, Hq / Hkv, d] packed): P.V
-    written there (the lab's ring attention in parts writes each part into its slice)."""
-    b, hq, _, d = query.shape
-    hkv = key.shape[1]
-    q = query.reshape(b, hkv, hq // hkv, d)
-    scores = torch.matmul(q, key.transpose(-1, -2))  # [B, Hkv, group, W]
-    if float(module.scaling) != 1.0:
-        scores = scores * float(module.scaling)
-    if scores.is_cuda:  # one kernel for the float32 cast, the mask, the softmax and the rounding
-        from .fused_step import masked_softmax
-
-        probs = masked_softmax(scores, mask.mask, value.dtype)
-    else:
-        probs = torch.softmax(scores.float().masked_fill(~mask.mask, float("-inf")), dim=-1).to(value.dtype)
-    return torch.matmul(probs, value, out=out).reshape(b, 1, hq, d), None
 
 
 class DecodeStep:
@@ -245,18 +217,15 @@ class DecodeStep:
         self.kwargs = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "position_ids",
                                                                      "cache_position", keyword)}
         self.kwargs[keyword] = c
-        from .hf import NewTokens  # the global layers' "mask": one real token per sequence
-
+        # the global layers' "mask": one real token per sequence
         self.masks = {"full_attention": NewTokens(torch.ones(b, 1, dtype=torch.bool, device=dev), (1,) * b),
                       "sliding_attention": RingMask(self.mask)}
         self.started = True
         self.model = getattr(forward, "__self__", None)
         self.fuse = dev.type == "cuda" and self.model is not None
         if self.fuse:  # before the warm-up: the merged weights are allocated once, on the current stream
-            from .fused_step import MERGE, merge_projections
-
-            if MERGE:
-                merge_projections(self.model)
+            if swap.MERGE:
+                swap.merge_projections(self.model)
         if self.mode == "static":
             return self._body(forward)
         from .kernels.workspace import capture_graph
@@ -309,9 +278,7 @@ class DecodeStep:
         activation and residual tails run as a few fused kernels (`foldkv.fused_step`)."""
         self._prologue()
         if self.fuse:
-            from .fused_step import fused_step
-
-            fused = fused_step(self.model)
+            fused = swap.fused_step(self.model)
         else:
             fused = contextlib.nullcontext()
         with fused:
@@ -335,6 +302,17 @@ class DecodeStep:
             return None
         ring = self.rings.get(layer_idx)
         return None if ring is None else (ring[0], ring[1], self.slot)
+
+    def global_layer(self, layer_idx: int) -> Any:
+        """The cache's FoldKvLayer at `layer_idx` (what `foldkv.fused_step`'s fused global forward stores into and
+        decodes over), None for a sliding layer or an index past the cache's layers."""
+        c = self.cache
+        return c.layers[layer_idx] if layer_idx < len(c.layers) and not c.is_sliding_layer(layer_idx) else None
+
+    def serves_global_decode(self) -> bool:
+        """Whether the global layers' decode is DecodeStep's own (`_global_decode`: its workspace); False for a
+        subclass that decodes them another way (a lab arm's other library): `global_step.global_route` asks."""
+        return type(self)._global_decode is DecodeStep._global_decode
 
     def attend(self, layer: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor) -> torch.Tensor:
@@ -360,44 +338,14 @@ class DecodeStep:
                 "host_s_median": mid, "host_s_max": replays[-1] if replays else None}
 
 
-def cache_keyword(model: torch.nn.Module) -> str:
-    """forward()'s / generate()'s cache keyword: `cache` in transformers >= 5.24, `past_key_values` before."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+_MOVED = {"ring_attention": "foldkv.ring.ring_attention", "install": "foldkv.hf_loop.install",
+          "cache_keyword": "foldkv.transformers_compat.cache_keyword"}
 
 
-def install(model: torch.nn.Module) -> None:
-    """Route `model`'s forward through the decode step of the FoldKvCache it is called with (idempotent), and make
-    generate()'s decoding loop `foldkv.hf_loop.decode_loop` when that cache has a decode step and the call is greedy or
-    sampling (`hf_loop.applies`; a `custom_generate` the caller passes wins). The wrappers are methods bound to the
-    model (a copy of the model, `copy.deepcopy`, gets its own), keep the class methods' signatures (functools.wraps:
-    generate() reads forward's) and call them for every other call."""
-    if isinstance(vars(model).get("forward"), types.MethodType) and getattr(vars(model)["forward"], "_foldkv", False):
-        return
-    own_forward = type(model).forward
-
-    @functools.wraps(own_forward)
-    def forward(self, *args, **kwargs):
-        own = own_forward.__get__(self)
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        step = getattr(cache, "decode_step", None)
-        if isinstance(step, DecodeStep) and not args and step.takes(kwargs):
-            return step(own, kwargs)
-        return own(*args, **kwargs)
-
-    forward._foldkv = True
-    model.forward = types.MethodType(forward, model)
-    if hasattr(type(model), "generate"):
-        own_generate = type(model).generate
-
-        @functools.wraps(own_generate)
-        def generate(self, *args, **kwargs):
-            from .hf_loop import applies, decode_loop
-
-            if applies(self, kwargs):
-                kwargs["custom_generate"] = decode_loop
-            return own_generate(self, *args, **kwargs)
-
-        model.generate = types.MethodType(generate, model)
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise AttributeError(f"foldkv.hf_graph.{name} moved to {_MOVED[name]}")
+    raise AttributeError(f"module 'foldkv.hf_graph' has no attribute {name!r}")
 
 
-__all__ = ["DecodeStep", "RingMask", "STEP_MODES", "REPLAN_STEPS", "cache_keyword", "install", "ring_attention"]
+__all__ = ["DecodeStep", "RingMask", "STEP_MODES", "REPLAN_STEPS"]
