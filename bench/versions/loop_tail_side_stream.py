@@ -96,14 +96,14 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
             main.wait_stream(side)
             if ahead:
                 step.rewind()
-                hf_loop.LOOP_STEPS["rewound"] += 1
+                step.loop_steps["rewound"] += 1
             return input_ids
         if step.started:
-            hf_loop.LOOP_STEPS["thin"] += 1
+            step.loop_steps["thin"] += 1
             if not ahead:
                 outputs = model(input_ids=step_ids, **{cache_kw: cache})
         else:
-            hf_loop.LOOP_STEPS["transformers"] += 1
+            step.loop_steps["transformers"] += 1
             model_inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
             outputs = model(**model_inputs, return_dict=True)
 

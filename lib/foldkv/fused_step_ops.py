@@ -250,14 +250,13 @@ def kv_to_ring(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps: 
 
 
 def sliding_prologue(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, slot: torch.Tensor, *,
-                     _red_skip_kv: bool = False) -> torch.Tensor:
+                     sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """A sliding layer's decode step before its ring attention, from its projections' outputs q, k, v [B, 1, H * d]:
     what `q_norm_rope` (returned, [B, Hq, d]) and `kv_to_ring` (the step's K and V rows into the rings at `slot`)
     compute, with the module's norms, in one launch (`sliding_prologue_rows`: the two kernels' row bodies side by
     side, so the outputs are bitwise theirs; one launch and one PDL boundary fewer a layer, -0.07 ms a step on the 31B,
-    bench/MODEL_DECODE_NOTES.md run 22). Both calls' checks run before the launch. `_red_skip_kv` (the tests' red
-    twin, never for use): the grid holds the query rows only, so the rings' slot is not written."""
+    bench/MODEL_DECODE_NOTES.md run 22). Both calls' checks run before the launch (its red twin, a grid without the KV
+    rows, is the tests': conftest.sliding_prologue_without_kv)."""
     from .validate import FoldKvInputError
 
     d = ring_k.shape[-1]
@@ -267,6 +266,6 @@ def sliding_prologue(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch
     if dq != dk:
         raise FoldKvInputError(f"q heads of {dq} and rings of {dk}: one head_dim for both")
     q_rows = out.shape[0] * out.shape[1]
-    grid = (q_rows + (0 if _red_skip_kv else kv_rows),)
-    _kernels()["sliding_prologue"][grid](*q_args, *kv_args, q_rows, D=dq, num_warps=_warps(dq), **_pdl(q))
+    _kernels()["sliding_prologue"][(q_rows + kv_rows,)](*q_args, *kv_args, q_rows, D=dq, num_warps=_warps(dq),
+                                                        **_pdl(q))
     return out

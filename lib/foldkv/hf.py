@@ -56,6 +56,7 @@ from .masks import SLIDING_IMPLEMENTATION, NewTokens, RingMask
 from .pool import BlockTable, PagedKvLayout, PagedKvPool
 from .prep import fold_query, rope_inv_freq, rows_from_key_value, write_tokens
 from .reference import paged_attention_reference
+from .step_options import StepOptions, in_force
 from .transformers_compat import cache_keyword, norm_eps
 from .validate import FoldKvInputError, check_device
 
@@ -406,6 +407,9 @@ class FoldKvCache(Cache):
         `DecodeWorkspace`); "static": the same fixed-address step run eagerly (any device; what the graph records);
         "eager" (the default elsewhere): transformers' forward layer by layer, the pools written and read as in the
         prompt's forward.
+    step_options: the decode step's choices (`foldkv.step_options.StepOptions`: merged projections, graph branches,
+        the tail links, the fused sliding and global prologues, the global kernels, PDL); None: those in force where
+        the cache is made (`step_options.using`), the served ones by default.
     cuda_graphs (decode_step="eager", kernel attention): each global layer's decode steps replay one CUDA graph of its
         `foldkv.kernels.workspace.DecodeWorkspace` step; False: the eager launcher with a plan per step.
     Sliding layers are transformers' DynamicSlidingWindowLayer (until a decode step makes them rings).
@@ -418,7 +422,8 @@ class FoldKvCache(Cache):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, page_size: int = 64,
                  attention: str = "auto", backend: str = "jit", max_new_tokens: int | None = None,
                  poison: bool = True, scatter_seed: int | None = None, cuda_graphs: bool = True,
-                 decode_step: str | None = None, fp8_math: str | None = None):
+                 decode_step: str | None = None, fp8_math: str | None = None,
+                 step_options: StepOptions | None = None):
         text_model = text_model_of(model)
         cfg = text_model.config
         impl = getattr(cfg, "_attn_implementation", None)
@@ -465,6 +470,9 @@ class FoldKvCache(Cache):
             raise FoldKvInputError("decode_step='graph' captures the kernels' decode (attention='kernel' on CUDA);"
                                    " decode_step='static' runs the same step on any device")
         self.decode_step_mode = decode_step
+        self.step_options = in_force() if step_options is None else step_options
+        if not isinstance(self.step_options, StepOptions):
+            raise FoldKvInputError(f"step_options={step_options!r}: expected a foldkv.step_options.StepOptions")
         self.decode_step: DecodeStep | None = None
         self.sliding_window = int(getattr(cfg, "sliding_window", 0) or 0)
         self.cache_keyword = cache_keyword(model)
@@ -491,7 +499,7 @@ class FoldKvCache(Cache):
             self._load_kernels()
         super().__init__(layers=layers)
         if decode_step != "eager":
-            self.decode_step = self.step_class(self, decode_step)
+            self.decode_step = self.step_class(self, decode_step)  # its options: the cache's step_options
             install(model)
 
     @property
@@ -622,6 +630,15 @@ class FoldKvCache(Cache):
             self._plan = (lens, plan_decode(layer.pool.layout, table.seq_lens, device=layer.pool.device,
                                             num_sms=wave))
         return self._plan[1]
+
+
+_MOVED = {"ring_attention": "foldkv.ring.ring_attention (the one name every caller reads)"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise AttributeError(f"foldkv.hf.{name} moved: {_MOVED[name]}")
+    raise AttributeError(f"module 'foldkv.hf' has no attribute {name!r}")
 
 
 __all__ = ["FoldKvCache", "FoldKvLayer", "NewRows", "NewTokens", "SLIDING_IMPLEMENTATION", "register",

@@ -49,6 +49,7 @@ from . import fused_step as swap, global_step
 from .masks import NewTokens, RingMask
 from .prep import fold_query, rows_from_key_value, store_rows
 from .reference import paged_attention_reference
+from .step_options import StepOptions, using
 from .pool import BlockTable
 from .validate import FoldKvInputError
 
@@ -60,12 +61,20 @@ class DecodeStep:
     """The fixed-address decode step of one FoldKvCache (module docstring). Made by the cache; `takes` says whether a
     forward is one of its steps, calling it runs (or replays) the step and returns the forward's output."""
 
-    def __init__(self, cache: Any, mode: str):
+    def __init__(self, cache: Any, mode: str, options: StepOptions | None = None):
         if mode not in ("graph", "static"):
             raise FoldKvInputError(f"decode_step={mode!r}: a DecodeStep runs 'graph' or 'static'")
+        if options is None:
+            options = getattr(cache, "step_options", None) or StepOptions()
+        if not isinstance(options, StepOptions):
+            raise FoldKvInputError(f"options={options!r}: a DecodeStep takes a foldkv StepOptions")
         self.cache, self.mode = cache, mode
+        self.options = options  # what the step fuses, merges, overlaps (in force while its forward runs)
         self.started = False
         self.steps = 0  # decode steps run through this object
+        # the steps foldkv.hf_loop's decoding loop issued on this step: thin (after the capture), through transformers'
+        # own path (the prompt's output and the capturing step), and run ahead then taken back at a stop
+        self.loop_steps = {"thin": 0, "transformers": 0, "rewound": 0}
         self.host_s: list[float] = []  # host time of each step's call (run or replay), seconds
         self.capture_s: float | None = None
 
@@ -224,7 +233,7 @@ class DecodeStep:
         self.model = getattr(forward, "__self__", None)
         self.fuse = dev.type == "cuda" and self.model is not None
         if self.fuse:  # before the warm-up: the merged weights are allocated once, on the current stream
-            if swap.MERGE:
+            if self.options.merge:
                 swap.merge_projections(self.model)
         if self.mode == "static":
             return self._body(forward)
@@ -278,10 +287,10 @@ class DecodeStep:
         activation and residual tails run as a few fused kernels (`foldkv.fused_step`)."""
         self._prologue()
         if self.fuse:
-            fused = swap.fused_step(self.model)
+            fused = swap.fused_step(self.model, self.options)
         else:
             fused = contextlib.nullcontext()
-        with fused:
+        with using(self.options), fused:
             out = forward(input_ids=self.ids, attention_mask=self.masks, position_ids=self.pos, **self.kwargs)
         self.col.add_(1)
         return out
@@ -331,11 +340,13 @@ class DecodeStep:
         return self._global_decode(layer, folded).to(query.dtype).view(b, 1, hq, d)
 
     def report(self) -> dict:
-        """Host time per step (median and max over the replays, seconds), the capture's time, the steps run."""
+        """Host time per step (median and max over the replays, seconds), the capture's time, the steps run, and those
+        generate()'s decoding loop issued (`loop_steps`)."""
         replays = sorted(self.host_s[1:])
         mid = replays[len(replays) // 2] if replays else None
         return {"mode": self.mode, "steps": self.steps, "capture_s": self.capture_s,
-                "host_s_median": mid, "host_s_max": replays[-1] if replays else None}
+                "host_s_median": mid, "host_s_max": replays[-1] if replays else None,
+                "loop_steps": dict(self.loop_steps)}
 
 
 _MOVED = {"ring_attention": "foldkv.ring.ring_attention", "install": "foldkv.hf_loop.install",

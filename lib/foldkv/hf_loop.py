@@ -36,10 +36,6 @@ import torch
 from . import transformers_compat as compat
 from .hf_graph import DecodeStep
 
-# decode steps run by each loop, and steps run ahead and taken back at a stop (tests read it)
-LOOP_STEPS: dict[str, int] = {"thin": 0, "transformers": 0, "rewound": 0}
-
-
 def covers(model: torch.nn.Module, generation_config: Any, synced_gpus: bool, streamer: Any, cache: Any) -> bool:
     """Whether the thin loop runs this generate() call (module docstring); otherwise transformers' own method does."""
     step = getattr(cache, "decode_step", None)
@@ -152,14 +148,14 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
         if flag.read():
             if ahead:
                 step.rewind()
-                LOOP_STEPS["rewound"] += 1
+                step.loop_steps["rewound"] += 1
             return input_ids
         if step.started:
-            LOOP_STEPS["thin"] += 1
+            step.loop_steps["thin"] += 1
             if not ahead:
                 outputs = model(input_ids=step_ids, **{cache_kw: cache})
         else:
-            LOOP_STEPS["transformers"] += 1
+            step.loop_steps["transformers"] += 1
             model_inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
             outputs = model(**model_inputs, return_dict=True)
 
@@ -197,4 +193,11 @@ def install(model: torch.nn.Module) -> None:
         model.generate = types.MethodType(generate, model)
 
 
-__all__ = ["LOOP_STEPS", "applies", "covers", "decode_loop", "install", "loop_state", "pick_tokens"]
+def __getattr__(name: str):
+    if name == "LOOP_STEPS":
+        raise AttributeError("foldkv.hf_loop.LOOP_STEPS moved: each decode step counts the loop's steps on it"
+                             " (cache.decode_step.loop_steps)")
+    raise AttributeError(f"module 'foldkv.hf_loop' has no attribute {name!r}")
+
+
+__all__ = ["applies", "covers", "decode_loop", "install", "loop_state", "pick_tokens"]
