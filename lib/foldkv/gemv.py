@@ -52,6 +52,7 @@ from collections import Counter
 
 import torch
 
+from .kernels.plan import DEFAULT_SMS
 from .step_options import in_force
 
 MAX_ROWS = 16  # the tensor-core kernel's padded side: rows of x a launch takes
@@ -61,7 +62,8 @@ TC_BLOCK_N = 64  # weight rows a program: wgmma's m64 for one warpgroup
 TC_BLOCK_K = 128  # weight columns a pipeline stage: 16 KB of weight at 64 rows
 TC_STAGES = 4  # Triton's num_stages: three tiles in flight a program, ~100 KB: two programs an SM
 TC_PREFETCH = 1  # weight tiles loaded before the wait
-SMS = 132  # the H200's SMs: a grid covers at least this many programs (split-K where row tiles cannot)
+SMS = DEFAULT_SMS  # the H200's SMs, `kernels.plan`'s count: a grid covers at least this many programs (split-K
+# where row tiles cannot)
 MIN_SPLIT_TILES = 4  # a K split keeps at least this many BLOCK_K tiles (the pipeline fills)
 REDUCE_BLOCK = 1024  # split_sum's elements a program
 

@@ -237,18 +237,12 @@ class DecodeStep:
                 swap.merge_projections(self.model)
         if self.mode == "static":
             return self._body(forward)
-        from .kernels.workspace import capture_graph
+        from .kernels.workspace import capture_after_warmup
 
         t0 = time.perf_counter()
-        stream = torch.cuda.Stream(device=dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            out = self._body(forward)  # the first step, run for real: the warm-up of the capture
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with capture_graph(self.graph, stream=stream):
-            self.output = self._body(forward)  # recorded, not run: replays from the second step on
-        torch.cuda.current_stream(dev).wait_stream(stream)
+        # the first step runs for real as the capture's warm-up (its output is this step's); the captured one is
+        # recorded, not run: its output is what the replays write from the second step on
+        self.graph, out, self.output = capture_after_warmup(lambda: self._body(forward), dev)
         self.capture_s = time.perf_counter() - t0
         return out
 
