@@ -46,7 +46,7 @@ Arms (each one graph of the step's 421 projections in forward order, the model's
   the split, resident programs an SM) and its launches (GEMMs + split reduces + norms); before them, per M, the race
   check (graph and eager) and the PTX order of the tensor-core kernel (`pdl_checks_tc`).
 Then, with --cells, notebook 05's decode cells through generate() with the step's projections on graph branches
-(foldkv.fused_step.BRANCHES, the library's) and without; --no-arms skips the projections-only arms.
+(`StepOptions.branches`, the library's) and without; --no-arms skips the projections-only arms.
 Prints one table; JSON to $OUT/gemv_probe.json.
 
     python3 bench/gemv_probe.py --cells foldkv-folded:4096:1 foldkv-folded:32768:8
@@ -456,7 +456,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     torch.set_grad_enabled(False)  # the model's parameters require grad: nothing here records autograd
     import foldkv.hf  # noqa: F401
-    from foldkv import fused_step as fs
+    from foldkv.step_options import StepOptions, using
     from versions import gemv_fma as gf
     from versions import gemv_stream as gs
     from foldkv.lab import gemma31b, model_decode as md
@@ -574,15 +574,14 @@ def main(argv=None) -> int:
     for spec in args.cells:
         arm, n, b = spec.split(":")
         for g in ("branches", "serial"):
-            fs.BRANCHES = g == "branches"
-            r = md.run_cells(md.measure_decode, [dict(model=model, arm_name=arm, context=int(n), batch=int(b),
-                                                      new_tokens=args.new_tokens, read_gbps=roof["gbps"])])[0]
+            with using(StepOptions(branches=g == "branches")):  # the cell's cache takes these options
+                r = md.run_cells(md.measure_decode, [dict(model=model, arm_name=arm, context=int(n), batch=int(b),
+                                                          new_tokens=args.new_tokens, read_gbps=roof["gbps"])])[0]
             r.pop("tokens", None)
             r["projections"] = g
             out["cells"].append(r)
             print(g, {k: r.get(k) for k in ("arm", "context", "batch", "tpot_ms", "device_step_ms", "host_ms",
                                             "floor_ms", "tpot_over_floor", "status")}, flush=True)
-        fs.BRANCHES = True
     text = json.dumps(out, indent=1, default=str)
     if os.environ.get("OUT"):
         open(os.path.join(os.environ["OUT"], "gemv_probe.json"), "w").write(text)

@@ -6,7 +6,7 @@ The tiny synthetic Gemma 4 (the global layers have the 31B's geometry: 32 q head
 `query` / `out` buffers are DecodeWorkspace's (bf16 [B, Hq, D]) and whose `step` runs nothing, so `_global_decode`
 takes CUDA's branch (`ws.query[:b].copy_(folded); ws.step(...)`) verbatim; the decode kernel itself is counted as one.
 What it counts is `DecodeStep.attend`'s torch path (on the CPU every call takes it; on CUDA an FP8 pool's, or any pool's
-with `global_step.FUSE_GLOBAL` off): on CUDA a bf16 pool's query and row are `foldkv.global_step`'s two kernels.
+with `StepOptions(fuse_global=False)`): on CUDA a bf16 pool's query and row are `foldkv.global_step`'s two kernels.
 
 A TorchDispatchMode records every aten op of the second decode step (steady state) with the phase it ran in (hooks on
 the global layers' q_proj / q_norm / k_proj / k_norm / v_norm / o_proj and wrappers of attend's four calls) and the

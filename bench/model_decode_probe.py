@@ -8,13 +8,13 @@ For a quick look at a change of the decode step before the batch of record (note
 --profile (step_kernels at 4K x 1; --profile-at CONTEXT:BATCH another cell, e.g. 4096:8), --compile N
 (measure_static_compile: transformers' static cache and automatic compile on an N-token prompt, last: it leaves the
 compiler's state behind), --profile-top N (kernels the profile lists). --merge-ab: after the cells above (merged
-projections, the library's default), the model's projections are split again (`fused_step.split_projections`, MERGE off)
+projections, the library's default), the model's projections are split again (`fused_step.split_projections`; merge off)
 and the --decode cells and the profile run a second time ("unmerged"). --sliding-ab: the --decode cells again with the
-sliding layers' attention unfused (`fused_step.FUSE_SLIDING` off). --global-ab: the --decode cells again with the global
-layers' query and row on the torch path (`global_step.FUSE_GLOBAL` off, label "global unfused"); the library cells'
+sliding layers' attention unfused (fuse_sliding off). --global-ab: the --decode cells again with the global
+layers' query and row on the torch path (`StepOptions(fuse_global=False)`, label "global unfused"); the library cells'
 route answers are counted and printed ("kernels" or the reason a call took the torch path). --loop-ab: the --decode
 cells again with generate()'s own loop (`hf_loop.applies` answering False). --pdl-ab: the --decode cells again with
-`foldkv.gemv.PDL_GEMV` off (the projections cuBLAS's F.linear, the step's Triton kernels launched without programmatic
+`StepOptions(pdl=False)` (the projections cuBLAS's F.linear, the step's Triton kernels launched without programmatic
 dependent launch; label "PDL off"); the library's cells run it on (its default): how many projection calls took the PDL
 GEMV and why the others did not are printed for both (host calls: a captured step counts its warm-up and its capture).
 --ring-ab: the --decode cells again with a sliding layer's ring attention as three split-window PDL kernels
@@ -25,9 +25,9 @@ one-row CUDA-core GEMV that served them before the tensor-core kernel (`bench/ve
 --lab-ab: the --decode cells again with `bench/versions/gemv_pdl_tc.py` installed four ways (labels "fixup": split_sum
 folded into the GEMM; "GELU in down_proj": the MLP's activation made in down_proj's x loads; "fixup + GELU"; "tail fit +
 fixup + GELU": with two stages where that removes a last wave's tail); the calls each took are printed. --tails-ab: the
---decode cells again without the layer's tail links (`foldkv.fused_step` TAIL_SUMS and TAIL_NEXT_NORM off, each and
+--decode cells again without the layer's tail links (`StepOptions` tail_sums and tail_next_norm off, each and
 both; labels "no tail sums", "no next norm", "no tail links"). --global-prologue-ab: the --decode cells again with a
-global layer's forward transformers' (`fused_step.FUSE_GLOBAL_PROLOGUE` off: its norms and RoPE as five kernels, then
+global layer's forward transformers' (fuse_global_prologue off: its norms and RoPE as five kernels, then
 DecodeStep.attend's two; label "global prologue unfused"). --glue-ab: the --decode cells again with the step's prologue
 and rotary tables on a side branch of its graph (`bench/versions/step_glue_branch.py`; label "glue on a branch").
 --ring-one-ab: the --decode cells again with a sliding layer's ring attention in one launch (the window split over about
@@ -63,6 +63,7 @@ from unittest import mock
 import torch
 
 from foldkv.lab.model_decode import parse_cell
+from foldkv.step_options import StepOptions, in_force, using
 
 
 def _cells(specs):
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
         out["global_routes"] = dict(routes)
         print(f"global routes of the library cells: {out['global_routes']}", flush=True)
     out["pdl_gemv"] = {"library": gemv.report()}
-    print(f"PDL GEMV (library, PDL_GEMV={gemv.PDL_GEMV}, HAS_GDC={gemv.HAS_GDC}): {out['pdl_gemv']['library']}",
+    print(f"PDL GEMV (library, StepOptions.pdl={in_force().pdl}, HAS_GDC={gemv.HAS_GDC}): {out['pdl_gemv']['library']}",
           flush=True)
     out["tail"] = md.run_cells(md.measure_prefill_tail, [dict(model=model, arm_name=a, context=n, batch=b,
                                                               chunk=4096) for a, n, b in _cells(args.tail)])
@@ -182,9 +183,7 @@ def main(argv=None) -> int:
         with mock.patch.object(hf_loop, "applies", lambda *a, **k: False):
             out["decode"] += decode_cells("transformers loop")
     if args.sliding_ab:
-        from foldkv import fused_step
-
-        with mock.patch.object(fused_step, "FUSE_SLIDING", False):
+        with using(StepOptions(fuse_sliding=False)):  # the caches the cells make take these options
             out["decode"] += decode_cells("sliding unfused")
     if args.ring_ab:
         from versions.ring_attention_split import installed as ring_split  # bench/ is this script's directory
@@ -195,7 +194,7 @@ def main(argv=None) -> int:
         print(f"ring split: {out['ring_split']['calls']} calls took the kernels; refusals"
               f" {out['ring_split']['refusals']}", flush=True)
     if args.global_ab:
-        with mock.patch.object(global_step, "FUSE_GLOBAL", False):
+        with using(StepOptions(fuse_global=False)):
             out["decode"] += decode_cells("global unfused")
     if args.tc_ab:
         from versions.gemv_pdl import installed as one_row_gemv  # bench/ is this script's directory
@@ -216,17 +215,12 @@ def main(argv=None) -> int:
             out["lab"][label] = dict(took)
             print(f"{label}: {dict(took)}", flush=True)
     if args.tails_ab:
-        from foldkv import fused_step
-
         for label, sums, ahead in (("no tail sums", False, True), ("no next norm", True, False),
                                    ("no tail links", False, False)):
-            with (mock.patch.object(fused_step, "TAIL_SUMS", sums),
-                  mock.patch.object(fused_step, "TAIL_NEXT_NORM", ahead)):
+            with using(StepOptions(tail_sums=sums, tail_next_norm=ahead)):
                 out["decode"] += decode_cells(label)
     if args.global_prologue_ab:
-        from foldkv import fused_step
-
-        with mock.patch.object(fused_step, "FUSE_GLOBAL_PROLOGUE", False):
+        with using(StepOptions(fuse_global_prologue=False)):
             out["decode"] += decode_cells("global prologue unfused")
     # the lab versions of runs 24-29, each alone, then together when more than one is asked for (entered in this order:
     # the glue branch's joins wrap what the others swap in, the L2 prefetch wraps the ring attention installed before)
@@ -247,7 +241,7 @@ def main(argv=None) -> int:
             out["decode"] += decode_cells(" + ".join(label for label, _ in lab_versions))
     if args.pdl_ab:
         gemv.reset()
-        with mock.patch.object(gemv, "PDL_GEMV", False):
+        with using(StepOptions(pdl=False)):
             out["decode"] += decode_cells("PDL off")
         out["pdl_gemv"]["PDL off"] = gemv.report()
         print(f"PDL GEMV (PDL off): {out['pdl_gemv']['PDL off']}", flush=True)
@@ -255,7 +249,7 @@ def main(argv=None) -> int:
         from foldkv import fused_step
 
         print(f"split {fused_step.split_projections(model)} merged groups", flush=True)
-        with mock.patch.object(fused_step, "MERGE", False):  # the next step after the block merges again
+        with using(StepOptions(merge=False)):  # the next step after the block merges again
             out["decode"] += decode_cells("unmerged")
             if args.profile:
                 profile("profile_unmerged")

@@ -195,8 +195,11 @@ def main(argv=None) -> int:
     from foldkv.lab import gemma31b, model_decode as md
     from foldkv.lab.bench.roofs import measure_matmul_roof
 
-    if args.glue == "unfused":
-        foldkv.hf_graph.DecodeStep.fuses_prefill = lambda self, kwargs: False
+    if args.glue == "unfused":  # the caches made below take the options in force
+        from foldkv.step_options import StepOptions, using
+
+        options = contextlib.ExitStack()  # held for the process
+        options.enter_context(using(StepOptions(fuse_prefill=False)))
     if args.sliding == "masked":
         foldkv.hf._plain_window = lambda *a, **k: False  # every sliding mask call gets transformers' mask
     t_start = time.perf_counter()

@@ -1,7 +1,7 @@
 """Lab notebook: a sliding layer's ring attention at the 31B's geometry against decode kernels and a plain read of
 its bytes (MODEL_DECODE_NOTES run 30's first measurement; written before any GPU run).
 
-Question: the library's ring attention (`hf_graph.ring_attention`: cuBLAS's q.K^T, the fused masked softmax, cuBLAS's
+Question: the library's ring attention (`ring.ring_attention`: cuBLAS's q.K^T, the fused masked softmax, cuBLAS's
 P.V) reads the batch-8 rings at ~82% of the roof and the one-row rings at ~1/3 of it. Does a decode kernel read them
 nearer the roof: foldkv's own split decode at the sliding geometry, or FlashInfer's?
 
@@ -10,7 +10,7 @@ The lab's decode harness (`foldkv.lab.bench.run_cell`) times it, one case a batc
 last 1,024 keys, all live, in any order: attention is a sum over them), pool copies rotated past L2, every output
 poisoned, written whole, nothing past it, and within the harness's tolerance of the float64 reference; arms
 interleaved round by round. Arms (ARMS):
-- ring_cublas: the library's `hf_graph.ring_attention` over rings [B, Hkv, W, d] made from each pool copy (the same
+- ring_cublas: the library's `ring.ring_attention` over rings [B, Hkv, W, d] made from each pool copy (the same
   K and V values in the ring's layout: each KV head's window contiguous; `rings_from_pool`);
 - split_jit / split_graph: foldkv's split decode at that geometry (TileLang, JIT), eager over its balanced plan and
   through the graph workspace;
@@ -69,8 +69,8 @@ def ring_arm(red: str | None = None) -> ArmSpec:
     use): "other_request" gives each request the next one's ring."""
 
     def build(case) -> ArmImpl:
-        from foldkv import hf_graph
-        from foldkv.hf_graph import RingMask
+        from foldkv import ring
+        from foldkv.masks import RingMask
 
         q = case.query(KvFormat.SPLIT)  # [B, Hq, d]: one query a request, head order
         b, hq, d = q.shape
@@ -84,7 +84,7 @@ def ring_arm(red: str | None = None) -> ArmSpec:
         mask = RingMask(torch.ones(b, 1, 1, case.seq_lens[0], dtype=torch.bool, device=q.device))
         module = types.SimpleNamespace(scaling=1.0)  # Gemma 4's (its q_norm replaces the scale), as the others'
         packed = out.view(b, hkv, hq // hkv, d)  # P.V written straight into the output (ring_attention's out=)
-        calls = [lambda k=k, v=v: hf_graph.ring_attention(module, q[:, :, None], k, v, mask, out=packed)
+        calls = [lambda k=k, v=v: ring.ring_attention(module, q[:, :, None], k, v, mask, out=packed)
                  for k, v in rings]
         return ArmImpl(calls, out, graph=True, guards=guards[:1], keep=(rings, mask),
                        info={"ring": f"[{b}, {hkv}, {case.seq_lens[0]}, {d}] x 2"})

@@ -109,20 +109,19 @@ THIN_LOOP_CALLS = {
 def thin_loop_generate(model, lengths, new: int, seed: int | None = None, **generate_kw) -> tuple[torch.Tensor, dict]:
     """A plain `generate()` (no dict of outputs: the calls `foldkv.hf_loop`'s thin loop takes) of a left-padded batch of
     `lengths` (seed 7) through a FoldKvCache whose decode step is one CUDA graph, torch seeded with `seed` first:
-    (new tokens [B, <= new] on the CPU, the growth of `hf_loop.LOOP_STEPS`). generate_kw go to generate()."""
-    from foldkv import hf_loop
+    (new tokens [B, <= new] on the CPU, the steps the loop issued: the decode step's `loop_steps`). generate_kw go to
+    generate()."""
     from foldkv.hf import FoldKvCache
     from foldkv.lab.model import cache_keyword
 
     ids, mask = left_padded_batch(lengths, model.config.vocab_size, seed=7)
     cache = FoldKvCache(model, max_batch=len(lengths), max_tokens=max(lengths) + new, scatter_seed=3,
                         decode_step="graph")
-    before = dict(hf_loop.LOOP_STEPS)
     if seed is not None:
         torch.manual_seed(seed)
     out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new,
                          **{cache_keyword(model): cache}, **generate_kw)
-    return out[:, ids.shape[1]:].cpu(), {k: hf_loop.LOOP_STEPS[k] - before[k] for k in before}
+    return out[:, ids.shape[1]:].cpu(), dict(cache.decode_step.loop_steps)
 
 
 def query_kernel_check(geom, fmt, batch: int, want: torch.Tensor, write) -> tuple[bool, bool]:
@@ -300,19 +299,22 @@ class Destructible:
 
 @contextlib.contextmanager
 def exact_projections() -> Iterator[None]:
-    """Every projection (F.linear) computed in float64 from its bf16 operands and rounded once to bf16, and foldkv's
-    PDL GEMV off so that every projection goes through it: the neutral figure's rounding. Beside cuBLAS's (float32
+    """Every projection (F.linear) computed in float64 from its bf16 operands and rounded once to bf16, and the step's
+    options in force without PDL (`StepOptions.pdl`: a FoldKvCache or fused_step made inside takes them) so that
+    every projection goes through it: the neutral figure's rounding. Beside cuBLAS's (float32
     accumulation, then one rounding) it is another legitimate rounding of the same products, so how far a model's
     logits move between the two is what the projections' rounding alone does to them."""
     from unittest import mock
 
-    from foldkv import gemv
+    import dataclasses
+
+    from foldkv.step_options import in_force, using
 
     def linear(x, weight, bias=None):
         y = x.double() @ weight.double().T
         return (y if bias is None else y + bias.double()).to(x.dtype)
 
-    with mock.patch.object(torch.nn.functional, "linear", linear), mock.patch.object(gemv, "PDL_GEMV", False):
+    with mock.patch.object(torch.nn.functional, "linear", linear), using(dataclasses.replace(in_force(), pdl=False)):
         yield
 
 
@@ -395,12 +397,27 @@ def two_launch_prologue(attn, q, k, v, cos, sin, ring_k, ring_v, slot):
     return out
 
 
+def sliding_prologue_without_kv(attn, q, k, v, cos, sin, ring_k, ring_v, slot):
+    """The red twin of `fused_step_ops.sliding_prologue`: its one launch copied here with the grid holding the query
+    rows only, so the rings' slot is not written (what a grid that forgot the KV rows would do)."""
+    from foldkv import fused_step_ops as ops
+
+    d = ring_k.shape[-1]
+    out, q_args, dq = ops.q_rows_args(q, attn.q_norm.weight, ops.norm_eps(attn.q_norm), cos, sin, q.shape[-1] // d)
+    _, kv_args, _ = ops.kv_rows_args(k, v, attn.k_norm.weight, ops.norm_eps(attn.k_norm), ops.norm_eps(attn.v_norm),
+                                     cos, sin, ring_k, ring_v, slot)
+    q_rows = out.shape[0] * out.shape[1]
+    ops._kernels()["sliding_prologue"][(q_rows,)](*q_args, *kv_args, q_rows, D=dq, num_warps=ops._warps(dq),
+                                                  **ops._pdl(q))
+    return out
+
+
 # the ring attention tests' geometries: the 31B's sliding layers and the synthetic model's (Hq, Hkv, d, W, scaling)
 RING_GEOMETRIES = {"31b": (32, 16, 256, 1024, 1.0), "synthetic": (32, 4, 32, 128, 0.125)}
 
 
 def scaled_module(scaling: float) -> torch.nn.Module:
-    """A module with only `scaling`: what `hf_graph.ring_attention` reads of its attention module."""
+    """A module with only `scaling`: what `ring.ring_attention` reads of its attention module."""
     module = torch.nn.Module()
     module.scaling = scaling
     return module

@@ -19,10 +19,14 @@ Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_fused_step_gpu.py -k "rope"
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from conftest import exact_projections, require_module, rounding_bound
+
+from foldkv.step_options import StepOptions
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -201,11 +205,10 @@ def _tail_run(model, ids, sums: bool, next_norm: bool, monkeypatch):
         return own_norm(*a, **kw)
 
     with monkeypatch.context() as mp:
-        mp.setattr(fs, "TAIL_SUMS", sums)
-        mp.setattr(fs, "TAIL_NEXT_NORM", next_norm)
         mp.setattr(fs, "_unsummed", unsummed)
         mp.setattr(fs, "rms_norm", norm)
-        with torch.no_grad(), fs.fused_step(model) as n:
+        options = StepOptions(tail_sums=sums, tail_next_norm=next_norm)
+        with torch.no_grad(), fs.fused_step(model, options) as n:
             logits = model(input_ids=ids).logits
     return logits, took, n
 
@@ -247,7 +250,7 @@ def test_the_tail_links_are_bitwise_the_step_without_them(batch, monkeypatch):
 
 
 def test_branched_projections_compute_what_serial_ones_do():
-    """fused_step's q/k/v and gate/up branches (side streams, MERGE off) give the logits of the same step with every
+    """fused_step's q/k/v and gate/up branches (side streams, merge off) give the logits of the same step with every
     projection on the current stream, bit for bit (the same cuBLAS kernels), on a 6-layer model of the 31B's kind; red
     twin: the first layer's v projection moved by noise changes them (a scale would not: q, k and v are RMS-normed
     after their projections, and a one-token forward attends only to itself, so its k does not reach the output)."""
@@ -258,26 +261,21 @@ def test_branched_projections_compute_what_serial_ones_do():
     model = build_gemma4_31b("cuda", num_layers=6, vocab_size=1024, hidden_size=512, intermediate_size=1536)
     ids = torch.randint(3, 1024, (2, 1), device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
     logits, counts = {}, {}
-    try:
-        fs.MERGE = False
-        with torch.no_grad():
-            for branches in (False, True):
-                fs.BRANCHES = branches
-                with fs.fused_step(model) as n:
-                    logits[branches], counts[branches] = model(input_ids=ids).logits, n
-            assert torch.isfinite(logits[True]).all()
-            assert counts[True]["branched_attention"] == 6 and counts[True]["merged"] == 0, counts[True]
-            assert counts[False]["branched_attention"] == 0, counts[False]
-            diff = (logits[True].float() - logits[False].float()).abs().max().item()
-            assert torch.equal(logits[True], logits[False]), f"branched != serial: max |diff| {diff}"
-            v = model.model.layers[0].self_attn.v_proj.weight
-            v.add_(torch.randn(v.shape, generator=torch.Generator(device="cuda").manual_seed(7), device="cuda")
-                   .to(v.dtype) * v.float().std())
-            with fs.fused_step(model):
-                moved = model(input_ids=ids).logits
-            assert not torch.equal(moved, logits[True]), "the red twin's v projection changed nothing"
-    finally:
-        fs.BRANCHES, fs.MERGE = True, True
+    with torch.no_grad():
+        for branches in (False, True):
+            with fs.fused_step(model, StepOptions(merge=False, branches=branches)) as n:
+                logits[branches], counts[branches] = model(input_ids=ids).logits, n
+        assert torch.isfinite(logits[True]).all()
+        assert counts[True]["branched_attention"] == 6 and counts[True]["merged"] == 0, counts[True]
+        assert counts[False]["branched_attention"] == 0, counts[False]
+        diff = (logits[True].float() - logits[False].float()).abs().max().item()
+        assert torch.equal(logits[True], logits[False]), f"branched != serial: max |diff| {diff}"
+        v = model.model.layers[0].self_attn.v_proj.weight
+        v.add_(torch.randn(v.shape, generator=torch.Generator(device="cuda").manual_seed(7), device="cuda")
+               .to(v.dtype) * v.float().std())
+        with fs.fused_step(model, StepOptions(merge=False)):
+            moved = model(input_ids=ids).logits
+        assert not torch.equal(moved, logits[True]), "the red twin's v projection changed nothing"
     assert not any(hasattr(m, "_foldkv_branches") for m in model.modules())  # nothing left behind
 
 
@@ -295,14 +293,11 @@ def test_merged_projections_step_within_the_gemv_bound(batch):
     model = build_gemma4_31b("cuda", num_layers=6, vocab_size=1024, hidden_size=512, intermediate_size=1536)
     ids = torch.randint(3, 1024, (batch, 1), device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
     with torch.no_grad():
-        fs.MERGE = False
-        try:
-            with fs.fused_step(model):
-                serial = model(input_ids=ids).logits
-            with exact_projections(), fs.fused_step(model):
-                neutral = model(input_ids=ids).logits
-        finally:
-            fs.MERGE = True
+        unmerged = StepOptions(merge=False)
+        with fs.fused_step(model, unmerged):
+            serial = model(input_ids=ids).logits
+        with exact_projections(), fs.fused_step(model, dataclasses.replace(unmerged, pdl=False)):
+            neutral = model(input_ids=ids).logits
         with fs.fused_step(model) as n:
             merged = model(input_ids=ids).logits
         assert n["merged"] == 12, n

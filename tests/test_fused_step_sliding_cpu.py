@@ -1,4 +1,4 @@
-"""The fused sliding attention's dispatch (`foldkv.fused_step`: FUSE_SLIDING, `sliding_attention_modules`,
+"""The fused sliding attention's dispatch (`foldkv.fused_step`: StepOptions.fuse_sliding, `sliding_attention_modules`,
 `sliding_route`, `DecodeStep.sliding_ring`), on the CPU: which modules the swap takes (the sliding layers', not the
 global k_eq_v ones), that the swap is put back, and where each attention call of a generate() goes: prefill and eager
 decode keep transformers' forward; a decode step of DecodeStep reaches the ring and stops only at "not on CUDA" (the
@@ -57,16 +57,17 @@ def test_the_swap_takes_the_sliding_layers_only(model):
     assert not any("forward" in vars(layer.self_attn) for layer in layers)  # put back
 
 
-def test_the_switch_turns_the_swap_off(model):
+def test_the_option_turns_the_swap_off(model):
     from foldkv import fused_step as fs
+    from foldkv.step_options import StepOptions, using
 
-    try:
-        fs.FUSE_SLIDING = False
-        with fs.fused_step(model) as n:
-            assert n["sliding_attention"] == 0
-        assert fs.sliding_route(fs.sliding_attention_modules(model)[0], {}) == "FUSE_SLIDING is off"
-    finally:
-        fs.FUSE_SLIDING = True
+    off = StepOptions(fuse_sliding=False)
+    with fs.fused_step(model, off) as n:
+        assert n["sliding_attention"] == 0
+        assert fs.sliding_route(fs.sliding_attention_modules(model)[0], {}) == "StepOptions.fuse_sliding is off"
+    with using(off):
+        assert fs.sliding_route(fs.sliding_attention_modules(model)[0], {}) == "StepOptions.fuse_sliding is off"
+    assert fs.sliding_route(fs.sliding_attention_modules(model)[0], {}).startswith("not a ring step")  # served
 
 
 def test_a_module_the_formula_does_not_describe_is_left_alone(model):

@@ -1,4 +1,4 @@
-"""The fused sliding-layer prologue of foldkv.fused_step (`q_norm_rope`, `kv_to_ring`; FUSE_SLIDING) on the GPU:
+"""The fused sliding-layer prologue of foldkv.fused_step (`q_norm_rope`, `kv_to_ring`; fuse_sliding) on the GPU:
 each kernel against what it replaces, then the whole step with the switch on and off.
 
 Bounds, from where each op rounds:
@@ -6,7 +6,7 @@ Bounds, from where each op rounds:
   (themselves held to the modules in test_fused_step_gpu.py): bitwise those two kernels; v_norm bitwise `rms_norm`
   without weight. The rings: the step's slot holds those rows, every other slot is unchanged.
 - the whole step (tiny synthetic Gemma 4, rings wrapping): the ring attention after them is the same
-  `hf_graph.ring_attention` either way, so FUSE_SLIDING on and off give bitwise the same greedy tokens and logits; the
+  `ring.ring_attention` either way, so fuse_sliding on and off give bitwise the same greedy tokens and logits; the
   graph replays the static step bit for bit.
 - sliding_prologue: both in one launch (`fused_step_kernels.sliding_prologue_rows`, the two kernels' row bodies
   side by side), bitwise the two launches (conftest.two_launch_prologue) into a poisoned slot, with PDL and without,
@@ -22,7 +22,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import attention_norms, left_padded_batch, synthetic_gpu_models, two_launch_prologue
+from conftest import (attention_norms, left_padded_batch, sliding_prologue_without_kv, synthetic_gpu_models,
+                      two_launch_prologue)
+
+from foldkv.step_options import StepOptions, using
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -104,31 +107,31 @@ def test_kv_to_ring_writes_the_slot_only(batch, geometry):
 def test_one_launch_is_the_two_launches(batch, geometry, pdl, monkeypatch):
     from foldkv import fused_step_ops as ops, gemv
 
-    monkeypatch.setattr(gemv, "PDL_GEMV", pdl)  # pdl_kw: both sides launched alike
-    hq, hkv, d, window = GEOMETRIES[geometry]
-    g = _gen(batch)
-    rms = torch.exp(torch.randn(batch, 1, 1, generator=g, device="cuda"))
-    full = (torch.randn(batch, 1, (hq + 2 * hkv) * d, generator=g, device="cuda") * rms).to(BF16)
-    q, k, v = full.split([hq * d, hkv * d, hkv * d], dim=-1)
-    ang = torch.rand(batch, 1, d, generator=g, device="cuda") * 40.0
-    cos, sin = ang.cos().to(BF16), ang.sin().to(BF16)
-    attn = attention_norms(d, "cuda")
-    slot = torch.tensor([(37 * batch + 5) % window], device="cuda")
+    with using(StepOptions(pdl=pdl)):  # pdl_kw: both sides launched alike
+        hq, hkv, d, window = GEOMETRIES[geometry]
+        g = _gen(batch)
+        rms = torch.exp(torch.randn(batch, 1, 1, generator=g, device="cuda"))
+        full = (torch.randn(batch, 1, (hq + 2 * hkv) * d, generator=g, device="cuda") * rms).to(BF16)
+        q, k, v = full.split([hq * d, hkv * d, hkv * d], dim=-1)
+        ang = torch.rand(batch, 1, d, generator=g, device="cuda") * 40.0
+        cos, sin = ang.cos().to(BF16), ang.sin().to(BF16)
+        attn = attention_norms(d, "cuda")
+        slot = torch.tensor([(37 * batch + 5) % window], device="cuda")
 
-    def rings():
-        r = torch.randn(2, batch, hkv, window, d, generator=_gen(50 + batch), device="cuda").to(BF16)
-        r[:, :, :, slot.item()] = float("nan")  # the slot to write: poisoned
-        return r[0], r[1]
+        def rings():
+            r = torch.randn(2, batch, hkv, window, d, generator=_gen(50 + batch), device="cuda").to(BF16)
+            r[:, :, :, slot.item()] = float("nan")  # the slot to write: poisoned
+            return r[0], r[1]
 
-    want_k, want_v = rings()
-    want_q = two_launch_prologue(attn, q, k, v, cos, sin, want_k, want_v, slot)
-    got_k, got_v = rings()
-    got_q = ops.sliding_prologue(attn, q, k, v, cos, sin, got_k, got_v, slot)
-    assert bool(torch.isfinite(got_q).all() and torch.isfinite(got_k).all() and torch.isfinite(got_v).all())
-    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-    twin_k, twin_v = rings()  # red twin: the KV rows left out of the grid
-    ops.sliding_prologue(attn, q, k, v, cos, sin, twin_k, twin_v, slot, _red_skip_kv=True)
-    assert not torch.equal(twin_k, want_k)
+        want_k, want_v = rings()
+        want_q = two_launch_prologue(attn, q, k, v, cos, sin, want_k, want_v, slot)
+        got_k, got_v = rings()
+        got_q = ops.sliding_prologue(attn, q, k, v, cos, sin, got_k, got_v, slot)
+        assert bool(torch.isfinite(got_q).all() and torch.isfinite(got_k).all() and torch.isfinite(got_v).all())
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        twin_k, twin_v = rings()  # red twin: the KV rows left out of the grid
+        sliding_prologue_without_kv(attn, q, k, v, cos, sin, twin_k, twin_v, slot)
+        assert not torch.equal(twin_k, want_k)
 
 
 LENGTHS = (97, 300, 1000)  # rings of 128 slots: partly filled, wrapped
@@ -139,13 +142,13 @@ NEW = 12
 def synthetic_model(tmp_path_factory):
     return synthetic_gpu_models(tmp_path_factory, "foldkv")["foldkv"]
 
-def _generate(model, decode_step="graph"):
+def _generate(model, decode_step="graph", options=None):
     from foldkv.hf import FoldKvCache
     from foldkv.lab.model import cache_keyword
 
     ids, mask = left_padded_batch(LENGTHS, model.config.vocab_size, seed=7)
     cache = FoldKvCache(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW, scatter_seed=3,
-                        decode_step=decode_step)
+                        decode_step=decode_step, step_options=options)
     out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=NEW, min_new_tokens=NEW,
                          do_sample=False, output_logits=True, return_dict_in_generate=True,
                          **{cache_keyword(model): cache})
@@ -159,12 +162,8 @@ def test_the_step_with_and_without_the_fused_sliding_prologue(synthetic_model, d
     calls = []
     own = ops.kv_rows_args  # what fused_step's sliding_prologue asks for its KV rows' launch
     monkeypatch.setattr(ops, "kv_rows_args", lambda *a, **kw: calls.append(1) or own(*a, **kw))
-    try:
-        fs.FUSE_SLIDING = False
-        unfused = _generate(synthetic_model, decode_step)
-        assert not calls
-    finally:
-        fs.FUSE_SLIDING = True
+    unfused = _generate(synthetic_model, decode_step, StepOptions(fuse_sliding=False))
+    assert not calls
     fused = _generate(synthetic_model, decode_step)
     assert calls, "the fused sliding prologue never ran"
     assert bool(torch.isfinite(fused[1]).all())
@@ -199,6 +198,6 @@ def test_the_step_with_the_one_launch_prologue(synthetic_model, monkeypatch):
     assert torch.equal(one[0], two[0]), "greedy tokens differ"
     assert torch.equal(one[1], two[1]), f"logits differ (max |gap| {(one[1] - two[1]).abs().max().item():.3g})"
     # red twin: the step's K/V rows never reach the rings
-    monkeypatch.setattr(fused_step, "sliding_prologue", lambda *a, **kw: own(*a, _red_skip_kv=True, **kw))
+    monkeypatch.setattr(fused_step, "sliding_prologue", sliding_prologue_without_kv)
     twin = _generate(synthetic_model)
     assert not torch.equal(twin[1], two[1]), "rings never written changed nothing"

@@ -1,4 +1,4 @@
-"""A decoder layer's tail links (`foldkv.fused_step`: TAIL_SUMS, TAIL_NEXT_NORM), on the CPU: what fused_step marks on
+"""A decoder layer's tail links (`foldkv.fused_step`: tail_sums, tail_next_norm), on the CPU: what fused_step marks on
 entry (each fused layer's attention and MLP as read by its norms alone, each layer's next fused layer), that the marks
 are plain attributes (no module registered under another) and are gone on exit, and the routes off CUDA:
 `gemv.linear_unsummed` is F.linear with nothing left unsummed, `_tail_projection` the projection itself, and a

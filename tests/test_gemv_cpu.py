@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from conftest import bench_script, require_module
+from foldkv.step_options import StepOptions, using
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = torch.bfloat16
@@ -36,7 +37,6 @@ def _reset():
 
     gemv.reset()
     yield
-    gemv.PDL_GEMV = True
 
 
 def test_the_31b_step_takes_the_kernel_at_1_to_16_rows():
@@ -75,26 +75,26 @@ def test_the_route_on_this_machine_and_its_fallback_is_f_linear():
         if why != "not a projection":
             assert torch.equal(gemv.linear(x, wi, b), nn.functional.linear(x, wi, b)), why
     assert gemv.report()["kernel"] == 0 and sum(gemv.report()["refusals"].values()) == len(cases) - 1
-    gemv.PDL_GEMV = False
-    assert gemv.refusal(one, w) == "PDL_GEMV is off"
-    assert gemv.pdl_kw(one) == {}
+    with using(StepOptions(pdl=False)):
+        assert gemv.refusal(one, w) == "StepOptions.pdl is off"
+        assert gemv.pdl_kw(one) == {}
     gemv.reset()
     assert gemv.report() == {"kernel": 0, "refusals": {}}
 
 
-def test_pdl_kw_follows_the_switch_triton_and_the_device(monkeypatch):
+def test_pdl_kw_follows_the_options_triton_and_the_device(monkeypatch):
     from foldkv import gemv
 
     cuda = SimpleNamespace(is_cuda=True)
     monkeypatch.setattr(gemv, "HAS_GDC", True)
     assert gemv.pdl_kw(cuda) == {"GDC": True, "launch_pdl": True}  # the constexpr and the launch option together
     assert gemv.pdl_kw(torch.zeros(1)) == {}
-    gemv.PDL_GEMV = False
-    assert gemv.pdl_kw(cuda) == {}
-    gemv.PDL_GEMV = True
+    with using(StepOptions(pdl=False)):
+        assert gemv.pdl_kw(cuda) == {}
+    assert gemv.pdl_kw(cuda) == {"GDC": True, "launch_pdl": True}
     monkeypatch.setattr(gemv, "HAS_GDC", False)
     assert gemv.pdl_kw(cuda) == {}
-    if gemv.triton is None:  # this machine: F.linear however the switch is set
+    if gemv.triton is None:  # this machine: F.linear whatever the options
         assert gemv.refusal(torch.zeros(1, 512, dtype=BF16), torch.zeros(256, 512, dtype=BF16)) == "not on CUDA"
 
 

@@ -10,7 +10,7 @@ Bounds:
   only the ordering changes).
 - the route at 1..16 rows (the tensor-core GEMM, `foldkv.gemv.gemv_tc`; its own tests: test_gemv_tc_gpu.py) within
   the same bound, every element written.
-- the whole step (the synthetic Gemma 4 at batch 1 and a left-padded batch of 8, graph): PDL_GEMV on against off.
+- the whole step (the synthetic Gemma 4 at batch 1 and a left-padded batch of 8, graph): StepOptions.pdl on against off.
   The kernels are not bitwise cuBLAS, so the logits are held to the bound the merged projections are held to against
   the unmerged ones (twice the neutral figure: how far the step with every projection rounded once from float64
   moves them from cuBLAS's, conftest's `rounding_bound`, step by step, the exact-rounded run made to follow the
@@ -32,6 +32,8 @@ import torch
 from conftest import exact_projections, left_padded_batch, require_module, rounding_bound, synthetic_gpu_models
 from test_fused_step_gpu import _gemv_case, _gemv_within_bound
 
+from foldkv.step_options import StepOptions, using
+
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 # the 31B's projection shapes at one row: sliding q|k|v merged, global q|k merged, gate|up merged, o_proj (sliding,
@@ -47,7 +49,9 @@ def _gdc():
         from conftest import skip_or_fail
 
         skip_or_fail("Triton has no triton.language.extra.cuda.gdc_wait (PDL)")
-    assert gemv.PDL_GEMV
+    from foldkv.step_options import in_force
+
+    assert in_force().pdl
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
@@ -95,15 +99,12 @@ def test_what_no_kernel_takes_is_f_linear():
     x = x.view(1, 1, 5376)
     gemv.reset()
     cases = [(x.expand(17, 1, 5376).contiguous(), "17 rows, more than 16"), (x.float(), "not bf16"),
-             (x, "PDL_GEMV is off")]
+             (x, "StepOptions.pdl is off")]
     for xi, why in cases:
         wi = w.float() if xi.dtype == torch.float32 else w
-        gemv.PDL_GEMV = why != "PDL_GEMV is off"
-        try:
+        with using(StepOptions(pdl=why != "StepOptions.pdl is off")):
             assert why in gemv.refusal(xi, wi)
             assert torch.equal(gemv.linear(xi, wi), torch.nn.functional.linear(xi, wi))
-        finally:
-            gemv.PDL_GEMV = True
     assert gemv.report()["kernel"] == 0 and sum(gemv.report()["refusals"].values()) == len(cases)
 
 
@@ -182,12 +183,9 @@ def test_fused_step_kernels_under_pdl_are_bitwise_their_plain_launches():
     x = torch.zeros(1, device="cuda")
     assert gemv.pdl_kw(x) == dict(GDC=True, launch_pdl=True)
     with_pdl = {name: op() for name, op in ops.items()}
-    try:
-        gemv.PDL_GEMV = False
+    with using(StepOptions(pdl=False)):
         assert gemv.pdl_kw(x) == {}
         plain = {name: op() for name, op in ops.items()}
-    finally:
-        gemv.PDL_GEMV = True
     for name in ops:
         assert bool(torch.isfinite(plain[name]).all()), name
         assert torch.equal(with_pdl[name], plain[name]), name
@@ -206,8 +204,9 @@ def synthetic_model(tmp_path_factory):
 BATCHES = {1: (300,), 8: (300, 257, 1, 129, 65, 63, 200, 17)}
 
 
-def _generate(model, decode_step="graph", batch=1, follow=None):
-    """(new tokens, logits of every step) of greedy generate() through a FoldKvCache. follow: new tokens [B, NEW] the
+def _generate(model, decode_step="graph", batch=1, follow=None, options=None):
+    """(new tokens, logits of every step) of greedy generate() through a FoldKvCache (its step_options: `options`, None:
+    those in force). follow: new tokens [B, NEW] the
     run is made to pick at every step (a logits processor; the logits returned are the model's own, unprocessed): the
     exact-rounded run taken along the incumbent's sequence, so its figure describes the same inputs at every step."""
     from transformers import LogitsProcessor, LogitsProcessorList
@@ -218,7 +217,7 @@ def _generate(model, decode_step="graph", batch=1, follow=None):
     lens = BATCHES[batch]
     ids, mask = left_padded_batch(lens, model.config.vocab_size, seed=7)
     cache = FoldKvCache(model, max_batch=len(lens), max_tokens=max(lens) + NEW, scatter_seed=3,
-                        decode_step=decode_step)
+                        decode_step=decode_step, step_options=options)
     extra = {}
     if follow is not None:
         start = ids.shape[1]
@@ -258,15 +257,12 @@ def _agree(got, want, neutral) -> tuple[int, list[float]]:
 @pytest.mark.parametrize("batch", sorted(BATCHES))
 def test_the_graph_step_with_and_without_the_tail_links(synthetic_model, monkeypatch, batch):
     """generate() through a FoldKvCache (graph step): the tail links (split partials summed by the layer's norms, the
-    next layer's input norm made by the tail: fused_step TAIL_SUMS, TAIL_NEXT_NORM) give the tokens and logits of
+    next layer's input norm made by the tail: StepOptions.tail_sums, tail_next_norm) give the tokens and logits of
     the step without them, bit for bit, having taken every sliding o_proj and every down_proj whose GEMM splits K."""
     from foldkv import fused_step as fs
     from foldkv import gemv
 
-    with monkeypatch.context() as mp:
-        mp.setattr(fs, "TAIL_SUMS", False)
-        mp.setattr(fs, "TAIL_NEXT_NORM", False)
-        without = _generate(synthetic_model, batch=batch)
+    without = _generate(synthetic_model, batch=batch, options=StepOptions(tail_sums=False, tail_next_norm=False))
     summed, own = [], fs._unsummed
 
     def counted(owner, y):
@@ -290,13 +286,9 @@ def test_the_step_with_and_without_the_pdl_gemv(synthetic_model, monkeypatch, ba
     from foldkv import fused_step as fs
     from foldkv import gemv
 
-    try:
-        gemv.PDL_GEMV = False
-        gemv.reset()
-        plain = _generate(synthetic_model, batch=batch)
-        assert gemv.report()["kernel"] == 0
-    finally:
-        gemv.PDL_GEMV = True
+    gemv.reset()
+    plain = _generate(synthetic_model, batch=batch, options=StepOptions(pdl=False))
+    assert gemv.report()["kernel"] == 0
     gemv.reset()
     pdl = _generate(synthetic_model, batch=batch)
     routed = fs.merged_groups(synthetic_model) + len(fs.projection_modules(synthetic_model))

@@ -1,5 +1,5 @@
 """A global layer's prologue inside the fused step on the GPU (`foldkv.fused_step`'s `_global_forward`,
-FUSE_GLOBAL_PROLOGUE): its norms, RoPE, query and row as two PDL kernels (`global_step.query_from_projection`,
+fuse_global_prologue): its norms, RoPE, query and row as two PDL kernels (`global_step.query_from_projection`,
 `row_from_projection`), against the seven launches they replace (fused_step's rms_norm and rope, then
 `global_step.query_into` and `row_into_pool`), then in the whole step.
 
@@ -7,7 +7,7 @@ Bounds: the same per-element formulas and rounding points, the row's norm reduce
 order as rms_norm_rows reduces it: bitwise. The query into a poisoned workspace (rows past the batch unwritten), the
 row into a pool whose step slots are poisoned (every other row unchanged); PDL and plain launches alike. The whole
 step (the synthetic model's graph generate(), folded and split pools): greedy tokens and logits torch.equal with
-FUSE_GLOBAL_PROLOGUE on and off, every global layer's step through the kernels (a spy's count at the warm-up and the capture). Red twins: the rotated
+fuse_global_prologue on and off, every global layer's step through the kernels (a spy's count at the warm-up and the capture). Red twins: the rotated
 halves of the query swapped; the row stored one offset off; in the step, the rows stored one offset off.
 
 Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_global_prologue_gpu.py -k "row and folded and 8"
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from foldkv.step_options import StepOptions, using
 
 from conftest import (attention_norms, graph_generate, query_kernel_check, require_module, row_store_check,
                       synthetic_gpu_models)
@@ -54,18 +56,18 @@ def test_query_is_norm_rope_then_query_into(batch, fmt, pdl, monkeypatch):
     _triton()
     from foldkv import fused_step_ops as ops, gemv, global_step as gst
 
-    monkeypatch.setattr(gemv, "PDL_GEMV", pdl)
-    geom, q, _, cos, sin = _inputs(batch, seed=batch)
-    hq, d = geom.num_q_heads, geom.head_dim
-    attn = attention_norms(d, "cuda")
-    roped = ops.rope(ops.rms_norm(q.view(batch, 1, hq, d), attn.q_norm.weight, 1e-6), cos, sin)
-    want = torch.full((batch, hq, d), float("nan"), dtype=BF16, device="cuda")
-    gst.query_into(geom, fmt, roped.transpose(1, 2), attn.k_norm.weight, want)
+    with using(StepOptions(pdl=pdl)):
+        geom, q, _, cos, sin = _inputs(batch, seed=batch)
+        hq, d = geom.num_q_heads, geom.head_dim
+        attn = attention_norms(d, "cuda")
+        roped = ops.rope(ops.rms_norm(q.view(batch, 1, hq, d), attn.q_norm.weight, 1e-6), cos, sin)
+        want = torch.full((batch, hq, d), float("nan"), dtype=BF16, device="cuda")
+        gst.query_into(geom, fmt, roped.transpose(1, 2), attn.k_norm.weight, want)
 
-    ok, twin = query_kernel_check(geom, fmt, batch, want, lambda out, cols: gst.query_from_projection(
-        geom, fmt, q, attn, cos, sin, out, score_cols=cols))
-    assert ok
-    assert not twin, "red twin: the rotated halves swapped"
+        ok, twin = query_kernel_check(geom, fmt, batch, want, lambda out, cols: gst.query_from_projection(
+            geom, fmt, q, attn, cos, sin, out, score_cols=cols))
+        assert ok
+        assert not twin, "red twin: the rotated halves swapped"
 
 
 @pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "plain"])
@@ -75,18 +77,18 @@ def test_row_is_norms_rope_then_row_into_pool(batch, fmt, pdl, monkeypatch):
     _triton()
     from foldkv import fused_step_ops as ops, gemv, global_step as gst
 
-    monkeypatch.setattr(gemv, "PDL_GEMV", pdl)
-    geom, _, k, cos, sin = _inputs(batch, seed=20 + batch)
-    hkv, d = geom.num_kv_heads, geom.head_dim
-    attn = attention_norms(d, "cuda")
-    key = ops.rope(ops.rms_norm(k.view(batch, 1, hkv, d), attn.k_norm.weight, 1e-6), cos, sin).transpose(1, 2)
-    value = ops.rms_norm(k.view(batch, 1, hkv, d), None, 1e-6).transpose(1, 2)
-    ok, twin = row_store_check(
-        geom, fmt, batch, "cuda", 40 + batch,
-        lambda pool, pages, offsets: gst.row_into_pool(geom, pool, key, value, pages, offsets),
-        lambda pool, pages, offsets: gst.row_from_projection(geom, pool, k, k, attn, cos, sin, pages, offsets))
-    assert ok
-    assert not twin, "red twin: the row stored one offset off"
+    with using(StepOptions(pdl=pdl)):
+        geom, _, k, cos, sin = _inputs(batch, seed=20 + batch)
+        hkv, d = geom.num_kv_heads, geom.head_dim
+        attn = attention_norms(d, "cuda")
+        key = ops.rope(ops.rms_norm(k.view(batch, 1, hkv, d), attn.k_norm.weight, 1e-6), cos, sin).transpose(1, 2)
+        value = ops.rms_norm(k.view(batch, 1, hkv, d), None, 1e-6).transpose(1, 2)
+        ok, twin = row_store_check(
+            geom, fmt, batch, "cuda", 40 + batch,
+            lambda pool, pages, offsets: gst.row_into_pool(geom, pool, key, value, pages, offsets),
+            lambda pool, pages, offsets: gst.row_from_projection(geom, pool, k, k, attn, cos, sin, pages, offsets))
+        assert ok
+        assert not twin, "red twin: the row stored one offset off"
 
 
 LENGTHS = (97, 300, 1000, 5, 64, 129, 700, 33)
@@ -98,8 +100,8 @@ def synthetic_model(tmp_path_factory):
     return synthetic_gpu_models(tmp_path_factory, "foldkv", needs=("triton",))["foldkv"]
 
 
-def _generate(model, fmt):
-    return graph_generate(model, LENGTHS, NEW, kv_format=fmt)
+def _generate(model, fmt, options=None):
+    return graph_generate(model, LENGTHS, NEW, kv_format=fmt, step_options=options)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -107,9 +109,7 @@ def test_the_step_with_the_global_prologue(synthetic_model, fmt, monkeypatch):
     _triton()
     from foldkv import fused_step as fs, global_step as gst
 
-    monkeypatch.setattr(fs, "FUSE_GLOBAL_PROLOGUE", False)
-    unfused = _generate(synthetic_model, fmt)
-    monkeypatch.setattr(fs, "FUSE_GLOBAL_PROLOGUE", True)
+    unfused = _generate(synthetic_model, fmt, StepOptions(fuse_global_prologue=False))
     calls = []
     query, row = gst.query_from_projection, gst.row_from_projection
 

@@ -1,6 +1,6 @@
 """foldkv.global_step without a GPU: which calls of `DecodeStep.attend` its two kernels take (`global_route`), the pools
 they describe, their column maps, and the probe's --global-ab flag. A call the kernels describe stops only at "not
-CUDA" on the CPU; each thing they do not describe (the red twins: FUSE_GLOBAL off, no workspace, a subclass's own
+CUDA" on the CPU; each thing they do not describe (the red twins: fuse_global off, no workspace, a subclass's own
 global decode, an FP8 or float32 pool, other dtypes or shapes, the workspace's query, the slot tensors) answers its own
 reason. A CPU generate() routes every global layer's step through `global_route` and takes the torch path (the kernels
 themselves are tests/test_global_step_gpu.py's).
@@ -85,8 +85,9 @@ def _described_call(batch=3, fmt="folded", cls=None):
 @pytest.mark.parametrize("fmt", ["folded", "split"])
 def test_route_of_a_described_call_stops_at_cuda(fmt):
     from foldkv import global_step as gs
+    from foldkv.step_options import in_force
 
-    assert gs.FUSE_GLOBAL
+    assert in_force().fuse_global
     want = "not CUDA"
     assert gs.global_route(*_described_call(fmt=fmt)) == want
     assert gs.global_route(*_described_call(batch=1, fmt=fmt)) == want
@@ -139,13 +140,14 @@ def test_route_of_an_undescribed_call_says_why(what):
     assert why is not None and why != "not CUDA" and TWINS[what] in why, why
 
 
-def test_route_refuses_a_subclass_that_decodes_its_own_way_and_the_switch_off(monkeypatch):
+def test_route_refuses_a_subclass_that_decodes_its_own_way_and_the_option_off():
     from foldkv import global_step as gs
+    from foldkv.step_options import StepOptions, using
 
     why = gs.global_route(*_described_call(cls=_other_decode_step()))
     assert why is not None and "OwnDecode decodes the global layers its own way" in why
-    monkeypatch.setattr(gs, "FUSE_GLOBAL", False)
-    assert gs.global_route(*_described_call()) == "FUSE_GLOBAL is off"
+    with using(StepOptions(fuse_global=False)):
+        assert gs.global_route(*_described_call()) == "StepOptions.fuse_global is off"
 
 
 LENGTHS = (5, 17, 11)
@@ -154,8 +156,8 @@ NEW = 4
 
 def test_every_global_step_of_a_cpu_generate_takes_the_torch_path(tmp_path, monkeypatch):
     """A static decode step on the CPU (reference attention, float32): every global layer's attend asks the route,
-    which answers (no workspace), and the kernels' launchers are never called; the tokens and logits equal those with
-    FUSE_GLOBAL off."""
+    which answers (no workspace), and the kernels' launchers are never called; the tokens and logits equal those of a
+    cache made with `StepOptions(fuse_global=False)`."""
     require_module("transformers")
     require_module("safetensors")
     import foldkv.hf  # noqa: F401
@@ -163,6 +165,7 @@ def test_every_global_step_of_a_cpu_generate_takes_the_torch_path(tmp_path, monk
     from foldkv.hf import FoldKvCache
     from foldkv.lab.model import cache_keyword, load_model
     from foldkv.lab.synthetic import make_synthetic_checkpoint
+    from foldkv.step_options import StepOptions
 
     ckpt = make_synthetic_checkpoint(tmp_path, seed=3, sliding_window=8, **TINY_SYNTHETIC)
     model = load_model(ckpt, dtype=torch.float32, attn_implementation="foldkv")
@@ -173,8 +176,9 @@ def test_every_global_step_of_a_cpu_generate_takes_the_torch_path(tmp_path, monk
     for name in ("query_into", "row_into_pool"):
         monkeypatch.setattr(gs, name, lambda *a, _n=name: pytest.fail(f"{_n} launched on the CPU"))
 
-    def run():
-        cache = FoldKvCache(model, max_batch=4, max_tokens=max(LENGTHS) + NEW, scatter_seed=5, decode_step="static")
+    def run(options=None):
+        cache = FoldKvCache(model, max_batch=4, max_tokens=max(LENGTHS) + NEW, scatter_seed=5, decode_step="static",
+                            step_options=options)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
                              do_sample=False, output_logits=True, return_dict_in_generate=True,
                              **{cache_keyword(model): cache})
@@ -182,16 +186,15 @@ def test_every_global_step_of_a_cpu_generate_takes_the_torch_path(tmp_path, monk
 
     tokens, logits, layers = run()
     assert len(routes) == (NEW - 1) * layers and all(r.startswith("no foldkv DecodeWorkspace") for r in routes), routes
-    monkeypatch.setattr(gs, "FUSE_GLOBAL", False)
     routes.clear()
-    off = run()
-    assert routes and set(routes) == {"FUSE_GLOBAL is off"}
+    off = run(StepOptions(fuse_global=False))
+    assert routes and set(routes) == {"StepOptions.fuse_global is off"}
     assert torch.equal(off[0], tokens) and torch.equal(off[1], logits)
 
 
-def test_the_global_forward_takes_only_a_started_step_and_its_modules(tmp_path, monkeypatch):
+def test_the_global_forward_takes_only_a_started_step_and_its_modules(tmp_path):
     """fused_step's global forward: the swap takes the global attention modules only (not the sliding ones) and puts
-    them back; its route answers why for anything but a started decode step (and with FUSE_GLOBAL_PROLOGUE off, that),
+    them back; its route answers why for anything but a started decode step (and with fuse_global_prologue off, that),
     so a CPU generate() inside fused_step runs the class's forward."""
     require_module("transformers")
     require_module("safetensors")
@@ -199,6 +202,7 @@ def test_the_global_forward_takes_only_a_started_step_and_its_modules(tmp_path, 
     from foldkv import fused_step as fs
     from foldkv.lab.model import load_model
     from foldkv.lab.synthetic import make_synthetic_checkpoint
+    from foldkv.step_options import StepOptions
 
     ckpt = make_synthetic_checkpoint(tmp_path, seed=3, sliding_window=8, **TINY_SYNTHETIC)
     model = load_model(ckpt, dtype=torch.float32, attn_implementation="foldkv")
@@ -210,10 +214,10 @@ def test_the_global_forward_takes_only_a_started_step_and_its_modules(tmp_path, 
     assert not any("forward" in vars(m) for m in every)  # put back
     x = torch.randn(2, 1, model.config.hidden_size)
     assert fs.global_forward_route(mods[0], {"hidden_states": x}) == "not a started decode step"
-    monkeypatch.setattr(fs, "FUSE_GLOBAL_PROLOGUE", False)
-    assert fs.global_forward_route(mods[0], {"hidden_states": x}) == "FUSE_GLOBAL_PROLOGUE is off"
-    with fs.fused_step(model) as n:
+    off = StepOptions(fuse_global_prologue=False)
+    with fs.fused_step(model, off) as n:
         assert n["global_attention"] == 0
+        assert fs.global_forward_route(mods[0], {"hidden_states": x}) == "StepOptions.fuse_global_prologue is off"
 
 
 def test_the_branch_leaves_a_cpu_step_alone(tmp_path):

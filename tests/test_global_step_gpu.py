@@ -1,5 +1,5 @@
 """foldkv.global_step on the GPU: a global layer's query and row as two Triton kernels (`query_into`, `row_into_pool`),
-each against the library functions it replaces, then the whole step with `FUSE_GLOBAL` on and off.
+each against the library functions it replaces, then the whole step with `StepOptions.fuse_global` on and off.
 
 Bounds, from where each op rounds:
 - `query_into` (global_query_rows): fold_query's arithmetic (q and w_k to float32 exactly, one float32 product, rounded
@@ -8,7 +8,7 @@ Bounds, from where each op rounds:
 - `row_into_pool` (global_row_store): moves of bf16 values: bitwise `store_rows(rows_from_key_value(...))` over the
   whole pool (the step's slots poisoned first, so an unwritten slot or a write elsewhere shows).
 - the whole step (tiny synthetic Gemma 4, graph mode, batch 1 and 8): the decode after them is the same `ws.step`, so
-  the greedy tokens and logits are torch.equal with FUSE_GLOBAL on and off; an FP8 pool takes the torch path (every
+  the greedy tokens and logits are torch.equal with fuse_global on and off; an FP8 pool takes the torch path (every
   route says FP8, no kernel launched).
 Red twins: the query's rotated halves swapped in the column map; the row stored one offset off (a kernel test and the
 whole step).
@@ -18,8 +18,12 @@ Reproduce: FOLDKV_REQUIRE_GPU=1 PYTHONPATH=lib pytest tests/test_global_step_gpu
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+
+from foldkv.step_options import StepOptions
 
 from conftest import (left_padded_batch, query_kernel_check, require_hopper, require_module, row_store_check,
                       synthetic_gpu_models)
@@ -115,14 +119,14 @@ def synthetic_model(tmp_path_factory):
     return synthetic_gpu_models(tmp_path_factory, "foldkv", needs=("triton",))["foldkv"]
 
 
-def _generate(model, fmt, batch, dtype=None, decode_step="graph"):
+def _generate(model, fmt, batch, dtype=None, decode_step="graph", options=None):
     from foldkv.hf import FoldKvCache
     from foldkv.lab.model import cache_keyword
 
     lengths = LENGTHS[batch]
     ids, mask = left_padded_batch(lengths, model.config.vocab_size, seed=7)
     cache = FoldKvCache(model, max_batch=len(lengths), max_tokens=max(lengths) + NEW, scatter_seed=3,
-                        decode_step=decode_step, kv_format=fmt, dtype=dtype)
+                        decode_step=decode_step, kv_format=fmt, dtype=dtype, step_options=options)
     out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=NEW, min_new_tokens=NEW,
                          do_sample=False, output_logits=True, return_dict_in_generate=True,
                          **{cache_keyword(model): cache})
@@ -144,16 +148,12 @@ def test_the_step_with_and_without_the_global_kernels(synthetic_model, fmt, batc
     """DecodeStep.attend's two kernels: the fused step's global forward (tests/test_global_prologue_gpu.py) is off,
     so every global layer runs transformers' forward into attend."""
     gst = _library()
-    from foldkv import fused_step
-
-    monkeypatch.setattr(fused_step, "FUSE_GLOBAL_PROLOGUE", False)
+    unfused = StepOptions(fuse_global_prologue=False)
     routes, rows = _spied(monkeypatch, gst)
-    monkeypatch.setattr(gst, "FUSE_GLOBAL", False)
-    plain = _generate(synthetic_model, fmt, batch)
-    assert not rows and routes and set(routes) == {"FUSE_GLOBAL is off"}
-    monkeypatch.setattr(gst, "FUSE_GLOBAL", True)
+    plain = _generate(synthetic_model, fmt, batch, options=dataclasses.replace(unfused, fuse_global=False))
+    assert not rows and routes and set(routes) == {"StepOptions.fuse_global is off"}
     routes.clear()
-    kernels = _generate(synthetic_model, fmt, batch)
+    kernels = _generate(synthetic_model, fmt, batch, options=unfused)
     assert rows and routes and set(routes) == {None}, set(routes)
     assert bool(torch.isfinite(kernels[1]).all())
     assert torch.equal(kernels[0], plain[0]), "greedy tokens differ"
@@ -164,7 +164,7 @@ def test_the_step_with_and_without_the_global_kernels(synthetic_model, fmt, batc
     row = gst.row_into_pool
     monkeypatch.setattr(gst, "row_into_pool", lambda geom, pool, k, v, pages, offsets: row(
         geom, pool, k, v, pages, torch.remainder(offsets + 1, pool.layout.page_size)))
-    twin = _generate(synthetic_model, fmt, batch)
+    twin = _generate(synthetic_model, fmt, batch, options=unfused)
     assert not torch.equal(twin[1], kernels[1]), "rows stored one offset off changed nothing"
 
 
@@ -175,6 +175,5 @@ def test_an_fp8_pool_takes_the_torch_path(synthetic_model, monkeypatch):
     routes, rows = _spied(monkeypatch, gst)
     fused = _generate(synthetic_model, "folded", 8, dtype=FP8_DTYPE)
     assert not rows and routes and all(r is not None and "FP8" in r for r in routes), set(routes)
-    monkeypatch.setattr(gst, "FUSE_GLOBAL", False)
-    plain = _generate(synthetic_model, "folded", 8, dtype=FP8_DTYPE)
+    plain = _generate(synthetic_model, "folded", 8, dtype=FP8_DTYPE, options=StepOptions(fuse_global=False))
     assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])

@@ -203,7 +203,6 @@ def test_a_stop_after_a_step_run_ahead_leaves_the_cache_as_transformers_loop(gpu
             cls = FoldKvCache
         cache = cls(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW,
                     kv_format="split" if arm == "flashinfer" else "folded", dtype=torch.bfloat16, scatter_seed=3)
-        before = dict(hf_loop.LOOP_STEPS)
         with pytest.MonkeyPatch.context() as mp:
             if not loop:
                 mp.setattr(hf_loop, "applies", lambda model, kwargs: False)
@@ -214,7 +213,7 @@ def test_a_stop_after_a_step_run_ahead_leaves_the_cache_as_transformers_loop(gpu
                  step.dev_lens.tolist(), step.col.tolist(), step.steps)
         with torch.no_grad():
             logits = model(input_ids=out[:, -1:], **{cache_keyword(model): cache}).logits.float().cpu()
-        return out.cpu(), state, logits, hf_loop.LOOP_STEPS["rewound"] - before["rewound"]
+        return out.cpu(), state, logits, step.loop_steps["rewound"]
 
     got, state, logits, rewound = once(True)
     want, want_state, want_logits, _ = once(False)

@@ -1,7 +1,7 @@
 """generate()'s thin decoding loop (`foldkv.hf_loop.decode_loop`, made generate()'s decoding method by
-`hf_graph.install` for a FoldKvCache with a decode step) against transformers' own loop (`GenerationMixin._sample`), on
+`hf_loop.install` for a FoldKvCache with a decode step) against transformers' own loop (`GenerationMixin._sample`), on
 the CPU with decode_step="static": the same tokens (greedy, sampling, EOS with the padding after it), the thin path
-taking every decode step after the capturing one (counted exactly in `hf_loop.LOOP_STEPS`), and every call it does
+taking every decode step after the capturing one (counted exactly: the step's `loop_steps`), and every call it does
 not cover (beams, a dict of outputs, a streamer, stop strings with their tokenizer) left to transformers.
 
 The model is test_hf_step_cpu's tiny synthetic Gemma 4 (sliding window 8: the rings wrap over a prompt of 17 and 12 new
@@ -63,7 +63,8 @@ def _cache(model, fmt="folded", decode_step="static"):
 
 
 def _generate(model, batch, cache=None, *, loop=True, seed=None, **kw):
-    """(sequences [B, prompt + new], LOOP_STEPS' growth {"thin": n, "transformers": n}) of one generate(); loop=False:
+    """(sequences [B, prompt + new], the loop's steps {"thin": n, "transformers": n, "rewound": n}: the growth of the
+    cache's decode step's `loop_steps`, zeros without one) of one generate(); loop=False:
     transformers' own loop (`hf_loop.applies` answers False). seed: torch seeded before the call."""
     from foldkv import hf_loop
 
@@ -71,14 +72,19 @@ def _generate(model, batch, cache=None, *, loop=True, seed=None, **kw):
     if cache is not None:
         kw[cache_keyword(model)] = cache
     kw.setdefault("do_sample", False)
-    before = dict(hf_loop.LOOP_STEPS)
+    def counted():
+        step = getattr(cache, "decode_step", None)
+        return dict(step.loop_steps) if step is not None else {"thin": 0, "transformers": 0, "rewound": 0}
+
+    before = counted()
     with pytest.MonkeyPatch.context() as mp:
         if not loop:
             mp.setattr(hf_loop, "applies", lambda model, kwargs: False)
         if seed is not None:
             torch.manual_seed(seed)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, **kw)
-    return out, {k: hf_loop.LOOP_STEPS[k] - before[k] for k in before}
+    after = counted()
+    return out, {k: after[k] - before[k] for k in before}
 
 
 def _broken_loop(monkeypatch, old: str, new: str) -> None:
@@ -96,7 +102,7 @@ def _broken_loop(monkeypatch, old: str, new: str) -> None:
 # --- greedy: the thin loop's tokens are transformers' ---------------------------------------------------------------
 
 def _greedy(models, batch, fmt, chunk):
-    """(thin loop's output, its LOOP_STEPS growth, loop off's output, its growth, cache) of one greedy generate();
+    """(thin loop's output, its loop steps, loop off's output, its growth, cache) of one greedy generate();
     min_new_tokens keeps every sequence going (the synthetic eos, 1, is suppressed), so the counts are exact."""
     model = models["foldkv"]
     kw = dict(min_new_tokens=NEW, prefill_chunk_size=chunk)
@@ -193,7 +199,7 @@ def _state(cache):
 
 
 def _after_stop(models, inputs, loop, rewind=None, monkeypatch=None):
-    """(output, LOOP_STEPS growth, cache state, logits of one more step) of an EOS stop before max_new_tokens
+    """(output, loop steps, cache state, logits of one more step) of an EOS stop before max_new_tokens
     ("all_finish"), then one decode forward of each sequence's last token on the same cache: a cache the stop left
     one step ahead reads its ring and pools one column off. rewind: replaces DecodeStep.rewind (red twins)."""
     from foldkv.hf_graph import DecodeStep

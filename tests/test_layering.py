@@ -1,7 +1,8 @@
 """The runtime (`foldkv`: config, layout, pool, prep, reference, floor, validate, provenance, kernels, aot) never imports
 the lab (`foldkv.lab`): checked statically on every runtime file's imports and by importing every runtime module in a
-process where `foldkv.lab` cannot be imported. Inside the lab no modules import each other in a circle (a static scan
-of every import, those inside functions included). Each check has a red twin that it must catch."""
+process where `foldkv.lab` cannot be imported. No modules of the package (runtime and lab) import each other in a
+circle (a static scan of every import, those inside functions included, relative ones resolved): layers import one
+way. Each check has a red twin that it must catch."""
 
 from __future__ import annotations
 
@@ -223,6 +224,49 @@ def test_the_circle_check_finds_a_circle(tmp_path):
     assert import_circles(graph) == [["lab.a", "lab.b", "lab.c"]]
     (pkg / "sub" / "f.py").write_text("from .. import sub\nfrom ..sub import e\n")  # f -> sub's __init__, f <-> e
     assert import_circles(import_graph(pkg, "lab")) == [["lab.a", "lab.b", "lab.c"], ["lab.sub.e", "lab.sub.f"]]
+
+
+def circle_edges(graph: dict[str, set[str]], circle: list[str]) -> list[str]:
+    """"a -> b" for every import between two modules of one circle (what to cut), sorted."""
+    inside = set(circle)
+    return [f"{a} -> {b}" for a in sorted(circle) for b in sorted(graph[a] & inside)]
+
+
+def _circles_text(graph: dict[str, set[str]]) -> str:
+    return "\n".join(f"circle {c}: " + ", ".join(circle_edges(graph, c)) for c in import_circles(graph))
+
+
+def test_the_package_has_no_import_circle():
+    """Every module of foldkv, the lab included: the runtime's layers import one way (a lower layer is handed what it
+    needs: objects, callbacks), the lab likewise; a circle is printed with the imports inside it."""
+    graph = import_graph(PACKAGE, "foldkv")
+    assert {"foldkv.hf", "foldkv.hf_graph", "foldkv.fused_step", "foldkv.lab.bench.arms"} <= set(graph)
+    assert {"foldkv.hf_graph", "foldkv.hf_loop"} <= graph["foldkv.hf"], "the scan found none of hf's imports"
+    assert graph["foldkv.fused_step"] >= {"foldkv.ring", "foldkv.global_step"}
+    assert import_circles(graph) == [], "import circles (every import, inside functions too):\n" + _circles_text(graph)
+
+
+def test_the_package_circle_check_finds_a_planted_circle(tmp_path):
+    """Red twin: a runtime package whose decode step imports its adapter inside a function (`from ..hf import x`, two
+    levels up) while the adapter imports the step at the top, is one circle, printed with both imports; the lab module
+    importing both adds none."""
+    pkg = tmp_path / "foldkv"
+    (pkg / "step").mkdir(parents=True)
+    (pkg / "lab").mkdir()
+    (pkg / "__init__.py").write_text("from .layout import KvFormat\n")
+    (pkg / "layout.py").write_text("KvFormat = 1\n")
+    (pkg / "hf.py").write_text("from .step.run import DecodeStep\nfrom .layout import KvFormat\n")
+    (pkg / "step" / "__init__.py").write_text("")
+    (pkg / "step" / "run.py").write_text("from ..layout import KvFormat\n\n\ndef f():\n    from ..hf import x\n")
+    (pkg / "lab" / "__init__.py").write_text("")
+    (pkg / "lab" / "arms.py").write_text("from foldkv import hf\nfrom ..step import run\n")
+    graph = import_graph(pkg, "foldkv")
+    assert import_circles(graph) == [["foldkv.hf", "foldkv.step.run"]]
+    assert circle_edges(graph, ["foldkv.hf", "foldkv.step.run"]) == ["foldkv.hf -> foldkv.step.run",
+                                                                    "foldkv.step.run -> foldkv.hf"]
+    assert "foldkv.step.run -> foldkv.hf" in _circles_text(graph)
+    (pkg / "step" / "run.py").write_text("from ..layout import KvFormat\n")  # the back edge gone: no circle
+    assert import_circles(import_graph(pkg, "foldkv")) == []
 
 
 # --- the import check --------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ def _prefill(model, ids, mask, chunk=300):
 @pytest.mark.parametrize("lengths", [(700,), (97, 700, 301)])
 def test_fused_prefill_within_the_neutral_figure(tmp_path_factory, monkeypatch, lengths):
     from foldkv import fused_step_ops, hf_graph
+    from foldkv.step_options import StepOptions, using
 
     models = synthetic_gpu_models(tmp_path_factory, "foldkv", "foldkv_eager")
     model = models["foldkv"]
@@ -41,8 +42,8 @@ def test_fused_prefill_within_the_neutral_figure(tmp_path_factory, monkeypatch, 
     monkeypatch.setattr(hf_graph.DecodeStep, "prefill", lambda self, f, kw: calls.append(1) or prefill(self, f, kw))
     tokens, logits = _prefill(model, ids, mask)
     assert len(calls) == -(-ids.shape[1] // 300)  # every chunk of the prompt through the fused kernels
-    monkeypatch.setattr(hf_graph.DecodeStep, "fuses_prefill", lambda self, kw: False)
-    base_tokens, base = _prefill(model, ids, mask)  # transformers' modules: what served before
+    with using(StepOptions(fuse_prefill=False)):  # transformers' modules: what served before
+        base_tokens, base = _prefill(model, ids, mask)
     _, eager = _prefill(models["foldkv_eager"], ids, mask)
     bound = max(2 * (eager - base).abs().max().item(), 4 * 2.0 ** -8 * base.abs().max().item())
     gap = (logits - base).abs().max().item()

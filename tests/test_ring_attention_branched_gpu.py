@@ -1,6 +1,6 @@
 """bench/versions/ring_attention_branched.py on the GPU: a sliding layer's ring attention in two halves on two
 streams (the batch's halves, or the KV heads' at B = 1), the library's kernels in each, against
-`hf_graph.ring_attention` itself, then in the whole step.
+`ring.ring_attention` itself, then in the whole step.
 
 Bounds: each half is the library's arithmetic on its heads (the same batched matmul per head, the same softmax rows):
 bitwise, as long as cuBLAS runs each head's GEMM with the same kernel at half the batch (a failure here says it did
@@ -43,7 +43,8 @@ def _inputs(batch, geometry, seed):
 @pytest.mark.parametrize("geometry", list(RING_GEOMETRIES))
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_the_halves_are_the_library(branched, batch, geometry):
-    from foldkv.hf_graph import RingMask, ring_attention
+    from foldkv.masks import RingMask
+    from foldkv.ring import ring_attention
 
     q, k, v, m, scaling = _inputs(batch, geometry, seed=batch)
     assert branched.refusal(q, k, v, RingMask(m)) is None
@@ -58,7 +59,7 @@ def test_the_halves_are_the_library(branched, batch, geometry):
 
 
 def test_an_odd_batch_is_the_librarys(branched):
-    from foldkv.hf_graph import RingMask
+    from foldkv.masks import RingMask
 
     q, k, v, m, _ = _inputs(3, "31b", seed=3)
     assert "odd" in branched.refusal(q, k, v, RingMask(m))

@@ -67,7 +67,7 @@ def _call(b=2, hq=8, hkv=4, w=40, d=16, dtype=torch.bfloat16, seed=0):
 
 
 def test_route_refusals(ras):
-    from foldkv.hf_graph import RingMask
+    from foldkv.masks import RingMask
 
     q, k, v, m = _call()
     assert ras.refusal(q, k, v, m) == "not a RingMask"
@@ -81,29 +81,29 @@ def test_route_refusals(ras):
 @pytest.mark.parametrize("name,label,other", [("ring_attention_split", "split", "ring_attention_one_launch"),
                                               ("ring_attention_one_launch", "one-launch", "ring_attention_split")])
 def test_install_patches_both_call_sites_and_falls_back_on_cpu(name, label, other):
-    from foldkv import hf, hf_graph
-    from foldkv.hf_graph import RingMask
+    from foldkv import hf, ring
+    from foldkv.masks import RingMask
 
     version = bench_version(name)
-    library, hf_library = hf_graph.ring_attention, hf.ring_attention
+    library = ring.ring_attention
     q, k, v, m = _call()
     module = torch.nn.Module()
     module.scaling = 0.5
     want = library(module, q, k, v, RingMask(m))[0]
     with version.installed() as route:
-        assert hf_graph.ring_attention is not library and hf_graph.ring_attention._ring_version == label
-        assert hf.ring_attention is hf_graph.ring_attention
+        assert ring.ring_attention is not library and ring.ring_attention._ring_version == label
+        assert hf.ring is ring  # foldkv's attention function reads the one name patched
         for again in (version, bench_version(other)):  # one version at a time
             with pytest.raises(RuntimeError, match=f"already has the {label} kernels"):
                 again.install()
-        got = hf_graph.ring_attention(module, q, k, v, RingMask(m))[0]
+        got = ring.ring_attention(module, q, k, v, RingMask(m))[0]
         assert torch.equal(got, want)  # the CPU call is the library's
         assert route.report() == {"calls": 0, "refusals": {"not on CUDA": 1}}
-    assert hf_graph.ring_attention is library and hf.ring_attention is hf_library
+    assert ring.ring_attention is library
     with pytest.raises(ValueError):
         with version.installed():
             raise ValueError("inside")
-    assert hf_graph.ring_attention is library and hf.ring_attention is hf_library
+    assert ring.ring_attention is library
 
 
 def test_the_probe_parses_ring_ab():
@@ -204,8 +204,8 @@ def test_the_two_branch_ring_attention_refuses_what_it_does_not_describe_and_goe
     """bench/versions/ring_attention_branched.py without a GPU (its kernels are the library's; its GPU test holds them
     bitwise): a CPU call, an odd batch of 3 and unpacked rings refused with their reasons; installed, the library's
     ring attention is patched in both places foldkv calls it and put back after; the probe parses --ring-branch-ab."""
-    from foldkv import hf, hf_graph
-    from foldkv.hf_graph import RingMask
+    from foldkv import ring
+    from foldkv.masks import RingMask
 
     branched = bench_version("ring_attention_branched")
     q, k, v, m = _call()
@@ -214,11 +214,11 @@ def test_the_two_branch_ring_attention_refuses_what_it_does_not_describe_and_goe
     assert "odd" in branched.refusal(q3, k3, v3, RingMask(m3))
     assert branched.refusal(*_call(b=1, hkv=4)[:3], RingMask(_call(b=1)[3])) == "not on CUDA"
     assert branched.refusal(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, RingMask(m)) == "rings not packed"
-    library = hf_graph.ring_attention
+    library = ring.ring_attention
     with branched.installed() as state:
-        assert hf_graph.ring_attention is not library and hf.ring_attention is hf_graph.ring_attention
+        assert ring.ring_attention is not library
         assert state.report() == {"calls": 0, "refusals": {}}
-    assert hf_graph.ring_attention is library and hf.ring_attention is library
+    assert ring.ring_attention is library
     probe = bench_script("model_decode_probe").parser()
     assert probe.parse_args(["--ring-branch-ab"]).ring_branch_ab and not probe.parse_args([]).ring_branch_ab
     # what each half calls: the library's ring attention writing P.V into a slice of one output (its `out=`)
@@ -238,8 +238,8 @@ def test_the_l2_prefetch_refuses_what_it_does_not_describe_and_goes_back():
     a prefix past the weight is the weight); installed, the library's ring attention is wrapped (a CPU call falls
     back to it bitwise, counted) and put back after; the probe parses --l2-prefetch-ab and the notes' run 27 command."""
     from conftest import probe_command_of_run, scaled_module
-    from foldkv import hf_graph
-    from foldkv.hf_graph import RingMask
+    from foldkv import ring
+    from foldkv.masks import RingMask
     from foldkv.lab.bench.roofs import STREAM_BLOCK
 
     pre = bench_version("oproj_l2_prefetch")
@@ -256,13 +256,13 @@ def test_the_l2_prefetch_refuses_what_it_does_not_describe_and_goes_back():
     blocks = pre.prefix_blocks(sliding_o_proj)
     assert blocks * STREAM_BLOCK == 1536 * 8192 and pre.prefix_blocks(sliding_o_proj, 1 << 20) == 5376 * 8192 // 4096
     module.o_proj.weight.data = torch.randn(64, 128).to(torch.bfloat16)
-    library = hf_graph.ring_attention
+    library = ring.ring_attention
     want = library(module, q, k, v, RingMask(m))[0]
     with pre.installed() as state:
-        assert hf_graph.ring_attention is not library
-        got = hf_graph.ring_attention(module, q, k, v, RingMask(m))[0]
+        assert ring.ring_attention is not library
+        got = ring.ring_attention(module, q, k, v, RingMask(m))[0]
         assert state.report() == {"calls": 0, "refusals": {"not on CUDA": 1}}
-    assert hf_graph.ring_attention is library and torch.equal(got, want)
+    assert ring.ring_attention is library and torch.equal(got, want)
     probe = bench_script("model_decode_probe").parser()
     assert probe.parse_args(["--l2-prefetch-ab"]).l2_prefetch_ab and not probe.parse_args([]).l2_prefetch_ab
     noted = probe_command_of_run(27)

@@ -1,7 +1,7 @@
 """A sliding layer's ring attention over 64-slot chunks on the GPU, both lab versions: bench/versions/
 ring_attention_split.py (three split-window kernels at ring_attention's rounding points) and
 ring_attention_one_launch.py (one launch: an online softmax over each split of the window, the last program of a KV
-head combining), each against a float64 reference and against `hf_graph.ring_attention` itself, its PDL launch
+head combining), each against a float64 reference and against `ring.ring_attention` itself, its PDL launch
 bitwise its plain launch, and the whole synthetic model step with the version installed and not.
 
 Bounds, from where each op rounds (ulp: a bf16 ulp, 2^(floor(log2 |x|) - 7); u = 2^-24):
@@ -109,7 +109,8 @@ def _score_slack(q, k, scaling):
 @pytest.mark.parametrize("fill", ["full", "partial"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_split_against_float64_and_ring_attention(split, batch, fill, geometry):
-    from foldkv.hf_graph import RingMask, ring_attention
+    from foldkv.masks import RingMask
+    from foldkv.ring import ring_attention
 
     q, k, v, m, scaling = _inputs(batch, geometry, fill, seed=batch * 10 + (fill == "full"))
     hkv = k.shape[1]
@@ -155,7 +156,8 @@ def test_split_against_float64_and_ring_attention(split, batch, fill, geometry):
 @pytest.mark.parametrize("fill", ["full", "partial"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_one_launch_against_float64_and_ring_attention(one, batch, fill, geometry, splits, request):
-    from foldkv.hf_graph import RingMask, ring_attention
+    from foldkv.masks import RingMask
+    from foldkv.ring import ring_attention
 
     if (batch, fill, geometry) == (1, "full", "31b"):  # strict: a pass fails, so the day it passes shows
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
@@ -258,7 +260,7 @@ def _exact_ring_attention(rounded_p: bool):
 
 
 def test_the_step_with_and_without_the_version(ras, synthetic_model, monkeypatch, request):
-    from foldkv import hf, hf_graph
+    from foldkv import ring
 
     if ras.__name__.endswith("ring_attention_one_launch"):  # strict: a pass fails, so the day it passes shows
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
@@ -272,8 +274,7 @@ def test_the_step_with_and_without_the_version(ras, synthetic_model, monkeypatch
     assert route.refusals == {}, f"refused: {route.refusals}"
     exact = _exact_ring_attention(SHARED_P_ROUNDING[ras.__name__.rsplit(".", 1)[-1]])
     with monkeypatch.context() as mp:
-        mp.setattr(hf_graph, "ring_attention", exact)
-        mp.setattr(hf, "ring_attention", exact)
+        mp.setattr(ring, "ring_attention", exact)
         neutral = _generate(synthetic_model)
     assert bool(torch.isfinite(split[1]).all())
     assert torch.equal(split[0], lib[0]), "greedy tokens differ"

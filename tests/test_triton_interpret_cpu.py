@@ -578,7 +578,7 @@ def test_global_row_is_rows_from_key_value_then_store_rows(batch, fmt):
 @inside
 @pytest.mark.parametrize("batch", [1, 3])
 def test_the_one_launch_sliding_prologue_is_the_two_launches(batch):
-    from conftest import two_launch_prologue
+    from conftest import sliding_prologue_without_kv, two_launch_prologue
 
     ops = _ops()
     hq, hkv, d, window, slot = 4, 2, 64, 8, 3
@@ -598,7 +598,7 @@ def test_the_one_launch_sliding_prologue_is_the_two_launches(batch):
     assert torch.equal(got_v.nan_to_num(7.0), want_v.nan_to_num(7.0))
     assert not bool(got_k[:, :, slot].isnan().any())
     twin_k, _ = rings()  # red twin: the KV rows left out of the grid
-    ops.sliding_prologue(attn, q, k, v, cos, sin, twin_k, rings()[1], torch.tensor([slot]), _red_skip_kv=True)
+    sliding_prologue_without_kv(attn, q, k, v, cos, sin, twin_k, rings()[1], torch.tensor([slot]))
     assert not torch.equal(twin_k.nan_to_num(7.0), want_k.nan_to_num(7.0))
 
 

@@ -355,7 +355,7 @@ def installed(fixup: bool = False, gelu: bool = False, tail_fit: bool = False):
     opts = dict(fixup=fixup, tail_fit=tail_fit)
 
     def linear(x, weight, bias=None, **kw):
-        if lib.refusal(x, weight, bias) is None and not kw.get("_red_x_early"):
+        if lib.refusal(x, weight, bias) is None:
             n, k = weight.shape
             cfg, plain = config(n, k, x.numel() // k, **opts), lib.tc_config(n, k, x.numel() // k)
             took["fixup"] += cfg.get("FIXUP", False)

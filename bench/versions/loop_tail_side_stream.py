@@ -37,6 +37,7 @@ from typing import Any, Iterator
 import torch
 
 from foldkv import hf_loop
+from foldkv import transformers_compat as compat
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,7 +57,7 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
     what it does not cover, and a CPU loop, go to the served loop unchanged. `_red_no_ids_wait` (the tests' red twin,
     never for use): the side stream does not wait for the token ids before the check reads them (and the main stream
     is held back before the ids, so that the check always runs first)."""
-    cache = hf_loop._cache_of(model_kwargs)
+    cache = compat.cache_of(model_kwargs)
     if not (hf_loop.covers(model, generation_config, synced_gpus, streamer, cache) and input_ids.is_cuda):
         return _served(model, input_ids, logits_processor, stopping_criteria, generation_config,
                        synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
@@ -95,21 +96,21 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
             main.wait_stream(side)
             if ahead:
                 step.rewind()
-                hf_loop.LOOP_STEPS["rewound"] += 1
+                step.loop_steps["rewound"] += 1
             return input_ids
         if step.started:
-            hf_loop.LOOP_STEPS["thin"] += 1
+            step.loop_steps["thin"] += 1
             if not ahead:
                 outputs = model(input_ids=step_ids, **{cache_kw: cache})
         else:
-            hf_loop.LOOP_STEPS["transformers"] += 1
+            step.loop_steps["transformers"] += 1
             model_inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
             outputs = model(**model_inputs, return_dict=True)
 
 
 @contextlib.contextmanager
 def installed(red_no_ids_wait: bool = False) -> Iterator[dict]:
-    """generate()'s thin loop replaced by this one for the block (`hf_graph.install` reads `hf_loop.decode_loop` at
+    """generate()'s thin loop replaced by this one for the block (`hf_loop.install` reads `hf_loop.decode_loop` at
     every call; bench/model_decode_probe.py --loop-tail-ab); yields {"tokens": n}, the tokens whose check ran on the
     side stream."""
     served = hf_loop.decode_loop

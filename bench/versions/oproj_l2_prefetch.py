@@ -2,7 +2,7 @@
 
 What it tries (MODEL_DECODE_NOTES "Run 27: prediction"; written before any GPU run): at batch 1 a sliding layer's ring
 attention (cuBLAS's q.K^T, the fused softmax, cuBLAS's P.V over 16.8 MB of ring) takes ~11 us with DRAM ~2/3 idle,
-and the layer's o_proj after it streams 88 MB. Here `hf_graph.ring_attention` (what fused_step's sliding forward
+and the layer's o_proj after it streams 88 MB. Here `ring.ring_attention` (what fused_step's sliding forward
 calls) is wrapped: at one row it forks fused_step's second side stream after the work issued so far (the query and
 the rings written), where the read roof's streaming kernel (`foldkv.lab.bench.roofs.stream_read_kernel`, the kernel
 bench/l2_prefix_probe.py times) reads the first PREFIX_MB of the layer's o_proj weight (whole rows: whole row tiles
@@ -33,7 +33,7 @@ from typing import Iterator
 
 import torch
 
-from foldkv import fused_step, hf_graph
+from foldkv import fused_step, ring
 
 PREFIX_MB = 24  # o_proj's first rows read into L2: 24 of the sliding o_proj's 84 row tiles at the 31B
 PROGRAMS = 132  # the read's programs: one an SM, beside the attention's CTAs
@@ -69,13 +69,13 @@ def _partials(device: torch.device) -> torch.Tensor:
 
 
 class Installed:
-    """`hf_graph.ring_attention` wrapped for the block; `calls` (ring attentions with the prefetch beside them),
+    """`ring.ring_attention` wrapped for the block; `calls` (ring attentions with the prefetch beside them),
     `refusals` (reason -> count), `last` (the last prefetched weight and its blocks: the GPU test checks the sum)."""
 
     def __init__(self, prefix_mb: int = PREFIX_MB):
         from foldkv.lab.bench.roofs import stream_read_kernel
 
-        self.library = hf_graph.ring_attention
+        self.library = ring.ring_attention
         self.calls, self.refusals, self.last = 0, collections.Counter(), None
         read, library, state = stream_read_kernel(), self.library, self
 
@@ -98,10 +98,10 @@ class Installed:
             return result
 
         ring_attention._l2_prefetch = prefix_mb
-        hf_graph.ring_attention = ring_attention
+        ring.ring_attention = ring_attention
 
     def uninstall(self) -> None:
-        hf_graph.ring_attention = self.library
+        ring.ring_attention = self.library
 
     def report(self) -> dict:
         return {"calls": self.calls, "refusals": dict(self.refusals)}

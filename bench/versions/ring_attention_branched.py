@@ -1,13 +1,13 @@
 """A sliding layer's ring attention in two halves on two branches of the step's graph, the library's kernels in each.
 
-What it tries (MODEL_DECODE_NOTES "Run 28: prediction"; written before any GPU run): `hf_graph.ring_attention` is
+What it tries (MODEL_DECODE_NOTES "Run 28: prediction"; written before any GPU run): `ring.ring_attention` is
 cuBLAS's q.K^T, `fused_step.masked_softmax` and cuBLAS's P.V, one after another over all B x Hkv heads; s27's batch-8
 profile puts the two matmuls at 82% of the read roof (18.5 + 18.4 us a layer for ~30 us of bytes) and s25's one-row
 profile at ~11 us a layer for 3.5 us of bytes (32-256 CTAs each, a ramp and a tail each, every launch a full boundary).
 Here the heads are cut in two halves (the batch's two halves when B is even: their rings, queries and masks are
 contiguous slices; the KV heads' two halves at B = 1), each half's three kernels issued on its own stream (the main
 one and fused_step's side stream: a fork and a join, branches of the captured graph), so one half's launches, ramps
-and tails overlap the other's body. Each half is `hf_graph.ring_attention` on its heads (the same matmuls per head,
+and tails overlap the other's body. Each half is `ring.ring_attention` on its heads (the same matmuls per head,
 the same softmax rows), writing into its slice of one output (its `out=`), so no copy joins them.
 Described: CUDA, B even or B = 1 with an even Hkv; anything else is the library's, the reason counted.
 
@@ -32,11 +32,12 @@ from typing import Iterator
 
 import torch
 
-from foldkv import fused_step, hf_graph
+from foldkv import fused_step, ring
+from foldkv.masks import RingMask
 from versions import ring_attention_split as split  # bench/versions/: its installation (calls, refusals)
 
 
-LIBRARY = hf_graph.ring_attention  # each half's: taken at import, before `installed` patches the name
+LIBRARY = ring.ring_attention  # each half's: taken at import, before `installed` patches the name
 assert not hasattr(LIBRARY, "_ring_version"), "imported while a lab ring attention was installed"
 
 
@@ -78,7 +79,7 @@ def ring_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mas
 
     def half(i: int) -> None:  # the library's ring attention on these heads, P.V into their slice of out
         (bs, hs, qs), ms = halves[i], masks[i]
-        LIBRARY(module, query[bs, qs], key[bs, hs], value[bs, hs], hf_graph.RingMask(ms), out=out[bs, hs])
+        LIBRARY(module, query[bs, qs], key[bs, hs], value[bs, hs], RingMask(ms), out=out[bs, hs])
 
     with torch.cuda.stream(side):
         half(1)

@@ -1,7 +1,7 @@
 """A sliding layer's decode attention over its ring in one launch: the window split over programs, an online softmax in
 each, the last program of a (sequence, KV head) combining the splits.
 
-What it tries (MODEL_DECODE_NOTES "Run 25: prediction"; written before any GPU run): `hf_graph.ring_attention` is
+What it tries (MODEL_DECODE_NOTES "Run 25: prediction"; written before any GPU run): `ring.ring_attention` is
 cuBLAS q.K^T, `fused_step.masked_softmax`, cuBLAS P.V: three launches a sliding layer, none of which triggers
 programmatic dependent launch, so the kernel after each starts at its exit. At 4K x 1 they take ~10.8 us a layer
 (4.7 + 1.6 + 4.5, s23's profile) for 16.8 MB of ring (3.7 us at the roof): ~0.35 ms a step over 50 layers, the
@@ -103,7 +103,7 @@ def split_chunks(p: dict) -> list[range]:
 
 
 def refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -> str | None:
-    """None when `ring_attend` takes hf_graph.ring_attention's call, else why not (ring_attention_split's checks)."""
+    """None when `ring_attend` takes ring.ring_attention's call, else why not (ring_attention_split's checks)."""
     return split.refusal(query, key, value, mask)
 
 
@@ -196,7 +196,7 @@ if triton is not None:
 def ring_attend(query: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, mask: torch.Tensor, scaling: float,
                 *, splits: int | None = None, pdl: bool | None = None, out: torch.Tensor | None = None,
                 scratch: dict | None = None, _red: str | None = None) -> torch.Tensor:
-    """hf_graph.ring_attention's output [B, 1, Hq, d] for query [B, Hq, 1, d] (any strides), rings [B, Hkv, W, d]
+    """ring.ring_attention's output [B, 1, Hq, d] for query [B, Hq, 1, d] (any strides), rings [B, Hkv, W, d]
     packed, mask [B, 1, 1, W] bool (True: attend; every row has one), in one launch (module docstring). The caller
     has checked `refusal`. splits: S (None: `plan`'s from the device's SMs; 132 off CUDA). pdl None:
     `gemv.pdl_kw(query)` (the library's switch); False: a plain launch; True: PDL. out: [B, 1, Hq, d] packed of the

@@ -1,6 +1,6 @@
 """A sliding layer's decode attention over its ring as three split-window Triton kernels, every one a PDL link.
 
-What it tries (MODEL_DECODE_NOTES "Run 15: prediction"; written before any GPU run): `hf_graph.ring_attention` is
+What it tries (MODEL_DECODE_NOTES "Run 15: prediction"; written before any GPU run): `ring.ring_attention` is
 cuBLAS q.K^T, `fused_step.masked_softmax`, cuBLAS P.V: ~10.8 us a sliding layer on the 31B at 4K x 1 (4.7 + 1.6 + 4.5,
 nb05's profile, papermill_runs/h200-20261204-s23) where the ring's bytes (1,024 slots x 16 KV heads x 256 dims, K and
 V, bf16: 16.8 MB) are 3.7 us at 4.5 TB/s; the cuBLAS kernels never trigger programmatic dependent launch, so the
@@ -52,7 +52,7 @@ Prediction (run 15): ~8 us a layer at batch 1 (6.5-11) against ~10.8, plus ~4 PD
 step at 4K x 8 / 128K x 8 ~0.15-0.5 ms faster depending on where cuBLAS reads the batch-8 rings.
 Outcome (run 15, s24): slower everywhere: device step +0.12 ms at 4K x 1, +0.44 at 4K x 8, +0.46 at 128K x 8 (the
 kernels took all 300 ring attentions). Three launches a layer with their own ramps and tails cost more than cuBLAS's two
-GEMMs and the softmax. Lost; the library keeps hf_graph.ring_attention.
+GEMMs and the softmax. Lost; the library keeps ring.ring_attention.
 
 Check first on the GPU, in this order:
 1. `FOLDKV_REQUIRE_GPU=1 pytest tests/test_ring_attention_split_gpu.py tests/test_ring_attention_split_cpu.py`;
@@ -74,9 +74,8 @@ from typing import Iterator
 import torch
 
 from foldkv import gemv
-from foldkv import hf as _hf
-from foldkv import hf_graph
-from foldkv.hf_graph import RingMask
+from foldkv import ring
+from foldkv.masks import RingMask
 
 try:
     import triton
@@ -130,7 +129,7 @@ def shape_refusal(batch: int, hq: int, hkv: int, window: int, d: int, dtype: tor
 
 
 def refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -> str | None:
-    """None when `ring_attend` takes hf_graph.ring_attention's call, else why not (the mask, the shapes, the layout,
+    """None when `ring_attend` takes ring.ring_attention's call, else why not (the mask, the shapes, the layout,
     then the device and Triton)."""
     if not isinstance(mask, RingMask):
         return "not a RingMask"
@@ -263,7 +262,7 @@ if triton is not None:
 def ring_attend(query: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, mask: torch.Tensor, scaling: float,
                 *, chunk: int = CHUNK, pdl: bool | None = None, scratch: dict | None = None,
                 _red: str | None = None) -> torch.Tensor:
-    """hf_graph.ring_attention's output [B, 1, Hq, d] for query [B, Hq, 1, d] (any strides), rings [B, Hkv, W, d]
+    """ring.ring_attention's output [B, 1, Hq, d] for query [B, Hq, 1, d] (any strides), rings [B, Hkv, W, d]
     packed, mask [B, 1, 1, W] bool (True: attend; every row has one), by the three kernels (module docstring). The
     caller has checked `refusal`. pdl None: `gemv.pdl_kw(query)` (the library's switch); False: plain launches; True:
     PDL launches. scratch (a dict): gets "scores" [B, Hkv, GROUP, W] and "partials" [B, Hkv, S, GROUP, d] (the tests
@@ -297,21 +296,20 @@ def ring_attend(query: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
 
 
 class Installed:
-    """One installation: `foldkv.hf_graph.ring_attention` (what fused_step's sliding forward calls) and the name
-    `foldkv.hf` imported (what foldkv's attention function calls for a RingMask) patched; calls (ring attentions the
+    """One installation: `foldkv.ring.ring_attention` (what fused_step's sliding forward and foldkv's attention
+    function for a RingMask both call) patched; calls (ring attentions the
     kernels served), refusals (reason -> count). `attend` (query, key, value, mask [B, 1, 1, W] bool, scaling, red)
     and `refuse` (query, key, value, RingMask) are a version's (this file's `ring_attend` and `refusal` by default;
     ring_attention_one_launch.py installs its own through this class); `name` is what the patched function's
     `_ring_version` says."""
 
     def __init__(self, red: str | None = None, *, attend=None, refuse=None, name: str = "split"):
-        installed_name = getattr(hf_graph.ring_attention, "_ring_version", None)
+        installed_name = getattr(ring.ring_attention, "_ring_version", None)
         if installed_name is not None:
-            raise RuntimeError(f"hf_graph.ring_attention already has the {installed_name} kernels installed")
+            raise RuntimeError(f"ring.ring_attention already has the {installed_name} kernels installed")
         attend = attend or (lambda q, k, v, m, scaling, red: ring_attend(q, k, v, m, scaling, _red=red))
         refuse = refuse or refusal
-        self.library = hf_graph.ring_attention
-        self.hf_library = _hf.ring_attention
+        self.library = ring.ring_attention
         self.calls = 0
         self.refusals: collections.Counter = collections.Counter()
         library, state = self.library, self
@@ -325,13 +323,11 @@ class Installed:
             return attend(query, key, value, mask.mask, float(module.scaling), red), None
 
         ring_attention._ring_version = name
-        ring_attention.__doc__ = f"hf_graph.ring_attention by the {name} kernels (bench/versions/)."
-        hf_graph.ring_attention = ring_attention
-        _hf.ring_attention = ring_attention
+        ring_attention.__doc__ = f"ring.ring_attention by the {name} kernels (bench/versions/)."
+        ring.ring_attention = ring_attention
 
     def uninstall(self) -> None:
-        hf_graph.ring_attention = self.library
-        _hf.ring_attention = self.hf_library
+        ring.ring_attention = self.library
 
     def report(self) -> dict:
         return {"calls": self.calls, "refusals": dict(self.refusals)}

@@ -1,6 +1,6 @@
 """A sliding layer's decode attention over its ring as one Triton kernel: q.K^T, the masked softmax and P.V.
 
-What it tried (written for the s22 run): `hf_graph.ring_attention` is three launches a sliding layer (cuBLAS's q.K^T,
+What it tried (written for the s22 run): `ring.ring_attention` is three launches a sliding layer (cuBLAS's q.K^T,
 `fused_step.masked_softmax`, cuBLAS's P.V); with the prologue (`fused_step.q_norm_rope`, `kv_to_ring`) this would
 make a sliding layer's attention three kernels instead of ten. The kernel keeps every rounding point of
 ring_attention (scores rounded to bf16, times scaling rounded, the float32 softmax rounded, P.V accumulated in float32
@@ -40,7 +40,7 @@ def ring_attention_rows(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, heads_kv, window, sca
     """One decode token's attention over a ring for KV head program_id(0) = b * heads_kv + kv: its GROUP query
     rows (heads kv * GROUP + r of q [B, heads_kv * GROUP, D], padded to GROUP_PAD >= 16 rows for tl.dot) against
     the window slots of K/V [B, heads_kv, window, D] (packed), mask [B, window] (uint8, 1: attend). As
-    hf_graph.ring_attention rounds: scores accumulated in float32 over D, rounded to the model dtype (torch's bf16
+    ring.ring_attention rounds: scores accumulated in float32 over D, rounded to the model dtype (torch's bf16
     matmul output); times scaling rounded again (SCALE); masked float32 softmax rounded to the model dtype;
     P.V accumulated in float32 over the window, rounded once. program_id(1) of SPLIT computes output columns
     [id * D / SPLIT, (id + 1) * D / SPLIT) (each recomputes the same scores: bitwise the same P)."""
@@ -87,7 +87,7 @@ def ring_splits(programs: int, d: int, device: torch.device) -> int:
 
 def ring_attend(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, mask: torch.Tensor, scaling: float,
                 splits: int | None = None) -> torch.Tensor:
-    """hf_graph.ring_attention for one decode token in one kernel: q [B, Hq, d] packed (head h = kv * group + r),
+    """ring.ring_attention for one decode token in one kernel: q [B, Hq, d] packed (head h = kv * group + r),
     rings [B, Hkv, W, d] packed, mask [B, 1, 1, W] bool (True: attend; every row has one) -> [B, 1, Hq, d].
     Rounding points are ring_attention's: scores q.K^T accumulated in float32 and rounded to the model dtype (as
     torch's bf16 matmul returns them), times `scaling` rounded again when it is not 1.0, the masked softmax in float32
@@ -127,9 +127,10 @@ def ring_attend(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, mas
 
 
 def main(batch: int = 1, hq: int = 32, hkv: int = 16, d: int = 256, window: int = 1024, reps: int = 200) -> None:
-    """Checks ring_attend against hf_graph.ring_attention (within 2 bf16 ulps of the output here), then times both
+    """Checks ring_attend against ring.ring_attention (within 2 bf16 ulps of the output here), then times both
     (CUDA events over `reps` launches each, 50 layers' rings rotated so they come from DRAM)."""
-    from foldkv.hf_graph import RingMask, ring_attention
+    from foldkv.masks import RingMask
+    from foldkv.ring import ring_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     layers = 50

@@ -91,7 +91,7 @@ def installed(red_next_slot: bool = False) -> Iterator[dict]:
         def tables_of(x, position_ids, layer_type=None):
             return tables[layer_type]
 
-        with mock.patch.object(rotary, "forward", tables_of), fused_step.fused_step(self.model):
+        with mock.patch.object(rotary, "forward", tables_of), fused_step.fused_step(self.model, self.options):
             out = forward(input_ids=self.ids, attention_mask=self.masks, position_ids=self.pos, **self.kwargs)
         branch.join()
         self.col.add_(1)

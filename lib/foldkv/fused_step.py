@@ -10,24 +10,25 @@ the block (the step `foldkv.hf_graph` runs and captures), each of them for one k
 - `gelu_mul`: the MLP's act(gate) * up (tanh GELU), the activation rounded before the product as torch rounds it;
 - the decoder layer's tails, `norm_add_norm` (post-attention norm, the residual add, the pre-feedforward norm: one
   pass over the row, two outputs) and `norm_add_scale` (post-feedforward norm, the residual add, the layer scalar);
-- the layer's tail links (TAIL_SUMS, TAIL_NEXT_NORM): a split projection's float32 partials summed by the norm that
-  reads them, and the next decoder layer's input norm made by this layer's last kernel, bitwise the step without;
+- the layer's tail links (`StepOptions` tail_sums, tail_next_norm): a split projection's float32 partials summed by
+  the norm that reads them, and the next decoder layer's input norm made by this layer's last kernel, bitwise the
+  step without;
 - `masked_softmax`: the ring attention's float32 softmax of masked scores, rounded to the model dtype;
 - a sliding layer's attention inside DecodeStep's step (`sliding_route`: a RingMask, the step's ring, CUDA), between
-  the q|k|v GEMV and o_proj, with its seven small launches before the ring attention as one (`FUSE_SLIDING`;
+  the q|k|v GEMV and o_proj, with its seven small launches before the ring attention as one (`StepOptions.fuse_sliding`;
   `sliding_prologue`): what `q_norm_rope` (q_norm then RoPE of each query head, read in place from the GEMV's output)
   and `kv_to_ring` (k_norm + RoPE and v_norm written straight into the rings' slot for this step, read on the device:
   update_sliding's two index_copy_) compute, their row bodies side by side in one kernel; the ring attention itself
-  stays `hf_graph.ring_attention`.
+  stays `ring.ring_attention`.
 - a global (k_eq_v) layer's attention inside DecodeStep's step (`global_forward_route`: a bf16 pool the workspace
-  decodes; `FUSE_GLOBAL_PROLOGUE`), between the q|k GEMV and o_proj: its five norm and RoPE launches and
+  decodes; `StepOptions.fuse_global_prologue`), between the q|k GEMV and o_proj: its five norm and RoPE launches and
   `foldkv.global_step`'s query and row kernels as two PDL kernels (`global_step.query_from_projection`,
   `row_from_projection`), then the workspace's decode.
-- the step's projections at 1..16 rows (`foldkv.gemv`, PDL_GEMV): the merged q|k|v and gate|up GEMVs (`merged_linear`),
-  o_proj, down_proj and the LM head (`projection_modules`) as a tensor-core skinny GEMM under programmatic dependent
-  launch, and the kernels above launched with PDL too (`gemv.pdl_kw`): each waits for the kernel ahead before its
-  first load, so their outputs are bitwise their plain launches'; the GEMM is within its float32 accumulation bound
-  of float64, not bitwise cuBLAS.
+- the step's projections at 1..16 rows (`foldkv.gemv`, StepOptions.pdl): the merged q|k|v and gate|up GEMVs
+  (`merged_linear`), o_proj, down_proj and the LM head (`projection_modules`) as a tensor-core skinny GEMM under
+  programmatic dependent launch, and the kernels above launched with PDL too (`gemv.pdl_kw`): each waits for the
+  kernel ahead before its first load, so their outputs are bitwise their plain launches'; the GEMM is within its
+  float32 accumulation bound of float64, not bitwise cuBLAS.
 Rounding points are torch's, so most outputs are bitwise the modules'; a sum (of squares, of exponentials) reduced in
 another order, or the tanh of another formula, may move a bf16 output by one ulp (the GPU tests bound each op).
 Layers these formulas do not describe (a MoE block, per-layer inputs, another activation) keep their own forwards.
@@ -45,14 +46,15 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from . import gemv, global_step
+from . import gemv, global_step, ring
 from .fused_step_ops import (_norm_add, gelu_mul, kv_to_ring, masked_softmax, norm_add_norm,  # noqa: F401
                              norm_add_scale, norm_eps, q_norm_rope, rms_norm, rope,  # (the public ones: __all__)
                              sliding_prologue)
+from .masks import SLIDING_IMPLEMENTATION, RingMask
+from .step_options import StepOptions, in_force, using
+from .transformers_compat import cache_of, has_forward_hooks
 
 
-FUSE_SLIDING = True  # False: sliding layers run transformers' forward and hf_graph.ring_attention (the tests compare)
-FUSE_GLOBAL_PROLOGUE = True  # False: global layers run transformers' forward into DecodeStep.attend (the tests compare)
 
 
 # --- the swapped forwards -------------------------------------------------------------------------------------------
@@ -69,7 +71,6 @@ def _norm_forward(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tenso
 # against 15.2 on branches and 16.3 serial; bench/MODEL_DECODE_NOTES.md). The modules' weights become views of that
 # tensor, so the model holds no more memory and every other forward computes what it did. The merged GEMV's outputs
 # are column slices of one [rows, q + k + v] output; the norms after them read those slices in place.
-MERGE = True  # False: no merging (the tests compare the two)
 _MERGED = "_foldkv_merged"  # attribute of an attention module / MLP: (merged weight, names, row counts)
 
 
@@ -81,7 +82,7 @@ def foreign_projection(lin: nn.Module) -> bool:
     would skip that work, so such a projection is neither merged, branched nor swapped."""
     w = getattr(lin, "weight", None)
     return ((isinstance(w, torch.Tensor) and type(w.data) is not torch.Tensor) or "forward" in lin.__dict__
-            or bool(lin._forward_hooks or lin._forward_pre_hooks))
+            or has_forward_hooks(lin))
 
 
 def _mergeable(linears: list[nn.Module]) -> bool:
@@ -172,7 +173,7 @@ def merged_groups(model: nn.Module) -> int:
 def merged_linear(owner: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     """The owner's merged projections of x as one GEMV, split into each projection's output (column slices of one
     output); None when the owner is not merged (or no longer is)."""
-    held = _merged_weight(owner) if MERGE else None
+    held = _merged_weight(owner) if in_force().merge else None
     if held is None:
         return None
     merged, rows = held
@@ -183,7 +184,7 @@ def merged_linear(owner: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]
 # The merged groups go through `merged_linear`; each attention's o_proj, each MLP's down_proj and the LM head are plain
 # nn.Linear modules called inside transformers' forwards (and `_sliding_forward`): within fused_step their forwards are
 # `gemv.linear` over their own weight (F.linear past 16 rows or off CUDA: what nn.Linear.forward computes).
-# Unmerged q/k/v and gate/up projections (MERGE off, graph branches) keep nn.Linear's forward.
+# Unmerged q/k/v and gate/up projections (StepOptions.merge off, graph branches) keep nn.Linear's forward.
 def projection_modules(model: nn.Module) -> list[nn.Module]:
     """The plain nn.Linear o_proj of every Gemma4TextAttention, down_proj of every Gemma4TextMLP, and the model's
     lm_head: the single projections fused_step routes through `foldkv.gemv.linear`."""
@@ -207,7 +208,6 @@ def _projection_forward(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
 # same input (a layer's q, k and v; gate and up) are issued on separate streams, so that under capture they are
 # branches of the graph and one's tail overlaps another's body: cuBLAS's 421 GEMVs of the 31B's step take 15.2 ms
 # at one row instead of 16.0 (bench/MODEL_DECODE_NOTES.md). Outputs and arithmetic are the same kernels'.
-BRANCHES = True  # False: every projection on the current stream (the tests compare the two)
 
 
 @functools.lru_cache(maxsize=None)
@@ -218,8 +218,8 @@ def side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.St
 
 def fork(x: torch.Tensor, linears: list[nn.Module]) -> list[tuple[torch.Tensor, torch.cuda.Stream]]:
     """Each linear(x) issued on its own side stream after the work issued so far; (output, stream) pairs: `join`
-    one before its output is read. Without CUDA or BRANCHES, computed in place ((output, None))."""
-    if not (x.is_cuda and BRANCHES):
+    one before its output is read. Without CUDA or `StepOptions.branches`, computed in place ((output, None))."""
+    if not (x.is_cuda and in_force().branches):
         return [(lin(x), None) for lin in linears]
     cur = torch.cuda.current_stream(x.device)
     out = []
@@ -298,8 +298,6 @@ def _mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
 # norm_add_rows also makes the next decoder layer's input_layernorm of its output (SECOND), which that layer takes
 # when its input is that output: rms_norm_rows' link goes. The same formulas at the same rounding points: bitwise
 # the step without them (bench/MODEL_DECODE_NOTES.md, run 20).
-TAIL_SUMS = True  # False: split_sum adds the partials (the tests compare the two)
-TAIL_NEXT_NORM = True  # False: each layer norms its own input
 _TAIL_MARKS = ("_foldkv_next", "_foldkv_input_normed", "_foldkv_tail", "_foldkv_unsummed")  # fused_step's, on exit gone
 
 
@@ -307,8 +305,8 @@ def _tail_projection(owner: nn.Module, lin: nn.Module, x: torch.Tensor) -> torch
     """lin(x), whose partials are left to the layer's norm (held on the owner for `_unsummed`) when the owner's output
     is read by `_layer_forward` alone (marked on entry, no hooks) and the kernel splits K."""
     ours = getattr(lin.__dict__.get("forward"), "func", None) is _projection_forward
-    if not (TAIL_SUMS and ours and owner.__dict__.get("_foldkv_tail") and not (
-            owner._forward_hooks or lin._forward_hooks or nn.modules.module._global_forward_hooks)):
+    if not (in_force().tail_sums and ours and owner.__dict__.get("_foldkv_tail")
+            and not has_forward_hooks(owner, lin, pre=False, global_hooks=True)):
         return lin(x)
     y, parts = gemv.linear_unsummed(x, lin.weight, lin.bias)
     if parts is not None:
@@ -336,7 +334,7 @@ def _layer_forward(layer: nn.Module, hidden_states: torch.Tensor, per_layer_inpu
     h, x = _norm_add(x, hidden_states, layer.post_attention_layernorm, layer.pre_feedforward_layernorm, None,
                      _unsummed(layer.self_attn, x))
     x = layer.mlp(x)
-    nxt = layer.__dict__.get("_foldkv_next") if TAIL_NEXT_NORM else None
+    nxt = layer.__dict__.get("_foldkv_next") if in_force().tail_next_norm else None
     out, normed = _norm_add(x, h, layer.post_feedforward_layernorm, None if nxt is None else nxt.input_layernorm,
                             layer.layer_scalar, _unsummed(layer.mlp, x))
     if nxt is not None:
@@ -371,22 +369,17 @@ def sliding_route(attn: nn.Module, kwargs: dict) -> tuple | str:
     """Where a sliding attention call goes: (ring K, ring V, slot, mask [B, 1, 1, W]) when it is a decode step of
     `foldkv.hf_graph.DecodeStep` that the fused ring attention computes (the mask a RingMask: the cache's started step
     made it; the step holds this layer's ring and stores sliding rows with DecodeStep.update_sliding; the model's
-    attention is foldkv's, which sends a RingMask to hf_graph.ring_attention; one token per sequence on CUDA), else
-    the reason it keeps transformers' forward (prefill, eager decode, CPU, FUSE_SLIDING off)."""
-    if not FUSE_SLIDING:
-        return "FUSE_SLIDING is off"
-    from .hf_graph import DecodeStep, RingMask
-
+    attention is foldkv's, which sends a RingMask to ring.ring_attention; one token per sequence on CUDA), else
+    the reason it keeps transformers' forward (prefill, eager decode, CPU, `StepOptions.fuse_sliding` off)."""
+    if not in_force().fuse_sliding:
+        return "StepOptions.fuse_sliding is off"
     mask = kwargs.get("attention_mask")
     if not isinstance(mask, RingMask):
         return "not a ring step (no RingMask: prefill or eager decode)"
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    step = getattr(cache, "decode_step", None)
-    ring = step.sliding_ring(attn.layer_idx) if isinstance(step, DecodeStep) else None
+    step = getattr(cache_of(kwargs), "decode_step", None)  # the cache's DecodeStep (foldkv.hf_graph), or None
+    ring = step.sliding_ring(attn.layer_idx) if step is not None else None
     if ring is None:
         return "the cache's decode step holds no ring of this layer it stores with DecodeStep.update_sliding"
-    from .hf import SLIDING_IMPLEMENTATION
-
     if getattr(attn.config, "_attn_implementation", None) not in SLIDING_IMPLEMENTATION:
         return "the model's attention is not foldkv's"
     x, pe = kwargs.get("hidden_states"), kwargs.get("position_embeddings")
@@ -405,7 +398,7 @@ def _sliding_forward(attn: nn.Module, *args, **kwargs):
     """Gemma4TextAttention.forward of a sliding layer inside DecodeStep's step (`sliding_route`) as the q|k|v
     projections (merged or branched: the swapped q_proj / k_proj / v_proj), `sliding_prologue` (`q_norm_rope`, and
     `kv_to_ring`: the step's rows into the rings at the step's slot, what update_sliding stores),
-    `hf_graph.ring_attention` and o_proj; every other call is the class's forward."""
+    `ring.ring_attention` and o_proj; every other call is the class's forward."""
     route = "positional arguments" if args else sliding_route(attn, kwargs)
     if isinstance(route, str):
         return type(attn).forward(attn, *args, **kwargs)
@@ -416,9 +409,7 @@ def _sliding_forward(attn: nn.Module, *args, **kwargs):
     q = sliding_prologue(attn, q, k, v, cos, sin, ring_k, ring_v, slot)
     if getattr(attn, "store_full_length_kv", False):  # what the class's forward hands on: update_sliding's rings
         kwargs["shared_kv_states"][attn.layer_type] = ring_k, ring_v
-    from .hf_graph import RingMask, ring_attention
-
-    out, _ = ring_attention(attn, q[:, :, None], ring_k, ring_v, RingMask(mask))
+    out, _ = ring.ring_attention(attn, q[:, :, None], ring_k, ring_v, RingMask(mask))
     return _tail_projection(attn, attn.o_proj, out.reshape(x.shape[0], 1, -1)), None
 
 
@@ -438,19 +429,15 @@ def global_forward_route(attn: nn.Module, kwargs: dict) -> tuple | str:
     `global_step.global_route` takes to its kernels (asked on the projections' shapes and dtypes), the model's
     attention foldkv's; else why it keeps transformers' forward (prefill, eager decode, an FP8 pool, CPU, a switch
     off)."""
-    if not FUSE_GLOBAL_PROLOGUE:
-        return "FUSE_GLOBAL_PROLOGUE is off"
-    from .hf import SLIDING_IMPLEMENTATION, FoldKvLayer
-    from .hf_graph import DecodeStep
-
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    step = getattr(cache, "decode_step", None)
-    if not (isinstance(step, DecodeStep) and step.started):
+    if not in_force().fuse_global_prologue:
+        return "StepOptions.fuse_global_prologue is off"
+    step = getattr(cache_of(kwargs), "decode_step", None)  # the cache's DecodeStep (foldkv.hf_graph), or None
+    if not (step is not None and step.started):
         return "not a started decode step"
     if getattr(attn.config, "_attn_implementation", None) not in SLIDING_IMPLEMENTATION:
         return "the model's attention is not foldkv's"
-    layer = cache.layers[attn.layer_idx] if attn.layer_idx < len(cache.layers) else None
-    if not isinstance(layer, FoldKvLayer):
+    layer = step.global_layer(attn.layer_idx)
+    if layer is None:
         return "not a foldkv global layer"
     geom = layer.geometry
     x, pe = kwargs.get("hidden_states"), kwargs.get("position_embeddings")
@@ -537,12 +524,22 @@ def _mark_tails(model: nn.Module, layers: list[nn.Module]) -> dict:
 
 
 @contextlib.contextmanager
-def fused_step(model: nn.Module) -> Iterator[dict]:
+def fused_step(model: nn.Module, options: StepOptions | None = None) -> Iterator[dict]:
     """Within the block, `model`'s RMSNorms, MLPs, decoder layers and its attention's RoPE run the kernels above
     (forwards replaced on the instances; `apply_rotary_pos_emb` in the attention classes' modules); yields how many
-    of each. Outside it, every forward is as it was; the projections merged on entry (`merge_projections`, MERGE)
-    stay merged: the same values, laid out as views of one tensor a group."""
-    merged = merge_projections(model) if MERGE else 0
+    of each. `options` (`foldkv.step_options`; None: those in force, the served ones outside a step) choose what is
+    swapped and are in force inside the block, where the swapped forwards read them. Outside it, every forward is as
+    it was; the projections merged on entry (`merge_projections`, `StepOptions.merge`) stay merged: the same values,
+    laid out as views of one tensor a group."""
+    options = in_force() if options is None else options
+    with using(options):
+        with _swapped(model, options) as counts:
+            yield counts
+
+
+@contextlib.contextmanager
+def _swapped(model: nn.Module, options: StepOptions) -> Iterator[dict]:
+    merged = merge_projections(model) if options.merge else 0
     swapped: list[tuple[nn.Module, object]] = []
     for m in norm_modules(model):
         swapped.append((m, functools.partial(_norm_forward, m)))
@@ -552,16 +549,16 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
     for m in layers:
         swapped.append((m, functools.partial(_layer_forward, m)))
     tails = _mark_tails(model, layers)
-    branched = branched_attention_modules(model) if BRANCHES or MERGE else []
+    branched = branched_attention_modules(model) if options.branches or options.merge else []
     for attn in branched:
         proj = attn._foldkv_branches = _BranchedProjections(attn)
         swapped.append((attn.q_proj, proj.q))
         for name in proj.names:
             swapped.append((getattr(attn, name), functools.partial(proj.take, name)))
-    sliding = sliding_attention_modules(model) if FUSE_SLIDING else []
+    sliding = sliding_attention_modules(model) if options.fuse_sliding else []
     for attn in sliding:
         swapped.append((attn, functools.partial(_sliding_forward, attn)))
-    global_ = global_attention_modules(model) if FUSE_GLOBAL_PROLOGUE else []
+    global_ = global_attention_modules(model) if options.fuse_global_prologue else []
     for attn in global_:
         swapped.append((attn, functools.partial(_global_forward, attn)))
     projections = projection_modules(model)
@@ -598,9 +595,20 @@ def fused_step(model: nn.Module) -> Iterator[dict]:
             mod.apply_rotary_pos_emb = own
 
 
-__all__ = ["fused_step", "norm_eps", "fork", "join", "side_streams", "branched_attention_modules", "BRANCHES", "MERGE",
+_MOVED = {name: f"pass StepOptions({field}=...) (foldkv.step_options) where the step is made" for name, field in (
+    ("FUSE_SLIDING", "fuse_sliding"), ("FUSE_GLOBAL_PROLOGUE", "fuse_global_prologue"), ("MERGE", "merge"),
+    ("BRANCHES", "branches"), ("TAIL_SUMS", "tail_sums"), ("TAIL_NEXT_NORM", "tail_next_norm"))}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise AttributeError(f"foldkv.fused_step.{name} moved: {_MOVED[name]}")
+    raise AttributeError(f"module 'foldkv.fused_step' has no attribute {name!r}")
+
+
+__all__ = ["fused_step", "norm_eps", "fork", "join", "side_streams", "branched_attention_modules",
            "merge_projections", "split_projections", "merged_linear", "merged_groups",
            "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "norm_modules",
-           "mlp_modules", "layer_modules", "FUSE_SLIDING", "q_norm_rope", "kv_to_ring", "sliding_prologue",
-           "sliding_attention_modules", "sliding_route", "FUSE_GLOBAL_PROLOGUE", "global_attention_modules",
-           "global_forward_route", "projection_modules", "foreign_projection", "TAIL_SUMS", "TAIL_NEXT_NORM"]
+           "mlp_modules", "layer_modules", "q_norm_rope", "kv_to_ring", "sliding_prologue",
+           "sliding_attention_modules", "sliding_route", "global_attention_modules",
+           "global_forward_route", "projection_modules", "foreign_projection", "StepOptions"]

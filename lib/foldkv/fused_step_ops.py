@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from . import gemv
+from .transformers_compat import norm_eps
 
 _KERNELS: dict | None = None
 
@@ -73,12 +74,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     _kernels()["rms_norm"][(rows,)](src, weight if weight is not None else out, out, n, inner, outer, float(eps),
                                     HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=_warps(block), **_pdl(x))
     return out.view(x.shape)
-
-
-def norm_eps(norm: nn.Module) -> float:
-    """A Gemma 4 RMSNorm's epsilon: `eps` up to transformers 5.24, `variance_epsilon` from 5.25."""
-    eps = getattr(norm, "eps", None)
-    return float(norm.variance_epsilon if eps is None else eps)
 
 
 def _norm_args(norm: nn.Module | None) -> tuple:
@@ -166,7 +161,7 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype)
 # and k (2), index_copy of k and v into the rings (2), then ring_attention's q.K^T matmul, masked softmax and P.V
 # matmul (3): 10 launches. `q_norm_rope` and `kv_to_ring` do the first 7 at torch's rounding points, and
 # `sliding_prologue` runs both in one launch; the ring attention stays cuBLAS's two batched matmuls around the fused
-# softmax (`hf_graph.ring_attention`): the Triton kernels tried for it were slower on the 31B
+# softmax (`ring.ring_attention`): the Triton kernels tried for it were slower on the 31B
 # (bench/versions/ring_attention_triton.py, ring_attention_split.py, ring_attention_one_launch.py).
 
 
@@ -255,14 +250,13 @@ def kv_to_ring(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps: 
 
 
 def sliding_prologue(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, slot: torch.Tensor, *,
-                     _red_skip_kv: bool = False) -> torch.Tensor:
+                     sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """A sliding layer's decode step before its ring attention, from its projections' outputs q, k, v [B, 1, H * d]:
     what `q_norm_rope` (returned, [B, Hq, d]) and `kv_to_ring` (the step's K and V rows into the rings at `slot`)
     compute, with the module's norms, in one launch (`sliding_prologue_rows`: the two kernels' row bodies side by
     side, so the outputs are bitwise theirs; one launch and one PDL boundary fewer a layer, -0.07 ms a step on the 31B,
-    bench/MODEL_DECODE_NOTES.md run 22). Both calls' checks run before the launch. `_red_skip_kv` (the tests' red
-    twin, never for use): the grid holds the query rows only, so the rings' slot is not written."""
+    bench/MODEL_DECODE_NOTES.md run 22). Both calls' checks run before the launch (its red twin, a grid without the KV
+    rows, is the tests': conftest.sliding_prologue_without_kv)."""
     from .validate import FoldKvInputError
 
     d = ring_k.shape[-1]
@@ -272,6 +266,6 @@ def sliding_prologue(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch
     if dq != dk:
         raise FoldKvInputError(f"q heads of {dq} and rings of {dk}: one head_dim for both")
     q_rows = out.shape[0] * out.shape[1]
-    grid = (q_rows + (0 if _red_skip_kv else kv_rows),)
-    _kernels()["sliding_prologue"][grid](*q_args, *kv_args, q_rows, D=dq, num_warps=_warps(dq), **_pdl(q))
+    _kernels()["sliding_prologue"][(q_rows + kv_rows,)](*q_args, *kv_args, q_rows, D=dq, num_warps=_warps(dq),
+                                                        **_pdl(q))
     return out

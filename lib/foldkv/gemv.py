@@ -1,6 +1,6 @@
 """The decode step's projections at 1..16 rows as Triton kernels launched under programmatic dependent launch (PDL).
 
-A Gemma 4 decode step at batch B <= 16 is 241 projections (the 31B, merged q|k|v and gate|up: `fused_step.MERGE`) of
+A Gemma 4 decode step at batch B <= 16 is 241 projections (the 31B, merged q|k|v and gate|up: `StepOptions.merge`) of
 B rows against weights that are the step's bytes, with ~600 small kernels between them. Each projection loses its
 launch, its ramp and its tail; under PDL a kernel may be launched before the kernel ahead of it has finished and waits
 (`gdc_wait`, PTX `griddepcontrol.wait`) before it reads what that kernel wrote. The weights are written by no kernel of
@@ -39,7 +39,7 @@ plain launches as separate binaries, so the constexpr GDC and the launch option 
 bitwise their plain launches' (only the ordering changes). Kernels that are not Triton's (cuBLAS, torch, TileLang)
 never trigger: a PDL kernel after one of them starts once it has exited (launch latency hidden, not its tail).
 
-    PDL_GEMV = True                       # the switch (tests and bench/model_decode_probe.py --pdl-ab flip it)
+    StepOptions(pdl=False)                # the choice (`foldkv.step_options`: tests and --pdl-ab pass it)
     linear(x, weight)                     # x [..., K] of 1..16 rows @ weight [N, K]^T; else F.linear
     refusal(x, weight)                    # None when linear() takes the kernel, else why not
     pdl_kw(x)                             # the launch keywords of fused_step's kernels ({} without PDL)
@@ -52,7 +52,9 @@ from collections import Counter
 
 import torch
 
-PDL_GEMV = True  # False: every projection is F.linear and fused_step's kernels launch without PDL
+from .kernels.plan import DEFAULT_SMS
+from .step_options import in_force
+
 MAX_ROWS = 16  # the tensor-core kernel's padded side: rows of x a launch takes
 DTYPES = (torch.bfloat16,)
 TC_BLOCK_M = 16  # x's rows padded to the MMA's small side
@@ -60,7 +62,8 @@ TC_BLOCK_N = 64  # weight rows a program: wgmma's m64 for one warpgroup
 TC_BLOCK_K = 128  # weight columns a pipeline stage: 16 KB of weight at 64 rows
 TC_STAGES = 4  # Triton's num_stages: three tiles in flight a program, ~100 KB: two programs an SM
 TC_PREFETCH = 1  # weight tiles loaded before the wait
-SMS = 132  # the H200's SMs: a grid covers at least this many programs (split-K where row tiles cannot)
+SMS = DEFAULT_SMS  # the H200's SMs, `kernels.plan`'s count: a grid covers at least this many programs (split-K
+# where row tiles cannot)
 MIN_SPLIT_TILES = 4  # a K split keeps at least this many BLOCK_K tiles (the pipeline fills)
 REDUCE_BLOCK = 1024  # split_sum's elements a program
 
@@ -245,10 +248,11 @@ def shape_refusal(rows: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torc
 
 
 def refusal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
-    """None when `linear(x, weight, bias)` runs the kernel; else the reason it is F.linear (the switch, a bias, the
-    dtypes, the layout, the rows, a shape without a tile, then the device and Triton's PDL support)."""
-    if not PDL_GEMV:
-        return "PDL_GEMV is off"
+    """None when `linear(x, weight, bias)` runs the kernel; else the reason it is F.linear (the step's options in force
+    without PDL, a bias, the dtypes, the layout, the rows, a shape without a tile, then the device and Triton's PDL
+    support)."""
+    if not in_force().pdl:
+        return "StepOptions.pdl is off"
     return tensor_refusal(x, weight, bias, shape_refusal)
 
 
@@ -271,11 +275,10 @@ def tensor_refusal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           out: torch.Tensor | None = None, _red_x_early: bool = False) -> torch.Tensor:
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias): the tensor-core kernel when `refusal` is None, else F.linear; each call
-    counted (`report`). `out` ([rows, N] contiguous, the kernel's route only): written in place. `_red_x_early` (the
-    lab's race check's red twin, never for use): x's first tile loaded before the wait."""
-    return _route(x, weight, bias, out, _red_x_early, summed=True)[0]
+    counted (`report`). `out` ([rows, N] contiguous, the kernel's route only): written in place."""
+    return _route(x, weight, bias, out, summed=True)[0]
 
 
 def linear_unsummed(x: torch.Tensor, weight: torch.Tensor,
@@ -284,10 +287,10 @@ def linear_unsummed(x: torch.Tensor, weight: torch.Tensor,
     (F.linear's route included); (y, ws) when the kernel split K, y [..., N] not written and ws [SPLIT, rows, N] the
     float32 partials, to be added in the order 0, 1, ... and rounded once to y's dtype (`sum_partials`, or
     fused_step's norm_add_rows with PARTS): the reader's link replaces split_sum's."""
-    return _route(x, weight, bias, None, False, summed=False)
+    return _route(x, weight, bias, None, summed=False)
 
 
-def _route(x, weight, bias, out, red_x_early: bool, summed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _route(x, weight, bias, out, summed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`linear` and `linear_unsummed`: (y, ws), ws the unsummed partials (None when summed, unsplit or F.linear)."""
     why = refusal(x, weight, bias)
     _CALLS["kernel" if why is None else why] += 1
@@ -301,14 +304,15 @@ def _route(x, weight, bias, out, red_x_early: bool, summed: bool) -> tuple[torch
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     ws = None if summed or cfg["SPLIT"] == 1 else torch.empty(cfg["SPLIT"], m, n, dtype=torch.float32,
                                                                device=x.device)
-    tc_launch(xs, weight, y, cfg, red_x_early=red_x_early, ws=ws)
+    tc_launch(xs, weight, y, cfg, ws=ws)
     return y.view(*x.shape[:-1], n), ws
 
 
 def pdl_kw(t: torch.Tensor) -> dict:
-    """The keywords fused_step's kernels launch with: {GDC: True, launch_pdl: True} when PDL_GEMV is on, Triton has
-    grid dependency control and `t` (the kernel's input) is on CUDA; else none (a plain launch of the plain build)."""
-    if PDL_GEMV and HAS_GDC and t.is_cuda:
+    """The keywords fused_step's kernels launch with: {GDC: True, launch_pdl: True} when the step's options in force
+    launch with PDL (`StepOptions.pdl`), Triton has grid dependency control and `t` (the kernel's input) is on CUDA;
+    else none (a plain launch of the plain build)."""
+    if in_force().pdl and HAS_GDC and t.is_cuda:
         return dict(GDC=True, launch_pdl=True)
     return {}
 
@@ -323,6 +327,15 @@ def reset() -> None:
     _CALLS.clear()
 
 
-__all__ = ["PDL_GEMV", "MAX_ROWS", "HAS_GDC", "tc_config", "tc_launch", "operand_refusal", "rows_refusal",
+_MOVED = {"PDL_GEMV": "pass StepOptions(pdl=...) (foldkv.step_options) where the step is made"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise AttributeError(f"foldkv.gemv.{name} moved: {_MOVED[name]}")
+    raise AttributeError(f"module 'foldkv.gemv' has no attribute {name!r}")
+
+
+__all__ = ["MAX_ROWS", "HAS_GDC", "tc_config", "tc_launch", "operand_refusal", "rows_refusal",
            "shape_refusal", "refusal",
            "tensor_refusal", "linear", "linear_unsummed", "sum_partials", "pdl_kw", "report", "reset"]

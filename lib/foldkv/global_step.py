@@ -13,12 +13,12 @@ the query into the workspace: 13 launches a layer folded, 5 split, before the de
   DecodeStep's `store_pages` / `store_offsets` (the prologue's tensors: the step stays graph-capturable). Moves of
   bf16 values; no other row is written.
 Both are bitwise the functions they replace (the GPU tests hold the whole step's tokens and logits equal with
-`FUSE_GLOBAL` on and off), and the decode after them is the same `ws.step`. A global layer's step launches 19 -> 8
+fuse_global on and off), and the decode after them is the same `ws.step`. A global layer's step launches 19 -> 8
 kernels folded, 11 -> 8 split (the model's 5 norm/RoPE kernels and the decode stay); the 31B's 10 global layers save
 ~0.3 ms a step folded, the same at 4K x 1 as at 128K x 8 (launches, not context), ~0.1 ms split
 (bench/MODEL_DECODE_NOTES.md).
 
-Inside `foldkv.fused_step` the global layer's forward is swapped too (`fused_step.FUSE_GLOBAL_PROLOGUE`): it hands the
+Inside `foldkv.fused_step` the global layer's forward is swapped too (`StepOptions.fuse_global_prologue`): it hands the
 projections' outputs to `query_from_projection` and `row_from_projection` (`global_query_prologue`,
 `global_row_prologue`): the model's five norm and RoPE kernels computed inside what the two kernels above do (q_norm
 and RoPE of each query head read in place; k_norm, RoPE and v_norm of the row), both PDL links: 7 launches a layer ->
@@ -37,10 +37,11 @@ from typing import Any
 
 import torch
 
-from .fused_step_ops import _block, _head_rows, _pdl, _rope_table, _warps, norm_eps
+from .fused_step_ops import _block, _head_rows, _pdl, _rope_table, _warps
 from .layout import KvFormat, rotated_columns, score_window_columns, value_window_columns
+from .step_options import in_force
+from .transformers_compat import norm_eps
 
-FUSE_GLOBAL = True  # False: every global layer takes the torch path (the tests and the probe compare)
 BF16 = torch.bfloat16
 W_K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # converted exactly to float32, as fold_query does
 
@@ -159,13 +160,11 @@ def global_route(step: Any, layer: Any, module: torch.nn.Module, query: torch.Te
     """None when the two kernels describe this call of `DecodeStep.attend` (module docstring), else the reason it takes
     the torch path. The device and Triton are asked last, so that on the CPU a call the kernels describe answers
     "not CUDA"."""
-    if not FUSE_GLOBAL:
-        return "FUSE_GLOBAL is off"
+    if not in_force().fuse_global:
+        return "StepOptions.fuse_global is off"
     if getattr(step, "ws", None) is None:
         return "no foldkv DecodeWorkspace (reference attention, or another library's global decode)"
-    from .hf_graph import DecodeStep
-
-    if type(step)._global_decode is not DecodeStep._global_decode:
+    if not step.serves_global_decode():
         return f"{type(step).__name__} decodes the global layers its own way"
     pool, geom = layer.pool, layer.geometry
     why = describe_pool(pool)
@@ -198,5 +197,14 @@ def global_route(step: Any, layer: Any, module: torch.nn.Module, query: torch.Te
     return None
 
 
-__all__ = ["FUSE_GLOBAL", "column_maps", "describe_pool", "global_route", "query_into", "row_into_pool",
+_MOVED = {"FUSE_GLOBAL": "pass StepOptions(fuse_global=...) (foldkv.step_options) where the step is made"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise AttributeError(f"foldkv.global_step.{name} moved: {_MOVED[name]}")
+    raise AttributeError(f"module 'foldkv.global_step' has no attribute {name!r}")
+
+
+__all__ = ["column_maps", "describe_pool", "global_route", "query_into", "row_into_pool",
            "query_from_projection", "row_from_projection"]

@@ -38,26 +38,31 @@ earlier generate()"; `cache.reset()` empties it for the next one and keeps its p
 
 Written against transformers 5.5 to 5.24 (tests/test_hf_cpu.py passes on 5.5, 5.17 and 5.24): `AttentionInterface`,
 `AttentionMaskInterface`, `Cache` / `CacheLayerMixin`, the full-attention mask call without `local_size` and the
-sliding one with it. transformers is imported only here, so `import foldkv` works without it.
+sliding one with it. transformers is imported by this module at its top and by `foldkv.transformers_compat` (every
+private or version-dependent call, inside its functions) only, so `import foldkv` works without it. Layers import one
+way: this adapter imports the decode step (`foldkv.hf_graph`, `foldkv.hf_loop`), never the reverse.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from .config import AttentionGeometry, ConfigError, geometry_from_config
+from . import ring
 from .fp8 import FP8_DTYPE
-from .fused_step import norm_eps
-from .hf_graph import STEP_MODES, DecodeStep, RingMask, cache_keyword, install, ring_attention, used_cache_error
+from .hf_graph import STEP_MODES, DecodeStep, used_cache_error
+from .hf_loop import install
 from .layout import KvFormat
+from .masks import SLIDING_IMPLEMENTATION, NewTokens, RingMask
 from .pool import BlockTable, PagedKvLayout, PagedKvPool
 from .prep import fold_query, rope_inv_freq, rows_from_key_value, write_tokens
 from .reference import paged_attention_reference
+from .step_options import StepOptions, in_force
+from .transformers_compat import cache_keyword, norm_eps
 from .validate import FoldKvInputError, check_device
 from . import window_attention
 
@@ -66,8 +71,6 @@ from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, causal_mask_function
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-# The attention implementations this module registers, each with the implementation its sliding layers keep.
-SLIDING_IMPLEMENTATION = {"foldkv": "sdpa", "foldkv_eager": "eager"}
 ATTENTION_BACKENDS = ("auto", "reference", "kernel")
 
 
@@ -161,15 +164,6 @@ def tensor_parallel_ranks(attn: nn.Module, geom: AttentionGeometry) -> int:
 
 
 # --- what flows from update / the mask to the attention function ----------------------------------------------------
-
-@dataclass(frozen=True)
-class NewTokens:
-    """The full-attention "mask" of one forward: real [B, T] bool on the model's device (True: a real token of that
-    sequence; padding is on the left) and counts, the real tokens of each sequence among the T new columns (host)."""
-
-    real: torch.Tensor
-    counts: tuple[int, ...]
-
 
 class NewRows:
     """What a FoldKvLayer's `update` returns in place of the cached K/V: the step's new key and value ([B, Hkv, T, D],
@@ -278,7 +272,7 @@ def _attention(module: nn.Module, query: torch.Tensor, key: Any, value: Any, att
     Returns ([B, T, Hq, D] in query's dtype, None)."""
     if getattr(module, "is_sliding", False):
         if isinstance(attention_mask, RingMask):  # a decode step through the cache's DecodeStep
-            return ring_attention(module, query, key, value, attention_mask)
+            return ring.ring_attention(module, query, key, value, attention_mask)
         if isinstance(attention_mask, SlidingWindow):
             why = window_attention.refusal(query, key, value, window=kwargs.get("sliding_window"),
                                            softcap=getattr(module.config, "attn_logit_softcapping", None),
@@ -470,6 +464,9 @@ class FoldKvCache(Cache):
         `DecodeWorkspace`); "static": the same fixed-address step run eagerly (any device; what the graph records);
         "eager" (the default elsewhere): transformers' forward layer by layer, the pools written and read as in the
         prompt's forward.
+    step_options: the decode step's choices (`foldkv.step_options.StepOptions`: merged projections, graph branches,
+        the tail links, the fused sliding and global prologues, the global kernels, PDL); None: those in force where
+        the cache is made (`step_options.using`), the served ones by default.
     cuda_graphs (decode_step="eager", kernel attention): each global layer's decode steps replay one CUDA graph of its
         `foldkv.kernels.workspace.DecodeWorkspace` step; False: the eager launcher with a plan per step.
     Sliding layers are transformers' DynamicSlidingWindowLayer (until a decode step makes them rings).
@@ -482,7 +479,8 @@ class FoldKvCache(Cache):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, page_size: int = 64,
                  attention: str = "auto", backend: str = "jit", max_new_tokens: int | None = None,
                  poison: bool = True, scatter_seed: int | None = None, cuda_graphs: bool = True,
-                 decode_step: str | None = None, fp8_math: str | None = None):
+                 decode_step: str | None = None, fp8_math: str | None = None,
+                 step_options: StepOptions | None = None):
         text_model = text_model_of(model)
         cfg = text_model.config
         impl = getattr(cfg, "_attn_implementation", None)
@@ -529,6 +527,9 @@ class FoldKvCache(Cache):
             raise FoldKvInputError("decode_step='graph' captures the kernels' decode (attention='kernel' on CUDA);"
                                    " decode_step='static' runs the same step on any device")
         self.decode_step_mode = decode_step
+        self.step_options = in_force() if step_options is None else step_options
+        if not isinstance(self.step_options, StepOptions):
+            raise FoldKvInputError(f"step_options={step_options!r}: expected a foldkv.step_options.StepOptions")
         self.decode_step: DecodeStep | None = None
         self.sliding_window = int(getattr(cfg, "sliding_window", 0) or 0)
         self.cache_keyword = cache_keyword(model)
@@ -555,7 +556,7 @@ class FoldKvCache(Cache):
         if self.attention == "kernel":
             self._load_kernels()
         if decode_step != "eager":
-            self.decode_step = self.step_class(self, decode_step)
+            self.decode_step = self.step_class(self, decode_step)  # its options: the cache's step_options
             install(model)
 
     @property
@@ -709,6 +710,15 @@ class FoldKvCache(Cache):
             self._plan = (lens, plan_decode(layer.pool.layout, table.seq_lens, device=layer.pool.device,
                                             num_sms=wave))
         return self._plan[1]
+
+
+_MOVED = {"ring_attention": "foldkv.ring.ring_attention (the one name every caller reads)"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise AttributeError(f"foldkv.hf.{name} moved: {_MOVED[name]}")
+    raise AttributeError(f"module 'foldkv.hf' has no attribute {name!r}")
 
 
 __all__ = ["FoldKvCache", "FoldKvLayer", "NewRows", "NewTokens", "SLIDING_IMPLEMENTATION", "register",

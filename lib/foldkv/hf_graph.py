@@ -29,23 +29,27 @@ warm-up); "static" runs the same fixed-address step eagerly every step (any devi
 float64 reference reads the pool through the host table): the CPU tests hold the static step to the eager path, the GPU
 tests the graph to both. Once a cache decodes through its step, it only decodes: a forward of more than one token per
 sequence is refused until `reset()`, which keeps the step's fixed tensors (and its graph) for the next prompt.
+
+Layers: this module imports the fused forward (`foldkv.fused_step`), the global layers' kernels (`foldkv.global_step`),
+the masks (`foldkv.masks`) and nothing of the transformers adapter above it: the adapter (`foldkv.hf`) makes the step
+with its cache, and `foldkv.hf_loop.install` routes the model's forward and generate() through it. What the lower
+modules ask of the step they get from the step object the cache carries (`sliding_ring`, `global_layer`,
+`serves_global_decode`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import time
-import types
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from . import global_step
+from . import fused_step as swap, global_step
+from .masks import NewTokens, RingMask
 from .prep import fold_query, rows_from_key_value, store_rows
 from .reference import paged_attention_reference
+from .step_options import StepOptions, using
 from .pool import BlockTable
 from .validate import FoldKvInputError
 
@@ -53,47 +57,24 @@ STEP_MODES = ("graph", "static", "eager")
 REPLAN_STEPS = 64  # advance() lengthens each request's last chunk; a fresh plan every 64 steps keeps the cut even
 
 
-@dataclass(frozen=True)
-class RingMask:
-    """The sliding layers' mask of a decode step: mask [B, 1, 1, W] bool (True: attend) over the ring's slots."""
-
-    mask: torch.Tensor
-
-
-def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   mask: RingMask, out: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
-    """A sliding layer's decode attention over its ring, computed as transformers' eager attention computes it (scores
-    by a matmul in the model's dtype, softmax in float32, rounded back, a matmul with V). query [B, Hq, 1, d],
-    key/value [B, Hkv, W, d]: each KV head's query heads (h = kv * group + r, transformers' repeat_kv order) become
-    that head's query rows, so no K/V is repeated. Two batched matmuls over B x Hkv heads keep the whole chip busy
-    where an SDPA kernel parallel over heads and query rows runs B x Hkv CTAs (16 at batch 1). Returns
-    ([B, 1, Hq, d], None), what transformers' attention functions return; `out` ([B, Hkv, Hq / Hkv, d] packed): P.V
-    written there (the lab's ring attention in parts writes each part into its slice)."""
-    b, hq, _, d = query.shape
-    hkv = key.shape[1]
-    q = query.reshape(b, hkv, hq // hkv, d)
-    scores = torch.matmul(q, key.transpose(-1, -2))  # [B, Hkv, group, W]
-    if float(module.scaling) != 1.0:
-        scores = scores * float(module.scaling)
-    if scores.is_cuda:  # one kernel for the float32 cast, the mask, the softmax and the rounding
-        from .fused_step import masked_softmax
-
-        probs = masked_softmax(scores, mask.mask, value.dtype)
-    else:
-        probs = torch.softmax(scores.float().masked_fill(~mask.mask, float("-inf")), dim=-1).to(value.dtype)
-    return torch.matmul(probs, value, out=out).reshape(b, 1, hq, d), None
-
-
 class DecodeStep:
     """The fixed-address decode step of one FoldKvCache (module docstring). Made by the cache; `takes` says whether a
     forward is one of its steps, calling it runs (or replays) the step and returns the forward's output."""
 
-    def __init__(self, cache: Any, mode: str):
+    def __init__(self, cache: Any, mode: str, options: StepOptions | None = None):
         if mode not in ("graph", "static"):
             raise FoldKvInputError(f"decode_step={mode!r}: a DecodeStep runs 'graph' or 'static'")
+        if options is None:
+            options = getattr(cache, "step_options", None) or StepOptions()
+        if not isinstance(options, StepOptions):
+            raise FoldKvInputError(f"options={options!r}: a DecodeStep takes a foldkv StepOptions")
         self.cache, self.mode = cache, mode
+        self.options = options  # what the step fuses, merges, overlaps (in force while its forward runs)
         self.started = False
         self.steps = 0  # decode steps run through this object
+        # the steps foldkv.hf_loop's decoding loop issued on this step: thin (after the capture), through transformers'
+        # own path (the prompt's output and the capturing step), and run ahead then taken back at a stop
+        self.loop_steps = {"thin": 0, "transformers": 0, "rewound": 0}
         self.host_s: list[float] = []  # host time of each step's call (run or replay), seconds
         self.capture_s: float | None = None
 
@@ -119,16 +100,15 @@ class DecodeStep:
         activation and residual tails are then the decode step's kernels (`prefill`), whose row count is the grid's
         only: nothing is built per prompt length."""
         ids = kwargs.get("input_ids")
-        return (not self.started and self.cache.attention == "kernel" and ids is not None and ids.is_cuda
+        return (self.options.fuse_prefill and not self.started and self.cache.attention == "kernel"
+                and ids is not None and ids.is_cuda
                 and ids.dim() == 2 and ids.shape[1] > 1 and kwargs.get("inputs_embeds") is None)
 
     def prefill(self, forward: Callable, kwargs: dict) -> Any:
         """A prefill forward with the model's elementwise work as `foldkv.fused_step`'s kernels (at prefill's row
         counts each is one pass over its rows where transformers' modules take five to seven, in float32): the same
         formulas at the same rounding points; the projections, attention and everything else the model's own."""
-        from .fused_step import fused_step
-
-        with fused_step(forward.__self__):
+        with using(self.options), swap.fused_step(forward.__self__, self.options):
             return forward(**kwargs)
 
     # -- the step --------------------------------------------------------------------------------------------------
@@ -268,32 +248,23 @@ class DecodeStep:
         self.rings = {i: self._ring(layer, cols) for i, layer in enumerate(c.layers) if c.is_sliding_layer(i)}
         self.ws = self._global_workspace(first)
         self.kwargs = self._step_kwargs(kwargs)
-        from .hf import NewTokens  # the global layers' "mask": one real token per sequence
-
+        # the global layers' "mask": one real token per sequence
         self.masks = {"full_attention": NewTokens(torch.ones(b, 1, dtype=torch.bool, device=dev), (1,) * b),
                       "sliding_attention": RingMask(self.mask)}
         self.started = True
         self.model = getattr(forward, "__self__", None)
         self.fuse = dev.type == "cuda" and self.model is not None
         if self.fuse:  # before the warm-up: the merged weights are allocated once, on the current stream
-            from .fused_step import MERGE, merge_projections
-
-            if MERGE:
-                merge_projections(self.model)
+            if self.options.merge:
+                swap.merge_projections(self.model)
         if self.mode == "static":
             return self._body(forward)
-        from .kernels.workspace import capture_graph
+        from .kernels.workspace import capture_after_warmup
 
         t0 = time.perf_counter()
-        stream = torch.cuda.Stream(device=dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            out = self._body(forward)  # the first step, run for real: the warm-up of the capture
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with capture_graph(self.graph, stream=stream):
-            self.output = self._body(forward)  # recorded, not run: replays from the second step on
-        torch.cuda.current_stream(dev).wait_stream(stream)
+        # the first step runs for real as the capture's warm-up (its output is this step's); the captured one is
+        # recorded, not run: its output is what the replays write from the second step on
+        self.graph, out, self.output = capture_after_warmup(lambda: self._body(forward), dev)
         self.capture_s = time.perf_counter() - t0
         return out
 
@@ -371,12 +342,10 @@ class DecodeStep:
         activation and residual tails run as a few fused kernels (`foldkv.fused_step`)."""
         self._prologue()
         if self.fuse:
-            from .fused_step import fused_step
-
-            fused = fused_step(self.model)
+            fused = swap.fused_step(self.model, self.options)
         else:
             fused = contextlib.nullcontext()
-        with fused:
+        with using(self.options), fused:
             out = forward(input_ids=self.ids, attention_mask=self.masks, position_ids=self.pos, **self.kwargs)
         self.col.add_(1)
         return out
@@ -398,6 +367,17 @@ class DecodeStep:
         ring = self.rings.get(layer_idx)
         return None if ring is None else (ring[0], ring[1], self.slot)
 
+    def global_layer(self, layer_idx: int) -> Any:
+        """The cache's FoldKvLayer at `layer_idx` (what `foldkv.fused_step`'s fused global forward stores into and
+        decodes over), None for a sliding layer or an index past the cache's layers."""
+        c = self.cache
+        return c.layers[layer_idx] if layer_idx < len(c.layers) and not c.is_sliding_layer(layer_idx) else None
+
+    def serves_global_decode(self) -> bool:
+        """Whether the global layers' decode is DecodeStep's own (`_global_decode`: its workspace); False for a
+        subclass that decodes them another way (a lab arm's other library): `global_step.global_route` asks."""
+        return type(self)._global_decode is DecodeStep._global_decode
+
     def attend(self, layer: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor) -> torch.Tensor:
         """A global layer's step: store the new rows at slot len_b - 1, decode over the pool. query [B, Hq, 1, D],
@@ -415,11 +395,13 @@ class DecodeStep:
         return self._global_decode(layer, folded).to(query.dtype).view(b, 1, hq, d)
 
     def report(self) -> dict:
-        """Host time per step (median and max over the replays, seconds), the capture's time, the steps run."""
+        """Host time per step (median and max over the replays, seconds), the capture's time, the steps run, and those
+        generate()'s decoding loop issued (`loop_steps`)."""
         replays = sorted(self.host_s[1:])
         mid = replays[len(replays) // 2] if replays else None
         return {"mode": self.mode, "steps": self.steps, "capture_s": self.capture_s,
-                "host_s_median": mid, "host_s_max": replays[-1] if replays else None}
+                "host_s_median": mid, "host_s_max": replays[-1] if replays else None,
+                "loop_steps": dict(self.loop_steps)}
 
 
 def used_cache_error(columns: int) -> FoldKvInputError:
@@ -428,47 +410,14 @@ def used_cache_error(columns: int) -> FoldKvInputError:
                             " generate(); call cache.reset() or make a new one")
 
 
-def cache_keyword(model: torch.nn.Module) -> str:
-    """forward()'s / generate()'s cache keyword: `cache` in transformers >= 5.24, `past_key_values` before."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+_MOVED = {"ring_attention": "foldkv.ring.ring_attention", "install": "foldkv.hf_loop.install",
+          "cache_keyword": "foldkv.transformers_compat.cache_keyword"}
 
 
-def install(model: torch.nn.Module) -> None:
-    """Route `model`'s forward through the decode step of the FoldKvCache it is called with (idempotent), and make
-    generate()'s decoding loop `foldkv.hf_loop.decode_loop` when that cache has a decode step and the call is greedy or
-    sampling (`hf_loop.applies`; a `custom_generate` the caller passes wins). The wrappers are methods bound to the
-    model (a copy of the model, `copy.deepcopy`, gets its own), keep the class methods' signatures (functools.wraps:
-    generate() reads forward's) and call them for every other call."""
-    if isinstance(vars(model).get("forward"), types.MethodType) and getattr(vars(model)["forward"], "_foldkv", False):
-        return
-    own_forward = type(model).forward
-
-    @functools.wraps(own_forward)
-    def forward(self, *args, **kwargs):
-        own = own_forward.__get__(self)
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        step = getattr(cache, "decode_step", None)
-        if isinstance(step, DecodeStep) and not args and step.takes(kwargs):
-            return step(own, kwargs)
-        if isinstance(step, DecodeStep) and not args and step.fuses_prefill(kwargs):
-            return step.prefill(own, kwargs)
-        return own(*args, **kwargs)
-
-    forward._foldkv = True
-    model.forward = types.MethodType(forward, model)
-    if hasattr(type(model), "generate"):
-        own_generate = type(model).generate
-
-        @functools.wraps(own_generate)
-        def generate(self, *args, **kwargs):
-            from .hf_loop import applies, decode_loop
-
-            if applies(self, kwargs):
-                kwargs["custom_generate"] = decode_loop
-            return own_generate(self, *args, **kwargs)
-
-        model.generate = types.MethodType(generate, model)
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise AttributeError(f"foldkv.hf_graph.{name} moved to {_MOVED[name]}")
+    raise AttributeError(f"module 'foldkv.hf_graph' has no attribute {name!r}")
 
 
-__all__ = ["DecodeStep", "RingMask", "STEP_MODES", "REPLAN_STEPS", "cache_keyword", "install", "ring_attention",
-           "used_cache_error"]
+__all__ = ["DecodeStep", "RingMask", "STEP_MODES", "REPLAN_STEPS", "used_cache_error"]

@@ -18,7 +18,7 @@ later step rewrites them), so the cache holds what `_sample` leaves it. No step 
 cache's columns. The prompt's forward(s) (`_prefill`, chunked prefill included) and the first decode step (the capture)
 go through transformers' own path, and every forward goes through the model's (wrapped) forward.
 
-`hf_graph.install` makes it generate()'s decoding method when the cache passed has a decode step, the caller passed
+`install` makes it generate()'s decoding method when the cache passed has a decode step, the caller passed
 no `custom_generate` (the transformers hook for a decoding loop: a callable with `_sample`'s signature) and the call is
 greedy or sampling (`applies`). What it does not cover goes to transformers' own method unchanged: a cache without a
 decode step, beams and the other modes, streamers, a tokenizer (stop strings), `return_dict_in_generate`, synced GPUs,
@@ -27,47 +27,36 @@ an assistant model, a transformers without `_prefill` (before 5.2x).
 
 from __future__ import annotations
 
+import functools
+import types
 from typing import Any
 
 import torch
 
-# decode steps run by each loop, and steps run ahead and taken back at a stop (tests read it)
-LOOP_STEPS: dict[str, int] = {"thin": 0, "transformers": 0, "rewound": 0}
-
-
-def _cache_of(model_kwargs: dict) -> Any:
-    return model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-
-
-def _sampling_mode(generation_config: Any) -> bool:
-    from transformers.generation.configuration_utils import GenerationMode
-
-    return generation_config.get_generation_mode() in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
-
+from . import transformers_compat as compat
+from .hf_graph import DecodeStep
 
 def covers(model: torch.nn.Module, generation_config: Any, synced_gpus: bool, streamer: Any, cache: Any) -> bool:
     """Whether the thin loop runs this generate() call (module docstring); otherwise transformers' own method does."""
     step = getattr(cache, "decode_step", None)
-    return (step is not None and hasattr(type(model), "_prefill") and streamer is None and not synced_gpus
+    return (step is not None and compat.has_prefill(model) and streamer is None and not synced_gpus
             and not generation_config.return_dict_in_generate and not getattr(generation_config, "is_assistant", False)
-            and not model.config.is_encoder_decoder and _sampling_mode(generation_config))
+            and not model.config.is_encoder_decoder and compat.sampling_mode(generation_config))
 
 
 def applies(model: torch.nn.Module, kwargs: dict) -> bool:
-    """Whether generate(**kwargs) should get this loop as its decoding method (`hf_graph.install`): the cache has a
+    """Whether generate(**kwargs) should get this loop as its decoding method (`install`): the cache has a
     decode step, the caller set no decoding method of its own, nothing is passed that transformers hands only to its own
     methods (a callable `custom_generate` gets none of them: a streamer, synced GPUs, an assistant, a tokenizer), and
     the generation config generate() will use (the model's, the one passed, the keywords; unset fields at transformers'
     defaults) asks for greedy or multinomial sampling without a dict of outputs."""
-    from .hf_graph import DecodeStep
-
-    cache = _cache_of(kwargs)
+    cache = compat.cache_of(kwargs)
     if (kwargs.get("custom_generate") is not None
             or not isinstance(getattr(cache, "decode_step", None), DecodeStep)
             or any(kwargs.get(k) is not None for k in ("assistant_model", "tokenizer", "assistant_tokenizer"))):
         return False
     rest = {k: v for k, v in kwargs.items() if k != "generation_config"}
-    config, _ = model._prepare_generation_config(kwargs.get("generation_config"), **rest)
+    config = compat.prepare_generation_config(model, kwargs.get("generation_config"), rest)
     return covers(model, config, bool(kwargs.get("synced_gpus")), kwargs.get("streamer"), cache)
 
 
@@ -101,8 +90,8 @@ def loop_state(input_ids: torch.Tensor, stopping_criteria: Any, generation_confi
     """What the loop holds from token to token, as `_sample` sets it up: (the cache's decode step, the cache's keyword,
     the pad id on the ids' device, whether a criterion stops at EOS, the finished flags [B] int64 all 1, the host's
     stop flag)."""
-    pad = generation_config._pad_token_tensor
-    return (_cache_of(model_kwargs).decode_step, "cache" if "cache" in model_kwargs else "past_key_values",
+    pad = compat.pad_token_tensor(generation_config)
+    return (compat.cache_of(model_kwargs).decode_step, compat.cache_keyword_of(model_kwargs),
             None if pad is None else pad.to(input_ids.device),
             any(hasattr(c, "eos_token_id") for c in stopping_criteria),
             torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device), _HostFlag(input_ids.device))
@@ -126,14 +115,9 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
                 generation_config: Any, synced_gpus: bool = False, streamer: Any = None,
                 **model_kwargs) -> torch.LongTensor:
     """`GenerationMixin._sample`'s contract (same arguments, the prompt and its new tokens as one LongTensor)."""
-    from transformers.generation.utils import GenerationMixin
-
-    cache = _cache_of(model_kwargs)
+    cache = compat.cache_of(model_kwargs)
     if not covers(model, generation_config, synced_gpus, streamer, cache):
-        from transformers.generation.utils import GENERATION_MODES_MAPPING
-
-        own = getattr(GenerationMixin, GENERATION_MODES_MAPPING[generation_config.get_generation_mode()],
-                      GenerationMixin._sample)
+        own = compat.own_decoding_method(generation_config)
         return own(model, input_ids, logits_processor, stopping_criteria, generation_config,
                    synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
     step, cache_kw, pad_token_id, has_eos_stopping_criteria, unfinished, flag = loop_state(
@@ -141,10 +125,10 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
     do_sample = generation_config.do_sample
     max_length = generation_config.max_length
 
-    outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
+    outputs = compat.prefill(model, input_ids, generation_config, model_kwargs)
     while True:
         if not step.started:  # the prompt's output or the capturing step: transformers' own bookkeeping
-            model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
+            model_kwargs = compat.update_model_kwargs(model, outputs, model_kwargs)
         next_tokens = pick_tokens(input_ids, outputs.logits[:, -1], logits_processor, do_sample, unfinished,
                                   pad_token_id, has_eos_stopping_criteria)
         del outputs
@@ -164,16 +148,58 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
         if flag.read():
             if ahead:
                 step.rewind()
-                LOOP_STEPS["rewound"] += 1
+                step.loop_steps["rewound"] += 1
             return input_ids
         if step.started:
-            LOOP_STEPS["thin"] += 1
+            step.loop_steps["thin"] += 1
             if not ahead:
                 outputs = model(input_ids=step_ids, **{cache_kw: cache})
         else:
-            LOOP_STEPS["transformers"] += 1
+            step.loop_steps["transformers"] += 1
             model_inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
             outputs = model(**model_inputs, return_dict=True)
 
 
-__all__ = ["LOOP_STEPS", "applies", "covers", "decode_loop", "loop_state", "pick_tokens"]
+def install(model: torch.nn.Module) -> None:
+    """Route `model`'s forward through the decode step of the FoldKvCache it is called with (idempotent), and make
+    generate()'s decoding loop `decode_loop` when that cache has a decode step and the call is greedy or sampling
+    (`applies`; a `custom_generate` the caller passes wins). The wrappers are methods bound to the model (a copy of
+    the model, `copy.deepcopy`, gets its own), keep the class methods' signatures (functools.wraps: generate() reads
+    forward's) and call them for every other call. `applies` and `decode_loop` are read at every call (the lab's
+    versions replace them by name)."""
+    if isinstance(vars(model).get("forward"), types.MethodType) and getattr(vars(model)["forward"], "_foldkv", False):
+        return
+    own_forward = type(model).forward
+
+    @functools.wraps(own_forward)
+    def forward(self, *args, **kwargs):
+        own = own_forward.__get__(self)
+        step = getattr(compat.cache_of(kwargs), "decode_step", None)
+        if isinstance(step, DecodeStep) and not args and step.takes(kwargs):
+            return step(own, kwargs)
+        if isinstance(step, DecodeStep) and not args and step.fuses_prefill(kwargs):
+            return step.prefill(own, kwargs)
+        return own(*args, **kwargs)
+
+    forward._foldkv = True
+    model.forward = types.MethodType(forward, model)
+    if hasattr(type(model), "generate"):
+        own_generate = type(model).generate
+
+        @functools.wraps(own_generate)
+        def generate(self, *args, **kwargs):
+            if applies(self, kwargs):
+                kwargs["custom_generate"] = decode_loop
+            return own_generate(self, *args, **kwargs)
+
+        model.generate = types.MethodType(generate, model)
+
+
+def __getattr__(name: str):
+    if name == "LOOP_STEPS":
+        raise AttributeError("foldkv.hf_loop.LOOP_STEPS moved: each decode step counts the loop's steps on it"
+                             " (cache.decode_step.loop_steps)")
+    raise AttributeError(f"module 'foldkv.hf_loop' has no attribute {name!r}")
+
+
+__all__ = ["applies", "covers", "decode_loop", "install", "loop_state", "pick_tokens"]

@@ -35,7 +35,7 @@ from ..validate import FoldKvInputError, check_device
 MAX_BATCH = 256
 MAX_LEN = 262_144
 DEFAULT_MERGE_GROUP = 8
-DEFAULT_SMS = 132  # H200; used when the device is not a CUDA device (CPU plans in tests)
+DEFAULT_SMS = 132  # H200: the plan off a CUDA device (CPU plans in tests), and the SMs foldkv.gemv's grids cover
 # A CTA's fixed cost in page reads (see the module docstring): about 1.5 us of prologue and pipeline fill, and its
 # partial (8 heads x 513 floats, 16 KB) written once and read by the merges, against a page tile of 82 KB (folded)
 # streamed at one SM's share of the read roof (~2.4 us on the H200).

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -271,17 +271,29 @@ class DecodeWorkspace:
                 warmup: int = 1, fused: bool | None = None) -> torch.cuda.CUDAGraph:
         """A CUDA graph of one `step` (checked and run eagerly `warmup` times first, on a side stream)."""
         self.step(pool, backend=backend, kernels=kernels, fused=fused)  # checks, builds the kernels
-        stream = torch.cuda.Stream(device=self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
-                self.step(pool, backend=backend, kernels=kernels, check=False, fused=fused)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with capture_graph(graph, stream=stream):
-            self.step(pool, backend=backend, kernels=kernels, check=False, fused=fused)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph, _, _ = capture_after_warmup(
+            lambda: self.step(pool, backend=backend, kernels=kernels, check=False, fused=fused), self.device, warmup)
         return graph
+
+
+def capture_after_warmup(run: Callable[[], Any], device: torch.device,
+                         warmup: int = 1) -> tuple[torch.cuda.CUDAGraph, Any, Any]:
+    """`run()` `warmup` times on a side stream of `device` (after the work queued so far), then captured there into a
+    new CUDA graph (`capture_graph`); the current stream waits for each. Returns (the graph, the last warm-up's output
+    (None without one), the captured call's output: what a replay writes). The one warm-up-then-capture of the
+    runtime: the workspace's step and the whole decode step (`foldkv.hf_graph`)."""
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    warm = None
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            warm = run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with capture_graph(graph, stream=stream):
+        captured = run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return graph, warm, captured
 
 
 @contextlib.contextmanager
@@ -301,4 +313,4 @@ def capture_graph(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream | None 
             gc.enable()
 
 
-__all__ = ["DecodeWorkspace", "capture_graph", "default_num_chunks", "CHUNKS_PER_REQUEST"]
+__all__ = ["DecodeWorkspace", "capture_after_warmup", "capture_graph", "default_num_chunks", "CHUNKS_PER_REQUEST"]

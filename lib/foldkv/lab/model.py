@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..fp8 import FP8_DTYPE
-from ..hf_graph import cache_keyword
+from ..transformers_compat import cache_keyword
 from ..layout import KvFormat
 from ..validate import check_device
 from .arms import ArmUnavailable

@@ -266,14 +266,14 @@ def measure_decode(model: nn.Module, arm_name: str, *, context: int, batch: int,
         ids = filled_prompt(cache, model, context, batch, seed=seed)
         clock = step_clock(dev)
         from ..fused_step import merged_groups
-        from ..hf_loop import LOOP_STEPS
 
-        thin0 = LOOP_STEPS["thin"]
+        step = cache.decode_step
+        thin0 = step.loop_steps["thin"] if step is not None else 0
         t0 = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, stopping_criteria=[clock],
                              **{cache_keyword(model): cache})
-        thin_steps = LOOP_STEPS["thin"] - thin0
+        thin_steps = (step.loop_steps["thin"] if step is not None else 0) - thin0
         peak = torch.cuda.max_memory_allocated(dev) - before
         memory = memory_components(cache, peak, weight_bytes(model))
         device_ms = _device_step_ms(cache, replay_reps) if arm.format is not None else None

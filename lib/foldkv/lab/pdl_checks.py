@@ -27,6 +27,8 @@ from unittest import mock
 
 import torch
 
+from ..step_options import in_force
+
 CONSUMERS = ("gemv", "rms_norm")
 _LD_GLOBAL = re.compile(r"(@!?%p\d+\s+)?ld\.global")  # Triton's loads: inline asm, often predicated
 _CP_ASYNC = re.compile(r"(@!?%p\d+\s+)?cp\.async")
@@ -77,6 +79,18 @@ def loads_before_wait(ptx: str) -> tuple[int, list[str]]:
     return waits, [ln for ln in head if _LD_GLOBAL.match(ln)] if waits else []
 
 
+def _linear_x_early(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The race check's red twin of `gemv.linear` (its kernel route, one row): the same launch with the first x tile
+    loaded before the wait (`RED_X_EARLY`), what a kernel reading its input early would do."""
+    from foldkv import gemv
+
+    k = w.shape[1]
+    xs = x.reshape(-1, k).contiguous()
+    y = torch.empty(xs.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    gemv.tc_launch(xs, w, y, gemv.tc_config(w.shape[0], k, xs.shape[0]), red_x_early=True)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
 def _consumer(name, k: int, n: int, red: bool):
     """consume(x) -> output for a consumer (a name of CONSUMERS, or a factory make(k, n, red)); red: its red twin."""
     from foldkv import fused_step as fs
@@ -87,7 +101,7 @@ def _consumer(name, k: int, n: int, red: bool):
     g = torch.Generator(device="cuda").manual_seed(7)
     if name == "gemv":
         w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(torch.bfloat16)
-        return lambda x: gemv.linear(x, w, _red_x_early=red)
+        return (lambda x: _linear_x_early(x, w)) if red else (lambda x: gemv.linear(x, w))
     if name == "rms_norm":
         gamma = (1 + 0.1 * torch.randn(256, device="cuda", generator=g)).to(torch.bfloat16)
         if not red:
@@ -110,8 +124,8 @@ def race_check(consumer="gemv", k: int = 5376, n: int = 4096, delay_ns: int = 20
     from foldkv import gemv
 
     _require()
-    if not gemv.PDL_GEMV:
-        raise RuntimeError("gemv.PDL_GEMV is off: nothing would launch with PDL")
+    if not in_force().pdl:
+        raise RuntimeError("the step options in force launch without PDL (StepOptions.pdl): nothing would")
     dev = torch.device("cuda")
     src = (torch.randn(rows, k, device=dev, generator=torch.Generator(device=dev).manual_seed(3)) * 0.5).to(
         torch.bfloat16)

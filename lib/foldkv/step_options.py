@@ -1,0 +1,82 @@
+"""The decode step's choices as one frozen object, passed in where the step is made (`FoldKvCache(step_options=)`,
+`DecodeStep`, `foldkv.fused_step.fused_step`), never module globals flipped from outside.
+
+The defaults are the served path; each other value is a way of computing the same thing that the tests and the lab's
+probes (bench/model_decode_probe.py's `--*-ab` arms) compare against it: every field but `pdl` gives bitwise the
+same tokens and logits but `fuse_prefill` (see there), `pdl=False` the projections of cuBLAS's F.linear (within the GEMV's float32 bound).
+
+How the functions deep inside the step read them: the one who makes the step passes the options; while the step's
+forward runs (`DecodeStep` around its body, `fused_step` around its block) they are the options `in_force()`, scoped
+by `using(options)` (a context variable: per thread, restored on exit), so the swapped forwards, the ops and the GEMV
+ask `in_force()` instead of taking one more argument through transformers' forwards, whose signatures are not
+foldkv's. Outside any step the served options are in force. A FoldKvCache made without `step_options` takes those in
+force where it is made (a probe's `with using(StepOptions(...)):` around the cells it builds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Iterator
+
+from .validate import FoldKvInputError
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """What the decode step fuses, merges and overlaps (module docstring); `StepOptions()` is the served step.
+
+    merge: projections that read one input (a layer's q|k|v, gate|up) read as one GEMV over their weights merged into
+        one tensor (`fused_step.merge_projections`): fewer launches, a larger matrix nearer the read roof.
+    branches: unmerged projections of one input issued on side streams (graph branches whose tails overlap); with
+        merge on, only the groups that could not merge.
+    tail_sums: a split-K projection's float32 partials summed by the norm that reads them (its split_sum launch gone).
+    tail_next_norm: the next decoder layer's input norm made by this layer's last kernel (its own launch gone).
+    fuse_sliding: a sliding layer's norms, RoPE and ring writes as one launch before its ring attention
+        (`fused_step.sliding_prologue`).
+    fuse_global_prologue: a global layer's norms, RoPE, query and row from its projections as two PDL kernels
+        (`global_step.query_from_projection`, `row_from_projection`).
+    fuse_global: a global layer's query and row (after the model's norms and RoPE) as two Triton kernels
+        (`global_step.query_into`, `row_into_pool`) instead of the torch path.
+    pdl: the step's projections at 1..16 rows through `foldkv.gemv`'s tensor-core kernels and the step's Triton
+        kernels launched under programmatic dependent launch; False: F.linear and plain launches.
+    fuse_prefill: a prefill forward on CUDA (more than one token a sequence) runs inside `fused_step` too
+        (`DecodeStep.prefill`): its norms, RoPE, GELU x up and residual tails one Triton pass each over its rows
+        instead of transformers' float32 modules (a 32K prompt of the 31B: 5.80 -> 4.56 s on an H100), within the
+        neutral figure of transformers' modules, not bitwise (the merged projections take other cuBLAS kernels).
+    """
+
+    merge: bool = True
+    branches: bool = True
+    tail_sums: bool = True
+    tail_next_norm: bool = True
+    fuse_sliding: bool = True
+    fuse_global_prologue: bool = True
+    fuse_global: bool = True
+    pdl: bool = True
+    fuse_prefill: bool = True
+
+
+SERVED = StepOptions()
+_IN_FORCE: ContextVar[StepOptions] = ContextVar("foldkv_step_options", default=SERVED)
+
+
+def in_force() -> StepOptions:
+    """The options of the step running now (module docstring); the served ones outside any step."""
+    return _IN_FORCE.get()
+
+
+@contextlib.contextmanager
+def using(options: StepOptions) -> Iterator[StepOptions]:
+    """`options` in force for the block (nested blocks restore what was in force before them)."""
+    if not isinstance(options, StepOptions):
+        raise FoldKvInputError(f"step options {options!r}: expected a foldkv StepOptions")
+    token = _IN_FORCE.set(options)
+    try:
+        yield options
+    finally:
+        _IN_FORCE.reset(token)
+
+
+__all__ = ["SERVED", "StepOptions", "in_force", "using"]
