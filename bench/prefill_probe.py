@@ -201,7 +201,7 @@ def main(argv=None) -> int:
         options = contextlib.ExitStack()  # held for the process
         options.enter_context(using(StepOptions(fuse_prefill=False)))
     if args.sliding == "masked":
-        foldkv.hf._plain_window = lambda *a, **k: False  # every sliding mask call gets transformers' mask
+        foldkv.hf.plain_window = lambda *a, **k: False  # every sliding mask call gets transformers' mask
     t_start = time.perf_counter()
     model = gemma31b.build_gemma4_31b("cuda", seed=0)
     print(f"[{args.mode}, sliding {args.sliding}, glue {args.glue}] built in {time.perf_counter() - t_start:.1f} s", flush=True)

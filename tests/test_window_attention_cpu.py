@@ -70,24 +70,24 @@ def test_refusals_name_what_is_missing():
 
 
 def test_sliding_window_mask_only_for_a_plain_window():
-    from foldkv import hf
+    from foldkv import masks
 
     plain = dict(device="cuda", use_vmap=False, allow_is_causal_skip=True)
     ones = torch.ones(2, 40, dtype=torch.bool)
-    assert hf._plain_window("sdpa", 8, 40, 32, 0, ones, plain)
-    assert hf._plain_window("sdpa", 8, 40, 32, 0, None, plain)
+    assert masks.plain_window("sdpa", 8, 40, 32, 0, ones, plain)
+    assert masks.plain_window("sdpa", 8, 40, 32, 0, None, plain)
     padded = ones.clone()
     padded[1, :3] = False
-    assert not hf._plain_window("sdpa", 8, 40, 32, 0, padded, plain)  # padding: transformers' mask
-    assert not hf._plain_window("eager", 8, 40, 32, 0, ones, plain)  # foldkv_eager's sliding layers
-    assert not hf._plain_window("sdpa", 1, 33, 32, 0, ones, plain)  # a decode step
-    assert not hf._plain_window("sdpa", 8, 40, 32, 0, ones, {**plain, "device": "cpu"})
-    assert not hf._plain_window("sdpa", 8, 40, 32, 0, ones, {**plain, "use_vmap": True})  # another overlay
-    assert not hf._plain_window("sdpa", 8, 40, 32, 0, ones, {**plain, "allow_is_causal_skip": False})  # packing
-    assert not hf._plain_window("sdpa", 8, 40, 31, 0, ones, plain)  # the queries are not the last keys
-    assert not hf._plain_window("sdpa", 8, 40, 32, 0, ones, {"device": "cuda"})  # an older call: no flags, no window
+    assert not masks.plain_window("sdpa", 8, 40, 32, 0, padded, plain)  # padding: transformers' mask
+    assert not masks.plain_window("eager", 8, 40, 32, 0, ones, plain)  # foldkv_eager's sliding layers
+    assert not masks.plain_window("sdpa", 1, 33, 32, 0, ones, plain)  # a decode step
+    assert not masks.plain_window("sdpa", 8, 40, 32, 0, ones, {**plain, "device": "cpu"})
+    assert not masks.plain_window("sdpa", 8, 40, 32, 0, ones, {**plain, "use_vmap": True})  # another overlay
+    assert not masks.plain_window("sdpa", 8, 40, 32, 0, ones, {**plain, "allow_is_causal_skip": False})  # packing
+    assert not masks.plain_window("sdpa", 8, 40, 31, 0, ones, plain)  # the queries are not the last keys
+    assert not masks.plain_window("sdpa", 8, 40, 32, 0, ones, {"device": "cuda"})  # an older call: no flags, no window
     built = []
-    m = hf.SlidingWindow(16, lambda: built.append(1) or torch.ones(1))
+    m = masks.SlidingWindow(16, lambda: built.append(1) or torch.ones(1))
     assert m.tensor() is m.tensor() and built == [1]  # transformers' mask built once, on first use
 
 
@@ -95,7 +95,7 @@ def test_cpu_generate_forced_through_the_window_mask(monkeypatch, tmp_path):
     """A CPU prefill whose sliding mask is forced to a SlidingWindow: window_attention refuses the CPU, each sliding
     layer takes transformers' mask from it: the tokens of the unforced run (chunked prefill, the cache's window
     crossed)."""
-    from foldkv import hf
+    from foldkv import hf, masks
     from foldkv.lab.model import cache_keyword, load_model
     from foldkv.lab.synthetic import make_synthetic_checkpoint
 
@@ -110,8 +110,8 @@ def test_cpu_generate_forced_through_the_window_mask(monkeypatch, tmp_path):
 
     want = run()
     made = []
-    plain = hf._plain_window
-    monkeypatch.setattr(hf, "_plain_window", lambda *a: made.append(1) or (a[1] > 1 and plain(
+    plain = masks.plain_window
+    monkeypatch.setattr(hf, "plain_window", lambda *a: made.append(1) or (a[1] > 1 and plain(
         a[0], a[1], a[2], a[3], a[4], a[5], {**a[6], "device": "cuda"})))
     assert torch.equal(run(), want)
     assert made  # the sliding mask calls went through it

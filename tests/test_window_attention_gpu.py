@@ -73,7 +73,7 @@ def test_generate_prefill_through_the_window(tmp_path_factory, monkeypatch):
     tokens, logits = run()
     sliding_layers = sum(1 for m in model.modules() if getattr(m, "is_sliding", False) and hasattr(m, "q_proj"))
     assert len(calls) == 3 * sliding_layers  # three prefill chunks, every sliding layer through the kernel
-    monkeypatch.setattr(hf, "_plain_window", lambda *a: False)  # transformers' mask and sdpa: what served before
+    monkeypatch.setattr(hf, "plain_window", lambda *a: False)  # transformers' mask and sdpa: what served before
     base_tokens, base_logits = run()
     eager = synthetic_gpu_models(tmp_path_factory, "foldkv_eager")["foldkv_eager"]
     cache = hf.FoldKvCache(eager, max_batch=1, max_tokens=720)

@@ -57,7 +57,7 @@ from .fp8 import FP8_DTYPE
 from .hf_graph import STEP_MODES, DecodeStep, used_cache_error
 from .hf_loop import install
 from .layout import KvFormat
-from .masks import SLIDING_IMPLEMENTATION, NewTokens, RingMask
+from .masks import SLIDING_IMPLEMENTATION, NewTokens, RingMask, SlidingWindow, plain_window
 from .pool import BlockTable, PagedKvLayout, PagedKvPool
 from .prep import fold_query, rope_inv_freq, rows_from_key_value, write_tokens
 from .reference import paged_attention_reference
@@ -217,7 +217,7 @@ def _mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_
     if kwargs.get("local_size") is not None:
         args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
-        if _plain_window(sliding, q_length, kv_length, q_offset, kv_offset, attention_mask, kwargs):
+        if plain_window(sliding, q_length, kv_length, q_offset, kv_offset, attention_mask, kwargs):
             return SlidingWindow(int(kwargs["local_size"]), lambda: ALL_MASK_ATTENTION_FUNCTIONS[sliding](**args))
         return ALL_MASK_ATTENTION_FUNCTIONS[sliding](**args)
     if mask_function is not causal_mask_function:
@@ -225,35 +225,6 @@ def _mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_
             "foldkv's global layers serve plain causal attention; this model asked for another full-attention mask"
             f" ({getattr(mask_function, '__name__', mask_function)})")
     return _new_tokens(attention_mask, q_length, kv_length, kv_offset)
-
-
-class SlidingWindow:
-    """The sliding layers' "mask" of a prefill forward whose mask is the plain sliding window (no padding, no other
-    overlay, the queries the last keys): `window_attention` serves it without a mask; a call it cannot serve asks
-    `tensor()`, transformers' own mask, built once on first use."""
-
-    def __init__(self, window: int, build):
-        self.window, self._build, self._tensor = window, build, None
-
-    def tensor(self):
-        if self._build is not None:
-            self._tensor, self._build = self._build(), None
-        return self._tensor
-
-
-def _plain_window(sliding: str, q_length: int, kv_length: int, q_offset, kv_offset: int,
-                  attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
-    """Is this sliding mask call transformers' plain sliding-window causal mask of a CUDA prefill forward: sdpa's
-    sliding layers, more than one query, no overlay of another mask function (transformers then asks for vmap or
-    forbids the causal skip), the queries the last kv positions, and no padding (one read of the 2D mask)."""
-    device = kwargs.get("device", attention_mask.device if attention_mask is not None else None)
-    if sliding != "sdpa" or q_length < 2 or device is None or torch.device(device).type != "cuda":
-        return False
-    if kwargs.get("use_vmap", True) or not kwargs.get("allow_is_causal_skip", False):
-        return False
-    if int(q_offset) + q_length != kv_offset + kv_length:
-        return False
-    return attention_mask is None or bool(attention_mask.all())
 
 
 def _sliding_attention(sliding: str, module: nn.Module, *args, **kwargs):

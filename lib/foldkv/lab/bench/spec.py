@@ -5,12 +5,9 @@ every module that builds or times arms imports this one."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
-
-if TYPE_CHECKING:
-    from .case import AttentionCase
 
 GUARD_VALUE = 7.0  # sentinel in the row past each output: a kernel writing past its plan changes it
 
