@@ -40,6 +40,7 @@ modules ask of the step they get from the step object the cache carries (`slidin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Any, Callable
 
@@ -108,7 +109,10 @@ class DecodeStep:
         """A prefill forward with the model's elementwise work as `foldkv.fused_step`'s kernels (at prefill's row
         counts each is one pass over its rows where transformers' modules take five to seven, in float32): the same
         formulas at the same rounding points; the projections, attention and everything else the model's own."""
-        with using(self.options), swap.fused_step(forward.__self__, self.options):
+        # pdl off: a prefill's projections are cuBLAS's at every row count (foldkv.gemv's kernels serve 1..16 rows: a
+        # chunk that short would build their Triton specializations inside a prompt) and its kernels launch plainly
+        options = dataclasses.replace(self.options, pdl=False)
+        with using(options), swap.fused_step(forward.__self__, options):
             return forward(**kwargs)
 
     # -- the step --------------------------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ class StepOptions:
     fuse_prefill: a prefill forward on CUDA (more than one token a sequence) runs inside `fused_step` too
         (`DecodeStep.prefill`): its norms, RoPE, GELU x up and residual tails one Triton pass each over its rows
         instead of transformers' float32 modules (a 32K prompt of the 31B: 5.80 -> 4.56 s on an H100), within the
-        neutral figure of transformers' modules, not bitwise (the merged projections take other cuBLAS kernels).
+        neutral figure of transformers' modules, not bitwise (the merged projections take other cuBLAS kernels); its
+        projections cuBLAS's at every row count (`pdl` off inside a prefill: nothing built for a short chunk).
     """
 
     merge: bool = True
