@@ -199,6 +199,20 @@ def attention_norms(d: int, device: str = "cpu", seed: int = 1) -> torch.nn.Modu
 # attention geometry; one checkpoint per session.
 TINY_SYNTHETIC = dict(hidden_size=64, intermediate_size=128, vocab_size=128)
 
+def tiny_synthetic_model(tmp_path_factory, name: str, sliding_window: int = 8):
+    """The tiny synthetic Gemma 4 (TINY_SYNTHETIC, seed 3, `sliding_window`) in float32 under foldkv's attention: the
+    CPU tests' model of the decode step, its options and the cache's reset."""
+    require_module("transformers")
+    require_module("safetensors")
+    import foldkv.hf  # noqa: F401
+    from foldkv.lab.model import load_model
+    from foldkv.lab.synthetic import make_synthetic_checkpoint
+
+    ckpt = make_synthetic_checkpoint(tmp_path_factory.mktemp(name), seed=3, sliding_window=sliding_window,
+                                     **TINY_SYNTHETIC)
+    return load_model(ckpt, dtype=torch.float32, attn_implementation="foldkv")
+
+
 
 def left_padded_batch(lengths, vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids, attention_mask [len(lengths), max(lengths)] int64: each prompt of random ids in [3, vocab)

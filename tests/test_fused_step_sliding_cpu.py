@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_SYNTHETIC, left_padded_batch, require_module
+from conftest import TINY_SYNTHETIC, left_padded_batch, tiny_synthetic_model
 from foldkv.lab.model import cache_keyword
 
 LENGTHS = (5, 17, 11)
@@ -23,15 +23,7 @@ WINDOW = 8
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    require_module("transformers")
-    require_module("safetensors")
-    import foldkv.hf  # noqa: F401
-    from foldkv.lab.model import load_model
-    from foldkv.lab.synthetic import make_synthetic_checkpoint
-
-    ckpt = make_synthetic_checkpoint(tmp_path_factory.mktemp("sliding"), seed=3, sliding_window=WINDOW,
-                                     **TINY_SYNTHETIC)
-    return load_model(ckpt, dtype=torch.float32, attn_implementation="foldkv")
+    return tiny_synthetic_model(tmp_path_factory, "sliding", sliding_window=WINDOW)
 
 
 def _sliding_indices(model):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_SYNTHETIC, bench_script, probe_command_of_run, require_module
+from conftest import bench_script, probe_command_of_run, tiny_synthetic_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKS = ("_foldkv_next", "_foldkv_input_normed", "_foldkv_tail", "_foldkv_unsummed")
@@ -24,14 +24,7 @@ MARKS = ("_foldkv_next", "_foldkv_input_normed", "_foldkv_tail", "_foldkv_unsumm
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    require_module("transformers")
-    require_module("safetensors")
-    import foldkv.hf  # noqa: F401
-    from foldkv.lab.model import load_model
-    from foldkv.lab.synthetic import make_synthetic_checkpoint
-
-    ckpt = make_synthetic_checkpoint(tmp_path_factory.mktemp("tails"), seed=3, sliding_window=8, **TINY_SYNTHETIC)
-    return load_model(ckpt, dtype=torch.float32, attn_implementation="foldkv")
+    return tiny_synthetic_model(tmp_path_factory, "tails", sliding_window=8)
 
 
 def test_fused_step_marks_the_tails_and_takes_the_marks_back(model):

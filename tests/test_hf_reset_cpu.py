@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_SYNTHETIC, left_padded_batch, require_module
+from conftest import TINY_SYNTHETIC, left_padded_batch, tiny_synthetic_model
 from foldkv.lab.model import cache_keyword
 
 FIRST = (5, 17, 11)  # the first generate()'s prompts (real tokens, left-padded to the longest)
@@ -26,15 +26,7 @@ MAX_TOKENS = 2 * (max(FIRST) + NEW)  # room for a reset that forgets the lengths
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    require_module("transformers")
-    require_module("safetensors")
-    import foldkv.hf  # noqa: F401
-    from foldkv.lab.model import load_model
-    from foldkv.lab.synthetic import make_synthetic_checkpoint
-
-    ckpt = make_synthetic_checkpoint(tmp_path_factory.mktemp("reset"), seed=3, sliding_window=WINDOW,
-                                     **TINY_SYNTHETIC)
-    return load_model(ckpt, dtype=torch.float32, attn_implementation="foldkv")
+    return tiny_synthetic_model(tmp_path_factory, "reset", sliding_window=WINDOW)
 
 
 def _batch(lengths, seed):

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import TINY_SYNTHETIC, left_padded_batch, require_module
+from conftest import TINY_SYNTHETIC, left_padded_batch, tiny_synthetic_model
 from foldkv.step_options import SERVED, StepOptions, in_force, using
 from foldkv.validate import FoldKvInputError
 
@@ -56,14 +56,7 @@ def test_a_removed_switch_says_where_it_went(module, name, monkeypatch):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    require_module("transformers")
-    require_module("safetensors")
-    import foldkv.hf  # noqa: F401
-    from foldkv.lab.model import load_model
-    from foldkv.lab.synthetic import make_synthetic_checkpoint
-
-    ckpt = make_synthetic_checkpoint(tmp_path_factory.mktemp("options"), seed=3, sliding_window=8, **TINY_SYNTHETIC)
-    return load_model(ckpt, dtype=torch.float32, attn_implementation="foldkv")
+    return tiny_synthetic_model(tmp_path_factory, "options", sliding_window=8)
 
 
 def test_the_cache_hands_its_options_to_the_step_and_the_step_puts_them_in_force(model, monkeypatch):

@@ -53,6 +53,7 @@ from .fused_step_ops import (_norm_add, gelu_mul, kv_to_ring, masked_softmax, no
 from .masks import SLIDING_IMPLEMENTATION, RingMask
 from .step_options import StepOptions, in_force, using
 from .transformers_compat import cache_of, has_forward_hooks
+from .moved import moved
 
 
 
@@ -600,10 +601,7 @@ _MOVED = {name: f"pass StepOptions({field}=...) (foldkv.step_options) where the 
     ("BRANCHES", "branches"), ("TAIL_SUMS", "tail_sums"), ("TAIL_NEXT_NORM", "tail_next_norm"))}
 
 
-def __getattr__(name: str):
-    if name in _MOVED:
-        raise AttributeError(f"foldkv.fused_step.{name} moved: {_MOVED[name]}")
-    raise AttributeError(f"module 'foldkv.fused_step' has no attribute {name!r}")
+__getattr__ = moved(__name__, _MOVED)
 
 
 __all__ = ["fused_step", "norm_eps", "fork", "join", "side_streams", "branched_attention_modules",

@@ -54,6 +54,7 @@ import torch
 
 from .kernels.plan import DEFAULT_SMS
 from .step_options import in_force
+from .moved import moved
 
 MAX_ROWS = 16  # the tensor-core kernel's padded side: rows of x a launch takes
 DTYPES = (torch.bfloat16,)
@@ -330,10 +331,7 @@ def reset() -> None:
 _MOVED = {"PDL_GEMV": "pass StepOptions(pdl=...) (foldkv.step_options) where the step is made"}
 
 
-def __getattr__(name: str):
-    if name in _MOVED:
-        raise AttributeError(f"foldkv.gemv.{name} moved: {_MOVED[name]}")
-    raise AttributeError(f"module 'foldkv.gemv' has no attribute {name!r}")
+__getattr__ = moved(__name__, _MOVED)
 
 
 __all__ = ["MAX_ROWS", "HAS_GDC", "tc_config", "tc_launch", "operand_refusal", "rows_refusal",

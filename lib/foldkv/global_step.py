@@ -41,6 +41,7 @@ from .fused_step_ops import _block, _head_rows, _pdl, _rope_table, _warps
 from .layout import KvFormat, rotated_columns, score_window_columns, value_window_columns
 from .step_options import in_force
 from .transformers_compat import norm_eps
+from .moved import moved
 
 BF16 = torch.bfloat16
 W_K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # converted exactly to float32, as fold_query does
@@ -200,10 +201,7 @@ def global_route(step: Any, layer: Any, module: torch.nn.Module, query: torch.Te
 _MOVED = {"FUSE_GLOBAL": "pass StepOptions(fuse_global=...) (foldkv.step_options) where the step is made"}
 
 
-def __getattr__(name: str):
-    if name in _MOVED:
-        raise AttributeError(f"foldkv.global_step.{name} moved: {_MOVED[name]}")
-    raise AttributeError(f"module 'foldkv.global_step' has no attribute {name!r}")
+__getattr__ = moved(__name__, _MOVED)
 
 
 __all__ = ["column_maps", "describe_pool", "global_route", "query_into", "row_into_pool",

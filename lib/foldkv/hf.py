@@ -65,6 +65,7 @@ from .step_options import StepOptions, in_force
 from .transformers_compat import cache_keyword, norm_eps
 from .validate import FoldKvInputError, check_device
 from . import window_attention
+from .moved import moved
 
 from transformers import AttentionInterface, Cache
 from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
@@ -686,10 +687,7 @@ class FoldKvCache(Cache):
 _MOVED = {"ring_attention": "foldkv.ring.ring_attention (the one name every caller reads)"}
 
 
-def __getattr__(name: str):
-    if name in _MOVED:
-        raise AttributeError(f"foldkv.hf.{name} moved: {_MOVED[name]}")
-    raise AttributeError(f"module 'foldkv.hf' has no attribute {name!r}")
+__getattr__ = moved(__name__, _MOVED)
 
 
 __all__ = ["FoldKvCache", "FoldKvLayer", "NewRows", "NewTokens", "SLIDING_IMPLEMENTATION", "register",

@@ -53,6 +53,7 @@ from .reference import paged_attention_reference
 from .step_options import StepOptions, using
 from .pool import BlockTable
 from .validate import FoldKvInputError
+from .moved import moved
 
 STEP_MODES = ("graph", "static", "eager")
 REPLAN_STEPS = 64  # advance() lengthens each request's last chunk; a fresh plan every 64 steps keeps the cut even
@@ -418,10 +419,7 @@ _MOVED = {"ring_attention": "foldkv.ring.ring_attention", "install": "foldkv.hf_
           "cache_keyword": "foldkv.transformers_compat.cache_keyword"}
 
 
-def __getattr__(name: str):
-    if name in _MOVED:
-        raise AttributeError(f"foldkv.hf_graph.{name} moved to {_MOVED[name]}")
-    raise AttributeError(f"module 'foldkv.hf_graph' has no attribute {name!r}")
+__getattr__ = moved(__name__, _MOVED)
 
 
 __all__ = ["DecodeStep", "RingMask", "STEP_MODES", "REPLAN_STEPS", "used_cache_error"]
