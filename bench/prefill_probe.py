@@ -15,9 +15,10 @@ random prompt through `model_decode.measure_prefill`'s call of generate() with o
   slowest functions by cumulative time saved (what the first use spends its time in).
 - ttft: the cells in `rounds` rounds, the arm order rotated each round, after one untimed call of each cell (steady
   state: the first use of each length is paid before timing). The matmul rate is measured in the same process.
-- profile: the cells once untimed, then once under torch.profiler with the components' ranges
-  (`components`): every GPU kernel is assigned to the innermost range that launched it, or by name (GEMMs), and the
-  GPU idle time inside each prefill chunk is the host gap. --trace saves the raw chrome trace (gzip).
+- profile: the cells once untimed, then once under torch.profiler with the lab's prefill scopes open around foldkv's
+  prep, attention and each chunk's forward (`components`); each chunk's time by component is
+  foldkv.lab.prefill_breakdown's (every kernel to the innermost scope that launched it, else by its name; the GPU's
+  idle time inside the chunk the host gap). --trace saves the raw chrome trace (gzip).
 Results are not records: notebook 05 is.
 """
 
@@ -38,19 +39,16 @@ import time
 
 import torch
 
-# The ranges the profile wraps around foldkv's and transformers' calls (function name -> component). The chunk range
-# is one model forward (one prefill chunk).
-CHUNK = "prefill_chunk"
-RANGES = {
-    "foldkv.hf.rows_from_key_value": "fold prep and page stores",
-    "foldkv.hf.fold_query": "fold prep and page stores",
-    "foldkv.hf.write_tokens": "fold prep and page stores",
-    "foldkv.hf.FoldKvCache.pool_attention": "global attention",
-    "foldkv.hf._sliding_attention": "sliding attention",
-    "transformers.models.gemma4.modeling_gemma4.create_causal_mask": "masks",
-    "transformers.models.gemma4.modeling_gemma4.create_sliding_window_causal_mask": "masks",
+# The functions the profile wraps in the lab's prefill scopes (foldkv.lab.prefill_scopes), by dotted name; the text
+# model's forward (one prefill chunk) goes in CHUNK. foldkv.lab.prefill_breakdown does the accounting.
+WRAPPED = {
+    "foldkv.hf.rows_from_key_value": "PREP",
+    "foldkv.hf.fold_query": "PREP",
+    "foldkv.hf.write_tokens": "PREP",
+    "foldkv.hf.FoldKvCache.pool_attention": "GLOBAL_ATTENTION",
+    "foldkv.hf._sliding_attention": "SLIDING_ATTENTION",
+    "foldkv.window_attention.window_attention": "SLIDING_ATTENTION",
 }
-GEMM_NAMES = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "Kernel2", "splitk")
 
 
 def _cell(text: str, chunk: int) -> dict:
@@ -65,12 +63,14 @@ def _cell(text: str, chunk: int) -> dict:
 
 @contextlib.contextmanager
 def components(model):
-    """Wrap RANGES' functions and the text model's forward (CHUNK) in torch.profiler record_function ranges; restore
-    on exit."""
+    """Wrap WRAPPED's functions in their prefill scopes and the text model's forward in CHUNK (record_function ranges
+    the profiler keeps); restore on exit."""
     import importlib
 
     undo = []
-    for dotted, comp in RANGES.items():
+    from foldkv.lab import prefill_scopes as scopes
+
+    for dotted, scope in WRAPPED.items():
         mod_name, _, rest = dotted.rpartition(".")
         owner_name = None
         try:
@@ -83,8 +83,8 @@ def components(model):
             continue
         fn = getattr(owner, rest)
 
-        def wrapped(*a, _fn=fn, _name=f"{comp}|{dotted}", **k):
-            with torch.profiler.record_function(_name):
+        def wrapped(*a, _fn=fn, _name=getattr(scopes, scope), **k):
+            with scopes.components_scope(_name):
                 return _fn(*a, **k)
 
         setattr(owner, rest, wrapped)
@@ -97,7 +97,7 @@ def components(model):
 
     @functools.wraps(fwd)  # generate() reads forward's signature
     def chunk_forward(*a, **k):
-        with torch.profiler.record_function(CHUNK):
+        with scopes.components_scope(scopes.CHUNK):
             return fwd(*a, **k)
 
     model.forward = chunk_forward
@@ -112,62 +112,21 @@ def components(model):
             setattr(owner, rest, fn)
 
 
-def attribute(trace: dict) -> dict:
-    """Every GPU kernel of a chrome trace assigned to a component: the innermost RANGES range whose CPU span holds
-    the kernel's launch (same thread), else "GEMMs" by name, else "norms, RoPE, glue"; per CHUNK range (on the CPU)
-    the kernels it launched, their GPU span, the union of their busy time and the host gap (span - busy)."""
-    ev = trace["traceEvents"]
-    launches = {}
-    for e in ev:
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
-            launches[e["args"]["correlation"]] = e
-    ranges = [e for e in ev if e.get("cat") == "user_annotation" and e.get("ph") == "X"]
-    comp_ranges = [e for e in ranges if "|" in e["name"]]
-    chunk_ranges = sorted((e for e in ranges if e["name"] == CHUNK), key=lambda e: e["ts"])
-    kernels = [e for e in ev if e.get("cat") == "kernel" and e.get("ph") == "X"]
-    rows = []
-    for k in kernels:
-        launch = launches.get(k.get("args", {}).get("correlation"))
-        comp, chunk = None, None
-        if launch is not None:
-            t, tid = launch["ts"], launch.get("tid")
-            inner = [r for r in comp_ranges if r.get("tid") == tid and r["ts"] <= t <= r["ts"] + r["dur"]]
-            if inner:
-                comp = min(inner, key=lambda r: r["dur"])["name"].split("|")[0]
-            for i, r in enumerate(chunk_ranges):
-                if r.get("tid") == tid and r["ts"] <= t <= r["ts"] + r["dur"]:
-                    chunk = i
-        if comp is None:
-            comp = "GEMMs" if any(g.lower() in k["name"].lower() for g in GEMM_NAMES) else "norms, RoPE, glue"
-        rows.append({"name": k["name"], "ts": k["ts"], "dur": k["dur"], "comp": comp, "chunk": chunk})
+def attribute(trace: dict) -> list[dict]:
+    """Each prefill chunk of a chrome trace by component (foldkv.lab.prefill_breakdown), with its busiest kernels."""
+    from foldkv.lab.prefill_breakdown import breakdown, chrome_trace_events, chunk_windows
+
+    kernels, ranges = chrome_trace_events(trace)
     chunks = []
-    for i, r in enumerate(chunk_ranges):
-        ks = sorted((k for k in rows if k["chunk"] == i), key=lambda k: k["ts"])
-        if not ks:
-            continue
-        start, end = ks[0]["ts"], max(k["ts"] + k["dur"] for k in ks)
-        busy, cur_s, cur_e = 0.0, None, None
-        for k in ks:  # union of the kernels' intervals (streams may overlap)
-            s, e = k["ts"], k["ts"] + k["dur"]
-            if cur_e is None or s > cur_e:
-                if cur_e is not None:
-                    busy += cur_e - cur_s
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-        busy += cur_e - cur_s
-        by = {}
-        for k in ks:
-            by[k["comp"]] = by.get(k["comp"], 0.0) + k["dur"]
-        top = {}
-        for k in ks:
-            top[k["name"][:90]] = top.get(k["name"][:90], 0.0) + k["dur"]
-        chunks.append({"chunk": i, "cpu_ms": r["dur"] / 1e3, "gpu_span_ms": (end - start) / 1e3,
-                       "gpu_busy_ms": busy / 1e3, "host_gap_ms": (end - start - busy) / 1e3,
-                       "kernels": len(ks), "by_component_ms": {c: v / 1e3 for c, v in sorted(by.items())},
-                       "top_kernels_ms": dict(sorted(((n, v / 1e3) for n, v in top.items()),
-                                                     key=lambda x: -x[1])[:25])})
-    return {"chunks": chunks, "unattributed_kernels": sum(1 for k in rows if k["chunk"] is None)}
+    for i, window in enumerate(chunk_windows(kernels, ranges)):
+        b = breakdown(kernels, ranges, window).as_dict()
+        top: dict[str, float] = {}
+        for k in kernels:
+            if window[0] <= k.start_us < window[1]:
+                top[k.name[:90]] = top.get(k.name[:90], 0.0) + k.dur_us / 1e3
+        b["top_kernels_ms"] = dict(sorted(top.items(), key=lambda x: -x[1])[:25])
+        chunks.append({"chunk": i, **b})
+    return chunks
 
 
 def main(argv=None) -> int:
@@ -269,10 +228,9 @@ def main(argv=None) -> int:
                 with open(path, "rb") as src, gzip.open(os.path.join(args.out, f"{args.sliding}_{args.glue}_{args.trace}"),
                                                         "wb") as dst:
                     shutil.copyfileobj(src, dst)
-            for ch in r["breakdown"]["chunks"]:
-                comps = ", ".join(f"{k} {v:.1f}" for k, v in ch["by_component_ms"].items())
-                print(f"  {c['arm']} {c['prompt']} chunk {ch['chunk']}: cpu {ch['cpu_ms']:.1f} ms, gpu span "
-                      f"{ch['gpu_span_ms']:.1f}, busy {ch['gpu_busy_ms']:.1f}, gap {ch['host_gap_ms']:.1f} | {comps}",
+            for ch in r["breakdown"]:
+                comps = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in ch["seconds"].items())
+                print(f"  {c['arm']} {c['prompt']} chunk {ch['chunk']}: {1e3 * ch['wall_s']:.1f} ms | {comps}",
                       flush=True)
     out["glue"] = args.glue
     name = os.path.join(args.out, f"prefill_{args.mode}_{args.sliding}_{args.glue}.json")

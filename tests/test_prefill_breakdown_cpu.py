@@ -272,3 +272,35 @@ def test_chunk_window_ends_with_the_last_kernel_it_launched():
                K("gemm", 200, 5, launched_at=45, thread=2)]  # another thread's launch is not the chunk's
     assert pb.chunk_windows(kernels, ranges) == [(0, 85), (60, 120)]
     assert pb.chunk_windows(kernels[:0], ranges) == [(0, 50), (60, 70)]
+
+
+def test_chrome_trace_events_link_kernels_to_their_launch():
+    """A saved chrome trace (what a device call brings back): a kernel goes to the scope open at the runtime or driver
+    call that launched it (same correlation, same thread), a kernel with no launch goes by its name, ranges outside
+    the prefill scopes are not read; red twin: with its launch's correlation lost, the prep's copy goes by its name
+    (glue)."""
+    from foldkv.lab.prefill_breakdown import breakdown, chrome_trace_events
+
+    def trace(correlation):
+        return {"traceEvents": [
+            {"cat": "user_annotation", "ph": "X", "name": ps.CHUNK, "ts": 0, "dur": 100, "tid": 1},
+            {"cat": "user_annotation", "ph": "X", "name": ps.PREP, "ts": 10, "dur": 20, "tid": 1},
+            {"cat": "user_annotation", "ph": "X", "name": "something else", "ts": 40, "dur": 5, "tid": 1},
+            {"cat": "cuda_runtime", "ph": "X", "name": "cudaLaunchKernel", "ts": 12, "dur": 1, "tid": 1,
+             "args": {"correlation": 7}},
+            {"cat": "cuda_driver", "ph": "X", "name": "cuLaunchKernel", "ts": 50, "dur": 1, "tid": 1,
+             "args": {"correlation": 8}},
+            {"cat": "kernel", "ph": "X", "name": "direct_copy_kernel", "ts": 20, "dur": 10,
+             "args": {"correlation": correlation, "stream": 7}},
+            {"cat": "kernel", "ph": "X", "name": "nvjet_sm90_gemm", "ts": 52, "dur": 30, "args": {"correlation": 8}},
+            {"cat": "kernel", "ph": "X", "name": "main_kernel", "ts": 85, "dur": 5, "args": {}},
+        ]}
+
+    kernels, ranges = chrome_trace_events(trace(7))
+    assert [r.name for r in ranges] == [ps.CHUNK, ps.PREP]
+    assert [(k.launched_at, k.thread, k.stream) for k in kernels] == [(12, 1, 7), (50, 1, 0), (None, None, 0)]
+    parts = breakdown(kernels, ranges, (0, 100)).seconds()
+    assert parts["prep"] == pytest.approx(10e-6) and parts["gemm"] == pytest.approx(30e-6)  # (microseconds in)
+    assert parts["global_attention"] == pytest.approx(5e-6) and parts["host_gaps"] == pytest.approx(55e-6)
+    lost = breakdown(*chrome_trace_events(trace(99)), (0, 100)).seconds()
+    assert lost["prep"] == 0 and lost["glue"] == pytest.approx(10e-6)

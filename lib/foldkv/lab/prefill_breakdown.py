@@ -36,10 +36,10 @@ NAME_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (GLOBAL, ("prefill_folded", "prefill_split", "main_kernel", "batchprefillwithpagedkvcache")),
     (SLIDING, ("fmha", "flash", "attention", "sdpa", "fprop", "mem_efficient", "efficient_attention")),
     (GEMM, ("gemm", "nvjet", "cutlass", "xmma", "kernel2", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
-            "aten::linear")),
+            "aten::linear", "gemv")),
     (GLUE, ("elementwise", "reduce", "catarray", "index", "copy", "memcpy", "memset", "fill", "softmax", "norm",
             "rope", "triton", "gather", "scatter", "unrolled", "vectorized", "arange", "where", "cumsum", "scan",
-            "sort", "aten::")),
+            "sort", "aten::", "_rows")),  # "_rows": foldkv.fused_step_kernels' (gelu_mul_rows, norm_add_rows, ...)
 )
 
 
@@ -217,5 +217,24 @@ def kernel_events(prof: Any, device: str = "cuda") -> tuple[list[KernelEvent], l
     return kernels, ranges
 
 
+def chrome_trace_events(trace: dict) -> tuple[list[KernelEvent], list[HostRange]]:
+    """`kernel_events` from a profile saved as a chrome trace (`prof.export_chrome_trace`, the JSON a device call
+    brings back): each "kernel" event with the start and thread of the runtime or driver call that launched it (same
+    correlation id; none found: it goes by its name), and the "user_annotation" ranges of the prefill scopes."""
+    events = trace["traceEvents"]
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ranges = [HostRange(e["name"], e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events
+              if e.get("cat") == "user_annotation" and e.get("ph") == "X" and (e["name"] in SCOPES or e["name"] == CHUNK)]
+    kernels = []
+    for e in events:
+        if e.get("cat") != "kernel" or e.get("ph") != "X":
+            continue
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        kernels.append(KernelEvent(e["name"], e["ts"], e["dur"], int(e.get("args", {}).get("stream", 0) or 0),
+                                   None if launch is None else launch["ts"], None if launch is None else launch.get("tid")))
+    return kernels, ranges
+
+
 __all__ = ["COMPONENTS", "Breakdown", "HostRange", "KernelEvent", "NAME_RULES", "SCOPE_COMPONENT", "breakdown",
-           "chunk_windows", "component_by_name", "component_of", "kernel_events"]
+           "chrome_trace_events", "chunk_windows", "component_by_name", "component_of", "kernel_events"]
