@@ -15,11 +15,12 @@
 # the 8 a reply brings back. The tree is laid anew each call: unpack runs.tgz here between calls, so that the next
 # call's summary sees every notebook. Before the first call: scripts/device_tree.sh hold (the 64 MiB cap).
 # Time caps (seconds): JIT_S for the JIT compiles, PHASE_A_S for the side-by-side phase, PHASE_B_S for notebook 04,
-# C for notebook 05 (alone: it times generate()). Each PART is one device call under its 600 s: PART=1 the GPU tests,
-# 01, 03 and a smoke 04 side by side; PART=2 notebook 02 alone (its full-length gates need the card's memory), then
-# 04 alone (PART=2a: 02 only, PART=2b: 04 only, when the two do not fit one call); PART=3 notebook 05 alone; PART=tp
-# notebook 06 alone on a machine of two GPUs (not in PART=all); each part compiles the JIT kernels first. PART=all
-# (default) runs the others in turn.
+# C for notebook 05 (alone: it times generate()), D for notebook 07 (alone: it times the first token). Each PART is
+# one device call under its 600 s: PART=1 the GPU tests, 01, 03 and a smoke 04 side by side; PART=2 notebook 02 alone
+# (its full-length gates need the card's memory), then 04 alone (PART=2a: 02 only, PART=2b: 04 only, when the two do
+# not fit one call); PART=3 notebook 05 alone; PART=4 notebook 07 alone (its defaults ~360 s: its intro's estimate);
+# PART=tp notebook 06 alone on a machine of two GPUs (not in PART=all); each part compiles the JIT kernels first.
+# PART=all (default) runs the others in turn.
 set -u
 TAG=${1:-h200-$(date +%Y%m%d)}
 OUTD=${OUT:-/tmp/foldkv_out}
@@ -74,6 +75,10 @@ fi
 if [ "$PART" = all ] || [ "$PART" = 3 ]; then  # alone: it times generate()
 timeout ${C:-200} $BATCH --only 05 > "$OUTD/batch_05.log" 2>&1
 echo "batch 05 rc=$? at $(( $(date +%s) - t0 )) s"
+fi
+if [ "$PART" = all ] || [ "$PART" = 4 ]; then  # alone: it times the first token
+timeout ${D:-420} $BATCH --only 07 > "$OUTD/batch_07.log" 2>&1
+echo "batch 07 rc=$? at $(( $(date +%s) - t0 )) s"
 fi
 if [ "$PART" = tp ]; then  # a machine of two GPUs (nvidia-h200-x2): notebook 06 alone, its three runs in turn
 NCCL_NVLS_ENABLE=0 timeout ${TP_S:-560} $BATCH --only 06 > "$OUTD/batch_06.log" 2>&1

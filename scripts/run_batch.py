@@ -32,12 +32,12 @@ SMOKE_PARAMETERS: dict[str, dict] = {
            "synthetic_config": {"hidden_size": 64, "intermediate_size": 128, "vocab_size": 128}, "seed": 1},
     "04": {"smoke": True},
     "05": {"decode_contexts": [256, 1024], "decode_batches": [1, 2], "agreement_prompts": [256], "new_tokens": 4,
-           "ttft_cells": ["256:1", "256:2"], "ttft_rounds": 2, "first_use_lengths": [259, 261], "e2e_prompt": 256,
-           "e2e_new_tokens": 4, "prefill_memory_context": 1024, "prefill_memory_batches": [1, 2],
            "prefill_chunk": 256, "largest_context": 1024, "prefill_tail_contexts": [1024], "prefill_tail_batch": 2,
            "prefill_tail_chunk": 256,
            "compile_prompt": 0},
     "06": {},
+    "07": {"ttft_cells": ["512:1", "512:2"], "ttft_rounds": 2, "first_use_lengths": [259, 261], "e2e_prompt": 512,
+           "e2e_new_tokens": 4, "prefill_memory_context": 1024, "prefill_memory_batches": [1, 2], "prefill_chunk": 256},
 }
 
 

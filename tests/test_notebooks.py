@@ -144,14 +144,32 @@ def test_generate_records(batch):
     assert all(r["cache_bytes"] == r["expected_cache_bytes"] > 0 for r in runs)
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
-        for section in ("model_31b", "prefill_31b", "ttft_31b", "first_use_31b", "e2e_31b", "prefill_memory_31b",
-                        "decode_31b", "largest_batch_31b"):
+        for section in ("model_31b", "prefill_31b", "decode_31b", "prefill_tail_31b", "largest_batch_31b",
+                        "static_compile_31b"):
             assert rec["sections"][section] == "not run: no CUDA device", rec["sections"]
         from foldkv.lab import bench  # the targets: those of this notebook's run of record, named
 
         shown = bench.notebook_record("05_generate")
         assert rec["sections"]["targets"] == f"redrawn from {shown['run']}"
         assert rec["results"]["targets"]["targets"] == shown["record"]["results"]["targets"]
+
+
+def test_time_to_first_token_records(batch):
+    """Notebook 07 on a CPU: each cell's FLOPs computed, every GPU section says why it did not run, and no target is
+    computed from nothing."""
+    _, out, _ = batch
+    rec = _record(out, "07_time_to_first_token")
+    assert rec["parameters"]["ttft_cells"] == _smoke("07")["ttft_cells"]
+    assert rec["sections"]["prefill_flops_31b"] == "ran", rec["sections"]
+    rows = rec["results"]["prefill_flops_31b"]["rows"]
+    assert [(r["prompt_tokens"], r["batch"]) for r in rows] == [(512, 1), (512, 2)]
+    assert rows[1]["total"] == pytest.approx(2 * rows[0]["total"]) and rows[0]["lm_head"] > 0
+    assert "ttft_31b" not in _record(out, "05_generate")["sections"], "notebook 05 still measures the first token"
+    if not pytest.importorskip("torch").cuda.is_available():
+        sections = ("model_31b", "ttft_31b", "first_use_31b", "e2e_31b", "prefill_memory_31b")
+        assert {s: rec["sections"][s] for s in sections} == dict.fromkeys(sections, "not run: no CUDA device")
+        assert "ttft_targets" not in rec["results"]
+        assert not (out / "07_time_to_first_token.json").exists()
 
 
 def test_tensor_parallel_records(batch):
@@ -290,6 +308,7 @@ OVERRIDES = {
     "04_benchmarks": {"smoke": "true", "sections": '["single", "sweep"]', "decode_arms": "torch,fi_tc"},
     "05_generate": {"contexts": "8192,32768", "arms": '["sdpa", "foldkv-split"]'},
     "06_tensor_parallel": {"capacity_context": "32768", "arms": "foldkv-folded,foldkv-split"},
+    "07_time_to_first_token": {"ttft_cells": "1024:1,512:4", "e2e_arms": "foldkv-folded,foldkv-split"},
 }
 
 
@@ -318,6 +337,10 @@ def test_text_overrides_take_effect(notebook, tmp_path):
     elif notebook == "05_generate":
         assert got["contexts"] == [8192, 32768] and got["arms"] == ["sdpa", "foldkv-split"]
         assert [r["context"] for r in rec["results"]["cache_bytes_31b"]["rows"]] == [8192, 32768]
+    elif notebook == "07_time_to_first_token":
+        assert got["ttft_cells"] == ["1024:1", "512:4"] and got["e2e_arms"] == ["foldkv-folded", "foldkv-split"]
+        assert got["first_use_lengths"] == [259, 261]
+        assert [r["prompt_tokens"] for r in rec["results"]["prefill_flops_31b"]["rows"]] == [1024, 512]
     else:
         assert got["capacity_context"] == 32768 and got["arms"] == ["foldkv-folded", "foldkv-split"]
         assert {r["arm"] for r in rec["results"]["capacity"]["rows"]} == {"foldkv-folded", "foldkv-split"}
@@ -332,6 +355,7 @@ BAD_OVERRIDES = {
     "04_benchmarks": ("sections", '["single", "prefil"]', "sections: unknown value 'prefil'"),
     "05_generate": ("arms", '["sdpa", "foldkv-fold"]', "arms: unknown value 'foldkv-fold'"),
     "06_tensor_parallel": ("ranks", "1", "ranks: 1 is below 2"),
+    "07_time_to_first_token": ("first_use_lengths", "[4099, 256]", "first_use_lengths: [256] not new to the process"),
 }
 
 

@@ -1,7 +1,7 @@
-"""Notebook 05's time-to-first-token section (`foldkv.lab.ttft`) on the CPU, with a fake measurement in place of
-generate(): the arms' rotated order, the untimed first call kept apart from the steady state, a cell that runs out of
+"""Notebook 07's time to first token (`foldkv.lab.ttft`) on the CPU, with a fake measurement in place of
+generate(): the arms' rotated order, each arm's untimed warm-up kept apart from the steady state, a cell that runs out of
 memory recorded as not fitting, the floor from the model's shapes, the first-use and end-to-end rows, and every
-verdict on made-up rows. Red twins: a schedule that never rotates, a median that keeps the first call, a floor verdict
+verdict on made-up rows. Red twins: a schedule that never rotates, a median that keeps the warm-up, a floor verdict
 that ignores the floor (TTFT in seconds held to the bound), one bound for every prompt, a peer verdict that lets a
 folded arm that did not fit pass; each is caught by the check the real function passes.
 
@@ -22,20 +22,23 @@ from foldkv.lab import prefill_floor as pf
 from foldkv.lab import ttft
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOK = "07_time_to_first_token.ipynb"
 ARMS = ["foldkv-folded", "foldkv-fp8", "foldkv-split", "flashinfer", "sdpa"]
 SHAPES = pf.ModelShapes(linear_weights=10_000, lm_head_weights=500,
                         attention=(pf.AttentionShape(4, 8, 16), pf.AttentionShape(4, 32, None)))
 
 
 class FakeMeasure:
-    """measure_prefill's stand-in: records each call; a (cell, arm)'s first call takes FIRST_S (what a first use
-    pays), later calls STEADY_S[arm] + a small per-seed spread; `oom` cells raise CUDA's out-of-memory error."""
+    """measure_prefill's stand-in: records each call; an arm's first call in the process takes FIRST_S (what a first
+    use pays; `per_length`: the first call of each (cell, arm), a library with per-length state), later calls
+    STEADY_S[arm] + a small per-seed spread; `oom` cells raise CUDA's out-of-memory error."""
 
     FIRST_S = 9.0
     STEADY_S = {a: 1.0 + 0.1 * i for i, a in enumerate(ARMS)}
 
-    def __init__(self, oom=(), fail=()):
+    def __init__(self, oom=(), fail=(), per_length=False):
         self.calls, self.oom, self.fail, self.seen = [], set(oom), set(fail), set()
+        self.per_length = per_length
 
     def __call__(self, *, arm_name, prompt_tokens, batch, seed):
         key = (prompt_tokens, batch, arm_name)
@@ -44,8 +47,9 @@ class FakeMeasure:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9 GiB")
         if key in self.fail:
             raise RuntimeError("a kernel refused")
-        first = key not in self.seen
-        self.seen.add(key)
+        first_key = key if self.per_length else arm_name
+        first = first_key not in self.seen
+        self.seen.add(first_key)
         t = self.FIRST_S if first else self.STEADY_S[arm_name] + 0.01 * (seed % 3)
         return {"arm": arm_name, "status": "ran", "prompt_tokens": prompt_tokens, "batch": batch, "ttft_s": t,
                 "generate_s": t + 2.0, "peak_bytes": 1, "memory": {"peak": 1}}
@@ -87,35 +91,35 @@ def test_timed_calls_follow_the_schedule():
     fake = FakeMeasure()
     cells = [(4096, 1), (32768, 4)]
     ttft.timed_cells(fake, ARMS, cells, rounds=3, log=quiet)
-    timed = [(a, (n, b)) for a, n, b, _ in fake.calls[len(cells) * len(ARMS):]]
+    timed = [(a, (n, b)) for a, n, b, _ in fake.calls[len(ARMS):]]
     assert timed == [(a, c) for _, c, a in ttft.schedule(ARMS, cells, 3)]
 
 
-# --- the untimed first call -----------------------------------------------------------------------------------------
+# --- each arm's untimed warm-up -------------------------------------------------------------------------------------
 
 def check_steady(rows, rounds: int) -> None:
-    """Each row's TTFT is the median of `rounds` steady calls (none of them a first call), the first call apart."""
+    """Each row's TTFT is the median of `rounds` steady calls (none of them an arm's first call), the warm-up apart."""
     for r in rows:
         assert r["status"] == "ran" and r["rounds_run"] == rounds
         assert FakeMeasure.FIRST_S not in r["ttft_rounds_s"], r
         assert r["ttft_s"] == pytest.approx(statistics.median(r["ttft_rounds_s"]))
-        assert r["ttft_s"] < 2.0 and r["first_call_s"] == FakeMeasure.FIRST_S
+        assert r["ttft_s"] < 2.0 and r["warmup_s"] == FakeMeasure.FIRST_S
 
 
-def test_untimed_first_call_precedes_the_rounds():
+def test_one_untimed_warmup_an_arm_precedes_the_rounds():
     fake = FakeMeasure()
     cells = [(4096, 1), (131072, 1)]
     rows = ttft.timed_cells(fake, ARMS, cells, rounds=2, log=quiet)
-    first = fake.calls[:len(cells) * len(ARMS)]
-    assert sorted((a, n) for a, n, _, _ in first) == sorted((a, n) for n, _ in cells for a in ARMS)
-    assert len(fake.calls) == len(cells) * len(ARMS) * 3
+    first = fake.calls[:len(ARMS)]
+    assert [(a, (n, b)) for a, n, b, _ in first] == [(a, ttft.WARMUP_CELL) for a in ARMS]
+    assert len(fake.calls) == len(ARMS) + len(cells) * len(ARMS) * 2
     check_steady(rows, 2)
     seeds = {s for _, _, _, s in fake.calls[len(first):]}
     assert seeds == {1, 2}, "each round draws its own prompts"
 
 
-def test_untimed_first_call_red_twin_a_median_that_keeps_it():
-    rows = ttft.timed_cells(FakeMeasure(), ARMS, [(4096, 1)], rounds=1, untimed_first=False, log=quiet)
+def test_untimed_warmup_red_twin_a_median_that_keeps_it():
+    rows = ttft.timed_cells(FakeMeasure(), ARMS, [(4096, 1)], rounds=1, warmup=None, log=quiet)
     with pytest.raises(AssertionError):
         check_steady(rows, 1)
 
@@ -148,7 +152,7 @@ def test_ttft_cells_floor_from_the_shapes():
 # --- first use and end to end ---------------------------------------------------------------------------------------
 
 def test_first_use_rows():
-    fake = FakeMeasure()
+    fake = FakeMeasure(per_length=True)  # a library whose first call at each length costs more: first / steady > 1
     rows = ttft.first_use_rows(None, ARMS[:2], [4099, 4101, 4103], prefill_chunk=4096, seen=[4096], measure=fake,
                                log=quiet)
     assert [(r["prompt_tokens"], r["arm"], r["new_to_process"]) for r in rows] == [
@@ -170,12 +174,12 @@ def test_first_use_refuses_a_length_not_new(lengths, seen):
 def test_e2e_rows():
     fake = FakeMeasure()
     rows = ttft.e2e_rows(None, ARMS[:3], prompt_tokens=1024, new_tokens=11, prefill_chunk=256, measure=fake, log=quiet)
-    assert len(fake.calls) == 6  # the untimed first call of each arm, then one timed
+    assert len(fake.calls) == 6  # the untimed warm-up of each arm, then one timed
     for r in rows:
         assert r["decode_s"] == pytest.approx(2.0) and r["e2e_s"] == pytest.approx(r["ttft_s"] + 2.0)
         assert r["decode_ms_per_token"] == pytest.approx(200.0)
     fake = FakeMeasure()
-    ttft.e2e_rows(None, ARMS[:3], prompt_tokens=1024, new_tokens=11, prefill_chunk=256, untimed_first=False,
+    ttft.e2e_rows(None, ARMS[:3], prompt_tokens=1024, new_tokens=11, prefill_chunk=256, warmup=None,
                   measure=fake, log=quiet)
     assert len(fake.calls) == 3
     with pytest.raises(ValueError, match="needs a decode"):
@@ -283,7 +287,7 @@ def test_plot_runs_headless(tmp_path):
 def test_notebook_sections_wait_for_cuda():
     """Every section the TTFT cells record is in the list the model cell hands `cuda_or_not_run`, so a CPU records each
     as "not run: no CUDA device" before any cell could measure."""
-    with open(os.path.join(ROOT, "notebooks", "05_generate.ipynb")) as fh:
+    with open(os.path.join(ROOT, "notebooks", NOTEBOOK)) as fh:
         code = ["".join(c["source"]) for c in json.load(fh)["cells"] if c["cell_type"] == "code"]
     gate = next(c for c in code if "cuda_or_not_run" in c)
     for section in ("ttft_31b", "first_use_31b", "e2e_31b", "prefill_memory_31b"):
@@ -292,11 +296,11 @@ def test_notebook_sections_wait_for_cuda():
 
 
 def _ttft_cells_of_the_notebook() -> list[str]:
-    """The code cells of notebook 05's time-to-first-token section, from its first markdown to its targets."""
-    with open(os.path.join(ROOT, "notebooks", "05_generate.ipynb")) as fh:
+    """The code cells of notebook 07's measuring sections, from the TTFT cells' markdown to its targets."""
+    with open(os.path.join(ROOT, "notebooks", NOTEBOOK)) as fh:
         cells = json.load(fh)["cells"]
-    start = next(i for i, c in enumerate(cells) if "".join(c["source"]).startswith("### Time to first token against"))
-    end = next(i for i, c in enumerate(cells) if "".join(c["source"]).startswith("### Time to first token: targets"))
+    start = next(i for i, c in enumerate(cells) if "".join(c["source"]).startswith("## Time to first token against"))
+    end = next(i for i, c in enumerate(cells) if "".join(c["source"]).startswith("## Targets"))
     return ["".join(c["source"]) for c in cells[start:end + 2] if c["cell_type"] == "code"]
 
 
@@ -334,23 +338,30 @@ def test_notebook_cells_on_fake_measurements(tmp_path, monkeypatch):
     monkeypatch.setattr(md, "measure_prefill", prefill)
     monkeypatch.setattr(md, "measure_prefill_tail", tail)
     monkeypatch.setattr(roofs, "measure_matmul_roof", lambda dev: {"tflops": 1e-6, "n": 8, "us": {}})
-    record = RunRecord("05_generate", tmp_path)
-    ns = dict(model31=tiny, record=record, out_dir=str(tmp_path), seed=0, prefill_chunk=256, os=os,
-              agreement_prompts=[256], ttft_cells=["256:1", "512:2"], ttft_arms=ARMS[:3], ttft_rounds=2,
+    record = RunRecord("07_time_to_first_token", tmp_path)
+    ns = dict(model31=tiny, record=record, out_dir=str(tmp_path), seed=0, prefill_chunk=256, os=os, json=json,
+              ttft_cells=["256:1", "512:2"], ttft_arms=ARMS[:3], ttft_rounds=2,
               first_use_lengths=[259, 261], first_use_arms=["foldkv-folded"], e2e_prompt=256, e2e_new_tokens=4,
+              e2e_arms=ARMS[:2],
               prefill_memory_context=1024, prefill_memory_batches=[1, 2],
               display=lambda *a: None, Markdown=str)
     import matplotlib.pyplot as plt
 
-    ns["plt"] = plt
+    from foldkv.lab.jsonsafe import jsonable
+
+    ns.update(plt=plt, jsonable=jsonable)
     for source in _ttft_cells_of_the_notebook():
         exec(source, ns)
     sections = ("ttft_31b", "first_use_31b", "e2e_31b", "prefill_memory_31b")
     assert {s: record.sections[s] for s in sections} == dict.fromkeys(sections, "ran")
     rows = record.results["ttft_31b"]["rows"]
     assert len(rows) == 2 * 3 and all(r["floor_s"] > 0 and r["ttft_over_floor"] > 0 for r in rows)
-    assert len(record.results["first_use_31b"]["rows"]) == 2 and (tmp_path / "05_ttft_over_floor.png").exists()
+    assert len(record.results["first_use_31b"]["rows"]) == 2 and (tmp_path / "07_ttft_over_floor.png").exists()
     verdicts = record.results["ttft_targets"]
     assert any(t["target"].startswith("foldkv-folded TTFT / floor") for t in verdicts)
     assert any("end-to-end lowest" in t["target"] for t in verdicts)
     assert any("prefill peak" in t["target"] for t in verdicts)
+    with open(tmp_path / "07_time_to_first_token.json") as fh:
+        written = json.load(fh)
+    assert [r["arm"] for r in written["e2e"]] == ARMS[:2] and len(written["ttft"]) == len(rows)
+    assert len(steady.calls) == 3 + 2 * 3 * 2 + 2 * 2 + 2, "warm-ups, rounds, first use, end to end: no call more"

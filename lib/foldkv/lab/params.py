@@ -347,15 +347,6 @@ SPECS: dict[str, dict[str, Param]] = {
         "decode_contexts": TOKENS,
         "decode_batches": Param("list", "int", positive=True, nonempty=True),
         "agreement_prompts": TOKENS,
-        "ttft_cells": Param("list", "str", nonempty=True),
-        "ttft_arms": Param("list", "str", choices=_model_arms, nonempty=True),
-        "ttft_rounds": Param("int", positive=True),
-        "first_use_lengths": Param("list", "int", positive=True, tokens=True),
-        "first_use_arms": Param("list", "str", choices=_model_arms, nonempty=True),
-        "e2e_prompt": Param("int", at_least=0, tokens=True),
-        "e2e_new_tokens": Param("int", at_least=2),
-        "prefill_memory_context": Param("int", at_least=0, tokens=True),
-        "prefill_memory_batches": Param("list", "int", positive=True, nonempty=True),
         "new_tokens": Param("int", at_least=4),
         "prefill_chunk": Param("int", positive=True),
         "largest_context": Param("int", positive=True, tokens=True),
@@ -380,6 +371,21 @@ SPECS: dict[str, dict[str, Param]] = {
         "largest_context": Param("int", at_least=0, tokens=True),
         "checkpoint_dir": Param("str"),
         "step_timeout_s": Param("int", positive=True),
+        "seed": Param("int", at_least=0),
+        "out_dir": OUT_DIR,
+    },
+    "07_time_to_first_token": {
+        "ttft_cells": Param("list", "str", nonempty=True),
+        "ttft_arms": Param("list", "str", choices=_model_arms, nonempty=True),
+        "ttft_rounds": Param("int", positive=True),
+        "first_use_lengths": Param("list", "int", positive=True, tokens=True),
+        "first_use_arms": Param("list", "str", choices=_model_arms, nonempty=True),
+        "e2e_prompt": Param("int", at_least=0, tokens=True),
+        "e2e_new_tokens": Param("int", at_least=2),
+        "e2e_arms": Param("list", "str", choices=_model_arms, nonempty=True),
+        "prefill_memory_context": Param("int", at_least=0, tokens=True),
+        "prefill_memory_batches": Param("list", "int", positive=True, nonempty=True),
+        "prefill_chunk": Param("int", positive=True),
         "seed": Param("int", at_least=0),
         "out_dir": OUT_DIR,
     },
@@ -446,12 +452,13 @@ def _cross_06(values: dict, geom: AttentionGeometry) -> None:
         raise ParameterError(f"ranks: {exc}") from None
 
 
-def _cross_05(values: dict, geom: AttentionGeometry) -> None:
+def _cross_07(values: dict, geom: AttentionGeometry) -> None:
     """ttft_cells read as PROMPT:BATCH within the model's positions; first_use_lengths new to the notebook's process:
-    distinct, and none a prompt length the sections before it prefill (agreement_prompts, ttft_cells, e2e_prompt)."""
+    distinct, and none a prompt length the sections before it prefill (each arm's warm-up, ttft_cells, e2e_prompt)."""
     import argparse
 
     from .model_decode import parse_cell
+    from .ttft import WARMUP_CELL
 
     prompts = []
     for text in values["ttft_cells"]:
@@ -464,18 +471,18 @@ def _cross_05(values: dict, geom: AttentionGeometry) -> None:
                                  f" ({geom.name})")
         prompts.append(prompt)
     lengths = values["first_use_lengths"]
-    run_before = set(values["agreement_prompts"]) | set(prompts) | {values["e2e_prompt"]}
+    run_before = {WARMUP_CELL[0]} | set(prompts) | {values["e2e_prompt"]}
     repeated = sorted({n for n in lengths if lengths.count(n) > 1} | (set(lengths) & run_before))
     if repeated:
         raise ParameterError(f"first_use_lengths: {repeated} not new to the process (repeated, or a prompt length of"
-                             " agreement_prompts, ttft_cells or e2e_prompt)")
+                             f" the arms' warm-up ({WARMUP_CELL[0]}), ttft_cells or e2e_prompt)")
 
 
 GEOMETRY: dict[str, Callable[[dict], AttentionGeometry]] = {"01_byte_floor": _geometry_01, "03_drift_study": _geometry_03,
                                                              "05_generate": _geometry_01}
 CROSS_CHECKS: dict[str, Callable[[dict, AttentionGeometry], None]] = {"03_drift_study": _cross_03,
-                                                                      "05_generate": _cross_05,
-                                                                      "06_tensor_parallel": _cross_06}
+                                                                      "06_tensor_parallel": _cross_06,
+                                                                      "07_time_to_first_token": _cross_07}
 
 
 def read_parameters(notebook: str, namespace: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,13 +1,15 @@
-"""Time to first token of a whole model through `generate()` against its compute floor (notebook 05's TTFT section):
-the cells, what a first use costs, a long prompt's end-to-end latency, a long prefill's peak memory, and the verdicts.
+"""Time to first token of a whole model through `generate()` against its compute floor (notebook 07): the cells,
+what a first use costs, a long prompt's end-to-end latency, a long prefill's peak memory, and the verdicts.
 
 Every measurement is `model_decode.measure_prefill`: `batch` real random prompts through the arm's attention and
 cache, prefilled in chunks, timed from the call to the first token (one new token for a TTFT cell).
-- `ttft_cells`: every arm at each (prompt, batch) cell. One untimed call of each (cell, arm) first: what a process or
-  a prompt length pays once (compiles, per-shape plans, allocations) is paid there and recorded as `first_call_s`,
-  apart from the steady state. Then `rounds` rounds, the arms in rotated order (round r starts at arm r mod n, so no
-  arm always runs first or after the same arm), the median over rounds. A cell that runs out of memory "does not fit"
-  (its timed rounds are skipped). The floor: the prompt's FLOPs from the model's own shapes
+- `ttft_cells`: every arm at each (prompt, batch) cell. One untimed call of each arm first, at a short prompt
+  (`WARMUP_CELL`): what a process pays once per arm (kernel builds, compiles, the pool's first allocation) is paid
+  there and recorded as the arm's `warmup_s`, apart from the steady state. The library keeps no per-length state
+  (kernels are built per arm, not per prompt length; `first_use_rows` measures that claim), so the cells need no
+  first call of their own. Then `rounds` rounds, the arms in rotated order (round r starts at arm r mod n, so no
+  arm always runs first or after the same arm), the median over rounds. A cell that runs out of memory "does not
+  fit" (its later rounds are skipped). The floor: the prompt's FLOPs from the model's own shapes
   (`prefill_floor.prefill_flops`) at the dense bf16 matmul rate measured in the same process
   (`bench.roofs.measure_matmul_roof`); each cell's TTFT / floor.
 - `first_use_rows`: prompts of lengths this process has not run, each timed at its first call and again (steady):
@@ -37,6 +39,7 @@ PEER_ARMS = ("foldkv-split", "flashinfer")  # the peers folded TTFT must not be 
 BOUNDED_ARM = "foldkv-folded"  # the arm held to FLOOR_BOUNDS and to the lowest end-to-end latency
 MEMORY_BASE_ARM = "foldkv-split"  # foldkv's prefill peak is held to this arm's at the same cell
 DOES_NOT_FIT = "does not fit"
+WARMUP_CELL = (256, 1)  # each arm's untimed first call: a short prompt (one chunk), batch 1
 
 Cell = tuple[int, int]  # (prompt tokens, batch)
 
@@ -76,37 +79,36 @@ def _median(values: Sequence[float]) -> float | None:
 
 
 def timed_cells(measure: Callable[..., dict], arms: Sequence[str], cells: Sequence[Cell], *, rounds: int,
-                seed: int = 0, untimed_first: bool = True, log: Callable[[str], None] = print) -> list[dict]:
+                seed: int = 0, warmup: Cell | None = WARMUP_CELL, log: Callable[[str], None] = print) -> list[dict]:
     """`measure(arm_name=, prompt_tokens=, batch=, seed=)` (a row with "status", "ttft_s", and "generate_s" where it
-    has it) at every (cell, arm): the untimed first call of each unless `untimed_first` is off (the caller ran that
-    prompt length through every arm already), then `schedule`'s rounds, each round's prompts drawn anew. One row per
-    (cell, arm), in cell then arm order: the medians over rounds, each round's TTFT, the first call's time, the last
-    round's peak memory."""
+    has it) at every (cell, arm): one untimed call of each arm at `warmup` first (None: the caller ran every arm in
+    this process already), then `schedule`'s rounds, each round's prompts drawn anew; a (cell, arm) that did not run
+    in a round (out of memory, failed) is not called again. One row per (cell, arm), in cell then arm order: the
+    medians over rounds, each round's TTFT, the arm's warm-up time, the last round's peak memory."""
     if not arms or not cells or rounds < 1:
         raise ValueError(f"arms={list(arms)}, cells={list(cells)}, rounds={rounds}: need arms, cells and rounds >= 1")
     runs: dict[tuple[Cell, str], list[dict]] = {(c, a): [] for c in cells for a in arms}
-    first: dict[tuple[Cell, str], dict] = {}
-    if untimed_first:
-        for cell in cells:
-            for arm in arms:
-                first[cell, arm] = _call(measure, log, arm_name=arm, prompt_tokens=cell[0], batch=cell[1], seed=seed)
+    warm: dict[str, dict] = {}
+    if warmup is not None:
+        for arm in arms:
+            warm[arm] = _call(measure, log, arm_name=arm, prompt_tokens=warmup[0], batch=warmup[1], seed=seed)
     for r, cell, arm in schedule(arms, cells, rounds):
-        if first.get((cell, arm), {}).get("status", "ran") != "ran":
-            continue  # did not fit (or failed) at its first call: the rounds would say the same
-        runs[cell, arm].append(_call(measure, log, arm_name=arm, prompt_tokens=cell[0], batch=cell[1],
-                                     seed=seed + 1 + r))
+        done = runs[cell, arm]
+        if any(x["status"] != "ran" for x in done) or warm.get(arm, {}).get("status", "ran") != "ran":
+            continue  # did not fit (or failed) before: the next rounds would say the same
+        done.append(_call(measure, log, arm_name=arm, prompt_tokens=cell[0], batch=cell[1], seed=seed + 1 + r))
     rows = []
     for cell in cells:
         for arm in arms:
             done = runs[cell, arm]
             ran = [x for x in done if x["status"] == "ran"]
-            pre = first.get((cell, arm))
+            pre = warm.get(arm)
             bad = [x["status"] for x in ([pre] if pre else []) + done if x["status"] != "ran"]
             row: dict[str, Any] = {"arm": arm, "prompt_tokens": cell[0], "batch": cell[1],
                                    "status": bad[0] if bad else "ran", "rounds_run": len(ran),
                                    "ttft_rounds_s": [x["ttft_s"] for x in ran],
                                    "ttft_s": _median([x["ttft_s"] for x in ran]),
-                                   "first_call_s": pre.get("ttft_s") if pre else None}
+                                   "warmup_s": pre.get("ttft_s") if pre else None}
             if ran and all("generate_s" in x for x in ran):
                 row["generate_s"] = _median([x["generate_s"] for x in ran])
             if ran:
@@ -134,10 +136,10 @@ def _prefill(model, new_tokens: int, prefill_chunk: int) -> Callable[..., dict]:
 
 
 def ttft_cells(model, arms: Sequence[str], cells: Sequence[Cell], *, rounds: int, prefill_chunk: int, seed: int = 0,
-               matmul_tflops: float | None = None, measure: Callable[..., dict] | None = None,
-               log: Callable[[str], None] = print) -> dict:
+               warmup: Cell | None = WARMUP_CELL, matmul_tflops: float | None = None,
+               measure: Callable[..., dict] | None = None, log: Callable[[str], None] = print) -> dict:
     """TTFT at every (cell, arm) (module docstring) with its floor: {"matmul": the rate's measurement, "rows"}.
-    `matmul_tflops`: a rate already measured in this process (else measured here); `measure`: replaces
+    `warmup`: `timed_cells`'s; `matmul_tflops`: a rate already measured in this process (else measured here); `measure`: replaces
     `measure_prefill` of one new token (the CPU tests' fake; `model` may then be a `prefill_floor.ModelShapes`)."""
     roof = None
     if matmul_tflops is None:
@@ -146,7 +148,7 @@ def ttft_cells(model, arms: Sequence[str], cells: Sequence[Cell], *, rounds: int
         roof = measure_matmul_roof(next(model.parameters()).device)
         matmul_tflops = roof["tflops"]
     measure = measure or _prefill(model, 1, prefill_chunk)
-    rows = timed_cells(measure, arms, cells, rounds=rounds, seed=seed, log=log)
+    rows = timed_cells(measure, arms, cells, rounds=rounds, seed=seed, warmup=warmup, log=log)
     return {"matmul": roof or {"tflops": matmul_tflops}, "rows": with_floor(rows, model, matmul_tflops, prefill_chunk)}
 
 
@@ -178,16 +180,15 @@ def first_use_rows(model, arms: Sequence[str], lengths: Sequence[int], *, prefil
 
 
 def e2e_rows(model, arms: Sequence[str], *, prompt_tokens: int, new_tokens: int, prefill_chunk: int, seed: int = 0,
-             untimed_first: bool = True, measure: Callable[..., dict] | None = None,
+             warmup: Cell | None = WARMUP_CELL, measure: Callable[..., dict] | None = None,
              log: Callable[[str], None] = print) -> list[dict]:
-    """One prompt of `prompt_tokens` plus `new_tokens` greedy tokens (batch 1) per arm, once each after the untimed
-    first call (`untimed_first` off: the prompt's length already ran through every arm): TTFT, end-to-end (the call to
-    the last token), the decode between them and its time per token."""
+    """One prompt of `prompt_tokens` plus `new_tokens` greedy tokens (batch 1) per arm, once each after the arm's
+    untimed warm-up (`timed_cells`'s `warmup`; None: every arm ran in this process already): TTFT, end-to-end (the
+    call to the last token), the decode between them and its time per token."""
     if new_tokens < 2:
         raise ValueError(f"new_tokens={new_tokens}: the end-to-end row needs a decode (>= 2 new tokens)")
     measure = measure or _prefill(model, new_tokens, prefill_chunk)
-    rows = timed_cells(measure, arms, [(prompt_tokens, 1)], rounds=1, seed=seed, untimed_first=untimed_first,
-                       log=log)
+    rows = timed_cells(measure, arms, [(prompt_tokens, 1)], rounds=1, seed=seed, warmup=warmup, log=log)
     for r in rows:
         r["new_tokens"] = new_tokens
         if r["status"] == "ran":
@@ -303,9 +304,9 @@ def ttft_table(rows: Sequence[dict]) -> str:
 
     return markdown_table(rows, {"arm": "arm", "prompt_tokens": "prompt", "batch": "batch", "ttft_s": "TTFT s",
                                  "floor_s": "floor s", "ttft_over_floor": "TTFT / floor",
-                                 "first_call_s": "first call s", "rounds_run": "rounds", "status": "status"},
+                                 "warmup_s": "arm's warm-up s", "rounds_run": "rounds", "status": "status"},
                           {"prompt_tokens": ",d", "ttft_s": ".3f", "floor_s": ".3f", "ttft_over_floor": ".2f",
-                           "first_call_s": ".3f"})
+                           "warmup_s": ".3f"})
 
 
 def first_use_table(rows: Sequence[dict]) -> str:
@@ -363,7 +364,7 @@ def plot_ttft_over_floor(rows: Sequence[dict], path: str | None = None):
 
 
 __all__ = ["BOUNDED_ARM", "DOES_NOT_FIT", "FIRST_USE_LIMIT", "FLOOR_BOUNDS", "FOLDED_ARMS", "MEMORY_BASE_ARM",
-           "PEER_ARMS", "arm_style", "e2e_rows", "e2e_table", "e2e_targets", "first_use_rows", "first_use_table",
+           "PEER_ARMS", "WARMUP_CELL", "arm_style", "e2e_rows", "e2e_table", "e2e_targets", "first_use_rows", "first_use_table",
            "first_use_targets", "floor_bound", "floor_targets", "memory_targets", "peer_targets",
            "plot_ttft_over_floor", "prefill_memory_rows", "rotated", "schedule", "targets", "timed_cells",
            "ttft_cells", "ttft_table", "with_floor"]
