@@ -91,7 +91,7 @@ def components(model):
         undo.append((owner, rest, fn))
     from foldkv.hf import text_model_of
 
-    model = text_model_of(model)  # one forward a chunk (the top model's forward is foldkv.hf_graph.install's)
+    model = text_model_of(model)  # one forward a chunk (the top model's forward is foldkv.hf_loop.install's)
     own = vars(model).get("forward")
     fwd = model.forward
 

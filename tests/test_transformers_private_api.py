@@ -150,7 +150,7 @@ def _a_layer_method_the_cache_calls(names: tuple[str, ...]) -> Callable[[object]
 
 
 def _cache_keyword(forward) -> str | None:
-    from foldkv.hf_graph import cache_keyword
+    from foldkv.transformers_compat import cache_keyword
 
     params = inspect.signature(forward).parameters
     if not ({"cache", "past_key_values"} & set(params)):
@@ -230,7 +230,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 "transformers.generation.utils:GENERATION_MODES_MAPPING", check=_modes_mapping),
     PrivateName("_sample", "hf_loop.decode_loop (its contract as custom_generate, and its fallback)",
                 "transformers.generation.utils:GenerationMixin._sample", check=_sample_contract),
-    PrivateName("custom_generate", "hf_graph.install (generate()'s decoding method)",
+    PrivateName("custom_generate", "hf_loop.install (generate()'s decoding method)",
                 "transformers.generation.utils:GenerationMixin.generate", passes=("custom_generate",)),
     PrivateName("_attn_implementation", "hf.FoldKvCache, fused_step's routes, lab.model",
                 "transformers:PreTrainedConfig", check=_attn_implementation),
@@ -247,7 +247,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("get_max_length / get_max_cache_shape", "hf.FoldKvLayer (both names defined)",
                 "transformers.cache_utils:Cache.get_max_length",
                 check=_a_layer_method_the_cache_calls(("get_max_length", "get_max_cache_shape"))),
-    PrivateName("cache / past_key_values", "hf_graph.cache_keyword (the forward's cache keyword)",
+    PrivateName("cache / past_key_values", "transformers_compat.cache_keyword (the forward's cache keyword)",
                 "transformers:Gemma4ForCausalLM.forward", check=_cache_keyword),
     PrivateName("CacheLayerMixin.get_mask_sizes", "hf.FoldKvLayer (the masks' sizes)",
                 "transformers.cache_utils:CacheLayerMixin.get_mask_sizes", passes=("query_length",)),
