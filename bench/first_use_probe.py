@@ -25,13 +25,7 @@ import time
 
 import torch
 
-
-def sliding_mask(q: int, kv: int, window: int, device) -> torch.Tensor:
-    """[1, 1, q, kv] bool: the q queries are the last q of kv positions; key j allowed for query i when
-    i_pos - window < j <= i_pos (transformers' sliding-window causal mask)."""
-    qpos = torch.arange(kv - q, kv, device=device)[:, None]
-    kpos = torch.arange(kv, device=device)[None, :]
-    return ((kpos <= qpos) & (kpos > qpos - window))[None, None]
+from foldkv.window_attention import window_mask
 
 
 def timed(fn, device) -> float:
@@ -48,7 +42,7 @@ def call(q_len: int, cached: int, args, device, backend):
     kv = q_len + cached
     q = torch.randn(1, args.heads, q_len, args.head_dim, device=device, dtype=torch.bfloat16)
     k = torch.randn(1, args.heads, kv, args.head_dim, device=device, dtype=torch.bfloat16)
-    mask = sliding_mask(q_len, kv, args.window, device)
+    mask = window_mask(q_len, kv, args.window, device)[None, None]  # [1, 1, q, kv]
 
     def run():
         if backend == "default":
