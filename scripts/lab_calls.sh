@@ -14,7 +14,7 @@
 #                 merges (bench/FP8_NOTES.md run 21), then many short requests at two CTAs an SM
 #                 (bench/DECODE_NOTES.md run 22) and the 31B step's global decode shapes (run 22b) (~6-8 min)
 #   PART=step_ab  the GPU tests of the runtime that the layering, the reset and the fused prefill touched, then the
-#                 31B decode step at 4K x 1, 32K x 1 and 4K x 8 at the commit before the layering (its lib/ and bench/
+#                 31B decode step at 4K x 1, 32K x 8 and 128K x 8 at the commit before the layering (its lib/ and bench/
 #                 carried in .before/: `git archive ba2118d lib bench | tar -x -C .before`) and at this one, in turn
 #                 (~5-6 min)
 #   PART=prefill  time to first token of the 31B through generate(): every arm's kernels built into an empty cache
@@ -115,10 +115,10 @@ if [ "$PART" = step_ab ]; then  # one TileLang cache: the second commit's unchan
     tests/test_hf_gpu.py tests/test_fused_step_gpu.py tests/test_prefill_fused_gpu.py \
     tests/test_window_attention_gpu.py -k "not against_float64" > "$OUTD/step_ab_pytest.log" 2>&1
   echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/step_ab_pytest.log")"
-  CELLS="--decode foldkv-folded:4096:1 foldkv-folded:32768:1 foldkv-folded:4096:8"
+  CELLS="--decode foldkv-folded:4096:1 foldkv-folded:32768:8 foldkv-folded:131072:8"  # notebook 05's cells of the 1% check
   for side in before after; do
     if [ $side = before ]; then PP="$PWD/.before/lib:${PYTHONPATH#$PWD/lib:}"; B=.before/bench; else PP=$PYTHONPATH; B=bench; fi
-    PYTHONPATH=$PP timeout ${AB_S:-100} python3 $B/model_decode_probe.py $CELLS > "$OUTD/step_ab_$side.log" 2>&1
+    PYTHONPATH=$PP timeout ${AB_S:-150} python3 $B/model_decode_probe.py $CELLS > "$OUTD/step_ab_$side.log" 2>&1
     echo "$side rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "foldkv-folded [0-9]+ x [0-9]+: TPOT" "$OUTD/step_ab_$side.log"
   done
 fi
