@@ -264,6 +264,8 @@ def test_first_use_e2e_and_memory_verdicts():
     assert t["met"]
     [t] = ttft.e2e_targets([{**e2e[0], "status": "does not fit: OutOfMemoryError"}] + e2e[1:])
     assert not t["met"]
+    [t] = ttft.e2e_targets(e2e[:1])  # folded alone: nothing compared, so not met
+    assert not t["met"] and t["value"] is None and "no other arm ran" in t["target"]
     mem = [{"arm": a, "context": 131072, "batch": b, "status": "ran", "memory": {"peak": p}}
            for a, b, p in (("foldkv-folded", 1, 90), ("foldkv-split", 1, 95), ("foldkv-fp8", 4, 99),
                            ("foldkv-split", 4, 98), ("sdpa", 4, 50))]

@@ -263,7 +263,8 @@ def first_use_targets(rows: Sequence[dict], limit: float = FIRST_USE_LIMIT) -> l
 
 
 def e2e_targets(rows: Sequence[dict]) -> list[dict]:
-    """foldkv folded's end-to-end latency the lowest of the arms that ran (value: folded over the lowest other)."""
+    """foldkv folded's end-to-end latency the lowest of the arms that ran (value: folded over the lowest other); with
+    no other arm run it is not met: one arm alone is not the lowest of anything."""
     folded = next((r for r in rows if r["arm"] == BOUNDED_ARM), None)
     if folded is None:
         return []
@@ -273,7 +274,7 @@ def e2e_targets(rows: Sequence[dict]) -> list[dict]:
     if folded["status"] != "ran":
         return [_target(text, None, False)]
     if not others:
-        return [_target(text + " (no other arm ran)", None, True)]
+        return [_target(text + " (no other arm ran: nothing to be lowest against)", None, False)]
     return [_target(text, folded["e2e_s"] / min(others), folded["e2e_s"] <= min(others))]
 
 
