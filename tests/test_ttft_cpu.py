@@ -160,7 +160,22 @@ def test_first_use_rows():
         (4103, ARMS[0], True), (4103, ARMS[1], False)]
     for r in rows:
         assert r["first_over_steady"] == pytest.approx(r["first_s"] / r["steady_s"]) and r["first_over_steady"] > 1
-    assert [a for a, *_ in fake.calls[:2]] == [ARMS[0]] * 2, "first, then steady, of the same arm and length"
+    assert [a for a, *_ in fake.calls[:4]] == [ARMS[0]] * 4, "first, then steady, of the same arm and length"
+    assert len(fake.calls) == 3 * 2 * (1 + ttft.FIRST_USE_STEADY_CALLS)
+    assert all(len(r["steady_calls_s"]) == ttft.FIRST_USE_STEADY_CALLS for r in rows)
+
+
+def test_first_use_steady_is_a_median():
+    """One slow steady call (the host's spread) moves the mean, not the median: first / steady stays 1."""
+    times = iter([1.0, 1.0, 1.5, 1.0])  # first, then three steady calls, one of them slow
+
+    def measure(*, arm_name, prompt_tokens, batch, seed):
+        t = next(times)
+        return {"arm": arm_name, "status": "ran", "ttft_s": t, "generate_s": t}
+    [row] = ttft.first_use_rows(None, ARMS[:1], [4099], prefill_chunk=4096, measure=measure, log=quiet)
+    assert row["steady_s"] == 1.0 and row["first_over_steady"] == 1.0
+    with pytest.raises(ValueError, match="steady_calls"):
+        ttft.first_use_rows(None, ARMS[:1], [4099], prefill_chunk=4096, steady_calls=0, measure=measure, log=quiet)
 
 
 @pytest.mark.parametrize("lengths,seen", [([4099, 4099], []), ([4099, 4101], [4101])])
@@ -366,4 +381,4 @@ def test_notebook_cells_on_fake_measurements(tmp_path, monkeypatch):
     with open(tmp_path / "07_time_to_first_token.json") as fh:
         written = json.load(fh)
     assert [r["arm"] for r in written["e2e"]] == ARMS[:2] and len(written["ttft"]) == len(rows)
-    assert len(steady.calls) == 3 + 2 * 3 * 2 + 2 * 2 + 2, "warm-ups, rounds, first use, end to end: no call more"
+    assert len(steady.calls) == 3 + 2 * 3 * 2 + 2 * (1 + ttft.FIRST_USE_STEADY_CALLS) + 2, "warm-ups, rounds, first use, end to end: no call more"

@@ -36,6 +36,7 @@ FLOOR_BOUNDS: tuple[tuple[int, float], ...] = ((32_768, 1.35), (0, 1.6))
 FIRST_USE_LIMIT = 1.05  # a prompt of a new length within 5% of the steady state for its length
 FOLDED_ARMS = ("foldkv-folded", "foldkv-fp8")  # the arms held to their peers
 PEER_ARMS = ("foldkv-split", "flashinfer")  # the peers folded TTFT must not be above
+FIRST_USE_STEADY_CALLS = 3  # calls after the first at a new length: their median is its steady state
 BOUNDED_ARM = "foldkv-folded"  # the arm held to FLOOR_BOUNDS and to the lowest end-to-end latency
 MEMORY_BASE_ARM = "foldkv-split"  # foldkv's prefill peak is held to this arm's at the same cell
 DOES_NOT_FIT = "does not fit"
@@ -153,28 +154,34 @@ def ttft_cells(model, arms: Sequence[str], cells: Sequence[Cell], *, rounds: int
 
 
 def first_use_rows(model, arms: Sequence[str], lengths: Sequence[int], *, prefill_chunk: int, seed: int = 0,
-                   seen: Sequence[int] = (), measure: Callable[..., dict] | None = None,
-                   log: Callable[[str], None] = print) -> list[dict]:
+                   seen: Sequence[int] = (), steady_calls: int = FIRST_USE_STEADY_CALLS,
+                   measure: Callable[..., dict] | None = None, log: Callable[[str], None] = print) -> list[dict]:
     """Prompts (batch 1) of `lengths`, none run before in this process (`seen`: the lengths that were; refused
     before anything runs), each through every arm (the arms rotated per length, so each arm meets some lengths
-    first): the first call timed, then a second prompt of the same length (steady). Per (length, arm): first / steady
-    and whether the length was new to the process at that call (the first arm at it)."""
+    first): the first call timed, then `steady_calls` more prompts of the same length, whose median is the steady
+    state (one call's spread at 4K is ~10% on a loaded host: a single steady call would judge the spread, not first
+    use). Per (length, arm): first / steady and whether the length was new to the process at that call (the first
+    arm at it)."""
     repeated = sorted({n for n in lengths if list(lengths).count(n) > 1} | (set(lengths) & set(seen)))
     if repeated:
         raise ValueError(f"first_use lengths {repeated} are not new to this process (repeated or already run)")
     if not arms or not lengths:
         raise ValueError("first_use_rows needs arms and lengths")
+    if steady_calls < 1:
+        raise ValueError(f"steady_calls={steady_calls}: the steady state needs at least one call")
     measure = measure or _prefill(model, 1, prefill_chunk)
     rows = []
     for i, n in enumerate(lengths):
         for j, arm in enumerate(rotated(arms, i)):
             first = _call(measure, log, arm_name=arm, prompt_tokens=n, batch=1, seed=seed)
-            steady = _call(measure, log, arm_name=arm, prompt_tokens=n, batch=1, seed=seed + 1)
+            steady = [_call(measure, log, arm_name=arm, prompt_tokens=n, batch=1, seed=seed + 1 + k)
+                      for k in range(steady_calls)]
             row = {"arm": arm, "prompt_tokens": n, "new_to_process": j == 0,
-                   "status": next((x["status"] for x in (first, steady) if x["status"] != "ran"), "ran")}
+                   "status": next((x["status"] for x in (first, *steady) if x["status"] != "ran"), "ran")}
             if row["status"] == "ran":
-                row.update(first_s=first["ttft_s"], steady_s=steady["ttft_s"],
-                           first_over_steady=first["ttft_s"] / steady["ttft_s"])
+                steady_s = _median([x["ttft_s"] for x in steady])
+                row.update(first_s=first["ttft_s"], steady_s=steady_s, steady_calls_s=[x["ttft_s"] for x in steady],
+                           first_over_steady=first["ttft_s"] / steady_s)
             rows.append(row)
     return rows
 
@@ -365,7 +372,7 @@ def plot_ttft_over_floor(rows: Sequence[dict], path: str | None = None):
 
 
 __all__ = ["BOUNDED_ARM", "DOES_NOT_FIT", "FIRST_USE_LIMIT", "FLOOR_BOUNDS", "FOLDED_ARMS", "MEMORY_BASE_ARM",
-           "PEER_ARMS", "WARMUP_CELL", "arm_style", "e2e_rows", "e2e_table", "e2e_targets", "first_use_rows", "first_use_table",
+           "FIRST_USE_STEADY_CALLS", "PEER_ARMS", "WARMUP_CELL", "arm_style", "e2e_rows", "e2e_table", "e2e_targets", "first_use_rows", "first_use_table",
            "first_use_targets", "floor_bound", "floor_targets", "memory_targets", "peer_targets",
            "plot_ttft_over_floor", "prefill_memory_rows", "rotated", "schedule", "targets", "timed_cells",
            "ttft_cells", "ttft_table", "with_floor"]
