@@ -1,6 +1,6 @@
-"""Prefill kernel probe: the library's prefill (folded and split) and the folded versions in bench/versions/, first gated
-on a small hostile case against the float64 reference, then timed on a 4,096-query chunk at the end of 8K and of 32K
-tokens of context (batch 1), against the bf16 matmul rate measured in the same run. One device call:
+"""Prefill kernel probe: the library's prefill (folded and split) and the folded versions in bench/versions/, first
+gated on a small hostile case against the float64 reference, then timed on a 4,096-query chunk at the end of 8K and of
+32K tokens of context (batch 1), against the bf16 matmul rate measured in the same run. One device call:
 
     source .devsite/env.sh; export PYTHONPATH=$PWD/lib:$PYTHONPATH; python3 bench/prefill_kernel_probe.py --out $OUT
 
@@ -22,6 +22,7 @@ Notes and predictions: bench/PREFILL_NOTES.md ("Why 43-54% of the matmul rate, a
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import multiprocessing as mp
@@ -35,6 +36,7 @@ if str(BENCH) not in sys.path:  # bench/versions/ as `versions.<name>`, as the h
     sys.path.insert(0, str(BENCH))
 
 CHUNK = 4096
+PAGE = 64  # the page size of the gate's pools (`gates.make_inputs`) and of the timing cells' (`AttentionCase`)
 CELLS = ((CHUNK, 8192), (CHUNK, 32768))  # (queries, context): the chunk is the context's last CHUNK positions
 # The gate's case: (seq_lens, q_lens). One token alone; a partial first page (63) and one token past a page (65), each
 # its whole prompt; 4,100 tokens (4 past a 64-page boundary) with 1,027 queries (a partial last tile of 3 tokens);
@@ -46,6 +48,7 @@ ARMS = {
     "library_split": ("split", None),
     "two_stages": ("folded", "prefill_folded_two_stages"),
     "two_stages_batched": ("folded", "prefill_folded_two_stages_batched"),
+    "lazy_rescale": ("folded", "prefill_folded_lazy_rescale"),
 }
 
 
@@ -59,9 +62,10 @@ def kernel_name(fmt: str) -> str:
     return variant_name(fmt)
 
 
-def arm_kernel(arm: str, page_size: int = 64):
+@functools.lru_cache(maxsize=None)
+def arm_kernel(arm: str, page_size: int):
     """The kernel an arm replaces the library's with ({} for a library arm): the launcher's `kernels=`, built with
-    the library's registered params (each version keeps its own stage count)."""
+    the library's registered params (each version keeps its own stage count), once a process."""
     from foldkv import GEMMA4_31B
     from foldkv.kernels.resolve import kernel_params
 
@@ -83,9 +87,9 @@ def _build_one(arm: str) -> tuple[str, float, str | None]:
 
             fmt = KvFormat.parse(ARMS[arm][0])
             name = kernel_name(fmt)
-            resolve.kernel(name, GEMMA4_31B, kernel_params(name, {"page_size": 64}), "jit")
+            resolve.kernel(name, GEMMA4_31B, kernel_params(name, {"page_size": PAGE}), "jit")
         else:
-            arm_kernel(arm)
+            arm_kernel(arm, PAGE)
         return arm, time.time() - t, None
     except Exception as exc:  # reported by the parent, which then leaves the arm out
         return arm, time.time() - t, f"{type(exc).__name__}: {str(exc)[:400]}"
@@ -118,7 +122,7 @@ def gate(arms: list[str], device, log, seed: int = 7) -> dict:
         fmt = KvFormat.parse(ARMS[arm][0])
         if fmt not in inputs:
             inputs[fmt] = gates.make_inputs(case, fmt, device, seed)
-        kernels = arm_kernel(arm) or None
+        kernels = arm_kernel(arm, PAGE) or None
 
         def launch(inp, out, lse, kernels=kernels):
             return prefill(inp.pool, inp.query, inp.table, inp.q_lens, out=out, lse=lse, kernels=kernels)
@@ -128,7 +132,10 @@ def gate(arms: list[str], device, log, seed: int = 7) -> dict:
             r = gates.summary_row(case, fmt, arm, gates.run_case(inputs[fmt], launch))
         except Exception as exc:
             r = {"passed": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-            torch.cuda.synchronize()
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # a device fault: every later launch fails too, and says so
+                pass
         res[arm] = r
         log(f"  gate {arm}: {'PASS' if r.get('passed') else 'FAIL'} in {time.time() - t:.1f} s "
             f"(rel {r.get('rel_fro', float('nan')):.2e}, max|err| {r.get('max_abs', float('nan')):.2e}, "

@@ -63,13 +63,13 @@ def row_block_macro(geom: AttentionGeometry, fmt: KvFormat, block_M: int, block_
 
 
 def program(geom: AttentionGeometry = GEMMA4_31B, *, page_size: int = 64, block_N: int = 64,
-            num_stages: int = NUM_STAGES, threads: int = 256, **softmax):
-    """The TileLang prim_func (the library prefill's arguments; `softmax`: `prefill_program`'s `reduce_batch`).
-    `num_stages` is at least this version's two, whatever the registered tiling says: the harnesses pass the
-    library's params through."""
+            num_stages: int = NUM_STAGES, threads: int = 256, softmax=None, rescale=None):
+    """The TileLang prim_func (the library prefill's arguments; `softmax`, `rescale`: `prefill_program`'s, for the
+    versions built on this one). `num_stages` is at least this version's two, whatever the registered tiling says:
+    the harnesses pass the library's params through."""
     return prefill_program(geom, KvFormat.FOLDED, page_size=page_size, block_N=block_N,
                            num_stages=max(num_stages, NUM_STAGES), threads=threads, key_block=row_block_macro,
-                           **softmax)
+                           softmax=softmax, rescale=rescale)
 
 
 def build(geom: AttentionGeometry = GEMMA4_31B, *, page_size: int = 64, block_N: int = 64, num_stages: int = 1,

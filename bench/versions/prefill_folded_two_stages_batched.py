@@ -19,6 +19,7 @@ thread a tile), not its reductions.
 """
 
 from foldkv.config import GEMMA4_31B, AttentionGeometry
+from foldkv.kernels import macros
 from foldkv.kernels.prefill_attention import DEFAULTS, check_geometry
 from foldkv.kernels.tl import pass_configs, require_tilelang, target
 from foldkv.layout import KvFormat
@@ -28,9 +29,15 @@ from versions import prefill_folded_two_stages as two_stages  # bench/versions/
 REDUCE_BATCH = 2  # the two query rows a consumer thread holds of S [64, 64] split over 2 warpgroups
 
 
+def batched_softmax_macro():
+    """The library prefill's online softmax (`macros.online_softmax_macro`, keys along dim 1, the scale folded into
+    one FMA a score) with REDUCE_BATCH rows a cross-warpgroup reduction."""
+    return macros.online_softmax_macro(key_dim=1, fold_scale=True, reduce_batch=REDUCE_BATCH)
+
+
 def program(geom: AttentionGeometry = GEMMA4_31B, **tiling):
     """The TileLang prim_func: the two-stage version's with REDUCE_BATCH (the library prefill's arguments)."""
-    return two_stages.program(geom, **tiling, reduce_batch=REDUCE_BATCH)
+    return two_stages.program(geom, **tiling, softmax=batched_softmax_macro())
 
 
 def build(geom: AttentionGeometry = GEMMA4_31B, *, page_size: int = 64, block_N: int = 64, num_stages: int = 1,

@@ -196,13 +196,14 @@ def head_column_of(geom: AttentionGeometry, fmt: KvFormat):
 
 
 def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_N: int = 64,
-                    num_stages: int = 1, threads: int = 256, fp8: bool = False, key_block=None,
-                    pipeline: dict | None = None, reduce_batch: int = 1):
+                    num_stages: int = 1, threads: int = 256, fp8: bool = False, key_block=None, softmax=None,
+                    rescale=None):
     """The TileLang prim_func of the prefill for one geometry, page format and tiling; `fp8`: over an FP8 folded pool
     (its scales an extra argument right after the pool). An experiment's tiles: `key_block`, a function with
     `key_block_macro`'s signature (the query tiles, the row's copies and which tile feeds which gemm), and
-    `pipeline`, more keywords of the key loop's `T.Pipelined` (a manual `order` / `stage`), `reduce_batch`, the
-    softmax's (`macros.online_softmax_macro`); None / 1: the library's."""
+    `softmax`, a macro with `macros.online_softmax_macro`'s (one key tile of the online softmax), and `rescale`, a
+    macro (accumulators, rescale) that multiplies each output accumulator's rows by the softmax's rescale before P.V;
+    None: the library's (inline: as a macro it would rename the emitted CUDA's reduction workspaces)."""
     fmt = KvFormat.parse(fmt)
     check_geometry(geom, fmt)
     require_tilelang()
@@ -222,7 +223,7 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
     key_block = (key_block or key_block_macro)(geom, fmt, block_M, block_N, fp8=fp8)
     accumulators = accumulators_macro(block_M, D, fp8=fp8)
     convert_e4m3 = macros.convert_e4m3_macro(block_N, FP8_PANEL, threads)  # by every consumer thread
-    online_softmax = macros.online_softmax_macro(key_dim=1, fold_scale=True, reduce_batch=reduce_batch)
+    online_softmax = softmax or macros.online_softmax_macro(key_dim=1, fold_scale=True)
     mask_scores = macros.mask_scores_macro()
     zero_rows = macros.zero_rows_macro()
 
@@ -263,7 +264,7 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
 
             last_pos = pos0 + T.min(tok0 + TOK, q_len) - 1
             num_blocks = T.ceildiv(last_pos + 1, block_N)
-            for k in T.Pipelined(num_blocks, num_stages=num_stages, **(pipeline or {})):
+            for k in T.Pipelined(num_blocks, num_stages=num_stages):
                 page = PageIds[req, (k * block_N) // page_size]
                 off = (k * block_N) % page_size
                 # the score tile's copy first: the producer issues loads in this order and waits for each
@@ -288,9 +289,12 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
                 if (k + 1) * block_N > n_kv:
                     for out in outs:
                         zero_rows(out.row_tile, lambda j: k * block_N + j < n_kv)
-                for out in outs:
-                    for i, d in T.Parallel(block_M, out.acc.shape[1]):
-                        out.acc[i, d] *= alpha[i]
+                if rescale is None:
+                    for out in outs:
+                        for i, d in T.Parallel(block_M, out.acc.shape[1]):
+                            out.acc[i, d] *= alpha[i]
+                else:
+                    rescale(outs, alpha)
                 for out in outs:
                     T.gemm(P_shared, out.row_tile, out.acc, policy=T.GemmWarpPolicy.FullCol)
 
