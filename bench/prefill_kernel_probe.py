@@ -12,7 +12,8 @@ keeps what it finished):
      and Inf in unused pages, poisoned page-table padding; outputs NaN-poisoned before the launch, every planned
      element checked written and finite, rows past the plan untouched, the pool unchanged) through the launcher's
      public `kernels=`. An arm that fails is reported and not timed;
-  3. the bf16 matmul rate (`measure_matmul_roof`, 8192^3), before and after the timing cells;
+  3. the bf16 torch.matmul rate before and after the timing cells (`matmul_rates`: 8192^3, the rate the issue's
+     floor is taken at and the % column's; and [32,768 x 512] @ [512 x 8,192], the score gemm's depth, reported);
   4. each cell in CELLS through `foldkv.lab.bench.run_cell`: arms interleaved round by round in alternating order,
      pool copies rotated past L2, outputs checked again against the float64 reference on sampled rows, warm-up
      replays, median of --rounds (CUDA events), TFLOP/s (4 C (K - C/2) 32 512) and % of the matmul rate.
@@ -144,8 +145,8 @@ def gate(arms: list[str], device, log, seed: int = 7) -> dict:
     return res
 
 
-def time_cells(arms: list[str], device, rounds: int, log) -> list[dict]:
-    """Each cell of CELLS through `run_cell`, every arm in it."""
+def time_cells(arms: list[str], device, rounds: int, log, done) -> None:
+    """Each cell of CELLS through `run_cell`, every arm in it; `done(cell)` as each ends."""
     from foldkv import KvFormat
     from foldkv.lab.bench import ArmSpec, AttentionCase, generated_arm, run_cell
 
@@ -154,16 +155,30 @@ def time_cells(arms: list[str], device, rounds: int, log) -> list[dict]:
                                    kernels=(lambda case, arm=arm: arm_kernel(arm, case.page_size))
                                    if ARMS[arm][1] else None), generated=True)
              for arm in arms]
-    cells = []
     for chunk, context in CELLS:
         t = time.time()
         case = AttentionCase([context], q_lens=[chunk], device=device)
         cell = run_cell(f"prefill_{chunk}_at_{context}", "prefill", case, specs, rounds=rounds, warmup=2,
                         matmul_roof=None, log=log)
         case.release()
-        cells.append(cell)
         log(f"  cell {chunk} at {context}: {cell['flops'] / 1e12:.2f} TFLOP, {time.time() - t:.0f} s")
-    return cells
+        done(cell)
+
+
+def matmul_rates(device) -> dict:
+    """bf16 torch.matmul rates in TFLOP/s: the square 8192^3 the issue's floor is taken at (`measure_matmul_roof`),
+    and the score gemm's depth: [32,768 x 512] @ [512 x 8,192] (a chunk's 4,096 queries x one KV group's 8 heads
+    against 8K keys, K = head_dim 512)."""
+    import torch
+
+    from foldkv.lab.bench import measure_matmul_roof, summarize, time_events
+
+    a = torch.randn(32768, 512, dtype=torch.bfloat16, device=device)
+    b = torch.randn(512, 8192, dtype=torch.bfloat16, device=device)
+    c = torch.empty(32768, 8192, dtype=torch.bfloat16, device=device)
+    us = summarize(time_events(lambda: torch.matmul(a, b, out=c), 20, 5))["median"]
+    return {"square_8192": measure_matmul_roof(device)["tflops"],
+            "k512_32768x8192": 2 * 32768 * 512 * 8192 / (us * 1e-6) / 1e12}
 
 
 def rates(cells: list[dict], roof_tflops: float) -> list[dict]:
@@ -197,7 +212,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from foldkv.lab.bench import measure_matmul_roof
     from foldkv.lab.jsonsafe import jsonable
     from foldkv.lab.report import environment
 
@@ -224,12 +238,19 @@ def main(argv=None) -> int:
     result["gate"] = gate(arms, dev, log)
     save()
     timed = [a for a in arms if result["gate"][a].get("passed")]
-    roof = [measure_matmul_roof(dev)]
-    log(f"bf16 matmul {roof[0]['tflops']:.0f} TFLOP/s (8192^3)")
-    result["cell_results"] = time_cells(timed, dev, args.rounds, log) if timed else []
-    roof.append(measure_matmul_roof(dev))
-    log(f"bf16 matmul {roof[1]['tflops']:.0f} TFLOP/s (8192^3, after the cells)")
-    roof_tflops = sum(r["tflops"] for r in roof) / len(roof)
+    roof = [matmul_rates(dev)]
+    log(f"bf16 matmul {roof[0]} TFLOP/s")
+    result["cell_results"] = []
+
+    def cell_done(cell: dict) -> None:
+        result["cell_results"].append(cell)
+        save()
+
+    if timed:
+        time_cells(timed, dev, args.rounds, log, cell_done)
+    roof.append(matmul_rates(dev))
+    log(f"bf16 matmul {roof[1]} TFLOP/s (after the cells)")
+    roof_tflops = sum(r["square_8192"] for r in roof) / len(roof)  # the rate the issue's floor is taken at
     result["matmul_roof"] = {"runs": roof, "tflops": roof_tflops}
     result["rates"] = rates(result["cell_results"], roof_tflops)
     from foldkv.provenance import provenance

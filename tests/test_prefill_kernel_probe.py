@@ -93,3 +93,19 @@ def test_versions_take_the_library_prefill_arguments(probe):
         got = as_comparable(signature(bench_version(version).program(GEMMA4_31B, **DEFAULTS)))
         assert list(got) == list(library[fmt]) and got == library[fmt], version
     assert library["split"] != library["folded"]  # red twin: the split pool's rows are 1,024 wide, the folded 640
+
+
+def test_rates_are_the_cells_medians_against_the_matmul_rate(probe):
+    def arm(median_us, ok=True):
+        return {"status": "ok", "us": {"median": median_us, "p10": median_us, "p90": median_us},
+                "check": {"ok": ok, "rel_err": 1e-3}}
+
+    cell = {"cell": "prefill_4096_at_32768", "flops": 8e12,
+            "arms": {"library_folded": arm(20_000), "two_stages": arm(16_000, ok=False),
+                     "lazy_rescale": {"status": "error", "reason": "gate failed"}}}
+    rows = {r["arm"]: r for r in probe.rates([cell], roof_tflops=800.0)}
+    assert rows["library_folded"]["tflops"] == pytest.approx(400.0)
+    assert rows["library_folded"]["pct_matmul"] == pytest.approx(50.0)
+    assert rows["two_stages"]["speedup_vs_library_folded"] == pytest.approx(1.25)
+    assert rows["two_stages"]["check_ok"] is False  # timed, but its failed check is carried to the table
+    assert "tflops" not in rows["lazy_rescale"] and rows["lazy_rescale"]["reason"] == "gate failed"
