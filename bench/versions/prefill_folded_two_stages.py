@@ -5,9 +5,9 @@ launcher's `kernels={"prefill_folded": build(GEMMA4_31B)}`).
 What it tries (bench/PREFILL_NOTES.md, "Why 43-54% of the matmul rate, and the two-stage folded row"):
   - The library's two windows (K_win = row[0:512], V_win = row[128:640]) bring 1,024 columns a key from L2 into
     shared memory: 128 KiB a 64-key tile for 8.4 MFLOP of tensor-core work (64 FLOP/B). At the measured 428 TFLOP/s
-    that is ~6.7 TB/s of L2 reads across the chip, about what Hopper's L2 delivers: the kernel is L2-bound, and with
-    one stage (the two windows and the query take 200 KiB of the 227) nothing of a tile's load is hidden behind the
-    tile before it.
+    that is ~6.7 TB/s of L2 reads across the chip, plausibly what Hopper's L2 delivers (not measured): the kernel
+    looks L2-bound, and with one stage (the two windows and the query take 200 KiB of the 227) the next tile's load
+    overlaps only part of this one.
   - Here a key block is the row read once: K_rot = row[0:128] and V_win = row[128:640] (80 KiB, 102 FLOP/B), scores =
     q_rot . K_rot^T + (q_unrot w_k) . V_win[:, :384]^T, values = P . V_win (value-window order, as the library's).
     `prefill_shared_tiles.py` read the same 640 columns with one stage and lost (339 against 428 TFLOP/s): V_win feeds
