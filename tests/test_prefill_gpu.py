@@ -148,23 +148,28 @@ def test_fp8_prefill_with_two_scales_swapped_fails(cuda_device, fp8_rows):
     assert gates.run_case(inputs, gates.prefill_arm(fp8_rows=fp8_rows))["passed"]  # unswapped, they pass
 
 
+FOLDED_VERSIONS = ("prefill_shared_tiles", "prefill_folded_two_stages", "prefill_folded_two_stages_batched",
+                   "prefill_folded_lazy_rescale")  # bench/versions/ in place of prefill_folded
+
+
 @pytest.mark.parametrize("case", ["mid_page_chunk", "ragged_batch"])
-def test_bench_version_shared_tiles_matches_reference(cuda_device, case):
-    """bench/versions/prefill_shared_tiles.py (the folded tiling that lost) through the launcher's public `kernels=`
-    hook: the same gate as the library's prefill, so the harness times a correct kernel."""
+@pytest.mark.parametrize("version", FOLDED_VERSIONS)
+def test_bench_version_matches_reference(cuda_device, version, case):
+    """A folded version in bench/versions/ through the launcher's public `kernels=` hook: the same gate as the
+    library's prefill, so the harness and bench/prefill_kernel_probe.py time a correct kernel."""
     from conftest import bench_version
 
     from foldkv.kernels.resolve import kernel_params
 
-    shared = bench_version("prefill_shared_tiles").build(GEOM, **kernel_params("prefill_folded"))
+    kernel = bench_version(version).build(GEOM, **kernel_params("prefill_folded"))
 
     def launch(inputs: gates.GateInputs, out: torch.Tensor, lse: torch.Tensor):
         return prefill(inputs.pool, inputs.query, inputs.table, inputs.q_lens, out=out, lse=lse,
-                       kernels={"prefill_folded": shared})
+                       kernels={"prefill_folded": kernel})
 
     inputs = make_case(KvFormat.FOLDED, case, seed=3, device=cuda_device)
     res = gates.run_case(inputs, launch)
-    assert res["passed"], gates.summary_row(inputs.case, KvFormat.FOLDED, "shared-tiles", res)
+    assert res["passed"], gates.summary_row(inputs.case, KvFormat.FOLDED, version, res)
 
 
 @pytest.mark.parametrize("pool_kind", ["folded", "folded_fp8"])

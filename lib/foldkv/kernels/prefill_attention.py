@@ -196,9 +196,14 @@ def head_column_of(geom: AttentionGeometry, fmt: KvFormat):
 
 
 def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_N: int = 64,
-                    num_stages: int = 1, threads: int = 256, fp8: bool = False):
+                    num_stages: int = 1, threads: int = 256, fp8: bool = False, key_block=None, softmax=None,
+                    rescale=None):
     """The TileLang prim_func of the prefill for one geometry, page format and tiling; `fp8`: over an FP8 folded pool
-    (its scales an extra argument right after the pool)."""
+    (its scales an extra argument right after the pool). An experiment's tiles: `key_block`, a function with
+    `key_block_macro`'s signature (the query tiles, the row's copies and which tile feeds which gemm), and
+    `softmax`, a macro with `macros.online_softmax_macro`'s (one key tile of the online softmax), and `rescale`, a
+    macro (accumulators, rescale) that multiplies each output accumulator's rows by the softmax's rescale before P.V;
+    None: the library's (inline: as a macro it would rename the emitted CUDA's reduction workspaces)."""
     fmt = KvFormat.parse(fmt)
     check_geometry(geom, fmt)
     require_tilelang()
@@ -215,10 +220,10 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
     head_column = head_column_of(geom, fmt)
 
     Tq, NP, B, MP, NT = T.dynamic("Tq, NP, B, MP, NT")
-    key_block = key_block_macro(geom, fmt, block_M, block_N, fp8=fp8)
+    key_block = (key_block or key_block_macro)(geom, fmt, block_M, block_N, fp8=fp8)
     accumulators = accumulators_macro(block_M, D, fp8=fp8)
     convert_e4m3 = macros.convert_e4m3_macro(block_N, FP8_PANEL, threads)  # by every consumer thread
-    online_softmax = macros.online_softmax_macro(key_dim=1, fold_scale=True)
+    online_softmax = softmax or macros.online_softmax_macro(key_dim=1, fold_scale=True)
     mask_scores = macros.mask_scores_macro()
     zero_rows = macros.zero_rows_macro()
 
@@ -284,9 +289,12 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
                 if (k + 1) * block_N > n_kv:
                     for out in outs:
                         zero_rows(out.row_tile, lambda j: k * block_N + j < n_kv)
-                for out in outs:
-                    for i, d in T.Parallel(block_M, out.acc.shape[1]):
-                        out.acc[i, d] *= alpha[i]
+                if rescale is None:
+                    for out in outs:
+                        for i, d in T.Parallel(block_M, out.acc.shape[1]):
+                            out.acc[i, d] *= alpha[i]
+                else:
+                    rescale(outs, alpha)
                 for out in outs:
                     T.gemm(P_shared, out.row_tile, out.acc, policy=T.GemmWarpPolicy.FullCol)
 
