@@ -15,7 +15,8 @@ Cells:
   <batch>         the other five ragged batches of several waves (BATCH_SHAPES, drawn from --seed)
 Arms (VARIANTS): the library's folded and split decode (eager plan) and the graph workspace; the folded partial alone
 (no merges); the folded decode cut at 4x the plan's cap (a quarter of the CTAs, the same largest-first layout); the
-folded partial at two CTAs an SM (one stage each, planned for 2 x SMs; run 11's `folded_2cta_w264`); the plain read
+folded partial at two CTAs an SM (one stage each, planned for 2 x SMs; run 11's `folded_2cta_w264`); the folded
+partial prefetching the page tile 2 or 3 tiles ahead into L2 (`prefetch_tiles`, off in the library); the plain read
 of each format's bytes; and a paged read (Triton, no attention) of exactly the page tiles the eager plan's chunks
 read, in their chunks, from the scattered table and from the same pages in order.
 
@@ -65,6 +66,7 @@ SMALL_CHECK = [1, 63, 65, 1000, 3000, 20_000]  # every arm checked on this ragge
 CELLS = ("resident", "single262144", "short256", "short256_inorder", *(b for b in BATCH_SHAPES if b != "short256"))
 CAP_SCALE = 4  # the cap arm: pieces this many times the plan's cap
 FORCED_CAP_PAGES = 16  # the single request cut into a multi-wave plan: pieces of this many pages
+PREFETCH_TILES = (2, 3)  # the prefetch arms: the page tile this many tiles ahead prefetched into L2 by the consumer
 
 
 def batches(seed: int = DEFAULT_SEED) -> dict[str, list[int]]:
@@ -192,6 +194,8 @@ KERNELS = {
     "decode_fused_split": ("foldkv.kernels.registry:get", {}),
     "folded_2cta": ("foldkv.kernels.decode_partial:build_decode_partial",
                     dict(fmt="folded", num_stages=1, ctas_per_sm=2)),
+    **{f"folded_prefetch{d}": ("foldkv.kernels.decode_partial:build_decode_partial",
+                               dict(fmt="folded", prefetch_tiles=d)) for d in PREFETCH_TILES},
 }
 
 
@@ -272,6 +276,12 @@ def two_cta_arm() -> ArmSpec:
                    generated=True)
 
 
+def prefetch_arm(tiles: int) -> ArmSpec:
+    return ArmSpec(f"folded_prefetch{tiles}", f"folded partial prefetching the page tile {tiles} tiles ahead into L2",
+                   "folded", False, generated_arm("decode", KvFormat.FOLDED, "jit", kernels=lambda case: {
+                       "decode_partial_folded": _kernel(f"folded_prefetch{tiles}")}), generated=True)
+
+
 def forced_cap_arm(fmt: KvFormat, pages: int) -> ArmSpec:
     return ArmSpec(f"{fmt.value}_c{pages}", f"{fmt.value} decode cut into fixed pieces of {pages} pages", fmt.value,
                    False, generated_arm("decode", fmt, "jit", plan_kw=lambda case: {"chunk_tokens": pages * PAGE}),
@@ -324,6 +334,7 @@ VARIANTS: dict[str, Callable[[], ArmSpec | str]] = {
     f"folded_cap{CAP_SCALE}x": lambda: cap_scaled_arm(CAP_SCALE),
     "folded_2cta": two_cta_arm,
     "folded_3launch": three_launch_arm,
+    **{f"folded_prefetch{d}": (lambda d=d: prefetch_arm(d)) for d in PREFETCH_TILES},
     f"folded_c{FORCED_CAP_PAGES}": lambda: forced_cap_arm(KvFormat.FOLDED, FORCED_CAP_PAGES),
     f"split_c{FORCED_CAP_PAGES}": lambda: forced_cap_arm(KvFormat.SPLIT, FORCED_CAP_PAGES),
     "paged_read_folded": lambda: paged_read_arm(KvFormat.FOLDED),
@@ -333,16 +344,17 @@ VARIANTS: dict[str, Callable[[], ArmSpec | str]] = {
                                                                     chunk_tokens=FORCED_CAP_PAGES * PAGE),
 }
 BATCH_ARMS = ("read_folded", "read_split", "folded_jit", "split_jit", "folded_graph", "split_graph", "folded_partial",
-              "split_partial", f"folded_cap{CAP_SCALE}x", "folded_2cta", "paged_read_folded", "paged_read_split",
-              "paged_read_folded_inorder")
+              f"folded_cap{CAP_SCALE}x", "folded_2cta", *(f"folded_prefetch{d}" for d in PREFETCH_TILES),
+              "paged_read_folded", "paged_read_split", "paged_read_folded_inorder")
 CELL_ARMS = {
     "resident": ("folded_jit", "folded_3launch", "folded_2cta", "split_jit"),
     "single262144": ("read_folded", "read_split", "folded_jit", "folded_3launch", f"folded_c{FORCED_CAP_PAGES}",
-                     "folded_2cta", "split_jit", f"split_c{FORCED_CAP_PAGES}", "paged_read_folded",
+                     "folded_2cta", *(f"folded_prefetch{d}" for d in PREFETCH_TILES), "split_jit",
+                     f"split_c{FORCED_CAP_PAGES}", "paged_read_folded",
                      f"paged_read_folded_c{FORCED_CAP_PAGES}"),
     **{name: BATCH_ARMS for name in BATCH_SHAPES},
     "short256_inorder": ("read_folded", "read_split", "folded_jit", "split_jit", "folded_partial",
-                         "paged_read_folded"),
+                         *(f"folded_prefetch{d}" for d in PREFETCH_TILES), "paged_read_folded"),
 }
 # the arms checked on SMALL_CHECK before any cell is timed (every kernel and plan of the cells, once)
 CHECK_ARMS = tuple(dict.fromkeys(a for arms in CELL_ARMS.values() for a in arms))
@@ -485,7 +497,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=240.0, help="no new cell starts after this many seconds")
-    ap.add_argument("--workers", type=int, default=8, help="processes compiling the kernels side by side")
+    ap.add_argument("--workers", type=int, default=10, help="processes compiling the kernels side by side")
     ap.add_argument("--plans", action="store_true", help="print the cells' plans (CPU) and exit")
     args = ap.parse_args(argv)
     plans = probe_plan(args.cells, args.seed, args.drop)  # refuses unknown names before any GPU work
