@@ -38,7 +38,6 @@ import sys
 import time
 from typing import Callable, NamedTuple, Sequence
 
-import numpy as np
 import torch
 
 import foldkv
@@ -473,7 +472,10 @@ def save(path: str, record: dict) -> None:
         json.dump(jsonable(record), fh, indent=1, allow_nan=False)
 
 
-def summary_lines(cell: dict) -> list[str]:
+def summary_lines(cell: dict, num_sms: int) -> list[str]:
+    """One line an arm: its median, against the plain read of its format, and per page tile of an SM (the case's
+    page tiles over the SMs: what a tile's chain costs in the resident cell)."""
+    tiles = sum(-(-n // PAGE) for n in cell["seq_lens"]) * G.num_kv_heads / num_sms
     arms = {n: a for n, a in cell["arms"].items() if a["status"] == "ok"}
     read = {f: arms.get(f"read_{f}", {}).get("us", {}).get("median") for f in ("folded", "split")}
     lines = []
@@ -485,7 +487,8 @@ def summary_lines(cell: dict) -> list[str]:
         r = read.get(a["format"])
         ok = a["check"].get("ok")
         lines.append(f"{cell['cell']:<24} {n:<28} {us:10.1f} us  x read {us / r if r else float('nan'):6.3f}  "
-                     f"chunks {str(a.get('info', {}).get('chunks', '')):>5}  check {'ok' if ok else 'FAILED'}")
+                     f"{us / tiles:5.2f} us a tile  chunks {str(a.get('info', {}).get('chunks', '')):>5}  "
+                     f"check {'ok' if ok else 'FAILED'}")
     return lines
 
 
@@ -522,7 +525,14 @@ def main(argv=None) -> int:
     record["roof"] = roof = measure_read_roof(device)
     log(f"read roof {roof['gbps']:.0f} GB/s")
     arms = tuple(dict.fromkeys(a for p in plans for a in p.arms))
-    record["small_check"] = checks = small_check(device, arms, log)
+    try:
+        record["small_check"] = checks = small_check(device, arms, log)
+    except Exception as exc:  # a device fault: nothing after it can be trusted
+        record["small_check_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+        log(f"small-case check failed: {record['small_check_error']}")
+        if out_json:
+            save(out_json, record)
+        return 1
     failed = sorted(a for a, c in checks.items() if not (c or {}).get("ok"))
     log(f"small-case check: {len(arms) - len(failed)} of {len(arms)} arms ok" + (f"; left out: {failed}" if failed
                                                                                 else ""))
@@ -530,17 +540,24 @@ def main(argv=None) -> int:
         save(out_json, record)
     for p in plans:
         if time.perf_counter() - t0 > args.budget_s:
-            log(f"budget of {args.budget_s:.0f} s spent: {p.name} and later cells not run")
+            log(f"{p.name}: not run (the budget of {args.budget_s:.0f} s is spent)")
             record.setdefault("not_run", []).append(p.name)
             continue
         log(f"cell {p.name}: {len(p.seq_lens)} requests, {sum(p.seq_lens)} tokens")
-        case = make_case(p.name, p.seq_lens, device)
-        cell = run_cell(f"multiwave/{p.name}", "decode", case, [arm_spec(a) for a in p.arms if a not in failed],
-                        rounds=args.rounds, warmup=3, roof=roof, log=log)
-        case.release()
+        case = None
+        try:
+            case = make_case(p.name, p.seq_lens, device)
+            cell = run_cell(f"multiwave/{p.name}", "decode", case, [arm_spec(a) for a in p.arms if a not in failed],
+                            rounds=args.rounds, warmup=3, roof=roof, log=log)
+        except Exception as exc:  # out of memory, say: recorded, and the next cell is tried
+            cell = {"cell": f"multiwave/{p.name}", "error": f"{type(exc).__name__}: {str(exc)[:500]}", "arms": {},
+                    "seq_lens": list(p.seq_lens)}
+            log(f"cell {p.name} failed: {cell['error']}")
+        if case is not None:
+            case.release()
         torch.cuda.empty_cache()
         record["cells"].append(cell)
-        for line in summary_lines(cell):
+        for line in summary_lines(cell, plan_mod.device_sms(device)):
             print(line, flush=True)
         if out_json:
             record.update(env=environment(device), provenance=provenance())

@@ -25,6 +25,7 @@ def test_every_cell_and_arm_builds(probe):
         for arm in p.arms:
             spec = probe.arm_spec(arm)  # builds the ArmSpec only: nothing compiled, nothing launched
             assert isinstance(spec, ArmSpec) or spec in DECODE_ARMS, (p.name, arm)
+            assert (spec.name if isinstance(spec, ArmSpec) else spec) == arm  # results are keyed by the arm's name
     rows = probe.plan_rows(plans)
     by = {r["cell"]: r for r in rows}
     assert by["single262144"]["fused"] and by["resident"]["fused"]  # one wave: the library's fused step
