@@ -99,6 +99,21 @@ def test_kernel_argument_order_matches_launcher(fmt):
     assert kernel_names(fmt, fused=True) == (f"decode_fused_{fmt.value}",)
 
 
+def test_prefetch_keeps_the_arguments_and_is_refused_off_bf16_page_tiles():
+    """The partial's L2 prefetch (an experiment's param, off by default) takes no argument of its own, and is refused
+    where a tile is not one page of bf16 rows (its prefetch is a whole page tile)."""
+    require_tilelang()
+    from foldkv.kernels.decode_partial import decode_partial_program
+
+    names = lambda f: [f.buffer_map[p].name for p in f.params]  # noqa: E731
+    assert names(decode_partial_program(GEOM, KvFormat.FOLDED, prefetch_tiles=2)) == [
+        "query", "pool", "page_ids", "chunk_req", "chunk_start", "chunk_len", "part_o", "part_lse"]
+    for bad in (dict(fp8=True), dict(page_size=128)):
+        with pytest.raises(ValueError, match="prefetch_tiles"):
+            decode_partial_program(GEOM, KvFormat.FOLDED, prefetch_tiles=2, **bad)
+    decode_partial_program(GEOM, KvFormat.FOLDED, page_size=128)  # red twin: the same tiling, no prefetch, builds
+
+
 # --- the fused step's hand-off check on real generated source ------------------------------------------------------
 @pytest.fixture(scope="module")
 def fused_source() -> str:

@@ -56,6 +56,16 @@ from .tl import built_on_device, pass_configs, prim_func, require_tilelang, targ
 TAIL_FEW_MEMBERS, TAIL_MAX_MEMBERS = 8, 33
 PRODUCER_THREADS = 128  # TileLang's warp specialisation: the producer warpgroup is threads [0, 128), consumers after
 FP8_PANEL = 128  # columns of an FP8 row loaded per shared tile: 128 bytes, the widest TMA box with 128-byte swizzle
+# An experiment's L2 prefetch (decode_partial_program's `prefetch_tiles`): one bulk prefetch of a contiguous range
+# (cp.async.bulk.prefetch.L2, sm_90; 16-byte aligned, a multiple of 16 bytes), issued by one consumer thread.
+L2_PREFETCH_SOURCE = r"""
+__device__ __forceinline__ void foldkv_prefetch_l2(const void* base, long long element, int bytes) {
+  if ((threadIdx.x & 127) == 0) {  // bf16 elements: 2 bytes each
+    const char* src = reinterpret_cast<const char*>(base) + 2 * element;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" : : "l"(src), "r"(bytes) : "memory");
+  }
+}
+"""
 # The registered tiling of each format (registry.py says why these).
 DEFAULTS = {fmt: dict(registry.get(f"decode_partial_{fmt.value}").params) for fmt in KvFormat}
 
@@ -322,7 +332,7 @@ def merge_tail(ctx: TailContext, *, hand_off: bool = True) -> FusedTail:
 def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_n: int = 64,
                            num_stages: int = 1, threads: int = 128, block_h: int = 16, fp8: bool = False,
                            e4m3_convert: str = "bits", reduce_batch: int = 1, ctas_per_sm: int = 1,
-                           tail_merge: bool = False, tail=None):
+                           tail_merge: bool = False, tail=None, prefetch_tiles: int = 0):
     """The TileLang prim_func of the partial kernel for one geometry, page format and tiling; `fp8`: over an FP8
     folded pool (its scales an extra argument after the pool), its e4m3 panels converted to bf16 by
     `macros.convert_e4m3_macro` ("bits") or TileLang's element conversion ("cvt"); `reduce_batch`: the softmax's
@@ -330,7 +340,9 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     `ctas_per_sm`: CTAs each SM must hold at once (`__launch_bounds__`' second argument; the warpgroups' register
     counts are set so that they share 65,536 registers that many ways). `tail_merge`: the fused step of a one-wave
     plan, its CTAs merging their request-heads at their tail: `tail(TailContext) -> FusedTail` (default
-    `merge_tail`, the served one)."""
+    `merge_tail`, the served one). `prefetch_tiles` > 0: while tile k is consumed, the page tile `prefetch_tiles`
+    tiles ahead is prefetched into L2 by one bulk prefetch (an experiment for a card whose per-tile latency the two
+    stages do not cover, bench/DECODE_NOTES.md run 23; 0, the default, emits nothing)."""
     require_tilelang()
     import tilelang.language as T
     from tvm.script.ir_builder import IRBuilder
@@ -357,6 +369,8 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     convert_e4m3 = macros.convert_e4m3_macro(block_n, FP8_PANEL, threads)
     share_sm_registers = macros.share_sm_registers_macro(ctas_per_sm, threads) if ctas_per_sm > 1 else None
     assert e4m3_convert in ("bits", "cvt")
+    if prefetch_tiles and (fp8 or page_size != block_n):
+        raise ValueError("prefetch_tiles: bf16 rows and one page a tile only")
     if tail_merge and (fp8 or ctas_per_sm > 1):
         raise ValueError("tail_merge: bf16 pools and one CTA per SM only")
     ctx = TailContext(geom, threads, batch, num_chunks)
@@ -367,7 +381,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
             T.import_source(producer_guard.imported_source(
                 macros.E4M3_TO_BF16_SOURCE if fp8 and e4m3_convert == "bits" else None,
-                fused.source if tail_merge else None))
+                fused.source if tail_merge else None, L2_PREFETCH_SOURCE if prefetch_tiles else None))
             if ctas_per_sm > 1:
                 share_sm_registers()
             parts = format_parts()
@@ -406,6 +420,11 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                     T.copy(pool[page, kvh, off:off + block_n, run.lo:run.hi], run.tile)
                 if parts.token_scale is not None:
                     T.copy(scales[page, kvh, off:off + block_n], parts.token_scale)
+                if prefetch_tiles:  # the page tile prefetch_tiles ahead, whole (page_size x width, contiguous)
+                    if (k + prefetch_tiles) * block_n < n_tok:
+                        ahead = page_ids[req, (tok + prefetch_tiles * block_n) // page_size]
+                        T.call_extern("handle", "foldkv_prefetch_l2", pool.data,
+                                      (T.cast(ahead, "int64") * hkv + kvh) * (page_size * width), page_size * width * 2)
                 if e4m3_convert == "bits":  # e4m3 -> bf16 is exact
                     convert_e4m3(parts.convert)
                 else:
@@ -497,10 +516,11 @@ def build_decode_partial(geom: AttentionGeometry, fmt: KvFormat | str, **tiling)
     cfg = {**DEFAULTS[fmt], **tiling}
 
     @tilelang.jit(target=target(), pass_configs=pass_configs())
-    def decode_partial(page_size, block_n, num_stages, threads, block_h, reduce_batch=1, ctas_per_sm=1):
+    def decode_partial(page_size, block_n, num_stages, threads, block_h, reduce_batch=1, ctas_per_sm=1,
+                       prefetch_tiles=0):
         return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
                                       threads=threads, block_h=block_h, reduce_batch=reduce_batch,
-                                      ctas_per_sm=ctas_per_sm)
+                                      ctas_per_sm=ctas_per_sm, prefetch_tiles=prefetch_tiles)
 
     return decode_partial(**cfg)
 
