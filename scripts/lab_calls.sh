@@ -22,6 +22,12 @@
 #                 it goes), one profiled 16K prefill by component, steady-state TTFT at 4K and 32K (every arm,
 #                 rotated) and 128K (folded) (bench/prefill_probe.py; bench/PREFILL_NOTES.md "Time to first token")
 #                 (~7-9 min)
+#   PART=prefill_kernels  the global prefill's versions (two stages, batched reductions, lazy rescale) against the
+#                 library's folded and split prefill: checked against float64, then a 4,096-query chunk over 8K and 32K
+#                 against the in-run matmul rate (bench/prefill_kernel_probe.py; bench/PREFILL_NOTES.md) (~3-4 min)
+#   PART=multiwave  the folded decode partial of multi-wave plans against split's and their plain reads, with the
+#                 versions that test each cause (bench/multiwave_probe.py; bench/DECODE_NOTES.md run 23): on the H100,
+#                 where folded runs 1.33-1.52x its read (~4-5 min)
 # (The 31B step's runs 22-25 were measured at 9f9ef77: papermill_runs/h200-20261205-s27.)
 # Prepare on the CPU machine first: scripts/prepare_device_run.sh (carry .devsite build/aot build/checkout.json).
 #
@@ -121,4 +127,15 @@ if [ "$PART" = step_ab ]; then  # one TileLang cache: the second commit's unchan
     PYTHONPATH=$PP timeout ${AB_S:-150} python3 $B/model_decode_probe.py $CELLS > "$OUTD/step_ab_$side.log" 2>&1
     echo "$side rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "foldkv-folded [0-9]+ x [0-9]+: TPOT" "$OUTD/step_ab_$side.log"
   done
+fi
+
+if [ "$PART" = prefill_kernels ]; then
+  timeout ${PK_S:-260} python3 bench/prefill_kernel_probe.py --out "$OUTD" > "$OUTD/prefill_kernel_probe.log" 2>&1
+  echo "prefill kernels rc=$? at $(( $(date +%s) - t0 )) s"; tail -${TAIL:-30} "$OUTD/prefill_kernel_probe.log"
+fi
+
+if [ "$PART" = multiwave ]; then
+  timeout ${MW_S:-330} python3 bench/multiwave_probe.py --out "$OUTD" --budget-s ${MW_BUDGET_S:-240} \
+    > "$OUTD/multiwave_probe.log" 2>&1
+  echo "multiwave rc=$? at $(( $(date +%s) - t0 )) s"; tail -${TAIL:-60} "$OUTD/multiwave_probe.log"
 fi

@@ -72,3 +72,17 @@ def test_the_ring_probe_command_parses():
     with pytest.raises(SystemExit):  # red twin: an arm the probe lacks
         probe.parse_args(["--arms", "ring_cublas", "cublas_gone"])
 
+
+
+def _unknown_flags(tool: str, source: str, script: str = SCRIPT) -> list[str]:
+    """The flags the script passes `tool` that its argparse source does not declare."""
+    declared = set(re.findall(r'add_argument\("(--[\w-]+)"', source))
+    return [a for a in _command(tool, script) if a.startswith("--") and a not in declared]
+
+
+@pytest.mark.parametrize("tool", ["prefill_kernel_probe.py", "multiwave_probe.py"])
+def test_the_kernel_probe_flags_exist(tool):
+    source = (ROOT / "bench" / tool).read_text()
+    assert _unknown_flags(tool, source) == []
+    twin = SCRIPT.replace(f"{tool} --out", f"{tool} --gone-flag x --out")  # red twin: a flag the probe lacks
+    assert _unknown_flags(tool, source, twin) == ["--gone-flag"]
