@@ -231,13 +231,13 @@ class RecordRedraw:
         return f"**Redrawn {label}** ({self.source['device']}; nothing measured now).\n\n" if label else ""
 
     def mark(self, fig, *sections: str):
-        """Every title of `fig` says "(redrawn from the run of record <run>, commit <hash>, not measured now)" when
-        `sections` were redrawn; a measured figure is left as it is. Returns the figure."""
-        from .bench.plots import mark_redrawn
-
+        """`fig`'s title (one line above its panels, laid out by its constrained layout, apart from every panel's own
+        title) says "Redrawn from the run of record <run>, commit <hash> (not measured now)" when `sections` were
+        redrawn; a measured figure is left as it is. Returns the figure."""
         label = self.shown_from(*sections)
         if fig is not None and label:
-            mark_redrawn(fig, label[len("from "):])
+            old = fig.get_suptitle()
+            fig.suptitle((f"{old}: " if old else "") + f"Redrawn {label} (not measured now)")
         return fig
 
     def same_as_recorded(self, section: str, what: str, recomputed, recorded) -> bool:
