@@ -33,7 +33,7 @@ REDRAWN_FILES = {
     "04_benchmarks": (RESULTS_NAME,),
 }
 # Fields renamed since a committed run wrote them (old name -> new name): a redraw reads them under the new name, so
-# the current tables and verdicts read an older run of record's numbers (ae05ac9: the gates' fixed tolerance is the
+# the current tables and verdicts read an older run of record's numbers (the gates' fixed tolerance is named the
 # specified bound, no longer "the issue's").
 RENAMED_FIELDS = {"over_issue_bound": "over_specified_bound", "issue_bound_ok": "specified_bound_ok"}
 
@@ -231,8 +231,9 @@ def record_source(notebook: str, *, root: str | None = None) -> dict:
     """`notebook`'s run of record, checked against the index before anything of it is shown: every file its redraw
     reads is there, hashes to the index's sha256 and names the index's commit in its provenance. Returns {"notebook",
     "run", "commit" (the full hash the files name), "dirty", "device", "paths" (name -> absolute path), "docs"
-    (name -> the parsed JSON), "committed" (every file tracked by git), "label"}. LookupError when the notebook has
-    no run of record; RecordMismatchError (every problem named) when the files are not what the index says."""
+    (name -> the parsed JSON, old field names also under `RENAMED_FIELDS`' new ones), "committed" (every file
+    tracked by git), "label"}. LookupError when the notebook has no run of record; RecordMismatchError (every
+    problem named) when the files are not what the index says."""
     root = root or checkout_root()
     run = run_of_record(notebook, root=root)
     cells = record_rows(root)[notebook]
