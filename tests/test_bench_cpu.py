@@ -485,14 +485,23 @@ def test_committed_read_roof_names_the_run_it_came_from(tmp_path):
 def test_committed_read_roof_is_notebook_01s_run_of_record_by_the_index(tmp_path):
     runs = tmp_path / "papermill_runs"
     (runs / "h200-a").mkdir(parents=True)
-    (runs / "README.md").write_text("# runs\n\n## Runs of record\n\n| notebook | run of record | what |\n"
-                                    "| --- | --- | --- |\n| 01_byte_floor | h200-a | the roof |\n")
-    record = {"results": {"measure_bandwidth": {"gbps": 4444.0, "method": "triton_stream_sum"}}}
-    (runs / "h200-a" / "01_byte_floor.record.json").write_text(json.dumps(record))
+    path = runs / "h200-a" / "01_byte_floor.record.json"
+
+    def index(record: dict, commit: str = "abc1234") -> None:  # the record, and the index naming its commit and bytes
+        path.write_text(json.dumps(record))
+        digest = bench.results.files_digest(str(runs / "h200-a"), ("01_byte_floor.record.json",))[:16]
+        (runs / "README.md").write_text("# runs\n\n## Runs of record\n\n| notebook | run of record | commit | sha256 | what |\n"
+                                        f"| --- | --- | --- | --- | --- |\n| 01_byte_floor | h200-a | {commit} | {digest} | the roof |\n")
+
+    made_at = {"provenance": {"git_commit": "abc1234" + "0" * 33, "dirty": False}}
+    index({"results": {"measure_bandwidth": {"gbps": 4444.0, "method": "triton_stream_sum"}}, **made_at})
     roof = bench.committed_read_roof(root=str(tmp_path))
     assert roof["gbps"] == 4444.0 and roof["run"] == "h200-a" and "measured by run h200-a" in roof["said"]
-    (runs / "h200-a" / "01_byte_floor.record.json").write_text(json.dumps({"results": {}}))  # red twin: no roof
+    index({"results": {}, **made_at})  # red twin: no roof
     with pytest.raises(LookupError, match="no read roof"):
+        bench.committed_read_roof(root=str(tmp_path))
+    index({"results": {"measure_bandwidth": {"gbps": 4444.0}}, **made_at}, commit="def5678")  # red twin: not its commit
+    with pytest.raises(bench.results.RecordMismatchError, match="made at commit abc1234"):
         bench.committed_read_roof(root=str(tmp_path))
 
 

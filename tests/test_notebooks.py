@@ -143,15 +143,54 @@ def test_generate_records(batch):
     assert {r["arm"] for r in runs} == {"sdpa", "foldkv-folded", "foldkv-split"}
     assert all(r["cache_bytes"] == r["expected_cache_bytes"] > 0 for r in runs)
     torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        for section in ("model_31b", "prefill_31b", "decode_31b", "prefill_tail_31b", "largest_batch_31b",
-                        "static_compile_31b"):
-            assert rec["sections"][section] == "not run: no CUDA device", rec["sections"]
-        from foldkv.lab import bench  # the targets: those of this notebook's run of record, named
+    if not torch.cuda.is_available():  # the GPU sections: redrawn from this notebook's run of record, labelled
+        from foldkv.lab import bench
 
         shown = bench.notebook_record("05_generate")
-        assert rec["sections"]["targets"] == f"redrawn from {shown['run']}"
+        run = shown["run"]
+        for section in ("model_31b", "prefill_31b", "decode_31b", "prefill_tail_31b", "largest_batch_31b",
+                        "step_kernels", "targets"):
+            assert rec["sections"][section] == f"redrawn from {run}", rec["sections"]
+        assert rec["sections"]["static_compile_31b"].startswith(f"not run: no CUDA device, and the run of record {run}")
+        # the targets computed here from the recorded rows: those the run computed from them
         assert rec["results"]["targets"]["targets"] == shown["record"]["results"]["targets"]
+        text = _output_text(out, "05_generate")
+        label = f"from the run of record {run}, commit {shown['source']['commit'][:7]}"
+        assert f"**Redrawn {label}**" in text and f"targets met** ({label})" in text
+        assert _images(out, "05_generate") >= 2  # the cache bytes, and the redrawn TPOT figure
+
+
+def _output_text(out, stem) -> str:
+    nb = json.loads((out / f"{stem}.ipynb").read_text())
+    return "\n".join("".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/markdown", ""))
+                     for c in nb["cells"] for o in c.get("outputs", []))
+
+
+def _images(out, stem) -> int:
+    nb = json.loads((out / f"{stem}.ipynb").read_text())
+    return sum("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", []))
+
+
+def test_gates_and_drift_redraw_their_gpu_sections(batch):
+    """Notebooks 02 and 03 on a CPU: every GPU section is its run of record's, labelled with the run and commit;
+    the run's verdict and checks computed again from its numbers equal what it recorded (else a section fails)."""
+    if pytest.importorskip("torch").cuda.is_available():
+        pytest.skip("a CUDA device is here: the GPU sections are measured")
+    from foldkv.lab import bench
+
+    _, out, _ = batch
+    for stem, sections in (("02_correctness_gates", ("decode_gates", "prefill_gates", "prefill_last_row_vs_decode",
+                                                     "refusals", "graph_walk", "fp8_decode_gates", "fp8_prefill_gates",
+                                                     "fp8_needle", "sanitizer", "random_gate", "long_walk")),
+                           ("03_drift_study", ("arm:split", "arm:folded", "arm:folded-fp8", "arm:folded-fp8-exact",
+                                               "pair:folded-fp8 vs ref-folded-fp8"))):
+        rec = _record(out, stem)
+        source = bench.results.record_source(stem)
+        assert {s: rec["sections"][s] for s in sections} == dict.fromkeys(sections, f"redrawn from {source['run']}")
+        assert not any(v.startswith("failed") for v in rec["sections"].values()), rec["sections"]
+        assert f"**Redrawn {source['label']}**" in _output_text(out, stem), stem
+    assert _record(out, "02_correctness_gates")["results"]["all_run_gates_pass"] is True
+    assert _images(out, "02_correctness_gates") >= 2 and _images(out, "03_drift_study") >= 4
 
 
 def test_time_to_first_token_records(batch):
@@ -170,6 +209,9 @@ def test_time_to_first_token_records(batch):
         assert {s: rec["sections"][s] for s in sections} == dict.fromkeys(sections, "not run: no CUDA device")
         assert "ttft_targets" not in rec["results"]
         assert not (out / "07_time_to_first_token.json").exists()
+        from foldkv.lab import bench  # no run of record yet: one line says so
+
+        assert bench.results.no_record_line("07_time_to_first_token") in _output_text(out, "07_time_to_first_token")
 
 
 def test_tensor_parallel_records(batch):

@@ -1,13 +1,16 @@
 """papermill_runs/README.md, the index of committed runs, held to the folder: every run folder has one row and every
 row a folder, every notebook exactly one run of record (a folder that holds that notebook executed, or "none"), and
-the folder READMEs describe their run rather than narrate how it was made; red twins: a row without a folder, a
-folder without a row, a notebook named twice, a run of record that does not hold its notebook."""
+the folder READMEs describe their run rather than narrate how it was made, and each run of record's files are what
+its row names (the commit in their provenance, the sha256 of the files its redraw reads); red twins: a row without a
+folder, a folder without a row, a notebook named twice, a run of record that does not hold its notebook, a number
+changed in a run of record's file, a commit the files do not name, a row without a commit or sha256."""
 
 from __future__ import annotations
 
 import glob
 import os
 import re
+import json
 import shutil
 
 import pytest
@@ -112,3 +115,57 @@ def test_folder_readmes_describe_the_run_without_narrating_sessions():
             if NARRATION.search(line)]
     assert said == []
     assert NARRATION.search("Twenty-fifth session, on one H200.")  # red twin: the sentence the check is for
+
+
+def test_each_run_of_record_is_the_commit_and_the_bytes_its_row_names():
+    for nb, run in results.runs_of_record().items():
+        if run is None:
+            assert results.no_record_line(nb).startswith(f"No run of record for {nb} yet")
+            with pytest.raises(LookupError, match="no run of record"):
+                results.record_source(nb)
+            continue
+        source = results.record_source(nb)
+        assert source["run"] == run and source["committed"], nb
+        assert source["label"].startswith(f"from the run of record {run}, commit {source['commit'][:7]}")
+        assert sorted(source["paths"]) == sorted(results.redrawn_files(nb))
+        assert results.no_record_line(nb) is None
+
+
+def _run_copy(tmp_path, notebook: str) -> str:
+    """The index and `notebook`'s run of record (the files its redraw reads) under a fresh root."""
+    root = tmp_path / "repo"
+    run = results.run_of_record(notebook)
+    (root / results.RUNS_DIR / run).mkdir(parents=True)
+    shutil.copy(os.path.join(ROOT, results.RUNS_INDEX), root / results.RUNS_INDEX)
+    for name in results.redrawn_files(notebook):
+        shutil.copy(os.path.join(ROOT, results.RUNS_DIR, run, name), root / results.RUNS_DIR / run / name)
+    assert results.record_source(notebook, root=str(root))["run"] == run
+    return str(root)
+
+
+def test_red_twins_a_changed_number_a_commit_the_files_do_not_name_and_a_row_without_them(tmp_path):
+    root = _run_copy(tmp_path, "05_generate")
+    run = results.run_of_record("05_generate")
+    path = os.path.join(root, results.RUNS_DIR, run, "05_generate.record.json")
+    index = os.path.join(root, results.RUNS_INDEX)
+    text = open(index).read()
+    row = next(l for l in text.splitlines() if l.startswith("| 05_generate |"))
+    commit, digest = [c.strip() for c in row.split("|")[3:5]]
+    doc = json.load(open(path))
+    doc["results"]["decode_31b"]["rows"][0]["tpot_ms"] *= 0.9  # a number changed after the run
+    json.dump(doc, open(path, "w"), indent=1)
+    with pytest.raises(results.RecordMismatchError, match=f"hash to [0-9a-f]{{16}}, the index says {digest}"):
+        results.record_source("05_generate", root=root)
+    altered = results.files_digest(os.path.dirname(path), ("05_generate.record.json",))[:16]
+    open(index, "w").write(text.replace(row, row.replace(digest, altered)))
+    assert results.record_source("05_generate", root=root)["run"] == run  # the index names the new bytes: accepted
+    open(index, "w").write(text.replace(row, row.replace(digest, altered).replace(commit, "1234567")))
+    with pytest.raises(results.RecordMismatchError, match=f"made at commit {commit}.*the index says 1234567"):
+        results.record_source("05_generate", root=root)
+    open(index, "w").write(text.replace(row, row.replace(f"| {commit} | {digest} |", "| - | - |")))
+    with pytest.raises(results.RecordMismatchError, match="names no commit.*names no sha256"):
+        results.record_source("05_generate", root=root)
+    os.remove(path)
+    open(index, "w").write(text)
+    with pytest.raises(results.RecordMismatchError, match="lacks"):
+        results.record_source("05_generate", root=root)

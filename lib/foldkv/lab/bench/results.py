@@ -1,10 +1,12 @@
 """The results document of a benchmark run on disk: its schema, strict-JSON save with provenance, load, where a run
 writes (never over a committed run), and which earlier run a machine without a GPU redraws: each notebook's run of
-record, read from the index of committed runs (`RUNS_INDEX`, `runs_of_record`)."""
+record, read from the index of committed runs (`RUNS_INDEX`, `runs_of_record`), with the commit and the sha256 of the
+files a redraw reads that the index names for it, both checked before anything is shown (`record_source`)."""
 
 from __future__ import annotations
 
 import glob as _glob
+import hashlib
 import json
 import os
 import re
@@ -23,6 +25,35 @@ RUNS_DIR = "papermill_runs"
 RUNS_INDEX = f"{RUNS_DIR}/README.md"  # the index: each notebook's run of record, each older run's one line
 RECORD_HEADING = "## Runs of record"
 NO_RUN = "none"  # a notebook's run of record that has not been made yet
+DIGEST_CHARS = 16  # the index's sha256 of a run of record's files, its first 16 hex digits
+# The files of a run a notebook's redraw reads (default: its record, `<notebook>.record.json`); the index's sha256
+# column covers exactly these, so a number changed in any of them is caught before it is shown.
+REDRAWN_FILES = {
+    "03_drift_study": ("03_drift_study.record.json", "drift_results.json"),
+    "04_benchmarks": (RESULTS_NAME,),
+}
+# Fields renamed since a committed run wrote them (old name -> new name): a redraw reads them under the new name, so
+# the current tables and verdicts read an older run of record's numbers (the gates' fixed tolerance is named the
+# specified bound, no longer "the issue's").
+RENAMED_FIELDS = {"over_issue_bound": "over_specified_bound", "issue_bound_ok": "specified_bound_ok"}
+
+
+def renamed_fields(doc):
+    """`doc` (parsed JSON) with every RENAMED_FIELDS key also under its new name (the old one kept, a new one present
+    already left as it is)."""
+    if isinstance(doc, list):
+        return [renamed_fields(x) for x in doc]
+    if isinstance(doc, dict):
+        out = {k: renamed_fields(v) for k, v in doc.items()}
+        for old, new in RENAMED_FIELDS.items():
+            if old in out and new not in out:
+                out[new] = out[old]
+        return out
+    return doc
+
+
+class RecordMismatchError(ValueError):
+    """A run of record whose files are not what the index names: another commit, or other bytes (numbers altered)."""
 
 
 def resolve_mode(mode: str) -> str:
@@ -129,25 +160,30 @@ def index_rows(text: str, heading: str) -> list[list[str]]:
     return rows[1:]  # the header row first
 
 
-def runs_of_record(root: str | None = None, index: str = RUNS_INDEX) -> dict[str, str | None]:
-    """{notebook: its run of record (a folder under papermill_runs/), or None where the index says NO_RUN}, read from
-    the index's RECORD_HEADING table: the one place a redraw looks up which run to show. A notebook named twice is
-    refused (ValueError), as is an index without that table (LookupError)."""
+def record_rows(root: str | None = None, index: str = RUNS_INDEX) -> dict[str, list[str]]:
+    """{notebook: its row's cells} of the index's RECORD_HEADING table (notebook | run of record | commit | sha256 |
+    what it holds). A notebook named twice is refused (ValueError), as is an index without that table (LookupError)
+    or a row that names no run (write NO_RUN for none yet)."""
     root = root or checkout_root()
     path = index if os.path.isabs(index) else os.path.join(root, index)
     with open(path) as fh:
         rows = index_rows(fh.read(), RECORD_HEADING)
     if not rows:
         raise LookupError(f"{path}: no table under {RECORD_HEADING!r}")
-    out: dict[str, str | None] = {}
+    out: dict[str, list[str]] = {}
     for cells in rows:
         if len(cells) < 2 or not cells[1]:
             raise ValueError(f"{path}: row {cells} names no run of record (write {NO_RUN!r} for none yet)")
-        notebook, run = cells[0], cells[1]
-        if notebook in out:
-            raise ValueError(f"{path}: notebook {notebook} has two runs of record ({out[notebook]}, {run})")
-        out[notebook] = None if run == NO_RUN else run
+        if cells[0] in out:
+            raise ValueError(f"{path}: notebook {cells[0]} has two runs of record ({out[cells[0]][1]}, {cells[1]})")
+        out[cells[0]] = cells
     return out
+
+
+def runs_of_record(root: str | None = None, index: str = RUNS_INDEX) -> dict[str, str | None]:
+    """{notebook: its run of record (a folder under papermill_runs/), or None where the index says NO_RUN}, read from
+    the index's RECORD_HEADING table (`record_rows`): the one place a redraw looks up which run to show."""
+    return {nb: None if cells[1] == NO_RUN else cells[1] for nb, cells in record_rows(root, index).items()}
 
 
 def run_of_record(notebook: str, *, root: str | None = None) -> str:
@@ -158,24 +194,101 @@ def run_of_record(notebook: str, *, root: str | None = None) -> str:
     return run
 
 
+def no_record_line(notebook: str, *, root: str | None = None) -> str | None:
+    """One line saying `notebook` has no run of record yet (nothing to redraw), or None when it has one."""
+    if runs_of_record(root).get(notebook):
+        return None
+    return f"No run of record for {notebook} yet ({RUNS_INDEX} says {NO_RUN!r}): its GPU sections have nothing to redraw."
+
+
 def record_file(notebook: str, name: str, *, root: str | None = None) -> str:
     """The path of file `name` in `notebook`'s run of record (relative to the checkout)."""
     return os.path.join(RUNS_DIR, run_of_record(notebook, root=root), name)
 
 
-def notebook_record(notebook: str, *, root: str | None = None) -> dict:
-    """`notebook`'s record (`report.RunRecord`'s JSON: sections, results) in its run of record:
-    {"run", "path" (absolute), "committed", "record"}."""
+def redrawn_files(notebook: str) -> tuple[str, ...]:
+    """The files of a run that `notebook`'s redraw reads (what the index's sha256 covers)."""
+    return REDRAWN_FILES.get(notebook, (f"{notebook}.record.json",))
+
+
+def files_digest(folder: str, names: tuple[str, ...]) -> str:
+    """sha256 over `names` in `folder` (each name, a NUL, its bytes, in the order given): the index's sha256 column
+    is its first DIGEST_CHARS hex digits."""
+    h = hashlib.sha256()
+    for name in names:
+        h.update(name.encode() + b"\0")
+        with open(os.path.join(folder, name), "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()
+
+
+def _provenance_of(doc: dict) -> tuple[str | None, bool | None]:
+    prov = doc.get("provenance") or {}
+    return prov.get("git_commit") or (doc.get("env") or {}).get("git_commit"), prov.get("dirty")
+
+
+def record_source(notebook: str, *, root: str | None = None) -> dict:
+    """`notebook`'s run of record, checked against the index before anything of it is shown: every file its redraw
+    reads is there, hashes to the index's sha256 and names the index's commit in its provenance. Returns {"notebook",
+    "run", "commit" (the full hash the files name), "dirty", "device", "paths" (name -> absolute path), "docs"
+    (name -> the parsed JSON, old field names also under `RENAMED_FIELDS`' new ones), "committed" (every file
+    tracked by git), "label"}. LookupError when the notebook has no run of record; RecordMismatchError (every
+    problem named) when the files are not what the index says."""
     root = root or checkout_root()
-    path = os.path.abspath(os.path.join(root, record_file(notebook, f"{notebook}.record.json", root=root)))
-    with open(path) as fh:
-        record = json.load(fh)
-    return {"run": run_name(path), "path": path, "committed": path in _tracked([path], root), "record": record}
+    run = run_of_record(notebook, root=root)
+    cells = record_rows(root)[notebook]
+    folder = os.path.join(root, RUNS_DIR, run)
+    names = redrawn_files(notebook)
+    want_commit = cells[2] if len(cells) > 2 else ""
+    want_digest = cells[3] if len(cells) > 3 else ""
+    problems = []
+    if not re.fullmatch(r"[0-9a-f]{7,40}", want_commit):
+        problems.append(f"the index names no commit for {run} (column 3: {want_commit!r})")
+    if not re.fullmatch(rf"[0-9a-f]{{{DIGEST_CHARS}}}", want_digest):
+        problems.append(f"the index names no sha256 for {run} (column 4: {want_digest!r})")
+    missing = [n for n in names if not os.path.exists(os.path.join(folder, n))]
+    if missing:
+        raise RecordMismatchError(f"{RUNS_INDEX}: {notebook}'s run of record {run} lacks {missing}")
+    digest = files_digest(folder, names)[:DIGEST_CHARS]
+    if want_digest and digest != want_digest:
+        problems.append(f"{run}'s {', '.join(names)} hash to {digest}, the index says {want_digest}: "
+                        "the files were changed after the index named them")
+    docs, dirty = {}, False
+    for n in names:
+        with open(os.path.join(folder, n)) as fh:
+            docs[n] = renamed_fields(json.load(fh))
+        commit, d = _provenance_of(docs[n])
+        dirty = dirty or bool(d)
+        if want_commit and not str(commit).startswith(want_commit):
+            problems.append(f"{run}/{n} was made at commit {str(commit)[:12]}, the index says {want_commit}")
+    if problems:
+        raise RecordMismatchError(f"{RUNS_INDEX}: {notebook}'s run of record does not match the index: "
+                                  + "; ".join(problems))
+    first = docs[names[0]]
+    commit = _provenance_of(first)[0]
+    device = (first.get("environment") or first.get("env") or {}).get("device_name")
+    paths = {n: os.path.abspath(os.path.join(folder, n)) for n in names}
+    label = f"from the run of record {run}, commit {str(commit)[:7]}" + (" (dirty)" if dirty else "")
+    return {"notebook": notebook, "run": run, "commit": commit, "dirty": dirty, "device": device, "paths": paths,
+            "docs": docs, "committed": set(paths.values()) <= _tracked(list(paths.values()), root), "label": label}
+
+
+def notebook_record(notebook: str, *, root: str | None = None) -> dict:
+    """`notebook`'s record (`report.RunRecord`'s JSON: sections, results) in its run of record, checked against the
+    index (`record_source`): {"run", "path" (absolute), "committed", "record", "source"}."""
+    source = record_source(notebook, root=root)
+    name = f"{notebook}.record.json"
+    if name not in source["paths"]:
+        raise LookupError(f"{notebook}'s redraw reads {list(source['paths'])}, not its record")
+    return {"run": source["run"], "path": source["paths"][name], "committed": source["committed"],
+            "record": source["docs"][name], "source": source}
 
 
 def record_results(*, root: str | None = None) -> dict:
-    """Notebook 04's run of record's results, as `open_results` gives them (what a machine without a GPU redraws)."""
-    return open_results(record_file("04_benchmarks", RESULTS_NAME, root=root), root=root)
+    """Notebook 04's run of record's results, as `open_results` gives them (what a machine without a GPU redraws),
+    checked against the index first (`record_source`)."""
+    source = record_source("04_benchmarks", root=root)
+    return open_results(source["paths"][RESULTS_NAME], root=root)
 
 
 def open_results(path: str, *, root: str | None = None) -> dict:

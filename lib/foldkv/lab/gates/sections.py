@@ -152,8 +152,11 @@ def last_row_gate(formats, seed: int, record, geom: AttentionGeometry | str = GE
 def record_verdict(record) -> list[dict]:
     """The verdict over every section of the record: "pass" / "FAIL" per gate that ran (the kernel gates from their
     rows, folded vs split included; the others from their `passed`), "FAIL" for a failed section, the status for one
-    not run. A gate that ran and failed becomes a failed section; `results["verdict"]` and
-    `results["all_run_gates_pass"]` are set. Returns the verdict rows."""
+    not run or redrawn from an earlier run (judged by that run: its verdict is computed again from its rows where it is
+    shown). A gate that ran and failed becomes a failed section; `results["verdict"]` and
+    `results["all_run_gates_pass"]` (over the gates that ran here) are set. Returns the verdict rows."""
+    from ..report import REDRAWN_FROM
+
     gate_rows = record.results.get("gates", [])
     pair_rows = record.results.get("folded_vs_split", [])
     verdict = []
@@ -179,5 +182,5 @@ def record_verdict(record) -> list[dict]:
             record.failed(v["gate"], "the gate ran and failed: see its table")
     record.results["verdict"] = verdict
     record.results["all_run_gates_pass"] = all(v["status"] == "pass" for v in verdict
-                                               if not v["status"].startswith("not run"))
+                                               if not v["status"].startswith(("not run", REDRAWN_FROM)))
     return verdict
