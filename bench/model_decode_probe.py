@@ -161,16 +161,15 @@ def main(argv=None) -> int:
         return global_route
 
     from foldkv import gemv, global_step
-
-    gemv.reset()
+    from foldkv.lab.pdl_checks import gemv_routes
 
     with (mock.patch.object(global_step, "global_route", counted(global_step.global_route)) if args.global_ab
-          else contextlib.nullcontext()):
+          else contextlib.nullcontext()), gemv_routes() as library_routes:
         out["decode"] = decode_cells("library")
     if args.global_ab:
         out["global_routes"] = dict(routes)
         print(f"global routes of the library cells: {out['global_routes']}", flush=True)
-    out["pdl_gemv"] = {"library": gemv.report()}
+    out["pdl_gemv"] = {"library": dict(library_routes)}
     print(f"PDL GEMV (library, StepOptions.pdl={in_force().pdl}, HAS_GDC={gemv.HAS_GDC}): {out['pdl_gemv']['library']}",
           flush=True)
     out["tail"] = md.run_cells(md.measure_prefill_tail, [dict(model=model, arm_name=a, context=n, batch=b,
@@ -240,10 +239,9 @@ def main(argv=None) -> int:
         with all_installed(lab_versions):
             out["decode"] += decode_cells(" + ".join(label for label, _ in lab_versions))
     if args.pdl_ab:
-        gemv.reset()
-        with using(StepOptions(pdl=False)):
+        with using(StepOptions(pdl=False)), gemv_routes() as routes:
             out["decode"] += decode_cells("PDL off")
-        out["pdl_gemv"]["PDL off"] = gemv.report()
+        out["pdl_gemv"]["PDL off"] = dict(routes)
         print(f"PDL GEMV (PDL off): {out['pdl_gemv']['PDL off']}", flush=True)
     if args.merge_ab:
         from foldkv import fused_step

@@ -332,6 +332,23 @@ def exact_projections() -> Iterator[None]:
         yield
 
 
+def step_logits(model, ids: torch.Tensor, options=None) -> torch.Tensor:
+    """The logits of `model` on `ids` (no cache before them: a transformers DynamicCache) through the decode step's
+    own forward (`foldkv.fused_step.StepForward`, its projections merged first when the options merge), with
+    `options` in force (None: those in force now): on CUDA, its kernels."""
+    from transformers import DynamicCache
+
+    from foldkv import fused_step as fs
+    from foldkv.step_options import in_force, using
+
+    options = in_force() if options is None else options
+    if options.merge:
+        fs.merge_projections(model)
+    with torch.no_grad(), using(options):
+        step = fs.StepForward(model, options)
+        return step.prefill(DynamicCache(config=model.config), ids, None, None, 0).logits
+
+
 def rounding_bound(neutral: torch.Tensor, incumbent: torch.Tensor) -> float:
     """What a projection rounding as good as the incumbent's may move logits by: each of the two sits within the
     neutral figure (max |exact-rounded logits - incumbent's|) of the exact-rounded logits, so by the triangle

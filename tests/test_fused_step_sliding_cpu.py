@@ -1,9 +1,9 @@
-"""The fused sliding attention's dispatch (`foldkv.fused_step`: StepOptions.fuse_sliding, `sliding_attention_modules`,
-`sliding_route`, `DecodeStep.sliding_ring`), on the CPU: which modules the swap takes (the sliding layers', not the
-global k_eq_v ones), that the swap is put back, and where each attention call of a generate() goes: prefill and eager
-decode keep transformers' forward; a decode step of DecodeStep reaches the ring and stops only at "not on CUDA" (the
-kernels themselves are tests/test_fused_step_gpu.py's). The model is test_hf_step_cpu's tiny synthetic Gemma 4
-(window 8, float32).
+"""The decode step's own forward and where it sends each layer's attention (`foldkv.fused_step`: `refusal`,
+`StepForward.route`, StepOptions.fuse_sliding, `DecodeStep.sliding_ring`), on the CPU: which models it describes (the
+tiny synthetic Gemma 4; not one whose sliding v_norm has a weight), that it replaces nothing on the model, and where
+each attention call of a generate() goes: a decode step of DecodeStep reaches the sliding layers' rings and stops only
+at "not on CUDA" (the kernels themselves are tests/test_fused_step_gpu.py's); with the option off it says so. The
+model is test_hf_step_cpu's tiny synthetic Gemma 4 (window 8, float32).
 
 Reproduce: pytest tests/test_fused_step_sliding_cpu.py -k route
 """
@@ -32,92 +32,88 @@ def _sliding_indices(model):
     return [i for i, t in enumerate(text_model_of(model).config.layer_types) if t == "sliding_attention"]
 
 
-def test_the_swap_takes_the_sliding_layers_only(model):
+def test_the_step_forward_describes_the_model_and_replaces_nothing(model):
     from foldkv import fused_step as fs
-    from foldkv.hf import text_model_of
+    from foldkv.step_options import StepOptions
 
-    layers = text_model_of(model).layers
-    sliding = _sliding_indices(model)
-    assert sliding and len(sliding) < len(layers)
-    assert fs.sliding_attention_modules(model) == [layers[i].self_attn for i in sliding]
-    with fs.fused_step(model) as n:
-        assert n["sliding_attention"] == len(sliding)
-        assert all("forward" in vars(layers[i].self_attn) for i in sliding)
-        others = [layers[i].self_attn for i in range(len(layers)) if i not in sliding]  # the global forward's
-        assert all(("forward" in vars(m)) == (m in fs.global_attention_modules(model)) for m in others)
-        assert not any(getattr(vars(m).get("forward"), "func", None) is fs._sliding_forward for m in others)
-    assert not any("forward" in vars(layer.self_attn) for layer in layers)  # put back
+    assert fs.refusal(model) is None
+    before = {name: dict(vars(m)) for name, m in model.named_modules()}
+    forward = fs.StepForward(model, StepOptions())
+    assert len(forward.layers) == len(model.model.layers) and forward.lm_head.weight is model.lm_head.weight
+    assert {name: dict(vars(m)) for name, m in model.named_modules()} == before  # no forward on an instance
 
 
-def test_the_option_turns_the_swap_off(model):
+def test_a_model_the_formula_does_not_describe_runs_its_own_forward(model):
+    """Red twin of the description: a sliding attention whose v_norm has a weight (another formula) is refused by
+    name, and the step's forward is not built for it."""
+    from foldkv import FoldKvInputError
     from foldkv import fused_step as fs
-    from foldkv.step_options import StepOptions, using
+    from foldkv.step_options import StepOptions
 
-    off = StepOptions(fuse_sliding=False)
-    with fs.fused_step(model, off) as n:
-        assert n["sliding_attention"] == 0
-        assert fs.sliding_route(fs.sliding_attention_modules(model)[0], {}) == "StepOptions.fuse_sliding is off"
-    with using(off):
-        assert fs.sliding_route(fs.sliding_attention_modules(model)[0], {}) == "StepOptions.fuse_sliding is off"
-    assert fs.sliding_route(fs.sliding_attention_modules(model)[0], {}).startswith("not a ring step")  # served
-
-
-def test_a_module_the_formula_does_not_describe_is_left_alone(model):
-    """Red twin of the selection: a sliding attention whose v_norm has a weight (another formula) is not taken."""
-    from foldkv import fused_step as fs
-
-    attn = fs.sliding_attention_modules(model)[0]
+    i = _sliding_indices(model)[0]
+    attn = model.model.layers[i].self_attn
     try:
         attn.v_norm.with_scale = True
         attn.v_norm.weight = torch.nn.Parameter(torch.ones(attn.head_dim))
-        assert attn not in fs.sliding_attention_modules(model)
+        assert fs.refusal(model).startswith(f"layer {i}: its attention's norms")
+        with pytest.raises(FoldKvInputError, match="does not describe"):
+            fs.StepForward(model, StepOptions())
     finally:
         attn.v_norm.with_scale = False
         del attn.v_norm.weight
-    assert attn in fs.sliding_attention_modules(model)
+    assert fs.refusal(model) is None
 
 
-@pytest.mark.parametrize("decode_step", ["static", "eager"])
-def test_route_of_every_sliding_call(model, decode_step):
-    """A generate() with every sliding attention's route recorded: the prompt's forward and eager decode steps keep
-    transformers' forward (no RingMask); each decode step of the static DecodeStep reaches the layer's ring and stops
-    only at "not on CUDA"; the generation is the one without the recording (the swap is inert on the CPU)."""
+def _generate(model, decode_step, routes=None, monkeypatch=None, options=None):
     from foldkv import fused_step as fs
     from foldkv.hf import FoldKvCache
 
+    if routes is not None:
+        own = fs.StepForward.route
+
+        def spy(attn, x, mask, step):
+            route = own(attn, x, mask, step)
+            routes.append((attn.layer_idx, route))
+            return route
+
+        monkeypatch.setattr(fs.StepForward, "route", staticmethod(spy))
     ids, mask = left_padded_batch(LENGTHS, TINY_SYNTHETIC["vocab_size"])
+    cache = FoldKvCache(model, max_batch=4, max_tokens=max(LENGTHS) + NEW, scatter_seed=5, decode_step=decode_step,
+                        step_options=options)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True,
+                         **{cache_keyword(model): cache})
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.mark.parametrize("decode_step", ["static", "eager"])
+def test_route_of_every_attention_call(model, decode_step, monkeypatch):
+    """A generate() with every layer's route recorded: the prompt's forward is the model's own on the CPU (the fused
+    prefill is CUDA's), each decode step of the static DecodeStep runs the step's forward, whose sliding layers
+    reach their ring and stop only at "not on CUDA" and global layers at the reference attention's (no workspace on the
+    CPU: tests/test_global_step_cpu.py holds the global route to "not CUDA"); an eager cache
+    has no step (no route); the generation is the one without the recording."""
+    plain = _generate(model, decode_step)
     routes: list[tuple[int, object]] = []
-    mods = fs.sliding_attention_modules(model)
-
-    def run(record: bool):
-        cache = FoldKvCache(model, max_batch=4, max_tokens=max(LENGTHS) + NEW, scatter_seed=5,
-                            decode_step=decode_step)
-        if record:
-            for attn in mods:
-                def spy(*args, _attn=attn, **kwargs):
-                    routes.append((_attn.layer_idx, fs.sliding_route(_attn, kwargs)))
-                    return fs._sliding_forward(_attn, *args, **kwargs)  # the swapped forward itself: inert here
-                attn.forward = spy
-        try:
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
-                                 do_sample=False, output_logits=True, return_dict_in_generate=True,
-                                 **{cache_keyword(model): cache})
-        finally:
-            for attn in mods:
-                vars(attn).pop("forward", None)
-        return out.sequences, torch.stack(out.logits)
-
-    plain = run(False)
-    spied = run(True)
+    spied = _generate(model, decode_step, routes, monkeypatch)
     assert torch.equal(plain[0], spied[0]) and torch.equal(plain[1], spied[1])
-    per_forward = len(mods)
-    assert len(routes) == NEW * per_forward  # the prompt's forward, then NEW - 1 decode steps
-    prompt, steps = routes[:per_forward], routes[per_forward:]
-    assert all(r.startswith("not a ring step") for _, r in prompt), prompt
-    if decode_step == "static":
-        assert all(r == "not on CUDA" for _, r in steps), steps
-    else:
-        assert all(r.startswith("not a ring step") for _, r in steps), steps
+    if decode_step == "eager":
+        assert routes == []
+        return
+    sliding = set(_sliding_indices(model))
+    assert len(routes) == (NEW - 1) * len(model.model.layers)
+    assert all(r == "not on CUDA" for i, r in routes if i in sliding), routes
+    assert all(r.startswith("no foldkv DecodeWorkspace") for i, r in routes if i not in sliding), routes  # reference
+
+
+def test_the_option_turns_the_fused_attention_off(model, monkeypatch):
+    from foldkv.step_options import StepOptions
+
+    routes: list[tuple[int, object]] = []
+    _generate(model, "static", routes, monkeypatch, StepOptions(fuse_sliding=False, fuse_global_prologue=False))
+    sliding = set(_sliding_indices(model))
+    assert routes and all(r == ("StepOptions.fuse_sliding is off" if i in sliding else
+                                "StepOptions.fuse_global_prologue is off") for i, r in routes), routes
 
 
 def test_the_ring_seam(model):

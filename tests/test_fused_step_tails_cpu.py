@@ -1,10 +1,9 @@
-"""A decoder layer's tail links (`foldkv.fused_step`: tail_sums, tail_next_norm), on the CPU: what fused_step marks on
-entry (each fused layer's attention and MLP as read by its norms alone, each layer's next fused layer), that the marks
-are plain attributes (no module registered under another) and are gone on exit, and the routes off CUDA:
-`gemv.linear_unsummed` is F.linear with nothing left unsummed, `_tail_projection` the projection itself, and a
-handed-off output that is not the one returned is an error, not a silent read of an unwritten tensor. The kernels and
-the whole step, bitwise the step without the links, are tests/test_fused_step_gpu.py's and tests/test_gemv_gpu.py's.
-The model is the tiny synthetic Gemma 4 of tests/test_fused_step_sliding_cpu.py (float32).
+"""A decoder layer's tail links (`foldkv.fused_step`: StepOptions tail_sums, tail_next_norm), on the CPU: the routes off
+CUDA (`gemv.linear_unsummed` is F.linear with nothing left unsummed; a projection's `tail` is the projection itself),
+the option read where the step runs, and the probe's command lines. The partials travel as values from the projection
+to the norm that sums them (no hand-off through module attributes); the kernels and the whole step, bitwise the step
+without the links, are tests/test_fused_step_gpu.py's and tests/test_gemv_gpu.py's. The model is the tiny synthetic
+Gemma 4 of tests/test_fused_step_sliding_cpu.py (float32).
 
 Reproduce: pytest tests/test_fused_step_tails_cpu.py
 """
@@ -17,9 +16,9 @@ import pytest
 import torch
 
 from conftest import bench_script, probe_command_of_run, tiny_synthetic_model
+from foldkv.lab.model import cache_keyword
 
 ROOT = Path(__file__).resolve().parents[1]
-MARKS = ("_foldkv_next", "_foldkv_input_normed", "_foldkv_tail", "_foldkv_unsummed")
 
 
 @pytest.fixture(scope="module")
@@ -27,59 +26,52 @@ def model(tmp_path_factory):
     return tiny_synthetic_model(tmp_path_factory, "tails", sliding_window=8)
 
 
-def test_fused_step_marks_the_tails_and_takes_the_marks_back(model):
-    from foldkv import fused_step as fs
-    from foldkv.hf import text_model_of
-
-    layers = list(text_model_of(model).layers)
-    assert len(layers) >= 2 and fs.layer_modules(model) == layers
-    names = [n for n, _ in model.named_modules()]
-    with fs.fused_step(model) as n:
-        assert n["tail_owners"] == 2 * len(layers) and n["next_norms"] == len(layers) - 1, n
-        for a, b in zip(layers, layers[1:]):
-            assert vars(a)["_foldkv_next"] is b
-        assert "_foldkv_next" not in vars(layers[-1])
-        assert all(vars(m.self_attn)["_foldkv_tail"] and vars(m.mlp)["_foldkv_tail"] for m in layers)
-        assert [n for n, _ in model.named_modules()] == names  # plain attributes: no layer became another's child
-    assert not any(k in vars(m) for m in model.modules() for k in MARKS)
-
-
-def test_a_layer_left_out_breaks_the_chain_around_it(model, monkeypatch):
-    from foldkv import fused_step as fs
-    from foldkv.hf import text_model_of
-
-    layers = list(text_model_of(model).layers)
-    monkeypatch.setattr(fs, "layer_modules", lambda m: [x for i, x in enumerate(layers) if i != 1])
-    with fs.fused_step(model) as n:
-        assert n["next_norms"] == len(layers) - 3, n  # neither 0 -> 1 nor 1 -> 2
-        assert "_foldkv_next" not in vars(layers[0]) and "_foldkv_tail" not in vars(layers[1].mlp)
-
-
-def test_off_cuda_the_routes_are_the_projections_themselves(model):
+def test_off_cuda_the_tails_are_the_projections_themselves(model):
     from foldkv import fused_step as fs
     from foldkv import gemv
+    from foldkv.step_options import StepOptions, using
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(1, 1, 64, generator=g), torch.randn(32, 64, generator=g)
     y, parts = gemv.linear_unsummed(x, w)
     assert parts is None and torch.equal(y, torch.nn.functional.linear(x, w))
-    mlp = fs.layer_modules(model)[0].mlp
-    with fs.fused_step(model):
-        act = torch.randn(1, 1, mlp.down_proj.in_features, generator=g)
-        assert torch.equal(fs._tail_projection(mlp, mlp.down_proj, act), mlp.down_proj(act))
-        assert fs._unsummed(mlp, act) is None
+    step = fs.StepForward(model, StepOptions())
+    mlp = model.model.layers[0].mlp
+    act = torch.randn(1, 1, mlp.down_proj.in_features, generator=g)
+    with torch.no_grad():
+        for options in (StepOptions(), StepOptions(tail_sums=False)):
+            with using(options):
+                y, parts = step.down_proj[0].tail(act)
+            assert parts is None and torch.equal(y, mlp.down_proj(act))
 
 
-def test_a_handed_off_output_not_returned_is_an_error(model):
+def test_the_cpu_step_is_the_layers_own_arithmetic(model):
+    """The step's forward on the CPU (the modules' formulas, its loop) gives the model's own logits bitwise, with and
+    without the tail options (they act on CUDA only); red twin: a layer scalar doubled moves them."""
     from foldkv import fused_step as fs
+    from foldkv.hf import FoldKvCache
+    from foldkv.step_options import StepOptions, using
 
-    mlp = fs.layer_modules(model)[0].mlp
-    y, other = torch.empty(1, 1, 8), torch.empty(1, 1, 8)
-    vars(mlp)["_foldkv_unsummed"] = (y, torch.empty(2, 1, 8))
-    assert fs._unsummed(mlp, y) is not None and "_foldkv_unsummed" not in vars(mlp)
-    vars(mlp)["_foldkv_unsummed"] = (y, torch.empty(2, 1, 8))
-    with pytest.raises(RuntimeError, match="another tensor"):
-        fs._unsummed(mlp, other)  # red twin: the identity is checked
+    ids = torch.arange(3, 13)[None]
+    kw = cache_keyword(model)
+
+    def logits(run):
+        cache = FoldKvCache(model, max_batch=1, max_tokens=16, scatter_seed=5, decode_step="static")
+        with torch.no_grad():
+            return run(cache)
+
+    own = logits(lambda c: model(input_ids=ids, **{kw: c}).logits)
+    step = fs.StepForward(model, StepOptions())
+    for options in (StepOptions(), StepOptions(tail_sums=False, tail_next_norm=False)):
+        with using(options):
+            assert torch.equal(logits(lambda c: step.prefill(c, ids, None, None, 0).logits), own)
+    scalar = model.model.layers[1].layer_scalar
+    keep = scalar.clone()
+    try:
+        scalar.mul_(2)
+        assert not torch.allclose(logits(lambda c: step.prefill(c, ids, None, None, 0).logits), own)
+    finally:
+        scalar.copy_(keep)
 
 
 def test_run_20s_step_command_parses():

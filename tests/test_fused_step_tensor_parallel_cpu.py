@@ -1,7 +1,7 @@
-"""The fused decode step leaves a tensor-parallel projection to its own forward: a weight that is a DTensor shard, a
+"""The decode step's own forward leaves a tensor-parallel projection to its module: a weight that is a DTensor shard, a
 forward another library installed on the instance (transformers' tensor parallelism does, and reduces or gathers
-there) or hooks around its forward, is neither merged, branched nor swapped for foldkv's GEMV, and that forward is still the instance's after the
-step. Checked on the CPU, where entering `fused_step` launches nothing.
+there) or hooks around its forward, is neither merged, branched nor read by foldkv's GEMV; the step calls the module,
+so that library's forward runs. Checked on the CPU, where building `StepForward` launches nothing.
 
 Reproduce: python -m pytest -q tests/test_fused_step_tensor_parallel_cpu.py
 """
@@ -71,36 +71,37 @@ def test_foreign_projection(one_rank_mesh):
 def test_sharded_projection_is_not_selected(model, one_rank_mesh):
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from foldkv.fused_step import _mergeable, branched_attention_modules, projection_modules
+    from foldkv.fused_step import StepForward, _mergeable, merge_projections
+    from foldkv.step_options import StepOptions
 
-    attn0, attn1 = model.model.layers[0].self_attn, model.model.layers[1].self_attn
-    assert attn0 in branched_attention_modules(model) and attn0.o_proj in projection_modules(model)  # red twin
+    attn0 = model.model.layers[0].self_attn
     for lin in (attn0.q_proj, attn0.o_proj):
         lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), one_rank_mesh, [Shard(0)]))
-    assert attn0 not in branched_attention_modules(model)
-    assert attn0.o_proj not in projection_modules(model)
     assert not _mergeable([attn0.q_proj, attn0.k_proj, attn0.v_proj])
-    assert attn1 in branched_attention_modules(model) and attn1.o_proj in projection_modules(model)
+    merge_projections(model)
+    step = StepForward(model, StepOptions())
+    assert step.qkv[0].merged is None and not step.qkv[0].branch and step.o_proj[0].weight is None
+    # red twin: the next layer's plain projections are the step's own
+    assert step.qkv[1].merged is not None and step.o_proj[1].weight is model.model.layers[1].self_attn.o_proj.weight
 
 
-def test_fused_step_keeps_another_librarys_forward(model):
-    from foldkv.fused_step import _merged_weight, _projection_forward, fused_step
+def test_the_step_calls_another_librarys_forward(model):
+    from foldkv.fused_step import StepForward
+    from foldkv.step_options import StepOptions
 
     attn0, attn1 = model.model.layers[0].self_attn, model.model.layers[1].self_attn
     calls: list = []
     theirs = {lin: functools.partial(_tp_forward, lin, calls) for lin in (attn0.q_proj, attn0.o_proj, model.lm_head)}
     for lin, fwd in theirs.items():
         lin.forward = fwd
-    with fused_step(model) as counts:
-        for lin, fwd in theirs.items():
-            assert lin.forward is fwd, "fused_step replaced another library's forward"
-        assert _merged_weight(attn0) is None and not hasattr(attn0, "_foldkv_branches")
-        # red twin: a plain projection of the next layer is fused_step's inside the block
-        assert getattr(attn1.o_proj.forward, "func", None) is _projection_forward
-        assert counts["projections"] == len(model.model.layers) * 2 - 1  # every o_proj and down_proj but attn0's
+    step = StepForward(model, StepOptions())
     for lin, fwd in theirs.items():
-        assert lin.__dict__.get("forward") is fwd, "fused_step removed another library's forward on exit"
-    assert "forward" not in attn1.o_proj.__dict__
+        assert lin.__dict__.get("forward") is fwd, "building the step's forward touched another library's forward"
+    assert step.qkv[0].merged is None and not step.qkv[0].branch
+    assert step.o_proj[0].weight is None and step.lm_head.weight is None
+    assert step.o_proj[1].weight is attn1.o_proj.weight  # red twin: a plain projection is read by the step
     x = torch.randn(1, 1, attn0.o_proj.in_features)
-    attn0.o_proj(x)
+    y, parts = step.o_proj[0].tail(x)
+    assert parts is None and calls == [attn0.o_proj]
+    step.o_proj[1](x)
     assert calls == [attn0.o_proj]

@@ -1,9 +1,9 @@
 """foldkv.gemv's route without a GPU: which projections take the PDL kernel (1..16 bf16 rows against a contiguous bf16
 weight with a tile, on CUDA with Triton's grid dependency control: the tensor-core GEMM, every grid of the 31B's step
-covering the SMs) and the reason each other call is F.linear; that
-F.linear is what they compute then (bitwise nn.Linear); which of the step's projections fused_step routes (the merged
-groups, o_proj, down_proj, the LM head) and that it puts them back; that every fused_step kernel enters through the
-PDL chain entry and every launch site passes the PDL keywords (a static check of the sources, with red twins: a
+covering the SMs) and the reason each other call is F.linear; that F.linear is what they compute then (bitwise
+nn.Linear); which of the step's projections the step's forward routes (the merged groups, o_proj, down_proj, the LM
+head: `StepForward` reads their weights); that every fused_step kernel enters through the PDL chain entry and every
+launch site passes the PDL keywords (a static check of the sources, with red twins: a
 kernel without its entry, a launch without the keywords); and the probe's --pdl-ab, --tc-ab and --lab-ab flags.
 
 Reproduce: pytest tests/test_gemv_cpu.py
@@ -31,14 +31,6 @@ STEP_SHAPES = {"sliding_qkv": ((16384, 5376), 50), "global_qk": ((18432, 5376), 
                "lm_head": ((262144, 5376), 1)}
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    from foldkv import gemv
-
-    gemv.reset()
-    yield
-
-
 def test_the_31b_step_takes_the_kernel_at_1_to_16_rows():
     from foldkv import gemv
 
@@ -63,6 +55,7 @@ def test_the_31b_step_takes_the_kernel_at_1_to_16_rows():
 
 def test_the_route_on_this_machine_and_its_fallback_is_f_linear():
     from foldkv import gemv
+    from foldkv.lab.pdl_checks import gemv_routes
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(256, 512, generator=g).to(BF16)
@@ -72,14 +65,14 @@ def test_the_route_on_this_machine_and_its_fallback_is_f_linear():
              (one, w, torch.zeros(256, dtype=BF16), "a bias"), (one[..., :256], w, None, "not a projection")]
     for x, wi, b, why in cases:
         assert why in gemv.refusal(x, wi, b), why
-        if why != "not a projection":
-            assert torch.equal(gemv.linear(x, wi, b), nn.functional.linear(x, wi, b)), why
-    assert gemv.report()["kernel"] == 0 and sum(gemv.report()["refusals"].values()) == len(cases) - 1
+    with gemv_routes() as routes:
+        for x, wi, b, why in cases:
+            if why != "not a projection":
+                assert torch.equal(gemv.linear(x, wi, b), nn.functional.linear(x, wi, b)), why
+    assert routes["kernel"] == 0 and sum(routes.values()) == len(cases) - 1
     with using(StepOptions(pdl=False)):
         assert gemv.refusal(one, w) == "StepOptions.pdl is off"
         assert gemv.pdl_kw(one) == {}
-    gemv.reset()
-    assert gemv.report() == {"kernel": 0, "refusals": {}}
 
 
 def test_pdl_kw_follows_the_options_triton_and_the_device(monkeypatch):
@@ -107,34 +100,35 @@ def model():
                                      hidden_size=128, intermediate_size=256)
 
 
-def test_fused_step_routes_the_merged_groups_o_down_and_the_lm_head(model):
+def test_the_step_routes_the_merged_groups_o_down_and_the_lm_head(model):
     from foldkv import fused_step as fs
-    from foldkv import gemv
+    from foldkv.lab.pdl_checks import gemv_routes
+    from foldkv.step_options import StepOptions
 
     layers = model.model.layers
-    want = [layer.self_attn.o_proj for layer in layers] + [layer.mlp.down_proj for layer in layers] + [model.lm_head]
-    assert set(fs.projection_modules(model)) == set(want) and len(fs.projection_modules(model)) == 13
-    assert not {layer.self_attn.q_proj for layer in layers} & set(fs.projection_modules(model))
     x = torch.randn(1, 1, 128, generator=torch.Generator().manual_seed(1)).to(BF16)
-    with torch.no_grad(), fs.fused_step(model) as n:
-        assert n["projections"] == 13 and n["merged"] == 12
-        assert all("forward" in vars(lin) for lin in want)
+    assert fs.merge_projections(model) == 12
+    step = fs.StepForward(model, StepOptions())
+    singles = step.o_proj + step.down_proj + [step.lm_head]
+    want = [layer.self_attn.o_proj for layer in layers] + [layer.mlp.down_proj for layer in layers] + [model.lm_head]
+    assert [p.weight for p in singles] == [lin.weight for lin in want]
+    assert all(g.merged is not None for g in step.qkv + step.gate_up)
+    with torch.no_grad(), gemv_routes() as routes:
         attn, mlp = layers[0].self_attn, layers[0].mlp
         o_in = torch.randn(1, 1, attn.o_proj.in_features, generator=torch.Generator().manual_seed(2)).to(BF16)
-        assert torch.equal(attn.o_proj(o_in), nn.functional.linear(o_in, attn.o_proj.weight))
-        assert torch.equal(model.lm_head(x), nn.functional.linear(x, model.lm_head.weight))
-        qkv = fs.merged_linear(attn, x)
+        assert torch.equal(step.o_proj[0](o_in), nn.functional.linear(o_in, attn.o_proj.weight))
+        assert torch.equal(step.lm_head(x), nn.functional.linear(x, model.lm_head.weight))
+        qkv = step.qkv[0](x)
         assert torch.equal(qkv[0], nn.functional.linear(x, attn.q_proj.weight))
-        gate, up = fs.merged_linear(mlp, x)
+        gate, up = step.gate_up[0](x)
         assert torch.equal(up, nn.functional.linear(x, mlp.up_proj.weight))
         # every call went through gemv.linear, which on this machine says why it is F.linear
-        assert gemv.report() == {"kernel": 0, "refusals": {"not on CUDA": 4}}
-        # red twin: an unmerged projection's own forward is not routed (nn.Linear's: nothing counted)
-        layers[0].self_attn.q_proj.__class__.forward(layers[0].self_attn.q_proj, x)
-        assert sum(gemv.report()["refusals"].values()) == 4
-    assert not any("forward" in vars(lin) for lin in want)  # put back
-    model.lm_head(x)
-    assert sum(gemv.report()["refusals"].values()) == 4  # outside the block: nn.Linear's own forward
+        assert routes == {"not on CUDA": 4}
+        # red twin: an unmerged group calls its modules (nn.Linear's forward: nothing counted)
+        unmerged = fs.StepForward(model, StepOptions(merge=False))
+        assert unmerged.qkv[0].merged is None
+        unmerged.qkv[0](x)
+        assert sum(routes.values()) == 4
 
 
 # --- every fused_step kernel is a link of the PDL chain: a static check of the two sources -------------------------

@@ -32,6 +32,7 @@ import torch
 from conftest import exact_projections, left_padded_batch, require_module, rounding_bound, synthetic_gpu_models
 from test_fused_step_gpu import _gemv_case, _gemv_within_bound
 
+from foldkv.lab.pdl_checks import gemv_routes
 from foldkv.step_options import StepOptions, using
 
 pytestmark = pytest.mark.gpu
@@ -59,15 +60,17 @@ def test_pdl_gemv_within_its_bound(shape):
     from foldkv import gemv
 
     n, k = shape
-    gemv.reset()
+    routes = None
 
     def one_row(x, w, out):  # x as the step's [1, 1, K]
+        nonlocal routes
         assert gemv.refusal(x.view(1, 1, k), w) is None
-        y = gemv.linear(x.view(1, 1, k), w, out=out)
+        with gemv_routes() as routes:
+            y = gemv.linear(x.view(1, 1, k), w, out=out)
         assert y.shape == (1, 1, n)
         return y
     assert _gemv_within_bound(one_row, shape, 1, seed=n + k)  # poisoned first: every element written, into out
-    assert gemv.report() == {"kernel": 1, "refusals": {}}
+    assert routes == {"kernel": 1}
 
 
 def test_pdl_gemv_red_twin_one_block_short():
@@ -87,9 +90,9 @@ def test_the_route_takes_the_kernel_at_2_to_16_rows(shape, m):
     from foldkv import gemv
 
     n, k = shape
-    gemv.reset()
-    assert _gemv_within_bound(lambda x, w, out: gemv.linear(x, w, out=out), shape, m, seed=n + k + m)
-    assert gemv.report() == {"kernel": 1, "refusals": {}}
+    with gemv_routes() as routes:
+        assert _gemv_within_bound(lambda x, w, out: gemv.linear(x, w, out=out), shape, m, seed=n + k + m)
+    assert routes == {"kernel": 1}
 
 
 def test_what_no_kernel_takes_is_f_linear():
@@ -97,15 +100,15 @@ def test_what_no_kernel_takes_is_f_linear():
 
     x, w, _ = _gemv_case((4096, 5376), 1, seed=4)
     x = x.view(1, 1, 5376)
-    gemv.reset()
     cases = [(x.expand(17, 1, 5376).contiguous(), "17 rows, more than 16"), (x.float(), "not bf16"),
              (x, "StepOptions.pdl is off")]
-    for xi, why in cases:
-        wi = w.float() if xi.dtype == torch.float32 else w
-        with using(StepOptions(pdl=why != "StepOptions.pdl is off")):
-            assert why in gemv.refusal(xi, wi)
-            assert torch.equal(gemv.linear(xi, wi), torch.nn.functional.linear(xi, wi))
-    assert gemv.report()["kernel"] == 0 and sum(gemv.report()["refusals"].values()) == len(cases)
+    with gemv_routes() as routes:
+        for xi, why in cases:
+            wi = w.float() if xi.dtype == torch.float32 else w
+            with using(StepOptions(pdl=why != "StepOptions.pdl is off")):
+                assert torch.equal(gemv.linear(xi, wi), torch.nn.functional.linear(xi, wi))
+    assert routes["kernel"] == 0 and sum(routes.values()) == len(cases)
+    assert [why in r for (_, why), r in zip(cases, routes)] == [True] * len(cases)
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
@@ -258,25 +261,26 @@ def _agree(got, want, neutral) -> tuple[int, list[float]]:
 def test_the_graph_step_with_and_without_the_tail_links(synthetic_model, monkeypatch, batch):
     """generate() through a FoldKvCache (graph step): the tail links (split partials summed by the layer's norms, the
     next layer's input norm made by the tail: StepOptions.tail_sums, tail_next_norm) give the tokens and logits of
-    the step without them, bit for bit, having taken every sliding o_proj and every down_proj whose GEMM splits K."""
+    the step without them, bit for bit, having taken every o_proj and every down_proj whose GEMM splits K."""
     from foldkv import fused_step as fs
     from foldkv import gemv
 
     without = _generate(synthetic_model, batch=batch, options=StepOptions(tail_sums=False, tail_next_norm=False))
-    summed, own = [], fs._unsummed
+    summed, own = [], fs._norm_add
 
-    def counted(owner, y):
-        parts = own(owner, y)
-        summed.extend([owner] if parts is not None else [])
-        return parts
+    def counted(x, residual, first, second, scalar, parts=None):
+        summed.extend([first] if parts is not None else [])
+        return own(x, residual, first, second, scalar, parts)
 
-    monkeypatch.setattr(fs, "_unsummed", counted)
+    monkeypatch.setattr(fs, "_norm_add", counted)
     with_links = _generate(synthetic_model, batch=batch)
     assert torch.equal(with_links[0], without[0]) and torch.equal(with_links[1], without[1])
     rows = len(BATCHES[batch])
     splits = lambda lin: (gemv.tc_config(*lin.weight.shape, rows) or {}).get("SPLIT", 1) > 1  # noqa: E731
-    split = [m for m in fs.mlp_modules(synthetic_model) if splits(m.down_proj)]
-    split += [a for a in fs.sliding_attention_modules(synthetic_model) if splits(a.o_proj)]
+    layers = synthetic_model.model.layers
+    # the norm after each projection that splits K: post_feedforward after down_proj, post_attention after o_proj
+    split = [m.post_feedforward_layernorm for m in layers if splits(m.mlp.down_proj)]
+    split += [m.post_attention_layernorm for m in layers if splits(m.self_attn.o_proj)]
     assert split, "no projection of the synthetic model splits K: nothing to check"
     assert sorted(map(id, summed)) == sorted(map(id, split * 2)), (len(summed), len(split))  # warm-up and capture
 
@@ -286,13 +290,15 @@ def test_the_step_with_and_without_the_pdl_gemv(synthetic_model, monkeypatch, ba
     from foldkv import fused_step as fs
     from foldkv import gemv
 
-    gemv.reset()
-    plain = _generate(synthetic_model, batch=batch, options=StepOptions(pdl=False))
-    assert gemv.report()["kernel"] == 0
-    gemv.reset()
-    pdl = _generate(synthetic_model, batch=batch)
-    routed = fs.merged_groups(synthetic_model) + len(fs.projection_modules(synthetic_model))
-    assert gemv.report() == {"kernel": 2 * routed, "refusals": {}}, gemv.report()  # the warm-up and the capture
+    with gemv_routes() as routes:
+        plain = _generate(synthetic_model, batch=batch, options=StepOptions(pdl=False))
+    assert routes["kernel"] == 0
+    with gemv_routes() as routes:
+        pdl = _generate(synthetic_model, batch=batch)
+    # the merged groups, each o_proj and down_proj and the LM head (every one a plain Linear here)
+    routed = fs.merged_groups(synthetic_model) + 2 * len(synthetic_model.model.layers) + 1
+    # the warm-up and the capture; the prefill's projections F.linear (pdl off there)
+    assert routes["kernel"] == 2 * routed and set(routes) <= {"kernel", "StepOptions.pdl is off"}, routes
     assert bool(torch.isfinite(pdl[1]).all())
     with exact_projections():
         neutral = _generate(synthetic_model, batch=batch, follow=plain[0])

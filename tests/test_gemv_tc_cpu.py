@@ -303,16 +303,16 @@ def test_linear_gelu_off_the_gpu_is_the_library_s_two_steps(tc):
 def test_installed_patches_only_what_it_is_asked_and_puts_it_back(tc):
     from foldkv import fused_step, gemv
 
-    linear, mlp = gemv.linear, fused_step._mlp_forward
+    linear, mlp = gemv.linear, fused_step.StepForward._mlp
     with tc.installed(gelu=True) as took:
-        assert gemv.linear is linear and fused_step._mlp_forward is not mlp and took == {}
+        assert gemv.linear is linear and fused_step.StepForward._mlp is not mlp and took == {}
     with tc.installed(fixup=True):
-        assert gemv.linear is not linear and fused_step._mlp_forward is mlp
+        assert gemv.linear is not linear and fused_step.StepForward._mlp is mlp
     with tc.installed(fixup=True, gelu=True):
-        assert gemv.linear is not linear and fused_step._mlp_forward is not mlp
+        assert gemv.linear is not linear and fused_step.StepForward._mlp is not mlp
     with tc.installed(tail_fit=True):
-        assert gemv.linear is not linear and fused_step._mlp_forward is mlp
-    assert gemv.linear is linear and fused_step._mlp_forward is mlp
+        assert gemv.linear is not linear and fused_step.StepForward._mlp is mlp
+    assert gemv.linear is linear and fused_step.StepForward._mlp is mlp
     # off the GPU the patched route is the library's: F.linear with its reason
     x, w = torch.ones(1, 512, dtype=BF16), torch.ones(256, 512, dtype=BF16)
     with tc.installed(fixup=True) as took:

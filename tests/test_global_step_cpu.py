@@ -155,7 +155,7 @@ NEW = 4
 
 
 def test_every_global_step_of_a_cpu_generate_takes_the_torch_path(tmp_path, monkeypatch):
-    """A static decode step on the CPU (reference attention, float32): every global layer's attend asks the route,
+    """A static decode step on the CPU (reference attention, float32): every global layer's route is asked,
     which answers (no workspace), and the kernels' launchers are never called; the tokens and logits equal those of a
     cache made with `StepOptions(fuse_global=False)`."""
     require_module("transformers")
@@ -185,39 +185,42 @@ def test_every_global_step_of_a_cpu_generate_takes_the_torch_path(tmp_path, monk
         return out.sequences, torch.stack(out.logits), len(cache.global_layers)
 
     tokens, logits, layers = run()
-    assert len(routes) == (NEW - 1) * layers and all(r.startswith("no foldkv DecodeWorkspace") for r in routes), routes
+    # each global layer of each step asks twice: the step's forward (its prologue), then DecodeStep.attend
+    assert len(routes) == 2 * (NEW - 1) * layers and all(r.startswith("no foldkv DecodeWorkspace") for r in routes), \
+        routes
     routes.clear()
     off = run(StepOptions(fuse_global=False))
     assert routes and set(routes) == {"StepOptions.fuse_global is off"}
     assert torch.equal(off[0], tokens) and torch.equal(off[1], logits)
 
 
-def test_the_global_forward_takes_only_a_started_step_and_its_modules(tmp_path):
-    """fused_step's global forward: the swap takes the global attention modules only (not the sliding ones) and puts
-    them back; its route answers why for anything but a started decode step (and with fuse_global_prologue off, that),
-    so a CPU generate() inside fused_step runs the class's forward."""
+def test_the_global_route_of_the_step_forward_takes_only_a_started_step(tmp_path):
+    """The step's forward sends a global layer to the prologue kernels only at a started decode step (and with
+    fuse_global_prologue off, says that), so a prompt's forward takes the cache's update and the attention
+    function."""
     require_module("transformers")
     require_module("safetensors")
     import foldkv.hf  # noqa: F401
     from foldkv import fused_step as fs
     from foldkv.lab.model import load_model
     from foldkv.lab.synthetic import make_synthetic_checkpoint
-    from foldkv.step_options import StepOptions
+    from foldkv.step_options import StepOptions, using
 
     ckpt = make_synthetic_checkpoint(tmp_path, seed=3, sliding_window=8, **TINY_SYNTHETIC)
     model = load_model(ckpt, dtype=torch.float32, attn_implementation="foldkv")
-    mods = fs.global_attention_modules(model)
-    every = [m for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"]
-    assert mods and all(not m.is_sliding for m in mods) and len(mods) < len(every)  # red twin: the sliding ones left
-    with fs.fused_step(model) as n:
-        assert n["global_attention"] == len(mods) and all("forward" in vars(m) for m in mods)
-    assert not any("forward" in vars(m) for m in every)  # put back
+    attn = next(layer.self_attn for layer in model.model.layers if not layer.self_attn.is_sliding)
     x = torch.randn(2, 1, model.config.hidden_size)
-    assert fs.global_forward_route(mods[0], {"hidden_states": x}) == "not a started decode step"
-    off = StepOptions(fuse_global_prologue=False)
-    with fs.fused_step(model, off) as n:
-        assert n["global_attention"] == 0
-        assert fs.global_forward_route(mods[0], {"hidden_states": x}) == "StepOptions.fuse_global_prologue is off"
+
+    class Started:
+        started = True
+
+        def global_layer(self, i):
+            return None
+
+    assert fs.StepForward.route(attn, x, None, None).startswith("not a decode step")
+    assert fs.StepForward.route(attn, x, None, Started()) == "not a foldkv global layer"  # red twin: started
+    with using(StepOptions(fuse_global_prologue=False)):
+        assert fs.StepForward.route(attn, x, None, Started()) == "StepOptions.fuse_global_prologue is off"
 
 
 def test_the_branch_leaves_a_cpu_step_alone(tmp_path):

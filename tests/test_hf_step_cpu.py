@@ -1,5 +1,6 @@
 """The fixed-address decode step of generate() on a FoldKvCache (`foldkv.hf_graph`, decode_step="static": what the CUDA
-graph records, run eagerly) against the eager path, on the CPU; the 31B architecture builder; caches filled to a
+graph records, run eagerly, through the step's own forward, `foldkv.fused_step.StepForward`) against the eager path
+(transformers' forward), on the CPU; the 31B architecture builder; caches filled to a
 context without a prefill.
 
 The model is the tiny synthetic Gemma 4 of test_hf_cpu with a sliding window of 8, so the rings wrap many times over
@@ -73,6 +74,7 @@ def test_static_step_equals_eager(models, batch, incumbent, fmt, impl, chunk):
     # a last prompt chunk of one column is a decode step too (17 columns in chunks of 4)
     assert static_cache.decode_step.steps == NEW - 1 + (chunk is not None and max(LENGTHS) % chunk == 1)
     assert eager_cache.decode_step is None
+    assert static_cache.decode_step.forward is not None  # the step's own forward served each step, not the model's
     assert torch.equal(static[0], eager[0]) and torch.equal(static[0], incumbent[0])
     gap = float((static[1] - eager[1]).abs().max())
     assert gap <= FLOAT32_TOL, f"static vs eager logits {gap:.3g}"

@@ -122,38 +122,31 @@ def test_unmergeable_groups_are_left_as_they_are(model):
     assert not hasattr(attn, fs._MERGED) and not hasattr(mlp, fs._MERGED)
 
 
-def test_branched_attention_through_the_merged_weights_computes_the_attention(model):
-    """The attention module's forward with its q/k/v served by `_BranchedProjections` over the merged weights (column
-    slices of one output, read by the norms as strided views) against the same forward unmerged; float32 bound of the
-    projections' reduction order carried through: measured here ~1e-6, held at 1e-4 relative."""
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_the_step_forward_over_the_merged_weights_is_the_models_forward(model, impl):
+    """The step's own forward (`StepForward.prefill`, the CPU's formulas: the modules' own) over the merged q|k|v and
+    gate|up weights (column slices of one output, read by the norms as strided views), with transformers' cache and
+    masks, against the model's own forward unmerged; float32 bound of the projections' reduction order carried
+    through: measured here ~1e-6, held at 1e-4 relative. Red twin: the same forward with layer 0's q rows read in
+    reverse order is far off."""
+    from transformers import DynamicCache
+
     from foldkv import fused_step as fs
+    from foldkv.step_options import StepOptions
 
-    for layer in (model.model.layers[0], model.model.layers[5]):
-        attn = layer.self_attn
-        x = torch.randn(2, 1, 128, generator=torch.Generator().manual_seed(1))
-        want = _attend(model, layer, x)
-        fs.merge_projections(model)
-        proj = fs._BranchedProjections(attn)
-        attn.q_proj.forward = proj.q
-        for name in proj.names:
-            getattr(attn, name).forward = lambda h, name=name: proj.take(name, h)
-        try:
-            got = _attend(model, layer, x)
-            assert not proj.pending  # every merged output was taken
-        finally:
-            del attn.q_proj.forward
-            for name in proj.names:
-                del getattr(attn, name).forward
-        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), (got - want).abs().max()
-
-
-def _attend(model, layer, x):
-    """One token per sequence through `layer`'s attention with no cache (it attends to itself)."""
-    pos = torch.zeros(x.shape[0], 1, dtype=torch.long)
-    emb = model.model.rotary_emb(x, pos, model.config.layer_types[layer.self_attn.layer_idx])
+    model.config._attn_implementation = impl
+    ids = torch.randint(3, 512, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        out, _ = layer.self_attn(hidden_states=x, position_embeddings=emb, attention_mask=None, shared_kv_states={})
-    return out
+        want = model(input_ids=ids, use_cache=False).logits
+        fs.merge_projections(model)
+        step = fs.StepForward(model, StepOptions())
+        assert step.qkv[0].merged is not None
+        got = step.prefill(DynamicCache(config=model.config), ids, None, None, 0).logits
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+        merged, q_rows = step.qkv[0].merged, step.qkv[0].rows[0]
+        step.qkv[0].merged = torch.cat([merged[:q_rows].flip(0), merged[q_rows:]])  # red twin
+        bad = step.prefill(DynamicCache(config=model.config), ids, None, None, 0).logits
+        assert not torch.allclose(bad, want, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("shape", [(2, 1, 4, 8), (3, 1, 2, 16), (1, 1, 4, 8)])

@@ -76,16 +76,10 @@ def test_the_cache_hands_its_options_to_the_step_and_the_step_puts_them_in_force
     with pytest.raises(FoldKvInputError, match="StepOptions"):  # red twin: refused before any pool
         cache(step_options={"merge": False})
     seen = []
-    route = fs.sliding_route
-    monkeypatch.setattr(fs, "sliding_route", lambda attn, kwargs: seen.append(in_force()) or route(attn, kwargs))
+    route = fs.StepForward.route
+    monkeypatch.setattr(fs.StepForward, "route", staticmethod(lambda *a: seen.append(in_force()) or route(*a)))
     ids, mask = left_padded_batch((5, 9, 7), TINY_SYNTHETIC["vocab_size"])
     kw = {cache_keyword(model): made}
-    for attn in fs.sliding_attention_modules(model):  # the swapped forward's route, asked on the CPU as on the GPU
-        attn.forward = lambda *a, _attn=attn, **k: fs._sliding_forward(_attn, *a, **k)
-    try:
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False, **kw)
-    finally:
-        for attn in fs.sliding_attention_modules(model):
-            vars(attn).pop("forward", None)
-    assert seen and set(seen) == {SERVED, off}  # the prompt's forward outside the step, the steps inside it
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False, **kw)
+    assert seen and set(seen) == {off}  # every layer of the decode steps (the CPU's prompt is the model's forward)
     assert in_force() is SERVED

@@ -1,10 +1,11 @@
 """The transformers (and torch) internals foldkv's transformers adapter relies on, each held to what the adapter
-passes and reads, in the installed transformers: one case per name. `make test` runs this file twice, against the
+passes and reads, in the installed transformers: one case per name of `foldkv.transformers_compat.PRIVATE_NAMES` (the
+list lives beside the calls; what foldkv reads of each is `CHECKS` here). `make test` runs this file twice, against the
 newest transformers (the install's) and against the device's 5.17 (`scripts/transformers_pass.sh`), so a rename or a
 changed signature shows here, by name, before a GPU test diverges.
 
 A name is "private" here when it is not transformers' documented API: a `_` name, a module-level function the adapter
-calls or rebinds inside a model's module, a version shim's alternative, a keyword whose name moved between versions.
+calls inside a model's module, a version shim's alternative, a keyword whose name moved between versions.
 `missing(name)` is the one check; it says what is absent or changed (None: present as relied on). Red twin: a name
 transformers does not have is reported missing by the same function.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-from dataclasses import dataclass
 from typing import Callable
 
 import pytest
@@ -23,20 +23,7 @@ from conftest import require_module
 
 require_module("transformers")
 
-
-@dataclass(frozen=True)
-class PrivateName:
-    """One internal the adapter relies on.
-
-    name: as the adapter writes it. used_by: where in lib/foldkv. target: "module:attr.attr" (imported, then read).
-    passes: the parameters the adapter passes it by name (each must be a parameter of its signature, or the signature
-    must take **kwargs). check: what the adapter reads of it, beyond existing (returns what is wrong, or None)."""
-
-    name: str
-    used_by: str
-    target: str
-    passes: tuple[str, ...] = ()
-    check: Callable[[object], str | None] | None = None
+from foldkv.transformers_compat import PRIVATE_NAMES, PrivateName  # noqa: E402
 
 
 def _resolve(target: str) -> object:
@@ -47,8 +34,9 @@ def _resolve(target: str) -> object:
     return obj
 
 
-def missing(entry: PrivateName) -> str | None:
-    """What the installed transformers lacks of `entry` (None: it has it as the adapter relies on it)."""
+def missing(entry: PrivateName, check: Callable[[object], str | None] | None = None) -> str | None:
+    """What the installed transformers lacks of `entry` (None: it has it as the adapter relies on it); `check`: what
+    the adapter reads of it, beyond existing (returns what is wrong, or None; `CHECKS[entry.name]` by default)."""
     import transformers
 
     where = f"transformers {transformers.__version__}"
@@ -62,8 +50,9 @@ def missing(entry: PrivateName) -> str | None:
         absent = [p for p in entry.passes if p not in params and not takes_any]
         if absent:
             return f"{where}: {entry.target} takes no {absent} (its parameters: {list(params)}); used by {entry.used_by}"
-    if entry.check is not None:
-        why = entry.check(obj)
+    check = CHECKS.get(entry.name) if check is None else check
+    if check is not None:
+        why = check(obj)
         if why:
             return f"{where}: {entry.target}: {why}; used by {entry.used_by}"
     return None
@@ -129,17 +118,6 @@ def _pad_token_tensor(config_class) -> str | None:
 
     src = inspect.getsource(GenerationMixin._prepare_special_tokens)
     return None if "_pad_token_tensor" in src else "_prepare_special_tokens no longer sets _pad_token_tensor"
-
-
-def _rebinding_reaches_the_attention(module) -> str | None:
-    """fused_step rebinds `apply_rotary_pos_emb` in the attention's module: the attention's forward must look the
-    function up there at call time (a global name of its code), with the (x, cos, sin, unsqueeze_dim) call."""
-    params = list(inspect.signature(module.apply_rotary_pos_emb).parameters)
-    if params[:4] != ["x", "cos", "sin", "unsqueeze_dim"]:
-        return f"apply_rotary_pos_emb takes {params}; fused_step's replacement takes (x, cos, sin, unsqueeze_dim)"
-    if "apply_rotary_pos_emb" not in inspect.unwrap(module.Gemma4TextAttention.forward).__code__.co_names:
-        return "Gemma4TextAttention.forward does not call apply_rotary_pos_emb by its module name"
-    return None
 
 
 def _a_layer_method_the_cache_calls(names: tuple[str, ...]) -> Callable[[object], str | None]:
@@ -213,61 +191,48 @@ def _mask_call(fn) -> str | None:
     return f"create_causal_mask calls the mask interface without {absent}" if absent else None
 
 
-# The internals foldkv's transformers adapter needs, the one list of them (the adapter's compat module will point here;
-# when it exists, this list moves there and this test reads it). One test case each.
-PRIVATE_NAMES: tuple[PrivateName, ...] = (
-    PrivateName("_prefill", "hf_loop.decode_loop (the prompt's forwards, chunked prefill included)",
-                "transformers.generation.utils:GenerationMixin._prefill",
-                passes=("input_ids", "generation_config", "model_kwargs", "is_first_iteration")),
-    PrivateName("_update_model_kwargs_for_generation", "hf_loop.decode_loop (until the decode step starts)",
-                "transformers.generation.utils:GenerationMixin._update_model_kwargs_for_generation",
-                passes=("outputs", "model_kwargs", "is_encoder_decoder")),
-    PrivateName("_prepare_generation_config", "hf_loop.applies (the config generate() will use)",
-                "transformers.generation.utils:GenerationMixin._prepare_generation_config",
-                passes=("generation_config",), check=_returns_config_and_kwargs),
-    PrivateName("_pad_token_tensor", "hf_loop.loop_state", "transformers:GenerationConfig", check=_pad_token_tensor),
-    PrivateName("GENERATION_MODES_MAPPING", "hf_loop.decode_loop (what it hands back to transformers)",
-                "transformers.generation.utils:GENERATION_MODES_MAPPING", check=_modes_mapping),
-    PrivateName("_sample", "hf_loop.decode_loop (its contract as custom_generate, and its fallback)",
-                "transformers.generation.utils:GenerationMixin._sample", check=_sample_contract),
-    PrivateName("custom_generate", "hf_loop.install (generate()'s decoding method)",
-                "transformers.generation.utils:GenerationMixin.generate", passes=("custom_generate",)),
-    PrivateName("_attn_implementation", "hf.FoldKvCache, fused_step's routes, lab.model",
-                "transformers:PreTrainedConfig", check=_attn_implementation),
-    PrivateName("apply_rotary_pos_emb", "fused_step.fused_step (rebound in the attention's module)",
-                "transformers.models.gemma4.modeling_gemma4", check=_rebinding_reaches_the_attention),
-    PrivateName("eager_attention_forward", "hf._sliding_attention ('foldkv_eager' sliding layers)",
-                "transformers.models.gemma4.modeling_gemma4:eager_attention_forward",
-                passes=("module", "query", "key", "value", "attention_mask")),
-    PrivateName("_forward_hooks", "fused_step.foreign_projection (a hooked projection is left alone)",
-                "torch.nn:Module", check=_module_hooks),
-    PrivateName("_forward_pre_hooks", "fused_step.foreign_projection", "torch.nn:Module", check=_module_hooks),
-    PrivateName("_global_forward_hooks", "fused_step.projection_modules (hooks on every module)",
-                "torch.nn.modules.module:_global_forward_hooks", check=_has_attribute("__len__")),
-    PrivateName("get_max_length / get_max_cache_shape", "hf.FoldKvLayer (both names defined)",
-                "transformers.cache_utils:Cache.get_max_length",
-                check=_a_layer_method_the_cache_calls(("get_max_length", "get_max_cache_shape"))),
-    PrivateName("cache / past_key_values", "transformers_compat.cache_keyword (the forward's cache keyword)",
-                "transformers:Gemma4ForCausalLM.forward", check=_cache_keyword),
-    PrivateName("CacheLayerMixin.get_mask_sizes", "hf.FoldKvLayer (the masks' sizes)",
-                "transformers.cache_utils:CacheLayerMixin.get_mask_sizes", passes=("query_length",)),
-    PrivateName("CacheLayerMixin.update", "hf.FoldKvLayer / FoldKvCache.update",
-                "transformers.cache_utils:CacheLayerMixin.update", passes=("key_states", "value_states")),
-    PrivateName("CacheLayerMixin.lazy_initialization", "hf.FoldKvLayer",
-                "transformers.cache_utils:CacheLayerMixin.lazy_initialization", passes=("key_states", "value_states")),
-    PrivateName("DynamicSlidingWindowLayer.keys", "hf_graph.DecodeStep._ring, hf.FoldKvCache.reset",
-                "transformers.cache_utils:DynamicSlidingWindowLayer", check=_sliding_layer_holds_columns),
-    PrivateName("ALL_MASK_ATTENTION_FUNCTIONS", "hf._mask (the sliding layers' own mask)",
-                "transformers.masking_utils:ALL_MASK_ATTENTION_FUNCTIONS", check=_has_attribute("__getitem__")),
-    PrivateName("the mask interface's keywords", "hf._mask (called by name with them)",
-                "transformers.masking_utils:sdpa_mask", check=_mask_call,
-                passes=("batch_size", "q_length", "kv_length", "q_offset", "kv_offset", "mask_function",
-                        "attention_mask")),
-    PrivateName("causal_mask_function", "hf._mask (the only full-attention mask served)",
-                "transformers.masking_utils:causal_mask_function"),
-    PrivateName("ALL_ATTENTION_FUNCTIONS", "hf._sliding_attention ('foldkv' sliding layers: sdpa)",
-                "transformers.modeling_utils:ALL_ATTENTION_FUNCTIONS", check=_has_attribute("__getitem__")),
-)
+def _rotary_call(forward) -> str | None:
+    params = list(inspect.signature(forward).parameters)
+    return None if params[:4] == ["self", "x", "position_ids", "layer_type"] else \
+        f"takes {params}; the step calls rotary_emb(x, position_ids, layer_type)"
+
+
+def _mask_builder(fn) -> str | None:
+    params = inspect.signature(fn).parameters
+    return None if {"cache", "past_key_values"} & set(params) else "takes neither cache= nor past_key_values="
+
+
+def _output_cache_field(output_class) -> str | None:
+    fields = getattr(output_class, "__dataclass_fields__", {})
+    return None if {"cache", "past_key_values"} & set(fields) else "has no cache / past_key_values field"
+
+
+# What the adapter reads of each name in `transformers_compat.PRIVATE_NAMES` beyond its existence (the list itself
+# lives in the compat module, beside the calls).
+CHECKS: dict[str, Callable[[object], str | None]] = {
+    "_prepare_generation_config": _returns_config_and_kwargs,
+    "_pad_token_tensor": _pad_token_tensor,
+    "GENERATION_MODES_MAPPING": _modes_mapping,
+    "_sample": _sample_contract,
+    "_attn_implementation": _attn_implementation,
+    "Gemma4TextRotaryEmbedding.forward": _rotary_call,
+    "create_causal_mask": _mask_builder,
+    "create_sliding_window_causal_mask": _mask_builder,
+    "CausalLMOutputWithPast": _output_cache_field,
+    "_forward_hooks": _module_hooks,
+    "_forward_pre_hooks": _module_hooks,
+    "_global_forward_hooks": _has_attribute("__len__"),
+    "get_max_length / get_max_cache_shape": _a_layer_method_the_cache_calls(("get_max_length", "get_max_cache_shape")),
+    "cache / past_key_values": _cache_keyword,
+    "DynamicSlidingWindowLayer.keys": _sliding_layer_holds_columns,
+    "ALL_MASK_ATTENTION_FUNCTIONS": _has_attribute("__getitem__"),
+    "the mask interface's keywords": _mask_call,
+    "ALL_ATTENTION_FUNCTIONS": _has_attribute("__getitem__"),
+}
+
+
+def test_every_check_names_a_listed_name():
+    assert set(CHECKS) <= {e.name for e in PRIVATE_NAMES}, set(CHECKS) - {e.name for e in PRIVATE_NAMES}
 
 
 @pytest.mark.parametrize("entry", PRIVATE_NAMES, ids=[e.name for e in PRIVATE_NAMES])
@@ -280,11 +245,14 @@ def test_transformers_has_what_the_adapter_relies_on(entry):
     PrivateName("_no_such_step", "a planted name", "transformers.generation.utils:GenerationMixin._no_such_step"),
     PrivateName("_prefill", "a planted keyword", "transformers.generation.utils:GenerationMixin._prefill",
                 passes=("no_such_keyword",)),
-    PrivateName("GENERATION_MODES_MAPPING", "a planted check", "transformers.generation.utils:GENERATION_MODES_MAPPING",
-                check=lambda m: _modes_mapping({**m, next(iter(m)): "_no_such_method"})),
+    PrivateName("GENERATION_MODES_MAPPING", "a planted check",
+                "transformers.generation.utils:GENERATION_MODES_MAPPING"),
 ], ids=["absent-name", "absent-keyword", "changed-behaviour"])
 def test_a_name_transformers_lacks_is_reported(entry):
-    why = missing(entry)
+    planted = None
+    if entry.used_by == "a planted check":
+        planted = lambda m: _modes_mapping({**m, next(iter(m)): "_no_such_method"})  # noqa: E731
+    why = missing(entry, planted)
     assert why is not None and entry.used_by in why and "transformers " in why, why
 
 

@@ -345,12 +345,12 @@ def installed(fixup: bool = False, gelu: bool = False, tail_fit: bool = False):
     """The decode step with this version's options (bench/model_decode_probe.py --lab-ab): fixup, every projection
     the library's kernel takes run with the `_fixup` ending; tail_fit, with `config`'s tail_fit (both patch
     foldkv.gemv.linear); gelu, each merged MLP's
-    down_proj made from its gate|up output by `linear_gelu` (fused_step._mlp_forward patched: in effect for a
-    fused_step block entered inside this one). Yields the calls each took."""
+    down_proj made from its gate|up output by `linear_gelu` (fused_step.StepForward._mlp patched: in effect for
+    every step's forward run inside this block). Yields the calls each took."""
     from foldkv import fused_step
 
     took = Counter()
-    served, own_mlp = lib.linear, fused_step._mlp_forward
+    served, own_mlp = lib.linear, fused_step.StepForward._mlp
 
     opts = dict(fixup=fixup, tail_fit=tail_fit)
 
@@ -363,18 +363,18 @@ def installed(fixup: bool = False, gelu: bool = False, tail_fit: bool = False):
             return globals()["linear"](x, weight, bias, out=kw.get("out"), **opts)
         return served(x, weight, bias, **kw)
 
-    def mlp_forward(mlp, x):
-        outs = fused_step.merged_linear(mlp, x)
-        if outs is None:
-            return own_mlp(mlp, x)
+    def mlp_forward(step, i, x):
+        group = step.gate_up[i]
+        if group.merged is None:
+            return own_mlp(step, i, x)
         took["gelu"] += 1
-        return linear_gelu(*outs, mlp.down_proj.weight, **opts)
+        return linear_gelu(*group(x), step.layers[i].mlp.down_proj.weight, **opts), None
 
     with contextlib.ExitStack() as stack:
         if fixup or tail_fit:
             stack.enter_context(mock.patch.object(lib, "linear", linear))
         if gelu:
-            stack.enter_context(mock.patch.object(fused_step, "_mlp_forward", mlp_forward))
+            stack.enter_context(mock.patch.object(fused_step.StepForward, "_mlp", mlp_forward))
         yield took
 
 

@@ -10,7 +10,7 @@ which reads them. Here they are issued on a side stream forked at the step's hea
 as fused_step's projection branches are): the prologue, then the model's own rotary module on the step's positions
 for each layer type. The model's rotary call inside the forward returns those tables, and the main stream joins the
 branch right before the first consumer: fused_step's `sliding_prologue` (a sliding layer's cos/sin, slot and mask,
-after its GEMM) or the swapped `apply_rotary_pos_emb` (a layer taking transformers' attention forward). The kernels
+after its GEMM) or fused_step's `rope` (a layer taking the module's formulas). The kernels
 and their inputs are the same, so the step is bitwise the library's; only the order changes. The branch is taken
 where the first decoder layer is sliding (the 31B's and the synthetic model's are): its `sliding_prologue` is then
 the first consumer whatever the global layers run (run 23's forward reads cos/sin through its own kernels).
@@ -40,6 +40,7 @@ import torch
 from foldkv import fused_step
 from foldkv.hf import text_model_of
 from foldkv.hf_graph import DecodeStep
+from foldkv.step_options import using
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,14 +67,15 @@ def installed(red_next_slot: bool = False) -> Iterator[dict]:
     yields {"steps": n}, the step bodies that took the branch. `red_next_slot` (the tests' red twin, never for use):
     the branch's prologue writes the ring slot one ahead."""
     served_body, served_prologue = DecodeStep._body, fused_step.sliding_prologue  # the body: the CPU's, unchanged
-    served_rope = fused_step._rope_function
+    served_rope = fused_step.rope
     took = {"steps": 0}
     state: dict = {}
 
     def body(self, forward):
         """DecodeStep._body with the prologue and the rotary tables on the branch, joined before the first consumer
         and, at the latest, before the step's column advances (the next step's branch reads it)."""
-        text = text_model_of(self.model) if self.fuse else None
+        own = self.forward
+        text = text_model_of(own.model) if own is not None and self.pos.is_cuda and own.takes(self.kwargs) else None
         if text is None or text.config.layer_types[0] != "sliding_attention":
             return served_body(self, forward)  # the CPU's static step, or a first layer whose consumer is not joined
         took["steps"] += 1
@@ -91,8 +93,8 @@ def installed(red_next_slot: bool = False) -> Iterator[dict]:
         def tables_of(x, position_ids, layer_type=None):
             return tables[layer_type]
 
-        with mock.patch.object(rotary, "forward", tables_of), fused_step.fused_step(self.model, self.options):
-            out = forward(input_ids=self.ids, attention_mask=self.masks, position_ids=self.pos, **self.kwargs)
+        with mock.patch.object(rotary, "forward", tables_of), using(self.options):
+            out = own.decode(self, self.ids, self.pos, self.masks)
         branch.join()
         self.col.add_(1)
         return out
@@ -101,20 +103,15 @@ def installed(red_next_slot: bool = False) -> Iterator[dict]:
         state["branch"].join()
         return served_prologue(*a, **kw)
 
-    def rope_function(own):
-        swapped = served_rope(own)
-
-        @functools.wraps(swapped)
-        def apply_rotary_pos_emb(*a, **kw):
-            branch = state.get("branch")
-            if branch is not None:
-                branch.join()
-            return swapped(*a, **kw)
-        return apply_rotary_pos_emb
+    def rope(*a, **kw):
+        branch = state.get("branch")
+        if branch is not None:
+            branch.join()
+        return served_rope(*a, **kw)
 
     with (mock.patch.object(DecodeStep, "_body", body), mock.patch.object(fused_step, "sliding_prologue",
                                                                           sliding_prologue),
-          mock.patch.object(fused_step, "_rope_function", rope_function)):
+          mock.patch.object(fused_step, "rope", rope)):
         yield took
 
 

@@ -27,7 +27,8 @@ ulp of a partial a term).
 
 `linear(x, weight, bias)` runs it for x of 1..16 rows (B*T) against a contiguous bf16 weight on CUDA with a Triton
 that has grid dependency control (`triton.language.extra.cuda.gdc_wait`); anything else is
-`torch.nn.functional.linear` (the reason counted: `report()`). `foldkv.fused_step` routes the step's projections
+`torch.nn.functional.linear` (`refusal` says why; the lab counts the routes:
+`foldkv.lab.pdl_checks.gemv_routes`). `foldkv.fused_step` routes the step's projections
 through it: the merged groups (`merged_linear`), each attention's o_proj, each MLP's down_proj and the LM head.
 
 PDL is a chain property: every kernel launched with PDL must wait before it reads anything a kernel of the step wrote
@@ -43,12 +44,9 @@ never trigger: a PDL kernel after one of them starts once it has exited (launch 
     linear(x, weight)                     # x [..., K] of 1..16 rows @ weight [N, K]^T; else F.linear
     refusal(x, weight)                    # None when linear() takes the kernel, else why not
     pdl_kw(x)                             # the launch keywords of fused_step's kernels ({} without PDL)
-    report(), reset()                     # the calls that took a kernel, the refusals by reason
 """
 
 from __future__ import annotations
-
-from collections import Counter
 
 import torch
 
@@ -80,9 +78,6 @@ if triton is not None:
         HAS_GDC = True
     except ImportError:
         pass
-
-_CALLS: Counter = Counter()  # "kernel" and each refusal's reason: what linear() did since reset()
-
 
 if HAS_GDC:
 
@@ -277,8 +272,8 @@ def tensor_refusal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias): the tensor-core kernel when `refusal` is None, else F.linear; each call
-    counted (`report`). `out` ([rows, N] contiguous, the kernel's route only): written in place."""
+    """x [..., K] @ weight [N, K]^T (+ bias): the tensor-core kernel when `refusal` is None, else F.linear.
+    `out` ([rows, N] contiguous, the kernel's route only): written in place."""
     return _route(x, weight, bias, out, summed=True)[0]
 
 
@@ -293,9 +288,7 @@ def linear_unsummed(x: torch.Tensor, weight: torch.Tensor,
 
 def _route(x, weight, bias, out, summed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`linear` and `linear_unsummed`: (y, ws), ws the unsummed partials (None when summed, unsplit or F.linear)."""
-    why = refusal(x, weight, bias)
-    _CALLS["kernel" if why is None else why] += 1
-    if why is not None:
+    if refusal(x, weight, bias) is not None:
         return torch.nn.functional.linear(x, weight, bias), None
     n, k = weight.shape
     m = x.numel() // k
@@ -318,17 +311,9 @@ def pdl_kw(t: torch.Tensor) -> dict:
     return {}
 
 
-def report() -> dict:
-    """{"kernel": calls that ran the PDL GEMV, "refusals": {reason: calls}} since `reset()` (host calls: a graph's
-    replays call nothing; a captured step counts its warm-up and its capture)."""
-    return {"kernel": _CALLS.get("kernel", 0), "refusals": {k: v for k, v in _CALLS.items() if k != "kernel"}}
-
-
-def reset() -> None:
-    _CALLS.clear()
-
-
-_MOVED = {"PDL_GEMV": "pass StepOptions(pdl=...) (foldkv.step_options) where the step is made"}
+_MOVED = {"PDL_GEMV": "pass StepOptions(pdl=...) (foldkv.step_options) where the step is made",
+          "report": "foldkv.lab.pdl_checks.gemv_routes() counts the routes",
+          "reset": "foldkv.lab.pdl_checks.gemv_routes() counts a block's routes"}
 
 
 __getattr__ = moved(__name__, _MOVED)
@@ -336,4 +321,4 @@ __getattr__ = moved(__name__, _MOVED)
 
 __all__ = ["MAX_ROWS", "HAS_GDC", "tc_config", "tc_launch", "operand_refusal", "rows_refusal",
            "shape_refusal", "refusal",
-           "tensor_refusal", "linear", "linear_unsummed", "sum_partials", "pdl_kw", "report", "reset"]
+           "tensor_refusal", "linear", "linear_unsummed", "sum_partials", "pdl_kw"]

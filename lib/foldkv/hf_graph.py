@@ -30,23 +30,24 @@ float64 reference reads the pool through the host table): the CPU tests hold the
 tests the graph to both. Once a cache decodes through its step, it only decodes: a forward of more than one token per
 sequence is refused until `reset()`, which keeps the step's fixed tensors (and its graph) for the next prompt.
 
-Layers: this module imports the fused forward (`foldkv.fused_step`), the global layers' kernels (`foldkv.global_step`),
-the masks (`foldkv.masks`) and nothing of the transformers adapter above it: the adapter (`foldkv.hf`) makes the step
-with its cache, and `foldkv.hf_loop.install` routes the model's forward and generate() through it. What the lower
-modules ask of the step they get from the step object the cache carries (`sliding_ring`, `global_layer`,
-`serves_global_decode`).
+The step's forward is its own (`foldkv.fused_step.StepForward`, built at its first use over the model's weights: on
+CUDA its kernels); a model it does not describe (`fused_step.refusal`) runs the model's forward over the same fixed
+tensors. Layers: this module imports the step's forward (`foldkv.fused_step`), the global layers' kernels
+(`foldkv.global_step`), the masks (`foldkv.masks`) and nothing of the transformers adapter above it: the adapter
+(`foldkv.hf`) makes the step with its cache, and `foldkv.hf_loop.install` routes the model's forward and generate()
+through it. What the lower modules ask of the step they get from the step object the cache carries (`sliding_ring`,
+`global_layer`, `serves_global_decode`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from typing import Any, Callable
 
 import torch
 
-from . import fused_step as swap, global_step
+from . import fused_step, global_step
 from .masks import NewTokens, RingMask
 from .prep import fold_query, rows_from_key_value, store_rows
 from .reference import paged_attention_reference
@@ -107,14 +108,33 @@ class DecodeStep:
                 and ids.dim() == 2 and ids.shape[1] > 1 and kwargs.get("inputs_embeds") is None)
 
     def prefill(self, forward: Callable, kwargs: dict) -> Any:
-        """A prefill forward with the model's elementwise work as `foldkv.fused_step`'s kernels (at prefill's row
-        counts each is one pass over its rows where transformers' modules take five to seven, in float32): the same
-        formulas at the same rounding points; the projections, attention and everything else the model's own."""
+        """A prefill forward through the step's own forward (`foldkv.fused_step.StepForward.prefill`): the model's
+        norms, RoPE, MLP activation and residual tails as its kernels (at prefill's row counts each is one pass over
+        its rows where transformers' modules take five to seven, in float32), the same formulas at the same rounding
+        points; the masks, the cache's update and the attention the model's. A model or keywords it does not
+        describe: the model's own forward."""
+        step_forward = self.step_forward(forward.__self__, kwargs["input_ids"].device)
+        if step_forward is None or not step_forward.takes(kwargs):
+            return forward(**kwargs)
         # pdl off: a prefill's projections are cuBLAS's at every row count (foldkv.gemv's kernels serve 1..16 rows: a
         # chunk that short would build their Triton specializations inside a prompt) and its kernels launch plainly
-        options = dataclasses.replace(self.options, pdl=False)
-        with using(options), swap.fused_step(forward.__self__, options):
-            return forward(**kwargs)
+        with using(dataclasses.replace(self.options, pdl=False)):
+            return step_forward.prefill(self.cache, kwargs["input_ids"], kwargs.get("attention_mask"),
+                                        kwargs.get("position_ids"), kwargs.get("logits_to_keep") or 0)
+
+    def step_forward(self, model: Any, device: torch.device) -> fused_step.StepForward | None:
+        """The step's own forward over `model`, built once (on CUDA with `StepOptions.merge`, the model's projections
+        merged first: their merged tensors are read when it is built); None when `fused_step.refusal` says the
+        model's own forward runs (`forward_refusal` keeps why)."""
+        if getattr(self, "_forward_of", (None,))[0] is not model:
+            self.forward_refusal = None if model is None else fused_step.refusal(model)
+            built = None
+            if model is not None and self.forward_refusal is None:
+                if device.type == "cuda" and self.options.merge:
+                    fused_step.merge_projections(model)
+                built = fused_step.StepForward(model, self.options)
+            self._forward_of = (model, built)
+        return self._forward_of[1]
 
     # -- the step --------------------------------------------------------------------------------------------------
     def __call__(self, forward: Callable, kwargs: dict) -> Any:
@@ -257,11 +277,8 @@ class DecodeStep:
         self.masks = {"full_attention": NewTokens(torch.ones(b, 1, dtype=torch.bool, device=dev), (1,) * b),
                       "sliding_attention": RingMask(self.mask)}
         self.started = True
-        self.model = getattr(forward, "__self__", None)
-        self.fuse = dev.type == "cuda" and self.model is not None
-        if self.fuse:  # before the warm-up: the merged weights are allocated once, on the current stream
-            if self.options.merge:
-                swap.merge_projections(self.model)
+        # before the warm-up: the merged weights are allocated once, on the current stream
+        self.forward = self.step_forward(getattr(forward, "__self__", None), dev)
         if self.mode == "static":
             return self._body(forward)
         from .kernels.workspace import capture_after_warmup
@@ -343,15 +360,14 @@ class DecodeStep:
         self.store_offsets.copy_(torch.remainder(p, page))
 
     def _body(self, forward: Callable) -> Any:
-        """One decode step over the fixed tensors (what the graph records); on CUDA the model's norms, RoPE, MLP
-        activation and residual tails run as a few fused kernels (`foldkv.fused_step`)."""
+        """One decode step over the fixed tensors (what the graph records): the step's own forward
+        (`foldkv.fused_step.StepForward`: on CUDA its kernels), or the model's for a model it does not describe."""
         self._prologue()
-        if self.fuse:
-            fused = swap.fused_step(self.model, self.options)
-        else:
-            fused = contextlib.nullcontext()
-        with using(self.options), fused:
-            out = forward(input_ids=self.ids, attention_mask=self.masks, position_ids=self.pos, **self.kwargs)
+        with using(self.options):
+            if self.forward is not None and self.forward.takes(self.kwargs):
+                out = self.forward.decode(self, self.ids, self.pos, self.masks)
+            else:
+                out = forward(input_ids=self.ids, attention_mask=self.masks, position_ids=self.pos, **self.kwargs)
         self.col.add_(1)
         return out
 

@@ -1,15 +1,14 @@
 """The decode step's choices as one frozen object, passed in where the step is made (`FoldKvCache(step_options=)`,
-`DecodeStep`, `foldkv.fused_step.fused_step`), never module globals flipped from outside.
+`DecodeStep`, `foldkv.fused_step.StepForward`), never module globals flipped from outside.
 
 The defaults are the served path; each other value is a way of computing the same thing that the tests and the lab's
 probes (bench/model_decode_probe.py's `--*-ab` arms) compare against it: every field but `pdl` gives bitwise the
 same tokens and logits but `fuse_prefill` (see there), `pdl=False` the projections of cuBLAS's F.linear (within the GEMV's float32 bound).
 
 How the functions deep inside the step read them: the one who makes the step passes the options; while the step's
-forward runs (`DecodeStep` around its body, `fused_step` around its block) they are the options `in_force()`, scoped
-by `using(options)` (a context variable: per thread, restored on exit), so the swapped forwards, the ops and the GEMV
-ask `in_force()` instead of taking one more argument through transformers' forwards, whose signatures are not
-foldkv's. Outside any step the served options are in force. A FoldKvCache made without `step_options` takes those in
+forward runs (`DecodeStep` around its body and its prefill) they are the options `in_force()`, scoped by
+`using(options)` (a context variable: per thread, restored on exit), so the step's forward, the ops and the GEMV
+ask `in_force()` instead of taking one more argument through every call between them. Outside any step the served options are in force. A FoldKvCache made without `step_options` takes those in
 force where it is made (a probe's `with using(StepOptions(...)):` around the cells it builds).
 """
 
@@ -41,9 +40,9 @@ class StepOptions:
         (`global_step.query_into`, `row_into_pool`) instead of the torch path.
     pdl: the step's projections at 1..16 rows through `foldkv.gemv`'s tensor-core kernels and the step's Triton
         kernels launched under programmatic dependent launch; False: F.linear and plain launches.
-    fuse_prefill: a prefill forward on CUDA (more than one token a sequence) runs inside `fused_step` too
-        (`DecodeStep.prefill`): its norms, RoPE, GELU x up and residual tails one Triton pass each over its rows
-        instead of transformers' float32 modules (a 32K prompt of the 31B: 5.80 -> 4.56 s on an H100), within the
+    fuse_prefill: a prefill forward on CUDA (more than one token a sequence) runs through the step's own forward too
+        (`DecodeStep.prefill`, `StepForward.prefill`): its norms, RoPE, GELU x up and residual tails one Triton pass
+        each over its rows instead of transformers' float32 modules (a 32K prompt of the 31B: 5.80 -> 4.56 s on an H100), within the
         neutral figure of transformers' modules, not bitwise (the merged projections take other cuBLAS kernels); its
         projections cuBLAS's at every row count (`pdl` off inside a prefill: nothing built for a short chunk).
     """

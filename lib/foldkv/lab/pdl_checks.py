@@ -18,16 +18,41 @@ projections) and of `foldkv.fused_step`'s kernels launched with PDL (`gemv.pdl_k
     race_check("gemv", graph=True)        # {"ok": True, "red_caught": True, ...}
     race_check("rms_norm", graph=True)
     ptx_order(), ptx_order(8, red_x_early=True)
+
+`gemv_routes()`: each `foldkv.gemv` call's route inside the block counted ("kernel" or the refusal's reason), what
+bench/model_decode_probe.py prints and the tests read (the library keeps no counter).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections import Counter
+from typing import Iterator
 from unittest import mock
 
 import torch
 
 from ..step_options import in_force
+
+@contextlib.contextmanager
+def gemv_routes() -> Iterator[Counter]:
+    """Each `foldkv.gemv.linear` / `linear_unsummed` call inside the block counted by its route: "kernel", or the reason
+    `gemv.refusal` gave (a host count: a graph's replays call nothing; a captured step counts its warm-up and its
+    capture). `gemv.refusal` is wrapped for the block: a direct call inside it counts too."""
+    from .. import gemv
+
+    calls: Counter = Counter()
+    own = gemv.refusal
+
+    def refusal(x, weight, bias=None):
+        why = own(x, weight, bias)
+        calls["kernel" if why is None else why] += 1
+        return why
+
+    with mock.patch.object(gemv, "refusal", refusal):
+        yield calls
+
 
 CONSUMERS = ("gemv", "rms_norm")
 _LD_GLOBAL = re.compile(r"(@!?%p\d+\s+)?ld\.global")  # Triton's loads: inline asm, often predicated
