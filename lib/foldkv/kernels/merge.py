@@ -220,8 +220,11 @@ def main(seq_len: int = 40002, chunk_tokens: int = 1024, merge_group: int = 8):
             final(plan.part_o, plan.part_lse, plan.group_first, plan.req_group_first, plan.req_group_count,
                   plan.value_head_column, out, lse)
 
-        return run, lambda: (f"{plan.num_chunks} partials: max |out - ref| {float((out[0].double() - want).abs().max()):.2e},"
-                             f" max |lse - ref| {float((lse[0].double() - want_lse).abs().max()):.2e}")
+        def check():
+            return (f"{plan.num_chunks} partials: max |out - ref| {float((out[0].double() - want).abs().max()):.2e},"
+                    f" max |lse - ref| {float((lse[0].double() - want_lse).abs().max()):.2e}")
+
+        return run, check
 
     check_then_time("merge_groups + merge_final", final, setup)
 
