@@ -396,6 +396,19 @@ def test_build_without_nvcc_says_so_before_writing(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+def test_verify_refuses_a_launch_the_loader_cannot_make(tiny_build):
+    """The loader launches with cuLaunchKernel only: a launch record asking for a cluster or a programmatic dependent
+    launch is refused by verify (and so by the loader and the build). Red twin: the record as built passes."""
+    from foldkv.aot.verify import manifest_problems
+
+    _, manifest = tiny_build
+    assert manifest_problems(manifest) == []
+    for key, value in (("pdl", True), ("cluster_dims", [2, 1, 1])):
+        broken = json.loads(json.dumps(manifest))
+        broken["kernels"][0]["launches"][0][key] = value
+        assert any("programmatic dependent launch" in p for p in manifest_problems(broken)), key
+
+
 def test_manifest_records_the_commit_it_was_built_from(tiny_build):
     from foldkv.provenance import checkout_root
 

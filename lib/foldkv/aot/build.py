@@ -46,7 +46,7 @@ from ..kernels import registry
 from ..kernels.registry import KernelVariant
 from ..provenance import checkout_state
 
-from .verify import MANIFEST_NAME, MANIFEST_VERSION
+from .verify import MANIFEST_NAME, MANIFEST_VERSION, manifest_problems
 
 # --- pass configs -> nvcc flags ------------------------------------------------------------------------------------
 # Mapped to nvcc options by TileLang's device-compile callback (cuda/backend.py).
@@ -663,6 +663,9 @@ def build(
             "build_seconds": round(time.perf_counter() - t_start, 1),
             "provenance": checkout_state(),  # the commit and dirty flag of the code the kernels were generated from
         }
+        problems = manifest_problems(manifest)  # what verify and the loader would refuse, refused before writing
+        if problems:
+            raise AotBuildError("the build's manifest would not verify: " + "; ".join(problems))
         with open(os.path.join(stage, MANIFEST_NAME), "w") as fh:
             json.dump(manifest, fh, indent=1, sort_keys=False)
             fh.write("\n")

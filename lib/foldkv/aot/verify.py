@@ -89,6 +89,9 @@ def manifest_problems(manifest: dict) -> list[str]:
             for key in _REQUIRED_LAUNCH:
                 if key not in ln:
                     problems.append(f"{name}: a launch lacks {key!r}")
+            if ln.get("cluster_dims") or ln.get("pdl"):
+                problems.append(f"{name}: {ln.get('symbol')} needs a cluster or a programmatic dependent launch, which"
+                                " the loader does not make")
         if not k.get("launches"):
             problems.append(f"{name}: no launches")
         if k.get("in_place_merge") and not k.get("barrier_checked"):
