@@ -30,6 +30,7 @@ import foldkv
 from foldkv import KvFormat
 from foldkv.kernels import decode as dec
 from foldkv.kernels import decode_partial, merge
+from foldkv.lab import byte_floor
 from foldkv.lab.bench import (ArmImpl, ArmSpec, AttentionCase, generated_arm, measure_read_roof, run_cell,
                               stream_read_arm)
 from foldkv.lab.jsonsafe import jsonable
@@ -109,7 +110,7 @@ def stream_read_spec(fmt: KvFormat) -> ArmSpec:
     pools: what any single kernel reading those bytes costs here (the floor plus one launch, ramp and drain)."""
 
     def build(case: AttentionCase) -> ArmImpl:
-        kv = foldkv.floor.step_bytes(case.geom, fmt, case.seq_lens)["kv"]
+        kv = byte_floor.step_bytes(case.geom, fmt, case.seq_lens)["kv"]
         return stream_read_arm(kv, case.device, copies=case.copies_for(fmt))
 
     return ArmSpec(f"stream_read_{fmt.value}_bytes", f"streaming read of the {fmt.value} pool's bytes", fmt.value,

@@ -197,6 +197,32 @@ def test_build_source_is_the_jits_source(tiny_build):
         assert fh.read() == kernel.get_kernel_source()
 
 
+def elf_sections(data: bytes) -> dict[str, bytes]:
+    """Section name -> contents of a 64-bit little-endian ELF (a cubin). Lets two cubins be compared on their code
+    (`.text.<kernel>`) and kernel info (`.nv.info*`, `.nv.constant*`) while ignoring line info, which records the path
+    and mtime of the source file nvcc read."""
+    import struct
+
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ValueError("not a 64-bit little-endian ELF image")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    strtab = headers[shstrndx]
+    names = data[strtab[4]:strtab[4] + strtab[5]]
+    out = {}
+    for h in headers:
+        name = names[h[0]:names.index(b"\0", h[0])].decode()
+        out[name] = b"" if h[1] == 8 else data[h[4]:h[4] + h[5]]  # SHT_NOBITS holds no bytes
+    return out
+
+
+def code_sections(data: bytes) -> dict[str, bytes]:
+    """The sections of a cubin that decide what runs: kernel code, kernel info, constant banks, shared layout."""
+    return {k: v for k, v in elf_sections(data).items()
+            if k.startswith((".text.", ".nv.info", ".nv.constant", ".nv.shared", ".nv.global"))}
+
+
 def test_cubin_code_equals_tilelangs_own_compile_of_the_source(tiny_build, monkeypatch):
     """TileLang's device-compile callback (its own flags, its cache bypassed) on the written source gives a cubin
     whose code, kernel info and constant banks equal the AOT cubin's (only the line info, which records the source
@@ -207,7 +233,6 @@ def test_cubin_code_equals_tilelangs_own_compile_of_the_source(tiny_build, monke
     from tilelang.cuda.backend import tilelang_callback_cuda_compile
 
     from foldkv.aot.build import _toolchain, compile_cubin, nvcc_options
-    from foldkv.aot.verify import code_sections
     from foldkv.kernels.tl import pass_configs, target
 
     out, manifest = tiny_build
@@ -369,6 +394,19 @@ def test_build_without_nvcc_says_so_before_writing(tmp_path, monkeypatch):
         build_module.build(tmp_path / "b", arch="sm_90a", variants=inplace_variants(), log=None)
     assert issubclass(build_module.NvccUnavailable, build_module.AotBuildError)
     assert os.listdir(tmp_path) == []
+
+
+def test_verify_refuses_a_launch_the_loader_cannot_make(tiny_build):
+    """The loader launches with cuLaunchKernel only: a launch record asking for a cluster or a programmatic dependent
+    launch is refused by verify (and so by the loader and the build). Red twin: the record as built passes."""
+    from foldkv.aot.verify import manifest_problems
+
+    _, manifest = tiny_build
+    assert manifest_problems(manifest) == []
+    for key, value in (("pdl", True), ("cluster_dims", [2, 1, 1])):
+        broken = json.loads(json.dumps(manifest))
+        broken["kernels"][0]["launches"][0][key] = value
+        assert any("programmatic dependent launch" in p for p in manifest_problems(broken)), key
 
 
 def test_manifest_records_the_commit_it_was_built_from(tiny_build):

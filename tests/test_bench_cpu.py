@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conftest import require_module
-from foldkv import GEMMA4_31B, floor
+from foldkv import GEMMA4_31B
+from foldkv.lab import byte_floor as floor
 from foldkv.lab import bench
 from foldkv.lab.arms import ArmUnavailable
 from foldkv.lab.bench import ArmImpl

@@ -10,7 +10,7 @@ import torch
 
 import foldkv as fk
 from foldkv import GEMMA4_31B as G
-from foldkv import floor
+from foldkv.lab import byte_floor as floor
 from foldkv.fp8 import E4M3_MAX, FP8_DTYPE, dequantize_rows, quantize_rows, rounding_bound
 from foldkv.lab import gates
 

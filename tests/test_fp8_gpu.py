@@ -67,6 +67,31 @@ def test_needle_red_twin(cuda_device, pool):
     assert not res["e2e_ok"], res
 
 
+def e4m3_conversion_program(source: str, rows: int = 64, cols: int = 128, threads: int = 128):
+    """A one-CTA TileLang program that converts codes [rows, cols] e4m3 to out [rows, cols] bf16 through
+    `macros.convert_e4m3_macro`, shared memory to shared memory as the decode does (`source`: the device code, or a
+    deliberately broken copy of it for the red twin)."""
+    import tilelang.language as T
+
+    from foldkv.kernels import macros
+    from foldkv.kernels.tl import prim_func
+
+    convert = macros.convert_e4m3_macro(rows, cols, threads)
+
+    @T.macro
+    def e4m3_to_bf16(codes, out):
+        with T.Kernel(1, threads=threads):
+            T.import_source(source)
+            stored = T.alloc_shared((rows, cols), "float8_e4m3")
+            tile = T.alloc_shared((rows, cols), "bfloat16")
+            T.copy(codes, stored)
+            convert((macros.Convert(stored, tile, 0),))
+            T.copy(tile, out)
+
+    args = {"codes": T.Tensor((rows, cols), "float8_e4m3"), "out": T.Tensor((rows, cols), "bfloat16")}
+    return prim_func("e4m3_to_bf16", args, lambda b: e4m3_to_bf16(b["codes"], b["out"]))
+
+
 @pytest.mark.parametrize("source", ["library", "unscaled"])
 def test_e4m3_conversion_exact(cuda_device, source):
     """The decode's e4m3 -> bf16 conversion (foldkv.kernels.macros) is bit-exact for every finite code, normal,
@@ -81,7 +106,7 @@ def test_e4m3_conversion_exact(cuda_device, source):
     if source == "unscaled":
         assert src.count("0x7B807B80u") == 1
         src = src.replace("0x7B807B80u", "0x3F803F80u")  # times 1: every value off by 2^-120
-    kernel = tilelang.compile(macros.e4m3_conversion_program(source=src), target=target(),
+    kernel = tilelang.compile(e4m3_conversion_program(src), target=target(),
                               pass_configs=pass_configs())
     gen = torch.Generator().manual_seed(0)
     finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 254 codes, no NaN

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import foldkv as fk
+from foldkv.lab import byte_floor
 
 G = fk.GEMMA4_31B
 
@@ -117,11 +118,18 @@ def test_allocator_and_block_tables():
 
 
 def test_floor_numbers():
-    rows = fk.floor.floor_table(G, [163336], bandwidth_gbps=4469)
+    rows = byte_floor.floor_table(G, [163336], bandwidth_gbps=4469)
     split, folded = rows
     assert split["pool_bytes_per_layer"] == 163336 * 8192
     assert folded["pool_bytes_per_layer"] == 163336 * 5120
     assert folded["folded_over_split"] == pytest.approx(0.625, abs=1e-4)
     assert folded["floor_us_per_layer"] == pytest.approx(187.1, abs=0.1)
     assert split["floor_us_per_layer"] == pytest.approx(299.4, abs=0.1)
-    assert fk.floor.tokens_in_budget(G, "folded", 1.0) == (1 << 30) // (64 * 5120 * 10) * 64
+    assert byte_floor.tokens_in_budget(G, "folded", 1.0) == (1 << 30) // (64 * 5120 * 10) * 64
+
+
+def test_the_moved_byte_floor_says_where_it_went():
+    with pytest.raises(AttributeError, match="foldkv.lab.byte_floor"):
+        fk.floor
+    with pytest.raises(AttributeError, match="has no attribute"):  # red twin: a name that never was says nothing more
+        fk.no_such_module

@@ -4,15 +4,9 @@
     python -m foldkv aot verify DIR                        # needs neither
     foldkv.aot.use_build(DIR); launcher(..., backend="aot")  # needs cuda-python + a GPU, never TileLang
 
-The launchers reach the active build through `foldkv.kernels.resolve.kernel(..., backend="aot")`, which imports this
-package when it is first asked for an AOT kernel; this package imports no launcher.
-
-Importing this package imports neither TileLang nor cuda-python: `build()` imports TileLang when it runs, the loader
-imports `cuda.bindings.driver` when it first loads a cubin.
-
-`foldkv.aot.build` and `foldkv.aot.verify` are the functions (`build(out_dir, arch=..., ...)`, `verify(dir)`); the
-modules of the same names are imported here first, so `from foldkv.aot.build import ...` still reaches the module.
-"""
+Importing this package imports neither TileLang nor cuda-python (`build()` imports TileLang when it runs, the loader
+cuda-python when it first loads a cubin). `foldkv.aot.build` is the function; `from foldkv.aot.build import ...` still
+reaches the module."""
 
 from .loader import (
     AOT_DIR_ENV,

@@ -46,32 +46,31 @@ from ..kernels import registry
 from ..kernels.registry import KernelVariant
 from ..provenance import checkout_state
 
-from .verify import MANIFEST_NAME, MANIFEST_VERSION
+from .verify import MANIFEST_NAME, MANIFEST_VERSION, manifest_problems
 
 # --- pass configs -> nvcc flags ------------------------------------------------------------------------------------
 # Mapped to nvcc options by TileLang's device-compile callback (cuda/backend.py).
 FLAG_PASS_CONFIGS = ("tl.enable_fast_math", "tl.ptxas_register_usage_level", "tl.device_compile_flags")
 # Read only by lowering / code generation passes: their effect is in the emitted source. Listed by hand (not taken
 # from the enum) so that a key a future TileLang adds is refused until someone checks where it acts.
-LOWERING_ONLY_PASS_CONFIGS = frozenset({
-    "tl.Simplify", "transitively_prove_inequalities", "convert_boolean_to_and_of_ors",
-    "apply_constraints_to_boolean_branches", "propagate_knowns_to_prove_conditional",
-    "propagate_knowns_to_simplify_expressions", "enable_simplify_let_inline",
-    "tl.disable_buffer_init_check", "tl.disable_data_race_check", "tl.disable_prelower_semantic_check",
-    "tl.disable_warp_specialized", "tl.enable_auto_schedule", "tl.enable_auto_warp_specialization",
-    "tl.emit_line_directives", "tl.config_index_bitwidth", "tl.enable_reducer_plan_verbose", "tl.layout_cost_model",
-    "tl.reducer_force_baseline", "tl.disable_tma_lower", "tl.disable_safe_memory_legalize", "tl.disable_vectorize_256",
-    "tl.enable_fp32x2_reduction", "tl.enable_async_copy", "tl.enable_lower_ldgstg", "tl.enable_lower_ldgstg_predicated",
-    "tl.enable_vectorize_planner_verbose", "tl.disable_wgmma", "tl.debug_merge_shared_memory_allocations",
-    "tl.enable_aggressive_shared_memory_merge", "tl.disable_shared_memory_reuse", "tl.disable_shuffle_elect",
-    "tl.disable_loop_unswitching", "tl.loop_unswitching_allow_non_trivial_else",
-    "tl.if_stmt_binding_inline_replayable_binds", "tl.disable_thread_storage_sync", "tl.force_let_inline",
-    "tl.ast_print_enable", "tl.layout_visualization_enable", "tl.layout_visualization_formats",
-    "tl.storage_rewrite_detect_inplace", "tir.enable_equiv_terms_in_cse_tir", "tirx.disable_cse_tir", "tirx.Simplify",
-    "tirx.disable_storage_rewrite", "tirx.disable_vectorize", "tirx.use_async_copy", "tirx.enable_debug",
-    "tirx.merge_static_smem", "tirx.noalias", "tl.disable_out_of_bound_warning", "tl.enable_dump_ir",
-    "tl.dump_ir_path", "tl.pass_profile", "tl.pass_profile_threshold_ms",
-})
+LOWERING_ONLY_PASS_CONFIGS = frozenset("""
+    tl.Simplify transitively_prove_inequalities convert_boolean_to_and_of_ors apply_constraints_to_boolean_branches
+    propagate_knowns_to_prove_conditional propagate_knowns_to_simplify_expressions enable_simplify_let_inline
+    tl.disable_buffer_init_check tl.disable_data_race_check tl.disable_prelower_semantic_check
+    tl.disable_warp_specialized tl.enable_auto_schedule tl.enable_auto_warp_specialization tl.emit_line_directives
+    tl.config_index_bitwidth tl.enable_reducer_plan_verbose tl.layout_cost_model tl.reducer_force_baseline
+    tl.disable_tma_lower tl.disable_safe_memory_legalize tl.disable_vectorize_256 tl.enable_fp32x2_reduction
+    tl.enable_async_copy tl.enable_lower_ldgstg tl.enable_lower_ldgstg_predicated
+    tl.enable_vectorize_planner_verbose tl.disable_wgmma tl.debug_merge_shared_memory_allocations
+    tl.enable_aggressive_shared_memory_merge tl.disable_shared_memory_reuse tl.disable_shuffle_elect
+    tl.disable_loop_unswitching tl.loop_unswitching_allow_non_trivial_else
+    tl.if_stmt_binding_inline_replayable_binds tl.disable_thread_storage_sync tl.force_let_inline
+    tl.ast_print_enable tl.layout_visualization_enable tl.layout_visualization_formats
+    tl.storage_rewrite_detect_inplace tir.enable_equiv_terms_in_cse_tir tirx.disable_cse_tir tirx.Simplify
+    tirx.disable_storage_rewrite tirx.disable_vectorize tirx.use_async_copy tirx.enable_debug tirx.merge_static_smem
+    tirx.noalias tl.disable_out_of_bound_warning tl.enable_dump_ir tl.dump_ir_path tl.pass_profile
+    tl.pass_profile_threshold_ms
+""".split())
 # Refused on purpose: a custom lowering pass is Python we cannot record; kernels_output_dir changes where nvcc reads
 # the source (so the -lineinfo file name), which we do not reproduce.
 REFUSED_PASS_CONFIGS = {
@@ -664,6 +663,9 @@ def build(
             "build_seconds": round(time.perf_counter() - t_start, 1),
             "provenance": checkout_state(),  # the commit and dirty flag of the code the kernels were generated from
         }
+        problems = manifest_problems(manifest)  # what verify and the loader would refuse, refused before writing
+        if problems:
+            raise AotBuildError("the build's manifest would not verify: " + "; ".join(problems))
         with open(os.path.join(stage, MANIFEST_NAME), "w") as fh:
             json.dump(manifest, fh, indent=1, sort_keys=False)
             fh.write("\n")

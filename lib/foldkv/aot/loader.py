@@ -382,29 +382,8 @@ class AotKernel:
                     raise AotVerifyError(f"{self.name}: unknown kernel argument kind {a['kind']!r}")
             fn = mod.functions[ln["symbol"]]
             smem = int(ln["dynamic_smem_bytes"])
-            if ln.get("cluster_dims") or ln.get("pdl"):
-                cfg = drv.CUlaunchConfig()
-                cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
-                cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
-                cfg.sharedMemBytes = smem
-                cfg.hStream = stream
-                attrs = []
-                if ln.get("cluster_dims"):
-                    at = drv.CUlaunchAttribute()
-                    at.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-                    at.value.clusterDim.x, at.value.clusterDim.y, at.value.clusterDim.z = ln["cluster_dims"]
-                    attrs.append(at)
-                if ln.get("pdl"):
-                    at = drv.CUlaunchAttribute()
-                    at.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-                    at.value.programmaticStreamSerializationAllowed = 1
-                    attrs.append(at)
-                cfg.attrs = attrs
-                cfg.numAttrs = len(attrs)
-                _ok(drv.cuLaunchKernelEx(cfg, fn, (tuple(vals), tuple(types)), 0), f"cuLaunchKernelEx({ln['symbol']})")
-            else:
-                _ok(drv.cuLaunchKernel(fn, *grid, *block, smem, stream, (tuple(vals), tuple(types)), 0),
-                    f"cuLaunchKernel({ln['symbol']})")
+            _ok(drv.cuLaunchKernel(fn, *grid, *block, smem, stream, (tuple(vals), tuple(types)), 0),
+                f"cuLaunchKernel({ln['symbol']})")  # no cluster, no PDL: verify refuses a launch that needs them
 
 
 class AotBuild:

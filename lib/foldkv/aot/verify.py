@@ -60,32 +60,6 @@ def _cubin_problem(path: str) -> str | None:
     return None
 
 
-def elf_sections(data: bytes) -> dict[str, bytes]:
-    """Section name -> contents of a 64-bit little-endian ELF (a cubin). Lets two cubins be compared on their code
-    (`.text.<kernel>`) and kernel info (`.nv.info*`, `.nv.constant*`) while ignoring line info, which records the path
-    and mtime of the source file nvcc read."""
-    import struct
-
-    if data[:4] != ELF_MAGIC or data[4] != 2 or data[5] != 1:
-        raise AotVerifyError("not a 64-bit little-endian ELF image")
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
-    strtab = headers[shstrndx]
-    names = data[strtab[4]:strtab[4] + strtab[5]]
-    out = {}
-    for h in headers:
-        name = names[h[0]:names.index(b"\0", h[0])].decode()
-        out[name] = b"" if h[1] == 8 else data[h[4]:h[4] + h[5]]  # SHT_NOBITS holds no bytes
-    return out
-
-
-def code_sections(data: bytes) -> dict[str, bytes]:
-    """The sections of a cubin that decide what runs: kernel code, kernel info, constant banks, shared layout."""
-    return {k: v for k, v in elf_sections(data).items()
-            if k.startswith((".text.", ".nv.info", ".nv.constant", ".nv.shared", ".nv.global"))}
-
-
 def manifest_problems(manifest: dict) -> list[str]:
     """Structural problems of a manifest (missing fields, bad names); [] when it is well formed."""
     problems = []
@@ -115,6 +89,9 @@ def manifest_problems(manifest: dict) -> list[str]:
             for key in _REQUIRED_LAUNCH:
                 if key not in ln:
                     problems.append(f"{name}: a launch lacks {key!r}")
+            if ln.get("cluster_dims") or ln.get("pdl"):
+                problems.append(f"{name}: {ln.get('symbol')} needs a cluster or a programmatic dependent launch, which"
+                                " the loader does not make")
         if not k.get("launches"):
             problems.append(f"{name}: no launches")
         if k.get("in_place_merge") and not k.get("barrier_checked"):

@@ -1,22 +1,13 @@
 """Split-KV decode partial, for either page format: one CTA = one chunk of one request's pages x one KV head.
 
-A format is two parts (`format_parts`): how a tile is loaded (the row's column runs, one shared tile and one TMA copy
-each) and which window feeds which gemm (the score window row[0:D] against the query, the value window into the
-output):
-    SPLIT  [K (D) | V (D)], 1024 columns for the 31B: a K tile row[0:D] and a V tile row[D:2D]; scores from K,
-           values from V (head order).
-    FOLDED [K_rot (R) | V_unrot (D-R) | V_rot (R)], 640 columns: three tiles, the middle one used twice,
-               score  = q_rot . K_rot + q_unrot' . V_unrot   (the folded query carries w_k on its unrotated columns)
-               output = P . [V_unrot | V_rot]                (value-window order: unrot columns, then rot)
-           so the 8 query heads of the KV head read 640 columns per token instead of 1024. The output stays in
-           value-window order here; `merge_final` puts it back in head order.
-
+A format is two parts (`format_parts_macro`): how a tile is loaded (the row's column runs, one shared tile and one
+TMA copy each) and which window feeds which gemm (DEVELOPERS.md's table): split loads K and V tiles; folded loads
+K_rot, V_unrot, V_rot, the middle one used twice (score = q_rot . K_rot + q_unrot' . V_unrot, output = P . [V_unrot |
+V_rot], value-window order), so the 8 query heads of a KV head read 640 columns a token instead of 1024.
 The gemms are token-major, S^T = K Q^T and O^T = V^T P^T, so the MMA's M is a tile's 64 tokens and Hopper's wgmma
-applies (M >= 64), N = the 8 query heads padded to 16 (the smallest wgmma N); the softmax reduces over the token
-dimension (dim 0). The query arrives by TMA, so the producer's first pool load does not wait for it. The 8 query
-heads are loaded once and reused for every K/V byte; online softmax in the exp2 domain; the partial output
-(normalised, float32) and its base-2 LSE go to the chunk's slot. The operand order and query load that lost are in
-bench/versions/ with their numbers (bench/DECODE_NOTES.md).
+applies (M >= 64), N = the 8 query heads padded to 16; the softmax reduces over dim 0. The query arrives by TMA, is
+loaded once and reused for every K/V byte; online softmax in the exp2 domain; the partial output (normalised,
+float32) and its base-2 LSE go to the chunk's slot. What lost is in bench/versions/ (bench/DECODE_NOTES.md).
 
 Kernel argument order (what a backend's callable takes):
     decode_partial_<format>(query [B, Hq, D] bf16, pool [P, Hkv, page, W] bf16, page_ids [B, MP] i32,
@@ -48,7 +39,7 @@ from . import macros, producer_guard, registry
 from .macros import Convert
 from .merge import _merge_partials_macro
 from .registry import hands_out
-from .tl import built_on_device, pass_configs, prim_func, require_tilelang, target
+from .tl import check_then_time, pass_configs, prim_func, require_tilelang, target
 
 # the fused tail (tail_merge): a request-head of at most TAIL_FEW_MEMBERS chunks merges 4 columns a thread, 8 members
 # a round trip; more, 2 columns a thread and TAIL_MAX_MEMBERS a round trip (one wave of the H200's 132 SMs holds at most
@@ -573,37 +564,33 @@ def build_decode_partial_fp8(geom: AttentionGeometry, fmt: KvFormat | str, **til
 
 
 def main(fmt: KvFormat | str = KvFormat.FOLDED, seq_len: int = 10602, **tiling):
-    """Build with the format's defaults (or `tiling`); on a GPU, check one whole-sequence chunk against the float64
-    reference and time the partial kernel alone."""
+    """The partial with the format's defaults (or `tiling`), checked on one whole-sequence chunk against the float64
+    reference, then timed (`tl.check_then_time`)."""
     import torch
 
     import foldkv
 
-    fmt = KvFormat.parse(fmt)
-    geom = GEMMA4_31B
+    fmt, geom = KvFormat.parse(fmt), GEMMA4_31B
     kernel = build_decode_partial(geom, fmt, **tiling)
-    if not built_on_device(f"decode_partial_{fmt.value} {dict(DEFAULTS[fmt], **tiling)}", kernel):
-        return kernel
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    layout = foldkv.PagedKvLayout(geom, fmt, 64, -(-seq_len // 64))
-    pool = foldkv.PagedKvPool(layout, device=dev)
-    pool.data.copy_(torch.randn(pool.data.shape, generator=gen, device=dev).to(torch.bfloat16))
-    table = pool.allocate([seq_len]).to(dev)
-    query = (torch.randn(1, geom.num_q_heads, geom.head_dim, generator=gen, device=dev) * 0.05).to(torch.bfloat16)
-    one = lambda v: torch.tensor([v], dtype=torch.int32, device=dev)  # noqa: E731  (one chunk: the whole sequence)
-    part_o = torch.full((1, geom.num_q_heads, geom.head_dim), float("nan"), device=dev)
-    part_lse = torch.full((1, geom.num_q_heads), float("nan"), device=dev)
-    run = lambda: kernel(query, pool.data, table.page_ids, one(0), one(0), one(seq_len), part_o, part_lse)  # noqa: E731
-    run()
-    want, want_lse = foldkv.paged_attention_reference(pool, query, table)
-    got = part_o[..., foldkv.value_window_to_head(geom, fmt).to(dev)].double()
-    err = float((got - want).norm() / want.norm())
-    lse_err = float((part_lse.double() * macros.LN2 - want_lse).abs().max())
-    print(f"relative error {err:.2e}, max LSE error {lse_err:.2e} (natural log)")
-    from tilelang.profiler import do_bench  # TileLang's timer, in ms
-    print(f"{do_bench(run) * 1e3:.1f} us per partial ({seq_len} tokens, one chunk)")
-    return kernel
+
+    def setup(dev):
+        pool = foldkv.PagedKvPool(foldkv.PagedKvLayout(geom, fmt, 64, -(-seq_len // 64)), device=dev)
+        pool.data.copy_(torch.randn(pool.data.shape, device=dev).to(torch.bfloat16))
+        table = pool.allocate([seq_len]).to(dev)
+        query = (torch.randn(1, geom.num_q_heads, geom.head_dim, device=dev) * 0.05).to(torch.bfloat16)
+        chunk = [torch.tensor([v], dtype=torch.int32, device=dev) for v in (0, 0, seq_len)]  # the whole sequence
+        part_o = torch.full((1, geom.num_q_heads, geom.head_dim), float("nan"), device=dev)  # poisoned
+        part_lse = torch.full((1, geom.num_q_heads), float("nan"), device=dev)
+        want, want_lse = foldkv.paged_attention_reference(pool, query, table)
+
+        def check():
+            got = part_o[..., foldkv.value_window_to_head(geom, fmt).to(dev)].double()
+            return (f"relative error {float((got - want).norm() / want.norm()):.2e}, max LSE error"
+                    f" {float((part_lse.double() * macros.LN2 - want_lse).abs().max()):.2e}")
+
+        return lambda: kernel(query, pool.data, table.page_ids, *chunk, part_o, part_lse), check
+
+    check_then_time(f"decode_partial_{fmt.value} {dict(DEFAULTS[fmt], **tiling)}", kernel, setup)
 
 
 if __name__ == "__main__":

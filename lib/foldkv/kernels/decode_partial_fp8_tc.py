@@ -20,13 +20,8 @@ rows 0-7 carry the hi parts and rows 8-15 the lo parts, added in float32 after t
 to e4m3's largest value (448 / max |q|, once per CTA), P x scale per tile (256 / the tile's largest valid token
 scale). Each tile's value gemm goes into a fresh accumulator added into the running O in float32 (FP8 wgmma
 accumulates in reduced precision, so it never sums across tiles). The error this leaves is bounded in
-tests/test_fp8_tc_gpu.py (`fp8_tc_bound`).
-Schedule: two CTAs per SM (`ctas_per_sm`, one stage of 40 KB e4m3 tiles each: ~99 KB of shared memory a CTA), so the
-plan's wave is 2 x SMs (`decode.partial_wave`); there is no fused one-launch step for FP8 rows.
-0.64-0.67x the bf16 folded decode at 163,336 tokens and on ragged batches (bench/FP8_NOTES.md, runs 12-16).
-
-Hook points (`TcHooks`): the probes of bench/versions/decode_partial_fp8_mma.py (other transposes, one e4m3 part,
-per-panel accumulators) build through them; the library builds the served ones only.
+tests/test_fp8_tc_gpu.py (`fp8_tc_bound`). Schedule and speed: registry.py's comment on its params. The probes of
+bench/versions/decode_partial_fp8_mma.py build through the hook points (`TcHooks`); the library, the served ones only.
 
 Kernel argument order: that of the exact FP8 partial (decode_partial.py's docstring):
     decode_partial_folded_fp8_tc(query [B, Hq, D] bf16, pool [P, Hkv, page, W] e4m3, scales [P, Hkv, page] f32,

@@ -37,7 +37,7 @@ from ..layout import KvFormat
 from ..pool import BlockTable, PagedKvLayout, PagedKvPool, check_block_table
 from ..validate import FoldKvInputError
 from . import registry, resolve
-from .tl import built_on_device, pass_configs, require_tilelang, target
+from .tl import check_then_time, pass_configs, require_tilelang, target
 
 NAME = "dequant_pages_folded_fp8"
 DEFAULTS = dict(registry.get(NAME).params)
@@ -157,32 +157,25 @@ def convert_pages(pool: PagedKvPool, src: torch.Tensor, kernel: Callable) -> Pag
 
 
 def main(tokens: int = 131072):
-    """Build the gather; on a GPU, convert a `tokens`-token request's pages with it and with torch, count the elements
-    that differ (none should: `dequantize_rows_bf16` is its definition), then time the kernel alone and through
-    `bf16_pages` (host plan included), each as GB/s of the bytes it reads and writes."""
-    geom = GEMMA4_31B
-    if not built_on_device(f"{NAME} {DEFAULTS}", build(geom, **DEFAULTS)):
-        return
+    """The gather over a `tokens`-token request's pages, checked element for element against torch's
+    (`dequantize_rows_bf16` is its definition: none may differ), then timed (`tl.check_then_time`)."""
     from ..fp8 import FP8_DTYPE, quantize_rows
 
-    dev = torch.device("cuda")
-    lay = PagedKvLayout.for_tokens(tokens, geometry=geom, format=KvFormat.FOLDED, dtype=FP8_DTYPE)
-    rows = torch.randn(lay.num_pages, geom.num_kv_heads, lay.page_size, lay.row_width, device=dev)
-    q, s = quantize_rows(rows)
-    pool = PagedKvPool(lay, data=q, scales=s)
-    table = pool.allocate([tokens], scatter_seed=0)
-    got, _ = bf16_pages(pool, table)
-    want, _ = bf16_pages_reference(pool, table)
-    print(f"{int((got.data.view(torch.int16) != want.data.view(torch.int16)).sum())} of {got.data.numel()} differ")
-    from tilelang.profiler import do_bench  # TileLang's timer, in ms
+    geom = GEMMA4_31B
 
-    moved = pool.data.numel() + pool.scales.numel() * 4 + got.data.numel() * 2
-    kernel = resolve.kernel(NAME, geom, kernel_params(pool))
-    src = table.page_ids[0].to(dev).contiguous()
-    for what, fn in (("kernel alone", lambda: kernel(pool.data, pool.scales, src, got.data)),
-                     ("bf16_pages (host plan + launch)", lambda: bf16_pages(pool, table))):
-        us = do_bench(fn) * 1e3
-        print(f"{what}: {us:.1f} us for {tokens} tokens, {moved / us / 1e3:.0f} GB/s moved")
+    def setup(dev):
+        lay = PagedKvLayout.for_tokens(tokens, geometry=geom, format=KvFormat.FOLDED, dtype=FP8_DTYPE)
+        q, s = quantize_rows(torch.randn(lay.num_pages, geom.num_kv_heads, lay.page_size, lay.row_width, device=dev))
+        pool = PagedKvPool(lay, data=q, scales=s)
+        table = pool.allocate([tokens], scatter_seed=0)
+        src = table.page_ids[0].to(dev).contiguous()  # one request: its pages in order
+        got = torch.empty(_bf16_layout(pool, int(src.numel())).shape, dtype=torch.bfloat16, device=dev)
+        kernel = resolve.kernel(NAME, geom, kernel_params(pool))
+        want = bf16_pages_reference(pool, table)[0].data.view(torch.int16)
+        return (lambda: kernel(pool.data, pool.scales, src, got),
+                lambda: f"{int((got.view(torch.int16) != want).sum())} of {got.numel()} differ")
+
+    check_then_time(f"{NAME} {DEFAULTS}", build(geom, **DEFAULTS), setup)
 
 
 if __name__ == "__main__":

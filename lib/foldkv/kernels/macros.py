@@ -283,24 +283,3 @@ def convert_e4m3_macro(rows: int, cols: int, threads: int):
 
     return convert_e4m3
 
-
-def e4m3_conversion_program(rows: int = 64, cols: int = 128, threads: int = 128,
-                            source: str = E4M3_TO_BF16_SOURCE):
-    """A one-CTA TileLang prim_func that converts codes [rows, cols] e4m3 to out [rows, cols] bf16 through
-    `convert_e4m3_macro`, shared memory to shared memory as the decode does: the conversion's own test (`source`: a
-    deliberately broken copy of the device code, for its red twin)."""
-    import tilelang.language as T
-
-    convert = convert_e4m3_macro(rows, cols, threads)
-
-    @T.prim_func
-    def e4m3_to_bf16(codes: T.Tensor((rows, cols), "float8_e4m3"), out: T.Tensor((rows, cols), "bfloat16")):
-        with T.Kernel(1, threads=threads):
-            T.import_source(source)
-            stored = T.alloc_shared((rows, cols), "float8_e4m3")
-            tile = T.alloc_shared((rows, cols), "bfloat16")
-            T.copy(codes, stored)
-            convert((Convert(stored, tile, 0),))
-            T.copy(tile, out)
-
-    return e4m3_to_bf16

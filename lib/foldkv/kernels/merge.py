@@ -191,44 +191,42 @@ __all__ = ["merge_groups_program", "merge_final_program", "build_merge_groups", 
 
 
 def main(seq_len: int = 40002, chunk_tokens: int = 1024, merge_group: int = 8):
-    """Build both merges; on a GPU, merge the random partials of one request (the plan of `seq_len` tokens on a split
-    pool) and check against torch's log-sum-exp merge, then time the pair."""
+    """Both merges over the random partials of one request (the plan of `seq_len` tokens on a split pool), checked
+    against torch's log-sum-exp merge, then timed as a pair with the two copies of the partials (`check_then_time`)."""
     import torch
 
-    from ..config import GEMMA4_31B
+    from ..config import GEMMA4_31B as G
     from ..layout import KvFormat
     from ..pool import PagedKvLayout
     from .plan import plan_decode
+    from .tl import check_then_time
 
-    groups, final = build_merge_groups(GEMMA4_31B), build_merge_final(GEMMA4_31B)
-    print(f"merge_groups {len(groups.get_kernel_source())}, merge_final {len(final.get_kernel_source())} chars of CUDA")
-    if not torch.cuda.is_available():
-        print("no CUDA device: built, not checked or timed")
-        return groups, final
-    dev = torch.device("cuda")
-    plan = plan_decode(PagedKvLayout(GEMMA4_31B, KvFormat.SPLIT, 64, 0), [seq_len], device=dev,
-                       chunk_tokens=chunk_tokens, merge_group=merge_group)
-    part_o = torch.randn(plan.part_o.shape, device=dev)
-    part_lse = torch.randn(plan.part_lse.shape, device=dev) * 4
-    weights = torch.softmax(part_lse.double() * LN2, dim=0)  # [C, Hq]: every chunk belongs to request 0
-    want = (weights[..., None] * part_o.double()).sum(0)  # [Hq, D] head order (split: identity columns)
-    want_lse = torch.logsumexp(part_lse.double() * LN2, dim=0)  # [Hq] natural log
-    out = torch.empty(1, GEMMA4_31B.num_q_heads, GEMMA4_31B.head_dim, dtype=torch.bfloat16, device=dev)
-    lse = torch.empty(1, GEMMA4_31B.num_q_heads, device=dev)
+    groups, final = build_merge_groups(G), build_merge_final(G)
 
-    def run():
-        plan.part_o.copy_(part_o)
-        plan.part_lse.copy_(part_lse)
-        groups(plan.part_o, plan.part_lse, plan.group_first, plan.group_count)
-        final(plan.part_o, plan.part_lse, plan.group_first, plan.req_group_first, plan.req_group_count,
-              plan.value_head_column, out, lse)
+    def setup(dev):
+        plan = plan_decode(PagedKvLayout(G, KvFormat.SPLIT, 64, 0), [seq_len], device=dev, chunk_tokens=chunk_tokens,
+                           merge_group=merge_group)
+        part_o, part_lse = torch.randn(plan.part_o.shape, device=dev), torch.randn(plan.part_lse.shape, device=dev) * 4
+        weights = torch.softmax(part_lse.double() * LN2, dim=0)  # [C, Hq]: every chunk belongs to request 0
+        want = (weights[..., None] * part_o.double()).sum(0)  # [Hq, D] head order (split: identity columns)
+        want_lse = torch.logsumexp(part_lse.double() * LN2, dim=0)  # [Hq] natural log
+        out = torch.empty(1, G.num_q_heads, G.head_dim, dtype=torch.bfloat16, device=dev)
+        lse = torch.empty(1, G.num_q_heads, device=dev)
 
-    run()
-    print(f"{plan.num_chunks} partials: max |out - ref| {float((out[0].double() - want).abs().max()):.2e}, "
-          f"max |lse - ref| {float((lse[0].double() - want_lse).abs().max()):.2e}")
-    from tilelang.profiler import do_bench  # TileLang's timer, in ms
-    print(f"{do_bench(run) * 1e3:.1f} us per merge pair (with the two copies of the partials)")
-    return groups, final
+        def run():
+            plan.part_o.copy_(part_o)
+            plan.part_lse.copy_(part_lse)
+            groups(plan.part_o, plan.part_lse, plan.group_first, plan.group_count)
+            final(plan.part_o, plan.part_lse, plan.group_first, plan.req_group_first, plan.req_group_count,
+                  plan.value_head_column, out, lse)
+
+        def check():
+            return (f"{plan.num_chunks} partials: max |out - ref| {float((out[0].double() - want).abs().max()):.2e},"
+                    f" max |lse - ref| {float((lse[0].double() - want_lse).abs().max()):.2e}")
+
+        return run, check
+
+    check_then_time("merge_groups + merge_final", final, setup)
 
 
 if __name__ == "__main__":

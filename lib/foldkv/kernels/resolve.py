@@ -1,17 +1,7 @@
-"""The one way a launcher gets a kernel: `kernel(name, geometry, params, backend)`, with one cache.
-
-    k = kernel("prefill_folded", geom, {"page_size": 128})            # "jit": built by the variant's builder
-    k = kernel("decode_partial_split", geom, backend="aot")           # from the active AOT build (foldkv.aot)
-
-`params` override the variant's registered params (`registry.py`) by name; a name the variant does not have is
-refused. Backend "jit" builds with those params; backend "aot" loads the kernel of that name from the active AOT build
-and first refuses (AotMismatchError) every param that differs from what the build's manifest recorded for it, page
-size included, and a geometry or format the build was not made for. Every launcher (decode, prefill, prep) gets its
-kernels here; `launch_kernels` adds the one public way to run a kernel that is not in the library (an experiment's
-variant): a launcher's `kernels={name: callable}` replaces what this resolver would give for that name.
-
-foldkv.aot is imported only inside the "aot" branch, and it imports no launcher: no import cycle.
-"""
+"""The one way a launcher gets a kernel: `kernel(name, geometry, params, backend)`, with one cache (DEVELOPERS.md, "One
+launch path": params override the registered ones by name; "aot" first refuses any that differ from the manifest's);
+`launch_kernels` also takes a launcher's `kernels={name: callable}`, an experiment's kernel in place of that one.
+foldkv.aot is imported only inside the "aot" branch, and it imports no launcher: no import cycle."""
 
 from __future__ import annotations
 

@@ -76,3 +76,17 @@ def built_on_device(label: str, kernel) -> bool:
         print("no CUDA device: built, not checked or timed")
         return False
     return True
+
+
+def check_then_time(label: str, kernel, setup) -> None:
+    """A kernel file's `main()`: `built_on_device`, then on the device `setup(device)` gives `(run, check)`: one
+    `run()`, the line `check()` returns (the output against its reference), and `run` timed by TileLang's do_bench."""
+    if not built_on_device(label, kernel):
+        return
+    import torch
+    from tilelang.profiler import do_bench  # TileLang's timer, in ms
+
+    run, check = setup(torch.device("cuda"))
+    run()
+    print(check())
+    print(f"{do_bench(run) * 1e3:.1f} us a launch")

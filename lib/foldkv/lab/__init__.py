@@ -1,7 +1,7 @@
 """foldkv.lab: what the notebooks, harnesses and tests use to measure the runtime (benchmarks, peers, correctness
 gates, the drift study with its model integration and synthetic checkpoints, run records, notebook parameters).
 
-The runtime (`foldkv` itself: config, layout, pool, prep, reference, floor, validate, kernels, aot) never imports
+The runtime (`foldkv` itself: config, layout, pool, prep, reference, validate, kernels, aot) never imports
 this package.
 """
 

@@ -3,9 +3,9 @@ global layers' cache bytes computed for a geometry (the 31B) at a context, and t
 generation really holds (a tiny synthetic Gemma 4). The full-size model's timings are `foldkv.lab.model_decode`'s.
 
 Bytes. A DynamicCache global layer keeps K and V, each [B, Hkv, T, D] in the model dtype: per token and KV head 2D
-elements, the split row (`foldkv.floor.step_bytes(geom, SPLIT, ...)["kv"]`, unpaged: it holds exactly the T tokens
+elements, the split row (`byte_floor.step_bytes(geom, SPLIT, ...)["kv"]`, unpaged: it holds exactly the T tokens
 seen). A FoldKvCache global layer allocates its pool when it is made: per sequence the whole pages of `max_tokens`
-(`foldkv.floor.pool_bytes`), split rows (2D) or folded rows (D + R: 640 of 1024 columns at the 31B geometry).
+(`byte_floor.pool_bytes`), split rows (2D) or folded rows (D + R: 640 of 1024 columns at the 31B geometry).
 
 Arms (`GENERATE_ARMS`): `sdpa` (transformers' own attention for Gemma 4 and its DynamicCache), `flash_attention_2`
 (the same with FlashAttention 2, when installed), `foldkv-folded` / `foldkv-split` (attn_implementation "foldkv",
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..config import AttentionGeometry
-from ..floor import pool_bytes, step_bytes
+from .byte_floor import pool_bytes, step_bytes
 from ..layout import KvFormat
 from .arms import ArmUnavailable
 from .model import cache_keyword, check_arm_available, foldkv_implementation, incumbent_implementation

@@ -15,7 +15,7 @@ How a cell is timed (notes for whoever reads the numbers):
   the IQR, plus paired per-round ratios between arms (`stats`).
 - The read roof is measured in the same process by a streaming-read kernel (Triton grid-stride sum, and a torch
   sum; the faster is the roof), at the start and end of the run (`roofs`). GB/s means 1e9 bytes/s.
-- Byte model: `foldkv.floor.step_bytes`, the pool bytes of the context in the arm's format plus the query read and
+- Byte model: `foldkv.lab.byte_floor.step_bytes`, the pool bytes of the context in the arm's format plus the query read and
   the output (bf16) and LSE (float32) written. % of roof = those bytes / time / roof. Prefill FLOPs:
   4 * C * (K - C/2) * Hq * D for a chunk of C queries at the end of a K-token context (causal).
 

@@ -238,7 +238,7 @@ def _stream_read(dtype: torch.dtype, fmt: KvFormat = KvFormat.FOLDED) -> Callabl
         """The streaming read (`roofs.stream_read_arm`) of the bytes a `fmt` decode reads from its pool of `dtype`
         (an FP8 pool's scales included), over as many rotated copies as the case's pools of that format (its buffers
         capped: the case's pools already hold the memory)."""
-        from foldkv import floor
+        from foldkv.lab import byte_floor as floor
 
         from .roofs import stream_read_arm
 

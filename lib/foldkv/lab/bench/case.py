@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from foldkv import floor
+from foldkv.lab import byte_floor as floor
 from foldkv.config import GEMMA4_31B, AttentionGeometry
 from foldkv.fp8 import FP8_DTYPE
 from foldkv.layout import KvFormat
@@ -98,7 +98,7 @@ KIND_ROWS = {"split": (KvFormat.SPLIT, torch.bfloat16), "folded": (KvFormat.FOLD
 
 
 def kind_bytes(geom: AttentionGeometry, kind: str, seq_lens: Sequence[int], q_lens: Sequence[int] | None = None) -> int:
-    """`foldkv.floor.step_bytes` of a pool kind: "split" / "folded" (bf16), "folded_fp8" (foldkv's FP8 row with its
+    """`foldkv.lab.byte_floor.step_bytes` of a pool kind: "split" / "folded" (bf16), "folded_fp8" (foldkv's FP8 row with its
     scales), "split_fp8" (FlashInfer's e4m3 split pool, per-tensor scales: half the bf16 split pool's rows)."""
     if kind == "split_fp8":
         parts = floor.step_bytes(geom, KvFormat.SPLIT, seq_lens, q_lens=q_lens)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from foldkv import floor
+from foldkv.lab import byte_floor as floor
 from foldkv.config import GEMMA4_31B, AttentionGeometry
 
 from ..palette import Styles, legend_beside, legend_right_of
@@ -109,7 +109,7 @@ def decode_figure(results: dict, *, redrawn_from: str | None = None) -> Any:
 def memory_and_batch_figure(results: dict, *, geom: AttentionGeometry = GEMMA4_31B,
                             redrawn_from: str | None = None) -> Any:
     """Two panels: the KV pool of one request over the model's global layers per format against context (the byte
-    model `foldkv.floor.pool_bytes`, not a measurement), and µs per step of every arm on the ragged batches."""
+    model `foldkv.lab.byte_floor.pool_bytes`, not a measurement), and µs per step of every arm on the ragged batches."""
     import matplotlib.pyplot as plt
 
     params = results.get("params", {})

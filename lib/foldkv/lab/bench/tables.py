@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from foldkv import floor
+from foldkv.lab import byte_floor as floor
 from foldkv.config import GEMMA4_31B, AttentionGeometry
 
 from .arms import READ_FOLDED

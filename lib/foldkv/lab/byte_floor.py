@@ -12,9 +12,9 @@ from typing import Sequence
 
 import torch
 
-from .config import AttentionGeometry
-from .layout import KvFormat
-from .pool import GIB, PagedKvLayout
+from ..config import AttentionGeometry
+from ..layout import KvFormat
+from ..pool import GIB, PagedKvLayout
 
 
 @dataclass(frozen=True)
