@@ -16,7 +16,8 @@
 #   PART=step_ab  the GPU tests of the runtime that the layering, the reset and the fused prefill touched, then the
 #                 31B decode step at 4K x 1, 32K x 8 and 128K x 8 at the commit before the layering (its lib/ and bench/
 #                 carried in .before/: `git archive ba2118d lib bench | tar -x -C .before`) and at this one, in turn
-#                 (~5-6 min)
+#                 (~5-6 min; AB_TESTS, AB_CELLS: other test files and cells; AB_JIT_S: the kernels built side by side
+#                 first, under that cap)
 #   PART=prefill  time to first token of the 31B through generate(): every arm's kernels built into an empty cache
 #                 (warm), first use in a fresh process with warm caches (new prompt lengths, then under cProfile: where
 #                 it goes), one profiled 16K prefill by component, steady-state TTFT at 4K and 32K (every arm,
@@ -117,11 +118,15 @@ if [ "$PART" = prefill ]; then  # one TileLang cache for the call's processes: w
 fi
 
 if [ "$PART" = step_ab ]; then  # one TileLang cache: the second commit's unchanged kernels load from it
-  FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-170} python3 -m pytest -q -x -ra --tb=short -p no:cacheprovider \
-    tests/test_hf_gpu.py tests/test_fused_step_gpu.py tests/test_prefill_fused_gpu.py \
-    tests/test_window_attention_gpu.py -k "not against_float64" > "$OUTD/step_ab_pytest.log" 2>&1
+  if [ -n "${AB_JIT_S:-}" ]; then  # the kernels the tests build, side by side first (else each test compiles in turn)
+    timeout $AB_JIT_S python3 scripts/jit_build_all.py > "$OUTD/step_ab_jit.log" 2>&1
+    echo "jit build rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/step_ab_jit.log")"
+  fi
+  FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-170} python3 -m pytest -q ${AB_X--x} -ra --tb=short -p no:cacheprovider \
+    ${AB_TESTS:-tests/test_hf_gpu.py tests/test_fused_step_gpu.py tests/test_prefill_fused_gpu.py \
+    tests/test_window_attention_gpu.py} -k "not against_float64" > "$OUTD/step_ab_pytest.log" 2>&1
   echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/step_ab_pytest.log")"
-  CELLS="--decode foldkv-folded:4096:1 foldkv-folded:32768:8 foldkv-folded:131072:8"  # notebook 05's cells of the 1% check
+  CELLS="--decode ${AB_CELLS:-foldkv-folded:4096:1 foldkv-folded:32768:8 foldkv-folded:131072:8}"  # notebook 05's cells of the 1% check
   for side in before after; do
     if [ $side = before ]; then PP="$PWD/.before/lib:${PYTHONPATH#$PWD/lib:}"; B=.before/bench; else PP=$PYTHONPATH; B=bench; fi
     PYTHONPATH=$PP timeout ${AB_S:-150} python3 $B/model_decode_probe.py $CELLS > "$OUTD/step_ab_$side.log" 2>&1
