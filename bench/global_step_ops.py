@@ -4,7 +4,7 @@ The tiny synthetic Gemma 4 (the global layers have the 31B's geometry: 32 q head
 (the dtype the 31B runs in, so the float32 round trips of `fold_query` show), a FoldKvCache with decode_step="static"
 (what the CUDA graph records, run eagerly). The CPU's reference attention is swapped for a stand-in workspace whose
 `query` / `out` buffers are DecodeWorkspace's (bf16 [B, Hq, D]) and whose `step` runs nothing, so `_global_decode`
-takes CUDA's branch (`ws.query[:b].copy_(folded); ws.step(...)`) verbatim; the decode kernel itself is counted as one.
+takes CUDA's branch (the fold into `ws.query`, then `ws.step(...)`) verbatim; the decode kernel itself is counted as one.
 What it counts is `DecodeStep.attend`'s torch path (on the CPU every call takes it; on CUDA an FP8 pool's, or any pool's
 with `StepOptions(fuse_global=False)`): on CUDA a bf16 pool's query and row are `foldkv.global_step`'s two kernels.
 
@@ -74,7 +74,7 @@ class FakeWorkspace:
 
 def count(fmt: str, batch: int) -> list:
     import foldkv.hf  # noqa: F401
-    from foldkv import hf_graph
+    from foldkv import hf_graph, prep
     from foldkv.hf import FoldKvCache
     from foldkv.lab.model import cache_keyword, load_model
     from foldkv.lab.synthetic import make_synthetic_checkpoint
@@ -116,7 +116,7 @@ def count(fmt: str, batch: int) -> list:
         return inner
 
     for fn in ("rows_from_key_value", "fold_query", "store_rows"):
-        setattr(hf_graph, fn, wrap(fn, getattr(hf_graph, fn)))
+        setattr(prep, fn, wrap(fn, getattr(prep, fn)))  # the torch definition's steps (prep.fold_and_store)
     own_decode = hf_graph.DecodeStep._global_decode
     step._global_decode = wrap("_global_decode", own_decode.__get__(step))
     own_attend = hf_graph.DecodeStep.attend

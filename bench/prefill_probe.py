@@ -42,9 +42,7 @@ import torch
 # The functions the profile wraps in the lab's prefill scopes (foldkv.lab.prefill_scopes), by dotted name; the text
 # model's forward (one prefill chunk) goes in CHUNK. foldkv.lab.prefill_breakdown does the accounting.
 WRAPPED = {
-    "foldkv.hf.rows_from_key_value": "PREP",
-    "foldkv.hf.fold_query": "PREP",
-    "foldkv.hf.write_tokens": "PREP",
+    "foldkv.global_step.fold_and_store": "PREP",
     "foldkv.hf.FoldKvCache.pool_attention": "GLOBAL_ATTENTION",
     "foldkv.hf._sliding_attention": "SLIDING_ATTENTION",
     "foldkv.window_attention.window_attention": "SLIDING_ATTENTION",

@@ -172,10 +172,10 @@ def test_reference_arms_reproduce_incumbent_logits(model32, settings, arm, lengt
 
 
 def _fold_without_w_k(monkeypatch):
-    import foldkv.hf
+    import foldkv.prep
 
-    orig = foldkv.hf.fold_query
-    monkeypatch.setattr(foldkv.hf, "fold_query", lambda geom, fmt, q, w, dtype: orig(geom, fmt, q, torch.ones_like(w), dtype))
+    orig = foldkv.prep.fold_query
+    monkeypatch.setattr(foldkv.prep, "fold_query", lambda geom, fmt, q, w, dtype: orig(geom, fmt, q, torch.ones_like(w), dtype))
 
 
 def _values_left_in_window_order(monkeypatch):

@@ -128,8 +128,8 @@ def _edit(call, what):
 
 
 TWINS = {"no workspace": "no foldkv DecodeWorkspace", "fp8 pool": "FP8", "float32 pool": "float32 pool",
-         "float16 query": "dtypes", "one head short": "shapes", "workspace too short": "workspace query",
-         "int32 pages": "store_pages", "k_norm weight too long": "k_norm weight"}
+         "float16 query": "dtypes", "one head short": "shapes", "workspace too short": "query out",
+         "int32 pages": "pages", "k_norm weight too long": "k_norm weight"}
 
 
 @pytest.mark.parametrize("what", sorted(TWINS))
@@ -248,3 +248,106 @@ def test_the_branch_leaves_a_cpu_step_alone(tmp_path):
     with glue.installed() as took:
         branched = run()
     assert took["steps"] == 0 and torch.equal(branched, plain)
+
+
+# --- the one fold and store: its torch definition on the CPU, its destination, what its kernels describe -----------
+
+def _fold_inputs(n=5, fmt="folded", dtype=BF16, seed=0):
+    from foldkv import GEMMA4_31B
+
+    geom = GEMMA4_31B
+    g = torch.Generator().manual_seed(seed)
+    pool = _pool(fmt, dtype)
+    pool.data.fill_(float("nan"))
+    q = torch.randn(n, geom.num_q_heads, geom.head_dim, generator=g).to(dtype)
+    k = torch.randn(n, geom.num_kv_heads, geom.head_dim, generator=g).to(dtype)
+    v = torch.randn(n, geom.num_kv_heads, geom.head_dim, generator=g).to(dtype)
+    w = (torch.rand(geom.head_dim, generator=g) + 0.5).to(dtype)
+    pages = torch.arange(n, dtype=torch.long) % 2
+    offsets = torch.arange(n, dtype=torch.long) + 3
+    return pool, pages, offsets, q, k, v, w
+
+
+@pytest.mark.parametrize("fmt", ["folded", "split"])
+def test_fold_and_store_is_the_torch_definition_with_its_destination(fmt):
+    """global_step.fold_and_store on the CPU is prep.fold_and_store: the rows `rows_from_key_value` at their slots
+    (nothing else written), the query `fold_query`, returned, or written into out[:N] (rows past N untouched)."""
+    from foldkv import global_step as gs
+    from foldkv.prep import fold_query, rows_from_key_value
+
+    pool, pages, offsets, q, k, v, w = _fold_inputs(fmt=fmt)
+    geom, n = pool.geometry, q.shape[0]
+    assert gs.kernel_refusal(pool, q, k, v, w, pages, offsets, None) == "not CUDA"
+    got = gs.fold_and_store(pool, pages, offsets, q, k, v, w)
+    assert torch.equal(got, fold_query(geom, fmt, q, w, BF16))
+    assert torch.equal(pool.data[pages, :, offsets], rows_from_key_value(geom, fmt, k, v, BF16))
+    written = torch.zeros(pool.data.shape[:3], dtype=torch.bool)
+    written[pages, :, offsets] = True
+    assert bool(torch.isnan(pool.data[~written]).all())
+    out = torch.full((n + 2, geom.num_q_heads, geom.head_dim), 7.0, dtype=BF16)
+    placed = gs.fold_and_store(pool, pages, offsets, q, k, v, w, out=out)
+    assert placed.data_ptr() == out.data_ptr() and torch.equal(out[:n], got) and bool((out[n:] == 7).all())
+    # red twin: another weight folds another query (the split query reads no w_k)
+    assert torch.equal(gs.fold_and_store(pool, pages, offsets, q, k, v, w * 2), got) == (fmt == "split")
+
+
+GENERIC_TWINS = {"fp8 pool": "FP8", "float16 query": "dtypes", "one head short": "shapes",
+                 "out too short": "query out", "int32 offsets": "offsets", "cuda off": "fuse_global is off"}
+
+
+@pytest.mark.parametrize("what", sorted(GENERIC_TWINS))
+def test_kernel_refusal_of_a_fold_and_store_says_why(what):
+    """A prefill's call (N tokens, a new query or a destination): described up to "not CUDA"; each thing the kernels
+    do not describe answers its own reason."""
+    from foldkv import global_step as gs
+    from foldkv.fp8 import FP8_DTYPE
+    from foldkv.step_options import StepOptions, using
+
+    pool, pages, offsets, q, k, v, w = _fold_inputs()
+    out = torch.zeros(q.shape, dtype=BF16)
+    assert gs.kernel_refusal(pool, q, k, v, w, pages, offsets, out) == "not CUDA"
+    options = StepOptions()
+    if what == "fp8 pool":
+        pool = _pool("folded", FP8_DTYPE)
+    elif what == "float16 query":
+        q = q.to(torch.float16)
+    elif what == "one head short":
+        k = k[:, 1:]
+    elif what == "out too short":
+        out = out[:1]
+    elif what == "int32 offsets":
+        offsets = offsets.int()
+    else:
+        options = StepOptions(fuse_global=False)
+    with using(options):
+        why = gs.kernel_refusal(pool, q, k, v, w, pages, offsets, out)
+    assert why is not None and why != "not CUDA" and GENERIC_TWINS[what] in why, why
+
+
+def test_every_global_layer_of_an_eager_cpu_generate_folds_and_stores_through_the_one_path(tmp_path, monkeypatch):
+    """decode_step="eager": the prompt's and every decode step's global layers fold and store through
+    global_step.fold_and_store (the torch definition on the CPU, no kernel launched); a cache asked for the per-layer
+    graphs that are gone (cuda_graphs=) is refused, saying where the capture went."""
+    require_module("transformers")
+    require_module("safetensors")
+    import foldkv.hf  # noqa: F401
+    from foldkv import FoldKvInputError, global_step as gs
+    from foldkv.hf import FoldKvCache
+    from foldkv.lab.model import cache_keyword, load_model
+    from foldkv.lab.synthetic import make_synthetic_checkpoint
+
+    ckpt = make_synthetic_checkpoint(tmp_path, seed=3, sliding_window=8, **TINY_SYNTHETIC)
+    model = load_model(ckpt, dtype=torch.float32, attn_implementation="foldkv")
+    ids, mask = left_padded_batch(LENGTHS, TINY_SYNTHETIC["vocab_size"])
+    calls = []
+    real = gs.fold_and_store
+    monkeypatch.setattr(gs, "fold_and_store", lambda *a, **k: calls.append(a[3].shape[0]) or real(*a, **k))
+    for name in ("query_into", "row_into_pool"):
+        monkeypatch.setattr(gs, name, lambda *a, _n=name: pytest.fail(f"{_n} launched on the CPU"))
+    cache = FoldKvCache(model, max_batch=4, max_tokens=max(LENGTHS) + NEW, scatter_seed=5, decode_step="eager")
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                   **{cache_keyword(model): cache})
+    layers = len(cache.global_layers)
+    assert calls == [sum(LENGTHS)] * layers + [len(LENGTHS)] * ((NEW - 1) * layers), calls
+    with pytest.raises(FoldKvInputError, match="cuda_graphs= is gone: decode_step='graph'"):
+        FoldKvCache(model, max_batch=4, max_tokens=32, cuda_graphs=True)

@@ -136,28 +136,28 @@ def _scores_gap(models, batch, incumbent, cache) -> tuple[float, bool]:
 
 @pytest.mark.parametrize("fmt", ["folded", "split"])
 def test_corrupted_pool_row_changes_the_generation(models, batch, incumbent, monkeypatch, fmt):
-    import foldkv.hf
+    import foldkv.prep
 
-    real_write = foldkv.hf.write_tokens
+    real_store = foldkv.prep.store_rows
     calls = []
 
-    def corrupting_write(pool, table, request, positions, rows):
+    def corrupting_store(pool, pages, offsets, rows, **kwargs):
         calls.append(1)
         if len(calls) == 1:  # the first global layer's prompt: one token's rows of sequence 1 negated
             rows = rows.clone()
             rows[LENGTHS[0] + 3] *= -1
-        return real_write(pool, table, request, positions, rows)
+        return real_store(pool, pages, offsets, rows, **kwargs)
 
-    monkeypatch.setattr(foldkv.hf, "write_tokens", corrupting_write)
+    monkeypatch.setattr(foldkv.prep, "store_rows", corrupting_store)
     gap, same_tokens = _scores_gap(models, batch, incumbent, _cache(models["foldkv_eager"], fmt))
     assert gap > 0.1 and not same_tokens, f"a negated pool row went unnoticed (gap {gap:.2e})"
 
 
 def test_fold_without_k_norm_changes_the_generation(models, batch, incumbent, monkeypatch):
-    import foldkv.hf
+    import foldkv.prep
 
-    real_fold = foldkv.hf.fold_query
-    monkeypatch.setattr(foldkv.hf, "fold_query",
+    real_fold = foldkv.prep.fold_query
+    monkeypatch.setattr(foldkv.prep, "fold_query",
                         lambda geom, fmt, q, w, dtype: real_fold(geom, fmt, q, torch.ones_like(w), dtype))
     gap, same_tokens = _scores_gap(models, batch, incumbent, _cache(models["foldkv_eager"], "folded"))
     assert gap > 0.1 and not same_tokens, f"a fold that forgets w_k went unnoticed (gap {gap:.2e})"
@@ -165,15 +165,15 @@ def test_fold_without_k_norm_changes_the_generation(models, batch, incumbent, mo
 
 def test_unwritten_row_reads_as_nan(models, batch, incumbent, monkeypatch):
     """A row the store skips is read as the NaN poison, not as stale or zero data."""
-    import foldkv.hf
+    import foldkv.prep
 
-    real_write = foldkv.hf.write_tokens
+    real_store = foldkv.prep.store_rows
 
-    def skipping_write(pool, table, request, positions, rows):
-        keep = positions != 2
-        return real_write(pool, table, request[keep], positions[keep], rows[keep])
+    def skipping_store(pool, pages, offsets, rows, **kwargs):
+        keep = offsets != 2  # position 2 of each prompt (all shorter than a page)
+        return real_store(pool, pages[keep], offsets[keep], rows[keep], **kwargs)
 
-    monkeypatch.setattr(foldkv.hf, "write_tokens", skipping_write)
+    monkeypatch.setattr(foldkv.prep, "store_rows", skipping_store)
     with torch.no_grad():
         cache = _cache(models["foldkv_eager"])
         ids, mask = batch
@@ -322,29 +322,44 @@ def test_import_foldkv_does_not_import_transformers():
 @pytest.mark.parametrize("fmt,dtype", [("folded", torch.bfloat16), ("split", torch.bfloat16),
                                        ("folded", torch.float8_e4m3fn)], ids=["folded", "split", "folded-fp8"])
 def test_kernel_path_hands_the_launchers_what_they_accept(models, batch, fmt, dtype):
-    """The CUDA path on the CPU: each prefill / decode call goes to the real launcher, whose checks all pass up to the
-    last one (the device: CUDA), and is then served by the reference over the same pool (bf16, or the FP8 pool with
-    its scales): the generation must then equal, bit for bit, the reference path's over a pool of that dtype (only
-    the routing differs)."""
-    from foldkv import FoldKvInputError, paged_attention_reference
-    from foldkv.kernels.decode import decode
+    """The CUDA path on the CPU: each prefill call goes to the real launcher and each decode step to the cache's
+    DecodeWorkspace's step, whose checks all pass up to the last one (the device: CUDA); it is then served by the
+    reference over the same pool (bf16, or the FP8 pool with its scales), a decode reading the workspace's query,
+    lengths and page ids (as planned or advanced): the generation must then equal, bit for bit, the reference path's
+    over a pool of that dtype (only the routing differs)."""
+    from foldkv import BlockTable, FoldKvInputError, paged_attention_reference
     from foldkv.kernels.prefill import prefill
+    from foldkv.kernels.workspace import DecodeWorkspace
 
     calls = {"prefill": 0, "decode": 0}
 
-    def through(name, launcher):
+    def through(launcher):
         def call(pool, query, table, *args, **kwargs):
             with pytest.raises(FoldKvInputError, match="CUDA"):
                 launcher(pool, query, table, *args, **kwargs)
-            calls[name] += 1
-            q_lens = args[0] if args else None
-            return paged_attention_reference(pool, query, table, q_lens)[0], None
+            calls["prefill"] += 1
+            return paged_attention_reference(pool, query, table, args[0])[0], None
         return call
 
     model = models["foldkv_eager"]
     cache = _cache(model, fmt, dtype=dtype)
-    cache.attention, cache._kernels = "kernel", {"prefill": through("prefill", prefill),
-                                                  "decode": through("decode", decode)}
+    cache.attention, cache._kernels = "kernel", {"prefill": through(prefill)}
+    own_workspace = cache.decode_workspace
+
+    def workspace(n):
+        ws = own_workspace(n)
+
+        def step(pool, **kwargs):
+            with pytest.raises(FoldKvInputError, match="CUDA"):
+                DecodeWorkspace.step(ws, pool, **kwargs)
+            calls["decode"] += 1
+            b = ws.batch
+            table = BlockTable(ws.page_ids[:b], torch.tensor(ws.seq_lens, dtype=torch.int32))
+            return paged_attention_reference(pool, ws.query[:b], table)[0], None
+        ws.step = step
+        return ws
+
+    cache.decode_workspace = workspace
     tokens, scores = _run(model, batch, cache, new=4)
     layers = len(cache.global_layers)
     assert calls == {"prefill": layers, "decode": 3 * layers}

@@ -62,21 +62,21 @@ def _bf16_ulp(x: float) -> float:
     return 2.0 ** (math.floor(math.log2(max(abs(x), 1e-30))) - 7)
 
 
-# How decode steps run: the whole forward as one CUDA graph (the default), or transformers' forward layer by layer
-# with each global layer's workspace graph, or with the eager launcher.
-STEPS = {"model-graph": dict(decode_step="graph"), "layer-graphs": dict(decode_step="eager", cuda_graphs=True),
-         "eager": dict(decode_step="eager", cuda_graphs=False)}
+# How decode steps run: the whole forward as one CUDA graph (the default), or transformers' forward layer by layer,
+# each global layer's decode the cache's DecodeWorkspace stepped eagerly.
+STEPS = {"model-graph": dict(decode_step="graph"), "eager": dict(decode_step="eager")}
 
 
 def _check_step_kind(cache, step: str) -> None:
-    """The decode steps ran the way `step` says: NEW - 1 replays of the model's graph, or each global layer's
-    workspace graph, or neither."""
+    """The decode steps ran the way `step` says: NEW - 1 replays of the model's graph over the cache's workspace, or
+    the layers' forwards through that workspace (planned for the batch, advanced step by step)."""
+    ws = cache.decode_workspace(len(LENGTHS))
     if step == "model-graph":
         assert cache.decode_step.steps == NEW - 1 and cache.decode_step.graph is not None
-        assert not cache._graphs
+        assert cache.decode_step.ws is ws
     else:
         assert cache.decode_step is None
-        assert len(cache._graphs) == (len(cache.global_layers) if step == "layer-graphs" else 0)
+    assert ws.batch == len(LENGTHS)
 
 
 @pytest.mark.parametrize("step", list(STEPS))

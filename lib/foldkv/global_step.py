@@ -1,34 +1,22 @@
-"""A global layer's work inside `foldkv.hf_graph.DecodeStep`'s step as two Triton kernels, between its projections (or
-its norms and RoPE) and the workspace's decode.
+"""A global layer's fold and store as two Triton kernels: `fold_and_store`, the one path by which a transformers
+forward's global layer (its prefill, its eager decode, `foldkv.hf_graph.DecodeStep`'s step) folds its query and
+stores its rows, bitwise `foldkv.prep.fold_and_store`, the torch definition (13 launches a layer folded, 5 split),
+which every call the kernels do not describe takes (`kernel_refusal`: an FP8 pool's rows are quantized with a per-row
+scale, which the row kernel does not do; not bf16; not CUDA with Triton; `StepOptions.fuse_global` off;
+`global_route` adds the step's own: foldkv's DecodeWorkspace and DecodeStep's global decode). The kernels:
+- `query_into` (`global_query_rows`, grid N x Hq): the format's query read in place from the strided query, written
+  into its destination (`out`: the decode workspace's query); folded, the unrotated columns are fp32(q) * fp32(w_k)
+  rounded once (RNE), fold_query's arithmetic; the rest are moves.
+- `row_into_pool` (`global_row_store`, grid N x Hkv): the row assembled from key/value columns (folded: [K[rot] |
+  V[unrot] | V[rot]], split: [K | V]) stored at its page and offset, read on the device (the step's `store_pages` /
+  `store_offsets`, advanced by its prologue: the step stays graph-capturable). Moves of bf16 values.
+A global layer's decode step launches 19 -> 8 kernels folded, 11 -> 8 split (~0.3 / ~0.1 ms a step on the 31B,
+bench/MODEL_DECODE_NOTES.md); the GPU tests hold the step's tokens and logits equal with fuse_global on and off.
 
-transformers' forward hands `attend` the query [B, Hq, 1, D] and key/value [B, Hkv, 1, D], normed and RoPE'd. The
-library's torch path then makes the format's row (`rows_from_key_value`: gathers and a cat), folds the query
-(`fold_query`: gathers, float32 conversions, a product, a cat), stores the rows (`store_rows`: index_put) and copies
-the query into the workspace: 13 launches a layer folded, 5 split, before the decode. Here they are two:
-- `query_into` (`global_query_rows`, grid B x Hq): the format's query read in place from the strided query and
-  written straight into the workspace's query; folded, the unrotated columns are fp32(q) * fp32(w_k) rounded once to
-  the query dtype (RNE), fold_query's arithmetic. The rotated columns and the whole split query are moves.
-- `row_into_pool` (`global_row_store`, grid B x Hkv): the row assembled from key/value columns (folded: [K[rot] |
-  V[unrot] | V[rot]], split: [K | V]) and stored at the step's slot, page and offset read on the device from
-  DecodeStep's `store_pages` / `store_offsets` (the prologue's tensors: the step stays graph-capturable). Moves of
-  bf16 values; no other row is written.
-Both are bitwise the functions they replace (the GPU tests hold the whole step's tokens and logits equal with
-fuse_global on and off), and the decode after them is the same `ws.step`. A global layer's step launches 19 -> 8
-kernels folded, 11 -> 8 split (the model's 5 norm/RoPE kernels and the decode stay); the 31B's 10 global layers save
-~0.3 ms a step folded, the same at 4K x 1 as at 128K x 8 (launches, not context), ~0.1 ms split
-(bench/MODEL_DECODE_NOTES.md).
-
-Inside `foldkv.fused_step` the global layer's forward is swapped too (`StepOptions.fuse_global_prologue`): it hands the
-projections' outputs to `query_from_projection` and `row_from_projection` (`global_query_prologue`,
-`global_row_prologue`): the model's five norm and RoPE kernels computed inside what the two kernels above do (q_norm
-and RoPE of each query head read in place; k_norm, RoPE and v_norm of the row), both PDL links: 7 launches a layer ->
-2, bitwise the same query and rows (-0.04 ms a step on the 31B at 4K x 1 and 32K x 1, -0.01 at 4K x 8:
-bench/MODEL_DECODE_NOTES.md run 23). `query_into` and `row_into_pool` stay the path of a step without the swap.
-
-`global_route` says which calls they describe: a bf16 pool (folded or split; an FP8 pool's rows are quantized with a
-per-row scale, which the row kernel does not do), bf16 query/key/value, foldkv's DecodeWorkspace with DecodeStep's own
-global decode (not the reference, not a lab arm's other library), CUDA with Triton. Every other call takes the torch
-path.
+Inside `foldkv.fused_step` (`StepOptions.fuse_global_prologue`) the projections' outputs go to
+`query_from_projection` and `row_from_projection` (`global_query_prologue`, `global_row_prologue`): the model's five
+norm and RoPE kernels computed inside the two kernels above, both PDL links: 7 launches a layer -> 2, bitwise the same
+query and rows (bench/MODEL_DECODE_NOTES.md run 23).
 """
 
 from __future__ import annotations
@@ -37,6 +25,7 @@ from typing import Any
 
 import torch
 
+from . import prep
 from .fused_step_ops import _block, _head_rows, _pdl, _rope_table, _warps
 from .layout import KvFormat, rotated_columns, score_window_columns, value_window_columns
 from .step_options import in_force
@@ -156,39 +145,34 @@ def describe_pool(pool: Any) -> str | None:
     return None
 
 
-def global_route(step: Any, layer: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                 value: torch.Tensor) -> str | None:
-    """None when the two kernels describe this call of `DecodeStep.attend` (module docstring), else the reason it takes
-    the torch path. The device and Triton are asked last, so that on the CPU a call the kernels describe answers
-    "not CUDA"."""
+def kernel_refusal(pool: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   k_norm_weight: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor,
+                   out: torch.Tensor | None) -> str | None:
+    """None when the two kernels describe this fold and store (query [N, Hq, D], key / value [N, Hkv, D] into `pool`
+    at pages / offsets, the query into out[:N] or a new tensor; `fold_and_store`), else the reason it takes the torch definition. The
+    device and Triton are asked last, so that on the CPU a call the kernels describe answers "not CUDA"."""
     if not in_force().fuse_global:
         return "StepOptions.fuse_global is off"
-    if getattr(step, "ws", None) is None:
-        return "no foldkv DecodeWorkspace (reference attention, or another library's global decode)"
-    if not step.serves_global_decode():
-        return f"{type(step).__name__} decodes the global layers its own way"
-    pool, geom = layer.pool, layer.geometry
     why = describe_pool(pool)
     if why:
         return why
-    b = query.shape[0]
+    geom = pool.geometry
+    n = query.shape[0]
     hq, hkv, d = geom.num_q_heads, geom.num_kv_heads, geom.head_dim
-    if query.shape != (b, hq, 1, d) or key.shape != (b, hkv, 1, d) or value.shape != key.shape:
+    if query.shape != (n, hq, d) or key.shape != (n, hkv, d) or value.shape != key.shape:
         return f"shapes q {tuple(query.shape)} k {tuple(key.shape)} v {tuple(value.shape)}"
     if not (query.dtype == key.dtype == value.dtype == BF16):
         return f"dtypes q {query.dtype} k {key.dtype} v {value.dtype}: the kernels take bf16"
-    q_out = step.ws.query
-    if (q_out.dtype != pool.layout.query_dtype or not q_out.is_contiguous() or q_out.shape[1:] != (hq, d)
-            or q_out.shape[0] < b):
-        return f"workspace query {tuple(q_out.shape)} {q_out.dtype}"
-    devices = {t.device for t in (query, key, value, q_out, pool.data)}
-    w = module.k_norm.weight
+    if out is not None and (out.dtype != pool.layout.query_dtype or not out.is_contiguous()
+                            or out.shape[1:] != (hq, d) or out.shape[0] < n or out.device != query.device):
+        return f"query out {tuple(out.shape)} {out.dtype}"
+    w = k_norm_weight
     if w.dtype not in W_K_DTYPES or w.shape != (d,) or w.device != query.device:
         return f"k_norm weight {tuple(w.shape)} {w.dtype} on {w.device}"
-    for name in ("store_pages", "store_offsets"):
-        t = getattr(step, name)
-        if t.dtype != torch.long or t.dim() != 1 or t.shape[0] < b or t.device != pool.data.device:
+    for name, t in (("pages", pages), ("offsets", offsets)):
+        if t.dtype != torch.long or t.dim() != 1 or t.shape[0] < n or t.device != pool.data.device:
             return f"{name} {tuple(t.shape)} {t.dtype} on {t.device}"
+    devices = {t.device for t in (query, key, value, pool.data)}
     if len(devices) != 1:
         return f"tensors on {sorted(map(str, devices))}"
     if query.device.type != "cuda":
@@ -198,11 +182,49 @@ def global_route(step: Any, layer: Any, module: torch.nn.Module, query: torch.Te
     return None
 
 
+def fold_and_store(pool: Any, pages: torch.Tensor, offsets: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, k_norm_weight: torch.Tensor, *, out: torch.Tensor | None = None,
+                   check_finite: bool = True, kernels: bool | None = None) -> torch.Tensor:
+    """`foldkv.prep.fold_and_store` (same arguments, same result, bitwise): the two kernels when they describe the
+    call (`kernel_refusal`; kernels=True / False: the caller's route has answered, `global_route`), else the torch
+    definition. The one fold and store of a global layer's prefill, eager decode and decode step; `out` places the
+    query (a decode workspace's), pages / offsets [N] the rows (device tensors: the step's are advanced on the
+    device). Returns the query [N, Hq, D]."""
+    if kernels is None:
+        kernels = kernel_refusal(pool, query, key, value, k_norm_weight, pages, offsets, out) is None
+    if not kernels:
+        return prep.fold_and_store(pool, pages, offsets, query, key, value, k_norm_weight, out=out,
+                                   check_finite=check_finite)
+    n = query.shape[0]
+    if out is None:
+        out = query.new_empty(n, pool.geometry.num_q_heads, pool.geometry.head_dim, dtype=pool.layout.query_dtype)
+    query_into(pool.geometry, pool.format, query.unsqueeze(2), k_norm_weight, out)
+    row_into_pool(pool.geometry, pool, key.unsqueeze(2), value.unsqueeze(2), pages, offsets)
+    return out[:n]
+
+
+def global_route(step: Any, layer: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor) -> str | None:
+    """None when the two kernels describe this call of `DecodeStep.attend` (query [B, Hq, 1, D], key / value
+    [B, Hkv, 1, D]: the step's own global decode, its workspace's query, its slots; then `kernel_refusal`), else the
+    reason it takes the torch path."""
+    if not in_force().fuse_global:
+        return "StepOptions.fuse_global is off"
+    if getattr(step, "ws", None) is None:
+        return "no foldkv DecodeWorkspace (reference attention, or another library's global decode)"
+    if not step.serves_global_decode():
+        return f"{type(step).__name__} decodes the global layers its own way"
+    if not (query.dim() == key.dim() == value.dim() == 4 and query.shape[2] == key.shape[2] == value.shape[2] == 1):
+        return f"shapes q {tuple(query.shape)} k {tuple(key.shape)} v {tuple(value.shape)}"
+    return kernel_refusal(layer.pool, query[:, :, 0], key[:, :, 0], value[:, :, 0], module.k_norm.weight,
+                          step.store_pages, step.store_offsets, step.ws.query)
+
+
 _MOVED = {"FUSE_GLOBAL": "pass StepOptions(fuse_global=...) (foldkv.step_options) where the step is made"}
 
 
 __getattr__ = moved(__name__, _MOVED)
 
 
-__all__ = ["column_maps", "describe_pool", "global_route", "query_into", "row_into_pool",
-           "query_from_projection", "row_from_projection"]
+__all__ = ["fold_and_store", "kernel_refusal", "column_maps", "describe_pool", "global_route", "query_into",
+           "row_into_pool", "query_from_projection", "row_from_projection"]

@@ -17,11 +17,11 @@ attention function of the model's implementation with what `update` returned:
   the step's new K/V (normed, RoPE'd, [B, Hkv, T, D]) wrapped in a `NewRows`. The full-attention "mask" is a
   `NewTokens`: which of the step's T columns are real tokens of each sequence (left padding), read from the 2D
   attention mask once per forward. The attention function then, per global layer:
-      rows  = rows_from_key_value(K, V) of the real tokens          [N, Hkv, row_width], pool dtype
-      query = fold_query(Q, module.k_norm.weight) of the real tokens [N, Hq, D], the format's form
-      store the rows at slots len_b .. len_b + n_b - 1 of sequence b's block-table row (only real tokens are stored)
+      fold and store (`foldkv.global_step.fold_and_store`, the torch definition `foldkv.prep.fold_and_store` or its
+              two kernels): the real tokens' rows [N, Hkv, row_width] stored at slots len_b .. len_b + n_b - 1 of
+              sequence b's block-table row, their query [N, Hq, D] folded into the format's form
       attend: CPU (or attention="reference"): foldkv.paged_attention_reference (float64) over the pool;
-              CUDA: foldkv.kernels.prefill (n_b > 1) or foldkv.kernels.decode (one token per sequence)
+              CUDA: foldkv.kernels.prefill (n_b > 1) or the cache's DecodeWorkspace (one token per sequence)
       out   = the real tokens' attention in head order, zeros at padding columns, [B, T, Hq, D] in Q's dtype
   The rows carry their RoPE (the positions transformers gave them), so a slot needs only the order of the tokens.
 Decode steps (one token per sequence, after the prompt) run by default on CUDA as one CUDA graph of the whole
@@ -52,14 +52,14 @@ import torch
 from torch import nn
 
 from .config import AttentionGeometry, ConfigError, geometry_from_config
-from . import ring
+from . import global_step, ring
 from .fp8 import FP8_DTYPE
 from .hf_graph import STEP_MODES, DecodeStep, used_cache_error
 from .hf_loop import install
 from .layout import KvFormat
 from .masks import SLIDING_IMPLEMENTATION, NewTokens, RingMask, SlidingWindow, plain_window
 from .pool import BlockTable, PagedKvLayout, PagedKvPool
-from .prep import fold_query, rope_inv_freq, rows_from_key_value, write_tokens
+from .prep import rope_inv_freq
 from .reference import paged_attention_reference
 from .step_options import StepOptions, in_force
 from .transformers_compat import cache_keyword, norm_eps
@@ -375,7 +375,7 @@ class FoldKvLayer(CacheLayerMixin):
         """Store the real tokens' rows and attend over the pool. query: [B, Hq, T, D] (normed, RoPE'd), new.key /
         new.value: [B, Hkv, T, D]; all on the pool's device. Returns [B, T, Hq, D] in query's dtype, zeros at the
         padding columns."""
-        geom, pool, c = self.geometry, self.pool, self.cache
+        pool, c = self.pool, self.cache
         if c.decode_step is not None and c.decode_step.started:
             return c.decode_step.attend(self, module, query, new.key, new.value)
         b, hq, t, d = query.shape
@@ -394,13 +394,16 @@ class FoldKvLayer(CacheLayerMixin):
         q = query.transpose(1, 2).reshape(b * t, hq, d).index_select(0, idx)  # [N, Hq, D]
         k = new.key.transpose(1, 2).reshape(b * t, -1, d).index_select(0, idx)  # [N, Hkv, D]
         v = new.value.transpose(1, 2).reshape(b * t, -1, d).index_select(0, idx)  # [N, Hkv, D]
-        rows = rows_from_key_value(geom, pool.format, k, v, pool.layout.row_dtype)  # [N, Hkv, W] (FP8: float32, quantized on store)
-        folded = fold_query(geom, pool.format, q, module.k_norm.weight, pool.layout.query_dtype)  # [N, Hq, D]
-        self.host_table.seq_lens[:b] = torch.tensor(new_lens, dtype=torch.int32)
-        write_tokens(pool, self.host_table, request, slots, rows)
-        self.lengths[:b] = new_lens
+        table = BlockTable(self.host_table.page_ids, self.host_table.seq_lens.clone())
+        table.seq_lens[:b] = torch.tensor(new_lens, dtype=torch.int32)
+        pages, offsets = pool.token_slots(table, request, slots)  # refuses before anything is written
         # the sequences with tokens in this forward (a chunk of a chunked prefill may hold none of a short prompt's)
         active = [r for r in range(b) if counts[r]]
+        dev = pool.device
+        folded = global_step.fold_and_store(pool, pages.to(dev), offsets.to(dev), q, k, v, module.k_norm.weight,
+                                            out=c.decode_query(counts))  # [N, Hq, D] the format's form
+        self.host_table.seq_lens.copy_(table.seq_lens)
+        self.lengths[:b] = new_lens
         table = BlockTable(self.host_table.page_ids[active], self.host_table.seq_lens[active].clone())
         out = c.pool_attention(self, folded, table, tuple(counts[r] for r in active))  # [N, Hq, D] head order
         full = torch.zeros(b * t, hq, d, dtype=query.dtype, device=query.device)
@@ -439,8 +442,9 @@ class FoldKvCache(Cache):
     step_options: the decode step's choices (`foldkv.step_options.StepOptions`: merged projections, graph branches,
         the tail links, the fused sliding and global prologues, the global kernels, PDL); None: those in force where
         the cache is made (`step_options.using`), the served ones by default.
-    cuda_graphs (decode_step="eager", kernel attention): each global layer's decode steps replay one CUDA graph of its
-        `foldkv.kernels.workspace.DecodeWorkspace` step; False: the eager launcher with a plan per step.
+    The global layers' decode steps with kernel attention run through one `foldkv.kernels.workspace.DecodeWorkspace`
+        (`decode_workspace`), the decode step's and, with decode_step="eager", each layer's eagerly. (`cuda_graphs`,
+        each layer's step as a graph of its own, is gone: decode_step="graph" captures the whole step.)
     Sliding layers are transformers' DynamicSlidingWindowLayer (until a decode step makes them rings).
     Prompts may be prefilled in chunks (`generate(..., prefill_chunk_size=N)`, transformers' chunked prefill).
     """
@@ -450,7 +454,7 @@ class FoldKvCache(Cache):
     def __init__(self, model: nn.Module, *, max_batch: int, max_tokens: int, kv_format: KvFormat | str = "folded",
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, page_size: int = 64,
                  attention: str = "auto", backend: str = "jit", max_new_tokens: int | None = None,
-                 poison: bool = True, scatter_seed: int | None = None, cuda_graphs: bool = True,
+                 poison: bool = True, scatter_seed: int | None = None, cuda_graphs: None = None,
                  decode_step: str | None = None, fp8_math: str | None = None,
                  step_options: StepOptions | None = None):
         text_model = text_model_of(model)
@@ -490,7 +494,10 @@ class FoldKvCache(Cache):
         self.max_batch, self.max_tokens, self.page_size = int(max_batch), int(max_tokens), int(page_size)
         self.max_new_tokens = None if max_new_tokens is None else int(max_new_tokens)
         self.backend, self.poison, self.scatter_seed = backend, poison, scatter_seed
-        self.cuda_graphs = bool(cuda_graphs) and self.attention == "kernel"
+        if cuda_graphs is not None:
+            raise FoldKvInputError("cuda_graphs= is gone: decode_step='graph' (the default with kernel attention)"
+                                   " captures the whole decode step; decode_step='eager' runs the same workspace"
+                                   " step per layer without a graph")
         if decode_step is None:
             decode_step = "graph" if self.attention == "kernel" else "eager"
         if decode_step not in STEP_MODES:
@@ -505,10 +512,9 @@ class FoldKvCache(Cache):
         self.decode_step: DecodeStep | None = None
         self.sliding_window = int(getattr(cfg, "sliding_window", 0) or 0)
         self.cache_keyword = cache_keyword(model)
-        self._graphs: dict[int, tuple[Any, Any]] = {}  # layer index -> (DecodeWorkspace, its captured step)
         self.batch: int | None = None
         self._kernels: dict[str, Any] = {}
-        self._plan: tuple[tuple[int, ...], Any] | None = None
+        self._workspace = None  # the global layers' DecodeWorkspace (`decode_workspace`), made at the first decode
 
         # which attention module each global layer serves (a cache of another model is refused, by the module)
         self.attention_modules = {i: layer.self_attn for i, layer in enumerate(text_model.layers)}
@@ -598,17 +604,15 @@ class FoldKvCache(Cache):
                 layer.reset()
             else:
                 self.layers[i] = self._sliding_layer()
-        self.batch, self._plan = None, None
-        self._graphs.clear()
+        self.batch = None
         if self.decode_step is not None:
             self.decode_step.reset()
 
     # attention over a pool --------------------------------------------------------------------------------------
     def _load_kernels(self) -> None:
-        from .kernels.decode import decode  # TileLang is imported only when the kernels are asked for
-        from .kernels.prefill import prefill
+        from .kernels.prefill import prefill  # TileLang is imported only when the kernels are asked for
 
-        self._kernels = {"decode": decode, "prefill": prefill}
+        self._kernels = {"prefill": prefill}
         self.resolve_prefill_kernels(self.global_layers[0].pool)
 
     def resolve_prefill_kernels(self, pool: PagedKvPool) -> None:
@@ -621,67 +625,51 @@ class FoldKvCache(Cache):
 
         resolve_kernels(pool, backend=self.backend)
 
+    def decode_workspace(self, batch: int) -> Any:
+        """The one `DecodeWorkspace` of the global layers' decode for `batch` sequences: the decode step's
+        (`DecodeStep`, which plans it) and an eager decode step's (`pool_attention`). Made at the first decode of that
+        many sequences and kept until another count asks (a `reset()` keeps it, as the step keeps its graph over
+        it)."""
+        from .kernels.workspace import DecodeWorkspace
+
+        ws = self._workspace
+        if ws is None or ws.max_batch != batch:
+            layout = self.global_layers[0].pool.layout
+            ws = self._workspace = DecodeWorkspace(layout, max_batch=batch, max_len=self.max_tokens,
+                                                   device=self.device, fp8_math=self.fp8_math)
+        return ws
+
+    def decode_query(self, counts: tuple[int, ...]) -> torch.Tensor | None:
+        """Where a global layer's fold writes this forward's query: the workspace's query when `pool_attention`
+        decodes it there (kernel attention, one token per sequence of the batch), else None (a new tensor)."""
+        if self.attention != "kernel" or min(counts) != 1 or max(counts) != 1:
+            return None
+        return self.decode_workspace(len(counts)).query
+
     def pool_attention(self, layer: FoldKvLayer, query: torch.Tensor, table: BlockTable,
                        counts: tuple[int, ...]) -> torch.Tensor:
         """Attention of the stored step: query [N, Hq, D] (the format's form, pool dtype, pool device), table: the
         batch's host BlockTable (lengths include the step), counts: the step's tokens per sequence (its last
-        positions). Returns [N, Hq, D] head order: float64 (reference) or bf16 (kernels), on the pool's device."""
+        positions). Returns [N, Hq, D] head order: float64 (reference) or bf16 (kernels), on the pool's device.
+        A decode step (one token per sequence) runs the workspace's step (`decode_workspace`): planned when the
+        lengths are new, advanced when each is one longer than last step's."""
         q_lens = torch.tensor(counts, dtype=torch.int32)
         if self.attention == "reference":
             out, _ = paged_attention_reference(layer.pool, query, table, q_lens)
             return out
-        b = table.batch
-        dev_table = BlockTable(layer.device_table.page_ids[:b], layer.device_table.seq_lens[:b])
-        dev_table.seq_lens.copy_(table.seq_lens, non_blocking=True)
-        if min(counts) == 1 and max(counts) == 1 and self.cuda_graphs:
-            return self._graph_decode(layer, query, table)
-        if max(counts) == 1:
-            plan = self._decode_plan(layer, table)
-            fp8 = {"fp8_math": self.fp8_math} if layer.pool.layout.quantized else {}  # (a lab arm's decode: bf16)
-            out, _ = self._kernels["decode"](layer.pool, query.contiguous(), dev_table, plan=plan,
-                                             backend=self.backend, **fp8)
+        if max(counts) > 1:  # the host table: the prefill plans on the host and queues its launches without waiting
+            out, _ = self._kernels["prefill"](layer.pool, query.contiguous(), table, q_lens, backend=self.backend)
             return out
-        # the host table: the prefill plans on the host and queues its launches without waiting for the stream
-        out, _ = self._kernels["prefill"](layer.pool, query.contiguous(), table, q_lens, backend=self.backend)
-        return out
-
-    def _graph_decode(self, layer: FoldKvLayer, query: torch.Tensor, table: BlockTable) -> torch.Tensor:
-        """A decode step (one token per sequence) through the layer's `DecodeWorkspace`, replaying the CUDA graph
-        captured at its first decode step: the step's usual change (every length one longer) is `advance()`, one
-        device operation; any other change of lengths is a host `plan()`. Returns [B, Hq, D] bf16 head order."""
-        from .kernels.workspace import DecodeWorkspace
-
-        b = table.batch
-        lens = tuple(int(n) for n in table.seq_lens.tolist())
-        entry = self._graphs.get(layer.layer_idx)
-        if entry is None:
-            ws = DecodeWorkspace(layer.pool.layout, max_batch=self.max_batch, max_len=self.max_tokens,
-                                 device=layer.pool.device, fp8_math=self.fp8_math)
-            ws.plan(lens, layer.device_table.page_ids[:b])
-            ws.query[:b].copy_(query)
-            entry = self._graphs[layer.layer_idx] = (ws, ws.capture(layer.pool, backend=self.backend))
-        else:
-            ws = entry[0]
-            if ws.batch == b and ws.seq_lens == tuple(n - 1 for n in lens):
-                ws.advance()
-            elif ws.seq_lens != lens:
-                ws.plan(lens, layer.device_table.page_ids[:b])
-            ws.query[:b].copy_(query)
-        entry[1].replay()
-        return ws.out[:b].clone()
-
-    def _decode_plan(self, layer: FoldKvLayer, table: BlockTable):
-        """One plan per step, shared by the global layers (they hold the same lengths and the same layout); its
-        workspace is reused layer after layer on one stream."""
-        from .kernels.decode import partial_wave
-        from .kernels.plan import plan_decode
-
-        lens = tuple(int(n) for n in table.seq_lens.tolist())
-        if self._plan is None or self._plan[0] != lens:
-            wave = partial_wave(layer.pool.layout, layer.pool.device, self.fp8_math)  # 2 x SMs: the tensor-core one
-            self._plan = (lens, plan_decode(layer.pool.layout, table.seq_lens, device=layer.pool.device,
-                                            num_sms=wave))
-        return self._plan[1]
+        n = table.batch  # the sequences with a token in this forward: all, except in a chunk of a chunked prefill
+        ws = self.decode_workspace(n)  # fewer than the batch: a workspace of their own (the step's keeps its pages)
+        lens = tuple(int(x) for x in table.seq_lens.tolist())
+        if n == self.batch and ws.batch == n and ws.seq_lens == tuple(x - 1 for x in lens):
+            ws.advance()  # the global layers share lengths and page order: the step's first layer moves them on
+        elif ws.batch != n or ws.seq_lens != lens:  # an active set only grows: same size, same sequences
+            ws.plan(lens, table.page_ids.to(self.device))
+        if query.data_ptr() != ws.query.data_ptr():
+            ws.query[:n].copy_(query)
+        return ws.step(layer.pool, backend=self.backend)[0]
 
 
 _MOVED = {"ring_attention": "foldkv.ring.ring_attention (the one name every caller reads)"}

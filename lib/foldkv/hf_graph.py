@@ -49,7 +49,6 @@ import torch
 
 from . import fused_step, global_step
 from .masks import NewTokens, RingMask
-from .prep import fold_query, rows_from_key_value, store_rows
 from .reference import paged_attention_reference
 from .step_options import StepOptions, using
 from .pool import BlockTable
@@ -216,11 +215,8 @@ class DecodeStep:
         kernel attention, None with the reference."""
         if self.cache.attention != "kernel":
             return None
-        from .kernels.workspace import DecodeWorkspace
-
         b = self.cache.batch
-        ws = DecodeWorkspace(first.pool.layout, max_batch=b, max_len=self.cache.max_tokens, device=self.cache.device,
-                             fp8_math=self.cache.fp8_math)
+        ws = self.cache.decode_workspace(b)
         ws.plan(self.lens, first.device_table.page_ids[:b])
         return ws
 
@@ -403,16 +399,17 @@ class DecodeStep:
                value: torch.Tensor) -> torch.Tensor:
         """A global layer's step: store the new rows at slot len_b - 1, decode over the pool. query [B, Hq, 1, D],
         key/value [B, Hkv, 1, D]. Returns [B, 1, Hq, D] in query's dtype. On CUDA with a bf16 pool the query and the
-        rows go to the workspace and the pool as two Triton kernels (`foldkv.global_step`, bitwise this path)."""
-        geom, pool = layer.geometry, layer.pool
+        rows go to the workspace and the pool as two Triton kernels (`foldkv.global_step.fold_and_store`, bitwise the
+        torch definition, which every other call takes)."""
+        pool = layer.pool
         b, hq, _, d = query.shape
-        if global_step.global_route(self, layer, module, query, key, value) is None:
-            global_step.query_into(geom, pool.format, query, module.k_norm.weight, self.ws.query)
-            global_step.row_into_pool(geom, pool, key, value, self.store_pages, self.store_offsets)
+        kernels = global_step.global_route(self, layer, module, query, key, value) is None
+        out = self.ws.query if self.ws is not None and self.serves_global_decode() else None
+        folded = global_step.fold_and_store(pool, self.store_pages, self.store_offsets, query[:, :, 0], key[:, :, 0],
+                                            value[:, :, 0], module.k_norm.weight, out=out, check_finite=False,
+                                            kernels=kernels)
+        if out is not None:
             return self._workspace_decode(layer, b).to(query.dtype).view(b, 1, hq, d)
-        rows = rows_from_key_value(geom, pool.format, key[:, :, 0], value[:, :, 0], pool.layout.row_dtype)
-        folded = fold_query(geom, pool.format, query[:, :, 0], module.k_norm.weight, pool.layout.query_dtype)
-        store_rows(pool, self.store_pages, self.store_offsets, rows, check_finite=False)
         return self._global_decode(layer, folded).to(query.dtype).view(b, 1, hq, d)
 
     def report(self) -> dict:

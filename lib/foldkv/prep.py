@@ -88,9 +88,25 @@ def prep_query(geom: AttentionGeometry, fmt: KvFormat | str, q: torch.Tensor, q_
     split:  RoPE(q_norm(q))
     folded: [RoPE(q_n)[rot] | q_n[unrot] * w_k[unrot]]  (score-window order; RoPE is the identity on unrot)
     """
+    return fold_query(geom, fmt, query_rope(geom, q, q_norm_weight, positions), k_norm_weight, out_dtype)
+
+
+def query_rope(geom: AttentionGeometry, q: torch.Tensor, q_norm_weight: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+    """Raw q [T, Hq, D] -> RoPE(q_norm(q)) [T, Hq, D] head order in compute_dtype(q): the query Gemma 4's forward
+    hands its attention. Unchecked."""
     cos, sin = rope_cos_sin(geom, positions)  # [T, D] each
-    q_rope = apply_rope(rms_norm(q, geom.rms_norm_eps, q_norm_weight), cos, sin)  # [T, Hq, D]
-    return fold_query(geom, fmt, q_rope, k_norm_weight, out_dtype)
+    return apply_rope(rms_norm(q, geom.rms_norm_eps, q_norm_weight), cos, sin)
+
+
+def key_value_rope(geom: AttentionGeometry, kv: torch.Tensor, k_norm_weight: torch.Tensor,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw kv [T, Hkv, D] -> (RoPE(k_norm(kv)), v_norm(kv)) [T, Hkv, D] each, head order in compute_dtype(kv): the
+    key and value Gemma 4's forward hands its attention (RMSNorm scales, then weighs: k_norm(kv) is V * w_k exactly,
+    so K = RoPE(V * w_k)). Unchecked."""
+    cos, sin = rope_cos_sin(geom, positions)  # [T, D] each
+    value = rms_norm(kv, geom.rms_norm_eps)  # [T, Hkv, D]
+    return apply_rope(value * k_norm_weight.to(value.dtype), cos, sin), value
 
 
 def fold_query(geom: AttentionGeometry, fmt: KvFormat | str, q_rope: torch.Tensor, k_norm_weight: torch.Tensor,
@@ -120,14 +136,8 @@ def prep_rows(geom: AttentionGeometry, fmt: KvFormat | str, kv: torch.Tensor, k_
     split:  [RoPE(k_norm(kv)) | v_norm(kv)]            (1024 columns)
     folded: [RoPE(k_norm(kv))[rot] | V[unrot] | V[rot]] (640 columns; V = v_norm(kv), no scale)
     """
-    fmt = KvFormat.parse(fmt)
-    cos, sin = rope_cos_sin(geom, positions)  # [T, D] each
-    v = rms_norm(kv, geom.rms_norm_eps)  # [T, Hkv, D]
-    if fmt is KvFormat.SPLIT:
-        k_rope = apply_rope(rms_norm(kv, geom.rms_norm_eps, k_norm_weight), cos, sin)  # [T, Hkv, D]
-    else:  # K = RoPE(V * w_k): the folded row keeps only its rotated columns
-        k_rope = apply_rope(v * k_norm_weight.to(v.dtype), cos, sin)  # [T, Hkv, D]
-    return rows_from_key_value(geom, fmt, k_rope, v, out_dtype)
+    key, value = key_value_rope(geom, kv, k_norm_weight, positions)  # the folded row keeps K's rotated columns
+    return rows_from_key_value(geom, fmt, key, value, out_dtype)
 
 
 def rows_from_key_value(geom: AttentionGeometry, fmt: KvFormat | str, key: torch.Tensor, value: torch.Tensor,
@@ -161,7 +171,7 @@ def prep_rows_and_query(geom: AttentionGeometry, fmt: KvFormat | str, q: torch.T
 def prep_and_store(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, positions: torch.Tensor,
                    q: torch.Tensor, kv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor) -> torch.Tensor:
     """Prep T tokens (token i belongs to batch entry request[i] at position positions[i]), write their rows into
-    the pool in its format and return the query in that format's form.
+    the pool in its format and return the query in that format's form: the norms and RoPE, then `fold_and_store`.
 
     pool: any PagedKvPool (format, dtype and device are the pool's).
     table: BlockTable (page_ids [batch, pages], seq_lens [batch] int32, any device); positions[i] must be below
@@ -179,14 +189,46 @@ def prep_and_store(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, 
     Everything is checked before the first write (FoldKvInputError): on a refusal the pool is unchanged.
     """
     geom = pool.geometry
+    pages, offsets = check_prep_and_store(pool, table, request, positions, q, kv, q_norm_weight, k_norm_weight)
+    positions = positions.to(q.device)
+    key, value = key_value_rope(geom, kv, k_norm_weight, positions)
+    return fold_and_store(pool, pages, offsets, query_rope(geom, q, q_norm_weight, positions), key, value,
+                          k_norm_weight)
+
+
+def check_prep_and_store(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, positions: torch.Tensor,
+                         q: torch.Tensor, kv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                         q_dtypes: tuple[torch.dtype, ...] = FLOAT_TYPES) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every refusal of `prep_and_store` (and of the fused prep, `foldkv.kernels.prep_kernel`, with the dtypes it
+    reads), raised before anything is written; returns the tokens' (pages, offsets) [T] int64 on the CPU."""
+    geom = pool.geometry
     check_pool_storage(pool)
-    check_tensor("q", q, dtype=FLOAT_TYPES, device=pool.device, shape=(None, geom.num_q_heads, geom.head_dim))
+    check_tensor("q", q, dtype=q_dtypes, device=pool.device, shape=(None, geom.num_q_heads, geom.head_dim))
     check_tensor("request", request, dtype=(torch.int32, torch.int64), shape=(q.shape[0],))
-    pages, offsets = pool.token_slots(table, request, positions)
-    query, rows = prep_rows_and_query(geom, pool.format, q, kv, q_norm_weight, k_norm_weight,
-                                      positions.to(q.device), out_dtype=pool.layout.row_dtype)
-    store_rows(pool, pages, offsets, rows)
-    return query.to(pool.layout.query_dtype)
+    # positions may live on either device
+    _check_prep_inputs(geom, q, kv, q_norm_weight, k_norm_weight, positions.to(q.device))
+    return pool.token_slots(table, request, positions)  # refuses positions past a request's pages or length
+
+
+def fold_and_store(pool: PagedKvPool, pages: torch.Tensor, offsets: torch.Tensor, query: torch.Tensor,
+                   key: torch.Tensor, value: torch.Tensor, k_norm_weight: torch.Tensor, *,
+                   out: torch.Tensor | None = None, check_finite: bool = True) -> torch.Tensor:
+    """Fold the query and store the rows: the one definition every path is held to (the prep above, a transformers
+    forward's global layer, the decode step; `foldkv.global_step.fold_and_store` sends bf16 pools on CUDA to its
+    kernels, bitwise this).
+
+    query [N, Hq, D], key / value [N, Hkv, D]: normed and RoPE'd, head order, any float dtype and strides, on the
+    pool's device; k_norm_weight [D] there. The rows `rows_from_key_value` (pool.layout.row_dtype) go to (pages,
+    offsets) [N] integer (`store_rows`; check_finite as there); returns the format's query (`fold_query`, rounded once
+    to pool.layout.query_dtype) [N, Hq, D], written into out[:N] when `out` ([>= N, Hq, D], that dtype, on the pool's
+    device: a decode workspace's query) is given. Unchecked: callers check (the rows are stored before the query)."""
+    geom, lay = pool.geometry, pool.layout
+    store_rows(pool, pages, offsets, rows_from_key_value(geom, pool.format, key, value, lay.row_dtype),
+               check_finite=check_finite)
+    folded = fold_query(geom, pool.format, query, k_norm_weight, lay.query_dtype)
+    if out is None:
+        return folded
+    return out[:folded.shape[0]].copy_(folded)
 
 
 def store_rows(pool: PagedKvPool, pages: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor, *,

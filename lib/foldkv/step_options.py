@@ -36,8 +36,8 @@ class StepOptions:
         (`fused_step.sliding_prologue`).
     fuse_global_prologue: a global layer's norms, RoPE, query and row from its projections as two PDL kernels
         (`global_step.query_from_projection`, `row_from_projection`).
-    fuse_global: a global layer's query and row (after the model's norms and RoPE) as two Triton kernels
-        (`global_step.query_into`, `row_into_pool`) instead of the torch path.
+    fuse_global: a global layer's query and row (after the model's norms and RoPE; a prefill's, an eager decode's
+        and the step's) as two Triton kernels (`global_step.fold_and_store`) instead of the torch definition.
     pdl: the step's projections at 1..16 rows through `foldkv.gemv`'s tensor-core kernels and the step's Triton
         kernels launched under programmatic dependent launch; False: F.linear and plain launches.
     fuse_prefill: a prefill forward on CUDA (more than one token a sequence) runs through the step's own forward too

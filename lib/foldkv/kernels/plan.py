@@ -21,7 +21,6 @@ its longest request's read: a batch of 32 requests already fills the 132 SMs wit
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -101,13 +100,6 @@ def check_lens(seq_lens, *, max_batch: int = MAX_BATCH, max_len: int = MAX_LEN, 
         bad = int(lens.max()) if lens.max() > max_len else int(lens.min())
         raise FoldKvInputError(f"seq_lens holds {bad}: {holder} takes lengths 1 to {max_len}")
     return lens.astype(np.int64)
-
-
-def _pieces(pages: int, cap: int) -> list[int]:
-    """`pages` cut into the fewest pieces of at most `cap` pages, as equal as whole pages allow (larger first)."""
-    k = -(-pages // cap)
-    base, extra = divmod(pages, k)
-    return [base + 1] * extra + [base] * (k - extra)
 
 
 def cta_count(pages: Sequence[int], cap: int, hkv: int) -> int:

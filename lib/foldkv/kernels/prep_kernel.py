@@ -42,15 +42,14 @@ import torch
 from ..config import GEMMA4_31B, AttentionGeometry
 from ..fp8 import E4M3_MAX, FP8_DTYPE, check_finite_rows
 from ..layout import KvFormat
-from ..pool import BlockTable, PagedKvPool, check_pool_storage
-from ..prep import _check_prep_inputs, rope_inv_freq
+from ..pool import BlockTable, PagedKvPool
+from ..prep import check_prep_and_store, rope_inv_freq
 from ..validate import FoldKvInputError, check_tensor
 from . import registry, resolve
 from .decode import pool_operands
 from .macros import rope_pair
-from .tl import built_on_device, pass_configs, prim_func, require_tilelang, target
+from .tl import pass_configs, prim_func, require_tilelang, target
 
-DEFAULTS = dict(registry.get("prep_folded").params)  # the registered params (the same for both formats)
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 
 
@@ -256,14 +255,10 @@ def prep_and_store_gpu(pool: PagedKvPool, table: BlockTable, request: torch.Tens
     resolve.check_kernels((name,), kernels)
     if pool.layout.dtype not in (torch.bfloat16, FP8_DTYPE):
         raise FoldKvInputError(f"the fused prep stores bf16 or FP8 (e4m3) rows; the pool is {pool.layout.dtype}")
-    check_pool_storage(pool)
-    check_tensor("q", q, dtype=tuple(_TORCH_DTYPES), device=pool.device,
-                 shape=(None, geom.num_q_heads, geom.head_dim))
-    check_tensor("kv", kv, dtype=q.dtype, device=pool.device, shape=(q.shape[0], geom.num_kv_heads, geom.head_dim))
-    check_tensor("request", request, dtype=(torch.int32, torch.int64), shape=(q.shape[0],))
-    # positions may live on either device, as for the torch prep_and_store
-    _check_prep_inputs(geom, q, kv, q_norm_weight, k_norm_weight, positions.to(q.device))
-    pages, offsets = pool.token_slots(table, request, positions)  # refuses positions past a request's pages
+    if isinstance(q, torch.Tensor) and q.dtype in _TORCH_DTYPES:  # one input dtype: the kernel is built for it
+        check_tensor("kv", kv, dtype=q.dtype)
+    pages, offsets = check_prep_and_store(pool, table, request, positions, q, kv, q_norm_weight, k_norm_weight,
+                                          q_dtypes=tuple(_TORCH_DTYPES))
     if quantized:
         check_rows_will_be_finite(geom, kv, k_norm_weight)
     if pool.device.type != "cuda":  # last, so the CPU tests reach every other refusal
@@ -296,35 +291,3 @@ def check_rows_will_be_finite(geom: AttentionGeometry, kv: torch.Tensor, k_norm_
     if w_max > limit:
         raise FoldKvInputError(f"k_norm_weight reaches {w_max:.3g}: the FP8 rows (up to 2 sqrt(D) max|w_k|) could"
                                f" overflow float32 (max|w_k| must be <= {limit:.3g}); nothing was written")
-
-
-def main(fmt: KvFormat | str = KvFormat.FOLDED, tokens: int = 8192):
-    """Build the prep for `fmt`; on a GPU, prep `tokens` tokens of one request with it and with the torch prep,
-    count the elements that differ (the bound is in the module docstring), then time it."""
-    fmt = KvFormat.parse(fmt)
-    geom = GEMMA4_31B
-    if not built_on_device(f"prep_{fmt.value} {DEFAULTS}", build(geom, fmt, **DEFAULTS)):
-        return
-    from ..pool import PagedKvLayout
-    from ..prep import prep_and_store
-
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    pools = [PagedKvPool(PagedKvLayout(geom, fmt, 64, tokens // 64 + 1), device=dev, fill=0.0) for _ in range(2)]
-    table = pools[0].allocate([tokens]).to(dev)
-    request = torch.zeros(tokens, dtype=torch.int32, device=dev)
-    positions = torch.arange(tokens, dtype=torch.int32, device=dev)
-    q = torch.randn(tokens, geom.num_q_heads, geom.head_dim, generator=gen, device=dev).bfloat16()
-    kv = torch.randn(tokens, geom.num_kv_heads, geom.head_dim, generator=gen, device=dev).bfloat16()
-    w = torch.rand(geom.head_dim, generator=gen, device=dev) + 0.5
-    got = prep_and_store_gpu(pools[0], table, request, positions, q, kv, w, w)
-    want = prep_and_store(pools[1], table, request, positions, q, kv, w, w)
-    print(f"query: {int((got != want).sum())} of {got.numel()} elements differ; "
-          f"pool: {int((pools[0].data != pools[1].data).sum())} of {pools[0].data.numel()}")
-    from tilelang.profiler import do_bench  # TileLang's timer, in ms
-    us = do_bench(lambda: prep_and_store_gpu(pools[0], table, request, positions, q, kv, w, w)) * 1e3
-    print(f"{us:.1f} us per {tokens}-token prep")
-
-
-if __name__ == "__main__":
-    main()
