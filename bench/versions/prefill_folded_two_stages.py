@@ -26,70 +26,54 @@ registers a thread, then P.V, with the tensor cores idle during the softmax (~20
 What would prove it wrong: no gain over the library (then L2 bytes are not the limit: look at the consumer's serial
 chain first, `prefill_folded_overlap.py`), or a gain at 8K but not at 32K (the stream from HBM, not L2).
 
+Outcome (H100, bench/prefill_runs/h100_20261205_prefill_kernels.tgz, a 4,096-query chunk at 8K / 32K of context):
+1.063x / 1.033x the two-window library (4.51 / 19.82 ms: 47.9% / 54.5% of the in-run matmul rate), so ~50.9% /
+56.3%; gate passed. Far below the 60-72% predicted: the L2 bytes were not what held the two-window kernel back, the
+consumer's serial tile is (its two successors took the rest). Its row key block is now the library's
+(`prefill_attention.key_block_macro`, the bf16 folded block); this file builds it with the plain softmax (one row a
+reduction, the max moved every tile), the step it measured.
+
     python bench/versions/prefill_folded_two_stages.py      # build here (sm_90a), print the CUDA size
     python bench/prefill_kernel_probe.py --out $OUT          # on the device: gate, then time against the library
 """
 
 from foldkv.config import GEMMA4_31B, AttentionGeometry
-from foldkv.kernels.decode_partial import Run
-from foldkv.kernels.prefill_attention import DEFAULTS, KeyBlock, ScoreGemm, check_geometry, prefill_program
+from foldkv.kernels.prefill_attention import DEFAULTS, check_geometry, prefill_program
 from foldkv.kernels.tl import pass_configs, require_tilelang, target
 from foldkv.layout import KvFormat
 
 NUM_STAGES = 2  # two 80 KiB stages: 216 KiB with the query's 48 KiB and P's 8 KiB (module docstring)
+SOFTMAX = dict(reduce_batch=1, max_slack_log2=None)  # this step's softmax: the library's before its two successors
 
 
-def row_block_macro(geom: AttentionGeometry, fmt: KvFormat, block_M: int, block_N: int, fp8: bool = False):
-    """The folded row read once (K_rot = row[0:128], V_win = row[128:640]) and the query's rotary part in registers,
-    as a `prefill_attention.key_block_macro` (its signature: `prefill_program(key_block=...)`)."""
-    import tilelang.language as T
-
-    if fmt is not KvFormat.FOLDED or fp8:
-        raise ValueError("the two-stage row is the bf16 folded row's")
-    D, R = geom.head_dim, geom.rotary_width
-    U = D - R
-    dtype = "bfloat16"
-
-    @T.macro
-    def row_block():
-        q_rot = T.alloc_fragment([block_M, R], dtype)  # score window [0, R): the A operand of an RS wgmma
-        q_unrot = T.alloc_shared([block_M, U], dtype)  # score window [R, D): q_unrot * w_k
-        K_rot = T.alloc_shared([block_N, R], dtype)  # row[0:128]
-        V_win = T.alloc_shared([block_N, D], dtype)  # row[128:640] = [V_unrot | V_rot]
-        return KeyBlock(query=(Run(q_rot, 0, R), Run(q_unrot, R, D)), row=(Run(K_rot, 0, R), Run(V_win, R, R + D)),
-                        scores=(ScoreGemm(q_rot, K_rot), ScoreGemm(q_unrot, V_win[:, 0:U])), values=(V_win,))
-
-    return row_block
+def tiling_of(softmax: dict, params: dict) -> dict:
+    """The library prefill's params (the harnesses pass the registered ones through) with a step's softmax in place of
+    the registered one and at least NUM_STAGES stages."""
+    return {**DEFAULTS, **params, **softmax, "num_stages": max(params.get("num_stages", 1), NUM_STAGES)}
 
 
-def program(geom: AttentionGeometry = GEMMA4_31B, *, page_size: int = 64, block_N: int = 64,
-            num_stages: int = NUM_STAGES, threads: int = 256, softmax=None, rescale=None):
-    """The TileLang prim_func (the library prefill's arguments; `softmax`, `rescale`: `prefill_program`'s, for the
-    versions built on this one). `num_stages` is at least this version's two, whatever the registered tiling says:
-    the harnesses pass the library's params through."""
-    return prefill_program(geom, KvFormat.FOLDED, page_size=page_size, block_N=block_N,
-                           num_stages=max(num_stages, NUM_STAGES), threads=threads, key_block=row_block_macro,
-                           softmax=softmax, rescale=rescale)
+def program(geom: AttentionGeometry = GEMMA4_31B, **tiling):
+    """The TileLang prim_func: the library's folded program (the library prefill's arguments) with this step's
+    softmax and at least two stages, whatever the registered tiling says."""
+    return prefill_program(geom, KvFormat.FOLDED, **tiling_of(SOFTMAX, tiling))
 
 
-def build(geom: AttentionGeometry = GEMMA4_31B, *, page_size: int = 64, block_N: int = 64, num_stages: int = 1,
-          threads: int = 256, arch: str | None = None):
+def build(geom: AttentionGeometry = GEMMA4_31B, *, arch: str | None = None, **tiling):
     """Compile the two-stage folded-row prefill for `geom` (the library prefill's params; at least two stages)."""
     check_geometry(geom, KvFormat.FOLDED)
     tilelang = require_tilelang()
-    num_stages = max(num_stages, NUM_STAGES)
 
     @tilelang.jit(target=target(arch) if arch else target(), pass_configs=pass_configs())
     def prefill_folded_two_stages(page_size, block_N, num_stages, threads):
         return program(geom, page_size=page_size, block_N=block_N, num_stages=num_stages, threads=threads)
 
-    return prefill_folded_two_stages(page_size, block_N, num_stages, threads)
+    cfg = tiling_of(SOFTMAX, tiling)
+    return prefill_folded_two_stages(cfg["page_size"], cfg["block_N"], cfg["num_stages"], cfg["threads"])
 
 
 def main():
-    kernel = build(GEMMA4_31B, **DEFAULTS)
-    print(f"prefill_folded two stages {dict(DEFAULTS, num_stages=NUM_STAGES)}: {len(kernel.get_kernel_source())}"
-          " chars of CUDA")
+    kernel = build(GEMMA4_31B)
+    print(f"prefill_folded two stages {tiling_of(SOFTMAX, {})}: {len(kernel.get_kernel_source())} chars of CUDA")
 
 
 if __name__ == "__main__":

@@ -14,49 +14,47 @@ Prediction (written before any GPU run): 2-6% faster than `prefill_folded_two_st
 barriers overlap or cost less than that, and the serial softmax is exp2 and the accumulator rescale (128 FMULs a
 thread a tile), not its reductions.
 
+Outcome (H100, bench/prefill_runs/h100_20261205_prefill_kernels.tgz, a 4,096-query chunk at 8K / 32K of context):
+1.101x / 1.082x the two-window library (4.51 / 19.82 ms), i.e. 1.036x / 1.047x `prefill_folded_two_stages.py`: within
+the 2-6% predicted; gate passed. Batched reductions are now the library's (`reduce_batch`, registered 2 for
+prefill_folded); this file builds the library's folded program with them and the max moved every tile.
+
     python bench/versions/prefill_folded_two_stages_batched.py   # build here (sm_90a), print the CUDA size
     python bench/prefill_kernel_probe.py --out $OUT               # on the device: gate, then time against the library
 """
 
 from foldkv.config import GEMMA4_31B, AttentionGeometry
-from foldkv.kernels import macros
-from foldkv.kernels.prefill_attention import DEFAULTS, check_geometry
+from foldkv.kernels.prefill_attention import check_geometry, prefill_program
 from foldkv.kernels.tl import pass_configs, require_tilelang, target
 from foldkv.layout import KvFormat
 
 from versions import prefill_folded_two_stages as two_stages  # bench/versions/
 
 REDUCE_BATCH = 2  # the two query rows a consumer thread holds of S [64, 64] split over 2 warpgroups
-
-
-def batched_softmax_macro():
-    """The library prefill's online softmax (`macros.online_softmax_macro`, keys along dim 1, the scale folded into
-    one FMA a score) with REDUCE_BATCH rows a cross-warpgroup reduction."""
-    return macros.online_softmax_macro(key_dim=1, fold_scale=True, reduce_batch=REDUCE_BATCH)
+SOFTMAX = dict(reduce_batch=REDUCE_BATCH, max_slack_log2=None)  # this step's softmax
 
 
 def program(geom: AttentionGeometry = GEMMA4_31B, **tiling):
     """The TileLang prim_func: the two-stage version's with REDUCE_BATCH (the library prefill's arguments)."""
-    return two_stages.program(geom, **tiling, softmax=batched_softmax_macro())
+    return prefill_program(geom, KvFormat.FOLDED, **two_stages.tiling_of(SOFTMAX, tiling))
 
 
-def build(geom: AttentionGeometry = GEMMA4_31B, *, page_size: int = 64, block_N: int = 64, num_stages: int = 1,
-          threads: int = 256, arch: str | None = None):
+def build(geom: AttentionGeometry = GEMMA4_31B, *, arch: str | None = None, **tiling):
     """Compile the two-stage folded-row prefill with batched softmax reductions (the library prefill's params)."""
     check_geometry(geom, KvFormat.FOLDED)
     tilelang = require_tilelang()
-    num_stages = max(num_stages, two_stages.NUM_STAGES)
 
     @tilelang.jit(target=target(arch) if arch else target(), pass_configs=pass_configs())
     def prefill_folded_two_stages_batched(page_size, block_N, num_stages, threads):
         return program(geom, page_size=page_size, block_N=block_N, num_stages=num_stages, threads=threads)
 
-    return prefill_folded_two_stages_batched(page_size, block_N, num_stages, threads)
+    cfg = two_stages.tiling_of(SOFTMAX, tiling)
+    return prefill_folded_two_stages_batched(cfg["page_size"], cfg["block_N"], cfg["num_stages"], cfg["threads"])
 
 
 def main():
-    kernel = build(GEMMA4_31B, **DEFAULTS)
-    print(f"prefill_folded two stages, batched reductions {dict(DEFAULTS, num_stages=two_stages.NUM_STAGES)}:"
+    kernel = build(GEMMA4_31B)
+    print(f"prefill_folded two stages, batched reductions {two_stages.tiling_of(SOFTMAX, {})}:"
           f" {len(kernel.get_kernel_source())} chars of CUDA")
 
 

@@ -18,7 +18,8 @@ LOG2E = math.log2(math.e)  # Gemma 4 global attention has scaling 1.0, so exp(s)
 LN2 = math.log(2.0)
 
 
-def online_softmax_macro(key_dim: int, *, scale: float = LOG2E, fold_scale: bool = False, reduce_batch: int = 1):
+def online_softmax_macro(key_dim: int, *, scale: float = LOG2E, fold_scale: bool = False, reduce_batch: int = 1,
+                         max_slack_log2: float | None = None):
     """One key tile of the online softmax, in the exp2 domain: `scores` [rows, cols] holds one tile's scores with the
     keys along `key_dim` (0: token-major S^T, the decode partial; 1: S, the prefill); the running max and
     denominator (one per query) are updated, `rescale` gets the factor the output accumulator must be multiplied
@@ -30,8 +31,15 @@ def online_softmax_macro(key_dim: int, *, scale: float = LOG2E, fold_scale: bool
     reduce_batch: how many of a thread's queries each cross-thread reduction carries at once (TileLang's `batch`: they
     share its barriers). With the keys along dim 0 (decode) the reduction crosses the warps of a warpgroup through
     shared memory, two named barriers per level and two levels; one query at a time, a thread's 4 queries pay that
-    chain 4 times per max and per sum. It must divide the queries a thread holds."""
+    chain 4 times per max and per sum. It must divide the queries a thread holds.
+    max_slack_log2: the running max stands until the tile's passes it by more than this (in the exp2 domain, i.e.
+    probabilities up to 2^max_slack_log2), so that `rescale` is exactly exp2(0) = 1 on most tiles and the caller can
+    skip the output's rescale (`prefill_attention.lazy_rescale_macro`). The same softmax, not an approximation: the
+    denominator and the LSE are taken against the same max as the probabilities; the slack bounds P (float32; 2^8 is
+    far inside bf16's range for P.V). None: the max moves on every tile (the plain online softmax)."""
     import tilelang.language as T
+
+    slack = None if max_slack_log2 is None else max_slack_log2 / scale  # in score units
 
     def query_of(i, j):  # which running max a score [i, j] is normalised by
         return j if key_dim == 0 else i
@@ -42,6 +50,8 @@ def online_softmax_macro(key_dim: int, *, scale: float = LOG2E, fold_scale: bool
         T.copy(run_max, run_max_prev)
         T.reduce_max(scores, run_max, dim=key_dim, clear=False, batch=reduce_batch)
         for q in T.Parallel(run_max.shape[0]):
+            if slack is not None:  # the first tile always moves it: run_max_prev is -inf there
+                run_max[q] = T.if_then_else(run_max[q] - run_max_prev[q] > slack, run_max[q], run_max_prev[q])
             rescale[q] = T.exp2((run_max_prev[q] - run_max[q]) * scale)
         for i, j in T.Parallel(rows, cols):
             if fold_scale:

@@ -5,12 +5,16 @@ One CTA = one tile of `block_M` = 8 query tokens x 8 query heads of one KV group
 tile, so a one-token chunk still fills 8 of the 64 MMA rows), streaming the request's pages in `block_N`-key tiles,
 two TMA tiles per key block (`windows`):
     SPLIT  (row [K 512 | V 512]): K = row[0:512], V = row[512:1024]; the output is already in head order.
-    FOLDED (row [K_rot 128 | V_unrot 384 | V_rot 128]): K_win = row[0:512] against the folded query
-           [q_rot | q_unrot * w_k] (the w_k fold is in the query), V_win = row[128:640]. The same shapes, gemms and
-           pipeline as split (the 384 shared columns are read twice from L2, once from HBM); the accumulator is in
-           value-window order and the epilogue's store addressing puts it back in head order: window [0,192) ->
-           head [64,256), [192,384) -> [320,512), [384,448) -> [0,64), [448,512) -> [256,320).
-A folded tiling that loads the shared columns once lost (bench/versions/prefill_shared_tiles.py).
+    FOLDED (row [K_rot 128 | V_unrot 384 | V_rot 128]): the row read once, in two TMA tiles K_rot = row[0:128]
+           and V_win = row[128:640] = [V_unrot | V_rot]; scores = q_rot . K_rot^T + (q_unrot * w_k) . V_unrot^T (the
+           w_k fold is in the query), values = P . V_win. Two stages of the 80 KiB row tile fit because q_rot
+           [64, 128] lives in registers (the A operand of an RS wgmma) and only q_unrot [64, 384] in shared memory:
+           2 x 80 + 48 + 8 (P) = 216 KiB of the 227. The accumulator is in value-window order and the epilogue's
+           store addressing puts it back in head order: window [0,192) -> head [64,256), [192,384) -> [320,512),
+           [384,448) -> [0,64), [448,512) -> [256,320). Its softmax carries a thread's two query rows in one
+           cross-warpgroup reduction (`reduce_batch`) and moves the running max only when a tile passes it by
+           2^`max_slack_log2` (the same softmax), so most tiles skip the output rescale (`lazy_rescale_macro`).
+           PREFILL_SCHEDULE.md says why each; bench/versions/prefill_folded_*.py are the steps, measured.
     FOLDED over an FP8 pool (`fp8`, foldkv.fp8: e4m3 rows, one float32 scale per token x KV head): the row is loaded
            as stored, in five 128-column e4m3 panels (one TMA box each) beside the block's token scales, and
            converted exactly (e4m3 values are bf16 values) into three bf16 tiles K_rot, V_unrot, V_rot, the decode
@@ -46,7 +50,8 @@ from .decode_partial import FP8_PANEL, Run, fp8_row_macro
 from .registry import hands_out
 from .tl import built_on_device, pass_configs, prim_func, require_tilelang, target
 
-# The registered tuning constants (the same for both bf16 formats; the AOT build compiles the same).
+# The registered tuning constants of the bf16 folded prefill (the AOT build compiles the same); prefill_split has its
+# own (one stage of its two 1,024-column windows, the plain softmax).
 DEFAULTS = dict(registry.get("prefill_folded").params)
 
 
@@ -96,8 +101,8 @@ class Accumulator:
     col: int
 
 
-def windows_macro(fmt: KvFormat, block_N: int, D: int, dtype: str):
-    """Allocate the format's two window tiles, under the names the emitted CUDA uses."""
+def windows_macro(block_N: int, D: int, dtype: str):
+    """Allocate a split row's two window tiles, under the names the emitted CUDA uses."""
     import tilelang.language as T
 
     @T.macro
@@ -106,34 +111,39 @@ def windows_macro(fmt: KvFormat, block_N: int, D: int, dtype: str):
         V_shared = T.alloc_shared([block_N, D], dtype)  # row[512:1024]
         return Windows(K_shared, V_shared)
 
-    @T.macro
-    def folded_windows():
-        K_win = T.alloc_shared([block_N, D], dtype)  # row[0:512]   = [K_rot | V_unrot]
-        V_win = T.alloc_shared([block_N, D], dtype)  # row[128:640] = [V_unrot | V_rot]
-        return Windows(K_win, V_win)
-
-    return split_windows if fmt is KvFormat.SPLIT else folded_windows
+    return split_windows
 
 
 def key_block_macro(geom: AttentionGeometry, fmt: KvFormat, block_M: int, block_N: int, fp8: bool = False):
-    """The query tiles and a key block's tiles (allocated under the names the emitted CUDA uses), as a macro: the
-    query [block_M, D] and the format's two windows (bf16 pools), or for an FP8 folded pool the query in its rotated
-    and unrotated parts, the row's e4m3 panels as stored, their bf16 conversions (K_rot, V_unrot, V_rot) and the
-    tokens' scales."""
+    """The query tiles and a key block's tiles (allocated under the names the emitted CUDA uses), as a macro: for a
+    split pool the query [block_M, D] and the row's two windows; for a bf16 folded pool the row read once (K_rot =
+    row[0:128], V_win = row[128:640]) with the query's rotary part in registers; for an FP8 folded pool the query in
+    its rotated and unrotated parts, the row's e4m3 panels as stored, their bf16 conversions (K_rot, V_unrot, V_rot)
+    and the tokens' scales."""
     import tilelang.language as T
 
     D, R = geom.head_dim, geom.rotary_width
     U = D - R
-    V_LO = D if fmt is KvFormat.SPLIT else R  # the value window row[V_LO:V_LO + D]
     dtype = "bfloat16"
-    windows = windows_macro(fmt, block_N, D, dtype)
+    windows = windows_macro(block_N, D, dtype)
 
     @T.macro
     def window_block():
         Q_shared = T.alloc_shared([block_M, D], dtype)  # score-window order
         win = windows()
-        return KeyBlock(query=(Run(Q_shared, 0, D),), row=(Run(win.score, 0, D), Run(win.value, V_LO, V_LO + D)),
+        return KeyBlock(query=(Run(Q_shared, 0, D),), row=(Run(win.score, 0, D), Run(win.value, D, D + D)),
                         scores=(ScoreGemm(Q_shared, win.score),), values=(win.value,))
+
+    @T.macro
+    def folded_row_block():
+        # q_rot in registers is what makes two stages of the row fit (module docstring); it is replicated in both
+        # consumer warpgroups, as the FullCol split of S needs: 32 registers a thread
+        q_rot = T.alloc_fragment([block_M, R], dtype)  # score window [0, R): the A operand of an RS wgmma
+        q_unrot = T.alloc_shared([block_M, U], dtype)  # score window [R, D): q_unrot * w_k
+        K_rot = T.alloc_shared([block_N, R], dtype)  # row[0:128]
+        V_win = T.alloc_shared([block_N, D], dtype)  # row[128:640] = [V_unrot | V_rot]
+        return KeyBlock(query=(Run(q_rot, 0, R), Run(q_unrot, R, D)), row=(Run(K_rot, 0, R), Run(V_win, R, R + D)),
+                        scores=(ScoreGemm(q_rot, K_rot), ScoreGemm(q_unrot, V_win[:, 0:U])), values=(V_win,))
 
     fp8_row = fp8_row_macro(geom, block_N)  # the decode partial's FP8 row tiles
 
@@ -150,7 +160,7 @@ def key_block_macro(geom: AttentionGeometry, fmt: KvFormat, block_M: int, block_
         if fmt is not KvFormat.FOLDED:
             raise ValueError("FP8 rows are folded only (foldkv.pool.PagedKvLayout refuses an FP8 split pool)")
         return folded_fp8_block
-    return window_block
+    return window_block if fmt is KvFormat.SPLIT else folded_row_block
 
 
 def accumulators_macro(block_M: int, D: int, fp8: bool = False):
@@ -172,6 +182,29 @@ def accumulators_macro(block_M: int, D: int, fp8: bool = False):
                 Accumulator(acc_o_rot, block.values[1], block.values[0].shape[1]))
 
     return folded_fp8_accumulators if fp8 else window_accumulators
+
+
+def lazy_rescale_macro():
+    """The output accumulators' rescale before P.V, skipped by a thread whose rows' rescales are all exactly 1 (the
+    softmax's running max stood: `macros.online_softmax_macro(max_slack_log2=...)`). A warp runs the multiplies if
+    any of its threads' rows moved, rare after the first tiles, and otherwise branches over them (128 FMULs a thread
+    a tile with the tensor cores idle). Both warpgroups hold the same row max (the cross-warpgroup reduction), so
+    they decide alike and their output halves stay on one scale."""
+    import tilelang.language as T
+
+    @T.macro
+    def rescale_outputs(outs, rescale):
+        moved = T.alloc_local([1], "int32")
+        moved[0] = 0
+        for q in T.Parallel(rescale.shape[0]):
+            if rescale[q] != T.float32(1):
+                moved[0] = 1
+        if moved[0] != 0:
+            for out in outs:
+                for i, d in T.Parallel(out.acc.shape[0], out.acc.shape[1]):
+                    out.acc[i, d] *= rescale[i]
+
+    return rescale_outputs
 
 
 def head_column_of(geom: AttentionGeometry, fmt: KvFormat):
@@ -196,14 +229,17 @@ def head_column_of(geom: AttentionGeometry, fmt: KvFormat):
 
 
 def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_N: int = 64,
-                    num_stages: int = 1, threads: int = 256, fp8: bool = False, key_block=None, softmax=None,
+                    num_stages: int = 1, threads: int = 256, reduce_batch: int = 1,
+                    max_slack_log2: float | None = None, fp8: bool = False, key_block=None, softmax=None,
                     rescale=None):
     """The TileLang prim_func of the prefill for one geometry, page format and tiling; `fp8`: over an FP8 folded pool
-    (its scales an extra argument right after the pool). An experiment's tiles: `key_block`, a function with
-    `key_block_macro`'s signature (the query tiles, the row's copies and which tile feeds which gemm), and
+    (its scales an extra argument right after the pool). `reduce_batch`, `max_slack_log2`: the softmax's
+    (`macros.online_softmax_macro`); with a slack the output rescale is `lazy_rescale_macro`'s, otherwise inline (as
+    a macro it would rename the emitted CUDA's reduction workspaces). An experiment's tiles: `key_block`, a function
+    with `key_block_macro`'s signature (the query tiles, the row's copies and which tile feeds which gemm), and
     `softmax`, a macro with `macros.online_softmax_macro`'s (one key tile of the online softmax), and `rescale`, a
     macro (accumulators, rescale) that multiplies each output accumulator's rows by the softmax's rescale before P.V;
-    None: the library's (inline: as a macro it would rename the emitted CUDA's reduction workspaces)."""
+    None: the library's."""
     fmt = KvFormat.parse(fmt)
     check_geometry(geom, fmt)
     require_tilelang()
@@ -223,7 +259,10 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
     key_block = (key_block or key_block_macro)(geom, fmt, block_M, block_N, fp8=fp8)
     accumulators = accumulators_macro(block_M, D, fp8=fp8)
     convert_e4m3 = macros.convert_e4m3_macro(block_N, FP8_PANEL, threads)  # by every consumer thread
-    online_softmax = softmax or macros.online_softmax_macro(key_dim=1, fold_scale=True)
+    online_softmax = softmax or macros.online_softmax_macro(key_dim=1, fold_scale=True, reduce_batch=reduce_batch,
+                                                            max_slack_log2=max_slack_log2)
+    if rescale is None and max_slack_log2 is not None:
+        rescale = lazy_rescale_macro()
     mask_scores = macros.mask_scores_macro()
     zero_rows = macros.zero_rows_macro()
 
@@ -327,19 +366,21 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
 
 @hands_out("prefill_{fmt}")
 def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.FOLDED, *, page_size: int = 64,
-          block_N: int = 64, num_stages: int = 1, threads: int = 256, arch: str | None = None):
+          block_N: int = 64, num_stages: int = 1, threads: int = 256, reduce_batch: int = 1,
+          max_slack_log2: float | None = None, arch: str | None = None):
     """Compile (JIT) the prefill kernel for `geom` and `fmt` over a bf16 pool; returns a TileLang kernel taking the
-    arguments above."""
+    arguments above. The registry's params for each format are the served tiling (`prefill_program` says what each
+    one sets)."""
     tilelang = require_tilelang()
     fmt = KvFormat.parse(fmt)
     check_geometry(geom, fmt)
 
     @tilelang.jit(target=target(arch) if arch else target(), pass_configs=pass_configs())
-    def prefill(page_size, block_N, num_stages, threads):
+    def prefill(page_size, block_N, num_stages, threads, reduce_batch, max_slack_log2):
         return prefill_program(geom, fmt, page_size=page_size, block_N=block_N, num_stages=num_stages,
-                               threads=threads)
+                               threads=threads, reduce_batch=reduce_batch, max_slack_log2=max_slack_log2)
 
-    return prefill(page_size, block_N, num_stages, threads)
+    return prefill(page_size, block_N, num_stages, threads, reduce_batch, max_slack_log2)
 
 
 @hands_out("prefill_{fmt}_fp8")
@@ -373,8 +414,9 @@ def main(fmt: KvFormat | str = KvFormat.FOLDED, context: int = 16384, chunk: int
     from .prefill import prefill
 
     fmt = KvFormat.parse(fmt)
-    kernel = build(GEMMA4_31B, fmt, **{**DEFAULTS, **tiling})
-    if not built_on_device(f"prefill_{fmt.value} {dict(DEFAULTS, **tiling)}", kernel):
+    cfg = {**registry.get(f"prefill_{fmt.value}").params, **tiling}
+    kernel = build(GEMMA4_31B, fmt, **cfg)
+    if not built_on_device(f"prefill_{fmt.value} {cfg}", kernel):
         return kernel
     geom, dev = GEMMA4_31B, torch.device("cuda")
     torch.manual_seed(0)

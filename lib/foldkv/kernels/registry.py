@@ -79,7 +79,17 @@ _DECODE_PARTIAL_FP8 = dict(page_size=64, block_n=64, num_stages=2, threads=256, 
 _DECODE_PARTIAL_FP8_TC = dict(page_size=64, block_n=64, num_stages=1, block_h=16, reduce_batch=4, ctas_per_sm=2,
                               transpose="t4x16", precise=True)
 _MERGE = dict(threads=128)
-_PREFILL = dict(page_size=64, block_N=64, num_stages=1, threads=256)
+# Split prefill: its two 1,024-column windows (128 KiB) and the query (64 KiB) leave room for one stage.
+# bf16 folded prefill (prefill_attention.py's docstring, kernels/PREFILL_SCHEDULE.md): the row read once (80 KiB a
+# 64-key tile), two stages (2 x 80 + 48 KiB of q_unrot + 8 KiB of P = 216 KiB of the 227; q_rot in registers);
+# reduce_batch = the 2 query rows a consumer thread holds of S [64, 64] split over two warpgroups (one cross-warpgroup
+# reduction for both); max_slack_log2: the softmax's running max stands until a tile passes it by 2^8 (P <= 256 in
+# float32: exact, and far inside bf16 for P.V), so most tiles skip the output rescale. 1.157x the two-window folded
+# prefill at 8K and at 32K of context on an H100 (63.0% of the in-run matmul rate at 32K; bench/PREFILL_NOTES.md).
+_PREFILL = {
+    KvFormat.SPLIT: dict(page_size=64, block_N=64, num_stages=1, threads=256),
+    KvFormat.FOLDED: dict(page_size=64, block_N=64, num_stages=2, threads=256, reduce_batch=2, max_slack_log2=8.0),
+}
 # FP8 folded prefill: one stage of the row's five e4m3 panels (64 x 640 B = 40 KiB) and its 64 scales (256 B), the bf16
 # tiles the gemms read (K_rot 16 KiB + V_unrot 48 KiB + V_rot 16 KiB = 80 KiB), the query (64 KiB) and P (8 KiB):
 # 196,864 B = 192.25 KiB of the 227 KiB. Two stages of panels would take 232.5 KiB; the bf16 windows of the bf16
@@ -101,7 +111,7 @@ VARIANTS: tuple[KernelVariant, ...] = (
     KernelVariant("merge_groups", "merge_groups", None, _K + "merge:build_merge_groups", dict(_MERGE),
                   in_place_merge=True),
     KernelVariant("merge_final", "merge_final", None, _K + "merge:build_merge_final", dict(_MERGE)),
-    *(KernelVariant(f"prefill_{f.value}", "prefill", f, _K + "prefill_attention:build", dict(_PREFILL))
+    *(KernelVariant(f"prefill_{f.value}", "prefill", f, _K + "prefill_attention:build", dict(_PREFILL[f]))
       for f in KvFormat),
     KernelVariant("prefill_folded_fp8", "prefill", KvFormat.FOLDED, _K + "prefill_attention:build_fp8",
                   dict(_PREFILL_FP8)),
