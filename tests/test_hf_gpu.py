@@ -191,18 +191,23 @@ def test_a_stop_after_a_step_run_ahead_leaves_the_cache_as_transformers_loop(gpu
 
     model = gpu_models["foldkv"]
     ids, mask = batch
-    free, _ = _run(model, batch, FoldKvCache(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW,
-                                             kv_format="folded", dtype=torch.bfloat16, scatter_seed=3))
+    if arm == "flashinfer":
+        require_module("flashinfer")
+        from foldkv.lab.flashinfer_model import FlashInferCache as cls
+    else:
+        cls = FoldKvCache
+
+    def make_cache():
+        return cls(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW,
+                   kv_format="split" if arm == "flashinfer" else "folded", dtype=torch.bfloat16, scatter_seed=3)
+
+    # the stop tokens from this arm's own free run: another arm's tokens may part from these on a near-tie of the
+    # random synthetic model (split's rows against folded's), and then no sequence would stop early
+    free, _ = _run(model, batch, make_cache())
     eos = sorted({int(free[0, 3]), int(free[1, 5]), int(free[2, 2])})  # every sequence ends early
 
     def once(loop: bool):
-        if arm == "flashinfer":
-            require_module("flashinfer")
-            from foldkv.lab.flashinfer_model import FlashInferCache as cls
-        else:
-            cls = FoldKvCache
-        cache = cls(model, max_batch=len(LENGTHS), max_tokens=max(LENGTHS) + NEW,
-                    kv_format="split" if arm == "flashinfer" else "folded", dtype=torch.bfloat16, scatter_seed=3)
+        cache = make_cache()
         with pytest.MonkeyPatch.context() as mp:
             if not loop:
                 mp.setattr(hf_loop, "applies", lambda model, kwargs: False)
