@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import TINY_SYNTHETIC, require_module
+from foldkv.pool import BlockTable
 
 import foldkv
 import foldkv.reference
@@ -496,7 +497,8 @@ def test_notebook_runs_headless(tmp_path):
     with open(out_dir / "03_drift_study.record.json") as fh:
         sections = json.load(fh)["sections"]
     assert sections["incumbent"] == sections["arm:ref-split"] == sections["arm:ref-folded"] == "ran", sections
-    assert sections["arm:folded"].startswith("not run")
+    # a CPU: the kernel arms show the run of record's numbers (notebook 03's record in papermill_runs/README.md)
+    assert sections["arm:folded"].startswith("redrawn from"), sections["arm:folded"]
     with open(executed) as fh:
         text = fh.read()
     assert "SYNTHETIC checkpoint" in text and "Arms that did not run here" in text and "Checks" in text
@@ -505,8 +507,8 @@ def test_notebook_runs_headless(tmp_path):
 def test_kernel_arm_plumbing_with_stand_in_launchers(model32, settings, monkeypatch):
     """The kernel arms' path through the walk, on the CPU: the arm's FoldKvCache is a bf16 pool whose launchers are
     stand-ins that hold every call to the documented contract (bf16 pool and query, int32 tables, prefill q_lens,
-    `backend=`) and answer with the float64 oracle rounded to bf16, as a kernel does. The arm must then track the
-    bf16-pool reference arm."""
+    `backend=`) and answer with the float64 oracle rounded to bf16, as a kernel does (the decode through a stand-in of
+    the cache's one DecodeWorkspace). The arm must then track the bf16-pool reference arm."""
     import foldkv.lab.model as fm
 
     calls = {"decode": 0, "prefill": 0}
@@ -516,13 +518,6 @@ def test_kernel_arm_plumbing_with_stand_in_launchers(model32, settings, monkeypa
         assert query.shape == (rows, 32, 512)
         assert table.page_ids.dtype == torch.int32 and table.seq_lens.dtype == torch.int32
 
-    def decode_stand_in(pool, query, table, *, plan=None, backend):
-        assert backend == "jit"
-        check_common(pool, query, table, 1)
-        calls["decode"] += 1
-        out, lse = foldkv.paged_attention_reference(pool, query, table)
-        return out.to(torch.bfloat16), lse.float()
-
     def prefill_stand_in(pool, query, table, q_lens, *, backend):
         assert backend == "jit"
         assert q_lens.dtype == torch.int32 and q_lens.tolist() == [int(table.seq_lens[0])]
@@ -530,6 +525,33 @@ def test_kernel_arm_plumbing_with_stand_in_launchers(model32, settings, monkeypa
         calls["prefill"] += 1
         out, lse = foldkv.paged_attention_reference(pool, query, table, q_lens)
         return out.to(torch.bfloat16), lse.float()
+
+    class WorkspaceStandIn:
+        """DecodeWorkspace's part in an eager decode (`FoldKvCache.pool_attention`) on the CPU: the fold writes the
+        query into `query`, `plan` takes the lengths and int32 page ids, `step` answers with the float64 oracle
+        rounded to bf16, as the kernels do. Its lengths read as unknown after each step, so every layer plans anew
+        (no `advance` to mirror)."""
+
+        def __init__(self, n):
+            self.max_batch, self.batch, self.lens = n, None, None
+            self.query = torch.full((n, 32, 512), float("nan"), dtype=torch.bfloat16)
+
+        @property
+        def seq_lens(self):
+            return self.lens
+
+        def plan(self, lens, page_ids):
+            self.batch, self.lens, self.page_ids = len(lens), tuple(lens), page_ids
+
+        def step(self, pool, *, backend):
+            assert backend == "jit"
+            table = BlockTable(self.page_ids, torch.tensor(self.lens, dtype=torch.int32))
+            query = self.query[:self.batch]
+            check_common(pool, query, table, self.batch)
+            calls["decode"] += 1
+            self.lens = None
+            out, lse = foldkv.paged_attention_reference(pool, query, table)
+            return out.to(torch.bfloat16), lse.float()
 
     real_cache = fm.arm_cache
 
@@ -541,7 +563,9 @@ def test_kernel_arm_plumbing_with_stand_in_launchers(model32, settings, monkeypa
         # on the CPU)
         cache = real_cache(model, fm.MODEL_ARMS[f"ref-{spec.name}"], capacity,
                            fm.ArmSettings(ref_pool_dtype=torch.bfloat16, scatter_seed=settings.scatter_seed), batch)
-        cache.attention, cache._kernels = "kernel", {"decode": decode_stand_in, "prefill": prefill_stand_in}
+        cache.attention, cache._kernels = "kernel", {"prefill": prefill_stand_in}
+        workspaces = {}
+        cache.decode_workspace = lambda n: workspaces.setdefault(n, WorkspaceStandIn(n))
         return cache
 
     monkeypatch.setattr(fm, "check_arm_available", lambda arm, device: None)
