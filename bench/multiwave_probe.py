@@ -23,6 +23,14 @@ read, in their chunks, from the scattered table and from the same pages in order
     source .devsite/env.sh; export PYTHONPATH=$PWD/lib:$PYTHONPATH
     python3 bench/multiwave_probe.py --out $OUT                # on the device: every cell, in order, within --budget-s
     python3 bench/multiwave_probe.py --plans                   # CPU: the cells' lengths, plans, CTAs an SM, partials
+
+The tile sweep (`--tile-sweep`, DECODE_NOTES run 24, ~1 minute): no attention and no TileLang; the same paged read,
+over tables of tile slots in one pool-sized buffer (two copies), at tile sizes of 40-320 KB, one stream or a page's
+four, page-major or head-major in groups of four pages, and today's tiles padded or at split's addresses, all in one
+`run_cell` cell against the streaming read of the same bytes (`read_folded` of a 655,360-token folded pool).
+
+    python3 bench/multiwave_probe.py --tile-sweep --out $OUT   # on the device
+    python3 bench/multiwave_probe.py --tile-sweep --plans      # CPU: each layout's stride, programs, phases, extent
 """
 
 from __future__ import annotations
@@ -81,39 +89,87 @@ def cell_lengths(seed: int = DEFAULT_SEED) -> dict[str, list[int]]:
 
 
 # --- the paged read: the partial's page tiles, in its chunks, and nothing else --------------------------------------
-def paged_read_kernel():
-    """run(pool_data, page_ids, chunk_req, chunk_start, chunk_len, out): one Triton program per (chunk, KV head) sums
-    every page tile (64 tokens x row, contiguous) its chunk covers, whole tiles as the partial's TMA loads them, into
-    out[chunk, head] (float32). Raises ImportError without Triton."""
+_TILE_SUM: list = []  # the Triton kernel, defined once (in the interpreter when TRITON_INTERPRET=1 is set then)
+
+
+def paged_tile_sum_kernel():
+    """The @triton.jit kernel of the paged read: one program per (chunk, KV head) sums every tile its chunk covers,
+    tile `ids[req, page] * HKV + head` of TILE elements at PITCH elements a slot (the pool's tiles: PITCH = TILE),
+    whole tiles as the partial's TMA loads them, into out[chunk * HKV + head] (float32). Raises ImportError without
+    Triton."""
     global triton, tl  # Triton resolves a kernel's names through its function's globals
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def paged_tile_sum(pool_ptr, ids_ptr, req_ptr, start_ptr, len_ptr, out_ptr, max_pages, HKV: tl.constexpr,
-                       PAGE_: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
-        c = tl.program_id(0)
-        h = tl.program_id(1)
-        req = tl.load(req_ptr + c).to(tl.int64)
-        first = tl.load(start_ptr + c) // PAGE_
-        pages = (tl.load(len_ptr + c) + PAGE_ - 1) // PAGE_
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for p in range(0, pages):
-            page = tl.load(ids_ptr + req * max_pages + first + p).to(tl.int64)
-            base = (page * HKV + h) * TILE
-            for b in tl.static_range(TILE // BLOCK):  # the tile's blocks issued together: a tile in flight
-                acc += tl.load(pool_ptr + base + b * BLOCK + tl.arange(0, BLOCK)).to(tl.float32)
-        tl.store(out_ptr + c * HKV + h, tl.sum(acc, axis=0))
+    if not _TILE_SUM:
+        @triton.jit
+        def paged_tile_sum(pool_ptr, ids_ptr, req_ptr, start_ptr, len_ptr, out_ptr, max_pages, HKV: tl.constexpr,
+                           PAGE_: tl.constexpr, TILE: tl.constexpr, PITCH: tl.constexpr, BLOCK: tl.constexpr):
+            c = tl.program_id(0)
+            h = tl.program_id(1)
+            req = tl.load(req_ptr + c).to(tl.int64)
+            first = tl.load(start_ptr + c) // PAGE_
+            pages = (tl.load(len_ptr + c) + PAGE_ - 1) // PAGE_
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for p in range(0, pages):
+                page = tl.load(ids_ptr + req * max_pages + first + p).to(tl.int64)
+                base = (page * HKV + h) * PITCH
+                for b in tl.static_range(TILE // BLOCK):  # the tile's blocks issued together: a tile in flight
+                    acc += tl.load(pool_ptr + base + b * BLOCK + tl.arange(0, BLOCK)).to(tl.float32)
+            tl.store(out_ptr + c * HKV + h, tl.sum(acc, axis=0))
+
+        _TILE_SUM.append(paged_tile_sum)
+    return _TILE_SUM[0]
+
+
+def tile_block(tile: int) -> int:
+    """Elements a load of the paged read takes: 4,096 (8 KB of bf16) where the tile is whole blocks of it, else
+    2,048. Raises ValueError for a tile of neither."""
+    for block in (4096, 2048):
+        if tile % block == 0:
+            return block
+    raise ValueError(f"a tile of {tile} elements is not whole blocks of 2,048 elements (4 KB of bf16)")
+
+
+def launch_tile_sum(flat: torch.Tensor, ids: torch.Tensor, chunk_req, chunk_start, chunk_len, out: torch.Tensor, *,
+                    hkv: int, page: int, tile: int, pitch: int):
+    """The paged read over `flat` (bf16 elements): grid (chunks, hkv), tiles of `tile` elements `pitch` apart.
+    Returns what the launch returns (the compiled kernel on a GPU: its registers and spills)."""
+    return paged_tile_sum_kernel()[(chunk_req.numel(), hkv)](
+        flat, ids, chunk_req, chunk_start, chunk_len, out, ids.shape[1], HKV=hkv, PAGE_=page, TILE=tile, PITCH=pitch,
+        BLOCK=tile_block(tile), num_warps=8)
+
+
+def paged_read_kernel():
+    """run(pool_data, page_ids, chunk_req, chunk_start, chunk_len, out): the paged read (`paged_tile_sum_kernel`)
+    of a pool's page tiles (64 tokens x row, contiguous, one per (page, KV head)) over a plan's chunks into
+    out[chunk, head]. Raises ImportError without Triton."""
+    paged_tile_sum_kernel()
 
     def run(data: torch.Tensor, page_ids: torch.Tensor, chunk_req, chunk_start, chunk_len, out: torch.Tensor) -> None:
         pages, hkv, page, width = data.shape
-        tile = page * width
-        block = 4096 if tile % 4096 == 0 else 2048
-        paged_tile_sum[(chunk_req.numel(), hkv)](data, page_ids, chunk_req, chunk_start, chunk_len, out,
-                                                 page_ids.shape[1], HKV=hkv, PAGE_=page, TILE=tile, BLOCK=block,
-                                                 num_warps=8)
+        launch_tile_sum(data, page_ids, chunk_req, chunk_start, chunk_len, out, hkv=hkv, page=page,
+                        tile=page * width, pitch=page * width)
 
     return run
+
+
+def expected_tile_sums(flat: torch.Tensor, slots: torch.Tensor, tile: int, pitch: int) -> tuple[float, float]:
+    """(sum, sum of |.|) in float64 of the tiles `slots` name in `flat` (bf16 elements): tile s is `tile` elements
+    from s * pitch. What a paged read of those tiles must add up to."""
+    listed = slots.reshape(-1).long().cpu()
+    flat = flat.reshape(-1)
+    n = int(listed.max()) + 1
+    if int(listed.min()) < 0 or (n - 1) * pitch + tile > flat.numel():
+        raise ValueError(f"slots {int(listed.min())}..{n - 1} of {tile} elements at a pitch of {pitch} leave a buffer "
+                         f"of {flat.numel()} elements")
+    slotted = flat.as_strided((n, tile), (pitch, 1))  # a view: no copy of the buffer
+    total = absolute = 0.0
+    for lo in range(0, listed.numel(), 1024):  # a block of tiles at a time: no float64 copy of the buffer
+        rows = slotted[listed[lo:lo + 1024].to(flat.device)].double()
+        total += float(rows.sum())
+        absolute += float(rows.abs().sum())
+    return total, absolute
 
 
 def expected_page_sums(data: torch.Tensor, page_ids: torch.Tensor, chunks: Sequence[tuple[int, int, int]],
@@ -122,13 +178,8 @@ def expected_page_sums(data: torch.Tensor, page_ids: torch.Tensor, chunks: Seque
     each) cover through `page_ids`: what the paged read must add up to."""
     ids = page_ids.cpu()
     listed = torch.cat([ids[r, s // page:s // page + -(-n // page)] for r, s, n in chunks]).long()
-    flat = data.reshape(data.shape[0], -1)
-    total = absolute = 0.0
-    for lo in range(0, listed.numel(), 1024):  # a block of pages at a time: no float64 copy of the pool
-        rows = flat[listed[lo:lo + 1024].to(data.device)].double()
-        total += float(rows.sum())
-        absolute += float(rows.abs().sum())
-    return total, absolute
+    per_page = data[0].numel()
+    return expected_tile_sums(data.reshape(-1), listed, per_page, per_page)
 
 
 PAGED_READ_TOL = 1e-3  # float32 sums of bf16 values: ~1e-6 of the sum of |x|; a tile read twice or left out: >> this
@@ -409,6 +460,292 @@ def plan_rows(plans: Sequence[CellPlan], num_sms: int = plan_mod.DEFAULT_SMS) ->
     return rows
 
 
+# --- the tile sweep: a plain read of tiles at every size, pitch and order, nothing else (DECODE_NOTES run 24) --------
+# Run 23 found the folded multi-wave loss in the read of its tiles alone: the paged read of exactly its page tiles is
+# 1.21-1.24x the streaming read on the H100, split's 0.99-1.03x. The sweep reads one pool's bytes with that same
+# kernel through tables of tile slots, each cell a tile size, a slot pitch, tiles a page and an order, so that which
+# property of today's tile the card charges for is told apart.
+KB = 1024
+FOLDED_TILE = PagedKvLayout(G, KvFormat.FOLDED, PAGE, 0)  # today's folded page: [heads, 64 rows, 640 columns] bf16
+SPLIT_TILE = PagedKvLayout(G, KvFormat.SPLIT, PAGE, 0)  # and split's: [heads, 64 rows, 1,024 columns]
+SWEEP_TOKENS = 655_360  # every cell reads a folded pool of this many tokens: 10,240 pages, 3.36 GB (run 23's 2-8 GB)
+SWEEP_PROGRAM_PAGES = 16  # pages one program reads, whatever the tile (run 23's uniform24: 15.7 pages a CTA; the plan
+#                           counts pages, so folded and split read the same pages a CTA there)
+SWEEP_COPIES = 2  # buffer copies the calls alternate over (each 3.4-5.4 GB: nothing is still in the 50 MB L2)
+SWEEP_WAVE = 5 * 132  # programs running at once: 5 an SM (40-48 registers, 8 warps) on 132 SMs
+CAMP_PERIOD = 5 * 16 * KB  # hypothesis C's address period: 5 HBM stacks (the H100's) at 16 KB a stack
+
+
+def element_bytes(lay: PagedKvLayout) -> int:
+    return torch.empty(0, dtype=lay.dtype).element_size()
+
+
+def page_tile_bytes(lay: PagedKvLayout) -> int:
+    """Bytes of one (page, KV head) tile of a pool: page_size rows x row_width elements."""
+    return lay.page_size * lay.row_width * element_bytes(lay)
+
+
+class TileLayout(NamedTuple):
+    """How the sweep lays a pool's tiles out: tile (page p, stream h) is `tile` bytes at slot
+    ((p // group) * streams + h) * group + p % group, `pitch` bytes a slot. streams = the KV heads of a page (1: one
+    stream, a program's tiles back to back); group = 1 is today's page-major order ([pages, heads, rows, row]),
+    group > 1 head-major within groups of that many pages ([groups, heads, group, rows, row]); pitch > tile pads
+    every tile."""
+    tile: int
+    pitch: int
+    streams: int
+    group: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"t{self.tile // KB}_p{self.pitch // KB}_k{self.streams}_g{self.group}"
+
+    @property
+    def stride(self) -> int:
+        """Bytes between the starts of consecutive tiles one program reads, outside a group: streams x group x
+        pitch (group x pitch apart inside one: the tiles of a group are back to back where pitch = tile)."""
+        return self.streams * self.group * self.pitch
+
+
+TODAY_FOLDED = TileLayout(page_tile_bytes(FOLDED_TILE), page_tile_bytes(FOLDED_TILE), G.num_kv_heads)  # 80 / 320 KB
+TODAY_SPLIT = TileLayout(page_tile_bytes(SPLIT_TILE), page_tile_bytes(SPLIT_TILE), G.num_kv_heads)  # 128 / 512 KB
+SWEEP_TILES_KB = (40, 80, 128, 160, 256, 320)
+SWEEP_LAYOUTS = (
+    *(TileLayout(t * KB, t * KB, G.num_kv_heads) for t in SWEEP_TILES_KB),  # page-major, as today: tile size
+    *(TileLayout(t * KB, t * KB, 1) for t in SWEEP_TILES_KB),  # one stream: a program's tiles back to back
+    *(TileLayout(t * KB, t * KB, G.num_kv_heads, 4) for t in SWEEP_TILES_KB),  # head-major in groups of 4 pages
+    TileLayout(80 * KB, 128 * KB, G.num_kv_heads),  # today's 80 KB tile at split's addresses (stride 512 KB)
+    TileLayout(80 * KB, 88 * KB, G.num_kv_heads),  # today's tile padded by 8 KB (stride 352 KB)
+    TileLayout(128 * KB, 160 * KB, 2),  # split's tile at folded's stride (320 KB) and a 160 KB pitch
+    TileLayout(128 * KB, 160 * KB, G.num_kv_heads),  # split's tile at a 160 KB pitch (stride 640 KB)
+)
+
+
+def sweep_read_bytes(tokens: int = SWEEP_TOKENS) -> int:
+    """The bytes every cell of the sweep reads: a folded pool of `tokens` tokens (whole pages), the same count the
+    denominator (the case's `read_folded`) streams."""
+    return -(-tokens // PAGE) * G.num_kv_heads * page_tile_bytes(FOLDED_TILE)
+
+
+def sweep_slots(lay: TileLayout, read_bytes: int | None = None,
+                program_pages: int = SWEEP_PROGRAM_PAGES) -> torch.Tensor:
+    """int32 [programs, tiles a program]: the slot of every tile each program reads, a program one stream's run of
+    `program_pages` consecutive pages, rows stream by stream (row h * chunks + c: the order run 23's
+    grid (chunks, heads) launches its programs in). Raises ValueError, before anything is allocated, for a layout
+    that cannot cover `read_bytes` (default `sweep_read_bytes()`) exactly in whole tiles, programs and groups, or a
+    tile or pitch the kernel cannot read (whole 4 KB blocks; pitch >= tile, a multiple of 16 bytes)."""
+    read_bytes = sweep_read_bytes() if read_bytes is None else int(read_bytes)
+    per_page = lay.streams * lay.tile
+    problems = [why for bad, why in (
+        (lay.tile <= 0 or lay.tile % (4 * KB), f"tile {lay.tile} B is not whole 4 KB blocks"),
+        (lay.pitch < lay.tile or lay.pitch % 16, f"pitch {lay.pitch} B: need >= the tile and a multiple of 16 B"),
+        (lay.streams < 1 or lay.group < 1, "streams and group must be >= 1"),
+        (read_bytes % per_page, f"{read_bytes} B is not whole pages of {per_page} B"),
+        (program_pages < 1, f"{program_pages} pages a program"),
+    ) if bad]
+    if not problems:
+        pages = read_bytes // per_page
+        problems = [why for bad, why in (
+            (pages % program_pages, f"{pages} pages are not whole programs of {program_pages}"),
+            (pages % lay.group, f"{pages} pages are not whole groups of {lay.group}"),
+        ) if bad]
+    if problems:
+        raise ValueError(f"tile layout {lay}: " + "; ".join(problems))
+    p = torch.arange(pages).view(-1, program_pages)  # [chunks, tiles a program]: a stream's pages in order
+    h = torch.arange(lay.streams).view(-1, 1, 1)
+    slots = ((p // lay.group) * lay.streams + h) * lay.group + p % lay.group  # [streams, chunks, tiles]
+    return slots.reshape(-1, program_pages).to(torch.int32)
+
+
+def tile_coverage(slots: torch.Tensor, lay: TileLayout) -> dict:
+    """What the tiles of `slots` cover: {"tiles", "bytes" (tiles x tile, the bytes a read of them claims),
+    "buffer_bytes" (the slots' extent), "tile_starts" (bytes, sorted)}; ValueError where two tiles share a byte (a
+    slot listed twice, or a pitch below the tile) or a slot is negative."""
+    listed = slots.reshape(-1).long()
+    starts = torch.sort(listed * lay.pitch).values
+    if listed.numel() == 0 or int(starts[0]) < 0:
+        raise ValueError("no tiles, or a negative slot")
+    gaps = starts[1:] - starts[:-1]
+    if bool((gaps < lay.tile).any()):
+        i = int(torch.nonzero(gaps < lay.tile)[0])
+        raise ValueError(f"tiles at bytes {int(starts[i])} and {int(starts[i + 1])} overlap ({lay.tile} B a tile)")
+    return {"tiles": listed.numel(), "bytes": listed.numel() * lay.tile,
+            "buffer_bytes": int(starts[-1]) + lay.pitch, "tile_starts": starts}
+
+
+def lockstep_phases(slots: torch.Tensor, lay: TileLayout, period: int = CAMP_PERIOD, wave: int = SWEEP_WAVE) -> int:
+    """Hypothesis C's measure: programs of the first wave (the first `wave` rows, launched together) reading their
+    k-th tiles at the same pace touch addresses that differ by their tile starts; the fewest distinct residues of
+    those starts modulo `period` over k. 1: every program of the wave is at the same place in the period at once."""
+    starts = slots[:wave].long() * lay.pitch % period  # [programs, tiles]
+    return min(len(torch.unique(starts[:, k])) for k in range(starts.shape[1]))
+
+
+def sweep_rows(layouts: Sequence[TileLayout] = SWEEP_LAYOUTS, read_bytes: int | None = None) -> list[dict]:
+    """The sweep's cells as bookkeeping (CPU): name, tile, pitch, streams, group, stride, programs, tiles a program,
+    the bytes read and the buffer they span, and `phases` (`lockstep_phases`)."""
+    rows = []
+    for lay in layouts:
+        slots = sweep_slots(lay, read_bytes)
+        cov = tile_coverage(slots, lay)
+        rows.append({"cell": lay.name, "tile_kb": lay.tile / KB, "pitch_kb": lay.pitch / KB, "streams": lay.streams,
+                     "group": lay.group, "stride_kb": lay.stride / KB, "programs": slots.shape[0],
+                     "tiles_a_program": slots.shape[1], "read_bytes": cov["bytes"],
+                     "buffer_bytes": cov["buffer_bytes"], "phases": lockstep_phases(slots, lay)})
+    return rows
+
+
+_SWEEP_BUFFERS: dict = {}
+
+
+def sweep_buffers(device: torch.device, nbytes: int) -> list[torch.Tensor]:
+    """SWEEP_COPIES buffers of `nbytes` (whole 8 KB blocks; values uniform in [0, 1), `roofs.stream_read_buffers`),
+    made once a run and shared by every cell: the cells differ in which bytes they read, not in what is there."""
+    from foldkv.lab.bench import stream_read_buffers
+
+    key = (str(device), int(nbytes))
+    if key not in _SWEEP_BUFFERS:
+        _SWEEP_BUFFERS.clear()
+        _SWEEP_BUFFERS[key] = stream_read_buffers(nbytes, device, SWEEP_COPIES, max_bytes=SWEEP_COPIES * nbytes)[0]
+    return _SWEEP_BUFFERS[key]
+
+
+def sweep_buffer_bytes(layouts: Sequence[TileLayout] = SWEEP_LAYOUTS) -> int:
+    """The one buffer size every cell fits in: the largest extent, rounded up to whole 8 KB blocks."""
+    extent = max(tile_coverage(sweep_slots(lay), lay)["buffer_bytes"] for lay in layouts)
+    return -(-extent // (8 * KB)) * (8 * KB)
+
+
+def tile_read_arm(lay: TileLayout, buffer_bytes: int) -> ArmSpec:
+    """The paged read (`paged_tile_sum_kernel`, run 23's) of the tiles `sweep_slots(lay)` names in the sweep's
+    shared buffers (one program a row, grid (programs, 1)). Checked: its sums, poisoned first, add up to the float64
+    sum of exactly those tiles. Its info: the layout and the compiled kernel's registers and spills."""
+    slots_cpu = sweep_slots(lay)  # a bad layout is refused here, before any buffer or launch
+    cov = tile_coverage(slots_cpu, lay)
+    if cov["buffer_bytes"] > buffer_bytes:
+        raise ValueError(f"{lay.name} spans {cov['buffer_bytes']} B, past the sweep's buffer of {buffer_bytes} B")
+
+    def build(case: AttentionCase) -> ArmImpl:
+        bufs = sweep_buffers(case.device, buffer_bytes)
+        ids = slots_cpu.to(case.device)
+        programs, tiles = ids.shape
+        req = torch.arange(programs, dtype=torch.int32, device=case.device)
+        start = torch.zeros(programs, dtype=torch.int32, device=case.device)
+        lens = torch.full((programs,), tiles * PAGE, dtype=torch.int32, device=case.device)
+        out = torch.empty(programs, dtype=torch.float32, device=case.device)
+        tile, pitch = lay.tile // 2, lay.pitch // 2  # bf16 elements
+        launched: list = []
+
+        def call(b):
+            k = launch_tile_sum(b, ids, req, start, lens, out, hkv=1, page=PAGE, tile=tile, pitch=pitch)
+            if not launched:
+                launched.append(k)
+
+        calls = [lambda b=b: call(b) for b in bufs]
+
+        def check() -> dict:
+            out.fill_(float("nan"))
+            calls[0]()
+            torch.cuda.synchronize(case.device)
+            total, absolute = expected_tile_sums(bufs[0], slots_cpu, tile, pitch)
+            err = abs(float(out.double().sum()) - total) / max(1.0, absolute)
+            written = bool(torch.isfinite(out).all())
+            k = launched[0] if launched else None
+            info.update(registers=getattr(k, "n_regs", None), spills=getattr(k, "n_spills", None))
+            return {"written": written, "rel_err": err, "tol": PAGED_READ_TOL, "ok": written and err <= PAGED_READ_TOL,
+                    "what": "program sums against the float64 sum of the tiles the slots name"}
+
+        info = {"tile_kb": lay.tile / KB, "pitch_kb": lay.pitch / KB, "streams": lay.streams, "group": lay.group,
+                "stride_kb": lay.stride / KB, "programs": programs, "tiles_a_program": tiles, "read_bytes": cov["bytes"],
+                "phases": lockstep_phases(slots_cpu, lay)}
+        return ArmImpl(calls, out, graph=True, keep=(ids, req, start, lens, bufs), check=check, info=info)
+
+    return ArmSpec(lay.name, f"paged read of {lay.tile // KB} KB tiles at a {lay.pitch // KB} KB pitch, "
+                   f"{lay.streams} a page, groups of {lay.group} page(s) (stride {lay.stride // KB} KB)", "folded",
+                   False, build)
+
+
+SWEEP_DENOMINATOR = "read_folded"  # the streaming read of the folded pool of SWEEP_TOKENS: run 23's denominator
+
+
+def sweep_case(device: torch.device) -> AttentionCase:
+    """The sweep's case: one request of SWEEP_TOKENS, whose folded bytes `read_folded` streams (its pools are never
+    made: the cells read the sweep's own buffers)."""
+    return AttentionCase([SWEEP_TOKENS], device=device, min_copies=1)
+
+
+def denominator_bytes(case: AttentionCase) -> int:
+    """The bytes the sweep's denominator streams for `case` (what `arms._stream_read` hands `stream_read_arm`)."""
+    from foldkv.lab import byte_floor
+
+    return byte_floor.step_bytes(case.geom, KvFormat.FOLDED, case.seq_lens)["kv"]
+
+
+def sweep_table(cell: dict) -> list[dict]:
+    """Each layout's median against the streaming read of the same bytes (`x_read`) and against the one-stream
+    layout of the same tile (`x_one_stream`: the same kernel and tiles, back to back), with its paired ratio to the
+    read (median of per-round ratios), its phases and the kernel's registers."""
+    arms = {n: a for n, a in cell["arms"].items() if a["status"] == "ok"}
+    read = arms.get(SWEEP_DENOMINATOR, {}).get("us", {}).get("median")
+    rows = []
+    for lay in SWEEP_LAYOUTS:
+        a = arms.get(lay.name)
+        if a is None:
+            rows.append({"cell": lay.name, "status": cell["arms"].get(lay.name, {}).get("status", "absent")})
+            continue
+        us = a["us"]["median"]
+        one = arms.get(TileLayout(lay.tile, lay.tile, 1).name, {}).get("us", {}).get("median")
+        paired = (cell.get("speedup", {}).get(SWEEP_DENOMINATOR, {}).get(lay.name, {}).get("paired") or {})
+        rows.append({"cell": lay.name, "status": "ok", "us": us, "x_read": us / read if read else None,
+                     "x_read_paired": paired.get("median"), "x_one_stream": us / one if one else None,
+                     "check": a["check"].get("ok"), **{k: a["info"].get(k) for k in (
+                         "tile_kb", "pitch_kb", "streams", "group", "stride_kb", "phases", "registers", "spills")}})
+    return rows
+
+
+def run_tile_sweep(args, log) -> int:
+    """The sweep on the device: the read roof, then one cell of every layout and the denominator, interleaved round
+    by round (`run_cell`), the JSON written at the end."""
+    from foldkv.lab.bench import measure_read_roof
+    from foldkv.lab.report import environment
+    from foldkv.provenance import provenance
+
+    device = torch.device("cuda")
+    nbytes = sweep_buffer_bytes()
+    arms = [SWEEP_DENOMINATOR] + [tile_read_arm(lay, nbytes) for lay in SWEEP_LAYOUTS]  # layouts checked here
+    case = sweep_case(device)
+    if denominator_bytes(case) != sweep_read_bytes():
+        raise ValueError(f"the denominator streams {denominator_bytes(case)} B, the cells read {sweep_read_bytes()} B")
+    record: dict = {"facts": device_facts(device), "layouts": [
+        {k: v for k, v in r.items()} for r in sweep_rows()], "buffer_bytes": nbytes, "copies": SWEEP_COPIES}
+    log(f"device: {record['facts']}")
+    record["roof"] = roof = measure_read_roof(device)
+    log(f"read roof {roof['gbps']:.0f} GB/s; {len(SWEEP_LAYOUTS)} layouts over {SWEEP_COPIES} buffers of "
+        f"{nbytes / 1e9:.2f} GB, each cell reading {sweep_read_bytes() / 1e9:.3f} GB")
+    cell = run_cell("tile_sweep", "decode", case, arms, rounds=args.rounds, warmup=3, roof=roof, log=log)
+    record["cell"] = cell
+    record["table"] = table = sweep_table(cell)
+    record.update(env=environment(device), provenance=provenance())
+    if args.out:
+        save(os.path.join(args.out, "tile_sweep.json"), record)
+    read = cell["arms"].get(SWEEP_DENOMINATOR, {})
+    log(f"{SWEEP_DENOMINATOR}: {read.get('us', {}).get('median', float('nan')):.1f} us, "
+        f"check {read.get('check', {}).get('ok')}")
+    print(f"{'cell':<18} {'tile':>5} {'pitch':>5} {'k':>2} {'g':>2} {'stride':>6} {'phases':>6} {'regs':>4} "
+          f"{'us':>9} {'x read':>7} {'paired':>7} {'x 1 stream':>10}  check", flush=True)
+    for r in table:
+        if r["status"] != "ok":
+            print(f"{r['cell']:<18} {r['status']}", flush=True)
+            continue
+        f = lambda v, spec: format(v, spec) if v is not None else "n/a"  # noqa: E731
+        print(f"{r['cell']:<18} {r['tile_kb']:5.0f} {r['pitch_kb']:5.0f} {r['streams']:2d} {r['group']:2d} "
+              f"{r['stride_kb']:6.0f} {r['phases']:6d} {f(r['registers'], '4d'):>4} {r['us']:9.1f} "
+              f"{f(r['x_read'], '7.3f'):>7} {f(r['x_read_paired'], '7.3f'):>7} {f(r['x_one_stream'], '10.3f'):>10}  "
+              f"{'ok' if r['check'] else 'FAILED'}", flush=True)
+    case.release()
+    return 0
+
+
 # --- the cases ------------------------------------------------------------------------------------------------------
 class InOrderCase(AttentionCase):
     """The case with every request's pages in order in the pool (request after request, no scatter)."""
@@ -502,7 +839,20 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=240.0, help="no new cell starts after this many seconds")
     ap.add_argument("--workers", type=int, default=10, help="processes compiling the kernels side by side")
     ap.add_argument("--plans", action="store_true", help="print the cells' plans (CPU) and exit")
+    ap.add_argument("--tile-sweep", action="store_true",
+                    help="instead of the cells: the plain read of tiles at every size, pitch and order "
+                         "(SWEEP_LAYOUTS) against the streaming read of the same bytes; with --plans, their "
+                         "bookkeeping (CPU)")
     args = ap.parse_args(argv)
+    if args.tile_sweep:
+        if args.plans:
+            for row in sweep_rows():
+                print("  ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+            return 0
+        if not torch.cuda.is_available():
+            sys.exit("no CUDA device: --tile-sweep --plans runs on the CPU")
+        t0 = time.perf_counter()
+        return run_tile_sweep(args, lambda s: print(f"[{time.perf_counter() - t0:6.1f} s] {s}", flush=True))
     plans = probe_plan(args.cells, args.seed, args.drop)  # refuses unknown names before any GPU work
     if args.plans:
         for row in plan_rows(plans):

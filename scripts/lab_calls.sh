@@ -29,6 +29,10 @@
 #   PART=multiwave  the folded decode partial of multi-wave plans against split's and their plain reads, with the
 #                 versions that test each cause (bench/multiwave_probe.py; bench/DECODE_NOTES.md run 23): on the H100,
 #                 where folded runs 1.33-1.52x its read (~4-5 min)
+#   PART=tile_sweep  the paged read alone (no attention, no TileLang) of tiles at 40-320 KB, one stream or a page's
+#                 four, page-major or head-major in groups of four pages, today's tile padded or at split's addresses,
+#                 each against the streaming read of the same bytes in one interleaved cell (bench/multiwave_probe.py
+#                 --tile-sweep; bench/DECODE_NOTES.md run 24): on the H100 (~1 min)
 # (The 31B step's runs 22-25 were measured at 9f9ef77: papermill_runs/h200-20261205-s27.)
 # Prepare on the CPU machine first: scripts/prepare_device_run.sh (carry .devsite build/aot build/checkout.json).
 #
@@ -143,4 +147,10 @@ if [ "$PART" = multiwave ]; then
   timeout ${MW_S:-330} python3 bench/multiwave_probe.py --out "$OUTD" --budget-s ${MW_BUDGET_S:-240} \
     > "$OUTD/multiwave_probe.log" 2>&1
   echo "multiwave rc=$? at $(( $(date +%s) - t0 )) s"; tail -${TAIL:-60} "$OUTD/multiwave_probe.log"
+fi
+
+if [ "$PART" = tile_sweep ]; then
+  timeout ${TS_S:-100} python3 bench/multiwave_probe.py --tile-sweep --out "$OUTD" --rounds ${TS_ROUNDS:-20} \
+    > "$OUTD/tile_sweep.log" 2>&1
+  echo "tile sweep rc=$? at $(( $(date +%s) - t0 )) s"; tail -${TAIL:-30} "$OUTD/tile_sweep.log"
 fi

@@ -16,12 +16,18 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = (ROOT / "scripts" / "lab_calls.sh").read_text()
 
 
-def _command(tool: str, script: str = SCRIPT) -> list[str]:
-    """The arguments the script passes `tool` (continuation lines joined, up to the redirection)."""
+def _commands(tool: str, script: str = SCRIPT) -> list[list[str]]:
+    """The arguments of every command the script runs `tool` with (continuation lines joined, up to the
+    redirection)."""
     text = script.replace("\\\n", " ")
-    m = re.search(rf"{re.escape(tool)} (.*?) >", text)
-    assert m, f"no {tool} command in scripts/lab_calls.sh"
-    return shlex.split(m.group(1))
+    found = [shlex.split(m.group(1)) for m in re.finditer(rf"{re.escape(tool)} (.*?) >", text)]
+    assert found, f"no {tool} command in scripts/lab_calls.sh"
+    return found
+
+
+def _command(tool: str, script: str = SCRIPT) -> list[str]:
+    """The arguments of the first command the script runs `tool` with."""
+    return _commands(tool, script)[0]
 
 
 def _missing_files(script: str) -> list[str]:
@@ -75,9 +81,9 @@ def test_the_ring_probe_command_parses():
 
 
 def _unknown_flags(tool: str, source: str, script: str = SCRIPT) -> list[str]:
-    """The flags the script passes `tool` that its argparse source does not declare."""
+    """The flags any command of the script passes `tool` that its argparse source does not declare."""
     declared = set(re.findall(r'add_argument\("(--[\w-]+)"', source))
-    return [a for a in _command(tool, script) if a.startswith("--") and a not in declared]
+    return [a for args in _commands(tool, script) for a in args if a.startswith("--") and a not in declared]
 
 
 @pytest.mark.parametrize("tool", ["prefill_kernel_probe.py", "multiwave_probe.py"])
@@ -86,3 +92,27 @@ def test_the_kernel_probe_flags_exist(tool):
     assert _unknown_flags(tool, source) == []
     twin = SCRIPT.replace(f"{tool} --out", f"{tool} --gone-flag x --out")  # red twin: a flag the probe lacks
     assert _unknown_flags(tool, source, twin) == ["--gone-flag"]
+
+
+def _parts(script: str = SCRIPT) -> tuple[list[str], list[str]]:
+    """(the PARTs the script's header describes, the PARTs it has a block for), each sorted."""
+    described = re.findall(r"^#   PART=(\w+)  ", script, re.M)  # a description: two spaces after the name
+    blocks = re.findall(r'^if \[ "\$PART" = (\w+) \]', script, re.M)
+    return sorted(described), sorted(blocks)
+
+
+def test_every_part_is_described_and_run():
+    described, blocks = _parts()
+    assert described == blocks and "tile_sweep" in blocks, (described, blocks)
+    twin = SCRIPT.replace('if [ "$PART" = tile_sweep ]', 'if [ "$PART" = tile_swept ]')  # red twin: a block renamed
+    described, blocks = _parts(twin)
+    assert described != blocks
+
+
+def test_the_tile_sweep_call_runs_the_sweep():
+    """PART=tile_sweep runs the probe's sweep (not its cells) and writes into $OUT; the sweep's bookkeeping holds
+    (every layout reads exactly the denominator's bytes: tests/test_multiwave_probe_cpu.py)."""
+    sweeps = [args for args in _commands("multiwave_probe.py") if "--tile-sweep" in args]
+    assert len(sweeps) == 1 and sweeps[0][sweeps[0].index("--out") + 1] == "$OUTD", sweeps
+    twin = SCRIPT.replace("--tile-sweep --out", "--out")  # red twin: the flag dropped runs the cells instead
+    assert not [args for args in _commands("multiwave_probe.py", twin) if "--tile-sweep" in args]
