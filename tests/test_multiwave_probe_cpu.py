@@ -268,3 +268,20 @@ def test_every_sweep_kernel_compiles_for_the_h100_without_spills(probe):
         got = triton_sm90(fn, sig, dict(HKV=1, PAGE_=probe.PAGE, TILE=tile, PITCH=pitch, BLOCK=probe.tile_block(tile)),
                           pointers, num_warps=8)
         assert got["spill_bytes"] == 0 and got["registers"] <= 64, (tile, pitch, got["registers"])
+
+
+def test_the_sweep_table_divides_by_the_read_of_the_same_bytes(probe):
+    """Each cell's ratio is its median over the denominator's (the streaming read of the same bytes) and over the
+    one-stream layout of its own tile; red twin: a cell whose denominator did not run has no ratio to the read."""
+    today, one = probe.TODAY_FOLDED.name, probe.TileLayout(80 * KB, 80 * KB, 1).name
+    info = {"tile_kb": 80.0, "pitch_kb": 80.0, "streams": 4, "group": 1, "stride_kb": 320.0, "phases": 1,
+            "registers": 48, "spills": 0}
+    arm = lambda us: {"status": "ok", "us": {"median": us}, "check": {"ok": True}, "info": info}  # noqa: E731
+    cell = {"arms": {probe.SWEEP_DENOMINATOR: arm(1000.0), today: arm(1220.0), one: arm(1100.0)},
+            "speedup": {probe.SWEEP_DENOMINATOR: {today: {"paired": {"median": 1.21}}}}}
+    rows = {r["cell"]: r for r in probe.sweep_table(cell)}
+    assert rows[today]["x_read"] == pytest.approx(1.22) and rows[today]["x_read_paired"] == 1.21
+    assert rows[today]["x_one_stream"] == pytest.approx(1220 / 1100) and rows[one]["x_one_stream"] == 1.0
+    assert rows[probe.TODAY_SPLIT.name]["status"] == "absent" and len(rows) == len(probe.SWEEP_LAYOUTS)
+    del cell["arms"][probe.SWEEP_DENOMINATOR]
+    assert probe.sweep_table(cell)[1]["x_read"] is None
