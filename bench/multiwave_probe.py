@@ -471,7 +471,7 @@ SPLIT_TILE = PagedKvLayout(G, KvFormat.SPLIT, PAGE, 0)  # and split's: [heads, 6
 SWEEP_TOKENS = 655_360  # every cell reads a folded pool of this many tokens: 10,240 pages, 3.36 GB (run 23's 2-8 GB)
 SWEEP_PROGRAM_PAGES = 16  # pages one program reads, whatever the tile (run 23's uniform24: 15.7 pages a CTA; the plan
 #                           counts pages, so folded and split read the same pages a CTA there)
-SWEEP_COPIES = 2  # buffer copies the calls alternate over (each 3.4-5.4 GB: nothing is still in the 50 MB L2)
+SWEEP_COPIES = 2  # buffer copies the calls alternate over (5.37 GB each, 3.36 GB read: nothing left in the 50 MB L2)
 SWEEP_WAVE = 5 * 132  # programs running at once: 5 an SM (40-48 registers, 8 warps) on 132 SMs
 CAMP_PERIOD = 5 * 16 * KB  # hypothesis C's address period: 5 HBM stacks (the H100's) at 16 KB a stack
 
@@ -521,20 +521,21 @@ SWEEP_LAYOUTS = (
 )
 
 
-def sweep_read_bytes(tokens: int = SWEEP_TOKENS) -> int:
-    """The bytes every cell of the sweep reads: a folded pool of `tokens` tokens (whole pages), the same count the
-    denominator (the case's `read_folded`) streams."""
+def sweep_read_bytes(tokens: int | None = None) -> int:
+    """The bytes every cell of the sweep reads: a folded pool of `tokens` tokens (default SWEEP_TOKENS; whole
+    pages), the same count the denominator (the case's `read_folded`) streams."""
+    tokens = SWEEP_TOKENS if tokens is None else int(tokens)
     return -(-tokens // PAGE) * G.num_kv_heads * page_tile_bytes(FOLDED_TILE)
 
 
-def sweep_slots(lay: TileLayout, read_bytes: int | None = None,
-                program_pages: int = SWEEP_PROGRAM_PAGES) -> torch.Tensor:
+def sweep_slots(lay: TileLayout, read_bytes: int | None = None, program_pages: int | None = None) -> torch.Tensor:
     """int32 [programs, tiles a program]: the slot of every tile each program reads, a program one stream's run of
-    `program_pages` consecutive pages, rows stream by stream (row h * chunks + c: the order run 23's
+    `program_pages` (default SWEEP_PROGRAM_PAGES) consecutive pages, rows stream by stream (row h * chunks + c: the order run 23's
     grid (chunks, heads) launches its programs in). Raises ValueError, before anything is allocated, for a layout
     that cannot cover `read_bytes` (default `sweep_read_bytes()`) exactly in whole tiles, programs and groups, or a
     tile or pitch the kernel cannot read (whole 4 KB blocks; pitch >= tile, a multiple of 16 bytes)."""
     read_bytes = sweep_read_bytes() if read_bytes is None else int(read_bytes)
+    program_pages = SWEEP_PROGRAM_PAGES if program_pages is None else int(program_pages)
     per_page = lay.streams * lay.tile
     problems = [why for bad, why in (
         (lay.tile <= 0 or lay.tile % (4 * KB), f"tile {lay.tile} B is not whole 4 KB blocks"),
@@ -581,11 +582,11 @@ def lockstep_phases(slots: torch.Tensor, lay: TileLayout, period: int = CAMP_PER
     return min(len(torch.unique(starts[:, k])) for k in range(starts.shape[1]))
 
 
-def sweep_rows(layouts: Sequence[TileLayout] = SWEEP_LAYOUTS, read_bytes: int | None = None) -> list[dict]:
-    """The sweep's cells as bookkeeping (CPU): name, tile, pitch, streams, group, stride, programs, tiles a program,
+def sweep_rows(layouts: Sequence[TileLayout] | None = None, read_bytes: int | None = None) -> list[dict]:
+    """The sweep's cells (default SWEEP_LAYOUTS) as bookkeeping (CPU): name, tile, pitch, streams, group, stride, programs, tiles a program,
     the bytes read and the buffer they span, and `phases` (`lockstep_phases`)."""
     rows = []
-    for lay in layouts:
+    for lay in SWEEP_LAYOUTS if layouts is None else layouts:
         slots = sweep_slots(lay, read_bytes)
         cov = tile_coverage(slots, lay)
         rows.append({"cell": lay.name, "tile_kb": lay.tile / KB, "pitch_kb": lay.pitch / KB, "streams": lay.streams,
@@ -610,8 +611,10 @@ def sweep_buffers(device: torch.device, nbytes: int) -> list[torch.Tensor]:
     return _SWEEP_BUFFERS[key]
 
 
-def sweep_buffer_bytes(layouts: Sequence[TileLayout] = SWEEP_LAYOUTS) -> int:
-    """The one buffer size every cell fits in: the largest extent, rounded up to whole 8 KB blocks."""
+def sweep_buffer_bytes(layouts: Sequence[TileLayout] | None = None) -> int:
+    """The one buffer size every cell (default SWEEP_LAYOUTS) fits in: the largest extent, rounded up to whole 8 KB
+    blocks."""
+    layouts = SWEEP_LAYOUTS if layouts is None else layouts
     extent = max(tile_coverage(sweep_slots(lay), lay)["buffer_bytes"] for lay in layouts)
     return -(-extent // (8 * KB)) * (8 * KB)
 
@@ -703,6 +706,22 @@ def sweep_table(cell: dict) -> list[dict]:
     return rows
 
 
+def sweep_lines(table: Sequence[dict]) -> list[str]:
+    """`sweep_table`'s rows as the log's lines: a header, then one line a layout (n/a where a value is missing)."""
+    f = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
+    lines = [f"{'cell':<18} {'tile':>5} {'pitch':>5} {'k':>2} {'g':>2} {'stride':>6} {'phases':>6} {'regs':>4} "
+             f"{'us':>9} {'x read':>7} {'paired':>7} {'x 1 stream':>10}  check"]
+    for r in table:
+        if r["status"] != "ok":
+            lines.append(f"{r['cell']:<18} {r['status']}")
+            continue
+        lines.append(f"{r['cell']:<18} {r['tile_kb']:5.0f} {r['pitch_kb']:5.0f} {r['streams']:2d} {r['group']:2d} "
+                     f"{r['stride_kb']:6.0f} {r['phases']:6d} {f(r['registers'], 'd'):>4} {r['us']:9.1f} "
+                     f"{f(r['x_read'], '.3f'):>7} {f(r['x_read_paired'], '.3f'):>7} {f(r['x_one_stream'], '.3f'):>10}"
+                     f"  {'ok' if r['check'] else 'FAILED'}")
+    return lines
+
+
 def run_tile_sweep(args, log) -> int:
     """The sweep on the device: the read roof, then one cell of every layout and the denominator, interleaved round
     by round (`run_cell`), the JSON written at the end."""
@@ -731,17 +750,8 @@ def run_tile_sweep(args, log) -> int:
     read = cell["arms"].get(SWEEP_DENOMINATOR, {})
     log(f"{SWEEP_DENOMINATOR}: {read.get('us', {}).get('median', float('nan')):.1f} us, "
         f"check {read.get('check', {}).get('ok')}")
-    print(f"{'cell':<18} {'tile':>5} {'pitch':>5} {'k':>2} {'g':>2} {'stride':>6} {'phases':>6} {'regs':>4} "
-          f"{'us':>9} {'x read':>7} {'paired':>7} {'x 1 stream':>10}  check", flush=True)
-    for r in table:
-        if r["status"] != "ok":
-            print(f"{r['cell']:<18} {r['status']}", flush=True)
-            continue
-        f = lambda v, spec: format(v, spec) if v is not None else "n/a"  # noqa: E731
-        print(f"{r['cell']:<18} {r['tile_kb']:5.0f} {r['pitch_kb']:5.0f} {r['streams']:2d} {r['group']:2d} "
-              f"{r['stride_kb']:6.0f} {r['phases']:6d} {f(r['registers'], '4d'):>4} {r['us']:9.1f} "
-              f"{f(r['x_read'], '7.3f'):>7} {f(r['x_read_paired'], '7.3f'):>7} {f(r['x_one_stream'], '10.3f'):>10}  "
-              f"{'ok' if r['check'] else 'FAILED'}", flush=True)
+    for line in sweep_lines(table):
+        print(line, flush=True)
     case.release()
     return 0
 

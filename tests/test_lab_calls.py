@@ -116,3 +116,7 @@ def test_the_tile_sweep_call_runs_the_sweep():
     assert len(sweeps) == 1 and sweeps[0][sweeps[0].index("--out") + 1] == "$OUTD", sweeps
     twin = SCRIPT.replace("--tile-sweep --out", "--out")  # red twin: the flag dropped runs the cells instead
     assert not [args for args in _commands("multiwave_probe.py", twin) if "--tile-sweep" in args]
+    notes = (ROOT / "bench" / "DECODE_NOTES.md").read_text()
+    section = notes[notes.index("## Run 24: the tile sweep"):]
+    named = re.findall(r"PART=(\w+) bash scripts/lab_calls\.sh", section)
+    assert named and set(named) <= set(_parts()[1]), named  # the notes' command is a PART the script runs

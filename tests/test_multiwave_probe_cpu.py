@@ -283,5 +283,7 @@ def test_the_sweep_table_divides_by_the_read_of_the_same_bytes(probe):
     assert rows[today]["x_read"] == pytest.approx(1.22) and rows[today]["x_read_paired"] == 1.21
     assert rows[today]["x_one_stream"] == pytest.approx(1220 / 1100) and rows[one]["x_one_stream"] == 1.0
     assert rows[probe.TODAY_SPLIT.name]["status"] == "absent" and len(rows) == len(probe.SWEEP_LAYOUTS)
+    lines = probe.sweep_lines(probe.sweep_table(cell))
+    assert len(lines) == 1 + len(probe.SWEEP_LAYOUTS) and "1.220" in lines[2] and lines[3].endswith("absent")
     del cell["arms"][probe.SWEEP_DENOMINATOR]
-    assert probe.sweep_table(cell)[1]["x_read"] is None
+    assert probe.sweep_table(cell)[1]["x_read"] is None and "n/a" in probe.sweep_lines(probe.sweep_table(cell))[2]
