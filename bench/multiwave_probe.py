@@ -472,17 +472,13 @@ SWEEP_TOKENS = 655_360  # every cell reads a folded pool of this many tokens: 10
 SWEEP_PROGRAM_PAGES = 16  # pages one program reads, whatever the tile (run 23's uniform24: 15.7 pages a CTA; the plan
 #                           counts pages, so folded and split read the same pages a CTA there)
 SWEEP_COPIES = 2  # buffer copies the calls alternate over (5.37 GB each, 3.36 GB read: nothing left in the 50 MB L2)
-SWEEP_WAVE = 5 * 132  # programs running at once: 5 an SM (40-48 registers, 8 warps) on 132 SMs
+SWEEP_WAVE = 5 * 132  # programs running at once: 5 an SM (43-48 registers, 8 warps) on 132 SMs
 CAMP_PERIOD = 5 * 16 * KB  # hypothesis C's address period: 5 HBM stacks (the H100's) at 16 KB a stack
-
-
-def element_bytes(lay: PagedKvLayout) -> int:
-    return torch.empty(0, dtype=lay.dtype).element_size()
 
 
 def page_tile_bytes(lay: PagedKvLayout) -> int:
     """Bytes of one (page, KV head) tile of a pool: page_size rows x row_width elements."""
-    return lay.page_size * lay.row_width * element_bytes(lay)
+    return lay.page_size * lay.row_width * lay.element_bytes
 
 
 class TileLayout(NamedTuple):
