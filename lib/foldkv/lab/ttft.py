@@ -469,7 +469,8 @@ def plot_ttft_over_floor(rows: Sequence[dict], path: str | None = None):
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], label=arm, **st.line(arm))
         if prompts:
             ax.plot(prompts, [floor_bound(p) for p in prompts], label=f"{BOUNDED_ARM} bound",
-                    **st.line("limit", drawstyle="steps-post", marker=None))
+                    **st.line("limit", drawstyle="steps-post",  # one prompt: the bound a mark, not a line
+                              **({"markersize": 20} if len(prompts) == 1 else {"marker": None})))
             ax.plot([prompts[0], prompts[-1]], [1.0, 1.0], label="TTFT = floor", **st.line("floor", marker=None))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt (tokens)")
