@@ -194,8 +194,9 @@ def test_gates_and_drift_redraw_their_gpu_sections(batch):
 
 
 def test_time_to_first_token_records(batch):
-    """Notebook 07 on a CPU: each cell's FLOPs computed, every GPU section says why it did not run, and no target is
-    computed from nothing."""
+    """Notebook 07 on a CPU: each cell's FLOPs computed; every GPU section redrawn from its run of record (labelled), the
+    floors and targets computed again from its rows and held to the recorded ones, and each verdict whose rule changed
+    since the run shown as recorded and under today's rules."""
     _, out, _ = batch
     rec = _record(out, "07_time_to_first_token")
     assert rec["parameters"]["ttft_cells"] == _smoke("07")["ttft_cells"]
@@ -205,15 +206,19 @@ def test_time_to_first_token_records(batch):
     assert rows[1]["total"] == pytest.approx(2 * rows[0]["total"]) and rows[0]["lm_head"] > 0
     assert "ttft_31b" not in _record(out, "05_generate")["sections"], "notebook 05 still measures the first token"
     if not pytest.importorskip("torch").cuda.is_available():
-        sections = ("model_31b", "ttft_31b", "first_use_31b", "e2e_31b", "prefill_memory_31b")
-        assert {s: rec["sections"][s] for s in sections} == dict.fromkeys(sections, "not run: no CUDA device")
-        assert "ttft_targets" not in rec["results"]
-        assert not (out / "07_time_to_first_token.json").exists()
-        from foldkv.lab import bench  # one line says whether there is a run of record (not redrawn yet) or none
+        from foldkv.lab import bench
 
-        line = (bench.results.no_record_line("07_time_to_first_token")
-                or "This notebook does not redraw its run of record yet")
-        assert line in _output_text(out, "07_time_to_first_token")
+        source = bench.results.record_source("07_time_to_first_token")
+        sections = ("model_31b", "ttft_31b", "first_use_31b", "e2e_31b", "prefill_memory_31b", "ttft_targets")
+        assert {s: rec["sections"][s] for s in sections} == dict.fromkeys(sections, f"redrawn from {source['run']}")
+        assert not any(v.startswith("failed") for v in rec["sections"].values()), rec["sections"]
+        today = rec["results"]["ttft_targets_today"]
+        e2e = next(t for t in today if "end-to-end lowest" in t["target"])
+        assert (e2e["met_recorded"], e2e["met_now"]) == (True, False) and e2e["rule"]
+        assert not (out / "07_time_to_first_token.json").exists()
+        text = _output_text(out, "07_time_to_first_token")
+        assert f"**Redrawn {source['label']}**" in text and "targets met as recorded; under today's rules" in text
+        assert _images(out, "07_time_to_first_token") >= 1
 
 
 def test_tensor_parallel_records(batch):

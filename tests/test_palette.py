@@ -129,7 +129,7 @@ def _fp8_summary() -> dict:
 def _figures() -> dict[str, callable]:
     """{name: a function drawing that figure (or its list of figures)} for every figure function of the lab."""
     from foldkv import GEMMA4_31B
-    from foldkv.lab import drift, gates, generate_bench, model_decode
+    from foldkv.lab import drift, gates, generate_bench, model_decode, ttft
     from foldkv.lab.bench import plots
 
     return {
@@ -144,6 +144,10 @@ def _figures() -> dict[str, callable]:
             generate_bench.cache_bytes_rows(GEMMA4_31B, [4096, 65536])),
         "gates.plot_errors": lambda: gates.plot_errors(_gate_rows()),
         "gates.plot_fp8_wgmma_bound": lambda: gates.plot_fp8_wgmma_bound(_fp8_summary(), "committed"),
+        "ttft.plot_ttft_over_floor": lambda: ttft.plot_ttft_over_floor(
+            [{"arm": a, "prompt_tokens": n, "batch": b, "status": "ran", "ttft_over_floor": 1.5 + 0.1 * i}
+             for i, a in enumerate(("foldkv-folded", "foldkv-fp8", "foldkv-split", "flashinfer", "sdpa"))
+             for n in (4096, 32768) for b in (1, 4)]),
     }
 
 

@@ -1,9 +1,10 @@
 """Each notebook's GPU sections redrawn on a machine without CUDA from its run of record (`report.RecordRedraw`): the
 numbers shown are the recorded ones, the sections say they were redrawn from which run at which commit, what is
-derived from the numbers (notebook 02's verdict, 03's checks, 05's targets) is computed again from them and equals
-what that run derived, the figures carry the label and give each arm its own colour. Red twins: a number changed in
-a record (with the index updated to its bytes, so only the derivation can catch it) fails the section that derives
-from it; a record whose commit or bytes are not the index's stops the redraw before anything is shown; with CUDA
+derived from the numbers (notebook 02's verdict, 03's checks, 05's targets, 07's floors and targets) is computed
+again from them and equals what that run derived (07: where a rule changed since the run, exactly what the earlier
+rule gives, shown beside today's verdict), the figures carry the label and give each arm its own colour. Red twins: a
+number changed in a record (with the index updated to its bytes, so only the derivation can catch it) fails the
+section that derives from it; a recorded verdict that no rule change explains fails 07's targets; a record whose commit or bytes are not the index's stops the redraw before anything is shown; with CUDA
 nothing is redrawn; a notebook without a run of record says so in one line."""
 
 from __future__ import annotations
@@ -248,3 +249,104 @@ def test_a_notebook_without_a_run_of_record_says_so_in_one_line(tmp_path, capsys
     assert redraw.banner().startswith(f"No CUDA device here. No run of record for {nb} yet")
     assert redraw.results("ttft_31b") == {} and redraw.record.sections["ttft_31b"] == "not run: no CUDA device"
     assert capsys.readouterr().out.strip() == results.no_record_line(nb)
+
+
+# --- notebook 07 -------------------------------------------------------------------------------------------------
+TTFT_SECTIONS = ("ttft_31b", "first_use_31b", "e2e_31b", "prefill_memory_31b")
+
+
+def _ttft_redrawn(redraw):
+    """What notebook 07's redraw computes from its run of record: the TTFT rows with each floor computed again, the
+    targets of today's rules, and those held to the recorded ones (`ttft.against_record`)."""
+    from foldkv.lab import gemma31b, prefill_floor, ttft
+
+    shapes = prefill_floor.model_shapes(gemma31b.gemma4_31b_config())
+    rows, e2e = redraw.rows("ttft_31b"), redraw.rows("e2e_31b")
+    first_use, memory = redraw.rows("first_use_31b"), redraw.rows("prefill_memory_31b")
+    section = redraw.recorded["results"]["ttft_31b"]
+    again = ttft.with_e2e_ttft(ttft.with_floor(rows, shapes, section["matmul"]["tflops"], section["prefill_chunk"]),
+                               e2e, shapes, section["matmul"]["tflops"], section["prefill_chunk"])
+    floors_held = redraw.same_as_recorded("ttft_31b", "the floors and TTFT / floor", again[:len(rows)], rows)
+    now = ttft.targets(again, first_use, e2e, memory)
+    as_recorded, side = ttft.against_record(now, redraw.recorded["results"]["ttft_targets"], first_use)
+    held = redraw.derived("ttft_targets", as_recorded, *TTFT_SECTIONS, what="the targets")
+    return again, side, floors_held, held
+
+
+def test_ttft_redrawn_with_floors_and_targets_computed_again_and_rule_changes_shown(tmp_path, agg):
+    from foldkv.lab import ttft
+    from foldkv.lab.palette import colour_clashes
+
+    redraw = _redraw("07_time_to_first_token", tmp_path)
+    run = results.run_of_record("07_time_to_first_token")
+    rec = redraw.recorded["results"]
+    rows, side, floors_held, held = _ttft_redrawn(redraw)
+    assert floors_held and held, redraw.record.sections
+    assert all(redraw.record.sections[s] == f"redrawn from {run}" for s in (*TTFT_SECTIONS, "ttft_targets"))
+    assert rows == rec["ttft_31b"]["rows"], "every end-to-end prompt has its TTFT cell in this record: nothing added"
+    assert redraw.record.results["ttft_targets"]["ttft_targets"] == rec["ttft_targets"]
+    # the two rules changed since the run, each named where it applies, the verdict shown both ways
+    e2e = next(s for s in side if "end-to-end lowest" in s["target"])
+    assert (e2e["met_recorded"], e2e["met_now"]) == (True, False) and e2e["rule"] == ttft.RULE_CHANGES[
+        "end-to-end alone"]["short"]
+    first = [s for s in side if " first call at " in s["target"]]
+    assert len(first) == 10 and all(s["met_now"] is None and s["rule"].startswith("steady state of 1 call")
+                                    for s in first)
+    assert all(s["rule"] == "" and s["met_now"] == s["met_recorded"] for s in side if s not in first and s is not e2e)
+    text = ttft.side_by_side_markdown(side, redraw.label)
+    assert text.startswith("**22 of 35 targets met as recorded; under today's rules 13 met, 12 not met, 10 cannot be"
+                           f" told from the run's data** (from the run of record {run}, commit ")
+    assert text.count("*Rule changed since the run:*") == 2
+    assert redraw.caption("ttft_31b").startswith(f"**Redrawn from the run of record {run}, commit ")
+    fig = redraw.mark(ttft.plot_ttft_over_floor(rows), "ttft_31b")
+    assert _labelled(fig, run) and colour_clashes(fig) == {}
+
+
+def _set_folded_4k(ttft_s=None, over=None):
+    def edit(doc):
+        row = doc["results"]["ttft_31b"]["rows"][0]
+        assert (row["arm"], row["prompt_tokens"], row["batch"]) == ("foldkv-folded", 4096, 1)
+        if ttft_s is not None:
+            row["ttft_s"] = ttft_s
+        if over is not None:
+            row["ttft_over_floor"] = over
+    return edit
+
+
+def test_red_twin_a_ttft_changed_in_the_record_fails_its_floor(tmp_path):
+    root = _altered_copy(tmp_path, "07_time_to_first_token", "07_time_to_first_token.record.json",
+                         _set_folded_4k(ttft_s=0.45))  # TTFT / floor left as recorded: the floor check sees it
+    redraw = _redraw("07_time_to_first_token", tmp_path, root)
+    _, _, floors_held, _ = _ttft_redrawn(redraw)
+    said = redraw.record.sections["ttft_31b"]
+    assert not floors_held and said.startswith("failed: the floors and TTFT / floor computed from"), said
+    assert "[0].ttft_over_floor" in said
+
+
+def test_red_twin_a_ttft_changed_with_its_ratio_fails_the_targets(tmp_path):
+    root = _altered_copy(tmp_path, "07_time_to_first_token", "07_time_to_first_token.record.json",
+                         _set_folded_4k(ttft_s=0.45, over=0.45 / 0.3239741211079199))  # within 1.6: now met
+    redraw = _redraw("07_time_to_first_token", tmp_path, root)
+    _, _, floors_held, held = _ttft_redrawn(redraw)
+    said = redraw.record.sections["ttft_targets"]
+    assert floors_held and not held and said.startswith("failed: the targets computed from the numbers"), said
+    assert "[0].met: True here, False recorded" in said
+
+
+def test_red_twin_a_recorded_verdict_no_rule_change_explains_is_refused(tmp_path):
+    """The rule changes excuse exactly the earlier rule's verdict: a floor verdict flipped in the record, or the
+    end-to-end verdict recorded with a value the earlier rule never gave, fails the targets."""
+    def flip_floor(doc):
+        doc["results"]["ttft_targets"][0]["met"] = True
+
+    def e2e_value(doc):
+        t = next(t for t in doc["results"]["ttft_targets"] if "end-to-end lowest" in t["target"])
+        t["value"] = 0.9
+
+    for name, edit, where in (("floor", flip_floor, "[0].met: False here, True recorded"),
+                              ("e2e", e2e_value, "[30].met: False here, True recorded")):
+        root = _altered_copy(tmp_path / name, "07_time_to_first_token", "07_time_to_first_token.record.json", edit)
+        redraw = _redraw("07_time_to_first_token", tmp_path / name, root)
+        *_, held = _ttft_redrawn(redraw)
+        said = redraw.record.sections["ttft_targets"]
+        assert not held and where in said, (name, said)

@@ -5,8 +5,8 @@ verdict on made-up rows. Red twins: a schedule that never rotates, a median that
 that ignores the floor (TTFT in seconds held to the bound), one bound for every prompt, a peer verdict that lets a
 folded arm that did not fit pass; each is caught by the check the real function passes.
 
-The notebook's GPU sections are recorded "not run: no CUDA device" on a CPU (checked statically here on the notebook
-and by running it in tests/test_notebooks.py).
+The notebook's GPU sections wait for CUDA (checked statically here on the notebook); without it they are redrawn from
+its run of record (tests/test_redraw_cpu.py, and by running it in tests/test_notebooks.py).
 """
 
 from __future__ import annotations
@@ -355,10 +355,12 @@ def test_notebook_cells_on_fake_measurements(tmp_path, monkeypatch):
     monkeypatch.setattr(md, "measure_prefill", prefill)
     monkeypatch.setattr(md, "measure_prefill_tail", tail)
     monkeypatch.setattr(roofs, "measure_matmul_roof", lambda dev: {"tflops": 1e-6, "n": 8, "us": {}})
+    from foldkv.lab.report import RecordRedraw
+
     record = RunRecord("07_time_to_first_token", tmp_path)
-    ns = dict(model31=tiny, record=record, out_dir=str(tmp_path), seed=0, prefill_chunk=256, os=os, json=json,
+    ns = dict(model31=tiny, record=record, redraw=RecordRedraw(record, cuda=True), out_dir=str(tmp_path), seed=0, prefill_chunk=256, os=os, json=json,
               ttft_cells=["256:1", "512:2"], ttft_arms=ARMS[:3], ttft_rounds=2,
-              first_use_lengths=[259, 261], first_use_arms=["foldkv-folded"], e2e_prompt=256, e2e_new_tokens=4,
+              first_use_lengths=[259, 261], first_use_arms=["foldkv-folded"], e2e_prompt=1024, e2e_new_tokens=4,
               e2e_arms=ARMS[:2],
               prefill_memory_context=1024, prefill_memory_batches=[1, 2],
               display=lambda *a: None, Markdown=str)
@@ -372,7 +374,9 @@ def test_notebook_cells_on_fake_measurements(tmp_path, monkeypatch):
     sections = ("ttft_31b", "first_use_31b", "e2e_31b", "prefill_memory_31b")
     assert {s: record.sections[s] for s in sections} == dict.fromkeys(sections, "ran")
     rows = record.results["ttft_31b"]["rows"]
-    assert len(rows) == 2 * 3 and all(r["floor_s"] > 0 and r["ttft_over_floor"] > 0 for r in rows)
+    assert len(rows) == 2 * 3 + 2 and all(r["floor_s"] > 0 and r["ttft_over_floor"] > 0 for r in rows)
+    taken = [r for r in rows if r.get("from") == ttft.E2E_CALL]  # the 1,024-token prompt's TTFT: its end-to-end call's
+    assert [(r["arm"], r["prompt_tokens"], r["batch"]) for r in taken] == [(a, 1024, 1) for a in ARMS[:2]]
     assert len(record.results["first_use_31b"]["rows"]) == 2 and (tmp_path / "07_ttft_over_floor.png").exists()
     verdicts = record.results["ttft_targets"]
     assert any(t["target"].startswith("foldkv-folded TTFT / floor") for t in verdicts)
@@ -382,3 +386,57 @@ def test_notebook_cells_on_fake_measurements(tmp_path, monkeypatch):
         written = json.load(fh)
     assert [r["arm"] for r in written["e2e"]] == ARMS[:2] and len(written["ttft"]) == len(rows)
     assert len(steady.calls) == 3 + 2 * 3 * 2 + 2 * (1 + ttft.FIRST_USE_STEADY_CALLS) + 2, "warm-ups, rounds, first use, end to end: no call more"
+    assert sum(1 for c in steady.calls if c[1] == 1024) == 2, "the long prompt runs once an arm, in its end-to-end call"
+
+
+# --- the end to end's TTFT as its prompt's cell, and a run of record's verdicts under today's rules ------------------
+
+def _e2e(arm, prompt, ttft_s=10.0, status="ran"):
+    return {"arm": arm, "prompt_tokens": prompt, "batch": 1, "status": status, "rounds_run": 1,
+            "ttft_rounds_s": [ttft_s], "ttft_s": ttft_s, "warmup_s": None, "generate_s": ttft_s + 5, "e2e_s": ttft_s + 5,
+            "new_tokens": 8, "peak_bytes": 9, "memory": {"peak": 9}}
+
+
+def test_the_end_to_end_ttft_joins_the_cells_once_with_its_floor():
+    cells = ttft.with_floor([{"arm": "foldkv-folded", "prompt_tokens": 4096, "batch": 1, "status": "ran",
+                              "ttft_s": 1.0}], SHAPES, 100.0, 256)
+    e2e = [_e2e("foldkv-folded", 4096, 7.0), _e2e("foldkv-folded", 8192), _e2e("foldkv-split", 8192, 12.0)]
+    rows = ttft.with_e2e_ttft(cells, e2e, SHAPES, 100.0, 256)
+    assert rows[0] == cells[0], "a cell measured both ways keeps the TTFT cell's row"
+    added = rows[1:]
+    assert [(r["arm"], r["prompt_tokens"]) for r in added] == [("foldkv-folded", 8192), ("foldkv-split", 8192)]
+    floor = pf.floor_seconds(pf.prefill_flops(SHAPES, 8192, 1, 256).total, 100.0)
+    assert added[1]["floor_s"] == floor and added[1]["ttft_over_floor"] == 12.0 / floor
+    assert all(r["from"] == ttft.E2E_CALL and "memory" not in r and "e2e_s" not in r for r in added)
+    assert ttft.with_e2e_ttft(rows, e2e, SHAPES, 100.0, 256) == rows, "taking it twice adds nothing"
+
+
+def _first_use(n, calls):
+    row = {"arm": "foldkv-folded", "prompt_tokens": n, "new_to_process": True, "status": "ran", "first_s": 1.0,
+           "steady_s": 1.0, "first_over_steady": 1.0}
+    return row if calls == 1 else {**row, "steady_calls_s": [1.0] * calls}
+
+
+def test_against_record_explains_only_the_rule_changes():
+    first_use = [_first_use(4099, 1), _first_use(4101, ttft.FIRST_USE_STEADY_CALLS)]
+    e2e = [_e2e("foldkv-folded", 8192)]
+    now = ttft.targets((), first_use, e2e)
+    earlier = ttft.RULE_CHANGES["end-to-end alone"]["earlier"](now[-1])
+    assert earlier["met"] is True and earlier["target"].endswith(" (no other arm ran)")
+    as_recorded, side = ttft.against_record(now, now[:-1] + [earlier], first_use)
+    assert as_recorded == now[:-1] + [earlier]
+    assert [s["met_now"] for s in side] == [None, True, False] and [s["met_recorded"] for s in side] == [True] * 3
+    assert side[0]["rule"].startswith("steady state of 1 call") and side[1]["rule"] == ""
+    assert side[2]["rule"] == ttft.RULE_CHANGES["end-to-end alone"]["short"]
+    # red twins: a recorded verdict the earlier rule never gave stays as today's (the caller's check then fails)
+    for bad in ({**earlier, "value": 0.5}, {**now[1], "met": False}):
+        i = 2 if "end-to-end" in bad["target"] else 1
+        recorded = list(now[:-1] + [earlier])
+        recorded[i] = bad
+        as_recorded, _ = ttft.against_record(now, recorded, first_use)
+        assert as_recorded[i] == now[i] != recorded[i]
+    # another arm ran: the end-to-end verdict has a value, no rule change applies
+    two = ttft.targets((), (), e2e + [_e2e("foldkv-split", 8192, 11.0)])
+    assert ttft.RULE_CHANGES["end-to-end alone"]["earlier"](two[0]) is None
+    text = ttft.side_by_side_markdown(side, "from x")
+    assert text.startswith("**3 of 3 targets met as recorded; under today's rules 1 met, 1 not met, 1 cannot be told")

@@ -15,10 +15,13 @@ cache, prefilled in chunks, timed from the call to the first token (one new toke
 - `first_use_rows`: prompts of lengths this process has not run, each timed at its first call and again (steady):
   first / steady per prompt, within `FIRST_USE_LIMIT`.
 - `e2e_rows`: one long prompt plus many new tokens a sequence: TTFT, the call to the last token, the decode between.
+  Its TTFT is that prompt's TTFT cell (`with_e2e_ttft`): a long prompt is prefilled once, not once a section.
 - `prefill_memory_rows`: the peak of a long prefill by component at each batch (`model_decode.measure_prefill_tail`:
   the last chunk over a nearly full cache is the prefill's peak).
 - `targets`: the verdicts, computed from the rows (`floor_targets`, `peer_targets`, `first_use_targets`,
   `e2e_targets`, `memory_targets`).
+- `against_record`: the verdicts computed again from a run of record's rows, beside what that run recorded, each
+  difference either explained by a rule that changed since (`RULE_CHANGES`) or left to fail the redraw.
 """
 
 from __future__ import annotations
@@ -130,6 +133,26 @@ def with_floor(rows: Sequence[dict], model_or_shapes, matmul_tflops: float, pref
         r["ttft_over_floor"] = r["ttft_s"] / floor if r.get("ttft_s") is not None else None
         out.append(r)
     return out
+
+
+E2E_CALL = "end-to-end call"  # a TTFT row taken from the end-to-end call (its "from")
+
+
+def with_e2e_ttft(rows: Sequence[dict], e2e: Sequence[dict], model_or_shapes, matmul_tflops: float,
+                  prefill_chunk: int) -> list[dict]:
+    """`rows` (TTFT cells, with their floor) and, for each end-to-end row whose (arm, prompt, batch 1) no TTFT cell
+    has, its TTFT as that cell's row (`with_floor`, "from": `E2E_CALL`): the end-to-end call's first token is the same
+    measurement as a TTFT cell of its prompt (the same `measure_prefill`, timed from the call to the first token, after
+    the arm's warm-up), so a long prompt runs once for both. Its peak memory is the whole call's (the decode's too), so
+    it is not taken. A cell measured both ways keeps the TTFT cell's row."""
+    have = {(r["arm"], r["prompt_tokens"], r["batch"]) for r in rows}
+    taken = []
+    for r in e2e:
+        if (r["arm"], r["prompt_tokens"], r.get("batch", 1)) in have:
+            continue
+        taken.append({k: r[k] for k in ("arm", "prompt_tokens", "batch", "status", "rounds_run", "ttft_rounds_s",
+                                        "ttft_s", "warmup_s") if k in r} | {"from": E2E_CALL})
+    return list(rows) + with_floor(taken, model_or_shapes, matmul_tflops, prefill_chunk)
 
 
 def _prefill(model, new_tokens: int, prefill_chunk: int) -> Callable[..., dict]:
@@ -269,6 +292,9 @@ def first_use_targets(rows: Sequence[dict], limit: float = FIRST_USE_LIMIT) -> l
             for r in rows]
 
 
+E2E_ALONE = " (no other arm ran: nothing to be lowest against)"  # the end-to-end verdict's text with one arm
+
+
 def e2e_targets(rows: Sequence[dict]) -> list[dict]:
     """foldkv folded's end-to-end latency the lowest of the arms that ran (value: folded over the lowest other); with
     no other arm run it is not met: one arm alone is not the lowest of anything."""
@@ -281,7 +307,7 @@ def e2e_targets(rows: Sequence[dict]) -> list[dict]:
     if folded["status"] != "ran":
         return [_target(text, None, False)]
     if not others:
-        return [_target(text + " (no other arm ran: nothing to be lowest against)", None, False)]
+        return [_target(text + E2E_ALONE, None, False)]
     return [_target(text, folded["e2e_s"] / min(others), folded["e2e_s"] <= min(others))]
 
 
@@ -305,6 +331,91 @@ def targets(ttft: Sequence[dict] = (), first_use: Sequence[dict] = (), e2e: Sequ
             + memory_targets(memory))
 
 
+# --- verdicts of a run of record under the rules of today -------------------------------------------------------------
+
+# The rules that changed after a run recorded its verdicts. Each: what changed, and what the rule before the change
+# said of a verdict today's rule gives (`earlier(target)`: the recorded form, None where the change does not touch
+# it). A recorded verdict that differs from today's is taken as the run's only when a change gives exactly it.
+RULE_CHANGES: dict[str, dict] = {
+    "end-to-end alone": {
+        "short": "end-to-end with one arm: met then, not met now",
+        "what": "the end-to-end verdict with no other arm run was met under the earlier rule and is not met now (one "
+                "arm alone is not the lowest of anything)",
+        "earlier": lambda t: ({"target": t["target"][:-len(E2E_ALONE)] + " (no other arm ran)", "value": None,
+                               "met": True}
+                              if t["target"].endswith(E2E_ALONE) and t["value"] is None and not t["met"] else None),
+    },
+}
+ONE_STEADY_CALL = {
+    "short": "steady state of {n} call(s), the rule now: the median of " + str(FIRST_USE_STEADY_CALLS),
+    "what": "a first-use row's steady state is now the median of " + str(FIRST_USE_STEADY_CALLS) + " calls at its "
+            "length (one 4K call spreads ~10%); a row of fewer calls cannot be judged by today's rule, so its verdict "
+            "is the recorded one and today's is 'cannot tell'",
+}
+
+
+def steady_calls(row: dict) -> int:
+    """How many calls a first-use row's steady state is the median of (a row without `steady_calls_s`: one)."""
+    return len(row["steady_calls_s"]) if "steady_calls_s" in row else (1 if row.get("steady_s") is not None else 0)
+
+
+def against_record(now: Sequence[dict], recorded: Sequence[dict], first_use: Sequence[dict] = ()
+                   ) -> tuple[list[dict], list[dict]]:
+    """Today's verdicts `now` (`targets` of a run of record's rows) beside the ones that run recorded.
+
+    Returns (as_recorded, side_by_side). `as_recorded`: `now` with each verdict a changed rule explains (`RULE_CHANGES`:
+    its earlier form equals the recorded one exactly) put in that recorded form: hold it to the recorded verdicts (it
+    equals them unless a number or a verdict differs for a reason no rule change gives; the caller fails the section
+    then). `side_by_side`: one row a verdict: target, value, `met_recorded`, `met_now` (None where today's rule cannot be
+    computed from the run's data: a first-use row with fewer than `FIRST_USE_STEADY_CALLS` steady calls), and `rule`
+    (which rule changed, "" where none did)."""
+    short = {f"{r['arm']} first call at {r['prompt_tokens']:,} tokens": steady_calls(r) for r in first_use
+             if r.get("status") == "ran" and steady_calls(r) < FIRST_USE_STEADY_CALLS}
+    aligned = len(now) == len(recorded)
+    as_recorded, side = [], []
+    for i, t in enumerate(now):
+        rec = recorded[i] if aligned else None
+        rule, shown = "", t
+        if rec is not None and rec != t:
+            for name, change in RULE_CHANGES.items():
+                if change["earlier"](t) == rec:
+                    rule, shown = change["short"], rec
+                    break
+        as_recorded.append(shown)
+        met_now = t["met"]
+        prefix = t["target"].split(" <= ")[0]
+        if prefix in short:
+            met_now, rule = None, ONE_STEADY_CALL["short"].format(n=short[prefix])
+        side.append({"target": t["target"], "value": t["value"], "met_recorded": rec["met"] if rec else None,
+                     "met_now": met_now, "rule": rule})
+    return as_recorded, side
+
+
+def _met_text(met) -> str:
+    return {True: "met", False: "not met", None: "cannot tell"}[met]
+
+
+def side_by_side_markdown(side: Sequence[dict], label: str = "") -> str:
+    """The verdicts as recorded and under today's rules, one row each, with a count line first; `label`: whose numbers
+    (e.g. "from the run of record <run>, commit <hash>")."""
+    from .report import markdown_table
+
+    n = len(side)
+    rec = sum(1 for s in side if s["met_recorded"])
+    now = [s["met_now"] for s in side]
+    head = (f"**{rec} of {n} targets met as recorded; under today's rules {now.count(True)} met, {now.count(False)} "
+            f"not met, {now.count(None)} cannot be told from the run's data**" + (f" ({label})" if label else "") + ".")
+    rows = [{**s, "met_recorded": _met_text(s["met_recorded"]), "met_now": _met_text(s["met_now"])} for s in side]
+    said = {s["rule"] for s in side}
+    notes = [c["what"] for c in RULE_CHANGES.values() if c["short"] in said]
+    if any(r.startswith(ONE_STEADY_CALL["short"].split("{")[0]) for r in said):
+        notes.append(ONE_STEADY_CALL["what"])
+    return (head + "\n\n" + markdown_table(rows, {"target": "target", "value": "value", "met_recorded": "as recorded",
+                                                   "met_now": "today's rules", "rule": "rule changed since the run"},
+                                            {"value": ".3f"})
+            + "".join(f"\n\n*Rule changed since the run:* {n}." for n in notes))
+
+
 # --- tables and the figure ----------------------------------------------------------------------------------------
 
 def ttft_table(rows: Sequence[dict]) -> str:
@@ -312,7 +423,7 @@ def ttft_table(rows: Sequence[dict]) -> str:
 
     return markdown_table(rows, {"arm": "arm", "prompt_tokens": "prompt", "batch": "batch", "ttft_s": "TTFT s",
                                  "floor_s": "floor s", "ttft_over_floor": "TTFT / floor",
-                                 "warmup_s": "arm's warm-up s", "rounds_run": "rounds", "status": "status"},
+                                 "warmup_s": "arm's warm-up s", "rounds_run": "rounds", "from": "timed in", "status": "status"},
                           {"prompt_tokens": ",d", "ttft_s": ".3f", "floor_s": ".3f", "ttft_over_floor": ".2f",
                            "warmup_s": ".3f"})
 
@@ -336,43 +447,45 @@ def e2e_table(rows: Sequence[dict]) -> str:
                            "decode_ms_per_token": ".2f", "e2e_s": ".2f"})
 
 
-def arm_style(arm: str) -> dict:
-    """Plot keywords of an arm's line (matplotlib's defaults: the one place a palette would set them)."""
-    return {"label": arm, "marker": "o"}
-
-
 def plot_ttft_over_floor(rows: Sequence[dict], path: str | None = None):
-    """TTFT / floor against prompt length per arm (one panel per batch, log x), foldkv folded's bounds dashed."""
+    """TTFT / floor against prompt length per arm (one panel per batch, log x), foldkv folded's bounds dashed. Each arm
+    in its palette style (`palette.Styles`), the bound a limit's dashes, TTFT = floor a floor's, one legend beside the
+    panels; constrained layout, so a redraw's title (`RecordRedraw.mark`) sits apart from the panels' titles."""
     import matplotlib.pyplot as plt
+
+    from .palette import Styles, legend_beside
 
     ran = [r for r in rows if r["status"] == "ran" and r.get("ttft_over_floor") is not None]
     batches = sorted({r["batch"] for r in ran}) or [1]
-    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches) + 2, 4), squeeze=False,
+                             layout="constrained")
+    st = Styles()
     for ax, b in zip(axes[0], batches):
         prompts = sorted({r["prompt_tokens"] for r in ran if r["batch"] == b})
         for arm in dict.fromkeys(r["arm"] for r in ran):
             pts = sorted((r["prompt_tokens"], r["ttft_over_floor"]) for r in ran
                          if r["arm"] == arm and r["batch"] == b)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], **arm_style(arm))
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=arm, **st.line(arm))
         if prompts:
-            ax.plot(prompts, [floor_bound(p) for p in prompts], "k--", drawstyle="steps-post",
-                    label=f"{BOUNDED_ARM} bound")
-        ax.axhline(1.0, color="grey", lw=0.8)
+            ax.plot(prompts, [floor_bound(p) for p in prompts], label=f"{BOUNDED_ARM} bound",
+                    **st.line("limit", drawstyle="steps-post",  # one prompt: the bound a mark, not a line
+                              **({"markersize": 20} if len(prompts) == 1 else {"marker": None})))
+            ax.plot([prompts[0], prompts[-1]], [1.0, 1.0], label="TTFT = floor", **st.line("floor", marker=None))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt (tokens)")
         ax.set_ylabel("TTFT / compute floor")
         ax.set_title(f"batch {b}")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    legend_beside(fig, axes[0])
     if path:
         fig.savefig(path, dpi=90)
     return fig
 
 
-__all__ = ["BOUNDED_ARM", "DOES_NOT_FIT", "FIRST_USE_LIMIT", "FLOOR_BOUNDS", "FOLDED_ARMS", "MEMORY_BASE_ARM",
-           "FIRST_USE_STEADY_CALLS", "PEER_ARMS", "WARMUP_CELL", "arm_style", "e2e_rows", "e2e_table", "e2e_targets", "first_use_rows", "first_use_table",
+__all__ = ["BOUNDED_ARM", "DOES_NOT_FIT", "E2E_ALONE", "E2E_CALL", "ONE_STEADY_CALL", "RULE_CHANGES", "against_record",
+           "side_by_side_markdown", "steady_calls", "with_e2e_ttft", "FIRST_USE_LIMIT", "FLOOR_BOUNDS", "FOLDED_ARMS", "MEMORY_BASE_ARM",
+           "FIRST_USE_STEADY_CALLS", "PEER_ARMS", "WARMUP_CELL", "e2e_rows", "e2e_table", "e2e_targets", "first_use_rows", "first_use_table",
            "first_use_targets", "floor_bound", "floor_targets", "memory_targets", "peer_targets",
            "plot_ttft_over_floor", "prefill_memory_rows", "rotated", "schedule", "targets", "timed_cells",
            "ttft_cells", "ttft_table", "with_floor"]
