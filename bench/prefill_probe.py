@@ -11,7 +11,8 @@ random prompt through `model_decode.measure_prefill`'s call of generate() with o
 - warm: each arm once at a short prompt, so that TileLang's JIT (and FlashInfer's) compile into their caches; the
   seconds each took are the fresh-cache first use.
 - first: the cells in the order given, each timed, in a process that found the caches warm: the first call of a
-  length pays what compiles, tunes or allocates for that length. --cprofile: each cell under cProfile too, its
+  length pays what compiles, tunes or allocates for that length; each cell's cache creation timed beside it (what a
+  FoldKvCache does ahead of the first prompt: its prefill kernels resolved and its first launches warmed). --cprofile: each cell under cProfile too, its
   slowest functions by cumulative time saved (what the first use spends its time in).
 - ttft: the cells in `rounds` rounds, the arm order rotated each round, after one untimed call of each cell (steady
   state: the first use of each length is paid before timing). The matmul rate is measured in the same process.
@@ -191,7 +192,8 @@ def main(argv=None) -> int:
                 pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(45)
                 r["cprofile_top"] = s.getvalue()[-9000:]
             out["cells"].append(r)
-            print(f"  {i}: {c['arm']} {c['prompt']} (chunk {c['chunk']}): TTFT {r['ttft_s']:.3f} s", flush=True)
+            print(f"  {i}: {c['arm']} {c['prompt']} (chunk {c['chunk']}): TTFT {r['ttft_s']:.3f} s (cache made in"
+                  f" {r['cache_s']:.3f} s before it)", flush=True)
     elif args.mode == "ttft":
         out["matmul"] = measure_matmul_roof("cuda")
         print(f"  matmul {out['matmul']['tflops']:.0f} TFLOP/s", flush=True)

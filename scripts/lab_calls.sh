@@ -98,7 +98,7 @@ fi
 
 if [ "$PART" = prefill ]; then  # one TileLang cache for the call's processes: warm fills it, the others find it warm
   FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-150} python3 -m pytest -q -ra --tb=short -p no:cacheprovider \
-    tests/test_prefill_fused_gpu.py tests/test_fused_step_gpu.py > "$OUTD/prefill_pytest.log" 2>&1
+    tests/test_prefill_fused_gpu.py tests/test_fused_step_gpu.py tests/test_first_use_gpu.py > "$OUTD/prefill_pytest.log" 2>&1
   echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/prefill_pytest.log")"
   P="python3 bench/prefill_probe.py --out $OUTD"
   N=foldkv-folded; S=foldkv-split; L=1:8192  # the first-use cells: chunks of 8,192 (a new length is the last chunk's)

@@ -4,6 +4,12 @@
   its creation (`FoldKvCache._load_kernels`), exactly those `prefill` resolves for its pool (bf16 folded and split,
   FP8 with its page gather), so a process's first prompt does not import TileLang and elaborate and load them inside
   its time to first token. Red twin: a `_load_kernels` that resolves nothing (what it did before) is caught.
+- Building the decode step warms its prefill (`FoldKvCache` -> `DecodeStep.warm_prefill` ->
+  `StepForward.warm_prefill`): every Triton glue kernel a prefill chunk launches, at every specialisation a chunk's
+  launch takes (Triton's: dtypes and 16-byte alignment of pointers, ints == 1 and divisible by 16, constexprs), is
+  launched by the warm-up, so a process's first prompt loads none. Traced on the CPU with `Tensor.is_cuda` made True
+  and each kernel's launch recorded (no kernel runs: its outputs are filled). Red twins: a warm-up that skips one
+  kernel (gelu_mul), and one that reads q/k/v's head rows as a packed copy (another specialisation), are caught.
 - The TileLang prefill program bakes no length: every dim of its arguments that depends on the prompt (queries,
   pages, batch, tiles) is a dynamic variable, so one kernel serves every length. Red twin: a program with a static
   query count is caught by the same check.
@@ -102,3 +108,189 @@ def test_a_static_length_is_caught():
 
     dims = length_dims(static_rows)
     assert dims["Q"] != PROMPT_DIMS["Q"]
+
+
+# --- the decode step's prefill warmed at the cache's creation -------------------------------------------------------
+def _key(kernel, args: tuple, kwargs: dict) -> tuple:
+    """A launch as Triton's JIT specialises it: each parameter a pointer of its dtype (16-byte aligned or not), an int
+    of its width (== 1, divisible by 16), a float, or a constexpr by value (defaults filled); the launch options."""
+    import inspect
+
+    params = inspect.signature(kernel.fn).parameters
+    bound = dict(zip(params, args))
+    bound.update({k: v for k, v in kwargs.items() if k in params})
+    spec = []
+    for name, p in params.items():
+        value = bound.get(name, p.default)
+        if "constexpr" in str(p.annotation):
+            spec.append((name, "constexpr", value))
+        elif isinstance(value, torch.Tensor):
+            spec.append((name, str(value.dtype), value.data_ptr() % 16 == 0))
+        elif isinstance(value, bool):
+            spec.append((name, "i1"))
+        elif isinstance(value, int):
+            spec.append((name, "i32" if -2 ** 31 <= value < 2 ** 31 else "i64", value == 1, value % 16 == 0))
+        else:
+            spec.append((name, type(value).__name__))
+    options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in params))
+    return kernel.fn.__name__, tuple(spec), options
+
+
+_OUTPUTS = ("y_ptr", "h_ptr", "out_ptr", "pool_ptr")  # what the step's glue kernels write
+
+
+class _Recorded:
+    """A Triton kernel whose launches `kernel[grid](...)` are recorded (`_key`) into `log` instead of run; the
+    tensors it would write are filled with a finite value, so the forward goes on."""
+
+    def __init__(self, kernel, log: set):
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid):
+        import inspect
+
+        def launch(*args, **kwargs):
+            self.log.add(_key(self.kernel, args, kwargs))
+            for name, value in zip(inspect.signature(self.kernel.fn).parameters, args):
+                if name in _OUTPUTS and value.is_floating_point():
+                    value.fill_(0.25)
+        return launch
+
+
+@pytest.fixture
+def traced(monkeypatch):
+    """(log, ...): every Triton launch of fused_step's ops and global_step's fold recorded into `log` (a set the
+    test empties between runs), with `torch.Tensor.is_cuda` True so the step's forward takes its kernels' path."""
+    require_module("triton")
+    from types import SimpleNamespace
+
+    from foldkv import fused_step_kernels as k, fused_step_ops, global_step
+
+    log: set = set()
+    monkeypatch.setattr(fused_step_ops, "_KERNELS", {name: _Recorded(kern, log)
+                                                     for name, kern in fused_step_ops._kernels().items()})
+    monkeypatch.setattr(global_step, "_kernels", lambda: SimpleNamespace(
+        triton=k.triton, global_query_rows=_Recorded(k.global_query_rows, log),
+        global_row_store=_Recorded(k.global_row_store, log)))
+    refusal = global_step.kernel_refusal
+    monkeypatch.setattr(global_step, "kernel_refusal",
+                        lambda *a, **kw: None if refusal(*a, **kw) == "not CUDA" else refusal(*a, **kw))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    return log
+
+
+@pytest.fixture(scope="module")
+def bf16_step(checkpoint):
+    """The synthetic model in bf16 (the kernels' dtype) with its projections merged, and its step's forward."""
+    import foldkv.hf  # noqa: F401
+    from foldkv.fused_step import StepForward, merge_projections
+    from foldkv.lab.model import load_model
+    from foldkv.step_options import StepOptions
+
+    model = load_model(checkpoint, dtype=torch.bfloat16, attn_implementation="foldkv")
+    assert merge_projections(model) > 0
+    return model, StepForward(model, StepOptions())
+
+
+PREFILL_OPTIONS = dict(pdl=False)  # what DecodeStep.prefill_options changes (checked below)
+
+
+def _chunk_launches(model, step, log: set, lengths) -> set:
+    """The launch keys of real prefill chunks of `lengths` tokens (one prompt, chunk after chunk) through the step's
+    forward into a FoldKvCache."""
+    import dataclasses
+
+    from foldkv.hf import FoldKvCache
+    from foldkv.step_options import StepOptions, using
+
+    cache = FoldKvCache(model, max_batch=1, max_tokens=sum(lengths) + 1, attention="reference",
+                        decode_step="static")
+    g = torch.Generator().manual_seed(5)
+    log.clear()
+    with using(dataclasses.replace(StepOptions(), **PREFILL_OPTIONS)):
+        for n in lengths:
+            ids = torch.randint(3, int(model.config.vocab_size), (1, n), generator=g)
+            step.prefill(cache, ids, None, None, 1)
+    return set(log)
+
+
+def _warm_launches(step, pool, log: set, rows: int) -> set:
+    import dataclasses
+
+    from foldkv.step_options import StepOptions, using
+
+    log.clear()
+    with using(dataclasses.replace(StepOptions(), **PREFILL_OPTIONS)):
+        assert step.warm_prefill(pool, rows=rows) >= 2  # a sliding and a global body at least
+    return set(log)
+
+
+def test_the_prefill_options_are_the_warm_ups(bf16_step):
+    import dataclasses
+
+    from foldkv.hf import FoldKvCache
+    from foldkv.step_options import StepOptions
+
+    model, _ = bf16_step
+    cache = FoldKvCache(model, max_batch=1, max_tokens=32, attention="reference", decode_step="static")
+    assert cache.decode_step.prefill_options() == dataclasses.replace(StepOptions(), **PREFILL_OPTIONS)
+
+
+def test_the_warm_up_launches_what_a_prefill_chunk_launches(bf16_step, traced):
+    model, step = bf16_step
+    log = traced
+    chunks = _chunk_launches(model, step, log, (13, 32, 7))  # odd, a multiple of 16, and a chunk at an offset
+    names = {key[0] for key in chunks}
+    assert {"rms_norm_rows", "rope_rows", "gelu_mul_rows", "norm_add_rows", "global_query_rows",
+            "global_row_store"} <= names, names
+    from foldkv.hf import FoldKvCache
+
+    pool = FoldKvCache(model, max_batch=1, max_tokens=64, attention="reference",
+                       decode_step="static").global_layers[0].pool
+    warm = _warm_launches(step, pool, log, rows=24)
+    assert not chunks - warm, sorted(chunks - warm)
+
+
+def test_a_warm_up_that_skips_a_kernel_or_takes_another_specialisation_is_caught(bf16_step, traced, monkeypatch):
+    from foldkv import fused_step
+    from foldkv.fused_step import StepForward
+    from foldkv.hf import FoldKvCache
+
+    model, step = bf16_step
+    log = traced
+    chunks = _chunk_launches(model, step, log, (13,))
+    pool = FoldKvCache(model, max_batch=1, max_tokens=64, attention="reference",
+                       decode_step="static").global_layers[0].pool
+    with monkeypatch.context() as m:  # red twin 1: the MLP's activation not launched by the warm-up
+        m.setattr(fused_step, "gelu_mul", lambda gate, up: torch.nn.functional.gelu(gate, approximate="tanh") * up)
+        missing = chunks - _warm_launches(step, pool, log, rows=24)
+    assert {key[0] for key in missing} == {"gelu_mul_rows"}
+    norm = StepForward._norm
+    with monkeypatch.context() as m:  # red twin 2: the head rows' norms read from a packed copy, not in place
+        m.setattr(StepForward, "_norm", staticmethod(lambda module, x: norm(module, x.contiguous())))
+        missing = chunks - _warm_launches(step, pool, log, rows=24)
+    assert {key[0] for key in missing} == {"rms_norm_rows"}
+
+
+def test_off_cuda_the_warm_up_launches_nothing(bf16_step, monkeypatch):
+    from foldkv import fused_step_ops
+    from foldkv.hf import FoldKvCache
+
+    model, step = bf16_step
+    monkeypatch.setattr(fused_step_ops, "_KERNELS", {})  # any launch would fail
+    cache = FoldKvCache(model, max_batch=1, max_tokens=64, attention="reference", decode_step="static")
+    assert step.warm_prefill(cache.global_layers[0].pool) == 0
+    assert cache.decode_step.warm_prefill(model) == 0  # reference attention: no fused prefill to warm
+
+
+def test_the_cache_warms_its_prefill_at_creation(model, monkeypatch):
+    from foldkv.hf import FoldKvCache
+    from foldkv.hf_graph import DecodeStep
+
+    calls = []
+    monkeypatch.setattr(DecodeStep, "warm_prefill", lambda self, m: calls.append((self, m)) or 0)
+    cache = FoldKvCache(model, max_batch=1, max_tokens=32, attention="reference", decode_step="static")
+    assert calls == [(cache.decode_step, model)]
+    calls.clear()
+    FoldKvCache(model, max_batch=1, max_tokens=32, attention="reference", decode_step="eager")
+    assert calls == []  # no decode step: transformers' own prefill, nothing of the step's to warm

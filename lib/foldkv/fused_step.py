@@ -323,6 +323,10 @@ _KEYWORDS = frozenset(("input_ids", "attention_mask", "position_ids", "cache", "
                        "logits_to_keep", "return_dict", "cache_position"))
 
 
+WARM_ROWS = 4096  # `StepForward.warm_prefill`'s rows: a prefill chunk's (notebook 07's chunk; cuBLAS picks its kernels by
+# shape, and a chunk of other rows may take others: PREFILL_NOTES "First use" says what the fresh process measures)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -455,6 +459,65 @@ class StepForward:
         out, _ = compat.attention_function(attn)(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling,
                                                  sliding_window=attn.sliding_window, position_ids=positions)
         return self.o_proj[i].tail(out.reshape(b, t, -1).contiguous())
+
+    @torch.no_grad()
+    def warm_prefill(self, pool: Any, rows: int = WARM_ROWS) -> int:
+        """Launch once each kernel a prefill chunk launches (its Triton glue at the specialisations a chunk takes, its
+        merged GEMMs' cuBLAS kernels at `rows` rows), so that a process's first prompt loads none of them inside its
+        time to first token: one untimed pass of each distinct decoder-layer body over `rows` random hidden rows (the
+        same ops the forward calls; the attention itself left out, a global layer's fold and store into a one-page
+        scratch pool of `pool`'s layout: nothing of the cache is written), then the final norm and the LM head's row.
+        A launch's specialisation depends on widths, dtypes, alignments and its int arguments (== 1, divisible by 16);
+        the one int a chunk's row count reaches is norm_add's rows x hidden, so a second pass at an odd row count runs
+        when the hidden width is not a multiple of 16. Run under the prefill's options (`DecodeStep.warm_prefill`).
+        Returns the layer bodies run. On the CPU it does nothing: the modules' own formulas launch no kernel."""
+        from dataclasses import replace
+
+        from .pool import PagedKvPool
+
+        w = self.text.embed_tokens.weight
+        n = w.shape[-1]
+        if not w.is_cuda or rows < 2:  # (a one-token forward is no prefill of the step's)
+            return 0
+        scratch = PagedKvPool(replace(pool.layout, num_pages=1), device=w.device)
+        g = torch.Generator(device=w.device).manual_seed(0)
+        bodies = 0
+        for t in (rows, 15) if n % 16 and rows > 15 else (rows,):
+            h = torch.randn(1, t, n, generator=g, device=w.device).to(w.dtype)  # never zero
+            positions = torch.arange(t, device=w.device)[None]
+            tables = {k: self.text.rotary_emb(h, positions, k) for k in dict.fromkeys(self.types)}
+            pages = torch.zeros(t, dtype=torch.long, device=w.device)
+            offsets = torch.arange(t, device=w.device) % pool.layout.page_size
+            seen = set()
+            for i, layer in enumerate(self.layers):
+                last = i + 1 == len(self.layers)
+                body = (self.types[i], last, tuple((tuple(p.shape), p.dtype) for p in layer.parameters()))
+                if body in seen:
+                    continue
+                seen.add(body)
+                bodies += 1
+                attn = layer.self_attn
+                x = self._norm(layer.input_layernorm, h)
+                projected = self.qkv[i](x)
+                q, k = projected[0], projected[1]
+                v = projected[2] if len(projected) > 2 else k
+                d = attn.head_dim
+                cos, sin = tables[self.types[i]]
+                q = self._rope(self._norm(attn.q_norm, q.view(1, t, -1, d)), cos, sin)
+                k = self._rope(self._norm(attn.k_norm, k.view(1, t, -1, d)), cos, sin)
+                v = self._norm(attn.v_norm, v.view(1, t, -1, d))
+                if not attn.is_sliding:  # FoldKvLayer.attend's fold and store, rows packed as its index_select's
+                    global_step.fold_and_store(scratch, pages, offsets, q.reshape(t, -1, d), k.reshape(t, -1, d),
+                                               v.reshape(t, -1, d), attn.k_norm.weight)
+                out, parts = self.o_proj[i].tail(torch.randn(q.reshape(1, t, -1).shape, generator=g, device=w.device,
+                                                              dtype=w.dtype))
+                y, x = self._norm_add(out, h, layer.post_attention_layernorm, layer.pre_feedforward_layernorm, None,
+                                      parts)
+                out, parts = self._mlp(i, x)
+                second = None if last or not in_force().tail_next_norm else self.layers[i + 1].input_layernorm
+                self._norm_add(out, y, layer.post_feedforward_layernorm, second, layer.layer_scalar, parts)
+            self.lm_head(self._norm(self.text.norm, h)[:, -1:])
+        return bodies
 
     @staticmethod
     def route(attn: nn.Module, x: torch.Tensor, mask: Any, step: Any) -> Any:

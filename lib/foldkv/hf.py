@@ -536,6 +536,7 @@ class FoldKvCache(Cache):
         if decode_step != "eager":
             self.decode_step = self.step_class(self, decode_step)  # its options: the cache's step_options
             install(model)
+            self.decode_step.warm_prefill(model)  # the first prompt's first launches, done here (CUDA kernels only)
 
     @property
     def global_layers(self) -> list[FoldKvLayer]:

@@ -115,11 +115,34 @@ class DecodeStep:
         step_forward = self.step_forward(forward.__self__, kwargs["input_ids"].device)
         if step_forward is None or not step_forward.takes(kwargs):
             return forward(**kwargs)
-        # pdl off: a prefill's projections are cuBLAS's at every row count (foldkv.gemv's kernels serve 1..16 rows: a
-        # chunk that short would build their Triton specializations inside a prompt) and its kernels launch plainly
-        with using(dataclasses.replace(self.options, pdl=False)):
+        with using(self.prefill_options()):
             return step_forward.prefill(self.cache, kwargs["input_ids"], kwargs.get("attention_mask"),
                                         kwargs.get("position_ids"), kwargs.get("logits_to_keep") or 0)
+
+    def prefill_options(self) -> StepOptions:
+        """The options in force inside a prefill: pdl off, so its projections are cuBLAS's at every row count
+        (foldkv.gemv's kernels serve 1..16 rows: a chunk that short would build their Triton specializations inside a
+        prompt) and its kernels launch plainly."""
+        return dataclasses.replace(self.options, pdl=False)
+
+    def warm_prefill(self, model: Any) -> int:
+        """At the cache's creation, what a process's first prefill through `prefill` would do inside its time to first
+        token: the step's forward built (the projections merged) and each of its kernels launched once
+        (`fused_step.StepForward.warm_prefill`, under the prefill's options; its memory one chunk's activations at
+        its rows, freed after). Returns the layer bodies run (0: no fused prefill for this cache or model, or a card
+        too full for those activations, whose first prompt then loads its kernels itself)."""
+        c = self.cache
+        if not (self.options.fuse_prefill and c.attention == "kernel" and c.device.type == "cuda"):
+            return 0
+        step_forward = self.step_forward(model, c.device)
+        if step_forward is None:
+            return 0
+        try:
+            with using(self.prefill_options()):
+                return step_forward.warm_prefill(c.global_layers[0].pool,
+                                                 rows=min(fused_step.WARM_ROWS, c.max_batch * c.max_tokens))
+        except torch.OutOfMemoryError:
+            return 0
 
     def step_forward(self, model: Any, device: torch.device) -> fused_step.StepForward | None:
         """The step's own forward over `model`, built once (on CUDA with `StepOptions.merge`, the model's projections
