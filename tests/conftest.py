@@ -539,3 +539,13 @@ def drop_into_garbage(held: list) -> None:
     cycle.append(cycle)
     del cycle
     _ = [[i] for i in range(64)]
+
+
+def merged_linear(owner, x: torch.Tensor):
+    """The decode step's merged GEMV of `owner`'s projection group (`foldkv.fused_step._Group`, merge on) on x, split
+    into each projection's output; None when the group is not merged (or a weight was replaced since)."""
+    from foldkv import fused_step as fs
+
+    names = fs._attention_names(owner) if hasattr(owner, "q_proj") else ("gate_proj", "up_proj")
+    group = fs._Group(owner, names, merge=True)
+    return None if group.merged is None else tuple(group(x))

@@ -155,16 +155,6 @@ def merged_groups(model: nn.Module) -> int:
     return sum(_merged_weight(m) is not None for m in model.modules())
 
 
-def merged_linear(owner: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-    """The owner's merged projections of x as one GEMV, split into each projection's output (column slices of one
-    output); None when the owner is not merged (or no longer is)."""
-    held = _merged_weight(owner) if in_force().merge else None
-    if held is None:
-        return None
-    merged, rows = held
-    return gemv.linear(x, merged).split(rows, dim=-1)  # 1..16 rows on CUDA: foldkv.gemv's PDL kernels, else F.linear
-
-
 # --- projections that read one input, as graph branches ------------------------------------------------------------
 # Unmerged projections of one input (StepOptions.merge off, or a group that could not merge) are issued on side
 # streams, so that under capture they are branches of the graph and one's tail overlaps another's body: cuBLAS's 421
@@ -498,6 +488,7 @@ def _power_of_two(d: int) -> bool:
 _MOVED = {name: f"pass StepOptions({field}=...) (foldkv.step_options) where the step is made" for name, field in (
     ("FUSE_SLIDING", "fuse_sliding"), ("FUSE_GLOBAL_PROLOGUE", "fuse_global_prologue"), ("MERGE", "merge"),
     ("BRANCHES", "branches"), ("TAIL_SUMS", "tail_sums"), ("TAIL_NEXT_NORM", "tail_next_norm"))}
+_MOVED["merged_linear"] = "the step reads a merged group through fused_step._Group (tests/conftest.merged_linear)"
 _MOVED["fused_step"] = ("the decode step runs its own forward: foldkv.fused_step.StepForward(model, options), built by"
                         " foldkv.hf_graph.DecodeStep")
 
@@ -506,6 +497,6 @@ __getattr__ = moved(__name__, _MOVED)
 
 
 __all__ = ["StepForward", "refusal", "norm_eps", "fork", "join", "side_streams", "branched_attention_modules",
-           "merge_projections", "split_projections", "merged_linear", "merged_groups", "mlp_modules",
+           "merge_projections", "split_projections", "merged_groups", "mlp_modules",
            "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "q_norm_rope",
            "kv_to_ring", "sliding_prologue", "foreign_projection", "StepOptions"]

@@ -29,7 +29,7 @@ ulp of a partial a term).
 that has grid dependency control (`triton.language.extra.cuda.gdc_wait`); anything else is
 `torch.nn.functional.linear` (`refusal` says why; the lab counts the routes:
 `foldkv.lab.pdl_checks.gemv_routes`). `foldkv.fused_step` routes the step's projections
-through it: the merged groups (`merged_linear`), each attention's o_proj, each MLP's down_proj and the LM head.
+through it: the merged groups, each attention's o_proj, each MLP's down_proj and the LM head.
 
 PDL is a chain property: every kernel launched with PDL must wait before it reads anything a kernel of the step wrote
 and before it stores (weights may load before); one that never waits could finish before its predecessor and break
