@@ -6,7 +6,8 @@ projections) and of `foldkv.fused_step`'s kernels launched with PDL (`gemv.pdl_k
   clean x (the wait held); `red_caught`: its red twin is wrong (the consumer did launch during its producer: PDL is in
   effect). Eagerly the H200 did not overlap the launches at all (MODEL_DECODE_NOTES run 11: the red twin not caught
   eagerly), so only the graph's red_caught says something; the graph keeps the programmatic edge.
-  Consumers: "gemv" (`gemv.linear` at one row; red twin: its first x tile loaded before the wait, `RED_X_EARLY`)
+  Consumers: "gemv" (`gemv.linear` at one row; red twin: its first x tile loaded before the wait, `RED_X_EARLY` of
+  `gemv_tc_red`, the lab's copy of the kernel: `tc_launch_twin` launches it with that and the other red twins)
   and "rms_norm" (`fused_step.rms_norm`, standing for every fused_step kernel: they enter through the same `_chain`;
   red twin: the kernel launched with PDL but built without its wait, GDC False); or a lab version's own, as a factory
   `make(k, n, red) -> consume(x)` over x of `rows` rows (bench/versions/gemv_pdl_rows.py's GEMV of 1..8 rows).
@@ -84,6 +85,92 @@ def _late_copy():
     return _LATE_COPY
 
 
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # no Triton, or none with grid dependency control: nothing here launches
+    triton = None
+
+if triton is not None:
+    # `foldkv.gemv.gemv_tc` copied with its red twin (the library kernel has none, so its compiled code is the served
+    # one's alone): RED_X_EARLY loads the prefetched range's first x tile before the wait and uses it, what a kernel
+    # reading its input early would do. RED_X_EARLY False is the library kernel's body, line for line.
+    @triton.jit
+    def gemv_tc_red(x_ptr, w_ptr, y_ptr, ws_ptr, M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
+                    GDC: tl.constexpr, RED_X_EARLY: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        k_lo = pid_k.to(tl.int64) * K_SPLIT
+        live_n = rn < N
+        live_m = rm < M
+        w_at = w_ptr + rn[:, None] * K + (k_lo + rk)[None, :]
+        x_at = x_ptr + rm[None, :] * K + (k_lo + rk)[:, None]
+        if PREFETCH:
+            if EVEN_N:
+                w_head = tl.load(w_at, eviction_policy="evict_first")
+            else:
+                w_head = tl.load(w_at, mask=live_n[:, None], other=0.0, eviction_policy="evict_first")
+            if RED_X_EARLY:
+                x_head = tl.load(x_at, mask=live_m[None, :], other=0.0)
+        if GDC:
+            gdc_wait()
+            gdc_launch_dependents()
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if PREFETCH:
+            if not RED_X_EARLY:
+                x_head = tl.load(x_at, mask=live_m[None, :], other=0.0)
+            acc = tl.dot(w_head, x_head, acc=acc)
+        for k0 in range(PREFETCH * BLOCK_K, K_SPLIT, BLOCK_K):
+            if EVEN_N:
+                w = tl.load(w_at + k0, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_at + k0, mask=live_n[:, None], other=0.0, eviction_policy="evict_first")
+            xt = tl.load(x_at + k0, mask=live_m[None, :], other=0.0)
+            acc = tl.dot(w, xt, acc=acc)
+        live = live_m[None, :] & live_n[:, None]
+        if SPLIT == 1:
+            tl.store(y_ptr + rm[None, :] * N + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=live)
+        else:
+            row = (pid_k * M + rm[None, :]).to(tl.int64)
+            tl.store(ws_ptr + row * N + rn[:, None], acc, mask=live)
+
+
+def tc_launch_twin(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict, pdl: bool = True, *,
+                   red_x_early: bool = False, k_split: int | None = None, m: int | None = None,
+                   reduce_splits: int | None = None, grid: tuple | None = None):
+    """`foldkv.gemv.tc_launch` with its red twins (never for use; `gemv_tc_red`, the lab's copy of the kernel):
+    red_x_early (x's first tile before the wait), k_split (the columns a program covers), m (rows of x the kernel is
+    told), reduce_splits (partials split_sum adds), grid. Returns the GEMM's compiled kernel."""
+    from .. import gemv
+
+    n, k = weight.shape
+    m = xs.shape[0] if m is None else m
+    split = cfg["SPLIT"]
+    ws = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=y.device)
+    kw = dict(launch_pdl=True) if pdl else {}
+    grid = (gemv._cdiv(n, cfg["BLOCK_N"]), split) if grid is None else grid
+    compiled = gemv_tc_red[grid](xs, weight, y, ws, m, n, k, k // split if k_split is None else k_split,
+                                 EVEN_N=n % cfg["BLOCK_N"] == 0, GDC=pdl, RED_X_EARLY=red_x_early, **cfg, **kw)
+    if split > 1:
+        sum_partials_twin(ws, y, reduce_splits, pdl)
+    return compiled
+
+
+def sum_partials_twin(ws: torch.Tensor, y: torch.Tensor, splits: int | None = None, pdl: bool = True) -> None:
+    """`foldkv.gemv.sum_partials` adding `splits` partials (its red twin: one fewer or more than ws holds)."""
+    from .. import gemv
+
+    mn = ws.shape[1] * ws.shape[2]
+    gemv.split_sum[(gemv._cdiv(mn, gemv.REDUCE_BLOCK),)](
+        ws, y, mn, SPLIT=ws.shape[0] if splits is None else splits, BLOCK=gemv.REDUCE_BLOCK, GDC=pdl, num_warps=4,
+        **(dict(launch_pdl=True) if pdl else {}))
+
+
 def _require() -> None:
     from foldkv import gemv
 
@@ -112,7 +199,7 @@ def _linear_x_early(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     k = w.shape[1]
     xs = x.reshape(-1, k).contiguous()
     y = torch.empty(xs.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    gemv.tc_launch(xs, w, y, gemv.tc_config(w.shape[0], k, xs.shape[0]), red_x_early=True)
+    tc_launch_twin(xs, w, y, gemv.tc_config(w.shape[0], k, xs.shape[0]), red_x_early=True)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -196,7 +283,8 @@ def ptx_order(m: int = 1, k: int = 5376, n: int = 4096, red_x_early: bool = Fals
     x = torch.ones(m, k, dtype=torch.bfloat16, device=dev)
     w = torch.ones(n, k, dtype=torch.bfloat16, device=dev)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-    ptx = gemv.tc_launch(x, w, y, cfg, True, red_x_early=red_x_early).asm["ptx"]
+    launch = tc_launch_twin if red_x_early else gemv.tc_launch
+    ptx = launch(x, w, y, cfg, True, **(dict(red_x_early=True) if red_x_early else {})).asm["ptx"]
     waits, head = _before_wait(ptx)
     before = [ln for ln in head if _LD_GLOBAL.match(ln)] if waits else []
     return dict(m=m, red_x_early=red_x_early, waits=waits, loads_before_wait=len(before),
@@ -205,4 +293,5 @@ def ptx_order(m: int = 1, k: int = 5376, n: int = 4096, red_x_early: bool = Fals
                 loads=before[:8])
 
 
-__all__ = ["CONSUMERS", "race_check", "ptx_order", "loads_before_wait"]
+__all__ = ["CONSUMERS", "race_check", "ptx_order", "loads_before_wait", "gemv_tc_red", "tc_launch_twin",
+           "sum_partials_twin"]
