@@ -213,8 +213,9 @@ def launch(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict, p
     `up` given (xs the gate rows and up the up rows, one row stride: x = gelu_mul(gate, up) made in the kernel)."""
     if not cfg.get("FIXUP") and up is None:
         cfg = {k: v for k, v in cfg.items() if k != "FIXUP"}
-        twins = dict(red_x_early=red_x_early, k_split=k_split, m=m, reduce_splits=reduce_splits, grid=grid)
-        if any(v not in (None, False) for v in twins.values()):  # the red twins: the lab's copy of the kernel
+        twins = dict(k_split=k_split, m=m, reduce_splits=reduce_splits, grid=grid)
+        if red_x_early or any(v is not None for v in twins.values()):  # the red twins: the lab's copy of the kernel
+            twins["red_x_early"] = red_x_early
             return pdl_checks.tc_launch_twin(xs, weight, y, cfg, pdl, **twins)
         return lib.tc_launch(xs, weight, y, cfg, pdl)
     n, k = weight.shape
