@@ -89,7 +89,7 @@ if HAS_GDC:
         (program_id 0) and K range [pid1 K_SPLIT, (pid1 + 1) K_SPLIT) (program_id 1; K_SPLIT % BLOCK_K == 0).
         SPLIT == 1: y rounded once from float32; else the float32 partial into ws [SPLIT, M, N] (split_sum adds).
         PREFETCH: the range's first weight tile loaded before the wait (GDC); x only after it (the race check's red
-        twin, which loads it before, is the lab's copy: `foldkv.lab.pdl_checks.gemv_tc_red`)."""
+        twin, which loads it before, is the lab's: `foldkv.lab.pdl_checks.gemv_tc_x_early`, made from this source)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -6,8 +6,8 @@ projections) and of `foldkv.fused_step`'s kernels launched with PDL (`gemv.pdl_k
   clean x (the wait held); `red_caught`: its red twin is wrong (the consumer did launch during its producer: PDL is in
   effect). Eagerly the H200 did not overlap the launches at all (MODEL_DECODE_NOTES run 11: the red twin not caught
   eagerly), so only the graph's red_caught says something; the graph keeps the programmatic edge.
-  Consumers: "gemv" (`gemv.linear` at one row; red twin: its first x tile loaded before the wait, `RED_X_EARLY` of
-  `gemv_tc_red`, the lab's copy of the kernel: `tc_launch_twin` launches it with that and the other red twins)
+  Consumers: "gemv" (`gemv.linear` at one row; red twin: its first x tile loaded before the wait, made from the
+  library kernel's source, `gemv_tc_x_early`; `tc_launch_twin` launches it and the other red twins)
   and "rms_norm" (`fused_step.rms_norm`, standing for every fused_step kernel: they enter through the same `_chain`;
   red twin: the kernel launched with PDL but built without its wait, GDC False); or a lab version's own, as a factory
   `make(k, n, red) -> consume(x)` over x of `rows` rows (bench/versions/gemv_pdl_rows.py's GEMV of 1..8 rows).
@@ -27,6 +27,7 @@ bench/model_decode_probe.py prints and the tests read (the library keeps no coun
 from __future__ import annotations
 
 import contextlib
+import pathlib
 import re
 from collections import Counter
 from typing import Iterator
@@ -85,67 +86,45 @@ def _late_copy():
     return _LATE_COPY
 
 
-try:
-    import triton
-    import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # no Triton, or none with grid dependency control: nothing here launches
-    triton = None
+_X_EARLY = None
 
-if triton is not None:
-    # `foldkv.gemv.gemv_tc` copied with its red twin (the library kernel has none, so its compiled code is the served
-    # one's alone): RED_X_EARLY loads the prefetched range's first x tile before the wait and uses it, what a kernel
-    # reading its input early would do. RED_X_EARLY False is the library kernel's body, line for line.
-    @triton.jit
-    def gemv_tc_red(x_ptr, w_ptr, y_ptr, ws_ptr, M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
-                    GDC: tl.constexpr, RED_X_EARLY: tl.constexpr):
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
-        k_lo = pid_k.to(tl.int64) * K_SPLIT
-        live_n = rn < N
-        live_m = rm < M
-        w_at = w_ptr + rn[:, None] * K + (k_lo + rk)[None, :]
-        x_at = x_ptr + rm[None, :] * K + (k_lo + rk)[:, None]
-        if PREFETCH:
-            if EVEN_N:
-                w_head = tl.load(w_at, eviction_policy="evict_first")
-            else:
-                w_head = tl.load(w_at, mask=live_n[:, None], other=0.0, eviction_policy="evict_first")
-            if RED_X_EARLY:
-                x_head = tl.load(x_at, mask=live_m[None, :], other=0.0)
-        if GDC:
-            gdc_wait()
-            gdc_launch_dependents()
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        if PREFETCH:
-            if not RED_X_EARLY:
-                x_head = tl.load(x_at, mask=live_m[None, :], other=0.0)
-            acc = tl.dot(w_head, x_head, acc=acc)
-        for k0 in range(PREFETCH * BLOCK_K, K_SPLIT, BLOCK_K):
-            if EVEN_N:
-                w = tl.load(w_at + k0, eviction_policy="evict_first")
-            else:
-                w = tl.load(w_at + k0, mask=live_n[:, None], other=0.0, eviction_policy="evict_first")
-            xt = tl.load(x_at + k0, mask=live_m[None, :], other=0.0)
-            acc = tl.dot(w, xt, acc=acc)
-        live = live_m[None, :] & live_n[:, None]
-        if SPLIT == 1:
-            tl.store(y_ptr + rm[None, :] * N + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=live)
-        else:
-            row = (pid_k * M + rm[None, :]).to(tl.int64)
-            tl.store(ws_ptr + row * N + rn[:, None], acc, mask=live)
+
+def gemv_tc_x_early():
+    """The race check's red twin of `foldkv.gemv.gemv_tc` (made once; never for use): the library kernel's own source
+    with the line that loads the prefetched x tile moved above the wait, what a kernel reading its input early would
+    do. Made from that source (written to a file of its own, which Triton's JIT reads), the twin is the kernel in
+    everything else and cannot drift from it; the library kernel carries no twin."""
+    global _X_EARLY
+    if _X_EARLY is None:
+        import importlib.util
+        import inspect
+        import tempfile
+        import textwrap
+
+        from .. import gemv
+
+        lines = textwrap.dedent(inspect.getsource(gemv.gemv_tc.fn)).splitlines()
+        wait = next(i for i, ln in enumerate(lines) if ln.strip() == "if GDC:")
+        load = next(i for i, ln in enumerate(lines) if i > wait and ln.strip().startswith("x_head = tl.load("))
+        lines.insert(wait, lines.pop(load))  # into the prefetch block above the wait, at its indentation
+        src = "\n".join(lines).replace("def gemv_tc(", "def gemv_tc_x_early(", 1)
+        path = pathlib.Path(tempfile.mkdtemp(prefix="foldkv_twin_")) / "gemv_tc_x_early.py"
+        path.write_text("import triton\nimport triton.language as tl\n"
+                        "from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait\n\n\n" + src + "\n")
+        spec = importlib.util.spec_from_file_location("foldkv_gemv_tc_x_early", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _X_EARLY = module.gemv_tc_x_early
+    return _X_EARLY
 
 
 def tc_launch_twin(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict, pdl: bool = True, *,
                    red_x_early: bool = False, k_split: int | None = None, m: int | None = None,
                    reduce_splits: int | None = None, grid: tuple | None = None):
-    """`foldkv.gemv.tc_launch` with its red twins (never for use; `gemv_tc_red`, the lab's copy of the kernel):
-    red_x_early (x's first tile before the wait), k_split (the columns a program covers), m (rows of x the kernel is
-    told), reduce_splits (partials split_sum adds), grid. Returns the GEMM's compiled kernel."""
+    """`foldkv.gemv.tc_launch` with its red twins (never for use): red_x_early (x's first tile before the wait: the
+    kernel `gemv_tc_x_early`), k_split (the columns a program covers), m (rows of x the kernel is told), reduce_splits
+    (partials split_sum adds), grid (those four: the library kernel launched wrong). Returns the GEMM's compiled
+    kernel."""
     from .. import gemv
 
     n, k = weight.shape
@@ -154,8 +133,9 @@ def tc_launch_twin(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg:
     ws = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=y.device)
     kw = dict(launch_pdl=True) if pdl else {}
     grid = (gemv._cdiv(n, cfg["BLOCK_N"]), split) if grid is None else grid
-    compiled = gemv_tc_red[grid](xs, weight, y, ws, m, n, k, k // split if k_split is None else k_split,
-                                 EVEN_N=n % cfg["BLOCK_N"] == 0, GDC=pdl, RED_X_EARLY=red_x_early, **cfg, **kw)
+    kernel = gemv_tc_x_early() if red_x_early else gemv.gemv_tc
+    compiled = kernel[grid](xs, weight, y, ws, m, n, k, k // split if k_split is None else k_split,
+                            EVEN_N=n % cfg["BLOCK_N"] == 0, GDC=pdl, **cfg, **kw)
     if split > 1:
         sum_partials_twin(ws, y, reduce_splits, pdl)
     return compiled
@@ -193,7 +173,7 @@ def loads_before_wait(ptx: str) -> tuple[int, list[str]]:
 
 def _linear_x_early(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The race check's red twin of `gemv.linear` (its kernel route, one row): the same launch with the first x tile
-    loaded before the wait (`RED_X_EARLY`), what a kernel reading its input early would do."""
+    loaded before the wait (`gemv_tc_x_early`), what a kernel reading its input early would do."""
     from foldkv import gemv
 
     k = w.shape[1]
@@ -293,5 +273,5 @@ def ptx_order(m: int = 1, k: int = 5376, n: int = 4096, red_x_early: bool = Fals
                 loads=before[:8])
 
 
-__all__ = ["CONSUMERS", "race_check", "ptx_order", "loads_before_wait", "gemv_tc_red", "tc_launch_twin",
+__all__ = ["CONSUMERS", "race_check", "ptx_order", "loads_before_wait", "gemv_tc_x_early", "tc_launch_twin",
            "sum_partials_twin"]
