@@ -415,8 +415,9 @@ class FoldKvLayer(CacheLayerMixin):
 class FoldKvCache(Cache):
     """A transformers Cache for Gemma 4 whose global layers keep their KV only in foldkv pools.
 
-    model: a Gemma 4 (Gemma4ForCausalLM or the multimodal model's text tower) loaded or set with
-        attn_implementation "foldkv" (sliding layers: sdpa) or "foldkv_eager" (sliding layers: eager).
+    model: a Gemma 4 (Gemma4ForCausalLM, or the multimodal Gemma4ForConditionalGeneration: its text tower's global
+        layers are served, its decode step is the step's own forward too) loaded or set with attn_implementation
+        "foldkv" (sliding layers: sdpa) or "foldkv_eager" (sliding layers: eager).
     max_batch: sequences the pools hold (the batch of the first forward may be smaller, later forwards keep it).
     max_tokens: columns per sequence, as transformers counts them (padded prompt + generated tokens); each global
         layer's pool holds max_batch * ceil(max_tokens / page_size) pages. Only real tokens are stored.
