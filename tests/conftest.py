@@ -125,17 +125,24 @@ def thin_loop_generate(model, lengths, new: int, seed: int | None = None, **gene
 
 
 def query_kernel_check(geom, fmt, batch: int, want: torch.Tensor, write) -> tuple[bool, bool]:
-    """A kernel writing a global layer's format query, against `want` [batch, Hq, D]: `write(out, score_cols)` fills
-    out [batch + 2, Hq, D] on want's device, poisoned with NaN (score_cols None: the format's column map). Asserts no
-    row past the batch is written, in either run. Returns (the batch's rows finite and equal to want; equal with the
-    map's two rotated halves exchanged: the red twin, False for a kernel that reads the map)."""
-    from foldkv.global_step import column_maps
+    """A kernel writing a global layer's format query, against `want` [batch, Hq, D]: `write(out)` fills out
+    [batch + 2, Hq, D] on want's device, poisoned with NaN. Asserts no row past the batch is written, in either run.
+    Returns (the batch's rows finite and equal to want; equal with the score map `global_step.column_maps` hands the
+    kernel's launcher its two rotated halves exchanged: the red twin, False for a kernel that reads the map)."""
+    from unittest import mock
+
+    from foldkv import global_step
 
     hq, d, r = geom.num_q_heads, geom.head_dim, geom.rotary_width
+    column_maps = global_step.column_maps
 
     def run(cols):
         out = torch.full((batch + 2, hq, d), float("nan"), dtype=want.dtype, device=want.device)
-        write(out, cols)
+        if cols is None:
+            write(out)
+        else:
+            with mock.patch.object(global_step, "column_maps", lambda *a: (cols, *column_maps(*a)[1:])):
+                write(out)
         assert bool(out[batch:].isnan().all()), "a row past the batch was written"
         return bool(torch.isfinite(out[:batch]).all()) and torch.equal(out[:batch], want)
 
@@ -362,7 +369,7 @@ def triton_sm90(fn, signature: dict, constexprs: dict, divisible: tuple = (), nu
     """Compile a @triton.jit function for sm_90a without a GPU (Triton's own backend and the ptxas it ships), as its JIT
     would specialise it: `divisible` names the arguments known divisible by 16 (aligned pointers, strides). Returns
     the PTX's instruction counts ("ops": opcode -> count, predicates stripped), the shared memory and ptxas's
-    registers and spill bytes. Skips where Triton or its nvidia backend is missing."""
+    registers and spill bytes, and the PTX ("ptx"). Skips where Triton or its nvidia backend is missing."""
     import collections
     import subprocess
     import tempfile
@@ -393,7 +400,8 @@ def triton_sm90(fn, signature: dict, constexprs: dict, divisible: tuple = (), nu
     regs = re.search(r"Used (\d+) registers", r.stderr)
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill", r.stderr)]
     assert regs, r.stderr[-2000:]
-    return {"ops": ops, "shared": kernel.metadata.shared, "registers": int(regs.group(1)), "spill_bytes": sum(spills)}
+    return {"ops": ops, "shared": kernel.metadata.shared, "registers": int(regs.group(1)), "spill_bytes": sum(spills),
+            "ptx": ptx}
 
 
 # the FP8 tensor-core partial's versions (bench/versions/decode_partial_fp8_tc_*.py) gated in its place: the lengths
@@ -539,3 +547,13 @@ def drop_into_garbage(held: list) -> None:
     cycle.append(cycle)
     del cycle
     _ = [[i] for i in range(64)]
+
+
+def merged_linear(owner, x: torch.Tensor):
+    """The decode step's merged GEMV of `owner`'s projection group (`foldkv.fused_step._Group`, merge on) on x, split
+    into each projection's output; None when the group is not merged (or a weight was replaced since)."""
+    from foldkv import fused_step as fs
+
+    names = fs._attention_names(owner) if hasattr(owner, "q_proj") else ("gate_proj", "up_proj")
+    group = fs._Group(owner, names, merge=True)
+    return None if group.merged is None else tuple(group(x))

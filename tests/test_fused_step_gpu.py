@@ -24,7 +24,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import exact_projections, require_module, rounding_bound, step_logits
+from conftest import exact_projections, merged_linear, require_module, rounding_bound, step_logits
 
 from foldkv.step_options import StepOptions
 
@@ -297,7 +297,7 @@ def test_merged_projections_step_within_the_gemv_bound(batch):
         x = (torch.randn(batch, 1, 512, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
              * 0.5).to(BF16)
         for owner in [*fs.branched_attention_modules(model), *fs.mlp_modules(model)]:
-            for name, y in zip(owner._foldkv_merged[1], fs.merged_linear(owner, x)):
+            for name, y in zip(owner._foldkv_merged[1], merged_linear(owner, x)):
                 w = getattr(owner, name).weight
                 ref = x.double() @ w.double().T
                 assert bool(((y.double() - ref).abs() <= _gemv_bound(x, w, ref)).all()), name

@@ -228,3 +228,35 @@ def test_the_probe_parses_pdl_ab():
     assert not probe.parser().parse_args([]).tc_ab
     assert probe.parser().parse_args(["--decode", "foldkv-folded:4096:8", "--lab-ab"]).lab_ab
     assert not probe.parser().parse_args([]).lab_ab
+
+
+@pytest.mark.parametrize("shape,rows", [((4096, 5376), 1), ((300, 5376), 3), ((5376, 21504), 16)])
+def test_the_labs_x_early_twin_is_the_library_kernel_with_x_loaded_before_the_wait(shape, rows):
+    """The race check's red twin (`pdl_checks.gemv_tc_x_early`) is made from the library kernel's source, its x tile's
+    load moved above the wait, so the library kernel carries no twin: compiled for sm_90a, the library kernel loads only
+    its weight tile before its one wait, the twin its x tile too (more global loads before the wait), and nothing
+    else differs in their sources."""
+    import inspect
+    import textwrap
+
+    require_module("triton")
+    from conftest import triton_sm90
+    from foldkv import gemv
+    from foldkv.lab import pdl_checks
+
+    if not gemv.HAS_GDC:
+        pytest.skip("no Triton with grid dependency control")
+    twin = pdl_checks.gemv_tc_x_early()
+    ours, theirs = (textwrap.dedent(inspect.getsource(f.fn)).splitlines() for f in (gemv.gemv_tc, twin))
+    assert sorted(ours[2:]) == sorted(theirs[2:]) and ours[2:] != theirs[2:]  # the same body, one line moved
+    n, k = shape
+    cfg = gemv.tc_config(n, k, rows)
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "M": "i32", "N": "i32",
+           "K": "i32", "K_SPLIT": "i32"}
+    const = {c: cfg[c] for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "PREFETCH", "SPLIT")}
+    const.update(EVEN_N=n % cfg["BLOCK_N"] == 0, GDC=True)
+    opts = dict(divisible=("x_ptr", "w_ptr", "y_ptr", "ws_ptr", "K", "K_SPLIT"), num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"])
+    waits, before = pdl_checks.loads_before_wait(triton_sm90(gemv.gemv_tc, sig, const, **opts)["ptx"])
+    red_waits, red_before = pdl_checks.loads_before_wait(triton_sm90(twin, sig, const, **opts)["ptx"])
+    assert waits == red_waits == 1 and len(red_before) > len(before) > 0

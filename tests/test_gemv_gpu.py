@@ -32,6 +32,7 @@ import torch
 from conftest import exact_projections, left_padded_batch, require_module, rounding_bound, synthetic_gpu_models
 from test_fused_step_gpu import _gemv_case, _gemv_within_bound
 
+from foldkv.lab import pdl_checks
 from foldkv.lab.pdl_checks import gemv_routes
 from foldkv.step_options import StepOptions, using
 
@@ -80,7 +81,7 @@ def test_pdl_gemv_red_twin_one_block_short():
     cfg = gemv.tc_config(n, k, 1)
 
     def short(x, w, out):
-        gemv.tc_launch(x, w, out, cfg, k_split=k // cfg["SPLIT"] - cfg["BLOCK_K"])
+        pdl_checks.tc_launch_twin(x, w, out, cfg, k_split=k // cfg["SPLIT"] - cfg["BLOCK_K"])
     assert not _gemv_within_bound(short, shape, 1, seed=3)
 
 

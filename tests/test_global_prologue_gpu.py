@@ -64,8 +64,8 @@ def test_query_is_norm_rope_then_query_into(batch, fmt, pdl, monkeypatch):
         want = torch.full((batch, hq, d), float("nan"), dtype=BF16, device="cuda")
         gst.query_into(geom, fmt, roped.transpose(1, 2), attn.k_norm.weight, want)
 
-        ok, twin = query_kernel_check(geom, fmt, batch, want, lambda out, cols: gst.query_from_projection(
-            geom, fmt, q, attn, cos, sin, out, score_cols=cols))
+        ok, twin = query_kernel_check(geom, fmt, batch, want, lambda out: gst.query_from_projection(
+            geom, fmt, q, attn, cos, sin, out))
         assert ok
         assert not twin, "red twin: the rotated halves swapped"
 

@@ -309,3 +309,54 @@ def test_a_cache_on_another_device_is_refused(models):
 
     with pytest.raises(FoldKvInputError, match="a FoldKvCache lives on its model's device"):
         _cache(models["foldkv"], device="meta")
+
+
+def _multimodal_model():
+    """The tiny synthetic Gemma 4 (TINY_SYNTHETIC, window 8) as the text tower of a Gemma4ForConditionalGeneration with
+    a one-layer vision tower and no audio, float32, seeded: weights under model.language_model, lm_head on top."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4VisionConfig
+    from foldkv.lab.synthetic import synthetic_config
+
+    text = synthetic_config(sliding_window=WINDOW, dtype="float32", **TINY_SYNTHETIC)
+    vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(11)
+    model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=vision.to_dict(),
+                                                        audio_config=None)).float().eval()
+    with torch.no_grad():  # the text tower's norms and projections drawn far from their initial values
+        for p in model.model.language_model.parameters():
+            p.add_(torch.randn_like(p) * 0.1 * (p.std() if p.numel() > 1 else 1))
+    return model
+
+
+def test_the_multimodal_model_decodes_through_the_steps_own_forward(batch, monkeypatch):
+    """A Gemma4ForConditionalGeneration (text weights under model.language_model) on a FoldKvCache: the step's own
+    forward describes it (`fused_step.refusal` is None) and runs every decode step, with the tokens of transformers'
+    own forward (sdpa, its DynamicCache) and of foldkv's eager path. Red twin: a step whose forward embeds every token
+    as the pad token (what the placeholder mapping does to image tokens only) changes the tokens."""
+    require_module("transformers")
+    import foldkv.hf  # noqa: F401
+    from foldkv import fused_step
+
+    model = _multimodal_model()
+    assert fused_step.refusal(model) is None
+    assert fused_step.text_model(model) is model.model.language_model
+    model.set_attn_implementation("sdpa")
+    want, _ = _run(model, batch)
+    model.set_attn_implementation("foldkv")
+    eager, eager_logits = _run(model, batch, _cache(model, decode_step="eager"))
+    assert torch.equal(eager, want)
+    calls = []
+    decode = fused_step.StepForward.decode
+    monkeypatch.setattr(fused_step.StepForward, "decode", lambda self, *a: calls.append(1) or decode(self, *a))
+    cache = _cache(model, decode_step="static")
+    got, logits = _run(model, batch, cache)
+    assert torch.equal(got, want)
+    assert (logits - eager_logits).abs().max().item() <= FLOAT32_TOL
+    assert len(calls) == NEW - 1 and cache.decode_step.forward_refusal is None  # every step after the prompt's
+    own = fused_step.StepForward._forward
+    monkeypatch.setattr(fused_step.StepForward, "_forward",
+                        lambda self, ids, *a: own(self, ids.new_full(ids.shape, self.pad_id), *a))
+    red, _ = _run(model, batch, _cache(model, decode_step="static"))
+    assert not torch.equal(red, want)

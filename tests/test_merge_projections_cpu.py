@@ -1,6 +1,7 @@
 """Merged projections (`foldkv.fused_step.merge_projections`) on the CPU: a layer's q|k(|v) and gate|up weights laid
 out as row blocks of one tensor, the modules' weights its views; what the decode step reads through them
-(`merged_linear`, the branched attention's q/k/v); and the packed-rows layout the fused norm reads in place.
+(its merged GEMV, `fused_step._Group`: conftest.merged_linear; the branched attention's q/k/v); and the packed-rows
+layout the fused norm reads in place.
 
 The model is the 31B architecture shrunk (6 layers, hidden 128) in float32. A merged weight's views are the same
 values at the same shapes, so every forward of the model computes bit for bit what it did (same CPU kernels). The
@@ -17,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import require_module
+from conftest import merged_linear, require_module
 
 SMALL = dict(vocab_size=512, vocab_size_per_layer_input=512, hidden_size=128, intermediate_size=256)
 
@@ -71,7 +72,7 @@ def test_split_gives_each_weight_its_own_tensor_again(model):
     assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == storages
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert not any(hasattr(m, fs._MERGED) for m in model.modules())
-    assert fs.merged_linear(model.model.layers[0].self_attn, torch.ones(1, 128)) is None
+    assert merged_linear(model.model.layers[0].self_attn, torch.ones(1, 128)) is None
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -82,7 +83,7 @@ def test_merged_linear_within_the_gemv_bound_of_the_separate_projections(model, 
     x = torch.randn(rows, 1, 128, generator=torch.Generator().manual_seed(rows))
     for owner in [*fs.branched_attention_modules(model), *fs.mlp_modules(model)]:
         names = owner._foldkv_merged[1]
-        outs = fs.merged_linear(owner, x)
+        outs = merged_linear(owner, x)
         assert len(outs) == len(names)
         for name, y in zip(names, outs):
             w = getattr(owner, name).weight
@@ -102,12 +103,12 @@ def test_a_weight_replaced_after_the_merge_is_not_read_through_the_merged_tensor
 
     fs.merge_projections(model)
     attn = model.model.layers[0].self_attn
-    assert fs.merged_linear(attn, torch.ones(1, 128)) is not None
+    assert merged_linear(attn, torch.ones(1, 128)) is not None
     attn.k_proj.weight = nn.Parameter(attn.k_proj.weight.detach().clone() * 2)
-    assert fs.merged_linear(attn, torch.ones(1, 128)) is None  # the step falls back to the module's own weight
+    assert merged_linear(attn, torch.ones(1, 128)) is None  # the step falls back to the module's own weight
     assert fs.merged_groups(model) == 11  # the replaced group no longer counts
     assert fs.merge_projections(model) == 12  # merging again takes the new weight
-    outs = fs.merged_linear(attn, torch.ones(1, 128))
+    outs = merged_linear(attn, torch.ones(1, 128))
     assert outs is not None and torch.allclose(outs[1], attn.k_proj(torch.ones(1, 128)), rtol=0, atol=1e-4)
 
 

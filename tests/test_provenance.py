@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 from foldkv import provenance
+from foldkv.lab.checkout_stamp import write_checkout_stamp
 from foldkv.kernels import registry
 from foldkv.lab.report import RunRecord
 
@@ -84,7 +85,7 @@ def _copy_without_git(repo, dest):
 
 def test_copy_without_git_takes_the_commit_from_the_stamp(tmp_path, repo):
     """The device machine gets the working tree without .git: the stamp written beforehand names the commit."""
-    provenance.write_checkout_stamp(repo)
+    write_checkout_stamp(repo)
     copy = _copy_without_git(repo, tmp_path / "copy")
     state = provenance.checkout_state(copy)
     assert state["git_commit"] == git(repo, "rev-parse", "HEAD") and state["dirty"] is False, state
@@ -93,7 +94,7 @@ def test_copy_without_git_takes_the_commit_from_the_stamp(tmp_path, repo):
 
 def test_copy_changed_after_the_stamp_says_dirty(tmp_path, repo):
     """Red twin: a listed file edited after the stamp makes the copy dirty, whatever the stamp said."""
-    provenance.write_checkout_stamp(repo)
+    write_checkout_stamp(repo)
     copy = _copy_without_git(repo, tmp_path / "copy")
     (copy / "lib" / "code.py").write_text("x = 3\n")
     state = provenance.checkout_state(copy)
@@ -110,7 +111,7 @@ def test_copy_beside_a_stale_git_takes_the_commit_from_the_stamp(tmp_path, repo)
     shutil.copytree(repo, stale)  # the older commit, with its .git
     (repo / "lib" / "code.py").write_text("x = 5\n")
     git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "newer")
-    provenance.write_checkout_stamp(repo)
+    write_checkout_stamp(repo)
     shutil.rmtree(stale / "lib")
     shutil.copytree(repo / "lib", stale / "lib")
     shutil.copytree(repo / "build", stale / "build")
@@ -132,7 +133,7 @@ def test_copy_without_its_run_folders_matches_the_stamp(tmp_path, repo):
     (repo / "bench" / "decode_runs" / "run1.json").write_text("{}\n")
     git(repo, "add", "-A")
     git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a run")
-    provenance.write_checkout_stamp(repo)
+    write_checkout_stamp(repo)
     trimmed = _copy_without_git(repo, tmp_path / "trimmed")
     shutil.rmtree(trimmed / "bench" / "decode_runs")
     shutil.rmtree(trimmed / "papermill_runs")

@@ -1,6 +1,6 @@
 """The transformers (and torch) internals foldkv's transformers adapter relies on, each held to what the adapter
-passes and reads, in the installed transformers: one case per name of `foldkv.transformers_compat.PRIVATE_NAMES` (the
-list lives beside the calls; what foldkv reads of each is `CHECKS` here). `make test` runs this file twice, against the
+passes and reads, in the installed transformers: one case per name of `PRIVATE_NAMES` (here,
+with where each is used; what foldkv reads of each is `CHECKS`). `make test` runs this file twice, against the
 newest transformers (the install's) and against the device's 5.17 (`scripts/transformers_pass.sh`), so a rename or a
 changed signature shows here, by name, before a GPU test diverges.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+from dataclasses import dataclass
 from typing import Callable
 
 import pytest
@@ -23,7 +24,83 @@ from conftest import require_module
 
 require_module("transformers")
 
-from foldkv.transformers_compat import PRIVATE_NAMES, PrivateName  # noqa: E402
+
+# --- the internals foldkv's adapter needs, the one list of them ------------------------------------------------------
+@dataclass(frozen=True)
+class PrivateName:
+    """One internal of transformers (or torch) foldkv relies on: `name` as foldkv writes it, `used_by` where,
+    `target` "module:attr.attr" (imported, then read), `passes` the parameters foldkv passes it by name.
+    This file holds each to the installed transformers (one case a name, with what foldkv reads of it), against the
+    newest and the device's 5.17."""
+
+    name: str
+    used_by: str
+    target: str
+    passes: tuple[str, ...] = ()
+
+
+PRIVATE_NAMES: tuple[PrivateName, ...] = (
+    PrivateName("_prefill", "transformers_compat.prefill (hf_loop.decode_loop: the prompt's forwards)",
+                "transformers.generation.utils:GenerationMixin._prefill",
+                passes=("input_ids", "generation_config", "model_kwargs", "is_first_iteration")),
+    PrivateName("_update_model_kwargs_for_generation", "transformers_compat.update_model_kwargs (hf_loop.decode_loop)",
+                "transformers.generation.utils:GenerationMixin._update_model_kwargs_for_generation",
+                passes=("outputs", "model_kwargs", "is_encoder_decoder")),
+    PrivateName("_prepare_generation_config", "transformers_compat.prepare_generation_config (hf_loop.applies)",
+                "transformers.generation.utils:GenerationMixin._prepare_generation_config",
+                passes=("generation_config",)),
+    PrivateName("_pad_token_tensor", "transformers_compat.pad_token_tensor (hf_loop.loop_state)",
+                "transformers:GenerationConfig"),
+    PrivateName("GENERATION_MODES_MAPPING", "transformers_compat.own_decoding_method (hf_loop.decode_loop)",
+                "transformers.generation.utils:GENERATION_MODES_MAPPING"),
+    PrivateName("_sample", "hf_loop.decode_loop (its contract as custom_generate, and its fallback)",
+                "transformers.generation.utils:GenerationMixin._sample"),
+    PrivateName("custom_generate", "hf_loop.install (generate()'s decoding method)",
+                "transformers.generation.utils:GenerationMixin.generate", passes=("custom_generate",)),
+    PrivateName("_attn_implementation", "hf.FoldKvCache, fused_step.StepForward.route, attention_function, lab.model",
+                "transformers:PreTrainedConfig"),
+    PrivateName("eager_attention_forward", "hf._sliding_attention ('foldkv_eager' sliding layers), attention_function",
+                "transformers.models.gemma4.modeling_gemma4:eager_attention_forward",
+                passes=("module", "query", "key", "value", "attention_mask")),
+    PrivateName("Gemma4TextRotaryEmbedding.forward", "fused_step.StepForward (each layer type's cos and sin)",
+                "transformers.models.gemma4.modeling_gemma4:Gemma4TextRotaryEmbedding.forward",
+                passes=("x", "position_ids", "layer_type")),
+    PrivateName("create_causal_mask", "transformers_compat.causal_masks (fused_step.StepForward.prefill)",
+                "transformers.masking_utils:create_causal_mask",
+                passes=("config", "inputs_embeds", "attention_mask", "position_ids")),
+    PrivateName("create_sliding_window_causal_mask", "transformers_compat.causal_masks",
+                "transformers.masking_utils:create_sliding_window_causal_mask",
+                passes=("config", "inputs_embeds", "attention_mask", "position_ids")),
+    PrivateName("CausalLMOutputWithPast", "transformers_compat.causal_lm_output (the step's forward's output)",
+                "transformers.modeling_outputs:CausalLMOutputWithPast", passes=("logits",)),
+    PrivateName("_forward_hooks", "transformers_compat.has_forward_hooks (fused_step.foreign_projection, refusal)",
+                "torch.nn:Module"),
+    PrivateName("_forward_pre_hooks", "transformers_compat.has_forward_hooks", "torch.nn:Module"),
+    PrivateName("_global_forward_hooks", "transformers_compat.has_forward_hooks (fused_step.refusal)",
+                "torch.nn.modules.module:_global_forward_hooks"),
+    PrivateName("get_max_length / get_max_cache_shape", "hf.FoldKvLayer (both names defined)",
+                "transformers.cache_utils:Cache.get_max_length"),
+    PrivateName("cache / past_key_values", "transformers_compat.cache_keyword (the forward's cache keyword)",
+                "transformers:Gemma4ForCausalLM.forward"),
+    PrivateName("CacheLayerMixin.get_mask_sizes", "hf.FoldKvLayer (the masks' sizes)",
+                "transformers.cache_utils:CacheLayerMixin.get_mask_sizes", passes=("query_length",)),
+    PrivateName("CacheLayerMixin.update", "hf.FoldKvLayer / FoldKvCache.update",
+                "transformers.cache_utils:CacheLayerMixin.update", passes=("key_states", "value_states")),
+    PrivateName("CacheLayerMixin.lazy_initialization", "hf.FoldKvLayer",
+                "transformers.cache_utils:CacheLayerMixin.lazy_initialization", passes=("key_states", "value_states")),
+    PrivateName("DynamicSlidingWindowLayer.keys", "hf_graph.DecodeStep._ring, hf.FoldKvCache.reset",
+                "transformers.cache_utils:DynamicSlidingWindowLayer"),
+    PrivateName("ALL_MASK_ATTENTION_FUNCTIONS", "hf._mask (the sliding layers' own mask)",
+                "transformers.masking_utils:ALL_MASK_ATTENTION_FUNCTIONS"),
+    PrivateName("the mask interface's keywords", "hf._mask (called by name with them)",
+                "transformers.masking_utils:sdpa_mask",
+                passes=("batch_size", "q_length", "kv_length", "q_offset", "kv_offset", "mask_function",
+                        "attention_mask")),
+    PrivateName("causal_mask_function", "hf._mask (the only full-attention mask served)",
+                "transformers.masking_utils:causal_mask_function"),
+    PrivateName("ALL_ATTENTION_FUNCTIONS", "hf._sliding_attention, transformers_compat.attention_function",
+                "transformers.modeling_utils:ALL_ATTENTION_FUNCTIONS"),
+)
 
 
 def _resolve(target: str) -> object:
@@ -207,8 +284,7 @@ def _output_cache_field(output_class) -> str | None:
     return None if {"cache", "past_key_values"} & set(fields) else "has no cache / past_key_values field"
 
 
-# What the adapter reads of each name in `transformers_compat.PRIVATE_NAMES` beyond its existence (the list itself
-# lives in the compat module, beside the calls).
+# What the adapter reads of each name in `PRIVATE_NAMES` beyond its existence.
 CHECKS: dict[str, Callable[[object], str | None]] = {
     "_prepare_generation_config": _returns_config_and_kwargs,
     "_pad_token_tensor": _pad_token_tensor,

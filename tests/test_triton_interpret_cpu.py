@@ -510,7 +510,9 @@ def test_gemv_tc_within_the_float32_bound(rows, shape):
 
     def run(**twin):
         y = torch.full((rows, n), float("nan"), dtype=BF16)
-        gemv.tc_launch(x, w, y, cfg, pdl=False, **twin)
+        from foldkv.lab import pdl_checks
+
+        (pdl_checks.tc_launch_twin if twin else gemv.tc_launch)(x, w, y, cfg, pdl=False, **twin)
         return y
 
     y = run()
@@ -546,7 +548,7 @@ def test_global_query_is_fold_query(batch, fmt):
     want = fold_query(geom, fmt, q[:, :, 0], w, BF16)
 
     ok, twin = query_kernel_check(geom, fmt, batch, want,
-                                  lambda out, cols: gst.query_into(geom, fmt, q, w, out, score_cols=cols))
+                                  lambda out: gst.query_into(geom, fmt, q, w, out))
     assert ok
     assert not twin, "red twin: the rotated halves swapped"
 
@@ -633,8 +635,8 @@ def test_the_fused_global_query_is_the_norm_rope_then_the_query_kernel(batch, fm
     roped = ops.rope(ops.rms_norm(q.view(batch, 1, hq, d), attn.q_norm.weight, 1e-6), cos, sin)
     want = torch.full((batch, hq, d), float("nan"), dtype=BF16)
     gst.query_into(geom, fmt, roped.transpose(1, 2), attn.k_norm.weight, want)
-    ok, twin = query_kernel_check(geom, fmt, batch, want, lambda out, cols: gst.query_from_projection(
-        geom, fmt, q, attn, cos, sin, out, score_cols=cols))
+    ok, twin = query_kernel_check(geom, fmt, batch, want, lambda out: gst.query_from_projection(
+        geom, fmt, q, attn, cos, sin, out))
     assert ok
     assert not twin, "red twin: the rotated halves swapped"
 

@@ -80,6 +80,7 @@ from unittest import mock
 import torch
 
 from foldkv import gemv as lib
+from foldkv.lab import pdl_checks
 from versions import gemv_pdl_rows as rows_version
 
 MAX_M = lib.MAX_ROWS  # rows of x a launch takes: the MMA's small side, padded to BLOCK_M
@@ -205,13 +206,18 @@ def launch(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict, p
            red_x_early: bool = False, k_split: int | None = None, m: int | None = None,
            reduce_splits: int | None = None, grid: tuple | None = None, cnt: torch.Tensor | None = None,
            up: torch.Tensor | None = None):
-    """The kernels on x [m, K] into y [m, N]: `foldkv.gemv.tc_launch` (its red twins' keywords); or `gemv_tc_lab`
+    """The kernels on x [m, K] into y [m, N]: `foldkv.gemv.tc_launch` (with a red twin's keyword
+    `foldkv.lab.pdl_checks.tc_launch_twin`); or `gemv_tc_lab`
     with cfg["FIXUP"] (a split weight, the `_fixup` variant: no split_sum; reduce_splits then the SPLIT the kernel is
     told, the red twin one more than the grid's never arrives; `cnt` its counters, default `counters(weight)`) and/or
     `up` given (xs the gate rows and up the up rows, one row stride: x = gelu_mul(gate, up) made in the kernel)."""
     if not cfg.get("FIXUP") and up is None:
-        return lib.tc_launch(xs, weight, y, {k: v for k, v in cfg.items() if k != "FIXUP"}, pdl,
-                             red_x_early=red_x_early, k_split=k_split, m=m, reduce_splits=reduce_splits, grid=grid)
+        cfg = {k: v for k, v in cfg.items() if k != "FIXUP"}
+        twins = dict(k_split=k_split, m=m, reduce_splits=reduce_splits, grid=grid)
+        if red_x_early or any(v is not None for v in twins.values()):  # the red twins: the lab's copy of the kernel
+            twins["red_x_early"] = red_x_early
+            return pdl_checks.tc_launch_twin(xs, weight, y, cfg, pdl, **twins)
+        return lib.tc_launch(xs, weight, y, cfg, pdl)
     n, k = weight.shape
     m = xs.shape[0] if m is None else m
     kw = {key: v for key, v in cfg.items() if key != "FIXUP"}
@@ -227,7 +233,7 @@ def launch(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict, p
                                  FIXUP=fixup, GELU=up is not None, RED_X_EARLY=red_x_early,
                                  **dict(kw, SPLIT=told if fixup else split), **pdl_kw)
     if split > 1 and not fixup:
-        lib.sum_partials(ws, y, told, pdl)
+        pdl_checks.sum_partials_twin(ws, y, told, pdl)
     return compiled
 
 

@@ -38,8 +38,8 @@ from torch import nn
 
 from . import gemv, global_step, ring
 from . import transformers_compat as compat
-from .fused_step_ops import (_norm_add, gelu_mul, kv_to_ring, masked_softmax, norm_add_norm,  # noqa: F401
-                             norm_add_scale, norm_eps, q_norm_rope, rms_norm, rope,  # (the public ones: __all__)
+from .fused_step_ops import (_norm_add, gelu_mul, head_dim_refusal, kv_to_ring, masked_softmax,  # noqa: F401
+                             norm_add_norm, norm_add_scale, norm_eps, q_norm_rope, rms_norm, rope,  # (public: __all__)
                              sliding_prologue)
 from .masks import SLIDING_IMPLEMENTATION, RingMask
 from .moved import moved
@@ -155,16 +155,6 @@ def merged_groups(model: nn.Module) -> int:
     return sum(_merged_weight(m) is not None for m in model.modules())
 
 
-def merged_linear(owner: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-    """The owner's merged projections of x as one GEMV, split into each projection's output (column slices of one
-    output); None when the owner is not merged (or no longer is)."""
-    held = _merged_weight(owner) if in_force().merge else None
-    if held is None:
-        return None
-    merged, rows = held
-    return gemv.linear(x, merged).split(rows, dim=-1)  # 1..16 rows on CUDA: foldkv.gemv's PDL kernels, else F.linear
-
-
 # --- projections that read one input, as graph branches ------------------------------------------------------------
 # Unmerged projections of one input (StepOptions.merge off, or a group that could not merge) are issued on side
 # streams, so that under capture they are branches of the graph and one's tail overlaps another's body: cuBLAS's 421
@@ -254,15 +244,35 @@ def _layer_refusal(layer: nn.Module) -> str | None:
     return None
 
 
+def text_model(model: nn.Module) -> nn.Module | None:
+    """The Gemma 4 text model (the module holding `.layers` and a config with `layer_types`) of a Gemma4ForCausalLM
+    (`.model`) or of the multimodal Gemma4ForConditionalGeneration (`.model.language_model`, transformers 5's layout);
+    None for another model."""
+    outer = getattr(model, "model", None)
+    for cand in (outer, getattr(outer, "language_model", None)):
+        if isinstance(getattr(cand, "layers", None), nn.ModuleList) and hasattr(getattr(cand, "config", None),
+                                                                                 "layer_types"):
+            return cand
+    return None
+
+
+def _placeholder_ids(model: nn.Module, text: nn.Module) -> tuple[int, ...]:
+    """The multimodal model's placeholder token ids (image, video, audio), which its forward embeds as the pad token
+    before the text model reads them (`Gemma4Model.forward`); none for a text model."""
+    if text is getattr(model, "model", None):
+        return ()
+    ids = (getattr(model.config, f"{kind}_token_id", None) for kind in ("image", "video", "audio"))
+    return tuple(int(t) for t in ids if t is not None)
+
+
 def refusal(model: nn.Module) -> str | None:
-    """None when `StepForward` describes `model` (a Gemma 4 causal LM: `.model` its text model, `.lm_head`, every
-    decoder layer `_layer_refusal` takes, no hooks on the modules whose forwards it does not call), else why the
-    model's own forward runs the step."""
-    text = getattr(model, "model", None)
-    if not (isinstance(getattr(text, "layers", None), nn.ModuleList)
-            and hasattr(getattr(text, "config", None), "layer_types")
-            and isinstance(getattr(model, "lm_head", None), nn.Module)):
-        return f"{type(model).__name__} is not a Gemma 4 causal LM (.model.layers, config.layer_types, .lm_head)"
+    """None when `StepForward` describes `model` (a Gemma 4 causal LM or the multimodal model: its `text_model`,
+    `.lm_head`, every decoder layer `_layer_refusal` takes, no hooks on the modules whose forwards it does not call),
+    else why the model's own forward runs the step."""
+    text = text_model(model)
+    if text is None or not isinstance(getattr(model, "lm_head", None), nn.Module):
+        return (f"{type(model).__name__} is not a Gemma 4 causal LM (.model.layers or .model.language_model.layers,"
+                " config.layer_types, .lm_head)")
     if type(getattr(text, "embed_tokens", None)).__name__ != "Gemma4TextScaledWordEmbedding":
         return "the text model's embedding is not a Gemma4TextScaledWordEmbedding"
     if not _rms_norm_module(getattr(text, "norm", None)) or not hasattr(text, "rotary_emb"):
@@ -341,7 +351,9 @@ class StepForward:
         why = refusal(model)
         if why is not None:
             raise FoldKvInputError(f"the step's forward does not describe this model: {why}")
-        self.model, self.text = model, model.model
+        self.model, self.text = model, text_model(model)
+        self.placeholders = _placeholder_ids(model, self.text)  # a multimodal model's: embedded as the pad token
+        self.pad_id = int(getattr(self.text.config, "pad_token_id", 0) or 0)
         self.layers = list(self.text.layers)[:self.text.config.num_hidden_layers]
         self.types = list(self.text.config.layer_types)[:len(self.layers)]
         cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
@@ -397,6 +409,9 @@ class StepForward:
         return self._forward(ids, positions, attention_mask, cache, None, logits_to_keep)
 
     def _forward(self, ids, positions, masks, cache, step, logits_to_keep) -> Any:
+        if self.placeholders:  # as the multimodal model's forward embeds a token of no image, video or audio input
+            hit = functools.reduce(torch.logical_or, [ids == t for t in self.placeholders])
+            ids = ids.masked_fill(hit, self.pad_id)
         h = self.text.embed_tokens(ids)
         if not isinstance(masks, dict):
             masks = compat.causal_masks(self.text, h, masks, cache, positions)
@@ -539,8 +554,8 @@ class StepForward:
                 return "not a ring step (no RingMask)"
             if step.sliding_ring(attn.layer_idx) is None:
                 return "the cache's decode step holds no ring of this layer it stores with DecodeStep.update_sliding"
-            if not _power_of_two(attn.head_dim):
-                return f"head_dim {attn.head_dim}: the ring kernels take a power of two >= 16"
+            if (why := head_dim_refusal(attn.head_dim)) is not None:
+                return why
             return "sliding" if x.is_cuda else "not on CUDA"
         if not options.fuse_global_prologue:
             return "StepOptions.fuse_global_prologue is off"
@@ -554,13 +569,10 @@ class StepForward:
         return layer if why is None else why
 
 
-def _power_of_two(d: int) -> bool:
-    return d >= 16 and d & (d - 1) == 0
-
-
 _MOVED = {name: f"pass StepOptions({field}=...) (foldkv.step_options) where the step is made" for name, field in (
     ("FUSE_SLIDING", "fuse_sliding"), ("FUSE_GLOBAL_PROLOGUE", "fuse_global_prologue"), ("MERGE", "merge"),
     ("BRANCHES", "branches"), ("TAIL_SUMS", "tail_sums"), ("TAIL_NEXT_NORM", "tail_next_norm"))}
+_MOVED["merged_linear"] = "the step reads a merged group through fused_step._Group (tests/conftest.merged_linear)"
 _MOVED["fused_step"] = ("the decode step runs its own forward: foldkv.fused_step.StepForward(model, options), built by"
                         " foldkv.hf_graph.DecodeStep")
 
@@ -568,7 +580,7 @@ _MOVED["fused_step"] = ("the decode step runs its own forward: foldkv.fused_step
 __getattr__ = moved(__name__, _MOVED)
 
 
-__all__ = ["StepForward", "refusal", "norm_eps", "fork", "join", "side_streams", "branched_attention_modules",
-           "merge_projections", "split_projections", "merged_linear", "merged_groups", "mlp_modules",
+__all__ = ["StepForward", "refusal", "text_model", "norm_eps", "fork", "join", "side_streams",
+           "branched_attention_modules", "merge_projections", "split_projections", "merged_groups", "mlp_modules",
            "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "q_norm_rope",
            "kv_to_ring", "sliding_prologue", "foreign_projection", "StepOptions"]

@@ -1,7 +1,6 @@
 """The host side of `foldkv.fused_step_kernels`: each op of the decode step's small elementwise work as one launch
 (its shapes, strides and checks, its output, its PDL keywords), the formula each computes stated where it is defined.
-`foldkv.fused_step` swaps the model's forwards for these inside the step; `foldkv.global_step` launches with the same
-helpers."""
+`foldkv.fused_step`'s forward calls these inside the step; `foldkv.global_step` launches with the same helpers."""
 
 from __future__ import annotations
 
@@ -184,11 +183,17 @@ def _rope_table(t: torch.Tensor, b: int, d: int, dtype: torch.dtype, name: str) 
     return t.contiguous()
 
 
+def head_dim_refusal(d: int) -> str | None:
+    """Why the ring kernels do not take this head_dim (None: a power of two >= 16)."""
+    return None if d >= 16 and d & (d - 1) == 0 else f"head_dim {d}: the ring kernels take a power of two >= 16"
+
+
 def _check_head_dim(d: int) -> None:
     from .validate import FoldKvInputError
 
-    if d < 16 or d & (d - 1):
-        raise FoldKvInputError(f"head_dim {d}: the ring kernels take a power of two >= 16")
+    why = head_dim_refusal(d)
+    if why is not None:
+        raise FoldKvInputError(why)
 
 
 def q_rows_args(q: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,

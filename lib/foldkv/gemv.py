@@ -29,7 +29,7 @@ ulp of a partial a term).
 that has grid dependency control (`triton.language.extra.cuda.gdc_wait`); anything else is
 `torch.nn.functional.linear` (`refusal` says why; the lab counts the routes:
 `foldkv.lab.pdl_checks.gemv_routes`). `foldkv.fused_step` routes the step's projections
-through it: the merged groups (`merged_linear`), each attention's o_proj, each MLP's down_proj and the LM head.
+through it: the merged groups, each attention's o_proj, each MLP's down_proj and the LM head.
 
 PDL is a chain property: every kernel launched with PDL must wait before it reads anything a kernel of the step wrote
 and before it stores (weights may load before); one that never waits could finish before its predecessor and break
@@ -84,12 +84,12 @@ if HAS_GDC:
     @triton.jit
     def gemv_tc(x_ptr, w_ptr, y_ptr, ws_ptr, M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
-                GDC: tl.constexpr, RED_X_EARLY: tl.constexpr = False):
+                GDC: tl.constexpr):
         """y [M, N] = x [M, K] @ w [N, K]^T (x, w, y contiguous; M <= BLOCK_M) for this program's BLOCK_N weight rows
         (program_id 0) and K range [pid1 K_SPLIT, (pid1 + 1) K_SPLIT) (program_id 1; K_SPLIT % BLOCK_K == 0).
         SPLIT == 1: y rounded once from float32; else the float32 partial into ws [SPLIT, M, N] (split_sum adds).
-        PREFETCH: the range's first weight tile loaded before the wait (GDC). RED_X_EARLY (a red twin for the race
-        check, never for use): that tile's x loaded before the wait too, and used."""
+        PREFETCH: the range's first weight tile loaded before the wait (GDC); x only after it (the race check's red
+        twin, which loads it before, is the lab's: `foldkv.lab.pdl_checks.gemv_tc_x_early`, made from this source)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -105,15 +105,12 @@ if HAS_GDC:
                 w_head = tl.load(w_at, eviction_policy="evict_first")
             else:
                 w_head = tl.load(w_at, mask=live_n[:, None], other=0.0, eviction_policy="evict_first")
-            if RED_X_EARLY:
-                x_head = tl.load(x_at, mask=live_m[None, :], other=0.0)
         if GDC:
             gdc_wait()
             gdc_launch_dependents()
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if PREFETCH:
-            if not RED_X_EARLY:
-                x_head = tl.load(x_at, mask=live_m[None, :], other=0.0)
+            x_head = tl.load(x_at, mask=live_m[None, :], other=0.0)
             acc = tl.dot(w_head, x_head, acc=acc)
         for k0 in range(PREFETCH * BLOCK_K, K_SPLIT, BLOCK_K):
             if EVEN_N:
@@ -175,55 +172,42 @@ def tc_config(n: int, k: int, m: int, block_n: int = TC_BLOCK_N, block_k: int = 
 
 
 def tc_launch(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict, pdl: bool = True, *,
-              red_x_early: bool = False, k_split: int | None = None, m: int | None = None,
-              reduce_splits: int | None = None, grid: tuple | None = None, ws: torch.Tensor | None = None):
+              ws: torch.Tensor | None = None):
     """gemv_tc (and split_sum when cfg splits K) on x [m, K] (contiguous) into y [m, N]; returns the GEMM's compiled
-    kernel. pdl: launched with launch_pdl and built waiting, else the plain builds. The keywords past `pdl` are the
-    lab's red twins' and kernel_stats' (never for use): k_split (the columns a program covers), m (rows of x the kernel
-    is told), reduce_splits (partials split_sum adds), grid. ws ([SPLIT, m, N] float32, given when cfg splits K): the
-    partials are left there and not summed (`linear_unsummed`: their reader sums them)."""
+    kernel. pdl: launched with launch_pdl and built waiting, else the plain builds. ws ([SPLIT, m, N] float32, given
+    when cfg splits K): the partials are left there and not summed (`linear_unsummed`: their reader sums them). (The
+    red twins' launches, a wrong K range, rows, grid or count of partials, are the lab's:
+    `foldkv.lab.pdl_checks.tc_launch_twin`.)"""
     n, k = weight.shape
-    m = xs.shape[0] if m is None else m
+    m = xs.shape[0]
     split = cfg["SPLIT"]
     summed = ws is None
     ws = (y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=y.device)) if summed else ws
     kw = dict(launch_pdl=True) if pdl else {}
-    grid = (_cdiv(n, cfg["BLOCK_N"]), split) if grid is None else grid
-    compiled = gemv_tc[grid](xs, weight, y, ws, m, n, k, k // split if k_split is None else k_split,
-                             EVEN_N=n % cfg["BLOCK_N"] == 0, GDC=pdl, RED_X_EARLY=red_x_early, **cfg, **kw)
+    compiled = gemv_tc[(_cdiv(n, cfg["BLOCK_N"]), split)](xs, weight, y, ws, m, n, k, k // split,
+                                                          EVEN_N=n % cfg["BLOCK_N"] == 0, GDC=pdl, **cfg, **kw)
     if split > 1 and summed:
-        sum_partials(ws, y, reduce_splits, pdl)
+        sum_partials(ws, y, pdl)
     return compiled
 
 
-def sum_partials(ws: torch.Tensor, y: torch.Tensor, splits: int | None = None, pdl: bool = True) -> None:
-    """y [m, N] = the float32 partials ws [SPLIT, m, N] added in the order 0, 1, ... and rounded once (`split_sum`;
-    splits: how many it adds, the lab's red twin's)."""
+def sum_partials(ws: torch.Tensor, y: torch.Tensor, pdl: bool = True) -> None:
+    """y [m, N] = the float32 partials ws [SPLIT, m, N] added in the order 0, 1, ... and rounded once (`split_sum`)."""
     mn = ws.shape[1] * ws.shape[2]
-    split_sum[(_cdiv(mn, REDUCE_BLOCK),)](ws, y, mn, SPLIT=ws.shape[0] if splits is None else splits,
-                                          BLOCK=REDUCE_BLOCK, GDC=pdl, num_warps=4,
+    split_sum[(_cdiv(mn, REDUCE_BLOCK),)](ws, y, mn, SPLIT=ws.shape[0], BLOCK=REDUCE_BLOCK, GDC=pdl, num_warps=4,
                                           **(dict(launch_pdl=True) if pdl else {}))
 
 
-def operand_refusal(x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool, has_bias: bool) -> str | None:
-    """What no GEMV kernel of the step takes, whatever its rows and tile: a bias, other dtypes than bf16 x bf16, a
-    weight that is not contiguous."""
+def rows_refusal(rows: int, max_rows: int, x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool,
+                 has_bias: bool) -> str | None:
+    """What a kernel taking 1..max_rows rows of x refuses before its tile (this one and the lab's versions): a bias,
+    other dtypes than bf16 x bf16, a weight that is not contiguous, then no row or more rows than it takes."""
     if has_bias:
         return "a bias"
     if w_dtype not in DTYPES or x_dtype != w_dtype:
         return f"{x_dtype} x {w_dtype}, not bf16 x bf16"
     if not w_contiguous:
         return "the weight is not contiguous"
-    return None
-
-
-def rows_refusal(rows: int, max_rows: int, x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool,
-                 has_bias: bool) -> str | None:
-    """What a kernel taking 1..max_rows rows of x refuses before its tile (this one and the lab's versions):
-    `operand_refusal`'s reasons, then no row or more rows than it takes."""
-    why = operand_refusal(x_dtype, w_dtype, w_contiguous, has_bias)
-    if why is not None:
-        return why
     if rows < 1:
         return "no row"
     if rows > max_rows:
@@ -311,7 +295,8 @@ def pdl_kw(t: torch.Tensor) -> dict:
     return {}
 
 
-_MOVED = {"PDL_GEMV": "pass StepOptions(pdl=...) (foldkv.step_options) where the step is made",
+_MOVED = {"operand_refusal": "foldkv.gemv.rows_refusal (its first reasons)",
+          "PDL_GEMV": "pass StepOptions(pdl=...) (foldkv.step_options) where the step is made",
           "report": "foldkv.lab.pdl_checks.gemv_routes() counts the routes",
           "reset": "foldkv.lab.pdl_checks.gemv_routes() counts a block's routes"}
 
@@ -319,6 +304,6 @@ _MOVED = {"PDL_GEMV": "pass StepOptions(pdl=...) (foldkv.step_options) where the
 __getattr__ = moved(__name__, _MOVED)
 
 
-__all__ = ["MAX_ROWS", "HAS_GDC", "tc_config", "tc_launch", "operand_refusal", "rows_refusal",
+__all__ = ["MAX_ROWS", "HAS_GDC", "tc_config", "tc_launch", "rows_refusal",
            "shape_refusal", "refusal",
            "tensor_refusal", "linear", "linear_unsummed", "sum_partials", "pdl_kw"]

@@ -66,14 +66,12 @@ def column_maps(geom: Any, fmt: KvFormat | str, device: torch.device) -> tuple[t
 
 
 def query_into(geom: Any, fmt: KvFormat | str, query: torch.Tensor, k_norm_weight: torch.Tensor,
-               out: torch.Tensor, score_cols: torch.Tensor | None = None) -> None:
+               out: torch.Tensor) -> None:
     """query [B, Hq, 1, D] (normed, RoPE'd, any strides) -> the format's query in out[:B] (out [>= B, Hq, D]
-    packed; rows past B untouched): bitwise `fold_query(geom, fmt, query[:, :, 0], k_norm_weight, out.dtype)`.
-    score_cols: another [D] int32 column map (the tests' red twin); the format's by default."""
+    packed; rows past B untouched): bitwise `fold_query(geom, fmt, query[:, :, 0], k_norm_weight, out.dtype)`."""
     fmt = KvFormat.parse(fmt)
     b, hq, _, d = query.shape
     score, _, fold_from, _ = column_maps(geom, fmt, query.device)
-    score = score if score_cols is None else score_cols
     block = _block(d)
     _kernels().global_query_rows[(b * hq,)](query, k_norm_weight, score, out, hq, query.stride(0), query.stride(1),
                                             query.stride(3), D=d, BLOCK=block, FOLD_FROM=fold_from,
@@ -97,19 +95,16 @@ def row_into_pool(geom: Any, pool: Any, key: torch.Tensor, value: torch.Tensor, 
 
 
 def query_from_projection(geom: Any, fmt: KvFormat | str, q: torch.Tensor, attn: torch.nn.Module,
-                          cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
-                          score_cols: torch.Tensor | None = None) -> None:
+                          cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
     """q [B, 1, Hq * D] (the q projection's output or the q columns of a merged one, read in place), cos/sin
     [B, 1, D] -> the format's query of RoPE(q_norm(q)) in out[:B] (out [>= B, Hq, D] packed): bitwise fused_step's
-    `rms_norm` and `rope`, then `query_into`, in one launch (`global_query_prologue`, a PDL link). score_cols:
-    another column map (the tests' red twin)."""
+    `rms_norm` and `rope`, then `query_into`, in one launch (`global_query_prologue`, a PDL link)."""
     fmt = KvFormat.parse(fmt)
     hq, d = geom.num_q_heads, geom.head_dim
     b = q.shape[0]
     stride = _head_rows(q, hq, d, "q")
     cos, sin = _rope_table(cos, b, d, q.dtype, "cos"), _rope_table(sin, b, d, q.dtype, "sin")
     score, _, fold_from, _ = column_maps(geom, fmt, q.device)
-    score = score if score_cols is None else score_cols
     _kernels().global_query_prologue[(b * hq,)](
         q, attn.q_norm.weight, cos, sin, attn.k_norm.weight, score, out, hq, stride, d, norm_eps(attn.q_norm), D=d,
         FOLD_FROM=fold_from, FOLDED=fmt is KvFormat.FOLDED, num_warps=_warps(d), **_pdl(q))

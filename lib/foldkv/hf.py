@@ -54,6 +54,7 @@ from torch import nn
 from .config import AttentionGeometry, ConfigError, geometry_from_config
 from . import global_step, ring
 from .fp8 import FP8_DTYPE
+from .fused_step import text_model
 from .hf_graph import STEP_MODES, DecodeStep, used_cache_error
 from .hf_loop import install
 from .layout import KvFormat
@@ -78,12 +79,15 @@ ATTENTION_BACKENDS = ("auto", "reference", "kernel")
 # --- the model ---------------------------------------------------------------------------------------------------
 
 def text_model_of(model: nn.Module) -> nn.Module:
-    """The Gemma4TextModel inside a Gemma4ForCausalLM (`.model`) or a Gemma4ForConditionalGeneration
-    (`.model.language_model`): the module holding `.layers` and a config with `layer_types`."""
-    for cand in (getattr(model, "model", None), getattr(getattr(model, "model", None), "language_model", None), model):
-        if cand is not None and hasattr(cand, "layers") and hasattr(getattr(cand, "config", None), "layer_types"):
-            return cand
-    raise ConfigError(f"{type(model).__name__} has no Gemma 4 text model with .layers and config.layer_types")
+    """The Gemma4TextModel of a Gemma4ForCausalLM or a Gemma4ForConditionalGeneration (`fused_step.text_model`), or
+    the text model itself: the module holding `.layers` and a config with `layer_types`."""
+    text = text_model(model)
+    if text is None and isinstance(getattr(model, "layers", None), nn.ModuleList) and hasattr(
+            getattr(model, "config", None), "layer_types"):
+        text = model
+    if text is None:
+        raise ConfigError(f"{type(model).__name__} has no Gemma 4 text model with .layers and config.layer_types")
+    return text
 
 
 def global_layer_indices(text_model: nn.Module) -> list[int]:
@@ -379,13 +383,10 @@ class FoldKvLayer(CacheLayerMixin):
         if c.decode_step is not None and c.decode_step.started:
             return c.decode_step.attend(self, module, query, new.key, new.value)
         b, hq, t, d = query.shape
+        # (the batch and the columns this forward adds were checked before its first write: FoldKvCache._check_forward)
         counts = tokens.counts if tokens is not None else (t,) * b
-        if len(counts) != b or b != c.batch:
-            raise FoldKvInputError(f"a forward of {b} sequences on a FoldKvCache holding {c.batch}")
         starts = self.lengths[:b]
         new_lens = [n + k for n, k in zip(starts, counts)]
-        if max(new_lens) > c.max_tokens:  # FoldKvCache.update refuses this before the forward's first write
-            raise FoldKvInputError(f"a sequence would hold {max(new_lens)} tokens; the pool holds {c.max_tokens}")
         # The real tokens, sequence by sequence: column j of sequence r is flat row r * T + j.
         flat = torch.cat([torch.arange(r * t + t - k, r * t + t) for r, k in enumerate(counts)])  # [N] host
         request = torch.repeat_interleave(torch.arange(b), torch.tensor(counts))  # [N] host
@@ -414,8 +415,9 @@ class FoldKvLayer(CacheLayerMixin):
 class FoldKvCache(Cache):
     """A transformers Cache for Gemma 4 whose global layers keep their KV only in foldkv pools.
 
-    model: a Gemma 4 (Gemma4ForCausalLM or the multimodal model's text tower) loaded or set with
-        attn_implementation "foldkv" (sliding layers: sdpa) or "foldkv_eager" (sliding layers: eager).
+    model: a Gemma 4 (Gemma4ForCausalLM, or the multimodal Gemma4ForConditionalGeneration: its text tower's global
+        layers are served, its decode step is the step's own forward too) loaded or set with attn_implementation
+        "foldkv" (sliding layers: sdpa) or "foldkv_eager" (sliding layers: eager).
     max_batch: sequences the pools hold (the batch of the first forward may be smaller, later forwards keep it).
     max_tokens: columns per sequence, as transformers counts them (padded prompt + generated tokens); each global
         layer's pool holds max_batch * ceil(max_tokens / page_size) pages. Only real tokens are stored.

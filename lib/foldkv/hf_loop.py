@@ -35,6 +35,7 @@ import torch
 
 from . import transformers_compat as compat
 from .hf_graph import DecodeStep
+from .moved import moved
 
 def covers(model: torch.nn.Module, generation_config: Any, synced_gpus: bool, streamer: Any, cache: Any) -> bool:
     """Whether the thin loop runs this generate() call (module docstring); otherwise transformers' own method does."""
@@ -195,11 +196,8 @@ def install(model: torch.nn.Module) -> None:
         model.generate = types.MethodType(generate, model)
 
 
-def __getattr__(name: str):
-    if name == "LOOP_STEPS":
-        raise AttributeError("foldkv.hf_loop.LOOP_STEPS moved: each decode step counts the loop's steps on it"
-                             " (cache.decode_step.loop_steps)")
-    raise AttributeError(f"module 'foldkv.hf_loop' has no attribute {name!r}")
+__getattr__ = moved(__name__, {"LOOP_STEPS": "each decode step counts the loop's steps on it"
+                                              " (cache.decode_step.loop_steps)"})
 
 
 __all__ = ["applies", "covers", "decode_loop", "install", "loop_state", "pick_tokens"]

@@ -3,7 +3,6 @@ beside it) and every kernel this process built or loaded. Records, benchmark res
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import json
 import os
@@ -11,13 +10,14 @@ import subprocess
 from typing import Any, Sequence
 
 from .kernels.registry import kernels_handed_out
+from .moved import moved
 
 # What runs wrote, not code: a run that writes its records there does not make the code dirty, and a copy may travel
 # without them (the device call's 64 MiB cap: scripts/device_tree.sh holds them back) and still match its stamp.
 PROVENANCE_IGNORED_DIRS = ("papermill_runs/", "bench/decode_runs/", "bench/fp8_runs/")
 MAX_DIRTY_PATHS = 20
 # A copy of the checkout without .git (the device machine gets the working tree only) takes its commit from this file,
-# written in the checkout beforehand by `write_checkout_stamp()` (scripts/prepare_device_run.sh does).
+# written in the checkout beforehand (`foldkv.lab.checkout_stamp`, by scripts/prepare_device_run.sh).
 CHECKOUT_STAMP = os.path.join("build", "checkout.json")
 
 
@@ -92,24 +92,6 @@ def _files_sha256(root: str, paths: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-def write_checkout_stamp(repo: str | os.PathLike | None = None) -> str:
-    """Write CHECKOUT_STAMP in a git checkout: its `checkout_state()` and a sha256 over its tracked files outside
-    PROVENANCE_IGNORED_DIRS, so that a copy of the tree without .git can still say which commit it is and whether any of
-    those files changed since (see `checkout_state`). Returns the path."""
-    root = os.path.abspath(os.fspath(repo) if repo is not None else checkout_root())
-    state = checkout_state(root)
-    if state["git_commit"] is None:
-        raise RuntimeError(f"cannot stamp {root}: {state.get('git_reason')}")
-    files = [p for p in _git(root, "ls-files", "-z").split("\0") if p and not p.startswith(PROVENANCE_IGNORED_DIRS)]
-    stamp = {**state, "files": files, "files_sha256": _files_sha256(root, files),
-             "utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
-    path = os.path.join(root, CHECKOUT_STAMP)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump(stamp, fh, indent=1)
-    return path
-
-
 def _read_stamp(root: str) -> tuple[dict, bool] | None:
     """CHECKOUT_STAMP of `root` and whether the files it lists hash the same here; None if there is none."""
     path = os.path.join(root, CHECKOUT_STAMP)
@@ -151,3 +133,7 @@ def provenance(repo: str | os.PathLike | None = None) -> dict:
     process built (JIT: the sha256 of the CUDA source TileLang generated) or loaded (AOT: the manifest's sha256 of
     the source and the cubin, and the commit the build was made from), as noted by `foldkv.kernels.registry`."""
     return {**checkout_state(repo), "kernels": kernels_handed_out()}
+
+
+__getattr__ = moved(__name__, {"write_checkout_stamp": "foldkv.lab.checkout_stamp.write_checkout_stamp (only the run"
+                                                       " before a device call writes it)"})

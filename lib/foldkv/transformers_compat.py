@@ -2,8 +2,9 @@
 
 The runtime is written against transformers 5.5 to 5.24 (tests/test_hf_cpu.py); each function below names the
 version difference or the private name it hides, so that a new transformers that moves one of them breaks here, in
-one place, and the rest of foldkv asks these functions. It imports nothing of foldkv (every layer may use it) and
-imports transformers only inside the functions that need it (`import foldkv` works without transformers).
+one place, and the rest of foldkv asks these functions. It imports nothing of foldkv but the leaf `foldkv.moved`
+(every layer may use it) and imports transformers only inside the functions that need it (`import foldkv` works
+without transformers).
 
 - the cache keyword of forward() / generate(): `cache` from 5.24, `past_key_values` before (`cache_keyword`,
   `cache_of`, `cache_keyword_of`);
@@ -15,16 +16,19 @@ imports transformers only inside the functions that need it (`import foldkv` wor
 - the generation loop's private calls that foldkv's thin decoding loop makes as `GenerationMixin._sample` makes them
   (`has_prefill`, `prefill`, `update_model_kwargs`, `prepare_generation_config`, `pad_token_tensor`, `sampling_mode`,
   `own_decoding_method`).
+The internals these lean on are listed, one case each against the installed transformers, in
+tests/test_transformers_private_api.py (`PRIVATE_NAMES`); a private name used here and not listed there fails it.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from .moved import moved
 
 
 # --- the cache keyword -------------------------------------------------------------------------------------------------
@@ -137,85 +141,10 @@ def own_decoding_method(generation_config: Any) -> Callable:
                    GenerationMixin._sample)
 
 
-# --- the internals these functions need, the one list of them ------------------------------------------------------
-@dataclass(frozen=True)
-class PrivateName:
-    """One internal of transformers (or torch) foldkv relies on: `name` as foldkv writes it, `used_by` where,
-    `target` "module:attr.attr" (imported, then read), `passes` the parameters foldkv passes it by name.
-    tests/test_transformers_private_api.py holds each to the installed transformers (one case a name, with what
-    foldkv reads of it), against the newest and the device's 5.17."""
-
-    name: str
-    used_by: str
-    target: str
-    passes: tuple[str, ...] = ()
-
-
-PRIVATE_NAMES: tuple[PrivateName, ...] = (
-    PrivateName("_prefill", "transformers_compat.prefill (hf_loop.decode_loop: the prompt's forwards)",
-                "transformers.generation.utils:GenerationMixin._prefill",
-                passes=("input_ids", "generation_config", "model_kwargs", "is_first_iteration")),
-    PrivateName("_update_model_kwargs_for_generation", "transformers_compat.update_model_kwargs (hf_loop.decode_loop)",
-                "transformers.generation.utils:GenerationMixin._update_model_kwargs_for_generation",
-                passes=("outputs", "model_kwargs", "is_encoder_decoder")),
-    PrivateName("_prepare_generation_config", "transformers_compat.prepare_generation_config (hf_loop.applies)",
-                "transformers.generation.utils:GenerationMixin._prepare_generation_config",
-                passes=("generation_config",)),
-    PrivateName("_pad_token_tensor", "transformers_compat.pad_token_tensor (hf_loop.loop_state)",
-                "transformers:GenerationConfig"),
-    PrivateName("GENERATION_MODES_MAPPING", "transformers_compat.own_decoding_method (hf_loop.decode_loop)",
-                "transformers.generation.utils:GENERATION_MODES_MAPPING"),
-    PrivateName("_sample", "hf_loop.decode_loop (its contract as custom_generate, and its fallback)",
-                "transformers.generation.utils:GenerationMixin._sample"),
-    PrivateName("custom_generate", "hf_loop.install (generate()'s decoding method)",
-                "transformers.generation.utils:GenerationMixin.generate", passes=("custom_generate",)),
-    PrivateName("_attn_implementation", "hf.FoldKvCache, fused_step.StepForward.route, attention_function, lab.model",
-                "transformers:PreTrainedConfig"),
-    PrivateName("eager_attention_forward", "hf._sliding_attention ('foldkv_eager' sliding layers), attention_function",
-                "transformers.models.gemma4.modeling_gemma4:eager_attention_forward",
-                passes=("module", "query", "key", "value", "attention_mask")),
-    PrivateName("Gemma4TextRotaryEmbedding.forward", "fused_step.StepForward (each layer type's cos and sin)",
-                "transformers.models.gemma4.modeling_gemma4:Gemma4TextRotaryEmbedding.forward",
-                passes=("x", "position_ids", "layer_type")),
-    PrivateName("create_causal_mask", "transformers_compat.causal_masks (fused_step.StepForward.prefill)",
-                "transformers.masking_utils:create_causal_mask",
-                passes=("config", "inputs_embeds", "attention_mask", "position_ids")),
-    PrivateName("create_sliding_window_causal_mask", "transformers_compat.causal_masks",
-                "transformers.masking_utils:create_sliding_window_causal_mask",
-                passes=("config", "inputs_embeds", "attention_mask", "position_ids")),
-    PrivateName("CausalLMOutputWithPast", "transformers_compat.causal_lm_output (the step's forward's output)",
-                "transformers.modeling_outputs:CausalLMOutputWithPast", passes=("logits",)),
-    PrivateName("_forward_hooks", "transformers_compat.has_forward_hooks (fused_step.foreign_projection, refusal)",
-                "torch.nn:Module"),
-    PrivateName("_forward_pre_hooks", "transformers_compat.has_forward_hooks", "torch.nn:Module"),
-    PrivateName("_global_forward_hooks", "transformers_compat.has_forward_hooks (fused_step.refusal)",
-                "torch.nn.modules.module:_global_forward_hooks"),
-    PrivateName("get_max_length / get_max_cache_shape", "hf.FoldKvLayer (both names defined)",
-                "transformers.cache_utils:Cache.get_max_length"),
-    PrivateName("cache / past_key_values", "transformers_compat.cache_keyword (the forward's cache keyword)",
-                "transformers:Gemma4ForCausalLM.forward"),
-    PrivateName("CacheLayerMixin.get_mask_sizes", "hf.FoldKvLayer (the masks' sizes)",
-                "transformers.cache_utils:CacheLayerMixin.get_mask_sizes", passes=("query_length",)),
-    PrivateName("CacheLayerMixin.update", "hf.FoldKvLayer / FoldKvCache.update",
-                "transformers.cache_utils:CacheLayerMixin.update", passes=("key_states", "value_states")),
-    PrivateName("CacheLayerMixin.lazy_initialization", "hf.FoldKvLayer",
-                "transformers.cache_utils:CacheLayerMixin.lazy_initialization", passes=("key_states", "value_states")),
-    PrivateName("DynamicSlidingWindowLayer.keys", "hf_graph.DecodeStep._ring, hf.FoldKvCache.reset",
-                "transformers.cache_utils:DynamicSlidingWindowLayer"),
-    PrivateName("ALL_MASK_ATTENTION_FUNCTIONS", "hf._mask (the sliding layers' own mask)",
-                "transformers.masking_utils:ALL_MASK_ATTENTION_FUNCTIONS"),
-    PrivateName("the mask interface's keywords", "hf._mask (called by name with them)",
-                "transformers.masking_utils:sdpa_mask",
-                passes=("batch_size", "q_length", "kv_length", "q_offset", "kv_offset", "mask_function",
-                        "attention_mask")),
-    PrivateName("causal_mask_function", "hf._mask (the only full-attention mask served)",
-                "transformers.masking_utils:causal_mask_function"),
-    PrivateName("ALL_ATTENTION_FUNCTIONS", "hf._sliding_attention, transformers_compat.attention_function",
-                "transformers.modeling_utils:ALL_ATTENTION_FUNCTIONS"),
-)
-
-
 __all__ = ["cache_keyword", "cache_of", "cache_keyword_of", "norm_eps", "has_forward_hooks", "causal_masks",
-           "attention_function", "causal_lm_output", "PrivateName", "PRIVATE_NAMES",
-           "has_prefill", "prefill", "update_model_kwargs", "prepare_generation_config", "pad_token_tensor",
-           "sampling_mode", "own_decoding_method"]
+           "attention_function", "causal_lm_output", "has_prefill", "prefill", "update_model_kwargs",
+           "prepare_generation_config", "pad_token_tensor", "sampling_mode", "own_decoding_method"]
+
+
+__getattr__ = moved(__name__, {n: "tests/test_transformers_private_api.py (the list of the internals foldkv leans on,"
+                                  " one case each)" for n in ("PrivateName", "PRIVATE_NAMES")})

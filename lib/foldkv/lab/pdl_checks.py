@@ -6,7 +6,8 @@ projections) and of `foldkv.fused_step`'s kernels launched with PDL (`gemv.pdl_k
   clean x (the wait held); `red_caught`: its red twin is wrong (the consumer did launch during its producer: PDL is in
   effect). Eagerly the H200 did not overlap the launches at all (MODEL_DECODE_NOTES run 11: the red twin not caught
   eagerly), so only the graph's red_caught says something; the graph keeps the programmatic edge.
-  Consumers: "gemv" (`gemv.linear` at one row; red twin: its first x tile loaded before the wait, `RED_X_EARLY`)
+  Consumers: "gemv" (`gemv.linear` at one row; red twin: its first x tile loaded before the wait, made from the
+  library kernel's source, `gemv_tc_x_early`; `tc_launch_twin` launches it and the other red twins)
   and "rms_norm" (`fused_step.rms_norm`, standing for every fused_step kernel: they enter through the same `_chain`;
   red twin: the kernel launched with PDL but built without its wait, GDC False); or a lab version's own, as a factory
   `make(k, n, red) -> consume(x)` over x of `rows` rows (bench/versions/gemv_pdl_rows.py's GEMV of 1..8 rows).
@@ -26,6 +27,7 @@ bench/model_decode_probe.py prints and the tests read (the library keeps no coun
 from __future__ import annotations
 
 import contextlib
+import pathlib
 import re
 from collections import Counter
 from typing import Iterator
@@ -84,6 +86,71 @@ def _late_copy():
     return _LATE_COPY
 
 
+_X_EARLY = None
+
+
+def gemv_tc_x_early():
+    """The race check's red twin of `foldkv.gemv.gemv_tc` (made once; never for use): the library kernel's own source
+    with the line that loads the prefetched x tile moved above the wait, what a kernel reading its input early would
+    do. Made from that source (written to a file of its own, which Triton's JIT reads), the twin is the kernel in
+    everything else and cannot drift from it; the library kernel carries no twin."""
+    global _X_EARLY
+    if _X_EARLY is None:
+        import importlib.util
+        import inspect
+        import tempfile
+        import textwrap
+
+        from .. import gemv
+
+        lines = textwrap.dedent(inspect.getsource(gemv.gemv_tc.fn)).splitlines()
+        wait = next(i for i, ln in enumerate(lines) if ln.strip() == "if GDC:")
+        load = next(i for i, ln in enumerate(lines) if i > wait and ln.strip().startswith("x_head = tl.load("))
+        lines.insert(wait, lines.pop(load))  # into the prefetch block above the wait, at its indentation
+        src = "\n".join(lines).replace("def gemv_tc(", "def gemv_tc_x_early(", 1)
+        path = pathlib.Path(tempfile.mkdtemp(prefix="foldkv_twin_")) / "gemv_tc_x_early.py"
+        path.write_text("import triton\nimport triton.language as tl\n"
+                        "from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait\n\n\n" + src + "\n")
+        spec = importlib.util.spec_from_file_location("foldkv_gemv_tc_x_early", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _X_EARLY = module.gemv_tc_x_early
+    return _X_EARLY
+
+
+def tc_launch_twin(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict, pdl: bool = True, *,
+                   red_x_early: bool = False, k_split: int | None = None, m: int | None = None,
+                   reduce_splits: int | None = None, grid: tuple | None = None):
+    """`foldkv.gemv.tc_launch` with its red twins (never for use): red_x_early (x's first tile before the wait: the
+    kernel `gemv_tc_x_early`), k_split (the columns a program covers), m (rows of x the kernel is told), reduce_splits
+    (partials split_sum adds), grid (those four: the library kernel launched wrong). Returns the GEMM's compiled
+    kernel."""
+    from .. import gemv
+
+    n, k = weight.shape
+    m = xs.shape[0] if m is None else m
+    split = cfg["SPLIT"]
+    ws = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=y.device)
+    kw = dict(launch_pdl=True) if pdl else {}
+    grid = (gemv._cdiv(n, cfg["BLOCK_N"]), split) if grid is None else grid
+    kernel = gemv_tc_x_early() if red_x_early else gemv.gemv_tc
+    compiled = kernel[grid](xs, weight, y, ws, m, n, k, k // split if k_split is None else k_split,
+                            EVEN_N=n % cfg["BLOCK_N"] == 0, GDC=pdl, **cfg, **kw)
+    if split > 1:
+        sum_partials_twin(ws, y, reduce_splits, pdl)
+    return compiled
+
+
+def sum_partials_twin(ws: torch.Tensor, y: torch.Tensor, splits: int | None = None, pdl: bool = True) -> None:
+    """`foldkv.gemv.sum_partials` adding `splits` partials (its red twin: one fewer or more than ws holds)."""
+    from .. import gemv
+
+    mn = ws.shape[1] * ws.shape[2]
+    gemv.split_sum[(gemv._cdiv(mn, gemv.REDUCE_BLOCK),)](
+        ws, y, mn, SPLIT=ws.shape[0] if splits is None else splits, BLOCK=gemv.REDUCE_BLOCK, GDC=pdl, num_warps=4,
+        **(dict(launch_pdl=True) if pdl else {}))
+
+
 def _require() -> None:
     from foldkv import gemv
 
@@ -106,13 +173,13 @@ def loads_before_wait(ptx: str) -> tuple[int, list[str]]:
 
 def _linear_x_early(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The race check's red twin of `gemv.linear` (its kernel route, one row): the same launch with the first x tile
-    loaded before the wait (`RED_X_EARLY`), what a kernel reading its input early would do."""
+    loaded before the wait (`gemv_tc_x_early`), what a kernel reading its input early would do."""
     from foldkv import gemv
 
     k = w.shape[1]
     xs = x.reshape(-1, k).contiguous()
     y = torch.empty(xs.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    gemv.tc_launch(xs, w, y, gemv.tc_config(w.shape[0], k, xs.shape[0]), red_x_early=True)
+    tc_launch_twin(xs, w, y, gemv.tc_config(w.shape[0], k, xs.shape[0]), red_x_early=True)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -196,7 +263,8 @@ def ptx_order(m: int = 1, k: int = 5376, n: int = 4096, red_x_early: bool = Fals
     x = torch.ones(m, k, dtype=torch.bfloat16, device=dev)
     w = torch.ones(n, k, dtype=torch.bfloat16, device=dev)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-    ptx = gemv.tc_launch(x, w, y, cfg, True, red_x_early=red_x_early).asm["ptx"]
+    launch = tc_launch_twin if red_x_early else gemv.tc_launch
+    ptx = launch(x, w, y, cfg, True, **(dict(red_x_early=True) if red_x_early else {})).asm["ptx"]
     waits, head = _before_wait(ptx)
     before = [ln for ln in head if _LD_GLOBAL.match(ln)] if waits else []
     return dict(m=m, red_x_early=red_x_early, waits=waits, loads_before_wait=len(before),
@@ -205,4 +273,5 @@ def ptx_order(m: int = 1, k: int = 5376, n: int = 4096, red_x_early: bool = Fals
                 loads=before[:8])
 
 
-__all__ = ["CONSUMERS", "race_check", "ptx_order", "loads_before_wait"]
+__all__ = ["CONSUMERS", "race_check", "ptx_order", "loads_before_wait", "gemv_tc_x_early", "tc_launch_twin",
+           "sum_partials_twin"]
