@@ -31,7 +31,7 @@ from foldkv.lab.bench import ArmSpec, AttentionCase, generated_arm, measure_matm
 from foldkv.lab.jsonsafe import jsonable
 from foldkv.lab.report import environment
 from foldkv.provenance import provenance
-from versions import prefill_shared_tiles  # bench/versions/
+from versions import prefill_shared_tiles, prep_fused  # bench/versions/
 
 GEOM = foldkv.GEMMA4_31B
 DEFAULT_TILINGS = {"folded": ["bn64s1", "bn64s1-shared"], "split": ["bn64s1"]}
@@ -68,9 +68,8 @@ def tiling_arm(fmt: KvFormat, tag: str) -> ArmSpec:
 
 
 def time_prep(device, chunk: int, rounds: int = 20) -> dict:
-    """Fused prep vs torch prep of one chunk (T tokens into a folded and a split pool), CUDA events, median."""
-    from foldkv.kernels.prep_kernel import prep_and_store_gpu
-
+    """Fused prep (bench/versions/prep_fused.py) vs torch prep of one chunk (T tokens into a folded and a split pool),
+    CUDA events, median."""
     res = {}
     g = torch.Generator(device=device).manual_seed(0)
     for fmt in (KvFormat.FOLDED, KvFormat.SPLIT):
@@ -82,7 +81,7 @@ def time_prep(device, chunk: int, rounds: int = 20) -> dict:
         q = torch.randn(chunk, GEOM.num_q_heads, GEOM.head_dim, generator=g, device=device).bfloat16()
         kv = torch.randn(chunk, GEOM.num_kv_heads, GEOM.head_dim, generator=g, device=device).bfloat16()
         w = torch.rand(GEOM.head_dim, generator=g, device=device) + 0.5
-        arms = {"fused": lambda: prep_and_store_gpu(pool, table_dev, request, positions, q, kv, w, w),
+        arms = {"fused": lambda: prep_fused.prep_and_store_gpu(pool, table_dev, request, positions, q, kv, w, w),
                 "torch": lambda: foldkv.prep_and_store(pool, table_dev, request, positions, q, kv, w, w)}
         samples = {k: [] for k in arms}
         for fn in arms.values():
@@ -102,7 +101,7 @@ def time_prep(device, chunk: int, rounds: int = 20) -> dict:
 
 def resources() -> None:
     """Registers / shared memory / spills of every prefill tiling and the prep kernels, from ptxas on this machine."""
-    from foldkv.kernels import prefill_attention, prep_kernel
+    from foldkv.kernels import prefill_attention
     from foldkv.kernels.tl import require_tilelang
 
     tl_dir = os.path.dirname(require_tilelang().__file__)
@@ -113,7 +112,7 @@ def resources() -> None:
             build = VERSIONS[version] if version else functools.partial(prefill_attention.build, fmt=fmt)
             kernels.append((f"prefill_{fmt.value}_{tag}", build(GEOM, **params)))
     for fmt in KvFormat:
-        kernels.append((f"prep_{fmt.value}", prep_kernel.build(GEOM, fmt)))
+        kernels.append((f"prep_{fmt.value}", prep_fused.build(GEOM, fmt)))
     for name, k in kernels:
         src = k.get_kernel_source()
         smem = max([int(x) for x in re.findall(r"buf_dyn_shmem \+ (\d+)", src)] or [0])

@@ -78,6 +78,8 @@ VERSIONS = {
     **{f"fp8_tc_t32s{s}": lambda g, s=s: _version("decode_partial_fp8_tc_t32").build(g, num_stages=s) for s in (3, 2)},
     **{f"fp8_tc_ws{suffix}": lambda g, n=n: _version("decode_partial_fp8_tc_ws").build(g, transposer_nreg=n)
        for suffix, n in (("", 112), ("_r96", 96))},
+    **{f"prep_fused_{f}": lambda g, f=f: _version("prep_fused").build(g, f) for f in ("split", "folded")},
+    "prep_fused_folded_fp8": lambda g: _version("prep_fused").build_fp8(g, "folded"),
     "fp8_cvt": lambda g: _library("decode_partial").build_decode_partial_fp8(g, "folded", e4m3_convert="cvt"),
     "fp8_t256": lambda g: _library("decode_partial").build_decode_partial_fp8(g, "folded", threads=256),
     "folded_t256": lambda g: _library("decode_partial").build_decode_partial(g, "folded", threads=256, reduce_batch=2),

@@ -9,7 +9,7 @@ by side load these kernels instead of racing to compile them, and notebook 02's 
 JIT compile with the AOT cubins built elsewhere. The kernels: every registered variant (the default geometry, the
 synthetic checkpoint's, which the drift tests use, and one tensor-parallel rank's, gemma-4-31b-tp2, which
 tests/test_per_rank_geometry_gpu.py gates), plus the variants the GPU tests add (bench/versions/: the variants
-that lost, which the harness times too; the fused prep on float32 inputs).
+that lost, which the harness times too; the fused prep of bench/versions/prep_fused.py, also on float32 inputs).
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ GPU_TEST_EXTRAS = [
     *[(f"decode_fused_ll_compact {fmt} {wait or 'none'}", "gemma4", "versions/decode_fused_ll_compact", "build",
        dict(fmt=fmt, wait=wait)) for wait in (None, "spin", "spin_warp") for fmt in ("split", "folded")],
     ("prefill_shared_tiles", "gemma4", "versions/prefill_shared_tiles", "build", {}),
-    ("prep_split float32", "gemma4", "prep_kernel", "build", dict(fmt="split", page_size=64, in_dtype="float32",
-                                                                  threads=128)),
-    ("prep_folded float32", "gemma4", "prep_kernel", "build", dict(fmt="folded", page_size=64, in_dtype="float32",
-                                                                   threads=128)),
+    *[(f"prep_fused {fmt}{dtype}", "gemma4", "versions/prep_fused", builder, dict(fmt=fmt, in_dtype=in_dtype))
+      for fmt, builder, dtype, in_dtype in (("split", "build", "", "bfloat16"), ("folded", "build", "", "bfloat16"),
+                                            ("folded", "build_fp8", " fp8", "bfloat16"),
+                                            ("split", "build", " float32", "float32"),
+                                            ("folded", "build", " float32", "float32"))],
 ]
 
 

@@ -4,7 +4,7 @@
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitize_cases.py [--backend jit]
 
 Per pool (split bf16, folded bf16, folded FP8): the decode as one fused launch (a one-wave plan of bf16 rows) and as
-its three launches (partial, merge of groups, final merge; over the FP8 pool also with the tensor-core partial), the prefill, and the prep kernel; awkward small sizes
+its three launches (partial, merge of groups, final merge; over the FP8 pool also with the tensor-core partial) and the prefill; awkward small sizes
 (requests of 1, 65 and 300 tokens on 128-token chunks; prefill chunks of 54 and 65 over 97 and 300 tokens), so that
 the slowest tool (racecheck) takes seconds a launch. Prints one line per launch; the sanitizer's own summary says
 whether any access was bad, and a launch that fails its float64 check makes the exit status 1.
@@ -47,18 +47,6 @@ def main(argv=None) -> int:
             res = gates.run_case(inputs, launch, extra=gates.fp8_tc_extra if what == "decode-tc" else None)
             bad += not res["passed"]
             print(f"{what:16s} {name:10s} passed={res['passed']} rel={res['rel_fro']:.2e}", flush=True)
-        from foldkv.kernels.prep_kernel import prep_and_store_gpu
-
-        inputs = gates.make_inputs(prefill_case, fmt, "cuda", seed=2, dtype=dtype)
-        n = sum(prefill_case.q_lens)
-        request = torch.cat([torch.full((m,), r) for r, m in enumerate(prefill_case.q_lens)]).cuda()
-        positions = torch.cat([torch.arange(s - m, s) for s, m in zip(prefill_case.seq_lens, prefill_case.q_lens)]).cuda()
-        q = torch.randn(n, 32, 512, device="cuda")
-        kv = torch.randn(n, 4, 512, device="cuda")
-        prep_and_store_gpu(inputs.pool, inputs.table, request, positions, q, kv,
-                           inputs.raw["q_norm_weight"].cuda(), inputs.raw["k_norm_weight"].cuda())
-        torch.cuda.synchronize()
-        print(f"{'prep':16s} {name:10s} ran", flush=True)
     return 1 if bad else 0
 
 

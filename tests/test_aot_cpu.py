@@ -676,13 +676,13 @@ class Block:
             raise ImportError('blocked ' + name)
 sys.meta_path.insert(0, Block())
 import foldkv, foldkv.aot
-launchers = ('foldkv.kernels.decode', 'foldkv.kernels.prefill', 'foldkv.kernels.prep_kernel', 'foldkv.kernels.resolve')
+launchers = ('foldkv.kernels.decode', 'foldkv.kernels.prefill', 'foldkv.kernels.resolve')
 assert not [m for m in launchers if m in sys.modules], [m for m in launchers if m in sys.modules]
 from foldkv.aot import check_build_matches, AotMismatchError
 for m in list(sys.modules):
     if m.startswith('foldkv.aot'):
         del sys.modules[m]
-from foldkv.kernels import decode, prefill, prep_kernel, resolve
+from foldkv.kernels import decode, prefill, resolve
 assert not [m for m in sys.modules if m.startswith('foldkv.aot')]
 assert resolve.BACKENDS == ('jit', 'aot')
 try:

@@ -278,7 +278,6 @@ PREP_FP8_REFUSALS = {  # case: (message, whether the torch prep refuses the same
     "huge_k_norm_weight": ("could overflow float32", True),
     "scales_missing": ("no scales", True),
     "scales_dtype": ("pool scales has dtype", True),
-    "kernel_name": (r"kernels= names \['prep_folded'\]; this launch uses \['prep_folded_fp8'\]", False),
 }
 
 
@@ -286,10 +285,9 @@ PREP_FP8_REFUSALS = {  # case: (message, whether the torch prep refuses the same
 def test_fused_prep_refuses_before_writing_an_fp8_pool(case):
     """Every check of the fused prep over an FP8 pool runs before the device check (so on the CPU), the pool (rows
     and scales) unchanged; where the torch prep refuses the same input too, it does."""
-    from foldkv.kernels.prep_kernel import prep_and_store_gpu
+    from conftest import bench_version
 
     pool, table, args = _prep_fp8_case()
-    extra = {}
     if case == "nan_kv":
         args["kv"][2, 3, 100] = float("nan")
     elif case == "inf_k_norm_weight":
@@ -300,12 +298,10 @@ def test_fused_prep_refuses_before_writing_an_fp8_pool(case):
         pool.scales = None
     elif case == "scales_dtype":
         pool.scales = pool.scales.double()
-    elif case == "kernel_name":
-        extra["kernels"] = {"prep_folded": lambda *a: None}
     message, torch_refuses = PREP_FP8_REFUSALS[case]
     before = _snapshot(pool)
     with pytest.raises(fk.FoldKvInputError, match=message):
-        prep_and_store_gpu(pool, table, **args, **extra)
+        bench_version("prep_fused").prep_and_store_gpu(pool, table, **args)
     after = _snapshot(pool)
     assert torch.equal(before[0], after[0]) and (before[1] is None or torch.equal(before[1], after[1]))
     if torch_refuses:
@@ -313,14 +309,18 @@ def test_fused_prep_refuses_before_writing_an_fp8_pool(case):
             fk.prep_and_store(pool, table, **args)
 
 
-def test_fused_prep_fp8_variant_is_registered_beside_untouched_bf16_ones():
+def test_fused_prep_fp8_builds_beside_untouched_bf16_ones():
+    """The fused prep is a version (bench/versions/prep_fused.py), not a registered kernel: the runtime's
+    fold-and-store is global_step's; its FP8 builder sits beside the bf16 one, with the same parameters."""
+    import inspect
+
+    from conftest import bench_version
     from foldkv.kernels import registry
 
-    fp8, folded, split = (registry.get(n) for n in ("prep_folded_fp8", "prep_folded", "prep_split"))
-    assert (fp8.family, fp8.format, fp8.params) == ("prep", fk.KvFormat.FOLDED, folded.params)
-    assert fp8.builder.endswith("prep_kernel:build_fp8") and fp8.build_function().hands_out == "prep_{fmt}_fp8"
-    for v in (folded, split):  # the bf16 variants: the same builder, no fp8 parameter
-        assert v.builder.endswith("prep_kernel:build") and set(v.params) == {"page_size", "in_dtype", "threads"}
+    prep = bench_version("prep_fused")
+    assert not [v.name for v in registry.all_variants() if v.family == "prep"]
+    assert prep.build_fp8.hands_out == "prep_{fmt}_fp8" and prep.build.hands_out == "prep_{fmt}"
+    assert inspect.signature(prep.build_fp8).parameters.keys() == inspect.signature(prep.build).parameters.keys()
 
 
 PREP_FP8_ARGS = ["Qraw", "KVraw", "QNormW", "KNormW", "InvFreq", "Positions", "SlotPage", "SlotOffset", "Pool",
@@ -364,9 +364,9 @@ def fp8_prep_source():
     from conftest import require_tilelang
 
     require_tilelang()
-    from foldkv.kernels import registry
+    from conftest import bench_version
 
-    kernel = registry.get("prep_folded_fp8").build(G)
+    kernel = bench_version("prep_fused").build_fp8(G)
     return kernel, kernel.get_kernel_source()
 
 

@@ -1,19 +1,18 @@
-"""CPU tests of the prefill and the fused prep: the tile plan, the registry entries, generation of every variant for
-sm_90a without a GPU (argument order, wgmma + TMA in the emitted CUDA, no spills), and the refusals that need no GPU
-(every check runs before the device check), over bf16 and FP8 pools."""
+"""CPU tests of the prefill and the fused prep (bench/versions/prep_fused.py): the tile plan, the registry entries,
+generation of every variant for sm_90a without a GPU (argument order, wgmma + TMA in the emitted CUDA, no spills), and
+the refusals that need no GPU (every check runs before the device check), over bf16 and FP8 pools."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import require_tilelang
+from conftest import bench_version, require_tilelang
 
 import foldkv
 from foldkv import FoldKvInputError, KvFormat, PagedKvLayout, PagedKvPool
 from foldkv.fp8 import FP8_DTYPE
 from foldkv.kernels import prefill_attention, producer_guard, registry
 from foldkv.kernels.prefill import TOKENS_PER_TILE, prefill, tile_plan, variant_name
-from foldkv.kernels.prep_kernel import prep_and_store_gpu
 
 GEOM = foldkv.GEMMA4_31B
 FORMATS = [KvFormat.SPLIT, KvFormat.FOLDED]
@@ -40,7 +39,6 @@ def test_registry_holds_every_variant():
     names = {v.name: v for v in registry.all_variants()}
     for fmt in FORMATS:
         assert names[variant_name(fmt)].family == "prefill" and names[variant_name(fmt)].format is fmt
-        assert names[f"prep_{fmt.value}"].family == "prep" and names[f"prep_{fmt.value}"].format is fmt
     folded, split = names["prefill_folded"].params, names["prefill_split"].params
     assert folded == prefill_attention.DEFAULTS
     # the bf16 folded row's baked schedule: two stages, both rows of a thread a reduction, the lazy max; split keeps
@@ -65,6 +63,8 @@ def test_an_fp8_split_prefill_is_never_built():
                                         "prep_folded"])
 def generated(request):
     require_tilelang()
+    if request.param.startswith("prep_"):  # the fused prep: a version, built without the registry
+        return request.param, bench_version("prep_fused").build(GEOM, request.param.split("_")[1])
     return request.param, registry.get(request.param).build(GEOM)
 
 
@@ -229,12 +229,9 @@ def _prep_case():
     ("kv_dtype", "kv has dtype"),
     ("q_dtype", "q has dtype torch.float64"),
     ("request_len", r"request has shape \[2\]"),
-    ("backend", "backend 'cuda'"),
-    ("kernels", r"kernels= names \['prep_split'\]; this launch uses \['prep_folded'\]"),
 ])
 def test_prep_refusals_leave_pool_unchanged(bad, match):
     pool, table, request, positions, q, kv, qw, kw = _prep_case()
-    extra = {}
     if bad == "position_past_len":
         positions = torch.tensor([68, 70, 2], dtype=torch.int32)
     elif bad == "kv_dtype":
@@ -243,13 +240,9 @@ def test_prep_refusals_leave_pool_unchanged(bad, match):
         q, kv = q.double(), kv.double()
     elif bad == "request_len":
         request = request[:2]
-    elif bad == "backend":
-        extra["backend"] = "cuda"
-    elif bad == "kernels":
-        extra["kernels"] = {"prep_split": lambda *args: None}
     before = pool.data.clone()
     with pytest.raises(FoldKvInputError, match=match):
-        prep_and_store_gpu(pool, table, request, positions, q, kv, qw, kw, **extra)
+        bench_version("prep_fused").prep_and_store_gpu(pool, table, request, positions, q, kv, qw, kw)
     assert torch.equal(pool.data, before)
 
 
@@ -258,6 +251,6 @@ def test_launchers_import_without_tilelang():
     import sys
 
     code = ("import sys; sys.modules['tilelang'] = None\n"  # any TileLang import now raises
-            "import foldkv.kernels.prefill, foldkv.kernels.prep_kernel\n"
+            "import foldkv.kernels.prefill\n"
             "from foldkv.kernels import registry; assert 'prefill_folded' in {v.name for v in registry.all_variants()}")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,4 +1,4 @@
-"""GPU gates of the fused prep kernel against the torch prep (`foldkv.prep_and_store` on the same GPU): the stored
+"""GPU gates of the fused prep kernel (bench/versions/prep_fused.py) against the torch prep (`foldkv.prep_and_store` on the same GPU): the stored
 rows, the whole pool around them and the returned query, bit for bit except where the one documented difference in
 float order (the RMSNorm sum of squares) moves a value across a bf16 rounding boundary: there |got - want| <=
 2^-7 |want| + 2^-16 max|row| (one bf16 ulp, plus the absolute term RoPE's cancellation needs: a - b near 0 amplifies
@@ -22,17 +22,19 @@ import os
 
 import pytest
 import torch
+from conftest import bench_version
 
 import foldkv
 from foldkv import FoldKvInputError, KvFormat, PagedKvLayout, PagedKvPool
 from foldkv.fp8 import FP8_DTYPE, ROW_REL, ROW_SUB, quantize_rows
-from foldkv.kernels.prep_kernel import prep_and_store_gpu
+
+prep_and_store_gpu = bench_version("prep_fused").prep_and_store_gpu
 
 gpu = pytest.mark.gpu
 
 GEOM = foldkv.GEMMA4_31B
 FORMATS = [KvFormat.SPLIT, KvFormat.FOLDED]
-MAX_FLIP_FRACTION = 1e-4  # elements not bit-equal (measured ~5e-6: the RMSNorm sum order, see prep_kernel)
+MAX_FLIP_FRACTION = 1e-4  # elements not bit-equal (measured ~5e-6: the RMSNorm sum order, see prep_fused)
 GATE_LOG = os.environ.get("FOLDKV_PREP_GATE_LOG")
 
 CASES = {  # name: (seq_lens of the requests, tokens written per request: their last positions)
@@ -155,7 +157,7 @@ def test_refusals_leave_pool_unchanged(cuda_device, bad):
 
 # --- the FP8 folded pool ---------------------------------------------------------------------------------------------
 # The bounds, derived. The kernel and the torch prep compute the same float32 row x with the same operations in the
-# same order (module docstring of foldkv.kernels.prep_kernel), except the RMSNorm sum of squares: 512 exactly computed
+# same order (module docstring of bench/versions/prep_fused.py), except the RMSNorm sum of squares: 512 exactly computed
 # squares (a bf16 square is exact in float32; a float32 one is rounded alike on both sides) summed in two orders. For
 # positive terms a summation of depth d errs by <= d u (u = 2^-24) of the sum: the kernel's tree has depth 9 (a pair per
 # element, two elements per thread, a 128-thread tree), torch's CUDA reduction of a 512-wide row <= 32 (a 16-element

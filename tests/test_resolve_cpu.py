@@ -31,7 +31,7 @@ def test_reading_the_registry_imports_no_kernel_module():
     code = ("import sys\n"
             "from foldkv.kernels import registry\n"
             "names = [v.name for v in registry.all_variants()]\n"
-            "assert len(names) == 15 and registry.get('prep_split').params['page_size'] == 64, names\n"
+            "assert len(names) == 12 and registry.get('prefill_split').params['page_size'] == 64, names\n"
             "loaded = [m for m in sys.modules if m.startswith('foldkv.kernels.') and m != 'foldkv.kernels.registry']\n"
             "assert not loaded, loaded\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -25,19 +25,23 @@ Best so far (run 14): t4x16, precise, two CTAs per SM: 0.64-0.67x the bf16 folde
 ragged batches (the library's FP8 partial: 1.22-1.36x), error 2.2-3.2e-3 against float64, within the gate's bound.
 In the library since run 17b as `decode_partial_folded_fp8_tc` (lib/foldkv/kernels/decode_partial_fp8_tc.py,
 `fp8_math="tensor_cores"`, the FP8 pool's default decode partial since run 17's outcome): that served configuration
-(t4x16, precise) is the library's kernel; this file builds the library's program through its hook points (`TcHooks`)
-with the probe's other options: transpose "none" / "t16x4", one e4m3 part (precise=False: the red twin of the GPU
-tests), panel_acc.
+(t4x16, precise) is the library's kernel, built there without hook points; this file holds that program with its
+hook points (`TcHooks`, `hooked_program`: what the probe and the versions built on it, decode_partial_fp8_tc_vrot.py
+and decode_partial_fp8_tc_t32.py, plug into) and builds the probe's other options through them: transpose "none" /
+"t16x4", one e4m3 part (precise=False: the red twin of the GPU tests), panel_acc.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from foldkv.config import AttentionGeometry
+from foldkv.kernels import macros, producer_guard
 from foldkv.kernels.decode_partial import FP8_PANEL
-from foldkv.kernels.decode_partial_fp8_tc import (DEVICE_SOURCE, TRANSPOSE_BARRIER_ID, Rounding, TcHooks,
-                                                  decode_partial_fp8_tc_program, transpose_values_macro,
-                                                  two_part_rounding)
-from foldkv.kernels.tl import pass_configs, require_tilelang, target
+from foldkv.kernels.decode_partial_fp8_tc import (DEVICE_SOURCE, NAME, TRANSPOSE_BARRIER_ID, Rounding,
+                                                  transpose_values_macro, two_part_rounding)
+from foldkv.kernels.tl import pass_configs, prim_func, require_tilelang, target
 
 
 # P x scale is at most the tile's largest token scale (amax / 448 of a row: ~0.007-0.06 for RMS-normalised rows with
@@ -159,6 +163,140 @@ def panel_score_gemm(block_n: int, block_h: int):
     return score_gemm
 
 
+@dataclass(frozen=True)
+class TcHooks:
+    """The hook points of `hooked_program` (defaults: the served kernel):
+        source      the device code the kernel imports
+        transpose   (block_n, threads) -> T.macro(panels, v_t, tokens_left) writing V^T; None leaves V^T unwritten
+                    (a timing probe's: wrong output)
+        rounding    (geom, block_n, block_h) -> Rounding
+        score_gemm  None: the score window's four panels into one accumulator (16 k32 steps); else
+                    (block_n, block_h) -> T.macro(stored, q8, acc_s, acc_p) (acc_p: a second [N, 16] float32
+                    fragment, allocated only then)
+        symbol      the kernel's global symbol"""
+    source: str = DEVICE_SOURCE
+    transpose: Callable | None = transpose_values_macro
+    rounding: Callable = two_part_rounding
+    score_gemm: Callable | None = None
+    symbol: str = NAME
+
+
+def hooked_program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64,
+                   num_stages: int = 1, block_h: int = 16, reduce_batch: int = 4, ctas_per_sm: int = 2,
+                   hooks: TcHooks = TcHooks()):
+    """The library's FP8 tensor-core program (`decode_partial_fp8_tc.decode_partial_fp8_tc_program`, which builds
+    only the served configuration) with its rounding, transpose and score gemm from `hooks`; `reduce_batch`: the softmax's queries per cross-warp reduction
+    (macros.online_softmax_macro); `ctas_per_sm`: CTAs each SM holds at once (macros.share_sm_registers_macro)."""
+    require_tilelang()
+    import tilelang.language as T
+    from tvm.script.ir_builder import IRBuilder
+
+    hq, hkv, d, group = geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.group_size
+    width = d + geom.rotary_width
+    threads = 128  # one consumer warpgroup
+    if page_size % block_n or d % FP8_PANEL or width % FP8_PANEL or block_h < group:
+        raise ValueError(f"the FP8 tensor-core partial is written for {FP8_PANEL}-column panels, pages of whole tiles"
+                         f" and block_h >= the {group} query heads of a KV head")
+    batch, num_pages, max_pages, num_chunks = (T.dynamic(n) for n in ("batch", "num_pages", "max_pages",
+                                                                       "num_chunks"))
+    bf16, f32, i32, e4m3 = "bfloat16", "float32", "int32", "float8_e4m3"
+    panels, score_panels = width // FP8_PANEL, d // FP8_PANEL  # 5 and 4: scores row[0:D], values row[R:D+R]
+    online_softmax = macros.online_softmax_macro(key_dim=0, reduce_batch=reduce_batch)
+    mask_scores = macros.mask_scores_macro()
+    share_sm_registers = macros.share_sm_registers_macro(ctas_per_sm, threads) if ctas_per_sm > 1 else None
+    transpose_values = hooks.transpose(block_n, threads) if hooks.transpose is not None else None
+    rounding = hooks.rounding(geom, block_n, block_h)
+    score_gemm = hooks.score_gemm(block_n, block_h) if hooks.score_gemm is not None else None
+    cols = rounding.cols
+
+    @T.macro
+    def partial(query, pool, scales, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse):
+        with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
+            T.import_source(producer_guard.imported_source(hooks.source))
+            if ctas_per_sm > 1:
+                share_sm_registers()
+            q_s = T.alloc_shared((block_h, d), bf16)  # rows >= 8: the next KV head's (read, not used)
+            q8 = [IRBuilder.name(f"q8_{p}", T.alloc_shared((block_h, FP8_PANEL), e4m3)) for p in range(score_panels)]
+            stored = [IRBuilder.name(f"stored_{p}", T.alloc_shared((block_n, FP8_PANEL), e4m3))
+                      for p in range(panels)]
+            scale_s = T.alloc_shared((block_n,), f32)  # [N] the tokens' scales
+            v_t = T.alloc_shared((d, block_n), e4m3)  # V^T [512, N], K-major
+            p8 = T.alloc_shared((block_h, block_n), e4m3)  # P^T [16, N], K-major (tokens contiguous)
+            q_part = T.alloc_shared((block_h, 16), f32)  # per head, 16 partial maxima of |q|
+            q_gain = T.alloc_shared((block_h,), f32)  # per head, the query's gain before e4m3
+            q_inv = T.alloc_shared((block_h,), f32)  # per head, its inverse
+            acc_s = T.alloc_fragment((block_n, block_h), f32)  # S^T [N, 16] as the gemm leaves it
+            acc_p = None
+            if score_gemm is not None:  # a second score accumulator (a probe's score gemm)
+                acc_p = T.alloc_fragment((block_n, block_h), f32)
+            acc_o_tile = T.alloc_fragment((d, block_h), f32)  # this tile's O^T [D, 16]
+            s_lo = T.alloc_fragment((block_n, group), f32)
+            scores = T.alloc_fragment((block_n, cols), f32)  # the scores, then the probabilities
+            o_lo = T.alloc_fragment((d, group), f32)
+            acc_o = T.alloc_fragment((d, cols), f32)  # the running O^T
+            head_max = T.alloc_fragment((cols,), f32)
+            head_max_prev = T.alloc_fragment((cols,), f32)
+            rescale = T.alloc_fragment((cols,), f32)
+            head_sum = T.alloc_fragment((cols,), f32)
+            denom = T.alloc_fragment((cols,), f32)
+            amax = T.alloc_local((1,), f32)
+            tile_gain = T.alloc_local((1,), f32)
+            tile_inv = T.alloc_local((1,), f32)
+
+            req = chunk_req[c]
+            start = chunk_start[c]
+            n_tok = chunk_len[c]
+            T.copy(query[req, kvh * group:kvh * group + block_h, 0:d], q_s)
+            rounding.query(q_s, q8, q_part, q_gain, q_inv, amax)
+            T.fill(acc_o, 0)
+            T.fill(denom, 0)
+            T.fill(head_max, -T.infinity(f32))
+
+            for k in T.Pipelined(T.ceildiv(n_tok, block_n), num_stages=num_stages):
+                page, off = macros.tile_page(page_ids, req, start + k * block_n, page_size)
+                for sp in [(t, n * FP8_PANEL) for n, t in enumerate(stored)]:
+                    T.copy(pool[page, kvh, off:off + block_n, sp[1]:sp[1] + FP8_PANEL], sp[0])
+                T.copy(scales[page, kvh, off:off + block_n], scale_s)
+                if transpose_values is not None:
+                    transpose_values(stored[panels - score_panels:], v_t, lambda: n_tok - k * block_n)
+                T.clear(acc_s)
+                if score_gemm is not None:
+                    score_gemm(stored, q8, acc_s, acc_p)
+                else:
+                    for pair in list(zip(stored, q8)):
+                        T.gemm(pair[0], pair[1], acc_s, transpose_B=True)  # S^T [N, 16] += K8 Q8^T (FP8 wgmma)
+                rounding.scores(acc_s, s_lo, scores, scale_s, q_inv, tile_gain, tile_inv, n_tok - k * block_n)
+                mask_scores(scores, lambda i, j: k * block_n + i < n_tok)  # tokens past the chunk: probability 0
+                # P.V over scaled rows: the scale (times the tile's gain) goes on P's column (past the chunk: 0)
+                online_softmax(scores, None, head_max, head_max_prev, rescale, head_sum, denom,
+                               lambda i: T.if_then_else(k * block_n + i < n_tok, scale_s[i] * tile_gain[0], 0.0))
+                rounding.p_store(scores, p8)
+                T.gemm(v_t, p8, acc_o_tile, transpose_B=True, clear_accum=True)  # O^T tile = V^T P^T (FP8 wgmma)
+                rounding.accumulate(acc_o, acc_o_tile, o_lo, rescale, tile_inv)
+
+            for i, j in T.Parallel(d, cols):
+                if j < group:
+                    part_o[c, kvh * group + j, i] = acc_o[i, j] / denom[j]
+            for j in T.Parallel(cols):
+                if j < group:
+                    part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * macros.LOG2E
+
+    # the arguments (what a backend's callable takes, in order): the module docstring's
+    args = {
+        "query": T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] query in the folded form
+        "pool": T.Tensor((num_pages, hkv, page_size, width), e4m3),  # [P, Hkv, page, W] e4m3
+        "scales": T.Tensor((num_pages, hkv, page_size), f32),  # [P, Hkv, page] one scale per token x KV head
+        "page_ids": T.Tensor((batch, max_pages), i32),  # [B, MP]
+        "chunk_req": T.Tensor((num_chunks,), i32),  # [C] request of chunk c
+        "chunk_start": T.Tensor((num_chunks,), i32),  # [C] first token (multiple of page_size)
+        "chunk_len": T.Tensor((num_chunks,), i32),  # [C] tokens in the chunk (>= 1)
+        "part_o": T.Tensor((num_chunks, hq, d), f32),  # [C, Hq, D] value-window order
+        "part_lse": T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
+    }
+    return prim_func("decode_partial", args, lambda b: partial(*(b[n] for n in args))).with_attr(
+        "global_symbol", hooks.symbol)
+
+
 def hooks(transpose: str = "none", precise: bool = False, panel_acc: bool = False) -> TcHooks:
     """The library program's hook points for the probe's options."""
     assert transpose in ("none", "t16x4", "t4x16")
@@ -175,9 +313,8 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64, 
             precise: bool = False, panel_acc: bool = False):
     """The probe's prim_func, the library FP8 partial's argument list (a drop-in for decode_partial_folded_fp8): the
     library's tensor-core program with `hooks(transpose, precise, panel_acc)`."""
-    return decode_partial_fp8_tc_program(geom, page_size=page_size, block_n=block_n, num_stages=num_stages,
-                                         block_h=block_h, reduce_batch=reduce_batch, ctas_per_sm=ctas_per_sm,
-                                         hooks=hooks(transpose, precise, panel_acc))
+    return hooked_program(geom, page_size=page_size, block_n=block_n, num_stages=num_stages, block_h=block_h,
+                          reduce_batch=reduce_batch, ctas_per_sm=ctas_per_sm, hooks=hooks(transpose, precise, panel_acc))
 
 
 def build(geom: AttentionGeometry, **tiling):

@@ -12,7 +12,8 @@ transpose, chain 1.10, took 1.62 us a tile, the same as the full kernel). Does a
 stages fit at two CTAs an SM, take the load off the chain?
 
 What it is: the library's program (`decode_partial_fp8_tc_program`, its `two_part_rounding`, its device code) with
-block_n 32, num_stages 3 (or 2: `num_stages`), ctas_per_sm 2, through its hook points; the one new piece is the
+block_n 32, num_stages 3 (or 2: `num_stages`), ctas_per_sm 2, through its hook points (decode_partial_fp8_mma.py's
+`hooked_program`); the one new piece is the
 transpose hook for a 32-token tile (`transpose_t32_macro`): a panel has 8 x 8 = 64 blocks of 4 tokens x 16 columns,
 so the 128 consumer threads take two panels a call (thread t: panel 2c + t / 64, token block (t / 8) mod 8, column
 block t mod 8), the library's `foldkv_e4m3_t4x16` doing each block (same loads, selects and barriers: the first of the
@@ -85,9 +86,9 @@ import re
 from foldkv.config import AttentionGeometry
 from foldkv.kernels.decode_partial import FP8_PANEL
 from foldkv.kernels.decode_partial_fp8_tc import (DEVICE_SOURCE, MAX_SCALE_FN, NAME, P_RANGE, TRANSPOSE_BARRIER_ID,
-                                                  TRANSPOSE_FN, TWO_PART_LO, Rounding, TcHooks,
-                                                  decode_partial_fp8_tc_program, two_part_rounding)
+                                                  TRANSPOSE_FN, TWO_PART_LO, Rounding, two_part_rounding)
 from foldkv.kernels.tl import pass_configs, require_tilelang, target
+from versions.decode_partial_fp8_mma import TcHooks, hooked_program  # bench/versions/: the program's hook points
 
 SYMBOL = "decode_partial_folded_fp8_tc_t32"
 PAIR_FN = "foldkv_e4m3_t4x16_pair"
@@ -176,7 +177,7 @@ HOOKS = TcHooks(source=SOURCE, transpose=transpose_t32_macro, rounding=two_part_
 
 def program(geom: AttentionGeometry, **params):
     """The prim_func: the library's tensor-core program with this version's tiling and transpose."""
-    return decode_partial_fp8_tc_program(geom, **{**PARAMS, **params}, hooks=HOOKS)
+    return hooked_program(geom, **{**PARAMS, **params}, hooks=HOOKS)
 
 
 def smem_bytes(host_src: str, threads: int = 256) -> int:

@@ -16,7 +16,7 @@ written as 0 here too (their slots may hold NaN codes), now a byte mask along th
 closing barrier (proxy fence, named barrier), the first transpose its opening one, as the served kernel's calls do
 (checked on the emitted CUDA: `cuda_checks.check_e4m3_conversion` over both function names).
 
-Everything else is the served kernel's, built through its hook points (`TcHooks`: this file's device source and
+Everything else is the served kernel's, built through its hook points (decode_partial_fp8_mma.py's `TcHooks`: this file's device source and
 `transpose`): the score gemm, the two-part rounding, the softmax, the value gemm over V^T, two CTAs an SM. V^T holds
 the same bytes as the served kernel's, so the outputs are bitwise the served kernel's over the unpermuted pool
 (tests/test_fp8_tc_vrot_gpu.py).
@@ -43,6 +43,7 @@ from foldkv.kernels import registry
 from foldkv.kernels.cuda_checks import check_e4m3_conversion, kernel_definition
 from foldkv.kernels.decode_partial import FP8_PANEL
 from foldkv.kernels.tl import pass_configs, require_tilelang, target
+from versions import decode_partial_fp8_mma as mma  # bench/versions/: the served program with its hook points
 
 SYMBOL = "decode_partial_folded_fp8_tc_vrot"
 COPY_FN = "foldkv_e4m3_copy4x16"
@@ -139,7 +140,7 @@ def transpose_vrot_macro(block_n: int, threads: int):
     return transpose_values
 
 
-HOOKS = tc.TcHooks(source=tc.DEVICE_SOURCE + COPY_SOURCE, transpose=transpose_vrot_macro, symbol=SYMBOL)
+HOOKS = mma.TcHooks(source=tc.DEVICE_SOURCE + COPY_SOURCE, transpose=transpose_vrot_macro, symbol=SYMBOL)
 
 
 def check_emitted(src: str) -> dict:
@@ -163,9 +164,8 @@ def build(geom: AttentionGeometry, **params):
 
     @tilelang.jit(target=target(), pass_configs=pass_configs())
     def decode_partial_fp8_tc_vrot(page_size, block_n, num_stages, block_h, reduce_batch, ctas_per_sm):
-        return tc.decode_partial_fp8_tc_program(geom, page_size=page_size, block_n=block_n, num_stages=num_stages,
-                                                block_h=block_h, reduce_batch=reduce_batch, ctas_per_sm=ctas_per_sm,
-                                                hooks=HOOKS)
+        return mma.hooked_program(geom, page_size=page_size, block_n=block_n, num_stages=num_stages,
+                                  block_h=block_h, reduce_batch=reduce_batch, ctas_per_sm=ctas_per_sm, hooks=HOOKS)
 
     kernel = decode_partial_fp8_tc_vrot(**cfg)
     check_emitted(kernel.get_kernel_source())

@@ -199,7 +199,7 @@ def prep_and_store(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, 
 def check_prep_and_store(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, positions: torch.Tensor,
                          q: torch.Tensor, kv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
                          q_dtypes: tuple[torch.dtype, ...] = FLOAT_TYPES) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every refusal of `prep_and_store` (and of the fused prep, `foldkv.kernels.prep_kernel`, with the dtypes it
+    """Every refusal of `prep_and_store` (and of the fused prep, bench/versions/prep_fused.py, with the dtypes it
     reads), raised before anything is written; returns the tokens' (pages, offsets) [T] int64 on the CPU."""
     geom = pool.geometry
     check_pool_storage(pool)

@@ -33,13 +33,13 @@ chunk_len >= 1.
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import GEMMA4_31B, AttentionGeometry
+from ..config import AttentionGeometry
 from ..layout import KvFormat, row_width
 from . import macros, producer_guard, registry
 from .macros import Convert
 from .merge import _merge_partials_macro
 from .registry import hands_out
-from .tl import check_then_time, pass_configs, prim_func, require_tilelang, target
+from .tl import pass_configs, prim_func, require_tilelang, target
 
 # the fused tail (tail_merge): a request-head of at most TAIL_FEW_MEMBERS chunks merges 4 columns a thread, 8 members
 # a round trip; more, 2 columns a thread and TAIL_MAX_MEMBERS a round trip (one wave of the H200's 132 SMs holds at most
@@ -561,37 +561,3 @@ def build_decode_partial_fp8(geom: AttentionGeometry, fmt: KvFormat | str, **til
         check_e4m3_conversion(f"decode_partial_{fmt.value}_fp8", kernel.get_kernel_source(),
                               macros.CONVERT_BARRIER_ID)
     return kernel
-
-
-def main(fmt: KvFormat | str = KvFormat.FOLDED, seq_len: int = 10602, **tiling):
-    """The partial with the format's defaults (or `tiling`), checked on one whole-sequence chunk against the float64
-    reference, then timed (`tl.check_then_time`)."""
-    import torch
-
-    import foldkv
-
-    fmt, geom = KvFormat.parse(fmt), GEMMA4_31B
-    kernel = build_decode_partial(geom, fmt, **tiling)
-
-    def setup(dev):
-        pool = foldkv.PagedKvPool(foldkv.PagedKvLayout(geom, fmt, 64, -(-seq_len // 64)), device=dev)
-        pool.data.copy_(torch.randn(pool.data.shape, device=dev).to(torch.bfloat16))
-        table = pool.allocate([seq_len]).to(dev)
-        query = (torch.randn(1, geom.num_q_heads, geom.head_dim, device=dev) * 0.05).to(torch.bfloat16)
-        chunk = [torch.tensor([v], dtype=torch.int32, device=dev) for v in (0, 0, seq_len)]  # the whole sequence
-        part_o = torch.full((1, geom.num_q_heads, geom.head_dim), float("nan"), device=dev)  # poisoned
-        part_lse = torch.full((1, geom.num_q_heads), float("nan"), device=dev)
-        want, want_lse = foldkv.paged_attention_reference(pool, query, table)
-
-        def check():
-            got = part_o[..., foldkv.value_window_to_head(geom, fmt).to(dev)].double()
-            return (f"relative error {float((got - want).norm() / want.norm()):.2e}, max LSE error"
-                    f" {float((part_lse.double() * macros.LN2 - want_lse).abs().max()):.2e}")
-
-        return lambda: kernel(query, pool.data, table.page_ids, *chunk, part_o, part_lse), check
-
-    check_then_time(f"decode_partial_{fmt.value} {dict(DEFAULTS[fmt], **tiling)}", kernel, setup)
-
-
-if __name__ == "__main__":
-    main()

@@ -20,8 +20,9 @@ rows 0-7 carry the hi parts and rows 8-15 the lo parts, added in float32 after t
 to e4m3's largest value (448 / max |q|, once per CTA), P x scale per tile (256 / the tile's largest valid token
 scale). Each tile's value gemm goes into a fresh accumulator added into the running O in float32 (FP8 wgmma
 accumulates in reduced precision, so it never sums across tiles). The error this leaves is bounded in
-tests/test_fp8_tc_gpu.py (`fp8_tc_bound`). Schedule and speed: registry.py's comment on its params. The probes of
-bench/versions/decode_partial_fp8_mma.py build through the hook points (`TcHooks`); the library, the served ones only.
+tests/test_fp8_tc_gpu.py (`fp8_tc_bound`). Schedule and speed: registry.py's comment on its params. Only the served
+configuration is here; bench/versions/decode_partial_fp8_mma.py holds this program with hook points for the probe's
+other options (and the versions built on it).
 
 Kernel argument order: that of the exact FP8 partial (decode_partial.py's docstring):
     decode_partial_folded_fp8_tc(query [B, Hq, D] bf16, pool [P, Hkv, page, W] e4m3, scales [P, Hkv, page] f32,
@@ -32,7 +33,7 @@ Kernel argument order: that of the exact FP8 partial (decode_partial.py's docstr
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..config import AttentionGeometry
 from ..layout import KvFormat
@@ -169,8 +170,8 @@ def lo_part(x):
 
 @dataclass(frozen=True)
 class Rounding:
-    """How the query and P go to the FP8 tensor cores, as hook points of `decode_partial_fp8_tc_program` (each a
-    T.macro, called with the kernel's own buffers):
+    """How the query and P go to the FP8 tensor cores, four steps of `decode_partial_fp8_tc_program` (each a T.macro,
+    called with the kernel's own buffers; a version brings its own through the probe's hooks):
         cols        columns of the running output and softmax state (the 8 query heads when rows 8-15 of wgmma's N
                     carry the lo parts; 16 when they carry nothing the kernel keeps)
         query       (q_s, q8, q_part, q_gain, q_inv, amax): the bf16 query rows [16, D] into the e4m3 panels q8
@@ -243,30 +244,12 @@ def two_part_rounding(geom: AttentionGeometry, block_n: int, block_h: int) -> Ro
     return Rounding(cols=group, query=query, scores=scores, p_store=p_store, accumulate=accumulate)
 
 
-@dataclass(frozen=True)
-class TcHooks:
-    """The hook points of `decode_partial_fp8_tc_program` (defaults: the served kernel):
-        source      the device code the kernel imports
-        transpose   (block_n, threads) -> T.macro(panels, v_t, tokens_left) writing V^T; None leaves V^T unwritten
-                    (a timing probe's: wrong output)
-        rounding    (geom, block_n, block_h) -> Rounding
-        score_gemm  None: the score window's four panels into one accumulator (16 k32 steps); else
-                    (block_n, block_h) -> T.macro(stored, q8, acc_s, acc_p) (acc_p: a second [N, 16] float32
-                    fragment, allocated only then)
-        symbol      the kernel's global symbol"""
-    source: str = DEVICE_SOURCE
-    transpose: Callable | None = transpose_values_macro
-    rounding: Callable = two_part_rounding
-    score_gemm: Callable | None = None
-    symbol: str = NAME
-
-
 def decode_partial_fp8_tc_program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64,
-                                  num_stages: int = 1, block_h: int = 16, reduce_batch: int = 4, ctas_per_sm: int = 2,
-                                  hooks: TcHooks = TcHooks()):
-    """The TileLang prim_func of the FP8 tensor-core partial for one geometry and tiling (module docstring), its
-    rounding, transpose and score gemm from `hooks`; `reduce_batch`: the softmax's queries per cross-warp reduction
-    (macros.online_softmax_macro); `ctas_per_sm`: CTAs each SM holds at once (macros.share_sm_registers_macro)."""
+                                  num_stages: int = 1, block_h: int = 16, reduce_batch: int = 4, ctas_per_sm: int = 2):
+    """The TileLang prim_func of the FP8 tensor-core partial for one geometry and tiling (module docstring): the
+    value window transposed by `transpose_values_macro`, the query and P rounded by `two_part_rounding`;
+    `reduce_batch`: the softmax's queries per cross-warp reduction (macros.online_softmax_macro); `ctas_per_sm`: CTAs
+    each SM holds at once (macros.share_sm_registers_macro)."""
     require_tilelang()
     import tilelang.language as T
     from tvm.script.ir_builder import IRBuilder
@@ -284,15 +267,14 @@ def decode_partial_fp8_tc_program(geom: AttentionGeometry, *, page_size: int = 6
     online_softmax = macros.online_softmax_macro(key_dim=0, reduce_batch=reduce_batch)
     mask_scores = macros.mask_scores_macro()
     share_sm_registers = macros.share_sm_registers_macro(ctas_per_sm, threads) if ctas_per_sm > 1 else None
-    transpose_values = hooks.transpose(block_n, threads) if hooks.transpose is not None else None
-    rounding = hooks.rounding(geom, block_n, block_h)
-    score_gemm = hooks.score_gemm(block_n, block_h) if hooks.score_gemm is not None else None
+    transpose_values = transpose_values_macro(block_n, threads)
+    rounding = two_part_rounding(geom, block_n, block_h)
     cols = rounding.cols
 
     @T.macro
     def partial(query, pool, scales, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
-            T.import_source(producer_guard.imported_source(hooks.source))
+            T.import_source(producer_guard.imported_source(DEVICE_SOURCE))
             if ctas_per_sm > 1:
                 share_sm_registers()
             q_s = T.alloc_shared((block_h, d), bf16)  # rows >= 8: the next KV head's (read, not used)
@@ -306,9 +288,6 @@ def decode_partial_fp8_tc_program(geom: AttentionGeometry, *, page_size: int = 6
             q_gain = T.alloc_shared((block_h,), f32)  # per head, the query's gain before e4m3
             q_inv = T.alloc_shared((block_h,), f32)  # per head, its inverse
             acc_s = T.alloc_fragment((block_n, block_h), f32)  # S^T [N, 16] as the gemm leaves it
-            acc_p = None
-            if score_gemm is not None:  # a second score accumulator (a probe's score gemm)
-                acc_p = T.alloc_fragment((block_n, block_h), f32)
             acc_o_tile = T.alloc_fragment((d, block_h), f32)  # this tile's O^T [D, 16]
             s_lo = T.alloc_fragment((block_n, group), f32)
             scores = T.alloc_fragment((block_n, cols), f32)  # the scores, then the probabilities
@@ -337,14 +316,10 @@ def decode_partial_fp8_tc_program(geom: AttentionGeometry, *, page_size: int = 6
                 for sp in [(t, n * FP8_PANEL) for n, t in enumerate(stored)]:
                     T.copy(pool[page, kvh, off:off + block_n, sp[1]:sp[1] + FP8_PANEL], sp[0])
                 T.copy(scales[page, kvh, off:off + block_n], scale_s)
-                if transpose_values is not None:
-                    transpose_values(stored[panels - score_panels:], v_t, lambda: n_tok - k * block_n)
+                transpose_values(stored[panels - score_panels:], v_t, lambda: n_tok - k * block_n)
                 T.clear(acc_s)
-                if score_gemm is not None:
-                    score_gemm(stored, q8, acc_s, acc_p)
-                else:
-                    for pair in list(zip(stored, q8)):
-                        T.gemm(pair[0], pair[1], acc_s, transpose_B=True)  # S^T [N, 16] += K8 Q8^T (FP8 wgmma)
+                for pair in list(zip(stored, q8)):
+                    T.gemm(pair[0], pair[1], acc_s, transpose_B=True)  # S^T [N, 16] += K8 Q8^T (FP8 wgmma)
                 rounding.scores(acc_s, s_lo, scores, scale_s, q_inv, tile_gain, tile_inv, n_tok - k * block_n)
                 mask_scores(scores, lambda i, j: k * block_n + i < n_tok)  # tokens past the chunk: probability 0
                 # P.V over scaled rows: the scale (times the tile's gain) goes on P's column (past the chunk: 0)
@@ -374,7 +349,7 @@ def decode_partial_fp8_tc_program(geom: AttentionGeometry, *, page_size: int = 6
         "part_lse": T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
     }
     return prim_func("decode_partial", args, lambda b: partial(*(b[n] for n in args))).with_attr(
-        "global_symbol", hooks.symbol)
+        "global_symbol", NAME)
 
 
 @hands_out("decode_partial_{fmt}_fp8_tc")

@@ -37,7 +37,7 @@ from ..layout import KvFormat
 from ..pool import BlockTable, PagedKvLayout, PagedKvPool, check_block_table
 from ..validate import FoldKvInputError
 from . import registry, resolve
-from .tl import check_then_time, pass_configs, require_tilelang, target
+from .tl import pass_configs, require_tilelang, target
 
 NAME = "dequant_pages_folded_fp8"
 DEFAULTS = dict(registry.get(NAME).params)
@@ -154,29 +154,3 @@ def convert_pages(pool: PagedKvPool, src: torch.Tensor, kernel: Callable) -> Pag
     out = torch.empty(lay.shape, dtype=torch.bfloat16, device=pool.device)
     kernel(pool.data, pool.scales, src, out)
     return PagedKvPool(lay, data=out)
-
-
-def main(tokens: int = 131072):
-    """The gather over a `tokens`-token request's pages, checked element for element against torch's
-    (`dequantize_rows_bf16` is its definition: none may differ), then timed (`tl.check_then_time`)."""
-    from ..fp8 import FP8_DTYPE, quantize_rows
-
-    geom = GEMMA4_31B
-
-    def setup(dev):
-        lay = PagedKvLayout.for_tokens(tokens, geometry=geom, format=KvFormat.FOLDED, dtype=FP8_DTYPE)
-        q, s = quantize_rows(torch.randn(lay.num_pages, geom.num_kv_heads, lay.page_size, lay.row_width, device=dev))
-        pool = PagedKvPool(lay, data=q, scales=s)
-        table = pool.allocate([tokens], scatter_seed=0)
-        src = table.page_ids[0].to(dev).contiguous()  # one request: its pages in order
-        got = torch.empty(_bf16_layout(pool, int(src.numel())).shape, dtype=torch.bfloat16, device=dev)
-        kernel = resolve.kernel(NAME, geom, kernel_params(pool))
-        want = bf16_pages_reference(pool, table)[0].data.view(torch.int16)
-        return (lambda: kernel(pool.data, pool.scales, src, got),
-                lambda: f"{int((got.view(torch.int16) != want).sum())} of {got.numel()} differ")
-
-    check_then_time(f"{NAME} {DEFAULTS}", build(geom, **DEFAULTS), setup)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """TileLang parts shared by the kernels: online softmax in the exp2 domain, masking a tile's rows or scores, the decode
-query load, the RoPE rotation of one rotate_half pair, the exact e4m3 -> bf16 conversion of the FP8 kernels, and the
-register split of a warp-specialised kernel run several CTAs to an SM.
+query load, the exact e4m3 -> bf16 conversion of the FP8 kernels, and the register split of a warp-specialised kernel
+run several CTAs to an SM.
 
 Each `*_macro` function returns a `@T.macro` for the given constants (TileLang is imported when it is called, never at
 module import). Macro arguments are buffers or Python values: a TIR variable passed to a macro is renamed after the
@@ -136,17 +136,6 @@ def load_group_query_macro(group: int, block_h: int):
             T.copy(query[req, kvh * group:kvh * group + block_h, piece.lo:piece.hi], piece.tile)
 
     return load_query
-
-
-def rope_pair(lo, hi, ang):
-    """RoPE of one rotate_half pair (x[d], x[d + D/2]) at angle `ang`: (lo cos - hi sin, hi cos + lo sin), each product
-    and sum an IEEE round-to-nearest intrinsic in torch's order (no FMA contraction), so the kernel rounds as the
-    torch prep does. An expression builder (not a macro): the pair's variables keep their names."""
-    import tilelang.language as T
-
-    c = T.cos(ang)
-    s = T.sin(ang)
-    return (T.ieee_add(T.ieee_mul(lo, c), T.ieee_mul(-hi, s)), T.ieee_add(T.ieee_mul(hi, c), T.ieee_mul(lo, s)))
 
 
 # e4m3 -> bf16 by integer ops and one bf16x2 multiply, 8 values per call (one 8-byte shared load, one 16-byte store).

@@ -48,7 +48,7 @@ from . import macros, producer_guard
 from . import registry
 from .decode_partial import FP8_PANEL, Run, fp8_row_macro
 from .registry import hands_out
-from .tl import built_on_device, pass_configs, prim_func, require_tilelang, target
+from .tl import pass_configs, prim_func, require_tilelang, target
 
 # The registered tuning constants of the bf16 folded prefill (the AOT build compiles the same); prefill_split has its
 # own (one stage of its two 1,024-column windows, the plain softmax).
@@ -403,38 +403,3 @@ def build_fp8(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvForm
 
     check_e4m3_conversion(f"prefill_{fmt.value}_fp8", kernel.get_kernel_source(), macros.CONVERT_BARRIER_ID)
     return kernel
-
-
-def main(fmt: KvFormat | str = KvFormat.FOLDED, context: int = 16384, chunk: int = 2048, **tiling):
-    """Build with the defaults (or `tiling`); on a GPU, check one chunk at the end of `context` against the float64
-    reference and time it."""
-    import torch
-
-    import foldkv
-    from .prefill import prefill
-
-    fmt = KvFormat.parse(fmt)
-    cfg = {**registry.get(f"prefill_{fmt.value}").params, **tiling}
-    kernel = build(GEMMA4_31B, fmt, **cfg)
-    if not built_on_device(f"prefill_{fmt.value} {cfg}", kernel):
-        return kernel
-    geom, dev = GEMMA4_31B, torch.device("cuda")
-    torch.manual_seed(0)
-    pool = foldkv.PagedKvPool(foldkv.PagedKvLayout(geom, fmt, 64, -(-context // 64)), device=dev)
-    table = pool.allocate([context]).to(dev)
-    kv = torch.randn(context, geom.num_kv_heads, geom.head_dim, device=dev)  # raw projections, prepped into rows
-    foldkv.fill_sequences(pool, table, [kv], torch.rand(geom.head_dim, device=dev) + 0.5)
-    q_lens = torch.tensor([chunk], dtype=torch.int32)
-    query = (torch.randn(chunk, geom.num_q_heads, geom.head_dim, device=dev) * 0.05).to(torch.bfloat16)
-    run = lambda: prefill(pool, query, table, q_lens, params=tiling)  # noqa: E731
-    out, lse = run()
-    want, want_lse = foldkv.paged_attention_reference(pool, query, table, q_lens, query_block=256)
-    print(f"relative error {float((out.double() - want).norm() / want.norm()):.2e}, "
-          f"max LSE error {float((lse.double() - want_lse).abs().max()):.2e}")
-    from tilelang.profiler import do_bench  # TileLang's timer, in ms
-    print(f"{do_bench(run):.2f} ms per {chunk}-token chunk at {context}")
-    return kernel
-
-
-if __name__ == "__main__":
-    main()

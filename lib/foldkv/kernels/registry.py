@@ -24,7 +24,7 @@ class KernelVariant:
     AOT manifest records them and the AOT backend can refuse a kernel built with other ones."""
 
     name: str  # unique, e.g. "decode_partial_folded"
-    family: str  # decode_partial | decode_fused | merge_groups | merge_final | prefill | prep | dequant_pages
+    family: str  # decode_partial | decode_fused | merge_groups | merge_final | prefill | dequant_pages
     format: KvFormat | None  # None for format-independent kernels (the merges)
     builder: str | Callable[..., Any]  # "package.module:function", imported on first build (or the function itself)
     params: dict = field(default_factory=dict)  # tuning constants baked into the build (page size, tiles, ...)
@@ -95,7 +95,6 @@ _PREFILL = {
 # 196,864 B = 192.25 KiB of the 227 KiB. Two stages of panels would take 232.5 KiB; the bf16 windows of the bf16
 # prefill (128 KiB) beside the panels 240.25 KiB. The panels are released once converted, so one stage prefetches.
 _PREFILL_FP8 = dict(page_size=64, block_N=64, num_stages=1, threads=256)
-_PREP = dict(page_size=64, in_dtype="bfloat16", threads=128)  # 128 threads: each owns two rotate_half pairs
 _DEQUANT_PAGES = dict(page_size=64, threads=128)  # memory-bound: one CTA per (page, KV head), 320 elements a thread
 
 VARIANTS: tuple[KernelVariant, ...] = (
@@ -115,8 +114,6 @@ VARIANTS: tuple[KernelVariant, ...] = (
       for f in KvFormat),
     KernelVariant("prefill_folded_fp8", "prefill", KvFormat.FOLDED, _K + "prefill_attention:build_fp8",
                   dict(_PREFILL_FP8)),
-    *(KernelVariant(f"prep_{f.value}", "prep", f, _K + "prep_kernel:build", dict(_PREP)) for f in KvFormat),
-    KernelVariant("prep_folded_fp8", "prep", KvFormat.FOLDED, _K + "prep_kernel:build_fp8", dict(_PREP)),
     KernelVariant("dequant_pages_folded_fp8", "dequant_pages", KvFormat.FOLDED, _K + "dequant_pages:build",
                   dict(_DEQUANT_PAGES)),
 )
@@ -170,7 +167,7 @@ def _plain(v: Any) -> Any:
 
 def hands_out(name: str) -> Callable:
     """Decorate a JIT builder so that every kernel it returns is noted (`note_kernel`) under `name`, a template filled
-    from the builder's bound arguments ("prep_{fmt}"), with the sha256 of the CUDA source TileLang generated for it
+    from the builder's bound arguments ("decode_partial_{fmt}"), with the sha256 of the CUDA source TileLang generated for it
     and the builder's arguments, after checking that its warp-specialised producer loops are guarded
     (`producer_guard.check_producer_guard`). One decorator on each builder covers every launcher, test and harness
     that uses it."""

@@ -64,29 +64,3 @@ def prim_func(name: str, args: dict, body):
     with builder.prim_func(name):
         body({n: builder.arg(n, a) for n, a in args.items()})
     return _patch_prim_func_attrs(builder.get(), builder)
-
-
-def built_on_device(label: str, kernel) -> bool:
-    """What a kernel file's `main()` says first: `label` and the kernel's emitted CUDA size; then whether a CUDA device
-    is here to check and time it on (if not, it says so)."""
-    import torch
-
-    print(f"{label}: {len(kernel.get_kernel_source())} chars of CUDA")
-    if not torch.cuda.is_available():
-        print("no CUDA device: built, not checked or timed")
-        return False
-    return True
-
-
-def check_then_time(label: str, kernel, setup) -> None:
-    """A kernel file's `main()`: `built_on_device`, then on the device `setup(device)` gives `(run, check)`: one
-    `run()`, the line `check()` returns (the output against its reference), and `run` timed by TileLang's do_bench."""
-    if not built_on_device(label, kernel):
-        return
-    import torch
-    from tilelang.profiler import do_bench  # TileLang's timer, in ms
-
-    run, check = setup(torch.device("cuda"))
-    run()
-    print(check())
-    print(f"{do_bench(run) * 1e3:.1f} us a launch")

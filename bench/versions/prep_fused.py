@@ -1,4 +1,17 @@
-"""The fused GPU prep: q/k RMSNorm, v-norm, proportional RoPE on the rotated columns, the w_k fold, and the row store.
+"""The fused GPU prep as one TileLang kernel: q/k RMSNorm, v-norm, proportional RoPE on the rotated columns, the w_k
+fold, and the row store. Not served: the runtime folds and stores through `foldkv.global_step.fold_and_store` (its
+Triton pair, held to the torch definition `foldkv.prep.fold_and_store`), the one kernel path of prefill, eager decode
+and the step; this kernel was the fused prep before it, and stays here as the prefill harness's fused-prep arm.
+
+What it tried (bench/PREFILL_NOTES.md, "Fused prep"): one CTA per (token, head row), 128 threads each owning two
+rotate_half pairs, bit agreement with the torch prep but for the RMSNorm sum order.
+Prediction: ~200 us for an 8,192-token chunk against 3-5 ms for the torch prep.
+Measured (H200): 1.06-1.35 ms fused against 5.4-7.1 ms torch, missed by 6x (launch and scheduling bound: 295k CTAs
+of 2 elements a thread, 2-byte scalar stores); its agreement counts are in PREFILL_NOTES.md's gate table.
+Check it: `FOLDKV_REQUIRE_GPU=1 python -m pytest -m gpu tests/test_prep_kernel_gpu.py` (against the torch prep);
+time it: `python bench/prefill_harness.py` (`time_prep`). Built through TileLang's JIT only (no registry entry, no
+AOT kernel).
+
 
 `prep_and_store_gpu` does on the GPU, in one launch, what `foldkv.prep_and_store` does in torch: for T tokens (a
 prefill chunk, or one decode token per request) it writes each token's page row (either format) into its page and
@@ -23,7 +36,7 @@ seen through the quantization: the scale can differ in its last float32 bits, an
 within that difference of an e4m3 rounding boundary lands on the neighbouring code (the derived bounds are in
 tests/test_prep_kernel_gpu.py).
 
-Kernel argument order (the AOT loader relies on it):
+Kernel argument order (what the launcher passes):
   Qraw [T, 32, 512] (in dtype), KVraw [T, 4, 512] (in dtype), QNormW [512] f32, KNormW [512] f32,
   InvFreq [256] f32, Positions [T] int32, SlotPage [T] int32, SlotOffset [T] int32,
   Pool [P, 4, page, row_width] bf16 (written), QueryOut [T, 32, 512] bf16
@@ -35,22 +48,32 @@ owning two rotate_half pairs (d, d + 256).
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
 
-from typing import Callable, Mapping
+import functools
 
 import torch
 
-from ..config import GEMMA4_31B, AttentionGeometry
-from ..fp8 import E4M3_MAX, FP8_DTYPE, check_finite_rows
-from ..layout import KvFormat
-from ..pool import BlockTable, PagedKvPool
-from ..prep import check_prep_and_store, rope_inv_freq
-from ..validate import FoldKvInputError, check_tensor
-from . import registry, resolve
-from .decode import pool_operands
-from .macros import rope_pair
-from .tl import pass_configs, prim_func, require_tilelang, target
+from foldkv.config import GEMMA4_31B, AttentionGeometry
+from foldkv.fp8 import E4M3_MAX, FP8_DTYPE, check_finite_rows
+from foldkv.kernels import registry
+from foldkv.kernels.decode import pool_operands
+from foldkv.kernels.tl import pass_configs, prim_func, require_tilelang, target
+from foldkv.layout import KvFormat
+from foldkv.pool import BlockTable, PagedKvPool
+from foldkv.prep import check_prep_and_store, rope_inv_freq
+from foldkv.validate import FoldKvInputError, check_tensor
 
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
+
+
+def rope_pair(lo, hi, ang):
+    """RoPE of one rotate_half pair (x[d], x[d + D/2]) at angle `ang`: (lo cos - hi sin, hi cos + lo sin), each product
+    and sum an IEEE round-to-nearest intrinsic in torch's order (no FMA contraction), so the kernel rounds as the
+    torch prep does. An expression builder (not a macro): the pair's variables keep their names."""
+    import tilelang.language as T
+
+    c = T.cos(ang)
+    s = T.sin(ang)
+    return (T.ieee_add(T.ieee_mul(lo, c), T.ieee_mul(-hi, s)), T.ieee_add(T.ieee_mul(hi, c), T.ieee_mul(lo, s)))
 
 
 def _check_geometry(geom: AttentionGeometry) -> None:
@@ -237,22 +260,21 @@ def _build(geom: AttentionGeometry, fmt: KvFormat | str, page_size: int, in_dtyp
 
 
 # --- launcher ---------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _kernel(geom: AttentionGeometry, fmt: KvFormat, fp8: bool, page_size: int, in_dtype: str):
+    return (build_fp8 if fp8 else build)(geom, fmt, page_size=page_size, in_dtype=in_dtype)
+
+
 def prep_and_store_gpu(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, positions: torch.Tensor,
-                       q: torch.Tensor, kv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
-                       *, backend: str = "jit", kernels: Mapping[str, Callable] | None = None) -> torch.Tensor:
+                       q: torch.Tensor, kv: torch.Tensor, q_norm_weight: torch.Tensor,
+                       k_norm_weight: torch.Tensor) -> torch.Tensor:
     """`foldkv.prep_and_store` in one fused launch: store T tokens' rows, return the query [T, 32, 512] bf16.
 
     Everything is checked before the launch (same checks as the torch prep, plus: CUDA tensors, a bf16 or FP8 pool,
-    q/kv of one dtype among bf16/fp16/fp32); on a refusal the pool is unchanged. The kernel "prep_<format>" (an FP8
-    pool: "prep_folded_fp8", which also writes pool.scales) comes from `foldkv.kernels.resolve.kernel` with the pool's
-    page size and q's dtype among its params (backend "jit" or "aot"), or from `kernels={name: callable}` (an
-    experiment's variant).
-    """
+    q/kv of one dtype among bf16/fp16/fp32); on a refusal the pool is unchanged. The kernel (an FP8 pool's also
+    writes pool.scales) is built for the pool's page size and q's dtype, once each."""
     geom = pool.geometry
-    resolve.check_backend(backend)
     quantized = pool.layout.quantized
-    name = "prep_folded_fp8" if quantized else f"prep_{pool.format.value}"
-    resolve.check_kernels((name,), kernels)
     if pool.layout.dtype not in (torch.bfloat16, FP8_DTYPE):
         raise FoldKvInputError(f"the fused prep stores bf16 or FP8 (e4m3) rows; the pool is {pool.layout.dtype}")
     if isinstance(q, torch.Tensor) and q.dtype in _TORCH_DTYPES:  # one input dtype: the kernel is built for it
@@ -267,8 +289,7 @@ def prep_and_store_gpu(pool: PagedKvPool, table: BlockTable, request: torch.Tens
     query = torch.empty((t, geom.num_q_heads, geom.head_dim), dtype=torch.bfloat16, device=pool.device)
     if t == 0:
         return query
-    params = {"page_size": pool.layout.page_size, "in_dtype": _TORCH_DTYPES[q.dtype]}
-    (kernel,) = resolve.launch_kernels((name,), geom, {name: params}, backend, kernels)
+    kernel = _kernel(geom, pool.format, quantized, pool.layout.page_size, _TORCH_DTYPES[q.dtype])
     dev = pool.device
     kernel(q.contiguous(), kv.contiguous(), q_norm_weight.to(dev, torch.float32).contiguous(),
            k_norm_weight.to(dev, torch.float32).contiguous(), rope_inv_freq(geom, dev).contiguous(),
