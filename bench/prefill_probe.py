@@ -61,17 +61,34 @@ def _cell(text: str, chunk: int) -> dict:
 
 
 @contextlib.contextmanager
-def components(model):
-    """Wrap WRAPPED's functions in their prefill scopes and the text model's forward in CHUNK (record_function ranges
-    the profiler keeps); restore on exit."""
+def components(model, entered: dict | None = None):
+    """Wrap WRAPPED's functions in their prefill scopes, and one chunk's forward in CHUNK (record_function ranges the
+    profiler keeps); restore on exit. A chunk's forward is the step's own (`StepForward.prefill`, the served fused
+    prefill) or the text model's (every other arm): both are wrapped on their class, never on the model instance,
+    because a forward set on a module the step computes makes the step refuse the model (`fused_step.refusal`) and
+    the profile would time transformers' forward instead of the served one. `entered` counts which of the two ran."""
     import importlib
 
     undo = []
+    from foldkv import fused_step
+    from foldkv.hf import text_model_of
     from foldkv.lab import prefill_scopes as scopes
+
+    def wrap(owner, rest, scope, key=None):
+        fn = vars(owner)[rest] if rest in vars(owner) else getattr(owner, rest)
+
+        @functools.wraps(fn)  # generate() reads the model forward's signature
+        def wrapped(*a, **k):
+            if key is not None and entered is not None:
+                entered[key] = entered.get(key, 0) + 1
+            with scopes.components_scope(scope):
+                return fn(*a, **k)
+
+        undo.append((owner, rest, vars(owner).get(rest, _ABSENT)))
+        setattr(owner, rest, wrapped)
 
     for dotted, scope in WRAPPED.items():
         mod_name, _, rest = dotted.rpartition(".")
-        owner_name = None
         try:
             owner = importlib.import_module(mod_name)
         except ImportError:  # Class.method
@@ -80,35 +97,20 @@ def components(model):
         if not hasattr(owner, rest):
             print(f"  (no {dotted}: not wrapped)")
             continue
-        fn = getattr(owner, rest)
-
-        def wrapped(*a, _fn=fn, _name=getattr(scopes, scope), **k):
-            with scopes.components_scope(_name):
-                return _fn(*a, **k)
-
-        setattr(owner, rest, wrapped)
-        undo.append((owner, rest, fn))
-    from foldkv.hf import text_model_of
-
-    model = text_model_of(model)  # one forward a chunk (the top model's forward is foldkv.hf_loop.install's)
-    own = vars(model).get("forward")
-    fwd = model.forward
-
-    @functools.wraps(fwd)  # generate() reads forward's signature
-    def chunk_forward(*a, **k):
-        with scopes.components_scope(scopes.CHUNK):
-            return fwd(*a, **k)
-
-    model.forward = chunk_forward
+        wrap(owner, rest, getattr(scopes, scope))
+    wrap(fused_step.StepForward, "prefill", scopes.CHUNK, "step")
+    wrap(type(text_model_of(model)), "forward", scopes.CHUNK, "model")
     try:
         yield
     finally:
-        if own is None:
-            del model.forward
-        else:
-            model.forward = own
         for owner, rest, fn in reversed(undo):
-            setattr(owner, rest, fn)
+            if fn is _ABSENT:
+                delattr(owner, rest)
+            else:
+                setattr(owner, rest, fn)
+
+
+_ABSENT = object()
 
 
 def attribute(trace: dict) -> list[dict]:
@@ -216,8 +218,13 @@ def main(argv=None) -> int:
 
         for c in cells:
             run(c)
-            with components(model), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            entered: dict = {}
+            with components(model, entered), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
                 r = run(c, seed=1)
+            r["chunk_forward"] = entered  # {"step": chunks through the step's own forward, "model": transformers'}
+            if args.glue == "fused" and c["arm"].startswith("foldkv") and not entered.get("step"):
+                print(f"  {c['arm']}: the profiled prefill did not run the step's own forward ({entered}): this"
+                      " profile is of transformers' forward, not the served one", flush=True)
             path = os.path.join(tempfile.mkdtemp(), "trace.json")
             p.export_chrome_trace(path)
             with open(path) as f:
