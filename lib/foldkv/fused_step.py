@@ -320,8 +320,12 @@ class _Group:
         self.merged, self.rows = held if held is not None else (None, None)
         self.branch = not any(foreign_projection(lin) for lin in self.linears)
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor, merged: bool = True) -> list[torch.Tensor]:
+        """The group's outputs; a merged group with `merged` False (a prefill's `StepOptions.merge_prefill` off): one
+        GEMM a projection over its row block of the merged weight (the modules' weights: views, nothing copied)."""
         if self.merged is not None:
+            if not merged:
+                return [gemv.linear(x, w) for w in self.merged.split(self.rows)]
             return list(gemv.linear(x, self.merged).split(self.rows, dim=-1))
         rest = fork(x, self.linears[1:]) if self.branch else [(lin(x), None) for lin in self.linears[1:]]
         first = self.linears[0](x)
@@ -417,14 +421,15 @@ class StepForward:
             masks = compat.causal_masks(self.text, h, masks, cache, positions)
         tables = {t: self.text.rotary_emb(h, positions, t) for t in dict.fromkeys(self.types)}
         nxt_norm = in_force().tail_next_norm and h.is_cuda
+        merged = step is not None or in_force().merge_prefill  # (a decode step's groups: always their merged GEMV)
         normed = None
         for i, layer in enumerate(self.layers):
             x = normed if normed is not None else self._norm(layer.input_layernorm, h)
             kind = self.types[i]
-            out, parts = self._attention(i, x, tables[kind], masks[kind], cache, step, positions)
+            out, parts = self._attention(i, x, tables[kind], masks[kind], cache, step, positions, merged)
             h, x = self._norm_add(out, h, layer.post_attention_layernorm, layer.pre_feedforward_layernorm, None,
                                   parts)
-            out, parts = self._mlp(i, x)
+            out, parts = self._mlp(i, x, merged)
             second = self.layers[i + 1].input_layernorm if nxt_norm and i + 1 < len(self.layers) else None
             h, normed = self._norm_add(out, h, layer.post_feedforward_layernorm, second, layer.layer_scalar, parts)
             normed = normed if second is not None else None
@@ -438,17 +443,19 @@ class StepForward:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return compat.causal_lm_output(logits, cache)
 
-    def _mlp(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Layer i's MLP from its pre-feedforward norm's output: (down_proj's output, its unsummed partials or None)."""
-        gate, up = self.gate_up[i](x)
+    def _mlp(self, i: int, x: torch.Tensor, merged: bool = True) -> tuple[torch.Tensor, Any]:
+        """Layer i's MLP from its pre-feedforward norm's output: (down_proj's output, its unsummed partials or None);
+        `merged`: gate|up as its merged GEMM (`_Group`)."""
+        gate, up = self.gate_up[i](x, merged)
         act = gelu_mul(gate, up) if x.is_cuda else self.layers[i].mlp.act_fn(gate) * up
         return self.down_proj[i].tail(act)
 
-    def _attention(self, i, x, table, mask, cache, step, positions) -> tuple[torch.Tensor, Any]:
-        """Layer i's attention from its input norm's output x: (o_proj's output, its unsummed partials or None)."""
+    def _attention(self, i, x, table, mask, cache, step, positions, merged=True) -> tuple[torch.Tensor, Any]:
+        """Layer i's attention from its input norm's output x: (o_proj's output, its unsummed partials or None);
+        `merged`: q|k(|v) as its merged GEMM (`_Group`)."""
         attn = self.layers[i].self_attn
         cos, sin = table
-        projected = self.qkv[i](x)
+        projected = self.qkv[i](x, merged)
         q, k = projected[0], projected[1]
         v = projected[2] if len(projected) > 2 else k  # attention_k_eq_v: the value is the key before its norm
         b, t = x.shape[:2]
@@ -478,7 +485,7 @@ class StepForward:
     @torch.no_grad()
     def warm_prefill(self, pool: Any, rows: int = WARM_ROWS) -> int:
         """Launch once each kernel a prefill chunk launches (its Triton glue at the specialisations a chunk takes, its
-        merged GEMMs' cuBLAS kernels at `rows` rows), so that a process's first prompt loads none of them inside its
+        GEMMs' cuBLAS kernels at `rows` rows: merged or one a projection, as `StepOptions.merge_prefill` says), so that a process's first prompt loads none of them inside its
         time to first token: one untimed pass of each distinct decoder-layer body over `rows` random hidden rows (the
         same ops the forward calls; the attention itself left out, a global layer's fold and store into a one-page
         scratch pool of `pool`'s layout: nothing of the cache is written), then the final norm and the LM head's row.
@@ -496,6 +503,7 @@ class StepForward:
             return 0
         scratch = PagedKvPool(replace(pool.layout, num_pages=1), device=w.device)
         g = torch.Generator(device=w.device).manual_seed(0)
+        merged = in_force().merge_prefill  # the GEMMs a chunk launches: merged, or one a projection
         bodies = 0
         for t in (rows, 15) if n % 16 and rows > 15 else (rows,):
             h = torch.randn(1, t, n, generator=g, device=w.device).to(w.dtype)  # never zero
@@ -513,7 +521,7 @@ class StepForward:
                 bodies += 1
                 attn = layer.self_attn
                 x = self._norm(layer.input_layernorm, h)
-                projected = self.qkv[i](x)
+                projected = self.qkv[i](x, merged)
                 q, k = projected[0], projected[1]
                 v = projected[2] if len(projected) > 2 else k
                 d = attn.head_dim
@@ -528,7 +536,7 @@ class StepForward:
                                                               dtype=w.dtype))
                 y, x = self._norm_add(out, h, layer.post_attention_layernorm, layer.pre_feedforward_layernorm, None,
                                       parts)
-                out, parts = self._mlp(i, x)
+                out, parts = self._mlp(i, x, merged)
                 second = None if last or not in_force().tail_next_norm else self.layers[i + 1].input_layernorm
                 self._norm_add(out, y, layer.post_feedforward_layernorm, second, layer.layer_scalar, parts)
             self.lm_head(self._norm(self.text.norm, h)[:, -1:])
