@@ -11,7 +11,8 @@
   projection groups merged or one GEMM a projection (`StepOptions.merge_prefill`). Traced on the CPU with
   `Tensor.is_cuda` made True and each kernel's launch recorded (no kernel runs: its outputs are filled). Red twins: a
   warm-up that skips one kernel (gelu_mul), one that reads q/k/v's head rows as a packed copy (another
-  specialisation), and one of merged GEMMs where the chunk runs them split, are caught.
+  specialisation), one of merged GEMMs where the chunk runs them split, and one of two passes where the chunk norms
+  and rotates q and k in one (`StepOptions.fuse_prefill_norm_rope`), are caught.
 - The TileLang prefill program bakes no length: every dim of its arguments that depends on the prompt (queries,
   pages, batch, tiles) is a dynamic variable, so one kernel serves every length. Red twin: a program with a static
   query count is caught by the same check.
@@ -259,22 +260,24 @@ def _merged_gemms(model) -> set:
     return {_gemm_key(w, w) for w, _ in filter(None, map(_merged_weight, model.modules()))}
 
 
-@pytest.mark.parametrize("merge_prefill", [True, False])
-def test_the_warm_up_launches_what_a_prefill_chunk_launches(bf16_step, traced, merge_prefill):
+@pytest.mark.parametrize("merge_prefill,fuse_prefill_norm_rope", [(True, True), (False, True), (True, False)])
+def test_the_warm_up_launches_what_a_prefill_chunk_launches(bf16_step, traced, merge_prefill, fuse_prefill_norm_rope):
     model, step = bf16_step
     log = traced
-    # odd, a multiple of 16, and a chunk at an offset
-    chunks = _chunk_launches(model, step, log, (13, 32, 7), merge_prefill=merge_prefill)
+    options = dict(merge_prefill=merge_prefill, fuse_prefill_norm_rope=fuse_prefill_norm_rope)
+    chunks = _chunk_launches(model, step, log, (13, 32, 7), **options)  # odd, a multiple of 16, a chunk at an offset
     names = {key[0] for key in chunks}
-    assert {"rms_norm_rows", "rope_rows", "gelu_mul_rows", "norm_add_rows", "global_query_rows",
-            "global_row_store", "F.linear"} <= names, names
+    assert {"rms_norm_rows", "gelu_mul_rows", "norm_add_rows", "global_query_rows", "global_row_store",
+            "F.linear"} <= names, names
+    # q's and k's norm and RoPE: one pass, or the norm and then rope_rows
+    assert {"q_norm_rope_rows", "rope_rows"} & names == {"q_norm_rope_rows" if fuse_prefill_norm_rope else "rope_rows"}
     merged = _merged_gemms(model)
     assert merged and (merged <= chunks) == merge_prefill  # the option in force: merged GEMMs, or one a projection
     from foldkv.hf import FoldKvCache
 
     pool = FoldKvCache(model, max_batch=1, max_tokens=64, attention="reference",
                        decode_step="static").global_layers[0].pool
-    warm = _warm_launches(step, pool, log, rows=24, merge_prefill=merge_prefill)
+    warm = _warm_launches(step, pool, log, rows=24, **options)
     assert not chunks - warm, sorted(chunks - warm)
 
 
@@ -302,6 +305,9 @@ def test_a_warm_up_that_skips_a_kernel_or_takes_another_specialisation_is_caught
     split = _chunk_launches(model, step, log, (13,), merge_prefill=False)
     missing = split - _warm_launches(step, pool, log, rows=24, merge_prefill=True)
     assert {key[0] for key in missing} == {"F.linear", "rms_norm_rows"}
+    # red twin 4: a warm-up of the two passes where the chunk normed and rotated q and k in one
+    missing = chunks - _warm_launches(step, pool, log, rows=24, fuse_prefill_norm_rope=False)
+    assert {key[0] for key in missing} == {"q_norm_rope_rows"}
 
 
 def test_off_cuda_the_warm_up_launches_nothing(bf16_step, monkeypatch):

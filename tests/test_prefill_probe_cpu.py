@@ -21,10 +21,10 @@ def test_a_cell_with_step_options_is_an_arm_of_its_own():
     plain = probe._cell("foldkv-folded:32768", 4096)
     assert plain == {"arm": "foldkv-folded", "prompt": 32768, "batch": 1, "chunk": 4096, "options": {},
                      "label": "foldkv-folded"}
-    ab = probe._cell("foldkv-folded:32768:2:8192@merge_prefill=0,tail_sums=1", 4096)
+    ab = probe._cell("foldkv-folded:32768:2:8192@merge_prefill=0,fuse_prefill_norm_rope=1", 4096)
     assert (ab["arm"], ab["prompt"], ab["batch"], ab["chunk"]) == ("foldkv-folded", 32768, 2, 8192)
-    assert ab["options"] == {"merge_prefill": False, "tail_sums": True}
-    assert ab["label"] == "foldkv-folded@merge_prefill=0,tail_sums=1" != plain["label"]
+    assert ab["options"] == {"merge_prefill": False, "fuse_prefill_norm_rope": True}
+    assert ab["label"] == "foldkv-folded@merge_prefill=0,fuse_prefill_norm_rope=1" != plain["label"]
     assert dataclasses.replace(StepOptions(), **ab["options"]).merge_prefill is False
 
 

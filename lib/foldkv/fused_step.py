@@ -8,7 +8,8 @@ rounding points, so transformers' own forward stays the oracle (tests/test_hf_st
 tests/test_fused_step_gpu.py on CUDA). Nothing of the model is replaced or rebound: its modules keep their forwards.
 On CUDA the formulas are foldkv's kernels (`foldkv.fused_step_ops`, `fused_step_kernels`); elsewhere the modules' own:
 - `rms_norm`: Gemma4RMSNorm, y = x * (mean(x^2) + eps)^-0.5 [* weight] in float32, rounded once;
-- `rope`: apply_rotary_pos_emb, x * cos + rotate_half(x) * sin with torch's three roundings kept;
+- `rope`: apply_rotary_pos_emb, x * cos + rotate_half(x) * sin with torch's three roundings kept; inside a prefill
+  q's and k's norm and RoPE in one pass (`norm_rope`, `StepOptions.fuse_prefill_norm_rope`: bitwise the two);
 - `gelu_mul`: the MLP's act(gate) * up (tanh GELU), the activation rounded before the product as torch rounds it;
 - the decoder layer's tails as one pass each (`norm_add_norm`: post-attention norm, residual add, pre-feedforward
   norm; `norm_add_scale`: post-feedforward norm, residual add, layer scalar), with the tail links
@@ -39,8 +40,8 @@ from torch import nn
 from . import gemv, global_step, ring
 from . import transformers_compat as compat
 from .fused_step_ops import (_norm_add, gelu_mul, head_dim_refusal, kv_to_ring, masked_softmax,  # noqa: F401
-                             norm_add_norm, norm_add_scale, norm_eps, q_norm_rope, rms_norm, rope,  # (public: __all__)
-                             sliding_prologue)
+                             norm_add_norm, norm_add_scale, norm_eps, norm_rope, norm_rope_refusal, q_norm_rope,
+                             rms_norm, rope, sliding_prologue)  # (public: __all__)
 from .masks import SLIDING_IMPLEMENTATION, RingMask
 from .moved import moved
 from .step_options import StepOptions, in_force
@@ -383,6 +384,15 @@ class StepForward:
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         return (x * cos) + (_rotate_half(x) * sin)
 
+    def _norm_rope(self, norm: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   fused: bool) -> torch.Tensor:
+        """RoPE(norm(x)) of head rows x [B, T, H, D]: one pass (`norm_rope`) when `fused` (a prefill's
+        `StepOptions.fuse_prefill_norm_rope`) and its kernel takes the rows, else `_norm` then `_rope`: bitwise the
+        same."""
+        if fused and x.is_cuda and norm.with_scale and norm_rope_refusal(x, norm.weight, cos, sin) is None:
+            return norm_rope(x, norm.weight, norm_eps(norm), cos, sin)
+        return self._rope(self._norm(norm, x), cos, sin)
+
     def _norm_add(self, x, residual, first, second, scalar, parts):
         """(h, y): h = residual + first(x) [* scalar], y = second(h) (h without a second norm)."""
         if x.is_cuda:
@@ -474,8 +484,9 @@ class StepForward:
             out = step._workspace_decode(layer, b).to(x.dtype).reshape(b, 1, -1)
             return self.o_proj[i].tail(out)
         d = attn.head_dim
-        q = self._rope(self._norm(attn.q_norm, q.view(b, t, -1, d)), cos, sin).transpose(1, 2)
-        k = self._rope(self._norm(attn.k_norm, k.view(b, t, -1, d)), cos, sin).transpose(1, 2)
+        fused = step is None and in_force().fuse_prefill_norm_rope  # a prefill's
+        q = self._norm_rope(attn.q_norm, q.view(b, t, -1, d), cos, sin, fused).transpose(1, 2)
+        k = self._norm_rope(attn.k_norm, k.view(b, t, -1, d), cos, sin, fused).transpose(1, 2)
         v = self._norm(attn.v_norm, v.view(b, t, -1, d)).transpose(1, 2)
         k, v = cache.update(k, v, attn.layer_idx)
         out, _ = compat.attention_function(attn)(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling,
@@ -504,6 +515,7 @@ class StepForward:
         scratch = PagedKvPool(replace(pool.layout, num_pages=1), device=w.device)
         g = torch.Generator(device=w.device).manual_seed(0)
         merged = in_force().merge_prefill  # the GEMMs a chunk launches: merged, or one a projection
+        fused = in_force().fuse_prefill_norm_rope  # its q and k norms and RoPE: one pass, or two
         bodies = 0
         for t in (rows, 15) if n % 16 and rows > 15 else (rows,):
             h = torch.randn(1, t, n, generator=g, device=w.device).to(w.dtype)  # never zero
@@ -526,8 +538,8 @@ class StepForward:
                 v = projected[2] if len(projected) > 2 else k
                 d = attn.head_dim
                 cos, sin = tables[self.types[i]]
-                q = self._rope(self._norm(attn.q_norm, q.view(1, t, -1, d)), cos, sin)
-                k = self._rope(self._norm(attn.k_norm, k.view(1, t, -1, d)), cos, sin)
+                q = self._norm_rope(attn.q_norm, q.view(1, t, -1, d), cos, sin, fused)
+                k = self._norm_rope(attn.k_norm, k.view(1, t, -1, d), cos, sin, fused)
                 v = self._norm(attn.v_norm, v.view(1, t, -1, d))
                 if not attn.is_sliding:  # FoldKvLayer.attend's fold and store, rows packed as its index_select's
                     global_step.fold_and_store(scratch, pages, offsets, q.reshape(t, -1, d), k.reshape(t, -1, d),
@@ -591,4 +603,5 @@ __getattr__ = moved(__name__, _MOVED)
 __all__ = ["StepForward", "refusal", "text_model", "norm_eps", "fork", "join", "side_streams",
            "branched_attention_modules", "merge_projections", "split_projections", "merged_groups", "mlp_modules",
            "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "q_norm_rope",
+           "norm_rope",
            "kv_to_ring", "sliding_prologue", "foreign_projection", "StepOptions"]

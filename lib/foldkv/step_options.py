@@ -51,6 +51,10 @@ class StepOptions:
         picks its kernel by shape, and the 31B's merged shapes looked ~4% slower at 4,096 rows (bench/PREFILL_NOTES.md);
         this is the A/B of that. The same sums over the same K, but on CUDA another kernel may reduce in another order:
         within the GEMM's float32 bound, not bitwise. Decode steps always read the merged weight (`merge`).
+    fuse_prefill_norm_rope: inside a prefill on CUDA, each q and k head row's RMSNorm and RoPE as one pass
+        (`fused_step_ops.norm_rope`) instead of two (`rms_norm`, then `rope`): the same formulas at the same rounding
+        points (the normed row rounded to the model's dtype before RoPE), bitwise the two; one write and one read of
+        the chunk's q and k less.
     """
 
     merge: bool = True
@@ -63,6 +67,7 @@ class StepOptions:
     pdl: bool = True
     fuse_prefill: bool = True
     merge_prefill: bool = True
+    fuse_prefill_norm_rope: bool = True
 
 
 SERVED = StepOptions()
