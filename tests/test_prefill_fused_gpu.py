@@ -108,4 +108,5 @@ def test_prefill_norm_rope_and_merge_options(tmp_path_factory, lengths):
     bound = max(2 * (eager - base).abs().max().item(), 4 * 2.0 ** -8 * base.abs().max().item())
     gap = (split - logits).abs().max().item()
     assert gap <= bound, (gap, bound)
-    print(f"merge_prefill off: tokens equal {torch.equal(tokens, split_tokens)}, logit gap {gap:.3g} (bound {bound:.3g})")
+    print(f"merge_prefill off: tokens equal {torch.equal(tokens, split_tokens)}, logit gap {gap:.3g}"
+          f" (bound {bound:.3g})")

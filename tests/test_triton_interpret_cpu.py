@@ -1,12 +1,12 @@
 """The decode step's Triton kernels in Triton's interpreter, on CPU tensors: `foldkv.fused_step_ops`' launches (norms,
 the residual tails with and without split partials, RoPE, GELU x up, the ring's masked softmax, a sliding layer's
-prologue in one launch and as two, a prefill's q/k norm and RoPE in one pass), `foldkv.gemv`'s tensor-core GEMM and its split sum, `foldkv.global_step`'s query and
-row kernels (after the model's norms and RoPE, and with them inside), and the lab's (the read roof's streaming sum;
-bench/versions/ring_attention_one_launch.py; the greedy pick of bench/versions/greedy_pick_fused.py, alone and inside a
-CPU generate()), each against what it replaces. The GPU tests hold the compiled kernels to the same
-statements on the H200; these run everywhere Triton is installed (a CPU torch gets the H200's Triton from
-scripts/install.sh), so a launch that passes a wrong stride, a moved host function that lost a name, or a formula that
-left torch's rounding points fails in CI.
+prologue in one launch and as two, a prefill's q/k norm and RoPE in one pass), `foldkv.gemv`'s tensor-core GEMM and its
+split sum, `foldkv.global_step`'s query and row kernels (after the model's norms and RoPE, and with them inside), and
+the lab's (the read roof's streaming sum; bench/versions/ring_attention_one_launch.py; the greedy pick of
+bench/versions/greedy_pick_fused.py, alone and inside a CPU generate()), each against what it replaces. The GPU tests
+hold the compiled kernels to the same statements on the H200; these run everywhere Triton is installed (a CPU torch gets
+the H200's Triton from scripts/install.sh), so a launch that passes a wrong stride, a moved host function that lost a
+name, or a formula that left torch's rounding points fails in CI.
 
 Triton's interpreter is chosen when a kernel is defined (`TRITON_INTERPRET=1` at import), so the kernels run in a
 child pytest of this file (`test_the_kernels_in_the_interpreter`); in this process the others skip. Two things the

@@ -496,14 +496,15 @@ class StepForward:
     @torch.no_grad()
     def warm_prefill(self, pool: Any, rows: int = WARM_ROWS) -> int:
         """Launch once each kernel a prefill chunk launches (its Triton glue at the specialisations a chunk takes, its
-        GEMMs' cuBLAS kernels at `rows` rows: merged or one a projection, as `StepOptions.merge_prefill` says), so that a process's first prompt loads none of them inside its
-        time to first token: one untimed pass of each distinct decoder-layer body over `rows` random hidden rows (the
-        same ops the forward calls; the attention itself left out, a global layer's fold and store into a one-page
-        scratch pool of `pool`'s layout: nothing of the cache is written), then the final norm and the LM head's row.
-        A launch's specialisation depends on widths, dtypes, alignments and its int arguments (== 1, divisible by 16);
-        the one int a chunk's row count reaches is norm_add's rows x hidden, so a second pass at an odd row count runs
-        when the hidden width is not a multiple of 16. Run under the prefill's options (`DecodeStep.warm_prefill`).
-        Returns the layer bodies run. On the CPU it does nothing: the modules' own formulas launch no kernel."""
+        GEMMs' cuBLAS kernels at `rows` rows: merged or one a projection, as `StepOptions.merge_prefill` says), so that
+        a process's first prompt loads none of them inside its time to first token: one untimed pass of each distinct
+        decoder-layer body over `rows` random hidden rows (the same ops the forward calls; the attention itself left
+        out, a global layer's fold and store into a one-page scratch pool of `pool`'s layout: nothing of the cache is
+        written), then the final norm and the LM head's row. A launch's specialisation depends on widths, dtypes,
+        alignments and its int arguments (== 1, divisible by 16); the one int a chunk's row count reaches is norm_add's
+        rows x hidden, so a second pass at an odd row count runs when the hidden width is not a multiple of 16. Run
+        under the prefill's options (`DecodeStep.warm_prefill`). Returns the layer bodies run. On the CPU it does
+        nothing: the modules' own formulas launch no kernel."""
         from dataclasses import replace
 
         from .pool import PagedKvPool
