@@ -604,5 +604,4 @@ __getattr__ = moved(__name__, _MOVED)
 __all__ = ["StepForward", "refusal", "text_model", "norm_eps", "fork", "join", "side_streams",
            "branched_attention_modules", "merge_projections", "split_projections", "merged_groups", "mlp_modules",
            "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "q_norm_rope",
-           "norm_rope",
-           "kv_to_ring", "sliding_prologue", "foreign_projection", "StepOptions"]
+           "norm_rope", "kv_to_ring", "sliding_prologue", "foreign_projection", "StepOptions"]

@@ -48,8 +48,8 @@ class StepOptions:
         projections cuBLAS's at every row count (`pdl` off inside a prefill: nothing built for a short chunk).
     merge_prefill: inside a prefill, a merged projection group (q|k(|v), gate|up) as one GEMM over its merged weight;
         False: one GEMM a projection over its row block of that weight (a contiguous view: no memory added). cuBLAS
-        picks its kernel by shape, and the 31B's merged shapes looked ~4% slower at 4,096 rows (bench/PREFILL_NOTES.md);
-        this is the A/B of that. The same sums over the same K, but on CUDA another kernel may reduce in another order:
+        picks its kernel by shape, and the 31B's merged shapes looked ~4% slower at 4,096 rows (bench/PREFILL_NOTES.md):
+        False measures the other side. The same sums over the same K, but on CUDA another kernel may reduce in another order:
         within the GEMM's float32 bound, not bitwise. Decode steps always read the merged weight (`merge`).
     fuse_prefill_norm_rope: inside a prefill on CUDA, each q and k head row's RMSNorm and RoPE as one pass
         (`fused_step_ops.norm_rope`) instead of two (`rms_norm`, then `rope`): the same formulas at the same rounding
