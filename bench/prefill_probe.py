@@ -5,9 +5,12 @@ a first use costs. One mode a process (a fresh process is what "first use" means
     python3 bench/prefill_probe.py first --cells foldkv-folded:12000 foldkv-folded:12000 foldkv-split:12001 ...
     python3 bench/prefill_probe.py ttft  --cells foldkv-folded:32768 foldkv-split:32768 --rounds 2
     python3 bench/prefill_probe.py profile --cells foldkv-folded:16384 --trace prefill_trace.json.gz
+    python3 bench/prefill_probe.py ttft  --cells foldkv-folded:32768 foldkv-folded:32768@merge_prefill=0 --rounds 3
 
-A cell is ARM:PROMPT[:BATCH[:CHUNK]] (chunk: generate()'s prefill_chunk_size, default --chunk). Every cell is a real
-random prompt through `model_decode.measure_prefill`'s call of generate() with one new token.
+A cell is ARM:PROMPT[:BATCH[:CHUNK]][@FIELD=0|1[,FIELD=0|1...]] (chunk: generate()'s prefill_chunk_size, default
+--chunk; after @, foldkv.step_options.StepOptions fields set over the options in force for that cell's cache: an A/B
+of a step option in one process, each value its own arm of the rotation). Every cell is a real random prompt through
+`model_decode.measure_prefill`'s call of generate() with one new token.
 - warm: each arm once at a short prompt, so that TileLang's JIT (and FlashInfer's) compile into their caches; the
   seconds each took are the fresh-cache first use.
 - first: the cells in the order given, each timed, in a process that found the caches warm: the first call of a
@@ -50,14 +53,34 @@ WRAPPED = {
 }
 
 
+def _step_options(text: str, cell: str) -> dict:
+    """FIELD=0|1[,FIELD=0|1...] -> {field: bool}, each a foldkv.step_options.StepOptions field."""
+    import dataclasses
+
+    from foldkv.step_options import StepOptions
+
+    fields = {f.name for f in dataclasses.fields(StepOptions)}
+    options = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in fields or value not in ("0", "1"):
+            raise argparse.ArgumentTypeError(f"{cell!r}: {item!r} is not FIELD=0|1 of a StepOptions field"
+                                             f" ({', '.join(sorted(fields))})")
+        options[name] = value == "1"
+    return options
+
+
 def _cell(text: str, chunk: int) -> dict:
-    parts = text.split(":")
+    shape, _, opts = text.partition("@")
+    parts = shape.split(":")
     if not 2 <= len(parts) <= 4:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected ARM:PROMPT[:BATCH[:CHUNK]]")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ARM:PROMPT[:BATCH[:CHUNK]][@FIELD=0|1,...]")
     arm, n, *rest = parts
     b = int(rest[0]) if rest else 1
     c = int(rest[1]) if len(rest) > 1 else chunk
-    return {"arm": arm, "prompt": int(n), "batch": b, "chunk": c}
+    options = _step_options(opts, text) if opts else {}
+    return {"arm": arm, "prompt": int(n), "batch": b, "chunk": c, "options": options,
+            "label": arm + (f"@{opts}" if opts else "")}
 
 
 @contextlib.contextmanager
@@ -169,11 +192,17 @@ def main(argv=None) -> int:
            "cudnn": torch.backends.cudnn.version()}
 
     def run(c, seed=0):
+        import dataclasses
+
+        from foldkv.step_options import in_force, using
+
         t0 = time.perf_counter()
-        r = md.measure_prefill(model, c["arm"], prompt_tokens=c["prompt"], new_tokens=1, prefill_chunk=c["chunk"],
-                               seed=seed, batch=c["batch"])
+        with using(dataclasses.replace(in_force(), **c["options"])):  # the cell's cache takes these
+            r = md.measure_prefill(model, c["arm"], prompt_tokens=c["prompt"], new_tokens=1,
+                                   prefill_chunk=c["chunk"], seed=seed, batch=c["batch"])
         r.pop("tokens", None)
-        r.update(batch=c["batch"], chunk=c["chunk"], call_s=time.perf_counter() - t0)
+        r.update(batch=c["batch"], chunk=c["chunk"], call_s=time.perf_counter() - t0, label=c["label"],
+                 step_options=c["options"])
         return r
 
     def over_budget():
@@ -194,18 +223,18 @@ def main(argv=None) -> int:
                 pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(45)
                 r["cprofile_top"] = s.getvalue()[-9000:]
             out["cells"].append(r)
-            print(f"  {i}: {c['arm']} {c['prompt']} (chunk {c['chunk']}): TTFT {r['ttft_s']:.3f} s (cache made in"
+            print(f"  {i}: {c['label']} {c['prompt']} (chunk {c['chunk']}): TTFT {r['ttft_s']:.3f} s (cache made in"
                   f" {r['cache_s']:.3f} s before it)", flush=True)
     elif args.mode == "ttft":
         out["matmul"] = measure_matmul_roof("cuda")
         print(f"  matmul {out['matmul']['tflops']:.0f} TFLOP/s", flush=True)
         for c in cells if not args.no_untimed else []:  # first use of each cell's length and kernels, untimed
             run(c)
-        arms = list(dict.fromkeys(c["arm"] for c in cells))
+        arms = list(dict.fromkeys(c["label"] for c in cells))  # an arm with step options is an arm of its own
         for rnd in range(args.rounds):
             order = arms[rnd % len(arms):] + arms[:rnd % len(arms)]
             for a in order:
-                for c in (c for c in cells if c["arm"] == a):
+                for c in (c for c in cells if c["label"] == a):
                     if over_budget():
                         continue
                     r = run(c, seed=rnd + 1)
@@ -237,7 +266,7 @@ def main(argv=None) -> int:
                     shutil.copyfileobj(src, dst)
             for ch in r["breakdown"]:
                 comps = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in ch["seconds"].items())
-                print(f"  {c['arm']} {c['prompt']} chunk {ch['chunk']}: {1e3 * ch['wall_s']:.1f} ms | {comps}",
+                print(f"  {c['label']} {c['prompt']} chunk {ch['chunk']}: {1e3 * ch['wall_s']:.1f} ms | {comps}",
                       flush=True)
     out["glue"] = args.glue
     name = os.path.join(args.out, f"prefill_{args.mode}_{args.sliding}_{args.glue}.json")

@@ -7,9 +7,12 @@
 - Building the decode step warms its prefill (`FoldKvCache` -> `DecodeStep.warm_prefill` ->
   `StepForward.warm_prefill`): every Triton glue kernel a prefill chunk launches, at every specialisation a chunk's
   launch takes (Triton's: dtypes and 16-byte alignment of pointers, ints == 1 and divisible by 16, constexprs), is
-  launched by the warm-up, so a process's first prompt loads none. Traced on the CPU with `Tensor.is_cuda` made True
-  and each kernel's launch recorded (no kernel runs: its outputs are filled). Red twins: a warm-up that skips one
-  kernel (gelu_mul), and one that reads q/k/v's head rows as a packed copy (another specialisation), are caught.
+  launched by the warm-up, so a process's first prompt loads none; so is each GEMM shape a chunk launches, its
+  projection groups merged or one GEMM a projection (`StepOptions.merge_prefill`). Traced on the CPU with
+  `Tensor.is_cuda` made True and each kernel's launch recorded (no kernel runs: its outputs are filled). Red twins: a
+  warm-up that skips one kernel (gelu_mul), one that reads q/k/v's head rows as a packed copy (another
+  specialisation), one of merged GEMMs where the chunk runs them split, and one of two passes where the chunk norms
+  and rotates q and k in one (`StepOptions.fuse_prefill_norm_rope`), are caught.
 - The TileLang prefill program bakes no length: every dim of its arguments that depends on the prompt (queries,
   pages, batch, tiles) is a dynamic variable, so one kernel serves every length. Red twin: a program with a static
   query count is caught by the same check.
@@ -157,16 +160,30 @@ class _Recorded:
         return launch
 
 
+def _gemm_key(x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    """A GEMM as cuBLAS picks its kernel, less the rows (the warm-up runs WARM_ROWS, a chunk its own): the weight's
+    shape, dtype and layout, the input's dtype."""
+    return "F.linear", tuple(weight.shape), str(weight.dtype), weight.is_contiguous(), str(x.dtype)
+
+
 @pytest.fixture
 def traced(monkeypatch):
     """(log, ...): every Triton launch of fused_step's ops and global_step's fold recorded into `log` (a set the
-    test empties between runs), with `torch.Tensor.is_cuda` True so the step's forward takes its kernels' path."""
+    test empties between runs), with `torch.Tensor.is_cuda` True so the step's forward takes its kernels' path; each
+    GEMM (F.linear: a prefill's projections, `pdl` off) recorded too (`_gemm_key`) and run."""
     require_module("triton")
     from types import SimpleNamespace
 
     from foldkv import fused_step_kernels as k, fused_step_ops, global_step
 
     log: set = set()
+    linear = torch.nn.functional.linear
+
+    def recorded_linear(x, weight, bias=None):
+        log.add(_gemm_key(x, weight))
+        return linear(x, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", recorded_linear)
     monkeypatch.setattr(fused_step_ops, "_KERNELS", {name: _Recorded(kern, log)
                                                      for name, kern in fused_step_ops._kernels().items()})
     monkeypatch.setattr(global_step, "_kernels", lambda: SimpleNamespace(
@@ -195,9 +212,9 @@ def bf16_step(checkpoint):
 PREFILL_OPTIONS = dict(pdl=False)  # what DecodeStep.prefill_options changes (checked below)
 
 
-def _chunk_launches(model, step, log: set, lengths) -> set:
+def _chunk_launches(model, step, log: set, lengths, **options) -> set:
     """The launch keys of real prefill chunks of `lengths` tokens (one prompt, chunk after chunk) through the step's
-    forward into a FoldKvCache."""
+    forward into a FoldKvCache, under the prefill's options (and `options`)."""
     import dataclasses
 
     from foldkv.hf import FoldKvCache
@@ -207,20 +224,20 @@ def _chunk_launches(model, step, log: set, lengths) -> set:
                         decode_step="static")
     g = torch.Generator().manual_seed(5)
     log.clear()
-    with using(dataclasses.replace(StepOptions(), **PREFILL_OPTIONS)):
+    with using(dataclasses.replace(StepOptions(), **PREFILL_OPTIONS, **options)):
         for n in lengths:
             ids = torch.randint(3, int(model.config.vocab_size), (1, n), generator=g)
             step.prefill(cache, ids, None, None, 1)
     return set(log)
 
 
-def _warm_launches(step, pool, log: set, rows: int) -> set:
+def _warm_launches(step, pool, log: set, rows: int, **options) -> set:
     import dataclasses
 
     from foldkv.step_options import StepOptions, using
 
     log.clear()
-    with using(dataclasses.replace(StepOptions(), **PREFILL_OPTIONS)):
+    with using(dataclasses.replace(StepOptions(), **PREFILL_OPTIONS, **options)):
         assert step.warm_prefill(pool, rows=rows) >= 2  # a sliding and a global body at least
     return set(log)
 
@@ -236,18 +253,31 @@ def test_the_prefill_options_are_the_warm_ups(bf16_step):
     assert cache.decode_step.prefill_options() == dataclasses.replace(StepOptions(), **PREFILL_OPTIONS)
 
 
-def test_the_warm_up_launches_what_a_prefill_chunk_launches(bf16_step, traced):
+def _merged_gemms(model) -> set:
+    """The GEMM keys of the model's merged groups' weights (q|k(|v), gate|up as one tensor each)."""
+    from foldkv.fused_step import _merged_weight
+
+    return {_gemm_key(w, w) for w, _ in filter(None, map(_merged_weight, model.modules()))}
+
+
+@pytest.mark.parametrize("merge_prefill,fuse_prefill_norm_rope", [(True, True), (False, True), (True, False)])
+def test_the_warm_up_launches_what_a_prefill_chunk_launches(bf16_step, traced, merge_prefill, fuse_prefill_norm_rope):
     model, step = bf16_step
     log = traced
-    chunks = _chunk_launches(model, step, log, (13, 32, 7))  # odd, a multiple of 16, and a chunk at an offset
+    options = dict(merge_prefill=merge_prefill, fuse_prefill_norm_rope=fuse_prefill_norm_rope)
+    chunks = _chunk_launches(model, step, log, (13, 32, 7), **options)  # odd, a multiple of 16, a chunk at an offset
     names = {key[0] for key in chunks}
-    assert {"rms_norm_rows", "rope_rows", "gelu_mul_rows", "norm_add_rows", "global_query_rows",
-            "global_row_store"} <= names, names
+    assert {"rms_norm_rows", "gelu_mul_rows", "norm_add_rows", "global_query_rows", "global_row_store",
+            "F.linear"} <= names, names
+    # q's and k's norm and RoPE: one pass, or the norm and then rope_rows
+    assert {"q_norm_rope_rows", "rope_rows"} & names == {"q_norm_rope_rows" if fuse_prefill_norm_rope else "rope_rows"}
+    merged = _merged_gemms(model)
+    assert merged and (merged <= chunks) == merge_prefill  # the option in force: merged GEMMs, or one a projection
     from foldkv.hf import FoldKvCache
 
     pool = FoldKvCache(model, max_batch=1, max_tokens=64, attention="reference",
                        decode_step="static").global_layers[0].pool
-    warm = _warm_launches(step, pool, log, rows=24)
+    warm = _warm_launches(step, pool, log, rows=24, **options)
     assert not chunks - warm, sorted(chunks - warm)
 
 
@@ -270,6 +300,14 @@ def test_a_warm_up_that_skips_a_kernel_or_takes_another_specialisation_is_caught
         m.setattr(StepForward, "_norm", staticmethod(lambda module, x: norm(module, x.contiguous())))
         missing = chunks - _warm_launches(step, pool, log, rows=24)
     assert {key[0] for key in missing} == {"rms_norm_rows"}
+    # red twin 3: a chunk's projections one GEMM each (merge_prefill off), a warm-up of the merged GEMMs: their
+    # shapes missed, and the head norms' (a split projection's output is packed: rms_norm_rows' other specialisation)
+    split = _chunk_launches(model, step, log, (13,), merge_prefill=False)
+    missing = split - _warm_launches(step, pool, log, rows=24, merge_prefill=True)
+    assert {key[0] for key in missing} == {"F.linear", "rms_norm_rows"}
+    # red twin 4: a warm-up of the two passes where the chunk normed and rotated q and k in one
+    missing = chunks - _warm_launches(step, pool, log, rows=24, fuse_prefill_norm_rope=False)
+    assert {key[0] for key in missing} == {"q_norm_rope_rows"}
 
 
 def test_off_cuda_the_warm_up_launches_nothing(bf16_step, monkeypatch):

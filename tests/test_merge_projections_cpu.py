@@ -167,3 +167,55 @@ def test_packed_rows_reads_a_head_split_slice(shape):
     assert _packed_rows(full[..., ::2]) is None
     three = torch.randn(b, 3, 3 * h * d)[:, :2, h * d:2 * h * d].unflatten(-1, (h, d))
     assert (_packed_rows(three) is None) == (b > 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefill_splits_its_merged_groups_into_one_gemm_a_projection_over_views(dtype):
+    """`StepOptions.merge_prefill` off: inside a prefill each merged group runs one GEMM a projection over its row block
+    of the merged weight (a view of it: nothing copied), the values the merged GEMM's on the CPU (each output column
+    is the same dot product over the same K: bitwise here; on CUDA another cuBLAS kernel may reduce in another order).
+    Red twin: the split outputs of gate|up handed on in the wrong order is not the same."""
+    from transformers import DynamicCache
+
+    from foldkv import fused_step as fs
+    from foldkv.lab import gemma31b
+    from foldkv.step_options import StepOptions, using
+
+    model = gemma31b.build_gemma4_31b("cpu", num_layers=6, dtype=dtype, **SMALL)
+    fs.merge_projections(model)
+    step = fs.StepForward(model, StepOptions())
+    ids = torch.randint(3, 512, (2, 23), generator=torch.Generator().manual_seed(2))
+    storages = {w.untyped_storage().data_ptr() for g in step.qkv + step.gate_up for w in [g.merged]}
+    linear, weights = torch.nn.functional.linear, []
+
+    def prefill(merge_prefill: bool):
+        weights.clear()
+        with torch.no_grad(), using(StepOptions(pdl=False, merge_prefill=merge_prefill)):
+            return step.prefill(DynamicCache(config=model.config), ids, None, None, 0).logits
+
+    def recorded(x, weight, bias=None):
+        weights.append(weight)
+        return linear(x, weight, bias)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.nn.functional, "linear", recorded)
+        merged = prefill(True)
+        gemms_merged = len(weights)
+        split = prefill(False)
+        grouped = [w for w in weights if w.untyped_storage().data_ptr() in storages]
+    groups = step.qkv + step.gate_up
+    assert len(weights) - gemms_merged == sum(len(g.rows) - 1 for g in groups)  # one GEMM a projection
+    assert len(grouped) == sum(len(g.rows) for g in groups)
+    assert all(w.is_contiguous() for w in grouped)
+    assert {w.data_ptr() for w in grouped} == {lin.weight.data_ptr() for g in groups for lin in g.linears}  # views
+    assert torch.equal(split, merged)
+    call = fs._Group.__call__
+
+    def exchanged(self, x, merged=True):  # red twin: gate and up (blocks of one size) exchanged when split
+        out = call(self, x, merged)
+        return out[::-1] if not merged and len(set(self.rows)) == 1 else out
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(fs._Group, "__call__", exchanged)
+        assert not torch.equal(prefill(False), merged)
+        assert torch.equal(prefill(True), merged)

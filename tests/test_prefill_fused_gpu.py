@@ -2,7 +2,10 @@
 Gemma 4 (bf16, a chunked prefill crossing the sliding window, batch 1 and a left-padded batch of 3) every chunk goes
 through it, and the prefill's logits equal transformers' own modules' within the neutral figure (transformers' eager
 against its sdpa: two orderings of the same bf16 model) or 4 bf16 ulps of the largest logit, the tokens reported;
-red twin: the same check catches a prefill whose fused norm uses another epsilon.
+red twin: the same check catches a prefill whose fused norm uses another epsilon. The prefill's A/B options: q and k
+normed and rotated in one pass (`StepOptions.fuse_prefill_norm_rope`, `fused_step_ops.norm_rope`) bitwise the two
+passes, kernel by kernel at the 31B's head shapes and in the prefill's tokens and logits; the projection groups one
+GEMM a projection (`merge_prefill` off) within the same neutral figure.
 
 Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_prefill_fused_gpu.py
 """
@@ -54,3 +57,56 @@ def test_fused_prefill_within_the_neutral_figure(tmp_path_factory, monkeypatch, 
     monkeypatch.setattr("foldkv.fused_step.rms_norm", lambda x, w, eps: norm(x, w, eps + 0.5))
     _, twin = _prefill(model, ids, mask)
     assert (twin - base).abs().max().item() > bound
+
+
+# the 31B's head rows in a prefill: (q heads, kv heads, head_dim) of its sliding and global layers
+HEADS_31B = {"sliding": (32, 16, 256), "global": (32, 4, 512)}
+
+
+@pytest.mark.parametrize("layer", list(HEADS_31B))
+@pytest.mark.parametrize("batch,tokens", [(1, 4096), (2, 300)])
+def test_norm_rope_is_the_two_passes(layer, batch, tokens):
+    """A prefill's q and k normed and rotated in one pass (`fused_step_ops.norm_rope`), read in place from a merged
+    q|k|v output, bitwise `rms_norm` then `rope` on the card (the same row reduction and the same roundings). Red
+    twin: cos and sin exchanged."""
+    from foldkv import fused_step_ops as ops
+
+    hq, hkv, d = HEADS_31B[layer]
+    g = torch.Generator(device="cuda").manual_seed(tokens + d)
+    rms = torch.exp(torch.randn(batch, tokens, 1, generator=g, device="cuda"))
+    x = (torch.randn(batch, tokens, (hq + 2 * hkv) * d, generator=g, device="cuda") * rms).to(torch.bfloat16)
+    ang = torch.rand(batch, tokens, d, generator=g, device="cuda") * 40.0
+    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    for heads, lo in ((hq, 0), (hkv, hq * d)):
+        rows = x[..., lo:lo + heads * d].view(batch, tokens, heads, d)
+        w = torch.exp(0.5 * torch.randn(d, generator=g, device="cuda")).to(torch.bfloat16)
+        want = ops.rope(ops.rms_norm(rows, w, 1e-6), cos, sin)
+        assert torch.equal(ops.norm_rope(rows, w, 1e-6, cos, sin), want)
+        assert not torch.equal(ops.norm_rope(rows, w, 1e-6, sin, cos), want), "red twin: sin and cos exchanged"
+
+
+@pytest.mark.parametrize("lengths", [(700,), (97, 700, 301)])
+def test_prefill_norm_rope_and_merge_options(tmp_path_factory, lengths):
+    """The prefill's A/B options on the synthetic model: `fuse_prefill_norm_rope` off gives bitwise its tokens and
+    logits (the two passes); `merge_prefill` off (one GEMM a projection) within the neutral figure of the served
+    prefill (another cuBLAS kernel may sum K in another order), tokens reported."""
+    from foldkv.step_options import StepOptions, using
+
+    models = synthetic_gpu_models(tmp_path_factory, "foldkv", "foldkv_eager")
+    model = models["foldkv"]
+    ids, mask = left_padded_batch(lengths, model.config.vocab_size, seed=12)
+    ids, mask = ids.cuda(), mask.cuda()
+    tokens, logits = _prefill(model, ids, mask)
+    with using(StepOptions(fuse_prefill_norm_rope=False)):
+        two_tokens, two = _prefill(model, ids, mask)
+    assert torch.equal(tokens, two_tokens) and torch.equal(logits, two)
+    with using(StepOptions(merge_prefill=False)):
+        split_tokens, split = _prefill(model, ids, mask)
+    _, eager = _prefill(models["foldkv_eager"], ids, mask)
+    with using(StepOptions(fuse_prefill=False)):
+        _, base = _prefill(model, ids, mask)
+    bound = max(2 * (eager - base).abs().max().item(), 4 * 2.0 ** -8 * base.abs().max().item())
+    gap = (split - logits).abs().max().item()
+    assert gap <= bound, (gap, bound)
+    print(f"merge_prefill off: tokens equal {torch.equal(tokens, split_tokens)}, logit gap {gap:.3g}"
+          f" (bound {bound:.3g})")

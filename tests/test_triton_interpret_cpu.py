@@ -1,12 +1,12 @@
 """The decode step's Triton kernels in Triton's interpreter, on CPU tensors: `foldkv.fused_step_ops`' launches (norms,
 the residual tails with and without split partials, RoPE, GELU x up, the ring's masked softmax, a sliding layer's
-prologue in one launch and as two), `foldkv.gemv`'s tensor-core GEMM and its split sum, `foldkv.global_step`'s query and
-row kernels (after the model's norms and RoPE, and with them inside), and the lab's (the read roof's streaming sum;
-bench/versions/ring_attention_one_launch.py; the greedy pick of bench/versions/greedy_pick_fused.py, alone and inside a
-CPU generate()), each against what it replaces. The GPU tests hold the compiled kernels to the same
-statements on the H200; these run everywhere Triton is installed (a CPU torch gets the H200's Triton from
-scripts/install.sh), so a launch that passes a wrong stride, a moved host function that lost a name, or a formula that
-left torch's rounding points fails in CI.
+prologue in one launch and as two, a prefill's q/k norm and RoPE in one pass), `foldkv.gemv`'s tensor-core GEMM and its
+split sum, `foldkv.global_step`'s query and row kernels (after the model's norms and RoPE, and with them inside), and
+the lab's (the read roof's streaming sum; bench/versions/ring_attention_one_launch.py; the greedy pick of
+bench/versions/greedy_pick_fused.py, alone and inside a CPU generate()), each against what it replaces. The GPU tests
+hold the compiled kernels to the same statements on the H200; these run everywhere Triton is installed (a CPU torch gets
+the H200's Triton from scripts/install.sh), so a launch that passes a wrong stride, a moved host function that lost a
+name, or a formula that left torch's rounding points fails in CI.
 
 Triton's interpreter is chosen when a kernel is defined (`TRITON_INTERPRET=1` at import), so the kernels run in a
 child pytest of this file (`test_the_kernels_in_the_interpreter`); in this process the others skip. Two things the
@@ -440,6 +440,121 @@ def test_masked_softmax(batch, window):
     assert within(p) and bool((p[~mask[:, None, None].expand_as(p)] == 0).all())
     if not bool(mask.all()):
         assert not within(ops.masked_softmax(scores, torch.ones_like(mask), BF16)), "red twin: the mask ignored"
+
+
+# --- a prefill's q and k head rows: the norm and RoPE in one pass ---------------------------------------------------
+def _prefill_heads(batch: int, tokens: int, hq: int, hkv: int, d: int, seed: int, merged: bool):
+    """q [B, T, hq, d] and k [B, T, hkv, d] as a prefill reads them: column slices of a merged q|k|v output (read in
+    place at its token stride) or each projection's own packed output; cos/sin [B, T, d]."""
+    x = _grid((batch, tokens, (hq + 2 * hkv) * d), seed=seed)
+    q, k = x[..., :hq * d], x[..., hq * d:(hq + hkv) * d]
+    if not merged:
+        q, k = q.contiguous(), k.contiguous()
+    cos, sin = _randn((batch, tokens, d), seed=seed + 1), _randn((batch, tokens, d), seed=seed + 2)
+    return q.view(batch, tokens, hq, d), k.view(batch, tokens, hkv, d), cos, sin
+
+
+def _transformers_norm_rope(x, w, eps, cos, sin):
+    """transformers' Gemma4RMSNorm (float32, x * (mean(x^2) + eps)^-0.5 * w, rounded once) then its
+    apply_rotary_pos_emb at unsqueeze_dim 2 (torch's bf16 ops: three roundings)."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, apply_rotary_pos_emb
+
+    norm = Gemma4RMSNorm(x.shape[-1], eps=eps)
+    norm.weight.data = w.float()
+    y = norm(x)
+    return y, apply_rotary_pos_emb(y, cos, sin, unsqueeze_dim=2)
+
+
+if INSIDE:  # (defined in the interpreter's child only: its launches all set a RED_* constexpr, never compiled)
+    import triton
+    import triton.language as tl
+
+    from foldkv.fused_step_kernels import _inverse_norm, _rounded
+
+    @triton.jit
+    def norm_rope_twin_rows(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, heads, x_stride, n, eps, D: tl.constexpr,
+                            RED_UNROUNDED: tl.constexpr, RED_HALF: tl.constexpr):
+        """`q_norm_rope_rows` from the library's row helpers with one thing wrong (`_norm_rope_twin`)."""
+        row = tl.program_id(0).to(tl.int64)
+        b = row // heads
+        base = x_ptr + b * x_stride + (row % heads) * D
+        inv = _inverse_norm(base, n, eps, D)
+        c = tl.arange(0, D)
+        half: tl.constexpr = D // 2
+        p = (c + half) % D
+        y = tl.load(base + c).to(tl.float32) * inv * tl.load(w_ptr + c).to(tl.float32)
+        yp = tl.load(base + p).to(tl.float32) * inv * tl.load(w_ptr + p).to(tl.float32)
+        if not RED_UNROUNDED:
+            y = _rounded(y, tl.bfloat16)
+            yp = _rounded(yp, tl.bfloat16)
+        if RED_HALF:
+            rot = tl.where(c >= half, -yp, yp)
+        else:
+            rot = tl.where(c < half, -yp, yp)
+        cs = tl.load(cos_ptr + b * D + c).to(tl.float32)
+        sn = tl.load(sin_ptr + b * D + c).to(tl.float32)
+        out = _rounded(_rounded(y * cs, tl.bfloat16) + _rounded(rot * sn, tl.bfloat16), tl.bfloat16)
+        tl.store(y_ptr + row * D + c, out.to(tl.bfloat16))
+
+
+def _norm_rope_twin(x, w, eps, cos, sin, unrounded: bool, other_half: bool):
+    """A one-pass norm and RoPE from the library's row helpers with one thing wrong: the normed row left in float32
+    before RoPE (unrounded), or rotate_half's sign on the other half (other_half)."""
+    assert unrounded or other_half, "a twin has one thing wrong"
+    b, t, h, d = x.shape
+    out = torch.full((b, t, h, d), float("nan"), dtype=x.dtype)
+    norm_rope_twin_rows[(b * t * h,)](x, w, cos.contiguous(), sin.contiguous(), out, h,
+                                      x.stride(1) if t > 1 else x.stride(0), d, eps, D=d, RED_UNROUNDED=unrounded,
+                                      RED_HALF=other_half)
+    return out
+
+
+@inside
+@pytest.mark.parametrize("merged", [True, False])
+@pytest.mark.parametrize("batch,tokens", [(1, 5), (3, 4), (2, 1)])
+def test_norm_rope_is_the_two_passes_and_transformers(batch, tokens, merged):
+    """`norm_rope` (a prefill's q and k: `q_norm_rope_rows` over the chunk's tokens) bitwise `rms_norm` then `rope`,
+    both read in place; against transformers' Gemma4RMSNorm and apply_rotary_pos_emb: the norm's float32 value is
+    theirs up to its reciprocal square root (1/sqrt against pow -0.5: a float32 ulp), so a normed bf16 value is
+    within one bf16 ulp of theirs (test_fused_step_gpu's bound) and RoPE carries it: |cos| ulp(y) + |sin| ulp(y')
+    and one ulp of each rounded product and of the sum. Red twins: the normed row not rounded before RoPE, and the
+    sign of rotate_half on the other half, are not the two passes."""
+    ops = _ops()
+    hq, hkv, d, eps = 4, 2, 32, 1e-6
+    q, k, cos, sin = _prefill_heads(batch, tokens, hq, hkv, d, seed=70 + batch + tokens, merged=merged)
+    for x, w in ((q, _weight(d, 71)), (k, _weight(d, 72))):
+        assert merged == (not x.is_contiguous() or tokens * batch == 1)  # a merged output's slice read in place
+        got = ops.norm_rope(x, w, eps, cos, sin)
+        two = ops.rope(ops.rms_norm(x, w, eps), cos, sin)
+        assert got.shape == x.shape and bool(got.isfinite().all())
+        assert torch.equal(got, two)
+        y, ref = _transformers_norm_rope(x, w, eps, cos, sin)
+        half = d // 2
+        y_partner = torch.cat([y[..., half:], y[..., :half]], dim=-1)
+        c, s = cos[:, :, None].double(), sin[:, :, None].double()
+        bound = (c.abs() * _ulp(y) + s.abs() * _ulp(y_partner) + _ulp(y * cos[:, :, None])
+                 + _ulp(y_partner * sin[:, :, None]) + _ulp(ref))
+        assert bool(((got.double() - ref.double()).abs() <= bound).all())
+        assert not torch.equal(_norm_rope_twin(x, w, eps, cos, sin, unrounded=True, other_half=False), two), \
+            "red twin: the normed row not rounded before RoPE"
+        assert not torch.equal(_norm_rope_twin(x, w, eps, cos, sin, unrounded=False, other_half=True), two), \
+            "red twin: rotate_half's sign on the other half"
+
+
+@inside
+def test_norm_rope_refuses_what_it_does_not_read_before_launching():
+    from foldkv.validate import FoldKvInputError
+
+    ops = _ops()
+    q, _, cos, sin = _prefill_heads(2, 3, 4, 2, 32, seed=80, merged=True)
+    w = _weight(32, 81)
+    with pytest.raises(FoldKvInputError, match="cos/sin"):  # a table of one row for a batch: not the kernel's
+        ops.norm_rope(q, w, 1e-6, cos[:1], sin[:1])
+    with pytest.raises(FoldKvInputError, match="one token stride"):  # tokens of two strides
+        ops.norm_rope(torch.cat([q, q], dim=1)[:, :3], w, 1e-6, cos, sin)
+    with pytest.raises(FoldKvInputError, match="power of two"):
+        ops.norm_rope(q[..., :24], w[:24], 1e-6, cos[..., :24], sin[..., :24])
+    assert ops.norm_rope_refusal(q, w, cos, sin) is None
 
 
 # --- a sliding layer's prologue -------------------------------------------------------------------------------------

@@ -369,10 +369,10 @@ def installed(fixup: bool = False, gelu: bool = False, tail_fit: bool = False):
             return globals()["linear"](x, weight, bias, out=kw.get("out"), **opts)
         return served(x, weight, bias, **kw)
 
-    def mlp_forward(step, i, x):
+    def mlp_forward(step, i, x, merged=True):
         group = step.gate_up[i]
-        if group.merged is None:
-            return own_mlp(step, i, x)
+        if group.merged is None or not merged:  # (merged False: a prefill's groups split, StepOptions.merge_prefill)
+            return own_mlp(step, i, x, merged)
         took["gelu"] += 1
         return linear_gelu(*group(x), step.layers[i].mlp.down_proj.weight, **opts), None
 

@@ -8,7 +8,8 @@ rounding points, so transformers' own forward stays the oracle (tests/test_hf_st
 tests/test_fused_step_gpu.py on CUDA). Nothing of the model is replaced or rebound: its modules keep their forwards.
 On CUDA the formulas are foldkv's kernels (`foldkv.fused_step_ops`, `fused_step_kernels`); elsewhere the modules' own:
 - `rms_norm`: Gemma4RMSNorm, y = x * (mean(x^2) + eps)^-0.5 [* weight] in float32, rounded once;
-- `rope`: apply_rotary_pos_emb, x * cos + rotate_half(x) * sin with torch's three roundings kept;
+- `rope`: apply_rotary_pos_emb, x * cos + rotate_half(x) * sin with torch's three roundings kept; inside a prefill
+  q's and k's norm and RoPE in one pass (`norm_rope`, `StepOptions.fuse_prefill_norm_rope`: bitwise the two);
 - `gelu_mul`: the MLP's act(gate) * up (tanh GELU), the activation rounded before the product as torch rounds it;
 - the decoder layer's tails as one pass each (`norm_add_norm`: post-attention norm, residual add, pre-feedforward
   norm; `norm_add_scale`: post-feedforward norm, residual add, layer scalar), with the tail links
@@ -39,8 +40,8 @@ from torch import nn
 from . import gemv, global_step, ring
 from . import transformers_compat as compat
 from .fused_step_ops import (_norm_add, gelu_mul, head_dim_refusal, kv_to_ring, masked_softmax,  # noqa: F401
-                             norm_add_norm, norm_add_scale, norm_eps, q_norm_rope, rms_norm, rope,  # (public: __all__)
-                             sliding_prologue)
+                             norm_add_norm, norm_add_scale, norm_eps, norm_rope, norm_rope_refusal, q_norm_rope,
+                             rms_norm, rope, sliding_prologue)  # (public: __all__)
 from .masks import SLIDING_IMPLEMENTATION, RingMask
 from .moved import moved
 from .step_options import StepOptions, in_force
@@ -320,8 +321,12 @@ class _Group:
         self.merged, self.rows = held if held is not None else (None, None)
         self.branch = not any(foreign_projection(lin) for lin in self.linears)
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor, merged: bool = True) -> list[torch.Tensor]:
+        """The group's outputs; a merged group with `merged` False (a prefill's `StepOptions.merge_prefill` off): one
+        GEMM a projection over its row block of the merged weight (the modules' weights: views, nothing copied)."""
         if self.merged is not None:
+            if not merged:
+                return [gemv.linear(x, w) for w in self.merged.split(self.rows)]
             return list(gemv.linear(x, self.merged).split(self.rows, dim=-1))
         rest = fork(x, self.linears[1:]) if self.branch else [(lin(x), None) for lin in self.linears[1:]]
         first = self.linears[0](x)
@@ -379,6 +384,15 @@ class StepForward:
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         return (x * cos) + (_rotate_half(x) * sin)
 
+    def _norm_rope(self, norm: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   fused: bool) -> torch.Tensor:
+        """RoPE(norm(x)) of head rows x [B, T, H, D]: one pass (`norm_rope`) when `fused` (a prefill's
+        `StepOptions.fuse_prefill_norm_rope`) and its kernel takes the rows, else `_norm` then `_rope`: bitwise the
+        same."""
+        if fused and x.is_cuda and norm.with_scale and norm_rope_refusal(x, norm.weight, cos, sin) is None:
+            return norm_rope(x, norm.weight, norm_eps(norm), cos, sin)
+        return self._rope(self._norm(norm, x), cos, sin)
+
     def _norm_add(self, x, residual, first, second, scalar, parts):
         """(h, y): h = residual + first(x) [* scalar], y = second(h) (h without a second norm)."""
         if x.is_cuda:
@@ -417,14 +431,15 @@ class StepForward:
             masks = compat.causal_masks(self.text, h, masks, cache, positions)
         tables = {t: self.text.rotary_emb(h, positions, t) for t in dict.fromkeys(self.types)}
         nxt_norm = in_force().tail_next_norm and h.is_cuda
+        merged = step is not None or in_force().merge_prefill  # (a decode step's groups: always their merged GEMV)
         normed = None
         for i, layer in enumerate(self.layers):
             x = normed if normed is not None else self._norm(layer.input_layernorm, h)
             kind = self.types[i]
-            out, parts = self._attention(i, x, tables[kind], masks[kind], cache, step, positions)
+            out, parts = self._attention(i, x, tables[kind], masks[kind], cache, step, positions, merged)
             h, x = self._norm_add(out, h, layer.post_attention_layernorm, layer.pre_feedforward_layernorm, None,
                                   parts)
-            out, parts = self._mlp(i, x)
+            out, parts = self._mlp(i, x, merged)
             second = self.layers[i + 1].input_layernorm if nxt_norm and i + 1 < len(self.layers) else None
             h, normed = self._norm_add(out, h, layer.post_feedforward_layernorm, second, layer.layer_scalar, parts)
             normed = normed if second is not None else None
@@ -438,17 +453,19 @@ class StepForward:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return compat.causal_lm_output(logits, cache)
 
-    def _mlp(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Layer i's MLP from its pre-feedforward norm's output: (down_proj's output, its unsummed partials or None)."""
-        gate, up = self.gate_up[i](x)
+    def _mlp(self, i: int, x: torch.Tensor, merged: bool = True) -> tuple[torch.Tensor, Any]:
+        """Layer i's MLP from its pre-feedforward norm's output: (down_proj's output, its unsummed partials or None);
+        `merged`: gate|up as its merged GEMM (`_Group`)."""
+        gate, up = self.gate_up[i](x, merged)
         act = gelu_mul(gate, up) if x.is_cuda else self.layers[i].mlp.act_fn(gate) * up
         return self.down_proj[i].tail(act)
 
-    def _attention(self, i, x, table, mask, cache, step, positions) -> tuple[torch.Tensor, Any]:
-        """Layer i's attention from its input norm's output x: (o_proj's output, its unsummed partials or None)."""
+    def _attention(self, i, x, table, mask, cache, step, positions, merged=True) -> tuple[torch.Tensor, Any]:
+        """Layer i's attention from its input norm's output x: (o_proj's output, its unsummed partials or None);
+        `merged`: q|k(|v) as its merged GEMM (`_Group`)."""
         attn = self.layers[i].self_attn
         cos, sin = table
-        projected = self.qkv[i](x)
+        projected = self.qkv[i](x, merged)
         q, k = projected[0], projected[1]
         v = projected[2] if len(projected) > 2 else k  # attention_k_eq_v: the value is the key before its norm
         b, t = x.shape[:2]
@@ -467,8 +484,9 @@ class StepForward:
             out = step._workspace_decode(layer, b).to(x.dtype).reshape(b, 1, -1)
             return self.o_proj[i].tail(out)
         d = attn.head_dim
-        q = self._rope(self._norm(attn.q_norm, q.view(b, t, -1, d)), cos, sin).transpose(1, 2)
-        k = self._rope(self._norm(attn.k_norm, k.view(b, t, -1, d)), cos, sin).transpose(1, 2)
+        fused = step is None and in_force().fuse_prefill_norm_rope  # a prefill's
+        q = self._norm_rope(attn.q_norm, q.view(b, t, -1, d), cos, sin, fused).transpose(1, 2)
+        k = self._norm_rope(attn.k_norm, k.view(b, t, -1, d), cos, sin, fused).transpose(1, 2)
         v = self._norm(attn.v_norm, v.view(b, t, -1, d)).transpose(1, 2)
         k, v = cache.update(k, v, attn.layer_idx)
         out, _ = compat.attention_function(attn)(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling,
@@ -478,14 +496,15 @@ class StepForward:
     @torch.no_grad()
     def warm_prefill(self, pool: Any, rows: int = WARM_ROWS) -> int:
         """Launch once each kernel a prefill chunk launches (its Triton glue at the specialisations a chunk takes, its
-        merged GEMMs' cuBLAS kernels at `rows` rows), so that a process's first prompt loads none of them inside its
-        time to first token: one untimed pass of each distinct decoder-layer body over `rows` random hidden rows (the
-        same ops the forward calls; the attention itself left out, a global layer's fold and store into a one-page
-        scratch pool of `pool`'s layout: nothing of the cache is written), then the final norm and the LM head's row.
-        A launch's specialisation depends on widths, dtypes, alignments and its int arguments (== 1, divisible by 16);
-        the one int a chunk's row count reaches is norm_add's rows x hidden, so a second pass at an odd row count runs
-        when the hidden width is not a multiple of 16. Run under the prefill's options (`DecodeStep.warm_prefill`).
-        Returns the layer bodies run. On the CPU it does nothing: the modules' own formulas launch no kernel."""
+        GEMMs' cuBLAS kernels at `rows` rows: merged or one a projection, as `StepOptions.merge_prefill` says), so that
+        a process's first prompt loads none of them inside its time to first token: one untimed pass of each distinct
+        decoder-layer body over `rows` random hidden rows (the same ops the forward calls; the attention itself left
+        out, a global layer's fold and store into a one-page scratch pool of `pool`'s layout: nothing of the cache is
+        written), then the final norm and the LM head's row. A launch's specialisation depends on widths, dtypes,
+        alignments and its int arguments (== 1, divisible by 16); the one int a chunk's row count reaches is norm_add's
+        rows x hidden, so a second pass at an odd row count runs when the hidden width is not a multiple of 16. Run
+        under the prefill's options (`DecodeStep.warm_prefill`). Returns the layer bodies run. On the CPU it does
+        nothing: the modules' own formulas launch no kernel."""
         from dataclasses import replace
 
         from .pool import PagedKvPool
@@ -496,6 +515,8 @@ class StepForward:
             return 0
         scratch = PagedKvPool(replace(pool.layout, num_pages=1), device=w.device)
         g = torch.Generator(device=w.device).manual_seed(0)
+        merged = in_force().merge_prefill  # the GEMMs a chunk launches: merged, or one a projection
+        fused = in_force().fuse_prefill_norm_rope  # its q and k norms and RoPE: one pass, or two
         bodies = 0
         for t in (rows, 15) if n % 16 and rows > 15 else (rows,):
             h = torch.randn(1, t, n, generator=g, device=w.device).to(w.dtype)  # never zero
@@ -513,13 +534,13 @@ class StepForward:
                 bodies += 1
                 attn = layer.self_attn
                 x = self._norm(layer.input_layernorm, h)
-                projected = self.qkv[i](x)
+                projected = self.qkv[i](x, merged)
                 q, k = projected[0], projected[1]
                 v = projected[2] if len(projected) > 2 else k
                 d = attn.head_dim
                 cos, sin = tables[self.types[i]]
-                q = self._rope(self._norm(attn.q_norm, q.view(1, t, -1, d)), cos, sin)
-                k = self._rope(self._norm(attn.k_norm, k.view(1, t, -1, d)), cos, sin)
+                q = self._norm_rope(attn.q_norm, q.view(1, t, -1, d), cos, sin, fused)
+                k = self._norm_rope(attn.k_norm, k.view(1, t, -1, d), cos, sin, fused)
                 v = self._norm(attn.v_norm, v.view(1, t, -1, d))
                 if not attn.is_sliding:  # FoldKvLayer.attend's fold and store, rows packed as its index_select's
                     global_step.fold_and_store(scratch, pages, offsets, q.reshape(t, -1, d), k.reshape(t, -1, d),
@@ -528,7 +549,7 @@ class StepForward:
                                                               dtype=w.dtype))
                 y, x = self._norm_add(out, h, layer.post_attention_layernorm, layer.pre_feedforward_layernorm, None,
                                       parts)
-                out, parts = self._mlp(i, x)
+                out, parts = self._mlp(i, x, merged)
                 second = None if last or not in_force().tail_next_norm else self.layers[i + 1].input_layernorm
                 self._norm_add(out, y, layer.post_feedforward_layernorm, second, layer.layer_scalar, parts)
             self.lm_head(self._norm(self.text.norm, h)[:, -1:])
@@ -583,4 +604,4 @@ __getattr__ = moved(__name__, _MOVED)
 __all__ = ["StepForward", "refusal", "text_model", "norm_eps", "fork", "join", "side_streams",
            "branched_attention_modules", "merge_projections", "split_projections", "merged_groups", "mlp_modules",
            "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "q_norm_rope",
-           "kv_to_ring", "sliding_prologue", "foreign_projection", "StepOptions"]
+           "norm_rope", "kv_to_ring", "sliding_prologue", "foreign_projection", "StepOptions"]

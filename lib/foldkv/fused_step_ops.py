@@ -119,6 +119,43 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return out.view(x.shape)
 
 
+def norm_rope_refusal(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor,
+                      sin: torch.Tensor) -> str | None:
+    """Why `norm_rope` does not take these (None: it does): x [B, T, H, D] head rows of one token stride, D a power
+    of two >= 16 (`head_dim_refusal`), a weight [D], cos/sin [B, T, D] in x's dtype (a table of one row broadcast
+    over a batch is not one)."""
+    if x.dim() != 4:
+        return f"head rows [B, T, H, D] expected, got {tuple(x.shape)}"
+    b, t, h, d = x.shape
+    if (why := head_dim_refusal(d)) is not None:
+        return why
+    if weight is None or weight.shape != (d,):
+        return "no weight of the head's width"
+    if cos.shape != (b, t, d) or sin.shape != cos.shape or not x.dtype == cos.dtype == sin.dtype:
+        return f"cos/sin {tuple(cos.shape)} {cos.dtype}: expected [{b}, {t}, {d}] {x.dtype}"
+    if x.stride(3) != 1 or (h > 1 and x.stride(2) != d) or (b > 1 and t > 1 and x.stride(0) != t * x.stride(1)):
+        return f"head rows not packed at one token stride (strides {x.stride()})"
+    return None
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D] head rows (a q or k projection's output, or its columns of a merged one: read in place), weight
+    [D], cos/sin [B, T, D] -> RoPE(RMSNorm(x) * weight) [B, T, H, D] packed, in one pass: `q_norm_rope_rows` with the
+    B * T tokens as its batch (the row's norm rounded to x's dtype, then RoPE's three roundings: bitwise `rms_norm`
+    then `rope`). Raises FoldKvInputError where `norm_rope_refusal` says, before anything is allocated."""
+    from .validate import FoldKvInputError
+
+    if (why := norm_rope_refusal(x, weight, cos, sin)) is not None:
+        raise FoldKvInputError(f"norm_rope: {why}")
+    b, t, h, d = x.shape
+    out = torch.empty((b, t, h, d), dtype=x.dtype, device=x.device)
+    token_stride = x.stride(1) if t > 1 else x.stride(0)  # (row b * T + t at that stride: checked above)
+    _kernels()["q_norm_rope"][(b * t * h,)](x, weight, cos.contiguous(), sin.contiguous(), out, h, token_stride, d,
+                                            float(eps), D=d, num_warps=_warps(d), **_pdl(x))
+    return out
+
+
 def _row_view(x: torch.Tensor) -> torch.Tensor:
     """x [..., n] as [rows, n] with its last dim contiguous (a view where the rows have one stride, else a copy)."""
     n = x.shape[-1]

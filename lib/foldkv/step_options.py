@@ -3,7 +3,8 @@
 
 The defaults are the served path; each other value is a way of computing the same thing that the tests and the lab's
 probes (bench/model_decode_probe.py's `--*-ab` arms) compare against it: every field but `pdl` gives bitwise the
-same tokens and logits but `fuse_prefill` (see there), `pdl=False` the projections of cuBLAS's F.linear (within the GEMV's float32 bound).
+same tokens and logits but `fuse_prefill` and `merge_prefill` (see there), `pdl=False` the projections of cuBLAS's
+F.linear (within the GEMV's float32 bound).
 
 How the functions deep inside the step read them: the one who makes the step passes the options; while the step's
 forward runs (`DecodeStep` around its body and its prefill) they are the options `in_force()`, scoped by
@@ -45,6 +46,15 @@ class StepOptions:
         each over its rows instead of transformers' float32 modules (a 32K prompt of the 31B: 5.80 -> 4.56 s on an H100), within the
         neutral figure of transformers' modules, not bitwise (the merged projections take other cuBLAS kernels); its
         projections cuBLAS's at every row count (`pdl` off inside a prefill: nothing built for a short chunk).
+    merge_prefill: inside a prefill, a merged projection group (q|k(|v), gate|up) as one GEMM over its merged weight;
+        False: one GEMM a projection over its row block of that weight (a contiguous view: no memory added). cuBLAS
+        picks its kernel by shape, and the 31B's merged shapes looked ~4% slower at 4,096 rows (bench/PREFILL_NOTES.md):
+        False measures the other side. The same sums over the same K, but on CUDA another kernel may reduce in another order:
+        within the GEMM's float32 bound, not bitwise. Decode steps always read the merged weight (`merge`).
+    fuse_prefill_norm_rope: inside a prefill on CUDA, each q and k head row's RMSNorm and RoPE as one pass
+        (`fused_step_ops.norm_rope`) instead of two (`rms_norm`, then `rope`): the same formulas at the same rounding
+        points (the normed row rounded to the model's dtype before RoPE), bitwise the two; one write and one read of
+        the chunk's q and k less.
     """
 
     merge: bool = True
@@ -56,6 +66,8 @@ class StepOptions:
     fuse_global: bool = True
     pdl: bool = True
     fuse_prefill: bool = True
+    merge_prefill: bool = True
+    fuse_prefill_norm_rope: bool = True
 
 
 SERVED = StepOptions()
