@@ -87,8 +87,8 @@ def test_norm_rope_is_the_two_passes(layer, batch, tokens):
 
 @pytest.mark.parametrize("lengths", [(700,), (97, 700, 301)])
 def test_prefill_norm_rope_and_merge_options(tmp_path_factory, lengths):
-    """The prefill's A/B options on the synthetic model: `fuse_prefill_norm_rope` off gives bitwise its tokens and
-    logits (the two passes); `merge_prefill` off (one GEMM a projection) within the neutral figure of the served
+    """The prefill's A/B options on the synthetic model: `fuse_prefill_norm_rope` on (one pass) and off (the two
+    passes) give bitwise the same tokens and logits; `merge_prefill` off (one GEMM a projection) within the neutral figure of the served
     prefill (another cuBLAS kernel may sum K in another order), tokens reported."""
     from foldkv.step_options import StepOptions, using
 
@@ -96,10 +96,12 @@ def test_prefill_norm_rope_and_merge_options(tmp_path_factory, lengths):
     model = models["foldkv"]
     ids, mask = left_padded_batch(lengths, model.config.vocab_size, seed=12)
     ids, mask = ids.cuda(), mask.cuda()
-    tokens, logits = _prefill(model, ids, mask)
+    with using(StepOptions(fuse_prefill_norm_rope=True)):
+        one_tokens, one = _prefill(model, ids, mask)
+    tokens, logits = _prefill(model, ids, mask)  # the served prefill
     with using(StepOptions(fuse_prefill_norm_rope=False)):
         two_tokens, two = _prefill(model, ids, mask)
-    assert torch.equal(tokens, two_tokens) and torch.equal(logits, two)
+    assert torch.equal(one_tokens, two_tokens) and torch.equal(one, two)
     with using(StepOptions(merge_prefill=False)):
         split_tokens, split = _prefill(model, ids, mask)
     _, eager = _prefill(models["foldkv_eager"], ids, mask)
