@@ -143,9 +143,9 @@ class DecodeWorkspace:
         self.chunks_used = 0  # chunks of the plan holding real work (the rest read one token into unmerged slots)
 
     # -- views of the packed device plan ------------------------------------------------------------------------
-    def _view(self, name: str, buf: torch.Tensor | None = None) -> torch.Tensor:
+    def _view(self, name: str) -> torch.Tensor:
         at, n = self._offsets[name]
-        return (self._plan_dev if buf is None else buf)[at:at + n]
+        return self._plan_dev[at:at + n]
 
     def __getattr__(self, name: str) -> torch.Tensor:  # ws.chunk_req, ws.group_count, ...
         offsets = self.__dict__.get("_offsets", {})
