@@ -20,6 +20,7 @@ import torch
 import foldkv
 from foldkv.config import GEMMA4_31B
 from foldkv.layout import KvFormat
+from foldkv.lab.gates.inputs import fill_sequences
 
 
 def built_on_device(label: str, kernel) -> bool:
@@ -126,7 +127,7 @@ def prefill(fmt: KvFormat | str = KvFormat.FOLDED, context: int = 16384, chunk: 
     pool = foldkv.PagedKvPool(foldkv.PagedKvLayout(geom, fmt, 64, -(-context // 64)), device=dev)
     table = pool.allocate([context]).to(dev)
     kv = torch.randn(context, geom.num_kv_heads, geom.head_dim, device=dev)  # raw projections, prepped into rows
-    foldkv.fill_sequences(pool, table, [kv], torch.rand(geom.head_dim, device=dev) + 0.5)
+    fill_sequences(pool, table, [kv], torch.rand(geom.head_dim, device=dev) + 0.5)
     q_lens = torch.tensor([chunk], dtype=torch.int32)
     query = (torch.randn(chunk, geom.num_q_heads, geom.head_dim, device=dev) * 0.05).to(torch.bfloat16)
     run = lambda: launch(pool, query, table, q_lens, params=tiling)  # noqa: E731

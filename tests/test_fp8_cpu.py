@@ -13,6 +13,7 @@ from foldkv import GEMMA4_31B as G
 from foldkv.lab import byte_floor as floor
 from foldkv.fp8 import E4M3_MAX, FP8_DTYPE, dequantize_rows, quantize_rows, rounding_bound
 from foldkv.lab import gates
+from foldkv.lab.gates.inputs import fill_sequences
 
 FP8 = FP8_DTYPE
 
@@ -32,7 +33,7 @@ def filled(lens=(97, 130), seed=0):
     kv, kw = raw_inputs(lens, seed)
     pool = fp8_pool(sum(-(-n // 64) for n in lens) + 2)
     table = pool.allocate(lens, scatter_seed=seed)
-    fk.fill_sequences(pool, table, kv, kw)
+    fill_sequences(pool, table, kv, kw)
     rows = [fk.prep_rows(G, "folded", x, kw, torch.arange(x.shape[0]), out_dtype=torch.float32) for x in kv]
     return pool, table, rows
 
@@ -175,7 +176,7 @@ def test_fp8_refusals_name_the_problem_and_write_nothing(what):
         elif what == "inf_kv_fill":
             bad = torch.randn(97, G.num_kv_heads, G.head_dim)
             bad[90, 0, 0] = float("inf")
-            fk.fill_sequences(pool, table, [bad], w)
+            fill_sequences(pool, table, [bad], w)
         elif what == "bf16_rows_to_fp8_pool":
             rows = torch.zeros(1, G.num_kv_heads, 640, dtype=torch.bfloat16)
             fk.prep.write_tokens(pool, table, torch.zeros(1, dtype=torch.long), torch.tensor([3]), rows)

@@ -21,11 +21,12 @@ from .layout import (
     value_window_to_head,
 )
 from .pool import Allocation, BlockTable, PageHolder, PagedKvLayout, PagedKvPool, check_block_table
-from .prep import fill_sequences, prep_and_store, prep_query, prep_rows, prep_rows_and_query, rope_cos_sin
+from .prep import prep_and_store, prep_query, prep_rows, prep_rows_and_query, rope_cos_sin
 from .reference import check_pool_format, dense_attention_reference, paged_attention_reference
 from .validate import FoldKvInputError
 from .moved import moved
 
-__getattr__ = moved(__name__, {"floor": "the byte floor is the lab's analysis: foldkv.lab.byte_floor"})
+__getattr__ = moved(__name__, {"floor": "the byte floor is the lab's analysis: foldkv.lab.byte_floor",
+                               "fill_sequences": "foldkv.lab.gates.inputs.fill_sequences (the lab's pools)"})
 
 __version__ = "0.1.0"

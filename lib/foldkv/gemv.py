@@ -15,11 +15,7 @@ bench/versions/gemv_pdl.py and gemv_pdl_tc.py). The kernel (`gemv_tc`), for 1..1
   on the tensor cores the arithmetic is free at every M <= 16 and the kernel is load-bound. Where 64-row tiles cannot
   cover the SMs (o_proj and down_proj, N = 5,376: 84 tiles) K is split (the smallest split that gives >= 132
   programs) and a small PDL kernel (`split_sum`) adds the float32 partials in a fixed order and rounds once: no
-  atomics, so a PDL launch is bitwise its plain launch.
-- Measured (bench/gemv_probe.py, the 241 merged projections in one graph): 14.69 ms at 8 rows against cuBLAS's 15.23
-  (0.965x), 0.96x at 2, 4 and 16 rows; in the 31B's step (bench/model_decode_probe.py, one process) 0.84-0.87 ms less
-  a token at batch 8 than cuBLAS's GEMMs, and 0.20 ms less at batch 1 than the one-row CUDA-core GEMV that served one
-  row before it (bench/versions/gemv_pdl.py).
+  atomics, so a PDL launch is bitwise its plain launch. Its measurements against cuBLAS: bench/MODEL_DECODE_NOTES.md.
 
 Not bitwise cuBLAS: within the float32-accumulation bound |y - ref| <= ulp(ref) + K 2^-23 sum_k |x_k w_k| of
 float64 (tests/test_gemv_gpu.py, tests/test_gemv_tc_gpu.py; the tensor cores' truncated float32 sums lose at most one
@@ -27,9 +23,8 @@ ulp of a partial a term).
 
 `linear(x, weight, bias)` runs it for x of 1..16 rows (B*T) against a contiguous bf16 weight on CUDA with a Triton
 that has grid dependency control (`triton.language.extra.cuda.gdc_wait`); anything else is
-`torch.nn.functional.linear` (`refusal` says why; the lab counts the routes:
-`foldkv.lab.pdl_checks.gemv_routes`). `foldkv.fused_step` routes the step's projections
-through it: the merged groups, each attention's o_proj, each MLP's down_proj and the LM head.
+`torch.nn.functional.linear` (`refusal` says why; the lab counts the routes: `foldkv.lab.pdl_checks.gemv_routes`).
+`foldkv.fused_step` routes the step's projections through it: the merged groups, o_proj, down_proj and the LM head.
 
 PDL is a chain property: every kernel launched with PDL must wait before it reads anything a kernel of the step wrote
 and before it stores (weights may load before); one that never waits could finish before its predecessor and break

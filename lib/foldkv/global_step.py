@@ -10,13 +10,11 @@ scale, which the row kernel does not do; not bf16; not CUDA with Triton; `StepOp
 - `row_into_pool` (`global_row_store`, grid N x Hkv): the row assembled from key/value columns (folded: [K[rot] |
   V[unrot] | V[rot]], split: [K | V]) stored at its page and offset, read on the device (the step's `store_pages` /
   `store_offsets`, advanced by its prologue: the step stays graph-capturable). Moves of bf16 values.
-A global layer's decode step launches 19 -> 8 kernels folded, 11 -> 8 split (~0.3 / ~0.1 ms a step on the 31B,
-bench/MODEL_DECODE_NOTES.md); the GPU tests hold the step's tokens and logits equal with fuse_global on and off.
-
-Inside `foldkv.fused_step` (`StepOptions.fuse_global_prologue`) the projections' outputs go to
-`query_from_projection` and `row_from_projection` (`global_query_prologue`, `global_row_prologue`): the model's five
-norm and RoPE kernels computed inside the two kernels above, both PDL links: 7 launches a layer -> 2, bitwise the same
-query and rows (bench/MODEL_DECODE_NOTES.md run 23).
+A global layer's decode step launches 19 -> 8 kernels folded, 11 -> 8 split; the GPU tests hold the step's tokens and
+logits equal with fuse_global on and off. Inside `foldkv.fused_step` (`StepOptions.fuse_global_prologue`) the
+projections' outputs go to `query_from_projection` and `row_from_projection` (`global_query_prologue`,
+`global_row_prologue`): the model's five norm and RoPE kernels inside the two kernels above, both PDL links: 7
+launches a layer -> 2, bitwise the same query and rows.
 """
 
 from __future__ import annotations

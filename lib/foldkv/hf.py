@@ -431,22 +431,17 @@ class FoldKvCache(Cache):
         when the cache is made, not in the first prompt). backend: the kernels' "jit" or "aot".
         poison: fill pools with NaN (a row read before it is written shows as NaN). scatter_seed: pages drawn in a
         random order (tests).
-    fp8_math: how the kernels' decode over an FP8 pool multiplies (`foldkv.kernels.decode.parse_fp8_math`):
-        "tensor_cores" (None: the default over an FP8 pool) runs FP8 MMA with the query and P in two e4m3 parts
-        (faster; held to its own derived bound, `foldkv.lab.gates.fp8_tc`); "exact" converts the e4m3 rows exactly to
-        bf16 and runs bf16 MMA, the slower, exact-conversion partial. "tensor_cores" with a bf16 pool is refused.
-    decode_step: how decode steps (one token per sequence, after the prompt) run. "graph" (the default with kernel
-        attention on CUDA): the whole forward, every layer, is one CUDA graph captured at the first decode step and
-        replayed (`foldkv.hf_graph`: sliding layers on fixed-address rings, global layers through one
-        `DecodeWorkspace`); "static": the same fixed-address step run eagerly (any device; what the graph records);
-        "eager" (the default elsewhere): transformers' forward layer by layer, the pools written and read as in the
-        prompt's forward.
+    fp8_math: how the kernels' decode over an FP8 pool multiplies, "tensor_cores" (None: the default) or "exact"
+        (`foldkv.kernels.decode.parse_fp8_math`); "tensor_cores" with a bf16 pool is refused.
+    decode_step: how decode steps (one token per sequence, after the prompt) run: "graph" (the default with kernel
+        attention on CUDA), the whole forward as one CUDA graph, or "static", the same fixed-address step eagerly (any
+        device): `foldkv.hf_graph`; "eager" (the default elsewhere): transformers' forward layer by layer, the pools
+        written and read as in the prompt's forward.
     step_options: the decode step's choices (`foldkv.step_options.StepOptions`: merged projections, graph branches,
         the tail links, the fused sliding and global prologues, the global kernels, PDL); None: those in force where
         the cache is made (`step_options.using`), the served ones by default.
     The global layers' decode steps with kernel attention run through one `foldkv.kernels.workspace.DecodeWorkspace`
-        (`decode_workspace`), the decode step's and, with decode_step="eager", each layer's eagerly. (`cuda_graphs`,
-        each layer's step as a graph of its own, is gone: decode_step="graph" captures the whole step.)
+        (`decode_workspace`), the decode step's and, with decode_step="eager", each layer's eagerly.
     Sliding layers are transformers' DynamicSlidingWindowLayer (until a decode step makes them rings).
     Prompts may be prefilled in chunks (`generate(..., prefill_chunk_size=N)`, transformers' chunked prefill).
     """

@@ -13,7 +13,8 @@ from .config import AttentionGeometry
 from .fp8 import check_finite_rows, quantize_rows
 from .layout import KvFormat, rotated_columns, unrotated_columns, value_window_columns
 from .pool import BlockTable, PagedKvPool, check_pool_storage
-from .validate import FoldKvInputError, check_index_range, check_tensor
+from .validate import check_index_range, check_tensor
+from .moved import moved
 
 _COLUMNS: dict[tuple, torch.Tensor] = {}
 
@@ -262,25 +263,6 @@ def write_tokens(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, po
     store_rows(pool, pages, offsets, rows)
 
 
-def fill_sequences(pool: PagedKvPool, table: BlockTable, kv: list[torch.Tensor], k_norm_weight: torch.Tensor) -> None:
-    """Prep and store whole sequences: kv[r] [seq_len_r, Hkv, D] raw projections (float32/bf16/fp16/float64, any
-    device) at positions 0..seq_len_r-1, one per request of `table`, seq_len_r == table.seq_lens[r].
-    k_norm_weight: [D] float, any device. Rows are prepped on kv[r]'s device and stored in the pool's dtype (an FP8
-    pool's quantized by `foldkv.fp8.quantize_rows`). Shapes, and for an FP8 pool NaN/Inf inputs, are refused before
-    the first write."""
-    geom = pool.geometry
-    if len(kv) != table.batch:
-        raise FoldKvInputError(f"{len(kv)} sequences for a block table of {table.batch} requests")
-    for r, x in enumerate(kv):
-        if x.shape[0] != int(table.seq_lens[r]):
-            raise FoldKvInputError(f"sequence {r} has {x.shape[0]} tokens, its block table says {int(table.seq_lens[r])}")
-    check_tensor("k_norm_weight", k_norm_weight, dtype=FLOAT_TYPES, shape=(geom.head_dim,))
-    for r, x in enumerate(kv):
-        check_tensor(f"kv[{r}]", x, dtype=FLOAT_TYPES, shape=(None, geom.num_kv_heads, geom.head_dim))
-        if pool.layout.quantized:
-            check_finite_rows(x)
-    for r, x in enumerate(kv):
-        n = x.shape[0]
-        pos = torch.arange(n, device=x.device)
-        rows = prep_rows(geom, pool.format, x, k_norm_weight.to(x.device), pos, out_dtype=pool.layout.row_dtype)
-        write_tokens(pool, table, torch.full((n,), r, dtype=torch.long), pos.cpu(), rows.to(pool.device))
+
+__getattr__ = moved(__name__, {"fill_sequences": "foldkv.lab.gates.inputs.fill_sequences (it fills the gates' and the"
+                                                 " benchmarks' pools; nothing served calls it)"})

@@ -29,8 +29,6 @@ def check_pool_format(pool: PagedKvPool, fmt: KvFormat | str | None, dtype: torc
             f"a {pool.layout.dtype} pool was handed to a reader of {dtype} rows: the stored dtype is fixed for a"
             " pool's life, read it with a reader of its own dtype"
         )
-    if tuple(pool.data.shape) != pool.layout.shape:
-        raise FoldKvInputError(f"pool tensor has shape {list(pool.data.shape)}; its layout says {list(pool.layout.shape)}")
     check_pool_storage(pool)
 
 

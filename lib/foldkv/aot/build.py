@@ -44,9 +44,10 @@ from typing import Any, Callable, Iterable
 from ..config import AttentionGeometry, resolve_geometry
 from ..kernels import registry
 from ..kernels.registry import KernelVariant
+from ..kernels.tl import require_tilelang
 from ..provenance import checkout_state
 
-from .verify import MANIFEST_NAME, MANIFEST_VERSION, manifest_problems
+from .verify import MANIFEST_NAME, MANIFEST_VERSION, geometry_record, manifest_problems
 
 # --- pass configs -> nvcc flags ------------------------------------------------------------------------------------
 # Mapped to nvcc options by TileLang's device-compile callback (cuda/backend.py).
@@ -167,26 +168,16 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def geometry_record(geom: AttentionGeometry) -> dict:
-    """The geometry fields kernels are specialised on (the `name` label is kept apart: it does not change a kernel)."""
-    return {f.name: getattr(geom, f.name) for f in dataclasses.fields(geom) if f.compare}
-
-
 # --- barrier check -------------------------------------------------------------------------------------------------
-def default_barrier_check() -> Callable[[str, str], Any]:
-    """The emitted-source barrier check of the decode issue: `check_in_place_merge(kernel, source)` from
-    foldkv.kernels.cuda_checks (raises BarrierCheckError). No TileLang needed: it reads the CUDA text."""
+def run_barrier_check(name: str, source: str, symbols: Iterable[str]) -> list:
+    """The emitted-source barrier check (`foldkv.kernels.cuda_checks.check_in_place_merge`: it reads the CUDA text, no
+    TileLang) on every kernel symbol of an in-place merge; AotBuildError if any fails."""
     from ..kernels.cuda_checks import check_in_place_merge
 
-    return check_in_place_merge
-
-
-def run_barrier_check(name: str, source: str, symbols: Iterable[str], check: Callable[[str, str], Any]) -> list:
-    """Run `check(symbol, source)` on every kernel symbol of an in-place merge; AotBuildError if any fails."""
     reports = []
     for sym in symbols:
         try:
-            reports.append(check(sym, source))
+            reports.append(check_in_place_merge(sym, source))
         except Exception as exc:
             raise AotBuildError(f"{name}: emitted source of {sym} fails the in-place barrier check: {exc}") from exc
     return reports
@@ -212,7 +203,7 @@ def _pyexpr(expr) -> str:
 
 def extract(jit_kernel) -> ExtractedKernel:
     """Source and launch description of a compiled TileLang JIT kernel (see the module docstring)."""
-    _tl()()
+    require_tilelang()
     from tilelang import tvm
     from tilelang.engine.lower import lower_with_context
     from tilelang.jit.abi import prepare_tvm_ffi_callee_allocated_outputs
@@ -287,12 +278,10 @@ def extract(jit_kernel) -> ExtractedKernel:
             strides = [int(s) if isinstance(s, tvm.tirx.IntImm) else _pyexpr(s) for s in b.strides]
             params.append({"name": b.name, "data": b.data.name, "kind": "tensor", "dtype": str(b.dtype),
                            "shape": shape, "strides": strides})
-            for d, s in enumerate(b.shape):
-                if isinstance(s, tvm.tirx.Var) and s.name not in seen_dyn:
-                    seen_dyn[s.name] = {"name": s.name, "dtype": str(s.dtype), "param": i, "dim": d}
-            for d, s in enumerate(b.strides):
-                if isinstance(s, tvm.tirx.Var) and s.name not in seen_dyn:
-                    seen_dyn[s.name] = {"name": s.name, "dtype": str(s.dtype), "param": i, "stride": d}
+            for axis, sizes in (("dim", b.shape), ("stride", b.strides)):  # a symbol is bound by its first size
+                for d, s in enumerate(sizes):
+                    if isinstance(s, tvm.tirx.Var) and s.name not in seen_dyn:
+                        seen_dyn[s.name] = {"name": s.name, "dtype": str(s.dtype), "param": i, axis: d}
         else:
             params.append({"name": p.name, "kind": "scalar", "dtype": str(p.dtype)})
     dyn = list(seen_dyn.values())
@@ -384,12 +373,6 @@ def _check_same_launch(jit_device_mod, relowered_device_mod) -> None:
         raise AotBuildError(f"re-lowering changed the launch (JIT {a} vs re-lowered {b}); refusing to guess")
 
 
-def _tl():
-    from ..kernels.tl import require_tilelang
-
-    return require_tilelang
-
-
 def build_fresh(variant: KernelVariant, geom: AttentionGeometry, compiled_order: list[str],
                 fill_tilelang_cache: bool = False):
     """The variant's JIT kernel, compiled by this build: its device compile ran through `device_compiles_through_aot`
@@ -405,7 +388,7 @@ def build_fresh(variant: KernelVariant, geom: AttentionGeometry, compiled_order:
     cubin the AOT build writes (a JIT process that loads that cache runs exactly the AOT binaries). It therefore needs
     the builder to compile (an empty cache, a process that has not built the kernel yet); a kernel that came from a
     cache is refused rather than leaving the cache holding a cubin this build did not make."""
-    tilelang = _tl()()
+    tilelang = require_tilelang()
     from tilelang.env import env as tl_env
 
     def compiled_here(kernel, since: int) -> bool:
@@ -444,7 +427,7 @@ def build_fresh(variant: KernelVariant, geom: AttentionGeometry, compiled_order:
 # --- the build -----------------------------------------------------------------------------------------------------
 def find_nvcc() -> str | None:
     """The nvcc TileLang's JIT would run (its CUDA_HOME resolution), or None when there is none."""
-    _tl()()
+    require_tilelang()
     from tilelang.contrib.nvcc import get_nvcc_compiler
 
     try:
@@ -456,7 +439,7 @@ def find_nvcc() -> str | None:
 
 def _toolchain() -> dict:
     """nvcc, host compiler and include dirs exactly as TileLang's JIT resolves them (NvccUnavailable without nvcc)."""
-    _tl()()
+    require_tilelang()
     from tilelang.contrib.cc import get_cplus_compiler
     from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
@@ -562,7 +545,6 @@ def build(
     arch: str = "sm_90a",
     geometry: AttentionGeometry | str | None = None,
     variants: Iterable[KernelVariant] | None = None,
-    barrier_check: Callable[[str, str], Any] | None = None,
     log: Callable[[str], None] | None = print,
     fill_tilelang_cache: bool = False,
 ) -> dict:
@@ -580,9 +562,8 @@ def build(
     if len(set(names)) != len(names):
         raise AotBuildError(f"duplicate variant names: {names}")
     tc = _toolchain()
-    tilelang = _tl()()
+    tilelang = require_tilelang()
     log = log or (lambda s: None)
-    check = None  # resolved on first in-place merge kernel, so a build without one does not need cuda_checks
 
     out_dir = os.fspath(out_dir)
     _check_out_dir(out_dir)
@@ -605,9 +586,7 @@ def build(
                                         " same arch)")
                 ex = extract(kernel)
                 if v.in_place_merge:  # the build refuses to write an in-place merge that fails the check
-                    if check is None:
-                        check = barrier_check or default_barrier_check()
-                    run_barrier_check(v.name, ex.source, [ln["symbol"] for ln in ex.launches], check)
+                    run_barrier_check(v.name, ex.source, [ln["symbol"] for ln in ex.launches])
                 options = nvcc_options(ex.pass_configs, template_dir=tc["template_dir"], cutlass_dir=tc["cutlass_dir"])
                 src_bytes = ex.source.encode()
                 got = compiled.get(sha256_bytes(src_bytes))

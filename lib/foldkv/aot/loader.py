@@ -19,14 +19,13 @@ import ctypes
 import hashlib
 import os
 import threading
-from dataclasses import fields
 from typing import Any, Sequence
 
 from ..config import AttentionGeometry
 from ..kernels.registry import note_kernel
 from ..layout import KvFormat
 from ..validate import FoldKvInputError
-from .verify import AotVerifyError, verify
+from .verify import AotVerifyError, geometry_record, verify
 
 
 class AotMismatchError(FoldKvInputError):
@@ -65,7 +64,7 @@ def check_build_matches(
     (each checked only when given; `kernel` narrows the format/page-size checks to one variant)."""
     problems = []
     if geometry is not None:
-        want = {f.name: getattr(geometry, f.name) for f in fields(geometry) if f.compare}
+        want = geometry_record(geometry)
         have = manifest.get("geometry") or {}
         diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
         extra = sorted(set(have) - set(want))
@@ -389,9 +388,9 @@ class AotKernel:
 class AotBuild:
     """A verified AOT build folder (hashes checked when opened) and its kernels."""
 
-    def __init__(self, build_dir: str | os.PathLike, *, check_barriers: bool = True):
+    def __init__(self, build_dir: str | os.PathLike):
         self.dir = os.fspath(build_dir)
-        self.manifest = verify(self.dir, check_barriers=check_barriers)
+        self.manifest = verify(self.dir)
         self._entries = {k["name"]: k for k in self.manifest["kernels"]}
         self._kernels: dict[str, AotKernel] = {}
 

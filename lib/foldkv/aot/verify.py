@@ -5,6 +5,7 @@ again. Needs neither TileLang nor a GPU nor cuda-python (the loader runs the sam
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -20,6 +21,11 @@ _REQUIRED_TOP = ("manifest_version", "tilelang_version", "nvcc_version", "arch",
 _REQUIRED_KERNEL = ("name", "family", "format", "in_place_merge", "source", "cubin", "source_sha256", "cubin_sha256",
                     "nvcc_options", "params", "dynamic_symbols", "out_idx", "launches", "tensor_maps")
 _REQUIRED_LAUNCH = ("symbol", "grid", "block", "dynamic_smem_bytes", "args")
+
+
+def geometry_record(geom) -> dict:
+    """The geometry fields kernels are specialised on (the `name` label is kept apart: it does not change a kernel)."""
+    return {f.name: getattr(geom, f.name) for f in dataclasses.fields(geom) if f.compare}
 
 
 class AotVerifyError(RuntimeError):
@@ -155,13 +161,13 @@ def barrier_problems(build_dir: str | os.PathLike, manifest: dict) -> list[str]:
     return problems
 
 
-def verify(build_dir: str | os.PathLike, *, check_barriers: bool = True) -> dict:
+def verify(build_dir: str | os.PathLike) -> dict:
     """Return the manifest of a build that matches it; raise AotVerifyError listing every problem otherwise."""
     manifest = read_manifest(build_dir)
     problems = manifest_problems(manifest)
     if not problems:
         problems += file_problems(build_dir, manifest)
-    if not problems and check_barriers:
+    if not problems:
         problems += barrier_problems(build_dir, manifest)
     if problems:
         raise AotVerifyError(f"AOT build {os.fspath(build_dir)!r} does not match its manifest:\n  - "

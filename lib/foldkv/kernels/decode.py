@@ -6,28 +6,15 @@ is one wave, else the partial, merge_groups and merge_final), each kernel from t
     out, lse = decode(pool, query, table, plan=plan)                     # [B, 32, 512] bf16 head order, [B, 32] f32
 
 A decode step launches on the current stream (no host synchronisation, so it can be captured in a CUDA graph once
-its inputs have been checked; pass `check=False` inside the capture), when the plan is one wave of bf16 rows
-(`plan.fused`: every CTA resident at once, e.g. any single request and up to 8 ragged ones on the H200):
-    kernels["decode_fused_<format>"](query, pool.data, page_ids, chunk_req, chunk_start, chunk_len, merge_first,
-                                     merge_count, part_o, part_lse, tail_counters, value_head_column, out, lse)
-(the partial, whose CTAs then merge their request-head's chunks themselves: kernels/DECODE_SCHEDULE.md), otherwise,
-in order:
-    kernels["decode_partial_<format>"](query, pool.data, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse)
-        (over an FP8 pool: "decode_partial_folded_fp8", with pool.scales after pool.data; with
-        fp8_math="tensor_cores": "decode_partial_folded_fp8_tc", the same arguments)
-    kernels["merge_groups"](part_o, part_lse, group_first, group_count)
-    kernels["merge_final"](part_o, part_lse, group_first, req_group_first, req_group_count, value_head_column, out, lse)
-Shapes and dtypes of each argument are in the docstrings of decode_partial.py and merge.py. The kernels come from
+its inputs have been checked; pass `check=False` inside the capture): when the plan is one wave of bf16 rows
+(`plan.fused`: every CTA resident at once, e.g. any single request and up to 8 ragged ones on the H200) one kernel,
+"decode_fused_<format>" (the partial, whose CTAs then merge their request-head's chunks themselves:
+kernels/DECODE_SCHEDULE.md), otherwise the partial ("decode_partial_<format>", over an FP8 pool by `fp8_math`:
+`partial_kernel_name`), "merge_groups" and "merge_final". `launch_step` passes each its arguments, in order (shapes
+and dtypes in the docstrings of decode_partial.py and merge.py). The kernels come from
 `foldkv.kernels.resolve.kernel(name, geometry, backend=backend)` with their registered params ("jit": built here with
 TileLang; "aot": from the active AOT build), or from `kernels={name: callable}` for the names given there (an
-experiment's partial, say); the pool's page size must be the partial's.
-
-FP8 pools take `fp8_math` (parsed once here, `parse_fp8_math`): "tensor_cores" (the default) runs both gemms as FP8
-MMA with the query and P in two e4m3 parts (decode_partial_fp8_tc.py: ~0.65x the bf16 folded decode, held to its own
-derived bound, foldkv.lab.gates.fp8_tc, whose accumulation term rests on FP8 wgmma's accumulation as measured on the
-H200); "exact" converts each e4m3 row to bf16 exactly and runs bf16 MMA (decode_partial.py's FP8 partial: the slower,
-exact-conversion one, held to the bf16 gate's bound). A bf16 pool refuses "tensor_cores" (its default is "exact",
-which changes nothing there).
+experiment's partial, say); the pool's page size must be the partial's. FP8 pools take `fp8_math` (`parse_fp8_math`).
 """
 
 from __future__ import annotations
@@ -44,14 +31,18 @@ from . import resolve
 from .plan import MAX_BATCH, MAX_LEN, DecodePlan, device_sms, plan_decode
 
 
-FP8_MATH = ("exact", "tensor_cores")  # how an FP8 pool's partial multiplies (module docstring)
+FP8_MATH = ("exact", "tensor_cores")  # how an FP8 pool's partial multiplies (`parse_fp8_math`)
 DEFAULT_FP8_MATH = "tensor_cores"  # an FP8 pool's default partial (a bf16 pool's: "exact", `parse_fp8_math`)
 
 
 def parse_fp8_math(fp8_math: str | None, quantized: bool) -> str:
     """`fp8_math` checked once at the public boundary: None -> DEFAULT_FP8_MATH over an FP8 pool (`quantized`),
-    "exact" over a bf16 one; a value not in FP8_MATH, or "tensor_cores" asked of a bf16 pool, raises
-    FoldKvInputError. A bf16 pool's rows are exact already, so "exact" is accepted there and changes nothing."""
+    "exact" over a bf16 one (its rows are exact already: a no-op there); a value not in FP8_MATH, or "tensor_cores"
+    asked of a bf16 pool, raises FoldKvInputError.
+    "tensor_cores" runs both gemms as FP8 MMA with the query and P in two e4m3 parts (decode_partial_fp8_tc.py: ~0.65x
+    the bf16 folded decode, held to its own derived bound, foldkv.lab.gates.fp8_tc, whose accumulation term rests on
+    FP8 wgmma's accumulation as measured on the H200); "exact" converts each e4m3 row to bf16 exactly and runs bf16
+    MMA (decode_partial.py's FP8 partial: slower, held to the bf16 gate's bound)."""
     if fp8_math is None:
         return DEFAULT_FP8_MATH if quantized else "exact"
     if not isinstance(fp8_math, str) or fp8_math not in FP8_MATH:
@@ -131,6 +122,18 @@ def check_pool_dtype(pool: PagedKvPool, kv_dtype, op: str = "decode") -> None:
         raise FoldKvInputError(f"a {kv_dtype} {op} was asked of a pool that stores {pool.layout.dtype}")
 
 
+def check_query_out_lse(query: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None, rows: int, geom,
+                        device: torch.device) -> None:
+    """Refuse a query, or a given out / lse, that is not the kernels' (decode's and prefill's): bf16 [rows, Hq, D],
+    float32 [rows, Hq] for lse, contiguous, on `device`."""
+    shape = (rows, geom.num_q_heads, geom.head_dim)
+    check_tensor("query", query, dtype=torch.bfloat16, device=device, shape=shape, contiguous=True)
+    if out is not None:
+        check_tensor("out", out, dtype=torch.bfloat16, device=device, shape=shape, contiguous=True)
+    if lse is not None:
+        check_tensor("lse", lse, dtype=torch.float32, device=device, shape=shape[:2], contiguous=True)
+
+
 def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, plan: DecodePlan | None,
                   out: torch.Tensor | None, lse: torch.Tensor | None, kv_format, kv_dtype, read_table: bool,
                   backend: str, kernels, fused: bool | None = None, fp8_math: str | None = None) -> str:
@@ -158,13 +161,7 @@ def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, pla
         raise FoldKvInputError(f"batch of {batch} requests: decode takes 1 to {MAX_BATCH}")
     check_tensor("page_ids", table.page_ids, dtype=torch.int32, device=dev, contiguous=True)
     check_tensor("seq_lens", table.seq_lens, dtype=torch.int32, device=dev, contiguous=True)
-    check_tensor("query", query, dtype=torch.bfloat16, device=dev, shape=(batch, geom.num_q_heads, geom.head_dim),
-                 contiguous=True)
-    if out is not None:
-        check_tensor("out", out, dtype=torch.bfloat16, device=dev, shape=(batch, geom.num_q_heads, geom.head_dim),
-                     contiguous=True)
-    if lse is not None:
-        check_tensor("lse", lse, dtype=torch.float32, device=dev, shape=(batch, geom.num_q_heads), contiguous=True)
+    check_query_out_lse(query, out, lse, batch, geom, dev)
     if plan is not None:
         if not isinstance(plan, DecodePlan):
             raise FoldKvInputError(f"plan must be a DecodePlan from plan_decode, got {type(plan).__name__}")
@@ -208,11 +205,8 @@ def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: D
     that kernel's arguments} replacing the backend's kernel of that name (an experiment's variant; names from
     `replaceable_kernels(pool.format)`). fused: None launches one fused kernel when the plan is one wave
     (`plan.fused`) and `kernels` replaces none of the three-launch kernels, else the three; True / False ask for
-    one or the other (True refused for a plan that is not one wave). fp8_math (FP8 pools): "tensor_cores" (None: the
-    default) runs FP8 MMA with the query and P in two e4m3 parts (faster; held to its own derived bound); "exact"
-    converts the e4m3 rows exactly to bf16 and runs bf16 MMA, the slower, exact-conversion partial. Refused
-    (FoldKvInputError, nothing launched) when not one of those, or "tensor_cores" on a bf16 pool. A plan made here
-    balances that partial's wave (`partial_wave`: 2 x SMs for the tensor-core one).
+    one or the other (True refused for a plan that is not one wave). fp8_math (FP8 pools): `parse_fp8_math`; a plan
+    made here balances that partial's wave (`partial_wave`: 2 x SMs for the tensor-core one).
     """
     fp8_math = _check_inputs(pool, query, table, plan, out, lse, kv_format, kv_dtype, read_table=check,
                              backend=backend, kernels=kernels, fused=fused, fp8_math=fp8_math)
@@ -256,4 +250,4 @@ def launch_step(pool: PagedKvPool, query: torch.Tensor, page_ids: torch.Tensor, 
 
 __all__ = ["DecodePlan", "plan_decode", "decode", "launch_step", "kernel_names", "replaceable_kernels", "use_fused",
            "partial_kernel_name", "pool_operands", "parse_fp8_math", "partial_wave", "FP8_MATH", "DEFAULT_FP8_MATH",
-           "check_pool_dtype", "check_decode_pool"]
+           "check_pool_dtype", "check_decode_pool", "check_query_out_lse"]

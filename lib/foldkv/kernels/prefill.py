@@ -5,9 +5,7 @@ against its pages and returns (out [sum(q_lens), 32, 512] bf16 head order, lse [
 log). The kernel ("prefill_split" or "prefill_folded"; argument order documented in prefill_attention.py) comes from
 `foldkv.kernels.resolve.kernel(name, geometry, params, backend)` with the pool's page size among its params ("jit":
 built here with TileLang; "aot": from the active AOT build, refused unless built with these params), or from
-`kernels={name: callable}` (an experiment's variant). It is called as
-    kernel(query, pool.data, [pool.scales,] page_ids, seq_lens, q_start, q_lens, tile_req, tile_tok, out, lse)
-with the scales only for "prefill_folded_fp8".
+`kernels={name: callable}` (an experiment's variant); `prefill` shows its arguments, in order.
 An FP8 folded pool is read one of two ways (`fp8_rows`):
   "gather" (default): the dequantizing page gather first (`dequant_pages.bf16_pages`: the pages the requests cover,
       each converted once into bf16 rows, `foldkv.fp8.dequantize_rows_bf16`), then "prefill_folded" over those rows.
@@ -15,8 +13,7 @@ An FP8 folded pool is read one of two ways (`fp8_rows`):
       scratch pool for the call, 1,280 bytes per token and KV head of the requests' pages.
   "in_kernel": "prefill_folded_fp8" converts the e4m3 rows itself (exactly, the scale applied in float32, as the
       decode does) and needs no scratch, but converts every key block once per query tile that reads it, on the
-      warpgroups that run the gemms: 1.40-1.42x the bf16 prefill (bench/FP8_NOTES.md). It is called with the pool's
-      scales right after its rows.
+      warpgroups that run the gemms: 1.40-1.42x the bf16 prefill (bench/FP8_NOTES.md).
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from ..layout import KvFormat
 from ..pool import BlockTable, PagedKvPool, check_block_table
 from ..validate import FoldKvInputError, check_tensor
 from . import dequant_pages, resolve
-from .decode import check_decode_pool, check_pool_dtype, pool_operands
+from .decode import check_decode_pool, check_pool_dtype, check_query_out_lse, pool_operands
 
 TOKENS_PER_TILE = 8  # query tokens per CTA: 8 tokens x 8 heads of one KV group = 64 MMA rows
 
@@ -90,7 +87,6 @@ def _check(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: to
            kv_dtype) -> tuple[int, BlockTable]:
     """Everything that can be refused, before any launch; the device comes last so the CPU tests reach the rest.
     Returns the query rows and the table on the host (read back once: the launcher plans from it)."""
-    geom = pool.geometry
     check_pool_dtype(pool, kv_dtype, op="prefill")
     check_decode_pool(pool, op="prefill")  # bf16 or FP8 rows, and an FP8 pool's scales, as its layout says
     if pool.layout.page_size % params["block_N"]:
@@ -107,14 +103,7 @@ def _check(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: to
             " last positions)"
         )
     total = int(ql.sum())
-    check_tensor("query", query, dtype=torch.bfloat16, device=pool.device,
-                 shape=(total, geom.num_q_heads, geom.head_dim), contiguous=True)
-    if out is not None:
-        check_tensor("out", out, dtype=torch.bfloat16, device=pool.device,
-                     shape=(total, geom.num_q_heads, geom.head_dim), contiguous=True)
-    if lse is not None:
-        check_tensor("lse", lse, dtype=torch.float32, device=pool.device, shape=(total, geom.num_q_heads),
-                     contiguous=True)
+    check_query_out_lse(query, out, lse, total, pool.geometry, pool.device)
     if pool.device.type != "cuda":
         raise FoldKvInputError(f"prefill runs on CUDA; the pool is on {pool.device}")
     return total, table

@@ -143,9 +143,9 @@ class DecodeWorkspace:
         self.chunks_used = 0  # chunks of the plan holding real work (the rest read one token into unmerged slots)
 
     # -- views of the packed device plan ------------------------------------------------------------------------
-    def _view(self, name: str, buf: torch.Tensor | None = None) -> torch.Tensor:
+    def _view(self, name: str) -> torch.Tensor:
         at, n = self._offsets[name]
-        return (self._plan_dev if buf is None else buf)[at:at + n]
+        return self._plan_dev[at:at + n]
 
     def __getattr__(self, name: str) -> torch.Tensor:  # ws.chunk_req, ws.group_count, ...
         offsets = self.__dict__.get("_offsets", {})
@@ -193,13 +193,8 @@ class DecodeWorkspace:
         if self._in_flight[slot]:
             self._staged[slot].synchronize()  # the copy of two plans ago: long done in steady state
         host = self._staging[slot]
-        fill = {  # (real entries, padding value)
-            "chunk_req": (arrays["chunk_req"], 0), "chunk_start": (arrays["chunk_start"], 0),
-            "chunk_len": (arrays["chunk_len"], 1), "group_first": (arrays["group_first"], self.num_chunks),
-            "group_count": (arrays["group_count"], 0), "req_group_first": (arrays["req_group_first"], 0),
-            "req_group_count": (arrays["req_group_count"], 0), "merge_first": (arrays["merge_first"], 0),
-            "merge_count": (arrays["merge_count"], 0),
-        }
+        pads = {"chunk_len": 1, "group_first": self.num_chunks}  # (real entries, padding value) of each array
+        fill = {name: (arrays[name], pads.get(name, 0)) for name in self._offsets if name != "last_slot"}
         # each request's last slot (advance() lengthens it); padding requests add to chunk_len's scratch entry
         last = np.empty(batch, dtype=np.int64)
         ends = np.append(np.flatnonzero(np.diff(arrays["chunk_req"])), used - 1)

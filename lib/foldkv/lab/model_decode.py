@@ -592,7 +592,7 @@ def plot_tpot(rows: Sequence[dict], path: str | None = None):
     Each arm in its palette style, the floor a plain read's grey dashes, one legend beside the panels."""
     import matplotlib.pyplot as plt
 
-    from .palette import Styles, legend_beside
+    from .palette import Styles, finish_batch_panels
 
     ran = [r for r in rows if r["status"] == "ran"]
     batches = sorted({r["batch"] for r in ran})
@@ -610,12 +610,7 @@ def plot_tpot(rows: Sequence[dict], path: str | None = None):
         ax.set_yscale("log")
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("TPOT (ms, log)")
-        ax.set_title(f"batch {b}")
-        ax.grid(True, alpha=0.3)
-    legend_beside(fig, axes[0])
-    if path:
-        fig.savefig(path, dpi=90)
-    return fig
+    return finish_batch_panels(fig, axes[0], batches, path)
 
 
 __all__ = ["MODEL_ARMS", "ModelArm", "model_arm", "make_cache", "memory_components", "fill_cache", "step_kv_bytes",

@@ -162,6 +162,18 @@ def legend_beside(fig: Any, axes: Iterable[Any] | None = None, loc: str = "outsi
     return fig.legend(list(seen.values()), list(seen), loc=loc, fontsize=8, **kw)
 
 
+def finish_batch_panels(fig: Any, axes: Iterable[Any], batches: Iterable[Any], path: str | None = None) -> Any:
+    """A figure of one panel a batch, finished: each panel titled by its batch and gridded, the legend beside them
+    (`legend_beside`), saved at `path` when given. Returns the figure."""
+    for ax, b in zip(axes, batches):
+        ax.set_title(f"batch {b}")
+        ax.grid(True, alpha=0.3)
+    legend_beside(fig, axes)
+    if path:
+        fig.savefig(path, dpi=90)
+    return fig
+
+
 def legend_right_of(ax: Any, **kw: Any) -> Any:
     """The axes' own legend just right of it, outside its data (constrained layout makes the room); None when
     nothing is labelled."""
@@ -212,5 +224,6 @@ def unstyled(fig: Any) -> list[str]:
                    if a.get_gid() is None and a.get_label() and not a.get_label().startswith("_")})
 
 
-__all__ = ["ArmStyle", "ARM_STYLES", "ALIASES", "FALLBACK", "canonical", "Styles", "legend_beside", "legend_right_of",
+__all__ = ["ArmStyle", "ARM_STYLES", "ALIASES", "FALLBACK", "canonical", "Styles", "legend_beside", "finish_batch_panels",
+           "legend_right_of",
            "colour_clashes", "unstyled"]

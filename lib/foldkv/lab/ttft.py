@@ -453,7 +453,7 @@ def plot_ttft_over_floor(rows: Sequence[dict], path: str | None = None):
     panels; constrained layout, so a redraw's title (`RecordRedraw.mark`) sits apart from the panels' titles."""
     import matplotlib.pyplot as plt
 
-    from .palette import Styles, legend_beside
+    from .palette import Styles, finish_batch_panels
 
     ran = [r for r in rows if r["status"] == "ran" and r.get("ttft_over_floor") is not None]
     batches = sorted({r["batch"] for r in ran}) or [1]
@@ -475,12 +475,7 @@ def plot_ttft_over_floor(rows: Sequence[dict], path: str | None = None):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt (tokens)")
         ax.set_ylabel("TTFT / compute floor")
-        ax.set_title(f"batch {b}")
-        ax.grid(True, alpha=0.3)
-    legend_beside(fig, axes[0])
-    if path:
-        fig.savefig(path, dpi=90)
-    return fig
+    return finish_batch_panels(fig, axes[0], batches, path)
 
 
 __all__ = ["BOUNDED_ARM", "DOES_NOT_FIT", "E2E_ALONE", "E2E_CALL", "ONE_STEADY_CALL", "RULE_CHANGES", "against_record",

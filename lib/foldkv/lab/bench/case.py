@@ -14,7 +14,8 @@ from foldkv.config import GEMMA4_31B, AttentionGeometry
 from foldkv.fp8 import FP8_DTYPE
 from foldkv.layout import KvFormat
 from foldkv.pool import BlockTable, PagedKvLayout, PagedKvPool
-from foldkv.prep import fill_sequences, prep_query
+from foldkv.lab.gates.inputs import fill_sequences
+from foldkv.prep import prep_query
 from foldkv.reference import paged_attention_reference
 
 from .peers import flashinfer_kv_from_split

@@ -2,7 +2,8 @@
 
 - `geometry`: the geometry the gates run at (the 31B, or one tensor-parallel rank's share of it), refused before any
   work when the kernels are not generated for it;
-- `inputs`: the cases, the hostile pool one seed makes, poisoned outputs;
+- `inputs`: the cases, the hostile pool one seed makes (`fill_sequences`: whole sequences prepped into a pool),
+  poisoned outputs;
 - `checks`: the derived tolerances, the checks against the float64 reference (`compare`, `compare_lse`, `run_case`)
   and the arms under test (the launchers, and the decode through the workspace's CUDA graph);
 - `fold`: folded against split (the float64 identity; each format's bf16 error against the unrounded truth);
@@ -23,7 +24,7 @@ The gates notebook and the GPU tests both call these functions; nothing here imp
 
 from .geometry import KERNEL_HEAD, gate_geometry
 from .inputs import (POISON_PAGE_IDS, OUT_POISON, Case, decode_cases, prefill_cases, GateInputs, case_q_lens,
-                     make_inputs, poisoned_outputs, bits)
+                     make_inputs, poisoned_outputs, bits, fill_sequences)
 from .checks import (P_ROUNDING, P_SCALED_ROUNDING, ABS_TOL, REL_TOL, FRO_TOL, LSE_ROUNDING, LSE_MMA_K, LSE_TILE_MAX,
                      LSE_TILE_MIN, LSE_MERGE_LEVELS, LSE_APPROX, bf16_ulp, compare, agree, lse_bound, row_key_counts,
                      compare_lse, run_case, summary_row, decode_arm, prefill_arm, attended_rows, arm_for,

@@ -11,9 +11,9 @@ import torch
 from ...config import GEMMA4_31B, AttentionGeometry
 from ...layout import KvFormat
 from ...pool import PagedKvLayout, PagedKvPool
-from ...prep import fill_sequences, prep_and_store, prep_query
+from ...prep import prep_and_store, prep_query
 from ...reference import paged_attention_reference
-from .inputs import GateInputs, case_q_lens
+from .inputs import GateInputs, case_q_lens, fill_sequences
 
 
 def unrounded_truth(inputs: GateInputs) -> torch.Tensor:

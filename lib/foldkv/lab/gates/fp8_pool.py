@@ -11,11 +11,10 @@ import torch
 from ...config import GEMMA4_31B, AttentionGeometry
 from ...layout import KvFormat, value_window_columns
 from ...pool import BlockTable, PagedKvLayout, PagedKvPool
-from ...prep import fill_sequences
 from ...reference import paged_attention_reference
 from .checks import (ABS_TOL, P_ROUNDING, REL_TOL, bf16_ulp, compare, decode_arm, decode_extra, decode_fp8_math,
                      prefill_arm, run_case, summary_row)
-from .inputs import Case, make_inputs
+from .inputs import Case, fill_sequences, make_inputs
 from .sections import gpu_section
 
 

@@ -10,10 +10,36 @@ import torch
 from ...config import GEMMA4_31B, AttentionGeometry
 from ...layout import KvFormat
 from ...pool import BlockTable, PagedKvLayout, PagedKvPool
-from ...prep import fill_sequences, prep_query
+from ...fp8 import check_finite_rows
+from ...prep import FLOAT_TYPES, prep_query, prep_rows, write_tokens
+from ...validate import FoldKvInputError, check_tensor
 from .geometry import gate_geometry
 POISON_PAGE_IDS = (-(2**31), 2**31 - 1, -1)  # entries past the real ones in page tables and plans
 OUT_POISON = float("nan")
+
+
+def fill_sequences(pool: PagedKvPool, table: BlockTable, kv: list[torch.Tensor], k_norm_weight: torch.Tensor) -> None:
+    """Prep and store whole sequences: kv[r] [seq_len_r, Hkv, D] raw projections (float32/bf16/fp16/float64, any
+    device) at positions 0..seq_len_r-1, one per request of `table`, seq_len_r == table.seq_lens[r].
+    k_norm_weight: [D] float, any device. Rows are prepped on kv[r]'s device and stored in the pool's dtype (an FP8
+    pool's quantized by `foldkv.fp8.quantize_rows`). Shapes, and for an FP8 pool NaN/Inf inputs, are refused before
+    the first write."""
+    geom = pool.geometry
+    if len(kv) != table.batch:
+        raise FoldKvInputError(f"{len(kv)} sequences for a block table of {table.batch} requests")
+    for r, x in enumerate(kv):
+        if x.shape[0] != int(table.seq_lens[r]):
+            raise FoldKvInputError(f"sequence {r} has {x.shape[0]} tokens, its block table says {int(table.seq_lens[r])}")
+    check_tensor("k_norm_weight", k_norm_weight, dtype=FLOAT_TYPES, shape=(geom.head_dim,))
+    for r, x in enumerate(kv):
+        check_tensor(f"kv[{r}]", x, dtype=FLOAT_TYPES, shape=(None, geom.num_kv_heads, geom.head_dim))
+        if pool.layout.quantized:
+            check_finite_rows(x)
+    for r, x in enumerate(kv):
+        n = x.shape[0]
+        pos = torch.arange(n, device=x.device)
+        rows = prep_rows(geom, pool.format, x, k_norm_weight.to(x.device), pos, out_dtype=pool.layout.row_dtype)
+        write_tokens(pool, table, torch.full((n,), r, dtype=torch.long), pos.cpu(), rows.to(pool.device))
 
 
 @dataclass(frozen=True)
