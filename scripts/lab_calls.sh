@@ -23,6 +23,10 @@
 #                 it goes), one profiled 16K prefill by component, steady-state TTFT at 4K and 32K (every arm,
 #                 rotated) and 128K (folded) (bench/prefill_probe.py; bench/PREFILL_NOTES.md "Time to first token")
 #                 (~7-9 min)
+#   PART=prefill_ab  the prefill's two step options (merge_prefill off, fuse_prefill_norm_rope on) against the served
+#                 prefill at 32K (folded, rotated, 3 rounds; bench/PREFILL_NOTES.md's two predictions), their GPU tests,
+#                 the served 16K profile by component, and the short last chunk's first use under cProfile (4,096 then
+#                 4,100 tokens, twice) (~5-6 min)
 #   PART=prefill_kernels  the global prefill's versions (two stages, batched reductions, lazy rescale) against the
 #                 library's folded and split prefill: checked against float64, then a 4,096-query chunk over 8K and 32K
 #                 against the in-run matmul rate (bench/prefill_kernel_probe.py; bench/PREFILL_NOTES.md) (~3-4 min)
@@ -119,6 +123,21 @@ if [ "$PART" = prefill ]; then  # one TileLang cache for the call's processes: w
   timeout ${LONG_S:-50} $P ttft --rounds 1 --no-untimed --cells $N:131072 > "$OUTD/prefill_ttft128k.log" 2>&1
   echo "ttft 128K rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round" "$OUTD/prefill_ttft128k.log"
   (cd "$OUTD" && tar -czf prefill_logs.tgz prefill_*.log prefill_*.json && rm -f prefill_*.log prefill_*.json)
+fi
+
+if [ "$PART" = prefill_ab ]; then  # one TileLang cache: the ttft cells build the prefill kernels, the rest load them
+  P="python3 bench/prefill_probe.py --out $OUTD"; N=foldkv-folded
+  timeout ${AB_TTFT_S:-200} $P ttft --rounds 3 --budget-s 190 --cells $N:32768 $N:32768@fuse_prefill_norm_rope=1 \
+    $N:32768@merge_prefill=0 $N:32768@merge_prefill=0,fuse_prefill_norm_rope=1 > "$OUTD/prefill_ab_ttft.log" 2>&1
+  echo "ttft A/B rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round|matmul" "$OUTD/prefill_ab_ttft.log"
+  FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-120} python3 -m pytest -q -ra --tb=short -p no:cacheprovider \
+    tests/test_prefill_fused_gpu.py tests/test_first_use_gpu.py > "$OUTD/prefill_ab_pytest.log" 2>&1
+  echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/prefill_ab_pytest.log")"
+  timeout ${PROF_S:-60} $P profile --cells $N:16384 $N:16384@merge_prefill=0,fuse_prefill_norm_rope=1 \
+    > "$OUTD/prefill_ab_profile.log" 2>&1
+  echo "profile rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "chunk|did not" "$OUTD/prefill_ab_profile.log"
+  timeout ${FIRST_S:-50} $P first --cprofile --cells $N:4096 $N:4100 $N:4096 $N:4100 > "$OUTD/prefill_ab_first.log" 2>&1
+  echo "first rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "^ +[0-9]+:" "$OUTD/prefill_ab_first.log"
 fi
 
 if [ "$PART" = step_ab ]; then  # one TileLang cache: the second commit's unchanged kernels load from it

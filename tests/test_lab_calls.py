@@ -120,3 +120,18 @@ def test_the_tile_sweep_call_runs_the_sweep():
     section = notes[notes.index("## Run 24: the tile sweep"):]
     named = re.findall(r"PART=(\w+) bash scripts/lab_calls\.sh", section)
     assert named and set(named) <= set(_parts()[1]), named  # the notes' command is a PART the script runs
+
+
+def test_the_prefill_probe_cells_parse():
+    """Every cell the script gives bench/prefill_probe.py parses, step options included (an option StepOptions lacks
+    would be refused here, not on the device); red twin: a misspelt option is refused."""
+    import argparse
+
+    probe = bench_script("prefill_probe")
+    cells = [c for args in _commands("$P") for c in args if re.match(r"(\$N|\$S|foldkv-[a-z0-9]+):", c)]  # P: the probe
+    options = [c for c in cells if "@" in c]
+    assert options, "no cell with step options"
+    for cell in cells:
+        probe._cell(cell.replace("$N", "foldkv-folded").replace("$S", "foldkv-split").replace("$L", "1:8192"), 4096)
+    with pytest.raises(argparse.ArgumentTypeError):
+        probe._cell("foldkv-folded:32768@merge_prefil=0", 4096)
