@@ -149,11 +149,9 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
     if (why := norm_rope_refusal(x, weight, cos, sin)) is not None:
         raise FoldKvInputError(f"norm_rope: {why}")
     b, t, h, d = x.shape
-    out = torch.empty((b, t, h, d), dtype=x.dtype, device=x.device)
     token_stride = x.stride(1) if t > 1 else x.stride(0)  # (row b * T + t at that stride: checked above)
-    _kernels()["q_norm_rope"][(b * t * h,)](x, weight, cos.contiguous(), sin.contiguous(), out, h, token_stride, d,
-                                            float(eps), D=d, num_warps=_warps(d), **_pdl(x))
-    return out
+    rows = x.as_strided((b * t, 1, h * d), (token_stride, h * d, 1))  # the B * T tokens as q_norm_rope's batch
+    return q_norm_rope(rows, weight, eps, cos.reshape(b * t, 1, d), sin.reshape(b * t, 1, d), h).view(b, t, h, d)
 
 
 def _row_view(x: torch.Tensor) -> torch.Tensor:
