@@ -27,6 +27,11 @@
 #                 prefill at 32K (folded, rotated, 3 rounds; bench/PREFILL_NOTES.md's two predictions), their GPU tests,
 #                 the served 16K profile by component, and the short last chunk's first use under cProfile (4,096 then
 #                 4,100 tokens, twice) (~5-6 min)
+#   PART=ttft_ab  the served prefill at this commit against the commit whose lib/ and bench/ are carried in .before/
+#                 (`git archive <rev> lib bench | tar -x -C .before`): time to first token of 32,768 and 4,100 tokens
+#                 (folded, 3 rounds, each side in its own process), first use in a fresh process (4,096 and 4,100 twice,
+#                 then new lengths), the 16K profile by component, then the GPU tests of the prefill's path
+#                 (bench/PREFILL_NOTES.md "Prediction: a prefill without host syncs...") (~8-9 min)
 #   PART=prefill_kernels  the global prefill's versions (two stages, batched reductions, lazy rescale) against the
 #                 library's folded and split prefill: checked against float64, then a 4,096-query chunk over 8K and 32K
 #                 against the in-run matmul rate (bench/prefill_kernel_probe.py; bench/PREFILL_NOTES.md) (~3-4 min)
@@ -138,6 +143,27 @@ if [ "$PART" = prefill_ab ]; then  # one TileLang cache: the ttft cells build th
   echo "profile rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "chunk|did not" "$OUTD/prefill_ab_profile.log"
   timeout ${FIRST_S:-50} $P first --cprofile --cells $N:4096 $N:4100 $N:4096 $N:4100 > "$OUTD/prefill_ab_first.log" 2>&1
   echo "first rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "^ +[0-9]+:" "$OUTD/prefill_ab_first.log"
+fi
+
+if [ "$PART" = ttft_ab ]; then  # one TileLang cache: the first process builds the prefill kernels, the rest load them
+  N=foldkv-folded
+  for side in after before; do
+    if [ $side = before ]; then PP="$PWD/.before/lib:${PYTHONPATH#$PWD/lib:}"; B=.before/bench; else PP=$PYTHONPATH; B=bench; fi
+    mkdir -p "$OUTD/$side"
+    PYTHONPATH=$PP timeout ${AB_S:-130} python3 $B/prefill_probe.py --out "$OUTD/$side" ttft --rounds 3 \
+      --cells $N:32768 $N:4100 > "$OUTD/ttft_ab_$side.log" 2>&1
+    echo "$side rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round|matmul" "$OUTD/ttft_ab_$side.log"
+  done
+  timeout ${FIRST_S:-60} python3 bench/prefill_probe.py --out "$OUTD" first --cells $N:4096 $N:4100 $N:4096 $N:4100 \
+    $N:5000 $N:300 $N:12001:1:8192 > "$OUTD/ttft_ab_first.log" 2>&1
+  echo "first rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "^ +[0-9]+:" "$OUTD/ttft_ab_first.log"
+  timeout ${PROF_S:-50} python3 bench/prefill_probe.py --out "$OUTD" profile --cells $N:16384 \
+    > "$OUTD/ttft_ab_profile.log" 2>&1
+  echo "profile rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "chunk|did not" "$OUTD/ttft_ab_profile.log"
+  FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-170} python3 -m pytest -q -ra --tb=short -p no:cacheprovider \
+    ${AB_TESTS:-tests/test_prefill_fused_gpu.py tests/test_first_use_gpu.py tests/test_hf_gpu.py} \
+    > "$OUTD/ttft_ab_pytest.log" 2>&1
+  echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/ttft_ab_pytest.log")"
 fi
 
 if [ "$PART" = step_ab ]; then  # one TileLang cache: the second commit's unchanged kernels load from it

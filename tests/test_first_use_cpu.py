@@ -174,7 +174,7 @@ def traced(monkeypatch):
     require_module("triton")
     from types import SimpleNamespace
 
-    from foldkv import fused_step_kernels as k, fused_step_ops, global_step
+    from foldkv import fused_step_kernels as k, fused_step_ops, global_step, window_attention
 
     log: set = set()
     linear = torch.nn.functional.linear
@@ -184,6 +184,12 @@ def traced(monkeypatch):
         return linear(x, weight, bias)
 
     monkeypatch.setattr(torch.nn.functional, "linear", recorded_linear)
+
+    def recorded_window(query, key, value, *, window, scale):  # FlashAttention's window: recorded, not run on the CPU
+        log.add(("window_attention", key.shape[2] > query.shape[2]))  # a first chunk's keys, or a later one's
+        return torch.full((query.shape[0], query.shape[2], query.shape[1], query.shape[3]), 0.25, dtype=query.dtype)
+
+    monkeypatch.setattr(window_attention, "window_attention", recorded_window)
     monkeypatch.setattr(fused_step_ops, "_KERNELS", {name: _Recorded(kern, log)
                                                      for name, kern in fused_step_ops._kernels().items()})
     monkeypatch.setattr(global_step, "_kernels", lambda: SimpleNamespace(
@@ -333,3 +339,26 @@ def test_the_cache_warms_its_prefill_at_creation(model, monkeypatch):
     calls.clear()
     FoldKvCache(model, max_batch=1, max_tokens=32, attention="reference", decode_step="eager")
     assert calls == []  # no decode step: transformers' own prefill, nothing of the step's to warm
+
+
+def test_warm_row_counts():
+    """A full chunk, a balanced odd one (generate() splits a prompt into near-equal chunks), a short one, 15 for a
+    hidden width no multiple of 16; none above the rows a cache can hold, none under 2."""
+    from foldkv.fused_step import SHORT_ROWS, warm_row_counts
+
+    assert warm_row_counts(4096, 5376) == (4096, 2049, SHORT_ROWS)
+    assert warm_row_counts(24, 100) == (24, 15, 13, SHORT_ROWS)
+    assert warm_row_counts(3, 64) == (3, 2)
+
+
+def test_the_warm_up_runs_the_window_as_a_first_and_a_later_chunk(bf16_step, traced, monkeypatch):
+    from foldkv import window_attention
+    from foldkv.hf import FoldKvCache
+
+    model, step = bf16_step
+    pool = FoldKvCache(model, max_batch=1, max_tokens=64, attention="reference",
+                       decode_step="static").global_layers[0].pool
+    windows = {key for key in _warm_launches(step, pool, traced, rows=24) if key[0] == "window_attention"}
+    assert windows == {("window_attention", False), ("window_attention", True)}, windows
+    monkeypatch.setattr(window_attention, "refusal", lambda *a, **kw: "refused")  # red twin: the window skipped
+    assert not {key for key in _warm_launches(step, pool, traced, rows=24) if key[0] == "window_attention"}

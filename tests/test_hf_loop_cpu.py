@@ -476,3 +476,50 @@ def test_the_two_launch_pick_leaves_a_cpu_generate_to_the_library_pick(models, b
     assert probe.parse_args(["--greedy-pick-ab"]).greedy_pick_ab and not probe.parse_args([]).greedy_pick_ab
     noted = probe_command_of_run(29)  # the notes' command for run 29 is one the probe takes
     assert noted.greedy_pick_ab and noted.loop_tail_ab and "foldkv-folded:4096:8" in noted.decode
+
+
+# --- the prompt's chunks: as many as prefill_chunk_size makes, of near-equal lengths ------------------------------
+
+def _even_chunks(chunks: list[int], prompt: int, size: int) -> str | None:
+    """Why `chunks` are not a prompt of `prompt` tokens in ceil(prompt / size) chunks of at most `size`, the last at
+    most the chunk count shorter than the first (None: they are)."""
+    count = -(-prompt // size)
+    if sum(chunks) != prompt or len(chunks) != count:
+        return f"{chunks[:4]}...: {len(chunks)} chunks of {sum(chunks)} tokens, not {count} of {prompt}"
+    if max(chunks) > size or min(chunks) < max(chunks) - count:
+        return f"chunk lengths {min(chunks)}..{max(chunks)} for at most {size}, {count} chunks"
+    return None
+
+
+@pytest.mark.parametrize("size", [1, 4, 63, 64, 4096])
+@pytest.mark.parametrize("prompt", [1, 5, 63, 65, 4100, 10_602])
+def test_balanced_chunks(prompt, size):
+    from types import SimpleNamespace
+
+    from foldkv.hf_loop import balanced_chunks
+
+    config = SimpleNamespace(prefill_chunk_size=size)
+    got = balanced_chunks(config, prompt).prefill_chunk_size
+    assert config.prefill_chunk_size == size, "the caller's generation config was changed"
+    chunks = [len(c) for c in torch.arange(prompt).split(got)]  # as transformers' _prefill splits the prompt
+    assert _even_chunks(chunks, prompt, size) is None, _even_chunks(chunks, prompt, size)
+
+
+def test_balanced_chunks_red_twin():
+    """The plain split of 4,100 tokens in chunks of 4,096 ends in a chunk of 4: the check catches it."""
+    assert _even_chunks([len(c) for c in torch.arange(4100).split(4096)], 4100, 4096) is not None
+
+
+def test_decode_loop_prefills_in_balanced_chunks(models, monkeypatch):
+    """17 tokens with prefill_chunk_size=8 go to transformers' chunked prefill as chunks of 6 (6, 6, 5), not 8, 8, 1;
+    the tokens are those of the prompt prefilled whole."""
+    from foldkv import hf_loop
+
+    ids = left_padded_batch((17,), TINY_SYNTHETIC["vocab_size"])[0]
+    seen, prefill = [], hf_loop.compat.prefill
+    monkeypatch.setattr(hf_loop.compat, "prefill", lambda model, input_ids, config, kw: (
+        seen.append(config.prefill_chunk_size), prefill(model, input_ids, config, kw))[1])
+    got, _ = _generate(models["foldkv"], (ids, torch.ones_like(ids)), _cache(models["foldkv"]), prefill_chunk_size=8)
+    assert seen == [6]
+    whole, _ = _generate(models["foldkv"], (ids, torch.ones_like(ids)), _cache(models["foldkv"]))
+    assert torch.equal(got, whole)

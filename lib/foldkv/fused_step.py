@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import gemv, global_step, ring
+from . import gemv, global_step, ring, window_attention
 from . import transformers_compat as compat
 from .fused_step_ops import (_norm_add, gelu_mul, head_dim_refusal, kv_to_ring, masked_softmax,  # noqa: F401
                              norm_add_norm, norm_add_scale, norm_eps, norm_rope, norm_rope_refusal, q_norm_rope,
@@ -340,6 +340,16 @@ _KEYWORDS = frozenset(("input_ids", "attention_mask", "position_ids", "cache", "
 
 WARM_ROWS = 4096  # `StepForward.warm_prefill`'s rows: a prefill chunk's (notebook 07's chunk; cuBLAS picks its kernels by
 # shape, and a chunk of other rows may take others: PREFILL_NOTES "First use" says what the fresh process measures)
+SHORT_ROWS = 4  # a short chunk's: cuBLAS's small-M GEMMs and FlashAttention's split-key kernels (a chunk of <= 384
+# queries over the window splits its keys), which no full chunk launches
+
+
+def warm_row_counts(rows: int, hidden: int) -> tuple[int, ...]:
+    """The row counts `StepForward.warm_prefill` runs for chunks of up to `rows`: a full chunk, a balanced one of
+    half as many plus one (odd: FlashAttention's kernels for rows that are no multiple of its tiles), a short one, and
+    15 when the hidden width is no multiple of 16 (norm_add's rows x hidden then takes another specialisation)."""
+    counts = (rows, rows // 2 + 1, SHORT_ROWS) + ((15,) if hidden % 16 else ())
+    return tuple(sorted({t for t in counts if 2 <= t <= rows}, reverse=True))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -496,15 +506,14 @@ class StepForward:
     @torch.no_grad()
     def warm_prefill(self, pool: Any, rows: int = WARM_ROWS) -> int:
         """Launch once each kernel a prefill chunk launches (its Triton glue at the specialisations a chunk takes, its
-        GEMMs' cuBLAS kernels at `rows` rows: merged or one a projection, as `StepOptions.merge_prefill` says), so that
-        a process's first prompt loads none of them inside its time to first token: one untimed pass of each distinct
-        decoder-layer body over `rows` random hidden rows (the same ops the forward calls; the attention itself left
-        out, a global layer's fold and store into a one-page scratch pool of `pool`'s layout: nothing of the cache is
-        written), then the final norm and the LM head's row. A launch's specialisation depends on widths, dtypes,
-        alignments and its int arguments (== 1, divisible by 16); the one int a chunk's row count reaches is norm_add's
-        rows x hidden, so a second pass at an odd row count runs when the hidden width is not a multiple of 16. Run
-        under the prefill's options (`DecodeStep.warm_prefill`). Returns the layer bodies run. On the CPU it does
-        nothing: the modules' own formulas launch no kernel."""
+        GEMMs' cuBLAS kernels, merged or one a projection as `StepOptions.merge_prefill` says, a sliding layer's
+        FlashAttention window as a first and as a later chunk), so that a process's first prompt loads none of them
+        inside its time to first token: one untimed pass of each distinct decoder-layer body over random hidden rows at
+        each of `warm_row_counts(rows)` (the same ops the forward calls; a global layer's fold and store into a
+        one-page scratch pool of `pool`'s layout, its attention kernel resolved with the cache: nothing of the cache is
+        written), then the final norm and the LM head's row. Run under the prefill's options
+        (`DecodeStep.warm_prefill`). Returns the layer bodies run. On the CPU it does nothing: the modules' own formulas
+        launch no kernel."""
         from dataclasses import replace
 
         from .pool import PagedKvPool
@@ -518,7 +527,7 @@ class StepForward:
         merged = in_force().merge_prefill  # the GEMMs a chunk launches: merged, or one a projection
         fused = in_force().fuse_prefill_norm_rope  # its q and k norms and RoPE: one pass, or two
         bodies = 0
-        for t in (rows, 15) if n % 16 and rows > 15 else (rows,):
+        for t in warm_row_counts(rows, n):
             h = torch.randn(1, t, n, generator=g, device=w.device).to(w.dtype)  # never zero
             positions = torch.arange(t, device=w.device)[None]
             tables = {k: self.text.rotary_emb(h, positions, k) for k in dict.fromkeys(self.types)}
@@ -545,6 +554,15 @@ class StepForward:
                 if not attn.is_sliding:  # FoldKvLayer.attend's fold and store, rows packed as its index_select's
                     global_step.fold_and_store(scratch, pages, offsets, q.reshape(t, -1, d), k.reshape(t, -1, d),
                                                v.reshape(t, -1, d), attn.k_norm.weight)
+                else:  # the window as a prompt's first chunk (keys: its own) and as a later one (the window's too)
+                    qh, kh = q.transpose(1, 2), k.transpose(1, 2)
+                    later = torch.randn(1, kh.shape[1], attn.sliding_window - 1 + t, d, generator=g, device=w.device,
+                                        dtype=kh.dtype)
+                    for keys in (kh, later):
+                        if window_attention.refusal(qh, keys, keys, window=attn.sliding_window, softcap=getattr(
+                                attn.config, "attn_logit_softcapping", None)) is None:
+                            window_attention.window_attention(qh, keys, keys, window=attn.sliding_window,
+                                                              scale=attn.scaling)
                 out, parts = self.o_proj[i].tail(torch.randn(q.reshape(1, t, -1).shape, generator=g, device=w.device,
                                                               dtype=w.dtype))
                 y, x = self._norm_add(out, h, layer.post_attention_layernorm, layer.pre_feedforward_layernorm, None,

@@ -57,6 +57,7 @@ from .fp8 import FP8_DTYPE
 from .fused_step import text_model
 from .hf_graph import STEP_MODES, DecodeStep, used_cache_error
 from .hf_loop import install
+from .kernels.prefill import upload
 from .layout import KvFormat
 from .masks import SLIDING_IMPLEMENTATION, NewTokens, RingMask, SlidingWindow, plain_window
 from .pool import BlockTable, PagedKvLayout, PagedKvPool
@@ -388,27 +389,31 @@ class FoldKvLayer(CacheLayerMixin):
         starts = self.lengths[:b]
         new_lens = [n + k for n, k in zip(starts, counts)]
         # The real tokens, sequence by sequence: column j of sequence r is flat row r * T + j.
-        flat = torch.cat([torch.arange(r * t + t - k, r * t + t) for r, k in enumerate(counts)])  # [N] host
+        every = sum(counts) == b * t  # no padding: the rows in order, nothing gathered or scattered
+        flat = None if every else torch.cat([torch.arange(r * t + t - k, r * t + t) for r, k in enumerate(counts)])
         request = torch.repeat_interleave(torch.arange(b), torch.tensor(counts))  # [N] host
         slots = torch.cat([torch.arange(s, s + k) for s, k in zip(starts, counts)])  # [N] host
-        idx = flat.to(query.device)
-        q = query.transpose(1, 2).reshape(b * t, hq, d).index_select(0, idx)  # [N, Hq, D]
-        k = new.key.transpose(1, 2).reshape(b * t, -1, d).index_select(0, idx)  # [N, Hkv, D]
-        v = new.value.transpose(1, 2).reshape(b * t, -1, d).index_select(0, idx)  # [N, Hkv, D]
         table = BlockTable(self.host_table.page_ids, self.host_table.seq_lens.clone())
         table.seq_lens[:b] = torch.tensor(new_lens, dtype=torch.int32)
         pages, offsets = pool.token_slots(table, request, slots)  # refuses before anything is written
+        # Host to device through pinned memory, without waiting for the stream: a copy from pageable memory would
+        # drain the queue at every global layer, and the GPU would then idle for this layer's host work.
+        pages, offsets, *idx = upload(pool.device, pages, offsets, *([] if every else [flat]), dtype=torch.long)
+        q, k, v = (x.transpose(1, 2).reshape(b * t, -1, d) for x in (query, new.key, new.value))
+        if not every:  # [N, H, D]
+            q, k, v = (x.index_select(0, idx[0]) for x in (q, k, v))
         # the sequences with tokens in this forward (a chunk of a chunked prefill may hold none of a short prompt's)
         active = [r for r in range(b) if counts[r]]
-        dev = pool.device
-        folded = global_step.fold_and_store(pool, pages.to(dev), offsets.to(dev), q, k, v, module.k_norm.weight,
+        folded = global_step.fold_and_store(pool, pages, offsets, q, k, v, module.k_norm.weight,
                                             out=c.decode_query(counts))  # [N, Hq, D] the format's form
         self.host_table.seq_lens.copy_(table.seq_lens)
         self.lengths[:b] = new_lens
         table = BlockTable(self.host_table.page_ids[active], self.host_table.seq_lens[active].clone())
         out = c.pool_attention(self, folded, table, tuple(counts[r] for r in active))  # [N, Hq, D] head order
+        if every:
+            return out.to(query.dtype).view(b, t, hq, d)
         full = torch.zeros(b * t, hq, d, dtype=query.dtype, device=query.device)
-        full.index_copy_(0, idx, out.to(query.dtype))
+        full.index_copy_(0, idx[0], out.to(query.dtype))
         return full.view(b, t, hq, d)
 
 

@@ -27,6 +27,7 @@ an assistant model, a transformers without `_prefill` (before 5.2x).
 
 from __future__ import annotations
 
+import copy
 import functools
 import types
 from typing import Any
@@ -112,6 +113,22 @@ def pick_tokens(input_ids: torch.Tensor, logits: torch.Tensor, logits_processor:
     return tokens * unfinished + pad_token_id * (1 - unfinished) if has_eos else tokens
 
 
+def balanced_chunks(generation_config: Any, prompt: int) -> Any:
+    """`generation_config`, or a copy whose `prefill_chunk_size` splits a prompt of `prompt` tokens into as many
+    chunks as the given size does, of near-equal lengths (each at most the given size; the last at most their count
+    shorter). A prompt a few tokens past a multiple of the chunk size would otherwise end in a chunk of those few
+    tokens, whose forward reads every weight for them and runs on kernels no full chunk takes."""
+    size = getattr(generation_config, "prefill_chunk_size", None)
+    if not size or prompt <= size:
+        return generation_config
+    even = -(-prompt // -(-prompt // size))  # ceil(prompt / the chunk count)
+    if even == size:
+        return generation_config
+    config = copy.copy(generation_config)
+    config.prefill_chunk_size = even
+    return config
+
+
 def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_processor: Any, stopping_criteria: Any,
                 generation_config: Any, synced_gpus: bool = False, streamer: Any = None,
                 **model_kwargs) -> torch.LongTensor:
@@ -126,7 +143,8 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.LongTensor, logits_proc
     do_sample = generation_config.do_sample
     max_length = generation_config.max_length
 
-    outputs = compat.prefill(model, input_ids, generation_config, model_kwargs)
+    prompt = input_ids.shape[1] - cache.get_seq_length()
+    outputs = compat.prefill(model, input_ids, balanced_chunks(generation_config, prompt), model_kwargs)
     while True:
         if not step.started:  # the prompt's output or the capturing step: transformers' own bookkeeping
             model_kwargs = compat.update_model_kwargs(model, outputs, model_kwargs)
@@ -200,4 +218,4 @@ __getattr__ = moved(__name__, {"LOOP_STEPS": "each decode step counts the loop's
                                               " (cache.decode_step.loop_steps)"})
 
 
-__all__ = ["applies", "covers", "decode_loop", "install", "loop_state", "pick_tokens"]
+__all__ = ["applies", "balanced_chunks", "covers", "decode_loop", "install", "loop_state", "pick_tokens"]

@@ -156,12 +156,14 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
     return out, lse
 
 
-def upload(device: torch.device, *arrays: torch.Tensor) -> list[torch.Tensor]:
-    """Integer tensors (host ones, or device ones copied to the host first) as int32 tensors of the same shapes on
+def upload(device: torch.device, *arrays: torch.Tensor, dtype: torch.dtype = torch.int32) -> list[torch.Tensor]:
+    """Integer tensors (host ones, or device ones copied to the host first) as `dtype` tensors of the same shapes on
     `device`, through one pinned host buffer and one asynchronous copy (no wait for the stream): views of one device
-    buffer, in the order given."""
-    flat = [a.reshape(-1).to("cpu", torch.int32) for a in arrays]
-    host = torch.empty(sum(a.numel() for a in flat), dtype=torch.int32, pin_memory=True)
+    buffer, in the order given (to a device other than CUDA: plain copies)."""
+    if torch.device(device).type != "cuda":
+        return [a.to(device, dtype) for a in arrays]
+    flat = [a.reshape(-1).to("cpu", dtype) for a in arrays]
+    host = torch.empty(sum(a.numel() for a in flat), dtype=dtype, pin_memory=True)
     torch.cat(flat, out=host)
     on_device = host.to(device, non_blocking=True)
     views, at = [], 0
