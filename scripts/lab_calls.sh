@@ -15,7 +15,7 @@
 #                 (bench/DECODE_NOTES.md run 22) and the 31B step's global decode shapes (run 22b) (~6-8 min)
 #   PART=step_ab  the GPU tests of the runtime that the layering, the reset and the fused prefill touched, then the
 #                 31B decode step at 4K x 1, 32K x 8 and 128K x 8 at the commit before the layering (its lib/ and bench/
-#                 carried in .before/: `git archive ba2118d lib bench | tar -x -C .before`) and at this one, in turn
+#                 carried in $BEFORE, .before/ by default: `git archive ba2118d lib bench | tar -x -C .before`) and at this one, in turn
 #                 (~5-6 min; AB_TESTS, AB_CELLS: other test files and cells; AB_JIT_S: the kernels built side by side
 #                 first, under that cap)
 #   PART=prefill  time to first token of the 31B through generate(): every arm's kernels built into an empty cache
@@ -57,6 +57,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --fo
 cp build/checkout.json "$OUTD/" 2>/dev/null  # the commit (the device copy's own git metadata can be stale)
 t0=$(date +%s)
 PART=${PART:-tests}
+BEFORE=${BEFORE:-.before}  # the earlier commit's lib/ and bench/ of the A/B parts (ttft_ab, step_ab)
 
 if [ "$PART" = tests ]; then
   FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-540} python3 -m pytest -q -ra --tb=short -p no:cacheprovider \
@@ -148,7 +149,7 @@ fi
 if [ "$PART" = ttft_ab ]; then  # one TileLang cache: the first process builds the prefill kernels, the rest load them
   N=foldkv-folded
   for side in after before; do
-    if [ $side = before ]; then PP="$PWD/.before/lib:${PYTHONPATH#$PWD/lib:}"; B=.before/bench; else PP=$PYTHONPATH; B=bench; fi
+    if [ $side = before ]; then PP="$PWD/$BEFORE/lib:${PYTHONPATH#$PWD/lib:}"; B=$BEFORE/bench; else PP=$PYTHONPATH; B=bench; fi
     mkdir -p "$OUTD/$side"
     PYTHONPATH=$PP timeout ${AB_S:-130} python3 $B/prefill_probe.py --out "$OUTD/$side" ttft --rounds 3 \
       --cells $N:32768 $N:4100 > "$OUTD/ttft_ab_$side.log" 2>&1
@@ -177,7 +178,7 @@ if [ "$PART" = step_ab ]; then  # one TileLang cache: the second commit's unchan
   echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/step_ab_pytest.log")"
   CELLS="--decode ${AB_CELLS:-foldkv-folded:4096:1 foldkv-folded:32768:8 foldkv-folded:131072:8}"  # notebook 05's cells of the 1% check
   for side in before after; do
-    if [ $side = before ]; then PP="$PWD/.before/lib:${PYTHONPATH#$PWD/lib:}"; B=.before/bench; else PP=$PYTHONPATH; B=bench; fi
+    if [ $side = before ]; then PP="$PWD/$BEFORE/lib:${PYTHONPATH#$PWD/lib:}"; B=$BEFORE/bench; else PP=$PYTHONPATH; B=bench; fi
     PYTHONPATH=$PP timeout ${AB_S:-150} python3 $B/model_decode_probe.py $CELLS > "$OUTD/step_ab_$side.log" 2>&1
     echo "$side rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "foldkv-folded [0-9]+ x [0-9]+: TPOT" "$OUTD/step_ab_$side.log"
   done
