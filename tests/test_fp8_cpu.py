@@ -129,7 +129,7 @@ def test_fill_and_the_reference_read_the_dequantized_rows():
     t64 = pool64.allocate(table.seq_lens.tolist())
     for r in range(table.batch):
         n = int(table.seq_lens[r])
-        fk.prep.write_tokens(pool64, t64, torch.full((n,), r), torch.arange(n), pool.gather_values(table, r))
+        gates.write_tokens(pool64, t64, torch.full((n,), r), torch.arange(n), pool.gather_values(table, r))
     out64, lse64 = fk.paged_attention_reference(pool64, query, t64)
     assert torch.equal(out, out64) and torch.equal(lse, lse64)
     assert gates.fp8_row_check(pool, table, rows)["passed"]
@@ -179,7 +179,7 @@ def test_fp8_refusals_name_the_problem_and_write_nothing(what):
             fill_sequences(pool, table, [bad], w)
         elif what == "bf16_rows_to_fp8_pool":
             rows = torch.zeros(1, G.num_kv_heads, 640, dtype=torch.bfloat16)
-            fk.prep.write_tokens(pool, table, torch.zeros(1, dtype=torch.long), torch.tensor([3]), rows)
+            gates.write_tokens(pool, table, torch.zeros(1, dtype=torch.long), torch.tensor([3]), rows)
     assert str(exc.value)
     after = _snapshot(pool)
     assert torch.equal(before[0], after[0]), "a refusal wrote rows to the pool"

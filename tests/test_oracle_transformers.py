@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import foldkv as fk
+from foldkv.lab import gates
 from conftest import require_module
 
 HIDDEN = 64
@@ -68,7 +69,7 @@ def test_prep_and_references_match_gemma4_attention(seed, positions):
                               fill=float("nan"))
         table = pool.allocate([t], scatter_seed=seed)
         query, rows = fk.prep_rows_and_query(geom, fmt, q, kv, qw, kw, p1, out_dtype=torch.float32)
-        fk.prep.write_tokens(pool, table, torch.zeros(t, dtype=torch.long), torch.arange(t), rows)
+        gates.write_tokens(pool, table, torch.zeros(t, dtype=torch.long), torch.arange(t), rows)
         out, _ = fk.paged_attention_reference(pool, query, table, q_lens=torch.tensor([t]))
         err = (out - theirs).abs().max() / scale
         assert err < 2e-5, f"{fmt.value} paged reference vs transformers: {err:.2e}"

@@ -1,8 +1,5 @@
-"""Command line: `python -m foldkv aot build --arch sm_90a --out DIR` and `python -m foldkv aot verify DIR`.
-
-Misuse (a bad argument, an unknown preset or kernel name, a folder that is not there) is answered the argparse way:
-the usage line, one error line, exit 2, before anything is generated. A build or a verify that runs and fails says why
-in one message and exits 1. Any other exception is a bug and keeps its traceback.
+"""Command line: `python -m foldkv aot build --arch sm_90a --out DIR` and `python -m foldkv aot verify DIR`. Misuse
+exits 2 the argparse way before anything is generated; a build or verify that fails says why and exits 1.
 """
 
 from __future__ import annotations

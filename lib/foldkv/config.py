@@ -16,11 +16,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class AttentionGeometry:
-    """Shape and constants of a global (full-attention) layer with `attention_k_eq_v`.
-
-    Defaults are Gemma 4 31B: 32 query heads over 4 KV heads, head_dim 512, proportional RoPE that rotates a
-    quarter of the head (theta 1e6), RMSNorm eps 1e-6, 10 global layers out of 60.
-    """
+    """Shape and constants of a global (full-attention) layer with `attention_k_eq_v`; the defaults are Gemma 4 31B's."""
 
     num_q_heads: int = 32
     num_kv_heads: int = 4
@@ -69,9 +65,8 @@ class AttentionGeometry:
 
 
     def per_rank(self, ranks: int) -> "AttentionGeometry":
-        """The geometry one of `ranks` tensor-parallel ranks holds when the heads are split over them (transformers'
-        colwise q_proj / k_proj): whole KV heads per rank, each with its query group. Raises ConfigError when the KV
-        heads do not divide among the ranks (a KV head's group would be split from its KV head)."""
+        """The geometry one of `ranks` tensor-parallel ranks holds: whole KV heads with their query groups (ConfigError
+        when the KV heads do not divide among the ranks)."""
         ranks = int(ranks)
         if ranks < 1 or self.num_kv_heads % ranks:
             raise ConfigError(f"{ranks} tensor-parallel ranks over {self.num_kv_heads} KV heads: each rank must hold"
@@ -92,10 +87,9 @@ def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     return cfg["text_config"] if isinstance(cfg.get("text_config"), Mapping) else cfg
 
 
-def _global_head_shape(tc: Mapping[str, Any], layer_types: list | None, source: str) -> tuple[int, int]:
-    """(head_dim, num_kv_heads) of the global layers, from any of the forms a Gemma 4 config takes: a serialized
-    `per_layer_config` (keyed by global layer index), or `global_head_dim` / `num_global_key_value_heads` (transformers'
-    defaults: 512 and the sliding layers' KV head count)."""
+def _global_head_shape(tc: Mapping[str, Any], source: str) -> tuple[int, int]:
+    """(head_dim, num_kv_heads) of the global layers, from a serialized `per_layer_config` or from
+    `global_head_dim` / `num_global_key_value_heads` (transformers' defaults: 512 and the sliding layers' count)."""
     per_layer = tc.get("per_layer_config")
     if isinstance(per_layer, Mapping) and per_layer:
         shapes = {(int(v.get("head_dim", 0)), int(v.get("num_key_value_heads", tc.get("num_key_value_heads", 0))))
@@ -109,11 +103,8 @@ def _global_head_shape(tc: Mapping[str, Any], layer_types: list | None, source: 
 
 
 def geometry_from_config(config: str | os.PathLike | Mapping[str, Any], name: str | None = None) -> AttentionGeometry:
-    """Read the global-layer geometry from a Gemma 4 `config.json` (a path, a model directory or a dict).
-
-    Accepts the fields at top level or nested under `text_config`. Refuses, naming the field, a config whose global
-    layers foldkv cannot serve: no `attention_k_eq_v`, a RoPE type other than proportional, an odd rotary width.
-    """
+    """Read the global-layer geometry from a Gemma 4 `config.json` (a path, a model directory or a dict; fields at
+    top level or under `text_config`). Refuses (ConfigError, naming the field) a config foldkv cannot serve."""
     if isinstance(config, Mapping):
         raw, source = config, name or "<dict>"
     else:
@@ -149,7 +140,7 @@ def geometry_from_config(config: str | os.PathLike | Mapping[str, Any], name: st
             f"{source}: global-layer rope_type is {rope_type!r}; foldkv needs 'proportional' RoPE (a partial rotary"
             " width with the unrotated columns left as they are)"
         )
-    head_dim, num_kv = _global_head_shape(tc, layer_types, source)
+    head_dim, num_kv = _global_head_shape(tc, source)
     num_q = int(tc.get("num_attention_heads", 0))
     factor = float(rope.get("partial_rotary_factor", 1.0))
     try:

@@ -1,21 +1,6 @@
-"""The FP8 row: e4m3 values with one float32 scale per token x KV head, its quantizer, dequantizers and rounding bound.
-
-An FP8 pool stores each folded row [K_rot | V_unrot | V_rot] (640 columns for the 31B) as float8_e4m3fn values `q`
-beside a float32 `scale` for that (token, KV head); the row's value is `q * scale`. The layout was chosen by
-measurement (bench/fp8_format_bench.py, bench/FP8_NOTES.md): one scale per token x head errs within 10% of one per
-128 columns (inside the seed-to-seed spread) and 1.6x less than per-page or per-tensor scales, for 644 bytes per
-token-head (0.503x the bf16 folded row); it is also the granularity a kernel applies without touching the tile, to
-the score column and to P's column, since every column of a token's row shares it (e4m3 values are exact in bf16).
-
-The rounding, defined once here (the prep, the fill and any kernel that writes rows are held to it):
-  x      the row in float32 (rows computed in float64 are rounded to float32 first);
-  amax   max |x| over the row's columns; scale = amax / 448 in float32 (448: e4m3's largest finite), 1 for a row of
-         zeros;
-  q      x / scale in float32, clamped to [-448, 448] (only float32 rounding can take it past), cast to e4m3 by
-         torch (round to nearest, ties to even; subnormals below 2^-6, spacing 2^-9).
-Dequantized: q * scale, exact in float64 (a 4-bit by 24-bit product). The rows a bf16 kernel reads (the prefill over
-an FP8 pool, `foldkv.kernels.dequant_pages`): q * scale as one float32 product rounded to bf16, within 2^-8 (+ 2^-24)
-of the exact product (bf16 keeps 8 significant bits).
+"""The FP8 row: e4m3 values `q` with one float32 `scale` per token x KV head (the row's value is q * scale; one scale a
+row is what a kernel applies without touching the tile: bench/FP8_NOTES.md), its one quantizer, dequantizers and
+rounding bound. scale = amax / 448 (1 for a row of zeros); q = x / scale in float32, clamped, cast to e4m3 (nearest).
 """
 
 from __future__ import annotations
@@ -53,15 +38,13 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 
 
 def dequantize_rows_bf16(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """q [..., W] float8_e4m3fn, scale [...] float32 -> [..., W] bfloat16: q * scale as one float32 product (round to
-    nearest), then rounded to bf16 (round to nearest even). The rows the prefill over an FP8 pool attends over, the
-    definition `foldkv.kernels.dequant_pages` is held to bit for bit."""
+    """q [..., W] float8_e4m3fn, scale [...] float32 -> [..., W] bfloat16: one float32 product rounded to bf16, the
+    rows the prefill over an FP8 pool reads (`kernels.dequant_pages` is held to it bit for bit)."""
     return (q.to(torch.float32) * scale.to(torch.float32)[..., None]).to(torch.bfloat16)
 
 
 def rounding_bound(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The most `quantize_rows` may move each element: ROW_REL * |x| + ROW_SUB * scale, [..., W] float64, for the
-    rows as quantized (float32) and their scales [...]."""
+    """The most `quantize_rows` may move each element of `rows`: ROW_REL * |x| + ROW_SUB * scale, float64."""
     return ROW_REL * rows.to(torch.float32).double().abs() + ROW_SUB * scale.double()[..., None]
 
 

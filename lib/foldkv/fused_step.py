@@ -1,32 +1,7 @@
-"""The decode step's forward: a Gemma 4 causal LM's layers computed by foldkv's own loop over the model's modules and
-weights (as gpt-fast's model.py runs its own), the step's small elementwise work as a few Triton kernels.
-
-`StepForward(model, options)` is built once by the decode step (`foldkv.hf_graph.DecodeStep`); it reads what it runs
-from the model's modules then (the merged projections' tensors, each projection's weight or, for a projection another
-library owns, the module) and computes each decoder layer itself, in transformers' order of operations and at its
-rounding points, so transformers' own forward stays the oracle (tests/test_hf_step_cpu.py: the same tokens on the CPU;
-tests/test_fused_step_gpu.py on CUDA). Nothing of the model is replaced or rebound: its modules keep their forwards.
-On CUDA the formulas are foldkv's kernels (`foldkv.fused_step_ops`, `fused_step_kernels`); elsewhere the modules' own:
-- `rms_norm`: Gemma4RMSNorm, y = x * (mean(x^2) + eps)^-0.5 [* weight] in float32, rounded once;
-- `rope`: apply_rotary_pos_emb, x * cos + rotate_half(x) * sin with torch's three roundings kept; inside a prefill
-  q's and k's norm and RoPE in one pass (`norm_rope`, `StepOptions.fuse_prefill_norm_rope`: bitwise the two);
-- `gelu_mul`: the MLP's act(gate) * up (tanh GELU), the activation rounded before the product as torch rounds it;
-- the decoder layer's tails as one pass each (`norm_add_norm`: post-attention norm, residual add, pre-feedforward
-  norm; `norm_add_scale`: post-feedforward norm, residual add, layer scalar), with the tail links
-  (`StepOptions.tail_sums`: a split projection's float32 partials summed by the norm that reads them;
-  `tail_next_norm`: the next layer's input norm made by this layer's last kernel), bitwise the step without;
-- at a decode step, a sliding layer's norms, RoPE and ring writes in one launch before `ring.ring_attention`
-  (`sliding_prologue`, `StepOptions.fuse_sliding`), and a global layer's norms, RoPE, query and row from its
-  projections as `global_step`'s two PDL kernels into the step's workspace and pool (`fuse_global_prologue`);
-  otherwise the layer's K/V go through the cache's `update` and the model's attention function, as transformers does;
-- the projections: a layer's q|k(|v) and gate|up as one GEMV over their weights merged into one tensor
-  (`merge_projections`: the modules' weights become its views, no memory added; `StepOptions.merge`), else the
-  modules issued as graph branches (`fork`, `join`, `branches`); o_proj, down_proj and the LM head through
-  `foldkv.gemv` (its PDL kernels at 1..16 rows on CUDA, `StepOptions.pdl`), a `foreign_projection` through its module.
-Rounding points are torch's, so most outputs are bitwise the modules'; a sum reduced in another order, or the tanh of
-another formula, may move a bf16 output by one ulp (the GPU tests bound each op). A model these formulas do not
-describe (`refusal`: a MoE block, per-layer inputs, another activation, hooks on a module the loop computes) runs its
-own forward instead.
+"""The decode step's own forward (`StepForward`): a Gemma 4 causal LM's layers computed by foldkv's loop over the
+model's modules and weights, in transformers' order and rounding points (its forward stays the oracle), the step's
+elementwise work as a few Triton kernels on CUDA and the modules' own formulas elsewhere. A model it does not
+describe (`refusal`) runs its own forward.
 """
 
 from __future__ import annotations
@@ -50,22 +25,15 @@ from .validate import FoldKvInputError
 
 
 # --- projections that read one input: one GEMV over their weights merged, else graph branches ----------------------
-# A step's GEMVs are ~85% of the read roof each, the rest of each one its ramp and its tail. Projections that read the
-# same input (a layer's q, k and v; gate and up) read their weights as one matrix when `merge_projections` has laid
-# them out as row blocks of one tensor: one GEMV of 16,384 x 5,376 instead of three, 241 launches a step of the 31B
-# instead of 411, and cuBLAS reads a larger matrix nearer the roof (the 31B's projections alone: 14.6 ms at one row
-# against 15.2 on branches and 16.3 serial; bench/MODEL_DECODE_NOTES.md). The modules' weights become views of that
-# tensor, so the model holds no more memory and every other forward computes what it did. The merged GEMV's outputs
-# are column slices of one [rows, q + k + v] output; the norms after them read those slices in place.
+# Projections that read the same input read their weights as one matrix laid out by `merge_projections`: fewer
+# launches and a larger GEMV nearer the read roof (bench/MODEL_DECODE_NOTES.md). The modules' weights become views
+# of it, so no memory is added and every other forward computes what it did.
 _MERGED = "_foldkv_merged"  # attribute of an attention module / MLP: (merged weight, names, row counts)
 
 
 def foreign_projection(lin: nn.Module) -> bool:
-    """A projection the step leaves to its own forward: its weight not a plain tensor (a DTensor shard of transformers'
-    tensor parallelism, which reduces or gathers around the module's forward; a quantised weight), its forward
-    already replaced on the instance by another library (transformers' tensor parallelism installs its forward there),
-    or hooks around its forward (torch's `parallelize_module` puts its redistribution there). A merged or branched GEMV
-    would skip that work, so such a projection is neither merged nor branched: the step calls the module."""
+    """A projection the step leaves to its own forward, since a merged or branched GEMV would skip its work: a weight
+    that is not a plain tensor (a DTensor shard, a quantised weight), a forward replaced on the instance, or hooks."""
     w = getattr(lin, "weight", None)
     return ((isinstance(w, torch.Tensor) and type(w.data) is not torch.Tensor) or "forward" in lin.__dict__
             or has_forward_hooks(lin))
@@ -79,9 +47,8 @@ def _mergeable(linears: list[nn.Module]) -> bool:
 
 
 def _merge(owner: nn.Module, names: tuple[str, ...]) -> bool:
-    """Lay owner's `names` projections' weights out as row blocks of one new tensor; the modules' weights become
-    views of it (Parameters, requires_grad kept). False (nothing changed) when they are not plain bias-free Linears
-    of one dtype, device and input width (a DTensor shard, a quantised weight)."""
+    """Lay owner's `names` projections' weights out as row blocks of one new tensor whose views they become. False
+    (nothing changed) when they are not plain bias-free Linears of one dtype, device and input width."""
     if _merged_weight(owner) is not None:
         return True
     linears = [getattr(owner, n, None) for n in names]
@@ -103,8 +70,7 @@ def _merge(owner: nn.Module, names: tuple[str, ...]) -> bool:
 
 
 def _merged_weight(owner: nn.Module) -> tuple[torch.Tensor, tuple[int, ...]] | None:
-    """(merged weight, row counts) while the modules' weights are still its views in order; else None (a weight
-    replaced since the merge: the projections run as their own)."""
+    """(merged weight, row counts) while the modules' weights are still its views in order; else None."""
     held = getattr(owner, _MERGED, None)
     if held is None:
         return None
@@ -124,9 +90,8 @@ def _attention_names(attn: nn.Module) -> tuple[str, ...]:
 
 
 def merge_projections(model: nn.Module) -> int:
-    """Merge each attention's q|k(|v) and each Gemma 4 MLP's gate|up weights (module comment above); idempotent.
-    Returns how many groups are merged. The model's parameters stay what they were, as views: `split_projections`
-    gives each its own tensor again (for a checkpoint format that refuses shared storage)."""
+    """Merge each attention's q|k(|v) and each Gemma 4 MLP's gate|up weights; idempotent. Returns how many groups
+    are merged (`split_projections` undoes it, e.g. for a checkpoint format that refuses shared storage)."""
     done = 0
     for attn in branched_attention_modules(model):
         done += _merge(attn, _attention_names(attn))
@@ -151,15 +116,12 @@ def split_projections(model: nn.Module) -> int:
 
 
 def merged_groups(model: nn.Module) -> int:
-    """How many of `model`'s projection groups are merged (`merge_projections`) and still read through their merged
-    tensor."""
+    """How many of `model`'s projection groups are merged and still read through their merged tensor."""
     return sum(_merged_weight(m) is not None for m in model.modules())
 
 
 # --- projections that read one input, as graph branches ------------------------------------------------------------
-# Unmerged projections of one input (StepOptions.merge off, or a group that could not merge) are issued on side
-# streams, so that under capture they are branches of the graph and one's tail overlaps another's body: cuBLAS's 421
-# GEMVs of the 31B's step take 15.2 ms at one row instead of 16.0 (bench/MODEL_DECODE_NOTES.md). Same kernels.
+# Unmerged projections of one input run on side streams: under capture, graph branches whose tails overlap.
 
 
 @functools.lru_cache(maxsize=None)
@@ -169,8 +131,8 @@ def side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.St
 
 
 def fork(x: torch.Tensor, linears: list[nn.Module]) -> list[tuple[torch.Tensor, torch.cuda.Stream]]:
-    """Each linear(x) issued on its own side stream after the work issued so far; (output, stream) pairs: `join`
-    one before its output is read. Without CUDA or `StepOptions.branches`, computed in place ((output, None))."""
+    """Each linear(x) issued on its own side stream; (output, stream) pairs to `join` before reading. Without CUDA or
+    `StepOptions.branches`: (output, None)."""
     if not (x.is_cuda and in_force().branches):
         return [(lin(x), None) for lin in linears]
     cur = torch.cuda.current_stream(x.device)
@@ -204,8 +166,7 @@ def _tanh_gelu(act: nn.Module) -> bool:
 
 
 def branched_attention_modules(model: nn.Module) -> list[nn.Module]:
-    """Attention modules whose q, k (and v) projections are plain nn.Linear, none of them a `foreign_projection`:
-    the groups `merge_projections` merges and the step may issue as branches."""
+    """Attention modules whose q, k (and v) are plain nn.Linear, none a `foreign_projection`: mergeable groups."""
     return [m for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"
             and isinstance(getattr(m, "q_proj", None), nn.Linear) and isinstance(getattr(m, "k_proj", None), nn.Linear)
             and not getattr(m, "is_kv_shared_layer", False)
@@ -246,9 +207,7 @@ def _layer_refusal(layer: nn.Module) -> str | None:
 
 
 def text_model(model: nn.Module) -> nn.Module | None:
-    """The Gemma 4 text model (the module holding `.layers` and a config with `layer_types`) of a Gemma4ForCausalLM
-    (`.model`) or of the multimodal Gemma4ForConditionalGeneration (`.model.language_model`, transformers 5's layout);
-    None for another model."""
+    """The Gemma 4 text model of a Gemma 4 causal LM or conditional generation model; None for another model."""
     outer = getattr(model, "model", None)
     for cand in (outer, getattr(outer, "language_model", None)):
         if isinstance(getattr(cand, "layers", None), nn.ModuleList) and hasattr(getattr(cand, "config", None),
@@ -258,8 +217,7 @@ def text_model(model: nn.Module) -> nn.Module | None:
 
 
 def _placeholder_ids(model: nn.Module, text: nn.Module) -> tuple[int, ...]:
-    """The multimodal model's placeholder token ids (image, video, audio), which its forward embeds as the pad token
-    before the text model reads them (`Gemma4Model.forward`); none for a text model."""
+    """The multimodal model's placeholder ids (image, video, audio), which its forward embeds as the pad token."""
     if text is getattr(model, "model", None):
         return ()
     ids = (getattr(model.config, f"{kind}_token_id", None) for kind in ("image", "video", "audio"))
@@ -267,9 +225,7 @@ def _placeholder_ids(model: nn.Module, text: nn.Module) -> tuple[int, ...]:
 
 
 def refusal(model: nn.Module) -> str | None:
-    """None when `StepForward` describes `model` (a Gemma 4 causal LM or the multimodal model: its `text_model`,
-    `.lm_head`, every decoder layer `_layer_refusal` takes, no hooks on the modules whose forwards it does not call),
-    else why the model's own forward runs the step."""
+    """None when `StepForward` describes `model`, else why the model's own forward runs the step."""
     text = text_model(model)
     if text is None or not isinstance(getattr(model, "lm_head", None), nn.Module):
         return (f"{type(model).__name__} is not a Gemma 4 causal LM (.model.layers or .model.language_model.layers,"
@@ -290,9 +246,7 @@ def refusal(model: nn.Module) -> str | None:
 
 # --- the step's forward --------------------------------------------------------------------------------------------
 class _Projection:
-    """A projection the step calls alone (o_proj, down_proj, the LM head): a plain Linear's weight through
-    `foldkv.gemv` (its PDL kernel at 1..16 rows on CUDA, else F.linear), or the module itself when it is a
-    `foreign_projection` (another library's forward, hooks, a sharded weight)."""
+    """A projection the step calls alone (o_proj, down_proj, the LM head): `foldkv.gemv`, or a foreign module."""
 
     def __init__(self, lin: nn.Module):
         self.lin = lin
@@ -303,17 +257,15 @@ class _Projection:
         return self.lin(x) if self.weight is None else gemv.linear(x, self.weight, self.bias)
 
     def tail(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(y, None), or (y unwritten, its float32 split partials) for the norm after it to sum
-        (`StepOptions.tail_sums`; `gemv.linear_unsummed`)."""
+        """(y, None), or (y unwritten, its split partials) for the norm after it to sum (`StepOptions.tail_sums`)."""
         if self.weight is None or not in_force().tail_sums:
             return self(x), None
         return gemv.linear_unsummed(x, self.weight, self.bias)
 
 
 class _Group:
-    """Projections that read one input (q|k(|v), gate|up): one GEMV over their merged weight (`merge_projections`,
-    read when the step is built), else each module (F.linear: another library's forward kept), the ones after the
-    first issued as graph branches (`fork`) when none is foreign."""
+    """Projections that read one input (q|k(|v), gate|up): one GEMV over their merged weight, else each module, the
+    ones after the first as graph branches (`fork`) when none is foreign."""
 
     def __init__(self, owner: nn.Module, names: tuple[str, ...], merge: bool):
         self.linears = [getattr(owner, n) for n in names]
@@ -322,8 +274,7 @@ class _Group:
         self.branch = not any(foreign_projection(lin) for lin in self.linears)
 
     def __call__(self, x: torch.Tensor, merged: bool = True) -> list[torch.Tensor]:
-        """The group's outputs; a merged group with `merged` False (a prefill's `StepOptions.merge_prefill` off): one
-        GEMM a projection over its row block of the merged weight (the modules' weights: views, nothing copied)."""
+        """The group's outputs; `merged` False (`StepOptions.merge_prefill` off): one GEMM a projection."""
         if self.merged is not None:
             if not merged:
                 return [gemv.linear(x, w) for w in self.merged.split(self.rows)]
@@ -338,8 +289,7 @@ _KEYWORDS = frozenset(("input_ids", "attention_mask", "position_ids", "cache", "
                        "logits_to_keep", "return_dict", "cache_position"))
 
 
-WARM_ROWS = 4096  # `StepForward.warm_prefill`'s rows: a prefill chunk's (notebook 07's chunk; cuBLAS picks its kernels by
-# shape, and a chunk of other rows may take others: PREFILL_NOTES "First use" says what the fresh process measures)
+WARM_ROWS = 4096  # `StepForward.warm_prefill`'s rows: a prefill chunk's (cuBLAS picks its kernels by shape)
 SHORT_ROWS = 4  # a short chunk's: cuBLAS's small-M GEMMs and FlashAttention's split-key kernels (a chunk of <= 384
 # queries over the window splits its keys), which no full chunk launches
 
@@ -358,9 +308,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class StepForward:
-    """The Gemma 4 forward of the decode step (and of the fused prefill) over the model's modules and weights, read
-    once here (module docstring): `decode` for DecodeStep's step, `prefill` for a prompt's forward. `refusal(model)`
-    says which models it describes; the one who builds it asks first."""
+    """The Gemma 4 forward over the model's modules and weights, read once here: `decode` for DecodeStep's step,
+    `prefill` for a prompt's forward. The one who builds it asks `refusal(model)` first."""
 
     def __init__(self, model: nn.Module, options: StepOptions):
         why = refusal(model)
@@ -396,9 +345,8 @@ class StepForward:
 
     def _norm_rope(self, norm: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    fused: bool) -> torch.Tensor:
-        """RoPE(norm(x)) of head rows x [B, T, H, D]: one pass (`norm_rope`) when `fused` (a prefill's
-        `StepOptions.fuse_prefill_norm_rope`) and its kernel takes the rows, else `_norm` then `_rope`: bitwise the
-        same."""
+        """RoPE(norm(x)) of head rows x [B, T, H, D]: one pass (`norm_rope`) when `fused` and its kernel takes the
+        rows, else `_norm` then `_rope`, bitwise the same."""
         if fused and x.is_cuda and norm.with_scale and norm_rope_refusal(x, norm.weight, cos, sin) is None:
             return norm_rope(x, norm.weight, norm_eps(norm), cos, sin)
         return self._rope(self._norm(norm, x), cos, sin)
@@ -419,15 +367,12 @@ class StepForward:
             k in _KEYWORDS or v is None or v is False for k, v in kwargs.items())
 
     def decode(self, step: Any, ids: torch.Tensor, positions: torch.Tensor, masks: dict) -> Any:
-        """One decode step of `step` (foldkv.hf_graph.DecodeStep: its rings, slots and workspace): ids, positions
-        [B, 1], masks {layer type: mask}; the model's output (its logits)."""
+        """One decode step of `step` (a DecodeStep): ids, positions [B, 1], masks {layer type: mask}."""
         return self._forward(ids, positions, masks, step.cache, step, 0)
 
     def prefill(self, cache: Any, ids: torch.Tensor, attention_mask: Any, positions: torch.Tensor | None,
                 logits_to_keep: Any) -> Any:
-        """A prompt's forward into `cache` (its sliding layers' dynamic caches, its global layers' pools) with the
-        masks transformers' mask functions build (foldkv's under its attention), as the model's forward makes them;
-        the model's output (the logits of the last `logits_to_keep` positions; 0: all)."""
+        """A prompt's forward into `cache`; the logits of the last `logits_to_keep` positions (0: all)."""
         if positions is None:
             positions = (torch.arange(ids.shape[1], device=ids.device) + cache.get_seq_length())[None]
         return self._forward(ids, positions, attention_mask, cache, None, logits_to_keep)
@@ -464,15 +409,13 @@ class StepForward:
         return compat.causal_lm_output(logits, cache)
 
     def _mlp(self, i: int, x: torch.Tensor, merged: bool = True) -> tuple[torch.Tensor, Any]:
-        """Layer i's MLP from its pre-feedforward norm's output: (down_proj's output, its unsummed partials or None);
-        `merged`: gate|up as its merged GEMM (`_Group`)."""
+        """Layer i's MLP from its pre-feedforward norm's output: (down_proj's output, its unsummed partials or None)."""
         gate, up = self.gate_up[i](x, merged)
         act = gelu_mul(gate, up) if x.is_cuda else self.layers[i].mlp.act_fn(gate) * up
         return self.down_proj[i].tail(act)
 
     def _attention(self, i, x, table, mask, cache, step, positions, merged=True) -> tuple[torch.Tensor, Any]:
-        """Layer i's attention from its input norm's output x: (o_proj's output, its unsummed partials or None);
-        `merged`: q|k(|v) as its merged GEMM (`_Group`)."""
+        """Layer i's attention from its input norm's output x: (o_proj's output, its unsummed partials or None)."""
         attn = self.layers[i].self_attn
         cos, sin = table
         projected = self.qkv[i](x, merged)
@@ -505,15 +448,10 @@ class StepForward:
 
     @torch.no_grad()
     def warm_prefill(self, pool: Any, rows: int = WARM_ROWS) -> int:
-        """Launch once each kernel a prefill chunk launches (its Triton glue at the specialisations a chunk takes, its
-        GEMMs' cuBLAS kernels, merged or one a projection as `StepOptions.merge_prefill` says, a sliding layer's
-        FlashAttention window as a first and as a later chunk), so that a process's first prompt loads none of them
-        inside its time to first token: one untimed pass of each distinct decoder-layer body over random hidden rows at
-        each of `warm_row_counts(rows)` (the same ops the forward calls; a global layer's fold and store into a
-        one-page scratch pool of `pool`'s layout, its attention kernel resolved with the cache: nothing of the cache is
-        written), then the final norm and the LM head's row. Run under the prefill's options
-        (`DecodeStep.warm_prefill`). Returns the layer bodies run. On the CPU it does nothing: the modules' own formulas
-        launch no kernel."""
+        """Launch once each kernel a prefill chunk launches, so a process's first prompt loads none inside its time
+        to first token: one pass of each distinct layer body over random rows at each of `warm_row_counts(rows)`
+        (a sliding layer's FlashAttention window as a first and as a later chunk; a global layer's store into a
+        one-page scratch pool), then the final norm and LM head. Returns the layer bodies run (0 on the CPU)."""
         from dataclasses import replace
 
         from .pool import PagedKvPool
@@ -575,10 +513,9 @@ class StepForward:
 
     @staticmethod
     def route(attn: nn.Module, x: torch.Tensor, mask: Any, step: Any) -> Any:
-        """What serves this layer's attention: "sliding" (at a decode step of `step`, the ring's one-launch prologue
-        and `ring.ring_attention`), a FoldKvLayer (the global prologue's two kernels into the step's workspace and
-        pool), or, as a string, why the layer takes the module's formulas, the cache's update and the model's
-        attention function instead (a prefill, an option off, the CPU: the device is asked last)."""
+        """What serves this layer's attention: "sliding" (the ring's one-launch prologue and `ring.ring_attention`),
+        a FoldKvLayer (the global prologue's kernels into the step's workspace), or, as any other string, why the
+        layer takes the module's formulas, the cache's update and the model's attention function instead."""
         options = in_force()
         if step is None or not step.started:
             return "not a decode step of the cache's DecodeStep (a prompt's forward)"

@@ -1,11 +1,6 @@
-"""The Triton kernels of `foldkv.fused_step` (launched by `foldkv.fused_step_ops`) and `foldkv.global_step`, defined
-where Triton is installed (a CUDA build of torch brings it; the CPU-only install has none, and both modules launch
-them only on CUDA).
-
-Programmatic dependent launch (`foldkv.gemv`'s header): each kernel takes a constexpr GDC (default False). Launched
-with PDL (`gemv.pdl_kw`: GDC=True and launch_pdl=True together) it lets its dependents launch at its top and waits for
-the kernel ahead (`_chain`) before its first load, so everything it reads and writes is after the wait, as in its
-plain build: the outputs are bitwise the plain launch's."""
+"""The Triton kernels of `foldkv.fused_step_ops` and `foldkv.global_step` (defined where Triton is installed). Each
+takes a constexpr GDC: launched with PDL it lets its dependents launch at its top and waits (`_chain`) before its
+first load, so its outputs are bitwise the plain launch's."""
 
 try:
     import triton

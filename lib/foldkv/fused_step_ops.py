@@ -1,6 +1,5 @@
-"""The host side of `foldkv.fused_step_kernels`: each op of the decode step's small elementwise work as one launch
-(its shapes, strides and checks, its output, its PDL keywords), the formula each computes stated where it is defined.
-`foldkv.fused_step`'s forward calls these inside the step; `foldkv.global_step` launches with the same helpers."""
+"""The host side of `foldkv.fused_step_kernels`: each elementwise op of the step as one launch (its checks, its
+output, its PDL keywords)."""
 
 from __future__ import annotations
 
@@ -122,8 +121,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def norm_rope_refusal(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor,
                       sin: torch.Tensor) -> str | None:
     """Why `norm_rope` does not take these (None: it does): x [B, T, H, D] head rows of one token stride, D a power
-    of two >= 16 (`head_dim_refusal`), a weight [D], cos/sin [B, T, D] in x's dtype (a table of one row broadcast
-    over a batch is not one)."""
+    of two >= 16, a weight [D], cos/sin [B, T, D] in x's dtype."""
     if x.dim() != 4:
         return f"head rows [B, T, H, D] expected, got {tuple(x.shape)}"
     b, t, h, d = x.shape
@@ -140,10 +138,9 @@ def norm_rope_refusal(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.T
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
               sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, D] head rows (a q or k projection's output, or its columns of a merged one: read in place), weight
-    [D], cos/sin [B, T, D] -> RoPE(RMSNorm(x) * weight) [B, T, H, D] packed, in one pass: `q_norm_rope_rows` with the
-    B * T tokens as its batch (the row's norm rounded to x's dtype, then RoPE's three roundings: bitwise `rms_norm`
-    then `rope`). Raises FoldKvInputError where `norm_rope_refusal` says, before anything is allocated."""
+    """x [B, T, H, D] head rows (read in place), weight [D], cos/sin [B, T, D] -> RoPE(RMSNorm(x) * weight) packed,
+    in one pass (`q_norm_rope` with the B * T tokens as its batch), bitwise `rms_norm` then `rope`. Raises
+    FoldKvInputError where `norm_rope_refusal` says."""
     from .validate import FoldKvInputError
 
     if (why := norm_rope_refusal(x, weight, cos, sin)) is not None:
@@ -191,12 +188,8 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype)
 
 
 # --- a sliding layer's decode step before its ring attention: one kernel ------------------------------------------
-# Inside DecodeStep's step a sliding layer runs, after its q|k|v GEMV: q_norm, k_norm, v_norm (3 launches), RoPE of q
-# and k (2), index_copy of k and v into the rings (2), then ring_attention's q.K^T matmul, masked softmax and P.V
-# matmul (3): 10 launches. `q_norm_rope` and `kv_to_ring` do the first 7 at torch's rounding points, and
-# `sliding_prologue` runs both in one launch; the ring attention stays cuBLAS's two batched matmuls around the fused
-# softmax (`ring.ring_attention`): the Triton kernels tried for it were slower on the 31B
-# (bench/versions/ring_attention_triton.py, ring_attention_split.py, ring_attention_one_launch.py).
+# The norms, RoPE and ring writes (7 launches) as one; the ring attention stays cuBLAS's batched matmuls around the
+# fused softmax: the Triton versions tried were slower on the 31B (bench/versions/ring_attention_*.py).
 
 
 def _head_rows(x: torch.Tensor, heads: int, d: int, name: str) -> int:
@@ -233,8 +226,7 @@ def _check_head_dim(d: int) -> None:
 
 def q_rows_args(q: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                 heads: int) -> tuple[torch.Tensor, tuple, int]:
-    """`q_norm_rope`'s checks and its kernel's arguments: (out [B, heads, d], the row arguments, d). Raises
-    FoldKvInputError before anything is launched or allocated past the output."""
+    """`q_norm_rope`'s checks (FoldKvInputError) and its kernel's arguments: (out [B, heads, d], the row args, d)."""
     b, d = q.shape[0], weight.shape[0]
     _check_head_dim(d)
     stride = _head_rows(q, heads, d, "q")
@@ -245,11 +237,8 @@ def q_rows_args(q: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Te
 
 def q_norm_rope(q: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                 heads: int) -> torch.Tensor:
-    """q [B, 1, heads * d] (a q projection's output, or the q columns of a merged q|k|v output: read in place),
-    weight [d], cos/sin [B, 1, d] (q's dtype) -> RoPE(Gemma4RMSNorm(q per head)) as [B, heads, d] packed: the norm
-    in float32 rounded once (`rms_norm`), then `rope`'s three roundings of the rounded row. The same per-element
-    formulas and the same row reduction as `rms_norm` followed by `rope` (bitwise theirs); within one bf16 ulp of
-    the module's norm, then RoPE's roundings (the GPU tests)."""
+    """q [B, 1, heads * d] (read in place), weight [d], cos/sin [B, 1, d] -> RoPE(Gemma4RMSNorm(q per head)) as
+    [B, heads, d] packed, bitwise `rms_norm` followed by `rope`."""
     out, args, d = q_rows_args(q, weight, eps, cos, sin, heads)
     _kernels()["q_norm_rope"][(out.shape[0] * heads,)](*args, D=d, num_warps=_warps(d), **_pdl(q))
     return out
@@ -258,8 +247,7 @@ def q_norm_rope(q: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Te
 def kv_rows_args(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps: float, v_eps: float,
                  cos: torch.Tensor, sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
                  slot: torch.Tensor) -> tuple[int, tuple, int]:
-    """`kv_to_ring`'s checks and its kernel's arguments: (rows B * Hkv, the row arguments, d). Raises
-    FoldKvInputError before anything is launched or written."""
+    """`kv_to_ring`'s checks (FoldKvInputError) and its kernel's arguments: (rows B * Hkv, the row args, d)."""
     from .validate import FoldKvInputError
 
     b, hkv, w, d = ring_k.shape
@@ -281,10 +269,9 @@ def kv_rows_args(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps
 def kv_to_ring(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps: float, v_eps: float,
                cos: torch.Tensor, sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
                slot: torch.Tensor) -> None:
-    """k, v [B, 1, Hkv * d] (projection outputs or column slices of a merged one, read in place): RoPE(k_norm(k))
-    written into ring_k[:, :, slot] and v_norm(v) (no weight) into ring_v[:, :, slot]; rings [B, Hkv, W, d] packed,
-    slot a device tensor [1] int64 (read by the kernel: the step is graph-captured). What update_sliding's two
-    index_copy_ store after the modules' norms and RoPE, with `q_norm_rope`'s formulas; no other slot is written."""
+    """k, v [B, 1, Hkv * d] (read in place): RoPE(k_norm(k)) into ring_k[:, :, slot] and v_norm(v) into
+    ring_v[:, :, slot] (rings [B, Hkv, W, d] packed, slot [1] int64 read on the device), with `q_norm_rope`'s
+    formulas: what update_sliding stores after the modules' norms and RoPE."""
     rows, args, d = kv_rows_args(k, v, k_weight, k_eps, v_eps, cos, sin, ring_k, ring_v, slot)
     _kernels()["kv_ring"][(rows,)](*args, D=d, num_warps=_warps(d), **_pdl(k))
 
@@ -292,11 +279,7 @@ def kv_to_ring(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps: 
 def sliding_prologue(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """A sliding layer's decode step before its ring attention, from its projections' outputs q, k, v [B, 1, H * d]:
-    what `q_norm_rope` (returned, [B, Hq, d]) and `kv_to_ring` (the step's K and V rows into the rings at `slot`)
-    compute, with the module's norms, in one launch (`sliding_prologue_rows`: the two kernels' row bodies side by
-    side, so the outputs are bitwise theirs; one launch and one PDL boundary fewer a layer, -0.07 ms a step on the 31B,
-    bench/MODEL_DECODE_NOTES.md run 22). Both calls' checks run before the launch (its red twin, a grid without the KV
-    rows, is the tests': conftest.sliding_prologue_without_kv)."""
+    `q_norm_rope` (returned, [B, Hq, d]) and `kv_to_ring` in one launch, bitwise theirs; both checks run first."""
     from .validate import FoldKvInputError
 
     d = ring_k.shape[-1]

@@ -1,44 +1,7 @@
-"""The decode step's projections at 1..16 rows as Triton kernels launched under programmatic dependent launch (PDL).
-
-A Gemma 4 decode step at batch B <= 16 is 241 projections (the 31B, merged q|k|v and gate|up: `StepOptions.merge`) of
-B rows against weights that are the step's bytes, with ~600 small kernels between them. Each projection loses its
-launch, its ramp and its tail; under PDL a kernel may be launched before the kernel ahead of it has finished and waits
-(`gdc_wait`, PTX `griddepcontrol.wait`) before it reads what that kernel wrote. The weights are written by no kernel of
-a step, so these kernels' programs load their first weight tile *before* the wait: the next projection's bytes stream
-during the previous kernel's tail and the small kernels between (bench/MODEL_DECODE_NOTES.md; the lab versions
-bench/versions/gemv_pdl.py and gemv_pdl_tc.py). The kernel (`gemv_tc`), for 1..16 rows of x:
-
-- a skinny GEMM on the tensor cores: each program 64 weight rows (wgmma's m64, one warpgroup) x the rows of x padded
-  to 16 (the MMA's small side; rows past M masked, never read), looping over its K range in 128-column tiles through
-  Triton's 4-stage pipeline (two programs an SM), the range's first 16 KB weight tile in registers before the wait, x
-  only after it. A CUDA-core GEMV issues M FMAs a weight element (13 instructions at 8 rows: it lost 2.9x to cuBLAS);
-  on the tensor cores the arithmetic is free at every M <= 16 and the kernel is load-bound. Where 64-row tiles cannot
-  cover the SMs (o_proj and down_proj, N = 5,376: 84 tiles) K is split (the smallest split that gives >= 132
-  programs) and a small PDL kernel (`split_sum`) adds the float32 partials in a fixed order and rounds once: no
-  atomics, so a PDL launch is bitwise its plain launch. Its measurements against cuBLAS: bench/MODEL_DECODE_NOTES.md.
-
-Not bitwise cuBLAS: within the float32-accumulation bound |y - ref| <= ulp(ref) + K 2^-23 sum_k |x_k w_k| of
-float64 (tests/test_gemv_gpu.py, tests/test_gemv_tc_gpu.py; the tensor cores' truncated float32 sums lose at most one
-ulp of a partial a term).
-
-`linear(x, weight, bias)` runs it for x of 1..16 rows (B*T) against a contiguous bf16 weight on CUDA with a Triton
-that has grid dependency control (`triton.language.extra.cuda.gdc_wait`); anything else is
-`torch.nn.functional.linear` (`refusal` says why; the lab counts the routes: `foldkv.lab.pdl_checks.gemv_routes`).
-`foldkv.fused_step` routes the step's projections through it: the merged groups, o_proj, down_proj and the LM head.
-
-PDL is a chain property: every kernel launched with PDL must wait before it reads anything a kernel of the step wrote
-and before it stores (weights may load before); one that never waits could finish before its predecessor and break
-the ordering of every kernel after it. fused_step's own Triton kernels (norms, RoPE, GELU, softmax, the sliding
-prologue) take `pdl_kw(x)`: with PDL they trigger their dependents at their top and wait before their first load
-(`fused_step_kernels._chain`); the instructions are no-ops without the launch attribute, but Triton compiles PDL and
-plain launches as separate binaries, so the constexpr GDC and the launch option always go together. Their outputs are
-bitwise their plain launches' (only the ordering changes). Kernels that are not Triton's (cuBLAS, torch, TileLang)
-never trigger: a PDL kernel after one of them starts once it has exited (launch latency hidden, not its tail).
-
-    StepOptions(pdl=False)                # the choice (`foldkv.step_options`: tests and --pdl-ab pass it)
-    linear(x, weight)                     # x [..., K] of 1..16 rows @ weight [N, K]^T; else F.linear
-    refusal(x, weight)                    # None when linear() takes the kernel, else why not
-    pdl_kw(x)                             # the launch keywords of fused_step's kernels ({} without PDL)
+"""The decode step's projections at 1..16 rows as a tensor-core skinny GEMM in Triton under programmatic dependent
+launch (PDL): weights are written by no kernel of a step, so a program loads its first weight tile before its wait and
+the next projection's bytes stream during the previous kernel's tail. Not bitwise cuBLAS: within the float32
+accumulation bound |y - ref| <= ulp(ref) + K 2^-23 sum_k |x_k w_k| (tests/test_gemv_gpu.py).
 """
 
 from __future__ import annotations
@@ -142,12 +105,9 @@ def _cdiv(a: int, b: int) -> int:
 
 def tc_config(n: int, k: int, m: int, block_n: int = TC_BLOCK_N, block_k: int = TC_BLOCK_K, stages: int = TC_STAGES,
               split: int | None = None, prefetch: int = TC_PREFETCH, sms: int = SMS) -> dict | None:
-    """gemv_tc's launch for a weight [n, k] at m rows of x: BLOCK_K the largest power of two up to block_k dividing k
-    (at least 64); SPLIT (None: chosen) the smallest divisor of the k / BLOCK_K tiles that brings cdiv(n, block_n) x
-    SPLIT to >= sms programs with >= MIN_SPLIT_TILES tiles a split, else the largest such divisor (a weight too small
-    for the SMs), else 1; num_warps 4 a 64-row tile (one warpgroup), 8 at 128. None when m is not 1..MAX_ROWS, block_n
-    not 64 or 128, prefetch not 0 or 1, stages < 1, no tile divides k, or a given split does not divide the tiles or
-    leaves a split shorter than the prefetched head. (The keywords are the lab's variants: bench/gemv_probe.py.)"""
+    """gemv_tc's launch for a weight [n, k] at m rows of x, or None when it has none. BLOCK_K: the largest power of two
+    up to block_k dividing k (>= 64); SPLIT (None: chosen): the smallest split of K's tiles that gives >= sms programs,
+    each split >= MIN_SPLIT_TILES tiles. The keywords are the lab's variants (bench/gemv_probe.py)."""
     if not 1 <= m <= MAX_ROWS or n < 1 or block_n not in (64, 128) or prefetch not in (0, 1) or stages < 1:
         return None
     bk = block_k
@@ -169,10 +129,7 @@ def tc_config(n: int, k: int, m: int, block_n: int = TC_BLOCK_N, block_k: int = 
 def tc_launch(xs: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict, pdl: bool = True, *,
               ws: torch.Tensor | None = None):
     """gemv_tc (and split_sum when cfg splits K) on x [m, K] (contiguous) into y [m, N]; returns the GEMM's compiled
-    kernel. pdl: launched with launch_pdl and built waiting, else the plain builds. ws ([SPLIT, m, N] float32, given
-    when cfg splits K): the partials are left there and not summed (`linear_unsummed`: their reader sums them). (The
-    red twins' launches, a wrong K range, rows, grid or count of partials, are the lab's:
-    `foldkv.lab.pdl_checks.tc_launch_twin`.)"""
+    kernel. ws ([SPLIT, m, N] float32): the partials are left there unsummed, for a reader that sums them."""
     n, k = weight.shape
     m = xs.shape[0]
     split = cfg["SPLIT"]
@@ -195,8 +152,7 @@ def sum_partials(ws: torch.Tensor, y: torch.Tensor, pdl: bool = True) -> None:
 
 def rows_refusal(rows: int, max_rows: int, x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool,
                  has_bias: bool) -> str | None:
-    """What a kernel taking 1..max_rows rows of x refuses before its tile (this one and the lab's versions): a bias,
-    other dtypes than bf16 x bf16, a weight that is not contiguous, then no row or more rows than it takes."""
+    """What a kernel taking 1..max_rows rows of x refuses before its tile (this one and the lab's versions)."""
     if has_bias:
         return "a bias"
     if w_dtype not in DTYPES or x_dtype != w_dtype:
@@ -212,8 +168,7 @@ def rows_refusal(rows: int, max_rows: int, x_dtype: torch.dtype, w_dtype: torch.
 
 def shape_refusal(rows: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool,
                   has_bias: bool) -> str | None:
-    """The part of `refusal` that reads no device: None when a projection of `rows` rows against a weight [n, k] is the
-    kernel's, else why not."""
+    """The part of `refusal` that reads no device."""
     why = rows_refusal(rows, MAX_ROWS, x_dtype, w_dtype, w_contiguous, has_bias)
     if why is not None:
         return why
@@ -223,18 +178,15 @@ def shape_refusal(rows: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torc
 
 
 def refusal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
-    """None when `linear(x, weight, bias)` runs the kernel; else the reason it is F.linear (the step's options in force
-    without PDL, a bias, the dtypes, the layout, the rows, a shape without a tile, then the device and Triton's PDL
-    support)."""
+    """None when `linear(x, weight, bias)` runs the kernel; else the reason it is F.linear."""
     if not in_force().pdl:
         return "StepOptions.pdl is off"
     return tensor_refusal(x, weight, bias, shape_refusal)
 
 
 def tensor_refusal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shape_refusal_of) -> str | None:
-    """A GEMV kernel's route on the tensors themselves (this one's and the lab's versions'): their shapes, then the
-    kernel's `shape_refusal_of(rows, n, k, x_dtype, w_dtype, w_contiguous, has_bias)`, then the device and Triton's grid
-    dependency control. None when the kernel takes the call."""
+    """A GEMV kernel's route on the tensors (this one's and the lab's versions'): their shapes, the kernel's
+    `shape_refusal_of(rows, n, k, x_dtype, w_dtype, w_contiguous, has_bias)`, the device, Triton's GDC."""
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         return "not a projection's shapes"
     n, k = weight.shape
@@ -258,10 +210,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def linear_unsummed(x: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`linear` for a reader that sums split partials itself: (y, None) with y written when the call is not split K
-    (F.linear's route included); (y, ws) when the kernel split K, y [..., N] not written and ws [SPLIT, rows, N] the
-    float32 partials, to be added in the order 0, 1, ... and rounded once to y's dtype (`sum_partials`, or
-    fused_step's norm_add_rows with PARTS): the reader's link replaces split_sum's."""
+    """`linear` for a reader that sums split partials itself: (y, None) with y written, or, when the kernel split K,
+    (y unwritten, ws [SPLIT, rows, N]): float32 partials to add in order 0, 1, ... and round once (`sum_partials`)."""
     return _route(x, weight, bias, None, summed=False)
 
 
@@ -282,9 +232,10 @@ def _route(x, weight, bias, out, summed: bool) -> tuple[torch.Tensor, torch.Tens
 
 
 def pdl_kw(t: torch.Tensor) -> dict:
-    """The keywords fused_step's kernels launch with: {GDC: True, launch_pdl: True} when the step's options in force
-    launch with PDL (`StepOptions.pdl`), Triton has grid dependency control and `t` (the kernel's input) is on CUDA;
-    else none (a plain launch of the plain build)."""
+    """The keywords fused_step's kernels launch with: {GDC: True, launch_pdl: True} when the options in force ask for
+    PDL, Triton has grid dependency control and `t` is on CUDA; else none (the plain build). PDL is a chain property:
+    every PDL kernel waits before it reads what a kernel of the step wrote and before it stores, and Triton compiles
+    PDL and plain launches as separate binaries, so the constexpr GDC and the launch option always go together."""
     if in_force().pdl and HAS_GDC and t.is_cuda:
         return dict(GDC=True, launch_pdl=True)
     return {}

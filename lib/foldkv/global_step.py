@@ -1,20 +1,7 @@
-"""A global layer's fold and store as two Triton kernels: `fold_and_store`, the one path by which a transformers
-forward's global layer (its prefill, its eager decode, `foldkv.hf_graph.DecodeStep`'s step) folds its query and
-stores its rows, bitwise `foldkv.prep.fold_and_store`, the torch definition (13 launches a layer folded, 5 split),
-which every call the kernels do not describe takes (`kernel_refusal`: an FP8 pool's rows are quantized with a per-row
-scale, which the row kernel does not do; not bf16; not CUDA with Triton; `StepOptions.fuse_global` off;
-`global_route` adds the step's own: foldkv's DecodeWorkspace and DecodeStep's global decode). The kernels:
-- `query_into` (`global_query_rows`, grid N x Hq): the format's query read in place from the strided query, written
-  into its destination (`out`: the decode workspace's query); folded, the unrotated columns are fp32(q) * fp32(w_k)
-  rounded once (RNE), fold_query's arithmetic; the rest are moves.
-- `row_into_pool` (`global_row_store`, grid N x Hkv): the row assembled from key/value columns (folded: [K[rot] |
-  V[unrot] | V[rot]], split: [K | V]) stored at its page and offset, read on the device (the step's `store_pages` /
-  `store_offsets`, advanced by its prologue: the step stays graph-capturable). Moves of bf16 values.
-A global layer's decode step launches 19 -> 8 kernels folded, 11 -> 8 split; the GPU tests hold the step's tokens and
-logits equal with fuse_global on and off. Inside `foldkv.fused_step` (`StepOptions.fuse_global_prologue`) the
-projections' outputs go to `query_from_projection` and `row_from_projection` (`global_query_prologue`,
-`global_row_prologue`): the model's five norm and RoPE kernels inside the two kernels above, both PDL links: 7
-launches a layer -> 2, bitwise the same query and rows.
+"""A global layer's fold and store as two Triton kernels (`fold_and_store`: `query_into`, `row_into_pool`), bitwise
+the torch definition `foldkv.prep.fold_and_store`, which every call the kernels do not describe takes
+(`kernel_refusal`, `global_route`); inside the step's own forward, the same two kernels with the model's norms and
+RoPE folded in (`query_from_projection`, `row_from_projection`), both PDL links.
 """
 
 from __future__ import annotations
@@ -44,10 +31,9 @@ _MAPS: dict[tuple, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
 
 
 def column_maps(geom: Any, fmt: KvFormat | str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(score_cols [D] int32, row_cols [row_width] int32, fold_from, key_cols) on `device`, made once per (geometry,
-    format, device), so a graph capture makes none (the step's warm-up made them): the query's column j is head
-    column score_cols[j], folded from fold_from on; the row's column j is key (j < key_cols) or value at
-    row_cols[j]."""
+    """(score_cols [D] int32, row_cols [row_width] int32, fold_from, key_cols) on `device`, made once (a graph
+    capture makes none): query column j is head column score_cols[j], folded from fold_from on; row column j is
+    key (j < key_cols) or value at row_cols[j]."""
     fmt = KvFormat.parse(fmt)
     key = (geom, fmt, torch.device(device))
     got = _MAPS.get(key)
@@ -78,10 +64,9 @@ def query_into(geom: Any, fmt: KvFormat | str, query: torch.Tensor, k_norm_weigh
 
 def row_into_pool(geom: Any, pool: Any, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
                   offsets: torch.Tensor) -> None:
-    """key/value [B, Hkv, 1, D] (normed, RoPE'd key; normed value; the pool's dtype, any strides) -> one row per
-    (b, h) at pool.data[pages[b], h, offsets[b]] (pages/offsets [>= B] int64 on the pool's device, read by the
-    kernel): bitwise `store_rows(pool, pages, offsets, rows_from_key_value(geom, pool.format, key[:, :, 0],
-    value[:, :, 0], row_dtype))` for a bf16 pool."""
+    """key/value [B, Hkv, 1, D] (normed, RoPE'd key; normed value; any strides) -> one row per (b, h) at
+    pool.data[pages[b], h, offsets[b]] (pages/offsets int64 on the device): bitwise `prep.store_rows` of
+    `prep.rows_from_key_value` for a bf16 pool."""
     b, hkv, _, _ = key.shape
     _, row, _, key_cols = column_maps(geom, pool.format, key.device)
     width = pool.layout.row_width
@@ -94,9 +79,8 @@ def row_into_pool(geom: Any, pool: Any, key: torch.Tensor, value: torch.Tensor, 
 
 def query_from_projection(geom: Any, fmt: KvFormat | str, q: torch.Tensor, attn: torch.nn.Module,
                           cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
-    """q [B, 1, Hq * D] (the q projection's output or the q columns of a merged one, read in place), cos/sin
-    [B, 1, D] -> the format's query of RoPE(q_norm(q)) in out[:B] (out [>= B, Hq, D] packed): bitwise fused_step's
-    `rms_norm` and `rope`, then `query_into`, in one launch (`global_query_prologue`, a PDL link)."""
+    """q [B, 1, Hq * D] (the q projection's output, read in place), cos/sin [B, 1, D] -> the format's query of
+    RoPE(q_norm(q)) in out[:B]: bitwise `rms_norm`, `rope`, then `query_into`, in one launch (a PDL link)."""
     fmt = KvFormat.parse(fmt)
     hq, d = geom.num_q_heads, geom.head_dim
     b = q.shape[0]
@@ -110,9 +94,8 @@ def query_from_projection(geom: Any, fmt: KvFormat | str, q: torch.Tensor, attn:
 
 def row_from_projection(geom: Any, pool: Any, k: torch.Tensor, v: torch.Tensor, attn: torch.nn.Module,
                         cos: torch.Tensor, sin: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -> None:
-    """k, v [B, 1, Hkv * D] (the key projection's output, and the value's: the same tensor for k_eq_v, whose value
-    is the key before its norm) -> one row per (b, h) at pool.data[pages[b], h, offsets[b]]: bitwise `rms_norm` and
-    `rope` of the key, `rms_norm` of the value, then `row_into_pool`, in one launch (`global_row_prologue`)."""
+    """k, v [B, 1, Hkv * D] (the projections' outputs; one tensor for k_eq_v) -> one row per (b, h) at its page and
+    offset: bitwise the key's `rms_norm` and `rope`, the value's `rms_norm`, then `row_into_pool`, in one launch."""
     hkv, d = geom.num_kv_heads, geom.head_dim
     b = k.shape[0]
     ks, vs = _head_rows(k, hkv, d, "k"), _head_rows(v, hkv, d, "v")
@@ -141,9 +124,8 @@ def describe_pool(pool: Any) -> str | None:
 def kernel_refusal(pool: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    k_norm_weight: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor,
                    out: torch.Tensor | None) -> str | None:
-    """None when the two kernels describe this fold and store (query [N, Hq, D], key / value [N, Hkv, D] into `pool`
-    at pages / offsets, the query into out[:N] or a new tensor; `fold_and_store`), else the reason it takes the torch definition. The
-    device and Triton are asked last, so that on the CPU a call the kernels describe answers "not CUDA"."""
+    """None when the two kernels describe this `fold_and_store`, else why it takes the torch definition (the device
+    and Triton asked last: on the CPU a call the kernels describe answers "not CUDA")."""
     if not in_force().fuse_global:
         return "StepOptions.fuse_global is off"
     why = describe_pool(pool)
@@ -178,11 +160,8 @@ def kernel_refusal(pool: Any, query: torch.Tensor, key: torch.Tensor, value: tor
 def fold_and_store(pool: Any, pages: torch.Tensor, offsets: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, k_norm_weight: torch.Tensor, *, out: torch.Tensor | None = None,
                    check_finite: bool = True, kernels: bool | None = None) -> torch.Tensor:
-    """`foldkv.prep.fold_and_store` (same arguments, same result, bitwise): the two kernels when they describe the
-    call (`kernel_refusal`; kernels=True / False: the caller's route has answered, `global_route`), else the torch
-    definition. The one fold and store of a global layer's prefill, eager decode and decode step; `out` places the
-    query (a decode workspace's), pages / offsets [N] the rows (device tensors: the step's are advanced on the
-    device). Returns the query [N, Hq, D]."""
+    """`foldkv.prep.fold_and_store`, bitwise: the two kernels when they describe the call (`kernel_refusal`;
+    kernels=True / False: the caller's `global_route` has answered), else the torch definition."""
     if kernels is None:
         kernels = kernel_refusal(pool, query, key, value, k_norm_weight, pages, offsets, out) is None
     if not kernels:
@@ -198,9 +177,8 @@ def fold_and_store(pool: Any, pages: torch.Tensor, offsets: torch.Tensor, query:
 
 def global_route(step: Any, layer: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor) -> str | None:
-    """None when the two kernels describe this call of `DecodeStep.attend` (query [B, Hq, 1, D], key / value
-    [B, Hkv, 1, D]: the step's own global decode, its workspace's query, its slots; then `kernel_refusal`), else the
-    reason it takes the torch path."""
+    """None when the two kernels describe this call of `DecodeStep.attend` (its own global decode, its workspace's
+    query, its slots; then `kernel_refusal`), else why it takes the torch path."""
     if not in_force().fuse_global:
         return "StepOptions.fuse_global is off"
     if getattr(step, "ws", None) is None:

@@ -1,46 +1,8 @@
-"""Serve Gemma 4 through transformers' `generate()` with its global layers' KV in a foldkv pool.
+"""transformers' `generate()` on foldkv pools: `FoldKvCache` and the "foldkv" attention implementation.
 
-    import foldkv.hf                                          # registers the "foldkv" attention implementation
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="foldkv")   # or set_attn_implementation
-    cache = foldkv.hf.FoldKvCache(model, max_batch=8, max_tokens=prompt_len + max_new_tokens)
-    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=n, cache=cache)  # < 5.24: past_key_values=
-    FoldKvCache(model, ..., dtype=torch.float8_e4m3fn)   # the FP8 folded pool: half the bf16 folded bytes per token
-
-How the pieces meet. transformers builds one mask per layer type, then each layer calls `cache.update(K, V)` and the
-attention function of the model's implementation with what `update` returned:
-- Sliding layers: the cache holds transformers' own `DynamicSlidingWindowLayer`; their mask and attention are
-  transformers' "sdpa" ("foldkv") or "eager" ("foldkv_eager"), except a CUDA prefill forward whose sliding mask is
-  the plain window (no padding): its mask is a `SlidingWindow`, and `foldkv.window_attention` serves those layers
-  with FlashAttention's own window (no mask built, no masked pairs computed, nothing built per prompt length); a
-  call it cannot serve gets transformers' mask from the `SlidingWindow` and its sdpa, as before.
-- Global (full-attention, k_eq_v) layers: the cache holds a `FoldKvLayer`, whose `update` keeps nothing and returns
-  the step's new K/V (normed, RoPE'd, [B, Hkv, T, D]) wrapped in a `NewRows`. The full-attention "mask" is a
-  `NewTokens`: which of the step's T columns are real tokens of each sequence (left padding), read from the 2D
-  attention mask once per forward. The attention function then, per global layer:
-      fold and store (`foldkv.global_step.fold_and_store`, the torch definition `foldkv.prep.fold_and_store` or its
-              two kernels): the real tokens' rows [N, Hkv, row_width] stored at slots len_b .. len_b + n_b - 1 of
-              sequence b's block-table row, their query [N, Hq, D] folded into the format's form
-      attend: CPU (or attention="reference"): foldkv.paged_attention_reference (float64) over the pool;
-              CUDA: foldkv.kernels.prefill (n_b > 1) or the cache's DecodeWorkspace (one token per sequence)
-      out   = the real tokens' attention in head order, zeros at padding columns, [B, T, Hq, D] in Q's dtype
-  The rows carry their RoPE (the positions transformers gave them), so a slot needs only the order of the tokens.
-Decode steps (one token per sequence, after the prompt) run by default on CUDA as one CUDA graph of the whole
-forward (`foldkv.hf_graph`, `decode_step=`): there the sliding layers hold rings and the global layers store and decode
-through one DecodeWorkspace, all at fixed addresses.
-
-Refusals (FoldKvInputError / ConfigError) come before anything is written: a model whose global layers are not
-k_eq_v, Gemma 4 variants whose later layers reuse another layer's KV (num_kv_shared_layers > 0), an attention
-implementation other than foldkv's, a batch above `max_batch`, a forward that would take a sequence past
-`max_tokens` columns (checked before the first layer of that forward writes; with `max_new_tokens` given, the prompt
-is refused when prompt + max_new_tokens does not fit), right padding, beam search (reorder/crop/select), a new prompt
-on a cache that still holds an earlier generate()'s tokens ("this FoldKvCache holds N tokens a sequence from an
-earlier generate()"; `cache.reset()` empties it for the next one and keeps its pages and its decode step).
-
-Written against transformers 5.5 to 5.24 (tests/test_hf_cpu.py passes on 5.5, 5.17 and 5.24): `AttentionInterface`,
-`AttentionMaskInterface`, `Cache` / `CacheLayerMixin`, the full-attention mask call without `local_size` and the
-sliding one with it. transformers is imported by this module at its top and by `foldkv.transformers_compat` (every
-private or version-dependent call, inside its functions) only, so `import foldkv` works without it. Layers import one
-way: this adapter imports the decode step (`foldkv.hf_graph`, `foldkv.hf_loop`), never the reverse.
+A global layer's `update` returns the step's rows (`NewRows`) and its mask says which columns are real
+(`NewTokens`); foldkv's attention function folds and stores them and attends over the pool. Sliding layers are
+transformers' own. Refusals come before anything is written. transformers is imported here, not by `import foldkv`.
 """
 
 from __future__ import annotations
@@ -80,8 +42,7 @@ ATTENTION_BACKENDS = ("auto", "reference", "kernel")
 # --- the model ---------------------------------------------------------------------------------------------------
 
 def text_model_of(model: nn.Module) -> nn.Module:
-    """The Gemma4TextModel of a Gemma4ForCausalLM or a Gemma4ForConditionalGeneration (`fused_step.text_model`), or
-    the text model itself: the module holding `.layers` and a config with `layer_types`."""
+    """The Gemma4TextModel of a Gemma 4 causal LM or conditional generation model, or the text model itself."""
     text = text_model(model)
     if text is None and isinstance(getattr(model, "layers", None), nn.ModuleList) and hasattr(
             getattr(model, "config", None), "layer_types"):
@@ -96,8 +57,7 @@ def global_layer_indices(text_model: nn.Module) -> list[int]:
 
 
 def check_no_shared_kv(text_model: nn.Module) -> None:
-    """Refuse (ConfigError, by name) a Gemma 4 whose later layers reuse an earlier layer's KV: a reusing layer reads
-    the storing layer's K/V from `shared_kv_states`, which a pool-backed global layer does not hand on."""
+    """Refuse (ConfigError) a Gemma 4 whose later layers reuse an earlier layer's KV (`shared_kv_states`)."""
     cfg = text_model.config
     shared = int(getattr(cfg, "num_kv_shared_layers", 0) or 0)
     reusing = [i for i, layer in enumerate(text_model.layers) if getattr(layer.self_attn, "is_kv_shared_layer", False)]
@@ -109,10 +69,8 @@ def check_no_shared_kv(text_model: nn.Module) -> None:
 
 
 def global_geometry(text_model: nn.Module, attn: nn.Module) -> AttentionGeometry:
-    """The foldkv geometry of one global attention module: the config's (geometry_from_config refuses a config
-    without k_eq_v or proportional RoPE), checked against the module's weights (no v_proj, head_dim, projection
-    widths) and the model's own RoPE inverse frequencies (a mismatch would be a silent position error); under
-    tensor parallelism, the heads of this rank (`tensor_parallel_ranks`, `AttentionGeometry.per_rank`)."""
+    """The foldkv geometry of one global attention module: the config's, checked against the module's weights and
+    the model's RoPE frequencies; under tensor parallelism, this rank's heads."""
     cfg = text_model.config
     if getattr(attn, "v_proj", None) is not None or not getattr(attn, "use_alternative_attention", True):
         raise ConfigError(f"layer {attn.layer_idx}: not a k_eq_v global layer (it has a v_proj); nothing to fold")
@@ -126,9 +84,8 @@ def global_geometry(text_model: nn.Module, attn: nn.Module) -> AttentionGeometry
         raise ConfigError(f"layer {attn.layer_idx}: attention scaling {attn.scaling}; foldkv's Gemma 4 uses 1.0")
     model_inv = getattr(text_model.rotary_emb, "full_attention_inv_freq", None)
     if model_inv is not None:
-        # The global layers' K and Q reach foldkv already rotated by the model's own RoPE, with whatever frequencies
-        # the model holds (a model cast with `model.to(torch.bfloat16)` holds them rounded to bf16, and transformers
-        # computes with those). What the fold relies on is which columns rotate: exactly those of non-zero frequency.
+        # The fold relies only on which columns rotate (non-zero frequencies), not on their values (a bf16 cast
+        # rounds them, and transformers computes with those).
         ours = rope_inv_freq(geom, model_inv.device)
         if model_inv.shape != ours.shape or not torch.equal(model_inv != 0, ours != 0):
             raise ConfigError(
@@ -140,21 +97,18 @@ def global_geometry(text_model: nn.Module, attn: nn.Module) -> AttentionGeometry
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """What this process holds of a parameter: its local shard under tensor parallelism (a DTensor: transformers'
-    tp_plan; `shape` and `numel()` of the DTensor itself are the whole tensor's), else the tensor."""
+    """What this process holds of a parameter: its DTensor shard under tensor parallelism, else the tensor."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
 def local_rows(linear: nn.Module) -> int:
-    """Output rows of a projection this process computes (`local_tensor` of its weight; `out_features` is the whole
-    projection's under tensor parallelism)."""
+    """Output rows of a projection this process computes (its shard's under tensor parallelism)."""
     return int(local_tensor(linear.weight).shape[0])
 
 
 def tensor_parallel_ranks(attn: nn.Module, geom: AttentionGeometry) -> int:
-    """Over how many tensor-parallel ranks a global attention module's heads are split (1 when it is whole): read
-    from its q_proj and k_proj shards. Raises ConfigError for a plan foldkv cannot serve: shards of partial heads,
-    q_proj and k_proj split different ways, or a KV head's query group split from its KV head."""
+    """Over how many tensor-parallel ranks a global attention module's heads are split (1: whole), read from its
+    q_proj and k_proj shards; ConfigError for a split foldkv cannot serve (partial heads, a query group apart)."""
     d = geom.head_dim
     q_rows, k_rows = local_rows(attn.q_proj), local_rows(attn.k_proj)
     q_full, k_full = geom.num_q_heads * d, geom.num_kv_heads * d
@@ -172,8 +126,7 @@ def tensor_parallel_ranks(attn: nn.Module, geom: AttentionGeometry) -> int:
 # --- what flows from update / the mask to the attention function ----------------------------------------------------
 
 class NewRows:
-    """What a FoldKvLayer's `update` returns in place of the cached K/V: the step's new key and value ([B, Hkv, T, D],
-    normed and RoPE'd, the model's dtype) and the layer that stores them. Only foldkv's attention reads it."""
+    """What a FoldKvLayer's `update` returns: the step's new key and value and the layer that stores them."""
 
     __slots__ = ("layer", "key", "value")
 
@@ -189,10 +142,8 @@ class NewRows:
 
 
 def _new_tokens(attention_mask: torch.Tensor | None, q_length: int, kv_length: int, kv_offset: int) -> NewTokens | None:
-    """Which of the forward's q_length new columns are real, from transformers' 2D padding mask (None: all are).
-    A forward with no new column, or a mask that does not cover what the cache holds, is a new prompt on a cache that
-    still holds an earlier generate()'s tokens (generate() takes the cache's columns as the prompt's first ones):
-    refused here, before the first layer writes."""
+    """Which of the forward's q_length new columns are real, from the 2D padding mask (None: all are). A forward
+    that reuses a cache still holding an earlier generate()'s tokens is refused here, before any layer writes."""
     end = kv_offset + kv_length
     if q_length == 0 and end > 0:  # a prompt no longer than what the cache holds: generate() left no column of it
         raise used_cache_error(end)
@@ -218,8 +169,7 @@ def _new_tokens(attention_mask: torch.Tensor | None, q_length: int, kv_length: i
 def _mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
           mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None, *, sliding: str,
           **kwargs) -> Any:
-    """transformers' mask call for every layer type: sliding layers (the call with `local_size`) get their
-    implementation's own mask, global layers the forward's NewTokens."""
+    """transformers' mask call: sliding layers get their implementation's mask, global layers a NewTokens."""
     if kwargs.get("local_size") is not None:
         args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
@@ -245,8 +195,7 @@ def _sliding_attention(sliding: str, module: nn.Module, *args, **kwargs):
 def _attention(module: nn.Module, query: torch.Tensor, key: Any, value: Any, attention_mask: Any, *, sliding: str,
                **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention call for every layer: sliding layers go to their implementation; a global layer
-    stores the step's rows in its FoldKvLayer's pool and attends over it. query: [B, Hq, T, D] (normed, RoPE'd).
-    Returns ([B, T, Hq, D] in query's dtype, None)."""
+    stores the step's rows in its pool and attends over it. Returns ([B, T, Hq, D] in query's dtype, None)."""
     if getattr(module, "is_sliding", False):
         if isinstance(attention_mask, RingMask):  # a decode step through the cache's DecodeStep
             return ring.ring_attention(module, query, key, value, attention_mask)
@@ -273,8 +222,7 @@ def _attention(module: nn.Module, query: torch.Tensor, key: Any, value: Any, att
 
 
 def register() -> None:
-    """Register "foldkv" (sliding layers: sdpa) and "foldkv_eager" (sliding layers: eager) with transformers'
-    AttentionInterface and AttentionMaskInterface. Idempotent; done when this module is imported."""
+    """Register "foldkv" (sliding layers: sdpa) and "foldkv_eager" (eager) with transformers. Idempotent."""
     for name, sliding in SLIDING_IMPLEMENTATION.items():
         def attention(module, query, key, value, attention_mask, *, _sliding=sliding, **kwargs):
             return _attention(module, query, key, value, attention_mask, sliding=_sliding, **kwargs)
@@ -293,11 +241,8 @@ register()
 # --- the cache ------------------------------------------------------------------------------------------------------
 
 class FoldKvLayer(CacheLayerMixin):
-    """One global layer's KV in a foldkv pool: one block-table row of `capacity` tokens per batch sequence.
-
-    pool: PagedKvPool [max_batch * pages, Hkv, page_size, row_width] of the pool dtype on the cache's device; host_table
-    (CPU) and device_table (page ids on the pool's device) share the pages; lengths[b] is the real tokens sequence b
-    holds. `columns` counts the forward's columns the way transformers does (padding included), for its masks."""
+    """One global layer's KV in a foldkv pool: one block-table row of max_tokens per batch sequence. lengths[b]: the
+    real tokens sequence b holds; `columns`: the forward's columns as transformers counts them (padding included)."""
 
     is_sliding = False
     is_compileable = False
@@ -340,8 +285,7 @@ class FoldKvLayer(CacheLayerMixin):
     get_max_cache_shape = get_max_length  # the same question under its name before transformers 5.17
 
     def reset(self) -> None:
-        """No token held: lengths, columns and the tables' lengths zero, the pool poisoned again. The table keeps the
-        pages it was granted (the cache's capacity, whose page ids a decode step holds on the device)."""
+        """No token held, the pool poisoned again; the table keeps its pages (a decode step holds their ids)."""
         self.lengths = [0] * self.cache.max_batch
         self.columns = 0
         self.host_table.seq_lens.zero_()
@@ -377,9 +321,8 @@ class FoldKvLayer(CacheLayerMixin):
                                    " is another attention module); make a FoldKvCache for the model that uses it")
 
     def attend(self, module: nn.Module, query: torch.Tensor, new: NewRows, tokens: NewTokens | None) -> torch.Tensor:
-        """Store the real tokens' rows and attend over the pool. query: [B, Hq, T, D] (normed, RoPE'd), new.key /
-        new.value: [B, Hkv, T, D]; all on the pool's device. Returns [B, T, Hq, D] in query's dtype, zeros at the
-        padding columns."""
+        """Store the real tokens' rows and attend over the pool. query: [B, Hq, T, D], new.key / new.value:
+        [B, Hkv, T, D] (normed, RoPE'd). Returns [B, T, Hq, D] in query's dtype, zeros at the padding columns."""
         pool, c = self.pool, self.cache
         if c.decode_step is not None and c.decode_step.started:
             return c.decode_step.attend(self, module, query, new.key, new.value)
@@ -420,35 +363,19 @@ class FoldKvLayer(CacheLayerMixin):
 class FoldKvCache(Cache):
     """A transformers Cache for Gemma 4 whose global layers keep their KV only in foldkv pools.
 
-    model: a Gemma 4 (Gemma4ForCausalLM, or the multimodal Gemma4ForConditionalGeneration: its text tower's global
-        layers are served, its decode step is the step's own forward too) loaded or set with attn_implementation
-        "foldkv" (sliding layers: sdpa) or "foldkv_eager" (sliding layers: eager).
-    max_batch: sequences the pools hold (the batch of the first forward may be smaller, later forwards keep it).
-    max_tokens: columns per sequence, as transformers counts them (padded prompt + generated tokens); each global
-        layer's pool holds max_batch * ceil(max_tokens / page_size) pages. Only real tokens are stored.
-    max_new_tokens: when given, the prompt's forward is refused if prompt columns + max_new_tokens exceed max_tokens
-        (otherwise the forward that would overflow is refused, before it writes).
-    kv_format: "folded" or "split". device: the model's (default). dtype: the pool's; default the model's dtype on
-        the CPU, bf16 on CUDA; torch.float8_e4m3fn: the FP8 folded pool (`foldkv.fp8`: e4m3 rows, one float32 scale
-        per token and KV head, half the bf16 folded bytes), folded only, read by the FP8 kernels (decode converts in
-        the kernel, prefill through the page gather) or by the reference dequantized. attention: "auto" (kernels on
-        CUDA, the float64 reference elsewhere), "reference" or "kernel" (its prefill kernels are built or loaded
-        when the cache is made, not in the first prompt). backend: the kernels' "jit" or "aot".
-        poison: fill pools with NaN (a row read before it is written shows as NaN). scatter_seed: pages drawn in a
-        random order (tests).
-    fp8_math: how the kernels' decode over an FP8 pool multiplies, "tensor_cores" (None: the default) or "exact"
-        (`foldkv.kernels.decode.parse_fp8_math`); "tensor_cores" with a bf16 pool is refused.
-    decode_step: how decode steps (one token per sequence, after the prompt) run: "graph" (the default with kernel
-        attention on CUDA), the whole forward as one CUDA graph, or "static", the same fixed-address step eagerly (any
-        device): `foldkv.hf_graph`; "eager" (the default elsewhere): transformers' forward layer by layer, the pools
-        written and read as in the prompt's forward.
-    step_options: the decode step's choices (`foldkv.step_options.StepOptions`: merged projections, graph branches,
-        the tail links, the fused sliding and global prologues, the global kernels, PDL); None: those in force where
-        the cache is made (`step_options.using`), the served ones by default.
-    The global layers' decode steps with kernel attention run through one `foldkv.kernels.workspace.DecodeWorkspace`
-        (`decode_workspace`), the decode step's and, with decode_step="eager", each layer's eagerly.
-    Sliding layers are transformers' DynamicSlidingWindowLayer (until a decode step makes them rings).
-    Prompts may be prefilled in chunks (`generate(..., prefill_chunk_size=N)`, transformers' chunked prefill).
+    model: a Gemma 4 (Gemma4ForCausalLM or Gemma4ForConditionalGeneration's text tower) loaded or set with
+        attn_implementation "foldkv" (sliding layers: sdpa) or "foldkv_eager" (sliding layers: eager).
+    max_batch: sequences the pools hold (the first forward's batch may be smaller; later forwards keep it).
+    max_tokens: columns per sequence as transformers counts them (padded prompt + generated tokens).
+    max_new_tokens: when given, a prompt whose columns + max_new_tokens exceed max_tokens is refused up front.
+    kv_format: "folded" or "split". device: the model's (default). dtype: the pool's (default: the model's on the CPU,
+        bf16 on CUDA; torch.float8_e4m3fn: the FP8 folded pool, `foldkv.fp8`). attention: "auto" (kernels on CUDA,
+        the float64 reference elsewhere), "reference" or "kernel". backend: the kernels' "jit" or "aot".
+    poison: fill pools with NaN (a row read before it is written shows). scatter_seed: pages in a random order.
+    fp8_math: an FP8 pool's decode, "tensor_cores" (None: the default) or "exact" (`kernels.decode.parse_fp8_math`).
+    decode_step: "graph" (the default with kernel attention: the whole forward as one CUDA graph, `foldkv.hf_graph`),
+        "static" (the same fixed-address step eagerly, any device) or "eager" (transformers' forward layer by layer).
+    step_options: the decode step's `StepOptions`; None: those in force here (`step_options.using`).
     """
 
     step_class = DecodeStep  # the decode step's class (a subclass may serve the global layers another way)
@@ -552,8 +479,7 @@ class FoldKvCache(Cache):
         return not isinstance(self.layers[layer_idx], FoldKvLayer)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Columns per sequence so far (padding included), as every layer counts them: the global layers' count
-        (a sliding layer stops counting once the decode step keeps its K/V in a ring)."""
+        """Columns per sequence so far (padding included): the global layers' count."""
         return self.global_layers[0].get_seq_length()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -597,11 +523,8 @@ class FoldKvCache(Cache):
         return DynamicSlidingWindowLayer(sliding_window=self.sliding_window)
 
     def reset(self) -> None:
-        """Empty the cache so that it serves another generate() (as transformers' `StaticCache.reset()`): the global
-        layers hold no token (`FoldKvLayer.reset`; each keeps its pages, so the pools' ownership is unchanged), every
-        sliding layer is a new empty one (transformers' own layer reset zeroes the held columns in place and keeps
-        them in transformers 5.17), the batch is free again, and the decode step is the same object, reset
-        (`DecodeStep.reset`: its fixed tensors and captured graph serve the next prompt of the same shape)."""
+        """Empty the cache for another generate() (as `StaticCache.reset()`): global layers keep their pages, sliding
+        layers are new, the batch is free, and the decode step is reset (its graph serves the same shape again)."""
         for i, layer in enumerate(self.layers):
             if isinstance(layer, FoldKvLayer):
                 layer.reset()
@@ -619,20 +542,14 @@ class FoldKvCache(Cache):
         self.resolve_prefill_kernels(self.global_layers[0].pool)
 
     def resolve_prefill_kernels(self, pool: PagedKvPool) -> None:
-        """Build or load the prefill kernels the global layers will launch (every layer's pool has `pool`'s layout)
-        now, at the cache's creation: in a fresh process that is TileLang's import and each kernel's program
-        elaborated and loaded, seconds that would otherwise fall inside the first prompt's time to first token. The
-        resolver's cache is the process's, so a later cache finds them there. A cache whose prefill is not foldkv's
-        overrides this."""
+        """Build or load the prefill kernels for `pool`'s layout now, so the first prompt's TTFT does not pay for
+        them. A cache whose prefill is not foldkv's overrides this."""
         from .kernels.prefill import resolve_kernels
 
         resolve_kernels(pool, backend=self.backend)
 
     def decode_workspace(self, batch: int) -> Any:
-        """The one `DecodeWorkspace` of the global layers' decode for `batch` sequences: the decode step's
-        (`DecodeStep`, which plans it) and an eager decode step's (`pool_attention`). Made at the first decode of that
-        many sequences and kept until another count asks (a `reset()` keeps it, as the step keeps its graph over
-        it)."""
+        """The global layers' one `DecodeWorkspace` for `batch` sequences, kept until another batch size asks."""
         from .kernels.workspace import DecodeWorkspace
 
         ws = self._workspace
@@ -644,18 +561,16 @@ class FoldKvCache(Cache):
 
     def decode_query(self, counts: tuple[int, ...]) -> torch.Tensor | None:
         """Where a global layer's fold writes this forward's query: the workspace's query when `pool_attention`
-        decodes it there (kernel attention, one token per sequence of the batch), else None (a new tensor)."""
+        decodes there (kernels, one token per sequence), else None."""
         if self.attention != "kernel" or min(counts) != 1 or max(counts) != 1:
             return None
         return self.decode_workspace(len(counts)).query
 
     def pool_attention(self, layer: FoldKvLayer, query: torch.Tensor, table: BlockTable,
                        counts: tuple[int, ...]) -> torch.Tensor:
-        """Attention of the stored step: query [N, Hq, D] (the format's form, pool dtype, pool device), table: the
-        batch's host BlockTable (lengths include the step), counts: the step's tokens per sequence (its last
-        positions). Returns [N, Hq, D] head order: float64 (reference) or bf16 (kernels), on the pool's device.
-        A decode step (one token per sequence) runs the workspace's step (`decode_workspace`): planned when the
-        lengths are new, advanced when each is one longer than last step's."""
+        """Attention of the stored step: query [N, Hq, D] (the format's form), table: the batch's host BlockTable
+        (lengths include the step), counts: the step's tokens per sequence. Returns [N, Hq, D] head order: float64
+        (reference) or bf16 (kernels). A decode step runs the workspace's step (`decode_workspace`)."""
         q_lens = torch.tensor(counts, dtype=torch.int32)
         if self.attention == "reference":
             out, _ = paged_attention_reference(layer.pool, query, table, q_lens)

@@ -1,42 +1,7 @@
-"""The decode step of `generate()` on a FoldKvCache as one CUDA graph: every layer of the model, replayed each step.
-
-After the prompt's forward(s), a decode step feeds one token per sequence and its shape never changes, so the whole
-forward (embedding, the 60 layers, the final norm and the LM head) is captured once and replayed: the host's work per
-step is a few copies and counters, not 60 layers of Python. What makes the forward replayable:
-- fixed addresses: the token ids, the positions, the sliding layers' K/V, the sliding mask and the global layers'
-  decode workspace (`foldkv.kernels.workspace.DecodeWorkspace`) are allocated once, at the first decode step;
-- no host read inside: the step's lengths, positions, ring slots and pool slots live on the device and are advanced
-  by the graph itself (the prologue below), the masks are handed to the model ready-made (Gemma 4's forward accepts a
-  {layer type: mask} dict and then builds none), and the global layers' store and decode read only device tensors.
-
-Sliding layers become rings at the first decode step. Until then they are transformers' own
-`DynamicSlidingWindowLayer` (the prompt's forwards, its masks). A decode token at column t attends over columns
-(t - W, t] of its sequence (W = sliding_window), the ones that are not left padding; the ring holds column c in slot
-c mod W, so after writing column t the ring's W slots hold exactly columns t - W + 1 .. t (those already made), and
-slot s holds column c_s = t - ((t - s) mod W). The mask is c_s >= pad_b (pad_b: sequence b's padding columns; a
-negative c_s, a slot never written, is masked too). The rows carry their RoPE, so the order inside the ring does not
-matter. The grouped query heads of a KV head are laid out as that head's query rows (q [B, Hkv, group, d] against
-K [B, Hkv, W, d]), so no K/V is repeated per query head.
-
-Global layers keep their pools; the step stores each sequence's row at slot len_b - 1 (pages and offsets computed on
-the device from the block table) and runs the workspace's decode step on the layer's pool (on CUDA with a bf16 pool,
-the query and the row go there as two Triton kernels: `foldkv.global_step`). All global layers share one workspace and
-one page order (the layers' pools are the same shape and their tables the same), advanced once a step (`advance()`,
-one launch before the replay) and planned again every `REPLAN_STEPS` steps.
-
-Modes: "graph" (CUDA, kernel attention) captures the step after running it once eagerly on the capture stream (its
-warm-up); "static" runs the same fixed-address step eagerly every step (any device; with attention="reference" the
-float64 reference reads the pool through the host table): the CPU tests hold the static step to the eager path, the GPU
-tests the graph to both. Once a cache decodes through its step, it only decodes: a forward of more than one token per
-sequence is refused until `reset()`, which keeps the step's fixed tensors (and its graph) for the next prompt.
-
-The step's forward is its own (`foldkv.fused_step.StepForward`, built at its first use over the model's weights: on
-CUDA its kernels); a model it does not describe (`fused_step.refusal`) runs the model's forward over the same fixed
-tensors. Layers: this module imports the step's forward (`foldkv.fused_step`), the global layers' kernels
-(`foldkv.global_step`), the masks (`foldkv.masks`) and nothing of the transformers adapter above it: the adapter
-(`foldkv.hf`) makes the step with its cache, and `foldkv.hf_loop.install` routes the model's forward and generate()
-through it. What the lower modules ask of the step they get from the step object the cache carries (`sliding_ring`,
-`global_layer`, `serves_global_decode`).
+"""The decode step of `generate()` on a FoldKvCache at fixed addresses (`DecodeStep`), captured as one CUDA graph of
+the whole forward ("graph") or run eagerly ("static"): token ids, positions, sliding rings, masks and the global
+layers' `DecodeWorkspace` are allocated at the first decode step, and the step's lengths and slots advance on the
+device, so the graph reads nothing from the host. The step's forward is `fused_step.StepForward` where it applies.
 """
 
 from __future__ import annotations
@@ -60,8 +25,8 @@ REPLAN_STEPS = 64  # advance() lengthens each request's last chunk; a fresh plan
 
 
 class DecodeStep:
-    """The fixed-address decode step of one FoldKvCache (module docstring). Made by the cache; `takes` says whether a
-    forward is one of its steps, calling it runs (or replays) the step and returns the forward's output."""
+    """The fixed-address decode step of one FoldKvCache. `takes` says whether a forward is one of its steps; calling
+    it runs (or replays) the step and returns the forward's output."""
 
     def __init__(self, cache: Any, mode: str, options: StepOptions | None = None):
         if mode not in ("graph", "static"):
@@ -98,20 +63,14 @@ class DecodeStep:
 
     def fuses_prefill(self, kwargs: dict) -> bool:
         """Is this forward a prefill (more than one token a sequence, before the first decode step) that the step's
-        fused kernels serve: token ids on CUDA, the cache's global layers on its kernels. Its norms, RoPE, MLP
-        activation and residual tails are then the decode step's kernels (`prefill`), whose row count is the grid's
-        only: nothing is built per prompt length."""
+        kernels serve (`prefill`): token ids on CUDA, the global layers on the kernels."""
         ids = kwargs.get("input_ids")
         return (self.options.fuse_prefill and not self.started and self.cache.attention == "kernel"
                 and ids is not None and ids.is_cuda
                 and ids.dim() == 2 and ids.shape[1] > 1 and kwargs.get("inputs_embeds") is None)
 
     def prefill(self, forward: Callable, kwargs: dict) -> Any:
-        """A prefill forward through the step's own forward (`foldkv.fused_step.StepForward.prefill`): the model's
-        norms, RoPE, MLP activation and residual tails as its kernels (at prefill's row counts each is one pass over
-        its rows where transformers' modules take five to seven, in float32), the same formulas at the same rounding
-        points; the masks, the cache's update and the attention the model's. A model or keywords it does not
-        describe: the model's own forward."""
+        """A prefill forward through the step's own forward where it describes the model and keywords."""
         step_forward = self.step_forward(forward.__self__, kwargs["input_ids"].device)
         if step_forward is None or not step_forward.takes(kwargs):
             return forward(**kwargs)
@@ -120,17 +79,14 @@ class DecodeStep:
                                         kwargs.get("position_ids"), kwargs.get("logits_to_keep") or 0)
 
     def prefill_options(self) -> StepOptions:
-        """The options in force inside a prefill: pdl off, so its projections are cuBLAS's at every row count
-        (foldkv.gemv's kernels serve 1..16 rows: a chunk that short would build their Triton specializations inside a
-        prompt) and its kernels launch plainly."""
+        """The options in force inside a prefill: pdl off, so its projections are cuBLAS's at every row count (a short
+        chunk builds no GEMV specialization inside a prompt)."""
         return dataclasses.replace(self.options, pdl=False)
 
     def warm_prefill(self, model: Any) -> int:
-        """At the cache's creation, what a process's first prefill through `prefill` would do inside its time to first
-        token: the step's forward built (the projections merged) and each of its kernels launched once
-        (`fused_step.StepForward.warm_prefill`, under the prefill's options; its memory one chunk's activations at
-        its rows, freed after). Returns the layer bodies run (0: no fused prefill for this cache or model, or a card
-        too full for those activations, whose first prompt then loads its kernels itself)."""
+        """At the cache's creation, the first launches a process's first prefill would otherwise pay inside its time
+        to first token (`StepForward.warm_prefill`). Returns the layer bodies run (0: no fused prefill here, or no
+        memory for one chunk's activations)."""
         c = self.cache
         if not (self.options.fuse_prefill and c.attention == "kernel" and c.device.type == "cuda"):
             return 0
@@ -145,9 +101,8 @@ class DecodeStep:
             return 0
 
     def step_forward(self, model: Any, device: torch.device) -> fused_step.StepForward | None:
-        """The step's own forward over `model`, built once (on CUDA with `StepOptions.merge`, the model's projections
-        merged first: their merged tensors are read when it is built); None when `fused_step.refusal` says the
-        model's own forward runs (`forward_refusal` keeps why)."""
+        """The step's own forward over `model`, built once (on CUDA with `StepOptions.merge`, the projections merged
+        first); None when `fused_step.refusal` says the model's own forward runs (`forward_refusal` keeps why)."""
         if getattr(self, "_forward_of", (None,))[0] is not model:
             self.forward_refusal = None if model is None else fused_step.refusal(model)
             built = None
@@ -181,8 +136,7 @@ class DecodeStep:
         return out
 
     def host_advance(self) -> None:
-        """The host's part of a step, before the replay: the workspace's lengths one longer (a fresh plan every
-        REPLAN_STEPS)."""
+        """The host's part of a step: the workspace's lengths one longer (a fresh plan every REPLAN_STEPS)."""
         self.lens = [n + 1 for n in self.lens]
         if self.ws is None:
             return
@@ -197,9 +151,7 @@ class DecodeStep:
             self.ws.plan(self.lens)
 
     def reset(self) -> None:
-        """Ready for the cache's next generate() (`FoldKvCache.reset`): the next decode step starts again from that
-        prompt's state. The fixed tensors stay where they are and are refilled in place (`_refill`), so a captured
-        graph is replayed again rather than captured anew when the next batch has this one's shape and keywords."""
+        """Ready for the cache's next generate(); the fixed tensors and graph stay for `_refill`."""
         self.started = False
         self.steps = 0
         self.host_s = []
@@ -209,12 +161,9 @@ class DecodeStep:
         return self.cache.max_tokens - self.cache.global_layers[0].columns
 
     def rewind(self) -> None:
-        """Undo the last step (one replay after the capture): `foldkv.hf_loop` runs a step ahead of the stop check and
-        takes it back when generation stopped. The device counters (lengths, the ring column) step back on the
-        current stream, after that replay; the host's lengths, the cache's columns and the plan step back with them.
-        What the step wrote stays but is outside every length: the ring slot it wrote (column t) is read by no step
-        before a step at column t rewrites it, and a global pool's row past a length is never read. A step taken
-        again with the same token writes the same rows."""
+        """Undo the last replayed step (`foldkv.hf_loop` runs one ahead of the stop check): device and host counters
+        step back. What it wrote stays outside every length: its ring slot is rewritten before any step reads it, and
+        a pool row past a length is never read."""
         if not self.started or self.steps < 2:
             raise FoldKvInputError("rewind() takes back a replayed step; this decode step has run none")
         self.dev_lens.sub_(1)
@@ -226,16 +175,14 @@ class DecodeStep:
         self.host_replan()
 
     def _count_columns(self, delta: int) -> None:
-        """The global layers' host counters after a step (+1) or its rewind (-1): their columns, and their lengths
-        set to the step's (the pools' block tables keep the prompt's lengths)."""
+        """The global layers' host columns and lengths after a step (+1) or its rewind (-1)."""
         for layer in self.cache.global_layers:
             layer.columns += delta
             layer.lengths[:len(self.lens)] = self.lens
 
     # -- the global layers' attention (a lab arm may serve them through another library: `foldkv.lab`) ------------
     def _global_workspace(self, first: Any) -> Any:
-        """The decode state the global layers share, planned for this step's lengths: foldkv's DecodeWorkspace with
-        kernel attention, None with the reference."""
+        """The global layers' shared DecodeWorkspace, planned for this step's lengths (None with the reference)."""
         if self.cache.attention != "kernel":
             return None
         b = self.cache.batch
@@ -259,8 +206,7 @@ class DecodeStep:
         return self.ws.out[:b]
 
     def _start(self, forward: Callable, kwargs: dict) -> Any:
-        """The first decode step: the fixed tensors, the rings from the sliding layers' caches, the plan; then the
-        step runs eagerly (for "graph": on the capture stream, its warm-up) and is captured."""
+        """The first decode step: the fixed tensors, the rings, the plan; then the step runs (and is captured)."""
         c = self.cache
         layers = c.global_layers
         first = layers[0]
@@ -318,8 +264,7 @@ class DecodeStep:
         return out
 
     def _refillable(self, kwargs: dict) -> bool:
-        """Whether this step ran before (then `reset()`) for a batch of the same shape with the same keywords: its
-        fixed tensors (and its graph, which read them) serve the new prompt once refilled."""
+        """Whether this step ran before `reset()` for a batch of the same shape and keywords (`_refill` serves it)."""
         held = getattr(self, "kwargs", None)
         if held is None or self.ids.shape != kwargs["input_ids"].shape:
             return False
@@ -329,9 +274,7 @@ class DecodeStep:
             for a, b in ((held[k], new[k]) for k in new))
 
     def _refill(self, forward: Callable, kwargs: dict, lens0: list[int], cols: int) -> Any:
-        """The first decode step after the cache's reset(), at the addresses `_start` made: the lengths, padding,
-        column, token ids and rings of the new prompt copied in place, the global decode planned again (the page ids
-        are the same: the cache's tables keep their pages), then the step run (static) or the graph replayed."""
+        """The first decode step after reset(): the new prompt's state copied into `_start`'s tensors, then the step."""
         self.lens = [n + 1 for n in lens0]
         self.dev_lens.copy_(torch.tensor(lens0))
         self.pad.copy_(torch.tensor([cols - n for n in lens0]))
@@ -366,7 +309,8 @@ class DecodeStep:
         return ring_k, ring_v
 
     def _prologue(self) -> None:
-        """Device-only: this step's lengths, positions, ring slot, sliding mask and pool slots."""
+        """Device-only: this step's lengths, positions, ring slot, sliding mask and pool slots. The ring holds column c
+        in slot c mod W, so after column t's write slot s holds t - ((t - s) mod W): masked below the padding."""
         self.dev_lens.add_(1)
         self.pos.copy_((self.dev_lens - 1)[:, None])
         t = self.col
@@ -379,8 +323,7 @@ class DecodeStep:
         self.store_offsets.copy_(torch.remainder(p, page))
 
     def _body(self, forward: Callable) -> Any:
-        """One decode step over the fixed tensors (what the graph records): the step's own forward
-        (`foldkv.fused_step.StepForward`: on CUDA its kernels), or the model's for a model it does not describe."""
+        """One decode step over the fixed tensors (what the graph records)."""
         self._prologue()
         with using(self.options):
             if self.forward is not None and self.forward.takes(self.kwargs):
@@ -398,32 +341,26 @@ class DecodeStep:
         return ring_k, ring_v
 
     def sliding_ring(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(ring K, ring V, slot) of a sliding layer while this step runs: where `update_sliding` stores the step's
-        rows (slot: a device tensor [1], this step's) and what ring_attention reads; `foldkv.fused_step`'s fused
-        sliding attention writes and reads them itself. None before the step starts, for a layer without a ring, or
-        when a subclass stores sliding rows its own way (its update_sliding is not this one)."""
+        """(ring K, ring V, slot [1] on the device) of a sliding layer while this step runs; None before the step
+        starts, for a layer without a ring, or when a subclass stores sliding rows its own way."""
         if not self.started or type(self).update_sliding is not DecodeStep.update_sliding:
             return None
         ring = self.rings.get(layer_idx)
         return None if ring is None else (ring[0], ring[1], self.slot)
 
     def global_layer(self, layer_idx: int) -> Any:
-        """The cache's FoldKvLayer at `layer_idx` (what `foldkv.fused_step`'s fused global forward stores into and
-        decodes over), None for a sliding layer or an index past the cache's layers."""
+        """The cache's FoldKvLayer at `layer_idx`, None for a sliding layer or past the cache's layers."""
         c = self.cache
         return c.layers[layer_idx] if layer_idx < len(c.layers) and not c.is_sliding_layer(layer_idx) else None
 
     def serves_global_decode(self) -> bool:
-        """Whether the global layers' decode is DecodeStep's own (`_global_decode`: its workspace); False for a
-        subclass that decodes them another way (a lab arm's other library): `global_step.global_route` asks."""
+        """Whether the global layers' decode is DecodeStep's own (a subclass may decode them another way)."""
         return type(self)._global_decode is DecodeStep._global_decode
 
     def attend(self, layer: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor) -> torch.Tensor:
         """A global layer's step: store the new rows at slot len_b - 1, decode over the pool. query [B, Hq, 1, D],
-        key/value [B, Hkv, 1, D]. Returns [B, 1, Hq, D] in query's dtype. On CUDA with a bf16 pool the query and the
-        rows go to the workspace and the pool as two Triton kernels (`foldkv.global_step.fold_and_store`, bitwise the
-        torch definition, which every other call takes)."""
+        key/value [B, Hkv, 1, D]. Returns [B, 1, Hq, D] in query's dtype."""
         pool = layer.pool
         b, hq, _, d = query.shape
         kernels = global_step.global_route(self, layer, module, query, key, value) is None
@@ -436,8 +373,7 @@ class DecodeStep:
         return self._global_decode(layer, folded).to(query.dtype).view(b, 1, hq, d)
 
     def report(self) -> dict:
-        """Host time per step (median and max over the replays, seconds), the capture's time, the steps run, and those
-        generate()'s decoding loop issued (`loop_steps`)."""
+        """Host seconds per step (median and max over the replays), the capture's time, the steps run and issued."""
         replays = sorted(self.host_s[1:])
         mid = replays[len(replays) // 2] if replays else None
         return {"mode": self.mode, "steps": self.steps, "capture_s": self.capture_s,

@@ -1,13 +1,6 @@
-"""What foldkv's attention function receives as a layer's mask, and the names it is registered under.
-
-transformers builds one mask per layer type and hands it to the model's attention function. Under foldkv's attention
-implementations (`SLIDING_IMPLEMENTATION`, registered by `foldkv.hf`) that mask is, for a global layer, a `NewTokens`
-(which of the forward's new columns are real tokens: foldkv's mask function reads it from the 2D padding mask, the
-decode step makes one of one token a sequence) and, for a sliding layer at a decode step of `foldkv.hf_graph`, a
-`RingMask` over the slots of the layer's ring (`foldkv.ring.ring_attention` reads it), at a CUDA prefill whose
-sliding mask is the plain window a `SlidingWindow` (`foldkv.window_attention` serves it without a mask;
-`plain_window` says when). Plain data, no imports of
-foldkv: the decode step, its fused forward and the transformers adapter all read these.
+"""What foldkv's attention function receives as a layer's mask (`NewTokens` of a global layer, `RingMask` of a
+sliding layer's ring at a decode step, `SlidingWindow` of a CUDA prefill's plain window) and the implementation names
+it is registered under. Plain data: the decode step, its forward and the transformers adapter all read these.
 """
 
 from __future__ import annotations
@@ -16,8 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-# The attention implementations foldkv registers with transformers, each with the implementation its sliding layers
-# keep.
+# foldkv's attention implementations, each with the one its sliding layers keep.
 SLIDING_IMPLEMENTATION = {"foldkv": "sdpa", "foldkv_eager": "eager"}
 
 
@@ -53,9 +45,8 @@ class SlidingWindow:
 
 def plain_window(sliding: str, q_length: int, kv_length: int, q_offset, kv_offset: int,
                   attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
-    """Is this sliding mask call transformers' plain sliding-window causal mask of a CUDA prefill forward: sdpa's
-    sliding layers, more than one query, no overlay of another mask function (transformers then asks for vmap or
-    forbids the causal skip), the queries the last kv positions, and no padding (one read of the 2D mask)."""
+    """Is this sliding mask call the plain sliding-window causal mask of a CUDA prefill: sdpa's sliding layers, more
+    than one query, no other mask function overlaid, the queries the last kv positions, and no padding."""
     device = kwargs.get("device", attention_mask.device if attention_mask is not None else None)
     if sliding != "sdpa" or q_length < 2 or device is None or torch.device(device).type != "cuda":
         return False

@@ -1,12 +1,6 @@
-"""The paged KV pool: its layout (page size, format, row width, bytes), its tensor, a page allocator and block tables.
-
-The allocator never loses a page and never hands one page to two requests. It keeps, on the host, which request of
-which table holds each page (`holder_of`, `ownership`), and a table's grant: the pages `allocate` / `grow` gave each
-of its requests (its capacity, whatever its seq_lens say now). `release` returns exactly those pages, and refuses
-(FoldKvInputError, the pool unchanged) a table released already, one of another pool or made by hand, a copy made
-by `.to()`, and a table whose granted page ids were changed. A server's table is a set of request slots:
-`empty_table` makes one, `grow` adds pages to a slot as its request lengthens, `release(table, request)` frees one
-request's pages and leaves its slot empty for the next.
+"""The paged KV pool: its layout, its tensor, block tables, and the allocator that never loses a page nor hands one
+to two requests: each table's grant is recorded on the host, and `release` returns exactly it and refuses (the pool
+unchanged) a second release, another pool's table, a copy, or edited page ids.
 """
 
 from __future__ import annotations
@@ -28,17 +22,9 @@ STORED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, FP
 
 @dataclass(frozen=True)
 class PagedKvLayout:
-    """One global layer's pool: `num_pages` pages of `page_size` tokens, each [num_kv_heads, page_size, row_width].
-
-    The tensor is [num_pages, num_kv_heads, page_size, row_width] of `dtype` (bf16 by default; the kernels read
-    bf16 only, the references any of bf16/fp16/float32/float64/float8_e4m3fn): one (page, KV head) is a contiguous
-    page_size x row_width tile, the unit a decode CTA streams. row_width is 2D (split) or D + R (folded).
-
-    dtype float8_e4m3fn (`quantized`): the FP8 row of `foldkv.fp8` (e4m3 values, one float32 scale per token x KV
-    head), folded only. Its scales are a second tensor `scale_shape` = [num_pages, num_kv_heads, page_size] float32,
-    page-major like the rows, so one (page, KV head) tile's scales are a contiguous page_size vector (256 B at 64).
-    An FP8 split row would be 1028 B per token-head, 0.80x the bf16 folded row it would replace: refused.
-    """
+    """One global layer's pool: [num_pages, num_kv_heads, page_size, row_width] of `dtype`, one (page, KV head) a
+    contiguous tile. float8_e4m3fn (`quantized`, folded only): `foldkv.fp8`'s rows, their float32 scales a second
+    tensor of `scale_shape`, page-major like the rows."""
 
     geometry: AttentionGeometry = GEMMA4_31B
     format: KvFormat = KvFormat.FOLDED
@@ -77,8 +63,7 @@ class PagedKvLayout:
 
     @property
     def query_dtype(self) -> torch.dtype:
-        """The dtype of the query the prep returns for this pool: the pool's, or bf16 for FP8 (kernels read a bf16
-        query and a bf16 output whatever the pool stores)."""
+        """The dtype of the query the prep returns for this pool: the pool's, or bf16 for FP8."""
         return torch.bfloat16 if self.quantized else self.dtype
 
     @property
@@ -116,8 +101,7 @@ class PagedKvLayout:
 
     @classmethod
     def for_tokens(cls, tokens: int, **kw) -> "PagedKvLayout":
-        """A layout with just enough pages for `tokens` tokens; `kw` are the other fields (geometry, format,
-        page_size, dtype)."""
+        """A layout with just enough pages for `tokens` tokens; `kw` are the other fields."""
         base = cls(**kw)
         return base.with_pages(base.pages_for(tokens))
 
@@ -125,12 +109,8 @@ class PagedKvLayout:
 @dataclass
 class BlockTable:
     """Pages of each request of a batch: page_ids [batch, max_pages] int32 (entries past a request's pages are
-    padding and never read) and seq_lens [batch] int32, the tokens each request holds.
-
-    `PagedKvPool.allocate` makes both on the CPU; the kernels need them on the pool's device (`.to(device)`), the
-    prep and the references read them on any device. `allocation` names the grant of the pool that made the table
-    (`allocate`, `empty_table`); None for a table made by hand or by `.to()` (a copy, which the pool cannot release:
-    release the host table it returned)."""
+    padding, never read) and seq_lens [batch] int32. `allocation` names the pool grant that made it (None for a table
+    made by hand or a `.to()` copy, which the pool cannot release)."""
 
     page_ids: torch.Tensor
     seq_lens: torch.Tensor
@@ -151,10 +131,8 @@ class BlockTable:
 
 def check_block_table(layout: PagedKvLayout, table: BlockTable, *, max_batch: int | None = None,
                       max_len: int | None = None, device: torch.device | str | None = None) -> "BlockTable":
-    """Refuse a block table that would read outside the pool or past a request's pages (FoldKvInputError): int32
-    page_ids [batch, pages] and seq_lens [batch], on `device` when given, 1 <= seq_len (<= max_len), page ids of
-    each request's pages in [0, num_pages). Returns the table on the host (the copy the checks read: a caller that
-    plans on the host reads a device table back once)."""
+    """Refuse (FoldKvInputError) a block table that would read outside the pool or past a request's pages. Returns
+    the table on the host (the copy the checks read)."""
     if not isinstance(table, BlockTable):
         raise FoldKvInputError(f"table must be a BlockTable, got {type(table).__name__}")
     check_tensor("page_ids", table.page_ids, dtype=torch.int32, device=device)
@@ -188,9 +166,7 @@ def check_block_table(layout: PagedKvLayout, table: BlockTable, *, max_batch: in
 
 
 def check_pool_storage(pool: "PagedKvPool") -> None:
-    """Refuse (FoldKvInputError) a pool whose tensors are not what its layout says: data of the layout's dtype and
-    shape, contiguous; for an FP8 pool, scales float32 of `scale_shape`, contiguous, on data's device; for any other
-    pool, no scales. Every reader and writer runs this before it reads or writes."""
+    """Refuse (FoldKvInputError) a pool whose tensors are not what its layout says; every reader and writer asks."""
     lay = pool.layout
     check_tensor("pool data", pool.data, dtype=lay.dtype, shape=lay.shape, contiguous=True)
     scales = getattr(pool, "scales", None)
@@ -233,12 +209,7 @@ _POOL_SERIALS = itertools.count()
 
 
 class PagedKvPool:
-    """A layer's pool tensor with a free-page allocator. The format and dtype are fixed for the pool's life.
-
-    data: [num_pages, Hkv, page_size, row_width] of layout.dtype on `device` (uninitialised unless `fill` is given),
-    or the given `data` tensor (layout dtype and shape, contiguous; its device is the pool's).
-    scales: an FP8 pool's [num_pages, Hkv, page_size] float32 (layout.scale_shape), made beside data (filled with
-    `fill` too) or given with it (then both are given); None for any other pool."""
+    """A layer's pool tensor (`data`, an FP8 pool's `scales`: made, or given together) with a free-page allocator."""
 
     def __init__(self, layout: PagedKvLayout, device: torch.device | str = "cpu", fill: float | None = None,
                  data: torch.Tensor | None = None, scales: torch.Tensor | None = None):
@@ -306,10 +277,8 @@ class PagedKvPool:
     # --- allocation -------------------------------------------------------------------------------------------
     def allocate(self, seq_lens: Sequence[int], *, scatter_seed: int | None = None, pad_pages: int = 0,
                  pad_value: int = -1) -> BlockTable:
-        """Pages for a batch of requests of `seq_lens` tokens: a BlockTable of int32 CPU tensors, page_ids
-        [batch, max pages + pad_pages], seq_lens [batch]. With `scatter_seed`, pages are drawn in a random
-        order (scattered page tables). `pad_pages` extra columns hold `pad_value` (never read; `grow` fills them).
-        Each request holds ceil(seq_len / page_size) pages until `release`, whatever its seq_len becomes."""
+        """Pages for a batch of requests of `seq_lens` tokens: a host BlockTable whose requests hold their pages until
+        `release`. `scatter_seed`: pages in a random order. `pad_pages` extra columns of `pad_value` (`grow` fills)."""
         lens = [int(n) for n in seq_lens]
         if not lens or min(lens) < 1:
             raise FoldKvInputError(f"seq_lens {lens[:8]} must be a non-empty list of positive lengths")
@@ -331,17 +300,15 @@ class PagedKvPool:
         return table
 
     def empty_table(self, batch: int, max_pages: int, *, pad_value: int = -1) -> BlockTable:
-        """A table of `batch` request slots of up to `max_pages` pages each, holding no pages yet (page_ids all
-        `pad_value`, seq_lens 0): `grow` gives a slot its pages, `release(table, request)` empties it again."""
+        """A table of `batch` empty request slots of up to `max_pages` pages each, for `grow` and `release`."""
         if int(batch) < 1 or int(max_pages) < 1:
             raise FoldKvInputError(f"an empty table needs batch >= 1 and max_pages >= 1, got {batch} and {max_pages}")
         return self._new_table(int(batch), int(max_pages), pad_value)
 
     def grow(self, table: BlockTable, request: int, tokens: int) -> list[int]:
-        """Give request `request` of `table` pages for `tokens` tokens: the pages past the ones it holds go into
-        its next columns. Returns the new pages ([] when it holds enough). Refused (nothing changes) when the row
-        is too narrow, the pool has too few free pages, or the table is not one this pool holds. seq_lens are the
-        caller's: grow sets none."""
+        """Give request `request` of `table` pages for `tokens` tokens in its next columns; returns the new pages.
+        Refused (nothing changes) for a row too narrow, too few free pages, or a table this pool does not hold.
+        seq_lens are the caller's."""
         number, grant = self._grant_of(table, "grow")
         r = self._request_index(table, request)
         if int(tokens) < 0:
@@ -360,11 +327,9 @@ class PagedKvPool:
         return self._give(table, r, need)
 
     def release(self, table: BlockTable, request: int | None = None) -> list[int]:
-        """Return the pages `table`'s requests hold (those allocate / grow gave them, not those their seq_lens
-        cover) to the free list, and write the table's pad value over their page ids. `request` given: only that
-        request's (its slot is then empty and can grow again); else every request's, and the table is done.
-        Refused, the pool unchanged: a table released already, one of another pool, one made by hand or by `.to()`,
-        one whose granted page ids were changed. Returns the freed pages."""
+        """Return the pages `table`'s requests were granted (not those their seq_lens cover) and pad their page ids:
+        only `request`'s (its slot can grow again), or every request's (the table is done). Refused, the pool
+        unchanged, as the module says. Returns the freed pages."""
         number, grant = self._grant_of(table, "release")
         rows = range(table.batch) if request is None else [self._request_index(table, request)]
         self._check_rows(table, grant, rows)
@@ -445,8 +410,7 @@ class PagedKvPool:
 
     # --- rows -------------------------------------------------------------------------------------------------
     def token_slots(self, table: BlockTable, request: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page, offset) of each token given its request index and position: request, positions [T] integer on
-        any device -> pages, offsets [T] int64 on the CPU. Refuses a position at or past the request's length."""
+        """(pages, offsets) [T] int64 on the CPU of tokens at (request, position) below the request's length."""
         request = request.to("cpu", torch.long)
         positions = positions.to("cpu", torch.long)
         check_index_range("request index", request, 0, table.batch)
@@ -482,9 +446,7 @@ class PagedKvPool:
         return self.scales[pages].permute(0, 2, 1).reshape(-1, self.geometry.num_kv_heads)[:n]
 
     def gather_values(self, table: BlockTable, request: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """The values the rows of one request stand for, in token order: [seq_len, num_kv_heads, row_width] in
-        `dtype` on the pool's device: the stored rows upcast, or an FP8 pool's e4m3 rows times their scales
-        (`foldkv.fp8.dequantize_rows`, exact in float64)."""
+        """The values one request's rows stand for (an FP8 pool's dequantized), in token order, in `dtype`."""
         rows = self.gather(table, request)
         if not self.layout.quantized:
             return rows.to(dtype)

@@ -130,8 +130,7 @@ def _from_stamp(root: str, state: dict) -> dict:
 
 def provenance(repo: str | os.PathLike | None = None) -> dict:
     """What every record carries, taken when it is saved: `checkout_state()` plus `kernels`, each kernel this
-    process built (JIT: the sha256 of the CUDA source TileLang generated) or loaded (AOT: the manifest's sha256 of
-    the source and the cubin, and the commit the build was made from), as noted by `foldkv.kernels.registry`."""
+    process built or loaded (`foldkv.kernels.registry.kernels_handed_out`)."""
     return {**checkout_state(repo), "kernels": kernels_handed_out()}
 
 

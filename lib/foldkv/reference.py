@@ -1,8 +1,5 @@
-"""Float64 references: a dense Gemma 4 global attention from raw inputs, and a gather attention over either pool format.
-
-`paged_attention_reference` is the oracle every kernel is gated against: it reads the pool exactly as stored (bf16
-rows upcast to float64; an FP8 pool's e4m3 rows times their scales, exact in float64), so the only error left in a
-comparison is the kernel's own arithmetic.
+"""Float64 references: a dense Gemma 4 global attention from raw inputs, and `paged_attention_reference`, the oracle
+every kernel is gated against, which reads a pool exactly as stored (an FP8 pool's rows dequantized exactly).
 """
 
 from __future__ import annotations
@@ -17,8 +14,7 @@ from .validate import FoldKvInputError, check_tensor
 
 
 def check_pool_format(pool: PagedKvPool, fmt: KvFormat | str | None, dtype: torch.dtype | None = None) -> None:
-    """Refuse a pool whose format or stored dtype is not what the reader was built for, or whose tensors are not
-    what its layout says (`check_pool_storage`: shape, dtype, an FP8 pool's scales present and of their shape)."""
+    """Refuse a pool whose format or stored dtype is not the reader's, or whose tensors are not its layout's."""
     if fmt is not None and KvFormat.parse(fmt) is not pool.format:
         raise FoldKvInputError(
             f"a {pool.format.value} pool was handed to a {KvFormat.parse(fmt).value} reader: the page format is fixed"
@@ -34,9 +30,8 @@ def check_pool_format(pool: PagedKvPool, fmt: KvFormat | str | None, dtype: torc
 
 def dense_attention_reference(geom: AttentionGeometry, q: torch.Tensor, kv: torch.Tensor, q_norm_weight: torch.Tensor,
                               k_norm_weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Causal global attention of one sequence, float64 from raw projections (RoPE angles as the model computes
-    them, in float32). q [T, Hq, D], kv [T, Hkv, D], q_norm_weight [D], k_norm_weight [D] (any float dtype),
-    positions [T] integer, all on one device -> out [T, Hq, D] float64 in head order on that device. Unchecked."""
+    """Causal global attention of one sequence in float64 from raw projections q [T, Hq, D], kv [T, Hkv, D] (RoPE
+    angles in float32, as the model computes them) -> [T, Hq, D] head order. Unchecked."""
     eps = geom.rms_norm_eps
     cos, sin = (t.double() for t in rope_cos_sin(geom, positions))  # [T, D]
     qn = apply_rope(rms_norm(q.double(), eps, q_norm_weight.double()).double(), cos, sin)  # [T, Hq, D]
@@ -65,22 +60,13 @@ def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: Blo
                               q_lens: torch.Tensor | None = None, *, fmt: KvFormat | str | None = None,
                               dtype: torch.dtype | None = None, query_block: int | None = None, device: torch.device | str | None = None,
                               abs_weighted: bool = False, score_abs: bool = False) -> tuple[torch.Tensor, ...]:
-    """Attention of queries against a paged pool, in float64, for either format.
+    """Attention of queries against a paged pool of either format, in float64 on `device` (default: the pool's).
 
-    query [sum(q_lens), Hq, D] float64/float32/bf16/fp16, any device, is in the pool format's form (split: head
-    order; folded: score-window order, w_k folded in: what prep_and_store returns). table: BlockTable (int32, any
-    device). q_lens: [batch] integer, any device; request r's q_lens[r] queries (default 1: decode) sit at its last
-    positions and attend causally, bottom-right aligned. The pool may be of any dtype; its rows are upcast as stored
-    (an FP8 pool's dequantized: e4m3 value x its token's scale, exact in float64).
-    `device` is where the float64 arithmetic runs (default: the pool's device).
-    Returns (out [Tq, Hq, D] float64 in head order, lse [Tq, Hq] float64, natural log), both on `device`.
-    `fmt`, when given, is the format the caller's query is in: a pool of the other format is refused; `dtype`, when
-    given, the stored dtype the caller reads: a pool of another dtype is refused.
-    `abs_weighted` also returns P @ |V| [Tq, Hq, D] (head order): the scale of the error a kernel makes by rounding
-    the probabilities P to bf16 before the P.V product.
-    `score_abs` also returns (after pv_abs when both are asked) score_abs_p [Tq, Hq] = sum_j p_j sum_d |q_d k_jd| and
-    score_abs_max [Tq, Hq] = max_j sum_d |q_d k_jd| over the keys each query sees: the scales of the error a kernel
-    makes in its LSE by accumulating the scores q.k in float32 (see foldkv.lab.gates.lse_bound).
+    query [sum(q_lens), Hq, D] in the pool format's form (what prep_and_store returns); request r's q_lens[r] queries
+    (default 1) are its last positions, bottom-right causal. Returns (out [Tq, Hq, D] head order, lse [Tq, Hq]
+    natural log). `fmt` / `dtype`: the query's format and the stored dtype the caller reads (another is refused).
+    `abs_weighted` also returns P @ |V| [Tq, Hq, D]; `score_abs` then score_abs_p = sum_j p_j sum_d |q_d k_jd| and
+    score_abs_max = max_j sum_d |q_d k_jd| [Tq, Hq]: the scales of a kernel's rounding errors (`gates.lse_bound`).
     """
     check_pool_format(pool, fmt, dtype)
     geom, fmt = pool.geometry, pool.format

@@ -1,8 +1,5 @@
-"""A sliding layer's decode attention over its ring (`ring_attention`), the one function both foldkv's attention
-function (`foldkv.hf`, for a `RingMask`) and the decode step's fused sliding forward (`foldkv.fused_step`) call.
-
-Both read it as `ring.ring_attention` at call time, so a lab version (bench/versions/ring_attention_*.py) that
-replaces this one name replaces it for every caller.
+"""A sliding layer's decode attention over its ring (`ring_attention`), which every caller reads as
+`ring.ring_attention` at call time, so a lab version that replaces this one name replaces it everywhere.
 """
 
 from __future__ import annotations
@@ -15,13 +12,10 @@ from .masks import RingMask
 
 def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    mask: RingMask, out: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
-    """A sliding layer's decode attention over its ring, computed as transformers' eager attention computes it (scores
-    by a matmul in the model's dtype, softmax in float32, rounded back, a matmul with V). query [B, Hq, 1, d],
-    key/value [B, Hkv, W, d]: each KV head's query heads (h = kv * group + r, transformers' repeat_kv order) become
-    that head's query rows, so no K/V is repeated. Two batched matmuls over B x Hkv heads keep the whole chip busy
-    where an SDPA kernel parallel over heads and query rows runs B x Hkv CTAs (16 at batch 1). Returns
-    ([B, 1, Hq, d], None), what transformers' attention functions return; `out` ([B, Hkv, Hq / Hkv, d] packed): P.V
-    written there (the lab's ring attention in parts writes each part into its slice)."""
+    """A sliding layer's decode attention over its ring, as transformers' eager attention computes it. query
+    [B, Hq, 1, d], key/value [B, Hkv, W, d]: each KV head's query heads become its query rows (no K/V repeated; two
+    batched matmuls over B x Hkv heads fill the chip). Returns ([B, 1, Hq, d], None); `out` ([B, Hkv, Hq / Hkv, d]
+    packed): P.V written there."""
     b, hq, _, d = query.shape
     hkv = key.shape[1]
     q = query.reshape(b, hkv, hq // hkv, d)

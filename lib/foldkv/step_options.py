@@ -1,16 +1,6 @@
-"""The decode step's choices as one frozen object, passed in where the step is made (`FoldKvCache(step_options=)`,
-`DecodeStep`, `foldkv.fused_step.StepForward`), never module globals flipped from outside.
-
-The defaults are the served path; each other value is a way of computing the same thing that the tests and the lab's
-probes (bench/model_decode_probe.py's `--*-ab` arms) compare against it: every field but `pdl` gives bitwise the
-same tokens and logits but `fuse_prefill` and `merge_prefill` (see there), `pdl=False` the projections of cuBLAS's
-F.linear (within the GEMV's float32 bound).
-
-How the functions deep inside the step read them: the one who makes the step passes the options; while the step's
-forward runs (`DecodeStep` around its body and its prefill) they are the options `in_force()`, scoped by
-`using(options)` (a context variable: per thread, restored on exit), so the step's forward, the ops and the GEMV
-ask `in_force()` instead of taking one more argument through every call between them. Outside any step the served options are in force. A FoldKvCache made without `step_options` takes those in
-force where it is made (a probe's `with using(StepOptions(...)):` around the cells it builds).
+"""The decode step's choices as one frozen object (`StepOptions`), passed where the step is made and in force while
+its forward runs (`using`, `in_force`: a context variable), so the ops and the GEMV need no extra argument. The
+defaults are the served path; every other value computes the same thing (bitwise, except where a field says not).
 """
 
 from __future__ import annotations
@@ -25,7 +15,7 @@ from .validate import FoldKvInputError
 
 @dataclass(frozen=True)
 class StepOptions:
-    """What the decode step fuses, merges and overlaps (module docstring); `StepOptions()` is the served step.
+    """What the decode step fuses, merges and overlaps; `StepOptions()` is the served step.
 
     merge: projections that read one input (a layer's q|k|v, gate|up) read as one GEMV over their weights merged into
         one tensor (`fused_step.merge_projections`): fewer launches, a larger matrix nearer the read roof.
@@ -41,20 +31,15 @@ class StepOptions:
         and the step's) as two Triton kernels (`global_step.fold_and_store`) instead of the torch definition.
     pdl: the step's projections at 1..16 rows through `foldkv.gemv`'s tensor-core kernels and the step's Triton
         kernels launched under programmatic dependent launch; False: F.linear and plain launches.
-    fuse_prefill: a prefill forward on CUDA (more than one token a sequence) runs through the step's own forward too
-        (`DecodeStep.prefill`, `StepForward.prefill`): its norms, RoPE, GELU x up and residual tails one Triton pass
-        each over its rows instead of transformers' float32 modules (a 32K prompt of the 31B: 5.80 -> 4.56 s on an H100), within the
-        neutral figure of transformers' modules, not bitwise (the merged projections take other cuBLAS kernels); its
-        projections cuBLAS's at every row count (`pdl` off inside a prefill: nothing built for a short chunk).
-    merge_prefill: inside a prefill, a merged projection group (q|k(|v), gate|up) as one GEMM over its merged weight;
-        False: one GEMM a projection over its row block of that weight (a contiguous view: no memory added). cuBLAS
-        picks its kernel by shape, and the 31B's merged shapes looked ~4% slower at 4,096 rows (bench/PREFILL_NOTES.md):
-        False measures the other side. The same sums over the same K, but on CUDA another kernel may reduce in another order:
-        within the GEMM's float32 bound, not bitwise. Decode steps always read the merged weight (`merge`).
+    fuse_prefill: a prefill forward on CUDA runs through the step's own forward too (`StepForward.prefill`): its
+        elementwise work one Triton pass each instead of transformers' float32 modules (faster; within transformers'
+        own rounding, not bitwise); its projections cuBLAS's (no PDL inside a prefill).
+    merge_prefill: inside a prefill, a merged projection group as one GEMM over its merged weight; False: one GEMM a
+        projection over its row block (cuBLAS picks kernels by shape: bench/PREFILL_NOTES.md). Not bitwise: another
+        kernel may reduce in another order, within the GEMM's float32 bound.
     fuse_prefill_norm_rope: inside a prefill on CUDA, each q and k head row's RMSNorm and RoPE as one pass
-        (`fused_step_ops.norm_rope`) instead of two (`rms_norm`, then `rope`): the same formulas at the same rounding
-        points (the normed row rounded to the model's dtype before RoPE), bitwise the two; one write and one read of
-        the chunk's q and k less: ~1% of a 32K prompt's time to first token, measured (bench/PREFILL_NOTES.md).
+        (`fused_step_ops.norm_rope`), bitwise the two passes: ~1% of a 32K prompt's time to first token, measured
+        (bench/PREFILL_NOTES.md).
     """
 
     merge: bool = True
@@ -75,7 +60,7 @@ _IN_FORCE: ContextVar[StepOptions] = ContextVar("foldkv_step_options", default=S
 
 
 def in_force() -> StepOptions:
-    """The options of the step running now (module docstring); the served ones outside any step."""
+    """The options of the step running now; the served ones outside any step."""
     return _IN_FORCE.get()
 
 

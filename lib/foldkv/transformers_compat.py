@@ -1,23 +1,7 @@
-"""Every place foldkv leans on an API of transformers (or torch) that is private or moved between versions, in one file.
+"""Every private or version-dependent call foldkv makes into transformers (or torch's hook dictionaries), in one place.
 
-The runtime is written against transformers 5.5 to 5.24 (tests/test_hf_cpu.py); each function below names the
-version difference or the private name it hides, so that a new transformers that moves one of them breaks here, in
-one place, and the rest of foldkv asks these functions. It imports nothing of foldkv but the leaf `foldkv.moved`
-(every layer may use it) and imports transformers only inside the functions that need it (`import foldkv` works
-without transformers).
-
-- the cache keyword of forward() / generate(): `cache` from 5.24, `past_key_values` before (`cache_keyword`,
-  `cache_of`, `cache_keyword_of`);
-- a Gemma 4 RMSNorm's epsilon: `eps` up to 5.24, `variance_epsilon` from 5.25 (`norm_eps`);
-- torch's hook dictionaries, read to leave a module with hooks to its own forward (`has_forward_hooks`);
-- what the decode step's own forward (`foldkv.fused_step.StepForward`) takes from transformers around the layers it
-  computes: the masks a Gemma 4 text model builds (`causal_masks`), the model's attention function
-  (`attention_function`), the output a causal LM returns (`causal_lm_output`);
-- the generation loop's private calls that foldkv's thin decoding loop makes as `GenerationMixin._sample` makes them
-  (`has_prefill`, `prefill`, `update_model_kwargs`, `prepare_generation_config`, `pad_token_tensor`, `sampling_mode`,
-  `own_decoding_method`).
-The internals these lean on are listed, one case each against the installed transformers, in
-tests/test_transformers_private_api.py (`PRIVATE_NAMES`); a private name used here and not listed there fails it.
+Written against transformers 5.5 to 5.24; transformers is imported inside the functions (`import foldkv` works
+without it). The internals used are listed in tests/test_transformers_private_api.py's `PRIVATE_NAMES`.
 """
 
 from __future__ import annotations
@@ -55,9 +39,8 @@ def norm_eps(norm: nn.Module) -> float:
 
 
 def has_forward_hooks(*modules: nn.Module, pre: bool = True, global_hooks: bool = False) -> bool:
-    """Whether any of `modules` has forward hooks (and forward pre-hooks, with `pre`), or (with `global_hooks`) torch
-    holds global forward hooks: torch's private hook dictionaries (`_forward_hooks`, `_forward_pre_hooks`,
-    `torch.nn.modules.module._global_forward_hooks`), read because a replaced forward would skip what they do."""
+    """Whether any of `modules` has forward hooks (pre-hooks too, with `pre`), or torch holds global forward hooks
+    (with `global_hooks`): a replaced forward would skip what they do."""
     return (any(bool(m._forward_hooks or (pre and m._forward_pre_hooks)) for m in modules)
             or (global_hooks and bool(nn.modules.module._global_forward_hooks)))
 
@@ -65,9 +48,7 @@ def has_forward_hooks(*modules: nn.Module, pre: bool = True, global_hooks: bool 
 # --- around the decode step's own forward -------------------------------------------------------------------------
 def causal_masks(text_model: nn.Module, inputs_embeds: torch.Tensor, attention_mask: Any, cache: Any,
                  position_ids: torch.Tensor) -> dict:
-    """The {layer type: mask} a Gemma 4 text model's forward builds from a 2D padding mask (`masking_utils`'
-    `create_causal_mask` and `create_sliding_window_causal_mask`, called by keyword as that forward calls them; their
-    cache keyword `cache` from 5.24, `past_key_values` before)."""
+    """The {layer type: mask} a Gemma 4 text model's forward builds from a 2D padding mask, called as it calls them."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     keyword = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
@@ -77,8 +58,7 @@ def causal_masks(text_model: nn.Module, inputs_embeds: torch.Tensor, attention_m
 
 
 def attention_function(module: nn.Module) -> Callable:
-    """The attention function the module's forward calls for its config's `_attn_implementation` (transformers'
-    `ALL_ATTENTION_FUNCTIONS`; "eager": the modeling module's `eager_attention_forward`)."""
+    """The attention function the module's forward calls for its config's `_attn_implementation`."""
     import sys
 
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -90,8 +70,7 @@ def attention_function(module: nn.Module) -> Callable:
 
 
 def causal_lm_output(logits: torch.Tensor, cache: Any) -> Any:
-    """What a causal LM's forward returns (`CausalLMOutputWithPast`), its cache under the field of this version's
-    name (`cache` from 5.24, `past_key_values` before: generate() reads it back by that name)."""
+    """What a causal LM's forward returns, its cache under this version's field name (generate() reads it back)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     field = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -133,8 +112,7 @@ def sampling_mode(generation_config: Any) -> bool:
 
 
 def own_decoding_method(generation_config: Any) -> Callable:
-    """transformers' own decoding method for the config's mode (`GENERATION_MODES_MAPPING`; `_sample` by default),
-    unbound: called as method(model, input_ids, logits_processor, stopping_criteria, generation_config, ...)."""
+    """transformers' own (unbound) decoding method for the config's mode; `_sample` by default."""
     from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerationMixin
 
     return getattr(GenerationMixin, GENERATION_MODES_MAPPING[generation_config.get_generation_mode()],

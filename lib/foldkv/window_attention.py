@@ -1,18 +1,7 @@
-"""Sliding-window causal attention over contiguous keys without a mask: the prefill of Gemma 4's sliding layers.
-
-A sliding layer's prefill chunk of T queries attends its keys: the layer's cached window (up to `window - 1` earlier
-tokens) followed by the chunk's own T tokens, so the queries are the last T key positions (bottom-right causal), and
-query i sees the `window` keys up to and including its own position. transformers serves this as sdpa over a
-materialised [B, 1, T, S] boolean mask, built anew every chunk; torch then computes every (query, key) pair of the
-T x S rectangle, most of it masked (at T = 4,096 and a 1,024 window, 5,119 keys a query for 1,024 that count), and on
-a recent cuDNN its sdpa builds an execution graph for every new (T, S): every new prompt length pays that build again.
-
-`window_attention` calls torch's FlashAttention-2 (`aten._flash_attention_forward`) with its own window instead:
-`window_size_left = window - 1`, `window_size_right = 0`, causal aligned to the last key. It reads no mask, skips the
-key tiles outside the band (work ~T x (window + one tile) instead of T x S), takes the layer's GQA as it is (no
-repeat of K/V), and has no per-shape setup. It needs CUDA, bf16 or fp16, head_dim <= 256, no logit softcap and no
-dropout (`refusal` names what is missing; the caller then takes the masked path). `window_mask` is the band it
-computes, for the references and tests.
+"""A sliding layer's prefill without a mask: torch's FlashAttention-2 with its own window (`window_size_left =
+window - 1`, causal to the last key), so no [T, S] mask is built, only the band's key tiles are computed and nothing
+is set up per prompt length (sdpa over transformers' mask does all three). `refusal` says what it cannot serve (the
+caller then takes the masked path); `window_mask` and `window_attention_reference` are what it is held to.
 """
 
 from __future__ import annotations

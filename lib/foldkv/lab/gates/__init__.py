@@ -2,7 +2,7 @@
 
 - `geometry`: the geometry the gates run at (the 31B, or one tensor-parallel rank's share of it), refused before any
   work when the kernels are not generated for it;
-- `inputs`: the cases, the hostile pool one seed makes (`fill_sequences`: whole sequences prepped into a pool),
+- `inputs`: the cases, the hostile pool one seed makes (`fill_sequences`: whole sequences prepped into a pool; `write_tokens`: prepped rows stored),
   poisoned outputs;
 - `checks`: the derived tolerances, the checks against the float64 reference (`compare`, `compare_lse`, `run_case`)
   and the arms under test (the launchers, and the decode through the workspace's CUDA graph);
@@ -24,7 +24,7 @@ The gates notebook and the GPU tests both call these functions; nothing here imp
 
 from .geometry import KERNEL_HEAD, gate_geometry
 from .inputs import (POISON_PAGE_IDS, OUT_POISON, Case, decode_cases, prefill_cases, GateInputs, case_q_lens,
-                     make_inputs, poisoned_outputs, bits, fill_sequences)
+                     make_inputs, poisoned_outputs, bits, fill_sequences, write_tokens)
 from .checks import (P_ROUNDING, P_SCALED_ROUNDING, ABS_TOL, REL_TOL, FRO_TOL, LSE_ROUNDING, LSE_MMA_K, LSE_TILE_MAX,
                      LSE_TILE_MIN, LSE_MERGE_LEVELS, LSE_APPROX, bf16_ulp, compare, agree, lse_bound, row_key_counts,
                      compare_lse, run_case, summary_row, decode_arm, prefill_arm, attended_rows, arm_for,
@@ -49,7 +49,7 @@ __all__ = [
     "fp8_tc_extra", "accumulation_gate", "fp8_wgmma_committed", "plot_fp8_wgmma_bound", "fp8_wgmma_rule_text",
     "KERNEL_HEAD", "gate_geometry", "replay_workspace", "graph_arm", "decode_fp8_math", "decode_extra",
     "POISON_PAGE_IDS", "OUT_POISON", "Case", "decode_cases", "prefill_cases", "GateInputs", "case_q_lens",
-    "make_inputs", "poisoned_outputs", "bits", "P_ROUNDING", "P_SCALED_ROUNDING", "ABS_TOL", "REL_TOL", "FRO_TOL",
+    "make_inputs", "poisoned_outputs", "bits", "write_tokens", "P_ROUNDING", "P_SCALED_ROUNDING", "ABS_TOL", "REL_TOL", "FRO_TOL",
     "LSE_ROUNDING", "LSE_MMA_K", "LSE_TILE_MAX", "LSE_TILE_MIN", "LSE_MERGE_LEVELS", "LSE_APPROX", "bf16_ulp",
     "compare", "agree", "lse_bound", "row_key_counts", "compare_lse", "run_case", "summary_row", "decode_arm",
     "prefill_arm", "attended_rows", "arm_for", "unrounded_truth", "FOLD_CASE_RATIO", "FOLD_MEAN_RATIO",

@@ -9,13 +9,25 @@ import torch
 
 from ...config import GEMMA4_31B, AttentionGeometry
 from ...layout import KvFormat
-from ...pool import BlockTable, PagedKvLayout, PagedKvPool
+from ...pool import BlockTable, PagedKvLayout, PagedKvPool, check_pool_storage
 from ...fp8 import check_finite_rows
-from ...prep import FLOAT_TYPES, prep_query, prep_rows, write_tokens
+from ...prep import FLOAT_TYPES, prep_query, prep_rows, store_rows
 from ...validate import FoldKvInputError, check_tensor
 from .geometry import gate_geometry
 POISON_PAGE_IDS = (-(2**31), 2**31 - 1, -1)  # entries past the real ones in page tables and plans
 OUT_POISON = float("nan")
+
+
+def write_tokens(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, positions: torch.Tensor,
+                 rows: torch.Tensor) -> None:
+    """Store already-prepped rows [T, Hkv, row_width] (pool.layout.row_dtype; an FP8 pool quantizes them) at the
+    tokens' (request, position) slots."""
+    geom = pool.geometry
+    check_pool_storage(pool)
+    check_tensor("rows", rows, dtype=pool.layout.row_dtype, device=pool.device,
+                 shape=(positions.shape[0], geom.num_kv_heads, pool.layout.row_width))
+    pages, offsets = pool.token_slots(table, request, positions)
+    store_rows(pool, pages, offsets, rows)
 
 
 def fill_sequences(pool: PagedKvPool, table: BlockTable, kv: list[torch.Tensor], k_norm_weight: torch.Tensor) -> None:
