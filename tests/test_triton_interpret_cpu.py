@@ -557,6 +557,30 @@ def test_norm_rope_refuses_what_it_does_not_read_before_launching():
     assert ops.norm_rope_refusal(q, w, cos, sin) is None
 
 
+@inside
+@pytest.mark.parametrize("op", ["rms_norm", "rope", "norm_rope"])
+def test_an_op_writes_into_its_place_and_nowhere_else(op):
+    """`out=` (a sliding layer's chunk rows in its cache's scratch, foldkv.sliding_cache): `rms_norm`, `rope` and
+    `norm_rope` written into rows [W - 1, W - 1 + T) of a NaN-poisoned token-major scratch give bitwise their own
+    outputs and leave every other row NaN. Red twin: the place one row off is not those rows."""
+    ops = _ops()
+    hq, hkv, d, eps, window, tokens = 4, 2, 32, 1e-6, 8, 5
+    _, k, cos, sin = _prefill_heads(1, tokens, hq, hkv, d, seed=90, merged=True)
+    w = _weight(d, 91)
+    run = {"rms_norm": lambda **o: ops.rms_norm(k, w, eps, **o), "rope": lambda **o: ops.rope(k, cos, sin, **o),
+           "norm_rope": lambda **o: ops.norm_rope(k, w, eps, cos, sin, **o)}[op]
+    want = run()
+    for shift in (0, 1):
+        scratch = torch.full((1, window - 1 + tokens + 1, hkv, d), float("nan"), dtype=BF16)
+        run(out=scratch[:, window - 1 + shift:window - 1 + shift + tokens])
+        got = scratch[:, window - 1:window - 1 + tokens]
+        if shift:
+            assert not torch.equal(got, want), "red twin: the place one row off"
+            continue
+        assert torch.equal(got, want)
+        assert bool(torch.cat([scratch[:, :window - 1], scratch[:, window - 1 + tokens:]], 1).isnan().all())
+
+
 # --- a sliding layer's prologue -------------------------------------------------------------------------------------
 def _prologue_inputs(batch: int, hq: int, hkv: int, d: int, seed: int):
     x = _grid((batch, 1, (hq + 2 * hkv) * d), seed=seed)  # a merged q|k|v output: the slices are read in place

@@ -330,26 +330,26 @@ class StepForward:
 
     # -- the ops: foldkv's kernels on CUDA, the modules' own formulas elsewhere ------------------------------------
     @staticmethod
-    def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, norm.weight if norm.with_scale else None, norm_eps(norm)) if x.is_cuda else norm(x)
+    def _norm(norm: nn.Module, x: torch.Tensor, **place) -> torch.Tensor:
+        return rms_norm(x, norm.weight if norm.with_scale else None, norm_eps(norm), **place) if x.is_cuda else norm(x)
 
     @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **place) -> torch.Tensor:
         """transformers' apply_rotary_pos_emb at unsqueeze_dim 2 (x [B, T, H, D], cos/sin [B, T, D])."""
         d = x.shape[-1]
         if (x.is_cuda and cos.shape == sin.shape == (x.shape[0], x.shape[1], d) and x.dtype == cos.dtype == sin.dtype
                 and d % 2 == 0 and d & (d - 1) == 0):  # (a table of one row for a batch broadcasts: torch's)
-            return rope(x, cos, sin)
+            return rope(x, cos, sin, **place)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         return (x * cos) + (_rotate_half(x) * sin)
 
     def _norm_rope(self, norm: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   fused: bool) -> torch.Tensor:
+                   fused: bool, **place) -> torch.Tensor:
         """RoPE(norm(x)) of head rows x [B, T, H, D]: one pass (`norm_rope`) when `fused` and its kernel takes the
-        rows, else `_norm` then `_rope`, bitwise the same."""
+        rows, else `_norm` then `_rope`, bitwise the same; `place`: their `out=`."""
         if fused and x.is_cuda and norm.with_scale and norm_rope_refusal(x, norm.weight, cos, sin) is None:
-            return norm_rope(x, norm.weight, norm_eps(norm), cos, sin)
-        return self._rope(self._norm(norm, x), cos, sin)
+            return norm_rope(x, norm.weight, norm_eps(norm), cos, sin, **place)
+        return self._rope(self._norm(norm, x), cos, sin, **place)
 
     def _norm_add(self, x, residual, first, second, scalar, parts):
         """(h, y): h = residual + first(x) [* scalar], y = second(h) (h without a second norm)."""
@@ -438,13 +438,26 @@ class StepForward:
             return self.o_proj[i].tail(out)
         d = attn.head_dim
         fused = step is None and in_force().fuse_prefill_norm_rope  # a prefill's
+        k_at, v_at = self._chunk_places(cache, attn, k, v, d) if step is None else ({}, {})
         q = self._norm_rope(attn.q_norm, q.view(b, t, -1, d), cos, sin, fused).transpose(1, 2)
-        k = self._norm_rope(attn.k_norm, k.view(b, t, -1, d), cos, sin, fused).transpose(1, 2)
-        v = self._norm(attn.v_norm, v.view(b, t, -1, d)).transpose(1, 2)
+        k = self._norm_rope(attn.k_norm, k.view(b, t, -1, d), cos, sin, fused, **k_at).transpose(1, 2)
+        v = self._norm(attn.v_norm, v.view(b, t, -1, d), **v_at).transpose(1, 2)
         k, v = cache.update(k, v, attn.layer_idx)
         out, _ = compat.attention_function(attn)(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling,
                                                  sliding_window=attn.sliding_window, position_ids=positions)
         return self.o_proj[i].tail(out.reshape(b, t, -1).contiguous())
+
+    @staticmethod
+    def _chunk_places(cache: Any, attn: nn.Module, k: torch.Tensor, v: torch.Tensor, d: int) -> tuple[dict, dict]:
+        """A prefill's sliding layer under `StepOptions.sliding_scratch`: the `out=` of its K and V rows, the places
+        its cache layer hands out in the sliding layers' scratch (`chunk_rows`, foldkv.sliding_cache), which its
+        `update` then finds filled; else ({}, {}): tensors of their own."""
+        layers = getattr(cache, "layers", ())
+        layer = layers[attn.layer_idx] if attn.is_sliding and attn.layer_idx < len(layers) else None
+        if layer is None or not in_force().sliding_scratch or not hasattr(layer, "chunk_rows") or k.shape != v.shape:
+            return {}, {}
+        k_at, v_at = layer.chunk_rows(k.shape[0], k.shape[1], k.shape[-1] // d, d, k.dtype, k.device)
+        return ({}, {}) if k_at is None else ({"out": k_at}, {"out": v_at})
 
     @torch.no_grad()
     def warm_prefill(self, pool: Any, rows: int = WARM_ROWS) -> int:

@@ -41,6 +41,21 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.is_contiguous() else rows.contiguous()
 
 
+def _destination(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """Where an op writes its packed output of `shape` in like's dtype and on its device: a new tensor, or `out` (a
+    caller's place: a sliding cache's scratch rows) viewed as `shape` when it is packed and of that many elements,
+    dtype and device; else FoldKvInputError, before anything is launched."""
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if (not out.is_contiguous() or out.numel() != torch.Size(shape).numel() or out.dtype != like.dtype
+            or out.device != like.device):
+        from .validate import FoldKvInputError
+
+        raise FoldKvInputError(f"out {tuple(out.shape)} {out.dtype} on {out.device} (strides {out.stride()}): expected"
+                               f" a packed tensor of {torch.Size(shape).numel()} {like.dtype} elements on {like.device}")
+    return out.view(shape)
+
+
 # --- the ops --------------------------------------------------------------------------------------------------------
 
 def _packed_rows(x: torch.Tensor) -> tuple[int, int] | None:
@@ -56,9 +71,10 @@ def _packed_rows(x: torch.Tensor) -> tuple[int, int] | None:
     return x.shape[-2], (lead[-1][1] if lead else 0)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x [..., n] -> x * (mean(x^2, -1) + eps)^-0.5 [* weight (n)], computed in float32, in x's dtype (packed). x may
-    be a strided view whose [heads, n] blocks are packed (`_packed_rows`): read in place, no copy."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., n] -> x * (mean(x^2, -1) + eps)^-0.5 [* weight (n)], computed in float32, in x's dtype (packed; into
+    `out` when given, `_destination`). x may be a strided view whose [heads, n] blocks are packed (`_packed_rows`):
+    read in place, no copy."""
     n = x.shape[-1]
     packed = None if x.is_contiguous() else _packed_rows(x)
     if packed is None:  # row r at r * n: one inner row an outer block, so the kernel sees no row count (a prefill's
@@ -67,7 +83,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     else:
         src, (inner, outer) = x, packed
     rows = x.numel() // n
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    out = _destination(out, (rows, n), x)
     block = _block(n)
     _kernels()["rms_norm"][(rows,)](src, weight if weight is not None else out, out, n, inner, outer, float(eps),
                                     HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=_warps(block), **_pdl(x))
@@ -108,11 +124,12 @@ def _norm_add(x, residual, first, second, scalar, parts=None):
     return h.view(x.shape), y.view(x.shape)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, D] with cos, sin [B, T, D] (all one dtype): x * cos + rotate_half(x) * sin, per head."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, T, H, D] with cos, sin [B, T, D] (all one dtype): x * cos + rotate_half(x) * sin, per head (into `out`
+    when given, `_destination`)."""
     b, t, h, d = x.shape
+    out = _destination(out, (x.numel() // d, d), x)
     rows = _rows(x)
-    out = torch.empty_like(rows)
     _kernels()["rope"][(rows.shape[0],)](rows, cos.contiguous(), sin.contiguous(), out, h, D=d,
                                          num_warps=_warps(d), **_pdl(x))
     return out.view(x.shape)
@@ -137,9 +154,9 @@ def norm_rope_refusal(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.T
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
-              sin: torch.Tensor) -> torch.Tensor:
+              sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, T, H, D] head rows (read in place), weight [D], cos/sin [B, T, D] -> RoPE(RMSNorm(x) * weight) packed,
-    in one pass (`q_norm_rope` with the B * T tokens as its batch), bitwise `rms_norm` then `rope`. Raises
+    in one pass (`q_norm_rope` with the B * T tokens as its batch), bitwise `rms_norm` then `rope`; into `out` when given (`_destination`). Raises
     FoldKvInputError where `norm_rope_refusal` says."""
     from .validate import FoldKvInputError
 
@@ -148,7 +165,8 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
     b, t, h, d = x.shape
     token_stride = x.stride(1) if t > 1 else x.stride(0)  # (row b * T + t at that stride: checked above)
     rows = x.as_strided((b * t, 1, h * d), (token_stride, h * d, 1))  # the B * T tokens as q_norm_rope's batch
-    return q_norm_rope(rows, weight, eps, cos.reshape(b * t, 1, d), sin.reshape(b * t, 1, d), h).view(b, t, h, d)
+    return q_norm_rope(rows, weight, eps, cos.reshape(b * t, 1, d), sin.reshape(b * t, 1, d), h,
+                       out=out).view(b, t, h, d)
 
 
 def _row_view(x: torch.Tensor) -> torch.Tensor:
@@ -225,21 +243,21 @@ def _check_head_dim(d: int) -> None:
 
 
 def q_rows_args(q: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                heads: int) -> tuple[torch.Tensor, tuple, int]:
+                heads: int, out: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple, int]:
     """`q_norm_rope`'s checks (FoldKvInputError) and its kernel's arguments: (out [B, heads, d], the row args, d)."""
     b, d = q.shape[0], weight.shape[0]
     _check_head_dim(d)
     stride = _head_rows(q, heads, d, "q")
     cos, sin = _rope_table(cos, b, d, q.dtype, "cos"), _rope_table(sin, b, d, q.dtype, "sin")
-    out = torch.empty((b, heads, d), dtype=q.dtype, device=q.device)
+    out = _destination(out, (b, heads, d), q)
     return out, (q, weight, cos, sin, out, heads, stride, d, float(eps)), d
 
 
 def q_norm_rope(q: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                heads: int) -> torch.Tensor:
+                heads: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, 1, heads * d] (read in place), weight [d], cos/sin [B, 1, d] -> RoPE(Gemma4RMSNorm(q per head)) as
     [B, heads, d] packed, bitwise `rms_norm` followed by `rope`."""
-    out, args, d = q_rows_args(q, weight, eps, cos, sin, heads)
+    out, args, d = q_rows_args(q, weight, eps, cos, sin, heads, out)
     _kernels()["q_norm_rope"][(out.shape[0] * heads,)](*args, D=d, num_warps=_warps(d), **_pdl(q))
     return out
 

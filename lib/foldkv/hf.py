@@ -25,6 +25,7 @@ from .masks import SLIDING_IMPLEMENTATION, NewTokens, RingMask, SlidingWindow, p
 from .pool import BlockTable, PagedKvLayout, PagedKvPool
 from .prep import rope_inv_freq
 from .reference import paged_attention_reference
+from .sliding_cache import ScratchSlidingLayer, SlidingScratch
 from .step_options import StepOptions, in_force
 from .transformers_compat import cache_keyword, norm_eps
 from .validate import FoldKvInputError, check_device
@@ -440,6 +441,7 @@ class FoldKvCache(Cache):
             raise FoldKvInputError(f"step_options={step_options!r}: expected a foldkv.step_options.StepOptions")
         self.decode_step: DecodeStep | None = None
         self.sliding_window = int(getattr(cfg, "sliding_window", 0) or 0)
+        self.sliding_scratch = SlidingScratch(self.sliding_window)  # the sliding layers' prefill chunks (one a cache)
         self.cache_keyword = cache_keyword(model)
         self.batch: int | None = None
         self._kernels: dict[str, Any] = {}
@@ -520,7 +522,7 @@ class FoldKvCache(Cache):
         self.batch = batch
 
     def _sliding_layer(self) -> DynamicSlidingWindowLayer:
-        return DynamicSlidingWindowLayer(sliding_window=self.sliding_window)
+        return ScratchSlidingLayer(self.sliding_window, self.sliding_scratch)
 
     def reset(self) -> None:
         """Empty the cache for another generate() (as `StaticCache.reset()`): global layers keep their pages, sliding
