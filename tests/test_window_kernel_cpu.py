@@ -1,6 +1,6 @@
 """bench/versions/window_attention_tilelang.py without a GPU: the band's key-tile bounds (`band_tiles`) and the edge
 tiles that need the mask (`tile_needs_mask`) against a brute-force walk of every query's band; the kernel generated
-for sm_90a (argument order, TMA loads of K and V, wgmma, the producer's register hand-off) and compiled by ptxas
+for sm_90a (argument order, TMA loads of K and V, wgmma, the producer's register hand-off, its loop in one warp) and compiled by ptxas
 within an SM's limits (no spill, registers x threads within the register file, shared memory within 227 KiB); a
 call on the CPU refused before anything is built. Red twins: a bound one tile short misses keys; a mask test without
 its upper edge misses tiles; the resource check catches a report over the limits."""
@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from conftest import bench_version, require_tilelang
+
+from foldkv.kernels import producer_guard
 
 SM_REGISTERS = 65536
 SM_SHARED = 227 * 1024  # an H100 CTA's dynamic shared memory at most
@@ -188,6 +190,7 @@ def test_generated_kernel(generated):
     assert "tma_load(K_desc" in src and "tma_load(V_desc" in src, "K and V tiles by TMA"
     assert src.count("wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32") == 2
     assert "warpgroup_reg_dealloc" in src and "warpgroup_reg_alloc" in src  # the producer warpgroup's hand-off
+    assert producer_guard.check_producer_guard("window_attention_tilelang", src) == {"producer_branches": 1}
     assert ("if (moved[0] != 0)" in src) == (slack is not None)  # the lazy max's skipped rescale, and only there
     assert re.search(r"__launch_bounds__\(384, 1\)", src)  # 256 consumer threads + the producer warpgroup
 

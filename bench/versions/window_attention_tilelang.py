@@ -24,6 +24,7 @@ head), with no TMA, no wgmma and no warp specialisation. This kernel, FA3's arra
     row's own position is); rows past the chunk repeat the chunk's last position (computed, never stored);
   - the running max starts at a finite `NO_KEY_YET`, not -inf: a row's first visited tiles may hold none of its keys
     (the comment at `NO_KEY_YET` says why that would be NaN and why this is exact);
+  - the producer loop is kept in the warp that issues the TMA copies (`producer_guard`, as every foldkv kernel);
   - the softmax is the library prefill's (`macros.online_softmax_macro`, exp2 with the scale folded in one FMA);
     `max_slack_log2` (the library's lazy max, FlashAttention-4's conditional rescale) is an option the probe times.
 Memory layout (what the served path hands it without a copy): the query [B, T, H, D] (the projection's rows: the
@@ -77,7 +78,7 @@ import tempfile
 import torch
 
 from foldkv import window_attention as wa
-from foldkv.kernels import macros
+from foldkv.kernels import macros, producer_guard
 from foldkv.kernels.prefill_attention import Accumulator, lazy_rescale_macro
 from foldkv.kernels.tl import pass_configs, prim_func, require_tilelang, target
 
@@ -139,6 +140,7 @@ def window_program(num_heads: int, num_kv_heads: int, head_dim: int, window: int
     @T.macro
     def attention(Q, K, V, Out):
         with T.Kernel(T.ceildiv(Tq, TOK), num_kv_heads, B, threads=threads) as (bx, by, bz):
+            T.import_source(producer_guard.imported_source())  # the producer loop in the warp that issues the copies
             Q_shared = T.alloc_shared([ROWS, D], dtype)
             K_shared = T.alloc_shared([block_N, D], dtype)
             V_shared = T.alloc_shared([block_N, D], dtype)
