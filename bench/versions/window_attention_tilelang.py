@@ -111,6 +111,7 @@ def tile_needs_mask(key0, first_pos, last_pos, window: int, block_n: int, or_fn=
 
 
 def tokens_per_block(group: int) -> int:
+    """Query tokens a CTA holds: its 128 rows over the GQA group's heads (64 for the 31B's pair)."""
     if ROWS % group:
         raise ValueError(f"a GQA group of {group} query heads does not divide the CTA's {ROWS} rows")
     return ROWS // group
