@@ -85,6 +85,9 @@ VERSIONS = {
     "folded_t256": lambda g: _library("decode_partial").build_decode_partial(g, "folded", threads=256, reduce_batch=2),
     "folded_2cta": lambda g: _library("decode_partial").build_decode_partial(g, "folded", num_stages=1, ctas_per_sm=2,
                                                                                reduce_batch=4),
+    # the sliding layers' window (its own geometry, the 31B's sliding layers: not g's)
+    **{f"window_tilelang{suffix}": lambda g, s=s: _version("window_attention_tilelang").build(max_slack_log2=s)
+       for suffix, s in (("", None), ("_lazy", 8.0))},
 }
 
 

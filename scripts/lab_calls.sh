@@ -42,6 +42,11 @@
 #                 four, page-major or head-major in groups of four pages, today's tile padded or at split's addresses,
 #                 each against the streaming read of the same bytes in one interleaved cell (bench/multiwave_probe.py
 #                 --tile-sweep; bench/DECODE_NOTES.md run 24): on the H100 (~1 min)
+#   PART=window_kernel  the sliding layers' prefill attention as a TileLang kernel
+#                 (bench/versions/window_attention_tilelang.py): its GPU test against float64 (hostile cases, a red
+#                 twin), then bench/window_kernel_probe.py: the same cases per arm, then a 4,096-query chunk at S =
+#                 4,096 and 5,119 against FlashAttention-2's window (bench/PREFILL_NOTES.md "Prediction: the sliding
+#                 window as a TileLang kernel") (~3-5 min: three kernels built, each case checked a head at a time)
 # (The 31B step's runs 22-25 were measured at 9f9ef77: papermill_runs/h200-20261205-s27.)
 # Prepare on the CPU machine first: scripts/prepare_device_run.sh (carry .devsite build/aot build/checkout.json).
 #
@@ -199,4 +204,12 @@ if [ "$PART" = tile_sweep ]; then
   timeout ${TS_S:-100} python3 bench/multiwave_probe.py --tile-sweep --out "$OUTD" --rounds ${TS_ROUNDS:-20} \
     > "$OUTD/tile_sweep.log" 2>&1
   echo "tile sweep rc=$? at $(( $(date +%s) - t0 )) s"; tail -${TAIL:-30} "$OUTD/tile_sweep.log"
+fi
+
+if [ "$PART" = window_kernel ]; then  # one TileLang cache: the test builds the kernels, the probe loads them
+  FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-240} python3 -m pytest -q -ra --tb=short -p no:cacheprovider \
+    tests/test_window_kernel_gpu.py > "$OUTD/window_kernel_pytest.log" 2>&1
+  echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/window_kernel_pytest.log")"
+  timeout ${WK_S:-300} python3 bench/window_kernel_probe.py --out "$OUTD" > "$OUTD/window_kernel_probe.log" 2>&1
+  echo "window kernel probe rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "FAIL|rror|^  T=|built|check done|matmul|done at" "$OUTD/window_kernel_probe.log" | tail -${TAIL:-40}
 fi

@@ -86,7 +86,7 @@ def _unknown_flags(tool: str, source: str, script: str = SCRIPT) -> list[str]:
     return [a for args in _commands(tool, script) for a in args if a.startswith("--") and a not in declared]
 
 
-@pytest.mark.parametrize("tool", ["prefill_kernel_probe.py", "multiwave_probe.py"])
+@pytest.mark.parametrize("tool", ["prefill_kernel_probe.py", "multiwave_probe.py", "window_kernel_probe.py"])
 def test_the_kernel_probe_flags_exist(tool):
     source = (ROOT / "bench" / tool).read_text()
     assert _unknown_flags(tool, source) == []
