@@ -1,33 +1,9 @@
-"""The FP8 folded decode partial on FP8 tensor cores (`fp8_math="tensor_cores"`): one CTA = one chunk of one
-request's pages x one KV head, over an FP8 pool, both gemms in e4m3 wgmma (no e4m3 -> bf16 conversion). The FP8
-pool's default decode partial, held to its own derived bound (foldkv.lab.gates.fp8_tc, whose accumulation term rests
-on FP8 wgmma's accumulation measured on the H200: bench/FP8_NOTES.md, run 17); `fp8_math="exact"` picks
-decode_partial.py's exact one instead (e4m3 rows converted exactly to bf16, bf16 wgmma: slower).
+"""The FP8 folded decode partial on FP8 tensor cores (`fp8_math="tensor_cores"`, the FP8 pool's default): both gemms
+in e4m3 wgmma, the value window transposed by the consumer, the query and P in two e4m3 parts (kernels/
+DECODE_SCHEDULE.md, "The tensor-core FP8 partial"). Only the served configuration is here; bench/versions/
+decode_partial_fp8_mma.py holds this program with the probe's other options.
 
-An FP8 pool's row is 640 e4m3 bytes plus one float32 scale per token and KV head (`foldkv.fp8`); the score window is
-row[0:D] and the value window row[R:D+R], as in the bf16 folded partial. Per 64-token tile:
-    S^T [64, 16] = K8 Q8^T        the four e4m3 panels of the score window as TMA wrote them (FP8 wgmma: k32 steps)
-    S *= scale_token / q_scale    the row's scale and the query's, in float32; then the float32 online softmax
-    O^T [512, 16] = V8^T P8^T     V^T transposed by the consumer from the four value-window panels, P^T in e4m3
-FP8 wgmma reads both operands K-major: the row is K-major for the scores (a token's 640 bytes contiguous) but not for
-the values (V^T's K is the token), so the consumer transposes the value window each tile (`transpose_values_macro`,
-4-token x 16-column blocks per thread, conflict-free on both sides; tokens past the chunk written as 0, since their
-slots may hold NaN codes) behind its own named barrier, as the e4m3 conversion does (checked on the emitted CUDA:
-`cuda_checks.check_e4m3_conversion(..., calls=(TRANSPOSE_FN,))`).
-Precision (the `Rounding` served, `two_part_rounding`): the query and P each go to the tensor cores as two e4m3
-parts, x = hi + lo / 16 (lo = e4m3(16 (x - hi))), in one gemm: wgmma's N is 16 and the KV head has 8 query heads, so
-rows 0-7 carry the hi parts and rows 8-15 the lo parts, added in float32 after the gemm. The query is scaled per head
-to e4m3's largest value (448 / max |q|, once per CTA), P x scale per tile (256 / the tile's largest valid token
-scale). Each tile's value gemm goes into a fresh accumulator added into the running O in float32 (FP8 wgmma
-accumulates in reduced precision, so it never sums across tiles). The error this leaves is bounded in
-tests/test_fp8_tc_gpu.py (`fp8_tc_bound`). Schedule and speed: registry.py's comment on its params. Only the served
-configuration is here; bench/versions/decode_partial_fp8_mma.py holds this program with hook points for the probe's
-other options (and the versions built on it).
-
-Kernel argument order: that of the exact FP8 partial (decode_partial.py's docstring):
-    decode_partial_folded_fp8_tc(query [B, Hq, D] bf16, pool [P, Hkv, page, W] e4m3, scales [P, Hkv, page] f32,
-                                 page_ids [B, MP] i32, chunk_req [C] i32, chunk_start [C] i32, chunk_len [C] i32,
-                                 part_o [C, Hq, D] f32, part_lse [C, Hq] f32)
+Kernel arguments: those of the exact FP8 partial (decode_partial.py's docstring).
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
