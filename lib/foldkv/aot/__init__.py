@@ -4,9 +4,8 @@
     python -m foldkv aot verify DIR                        # needs neither
     foldkv.aot.use_build(DIR); launcher(..., backend="aot")  # needs cuda-python + a GPU, never TileLang
 
-Importing this package imports neither TileLang nor cuda-python (`build()` imports TileLang when it runs, the loader
-cuda-python when it first loads a cubin). `foldkv.aot.build` is the function; `from foldkv.aot.build import ...` still
-reaches the module."""
+Importing this package imports neither TileLang nor cuda-python. `foldkv.aot.build` is the function;
+`from foldkv.aot.build import ...` still reaches the module."""
 
 from .loader import (
     AOT_DIR_ENV,

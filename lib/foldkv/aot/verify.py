@@ -1,6 +1,5 @@
-"""Check an AOT build folder against its manifest: every listed source and cubin present with its recorded sha256,
-cubins that are CUDA ELF images, nothing unlisted, launch records complete, in-place merges passing the barrier check
-again. Needs neither TileLang nor a GPU nor cuda-python (the loader runs the same checks before it loads anything).
+"""Check an AOT build folder against its manifest (what every file must be, what the loader needs of each launch,
+the emitted-source checks run again); needs neither TileLang nor a GPU nor cuda-python.
 """
 
 from __future__ import annotations
