@@ -1,22 +1,10 @@
-"""Checks on the emitted CUDA of the barriers a kernel's correctness rests on: the in-place merges, the FP8 kernels'
-e4m3 conversion (`check_e4m3_conversion`) and the fused decode's hand-off (`check_tail_hand_off`, at the end).
+"""Checks on the emitted CUDA (what runs, so a barrier a compiler pass dropped or moved is caught too) of the barriers
+a kernel's correctness rests on: the in-place merges (`check_in_place_merge`), the FP8 kernels' e4m3 conversion
+(`check_e4m3_conversion`) and the fused decode's hand-off (`check_tail_hand_off`).
 
-The barrier check for in-place merges: a store into a buffer the kernel also reads must be separated
-from every read of that buffer by an unconditional `__syncthreads()`.
-
-An in-place merge reads every member of a group (other threads read the slot it is about to overwrite) and then
-stores into the group's first slot. Without a block-wide barrier between the last read and the first store, a fast
-warp can overwrite the slot while a slow warp still reads it. The check works on the CUDA source TileLang emits (what
-actually runs), not on the Python program, so a barrier dropped or moved by a compiler pass is caught too.
-
-What it requires, for the kernel named in the call:
-- "in-place buffers" are the kernel's non-const pointer parameters that the body both reads and stores;
-- for each in-place buffer, every store and every read of it are separated, in source order, by a `__syncthreads();`
-  at the top level of the kernel body (brace depth 1: not inside an `if`, a loop or a nested block, so every thread
-  reaches it). For the merge that is: the group's reads, barrier, the store into the first slot; and, in the fused
-  merge, the store, barrier, level two's reads of the merged slots.
-The rule reads the body as straight-line code, which the merges are (their loops hold reads only).
-Anything else raises `BarrierCheckError` naming the kernel.
+The in-place rule: every store into, and every read of, a buffer the kernel both reads and stores (a non-const pointer
+parameter) are separated in source order by a `__syncthreads();` at the top level of the body (brace depth 1, so every
+thread reaches it). The rule reads the body as straight-line code, which the merges are (their loops hold reads only).
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
-"""The dequantizing page gather: an FP8 folded pool's pages, as a batch's requests cover them, rounded to bf16 rows.
+"""The dequantizing page gather: an FP8 folded pool's pages, as a batch's requests cover them, rounded to bf16 rows
+(`foldkv.fp8.dequantize_rows_bf16`) in a scratch pool the bf16 prefill reads (the prefill's default over an FP8 pool:
+prefill.py says why). `page_plan` plans on the host which pages (request r's first ceil(seq_len / page), in request
+order; a page two requests share is converted twice), `convert_pages` launches; `bf16_pages_reference` is the torch
+definition the kernel is held to, bit for bit.
 
-Why it exists: prefill is compute-bound, and a prefill kernel that reads e4m3 rows converts every key block once per
-query tile that reads it (a 8,192-token chunk: 1,024 query tiles per KV head, each converting the whole prefix, on the
-warpgroups that run the gemms). Converting each page once, into a bf16 scratch pool the bf16 prefill kernel then
-reads, costs one pass over the pages (644 bytes read, 1,280 written per token and KV head: ~270 us at 131,072 tokens,
-3.7 TB/s), and leaves the prefill at the bf16 prefill's rate (bench/FP8_NOTES.md, runs 4 and 7, against 1.42-1.45x
-converting in the attention kernel). The prefill launcher plans it on the host with everything else, before its
-first launch (`page_plan`), then launches it (`convert_pages`) and the prefill back to back.
-
-The rows it writes are `foldkv.fp8.dequantize_rows_bf16`: each e4m3 value times its token's float32 scale, one float32
-product (IEEE round to nearest, no contraction), rounded to bf16 (round to nearest even). That is at most 2^-8 of the
-value off the exact product: 1/16 of e4m3's own rounding (2^-4), the same as a bf16 pool's rounding of its float32
-rows. So a prefill over an FP8 pool attends over these rows; the decode applies the scale in float32 instead
-(DECODE_SCHEDULE.md).
-
-`bf16_pages(pool, table)` plans on the host which pages to convert (request r's first ceil(seq_len / page) pages, in
-request order; a page two requests share is converted twice) and returns a bf16 folded pool of just those pages with
-a block table onto it; `bf16_pages_reference` is the same in torch (the definition the kernel is held to, bit for bit).
-
-Kernel argument order (the AOT loader relies on it):
-  Pool [P, 4, page, 640] float8_e4m3, PoolScales [P, 4, page] float32, SrcPages [N] int32,
-  Out [N, 4, page, 640] bf16 (written)
-Grid (N, 4 KV heads): block (n, h) writes Out[n, h] from page SrcPages[n] of KV head h.
+Kernel arguments, in order (the AOT loader relies on it): Pool [P, 4, page, 640] float8_e4m3, PoolScales [P, 4, page]
+float32, SrcPages [N] int32, Out [N, 4, page, 640] bf16 (written). Grid (N, 4 KV heads): block (n, h) writes Out[n, h]
+from page SrcPages[n] of KV head h.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
