@@ -27,7 +27,7 @@ from . import macros, producer_guard, registry
 from .macros import Convert
 from .merge import _merge_partials_macro
 from .registry import hands_out
-from .tl import pass_configs, prim_func, require_tilelang, target
+from .tl import compile_program, prim_func, require_tilelang
 
 # the fused tail (tail_merge): a request-head of at most TAIL_FEW_MEMBERS chunks merges 4 columns a thread, 8 members
 # a round trip; more, 2 columns a thread and TAIL_MAX_MEMBERS a round trip (one wave of the H200's 132 SMs holds at most
@@ -483,18 +483,15 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
 @hands_out("decode_partial_{fmt}")
 def build_decode_partial(geom: AttentionGeometry, fmt: KvFormat | str, **tiling):
     """Compile (JIT) the partial kernel for `geom` and `fmt` with the format's DEFAULTS, overridden by `tiling`."""
-    tilelang = require_tilelang()
     fmt = KvFormat.parse(fmt)
-    cfg = {**DEFAULTS[fmt], **tiling}
 
-    @tilelang.jit(target=target(), pass_configs=pass_configs())
     def decode_partial(page_size, block_n, num_stages, threads, block_h, reduce_batch=1, ctas_per_sm=1,
                        prefetch_tiles=0):
         return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
                                       threads=threads, block_h=block_h, reduce_batch=reduce_batch,
                                       ctas_per_sm=ctas_per_sm, prefetch_tiles=prefetch_tiles)
 
-    return decode_partial(**cfg)
+    return compile_program(decode_partial(**{**DEFAULTS[fmt], **tiling}))
 
 
 @hands_out("decode_fused_{fmt}")
@@ -503,17 +500,15 @@ def build_decode_fused(geom: AttentionGeometry, fmt: KvFormat | str, *, tail_han
     """Compile (JIT) the fused step of a one-wave plan with the format's partial DEFAULTS, overridden by `tiling`,
     and check its hand-off on the emitted CUDA (`cuda_checks.check_tail_hand_off`). `tail_hand_off=False`: the
     check's red twin; `tail`: a version's tail in place of `merge_tail`."""
-    tilelang = require_tilelang()
     fmt = KvFormat.parse(fmt)
     cfg = {**DEFAULTS[fmt], **tiling}
 
-    @tilelang.jit(target=target(), pass_configs=pass_configs())
-    def decode_fused(page_size, block_n, num_stages, threads, block_h, reduce_batch=1, hand_off=True, tail=None):
+    def decode_fused(page_size, block_n, num_stages, threads, block_h, reduce_batch=1):
         return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
                                       threads=threads, block_h=block_h, reduce_batch=reduce_batch, tail_merge=True,
-                                      tail=tail or (lambda ctx: merge_tail(ctx, hand_off=hand_off)))
+                                      tail=tail or (lambda ctx: merge_tail(ctx, hand_off=tail_hand_off)))
 
-    kernel = decode_fused(**cfg, hand_off=tail_hand_off, tail=tail)
+    kernel = compile_program(decode_fused(**cfg))
     from .cuda_checks import check_tail_hand_off
 
     check_tail_hand_off(f"decode_fused_{fmt.value}", kernel.get_kernel_source(), threads=cfg["threads"])
@@ -523,17 +518,15 @@ def build_decode_fused(geom: AttentionGeometry, fmt: KvFormat | str, *, tail_han
 @hands_out("decode_partial_{fmt}_fp8")
 def build_decode_partial_fp8(geom: AttentionGeometry, fmt: KvFormat | str, **tiling):
     """Compile (JIT) the partial kernel over an FP8 folded pool with its registered params, overridden by `tiling`."""
-    tilelang = require_tilelang()
     fmt = KvFormat.parse(fmt)
     cfg = {**registry.get(f"decode_partial_{fmt.value}_fp8").params, **tiling}
 
-    @tilelang.jit(target=target(), pass_configs=pass_configs())
     def decode_partial_fp8(page_size, block_n, num_stages, threads, block_h, e4m3_convert="bits", reduce_batch=1):
         return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
                                       threads=threads, block_h=block_h, fp8=True, e4m3_convert=e4m3_convert,
                                       reduce_batch=reduce_batch)
 
-    kernel = decode_partial_fp8(**cfg)
+    kernel = compile_program(decode_partial_fp8(**cfg))
     if cfg.get("e4m3_convert", "bits") == "bits":
         from .cuda_checks import check_e4m3_conversion
 

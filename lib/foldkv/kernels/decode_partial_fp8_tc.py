@@ -16,7 +16,7 @@ from ..layout import KvFormat
 from . import macros, producer_guard, registry
 from .decode_partial import FP8_PANEL
 from .registry import hands_out
-from .tl import pass_configs, prim_func, require_tilelang, target
+from .tl import compile_program, prim_func, require_tilelang
 
 NAME = "decode_partial_folded_fp8_tc"
 TRANSPOSE_FN = "foldkv_e4m3_t4x16"
@@ -333,7 +333,6 @@ def build(geom: AttentionGeometry, fmt: KvFormat | str = KvFormat.FOLDED, **tili
     """Compile (JIT) the FP8 tensor-core partial with its registered params, overridden by `tiling`; the probe's
     options other than the served ones (`SERVED`) are refused here (they build in bench/versions/). Its emitted CUDA
     is checked for the transpose's barriers before it is handed out."""
-    tilelang = require_tilelang()
     if KvFormat.parse(fmt) is not KvFormat.FOLDED:
         raise ValueError("FP8 rows are folded only (foldkv.pool.PagedKvLayout refuses an FP8 split pool)")
     cfg = {**registry.get(NAME).params, **tiling}
@@ -342,12 +341,11 @@ def build(geom: AttentionGeometry, fmt: KvFormat | str = KvFormat.FOLDED, **tili
         raise ValueError(f"{NAME} is built with {SERVED} only; {options} is a probe's (bench/versions/"
                          "decode_partial_fp8_mma.py)")
 
-    @tilelang.jit(target=target(), pass_configs=pass_configs())
     def decode_partial_fp8_tc(page_size, block_n, num_stages, block_h, reduce_batch, ctas_per_sm):
         return decode_partial_fp8_tc_program(geom, page_size=page_size, block_n=block_n, num_stages=num_stages,
                                              block_h=block_h, reduce_batch=reduce_batch, ctas_per_sm=ctas_per_sm)
 
-    kernel = decode_partial_fp8_tc(**cfg)
+    kernel = compile_program(decode_partial_fp8_tc(**cfg))
     from .cuda_checks import check_e4m3_conversion
 
     check_e4m3_conversion(NAME, kernel.get_kernel_source(), TRANSPOSE_BARRIER_ID, calls=(TRANSPOSE_FN,))

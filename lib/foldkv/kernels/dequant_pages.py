@@ -22,7 +22,7 @@ from ..layout import KvFormat
 from ..pool import BlockTable, PagedKvLayout, PagedKvPool, check_block_table
 from ..validate import FoldKvInputError
 from . import registry, resolve
-from .tl import pass_configs, require_tilelang, target
+from .tl import compile_program, require_tilelang
 
 NAME = "dequant_pages_folded_fp8"
 DEFAULTS = dict(registry.get(NAME).params)
@@ -30,40 +30,34 @@ DEFAULTS = dict(registry.get(NAME).params)
 
 @registry.hands_out("dequant_pages_{fmt}_fp8")
 def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.FOLDED, *, page_size: int = 64,
-          threads: int = 128, arch: str | None = None):
-    """Compile (JIT) the gather for an FP8 folded pool of `page_size`-token pages; returns a TileLang kernel taking
-    the arguments above."""
+          threads: int = 128):
+    """Compile (JIT) the gather for an FP8 folded pool of `page_size`-token pages."""
     fmt = KvFormat.parse(fmt)
     if fmt is not KvFormat.FOLDED:
         raise NotImplementedError(f"an FP8 pool holds folded rows only (foldkv.fp8); asked for {fmt.value}")
-    tilelang = require_tilelang()
+    require_tilelang()
     import tilelang.language as T
 
     HKV, W = geom.num_kv_heads, geom.head_dim + geom.rotary_width
     f32 = "float32"
+    NP, N = T.dynamic("NP, N")
 
-    @tilelang.jit(target=target(arch) if arch else target(), pass_configs=pass_configs())
-    def dequant_pages(page_size, threads):
-        NP, N = T.dynamic("NP, N")
+    @T.prim_func
+    def main(
+        Pool: T.Tensor([NP, HKV, page_size, W], "float8_e4m3"),
+        PoolScales: T.Tensor([NP, HKV, page_size], f32),
+        SrcPages: T.Tensor([N], "int32"),
+        Out: T.Tensor([N, HKV, page_size, W], "bfloat16"),
+    ):
+        with T.Kernel(N, HKV, threads=threads) as (bn, bh):
+            # the launcher checked every page id against the pool before the launch; the clamp (never taken) gives
+            # TileLang a page index it can bound, and then it vectorizes: the row moves in 8-byte loads and 16-byte
+            # stores, global memory to global memory (no shared-memory pass); without it, one byte per load
+            src = T.max(T.min(SrcPages[bn], NP - 1), 0)
+            for t, c in T.Parallel(page_size, W):  # e4m3 -> float32 is exact; one rounded product, then bf16
+                Out[bn, bh, t, c] = T.cast(T.cast(Pool[src, bh, t, c], f32) * PoolScales[src, bh, t], "bfloat16")
 
-        @T.prim_func
-        def main(
-            Pool: T.Tensor([NP, HKV, page_size, W], "float8_e4m3"),
-            PoolScales: T.Tensor([NP, HKV, page_size], f32),
-            SrcPages: T.Tensor([N], "int32"),
-            Out: T.Tensor([N, HKV, page_size, W], "bfloat16"),
-        ):
-            with T.Kernel(N, HKV, threads=threads) as (bn, bh):
-                # the launcher checked every page id against the pool before the launch; the clamp (never taken) gives
-                # TileLang a page index it can bound, and then it vectorizes: the row moves in 8-byte loads and 16-byte
-                # stores, global memory to global memory (no shared-memory pass); without it, one byte per load
-                src = T.max(T.min(SrcPages[bn], NP - 1), 0)
-                for t, c in T.Parallel(page_size, W):  # e4m3 -> float32 is exact; one rounded product, then bf16
-                    Out[bn, bh, t, c] = T.cast(T.cast(Pool[src, bh, t, c], f32) * PoolScales[src, bh, t], "bfloat16")
-
-        return main
-
-    return dequant_pages(page_size, threads)
+    return compile_program(main)
 
 
 # --- the host plan and the launcher ---------------------------------------------------------------------------------

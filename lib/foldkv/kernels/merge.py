@@ -18,7 +18,7 @@ import math
 from ..config import AttentionGeometry
 from . import registry
 from .registry import hands_out
-from .tl import pass_configs, require_tilelang, target
+from .tl import compile_program, require_tilelang
 
 MERGE_THREADS = registry.get("merge_groups").params["threads"]
 UNROLL = 8  # partials loaded per round trip
@@ -159,9 +159,7 @@ def merge_final_program(geom: AttentionGeometry, *, threads: int = MERGE_THREADS
 def build_merge_groups(geom: AttentionGeometry, *, threads: int = MERGE_THREADS, barrier: bool = True,
                        check: bool = True):
     """Compile the level-one merge and run the emitted-source barrier check on it (raises if it fails)."""
-    tilelang = require_tilelang()
-    kernel = tilelang.compile(merge_groups_program(geom, threads=threads, barrier=barrier), target=target(),
-                              pass_configs=pass_configs())
+    kernel = compile_program(merge_groups_program(geom, threads=threads, barrier=barrier))
     if check:
         from .cuda_checks import check_in_place_merge
 
@@ -171,9 +169,7 @@ def build_merge_groups(geom: AttentionGeometry, *, threads: int = MERGE_THREADS,
 
 @hands_out("merge_final")
 def build_merge_final(geom: AttentionGeometry, *, threads: int = MERGE_THREADS, unroll: int = UNROLL):
-    tilelang = require_tilelang()
-    return tilelang.compile(merge_final_program(geom, threads=threads, unroll=unroll), target=target(),
-                            pass_configs=pass_configs())
+    return compile_program(merge_final_program(geom, threads=threads, unroll=unroll))
 
 
 __all__ = ["merge_groups_program", "merge_final_program", "build_merge_groups", "build_merge_final"]

@@ -24,7 +24,7 @@ from . import macros, producer_guard
 from . import registry
 from .decode_partial import FP8_PANEL, Run, fp8_row_macro
 from .registry import hands_out
-from .tl import pass_configs, prim_func, require_tilelang, target
+from .tl import compile_program, prim_func, require_tilelang
 
 # The registered tuning constants of the bf16 folded prefill (the AOT build compiles the same); prefill_split has its
 # own (one stage of its two 1,024-column windows, the plain softmax).
@@ -340,32 +340,21 @@ def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.F
           max_slack_log2: float | None = None):
     """Compile (JIT) the prefill kernel for `geom` and `fmt` over a bf16 pool (the registry's params: the served
     tiling)."""
-    tilelang = require_tilelang()
-    fmt = KvFormat.parse(fmt)
-    check_geometry(geom, fmt)
-
-    @tilelang.jit(target=target(), pass_configs=pass_configs())
-    def prefill(page_size, block_N, num_stages, threads, reduce_batch, max_slack_log2):
-        return prefill_program(geom, fmt, page_size=page_size, block_N=block_N, num_stages=num_stages,
-                               threads=threads, reduce_batch=reduce_batch, max_slack_log2=max_slack_log2)
-
-    return prefill(page_size, block_N, num_stages, threads, reduce_batch, max_slack_log2)
+    return compile_program(prefill_program(geom, KvFormat.parse(fmt), page_size=page_size, block_N=block_N,
+                                           num_stages=num_stages, threads=threads, reduce_batch=reduce_batch,
+                                           max_slack_log2=max_slack_log2))
 
 
 @hands_out("prefill_{fmt}_fp8")
 def build_fp8(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.FOLDED, **tiling):
     """Compile (JIT) the prefill kernel over an FP8 folded pool with its registered params, overridden by `tiling`."""
-    tilelang = require_tilelang()
     fmt = KvFormat.parse(fmt)
-    check_geometry(geom, fmt)
-    cfg = {**registry.get(f"prefill_{fmt.value}_fp8").params, **tiling}
 
-    @tilelang.jit(target=target(), pass_configs=pass_configs())
     def prefill_fp8(page_size, block_N, num_stages, threads):
         return prefill_program(geom, fmt, page_size=page_size, block_N=block_N, num_stages=num_stages,
                                threads=threads, fp8=True)
 
-    kernel = prefill_fp8(**cfg)
+    kernel = compile_program(prefill_fp8(**{**registry.get(f"prefill_{fmt.value}_fp8").params, **tiling}))
     from .cuda_checks import check_e4m3_conversion
 
     check_e4m3_conversion(f"prefill_{fmt.value}_fp8", kernel.get_kernel_source(), macros.CONVERT_BARRIER_ID)

@@ -49,6 +49,11 @@ def pass_configs() -> dict:
     return {"tl.enable_fast_math": False}
 
 
+def compile_program(program):
+    """Compile (JIT) a foldkv kernel's prim_func with the target and pass configs JIT and AOT share."""
+    return require_tilelang().compile(program, target=target(), pass_configs=pass_configs())
+
+
 def prim_func(name: str, args: dict, body):
     """The TileLang prim_func `name` whose arguments are `args` (name -> `T.Tensor(...)`, in order) and whose body is
     `body(buffers)` (name -> the argument's buffer): `@T.prim_func` with the argument list as data, so kernels whose
