@@ -38,7 +38,7 @@ def parse_fp8_math(fp8_math: str | None, quantized: bool) -> str:
 
 
 def partial_kernel_name(fmt: KvFormat | str, quantized: bool = False, fp8_math: str | None = None) -> str:
-    """The partial kernel of `fmt` pages; over an FP8 pool (`quantized`) the one `fp8_math` picks (None: the default)."""
+    """The partial kernel of `fmt` pages; over an FP8 pool (`quantized`) the one `fp8_math` picks."""
     tc = quantized and (fp8_math or DEFAULT_FP8_MATH) == "tensor_cores"
     return f"decode_partial_{KvFormat.parse(fmt).value}" + ("_fp8" if quantized else "") + ("_tc" if tc else "")
 

@@ -221,6 +221,22 @@ def tail_args(ctx: TailContext, partial: dict) -> dict:
     }
 
 
+def partial_inputs(ctx: TailContext, num_pages, max_pages, page_size: int, width: int, fp8: bool) -> dict:
+    """A partial's arguments up to chunk_len (the module docstring's); over an FP8 pool its scales after the pool."""
+    import tilelang.language as T
+
+    hq, hkv, d, i32 = ctx.geom.num_q_heads, ctx.geom.num_kv_heads, ctx.geom.head_dim, "int32"
+    return {
+        "query": T.Tensor((ctx.batch, hq, d), "bfloat16"),  # [B, Hq, D] query in the format's form
+        "pool": T.Tensor((num_pages, hkv, page_size, width), "float8_e4m3" if fp8 else "bfloat16"),  # [P, Hkv, page, W]
+        **({"scales": T.Tensor((num_pages, hkv, page_size), "float32")} if fp8 else {}),  # [P, Hkv, page] row scales
+        "page_ids": T.Tensor((ctx.batch, max_pages), i32),  # [B, MP]
+        "chunk_req": T.Tensor((ctx.num_chunks,), i32),  # [C] request of chunk c
+        "chunk_start": T.Tensor((ctx.num_chunks,), i32),  # [C] first token (multiple of page_size)
+        "chunk_len": T.Tensor((ctx.num_chunks,), i32),  # [C] tokens in the chunk (>= 1)
+    }
+
+
 def partial_args(ctx: TailContext) -> dict:
     """The partial's outputs: its normalised output (value-window order) and base-2 LSE per chunk slot."""
     import tilelang.language as T
@@ -320,7 +336,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     from tvm.script.ir_builder import IRBuilder
 
     fmt = KvFormat.parse(fmt)
-    hq, hkv, d, group = geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.group_size
+    hkv, group = geom.num_kv_heads, geom.group_size
     width = row_width(geom, fmt)
     assert page_size % block_n == 0 and block_h >= group
     batch, num_pages, max_pages, num_chunks = (T.dynamic(n) for n in ("batch", "num_pages", "max_pages",
@@ -456,16 +472,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                     first = tail["merge_first"][c]
                     fused.finish(tail, part_o, part_lse, scratch, req, kvh, c, members, {"first": first})
 
-    # the arguments (what a backend's callable takes, in order): the module docstring's
-    args = {
-        "query": T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] query in the format's form
-        "pool": T.Tensor((num_pages, hkv, page_size, width), "float8_e4m3" if fp8 else bf16),  # [P, Hkv, page, W]
-        **({"scales": T.Tensor((num_pages, hkv, page_size), f32)} if fp8 else {}),  # [P, Hkv, page] FP8 row scales
-        "page_ids": T.Tensor((batch, max_pages), i32),  # [B, MP]
-        "chunk_req": T.Tensor((num_chunks,), i32),  # [C] request of chunk c
-        "chunk_start": T.Tensor((num_chunks,), i32),  # [C] first token (multiple of page_size)
-        "chunk_len": T.Tensor((num_chunks,), i32),  # [C] tokens in the chunk (>= 1)
-    }
+    args = partial_inputs(ctx, num_pages, max_pages, page_size, width, fp8)
     head = list(args)
     args.update(fused.args if tail_merge else partial_args(ctx))
     out_names = fused.partial if tail_merge else ("part_o", "part_lse")

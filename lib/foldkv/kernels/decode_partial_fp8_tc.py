@@ -14,7 +14,7 @@ from typing import Any
 from ..config import AttentionGeometry
 from ..layout import KvFormat
 from . import macros, producer_guard, registry
-from .decode_partial import FP8_PANEL
+from .decode_partial import FP8_PANEL, TailContext, partial_args, partial_inputs
 from .registry import hands_out
 from .tl import compile_program, prim_func, require_tilelang
 
@@ -230,7 +230,7 @@ def decode_partial_fp8_tc_program(geom: AttentionGeometry, *, page_size: int = 6
     import tilelang.language as T
     from tvm.script.ir_builder import IRBuilder
 
-    hq, hkv, d, group = geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.group_size
+    hkv, d, group = geom.num_kv_heads, geom.head_dim, geom.group_size
     width = d + geom.rotary_width
     threads = 128  # one consumer warpgroup
     if page_size % block_n or d % FP8_PANEL or width % FP8_PANEL or block_h < group:
@@ -238,7 +238,7 @@ def decode_partial_fp8_tc_program(geom: AttentionGeometry, *, page_size: int = 6
                          f" and block_h >= the {group} query heads of a KV head")
     batch, num_pages, max_pages, num_chunks = (T.dynamic(n) for n in ("batch", "num_pages", "max_pages",
                                                                        "num_chunks"))
-    bf16, f32, i32, e4m3 = "bfloat16", "float32", "int32", "float8_e4m3"
+    bf16, f32, e4m3 = "bfloat16", "float32", "float8_e4m3"
     panels, score_panels = width // FP8_PANEL, d // FP8_PANEL  # 5 and 4: scores row[0:D], values row[R:D+R]
     online_softmax = macros.online_softmax_macro(key_dim=0, reduce_batch=reduce_batch)
     mask_scores = macros.mask_scores_macro()
@@ -312,18 +312,8 @@ def decode_partial_fp8_tc_program(geom: AttentionGeometry, *, page_size: int = 6
                 if j < group:
                     part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * macros.LOG2E
 
-    # the arguments (what a backend's callable takes, in order): the module docstring's
-    args = {
-        "query": T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] query in the folded form
-        "pool": T.Tensor((num_pages, hkv, page_size, width), e4m3),  # [P, Hkv, page, W] e4m3
-        "scales": T.Tensor((num_pages, hkv, page_size), f32),  # [P, Hkv, page] one scale per token x KV head
-        "page_ids": T.Tensor((batch, max_pages), i32),  # [B, MP]
-        "chunk_req": T.Tensor((num_chunks,), i32),  # [C] request of chunk c
-        "chunk_start": T.Tensor((num_chunks,), i32),  # [C] first token (multiple of page_size)
-        "chunk_len": T.Tensor((num_chunks,), i32),  # [C] tokens in the chunk (>= 1)
-        "part_o": T.Tensor((num_chunks, hq, d), f32),  # [C, Hq, D] value-window order
-        "part_lse": T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
-    }
+    ctx = TailContext(geom, threads, batch, num_chunks)
+    args = {**partial_inputs(ctx, num_pages, max_pages, page_size, width, fp8=True), **partial_args(ctx)}
     return prim_func("decode_partial", args, lambda b: partial(*(b[n] for n in args))).with_attr(
         "global_symbol", NAME)
 
