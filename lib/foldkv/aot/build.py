@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -31,7 +30,7 @@ from ..kernels.registry import KernelVariant, json_value
 from ..kernels.tl import require_tilelang
 from ..provenance import checkout_state
 
-from .verify import MANIFEST_NAME, MANIFEST_VERSION, geometry_record, manifest_problems
+from .verify import MANIFEST_NAME, MANIFEST_VERSION, geometry_record, manifest_problems, sha256_bytes
 
 # --- pass configs -> nvcc flags ------------------------------------------------------------------------------------
 # Mapped to nvcc options by TileLang's device-compile callback (cuda/backend.py).
@@ -133,10 +132,6 @@ def nvcc_version(nvcc: str) -> str:
     if not m:
         raise AotBuildError(f"cannot read the nvcc version from {out!r}")
     return m.group(1)
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 # --- barrier check -------------------------------------------------------------------------------------------------

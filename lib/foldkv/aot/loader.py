@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import ctypes
-import hashlib
 import os
 import threading
 from typing import Any, Sequence
@@ -17,7 +16,7 @@ from ..config import AttentionGeometry
 from ..kernels.registry import note_kernel
 from ..layout import KvFormat
 from ..validate import FoldKvInputError
-from .verify import AotVerifyError, geometry_record, verify
+from .verify import AotVerifyError, geometry_record, sha256_bytes, verify
 
 
 class AotMismatchError(FoldKvInputError):
@@ -397,7 +396,7 @@ class AotBuild:
         path = os.path.join(self.dir, entry["cubin"])
         with open(path, "rb") as fh:
             data = fh.read()
-        if hashlib.sha256(data).hexdigest() != entry["cubin_sha256"]:  # changed since the build was opened
+        if sha256_bytes(data) != entry["cubin_sha256"]:  # changed since the build was opened
             raise AotVerifyError(f"{path} changed after the build was verified; refusing to load it")
         return data
 

@@ -45,12 +45,13 @@ def read_manifest(build_dir: str | os.PathLike) -> dict:
     return manifest
 
 
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return sha256_bytes(fh.read())
 
 
 def _cubin_problem(path: str) -> str | None:

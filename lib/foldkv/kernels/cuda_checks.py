@@ -144,12 +144,10 @@ def _tilelang_barrier_ids(body: str) -> set[int]:
 
 
 def check_e4m3_conversion(kernel: str, source: str, barrier_id: int, calls: tuple[str, ...] = ()) -> dict:
-    """Raise ConversionCheckError (naming `kernel`) unless its e4m3 -> bf16 calls (`macros.E4M3_TO_BF16_SOURCE`; or
-    the opaque shared-memory writers named in `calls`, whose first four arguments are the same: the FP8 tensor-core
-    partial's V^T transpose, decode_partial_fp8_tc.TRANSPOSE_FN) carry the tile's barriers: exactly one call opens a
-    tile (waits before overwriting what the previous gemms read) and exactly one closes it (proxy fence and wait before the gemms read), all on named barrier `barrier_id`, which
-    no barrier TileLang placed in the kernel uses, over the consumer threads: the launch's threads less the one
-    producer warpgroup. The check reads the emitted CUDA, as what runs."""
+    """Raise ConversionCheckError (naming `kernel`) unless its e4m3 -> bf16 calls (or the opaque shared-memory writers
+    named in `calls`, whose first four arguments are the same) carry the tile's barriers: exactly one call opens a
+    tile and exactly one closes it, all on named barrier `barrier_id`, which no barrier TileLang placed uses, over
+    the consumer threads (the launch's less the producer warpgroup)."""
     _, body = kernel_definition(source, kernel)
     patterns = [_CONVERT_CALL] if not calls else [
         re.compile(rf"\b{re.escape(name)}\(\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,") for name in calls]
@@ -187,10 +185,9 @@ PRODUCER_BRANCH = re.compile(r"if \(\(\(int\)threadIdx\.x\) < (\d+)\) \{\n\s*tl:
 
 
 def check_tail_hand_off(kernel: str, source: str, threads: int) -> dict:
-    """Raise HandOffCheckError (naming `kernel`) unless its emitted CUDA hands off as `macros.TAIL_SOURCE` needs:
-    exactly one hand-off call, in the consumer branch (the producer warpgroup is threads [0, 128), so the leader is
-    thread 128), after every store into the partials (`part_o`, `part_lse`) and before every read of them, over the
-    `threads` consumer threads on a named barrier no barrier TileLang placed uses. The check reads what runs."""
+    """Raise HandOffCheckError (naming `kernel`) unless it hands off as `macros.TAIL_SOURCE` needs: exactly one call,
+    in the consumer branch, led by thread 128, after every store into the partials and before every read of them,
+    over the `threads` consumer threads on a named barrier no barrier TileLang placed uses."""
     _, body = kernel_definition(source, kernel)
     calls = list(_HAND_OFF_CALL.finditer(body))
     if len(calls) != 1:
