@@ -222,7 +222,7 @@ def two_part_rounding(geom: AttentionGeometry, block_n: int, block_h: int) -> Ro
 
 def decode_partial_fp8_tc_program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64,
                                   num_stages: int = 1, block_h: int = 16, reduce_batch: int = 4, ctas_per_sm: int = 2):
-    """The TileLang prim_func of the FP8 tensor-core partial for one geometry and tiling (module docstring): the
+    """The TileLang prim_func of the FP8 tensor-core partial for one geometry and tiling (DECODE_SCHEDULE.md): the
     value window transposed by `transpose_values_macro`, the query and P rounded by `two_part_rounding`;
     `reduce_batch`: the softmax's queries per cross-warp reduction (macros.online_softmax_macro); `ctas_per_sm`: CTAs
     each SM holds at once (macros.share_sm_registers_macro)."""

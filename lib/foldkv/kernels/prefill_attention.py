@@ -112,7 +112,7 @@ def key_block_macro(geom: AttentionGeometry, fmt: KvFormat, block_M: int, block_
 
     @T.macro
     def folded_row_block():
-        # q_rot in registers is what makes two stages of the row fit (module docstring); it is replicated in both
+        # q_rot in registers is what makes two stages of the row fit (PREFILL_SCHEDULE.md); it is replicated in both
         # consumer warpgroups, as the FullCol split of S needs: 32 registers a thread
         q_rot = T.alloc_fragment([block_M, R], dtype)  # score window [0, R): the A operand of an RS wgmma
         q_unrot = T.alloc_shared([block_M, U], dtype)  # score window [R, D): q_unrot * w_k

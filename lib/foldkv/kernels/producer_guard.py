@@ -81,7 +81,7 @@ def _check_body(kernel: str, threads: int, body: str) -> None:
 
 
 def guard_producer_loops(source: str, kernel: str = "kernel") -> str:
-    """`source` with every warp-specialised producer loop run by warp 0 alone (the module docstring says why); raises
+    """`source` with every warp-specialised producer loop run by warp 0 alone (DECODE_SCHEDULE.md says why); raises
     ProducerGuardError if a producer branch does more than wait outside its elected thread's block."""
     out, last = [], 0
     for threads, start, end in _producer_branches(source):
