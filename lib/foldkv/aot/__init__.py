@@ -22,11 +22,7 @@ from .loader import (
 )
 from .verify import AotVerifyError, read_manifest, verify
 from .verify import summary as manifest_summary
-from . import build as _build_module  # no TileLang at import: it is imported inside build()
-
-build = _build_module.build
-AotBuildError = _build_module.AotBuildError
-NvccUnavailable = _build_module.NvccUnavailable
+from .build import AotBuildError, NvccUnavailable, build  # (no TileLang at import)
 
 
 __all__ = [

@@ -27,10 +27,6 @@ def kernel_params(name: str, params: Mapping[str, Any] | None = None) -> dict:
     return registry.get(name).arguments(params)
 
 
-def _frozen(params: dict) -> tuple:
-    return tuple(sorted(params.items()))
-
-
 def _check_manifest_params(build, name: str, params: dict) -> None:
     """Refuse every param that differs from what `build`'s manifest recorded for kernel `name`."""
     from ..aot import AotMismatchError
@@ -55,7 +51,7 @@ def kernel(name: str, geometry: AttentionGeometry, params: Mapping[str, Any] | N
     check_backend(backend)
     variant = registry.get(name)
     full = variant.arguments(params)
-    key = (name, geometry, _frozen(full), backend)
+    key = (name, geometry, tuple(sorted(full.items())), backend)
     if backend == "jit":
         hit = _CACHE.get(key)
         if hit is None:
