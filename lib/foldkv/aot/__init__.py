@@ -4,9 +4,8 @@
     python -m foldkv aot verify DIR                        # needs neither
     foldkv.aot.use_build(DIR); launcher(..., backend="aot")  # needs cuda-python + a GPU, never TileLang
 
-Importing this package imports neither TileLang nor cuda-python (`build()` imports TileLang when it runs, the loader
-cuda-python when it first loads a cubin). `foldkv.aot.build` is the function; `from foldkv.aot.build import ...` still
-reaches the module."""
+Importing this package imports neither TileLang nor cuda-python. `foldkv.aot.build` is the function;
+`from foldkv.aot.build import ...` still reaches the module."""
 
 from .loader import (
     AOT_DIR_ENV,
@@ -23,11 +22,7 @@ from .loader import (
 )
 from .verify import AotVerifyError, read_manifest, verify
 from .verify import summary as manifest_summary
-from . import build as _build_module  # no TileLang at import: it is imported inside build()
-
-build = _build_module.build
-AotBuildError = _build_module.AotBuildError
-NvccUnavailable = _build_module.NvccUnavailable
+from .build import AotBuildError, NvccUnavailable, build  # (no TileLang at import)
 
 
 __all__ = [

@@ -1,36 +1,19 @@
-"""AOT build: every registered kernel variant -> its emitted CUDA source, a cubin compiled by nvcc with the flags the
-JIT uses, and one manifest.json saying how to launch each cubin without TileLang.
+"""AOT build: every registered kernel variant -> its emitted CUDA source, the cubin nvcc compiles from it with the
+flags the JIT uses, and one manifest.json saying how to launch each cubin without TileLang.
 
-The flags. TileLang 0.1.15 (execution backend tvm_ffi) compiles device code in
-`tilelang.cuda.backend.tilelang_callback_cuda_compile`, which calls `tilelang.contrib.nvcc.compile_cuda` as
-
-    nvcc -ccbin=<c++> --cubin -O3 -lineinfo -arch=sm_XX -std=c++20 -I<tl_templates> -I<cutlass>
-         [TL_DEVICE_COMPILE_FLAGS...] [--use_fast_math] [--ptxas-options=--register-usage-level=N] -o out.cubin src.cu
-
-`nvcc_command` / `nvcc_options` rebuild that command from the pass configs; every pass config is either mapped to its
-flag (`FLAG_PASS_CONFIGS`), known to act only before code generation (its effect is already in the emitted source:
-`LOWERING_ONLY_PASS_CONFIGS`), or refused (`AotBuildError`). tests/test_aot_cpu.py checks, config by config, that the
-command equals the one TileLang's callback runs (its nvcc call intercepted).
-
-One nvcc run per kernel. While the build runs, TileLang's device-compile callback is replaced by
-`device_compiles_through_aot`: the JIT compile of each variant (made fresh by the build whatever the builders' memo or TileLang's caches hold:
-`build_fresh`) runs our command on
-the exact code TileLang hands to nvcc, with the pass configs of that compile; the same bytes become the JIT kernel's
-cubin and the AOT file. The written .cu is that code (`get_kernel_source()`).
-
-The launch. The JIT kernel's device IR (the one that produced its source) gives grid and block (expressions over the
-dynamic shape symbols), dynamic shared memory and the kernel parameter order; a re-lowering of its PrimFunc gives the
-host IR (TMA descriptor arguments, which host value feeds which parameter); TileLang's NVRTC-wrapper parser (the one
-behind its cuda-python launcher) reads both. They go into the manifest as data, evaluated by the loader.
-
-TileLang is imported only inside the functions here (via `foldkv.kernels.tl.require_tilelang()`).
+One nvcc run per kernel: while the build runs, TileLang's device-compile callback is `device_compiles_through_aot`,
+which runs `nvcc_command` on the exact code TileLang hands to nvcc, so the same bytes are the JIT kernel's cubin and
+the AOT file. Every pass config is mapped to its nvcc flag (`FLAG_PASS_CONFIGS`), known to act only before code
+generation (`LOWERING_ONLY_PASS_CONFIGS`), or refused; tests/test_aot_cpu.py holds `nvcc_command` to the command
+TileLang's own callback runs (TileLang 0.1.15, `tilelang.contrib.nvcc.compile_cuda`). The launch (grid, block, shared
+memory, argument order, TMA descriptors) is read from the kernel's device and host IR by TileLang's NVRTC-wrapper
+parser (`extract`) and written into the manifest as data.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -43,11 +26,11 @@ from typing import Any, Callable, Iterable
 
 from ..config import AttentionGeometry, resolve_geometry
 from ..kernels import registry
-from ..kernels.registry import KernelVariant
+from ..kernels.registry import KernelVariant, json_value
 from ..kernels.tl import require_tilelang
 from ..provenance import checkout_state
 
-from .verify import MANIFEST_NAME, MANIFEST_VERSION, geometry_record, manifest_problems
+from .verify import MANIFEST_NAME, MANIFEST_VERSION, geometry_record, manifest_problems, sha256_bytes
 
 # --- pass configs -> nvcc flags ------------------------------------------------------------------------------------
 # Mapped to nvcc options by TileLang's device-compile callback (cuda/backend.py).
@@ -85,20 +68,7 @@ class AotBuildError(RuntimeError):
 
 
 class NvccUnavailable(AotBuildError):
-    """There is no nvcc where TileLang looks for one (CUDA_HOME / CUDA_PATH, nvcc on PATH, /usr/local/cuda): the
-    build cannot run here, which is a reason to skip it, not a failure of the kernels."""
-
-
-def _json_value(v: Any) -> Any:
-    if isinstance(v, (bool, int, float, str)) or v is None:
-        return v
-    if isinstance(v, (list, tuple)):
-        return [_json_value(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _json_value(x) for k, x in v.items()}
-    if hasattr(v, "value") and isinstance(getattr(v, "value"), (bool, int, float, str)):  # tvm IntImm / enums
-        return v.value
-    return str(v)
+    """TileLang finds no nvcc: the build cannot run here (a reason to skip, not a failure of the kernels)."""
 
 
 def classify_pass_configs(pass_configs: dict) -> tuple[dict, dict]:
@@ -122,7 +92,7 @@ def classify_pass_configs(pass_configs: dict) -> tuple[dict, dict]:
 
 
 def _device_compile_flag_tokens(value: Any) -> list[str]:
-    """TL_DEVICE_COMPILE_FLAGS as TileLang splits it: a string is shlex-split; a list's strings are shlex-split."""
+    """TL_DEVICE_COMPILE_FLAGS as TileLang splits it (each string shlex-split)."""
     if not value:
         return []
     if isinstance(value, str):
@@ -164,14 +134,9 @@ def nvcc_version(nvcc: str) -> str:
     return m.group(1)
 
 
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 # --- barrier check -------------------------------------------------------------------------------------------------
 def run_barrier_check(name: str, source: str, symbols: Iterable[str]) -> list:
-    """The emitted-source barrier check (`foldkv.kernels.cuda_checks.check_in_place_merge`: it reads the CUDA text, no
-    TileLang) on every kernel symbol of an in-place merge; AotBuildError if any fails."""
+    """`cuda_checks.check_in_place_merge` on every kernel symbol of an in-place merge; AotBuildError if any fails."""
     from ..kernels.cuda_checks import check_in_place_merge
 
     reports = []
@@ -375,19 +340,13 @@ def _check_same_launch(jit_device_mod, relowered_device_mod) -> None:
 
 def build_fresh(variant: KernelVariant, geom: AttentionGeometry, compiled_order: list[str],
                 fill_tilelang_cache: bool = False):
-    """The variant's JIT kernel, compiled by this build: its device compile ran through `device_compiles_through_aot`
-    during this call (its source's sha256 is in `compiled_order` past the length it had on entry), so its cubin is the
-    one the AOT build writes and the kernel carries the device IR that produced its source (see `extract`).
+    """The variant's JIT kernel, compiled during this call through `device_compiles_through_aot` (its source's sha256
+    in `compiled_order` past the length it had on entry), so its cubin is the one the build writes and it carries the
+    device IR that produced its source. A kernel from a cache (the builder's or TileLang's) never reached this
+    build's nvcc, so it is compiled again from its PrimFunc with TileLang's cache off.
 
-    A builder may hand out a kernel compiled before the build started: its own in-process cache (the builders are
-    memoised) or TileLang's memory or disk cache. Such a kernel never reached this build's nvcc, so it is compiled
-    again from its PrimFunc, with the same target, pass configs and flags and TileLang's cache off (which bypasses
-    the memory cache too). Whatever this process compiled earlier, or any cache holds, the build compiles its own.
-
-    `fill_tilelang_cache` leaves TileLang's cache on, so each kernel compiled here is also saved there with the very
-    cubin the AOT build writes (a JIT process that loads that cache runs exactly the AOT binaries). It therefore needs
-    the builder to compile (an empty cache, a process that has not built the kernel yet); a kernel that came from a
-    cache is refused rather than leaving the cache holding a cubin this build did not make."""
+    `fill_tilelang_cache` leaves TileLang's cache on, so it receives the very cubins the build writes; a kernel that
+    came from a cache is then refused (that needs a fresh process and an empty TILELANG_CACHE_DIR)."""
     tilelang = require_tilelang()
     from tilelang.env import env as tl_env
 
@@ -451,10 +410,8 @@ def _toolchain() -> dict:
 
 
 def compile_cubin(source: str, arch: str, options: list[str], tc: dict) -> bytes:
-    """nvcc the source to a cubin. The source file sits at a path named after its sha256, with a fixed mtime (both
-    are recorded in the cubin's line info), so the same source, options and nvcc give the same bytes on every build.
-
-    That folder is removed afterwards (`_locked_fixed_dir`)."""
+    """nvcc the source to a cubin. The source file's path is named after its sha256 and its mtime fixed (the cubin's
+    line info records both), so the same source, options and nvcc give the same bytes on every build."""
     digest = sha256_bytes(source.encode())[:16]
     with _locked_fixed_dir(os.path.join(tempfile.gettempdir(), f"foldkv_aot_{digest}")) as work, \
             tempfile.TemporaryDirectory(prefix="foldkv_aot_out_") as out_dir:
@@ -501,13 +458,10 @@ def _locked_fixed_dir(path: str):
 
 
 @contextlib.contextmanager
-def device_compiles_through_aot(arch: str, tc: dict, store: dict, order: list | None = None):
-    """While active, TileLang's device-compile callback is this build's nvcc command: each JIT compile in the process
-    runs `nvcc_command` with `nvcc_options(pass configs the JIT compile saw)` and the cubin is kept in `store`
-    (sha256 of the source -> (cubin, options)), the sha256 also appended to `order` (when given) so a caller can tell
-    which compiles ran during a call. One nvcc run serves both the JIT kernel and the AOT file, so the
-    cubin written is the one the JIT kernel of this process loaded. TileLang's own callback is put back afterwards.
-    (test_aot_cpu.py checks that `nvcc_command` is the command TileLang's callback runs for the same configs.)"""
+def device_compiles_through_aot(arch: str, tc: dict, store: dict, order: list):
+    """While active, each JIT compile of this arch in the process runs `nvcc_command` with the options its pass configs
+    give; the cubin is kept in `store` (sha256 of the source -> (cubin, options)), the sha256 appended to `order`.
+    TileLang's own callback is put back afterwards."""
     import tvm_ffi
     from tilelang.cuda.backend import tilelang_callback_cuda_compile as tilelang_compile
     from tilelang.contrib.nvcc import get_target_arch_and_code, get_target_code_list
@@ -523,8 +477,7 @@ def device_compiles_through_aot(arch: str, tc: dict, store: dict, order: list | 
         cubin = compile_cubin(code, arch, options, tc)
         digest = sha256_bytes(code.encode())
         store[digest] = (cubin, options)
-        if order is not None:
-            order.append(digest)
+        order.append(digest)
         return bytearray(cubin)
 
     tvm_ffi.register_global_func(name, f=compile_for_aot, override=True)
@@ -610,12 +563,12 @@ def build(
                     "format": None if v.format is None else getattr(v.format, "value", str(v.format)),
                     "in_place_merge": bool(v.in_place_merge),
                     "barrier_checked": bool(v.in_place_merge),
-                    "variant_params": _json_value(v.params),
+                    "variant_params": json_value(v.params),
                     "source": base + ".cu",
                     "cubin": base + ".cubin",
                     "source_sha256": sha256_bytes(src_bytes),
                     "cubin_sha256": sha256_bytes(cubin),
-                    "pass_configs": _json_value(ex.pass_configs),
+                    "pass_configs": json_value(ex.pass_configs),
                     "lowering_only_pass_configs": sorted(lowering),
                     "nvcc_options": _portable_options(options, tc),
                     "params": ex.params,

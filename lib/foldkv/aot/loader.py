@@ -1,22 +1,13 @@
-"""Launch AOT cubins through the CUDA driver API (cuda-python's `cuda.bindings.driver`), with no TileLang import.
-
-An `AotBuild` is a verified build folder (every file's sha256 matches the manifest, checked before anything is
-loaded). `AotBuild.kernel(name, ...)` gives an `AotKernel`, a callable taking the same arguments, in the same order,
-as the JIT kernel of that variant (tensors, then scalars; dynamic sizes are read from the tensors' shapes), checking
-dtype, shape, contiguity and device like TileLang's host code does, then launching each of its device kernels on
-torch's current stream with the manifest's grid, block and dynamic shared memory.
-
-`check_build_matches` refuses (FoldKvInputError) a build made for another geometry, arch, format or page size than
-the pool; it needs no GPU, so the CPU tests call it directly.
-
-cuda-python is imported lazily (`_driver()`), so `import foldkv` and `import foldkv.aot` never need it.
+"""Launch AOT cubins through the CUDA driver API (cuda-python, imported on first load; never TileLang): `AotBuild`, a
+verified build folder, and `AotKernel`, a manifest entry callable like the JIT kernel of its variant (the same
+arguments, checked as TileLang's host code checks them, launched on torch's current stream); `check_build_matches`
+refuses a build made for another geometry, arch, format or page size (no GPU needed).
 """
 
 from __future__ import annotations
 
 import ast
 import ctypes
-import hashlib
 import os
 import threading
 from typing import Any, Sequence
@@ -25,7 +16,7 @@ from ..config import AttentionGeometry
 from ..kernels.registry import note_kernel
 from ..layout import KvFormat
 from ..validate import FoldKvInputError
-from .verify import AotVerifyError, geometry_record, verify
+from .verify import AotVerifyError, geometry_record, sha256_bytes, verify
 
 
 class AotMismatchError(FoldKvInputError):
@@ -38,8 +29,8 @@ class AotLaunchError(RuntimeError):
 
 # --- checks that need no GPU ---------------------------------------------------------------------------------------
 def arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:
-    """Whether a cubin for `arch` ('sm_90a', 'sm_90') runs on a device of compute capability `capability`.
-    Arch-specific ('a') cubins run only on exactly that capability; plain SASS on the same major, minor >= built."""
+    """Whether a cubin for `arch` ('sm_90a', 'sm_90') runs on a device of compute capability `capability`: an
+    arch-specific one on exactly that capability, plain SASS on the same major and a minor >= built."""
     tok = arch.removeprefix("sm_")
     specific = tok.endswith("a") or tok.endswith("f")
     digits = tok.rstrip("af")
@@ -353,8 +344,8 @@ class AotKernel:
         return outs[0] if len(outs) == 1 else outs
 
     def launch(self, values: dict[str, Any], env: dict[str, int], device_index: int, stream_handle: int) -> None:
-        """The driver calls of one call: load the cubin into the device's context (first time), encode the TMA
-        maps, launch every device kernel in order on `stream_handle`. `values`/`env` come from `bind`."""
+        """Load the cubin into the device's context (first time), encode the TMA maps, launch every device kernel in
+        order on `stream_handle` (`values`/`env` from `bind`)."""
         mod = self._module(device_index)
         drv = _driver()
         maps = {tm["name"]: self._tensor_map(tm, values, env) for tm in self.entry.get("tensor_maps", [])}
@@ -405,7 +396,7 @@ class AotBuild:
         path = os.path.join(self.dir, entry["cubin"])
         with open(path, "rb") as fh:
             data = fh.read()
-        if hashlib.sha256(data).hexdigest() != entry["cubin_sha256"]:  # changed since the build was opened
+        if sha256_bytes(data) != entry["cubin_sha256"]:  # changed since the build was opened
             raise AotVerifyError(f"{path} changed after the build was verified; refusing to load it")
         return data
 

@@ -1,6 +1,5 @@
-"""Check an AOT build folder against its manifest: every listed source and cubin present with its recorded sha256,
-cubins that are CUDA ELF images, nothing unlisted, launch records complete, in-place merges passing the barrier check
-again. Needs neither TileLang nor a GPU nor cuda-python (the loader runs the same checks before it loads anything).
+"""Check an AOT build folder against its manifest (what every file must be, what the loader needs of each launch,
+the emitted-source checks run again); needs neither TileLang nor a GPU nor cuda-python.
 """
 
 from __future__ import annotations
@@ -46,12 +45,13 @@ def read_manifest(build_dir: str | os.PathLike) -> dict:
     return manifest
 
 
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return sha256_bytes(fh.read())
 
 
 def _cubin_problem(path: str) -> str | None:

@@ -1,8 +1,4 @@
-"""TileLang-generated kernels (decode partial + merges, prefill, the FP8 page gather) and their launchers.
-
-Nothing here imports TileLang at module import: each generator calls `foldkv.kernels.tl.require_tilelang()` when
-it builds, so `import foldkv` works on a machine without a GPU or TileLang.
-"""
+"""TileLang-generated kernels and their launchers; TileLang is imported only when a kernel is built."""
 
 from ..moved import moved
 

@@ -1,22 +1,10 @@
-"""Checks on the emitted CUDA of the barriers a kernel's correctness rests on: the in-place merges, the FP8 kernels'
-e4m3 conversion (`check_e4m3_conversion`) and the fused decode's hand-off (`check_tail_hand_off`, at the end).
+"""Checks on the emitted CUDA (what runs, so a barrier a compiler pass dropped or moved is caught too) of the barriers
+a kernel's correctness rests on: the in-place merges (`check_in_place_merge`), the FP8 kernels' e4m3 conversion
+(`check_e4m3_conversion`) and the fused decode's hand-off (`check_tail_hand_off`).
 
-The barrier check for in-place merges: a store into a buffer the kernel also reads must be separated
-from every read of that buffer by an unconditional `__syncthreads()`.
-
-An in-place merge reads every member of a group (other threads read the slot it is about to overwrite) and then
-stores into the group's first slot. Without a block-wide barrier between the last read and the first store, a fast
-warp can overwrite the slot while a slow warp still reads it. The check works on the CUDA source TileLang emits (what
-actually runs), not on the Python program, so a barrier dropped or moved by a compiler pass is caught too.
-
-What it requires, for the kernel named in the call:
-- "in-place buffers" are the kernel's non-const pointer parameters that the body both reads and stores;
-- for each in-place buffer, every store and every read of it are separated, in source order, by a `__syncthreads();`
-  at the top level of the kernel body (brace depth 1: not inside an `if`, a loop or a nested block, so every thread
-  reaches it). For the merge that is: the group's reads, barrier, the store into the first slot; and, in the fused
-  merge, the store, barrier, level two's reads of the merged slots.
-The rule reads the body as straight-line code, which the merges are (their loops hold reads only).
-Anything else raises `BarrierCheckError` naming the kernel.
+The in-place rule: every store into, and every read of, a buffer the kernel both reads and stores (a non-const pointer
+parameter) are separated in source order by a `__syncthreads();` at the top level of the body (brace depth 1, so every
+thread reaches it). The rule reads the body as straight-line code, which the merges are (their loops hold reads only).
 """
 
 from __future__ import annotations
@@ -156,12 +144,10 @@ def _tilelang_barrier_ids(body: str) -> set[int]:
 
 
 def check_e4m3_conversion(kernel: str, source: str, barrier_id: int, calls: tuple[str, ...] = ()) -> dict:
-    """Raise ConversionCheckError (naming `kernel`) unless its e4m3 -> bf16 calls (`macros.E4M3_TO_BF16_SOURCE`; or
-    the opaque shared-memory writers named in `calls`, whose first four arguments are the same: the FP8 tensor-core
-    partial's V^T transpose, decode_partial_fp8_tc.TRANSPOSE_FN) carry the tile's barriers: exactly one call opens a
-    tile (waits before overwriting what the previous gemms read) and exactly one closes it (proxy fence and wait before the gemms read), all on named barrier `barrier_id`, which
-    no barrier TileLang placed in the kernel uses, over the consumer threads: the launch's threads less the one
-    producer warpgroup. The check reads the emitted CUDA, as what runs."""
+    """Raise ConversionCheckError (naming `kernel`) unless its e4m3 -> bf16 calls (or the opaque shared-memory writers
+    named in `calls`, whose first four arguments are the same) carry the tile's barriers: exactly one call opens a
+    tile and exactly one closes it, all on named barrier `barrier_id`, which no barrier TileLang placed uses, over
+    the consumer threads (the launch's less the producer warpgroup)."""
     _, body = kernel_definition(source, kernel)
     patterns = [_CONVERT_CALL] if not calls else [
         re.compile(rf"\b{re.escape(name)}\(\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,") for name in calls]
@@ -199,10 +185,9 @@ PRODUCER_BRANCH = re.compile(r"if \(\(\(int\)threadIdx\.x\) < (\d+)\) \{\n\s*tl:
 
 
 def check_tail_hand_off(kernel: str, source: str, threads: int) -> dict:
-    """Raise HandOffCheckError (naming `kernel`) unless its emitted CUDA hands off as `macros.TAIL_SOURCE` needs:
-    exactly one hand-off call, in the consumer branch (the producer warpgroup is threads [0, 128), so the leader is
-    thread 128), after every store into the partials (`part_o`, `part_lse`) and before every read of them, over the
-    `threads` consumer threads on a named barrier no barrier TileLang placed uses. The check reads what runs."""
+    """Raise HandOffCheckError (naming `kernel`) unless it hands off as `macros.TAIL_SOURCE` needs: exactly one call,
+    in the consumer branch, led by thread 128, after every store into the partials and before every read of them,
+    over the `threads` consumer threads on a named barrier no barrier TileLang placed uses."""
     _, body = kernel_definition(source, kernel)
     calls = list(_HAND_OFF_CALL.finditer(body))
     if len(calls) != 1:

@@ -1,20 +1,8 @@
-"""Paged split-KV decode for either page format: checks, the plan, and the launches (one fused kernel when the plan
-is one wave, else the partial, merge_groups and merge_final), each kernel from the one resolver
-(`foldkv.kernels.resolve`).
+"""The paged split-KV decode launcher: its checks, and one step's launches (the fused kernel of a one-wave plan, else
+the partial, merge_groups and merge_final; kernels/DECODE_SCHEDULE.md), each kernel from `resolve`.
 
     plan = plan_decode(pool.layout, seq_lens, device=pool.device)       # host, once per step shape
     out, lse = decode(pool, query, table, plan=plan)                     # [B, 32, 512] bf16 head order, [B, 32] f32
-
-A decode step launches on the current stream (no host synchronisation, so it can be captured in a CUDA graph once
-its inputs have been checked; pass `check=False` inside the capture): when the plan is one wave of bf16 rows
-(`plan.fused`: every CTA resident at once, e.g. any single request and up to 8 ragged ones on the H200) one kernel,
-"decode_fused_<format>" (the partial, whose CTAs then merge their request-head's chunks themselves:
-kernels/DECODE_SCHEDULE.md), otherwise the partial ("decode_partial_<format>", over an FP8 pool by `fp8_math`:
-`partial_kernel_name`), "merge_groups" and "merge_final". `launch_step` passes each its arguments, in order (shapes
-and dtypes in the docstrings of decode_partial.py and merge.py). The kernels come from
-`foldkv.kernels.resolve.kernel(name, geometry, backend=backend)` with their registered params ("jit": built here with
-TileLang; "aot": from the active AOT build), or from `kernels={name: callable}` for the names given there (an
-experiment's partial, say); the pool's page size must be the partial's. FP8 pools take `fp8_math` (`parse_fp8_math`).
 """
 
 from __future__ import annotations
@@ -36,13 +24,9 @@ DEFAULT_FP8_MATH = "tensor_cores"  # an FP8 pool's default partial (a bf16 pool'
 
 
 def parse_fp8_math(fp8_math: str | None, quantized: bool) -> str:
-    """`fp8_math` checked once at the public boundary: None -> DEFAULT_FP8_MATH over an FP8 pool (`quantized`),
-    "exact" over a bf16 one (its rows are exact already: a no-op there); a value not in FP8_MATH, or "tensor_cores"
-    asked of a bf16 pool, raises FoldKvInputError.
-    "tensor_cores" runs both gemms as FP8 MMA with the query and P in two e4m3 parts (decode_partial_fp8_tc.py: ~0.65x
-    the bf16 folded decode, held to its own derived bound, foldkv.lab.gates.fp8_tc, whose accumulation term rests on
-    FP8 wgmma's accumulation as measured on the H200); "exact" converts each e4m3 row to bf16 exactly and runs bf16
-    MMA (decode_partial.py's FP8 partial: slower, held to the bf16 gate's bound)."""
+    """`fp8_math` checked once at the public boundary (DEVELOPERS.md's contract): None -> DEFAULT_FP8_MATH over an FP8
+    pool (`quantized`), "exact" over a bf16 one (a no-op there); anything else not in FP8_MATH, or "tensor_cores" on
+    a bf16 pool, raises FoldKvInputError."""
     if fp8_math is None:
         return DEFAULT_FP8_MATH if quantized else "exact"
     if not isinstance(fp8_math, str) or fp8_math not in FP8_MATH:
@@ -54,17 +38,14 @@ def parse_fp8_math(fp8_math: str | None, quantized: bool) -> str:
 
 
 def partial_kernel_name(fmt: KvFormat | str, quantized: bool = False, fp8_math: str | None = None) -> str:
-    """The partial kernel of `fmt` pages; `quantized`: over an FP8 pool (folded only), whose `fp8_math` (as
-    `parse_fp8_math` returned it at the public boundary; None: the default, the tensor-core one) picks the exact
-    partial or the tensor-core one."""
+    """The partial kernel of `fmt` pages; over an FP8 pool (`quantized`) the one `fp8_math` picks."""
     tc = quantized and (fp8_math or DEFAULT_FP8_MATH) == "tensor_cores"
     return f"decode_partial_{KvFormat.parse(fmt).value}" + ("_fp8" if quantized else "") + ("_tc" if tc else "")
 
 
 def kernel_names(fmt: KvFormat | str, quantized: bool = False, fused: bool = False,
                  fp8_math: str | None = None) -> tuple[str, ...]:
-    """The kernels a decode step over `fmt` pages (FP8 when `quantized`, by `fp8_math`) launches, in launch order;
-    `fused`: the step of a one-wave plan (one kernel)."""
+    """The kernels a decode step launches, in order; `fused`: the one kernel of a one-wave plan."""
     if fused:
         return (f"decode_fused_{KvFormat.parse(fmt).value}",)
     return (partial_kernel_name(fmt, quantized, fp8_math), "merge_groups", "merge_final")
@@ -77,10 +58,8 @@ def replaceable_kernels(fmt: KvFormat | str, quantized: bool = False, fp8_math: 
 
 
 def partial_wave(layout, device, fp8_math: str | None = None) -> int:
-    """CTAs of the decode partial for pools of `layout` (by `fp8_math`) that run at once: the device's SMs
-    (plan.DEFAULT_SMS off CUDA) times the CTAs an SM holds, the partial's registered `ctas_per_sm` (1; 2 for the FP8
-    tensor-core partial: 264 on the H200). The wave the plan balances (`plan_decode(num_sms=...)`). The fused
-    one-launch step never runs over FP8 rows (`use_fused`), so no one-wave fused path needs this count."""
+    """CTAs of the decode partial that run at once on `device` (the SMs times the partial's registered `ctas_per_sm`):
+    the wave the plan balances (`plan_decode(num_sms=...)`)."""
     name = partial_kernel_name(layout.format, layout.quantized, fp8_math)
     return device_sms(device) * int(resolve.kernel_params(name).get("ctas_per_sm", 1))
 
@@ -90,9 +69,8 @@ def use_fused(plan_fused: bool, fmt: KvFormat | str, quantized: bool, fused: boo
     """Whether a step launches the fused kernel: `fused` None (auto) when the plan is one wave and `kernels=` replaces
     none of the three-launch kernels (an experiment's partial runs in the step it was written for); True asks for it
     (refused unless the plan is one wave of bf16 rows); False: the three launches."""
-    # FP8 rows: the three launches (a bf16 plan over an FP8 pool too). The tensor-core FP8 partial (two CTAs an SM,
-    # 264 a wave on the H200) has no fused step either: the fused tail is written for one CTA an SM of bf16 rows, and
-    # its one-wave test counts SMs, not the 2 x SMs CTA slots that partial fills (`partial_wave`)
+    # FP8 rows take the three launches: the fused tail is written for one CTA an SM of bf16 rows, and its one-wave
+    # test counts SMs, not the 2 x SMs CTA slots the tensor-core partial fills (`partial_wave`)
     plan_fused = plan_fused and not quantized
     if fused is None:
         return plan_fused and not set(kernels or ()) & set(kernel_names(fmt, quantized))
@@ -108,9 +86,8 @@ def pool_operands(pool: PagedKvPool) -> tuple[torch.Tensor, ...]:
 
 
 def check_decode_pool(pool: PagedKvPool, op: str = "decode") -> None:
-    """Refuse a pool the `op` kernels (decode, or prefill: they read the same pools) cannot read: stored as anything
-    but bf16 or FP8 (e4m3), or whose tensors are not what its layout says (`check_pool_storage`: rows of the
-    layout's dtype and shape; an FP8 pool's scales)."""
+    """Refuse a pool the `op` kernels (decode's and prefill's) cannot read: not bf16 or e4m3, or whose tensors are not
+    what its layout says (`check_pool_storage`)."""
     if pool.layout.dtype not in (torch.bfloat16, FP8_DTYPE):
         raise FoldKvInputError(f"the {op} kernels read bf16 or FP8 (e4m3) pools; this one stores {pool.layout.dtype}")
     check_pool_storage(pool)
@@ -124,8 +101,8 @@ def check_pool_dtype(pool: PagedKvPool, kv_dtype, op: str = "decode") -> None:
 
 def check_query_out_lse(query: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None, rows: int, geom,
                         device: torch.device) -> None:
-    """Refuse a query, or a given out / lse, that is not the kernels' (decode's and prefill's): bf16 [rows, Hq, D],
-    float32 [rows, Hq] for lse, contiguous, on `device`."""
+    """Refuse a query, or a given out / lse, that is not bf16 [rows, Hq, D] (lse: float32 [rows, Hq]), contiguous,
+    on `device`."""
     shape = (rows, geom.num_q_heads, geom.head_dim)
     check_tensor("query", query, dtype=torch.bfloat16, device=device, shape=shape, contiguous=True)
     if out is not None:
@@ -137,8 +114,7 @@ def check_query_out_lse(query: torch.Tensor, out: torch.Tensor | None, lse: torc
 def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, plan: DecodePlan | None,
                   out: torch.Tensor | None, lse: torch.Tensor | None, kv_format, kv_dtype, read_table: bool,
                   backend: str, kernels, fused: bool | None = None, fp8_math: str | None = None) -> str:
-    """Every refusal happens here, before any kernel is built or launched and before any write; returns `fp8_math`
-    parsed."""
+    """Every refusal, before anything is built, launched or written; returns `fp8_math` parsed."""
     if not isinstance(pool, PagedKvPool):
         raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
     resolve.check_backend(backend)
@@ -190,23 +166,12 @@ def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: D
            kv_format: KvFormat | str | None = None, kv_dtype: torch.dtype | None = None, check: bool = True,
            kernels: Mapping[str, Callable] | None = None,
            fused: bool | None = None, fp8_math: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention of one query per request against the paged pool, in the pool's format.
-
-    pool: bf16 (either format) or FP8 e4m3 with its scales (folded), contiguous, on a CUDA device (Hopper for the
-    generated kernels); `kv_dtype`, when given, must be the pool's stored dtype. table: BlockTable whose page_ids
-    [B, pages] and seq_lens [B] are int32, contiguous, on the pool's device; 1 <= B <= 256 (plan.MAX_BATCH) requests
-    of 1 to 262,144 tokens. query: [B, Hq, D] bf16, contiguous, on the pool's device, in the format's form (what prep_and_store or
-    prep_query returns). plan: from plan_decode(pool.layout, seq_lens, device=pool.device) for these lengths (made
-    here when None). Returns (out [B, Hq, D] bf16 head order, lse [B, Hq] float32 natural log) on the pool's device,
-    written into `out` / `lse` (same shapes and dtypes, contiguous) when given. Bad input raises FoldKvInputError
-    before anything is launched. `check=False` skips only the checks that read device memory back to the host
-    (page ids in range, lengths within the table, the plan's lengths): for use inside a CUDA-graph capture of a
-    step whose inputs were checked once outside it. backend: "jit" or "aot". kernels: {kernel name: callable taking
-    that kernel's arguments} replacing the backend's kernel of that name (an experiment's variant; names from
-    `replaceable_kernels(pool.format)`). fused: None launches one fused kernel when the plan is one wave
-    (`plan.fused`) and `kernels` replaces none of the three-launch kernels, else the three; True / False ask for
-    one or the other (True refused for a plan that is not one wave). fp8_math (FP8 pools): `parse_fp8_math`; a plan
-    made here balances that partial's wave (`partial_wave`: 2 x SMs for the tensor-core one).
+    """Decode attention of one query per request against the paged pool, in the pool's format (the contracts of
+    DEVELOPERS.md: pool, BlockTable, query in the format's form; returns (out, lse), written into `out` / `lse` when
+    given). 1 <= B <= plan.MAX_BATCH requests of 1 to plan.MAX_LEN tokens; `kv_dtype`, when given, must be the
+    pool's. plan: from plan_decode for these lengths (made here when None). `check=False` skips only the checks that
+    read device memory back to the host, for a CUDA-graph capture of a step checked once outside it. kernels:
+    {name of `replaceable_kernels`: callable} replacing that kernel. fused: None (auto, `use_fused`), True or False.
     """
     fp8_math = _check_inputs(pool, query, table, plan, out, lse, kv_format, kv_dtype, read_table=check,
                              backend=backend, kernels=kernels, fused=fused, fp8_math=fp8_math)
@@ -228,10 +193,9 @@ def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: D
 def launch_step(pool: PagedKvPool, query: torch.Tensor, page_ids: torch.Tensor, plan, out: torch.Tensor,
                 lse: torch.Tensor, *, fused: bool | None, backend: str, kernels: Mapping[str, Callable] | None,
                 fp8_math: str | None = None) -> None:
-    """Launch one decode step on checked inputs (`fp8_math` parsed): the fused kernel or the three, as `use_fused`
-    says. `plan` is a DecodePlan or a DecodeWorkspace: both hold the step's device tensors under the kernels' argument
-    names, and `num_chunks` (the partial writes slots [0, num_chunks); a workspace's part_o holds a scratch slot past
-    them, which level one's empty groups use)."""
+    """Launch one decode step on checked inputs: the fused kernel or the three, as `use_fused` says. `plan` is a
+    DecodePlan or a DecodeWorkspace (the step's tensors under the kernels' argument names; the partial writes slots
+    [0, num_chunks): a workspace's scratch slot past them is level one's)."""
     geom, c = pool.geometry, plan.num_chunks
     if use_fused(plan.fused, pool.format, pool.layout.quantized, fused, kernels):
         (step,) = resolve.launch_kernels(kernel_names(pool.format, fused=True), geom, backend=backend, kernels=kernels)

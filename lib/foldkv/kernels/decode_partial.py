@@ -1,31 +1,19 @@
-"""Split-KV decode partial, for either page format: one CTA = one chunk of one request's pages x one KV head.
+"""The split-KV decode partial for either page format (one CTA = one chunk of one request's pages x one KV head), and
+the fused step of a one-wave plan: the partial with its tail merge (kernels/DECODE_SCHEDULE.md).
 
-A format is two parts (`format_parts_macro`): how a tile is loaded (the row's column runs, one shared tile and one
-TMA copy each) and which window feeds which gemm (DEVELOPERS.md's table): split loads K and V tiles; folded loads
-K_rot, V_unrot, V_rot, the middle one used twice (score = q_rot . K_rot + q_unrot' . V_unrot, output = P . [V_unrot |
-V_rot], value-window order), so the 8 query heads of a KV head read 640 columns a token instead of 1024.
-The gemms are token-major, S^T = K Q^T and O^T = V^T P^T, so the MMA's M is a tile's 64 tokens and Hopper's wgmma
-applies (M >= 64), N = the 8 query heads padded to 16; the softmax reduces over dim 0. The query arrives by TMA, is
-loaded once and reused for every K/V byte; online softmax in the exp2 domain; the partial output (normalised,
-float32) and its base-2 LSE go to the chunk's slot. What lost is in bench/versions/ (bench/DECODE_NOTES.md).
+A format is its tiles and which window feeds which gemm (`format_parts_macro`). The gemms are token-major, S^T = K Q^T
+and O^T = V^T P^T, so the MMA's M is a tile's 64 tokens and Hopper's wgmma applies (M >= 64), N = the 8 query heads
+padded to 16; the softmax reduces over dim 0.
 
-Kernel argument order (what a backend's callable takes):
-    decode_partial_<format>(query [B, Hq, D] bf16, pool [P, Hkv, page, W] bf16, page_ids [B, MP] i32,
-                            chunk_req [C] i32, chunk_start [C] i32, chunk_len [C] i32,
-                            part_o [C, Hq, D] f32, part_lse [C, Hq] f32)
+Kernel arguments, in order (what a backend's callable takes; B, P, MP, C dynamic, grid (C, Hkv)):
+    decode_partial_<format>(query [B, Hq, D] bf16 (the format's form), pool [P, Hkv, page, W] bf16,
+                            page_ids [B, MP] i32, chunk_req [C] i32, chunk_start [C] i32 (a multiple of the page
+                            size), chunk_len [C] i32 (>= 1), part_o [C, Hq, D] f32 (value-window order),
+                            part_lse [C, Hq] f32 (base 2))
     decode_fused_<format>(query, pool, page_ids, chunk_req, chunk_start, chunk_len, merge_first [C] i32,
                           merge_count [C] i32, part_o, part_lse, counters [B, Hkv] i32, value_head_column [D] i32,
                           out [B, Hq, D] bf16, lse [B, Hq] f32)
-        the partial with its tail merge, for a plan whose C x Hkv CTAs are all resident at once (one wave): a
-        request-head of one chunk writes its output and LSE from the epilogue, the others hand off through
-        `counters` (macros.TAIL_SOURCE) and each merges a slice of the request-head's columns into `out` / `lse`
-        (head order, natural log), as merge_final would (kernels/DECODE_SCHEDULE.md): `merge_tail`. The tails
-        that lost (bench/versions/) plug in through `FusedTail`'s hook points and bring their own arguments.
-    decode_partial_folded_fp8(query, pool [P, Hkv, page, W] e4m3, scales [P, Hkv, page] f32, page_ids, ...): the
-        partial over an FP8 folded pool, its scales after the pool.
-query in the format's form (split: head order; folded: score-window order), W the format's row width, part_o in
-value-window order. B, P, MP, C are dynamic; the grid is (C, Hkv). chunk_start is a multiple of the page size,
-chunk_len >= 1.
+    decode_partial_folded_fp8(query, pool [P, Hkv, page, W] e4m3, scales [P, Hkv, page] f32, page_ids, ...)
 """
 
 # no `from __future__ import annotations`: TileLang's T.macro reads the macros' own source and closures
@@ -39,7 +27,7 @@ from . import macros, producer_guard, registry
 from .macros import Convert
 from .merge import _merge_partials_macro
 from .registry import hands_out
-from .tl import pass_configs, prim_func, require_tilelang, target
+from .tl import compile_program, prim_func, require_tilelang
 
 # the fused tail (tail_merge): a request-head of at most TAIL_FEW_MEMBERS chunks merges 4 columns a thread, 8 members
 # a round trip; more, 2 columns a thread and TAIL_MAX_MEMBERS a round trip (one wave of the H200's 132 SMs holds at most
@@ -80,9 +68,8 @@ class Gemm:
 
 @dataclass(frozen=True)
 class Fp8Row:
-    """An FP8 folded row's tiles for one block of tokens: the e4m3 panels as loaded (`row`: Runs, one TMA copy each),
-    their bf16 conversions (the folded windows K_rot, V_unrot, V_rot), the Converts between them and the tokens'
-    scales."""
+    """An FP8 folded row's tiles for one block of tokens: the e4m3 panels as loaded (Runs), their bf16 conversions,
+    the Converts between them and the tokens' scales."""
     row: tuple
     k_rot: Any
     v_unrot: Any
@@ -92,8 +79,8 @@ class Fp8Row:
 
 
 def fp8_row_macro(geom: AttentionGeometry, block_n: int):
-    """Allocate an FP8 folded row's tiles for `block_n` tokens (under the names the emitted CUDA uses), as a macro
-    returning an Fp8Row: the decode partial and the prefill load and convert the row the same way."""
+    """An FP8 folded row's tiles for `block_n` tokens as a macro returning an Fp8Row (the decode partial's and the
+    prefill's)."""
     import tilelang.language as T
     from tvm.script.ir_builder import IRBuilder
 
@@ -234,6 +221,22 @@ def tail_args(ctx: TailContext, partial: dict) -> dict:
     }
 
 
+def partial_inputs(ctx: TailContext, num_pages, max_pages, page_size: int, width: int, fp8: bool) -> dict:
+    """A partial's arguments up to chunk_len (the module docstring's); over an FP8 pool its scales after the pool."""
+    import tilelang.language as T
+
+    hq, hkv, d, i32 = ctx.geom.num_q_heads, ctx.geom.num_kv_heads, ctx.geom.head_dim, "int32"
+    return {
+        "query": T.Tensor((ctx.batch, hq, d), "bfloat16"),  # [B, Hq, D] query in the format's form
+        "pool": T.Tensor((num_pages, hkv, page_size, width), "float8_e4m3" if fp8 else "bfloat16"),  # [P, Hkv, page, W]
+        **({"scales": T.Tensor((num_pages, hkv, page_size), "float32")} if fp8 else {}),  # [P, Hkv, page] row scales
+        "page_ids": T.Tensor((ctx.batch, max_pages), i32),  # [B, MP]
+        "chunk_req": T.Tensor((ctx.num_chunks,), i32),  # [C] request of chunk c
+        "chunk_start": T.Tensor((ctx.num_chunks,), i32),  # [C] first token (multiple of page_size)
+        "chunk_len": T.Tensor((ctx.num_chunks,), i32),  # [C] tokens in the chunk (>= 1)
+    }
+
+
 def partial_args(ctx: TailContext) -> dict:
     """The partial's outputs: its normalised output (value-window order) and base-2 LSE per chunk slot."""
     import tilelang.language as T
@@ -293,10 +296,8 @@ def tail_slice_macro(tc: TailContext):
 
 
 def merge_tail(ctx: TailContext, *, hand_off: bool = True) -> FusedTail:
-    """The served tail: the atomic hand-off (`hand_off_macro`), then each member merges its slice from every
-    member's partial, few members (<= TAIL_FEW_MEMBERS) 4 columns a thread and 8 members a round trip, more 2 columns
-    a thread and TAIL_MAX_MEMBERS a round trip. `hand_off=False` leaves the hand-off out: a deliberately broken
-    kernel, for the hand-off check's red test only."""
+    """The served tail: the atomic hand-off (`hand_off_macro`), then each member merges its slice from every member's
+    partial (`tail_slice_macro`). `hand_off=False` leaves the hand-off out: the hand-off check's red twin."""
     import tilelang.language as T
 
     hq, d = ctx.geom.num_q_heads, ctx.geom.head_dim
@@ -324,22 +325,18 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                            num_stages: int = 1, threads: int = 128, block_h: int = 16, fp8: bool = False,
                            e4m3_convert: str = "bits", reduce_batch: int = 1, ctas_per_sm: int = 1,
                            tail_merge: bool = False, tail=None, prefetch_tiles: int = 0):
-    """The TileLang prim_func of the partial kernel for one geometry, page format and tiling; `fp8`: over an FP8
-    folded pool (its scales an extra argument after the pool), its e4m3 panels converted to bf16 by
-    `macros.convert_e4m3_macro` ("bits") or TileLang's element conversion ("cvt"); `reduce_batch`: the softmax's
-    queries per cross-warp reduction (macros.online_softmax_macro), at most the queries a consumer thread holds;
-    `ctas_per_sm`: CTAs each SM must hold at once (`__launch_bounds__`' second argument; the warpgroups' register
-    counts are set so that they share 65,536 registers that many ways). `tail_merge`: the fused step of a one-wave
-    plan, its CTAs merging their request-heads at their tail: `tail(TailContext) -> FusedTail` (default
-    `merge_tail`, the served one). `prefetch_tiles` > 0: while tile k is consumed, the page tile `prefetch_tiles`
-    tiles ahead is prefetched into L2 by one bulk prefetch (an experiment for a card whose per-tile latency the two
-    stages do not cover, bench/DECODE_NOTES.md run 23; 0, the default, emits nothing)."""
+    """The TileLang prim_func of the partial kernel for one geometry, page format and tiling. `fp8`: over an FP8
+    folded pool, its e4m3 panels converted by `macros.convert_e4m3_macro` ("bits") or TileLang's conversion ("cvt");
+    `reduce_batch`: the softmax's queries per cross-warp reduction, at most the queries a consumer thread holds;
+    `ctas_per_sm`: CTAs each SM must hold at once (`__launch_bounds__`); `tail_merge`: the fused step, its tail
+    `tail(TailContext) -> FusedTail` (default `merge_tail`); `prefetch_tiles` > 0: an experiment's L2 prefetch of the
+    page tile that many ahead (0 emits nothing)."""
     require_tilelang()
     import tilelang.language as T
     from tvm.script.ir_builder import IRBuilder
 
     fmt = KvFormat.parse(fmt)
-    hq, hkv, d, group = geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.group_size
+    hkv, group = geom.num_kv_heads, geom.group_size
     width = row_width(geom, fmt)
     assert page_size % block_n == 0 and block_h >= group
     batch, num_pages, max_pages, num_chunks = (T.dynamic(n) for n in ("batch", "num_pages", "max_pages",
@@ -475,16 +472,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                     first = tail["merge_first"][c]
                     fused.finish(tail, part_o, part_lse, scratch, req, kvh, c, members, {"first": first})
 
-    # the arguments (what a backend's callable takes, in order): the module docstring's
-    args = {
-        "query": T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] query in the format's form
-        "pool": T.Tensor((num_pages, hkv, page_size, width), "float8_e4m3" if fp8 else bf16),  # [P, Hkv, page, W]
-        **({"scales": T.Tensor((num_pages, hkv, page_size), f32)} if fp8 else {}),  # [P, Hkv, page] FP8 row scales
-        "page_ids": T.Tensor((batch, max_pages), i32),  # [B, MP]
-        "chunk_req": T.Tensor((num_chunks,), i32),  # [C] request of chunk c
-        "chunk_start": T.Tensor((num_chunks,), i32),  # [C] first token (multiple of page_size)
-        "chunk_len": T.Tensor((num_chunks,), i32),  # [C] tokens in the chunk (>= 1)
-    }
+    args = partial_inputs(ctx, num_pages, max_pages, page_size, width, fp8)
     head = list(args)
     args.update(fused.args if tail_merge else partial_args(ctx))
     out_names = fused.partial if tail_merge else ("part_o", "part_lse")
@@ -502,39 +490,32 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
 @hands_out("decode_partial_{fmt}")
 def build_decode_partial(geom: AttentionGeometry, fmt: KvFormat | str, **tiling):
     """Compile (JIT) the partial kernel for `geom` and `fmt` with the format's DEFAULTS, overridden by `tiling`."""
-    tilelang = require_tilelang()
     fmt = KvFormat.parse(fmt)
-    cfg = {**DEFAULTS[fmt], **tiling}
 
-    @tilelang.jit(target=target(), pass_configs=pass_configs())
     def decode_partial(page_size, block_n, num_stages, threads, block_h, reduce_batch=1, ctas_per_sm=1,
                        prefetch_tiles=0):
         return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
                                       threads=threads, block_h=block_h, reduce_batch=reduce_batch,
                                       ctas_per_sm=ctas_per_sm, prefetch_tiles=prefetch_tiles)
 
-    return decode_partial(**cfg)
+    return compile_program(decode_partial(**{**DEFAULTS[fmt], **tiling}))
 
 
 @hands_out("decode_fused_{fmt}")
 def build_decode_fused(geom: AttentionGeometry, fmt: KvFormat | str, *, tail_hand_off: bool = True, tail=None,
                        **tiling):
-    """Compile (JIT) the fused step of a one-wave plan (the partial with `tail_merge`: its CTAs merge their
-    request-head at their tail) with the format's partial DEFAULTS, overridden by `tiling`, and check its hand-off on
-    the emitted CUDA (`cuda_checks.check_tail_hand_off`). `tail_hand_off=False` leaves the hand-off out: a
-    deliberately broken kernel, for the check's red test only. `tail`: another tail (`FusedTail`'s hook points; a
-    version in bench/versions/) in place of the served `merge_tail`."""
-    tilelang = require_tilelang()
+    """Compile (JIT) the fused step of a one-wave plan with the format's partial DEFAULTS, overridden by `tiling`,
+    and check its hand-off on the emitted CUDA (`cuda_checks.check_tail_hand_off`). `tail_hand_off=False`: the
+    check's red twin; `tail`: a version's tail in place of `merge_tail`."""
     fmt = KvFormat.parse(fmt)
     cfg = {**DEFAULTS[fmt], **tiling}
 
-    @tilelang.jit(target=target(), pass_configs=pass_configs())
-    def decode_fused(page_size, block_n, num_stages, threads, block_h, reduce_batch=1, hand_off=True, tail=None):
+    def decode_fused(page_size, block_n, num_stages, threads, block_h, reduce_batch=1):
         return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
                                       threads=threads, block_h=block_h, reduce_batch=reduce_batch, tail_merge=True,
-                                      tail=tail or (lambda ctx: merge_tail(ctx, hand_off=hand_off)))
+                                      tail=tail or (lambda ctx: merge_tail(ctx, hand_off=tail_hand_off)))
 
-    kernel = decode_fused(**cfg, hand_off=tail_hand_off, tail=tail)
+    kernel = compile_program(decode_fused(**cfg))
     from .cuda_checks import check_tail_hand_off
 
     check_tail_hand_off(f"decode_fused_{fmt.value}", kernel.get_kernel_source(), threads=cfg["threads"])
@@ -544,17 +525,15 @@ def build_decode_fused(geom: AttentionGeometry, fmt: KvFormat | str, *, tail_han
 @hands_out("decode_partial_{fmt}_fp8")
 def build_decode_partial_fp8(geom: AttentionGeometry, fmt: KvFormat | str, **tiling):
     """Compile (JIT) the partial kernel over an FP8 folded pool with its registered params, overridden by `tiling`."""
-    tilelang = require_tilelang()
     fmt = KvFormat.parse(fmt)
     cfg = {**registry.get(f"decode_partial_{fmt.value}_fp8").params, **tiling}
 
-    @tilelang.jit(target=target(), pass_configs=pass_configs())
     def decode_partial_fp8(page_size, block_n, num_stages, threads, block_h, e4m3_convert="bits", reduce_batch=1):
         return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
                                       threads=threads, block_h=block_h, fp8=True, e4m3_convert=e4m3_convert,
                                       reduce_batch=reduce_batch)
 
-    kernel = decode_partial_fp8(**cfg)
+    kernel = compile_program(decode_partial_fp8(**cfg))
     if cfg.get("e4m3_convert", "bits") == "bits":
         from .cuda_checks import check_e4m3_conversion
 

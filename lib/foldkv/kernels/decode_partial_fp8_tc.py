@@ -1,33 +1,9 @@
-"""The FP8 folded decode partial on FP8 tensor cores (`fp8_math="tensor_cores"`): one CTA = one chunk of one
-request's pages x one KV head, over an FP8 pool, both gemms in e4m3 wgmma (no e4m3 -> bf16 conversion). The FP8
-pool's default decode partial, held to its own derived bound (foldkv.lab.gates.fp8_tc, whose accumulation term rests
-on FP8 wgmma's accumulation measured on the H200: bench/FP8_NOTES.md, run 17); `fp8_math="exact"` picks
-decode_partial.py's exact one instead (e4m3 rows converted exactly to bf16, bf16 wgmma: slower).
+"""The FP8 folded decode partial on FP8 tensor cores (`fp8_math="tensor_cores"`, the FP8 pool's default): both gemms
+in e4m3 wgmma, the value window transposed by the consumer, the query and P in two e4m3 parts (kernels/
+DECODE_SCHEDULE.md, "The tensor-core FP8 partial"). Only the served configuration is here; bench/versions/
+decode_partial_fp8_mma.py holds this program with the probe's other options.
 
-An FP8 pool's row is 640 e4m3 bytes plus one float32 scale per token and KV head (`foldkv.fp8`); the score window is
-row[0:D] and the value window row[R:D+R], as in the bf16 folded partial. Per 64-token tile:
-    S^T [64, 16] = K8 Q8^T        the four e4m3 panels of the score window as TMA wrote them (FP8 wgmma: k32 steps)
-    S *= scale_token / q_scale    the row's scale and the query's, in float32; then the float32 online softmax
-    O^T [512, 16] = V8^T P8^T     V^T transposed by the consumer from the four value-window panels, P^T in e4m3
-FP8 wgmma reads both operands K-major: the row is K-major for the scores (a token's 640 bytes contiguous) but not for
-the values (V^T's K is the token), so the consumer transposes the value window each tile (`transpose_values_macro`,
-4-token x 16-column blocks per thread, conflict-free on both sides; tokens past the chunk written as 0, since their
-slots may hold NaN codes) behind its own named barrier, as the e4m3 conversion does (checked on the emitted CUDA:
-`cuda_checks.check_e4m3_conversion(..., calls=(TRANSPOSE_FN,))`).
-Precision (the `Rounding` served, `two_part_rounding`): the query and P each go to the tensor cores as two e4m3
-parts, x = hi + lo / 16 (lo = e4m3(16 (x - hi))), in one gemm: wgmma's N is 16 and the KV head has 8 query heads, so
-rows 0-7 carry the hi parts and rows 8-15 the lo parts, added in float32 after the gemm. The query is scaled per head
-to e4m3's largest value (448 / max |q|, once per CTA), P x scale per tile (256 / the tile's largest valid token
-scale). Each tile's value gemm goes into a fresh accumulator added into the running O in float32 (FP8 wgmma
-accumulates in reduced precision, so it never sums across tiles). The error this leaves is bounded in
-tests/test_fp8_tc_gpu.py (`fp8_tc_bound`). Schedule and speed: registry.py's comment on its params. Only the served
-configuration is here; bench/versions/decode_partial_fp8_mma.py holds this program with hook points for the probe's
-other options (and the versions built on it).
-
-Kernel argument order: that of the exact FP8 partial (decode_partial.py's docstring):
-    decode_partial_folded_fp8_tc(query [B, Hq, D] bf16, pool [P, Hkv, page, W] e4m3, scales [P, Hkv, page] f32,
-                                 page_ids [B, MP] i32, chunk_req [C] i32, chunk_start [C] i32, chunk_len [C] i32,
-                                 part_o [C, Hq, D] f32, part_lse [C, Hq] f32)
+Kernel arguments: those of the exact FP8 partial (decode_partial.py's docstring).
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
@@ -38,9 +14,9 @@ from typing import Any
 from ..config import AttentionGeometry
 from ..layout import KvFormat
 from . import macros, producer_guard, registry
-from .decode_partial import FP8_PANEL
+from .decode_partial import FP8_PANEL, TailContext, partial_args, partial_inputs
 from .registry import hands_out
-from .tl import pass_configs, prim_func, require_tilelang, target
+from .tl import compile_program, prim_func, require_tilelang
 
 NAME = "decode_partial_folded_fp8_tc"
 TRANSPOSE_FN = "foldkv_e4m3_t4x16"
@@ -246,7 +222,7 @@ def two_part_rounding(geom: AttentionGeometry, block_n: int, block_h: int) -> Ro
 
 def decode_partial_fp8_tc_program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64,
                                   num_stages: int = 1, block_h: int = 16, reduce_batch: int = 4, ctas_per_sm: int = 2):
-    """The TileLang prim_func of the FP8 tensor-core partial for one geometry and tiling (module docstring): the
+    """The TileLang prim_func of the FP8 tensor-core partial for one geometry and tiling (DECODE_SCHEDULE.md): the
     value window transposed by `transpose_values_macro`, the query and P rounded by `two_part_rounding`;
     `reduce_batch`: the softmax's queries per cross-warp reduction (macros.online_softmax_macro); `ctas_per_sm`: CTAs
     each SM holds at once (macros.share_sm_registers_macro)."""
@@ -254,7 +230,7 @@ def decode_partial_fp8_tc_program(geom: AttentionGeometry, *, page_size: int = 6
     import tilelang.language as T
     from tvm.script.ir_builder import IRBuilder
 
-    hq, hkv, d, group = geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.group_size
+    hkv, d, group = geom.num_kv_heads, geom.head_dim, geom.group_size
     width = d + geom.rotary_width
     threads = 128  # one consumer warpgroup
     if page_size % block_n or d % FP8_PANEL or width % FP8_PANEL or block_h < group:
@@ -262,7 +238,7 @@ def decode_partial_fp8_tc_program(geom: AttentionGeometry, *, page_size: int = 6
                          f" and block_h >= the {group} query heads of a KV head")
     batch, num_pages, max_pages, num_chunks = (T.dynamic(n) for n in ("batch", "num_pages", "max_pages",
                                                                        "num_chunks"))
-    bf16, f32, i32, e4m3 = "bfloat16", "float32", "int32", "float8_e4m3"
+    bf16, f32, e4m3 = "bfloat16", "float32", "float8_e4m3"
     panels, score_panels = width // FP8_PANEL, d // FP8_PANEL  # 5 and 4: scores row[0:D], values row[R:D+R]
     online_softmax = macros.online_softmax_macro(key_dim=0, reduce_batch=reduce_batch)
     mask_scores = macros.mask_scores_macro()
@@ -336,18 +312,8 @@ def decode_partial_fp8_tc_program(geom: AttentionGeometry, *, page_size: int = 6
                 if j < group:
                     part_lse[c, kvh * group + j] = T.log2(denom[j]) + head_max[j] * macros.LOG2E
 
-    # the arguments (what a backend's callable takes, in order): the module docstring's
-    args = {
-        "query": T.Tensor((batch, hq, d), bf16),  # [B, Hq, D] query in the folded form
-        "pool": T.Tensor((num_pages, hkv, page_size, width), e4m3),  # [P, Hkv, page, W] e4m3
-        "scales": T.Tensor((num_pages, hkv, page_size), f32),  # [P, Hkv, page] one scale per token x KV head
-        "page_ids": T.Tensor((batch, max_pages), i32),  # [B, MP]
-        "chunk_req": T.Tensor((num_chunks,), i32),  # [C] request of chunk c
-        "chunk_start": T.Tensor((num_chunks,), i32),  # [C] first token (multiple of page_size)
-        "chunk_len": T.Tensor((num_chunks,), i32),  # [C] tokens in the chunk (>= 1)
-        "part_o": T.Tensor((num_chunks, hq, d), f32),  # [C, Hq, D] value-window order
-        "part_lse": T.Tensor((num_chunks, hq), f32),  # [C, Hq] base 2
-    }
+    ctx = TailContext(geom, threads, batch, num_chunks)
+    args = {**partial_inputs(ctx, num_pages, max_pages, page_size, width, fp8=True), **partial_args(ctx)}
     return prim_func("decode_partial", args, lambda b: partial(*(b[n] for n in args))).with_attr(
         "global_symbol", NAME)
 
@@ -357,7 +323,6 @@ def build(geom: AttentionGeometry, fmt: KvFormat | str = KvFormat.FOLDED, **tili
     """Compile (JIT) the FP8 tensor-core partial with its registered params, overridden by `tiling`; the probe's
     options other than the served ones (`SERVED`) are refused here (they build in bench/versions/). Its emitted CUDA
     is checked for the transpose's barriers before it is handed out."""
-    tilelang = require_tilelang()
     if KvFormat.parse(fmt) is not KvFormat.FOLDED:
         raise ValueError("FP8 rows are folded only (foldkv.pool.PagedKvLayout refuses an FP8 split pool)")
     cfg = {**registry.get(NAME).params, **tiling}
@@ -366,12 +331,11 @@ def build(geom: AttentionGeometry, fmt: KvFormat | str = KvFormat.FOLDED, **tili
         raise ValueError(f"{NAME} is built with {SERVED} only; {options} is a probe's (bench/versions/"
                          "decode_partial_fp8_mma.py)")
 
-    @tilelang.jit(target=target(), pass_configs=pass_configs())
     def decode_partial_fp8_tc(page_size, block_n, num_stages, block_h, reduce_batch, ctas_per_sm):
         return decode_partial_fp8_tc_program(geom, page_size=page_size, block_n=block_n, num_stages=num_stages,
                                              block_h=block_h, reduce_batch=reduce_batch, ctas_per_sm=ctas_per_sm)
 
-    kernel = decode_partial_fp8_tc(**cfg)
+    kernel = compile_program(decode_partial_fp8_tc(**cfg))
     from .cuda_checks import check_e4m3_conversion
 
     check_e4m3_conversion(NAME, kernel.get_kernel_source(), TRANSPOSE_BARRIER_ID, calls=(TRANSPOSE_FN,))

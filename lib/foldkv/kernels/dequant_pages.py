@@ -1,27 +1,12 @@
-"""The dequantizing page gather: an FP8 folded pool's pages, as a batch's requests cover them, rounded to bf16 rows.
+"""The dequantizing page gather: an FP8 folded pool's pages, as a batch's requests cover them, rounded to bf16 rows
+(`foldkv.fp8.dequantize_rows_bf16`) in a scratch pool the bf16 prefill reads (the prefill's default over an FP8 pool:
+prefill.py says why). `page_plan` plans on the host which pages (request r's first ceil(seq_len / page), in request
+order; a page two requests share is converted twice), `convert_pages` launches; `bf16_pages_reference` is the torch
+definition the kernel is held to, bit for bit.
 
-Why it exists: prefill is compute-bound, and a prefill kernel that reads e4m3 rows converts every key block once per
-query tile that reads it (a 8,192-token chunk: 1,024 query tiles per KV head, each converting the whole prefix, on the
-warpgroups that run the gemms). Converting each page once, into a bf16 scratch pool the bf16 prefill kernel then
-reads, costs one pass over the pages (644 bytes read, 1,280 written per token and KV head: ~270 us at 131,072 tokens,
-3.7 TB/s), and leaves the prefill at the bf16 prefill's rate (bench/FP8_NOTES.md, runs 4 and 7, against 1.42-1.45x
-converting in the attention kernel). The prefill launcher plans it on the host with everything else, before its
-first launch (`page_plan`), then launches it (`convert_pages`) and the prefill back to back.
-
-The rows it writes are `foldkv.fp8.dequantize_rows_bf16`: each e4m3 value times its token's float32 scale, one float32
-product (IEEE round to nearest, no contraction), rounded to bf16 (round to nearest even). That is at most 2^-8 of the
-value off the exact product: 1/16 of e4m3's own rounding (2^-4), the same as a bf16 pool's rounding of its float32
-rows. So a prefill over an FP8 pool attends over these rows; the decode applies the scale in float32 instead
-(DECODE_SCHEDULE.md).
-
-`bf16_pages(pool, table)` plans on the host which pages to convert (request r's first ceil(seq_len / page) pages, in
-request order; a page two requests share is converted twice) and returns a bf16 folded pool of just those pages with
-a block table onto it; `bf16_pages_reference` is the same in torch (the definition the kernel is held to, bit for bit).
-
-Kernel argument order (the AOT loader relies on it):
-  Pool [P, 4, page, 640] float8_e4m3, PoolScales [P, 4, page] float32, SrcPages [N] int32,
-  Out [N, 4, page, 640] bf16 (written)
-Grid (N, 4 KV heads): block (n, h) writes Out[n, h] from page SrcPages[n] of KV head h.
+Kernel arguments, in order (the AOT loader relies on it): Pool [P, 4, page, 640] float8_e4m3, PoolScales [P, 4, page]
+float32, SrcPages [N] int32, Out [N, 4, page, 640] bf16 (written). Grid (N, 4 KV heads): block (n, h) writes Out[n, h]
+from page SrcPages[n] of KV head h.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
@@ -37,7 +22,7 @@ from ..layout import KvFormat
 from ..pool import BlockTable, PagedKvLayout, PagedKvPool, check_block_table
 from ..validate import FoldKvInputError
 from . import registry, resolve
-from .tl import pass_configs, require_tilelang, target
+from .tl import compile_program, require_tilelang
 
 NAME = "dequant_pages_folded_fp8"
 DEFAULTS = dict(registry.get(NAME).params)
@@ -45,40 +30,34 @@ DEFAULTS = dict(registry.get(NAME).params)
 
 @registry.hands_out("dequant_pages_{fmt}_fp8")
 def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.FOLDED, *, page_size: int = 64,
-          threads: int = 128, arch: str | None = None):
-    """Compile (JIT) the gather for an FP8 folded pool of `page_size`-token pages; returns a TileLang kernel taking
-    the arguments above."""
+          threads: int = 128):
+    """Compile (JIT) the gather for an FP8 folded pool of `page_size`-token pages."""
     fmt = KvFormat.parse(fmt)
     if fmt is not KvFormat.FOLDED:
         raise NotImplementedError(f"an FP8 pool holds folded rows only (foldkv.fp8); asked for {fmt.value}")
-    tilelang = require_tilelang()
+    require_tilelang()
     import tilelang.language as T
 
     HKV, W = geom.num_kv_heads, geom.head_dim + geom.rotary_width
     f32 = "float32"
+    NP, N = T.dynamic("NP, N")
 
-    @tilelang.jit(target=target(arch) if arch else target(), pass_configs=pass_configs())
-    def dequant_pages(page_size, threads):
-        NP, N = T.dynamic("NP, N")
+    @T.prim_func
+    def main(
+        Pool: T.Tensor([NP, HKV, page_size, W], "float8_e4m3"),
+        PoolScales: T.Tensor([NP, HKV, page_size], f32),
+        SrcPages: T.Tensor([N], "int32"),
+        Out: T.Tensor([N, HKV, page_size, W], "bfloat16"),
+    ):
+        with T.Kernel(N, HKV, threads=threads) as (bn, bh):
+            # the launcher checked every page id against the pool before the launch; the clamp (never taken) gives
+            # TileLang a page index it can bound, and then it vectorizes: the row moves in 8-byte loads and 16-byte
+            # stores, global memory to global memory (no shared-memory pass); without it, one byte per load
+            src = T.max(T.min(SrcPages[bn], NP - 1), 0)
+            for t, c in T.Parallel(page_size, W):  # e4m3 -> float32 is exact; one rounded product, then bf16
+                Out[bn, bh, t, c] = T.cast(T.cast(Pool[src, bh, t, c], f32) * PoolScales[src, bh, t], "bfloat16")
 
-        @T.prim_func
-        def main(
-            Pool: T.Tensor([NP, HKV, page_size, W], "float8_e4m3"),
-            PoolScales: T.Tensor([NP, HKV, page_size], f32),
-            SrcPages: T.Tensor([N], "int32"),
-            Out: T.Tensor([N, HKV, page_size, W], "bfloat16"),
-        ):
-            with T.Kernel(N, HKV, threads=threads) as (bn, bh):
-                # the launcher checked every page id against the pool before the launch; the clamp (never taken) gives
-                # TileLang a page index it can bound, and then it vectorizes: the row moves in 8-byte loads and 16-byte
-                # stores, global memory to global memory (no shared-memory pass); without it, one byte per load
-                src = T.max(T.min(SrcPages[bn], NP - 1), 0)
-                for t, c in T.Parallel(page_size, W):  # e4m3 -> float32 is exact; one rounded product, then bf16
-                    Out[bn, bh, t, c] = T.cast(T.cast(Pool[src, bh, t, c], f32) * PoolScales[src, bh, t], "bfloat16")
-
-        return main
-
-    return dequant_pages(page_size, threads)
+    return compile_program(main)
 
 
 # --- the host plan and the launcher ---------------------------------------------------------------------------------

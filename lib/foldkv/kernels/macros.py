@@ -1,11 +1,8 @@
-"""TileLang parts shared by the kernels: online softmax in the exp2 domain, masking a tile's rows or scores, the decode
-query load, the exact e4m3 -> bf16 conversion of the FP8 kernels, and the register split of a warp-specialised kernel
-run several CTAs to an SM.
+"""TileLang parts shared by the kernels, each `*_macro` a `@T.macro` for the given constants.
 
-Each `*_macro` function returns a `@T.macro` for the given constants (TileLang is imported when it is called, never at
-module import). Macro arguments are buffers or Python values: a TIR variable passed to a macro is renamed after the
-macro's parameter (TileLang binds it), which would change the emitted CUDA, so a condition that reads the caller's
-variables comes in as a Python function of the tile's indices instead.
+Macro arguments are buffers or Python values: a TIR variable passed to a macro is renamed after the macro's parameter,
+which would change the emitted CUDA, so a condition that reads the caller's variables comes in as a Python function of
+the tile's indices instead.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
@@ -22,21 +19,15 @@ def online_softmax_macro(key_dim: int, *, scale: float = LOG2E, fold_scale: bool
                          max_slack_log2: float | None = None):
     """One key tile of the online softmax, in the exp2 domain: `scores` [rows, cols] holds one tile's scores with the
     keys along `key_dim` (0: token-major S^T, the decode partial; 1: S, the prefill); the running max and
-    denominator (one per query) are updated, `rescale` gets the factor the output accumulator must be multiplied
-    by, and the probabilities go to `p_shared` (the next gemm's operand; None: left in `scores`), each key's times
-    `key_weight(key)` when that function is given (a Python function of the key index: the denominators stay those of
-    the probabilities).
+    denominator (one per query) are updated, `rescale` gets the output accumulator's factor, and the probabilities
+    go to `p_shared` (None: left in `scores`), each key's times `key_weight(key)` when given (the denominators stay
+    those of the unweighted probabilities).
 
-    fold_scale: exp2(s * scale - max * scale) (one FMA per score, the prefill) instead of exp2((s - max) * scale).
-    reduce_batch: how many of a thread's queries each cross-thread reduction carries at once (TileLang's `batch`: they
-    share its barriers). With the keys along dim 0 (decode) the reduction crosses the warps of a warpgroup through
-    shared memory, two named barriers per level and two levels; one query at a time, a thread's 4 queries pay that
-    chain 4 times per max and per sum. It must divide the queries a thread holds.
-    max_slack_log2: the running max stands until the tile's passes it by more than this (in the exp2 domain, i.e.
-    probabilities up to 2^max_slack_log2), so that `rescale` is exactly exp2(0) = 1 on most tiles and the caller can
-    skip the output's rescale (`prefill_attention.lazy_rescale_macro`). The same softmax, not an approximation: the
-    denominator and the LSE are taken against the same max as the probabilities; the slack bounds P (float32; 2^8 is
-    far inside bf16's range for P.V). None: the max moves on every tile (the plain online softmax)."""
+    fold_scale: exp2(s * scale - max * scale) (one FMA per score) instead of exp2((s - max) * scale).
+    reduce_batch: a thread's queries each cross-thread reduction carries at once (one barrier chain for all; it must
+    divide the queries a thread holds). max_slack_log2: the running max stands until the tile's passes it by more
+    than this, so `rescale` is exactly 1 on most tiles (PREFILL_SCHEDULE.md, "The lazy max"); None: the plain
+    online softmax."""
     import tilelang.language as T
 
     slack = None if max_slack_log2 is None else max_slack_log2 / scale  # in score units
@@ -138,15 +129,12 @@ def load_group_query_macro(group: int, block_h: int):
     return load_query
 
 
-# e4m3 -> bf16 by integer ops and one bf16x2 multiply, 8 values per call (one 8-byte shared load, one 16-byte store).
-# TileLang's element conversion goes through the conversion unit (e4m3x2 -> f16x2, then f16 -> bf16 twice): three
-# conversion instructions per pair at a quarter of the integer rate, on the consumer's path before every tile's gemms
-# (bench/FP8_NOTES.md). Here a byte s.eeee.mmm is placed as bf16 bits s.0000eeee.mmm0000 (a byte permute, a shift
-# and two logic ops per pair): exactly the value times 2^-120 for every finite code, normal
-# or subnormal (an e4m3 subnormal lands on a bf16 subnormal, whose spacing 2^-133 is 2^-120 times e4m3's 2^-9); the
-# bf16x2 multiply by 2^120 (bits 0x7B80) is exact (a power of two, no overflow: |value| <= 448) and keeps subnormal
-# inputs (PTX mul.bf16x2 has no flush-to-zero). The NaN codes (0x7F, 0xFF) would come out as +-480: a pool never
-# holds them (foldkv.fp8 clamps to +-448 and refuses non-finite rows).
+# e4m3 -> bf16 by integer ops and one bf16x2 multiply, 8 values per call (why not TileLang's element conversion:
+# DECODE_SCHEDULE.md). A byte s.eeee.mmm placed as bf16 bits s.0000eeee.mmm0000 is exactly the value times 2^-120
+# for every finite code, normal or subnormal (an e4m3 subnormal lands on a bf16 subnormal, whose spacing 2^-133 is
+# 2^-120 times e4m3's 2^-9); the multiply by 2^120 (bits 0x7B80) is exact and keeps subnormal inputs (PTX mul.bf16x2
+# has no flush-to-zero). The NaN codes (0x7F, 0xFF) would come out as +-480: a pool never holds them (foldkv.fp8
+# clamps to +-448 and refuses non-finite rows).
 E4M3_TO_BF16_FN = "foldkv_e4m3x8_to_bf16"
 E4M3_TO_BF16_SOURCE = r"""
 // (inserted before the kernel's includes: plain CUDA types and PTX only)
@@ -255,11 +243,9 @@ class Convert:
 
 
 def convert_e4m3_macro(rows: int, cols: int, threads: int):
-    """A tile's e4m3 shared panels [rows, cols] into their bf16 shared tiles, exactly, by `threads` threads: the
-    macro takes the tile's Converts in load order. Each thread converts rows * cols / (8 threads) runs of 8 values of
-    a panel in one call (E4M3_TO_BF16_SOURCE says how, and why not TileLang's element conversion); the first and the
-    last panel's calls carry the barriers TileLang would otherwise place (before the tiles are overwritten; after
-    they are written, with the proxy fence, before a gemm reads them)."""
+    """A tile's e4m3 shared panels into their bf16 shared tiles, exactly, by `threads` threads (the macro takes the
+    tile's Converts in load order); the first and the last panel's calls carry the barriers TileLang would otherwise
+    place (DECODE_SCHEDULE.md, "Release and barriers")."""
     import tilelang.language as T
 
     runs_per_row = cols // 8

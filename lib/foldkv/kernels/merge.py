@@ -1,25 +1,14 @@
-"""The two-level merge of split-KV decode partials: level one in place inside each merge group, level two into the output.
+"""The two-level merge of split-KV decode partials (kernels/DECODE_SCHEDULE.md): level one (`merge_groups`) merges each
+group into its first slot, in place (an unconditional `__syncthreads()` between every thread's reads and thread 0's
+LSE store, checked on the emitted CUDA by `cuda_checks.check_in_place_merge`); level two (`merge_final`) merges each
+request's group slots into the output, in head order with a natural-log LSE. Merging partials (o_i normalised, lse_i
+base 2): m = max lse_i, w_i = 2^(lse_i - m), o = sum w_i o_i / sum w_i, lse = log2(sum w_i) + m; UNROLL partials a
+round trip, since a merge is a chain of memory latencies.
 
-A partial is (o [Hq, D] float32, normalised; lse [Hq] float32, base-2 log-sum-exp of that chunk's scores). Merging n
-partials: m = max lse_i, w_i = 2^(lse_i - m), o = sum w_i o_i / sum w_i, lse = log2(sum w_i) + m.
-
-Level one (`merge_groups`) merges the members of each group into the group's FIRST slot: it stores where it has just
-read. Every thread reads every member's LSE (the first slot's too) while thread 0 writes the merged LSE back into the
-first slot, so the store must wait until all reads are done: an unconditional `__syncthreads()` sits between the
-reads and the store. Each output scalar has a single writer (thread t owns columns [t*V, t*V+V) of o; thread 0 owns
-the LSE). `cuda_checks.check_in_place_merge` verifies this on the emitted CUDA source of every build; the build flag
-`barrier=False` exists only so the CPU tests can show that check refusing a kernel without the barrier.
-
-Level two (`merge_final`) merges each request's group slots into the output, puts the columns back in head order
-(`value_head_column[p]`: the head column of value-window position p; identity for split) and converts the LSE to
-natural log. Both levels load UNROLL partials per round trip (independent, predicated loads; online rescale between
-blocks): a merge is a chain of memory latencies, so this is what its time depends on.
-
-Kernel argument order (what a backend's callable takes, all CUDA tensors):
+Kernel arguments, in order (S, G and B dynamic; grids (G, Hq) and (B, Hq)):
     merge_groups(part_o [S, Hq, D] f32, part_lse [S, Hq] f32, group_first [G] i32, group_count [G] i32)
     merge_final(part_o [S, Hq, D] f32, part_lse [S, Hq] f32, group_first [G] i32, req_group_first [B] i32,
                 req_group_count [B] i32, value_head_column [D] i32, out [B, Hq, D] bf16, lse [B, Hq] f32)
-S, G and B are dynamic; grids are (G, Hq) and (B, Hq).
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which use closure values
@@ -29,7 +18,7 @@ import math
 from ..config import AttentionGeometry
 from . import registry
 from .registry import hands_out
-from .tl import pass_configs, require_tilelang, target
+from .tl import compile_program, require_tilelang
 
 MERGE_THREADS = registry.get("merge_groups").params["threads"]
 UNROLL = 8  # partials loaded per round trip
@@ -170,9 +159,7 @@ def merge_final_program(geom: AttentionGeometry, *, threads: int = MERGE_THREADS
 def build_merge_groups(geom: AttentionGeometry, *, threads: int = MERGE_THREADS, barrier: bool = True,
                        check: bool = True):
     """Compile the level-one merge and run the emitted-source barrier check on it (raises if it fails)."""
-    tilelang = require_tilelang()
-    kernel = tilelang.compile(merge_groups_program(geom, threads=threads, barrier=barrier), target=target(),
-                              pass_configs=pass_configs())
+    kernel = compile_program(merge_groups_program(geom, threads=threads, barrier=barrier))
     if check:
         from .cuda_checks import check_in_place_merge
 
@@ -182,9 +169,7 @@ def build_merge_groups(geom: AttentionGeometry, *, threads: int = MERGE_THREADS,
 
 @hands_out("merge_final")
 def build_merge_final(geom: AttentionGeometry, *, threads: int = MERGE_THREADS, unroll: int = UNROLL):
-    tilelang = require_tilelang()
-    return tilelang.compile(merge_final_program(geom, threads=threads, unroll=unroll), target=target(),
-                            pass_configs=pass_configs())
+    return compile_program(merge_final_program(geom, threads=threads, unroll=unroll))
 
 
 __all__ = ["merge_groups_program", "merge_final_program", "build_merge_groups", "build_merge_final"]

@@ -1,22 +1,10 @@
-"""The host-built decode plan: how a batch's pages are cut into chunks, where each chunk's partial goes (its slot),
-and how slots are grouped for the two-level merge. Everything a decode step reads is a device tensor made here,
-before launch, so the step itself does no host work or synchronisation and can be captured in a CUDA graph.
+"""The host-built decode plan: a batch's pages cut into chunks (`balanced_chunk_pages`: kernels/DECODE_SCHEDULE.md
+says why this model), each chunk's slot, and the slots' groups for the two-level merge, as device tensors made before
+launch (so the step does no host work and can be captured in a CUDA graph).
 
-Slots: chunk c writes slot c; chunks of a request are consecutive (requests need not be in order: level two finds a
-request's groups through req_group_first). Merge groups: runs of at most `merge_group` consecutive chunks of one
-request; level one merges a group into its first slot, level two merges a request's groups into the output. A plan
-whose CTAs all fit one wave (of bf16 rows) is `fused`: one launch, each request's chunks merged at the partial's tail
-(merge_first / merge_count per chunk, tail_counters per request and KV head; kernels/DECODE_SCHEDULE.md).
-
-The chunking (`balanced_chunk_pages`). A step lasts as long as its busiest SM: the partial kernel holds one CTA per SM
-(its registers fill the SM), CTAs are dispatched in grid order (chunk fastest, then KV head) to whichever SM frees
-first, and each costs about its pages plus a fixed part (prologue, query load, pipeline fill, its partial's write and
-the merges' read of it), modelled as PIECE_OVERHEAD_PAGES page reads. Each request is cut into pieces of nearly equal
-pages, no piece over P pages, and requests are laid out largest pieces first (longest-processing-time order), so the
-last wave is the short pieces. For each candidate P the step is estimated as the longest CTA when every CTA fits in
-one wave, else by list scheduling's bound (total / SMs + the longest CTA); the P with the smallest estimate wins.
-Balancing the number of CTAs alone (one wave, whatever the pieces' bytes) leaves a ragged batch's step as long as
-its longest request's read: a batch of 32 requests already fills the 132 SMs with one CTA per request and head.
+Chunk c writes slot c; a request's chunks are consecutive (requests need not be in order: level two finds a request's
+groups through req_group_first); a merge group is a run of at most `merge_group` of them, merged by level one into its
+first slot.
 """
 
 from __future__ import annotations
@@ -35,9 +23,9 @@ MAX_BATCH = 256
 MAX_LEN = 262_144
 DEFAULT_MERGE_GROUP = 8
 DEFAULT_SMS = 132  # H200: the plan off a CUDA device (CPU plans in tests), and the SMs foldkv.gemv's grids cover
-# A CTA's fixed cost in page reads (see the module docstring): about 1.5 us of prologue and pipeline fill, and its
-# partial (8 heads x 513 floats, 16 KB) written once and read by the merges, against a page tile of 82 KB (folded)
-# streamed at one SM's share of the read roof (~2.4 us on the H200).
+# A CTA's fixed cost in page reads: about 1.5 us of prologue and pipeline fill, and its partial (8 heads x 513 floats,
+# 16 KB) written once and read by the merges, against a page tile of 82 KB (folded) streamed at one SM's share of the
+# read roof (~2.4 us on the H200).
 PIECE_OVERHEAD_PAGES = 1.0
 
 
@@ -78,9 +66,8 @@ class DecodePlan:
 
 def check_lens(seq_lens, *, max_batch: int = MAX_BATCH, max_len: int = MAX_LEN, holder: str = "decode",
                host_only: bool = False) -> np.ndarray:
-    """seq_lens (a sequence of ints, a numpy array or an integer tensor) as a 1-D int64 numpy array, refused
-    (FoldKvInputError) unless it holds 1 to `max_batch` lengths of 1 to `max_len` tokens; `holder` names what sets
-    those limits in the messages. `host_only`: refuse a device tensor (reading it would wait for the device)."""
+    """seq_lens (ints, a numpy array or an integer tensor) as a 1-D int64 numpy array of 1 to `max_batch` lengths of 1
+    to `max_len` tokens, else FoldKvInputError (naming `holder`); `host_only`: refuse a device tensor."""
     if isinstance(seq_lens, torch.Tensor):
         if seq_lens.device.type != "cpu" and host_only:
             raise FoldKvInputError("seq_lens must be on the host (a list, a numpy array or a CPU tensor): reading"
@@ -130,8 +117,8 @@ def one_wave_cap(pages: Sequence[int], hkv: int, num_sms: int) -> int | None:
 
 
 def balanced_chunk_pages(layout: PagedKvLayout, lens: Sequence[int], num_sms: int) -> int:
-    """The piece cap P (pages) with the shortest estimated step (module docstring). Candidates: the smallest cap that
-    fits one wave, and a geometric ladder (x3/4) from the longest request down to one page; ties go to the larger."""
+    """The piece cap P (pages) with the shortest `estimated_step`. Candidates: the smallest cap that fits one wave, and
+    a geometric ladder (x3/4) from the longest request down to one page; ties go to the larger."""
     pages = [layout.pages_for(n) for n in lens]
     hkv = layout.geometry.num_kv_heads
     caps = {max(pages)}
@@ -190,14 +177,10 @@ PLAN_ARRAYS = ("chunk_req", "chunk_start", "chunk_len", "group_first", "group_co
 def chunk_layout(lens: np.ndarray, pieces: np.ndarray, *, page: int, merge_group: int,
                  fixed_pages: int | None = None) -> dict[str, np.ndarray]:
     """The slots and merge groups of requests of `lens` tokens cut into `pieces` chunks each (1 <= pieces <= pages),
-    as int64 arrays named as the kernels' arguments (PLAN_ARRAYS).
-
-    Pieces: `fixed_pages` given, every chunk of a request but its last holds exactly that many pages and requests keep
-    their order; otherwise a request's pages are cut as evenly as whole pages allow (larger pieces first) and requests
-    are laid out largest pieces first (ties in request order), so the last CTAs dispatched are the short ones. Slot c
-    holds chunk c; a request's chunks are consecutive; a group is a run of at most `merge_group` of them. The fused
-    step (one wave) merges a request's chunks at the partial's tail: `merge_first` / `merge_count` give each chunk its
-    request's first slot and chunk count."""
+    as int64 arrays named as the kernels' arguments (PLAN_ARRAYS). `fixed_pages` given, every chunk of a request but
+    its last holds that many pages, requests in order; otherwise pages are cut as evenly as whole pages allow and
+    requests laid out largest pieces first (ties in request order). `merge_first` / `merge_count`: each chunk's
+    request's first slot and chunk count (the fused step's tail)."""
     pages = -(-lens // page)
     if fixed_pages is not None:
         order = np.arange(len(lens))
@@ -238,10 +221,9 @@ def device_sms(device: torch.device) -> int:
 
 def plan_decode(layout: PagedKvLayout, seq_lens, *, device, chunk_tokens: int | None = None,
                 merge_group: int | None = None, num_sms: int | None = None) -> DecodePlan:
-    """Cut each request into chunks, group them for the merge and put the plan's tensors and workspace on `device`.
-
-    Default: byte-balanced pieces (`balanced_chunk_pages`, for `num_sms`, default the device's SM count); with
-    `chunk_tokens` (a multiple of the page size), fixed chunks of that many tokens in request order."""
+    """Cut each request into chunks, group them for the merge and put the plan's tensors and workspace on `device`:
+    byte-balanced pieces for `num_sms` (default the device's SMs), or fixed chunks of `chunk_tokens` (a multiple of
+    the page size) in request order."""
     lens = check_lens(seq_lens).tolist()
     device = check_device(device)
     page = layout.page_size
@@ -262,7 +244,7 @@ def plan_decode(layout: PagedKvLayout, seq_lens, *, device, chunk_tokens: int | 
     else:
         cap = balanced_chunk_pages(layout, lens, num_sms)
         # one wave: every CTA runs at once, so neither order nor evening out shortens the step; fixed chunks of `cap`
-        # in request order measured up to 5% faster there (bench/DECODE_NOTES.md, run 7)
+        # in request order measured faster there (DECODE_SCHEDULE.md)
         fixed = cap if cta_count(pages.tolist(), cap, hkv) <= num_sms else None
     cut = fixed if fixed is not None else cap
     pieces = -(-pages // cut)  # pieces per request

@@ -1,19 +1,6 @@
-"""The paged causal prefill launcher: checks, the tile plan, and the call of the kernel for the pool format.
-
-`prefill(pool, query, table, q_lens)` runs request r's q_lens[r] queries (its last positions, bottom-right causal)
-against its pages and returns (out [sum(q_lens), 32, 512] bf16 head order, lse [sum(q_lens), 32] float32 natural
-log). The kernel ("prefill_split" or "prefill_folded"; argument order documented in prefill_attention.py) comes from
-`foldkv.kernels.resolve.kernel(name, geometry, params, backend)` with the pool's page size among its params ("jit":
-built here with TileLang; "aot": from the active AOT build, refused unless built with these params), or from
-`kernels={name: callable}` (an experiment's variant); `prefill` shows its arguments, in order.
-An FP8 folded pool is read one of two ways (`fp8_rows`):
-  "gather" (default): the dequantizing page gather first (`dequant_pages.bf16_pages`: the pages the requests cover,
-      each converted once into bf16 rows, `foldkv.fp8.dequantize_rows_bf16`), then "prefill_folded" over those rows.
-      Prefill is compute-bound, so this runs at the bf16 prefill's rate plus one pass over the pages; it needs a
-      scratch pool for the call, 1,280 bytes per token and KV head of the requests' pages.
-  "in_kernel": "prefill_folded_fp8" converts the e4m3 rows itself (exactly, the scale applied in float32, as the
-      decode does) and needs no scratch, but converts every key block once per query tile that reads it, on the
-      warpgroups that run the gemms: 1.40-1.42x the bf16 prefill (bench/FP8_NOTES.md).
+"""The paged causal prefill launcher: its checks, the tile plan, and the launch of the kernel for the pool. An FP8 pool
+is read by `fp8_rows` (DEVELOPERS.md): "gather", the default, since the prefill is compute-bound and "in_kernel"
+converts each key block once per query tile that reads it, on the warpgroups that run the gemms.
 """
 
 from __future__ import annotations
@@ -32,17 +19,15 @@ TOKENS_PER_TILE = 8  # query tokens per CTA: 8 tokens x 8 heads of one KV group 
 
 
 def variant_name(fmt: KvFormat | str, quantized: bool = False) -> str:
-    """The prefill kernel of `fmt` pages; `quantized`: the one that converts an FP8 pool's rows itself (folded only;
-    registered and gated, not what `prefill` launches: see the module docstring)."""
+    """The prefill kernel of `fmt` pages; `quantized`: the one that converts an FP8 pool's rows itself (folded only)."""
     return f"prefill_{KvFormat.parse(fmt).value}" + ("_fp8" if quantized else "")
 
 
-FP8_ROWS = ("gather", "in_kernel")  # how a prefill reads an FP8 pool (module docstring)
+FP8_ROWS = ("gather", "in_kernel")  # how a prefill reads an FP8 pool
 
 
 def launch_names(pool: PagedKvPool, fp8_rows: str = "gather") -> tuple[str, ...]:
-    """The kernels `prefill` launches for `pool`, in order: the prefill of its format; for an FP8 pool the page gather
-    then the bf16 prefill ("gather"), or the prefill that converts the rows itself ("in_kernel")."""
+    """The kernels `prefill` launches for `pool`, in order."""
     if fp8_rows not in FP8_ROWS:
         raise FoldKvInputError(f"fp8_rows must be one of {FP8_ROWS}, got {fp8_rows!r}")
     if not pool.layout.quantized:
@@ -53,8 +38,8 @@ def launch_names(pool: PagedKvPool, fp8_rows: str = "gather") -> tuple[str, ...]
 
 
 def kernel_params(pool: PagedKvPool, params: dict | None = None, fp8_rows: str = "gather") -> dict[str, dict]:
-    """{name: the params it is built with} of every kernel `prefill` launches for `pool`, in launch order: the
-    prefill's registered params overridden by `params`, the page size always the pool's; the gather's own."""
+    """{name: its params} of every kernel `prefill` launches for `pool`, in order: the prefill's registered ones
+    overridden by `params`, the page size always the pool's; the gather's own."""
     names = launch_names(pool, fp8_rows)
     name = names[-1]
     p = resolve.kernel_params(name, {**(params or {}), "page_size": pool.layout.page_size})
@@ -63,9 +48,8 @@ def kernel_params(pool: PagedKvPool, params: dict | None = None, fp8_rows: str =
 
 def resolve_kernels(pool: PagedKvPool, *, backend: str = "jit", params: dict | None = None, fp8_rows: str = "gather",
                     kernels: Mapping[str, Callable] | None = None) -> tuple[Callable, ...]:
-    """The kernels `prefill` launches for `pool`, in launch order, resolved now (built or loaded: TileLang imported
-    and each kernel's program elaborated on first use in a process, seconds). `prefill` gets its kernels here; a
-    FoldKvCache calls it at creation, so a process's first prompt does not pay for it."""
+    """The kernels `prefill` launches for `pool`, in order, resolved now (seconds on first use in a process: a
+    FoldKvCache calls it at creation, so its first prompt does not pay for it)."""
     per_kernel = kernel_params(pool, params, fp8_rows)
     return resolve.launch_kernels(tuple(per_kernel), pool.geometry, per_kernel, backend, kernels)
 
@@ -85,8 +69,8 @@ def tile_plan(q_lens: torch.Tensor, tokens_per_tile: int = TOKENS_PER_TILE) -> t
 
 def _check(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: torch.Tensor, out, lse, params,
            kv_dtype) -> tuple[int, BlockTable]:
-    """Everything that can be refused, before any launch; the device comes last so the CPU tests reach the rest.
-    Returns the query rows and the table on the host (read back once: the launcher plans from it)."""
+    """Every refusal, before any launch (the device last, so the CPU tests reach the rest). Returns the query rows and
+    the table on the host."""
     check_pool_dtype(pool, kv_dtype, op="prefill")
     check_decode_pool(pool, op="prefill")  # bf16 or FP8 rows, and an FP8 pool's scales, as its layout says
     if pool.layout.page_size % params["block_N"]:
@@ -113,20 +97,11 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, backend: str = "jit",
             params: dict | None = None, kernels: Mapping[str, Callable] | None = None,
             kv_dtype: torch.dtype | None = None, fp8_rows: str = "gather") -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal paged prefill for a ragged batch: request r's q_lens[r] queries are its last positions.
-
-    pool: bf16 (either format) or FP8 e4m3 with its scales (folded), on a CUDA device (Hopper for the generated
-    kernels), page_size a multiple of the kernel's key tile (64); `kv_dtype`, when given, must be the pool's stored
-    dtype. fp8_rows: how an FP8 pool is read (module docstring): "gather" (its rows rounded to bf16 once, then the
-    bf16 prefill) or "in_kernel" (converted exactly by the attention kernel, slower, no scratch). table: BlockTable,
-    int32, any device (copied to the pool's). q_lens: [B] int32/int64, any device, 1 <= q_lens[r] <= seq_lens[r].
-    query: [sum(q_lens), Hq, D] bf16, contiguous, on the pool's device, in the pool format's form (what
-    prep_and_store returns), request by request. Returns (out [sum(q_lens), Hq, D] bf16 head
-    order, lse [sum(q_lens), Hq] float32 natural log) on the pool's device; `out`/`lse` given (same shapes and
-    dtypes, contiguous) are written in place. `params` overrides the variant's tuning constants (the benchmark uses
-    it; the page size is always the pool's). backend: "jit" or "aot". kernels: {name: callable taking the kernel's
-    arguments}, a name of `launch_names(pool, fp8_rows)`, replaces the backend's kernel (an experiment's variant
-    built with `params`). Bad input raises FoldKvInputError before anything is built or launched.
+    """Causal paged prefill for a ragged batch (the contracts of DEVELOPERS.md): request r's q_lens[r] queries (1 to
+    seq_lens[r]; [B] int32/int64, any device) are its last positions, their rows of `query` ([sum(q_lens), Hq, D])
+    request by request; the table may be on any device. Returns (out, lse), written into `out` / `lse` when given.
+    `params` overrides the prefill's tuning constants (the page size is always the pool's); kernels: {name of
+    `launch_names(pool, fp8_rows)`: callable} replaces that kernel.
     """
     resolve.check_backend(backend)
     if not isinstance(pool, PagedKvPool):
@@ -138,8 +113,8 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
     geom, dev = pool.geometry, pool.device
     *gather, kernel = resolve_kernels(pool, backend=backend, params=params, fp8_rows=fp8_rows, kernels=kernels)
     # Everything is planned on the host before the first launch and reaches the device in one asynchronous copy:
-    # a copy from pageable memory waits for the stream, so a copy between the gather and the prefill would leave the
-    # GPU idle for the host work after it (measured ~0.4 ms a call, bench/FP8_NOTES.md run 4).
+    # a copy from pageable memory waits for the stream, so one between the gather and the prefill would leave the GPU
+    # idle for the host work after it.
     if gather:  # its covered pages as bf16 rows, once each (checked above: nothing refuses now)
         src, table = dequant_pages.page_plan(pool.layout, table)
     q_start, tile_req, tile_tok = tile_plan(q_lens)
@@ -157,9 +132,8 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
 
 
 def upload(device: torch.device, *arrays: torch.Tensor, dtype: torch.dtype = torch.int32) -> list[torch.Tensor]:
-    """Integer tensors (host ones, or device ones copied to the host first) as `dtype` tensors of the same shapes on
-    `device`, through one pinned host buffer and one asynchronous copy (no wait for the stream): views of one device
-    buffer, in the order given (to a device other than CUDA: plain copies)."""
+    """Integer tensors as `dtype` views of one buffer on `device`, in the order given, through one pinned host buffer
+    and one asynchronous copy (no wait for the stream); to a device other than CUDA, plain copies."""
     if torch.device(device).type != "cuda":
         return [a.to(device, dtype) for a in arrays]
     flat = [a.reshape(-1).to("cpu", dtype) for a in arrays]

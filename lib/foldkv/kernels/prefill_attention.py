@@ -1,40 +1,16 @@
-"""Paged causal prefill for either page format, GQA, head_dim 512: scores from the score window, values from the value
-window of each row.
+"""The paged causal prefill kernel for either page format (bf16 rows, or an FP8 folded pool's e4m3 rows converted
+exactly to bf16 tiles): one CTA = 8 query tokens x the 8 query heads of one KV group, streaming the request's pages
+in `block_N`-key tiles; the folded accumulator is in value-window order, put back in head order by the epilogue's
+store addressing (`head_column_of`). Why each choice: kernels/PREFILL_SCHEDULE.md.
 
-One CTA = one tile of `block_M` = 8 query tokens x 8 query heads of one KV group (the group's heads share every key
-tile, so a one-token chunk still fills 8 of the 64 MMA rows), streaming the request's pages in `block_N`-key tiles,
-two TMA tiles per key block (`windows`):
-    SPLIT  (row [K 512 | V 512]): K = row[0:512], V = row[512:1024]; the output is already in head order.
-    FOLDED (row [K_rot 128 | V_unrot 384 | V_rot 128]): the row read once, in two TMA tiles K_rot = row[0:128]
-           and V_win = row[128:640] = [V_unrot | V_rot]; scores = q_rot . K_rot^T + (q_unrot * w_k) . V_unrot^T (the
-           w_k fold is in the query), values = P . V_win. Two stages of the 80 KiB row tile fit because q_rot
-           [64, 128] lives in registers (the A operand of an RS wgmma) and only q_unrot [64, 384] in shared memory:
-           2 x 80 + 48 + 8 (P) = 216 KiB of the 227. The accumulator is in value-window order and the epilogue's
-           store addressing puts it back in head order: window [0,192) -> head [64,256), [192,384) -> [320,512),
-           [384,448) -> [0,64), [448,512) -> [256,320). Its softmax carries a thread's two query rows in one
-           cross-warpgroup reduction (`reduce_batch`) and moves the running max only when a tile passes it by
-           2^`max_slack_log2` (the same softmax), so most tiles skip the output rescale (`lazy_rescale_macro`).
-           PREFILL_SCHEDULE.md says why each; bench/versions/prefill_folded_*.py are the steps, measured.
-    FOLDED over an FP8 pool (`fp8`, foldkv.fp8: e4m3 rows, one float32 scale per token x KV head): the row is loaded
-           as stored, in five 128-column e4m3 panels (one TMA box each) beside the block's token scales, and
-           converted exactly (e4m3 values are bf16 values) into three bf16 tiles K_rot, V_unrot, V_rot, the decode
-           partial's folded tiles: scores = q_rot . K_rot + q_unrot' . V_unrot, values = P . V_unrot and P . V_rot
-           into two accumulators (value-window order). The two 512-column windows would need 128 KiB of bf16 tiles
-           beside the 40 KiB of panels and 64 KiB of query: past 227 KiB at block_N 64. The TMA buffers are the
-           panels, free again once converted, so the next block's load overlaps this block's gemms. A token's scale
-           multiplies its score column (float32, after Q.K) and P's column after the softmax sums (the denominator
-           keeps the unscaled P), before P is rounded to bf16 for P.V. Every product accumulates in float32 (no FP8
-           MMA).
-
-Kernel argument order (the AOT loader relies on it):
+Kernel arguments, in order (the AOT loader relies on it):
   Q       [Tq, 32, 512] bf16   query in the format's form, request r's rows at q_start[r]..q_start[r]+q_len[r]
   Pool    [P, 4, page, W] bf16 (W = 1024 split, 640 folded); e4m3 for prefill_folded_fp8
   Scales  [P, 4, page] float32 (prefill_folded_fp8 only: one scale per token x KV head, right after Pool)
   PageIds [B, MP] int32, SeqLens [B] int32, QStart [B] int32, QLens [B] int32
   TileReq [NT] int32, TileTok [NT] int32   (tile t covers tokens TileTok[t].. +8 of request TileReq[t])
   Out     [Tq, 32, 512] bf16 (head order), Lse [Tq, 32] float32 (natural log)
-Grid (NT, 4 KV heads), 256 consumer threads (two warpgroups split the key / output columns; the MLA-decode
-arrangement) plus the producer warpgroup TileLang adds for the TMA loads.
+Grid (NT, 4 KV heads), 256 consumer threads plus the producer warpgroup TileLang adds for the TMA loads.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
@@ -48,7 +24,7 @@ from . import macros, producer_guard
 from . import registry
 from .decode_partial import FP8_PANEL, Run, fp8_row_macro
 from .registry import hands_out
-from .tl import pass_configs, prim_func, require_tilelang, target
+from .tl import compile_program, prim_func, require_tilelang
 
 # The registered tuning constants of the bf16 folded prefill (the AOT build compiles the same); prefill_split has its
 # own (one stage of its two 1,024-column windows, the plain softmax).
@@ -136,7 +112,7 @@ def key_block_macro(geom: AttentionGeometry, fmt: KvFormat, block_M: int, block_
 
     @T.macro
     def folded_row_block():
-        # q_rot in registers is what makes two stages of the row fit (module docstring); it is replicated in both
+        # q_rot in registers is what makes two stages of the row fit (PREFILL_SCHEDULE.md); it is replicated in both
         # consumer warpgroups, as the FullCol split of S needs: 32 registers a thread
         q_rot = T.alloc_fragment([block_M, R], dtype)  # score window [0, R): the A operand of an RS wgmma
         q_unrot = T.alloc_shared([block_M, U], dtype)  # score window [R, D): q_unrot * w_k
@@ -186,10 +162,7 @@ def accumulators_macro(block_M: int, D: int, fp8: bool = False):
 
 def lazy_rescale_macro():
     """The output accumulators' rescale before P.V, skipped by a thread whose rows' rescales are all exactly 1 (the
-    softmax's running max stood: `macros.online_softmax_macro(max_slack_log2=...)`). A warp runs the multiplies if
-    any of its threads' rows moved, rare after the first tiles, and otherwise branches over them (128 FMULs a thread
-    a tile with the tensor cores idle). Both warpgroups hold the same row max (the cross-warpgroup reduction), so
-    they decide alike and their output halves stay on one scale."""
+    softmax's running max stood; PREFILL_SCHEDULE.md, "The lazy max")."""
     import tilelang.language as T
 
     @T.macro
@@ -232,14 +205,11 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
                     num_stages: int = 1, threads: int = 256, reduce_batch: int = 1,
                     max_slack_log2: float | None = None, fp8: bool = False, key_block=None, softmax=None,
                     rescale=None):
-    """The TileLang prim_func of the prefill for one geometry, page format and tiling; `fp8`: over an FP8 folded pool
-    (its scales an extra argument right after the pool). `reduce_batch`, `max_slack_log2`: the softmax's
-    (`macros.online_softmax_macro`); with a slack the output rescale is `lazy_rescale_macro`'s, otherwise inline (as
-    a macro it would rename the emitted CUDA's reduction workspaces). An experiment's tiles: `key_block`, a function
-    with `key_block_macro`'s signature (the query tiles, the row's copies and which tile feeds which gemm), and
-    `softmax`, a macro with `macros.online_softmax_macro`'s (one key tile of the online softmax), and `rescale`, a
-    macro (accumulators, rescale) that multiplies each output accumulator's rows by the softmax's rescale before P.V;
-    None: the library's."""
+    """The TileLang prim_func of the prefill for one geometry, page format and tiling; `fp8`: over an FP8 folded pool.
+    `reduce_batch`, `max_slack_log2`: the softmax's (`macros.online_softmax_macro`); with a slack the output rescale
+    is `lazy_rescale_macro`'s, otherwise inline (as a macro it would rename the emitted CUDA's reduction workspaces).
+    A version's hook points (None: the library's): `key_block` (`key_block_macro`'s signature), `softmax`
+    (`macros.online_softmax_macro`'s) and `rescale` (a macro (accumulators, rescale))."""
     fmt = KvFormat.parse(fmt)
     check_geometry(geom, fmt)
     require_tilelang()
@@ -367,38 +337,24 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
 @hands_out("prefill_{fmt}")
 def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.FOLDED, *, page_size: int = 64,
           block_N: int = 64, num_stages: int = 1, threads: int = 256, reduce_batch: int = 1,
-          max_slack_log2: float | None = None, arch: str | None = None):
-    """Compile (JIT) the prefill kernel for `geom` and `fmt` over a bf16 pool; returns a TileLang kernel taking the
-    arguments above. The registry's params for each format are the served tiling (`prefill_program` says what each
-    one sets)."""
-    tilelang = require_tilelang()
-    fmt = KvFormat.parse(fmt)
-    check_geometry(geom, fmt)
-
-    @tilelang.jit(target=target(arch) if arch else target(), pass_configs=pass_configs())
-    def prefill(page_size, block_N, num_stages, threads, reduce_batch, max_slack_log2):
-        return prefill_program(geom, fmt, page_size=page_size, block_N=block_N, num_stages=num_stages,
-                               threads=threads, reduce_batch=reduce_batch, max_slack_log2=max_slack_log2)
-
-    return prefill(page_size, block_N, num_stages, threads, reduce_batch, max_slack_log2)
+          max_slack_log2: float | None = None):
+    """Compile (JIT) the prefill kernel for `geom` and `fmt` over a bf16 pool (the registry's params: the served
+    tiling)."""
+    return compile_program(prefill_program(geom, KvFormat.parse(fmt), page_size=page_size, block_N=block_N,
+                                           num_stages=num_stages, threads=threads, reduce_batch=reduce_batch,
+                                           max_slack_log2=max_slack_log2))
 
 
 @hands_out("prefill_{fmt}_fp8")
-def build_fp8(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.FOLDED, *, arch: str | None = None,
-              **tiling):
-    """Compile (JIT) the prefill kernel over an FP8 folded pool with its registered params (registry
-    "prefill_folded_fp8"), overridden by `tiling`; it takes the pool's scales right after the pool."""
-    tilelang = require_tilelang()
+def build_fp8(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.FOLDED, **tiling):
+    """Compile (JIT) the prefill kernel over an FP8 folded pool with its registered params, overridden by `tiling`."""
     fmt = KvFormat.parse(fmt)
-    check_geometry(geom, fmt)
-    cfg = {**registry.get(f"prefill_{fmt.value}_fp8").params, **tiling}
 
-    @tilelang.jit(target=target(arch) if arch else target(), pass_configs=pass_configs())
     def prefill_fp8(page_size, block_N, num_stages, threads):
         return prefill_program(geom, fmt, page_size=page_size, block_N=block_N, num_stages=num_stages,
                                threads=threads, fp8=True)
 
-    kernel = prefill_fp8(**cfg)
+    kernel = compile_program(prefill_fp8(**{**registry.get(f"prefill_{fmt.value}_fp8").params, **tiling}))
     from .cuda_checks import check_e4m3_conversion
 
     check_e4m3_conversion(f"prefill_{fmt.value}_fp8", kernel.get_kernel_source(), macros.CONVERT_BARRIER_ID)

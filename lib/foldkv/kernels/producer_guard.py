@@ -1,25 +1,7 @@
 """Keep the producer loop of TileLang's warp-specialised kernels in the one warp that issues its copies: a rewrite of
-the emitted CUDA (`guard_producer_loops`), applied to every foldkv kernel as TileLang generates it, and its check
-(`check_producer_guard`).
-
-Why (bench/DECODE_NOTES.md run 19, caught under cuda-gdb): TileLang's automatic warp specialisation runs the producer
-loop in all four warps of the producer warpgroup. Each iteration every one of them waits on the stage's "empty"
-mbarrier by parity, and only the elected thread (`tl_shuffle_elect<128>`: warp 0) then issues the TMA copies and
-arrives on the "full" barrier. Nothing waits for warps 1-3. A warp that is slow to leave a wait (its wake-up from
-`try_wait`'s suspend comes late) can find the barrier one phase further on: warp 0 has already issued the next tile and
-the consumers have released it. A parity wait cannot tell "complete" from "two phases on", so that warp waits for a
-phase that, near the end of its loop, never comes: the CTA never exits and the launch never ends (a decode step of
-8,192 tokens hung this way; every other CTA had exited, warp 0 of this one too, and warps 1-3 sat in the empty
-barrier's wait). The same hazard, between the warps of one partition, is what Triton fixed by a barrier before the
-leader's arrive (triton-lang/triton#10035). Warps 1-3 of the producer do nothing but wait (every copy, arrive and
-expect-tx is inside the elected thread's block), so here they skip the loop: after the warpgroup's register
-deallocation (a collective of all four warps, so it stays before the guard) the loop body runs under
-`threadIdx.x < 32`. The rewrite refuses a producer branch that does anything else outside the elected block, since
-dropping three warps from work they share would be wrong, not slow.
-
-A kernel opts in by carrying `MARK` in its imported source (`imported_source`): the rewrite leaves every other
-TileLang kernel of the process alone, and the mark is part of the TileLang program, so a kernel cached before the
-rewrite existed is not found under the new program's cache key.
+the emitted CUDA (`guard_producer_loops`) and its check (`check_producer_guard`); why: kernels/DECODE_SCHEDULE.md, "The
+producer warpgroup". A kernel opts in by carrying `MARK` in its imported source (`imported_source`): every other
+TileLang kernel of the process is left alone, and a kernel cached before the rewrite existed has another cache key.
 """
 
 from __future__ import annotations
@@ -99,7 +81,7 @@ def _check_body(kernel: str, threads: int, body: str) -> None:
 
 
 def guard_producer_loops(source: str, kernel: str = "kernel") -> str:
-    """`source` with every warp-specialised producer loop run by warp 0 alone (the module docstring says why); raises
+    """`source` with every warp-specialised producer loop run by warp 0 alone (DECODE_SCHEDULE.md says why); raises
     ProducerGuardError if a producer branch does more than wait outside its elected thread's block."""
     out, last = [], 0
     for threads, start, end in _producer_branches(source):

@@ -1,8 +1,5 @@
-"""The list of generated kernel variants, written out here: what the AOT build walks and what `resolve.kernel` builds.
-
-Each variant names its builder as a "module:function" string, imported only when a kernel is built, so reading the
-list imports no kernel module (and never TileLang), and nothing is registered by importing a launcher.
-"""
+"""The list of generated kernel variants (`VARIANTS`, with why each one's params), and the record of the kernels this
+process handed out (`note_kernel`, `hands_out`)."""
 
 from __future__ import annotations
 
@@ -17,11 +14,8 @@ from ..validate import FoldKvInputError
 
 @dataclass(frozen=True)
 class KernelVariant:
-    """One generated kernel: `build(geom, **params)` returns a compiled TileLang JIT kernel for that geometry.
-
-    The builder is called as builder(geom, fmt=format, **params) (no `fmt` for a format-independent variant), with
-    the registered params, each overridable by name; `params` lists every constant baked into the build, so that the
-    AOT manifest records them and the AOT backend can refuse a kernel built with other ones."""
+    """One generated kernel: `build(geom, **params)` calls builder(geom, fmt=format, **params) (no `fmt` for a
+    format-independent variant) with the registered params overridden by name."""
 
     name: str  # unique, e.g. "decode_partial_folded"
     family: str  # decode_partial | decode_fused | merge_groups | merge_final | prefill | dequant_pages
@@ -55,45 +49,32 @@ class KernelVariant:
 
 _K = "foldkv.kernels."
 # Decode partial: block_n = 64 tokens (the wgmma M). Folded: two stages of 80 KB fit in shared memory. Split: a
-# 64-row tile is 128 KB, so one stage; K and V are separate buffers the warp-specialised pipeline releases separately
-# (K after the score gemm, V after P V), so the next K load still overlaps the current softmax and P V
-# (bench/DECODE_NOTES.md). reduce_batch = the 4 queries a consumer thread holds: the softmax's max and sum cross the
-# warpgroup's warps through shared memory, and one barrier chain for all four instead of one each is the shorter tile
-# (same values, same order: the same bits).
+# 64-row tile is 128 KB, so one stage; K and V are separate buffers released separately (K after the score gemm, V
+# after P V), so the next K load still overlaps the current softmax and P V. reduce_batch = the 4 queries a consumer
+# thread holds: one barrier chain for all four instead of one each is the shorter tile (the same bits).
 _DECODE_PARTIAL = {
     KvFormat.SPLIT: dict(page_size=64, block_n=64, num_stages=1, threads=128, block_h=16, reduce_batch=4),
     KvFormat.FOLDED: dict(page_size=64, block_n=64, num_stages=2, threads=128, block_h=16, reduce_batch=4),
 }
 # FP8 folded: two stages of the 40 KB e4m3 tiles and one set of their bf16 copies (80 KB) the gemms read. Two consumer
-# warpgroups (threads=256): the consumer converts each tile before its gemms can start, and that, not the bytes, sets
-# the pace; two warpgroups convert a tile in half the time (1.31x faster than one at 163,336 tokens, 1.28x at 32
-# ragged requests; bench/FP8_NOTES.md). A third stage changed nothing. reduce_batch = the 2 queries a consumer thread
-# holds when two warpgroups split S's 16 columns (as above).
+# warpgroups (threads=256): the conversion before each tile's gemms, not the bytes, sets the pace, and two convert a
+# tile in half the time. reduce_batch = the 2 queries a consumer thread holds when two warpgroups split S's columns.
 _DECODE_PARTIAL_FP8 = dict(page_size=64, block_n=64, num_stages=2, threads=256, block_h=16, reduce_batch=2)
-# FP8 folded on FP8 tensor cores (decode_partial_fp8_tc.py; fp8_math="tensor_cores", the FP8 pool's default decode
-# partial): the value window transposed by the consumer ("t4x16": conflict-free), the query and P in two e4m3
-# parts (precise), two CTAs per SM with one stage of the 40 KB e4m3 tiles each (~99 KB of shared memory a CTA; the
-# plan's wave is 2 x SMs): 0.64-0.67x the bf16 folded decode at 163,336 tokens and on ragged batches, where the exact
-# partial takes 1.22-1.36x (bench/FP8_NOTES.md, runs 12-16). Two stages with two CTAs do not fit (~245 KB).
-# reduce_batch = the 4 query values a consumer thread holds.
+# FP8 folded on FP8 tensor cores (decode_partial_fp8_tc.py): the value window transposed by the consumer ("t4x16":
+# conflict-free), the query and P in two e4m3 parts (precise), two CTAs per SM with one stage of the 40 KB e4m3 tiles
+# each (~99 KB of shared memory a CTA; two stages with two CTAs do not fit, ~245 KB). reduce_batch = the 4 query
+# values a consumer thread holds.
 _DECODE_PARTIAL_FP8_TC = dict(page_size=64, block_n=64, num_stages=1, block_h=16, reduce_batch=4, ctas_per_sm=2,
                               transpose="t4x16", precise=True)
 _MERGE = dict(threads=128)
-# Split prefill: its two 1,024-column windows (128 KiB) and the query (64 KiB) leave room for one stage.
-# bf16 folded prefill (prefill_attention.py's docstring, kernels/PREFILL_SCHEDULE.md): the row read once (80 KiB a
-# 64-key tile), two stages (2 x 80 + 48 KiB of q_unrot + 8 KiB of P = 216 KiB of the 227; q_rot in registers);
-# reduce_batch = the 2 query rows a consumer thread holds of S [64, 64] split over two warpgroups (one cross-warpgroup
-# reduction for both); max_slack_log2: the softmax's running max stands until a tile passes it by 2^8 (P <= 256 in
-# float32: exact, and far inside bf16 for P.V), so most tiles skip the output rescale. 1.157x the two-window folded
-# prefill at 8K and at 32K of context on an H100 (63.0% of the in-run matmul rate at 32K; bench/PREFILL_NOTES.md).
+# Split prefill: its two 1,024-column windows (128 KiB) and the query (64 KiB) leave room for one stage. bf16 folded
+# prefill: two stages of the row, reduce_batch 2, the lazy max (max_slack_log2): kernels/PREFILL_SCHEDULE.md says why.
 _PREFILL = {
     KvFormat.SPLIT: dict(page_size=64, block_N=64, num_stages=1, threads=256),
     KvFormat.FOLDED: dict(page_size=64, block_N=64, num_stages=2, threads=256, reduce_batch=2, max_slack_log2=8.0),
 }
-# FP8 folded prefill: one stage of the row's five e4m3 panels (64 x 640 B = 40 KiB) and its 64 scales (256 B), the bf16
-# tiles the gemms read (K_rot 16 KiB + V_unrot 48 KiB + V_rot 16 KiB = 80 KiB), the query (64 KiB) and P (8 KiB):
-# 196,864 B = 192.25 KiB of the 227 KiB. Two stages of panels would take 232.5 KiB; the bf16 windows of the bf16
-# prefill (128 KiB) beside the panels 240.25 KiB. The panels are released once converted, so one stage prefetches.
+# FP8 folded prefill: one stage of the row's five e4m3 panels (40 KiB) and its scales, the bf16 tiles the gemms read
+# (80 KiB), the query (64 KiB) and P (8 KiB): 192.25 KiB of the 227 KiB; two stages of panels would take 232.5 KiB.
 _PREFILL_FP8 = dict(page_size=64, block_N=64, num_stages=1, threads=256)
 _DEQUANT_PAGES = dict(page_size=64, threads=128)  # memory-bound: one CTA per (page, KV head), 320 elements a thread
 
@@ -140,8 +121,7 @@ _HANDED_OUT: dict[tuple, dict] = {}
 
 def note_kernel(name: str, backend: str, source_sha256: str, **details: Any) -> None:
     """Remember that this process built or loaded kernel `name` on `backend` from the CUDA source of that sha256
-    (details: e.g. the cubin's sha256, the AOT folder, the builder's parameters). `foldkv.provenance.provenance` lists
-    them in every record saved afterwards."""
+    (`details`: the cubin's sha256, the builder's arguments, ...), for the provenance of every record saved after."""
     key = (name, backend, source_sha256)
     entry = _HANDED_OUT.setdefault(key, {"name": name, "backend": backend, "source_sha256": source_sha256})
     entry.update({k: v for k, v in details.items() if v is not None})
@@ -152,25 +132,28 @@ def kernels_handed_out() -> list[dict]:
     return [dict(e) for _, e in sorted(_HANDED_OUT.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2]))]
 
 
-def _plain(v: Any) -> Any:
-    """A builder argument as JSON data (a format by its value, a geometry by its name)."""
+def json_value(v: Any) -> Any:
+    """A build argument as JSON data: a format or TVM scalar by its value, a geometry by its name, anything else
+    unknown by its text."""
     if isinstance(v, KvFormat):
         return v.value
-    if isinstance(v, AttentionGeometry):
-        return v.name
     if isinstance(v, (bool, int, float, str)) or v is None:
         return v
+    if isinstance(v, AttentionGeometry):
+        return v.name
     if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
+        return [json_value(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): json_value(x) for k, x in v.items()}
+    if isinstance(getattr(v, "value", None), (bool, int, float, str)):  # a tvm IntImm
+        return v.value
     return str(v)
 
 
 def hands_out(name: str) -> Callable:
-    """Decorate a JIT builder so that every kernel it returns is noted (`note_kernel`) under `name`, a template filled
-    from the builder's bound arguments ("decode_partial_{fmt}"), with the sha256 of the CUDA source TileLang generated for it
-    and the builder's arguments, after checking that its warp-specialised producer loops are guarded
-    (`producer_guard.check_producer_guard`). One decorator on each builder covers every launcher, test and harness
-    that uses it."""
+    """Decorate a JIT builder so that every kernel it returns has its producer loops' guard checked
+    (`producer_guard.check_producer_guard`) and is noted (`note_kernel`) under `name`, a template filled from the
+    builder's arguments ("decode_partial_{fmt}")."""
     import functools
     import hashlib
     import inspect
@@ -188,9 +171,9 @@ def hands_out(name: str) -> Callable:
             flat = {}
             for pname, value in bound.arguments.items():  # a **kwargs builder: its keywords, flattened
                 if sig.parameters[pname].kind is inspect.Parameter.VAR_KEYWORD:
-                    flat.update({k: _plain(v) for k, v in value.items()})
+                    flat.update({k: json_value(v) for k, v in value.items()})
                 else:
-                    flat[pname] = _plain(value)
+                    flat[pname] = json_value(value)
             kernel_name = name.format(**{k: v for k, v in flat.items() if isinstance(v, str)})
             source = kernel.get_kernel_source()
             check_producer_guard(kernel_name, source)  # a kernel cached or built without the rewrite never runs

@@ -1,7 +1,5 @@
-"""The one way a launcher gets a kernel: `kernel(name, geometry, params, backend)`, with one cache (DEVELOPERS.md, "One
-launch path": params override the registered ones by name; "aot" first refuses any that differ from the manifest's);
-`launch_kernels` also takes a launcher's `kernels={name: callable}`, an experiment's kernel in place of that one.
-foldkv.aot is imported only inside the "aot" branch, and it imports no launcher: no import cycle."""
+"""The one way a launcher gets a kernel (DEVELOPERS.md, "One launch path"): `kernel(name, geometry, params, backend)`,
+one cache; `launch_kernels` with a launcher's `kernels={name: callable}`."""
 
 from __future__ import annotations
 
@@ -29,10 +27,6 @@ def kernel_params(name: str, params: Mapping[str, Any] | None = None) -> dict:
     return registry.get(name).arguments(params)
 
 
-def _frozen(params: dict) -> tuple:
-    return tuple(sorted(params.items()))
-
-
 def _check_manifest_params(build, name: str, params: dict) -> None:
     """Refuse every param that differs from what `build`'s manifest recorded for kernel `name`."""
     from ..aot import AotMismatchError
@@ -52,13 +46,12 @@ def _check_manifest_params(build, name: str, params: dict) -> None:
 
 def kernel(name: str, geometry: AttentionGeometry, params: Mapping[str, Any] | None = None,
            backend: str = "jit") -> Callable:
-    """The kernel of variant `name` for `geometry`, built ("jit") or loaded ("aot") with the variant's registered
-    params overridden by `params`; the same object for the same (name, geometry, params, backend) while cached.
-    Raises FoldKvInputError (AotMismatchError for "aot") before building or loading anything it refuses."""
+    """The kernel of variant `name` for `geometry`, built ("jit") or loaded ("aot") with its registered params
+    overridden by `params`; refusals (AotMismatchError for "aot") before anything is built or loaded."""
     check_backend(backend)
     variant = registry.get(name)
     full = variant.arguments(params)
-    key = (name, geometry, _frozen(full), backend)
+    key = (name, geometry, tuple(sorted(full.items())), backend)
     if backend == "jit":
         hit = _CACHE.get(key)
         if hit is None:
@@ -88,9 +81,8 @@ def check_kernels(names: tuple[str, ...], kernels: Mapping[str, Callable] | None
 
 def launch_kernels(names: tuple[str, ...], geometry: AttentionGeometry, params: Mapping[str, Mapping] | None = None,
                    backend: str = "jit", kernels: Mapping[str, Callable] | None = None) -> tuple[Callable, ...]:
-    """The kernels a launch needs, in the order of `names`: `kernels[name]` where given (a callable taking the
-    variant's arguments, e.g. an experiment's build), else `kernel(name, geometry, params.get(name), backend)`.
-    `kernels` is checked first (`check_kernels`)."""
+    """The kernels a launch needs, in the order of `names`: `kernels[name]` where given, else
+    `kernel(name, geometry, params.get(name), backend)`."""
     check_kernels(names, kernels)
     kernels = dict(kernels or {})
     params = params or {}

@@ -1,8 +1,5 @@
-"""The one place TileLang is imported and configured: target, pass configs and compile flags shared by JIT and AOT,
-and the rewrite of the emitted CUDA every warp-specialised foldkv kernel gets (`producer_guard.install`).
-
-Every kernel factory takes its pass configs from `PASS_CONFIGS` so the AOT build can map the same settings to nvcc
-flags (a setting it cannot map is an error there, not a silent difference).
+"""The one place TileLang is imported and configured: its version, the target and pass configs JIT and AOT share, and
+the rewrite of the emitted CUDA every warp-specialised foldkv kernel gets (`producer_guard.install`).
 """
 
 from __future__ import annotations
@@ -52,11 +49,15 @@ def pass_configs() -> dict:
     return {"tl.enable_fast_math": False}
 
 
+def compile_program(program):
+    """Compile (JIT) a foldkv kernel's prim_func with the target and pass configs JIT and AOT share."""
+    return require_tilelang().compile(program, target=target(), pass_configs=pass_configs())
+
+
 def prim_func(name: str, args: dict, body):
     """The TileLang prim_func `name` whose arguments are `args` (name -> `T.Tensor(...)`, in order) and whose body is
-    `body(buffers)` (buffers: name -> the argument's buffer; it calls the kernel's T.macro). What `@T.prim_func` over
-    a Python signature builds, with the argument list as data: so programs whose kernels take a few arguments more or
-    less than another's (the fused step's tail, an FP8 pool's scales, a version's own words) write each list once."""
+    `body(buffers)` (name -> the argument's buffer): `@T.prim_func` with the argument list as data, so kernels whose
+    arguments differ by a few (the fused tail's, an FP8 pool's scales) write each list once."""
     require_tilelang()
     from tilelang.language.eager.builder import Builder, _patch_prim_func_attrs
 

@@ -7,34 +7,8 @@ batch and length, so that one CUDA graph captured over `step` serves every later
     graph = ws.capture(pool)                      # once; then per step: graph.replay(), ws.advance() or ws.plan(...)
     out, lse = ws.output()                        # [batch, Hq, D] bf16 head order, [batch, Hq] f32 natural log
 
-Why a graph survives: the grids are fixed (the partial at `num_chunks` chunks x KV heads, level one at `num_groups`
-groups, level two at `max_batch` requests) and every pointer is the workspace's. Within one wave of bf16 rows the
-step is one fused launch (`fused`: the partial merging each request-head at its tail, kernels/DECODE_SCHEDULE.md) on
-the same chunks; padding chunks belong to no request there (merge count 0) and write only their own slot. Beyond
-one wave of the partial the plan fills all `num_chunks` chunks with real work (`plan.fixed_count_pieces`: the batch
-cut into exactly that many pieces, the longest as short as whole pages allow, laid out longest first like the eager
-plan), so no padded CTA costs a page read; within one wave (num_chunks x KV heads <= SMs, every CTA running at
-once) it is the eager plan's one-wave layout (chunks of the smallest cap that fits, in request order, which measured
-faster there) and the chunks left over are padding. What is padding, and why no kernel needs to know:
-- chunks past the plan's (one wave, or a batch with fewer pages than chunks): one token of request 0 into a slot of
-  their own that no group merges (a zero-length chunk would leave its query load in flight when the CTA exits);
-- groups past the plan's: no members, first slot `num_chunks` (a scratch slot): level one stores 0/0 there, read by
-  nobody;
-- requests past the batch: no groups, so level two writes NaN into output rows past the batch (the fused step leaves
-  them as they are; `output()` is the batch's rows only).
-
-Updating for new lengths never allocates device memory and never waits for the device in steady state:
-- `plan(seq_lens)` plans on the host (a few dozen array operations; the benchmark reports its time against
-  FlashInfer's `plan()`), writes the plan into one of two pinned buffers and copies it with one asynchronous copy
-  on the current stream (it waits only if that buffer's copy of two plans ago has not finished);
-- `advance()` is the decode step's usual change, every length one longer: one device operation adds one token to
-  each request's last chunk (the pieces stay as planned, so the step slowly loses balance: plan again when a request
-  joins or leaves, or every few dozen steps). Its cost is one kernel launch, no host planning.
-The requests' new pages must be in `page_ids` before the step that reads them (`plan(..., page_ids)` copies a device
-block table in; a server can also write `ws.page_ids` itself).
-
-Refusals (FoldKvInputError, before anything is written or launched): a batch larger than `max_batch`, a length past
-`max_len`, a block table too narrow for the lengths or wider than the workspace, a pool of another layout.
+Why one graph serves every step (fixed grids, padding no kernel needs to know of, `plan` and `advance` without an
+allocation or a wait): kernels/DECODE_SCHEDULE.md, "One graph for every step".
 """
 
 from __future__ import annotations
@@ -54,9 +28,7 @@ from .decode import check_decode_pool, launch_step, parse_fp8_math, partial_wave
 from .plan import (DEFAULT_MERGE_GROUP, MAX_BATCH, MAX_LEN, check_lens, chunk_layout, fixed_count_pieces,
                    smallest_cap)
 
-CHUNKS_PER_REQUEST = 4  # the default chunk count: about this many chunks per request of the largest batch, in whole
-# waves of the partial (SMs / KV heads chunks). The byte model of plan.py puts a ragged batch of 32-128 requests
-# within 5% of its ideal step at 4 chunks per request, and a single request at one wave (bench/DECODE_NOTES.md).
+CHUNKS_PER_REQUEST = 4  # the default chunk count per request of the largest batch, in whole waves (DECODE_SCHEDULE.md)
 _ALIGN = 32  # int32 entries: each plan array starts on a 128-byte boundary of the packed buffer
 
 
@@ -72,12 +44,9 @@ def _segment(n: int) -> int:
 
 class DecodeWorkspace:
     """Fixed-address tensors of decode steps for up to `max_batch` requests of up to `max_len` tokens on pools of
-    `layout` (module docstring). num_chunks: the partial's grid (chunks per step, >= max_batch; default
-    `default_num_chunks`); merge_group: slots per level-one group. fp8_math: an FP8 pool's partial, "tensor_cores"
-    (None: the default) or "exact" (the slower, exact-conversion one; `decode.parse_fp8_math`; "tensor_cores" refused
-    for a bf16 layout), fixed for the workspace and
-    its graph; num_sms (default `decode.partial_wave`: the CTAs of that partial at once, 2 x SMs for the tensor-core
-    one) sizes the waves of the default num_chunks and the one-wave layout."""
+    `layout`. num_chunks: the partial's grid (>= max_batch; default `default_num_chunks`); merge_group: slots per
+    level-one group; fp8_math: `decode.parse_fp8_math`, fixed for the workspace and its graph; num_sms (default
+    `decode.partial_wave`) sizes the waves."""
 
     def __init__(self, layout: PagedKvLayout, *, max_batch: int, max_len: int, device: torch.device | str,
                  num_chunks: int | None = None, merge_group: int = DEFAULT_MERGE_GROUP, num_sms: int | None = None,
@@ -216,8 +185,9 @@ class DecodeWorkspace:
         self._lens, self._advanced, self._longest, self.chunks_used = lens, 0, int(lens.max()), used
 
     def advance(self) -> None:
-        """Every request one token longer: one device operation on the current stream (no host planning, no sync).
-        The new tokens' rows must be in the pool, and their pages in `page_ids`, before the next step."""
+        """Every request one token longer: one device operation on the current stream (no host planning, no sync;
+        the pieces stay as planned, so plan again when a request joins or leaves, or every few dozen steps). The new
+        tokens' rows must be in the pool, and their pages in `page_ids`, before the next step."""
         if not self.batch:
             raise FoldKvInputError("advance() before plan(): the workspace holds no batch")
         if self._longest + self._advanced >= self.max_len:
@@ -246,8 +216,7 @@ class DecodeWorkspace:
     def step(self, pool: PagedKvPool, *, backend: str = "jit", kernels: Mapping[str, Callable] | None = None,
              check: bool = True, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch a decode step over the workspace's plan, queries and block table (capturable: no allocation, no
-        host sync): the fused kernel or the three, as `decode.use_fused` says for `fused` (None: fused within one
-        wave of bf16 rows, unless `kernels` replaces one of the three). Returns `output()`."""
+        host sync; `fused` as `decode.use_fused` takes it). Returns `output()`."""
         if check:
             self.check_pool(pool)
             resolve.check_backend(backend)
@@ -273,10 +242,8 @@ class DecodeWorkspace:
 
 def capture_after_warmup(run: Callable[[], Any], device: torch.device,
                          warmup: int = 1) -> tuple[torch.cuda.CUDAGraph, Any, Any]:
-    """`run()` `warmup` times on a side stream of `device` (after the work queued so far), then captured there into a
-    new CUDA graph (`capture_graph`); the current stream waits for each. Returns (the graph, the last warm-up's output
-    (None without one), the captured call's output: what a replay writes). The one warm-up-then-capture of the
-    runtime: the workspace's step and the whole decode step (`foldkv.hf_graph`)."""
+    """`run()` `warmup` times on a side stream of `device`, then captured there into a new CUDA graph
+    (`capture_graph`). Returns (the graph, the last warm-up's output or None, the captured call's output)."""
     stream = torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream(device))
     warm = None
@@ -293,11 +260,9 @@ def capture_after_warmup(run: Callable[[], Any], device: torch.device,
 
 @contextlib.contextmanager
 def capture_graph(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream | None = None) -> Iterator[None]:
-    """`torch.cuda.graph(graph, stream=stream)` with Python's cyclic garbage collector paused until the capture ends.
-    Destroying a CUDA graph while a stream captures invalidates the capture, and an unreachable graph held in a
-    reference cycle (an earlier cache's, say) is destroyed by whichever automatic collection comes next: inside a
-    capture, that collection fails it ("operation failed due to a previous error during capture"). torch collects
-    once as the capture begins; pausing the collector keeps one from running before it ends."""
+    """`torch.cuda.graph(graph, stream=stream)` with Python's cyclic garbage collector paused until the capture ends:
+    a collection inside a capture that destroys an unreachable CUDA graph (an earlier cache's, in a reference cycle)
+    fails the capture."""
     enabled = gc.isenabled()
     gc.disable()
     try:
