@@ -56,6 +56,7 @@ class StepOptions:
     fuse_global_prologue: bool = True
     fuse_global: bool = True
     pdl: bool = True
+    # inside a prefill
     fuse_prefill: bool = True
     merge_prefill: bool = True
     fuse_prefill_norm_rope: bool = True
