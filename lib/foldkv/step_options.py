@@ -15,52 +15,48 @@ from .validate import FoldKvInputError
 
 @dataclass(frozen=True)
 class StepOptions:
-    """What the decode step fuses, merges and overlaps; `StepOptions()` is the served step.
-
-    merge: projections that read one input (a layer's q|k|v, gate|up) read as one GEMV over their weights merged into
-        one tensor (`fused_step.merge_projections`): fewer launches, a larger matrix nearer the read roof.
-    branches: unmerged projections of one input issued on side streams (graph branches whose tails overlap); with
-        merge on, only the groups that could not merge.
-    tail_sums: a split-K projection's float32 partials summed by the norm that reads them (its split_sum launch gone).
-    tail_next_norm: the next decoder layer's input norm made by this layer's last kernel (its own launch gone).
-    fuse_sliding: a sliding layer's norms, RoPE and ring writes as one launch before its ring attention
-        (`fused_step.sliding_prologue`).
-    fuse_global_prologue: a global layer's norms, RoPE, query and row from its projections as two PDL kernels
-        (`global_step.query_from_projection`, `row_from_projection`).
-    fuse_global: a global layer's query and row (after the model's norms and RoPE; a prefill's, an eager decode's
-        and the step's) as two Triton kernels (`global_step.fold_and_store`) instead of the torch definition.
-    pdl: the step's projections at 1..16 rows through `foldkv.gemv`'s tensor-core kernels and the step's Triton
-        kernels launched under programmatic dependent launch; False: F.linear and plain launches.
-    fuse_prefill: a prefill forward on CUDA runs through the step's own forward too (`StepForward.prefill`): its
-        elementwise work one Triton pass each instead of transformers' float32 modules (faster; within transformers'
-        own rounding, not bitwise); its projections cuBLAS's (no PDL inside a prefill).
-    merge_prefill: inside a prefill, a merged projection group as one GEMM over its merged weight; False: one GEMM a
-        projection over its row block (cuBLAS picks kernels by shape: bench/PREFILL_NOTES.md). Not bitwise: another
-        kernel may reduce in another order, within the GEMM's float32 bound.
-    fuse_prefill_norm_rope: inside a prefill on CUDA, each q and k head row's RMSNorm and RoPE as one pass
-        (`fused_step_ops.norm_rope`), bitwise the two passes: ~1% of a 32K prompt's time to first token, measured
-        (bench/PREFILL_NOTES.md).
-    sliding_scratch: inside a prefill, each sliding layer's [kept window | chunk] K and V assembled in one scratch the
-        cache's sliding layers share (`foldkv.sliding_cache`; at batch 1 the norm and RoPE kernels write the chunk's
-        rows there) instead of transformers' torch.cat a layer a chunk, and each layer keeping a window of its own
-        instead of a view that holds the whole concatenation: the same values at the same places (bitwise). Off by
-        default until its A/B has run on the GPU (bench/PREFILL_NOTES.md: -11 to -12 ms a 4K chunk of the 31B
-        predicted, 3.3 GB less held).
-    """
+    """What the decode step fuses, merges and overlaps; `StepOptions()` is the served step (each field says what it
+    chooses and why)."""
 
     merge: bool = True
+    """projections that read one input (a layer's q|k|v, gate|up) read as one GEMV over their weights merged into one
+    tensor (`fused_step.merge_projections`): fewer launches, a larger matrix nearer the read roof."""
     branches: bool = True
+    """unmerged projections of one input issued on side streams (graph branches whose tails overlap); with merge on,
+    only the groups that could not merge."""
     tail_sums: bool = True
+    """a split-K projection's float32 partials summed by the norm that reads them (its split_sum launch gone)."""
     tail_next_norm: bool = True
+    """the next decoder layer's input norm made by this layer's last kernel (its own launch gone)."""
     fuse_sliding: bool = True
+    """a sliding layer's norms, RoPE and ring writes as one launch before its ring attention
+    (`fused_step.sliding_prologue`)."""
     fuse_global_prologue: bool = True
+    """a global layer's norms, RoPE, query and row from its projections as two PDL kernels
+    (`global_step.query_from_projection`, `row_from_projection`)."""
     fuse_global: bool = True
+    """a global layer's query and row (after the model's norms and RoPE; a prefill's, an eager decode's and the step's)
+    as two Triton kernels (`global_step.fold_and_store`) instead of the torch definition."""
     pdl: bool = True
-    # inside a prefill
+    """the step's projections at 1..16 rows through `foldkv.gemv`'s tensor-core kernels and the step's Triton kernels
+    launched under programmatic dependent launch; False: F.linear and plain launches."""
     fuse_prefill: bool = True
+    """a prefill forward on CUDA runs through the step's own forward too (`StepForward.prefill`): its elementwise work
+    one Triton pass each instead of transformers' float32 modules (faster; within transformers' own rounding, not
+    bitwise); its projections cuBLAS's (no PDL inside a prefill)."""
     merge_prefill: bool = True
+    """inside a prefill, a merged projection group as one GEMM over its merged weight; False: one GEMM a projection over
+    its row block (cuBLAS picks kernels by shape: bench/PREFILL_NOTES.md). Not bitwise: another kernel may reduce in
+    another order, within the GEMM's float32 bound."""
     fuse_prefill_norm_rope: bool = True
+    """inside a prefill on CUDA, each q and k head row's RMSNorm and RoPE as one pass (`fused_step_ops.norm_rope`),
+    bitwise the two passes: ~1% of a 32K prompt's time to first token, measured (bench/PREFILL_NOTES.md)."""
     sliding_scratch: bool = False
+    """inside a prefill, each sliding layer's [kept window | chunk] K and V assembled in one scratch the cache's sliding
+    layers share (`foldkv.sliding_cache`; at batch 1 the norm and RoPE kernels write the chunk's rows there) instead of
+    transformers' torch.cat a layer a chunk, and each layer keeping a window of its own instead of a view that holds the
+    whole concatenation: the same values at the same places (bitwise). Off by default until its A/B has run on the GPU
+    (bench/PREFILL_NOTES.md: -11 to -12 ms a 4K chunk of the 31B predicted, 3.3 GB less held)."""
 
 
 SERVED = StepOptions()
