@@ -362,3 +362,20 @@ def test_the_warm_up_runs_the_window_as_a_first_and_a_later_chunk(bf16_step, tra
     assert windows == {("window_attention", False), ("window_attention", True)}, windows
     monkeypatch.setattr(window_attention, "refusal", lambda *a, **kw: "refused")  # red twin: the window skipped
     assert not {key for key in _warm_launches(step, pool, traced, rows=24) if key[0] == "window_attention"}
+
+
+@pytest.mark.parametrize("itemsize", [4, 8])
+def test_uploaded_arrays_start_16_byte_aligned(itemsize):
+    """A global layer's pages and offsets (int64) and the prefill's plan (int32) share one uploaded buffer; each
+    starts where a tensor of its own would (16-byte aligned), so a Triton kernel given one takes the build the warm-up
+    made (a chunk of an odd length once put its offsets at 8 bytes past: another build inside the first prompt)."""
+    from foldkv.kernels.prefill import UPLOAD_ALIGN, upload_starts
+
+    def misaligned(starts, sizes):
+        return [i for i, at in enumerate(starts[:-1]) if (at * itemsize) % UPLOAD_ALIGN or
+                starts[i + 1] < at + sizes[i]]
+
+    sizes = [1, 3, 301, 300, 4097, 2]
+    assert not misaligned(upload_starts(sizes, itemsize), sizes)
+    packed = [sum(sizes[:i]) for i in range(len(sizes) + 1)]  # red twin: the arrays end to end
+    assert misaligned(packed, sizes)

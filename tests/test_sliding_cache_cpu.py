@@ -49,6 +49,29 @@ def _rows(g, batch, t):
     return torch.randn(batch, t, HEADS, DIM, generator=g)
 
 
+def _written(place: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`rows` written into `place` as the step's kernels write it: their packed output (`fused_step_ops._destination`,
+    [rows, D]) viewed back as [B, T, H, D], whose size-1 batch gets a stride of its own, not the scratch's."""
+    from foldkv.fused_step_ops import _destination
+
+    out = _destination(place, (rows.numel() // rows.shape[-1], rows.shape[-1]), rows)
+    return out.copy_(rows.reshape(out.shape)).view(rows.shape)
+
+
+def test_a_kernels_output_in_its_place_is_recognised_as_placed():
+    """At batch 1 the kernels' output viewed back has another batch stride than the scratch's rows (the case a
+    comparison of every stride missed: it then copied the rows onto themselves)."""
+    from foldkv.sliding_cache import _is_view_of
+
+    scratch = SlidingScratch(WINDOW)
+    k_at, _ = scratch.chunk(1, 5, HEADS, DIM, torch.float32, "cpu")
+    rows = _written(k_at, torch.randn(1, 5, HEADS, DIM)).transpose(1, 2)
+    assert rows.stride() != k_at.transpose(1, 2).stride()  # (the case is the one that needs the rule)
+    assert _is_view_of(rows, k_at)
+    _, later = scratch.tensors(1, 6, HEADS, DIM, torch.float32, "cpu")[0], scratch.k[:, WINDOW:WINDOW + 5]
+    assert not _is_view_of(rows, later)  # red twin: the place one row later
+
+
 def mismatch(layer_class, chunks, batch, placed, seed=0) -> str | None:
     """The check: `layer_class` and transformers' layer fed the same chunks; None when every chunk's returned states,
     kept window, count and mask sizes are bitwise transformers', else what differs first. `placed`: the rows written
@@ -62,9 +85,8 @@ def mismatch(layer_class, chunks, batch, placed, seed=0) -> str | None:
         want = theirs.update(k.transpose(1, 2), v.transpose(1, 2))
         if placed:
             k_at, v_at = ours.chunk_rows(batch, t, HEADS, DIM, k.dtype, k.device)
-            k_at.copy_(k)
-            v_at.copy_(v)
-            got = ours.update(k_at.transpose(1, 2), v_at.transpose(1, 2))
+            k_in, v_in = _written(k_at, k), _written(v_at, v)
+            got = ours.update(k_in.transpose(1, 2), v_in.transpose(1, 2))
         else:
             with using(SCRATCH):
                 got = ours.update(k.transpose(1, 2), v.transpose(1, 2))

@@ -75,9 +75,12 @@ class SlidingScratch:
 
 
 def _is_view_of(rows: torch.Tensor, place: torch.Tensor) -> bool:
-    """Whether rows [B, H, T, D] are exactly `place` [B, T, H, D] transposed (the same memory, shape and strides)."""
+    """Whether rows [B, H, T, D] are exactly `place` [B, T, H, D] transposed (the same memory, shape and strides; a
+    dimension of size 1 has no stride that matters: a kernel's packed output viewed back as [1, T, H, D] gets its own
+    for the batch)."""
     want = place.transpose(1, 2)
-    return (rows.data_ptr() == want.data_ptr() and rows.shape == want.shape and rows.stride() == want.stride()
+    strides = all(a == b for a, b, n in zip(rows.stride(), want.stride(), want.shape) if n > 1)
+    return (rows.data_ptr() == want.data_ptr() and rows.shape == want.shape and strides
             and rows.dtype == want.dtype and rows.device == want.device)
 
 

@@ -131,17 +131,31 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
     return out, lse
 
 
+UPLOAD_ALIGN = 16  # bytes: where each uploaded array starts, as a tensor of its own would (Triton specialises a kernel
+# on whether each pointer is 16-byte aligned: an array at an odd place in the buffer would take another build)
+
+
+def upload_starts(sizes: list[int], itemsize: int) -> list[int]:
+    """Where arrays of `sizes` elements start in `upload`'s one buffer (elements; the last entry its length), each
+    at a multiple of UPLOAD_ALIGN bytes."""
+    step = max(1, UPLOAD_ALIGN // itemsize)
+    starts, at = [], 0
+    for n in sizes:
+        starts.append(at)
+        at += -(-n // step) * step
+    return starts + [at]
+
+
 def upload(device: torch.device, *arrays: torch.Tensor, dtype: torch.dtype = torch.int32) -> list[torch.Tensor]:
-    """Integer tensors as `dtype` views of one buffer on `device`, in the order given, through one pinned host buffer
-    and one asynchronous copy (no wait for the stream); to a device other than CUDA, plain copies."""
+    """Integer tensors as `dtype` views of one buffer on `device`, in the order given, each 16-byte aligned
+    (`upload_starts`), through one pinned host buffer and one asynchronous copy (no wait for the stream); to a device
+    other than CUDA, plain copies."""
     if torch.device(device).type != "cuda":
         return [a.to(device, dtype) for a in arrays]
     flat = [a.reshape(-1).to("cpu", dtype) for a in arrays]
-    host = torch.empty(sum(a.numel() for a in flat), dtype=dtype, pin_memory=True)
-    torch.cat(flat, out=host)
+    starts = upload_starts([a.numel() for a in flat], torch.empty((), dtype=dtype).element_size())
+    host = torch.zeros(starts[-1], dtype=dtype, pin_memory=True)
+    for a, at in zip(flat, starts):
+        host[at:at + a.numel()] = a
     on_device = host.to(device, non_blocking=True)
-    views, at = [], 0
-    for a in arrays:
-        views.append(on_device[at:at + a.numel()].view(a.shape))
-        at += a.numel()
-    return views
+    return [on_device[at:at + a.numel()].view(a.shape) for a, at in zip(arrays, starts)]
