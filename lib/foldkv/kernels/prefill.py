@@ -153,7 +153,7 @@ def upload(device: torch.device, *arrays: torch.Tensor, dtype: torch.dtype = tor
     if torch.device(device).type != "cuda":
         return [a.to(device, dtype) for a in arrays]
     flat = [a.reshape(-1).to("cpu", dtype) for a in arrays]
-    starts = upload_starts([a.numel() for a in flat], torch.empty((), dtype=dtype).element_size())
+    starts = upload_starts([a.numel() for a in flat], dtype.itemsize)
     host = torch.zeros(starts[-1], dtype=dtype, pin_memory=True)
     for a, at in zip(flat, starts):
         host[at:at + a.numel()] = a
