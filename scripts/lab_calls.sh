@@ -47,6 +47,12 @@
 #                 twin), then bench/window_kernel_probe.py: the same cases per arm, then a 4,096-query chunk at S =
 #                 4,096 and 5,119 against FlashAttention-2's window (bench/PREFILL_NOTES.md "Prediction: the sliding
 #                 window as a TileLang kernel") (~3-5 min: three kernels built, each case checked a head at a time)
+#   PART=scratch_ab  the sliding layers' K/V in one scratch (`sliding_scratch`) against the served concatenation: the
+#                 GPU tests of the stores' aligned uploads and of the scratch, then TTFT at 32K (3 rounds) and 128K (1
+#                 round), folded, rotated; the 16K profile of both; then the process's first prompt located: a fresh
+#                 process's 4,096 twice under cProfile, and again with every CUDA module loaded at start
+#                 (CUDA_MODULE_LOADING=EAGER: if its first prompt pays nothing, lazy module loading is what it paid)
+#                 (bench/PREFILL_NOTES.md "Prediction (written before its run): the sliding layers' prefill K/V...") (~8-9 min)
 # (The 31B step's runs 22-25 were measured at 9f9ef77: papermill_runs/h200-20261205-s27.)
 # Prepare on the CPU machine first: scripts/prepare_device_run.sh (carry .devsite build/aot build/checkout.json).
 #
@@ -213,4 +219,26 @@ if [ "$PART" = window_kernel ]; then  # one TileLang cache: the test builds the 
   echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/window_kernel_pytest.log")"
   timeout ${WK_S:-300} python3 bench/window_kernel_probe.py --out "$OUTD" > "$OUTD/window_kernel_probe.log" 2>&1
   echo "window kernel probe rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "FAIL|rror|^  T=|built|check done|matmul|done at" "$OUTD/window_kernel_probe.log" | tail -${TAIL:-40}
+fi
+
+if [ "$PART" = scratch_ab ]; then  # one TileLang cache: the tests build the prefill kernels, the rest load them
+  N=foldkv-folded; P="python3 bench/prefill_probe.py --out $OUTD"
+  FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-150} python3 -m pytest -q -ra --tb=short -p no:cacheprovider \
+    tests/test_first_use_gpu.py tests/test_sliding_cache_gpu.py > "$OUTD/scratch_ab_pytest.log" 2>&1
+  echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/scratch_ab_pytest.log")"
+  timeout ${AB_S:-110} $P ttft --rounds 3 --cells $N:32768 $N:32768@sliding_scratch=1 > "$OUTD/scratch_ab_32k.log" 2>&1
+  echo "32K rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round|matmul" "$OUTD/scratch_ab_32k.log"
+  mkdir -p "$OUTD/first"
+  timeout ${FIRST_S:-45} $P first --cprofile --cells $N:4096 $N:4096 > "$OUTD/scratch_ab_first.log" 2>&1
+  echo "first rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "^ +[0-9]+:" "$OUTD/scratch_ab_first.log"
+  CUDA_MODULE_LOADING=EAGER timeout ${FIRST_S:-45} python3 bench/prefill_probe.py --out "$OUTD/first" first \
+    --cells $N:4096 $N:4096 > "$OUTD/scratch_ab_first_eager.log" 2>&1
+  echo "first (eager modules) rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "^ +[0-9]+:" "$OUTD/scratch_ab_first_eager.log"
+  timeout ${PROF_S:-60} $P profile --cells $N:16384 $N:16384@sliding_scratch=1 > "$OUTD/scratch_ab_profile.log" 2>&1
+  echo "profile rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "chunk|did not" "$OUTD/scratch_ab_profile.log"
+  mkdir -p "$OUTD/long"
+  timeout ${LONG_S:-110} python3 bench/prefill_probe.py --out "$OUTD/long" ttft --rounds 1 --no-untimed \
+    --cells $N:131072 $N:131072@sliding_scratch=1 > "$OUTD/scratch_ab_128k.log" 2>&1
+  echo "128K rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round|matmul" "$OUTD/scratch_ab_128k.log"
+  (cd "$OUTD" && tar -czf scratch_ab.tgz scratch_ab_*.log prefill_*.json first long *.json.gz 2>/dev/null)
 fi
