@@ -15,8 +15,11 @@ of a step option in one process, each value its own arm of the rotation). Every 
   seconds each took are the fresh-cache first use.
 - first: the cells in the order given, each timed, in a process that found the caches warm: the first call of a
   length pays what compiles, tunes or allocates for that length; each cell's cache creation timed beside it (what a
-  FoldKvCache does ahead of the first prompt: its prefill kernels resolved and its first launches warmed). --cprofile: each cell under cProfile too, its
-  slowest functions by cumulative time saved (what the first use spends its time in).
+  FoldKvCache does ahead of the first prompt: its prefill kernels resolved and its first launches warmed). --cprofile:
+  each cell under cProfile too, its slowest functions by cumulative time saved (what the first use spends its time
+  in). --launches: each cell under torch.profiler too, its prompt's longest kernel launch calls saved with the kernel
+  each launched (CUDA's lazy module loading is paid inside a kernel's first launch call:
+  foldkv.lab.prefill_breakdown.slow_launches).
 - ttft: the cells in `rounds` rounds, the arm order rotated each round, after one untimed call of each cell (steady
   state: the first use of each length is paid before timing). The matmul rate is measured in the same process.
 - profile: the cells once untimed, then once under torch.profiler with the lab's prefill scopes open around foldkv's
@@ -161,6 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--launches", action="store_true", help="first: each cell's longest launch calls (torch.profiler)")
     ap.add_argument("--no-untimed", action="store_true", help="ttft: no untimed first call of each cell")
     ap.add_argument("--glue", choices=["fused", "unfused"], default="fused",
                     help="a prefill's norms, RoPE, GELU x up and residual tails: the decode step's fused kernels (the "
@@ -216,7 +220,22 @@ def main(argv=None) -> int:
             prof = cProfile.Profile() if args.cprofile else None
             if prof:
                 prof.enable()
-            r = run(c, seed=i)
+            if args.launches:
+                from torch.profiler import ProfilerActivity, profile
+
+                from foldkv.lab.prefill_breakdown import slow_launches
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                    r = run(c, seed=i)
+                path = os.path.join(tempfile.mkdtemp(), "trace.json")
+                p.export_chrome_trace(path)
+                with open(path) as f:
+                    r["slow_launches"] = slow_launches(json.load(f), top=25, within=md.PROMPT_RANGE)
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+                for x in r["slow_launches"][:8]:
+                    print(f"     {x['us'] / 1e3:7.2f} ms {x['call']} {x['kernel'][:100]}", flush=True)
+            else:
+                r = run(c, seed=i)
             if prof:
                 prof.disable()
                 s = io.StringIO()

@@ -68,13 +68,17 @@ def test_the_first_prompt_of_a_process_loads_no_triton_kernel(tmp_path_factory, 
     require_module("transformers")
     require_module("safetensors")
     from foldkv.lab.synthetic import make_synthetic_checkpoint
+    from foldkv.step_options import in_force
 
     ckpt = make_synthetic_checkpoint(tmp_path_factory.mktemp("synthetic_first_use"), seed=2)
     got = _first_prompt(ckpt, "warm")
     grown = {k: (got["before"][k], v) for k, v in got["after"].items() if v != got["before"][k]}
     assert not grown, f"kernels loaded inside the first prompt (before, after): {grown}"
-    for name in ("rms_norm_rows", "rope_rows", "gelu_mul_rows", "norm_add_rows"):
-        assert got["before"][name] > 0, (name, got["before"])  # warmed at the cache's creation
+    # the served prefill's kernels, warmed at the cache's creation: q and k normed and rotated in one pass by
+    # default (the norm, then RoPE, with the option off)
+    rope = "q_norm_rope_rows" if in_force().fuse_prefill_norm_rope else "rope_rows"
+    for name in ("rms_norm_rows", rope, "gelu_mul_rows", "norm_add_rows"):
+        assert got["before"][name] > 0, (name, got["before"])
 
     twin = _first_prompt(ckpt, "cold")  # red twin: no warm-up, the first prompt loads them
     assert any(v > twin["before"][k] for k, v in twin["after"].items()), twin

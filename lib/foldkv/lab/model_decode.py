@@ -300,6 +300,9 @@ def measure_decode(model: nn.Module, arm_name: str, *, context: int, batch: int,
     }
 
 
+PROMPT_RANGE = "foldkv.prompt"  # `measure_prefill`'s generate() in a profile
+
+
 @torch.no_grad()
 def measure_prefill(model: nn.Module, arm_name: str, *, prompt_tokens: int, new_tokens: int, prefill_chunk: int,
                     seed: int = 0, batch: int = 1) -> dict:
@@ -323,9 +326,10 @@ def measure_prefill(model: nn.Module, arm_name: str, *, prompt_tokens: int, new_
         clock = step_clock(dev)
         torch.cuda.synchronize(dev)  # the prompt exists before the clock starts
         t0 = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, prefill_chunk_size=prefill_chunk,
-                             stopping_criteria=[clock], **{cache_keyword(model): cache})
+        with torch.profiler.record_function(PROMPT_RANGE):  # a profile's prompt, apart from the cache's creation
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, prefill_chunk_size=prefill_chunk,
+                                 stopping_criteria=[clock], **{cache_keyword(model): cache})
         stamps = clock.stamps
         peak = torch.cuda.max_memory_allocated(dev) - before
         memory = memory_components(cache, peak, weight_bytes(model))

@@ -163,13 +163,17 @@ def breakdown(kernels: Iterable[KernelEvent], ranges: Iterable[HostRange] = (),
 
 def chunk_windows(kernels: Sequence[KernelEvent], ranges: Sequence[HostRange]) -> list[tuple[float, float]]:
     """Each CHUNK range's wall time, in order: from the range's start on the host (the forward's first launch is
-    after it) to the end of the last kernel launched inside it (the GPU finishes after the host leaves the range);
-    a range that launched nothing ends where it ends."""
-    out = []
+    after it), or from where the previous chunk's window ended if later (a host that runs ahead of the GPU enters
+    the next chunk while the GPU still runs this one's kernels: the windows would overlap and count those kernels
+    twice), to the end of the last kernel launched inside it (the GPU finishes after the host leaves the range); a
+    range that launched nothing ends where it ends."""
+    out: list[tuple[float, float]] = []
     for r in sorted((r for r in ranges if r.name == CHUNK), key=lambda r: r.start_us):
         ends = [k.start_us + k.dur_us for k in kernels if k.launched_at is not None
                 and r.start_us <= k.launched_at <= r.end_us and (r.thread is None or k.thread in (None, r.thread))]
-        out.append((r.start_us, max([r.end_us, *ends])))
+        end = max([r.end_us, *ends])
+        start = max(r.start_us, out[-1][1]) if out else r.start_us
+        out.append((min(start, end), end))
     return out
 
 
@@ -236,5 +240,24 @@ def chrome_trace_events(trace: dict) -> tuple[list[KernelEvent], list[HostRange]
     return kernels, ranges
 
 
+def slow_launches(trace: dict, top: int = 20, within: str | None = None) -> list[dict]:
+    """The `top` longest runtime or driver launch calls of a chrome trace, each with the kernel it launched (same
+    correlation id): where a process's first prompt pays lazy module loading (CUDA loads a kernel's module at its first
+    launch, inside that launch call) or a library's first-use set-up, which a warm-up can then launch ahead. Calls that
+    launched no kernel (copies, syncs) are not counted; with `within`, only calls inside a user annotation of that
+    name (`torch.profiler.record_function`)."""
+    events = trace["traceEvents"]
+    kernels = {e["args"]["correlation"]: e["name"] for e in events
+               if e.get("cat") == "kernel" and "correlation" in e.get("args", {})}
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events
+             if within is not None and e.get("cat") == "user_annotation" and e.get("name") == within]
+    out = [{"call": e["name"], "us": float(e["dur"]), "kernel": kernels[e["args"]["correlation"]]} for e in events
+           if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("ph") == "X"
+           and e.get("args", {}).get("correlation") in kernels
+           and (within is None or any(a <= e["ts"] <= b for a, b in spans))]
+    return sorted(out, key=lambda x: -x["us"])[:top]
+
+
 __all__ = ["COMPONENTS", "Breakdown", "HostRange", "KernelEvent", "NAME_RULES", "SCOPE_COMPONENT", "breakdown",
-           "chrome_trace_events", "chunk_windows", "component_by_name", "component_of", "kernel_events"]
+           "chrome_trace_events", "chunk_windows", "component_by_name", "component_of", "kernel_events",
+           "slow_launches"]
