@@ -53,6 +53,10 @@
 #                 process's 4,096 twice under cProfile, and again with every CUDA module loaded at start
 #                 (CUDA_MODULE_LOADING=EAGER: if its first prompt pays nothing, lazy module loading is what it paid)
 #                 (bench/PREFILL_NOTES.md "Prediction (written before its run): the sliding layers' prefill K/V...") (~8-9 min)
+#   PART=runtime_check  after a change of the runtime's host code: the kernels built side by side first (jit_build_all,
+#                 JIT_S), the GPU tests of what changed (RC_TESTS), then a fresh process's first prompts under the
+#                 profiler (`prefill_probe.py first --launches`: the longest launch calls of each prompt and the kernel
+#                 each launched) and the served TTFT at 4K and 32K (folded, 3 rounds) (~8-9 min)
 # (The 31B step's runs 22-25 were measured at 9f9ef77: papermill_runs/h200-20261205-s27.)
 # Prepare on the CPU machine first: scripts/prepare_device_run.sh (carry .devsite build/aot build/checkout.json).
 #
@@ -241,4 +245,20 @@ if [ "$PART" = scratch_ab ]; then  # one TileLang cache: the tests build the pre
     --cells $N:131072 $N:131072@sliding_scratch=1 > "$OUTD/scratch_ab_128k.log" 2>&1
   echo "128K rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round|matmul" "$OUTD/scratch_ab_128k.log"
   (cd "$OUTD" && tar -czf scratch_ab.tgz scratch_ab_*.log prefill_*.json first long *.json.gz 2>/dev/null)
+fi
+
+if [ "$PART" = runtime_check ]; then  # one TileLang cache: built side by side first, the rest load it
+  N=foldkv-folded; P="python3 bench/prefill_probe.py --out $OUTD"
+  timeout ${JIT_S:-150} python3 scripts/jit_build_all.py > "$OUTD/rc_jit.log" 2>&1
+  echo "jit build rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/rc_jit.log")"
+  FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-300} python3 -m pytest -q -ra --tb=short -p no:cacheprovider \
+    ${RC_TESTS:-tests/test_workspace_gpu.py tests/test_first_use_gpu.py tests/test_hf_gpu.py} > "$OUTD/rc_pytest.log" 2>&1
+  echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/rc_pytest.log")"; grep -E "^(FAILED|ERROR)" "$OUTD/rc_pytest.log" | head -20
+  mkdir -p "$OUTD/first"
+  timeout ${FIRST_S:-60} python3 bench/prefill_probe.py --out "$OUTD/first" first --launches --cells $N:4096 $N:4096 \
+    > "$OUTD/rc_first.log" 2>&1
+  echo "first rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "^ +[0-9]+:|^ +[0-9.]+ ms" "$OUTD/rc_first.log"
+  timeout ${AB_S:-100} $P ttft --rounds 3 --cells $N:32768 $N:4096 > "$OUTD/rc_ttft.log" 2>&1
+  echo "ttft rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round|matmul" "$OUTD/rc_ttft.log"
+  (cd "$OUTD" && tar -czf runtime_check.tgz rc_*.log prefill_*.json first 2>/dev/null)
 fi

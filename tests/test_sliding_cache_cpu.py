@@ -216,3 +216,30 @@ def test_the_steps_prefill_asks_the_layers_for_their_places(model, monkeypatch):
     assert torch.equal(runs[True][0], runs[False][0])
     for (on_keys, on_copied), (off_keys, off_copied) in zip(runs[True][1], runs[False][1]):
         assert torch.equal(on_keys, off_keys) and (on_copied, off_copied) == (4, 0)
+
+
+def test_the_first_update_copies_nothing_from_the_host(monkeypatch):
+    """A layer's first update of a prompt makes its window-size tensor on the device with no `.to` (a copy from
+    pageable memory waits for the stream: 50 waits in a 31B prompt's first chunk), with transformers' values; red
+    twin: transformers' own layer copies it with `.to`."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    calls = []
+    real = torch.Tensor.to
+
+    def recording(self, *args, **kwargs):
+        calls.append((tuple(self.shape), args, kwargs))
+        return real(self, *args, **kwargs)
+
+    k = torch.randn(1, 2, 5, 4)
+    ours, theirs = ScratchSlidingLayer(8, SlidingScratch(8)), DynamicSlidingWindowLayer(sliding_window=8)
+    monkeypatch.setattr(torch.Tensor, "to", recording)
+    ours.lazy_initialization(k, k)
+    assert calls == []
+    theirs.lazy_initialization(k, k)
+    assert calls  # the red twin
+    monkeypatch.undo()
+    for name in ("keys", "values", "_sliding_window_tensor"):
+        a, b = getattr(ours, name), getattr(theirs, name)
+        assert torch.equal(a, b) and a.dtype == b.dtype and a.device == b.device, name
+    assert ours.is_initialized and ours.device == theirs.device

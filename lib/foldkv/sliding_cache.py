@@ -34,7 +34,7 @@ cache it is handed.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .step_options import in_force
 
@@ -96,6 +96,14 @@ class ScratchSlidingLayer(DynamicSlidingWindowLayer):
         self.scratch = scratch
         self.placed = 0
         self.copied = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """transformers' initialisation without its copy of the window size to the device: `.to(device)` from pageable
+        memory waits for the stream, so each sliding layer's first update of a prompt drained the GPU's queue (50
+        waits in a 31B prompt's first chunk, the GPU idle through each layer's host work). A fill on the device
+        instead; the empty keys and values are transformers' own (an empty copy moves nothing)."""
+        DynamicLayer.lazy_initialization(self, key_states, value_states)
+        self._sliding_window_tensor = torch.full((), self.sliding_window, dtype=torch.long, device=self.device)
 
     def chunk_rows(self, batch: int, tokens: int, heads: int, head_dim: int, dtype: torch.dtype,
                    device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
