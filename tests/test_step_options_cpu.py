@@ -19,7 +19,7 @@ from foldkv.step_options import SERVED, StepOptions, in_force, using
 from foldkv.validate import FoldKvInputError
 
 
-OFF_UNTIL_MEASURED = {"sliding_scratch"}  # a served path changes only on a measured gain
+OFF_UNTIL_MEASURED: set[str] = set()  # a served path changes only on a measured gain: a new choice starts here
 
 
 def test_the_served_options_are_every_choice_on_but_the_unmeasured_and_frozen():
