@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import types
 
 import numpy as np
 import pytest
@@ -178,3 +179,29 @@ def test_capture_graph_pauses_the_collector(monkeypatch, capture):
     gc.collect()
     assert len(destroyed) == 1
     assert during == (0 if capture == "capture_graph" else 1)
+
+
+@pytest.mark.parametrize("capture", ["capture_graph", "torch_cuda_graph"])
+def test_a_failed_capture_ends_the_generators_capture(monkeypatch, capture):
+    """A capture whose end raises (an invalidated capture: torch's capture_end raises before the CUDA generators'
+    epilogue) is followed by one capture that ends cleanly, and its error is the one raised; red twin: the bare
+    `torch.cuda.graph` leaves it there (on a GPU every later random op then raises: the GPU half is
+    tests/test_workspace_gpu.py::test_capture_outlives_a_garbage_graph and the refusal tests after it)."""
+    captures: list[str] = []
+
+    @contextlib.contextmanager
+    def graph(g, stream=None):
+        captures.append("begin")
+        yield
+        if len(captures) == 1:
+            raise RuntimeError("operation failed due to a previous error during capture")
+        captures.append("ended")
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: types.SimpleNamespace(device="cpu"))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    with pytest.raises(RuntimeError, match="previous error during capture"):
+        with (capture_graph if capture == "capture_graph" else torch.cuda.graph)(None):
+            pass
+    assert captures == (["begin", "begin", "ended"] if capture == "capture_graph" else ["begin"])

@@ -13,7 +13,7 @@ from conftest import collecting_at_every_allocation, drop_into_garbage
 
 import foldkv
 from foldkv import FoldKvInputError, KvFormat
-from foldkv.kernels.workspace import DecodeWorkspace
+from foldkv.kernels.workspace import DecodeWorkspace, end_generator_capture
 from foldkv.lab import gates
 
 pytestmark = pytest.mark.gpu
@@ -100,6 +100,11 @@ def test_capture_outlives_a_garbage_graph(cuda_device, collector):
                 with pytest.raises(RuntimeError, match="capture"):
                     with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
                         ws.step(inputs.pool, kernels=kernels, check=False)
+                # the bare capture left the device's random generator in capture mode: the library's way out
+                with pytest.raises(RuntimeError, match="Offset increment outside graph capture"):
+                    torch.randn(1, device=cuda_device)
+                end_generator_capture(cuda_device)
+                torch.randn(1, device=cuda_device)
                 return
     finally:
         held.clear()

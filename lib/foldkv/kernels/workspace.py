@@ -262,15 +262,33 @@ def capture_after_warmup(run: Callable[[], Any], device: torch.device,
 def capture_graph(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream | None = None) -> Iterator[None]:
     """`torch.cuda.graph(graph, stream=stream)` with Python's cyclic garbage collector paused until the capture ends:
     a collection inside a capture that destroys an unreachable CUDA graph (an earlier cache's, in a reference cycle)
-    fails the capture."""
+    fails the capture. A capture that fails leaves the device's random generators usable (`end_generator_capture`)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         with torch.cuda.graph(graph, stream=stream):
             yield
+    except BaseException:
+        end_generator_capture(stream.device if stream is not None else None)
+        raise
     finally:
         if enabled:
             gc.enable()
 
 
-__all__ = ["DecodeWorkspace", "capture_after_warmup", "capture_graph", "default_num_chunks", "CHUNKS_PER_REQUEST"]
+def end_generator_capture(device: torch.device | int | None = None) -> None:
+    """After a failed capture: torch's `CUDAGraph.capture_end` raises on an invalidated capture before it takes the
+    CUDA random generators out of capture mode, and every later random op on that device then raises ("Offset
+    increment outside graph capture encountered unexpectedly"). One small capture that ends cleanly runs their
+    epilogue. Best effort: a device that cannot capture any more keeps the error it has."""
+    try:
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream()
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=side):
+                torch.empty(1, device=side.device).fill_(0)
+    except Exception:  # noqa: BLE001 (the failed capture's own error is the one raised)
+        pass
+
+
+__all__ = ["DecodeWorkspace", "capture_after_warmup", "capture_graph", "default_num_chunks", "end_generator_capture",
+           "CHUNKS_PER_REQUEST"]
