@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import operator
 import os
 import threading
 from typing import Any, Sequence
@@ -91,22 +92,11 @@ def check_build_matches(
         raise AotMismatchError("AOT build does not match: " + "; ".join(problems))
 
 
-def check_pool_matches(manifest: dict, pool, *, kernel: str | None = None, capability=None) -> None:
-    """`check_build_matches` against a PagedKvPool (geometry, format, page size; capability of its device)."""
-    lay = pool.layout
-    if capability is None and getattr(pool, "device", None) is not None and pool.device.type == "cuda":
-        import torch
-
-        capability = torch.cuda.get_device_capability(pool.device)
-    check_build_matches(manifest, geometry=lay.geometry, fmt=lay.format, capability=capability,
-                        page_size=lay.page_size, kernel=kernel)
-
-
 # --- launch-size expressions ----------------------------------------------------------------------------------------
-_BINOPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-           ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b}
-_CMPOPS = {ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b, ast.Gt: lambda a, b: a > b,
-           ast.GtE: lambda a, b: a >= b, ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b}
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+           ast.Mod: operator.mod}
+_CMPOPS = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Eq: operator.eq,
+           ast.NotEq: operator.ne}
 
 
 def eval_size(expr: str | int, env: dict[str, int]) -> int:
@@ -243,7 +233,7 @@ class AotKernel:
             raise FoldKvInputError(f"{self.name} takes {len(self.in_params)} arguments {names}, got {len(args)}")
         values: dict[str, Any] = {}
         env: dict[str, int] = {}
-        device = None
+        tensors = []  # (param, argument) of every tensor argument
         for i, a in zip(self.in_params, args):
             p = self.params[i]
             if p["kind"] == "scalar":
@@ -262,16 +252,12 @@ class AotKernel:
             if not p.get("strides") and not a.is_contiguous():
                 raise FoldKvInputError(f"{self.name}: {p['name']} must be contiguous")
             values[p["name"]] = a
-        for i in self.in_params:  # devices last, so every other refusal can be tested without a GPU
-            p = self.params[i]
-            if p["kind"] != "tensor":
-                continue
-            a = values[p["name"]]
+            tensors.append((p, a))
+        device = tensors[0][1].device if tensors else None
+        for p, a in tensors:  # devices last, so every other refusal can be tested without a GPU
             if a.device.type != "cuda":
                 raise FoldKvInputError(f"{self.name}: {p['name']} is on {a.device}, expected a CUDA device")
-            if device is None:
-                device = a.device
-            elif a.device != device:
+            if a.device != device:
                 raise FoldKvInputError(f"{self.name}: {p['name']} is on {a.device}, the other tensors on {device}")
         for sym in self.entry.get("dynamic_symbols", []):
             p = self.params[sym["param"]]
@@ -279,11 +265,7 @@ class AotKernel:
                 raise AotVerifyError(f"{self.name}: dynamic symbol {sym['name']} is bound only by an output")
             t = values[p["name"]]
             env[sym["name"]] = int(t.shape[sym["dim"]]) if "dim" in sym else int(t.stride(sym["stride"]))
-        for i in self.in_params:  # every dimension must agree with the declared shape under the bound symbols
-            p = self.params[i]
-            if p["kind"] != "tensor":
-                continue
-            t = values[p["name"]]
+        for p, t in tensors:  # every dimension must agree with the declared shape under the bound symbols
             want = [eval_size(s, env) for s in p["shape"]]
             if list(t.shape) != want:
                 raise FoldKvInputError(f"{self.name}: {p['name']} has shape {list(t.shape)}, expected {want}"
@@ -312,7 +294,7 @@ class AotKernel:
         drv = _driver()
         t = values[tm["param"]]
         rank = int(tm["rank"])
-        enc = _ok(drv.cuTensorMapEncodeTiled(
+        return _ok(drv.cuTensorMapEncodeTiled(
             drv.CUtensorMapDataType(tm["dtype"]), rank, t.data_ptr(),
             [drv.cuuint64_t(eval_size(x, env)) for x in tm["global_dim"]],
             [drv.cuuint64_t(eval_size(x, env)) for x in tm["global_stride"]][1:],  # driver takes rank-1 byte strides
@@ -321,7 +303,6 @@ class AotKernel:
             drv.CUtensorMapInterleave(tm["interleave"]), drv.CUtensorMapSwizzle(tm["swizzle"]),
             drv.CUtensorMapL2promotion(tm["l2_promotion"]), drv.CUtensorMapFloatOOBfill(tm["oob_fill"]),
         ), f"cuTensorMapEncodeTiled({tm['name']})")
-        return enc
 
     def __call__(self, *args):
         import torch
