@@ -245,8 +245,7 @@ def extract(jit_kernel) -> tuple[str, dict, dict]:
         info = infos[fname]
         if w.use_cooperative_groups.get(fname):
             raise AotBuildError(f"{fname} uses a cooperative launch; the AOT loader does not do those")
-        device_func = device_mod[fname]
-        kparams = [str(x.name) if hasattr(x, "name") else str(x) for x in device_func.params]
+        n_kparams = len(device_mod[fname].params)
         declaration = jit_source[match_declare_kernel(jit_source, fname + "("):].split(";")[0]
         call = parse_function_call_args(declaration, fargs, info["function_params"], dict(desc_names), {},
                                         lambda n, t: (n, t))
@@ -260,8 +259,8 @@ def extract(jit_kernel) -> tuple[str, dict, dict]:
                 args.append({"kind": "scalar", "name": name, "dtype": typ})
             else:
                 raise AotBuildError(f"{fname}: kernel argument {name!r} is neither a tensor, a scalar nor a TMA map")
-        if len(args) != len(kparams):
-            raise AotBuildError(f"{fname}: parsed {len(args)} arguments for {len(kparams)} kernel parameters")
+        if len(args) != n_kparams:
+            raise AotBuildError(f"{fname}: parsed {len(args)} arguments for {n_kparams} kernel parameters")
         smem = info["dynamic_smem_buf"]
         launches.append({
             "symbol": fname,
@@ -310,12 +309,10 @@ def _check_same_launch(jit_device_mod, relowered_device_mod) -> None:
 def build_fresh(variant: KernelVariant, geom: AttentionGeometry, compiled_order: list[str],
                 fill_tilelang_cache: bool = False):
     """The variant's JIT kernel, compiled during this call through `device_compiles_through_aot` (its source's sha256
-    in `compiled_order` past the length it had on entry), so its cubin is the one the build writes and it carries the
-    device IR that produced its source. A kernel from a cache (the builder's or TileLang's) never reached this
-    build's nvcc, so it is compiled again from its PrimFunc with TileLang's cache off.
-
-    `fill_tilelang_cache` leaves TileLang's cache on, so it receives the very cubins the build writes; a kernel that
-    came from a cache is then refused (that needs a fresh process and an empty TILELANG_CACHE_DIR)."""
+    in `compiled_order` past its length on entry): its cubin is the one the build writes, and it carries the device IR
+    that produced its source. A kernel from a cache (the builder's or TileLang's) never reached this build's nvcc: it
+    is compiled again from its PrimFunc with TileLang's cache off, or refused under `fill_tilelang_cache` (which
+    leaves that cache on, so it receives the very cubins the build writes)."""
     tilelang = require_tilelang()
     from tilelang.env import env as tl_env
 
