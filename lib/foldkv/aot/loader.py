@@ -138,12 +138,9 @@ def eval_size(expr: str | int, env: dict[str, int]) -> int:
 def _driver():
     try:
         from cuda.bindings import driver
-    except ImportError:
-        try:  # cuda-python < 12.6 layout
-            from cuda import cuda as driver  # type: ignore[no-redef]
-        except ImportError as exc:
-            raise ImportError("the AOT loader needs cuda-python's driver bindings: pip install 'foldkv[aot]'"
-                              " (cuda-bindings)") from exc
+    except ImportError as exc:  # the aot extra pins cuda-bindings>=12.6, which has this layout
+        raise ImportError("the AOT loader needs cuda-python's driver bindings: pip install 'foldkv[aot]'"
+                          " (cuda-bindings)") from exc
     return driver
 
 
@@ -180,9 +177,10 @@ def _torch_dtype(name: str):
 
 
 class _DeviceModule:
-    """One cubin loaded into one device's primary context, with its functions."""
+    """One cubin loaded into one device's primary context, with its functions (`smem`: each kernel symbol's dynamic
+    shared memory bytes)."""
 
-    def __init__(self, cubin: bytes, symbols: Sequence[str], smem: dict[str, int], device_index: int):
+    def __init__(self, cubin: bytes, smem: dict[str, int], device_index: int):
         drv = _driver()
         _ok(drv.cuInit(0), "cuInit")
         dev = _ok(drv.cuDeviceGet(device_index), "cuDeviceGet")
@@ -192,11 +190,11 @@ class _DeviceModule:
         self._image = ctypes.create_string_buffer(cubin, len(cubin))  # kept alive with the module
         self.module = _ok(drv.cuModuleLoadData(ctypes.addressof(self._image)), "cuModuleLoadData")
         self.functions = {}
-        for sym in symbols:
+        for sym, size in smem.items():
             fn = _ok(drv.cuModuleGetFunction(self.module, sym.encode()), f"cuModuleGetFunction({sym})")
-            if smem.get(sym, 0) > 48 * 1024:  # above the default 48 KiB a kernel must opt in
+            if size > 48 * 1024:  # above the default 48 KiB a kernel must opt in
                 _ok(drv.cuFuncSetAttribute(fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                           smem[sym]), f"cuFuncSetAttribute({sym}, max dynamic smem {smem[sym]})")
+                                           size), f"cuFuncSetAttribute({sym}, max dynamic smem {size})")
             self.functions[sym] = fn
 
     def _make_current(self) -> None:
@@ -286,7 +284,7 @@ class AotKernel:
                 mod = self._modules.get(device_index)
                 if mod is None:
                     smem = {ln["symbol"]: int(ln["dynamic_smem_bytes"]) for ln in self.entry["launches"]}
-                    mod = _DeviceModule(self.build.cubin_bytes(self.entry), list(smem), smem, device_index)
+                    mod = _DeviceModule(self.build.cubin_bytes(self.entry), smem, device_index)
                     self._modules[device_index] = mod
         return mod
 
