@@ -507,8 +507,13 @@ def test_loader_refuses_another_format_arch_or_page_size():
         check_build_matches(m, kernel="prefill_folded")
 
 
+def check_pool_matches(manifest: dict, pool, *, kernel: str | None = None) -> None:
+    """`check_build_matches` against a PagedKvPool's geometry, format and page size."""
+    lay = pool.layout
+    check_build_matches(manifest, geometry=lay.geometry, fmt=lay.format, page_size=lay.page_size, kernel=kernel)
+
+
 def test_loader_checks_a_pool():
-    from foldkv.aot import check_pool_matches
     from foldkv.pool import PagedKvLayout, PagedKvPool
 
     pool = PagedKvPool(PagedKvLayout(GEMMA4_31B, KvFormat.FOLDED, page_size=32, num_pages=2))

@@ -17,7 +17,6 @@ from .loader import (
     aot_kernel,
     arch_runs_on,
     check_build_matches,
-    check_pool_matches,
     use_build,
 )
 from .verify import AotVerifyError, read_manifest, verify
@@ -27,6 +26,6 @@ from .build import AotBuildError, NvccUnavailable, build  # (no TileLang at impo
 
 __all__ = [
     "AOT_DIR_ENV", "AotBuild", "AotBuildError", "AotKernel", "AotLaunchError", "AotMismatchError", "AotVerifyError",
-    "NvccUnavailable", "active_build", "aot_kernel", "arch_runs_on", "build", "check_build_matches", "check_pool_matches",
-    "manifest_summary", "read_manifest", "use_build", "verify",
+    "NvccUnavailable", "active_build", "aot_kernel", "arch_runs_on", "build", "check_build_matches", "manifest_summary",
+    "read_manifest", "use_build", "verify",
 ]

@@ -1,19 +1,16 @@
 """AOT build: every registered kernel variant -> its emitted CUDA source, the cubin nvcc compiles from it with the
-flags the JIT uses, and one manifest.json saying how to launch each cubin without TileLang.
+JIT's flags, and one manifest.json saying how to launch each cubin without TileLang.
 
-One nvcc run per kernel: while the build runs, TileLang's device-compile callback is `device_compiles_through_aot`,
-which runs `nvcc_command` on the exact code TileLang hands to nvcc, so the same bytes are the JIT kernel's cubin and
-the AOT file. Every pass config is mapped to its nvcc flag (`FLAG_PASS_CONFIGS`), known to act only before code
-generation (`LOWERING_ONLY_PASS_CONFIGS`), or refused; tests/test_aot_cpu.py holds `nvcc_command` to the command
-TileLang's own callback runs (TileLang 0.1.15, `tilelang.contrib.nvcc.compile_cuda`). The launch (grid, block, shared
-memory, argument order, TMA descriptors) is read from the kernel's device and host IR by TileLang's NVRTC-wrapper
-parser (`extract`) and written into the manifest as data.
+While the build runs, TileLang's device-compile callback is `device_compiles_through_aot`: it runs `nvcc_command` on
+the exact code TileLang hands to nvcc, so the same bytes are the JIT kernel's cubin and the AOT file. Every pass config
+is mapped to its nvcc flag, known to act only before code generation, or refused; tests/test_aot_cpu.py holds
+`nvcc_command` to TileLang's own (0.1.15, `tilelang.contrib.nvcc.compile_cuda`). The launch (grid, block, shared
+memory, argument order, TMA descriptors) is read from the kernel's IR by TileLang's NVRTC-wrapper parser (`extract`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import re
@@ -30,7 +27,8 @@ from ..kernels.registry import KernelVariant, json_value
 from ..kernels.tl import require_tilelang
 from ..provenance import checkout_state
 
-from .verify import MANIFEST_NAME, MANIFEST_VERSION, geometry_record, manifest_problems, sha256_bytes
+from .verify import (MANIFEST_NAME, MANIFEST_VERSION, geometry_record, manifest_problems, merge_barrier_problems,
+                     sha256_bytes)
 
 # --- pass configs -> nvcc flags ------------------------------------------------------------------------------------
 # Mapped to nvcc options by TileLang's device-compile callback (cuda/backend.py).
@@ -134,45 +132,22 @@ def nvcc_version(nvcc: str) -> str:
     return m.group(1)
 
 
-# --- barrier check -------------------------------------------------------------------------------------------------
-def run_barrier_check(name: str, source: str, symbols: Iterable[str]) -> list:
-    """`cuda_checks.check_in_place_merge` on every kernel symbol of an in-place merge; AotBuildError if any fails."""
-    from ..kernels.cuda_checks import check_in_place_merge
-
-    reports = []
-    for sym in symbols:
-        try:
-            reports.append(check_in_place_merge(sym, source))
-        except Exception as exc:
-            raise AotBuildError(f"{name}: emitted source of {sym} fails the in-place barrier check: {exc}") from exc
-    return reports
-
-
 # --- extraction from one JIT kernel --------------------------------------------------------------------------------
-@dataclasses.dataclass
-class ExtractedKernel:
-    source: str
-    pass_configs: dict
-    params: list[dict]
-    dynamic_symbols: list[dict]
-    out_idx: list[int]
-    launches: list[dict]
-    tensor_maps: list[dict]
-
-
 def _pyexpr(expr) -> str:
     from tilelang.jit.adapter.utils import pythonic_expr
 
     return pythonic_expr(expr, None, ignore_cast=True, floor_div_op="//")
 
 
-def extract(jit_kernel) -> ExtractedKernel:
-    """Source and launch description of a compiled TileLang JIT kernel (see the module docstring)."""
+def extract(jit_kernel) -> tuple[str, dict, dict]:
+    """A compiled TileLang JIT kernel's source, its pass configs, and the manifest fields that say how to launch it
+    (params, dynamic_symbols, out_idx, launches, tensor_maps)."""
     require_tilelang()
     from tilelang import tvm
     from tilelang.engine.lower import lower_with_context
     from tilelang.jit.abi import prepare_tvm_ffi_callee_allocated_outputs
     from tilelang.jit.adapter.nvrtc.wrapper import TLNVRTCSourceWrapper
+    from tilelang.jit.adapter.utils import match_declare_kernel, parse_function_call_args, parse_tma_descriptor_args
 
     if getattr(jit_kernel, "execution_backend", None) != "tvm_ffi":
         raise AotBuildError(
@@ -219,8 +194,6 @@ def extract(jit_kernel) -> ExtractedKernel:
             return super().create_dispatch_func(code, function_informations)
 
         def generate_tma_descriptor_args(self, desc_name_map, desc_name_var_map):
-            from tilelang.jit.adapter.utils import parse_tma_descriptor_args
-
             if self.tma_descriptor_args:
                 captured["tma"] = parse_tma_descriptor_args(
                     self.tma_descriptor_args, desc_name_map, desc_name_var_map, self._pythonic_expr)
@@ -258,28 +231,22 @@ def extract(jit_kernel) -> ExtractedKernel:
     scalar_names = {p["name"] for p in params if p["kind"] == "scalar"} | set(seen_dyn)
     desc_names = captured.get("desc_names", {})
 
-    launches = []
     infos = captured.get("infos") or {}
     if not infos:
         raise AotBuildError("no device kernel launch found in the host IR")
+    # Argument order and kinds come from the kernel's C declaration, as TileLang's own launchers read them.
+    fargs = [{"name": p["data"] if p["kind"] == "tensor" else p["name"],
+              "type": "ptr" if p["kind"] == "tensor" else p["dtype"]} for p in params]
+    fargs += [{"name": d["name"], "type": d["dtype"]} for d in dyn if d["name"] not in {a["name"] for a in fargs}]
+    launches = []
     for fname in w.function_names:
         if fname not in infos:
             continue
         info = infos[fname]
         if w.use_cooperative_groups.get(fname):
             raise AotBuildError(f"{fname} uses a cooperative launch; the AOT loader does not do those")
-        device_func = device_mod[fname]
-        kparams = [str(x.name) if hasattr(x, "name") else str(x) for x in device_func.params]
-        code = jit_source
-        from tilelang.jit.adapter.utils import match_declare_kernel
-
-        declaration = code[match_declare_kernel(code, fname + "("):].split(";")[0]
-        # Argument order and kinds come from the kernel's C declaration, as TileLang's own launchers read them.
-        fargs = [{"name": p["data"] if p["kind"] == "tensor" else p["name"],
-                  "type": "ptr" if p["kind"] == "tensor" else p["dtype"]} for p in params]
-        fargs += [{"name": d["name"], "type": d["dtype"]} for d in dyn if d["name"] not in {a["name"] for a in fargs}]
-        from tilelang.jit.adapter.utils import parse_function_call_args
-
+        n_kparams = len(device_mod[fname].params)
+        declaration = jit_source[match_declare_kernel(jit_source, fname + "("):].split(";")[0]
         call = parse_function_call_args(declaration, fargs, info["function_params"], dict(desc_names), {},
                                         lambda n, t: (n, t))
         args = []
@@ -292,8 +259,8 @@ def extract(jit_kernel) -> ExtractedKernel:
                 args.append({"kind": "scalar", "name": name, "dtype": typ})
             else:
                 raise AotBuildError(f"{fname}: kernel argument {name!r} is neither a tensor, a scalar nor a TMA map")
-        if len(args) != len(kparams):
-            raise AotBuildError(f"{fname}: parsed {len(args)} arguments for {len(kparams)} kernel parameters")
+        if len(args) != n_kparams:
+            raise AotBuildError(f"{fname}: parsed {len(args)} arguments for {n_kparams} kernel parameters")
         smem = info["dynamic_smem_buf"]
         launches.append({
             "symbol": fname,
@@ -318,7 +285,8 @@ def extract(jit_kernel) -> ExtractedKernel:
             "element_strides": t.element_strides, "interleave": int(t.interleave), "swizzle": int(t.swizzle),
             "l2_promotion": int(t.l2_promotion), "oob_fill": int(t.oob_fill),
         })
-    return ExtractedKernel(jit_source, pass_configs, params, dyn, out_idx, launches, tensor_maps)
+    return jit_source, pass_configs, {"params": params, "dynamic_symbols": dyn, "out_idx": out_idx,
+                                      "launches": launches, "tensor_maps": tensor_maps}
 
 
 def _launch_record(device_mod) -> dict:
@@ -341,12 +309,10 @@ def _check_same_launch(jit_device_mod, relowered_device_mod) -> None:
 def build_fresh(variant: KernelVariant, geom: AttentionGeometry, compiled_order: list[str],
                 fill_tilelang_cache: bool = False):
     """The variant's JIT kernel, compiled during this call through `device_compiles_through_aot` (its source's sha256
-    in `compiled_order` past the length it had on entry), so its cubin is the one the build writes and it carries the
-    device IR that produced its source. A kernel from a cache (the builder's or TileLang's) never reached this
-    build's nvcc, so it is compiled again from its PrimFunc with TileLang's cache off.
-
-    `fill_tilelang_cache` leaves TileLang's cache on, so it receives the very cubins the build writes; a kernel that
-    came from a cache is then refused (that needs a fresh process and an empty TILELANG_CACHE_DIR)."""
+    in `compiled_order` past its length on entry): its cubin is the one the build writes, and it carries the device IR
+    that produced its source. A kernel from a cache (the builder's or TileLang's) never reached this build's nvcc: it
+    is compiled again from its PrimFunc with TileLang's cache off, or refused under `fill_tilelang_cache` (which
+    leaves that cache on, so it receives the very cubins the build writes)."""
     tilelang = require_tilelang()
     from tilelang.env import env as tl_env
 
@@ -505,6 +471,7 @@ def build(
 
     Nothing is written for a build that fails: files go to a staging folder that replaces `out_dir` at the end.
     """
+    from .. import __version__ as foldkv_version
     from ..kernels.tl import target as tl_target
 
     geom = resolve_geometry(geometry)
@@ -537,11 +504,13 @@ def build(
                     raise AotBuildError(f"{v.name}: the builder compiled for {k_arch}, the AOT build is for {target_arch}"
                                         " (builders use foldkv.kernels.tl.target(): set FOLDKV_CUDA_ARCH to the"
                                         " same arch)")
-                ex = extract(kernel)
+                source, pass_configs, launch = extract(kernel)
                 if v.in_place_merge:  # the build refuses to write an in-place merge that fails the check
-                    run_barrier_check(v.name, ex.source, [ln["symbol"] for ln in ex.launches])
-                options = nvcc_options(ex.pass_configs, template_dir=tc["template_dir"], cutlass_dir=tc["cutlass_dir"])
-                src_bytes = ex.source.encode()
+                    barrier = merge_barrier_problems(v.name, source, [ln["symbol"] for ln in launch["launches"]])
+                    if barrier:
+                        raise AotBuildError("; ".join(barrier))
+                options = nvcc_options(pass_configs, template_dir=tc["template_dir"], cutlass_dir=tc["cutlass_dir"])
+                src_bytes = source.encode()
                 got = compiled.get(sha256_bytes(src_bytes))
                 if got is None:
                     raise AotBuildError(f"{v.name}: the JIT compile of this source did not go through the AOT nvcc")
@@ -552,11 +521,10 @@ def build(
                 base = v.name
                 if not re.fullmatch(r"[A-Za-z0-9_.-]+", base):
                     raise AotBuildError(f"variant name {base!r} is not a safe file name")
-                with open(os.path.join(stage, base + ".cu"), "wb") as fh:
-                    fh.write(src_bytes)
-                with open(os.path.join(stage, base + ".cubin"), "wb") as fh:
-                    fh.write(cubin)
-                _, lowering = classify_pass_configs(ex.pass_configs)
+                for suffix, data in ((".cu", src_bytes), (".cubin", cubin)):
+                    with open(os.path.join(stage, base + suffix), "wb") as fh:
+                        fh.write(data)
+                _, lowering = classify_pass_configs(pass_configs)
                 entries.append({
                     "name": v.name,
                     "family": v.family,
@@ -568,25 +536,20 @@ def build(
                     "cubin": base + ".cubin",
                     "source_sha256": sha256_bytes(src_bytes),
                     "cubin_sha256": sha256_bytes(cubin),
-                    "pass_configs": json_value(ex.pass_configs),
+                    "pass_configs": json_value(pass_configs),
                     "lowering_only_pass_configs": sorted(lowering),
                     "nvcc_options": _portable_options(options, tc),
-                    "params": ex.params,
-                    "dynamic_symbols": ex.dynamic_symbols,
-                    "out_idx": ex.out_idx,
-                    "launches": ex.launches,
-                    "tensor_maps": ex.tensor_maps,
+                    **launch,
                 })
                 log(f"[aot] {v.name}: generated and compiled in {time.perf_counter() - t0:.1f}s, {len(cubin)} B cubin")
         formats = sorted({e["format"] for e in entries if e["format"] is not None})
         manifest = {
             "manifest_version": MANIFEST_VERSION,
-            "foldkv_version": _foldkv_version(),
+            "foldkv_version": foldkv_version,
             "tilelang_version": tilelang.__version__,
             "nvcc_version": tc["nvcc_version"],
             "arch": target_arch,
-            "nvcc_command": ["nvcc", "-ccbin=<c++>", "--cubin", "-O3", "-lineinfo", f"-arch={target_arch}",
-                             "<nvcc_options>", "-o", "<name>.cubin", "<name>.cu"],
+            "nvcc_command": nvcc_command("nvcc", "<c++>", target_arch, ["<nvcc_options>"], "<name>.cu", "<name>.cubin"),
             "execution_backend_reproduced": "tvm_ffi",
             "geometry": geometry_record(geom),
             "geometry_name": geom.name,
@@ -618,9 +581,3 @@ def _check_out_dir(out_dir: str) -> None:
     if os.path.exists(out_dir) and not (
             os.path.isdir(out_dir) and (not os.listdir(out_dir) or os.path.exists(os.path.join(out_dir, MANIFEST_NAME)))):
         raise AotBuildError(f"{out_dir} exists and is not an AOT build folder; refusing to overwrite it")
-
-
-def _foldkv_version() -> str:
-    from .. import __version__
-
-    return __version__

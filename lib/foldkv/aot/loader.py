@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import operator
 import os
 import threading
 from typing import Any, Sequence
@@ -91,22 +92,11 @@ def check_build_matches(
         raise AotMismatchError("AOT build does not match: " + "; ".join(problems))
 
 
-def check_pool_matches(manifest: dict, pool, *, kernel: str | None = None, capability=None) -> None:
-    """`check_build_matches` against a PagedKvPool (geometry, format, page size; capability of its device)."""
-    lay = pool.layout
-    if capability is None and getattr(pool, "device", None) is not None and pool.device.type == "cuda":
-        import torch
-
-        capability = torch.cuda.get_device_capability(pool.device)
-    check_build_matches(manifest, geometry=lay.geometry, fmt=lay.format, capability=capability,
-                        page_size=lay.page_size, kernel=kernel)
-
-
 # --- launch-size expressions ----------------------------------------------------------------------------------------
-_BINOPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-           ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b}
-_CMPOPS = {ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b, ast.Gt: lambda a, b: a > b,
-           ast.GtE: lambda a, b: a >= b, ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b}
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+           ast.Mod: operator.mod}
+_CMPOPS = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Eq: operator.eq,
+           ast.NotEq: operator.ne}
 
 
 def eval_size(expr: str | int, env: dict[str, int]) -> int:
@@ -148,12 +138,9 @@ def eval_size(expr: str | int, env: dict[str, int]) -> int:
 def _driver():
     try:
         from cuda.bindings import driver
-    except ImportError:
-        try:  # cuda-python < 12.6 layout
-            from cuda import cuda as driver  # type: ignore[no-redef]
-        except ImportError as exc:
-            raise ImportError("the AOT loader needs cuda-python's driver bindings: pip install 'foldkv[aot]'"
-                              " (cuda-bindings)") from exc
+    except ImportError as exc:  # the aot extra pins cuda-bindings>=12.6, which has this layout
+        raise ImportError("the AOT loader needs cuda-python's driver bindings: pip install 'foldkv[aot]'"
+                          " (cuda-bindings)") from exc
     return driver
 
 
@@ -190,9 +177,10 @@ def _torch_dtype(name: str):
 
 
 class _DeviceModule:
-    """One cubin loaded into one device's primary context, with its functions."""
+    """One cubin loaded into one device's primary context, with its functions (`smem`: each kernel symbol's dynamic
+    shared memory bytes)."""
 
-    def __init__(self, cubin: bytes, symbols: Sequence[str], smem: dict[str, int], device_index: int):
+    def __init__(self, cubin: bytes, smem: dict[str, int], device_index: int):
         drv = _driver()
         _ok(drv.cuInit(0), "cuInit")
         dev = _ok(drv.cuDeviceGet(device_index), "cuDeviceGet")
@@ -202,11 +190,11 @@ class _DeviceModule:
         self._image = ctypes.create_string_buffer(cubin, len(cubin))  # kept alive with the module
         self.module = _ok(drv.cuModuleLoadData(ctypes.addressof(self._image)), "cuModuleLoadData")
         self.functions = {}
-        for sym in symbols:
+        for sym, size in smem.items():
             fn = _ok(drv.cuModuleGetFunction(self.module, sym.encode()), f"cuModuleGetFunction({sym})")
-            if smem.get(sym, 0) > 48 * 1024:  # above the default 48 KiB a kernel must opt in
+            if size > 48 * 1024:  # above the default 48 KiB a kernel must opt in
                 _ok(drv.cuFuncSetAttribute(fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                           smem[sym]), f"cuFuncSetAttribute({sym}, max dynamic smem {smem[sym]})")
+                                           size), f"cuFuncSetAttribute({sym}, max dynamic smem {size})")
             self.functions[sym] = fn
 
     def _make_current(self) -> None:
@@ -243,7 +231,7 @@ class AotKernel:
             raise FoldKvInputError(f"{self.name} takes {len(self.in_params)} arguments {names}, got {len(args)}")
         values: dict[str, Any] = {}
         env: dict[str, int] = {}
-        device = None
+        tensors = []  # (param, argument) of every tensor argument
         for i, a in zip(self.in_params, args):
             p = self.params[i]
             if p["kind"] == "scalar":
@@ -262,16 +250,12 @@ class AotKernel:
             if not p.get("strides") and not a.is_contiguous():
                 raise FoldKvInputError(f"{self.name}: {p['name']} must be contiguous")
             values[p["name"]] = a
-        for i in self.in_params:  # devices last, so every other refusal can be tested without a GPU
-            p = self.params[i]
-            if p["kind"] != "tensor":
-                continue
-            a = values[p["name"]]
+            tensors.append((p, a))
+        device = tensors[0][1].device if tensors else None
+        for p, a in tensors:  # devices last, so every other refusal can be tested without a GPU
             if a.device.type != "cuda":
                 raise FoldKvInputError(f"{self.name}: {p['name']} is on {a.device}, expected a CUDA device")
-            if device is None:
-                device = a.device
-            elif a.device != device:
+            if a.device != device:
                 raise FoldKvInputError(f"{self.name}: {p['name']} is on {a.device}, the other tensors on {device}")
         for sym in self.entry.get("dynamic_symbols", []):
             p = self.params[sym["param"]]
@@ -279,11 +263,7 @@ class AotKernel:
                 raise AotVerifyError(f"{self.name}: dynamic symbol {sym['name']} is bound only by an output")
             t = values[p["name"]]
             env[sym["name"]] = int(t.shape[sym["dim"]]) if "dim" in sym else int(t.stride(sym["stride"]))
-        for i in self.in_params:  # every dimension must agree with the declared shape under the bound symbols
-            p = self.params[i]
-            if p["kind"] != "tensor":
-                continue
-            t = values[p["name"]]
+        for p, t in tensors:  # every dimension must agree with the declared shape under the bound symbols
             want = [eval_size(s, env) for s in p["shape"]]
             if list(t.shape) != want:
                 raise FoldKvInputError(f"{self.name}: {p['name']} has shape {list(t.shape)}, expected {want}"
@@ -304,7 +284,7 @@ class AotKernel:
                 mod = self._modules.get(device_index)
                 if mod is None:
                     smem = {ln["symbol"]: int(ln["dynamic_smem_bytes"]) for ln in self.entry["launches"]}
-                    mod = _DeviceModule(self.build.cubin_bytes(self.entry), list(smem), smem, device_index)
+                    mod = _DeviceModule(self.build.cubin_bytes(self.entry), smem, device_index)
                     self._modules[device_index] = mod
         return mod
 
@@ -312,7 +292,7 @@ class AotKernel:
         drv = _driver()
         t = values[tm["param"]]
         rank = int(tm["rank"])
-        enc = _ok(drv.cuTensorMapEncodeTiled(
+        return _ok(drv.cuTensorMapEncodeTiled(
             drv.CUtensorMapDataType(tm["dtype"]), rank, t.data_ptr(),
             [drv.cuuint64_t(eval_size(x, env)) for x in tm["global_dim"]],
             [drv.cuuint64_t(eval_size(x, env)) for x in tm["global_stride"]][1:],  # driver takes rank-1 byte strides
@@ -321,7 +301,6 @@ class AotKernel:
             drv.CUtensorMapInterleave(tm["interleave"]), drv.CUtensorMapSwizzle(tm["swizzle"]),
             drv.CUtensorMapL2promotion(tm["l2_promotion"]), drv.CUtensorMapFloatOOBfill(tm["oob_fill"]),
         ), f"cuTensorMapEncodeTiled({tm['name']})")
-        return enc
 
     def __call__(self, *args):
         import torch

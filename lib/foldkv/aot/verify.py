@@ -49,11 +49,6 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def sha256_file(path: str) -> str:
-    with open(path, "rb") as fh:
-        return sha256_bytes(fh.read())
-
-
 def _cubin_problem(path: str) -> str | None:
     with open(path, "rb") as fh:
         head = fh.read(20)
@@ -120,7 +115,8 @@ def file_problems(build_dir: str | os.PathLike, manifest: dict) -> list[str]:
             if not os.path.isfile(path):
                 problems.append(f"{name}: {key} file {fname} is missing")
                 continue
-            digest = sha256_file(path)
+            with open(path, "rb") as fh:
+                digest = sha256_bytes(fh.read())
             if digest != k.get(f"{key}_sha256"):
                 problems.append(f"{name}: {fname} has sha256 {digest[:16]}..., the manifest records"
                                 f" {str(k.get(f'{key}_sha256'))[:16]}...: the file changed after the build")
@@ -134,10 +130,22 @@ def file_problems(build_dir: str | os.PathLike, manifest: dict) -> list[str]:
     return problems
 
 
+def merge_barrier_problems(name: str, source: str, symbols) -> list[str]:
+    """`cuda_checks.check_in_place_merge` on every kernel symbol of an in-place merge's emitted source."""
+    from ..kernels.cuda_checks import check_in_place_merge
+
+    problems = []
+    for sym in symbols:
+        try:
+            check_in_place_merge(sym, source)
+        except Exception as exc:
+            problems.append(f"{name}: barrier check fails on {sym}: {exc}")
+    return problems
+
+
 def barrier_problems(build_dir: str | os.PathLike, manifest: dict) -> list[str]:
     """Re-run the emitted-source checks (text only, no TileLang): the producer guard on every kernel's source
     (kernels.producer_guard), the barrier check on every in-place merge's."""
-    from ..kernels.cuda_checks import check_in_place_merge
     from ..kernels.producer_guard import check_producer_guard
 
     problems = []
@@ -151,13 +159,8 @@ def barrier_problems(build_dir: str | os.PathLike, manifest: dict) -> list[str]:
             check_producer_guard(k["name"], source)
         except Exception as exc:
             problems.append(f"{k['name']}: producer guard check fails: {exc}")
-        if not k.get("in_place_merge"):
-            continue
-        for ln in k.get("launches", []):
-            try:
-                check_in_place_merge(ln["symbol"], source)
-            except Exception as exc:
-                problems.append(f"{k['name']}: barrier check fails on {ln.get('symbol')}: {exc}")
+        if k.get("in_place_merge"):
+            problems += merge_barrier_problems(k["name"], source, [ln["symbol"] for ln in k["launches"]])
     return problems
 
 
