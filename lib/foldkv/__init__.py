@@ -9,10 +9,8 @@ PagedKvPool / PagedKvLayout / BlockTable (pool.py), prep_and_store (prep.py), pa
 from .config import GEMMA4_31B, PRESETS, AttentionGeometry, ConfigError, geometry_from_config, resolve_geometry
 from .layout import (
     KvFormat,
-    folded_row_sources,
     rotated_columns,
     row_width,
-    rows_to_head_order,
     score_window,
     score_window_columns,
     unrotated_columns,
@@ -27,6 +25,8 @@ from .validate import FoldKvInputError
 from .moved import moved
 
 __getattr__ = moved(__name__, {"floor": "the byte floor is the lab's analysis: foldkv.lab.byte_floor",
-                               "fill_sequences": "foldkv.lab.gates.inputs.fill_sequences (the lab's pools)"})
+                               "fill_sequences": "foldkv.lab.gates.inputs.fill_sequences (the lab's pools)",
+                               "folded_row_sources": "tests/conftest.py (only tests hold the column maps to it)",
+                               "rows_to_head_order": "tests/test_layout_pool.py (only a test reads rows back)"})
 
 __version__ = "0.1.0"
