@@ -26,7 +26,8 @@ from conftest import bench_version
 
 import foldkv
 from foldkv import FoldKvInputError, KvFormat, PagedKvLayout, PagedKvPool
-from foldkv.fp8 import FP8_DTYPE, ROW_REL, ROW_SUB, quantize_rows
+from foldkv.fp8 import FP8_DTYPE, quantize_rows
+from foldkv.lab.gates.fp8_pool import ROW_REL, ROW_SUB
 
 prep_and_store_gpu = bench_version("prep_fused").prep_and_store_gpu
 

@@ -33,7 +33,7 @@ from .fold import (unrounded_truth, FOLD_CASE_RATIO, FOLD_MEAN_RATIO, folded_vs_
                    sequence_pool_attention, fold_identity)
 from .refusals import (DECODE_REFUSALS, PREFILL_REFUSALS, run_refusals, WORKSPACE_REFUSALS, run_workspace_refusals,
                        refusal_gate)
-from .fp8_pool import (BF16_REL, FP8_DELTA, fp8_row_check, fp8_output_bound, fp8_format_error, fp8_cases,
+from .fp8_pool import (ROW_REL, ROW_SUB, rounding_bound, BF16_REL, FP8_DELTA, fp8_row_check, fp8_output_bound, fp8_format_error, fp8_cases,
                        fp8_format_gate, fp8_kernel_gate, NEEDLE_LENGTHS, NEEDLE_SCORE, needle, needle_gate)
 from .fp8_tc import (FP8_MMA_BITS_KEPT, TWO_PART_REL, TWO_PART_ABS, effective_query, query_parts,
                      fp8_tc_extra_bounds, fp8_tc_extra)
