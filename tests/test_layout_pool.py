@@ -6,6 +6,7 @@ import torch
 import foldkv as fk
 from conftest import folded_row_sources
 from foldkv.lab import byte_floor
+from foldkv.lab.gates.fold import dense_attention_reference
 
 G = fk.GEMMA4_31B
 
@@ -67,7 +68,7 @@ def test_fold_within_bf16_tolerance():
     t = 97
     q, kv, qw, kw = _random_inputs(t, seed=7, dtype=torch.float32)
     qw = qw * 0.15
-    dense = fk.dense_attention_reference(G, q, kv, qw, kw, torch.arange(t))
+    dense = dense_attention_reference(G, q, kv, qw, kw, torch.arange(t))
     rel = {}
     for fmt in fk.KvFormat:
         out, *_ = _pool_attention(fmt, q, kv, qw, kw, torch.bfloat16)
