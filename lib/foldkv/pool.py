@@ -6,7 +6,7 @@ unchanged) a second release, another pool's table, a copy, or edited page ids.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Sequence
 
 import torch
@@ -72,7 +72,7 @@ class PagedKvLayout:
 
     @property
     def element_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def bytes_per_token_head(self) -> int:
@@ -96,14 +96,11 @@ class PagedKvLayout:
     def pages_for(self, tokens: int) -> int:
         return -(-int(tokens) // self.page_size)
 
-    def with_pages(self, num_pages: int) -> "PagedKvLayout":
-        return PagedKvLayout(self.geometry, self.format, self.page_size, num_pages, self.dtype)
-
     @classmethod
     def for_tokens(cls, tokens: int, **kw) -> "PagedKvLayout":
         """A layout with just enough pages for `tokens` tokens; `kw` are the other fields."""
         base = cls(**kw)
-        return base.with_pages(base.pages_for(tokens))
+        return replace(base, num_pages=base.pages_for(tokens))
 
 
 @dataclass
