@@ -63,7 +63,6 @@ class AttentionGeometry:
         """Rotated columns per head (128 for the 31B)."""
         return 2 * self.rotary_pairs
 
-
     def per_rank(self, ranks: int) -> "AttentionGeometry":
         """The geometry one of `ranks` tensor-parallel ranks holds: whole KV heads with their query groups (ConfigError
         when the KV heads do not divide among the ranks)."""
@@ -141,21 +140,13 @@ def geometry_from_config(config: str | os.PathLike | Mapping[str, Any], name: st
             " width with the unrotated columns left as they are)"
         )
     head_dim, num_kv = _global_head_shape(tc, source)
-    num_q = int(tc.get("num_attention_heads", 0))
-    factor = float(rope.get("partial_rotary_factor", 1.0))
     try:
         return AttentionGeometry(
-            num_q_heads=num_q,
-            num_kv_heads=num_kv,
-            head_dim=head_dim,
-            partial_rotary_factor=factor,
-            rope_theta=float(rope.get("rope_theta", 1_000_000.0)),
-            rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
-            num_global_layers=num_global,
-            num_layers=num_layers,
-            max_position=int(tc.get("max_position_embeddings", 262_144)),
-            name=source,
-        )
+            num_q_heads=int(tc.get("num_attention_heads", 0)), num_kv_heads=num_kv, head_dim=head_dim,
+            partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
+            rope_theta=float(rope.get("rope_theta", 1_000_000.0)), rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
+            num_global_layers=num_global, num_layers=num_layers,
+            max_position=int(tc.get("max_position_embeddings", 262_144)), name=source)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
 
