@@ -49,8 +49,7 @@ def check_finite_rows(rows: torch.Tensor) -> None:
         idx = [int(i) for i in torch.nonzero(bad)[0]]
         raise FoldKvInputError(
             f"row element {idx} is {float(x[tuple(idx)])}: an FP8 pool stores finite rows only (its scale, amax / 448,"
-            " would not be finite); nothing was written"
-        )
+            " would not be finite); nothing was written")
 
 
 __getattr__ = moved(__name__, dict.fromkeys(("ROW_REL", "ROW_SUB", "rounding_bound"),

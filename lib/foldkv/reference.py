@@ -19,13 +19,11 @@ def check_pool_format(pool: PagedKvPool, fmt: KvFormat | str | None, dtype: torc
     if fmt is not None and KvFormat.parse(fmt) is not pool.format:
         raise FoldKvInputError(
             f"a {pool.format.value} pool was handed to a {KvFormat.parse(fmt).value} reader: the page format is fixed"
-            " for a pool's life, build the query with the pool's own format"
-        )
+            " for a pool's life, build the query with the pool's own format")
     if dtype is not None and dtype != pool.layout.dtype:
         raise FoldKvInputError(
             f"a {pool.layout.dtype} pool was handed to a reader of {dtype} rows: the stored dtype is fixed for a"
-            " pool's life, read it with a reader of its own dtype"
-        )
+            " pool's life, read it with a reader of its own dtype")
     check_pool_storage(pool)
 
 

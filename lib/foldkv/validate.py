@@ -25,12 +25,10 @@ def check_device(device: torch.device | str) -> torch.device:
         if torch.version.cuda is None:
             raise FoldKvInputError(
                 f"device {str(dev)!r}: CUDA is not available in this torch build (torch {torch.__version__}, CPU only):"
-                " use device='cpu', or install a CUDA build of torch (README: torch, and GPU users)"
-            )
+                " use device='cpu', or install a CUDA build of torch (README: torch, and GPU users)")
         raise FoldKvInputError(
             f"device {str(dev)!r}: torch {torch.__version__} is built for CUDA {torch.version.cuda} but sees no CUDA"
-            " device (no GPU, no driver, or CUDA_VISIBLE_DEVICES hides it): use device='cpu' or run where a GPU is"
-        )
+            " device (no GPU, no driver, or CUDA_VISIBLE_DEVICES hides it): use device='cpu' or run where a GPU is")
     count = torch.cuda.device_count()
     if dev.index is not None and dev.index >= count:
         raise FoldKvInputError(f"device {str(dev)!r} does not exist: torch sees {count} CUDA device(s)")
