@@ -590,10 +590,7 @@ class FoldKvCache(Cache):
         return ws.step(layer.pool, backend=self.backend)[0]
 
 
-_MOVED = {"ring_attention": "foldkv.ring.ring_attention (the one name every caller reads)"}
-
-
-__getattr__ = moved(__name__, _MOVED)
+__getattr__ = moved(__name__, {"ring_attention": "foldkv.ring.ring_attention (the one name every caller reads)"})
 
 
 __all__ = ["FoldKvCache", "FoldKvLayer", "NewRows", "NewTokens", "SLIDING_IMPLEMENTATION", "register",

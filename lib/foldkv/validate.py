@@ -35,15 +35,9 @@ def check_device(device: torch.device | str) -> torch.device:
     return dev
 
 
-def check_tensor(
-    name: str,
-    t: torch.Tensor,
-    *,
-    dtype: torch.dtype | Sequence[torch.dtype] | None = None,
-    device: torch.device | str | None = None,
-    shape: Sequence[int | None] | None = None,
-    contiguous: bool = False,
-) -> None:
+def check_tensor(name: str, t: torch.Tensor, *, dtype: torch.dtype | Sequence[torch.dtype] | None = None,
+                 device: torch.device | str | None = None, shape: Sequence[int | None] | None = None,
+                 contiguous: bool = False) -> None:
     """Raise FoldKvInputError unless `t` is a tensor of the given dtype(s), device, shape (None = any) and layout."""
     if not isinstance(t, torch.Tensor):
         raise FoldKvInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
