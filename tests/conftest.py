@@ -356,6 +356,18 @@ def step_logits(model, ids: torch.Tensor, options=None) -> torch.Tensor:
         return step.prefill(DynamicCache(config=model.config), ids, None, None, 0).logits
 
 
+def folded_row_sources(geom) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each folded-row column p: (is_key[p], head_column[p]), [D + R] bool and [D + R] int64 on the CPU.
+    K_rot, then V_unrot, then V_rot: the folded row as the tests hold the column maps to it."""
+    from foldkv.layout import rotated_columns, unrotated_columns
+
+    rot, unrot = rotated_columns(geom), unrotated_columns(geom)
+    head_col = torch.cat([rot, unrot, rot])
+    is_key = torch.zeros(head_col.numel(), dtype=torch.bool)
+    is_key[: rot.numel()] = True
+    return is_key, head_col
+
+
 def rounding_bound(neutral: torch.Tensor, incumbent: torch.Tensor) -> float:
     """What a projection rounding as good as the incumbent's may move logits by: each of the two sits within the
     neutral figure (max |exact-rounded logits - incumbent's|) of the exact-rounded logits, so by the triangle

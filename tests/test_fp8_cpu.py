@@ -11,7 +11,8 @@ import torch
 import foldkv as fk
 from foldkv import GEMMA4_31B as G
 from foldkv.lab import byte_floor as floor
-from foldkv.fp8 import E4M3_MAX, FP8_DTYPE, dequantize_rows, quantize_rows, rounding_bound
+from foldkv.fp8 import E4M3_MAX, FP8_DTYPE, dequantize_rows, quantize_rows
+from foldkv.lab.gates.fp8_pool import rounding_bound
 from foldkv.lab import gates
 from foldkv.lab.gates.inputs import fill_sequences
 

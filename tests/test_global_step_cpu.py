@@ -48,7 +48,8 @@ def test_the_pools_the_kernels_describe(fmt):
 
 def test_the_column_maps():
     from foldkv import GEMMA4_31B, global_step as gs
-    from foldkv.layout import folded_row_sources, score_window_columns
+    from conftest import folded_row_sources
+    from foldkv.layout import score_window_columns
 
     score, row, fold_from, key_cols = gs.column_maps(GEMMA4_31B, "folded", torch.device("cpu"))
     is_key, head_col = folded_row_sources(GEMMA4_31B)

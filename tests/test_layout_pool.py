@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import foldkv as fk
+from conftest import folded_row_sources
 from foldkv.lab import byte_floor
+from foldkv.lab.gates.fold import dense_attention_reference
 
 G = fk.GEMMA4_31B
 
@@ -18,7 +20,7 @@ def test_rotated_columns_are_the_rope_pairs():
 
 
 def test_folded_row_order_and_windows():
-    is_key, head_col = fk.folded_row_sources(G)
+    is_key, head_col = folded_row_sources(G)
     assert head_col.numel() == fk.row_width(G, "folded") == 640
     assert is_key[:128].all() and not is_key[128:].any()
     # score window = K_rot + V_unrot covers every head column once; value window = V_unrot + V_rot likewise
@@ -66,7 +68,7 @@ def test_fold_within_bf16_tolerance():
     t = 97
     q, kv, qw, kw = _random_inputs(t, seed=7, dtype=torch.float32)
     qw = qw * 0.15
-    dense = fk.dense_attention_reference(G, q, kv, qw, kw, torch.arange(t))
+    dense = dense_attention_reference(G, q, kv, qw, kw, torch.arange(t))
     rel = {}
     for fmt in fk.KvFormat:
         out, *_ = _pool_attention(fmt, q, kv, qw, kw, torch.bfloat16)
@@ -76,13 +78,26 @@ def test_fold_within_bf16_tolerance():
     assert rel[fk.KvFormat.FOLDED] < 2 * rel[fk.KvFormat.SPLIT] + 1e-4, rel
 
 
+def rows_to_head_order(rows: torch.Tensor, geom, fmt) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) [..., D] each, in head order, from page rows [..., row_width] (split: views of the rows). A folded row
+    cannot give K's unrotated columns without w_k: they come back NaN (K there is V * w_k)."""
+    fmt = fk.KvFormat.parse(fmt)
+    d = geom.head_dim
+    if fmt is fk.KvFormat.SPLIT:
+        return rows[..., :d], rows[..., d:]
+    v = rows[..., fk.value_window(geom, fmt)][..., fk.value_window_to_head(geom, fmt).to(rows.device)]
+    k = torch.full_like(v, float("nan"))
+    k[..., fk.rotated_columns(geom).to(rows.device)] = rows[..., : geom.rotary_width]
+    return k, v
+
+
 def test_folded_rows_hold_v_and_rotated_k():
     t = 33
     q, kv, qw, kw = _random_inputs(t, seed=3)
     _, _, split_pool, st = _pool_attention("split", q, kv, qw, kw, torch.float64)
     _, _, fold_pool, ft = _pool_attention("folded", q, kv, qw, kw, torch.float64)
-    k_s, v_s = fk.rows_to_head_order(split_pool.gather(st, 0), G, "split")
-    k_f, v_f = fk.rows_to_head_order(fold_pool.gather(ft, 0), G, "folded")
+    k_s, v_s = rows_to_head_order(split_pool.gather(st, 0), G, "split")
+    k_f, v_f = rows_to_head_order(fold_pool.gather(ft, 0), G, "folded")
     assert torch.equal(v_s, v_f)
     rot, unrot = fk.rotated_columns(G), fk.unrotated_columns(G)
     assert torch.allclose(k_s[..., rot], k_f[..., rot], rtol=0, atol=1e-14)

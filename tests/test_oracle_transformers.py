@@ -58,7 +58,7 @@ def test_prep_and_references_match_gemma4_attention(seed, positions):
         kv = att.k_proj(x)[0].view(t, 4, 512)  # [T, Hkv, D]
     qw, kw = att.q_norm.weight.detach(), att.k_norm.weight.detach()
     p1 = pos[0]
-    dense = fk.dense_attention_reference(geom, q, kv, qw, kw, p1)
+    dense = gates.dense_attention_reference(geom, q, kv, qw, kw, p1)
     scale = theirs.abs().max()
     assert (dense - theirs).abs().max() / scale < 2e-5, "dense float64 reference vs transformers (float32)"
 

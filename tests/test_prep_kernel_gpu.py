@@ -26,7 +26,9 @@ from conftest import bench_version
 
 import foldkv
 from foldkv import FoldKvInputError, KvFormat, PagedKvLayout, PagedKvPool
-from foldkv.fp8 import FP8_DTYPE, ROW_REL, ROW_SUB, quantize_rows
+from foldkv.fp8 import FP8_DTYPE, quantize_rows
+from foldkv.lab.gates.fold import dense_attention_reference
+from foldkv.lab.gates.fp8_pool import ROW_REL, ROW_SUB
 
 prep_and_store_gpu = bench_version("prep_fused").prep_and_store_gpu
 
@@ -123,7 +125,7 @@ def test_prep_then_prefill_matches_dense_reference(cuda_device, fmt):
     qw = qw * 0.1  # scores of a few units
     query = prep_and_store_gpu(pool, table, request, positions, q, kv, qw, kw)
     out, _ = prefill(pool, query, table, torch.tensor([n], dtype=torch.int32, device=cuda_device))
-    ref = foldkv.dense_attention_reference(GEOM, q, kv, qw, kw, positions.long())
+    ref = dense_attention_reference(GEOM, q, kv, qw, kw, positions.long())
     torch.cuda.synchronize()
     err = out.double() - ref
     rel = float(err.norm() / ref.norm())

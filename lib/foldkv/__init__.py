@@ -9,10 +9,8 @@ PagedKvPool / PagedKvLayout / BlockTable (pool.py), prep_and_store (prep.py), pa
 from .config import GEMMA4_31B, PRESETS, AttentionGeometry, ConfigError, geometry_from_config, resolve_geometry
 from .layout import (
     KvFormat,
-    folded_row_sources,
     rotated_columns,
     row_width,
-    rows_to_head_order,
     score_window,
     score_window_columns,
     unrotated_columns,
@@ -22,11 +20,14 @@ from .layout import (
 )
 from .pool import Allocation, BlockTable, PageHolder, PagedKvLayout, PagedKvPool, check_block_table
 from .prep import prep_and_store, prep_query, prep_rows, prep_rows_and_query, rope_cos_sin
-from .reference import check_pool_format, dense_attention_reference, paged_attention_reference
+from .reference import check_pool_format, paged_attention_reference
 from .validate import FoldKvInputError
 from .moved import moved
 
 __getattr__ = moved(__name__, {"floor": "the byte floor is the lab's analysis: foldkv.lab.byte_floor",
-                               "fill_sequences": "foldkv.lab.gates.inputs.fill_sequences (the lab's pools)"})
+                               "fill_sequences": "foldkv.lab.gates.inputs.fill_sequences (the lab's pools)",
+                               "folded_row_sources": "tests/conftest.py (only tests hold the column maps to it)",
+                               "rows_to_head_order": "tests/test_layout_pool.py (only a test reads rows back)",
+                               "dense_attention_reference": "foldkv.lab.gates.fold (only the fold's gate and tests)"})
 
 __version__ = "0.1.0"

@@ -32,15 +32,13 @@ class AttentionGeometry:
     def __post_init__(self) -> None:
         if self.num_q_heads <= 0 or self.num_kv_heads <= 0 or self.num_q_heads % self.num_kv_heads:
             raise ConfigError(
-                f"num_q_heads={self.num_q_heads} must be a positive multiple of num_kv_heads={self.num_kv_heads}"
-            )
+                f"num_q_heads={self.num_q_heads} must be a positive multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim <= 0 or self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be positive and even (rotate_half pairs d with d+D/2)")
         if self.rotary_pairs <= 0 or self.rotary_pairs * 2 != round(self.partial_rotary_factor * self.head_dim):
             raise ConfigError(
                 f"partial_rotary_factor={self.partial_rotary_factor} x head_dim={self.head_dim} does not give an even,"
-                " positive rotary width: the folded row needs a whole number of rotated pairs"
-            )
+                " positive rotary width: the folded row needs a whole number of rotated pairs")
         if self.rotary_pairs * 2 >= self.head_dim:
             raise ConfigError("the whole head is rotated: nothing to fold (partial_rotary_factor must be < 1)")
         if not 0 < self.num_global_layers <= self.num_layers:
@@ -62,7 +60,6 @@ class AttentionGeometry:
     def rotary_width(self) -> int:
         """Rotated columns per head (128 for the 31B)."""
         return 2 * self.rotary_pairs
-
 
     def per_rank(self, ranks: int) -> "AttentionGeometry":
         """The geometry one of `ranks` tensor-parallel ranks holds: whole KV heads with their query groups (ConfigError
@@ -121,8 +118,7 @@ def geometry_from_config(config: str | os.PathLike | Mapping[str, Any], name: st
     if not tc.get("attention_k_eq_v", False):
         raise ConfigError(
             f"{source}: attention_k_eq_v is not set: K and V come from separate projections, so there is nothing"
-            " to fold (foldkv serves only k_eq_v global layers)"
-        )
+            " to fold (foldkv serves only k_eq_v global layers)")
     layer_types = tc.get("layer_types")
     num_layers = int(tc.get("num_hidden_layers", len(layer_types) if layer_types else 0))
     if layer_types:
@@ -138,24 +134,15 @@ def geometry_from_config(config: str | os.PathLike | Mapping[str, Any], name: st
     if rope_type != "proportional":
         raise ConfigError(
             f"{source}: global-layer rope_type is {rope_type!r}; foldkv needs 'proportional' RoPE (a partial rotary"
-            " width with the unrotated columns left as they are)"
-        )
+            " width with the unrotated columns left as they are)")
     head_dim, num_kv = _global_head_shape(tc, source)
-    num_q = int(tc.get("num_attention_heads", 0))
-    factor = float(rope.get("partial_rotary_factor", 1.0))
     try:
         return AttentionGeometry(
-            num_q_heads=num_q,
-            num_kv_heads=num_kv,
-            head_dim=head_dim,
-            partial_rotary_factor=factor,
-            rope_theta=float(rope.get("rope_theta", 1_000_000.0)),
-            rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
-            num_global_layers=num_global,
-            num_layers=num_layers,
-            max_position=int(tc.get("max_position_embeddings", 262_144)),
-            name=source,
-        )
+            num_q_heads=int(tc.get("num_attention_heads", 0)), num_kv_heads=num_kv, head_dim=head_dim,
+            partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
+            rope_theta=float(rope.get("rope_theta", 1_000_000.0)), rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
+            num_global_layers=num_global, num_layers=num_layers,
+            max_position=int(tc.get("max_position_embeddings", 262_144)), name=source)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
 
@@ -173,6 +160,5 @@ def resolve_geometry(spec: str | os.PathLike | Mapping[str, Any] | AttentionGeom
         raise ConfigError(
             f"unknown geometry {spec!r}: not a preset ({', '.join(sorted(PRESETS))}) nor a path that exists."
             f"{f' Did you mean {close[0]!r}?' if close else ''} A path to a Gemma 4 config.json (or to the model folder"
-            " that holds it) is accepted too."
-        )
+            " that holds it) is accepted too.")
     return geometry_from_config(spec)

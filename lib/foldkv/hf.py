@@ -65,8 +65,7 @@ def check_no_shared_kv(text_model: nn.Module) -> None:
     if shared or reusing:
         raise ConfigError(
             f"num_kv_shared_layers={shared}: layers {reusing} reuse an earlier layer's KV (is_kv_shared_layer,"
-            " shared_kv_states); foldkv does not serve KV-shared Gemma 4 variants"
-        )
+            " shared_kv_states); foldkv does not serve KV-shared Gemma 4 variants")
 
 
 def global_geometry(text_model: nn.Module, attn: nn.Module) -> AttentionGeometry:
@@ -138,8 +137,7 @@ class NewRows:
         raise FoldKvInputError(
             f"a FoldKvCache global layer was read as a tensor (.{name}): its KV lives in a foldkv pool and only the"
             " 'foldkv' attention implementation reads it; load the model with attn_implementation='foldkv' or call"
-            " model.set_attn_implementation('foldkv')"
-        )
+            " model.set_attn_implementation('foldkv')")
 
 
 def _new_tokens(attention_mask: torch.Tensor | None, q_length: int, kv_length: int, kv_offset: int) -> NewTokens | None:
@@ -592,10 +590,7 @@ class FoldKvCache(Cache):
         return ws.step(layer.pool, backend=self.backend)[0]
 
 
-_MOVED = {"ring_attention": "foldkv.ring.ring_attention (the one name every caller reads)"}
-
-
-__getattr__ = moved(__name__, _MOVED)
+__getattr__ = moved(__name__, {"ring_attention": "foldkv.ring.ring_attention (the one name every caller reads)"})
 
 
 __all__ = ["FoldKvCache", "FoldKvLayer", "NewRows", "NewTokens", "SLIDING_IMPLEMENTATION", "register",

@@ -44,24 +44,18 @@ class _HostFlag:
     after the copy (on CUDA: pinned memory and an event)."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.host = torch.empty((), dtype=torch.bool, pin_memory=True)
-            self.copied = torch.cuda.Event()
-        self.value = None
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+        self.host = torch.empty((), dtype=torch.bool, pin_memory=self.copied is not None)
 
     def copy(self, flag: torch.Tensor) -> None:
-        if self.cuda:
-            self.host.copy_(flag, non_blocking=True)
+        self.host.copy_(flag, non_blocking=self.copied is not None)
+        if self.copied is not None:
             self.copied.record()
-        else:
-            self.value = bool(flag)
 
     def read(self) -> bool:
-        if self.cuda:
+        if self.copied is not None:
             self.copied.synchronize()
-            return bool(self.host)
-        return self.value
+        return bool(self.host)
 
 
 def loop_state(input_ids: torch.Tensor, stopping_criteria: Any, generation_config: Any, model_kwargs: dict) -> tuple:

@@ -62,16 +62,6 @@ def value_window(geom: AttentionGeometry, fmt: KvFormat | str) -> slice:
     return slice(start, start + geom.head_dim)
 
 
-def folded_row_sources(geom: AttentionGeometry) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each folded-row column p: (is_key[p], head_column[p]), [D + R] bool and [D + R] int64 on the CPU.
-    K_rot, then V_unrot, then V_rot."""
-    rot, unrot = rotated_columns(geom), unrotated_columns(geom)
-    head_col = torch.cat([rot, unrot, rot])
-    is_key = torch.zeros(head_col.numel(), dtype=torch.bool)
-    is_key[: rot.numel()] = True
-    return is_key, head_col
-
-
 def value_window_columns(geom: AttentionGeometry, fmt: KvFormat | str) -> torch.Tensor:
     """Head column held at each position of the value window (identity for split; unrot then rot for folded):
     [D] int64."""
@@ -94,17 +84,3 @@ def value_window_to_head(geom: AttentionGeometry, fmt: KvFormat | str) -> torch.
     inv = torch.empty_like(cols)
     inv[cols] = torch.arange(cols.numel())
     return inv
-
-
-def rows_to_head_order(rows: torch.Tensor, geom: AttentionGeometry, fmt: KvFormat | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Recover (K, V) [..., D] each, in head order, from page rows [..., row_width] (same dtype and device; split:
-    views of the rows). For folded rows, K's unrotated columns cannot be recovered without w_k, so K is returned
-    with only its rotated columns (the rest NaN) - callers use `V * w_k`."""
-    fmt = KvFormat.parse(fmt)
-    d = geom.head_dim
-    if fmt is KvFormat.SPLIT:
-        return rows[..., :d], rows[..., d:]
-    v = rows[..., value_window(geom, fmt)][..., value_window_to_head(geom, fmt).to(rows.device)]
-    k = torch.full_like(v, float("nan"))
-    k[..., rotated_columns(geom).to(rows.device)] = rows[..., : geom.rotary_width]
-    return k, v

@@ -6,7 +6,7 @@ unchanged) a second release, another pool's table, a copy, or edited page ids.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Sequence
 
 import torch
@@ -43,8 +43,7 @@ class PagedKvLayout:
         if self.quantized and self.format is not KvFormat.FOLDED:
             raise FoldKvInputError(
                 f"an FP8 pool stores folded rows only: an FP8 {self.format.value} row ({self.row_width} + 4 B per token"
-                f" and KV head) reads more than 0.55x the bf16 folded row and would lose to it; use format='folded'"
-            )
+                f" and KV head) reads more than 0.55x the bf16 folded row and would lose to it; use format='folded'")
 
     @property
     def quantized(self) -> bool:
@@ -72,7 +71,7 @@ class PagedKvLayout:
 
     @property
     def element_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def bytes_per_token_head(self) -> int:
@@ -96,14 +95,11 @@ class PagedKvLayout:
     def pages_for(self, tokens: int) -> int:
         return -(-int(tokens) // self.page_size)
 
-    def with_pages(self, num_pages: int) -> "PagedKvLayout":
-        return PagedKvLayout(self.geometry, self.format, self.page_size, num_pages, self.dtype)
-
     @classmethod
     def for_tokens(cls, tokens: int, **kw) -> "PagedKvLayout":
         """A layout with just enough pages for `tokens` tokens; `kw` are the other fields."""
         base = cls(**kw)
-        return base.with_pages(base.pages_for(tokens))
+        return replace(base, num_pages=base.pages_for(tokens))
 
 
 @dataclass
@@ -140,8 +136,7 @@ def check_block_table(layout: PagedKvLayout, table: BlockTable, *, max_batch: in
     if table.page_ids.dim() != 2 or table.seq_lens.dim() != 1 or table.page_ids.shape[0] != table.seq_lens.shape[0]:
         raise FoldKvInputError(
             f"page_ids {list(table.page_ids.shape)} and seq_lens {list(table.seq_lens.shape)} must be [batch, pages]"
-            " and [batch]"
-        )
+            " and [batch]")
     batch = table.batch
     if batch == 0:
         raise FoldKvInputError("empty batch")
@@ -157,8 +152,7 @@ def check_block_table(layout: PagedKvLayout, table: BlockTable, *, max_batch: in
         r = int(torch.argmax(need))
         raise FoldKvInputError(
             f"request {r} has {int(lens[r])} tokens but its block table holds only {table.page_ids.shape[1]} pages of"
-            f" {layout.page_size}"
-        )
+            f" {layout.page_size}")
     ids = table.page_ids.cpu()
     used = torch.arange(ids.shape[1])[None, :] < need[:, None]
     check_index_range("page_ids (within each request's pages)", ids[used], 0, layout.num_pages)
@@ -177,8 +171,7 @@ def check_pool_storage(pool: "PagedKvPool") -> None:
     if scales is None:
         raise FoldKvInputError(
             "an FP8 pool has no scales: its e4m3 rows mean nothing without them (one float32 per token x KV head,"
-            f" shape {list(lay.scale_shape)})"
-        )
+            f" shape {list(lay.scale_shape)})")
     check_tensor("pool scales", scales, dtype=SCALE_DTYPE, device=pool.data.device, shape=lay.scale_shape,
                  contiguous=True)
 
@@ -287,8 +280,7 @@ class PagedKvPool:
         need = [self.layout.pages_for(n) for n in lens]
         if sum(need) > len(self._free):
             raise FoldKvInputError(
-                f"{sum(need)} pages needed for {len(lens)} requests, {len(self._free)} free of {self.layout.num_pages}"
-            )
+                f"{sum(need)} pages needed for {len(lens)} requests, {len(self._free)} free of {self.layout.num_pages}")
         if scatter_seed is not None:
             g = torch.Generator().manual_seed(scatter_seed)
             order = torch.randperm(len(self._free), generator=g).tolist()
@@ -422,8 +414,7 @@ class PagedKvPool:
         if positions.numel() and bool((positions >= lens).any()):
             i = int(torch.nonzero(positions >= lens)[0])
             raise FoldKvInputError(
-                f"token {i} at position {int(positions[i])} is past its request's length {int(lens[i])}"
-            )
+                f"token {i} at position {int(positions[i])} is past its request's length {int(lens[i])}")
         page_col = positions // self.layout.page_size
         pages = table.page_ids.cpu().long()[request, page_col]
         check_index_range("page_ids of the written tokens", pages, 0, self.layout.num_pages)

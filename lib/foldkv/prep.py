@@ -34,8 +34,7 @@ def rope_inv_freq(geom: AttentionGeometry, device: torch.device | str = "cpu") -
     the exponent divides by the full head_dim, not the rotary width)."""
     pairs = geom.rotary_pairs
     rotated = 1.0 / (geom.rope_theta ** (torch.arange(0, 2 * pairs, 2, dtype=torch.int64).float() / geom.head_dim))
-    inv = torch.cat([rotated, torch.zeros(geom.head_dim // 2 - pairs)])
-    return inv.to(device)
+    return torch.cat([rotated, torch.zeros(geom.head_dim // 2 - pairs)]).to(device)
 
 
 def rope_cos_sin(geom: AttentionGeometry, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,9 +185,7 @@ def fold_and_store(pool: PagedKvPool, pages: torch.Tensor, offsets: torch.Tensor
     store_rows(pool, pages, offsets, rows_from_key_value(geom, pool.format, key, value, lay.row_dtype),
                check_finite=check_finite)
     folded = fold_query(geom, pool.format, query, k_norm_weight, lay.query_dtype)
-    if out is None:
-        return folded
-    return out[:folded.shape[0]].copy_(folded)
+    return folded if out is None else out[:folded.shape[0]].copy_(folded)
 
 
 def store_rows(pool: PagedKvPool, pages: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor, *,

@@ -48,34 +48,28 @@ def checkout_state(repo: str | os.PathLike | None = None) -> dict:
         state["git_commit"] = _git(root, "rev-parse", "HEAD").strip()
         status = _git(root, "status", "--porcelain=v1", "-z", "--untracked-files=no")
     except FileNotFoundError:
-        state["git_reason"] = "git is not installed"
-        return _from_stamp(root, state)
+        return _stamp_state(root, "git is not installed") or {**state, "git_reason": "git is not installed"}
     except subprocess.CalledProcessError as exc:
-        state["git_reason"] = f"{root} is not a git checkout with a commit: {(exc.stderr or '').strip()[:200]}"
-        return _from_stamp(root, state)
+        reason = f"{root} is not a git checkout with a commit: {(exc.stderr or '').strip()[:200]}"
+        return _stamp_state(root, reason) or {**state, "git_reason": reason}
     except subprocess.TimeoutExpired:
         state["git_reason"] = "git did not answer within 30 s"
         return state
-    paths, fields = [], status.split("\0")
-    i = 0
-    while i < len(fields):
-        entry = fields[i]
-        i += 1
+    paths, fields = [], iter(status.split("\0"))
+    for entry in fields:
         if len(entry) < 4:
             continue
         if entry[0] in "RC":  # a rename or copy: the next field is the old path
-            i += 1
-        path = entry[3:]
-        if not path.startswith(PROVENANCE_IGNORED_DIRS):
-            paths.append(path)
+            next(fields, None)
+        if not entry[3:].startswith(PROVENANCE_IGNORED_DIRS):
+            paths.append(entry[3:])
     state["dirty"] = bool(paths)
     state["dirty_paths"] = sorted(paths)[:MAX_DIRTY_PATHS]
     state["dirty_paths_total"] = len(paths)
     if paths:  # a tree copied beside an older .git (the device machine's copy) reads as dirty against that HEAD
-        stamped = _stamp_matching(root)
+        stamped = _stamp_state(root, f"git here says HEAD {state['git_commit'][:12]} with {len(paths)} changed files",
+                               same_only=True)
         if stamped is not None and stamped["git_commit"] != state["git_commit"]:
-            stamped["git_reason"] = (f"git here says HEAD {state['git_commit'][:12]} with {len(paths)} changed files; "
-                                     f"{stamped['git_reason']}")
             return stamped
     return state
 
@@ -92,40 +86,23 @@ def _files_sha256(root: str, paths: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-def _read_stamp(root: str) -> tuple[dict, bool] | None:
-    """CHECKOUT_STAMP of `root` and whether the files it lists hash the same here; None if there is none."""
+def _stamp_state(root: str, reason: str, *, same_only: bool = False) -> dict | None:
+    """The state CHECKOUT_STAMP of `root` gives, `reason` saying why git's was not taken: its commit, dirty when the
+    stamp says so or any file it lists hashes differently here. None without a stamp (or, `same_only`, when a listed
+    file differs: the tree is not that commit's)."""
     path = os.path.join(root, CHECKOUT_STAMP)
     if not os.path.isfile(path):
         return None
     with open(path) as fh:
         stamp = json.load(fh)
-    return stamp, _files_sha256(root, stamp["files"]) == stamp["files_sha256"]
-
-
-def _stamp_state(stamp: dict, same: bool) -> dict:
-    state = {"git_commit": stamp["git_commit"], "dirty": bool(stamp["dirty"]) or not same,
-             "dirty_paths": stamp["dirty_paths"] + ([] if same else ["(files changed since the stamp)"]),
-             "dirty_paths_total": stamp["dirty_paths_total"],
-             "git_reason": f"commit from {CHECKOUT_STAMP} (written {stamp['utc']}), whose {len(stamp['files'])} "
-                           f"tracked files {'hash the same' if same else 'DIFFER'} here"}
-    return state
-
-
-def _stamp_matching(root: str) -> dict | None:
-    """The stamp's state when every file it lists hashes the same here (the tree is that commit's), else None."""
-    read = _read_stamp(root)
-    return _stamp_state(*read) if read is not None and read[1] else None
-
-
-def _from_stamp(root: str, state: dict) -> dict:
-    """No git here: take the commit from CHECKOUT_STAMP if the checkout carries one; the copy is dirty when the stamp
-    says so or when any file it lists hashes differently here."""
-    read = _read_stamp(root)
-    if read is None:
-        return state
-    stamped = _stamp_state(*read)
-    stamped["git_reason"] = f"{state['git_reason']}; {stamped['git_reason']}"
-    return stamped
+    same = _files_sha256(root, stamp["files"]) == stamp["files_sha256"]
+    if same_only and not same:
+        return None
+    return {"git_commit": stamp["git_commit"], "dirty": bool(stamp["dirty"]) or not same,
+            "dirty_paths": stamp["dirty_paths"] + ([] if same else ["(files changed since the stamp)"]),
+            "dirty_paths_total": stamp["dirty_paths_total"],
+            "git_reason": f"{reason}; commit from {CHECKOUT_STAMP} (written {stamp['utc']}), whose"
+                          f" {len(stamp['files'])} tracked files {'hash the same' if same else 'DIFFER'} here"}
 
 
 def provenance(repo: str | os.PathLike | None = None) -> dict:

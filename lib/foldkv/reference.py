@@ -1,5 +1,6 @@
-"""Float64 references: a dense Gemma 4 global attention from raw inputs, and `paged_attention_reference`, the oracle
-every kernel is gated against, which reads a pool exactly as stored (an FP8 pool's rows dequantized exactly).
+"""The float64 oracle every kernel is gated against, `paged_attention_reference`: it reads a pool exactly as stored
+(an FP8 pool's rows dequantized exactly). The dense attention from raw inputs it is held to is the lab's
+(`foldkv.lab.gates.fold.dense_attention_reference`).
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ import torch
 from .config import AttentionGeometry
 from .layout import KvFormat, score_window, value_window, value_window_to_head
 from .pool import BlockTable, PagedKvPool, check_block_table, check_pool_storage
-from .prep import apply_rope, rms_norm, rope_cos_sin
 from .validate import FoldKvInputError, check_tensor
+from .moved import moved
 
 
 def check_pool_format(pool: PagedKvPool, fmt: KvFormat | str | None, dtype: torch.dtype | None = None) -> None:
@@ -18,33 +19,12 @@ def check_pool_format(pool: PagedKvPool, fmt: KvFormat | str | None, dtype: torc
     if fmt is not None and KvFormat.parse(fmt) is not pool.format:
         raise FoldKvInputError(
             f"a {pool.format.value} pool was handed to a {KvFormat.parse(fmt).value} reader: the page format is fixed"
-            " for a pool's life, build the query with the pool's own format"
-        )
+            " for a pool's life, build the query with the pool's own format")
     if dtype is not None and dtype != pool.layout.dtype:
         raise FoldKvInputError(
             f"a {pool.layout.dtype} pool was handed to a reader of {dtype} rows: the stored dtype is fixed for a"
-            " pool's life, read it with a reader of its own dtype"
-        )
+            " pool's life, read it with a reader of its own dtype")
     check_pool_storage(pool)
-
-
-def dense_attention_reference(geom: AttentionGeometry, q: torch.Tensor, kv: torch.Tensor, q_norm_weight: torch.Tensor,
-                              k_norm_weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Causal global attention of one sequence in float64 from raw projections q [T, Hq, D], kv [T, Hkv, D] (RoPE
-    angles in float32, as the model computes them) -> [T, Hq, D] head order. Unchecked."""
-    eps = geom.rms_norm_eps
-    cos, sin = (t.double() for t in rope_cos_sin(geom, positions))  # [T, D]
-    qn = apply_rope(rms_norm(q.double(), eps, q_norm_weight.double()).double(), cos, sin)  # [T, Hq, D]
-    k = apply_rope(rms_norm(kv.double(), eps, k_norm_weight.double()).double(), cos, sin)  # [T, Hkv, D]
-    v = rms_norm(kv.double(), eps).double()  # [T, Hkv, D]
-    g = geom.group_size
-    k = k.repeat_interleave(g, dim=1)  # [T, Hq, D]
-    v = v.repeat_interleave(g, dim=1)  # [T, Hq, D]
-    scores = torch.einsum("qhd,khd->hqk", qn, k)  # [Hq, T, T]; scaling is 1.0 for Gemma 4
-    mask = positions[None, :] > positions[:, None]  # [T, T] key after query
-    scores = scores.masked_fill(mask[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # [Hq, T, T]
-    return torch.einsum("hqk,khd->qhd", probs, v)  # [T, Hq, D]
 
 
 def _query_lens(table: BlockTable, q_lens: torch.Tensor | None) -> torch.Tensor:
@@ -111,3 +91,6 @@ def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: Blo
                 s_abs_max[start + b0:start + b1] = sa.amax(-1).reshape(hkv * g, b1 - b0).transpose(0, 1)
         start += m
     return (out, lse) + ((pv_abs,) if abs_weighted else ()) + ((s_abs_p, s_abs_max) if score_abs else ())
+
+
+__getattr__ = moved(__name__, {"dense_attention_reference": "foldkv.lab.gates.fold (only the fold's gate and tests)"})

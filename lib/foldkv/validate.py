@@ -25,27 +25,19 @@ def check_device(device: torch.device | str) -> torch.device:
         if torch.version.cuda is None:
             raise FoldKvInputError(
                 f"device {str(dev)!r}: CUDA is not available in this torch build (torch {torch.__version__}, CPU only):"
-                " use device='cpu', or install a CUDA build of torch (README: torch, and GPU users)"
-            )
+                " use device='cpu', or install a CUDA build of torch (README: torch, and GPU users)")
         raise FoldKvInputError(
             f"device {str(dev)!r}: torch {torch.__version__} is built for CUDA {torch.version.cuda} but sees no CUDA"
-            " device (no GPU, no driver, or CUDA_VISIBLE_DEVICES hides it): use device='cpu' or run where a GPU is"
-        )
+            " device (no GPU, no driver, or CUDA_VISIBLE_DEVICES hides it): use device='cpu' or run where a GPU is")
     count = torch.cuda.device_count()
     if dev.index is not None and dev.index >= count:
         raise FoldKvInputError(f"device {str(dev)!r} does not exist: torch sees {count} CUDA device(s)")
     return dev
 
 
-def check_tensor(
-    name: str,
-    t: torch.Tensor,
-    *,
-    dtype: torch.dtype | Sequence[torch.dtype] | None = None,
-    device: torch.device | str | None = None,
-    shape: Sequence[int | None] | None = None,
-    contiguous: bool = False,
-) -> None:
+def check_tensor(name: str, t: torch.Tensor, *, dtype: torch.dtype | Sequence[torch.dtype] | None = None,
+                 device: torch.device | str | None = None, shape: Sequence[int | None] | None = None,
+                 contiguous: bool = False) -> None:
     """Raise FoldKvInputError unless `t` is a tensor of the given dtype(s), device, shape (None = any) and layout."""
     if not isinstance(t, torch.Tensor):
         raise FoldKvInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -47,10 +47,9 @@ def window_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     fp16 -> [B, T, H, D] in query's dtype: softmax(scale * q.k) v over the `window` keys up to each query's position.
     Check `refusal` first."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, T|S, heads, D]: the layout FlashAttention reads
-    out = torch.ops.aten._flash_attention_forward(
+    return torch.ops.aten._flash_attention_forward(
         q, k, v, None, None, q.shape[1], k.shape[1], 0.0, True, False, scale=scale,
         window_size_left=window - 1, window_size_right=0)[0]
-    return out
 
 
 def window_attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, window: int,

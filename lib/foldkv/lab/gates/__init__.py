@@ -6,7 +6,8 @@
   poisoned outputs;
 - `checks`: the derived tolerances, the checks against the float64 reference (`compare`, `compare_lse`, `run_case`)
   and the arms under test (the launchers, and the decode through the workspace's CUDA graph);
-- `fold`: folded against split (the float64 identity; each format's bf16 error against the unrounded truth);
+- `fold`: folded against split (the float64 identity, both held to `dense_attention_reference` from raw inputs; each
+  format's bf16 error against the unrounded truth);
 - `refusals`: invalid inputs of the launchers and the workspace, refused with nothing written;
 - `fp8_pool`: the FP8 folded pool's format error, its kernels against the reference, the needle;
 - `fp8_tc`: the derived bound of the FP8 tensor-core decode (`fp8_math="tensor_cores"`, an FP8 pool's default): the
@@ -29,11 +30,11 @@ from .checks import (P_ROUNDING, P_SCALED_ROUNDING, ABS_TOL, REL_TOL, FRO_TOL, L
                      LSE_TILE_MIN, LSE_MERGE_LEVELS, LSE_APPROX, bf16_ulp, compare, agree, lse_bound, row_key_counts,
                      compare_lse, run_case, summary_row, decode_arm, prefill_arm, attended_rows, arm_for,
                      replay_workspace, graph_arm, decode_fp8_math, decode_extra)
-from .fold import (unrounded_truth, FOLD_CASE_RATIO, FOLD_MEAN_RATIO, folded_vs_split, folded_vs_split_overall,
-                   sequence_pool_attention, fold_identity)
+from .fold import (dense_attention_reference, unrounded_truth, FOLD_CASE_RATIO, FOLD_MEAN_RATIO, folded_vs_split,
+                   folded_vs_split_overall, sequence_pool_attention, fold_identity)
 from .refusals import (DECODE_REFUSALS, PREFILL_REFUSALS, run_refusals, WORKSPACE_REFUSALS, run_workspace_refusals,
                        refusal_gate)
-from .fp8_pool import (BF16_REL, FP8_DELTA, fp8_row_check, fp8_output_bound, fp8_format_error, fp8_cases,
+from .fp8_pool import (ROW_REL, ROW_SUB, rounding_bound, BF16_REL, FP8_DELTA, fp8_row_check, fp8_output_bound, fp8_format_error, fp8_cases,
                        fp8_format_gate, fp8_kernel_gate, NEEDLE_LENGTHS, NEEDLE_SCORE, needle, needle_gate)
 from .fp8_tc import (FP8_MMA_BITS_KEPT, TWO_PART_REL, TWO_PART_ABS, effective_query, query_parts,
                      fp8_tc_extra_bounds, fp8_tc_extra)

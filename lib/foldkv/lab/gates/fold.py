@@ -1,6 +1,6 @@
-"""The fold costs no accuracy: in float64 it is an identity (folded == split == dense attention, `fold_identity`);
-in bf16 each format's kernel output is measured against the unrounded truth (`folded_vs_split`, per case and over a
-run)."""
+"""The fold costs no accuracy: in float64 it is an identity (folded == split == dense attention from raw inputs,
+`dense_attention_reference`: `fold_identity`); in bf16 each format's kernel output is measured against the unrounded
+truth (`folded_vs_split`, per case and over a run)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,28 @@ import torch
 from ...config import GEMMA4_31B, AttentionGeometry
 from ...layout import KvFormat
 from ...pool import PagedKvLayout, PagedKvPool
-from ...prep import prep_and_store, prep_query
+from ...prep import apply_rope, prep_and_store, prep_query, rms_norm, rope_cos_sin
 from ...reference import paged_attention_reference
 from .inputs import GateInputs, case_q_lens, fill_sequences
+
+
+def dense_attention_reference(geom: AttentionGeometry, q: torch.Tensor, kv: torch.Tensor, q_norm_weight: torch.Tensor,
+                              k_norm_weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Causal global attention of one sequence in float64 from raw projections q [T, Hq, D], kv [T, Hkv, D] (RoPE
+    angles in float32, as the model computes them) -> [T, Hq, D] head order. Unchecked."""
+    eps = geom.rms_norm_eps
+    cos, sin = (t.double() for t in rope_cos_sin(geom, positions))  # [T, D]
+    qn = apply_rope(rms_norm(q.double(), eps, q_norm_weight.double()).double(), cos, sin)  # [T, Hq, D]
+    k = apply_rope(rms_norm(kv.double(), eps, k_norm_weight.double()).double(), cos, sin)  # [T, Hkv, D]
+    v = rms_norm(kv.double(), eps).double()  # [T, Hkv, D]
+    g = geom.group_size
+    k = k.repeat_interleave(g, dim=1)  # [T, Hq, D]
+    v = v.repeat_interleave(g, dim=1)  # [T, Hq, D]
+    scores = torch.einsum("qhd,khd->hqk", qn, k)  # [Hq, T, T]; scaling is 1.0 for Gemma 4
+    mask = positions[None, :] > positions[:, None]  # [T, T] key after query
+    scores = scores.masked_fill(mask[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # [Hq, T, T]
+    return torch.einsum("hqk,khd->qhd", probs, v)  # [T, Hq, D]
 
 
 def unrounded_truth(inputs: GateInputs) -> torch.Tensor:
@@ -85,8 +104,6 @@ def sequence_pool_attention(geom: AttentionGeometry, fmt: KvFormat | str, q: tor
 def fold_identity(seed: int, tokens: tuple[int, ...] = (1, 54, 97), geom: AttentionGeometry = GEMMA4_31B) -> list[dict]:
     """In float64 the fold is an identity: folded-pool attention == split-pool attention == dense attention from raw
     inputs, up to float64 rounding. One row per sequence length (causal prefill of the whole sequence)."""
-    from ...reference import dense_attention_reference
-
     rows = []
     for t in tokens:
         g = torch.Generator().manual_seed(seed + t)

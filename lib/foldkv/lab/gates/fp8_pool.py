@@ -18,17 +18,29 @@ from .inputs import Case, fill_sequences, make_inputs
 from .sections import gpu_section
 
 
+# |q*scale - x| <= ROW_REL * |x| + ROW_SUB * scale, elementwise, derived from `foldkv.fp8.quantize_rows`'s rounding:
+#  - e4m3 has 3 fraction bits: round to nearest moves a normal value (|y| >= 2^-6) by <= 2^-4 |y|, a subnormal one by
+#    <= 2^-10 (half the spacing 2^-9); so |q - y| <= 2^-4 |y| + 2^-10;
+#  - y = x / scale in float32 is off by <= 2^-24 |y|, and the clamp, which only float32 rounding can reach, by as
+#    much again; the float64 product q*scale is exact. Together ROW_REL = 2^-4 + 2^-21 (a margin over 2^-4 + 2^-22).
+ROW_REL, ROW_SUB = 2.0**-4 + 2.0**-21, 2.0**-10
 BF16_REL = 2.0**-8  # round to nearest bf16 (8 significant bits) moves a value by at most 2^-8 of itself
 FP8_DELTA = 1e-12  # the output bound's failure probability per event (one per key and one per output element)
 
 
+def rounding_bound(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The most `foldkv.fp8.quantize_rows` may move each element of `rows`: ROW_REL * |x| + ROW_SUB * scale, float64."""
+    return ROW_REL * rows.to(torch.float32).double().abs() + ROW_SUB * scale.double()[..., None]
+
+
 def fp8_row_check(pool: PagedKvPool, table: BlockTable, rows: list[torch.Tensor]) -> dict:
     """Format gate on the rows: an FP8 pool's dequantized rows against the float32 rows it was given (`rows[r]`
-    [seq_len_r, Hkv, W] per request of `table`), element by element within `foldkv.fp8`'s derived rounding bound,
-    with the scales recomputed from those rows (amax / 448), so a stored value or scale that is off is caught.
+    [seq_len_r, Hkv, W] per request of `table`), element by element within the quantizer's derived bound
+    (`rounding_bound`), with the scales recomputed from those rows (amax / 448), so a stored value or scale that is
+    off is caught.
     Returns max |x^ - x| / bound ("max_ratio", <= 1 passes), the count of elements over it, and the relative
     Frobenius error."""
-    from ...fp8 import quantize_rows, rounding_bound
+    from ...fp8 import quantize_rows
 
     worst, over, err2, ref2 = 0.0, 0, 0.0, 0.0
     for r, x in enumerate(rows):
@@ -59,8 +71,6 @@ def fp8_output_bound(query: torch.Tensor, truth_rows: torch.Tensor, fp8_rows: to
     r = E^2 e^E / 2 >= |e^eta - 1 - eta|: the exact softmax o^ - o = (L1 + N1 + N2) / (1 + rho) + L2 gives
     |o^ - o| <= first + (r (first + P b^V) + E P b^V + 2 r P|v^ - o|) / (1 - r) (infinite when r >= 1). Holds with
     probability >= 1 - delta (n + D) per KV head."""
-    from ...fp8 import ROW_REL, ROW_SUB
-
     hkv, grp, d, rw = geom.num_kv_heads, geom.group_size, geom.head_dim, geom.rotary_width
     z = math.sqrt(2 * math.log(2 / delta))
     out = torch.empty(geom.num_q_heads, d, dtype=torch.float64)
@@ -207,7 +217,7 @@ def needle(length: int, position: int, *, seed: int = 0, device: torch.device | 
     `drop_needle=True` (the red twin) overwrites the needle row with another token's after the query and the leak
     bound are made (from the intact pool): the end-to-end check must fail. `fp8_math`: the FP8 decode partial (None:
     the FP8 pool's default, the tensor-core one); the row's "partial" names the one that ran ("bf16" on a bf16 pool)."""
-    from ...fp8 import FP8_DTYPE, ROW_REL, ROW_SUB
+    from ...fp8 import FP8_DTYPE
     from ...kernels.decode import decode
     from ...layout import value_window, value_window_to_head
     from ...prep import prep_rows
