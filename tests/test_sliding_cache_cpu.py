@@ -131,7 +131,8 @@ def test_batch_above_one_gets_no_place_and_the_option_off_is_transformers_update
     layer = ScratchSlidingLayer(WINDOW, scratch)
     assert layer.chunk_rows(3, 5, HEADS, DIM, torch.float32, torch.device("cpu")) == (None, None)
     k = torch.randn(1, HEADS, 5, DIM)
-    full, _ = layer.update(k, k.clone())  # no place filled, the option off: transformers' cat
+    with using(StepOptions(sliding_scratch=False)):
+        full, _ = layer.update(k, k.clone())  # no place filled, the option off: transformers' cat
     assert (layer.placed, layer.copied) == (0, 0) and scratch.k is None and full.is_contiguous()
 
 
@@ -182,8 +183,9 @@ def _generate(model, lengths, decode_step, chunk):
 @pytest.mark.parametrize("lengths", [(23,), (5, 23, 11)])
 @pytest.mark.parametrize("decode_step", ["eager", "static"])
 def test_generate_with_the_scratch_gives_the_same_tokens(model, lengths, decode_step):
-    tokens, logits, copied = _generate(model, lengths, decode_step, chunk=6)
-    assert copied == 0  # the served options: transformers' update
+    with using(StepOptions(sliding_scratch=False)):
+        tokens, logits, copied = _generate(model, lengths, decode_step, chunk=6)
+    assert copied == 0  # the option off: transformers' update
     with using(SCRATCH):
         on_tokens, on_logits, on_copied = _generate(model, lengths, decode_step, chunk=6)
     assert on_copied >= -(-max(lengths) // 6)  # every prefill chunk of every sliding layer through the scratch
