@@ -7,6 +7,7 @@ describe (`refusal`) runs its own forward.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from .fused_step_ops import (_norm_add, gelu_mul, head_dim_refusal, kv_to_ring, 
                              rms_norm, rope, sliding_prologue)  # (public: __all__)
 from .masks import SLIDING_IMPLEMENTATION, RingMask
 from .moved import moved
+from .pool import PagedKvPool
 from .step_options import StepOptions, in_force
 from .transformers_compat import has_forward_hooks
 from .validate import FoldKvInputError
@@ -476,10 +478,6 @@ class StepForward:
         to first token: one pass of each distinct layer body over random rows at each of `warm_row_counts(rows)`
         (a sliding layer's FlashAttention window as a first and as a later chunk; a global layer's store into a
         one-page scratch pool), then the final norm and LM head. Returns the layer bodies run (0 on the CPU)."""
-        from dataclasses import replace
-
-        from .pool import PagedKvPool
-
         w = self.text.embed_tokens.weight
         n = w.shape[-1]
         if not w.is_cuda or rows < 2:  # (a one-token forward is no prefill of the step's)
