@@ -7,6 +7,7 @@ describe (`refusal`) runs its own forward.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from .fused_step_ops import (_norm_add, gelu_mul, head_dim_refusal, kv_to_ring, 
                              rms_norm, rope, sliding_prologue)  # (public: __all__)
 from .masks import SLIDING_IMPLEMENTATION, RingMask
 from .moved import moved
+from .pool import PagedKvPool
 from .step_options import StepOptions, in_force
 from .transformers_compat import has_forward_hooks
 from .validate import FoldKvInputError
@@ -392,11 +394,8 @@ class StepForward:
             x = normed if normed is not None else self._norm(layer.input_layernorm, h)
             kind = self.types[i]
             out, parts = self._attention(i, x, tables[kind], masks[kind], cache, step, positions, merged)
-            h, x = self._norm_add(out, h, layer.post_attention_layernorm, layer.pre_feedforward_layernorm, None,
-                                  parts)
-            out, parts = self._mlp(i, x, merged)
             second = self.layers[i + 1].input_layernorm if nxt_norm and i + 1 < len(self.layers) else None
-            h, normed = self._norm_add(out, h, layer.post_feedforward_layernorm, second, layer.layer_scalar, parts)
+            h, normed = self._feed_forward(i, out, parts, h, second, merged)
             normed = normed if second is not None else None
         h = self._norm(self.text.norm, h)
         if isinstance(logits_to_keep, int):
@@ -408,19 +407,36 @@ class StepForward:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return compat.causal_lm_output(logits, cache)
 
+    def _feed_forward(self, i, out, parts, h, second, merged) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i after its attention (o_proj's output, partials): residuals, norms and MLP; (h, second(h) or h)."""
+        layer = self.layers[i]
+        h, x = self._norm_add(out, h, layer.post_attention_layernorm, layer.pre_feedforward_layernorm, None, parts)
+        out, parts = self._mlp(i, x, merged)
+        return self._norm_add(out, h, layer.post_feedforward_layernorm, second, layer.layer_scalar, parts)
+
     def _mlp(self, i: int, x: torch.Tensor, merged: bool = True) -> tuple[torch.Tensor, Any]:
         """Layer i's MLP from its pre-feedforward norm's output: (down_proj's output, its unsummed partials or None)."""
         gate, up = self.gate_up[i](x, merged)
         act = gelu_mul(gate, up) if x.is_cuda else self.layers[i].mlp.act_fn(gate) * up
         return self.down_proj[i].tail(act)
 
+    def _project(self, i: int, x: torch.Tensor, merged: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's q, k, v projections [B, T, H * D] of its input norm's output x."""
+        q, k, *v = self.qkv[i](x, merged)
+        return q, k, v[0] if v else k  # attention_k_eq_v: the value is the key before its norm
+
+    def _heads(self, attn, q, k, v, cos, sin, fused, k_at, v_at) -> tuple[torch.Tensor, ...]:
+        """Head rows [B, T, H, D] of projections q, k, v: q, k normed and RoPE'd, v normed (k_at, v_at: `out=`)."""
+        b, t, d = q.shape[0], q.shape[1], attn.head_dim
+        q = self._norm_rope(attn.q_norm, q.view(b, t, -1, d), cos, sin, fused)
+        k = self._norm_rope(attn.k_norm, k.view(b, t, -1, d), cos, sin, fused, **k_at)
+        return q, k, self._norm(attn.v_norm, v.view(b, t, -1, d), **v_at)
+
     def _attention(self, i, x, table, mask, cache, step, positions, merged=True) -> tuple[torch.Tensor, Any]:
         """Layer i's attention from its input norm's output x: (o_proj's output, its unsummed partials or None)."""
         attn = self.layers[i].self_attn
         cos, sin = table
-        projected = self.qkv[i](x, merged)
-        q, k = projected[0], projected[1]
-        v = projected[2] if len(projected) > 2 else k  # attention_k_eq_v: the value is the key before its norm
+        q, k, v = self._project(i, x, merged)
         b, t = x.shape[:2]
         route = self.route(attn, x, mask, step)
         if route == "sliding":
@@ -436,12 +452,9 @@ class StepForward:
                                             step.store_offsets)
             out = step._workspace_decode(layer, b).to(x.dtype).reshape(b, 1, -1)
             return self.o_proj[i].tail(out)
-        d = attn.head_dim
         fused = step is None and in_force().fuse_prefill_norm_rope  # a prefill's
-        k_at, v_at = self._chunk_places(cache, attn, k, v, d) if step is None else ({}, {})
-        q = self._norm_rope(attn.q_norm, q.view(b, t, -1, d), cos, sin, fused).transpose(1, 2)
-        k = self._norm_rope(attn.k_norm, k.view(b, t, -1, d), cos, sin, fused, **k_at).transpose(1, 2)
-        v = self._norm(attn.v_norm, v.view(b, t, -1, d), **v_at).transpose(1, 2)
+        k_at, v_at = self._chunk_places(cache, attn, k, v, attn.head_dim) if step is None else ({}, {})
+        q, k, v = (rows.transpose(1, 2) for rows in self._heads(attn, q, k, v, cos, sin, fused, k_at, v_at))
         k, v = cache.update(k, v, attn.layer_idx)
         out, _ = compat.attention_function(attn)(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling,
                                                  sliding_window=attn.sliding_window, position_ids=positions)
@@ -465,10 +478,6 @@ class StepForward:
         to first token: one pass of each distinct layer body over random rows at each of `warm_row_counts(rows)`
         (a sliding layer's FlashAttention window as a first and as a later chunk; a global layer's store into a
         one-page scratch pool), then the final norm and LM head. Returns the layer bodies run (0 on the CPU)."""
-        from dataclasses import replace
-
-        from .pool import PagedKvPool
-
         w = self.text.embed_tokens.weight
         n = w.shape[-1]
         if not w.is_cuda or rows < 2:  # (a one-token forward is no prefill of the step's)
@@ -492,16 +501,9 @@ class StepForward:
                     continue
                 seen.add(body)
                 bodies += 1
-                attn = layer.self_attn
-                x = self._norm(layer.input_layernorm, h)
-                projected = self.qkv[i](x, merged)
-                q, k = projected[0], projected[1]
-                v = projected[2] if len(projected) > 2 else k
-                d = attn.head_dim
-                cos, sin = tables[self.types[i]]
-                q = self._norm_rope(attn.q_norm, q.view(1, t, -1, d), cos, sin, fused)
-                k = self._norm_rope(attn.k_norm, k.view(1, t, -1, d), cos, sin, fused)
-                v = self._norm(attn.v_norm, v.view(1, t, -1, d))
+                attn, d = layer.self_attn, layer.self_attn.head_dim
+                q, k, v = self._project(i, self._norm(layer.input_layernorm, h), merged)
+                q, k, v = self._heads(attn, q, k, v, *tables[self.types[i]], fused, {}, {})
                 if not attn.is_sliding:  # FoldKvLayer.attend's fold and store, rows packed as its index_select's
                     global_step.fold_and_store(scratch, pages, offsets, q.reshape(t, -1, d), k.reshape(t, -1, d),
                                                v.reshape(t, -1, d), attn.k_norm.weight)
@@ -516,11 +518,8 @@ class StepForward:
                                                               scale=attn.scaling)
                 out, parts = self.o_proj[i].tail(torch.randn(q.reshape(1, t, -1).shape, generator=g, device=w.device,
                                                               dtype=w.dtype))
-                y, x = self._norm_add(out, h, layer.post_attention_layernorm, layer.pre_feedforward_layernorm, None,
-                                      parts)
-                out, parts = self._mlp(i, x, merged)
                 second = None if last or not in_force().tail_next_norm else self.layers[i + 1].input_layernorm
-                self._norm_add(out, y, layer.post_feedforward_layernorm, second, layer.layer_scalar, parts)
+                self._feed_forward(i, out, parts, h, second, merged)
             self.lm_head(self._norm(self.text.norm, h)[:, -1:])
         return bodies
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from . import gemv
 from .transformers_compat import norm_eps
+from .validate import FoldKvInputError
 
 _KERNELS: dict | None = None
 
@@ -49,8 +50,6 @@ def _destination(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.T
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     if (not out.is_contiguous() or out.numel() != torch.Size(shape).numel() or out.dtype != like.dtype
             or out.device != like.device):
-        from .validate import FoldKvInputError
-
         raise FoldKvInputError(f"out {tuple(out.shape)} {out.dtype} on {out.device} (strides {out.stride()}): expected"
                                f" a packed tensor of {torch.Size(shape).numel()} {like.dtype} elements on {like.device}")
     return out.view(shape)
@@ -156,10 +155,8 @@ def norm_rope_refusal(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.T
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
               sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, T, H, D] head rows (read in place), weight [D], cos/sin [B, T, D] -> RoPE(RMSNorm(x) * weight) packed,
-    in one pass (`q_norm_rope` with the B * T tokens as its batch), bitwise `rms_norm` then `rope`; into `out` when given (`_destination`). Raises
-    FoldKvInputError where `norm_rope_refusal` says."""
-    from .validate import FoldKvInputError
-
+    in one pass (`q_norm_rope` with the B * T tokens as its batch), bitwise `rms_norm` then `rope`; into `out` when
+    given (`_destination`). Raises FoldKvInputError where `norm_rope_refusal` says."""
     if (why := norm_rope_refusal(x, weight, cos, sin)) is not None:
         raise FoldKvInputError(f"norm_rope: {why}")
     b, t, h, d = x.shape
@@ -213,8 +210,6 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype)
 def _head_rows(x: torch.Tensor, heads: int, d: int, name: str) -> int:
     """The row stride of x [B, 1, heads * d] (a projection's output or a column slice of a merged one), whose last
     dim is contiguous. Raises FoldKvInputError otherwise."""
-    from .validate import FoldKvInputError
-
     if x.dim() != 3 or x.shape[1] != 1 or x.shape[2] != heads * d or x.stride(2) != 1:
         raise FoldKvInputError(f"{name}: expected [B, 1, {heads} * {d}] with its last dim contiguous, got"
                                f" {tuple(x.shape)} strides {x.stride()}")
@@ -222,8 +217,6 @@ def _head_rows(x: torch.Tensor, heads: int, d: int, name: str) -> int:
 
 
 def _rope_table(t: torch.Tensor, b: int, d: int, dtype: torch.dtype, name: str) -> torch.Tensor:
-    from .validate import FoldKvInputError
-
     if t.shape != (b, 1, d) or t.dtype != dtype:
         raise FoldKvInputError(f"{name}: expected [{b}, 1, {d}] {dtype}, got {tuple(t.shape)} {t.dtype}")
     return t.contiguous()
@@ -235,8 +228,6 @@ def head_dim_refusal(d: int) -> str | None:
 
 
 def _check_head_dim(d: int) -> None:
-    from .validate import FoldKvInputError
-
     why = head_dim_refusal(d)
     if why is not None:
         raise FoldKvInputError(why)
@@ -266,8 +257,6 @@ def kv_rows_args(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps
                  cos: torch.Tensor, sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
                  slot: torch.Tensor) -> tuple[int, tuple, int]:
     """`kv_to_ring`'s checks (FoldKvInputError) and its kernel's arguments: (rows B * Hkv, the row args, d)."""
-    from .validate import FoldKvInputError
-
     b, hkv, w, d = ring_k.shape
     _check_head_dim(d)
     ks, vs = _head_rows(k, hkv, d, "k"), _head_rows(v, hkv, d, "v")
@@ -298,8 +287,6 @@ def sliding_prologue(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch
                      sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """A sliding layer's decode step before its ring attention, from its projections' outputs q, k, v [B, 1, H * d]:
     `q_norm_rope` (returned, [B, Hq, d]) and `kv_to_ring` in one launch, bitwise theirs; both checks run first."""
-    from .validate import FoldKvInputError
-
     d = ring_k.shape[-1]
     out, q_args, dq = q_rows_args(q, attn.q_norm.weight, norm_eps(attn.q_norm), cos, sin, q.shape[-1] // d)
     kv_rows, kv_args, dk = kv_rows_args(k, v, attn.k_norm.weight, norm_eps(attn.k_norm), norm_eps(attn.v_norm), cos,

@@ -1,34 +1,19 @@
 """A FoldKvCache's sliding layers: transformers' `DynamicSlidingWindowLayer` whose prefill chunk is assembled in one
-scratch the cache's sliding layers share, instead of a new [kept window | chunk] tensor a layer a chunk.
+scratch the cache's sliding layers share (`SlidingScratch`), instead of the new [kept window | chunk] tensor
+transformers' `torch.cat` makes a layer a chunk and holds alive through its window's view until the layer's next chunk
+(on the 31B, 8.4 GB moved and 4.2 GB held a 4,096-token chunk; bench/PREFILL_NOTES.md).
 
-transformers' layer concatenates its kept window and the chunk's K (and V) into a new tensor every chunk
-(`torch.cat`: the chunk's rows gathered from their [B, T, H, D] layout into [B, H, T, D]) and keeps a view of its last
-`W - 1` rows, which holds that whole tensor alive until the layer's next chunk: on the 31B (50 sliding layers, 16 KV
-heads of 256, W = 1,024) 8.4 GB moved and 4.2 GB held a 4,096-token chunk (bench/PREFILL_NOTES.md).
-
-`SlidingScratch` is one pair of tensors per cache, K and V, token-major [B, W - 1 + C, H, D] (C the longest chunk
-seen; the layout FlashAttention reads and the one the step's kernels write), used by each sliding layer in turn: a
-layer's attention has read it before the next layer writes it (one stream, stream order). A chunk of T tokens:
-- its K and V rows land in rows [W - 1, W - 1 + T): written there by the step's kernels (`ScratchSlidingLayer.chunk_rows`
-  hands out that place; at batch 1 it is packed, so the norm and RoPE kernels write their output there: `placed`), or
-  copied there once by `update` (a batch > 1, or the CPU's formulas, whose outputs are their own tensors);
-- the layer's kept window (n <= W - 1 rows) is copied into rows [W - 1 - n, W - 1);
-- `update` returns rows [W - 1 - n, W - 1 + T) as [B, H, n + T, D] views (transposed: the values of transformers'
-  full states, other strides), which the attention reads in place;
-- the last min(W - 1, n + T) rows are copied into a tensor of the layer's own (token-major, contiguous), its new
-  window: `keys` / `values` are [B, H, m, D] views of it, as transformers' contract wants them.
-Bytes a chunk and layer at batch 1 with the rows placed: the window in and out, K and V (4 x 2 x 8.4 MB on the 31B)
-against the cat's 168 MB; the window held between chunks is the layer's own 2 x 8.4 MB, not the chunk's 84 MB.
-
-`ScratchSlidingLayer.update` takes the scratch only when the rows were placed (the step's forward asked `chunk_rows`)
-or the step's options in force say so (`StepOptions.sliding_scratch`: inside the step's prefill); everything else
-(the model's own forward, a decode step's eager update, `record_past`, a held window wider than W - 1) is
-transformers' update. The rest of transformers' contract is its own (`cumulative_length`, `get_mask_sizes`, `crop`,
-`batch_select_indices`); `reset` drops the window (transformers 5.17's zeroes it in place and keeps it).
+The scratch is one K and one V tensor per cache, token-major [B, W - 1 + C, H, D] (C the longest chunk seen; what
+FlashAttention reads and the step's kernels write), used by each sliding layer in turn: one stream, so a layer's
+attention has read it before the next layer writes it. A chunk of T tokens lands in rows [W - 1, W - 1 + T) (written
+there by the step's kernels through `chunk_rows` at batch 1, `placed`; else copied by `update`), the kept window
+(n <= W - 1 rows) is copied into rows [W - 1 - n, W - 1), `update` returns rows [W - 1 - n, W - 1 + T) as
+[B, H, n + T, D] views, and the last min(W - 1, n + T) rows are copied into the layer's own new window.
+`update` takes the scratch only for placed rows or under `StepOptions.sliding_scratch`; everything else (the model's
+own forward, a decode step's eager update, `record_past`, a held window wider than W - 1) is transformers' update.
 The returned states are the scratch's until the next sliding layer's update: only a forward that runs each layer's
 attention before the next layer's update may take this path (the step's own forward; transformers' forwards do).
-Layers: imported by the transformers adapter (`foldkv.hf`) only; the step's forward reaches the layer through the
-cache it is handed.
+Imported by the transformers adapter (`foldkv.hf`) only.
 """
 
 from __future__ import annotations
