@@ -20,8 +20,8 @@ from typing import Any
 
 from ..config import GEMMA4_31B, AttentionGeometry
 from ..layout import KvFormat, row_width
-from . import macros, producer_guard
-from . import registry
+from . import macros, producer_guard, registry
+from .cuda_checks import check_e4m3_conversion
 from .decode_partial import FP8_PANEL, Run, fp8_row_macro
 from .registry import hands_out
 from .tl import compile_program, prim_func, require_tilelang
@@ -349,13 +349,7 @@ def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.F
 def build_fp8(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.FOLDED, **tiling):
     """Compile (JIT) the prefill kernel over an FP8 folded pool with its registered params, overridden by `tiling`."""
     fmt = KvFormat.parse(fmt)
-
-    def prefill_fp8(page_size, block_N, num_stages, threads):
-        return prefill_program(geom, fmt, page_size=page_size, block_N=block_N, num_stages=num_stages,
-                               threads=threads, fp8=True)
-
-    kernel = compile_program(prefill_fp8(**{**registry.get(f"prefill_{fmt.value}_fp8").params, **tiling}))
-    from .cuda_checks import check_e4m3_conversion
-
+    kernel = compile_program(prefill_program(geom, fmt, **{**registry.get(f"prefill_{fmt.value}_fp8").params, **tiling},
+                                             fp8=True))
     check_e4m3_conversion(f"prefill_{fmt.value}_fp8", kernel.get_kernel_source(), macros.CONVERT_BARRIER_ID)
     return kernel
