@@ -198,8 +198,7 @@ class DecodeWorkspace:
     # -- the step --------------------------------------------------------------------------------------------------
     def check_pool(self, pool: PagedKvPool) -> None:
         """Refuse a pool the workspace was not made for (host-side checks only; no device read)."""
-        if not isinstance(pool, PagedKvPool):
-            raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
+        check_decode_pool(pool)
         lay = pool.layout
         if (lay.geometry, lay.format, lay.page_size, lay.dtype) != (self.layout.geometry, self.layout.format,
                                                                     self.layout.page_size, self.layout.dtype):
@@ -209,7 +208,6 @@ class DecodeWorkspace:
         if pool.device != self.device and not (pool.device.type == self.device.type
                                                and self.device.index in (None, pool.device.index)):
             raise FoldKvInputError(f"the pool is on {pool.device}, the workspace on {self.device}")
-        check_decode_pool(pool)
         if self.device.type != "cuda":
             raise FoldKvInputError(f"the workspace is on {self.device}; decode runs on a CUDA device")
 
