@@ -44,13 +44,6 @@ def check_geometry(geom: AttentionGeometry, fmt: KvFormat) -> None:
 
 
 @dataclass(frozen=True)
-class Windows:
-    """The two shared key tiles of a key block: the score window and the value window of its rows."""
-    score: Any
-    value: Any
-
-
-@dataclass(frozen=True)
 class ScoreGemm:
     """One gemm of the score window: S [M, N] += query key^T. A dataclass, not a tuple of buffers: a loop bound to
     buffers would rename them after its variables and change the emitted CUDA."""
@@ -77,38 +70,22 @@ class Accumulator:
     col: int
 
 
-def windows_macro(block_N: int, D: int, dtype: str):
-    """Allocate a split row's two window tiles, under the names the emitted CUDA uses."""
-    import tilelang.language as T
-
-    @T.macro
-    def split_windows():
-        K_shared = T.alloc_shared([block_N, D], dtype)  # row[0:512]
-        V_shared = T.alloc_shared([block_N, D], dtype)  # row[512:1024]
-        return Windows(K_shared, V_shared)
-
-    return split_windows
-
-
 def key_block_macro(geom: AttentionGeometry, fmt: KvFormat, block_M: int, block_N: int, fp8: bool = False):
-    """The query tiles and a key block's tiles (allocated under the names the emitted CUDA uses), as a macro: for a
-    split pool the query [block_M, D] and the row's two windows; for a bf16 folded pool the row read once (K_rot =
-    row[0:128], V_win = row[128:640]) with the query's rotary part in registers; for an FP8 folded pool the query in
-    its rotated and unrotated parts, the row's e4m3 panels as stored, their bf16 conversions (K_rot, V_unrot, V_rot)
-    and the tokens' scales."""
+    """The query tiles and a key block's tiles of `fmt` rows (allocated under the names the emitted CUDA uses), as a
+    macro; `fp8`: an FP8 folded row's e4m3 panels as stored, their bf16 conversions and the tokens' scales."""
     import tilelang.language as T
 
     D, R = geom.head_dim, geom.rotary_width
     U = D - R
     dtype = "bfloat16"
-    windows = windows_macro(block_N, D, dtype)
 
     @T.macro
     def window_block():
         Q_shared = T.alloc_shared([block_M, D], dtype)  # score-window order
-        win = windows()
-        return KeyBlock(query=(Run(Q_shared, 0, D),), row=(Run(win.score, 0, D), Run(win.value, D, D + D)),
-                        scores=(ScoreGemm(Q_shared, win.score),), values=(win.value,))
+        K_shared = T.alloc_shared([block_N, D], dtype)  # row[0:512]
+        V_shared = T.alloc_shared([block_N, D], dtype)  # row[512:1024]
+        return KeyBlock(query=(Run(Q_shared, 0, D),), row=(Run(K_shared, 0, D), Run(V_shared, D, D + D)),
+                        scores=(ScoreGemm(Q_shared, K_shared),), values=(V_shared,))
 
     @T.macro
     def folded_row_block():

@@ -79,9 +79,8 @@ class DecodeWorkspace:
         # level-one groups: a request of k chunks has ceil(k / merge_group) <= 1 + (k - 1) // merge_group of them
         self.num_groups = max_batch + (num_chunks - 1) // merge_group
         c, g, b = num_chunks, self.num_groups, max_batch
-        # the packed plan: [chunk_req | chunk_start | chunk_len (+1 scratch) | group_first | group_count |
-        #                   req_group_first | req_group_count | last_slot | merge_first | merge_count], each segment
-        #                   128-byte aligned
+        # the packed plan: these arrays in this order in one buffer, each 128-byte aligned (chunk_len's extra entry:
+        # the padding requests' scratch)
         sizes = {"chunk_req": c, "chunk_start": c, "chunk_len": c + 1, "group_first": g, "group_count": g,
                  "req_group_first": b, "req_group_count": b, "last_slot": b, "merge_first": c, "merge_count": c}
         self._offsets, at = {}, 0
