@@ -145,7 +145,8 @@ def dequant_pages(tokens: int = 131072):
     (`dequantize_rows_bf16` is its definition: none may differ), then timed."""
     from foldkv.fp8 import FP8_DTYPE, quantize_rows
     from foldkv.kernels import resolve
-    from foldkv.kernels.dequant_pages import DEFAULTS, NAME, bf16_pages_reference, build, kernel_params
+    from foldkv.kernels.dequant_pages import DEFAULTS, NAME, build, kernel_params
+    from foldkv.lab.page_gather import bf16_pages_reference
     from foldkv.pool import PagedKvLayout, PagedKvPool
 
     geom = GEMMA4_31B

@@ -135,7 +135,7 @@ def test_fp8_prefill_aot_bit_identical_to_jit(aot_build, cuda_device, fp8_rows):
     """A ragged prefill over a hostile FP8 pool through both backends, both ways of reading the rows ("gather": the
     page gather's cubin and the bf16 prefill's; "in_kernel": the FP8 prefill's): each passes its gate, and the two
     agree bit for bit; so does the gathered bf16 pool itself."""
-    from foldkv.kernels.dequant_pages import bf16_pages
+    from foldkv.lab.page_gather import bf16_pages
 
     case = gates.Case("ragged_fp8", (97, 2113, 300, 1), q_lens=(97, 54, 1, 1))
     inp = gates.make_inputs(case, KvFormat.FOLDED, cuda_device, seed=17, dtype=torch.float8_e4m3fn)

@@ -14,7 +14,8 @@ import foldkv
 from foldkv import FoldKvInputError, KvFormat, PagedKvLayout, PagedKvPool
 from foldkv.fp8 import FP8_DTYPE, dequantize_rows, dequantize_rows_bf16, quantize_rows
 from foldkv.kernels import dequant_pages, registry
-from foldkv.kernels.dequant_pages import bf16_pages, bf16_pages_reference, page_plan
+from foldkv.kernels.dequant_pages import page_plan
+from foldkv.lab.page_gather import bf16_pages, bf16_pages_reference
 from foldkv.lab import gates
 
 GEOM = foldkv.GEMMA4_31B

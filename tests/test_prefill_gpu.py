@@ -89,7 +89,7 @@ def test_page_gather_equals_its_torch_definition(cuda_device, case):
     entries): every converted page bit for bit `foldkv.fp8.dequantize_rows_bf16` of its page, NaN where it is, the FP8
     pool untouched. Red twin: one page's scales changed before the kernel runs (the torch rows made from the pool as
     it was) must differ."""
-    from foldkv.kernels.dequant_pages import bf16_pages, bf16_pages_reference
+    from foldkv.lab.page_gather import bf16_pages, bf16_pages_reference
 
     inputs = make_case(KvFormat.FOLDED, case, seed=7, device=cuda_device, dtype=FP8_DTYPE)
     pool, table = inputs.pool, inputs.table

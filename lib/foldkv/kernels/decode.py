@@ -85,18 +85,16 @@ def pool_operands(pool: PagedKvPool) -> tuple[torch.Tensor, ...]:
     return (pool.data, pool.scales) if pool.layout.quantized else (pool.data,)
 
 
-def check_decode_pool(pool: PagedKvPool, op: str = "decode") -> None:
-    """Refuse a pool the `op` kernels (decode's and prefill's) cannot read: not bf16 or e4m3, or whose tensors are not
-    what its layout says (`check_pool_storage`)."""
+def check_decode_pool(pool: PagedKvPool, op: str = "decode", kv_dtype: torch.dtype | None = None) -> None:
+    """Refuse a pool the `op` kernels (decode's and prefill's) cannot read: not a PagedKvPool, not storing `kv_dtype`
+    (when given), not bf16 or e4m3, or whose tensors are not what its layout says (`check_pool_storage`)."""
+    if not isinstance(pool, PagedKvPool):
+        raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
+    if kv_dtype is not None and kv_dtype != pool.layout.dtype:
+        raise FoldKvInputError(f"a {kv_dtype} {op} was asked of a pool that stores {pool.layout.dtype}")
     if pool.layout.dtype not in (torch.bfloat16, FP8_DTYPE):
         raise FoldKvInputError(f"the {op} kernels read bf16 or FP8 (e4m3) pools; this one stores {pool.layout.dtype}")
     check_pool_storage(pool)
-
-
-def check_pool_dtype(pool: PagedKvPool, kv_dtype, op: str = "decode") -> None:
-    """Refuse a pool whose stored dtype is not `kv_dtype` (when given): an `op` asked for one dtype of the other."""
-    if kv_dtype is not None and kv_dtype != pool.layout.dtype:
-        raise FoldKvInputError(f"a {kv_dtype} {op} was asked of a pool that stores {pool.layout.dtype}")
 
 
 def check_query_out_lse(query: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None, rows: int, geom,
@@ -115,21 +113,18 @@ def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, pla
                   out: torch.Tensor | None, lse: torch.Tensor | None, kv_format, kv_dtype, read_table: bool,
                   backend: str, kernels, fused: bool | None = None, fp8_math: str | None = None) -> str:
     """Every refusal, before anything is built, launched or written; returns `fp8_math` parsed."""
-    if not isinstance(pool, PagedKvPool):
-        raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
+    check_decode_pool(pool, kv_dtype=kv_dtype)
     resolve.check_backend(backend)
     lay, geom, dev = pool.layout, pool.geometry, pool.device
     fp8_math = parse_fp8_math(fp8_math, lay.quantized)
     resolve.check_kernels(replaceable_kernels(pool.format, lay.quantized, fp8_math), kernels)
     if kv_format is not None and KvFormat.parse(kv_format) is not pool.format:
         raise FoldKvInputError(f"a {KvFormat.parse(kv_format).value} decode was asked of a {pool.format.value} pool")
-    check_pool_dtype(pool, kv_dtype)
     partial = partial_kernel_name(pool.format, lay.quantized, fp8_math)
     kernel_page = resolve.kernel_params(partial)["page_size"]
     if lay.page_size != kernel_page:  # the partial indexes pages with the page size baked into it
         raise FoldKvInputError(f"the pool's pages hold {lay.page_size} tokens; {partial} is built for pages of"
                                f" {kernel_page}")
-    check_decode_pool(pool)
     if not isinstance(table, BlockTable):
         raise FoldKvInputError(f"table must be a BlockTable, got {type(table).__name__}")
     batch = table.batch
@@ -214,4 +209,4 @@ def launch_step(pool: PagedKvPool, query: torch.Tensor, page_ids: torch.Tensor, 
 
 __all__ = ["DecodePlan", "plan_decode", "decode", "launch_step", "kernel_names", "replaceable_kernels", "use_fused",
            "partial_kernel_name", "pool_operands", "parse_fp8_math", "partial_wave", "FP8_MATH", "DEFAULT_FP8_MATH",
-           "check_pool_dtype", "check_decode_pool", "check_query_out_lse"]
+           "check_decode_pool", "check_query_out_lse"]

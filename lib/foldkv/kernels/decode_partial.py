@@ -24,6 +24,7 @@ from typing import Any
 from ..config import AttentionGeometry
 from ..layout import KvFormat, row_width
 from . import macros, producer_guard, registry
+from .cuda_checks import check_e4m3_conversion, check_tail_hand_off
 from .macros import Convert
 from .merge import _merge_partials_macro
 from .registry import hands_out
@@ -491,14 +492,7 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
 def build_decode_partial(geom: AttentionGeometry, fmt: KvFormat | str, **tiling):
     """Compile (JIT) the partial kernel for `geom` and `fmt` with the format's DEFAULTS, overridden by `tiling`."""
     fmt = KvFormat.parse(fmt)
-
-    def decode_partial(page_size, block_n, num_stages, threads, block_h, reduce_batch=1, ctas_per_sm=1,
-                       prefetch_tiles=0):
-        return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
-                                      threads=threads, block_h=block_h, reduce_batch=reduce_batch,
-                                      ctas_per_sm=ctas_per_sm, prefetch_tiles=prefetch_tiles)
-
-    return compile_program(decode_partial(**{**DEFAULTS[fmt], **tiling}))
+    return compile_program(decode_partial_program(geom, fmt, **{**DEFAULTS[fmt], **tiling}))
 
 
 @hands_out("decode_fused_{fmt}")
@@ -509,15 +503,8 @@ def build_decode_fused(geom: AttentionGeometry, fmt: KvFormat | str, *, tail_han
     check's red twin; `tail`: a version's tail in place of `merge_tail`."""
     fmt = KvFormat.parse(fmt)
     cfg = {**DEFAULTS[fmt], **tiling}
-
-    def decode_fused(page_size, block_n, num_stages, threads, block_h, reduce_batch=1):
-        return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
-                                      threads=threads, block_h=block_h, reduce_batch=reduce_batch, tail_merge=True,
-                                      tail=tail or (lambda ctx: merge_tail(ctx, hand_off=tail_hand_off)))
-
-    kernel = compile_program(decode_fused(**cfg))
-    from .cuda_checks import check_tail_hand_off
-
+    kernel = compile_program(decode_partial_program(
+        geom, fmt, **cfg, tail_merge=True, tail=tail or (lambda ctx: merge_tail(ctx, hand_off=tail_hand_off))))
     check_tail_hand_off(f"decode_fused_{fmt.value}", kernel.get_kernel_source(), threads=cfg["threads"])
     return kernel
 
@@ -527,16 +514,8 @@ def build_decode_partial_fp8(geom: AttentionGeometry, fmt: KvFormat | str, **til
     """Compile (JIT) the partial kernel over an FP8 folded pool with its registered params, overridden by `tiling`."""
     fmt = KvFormat.parse(fmt)
     cfg = {**registry.get(f"decode_partial_{fmt.value}_fp8").params, **tiling}
-
-    def decode_partial_fp8(page_size, block_n, num_stages, threads, block_h, e4m3_convert="bits", reduce_batch=1):
-        return decode_partial_program(geom, fmt, page_size=page_size, block_n=block_n, num_stages=num_stages,
-                                      threads=threads, block_h=block_h, fp8=True, e4m3_convert=e4m3_convert,
-                                      reduce_batch=reduce_batch)
-
-    kernel = compile_program(decode_partial_fp8(**cfg))
+    kernel = compile_program(decode_partial_program(geom, fmt, **cfg, fp8=True))
     if cfg.get("e4m3_convert", "bits") == "bits":
-        from .cuda_checks import check_e4m3_conversion
-
         check_e4m3_conversion(f"decode_partial_{fmt.value}_fp8", kernel.get_kernel_source(),
                               macros.CONVERT_BARRIER_ID)
     return kernel

@@ -14,6 +14,7 @@ from typing import Any
 from ..config import AttentionGeometry
 from ..layout import KvFormat
 from . import macros, producer_guard, registry
+from .cuda_checks import check_e4m3_conversion
 from .decode_partial import FP8_PANEL, TailContext, partial_args, partial_inputs
 from .registry import hands_out
 from .tl import compile_program, prim_func, require_tilelang
@@ -331,12 +332,6 @@ def build(geom: AttentionGeometry, fmt: KvFormat | str = KvFormat.FOLDED, **tili
         raise ValueError(f"{NAME} is built with {SERVED} only; {options} is a probe's (bench/versions/"
                          "decode_partial_fp8_mma.py)")
 
-    def decode_partial_fp8_tc(page_size, block_n, num_stages, block_h, reduce_batch, ctas_per_sm):
-        return decode_partial_fp8_tc_program(geom, page_size=page_size, block_n=block_n, num_stages=num_stages,
-                                             block_h=block_h, reduce_batch=reduce_batch, ctas_per_sm=ctas_per_sm)
-
-    kernel = compile_program(decode_partial_fp8_tc(**cfg))
-    from .cuda_checks import check_e4m3_conversion
-
+    kernel = compile_program(decode_partial_fp8_tc_program(geom, **cfg))
     check_e4m3_conversion(NAME, kernel.get_kernel_source(), TRANSPOSE_BARRIER_ID, calls=(TRANSPOSE_FN,))
     return kernel

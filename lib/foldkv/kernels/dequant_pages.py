@@ -1,8 +1,8 @@
 """The dequantizing page gather: an FP8 folded pool's pages, as a batch's requests cover them, rounded to bf16 rows
 (`foldkv.fp8.dequantize_rows_bf16`) in a scratch pool the bf16 prefill reads (the prefill's default over an FP8 pool:
 prefill.py says why). `page_plan` plans on the host which pages (request r's first ceil(seq_len / page), in request
-order; a page two requests share is converted twice), `convert_pages` launches; `bf16_pages_reference` is the torch
-definition the kernel is held to, bit for bit.
+order; a page two requests share is converted twice), `convert_pages` launches (the gather alone and its torch
+definition: `foldkv.lab.page_gather`).
 
 Kernel arguments, in order (the AOT loader relies on it): Pool [P, 4, page, 640] float8_e4m3, PoolScales [P, 4, page]
 float32, SrcPages [N] int32, Out [N, 4, page, 640] bf16 (written). Grid (N, 4 KV heads): block (n, h) writes Out[n, h]
@@ -11,16 +11,14 @@ from page SrcPages[n] of KV head h.
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
 
-from typing import Callable, Mapping
+from typing import Callable
 
 import numpy as np
 import torch
 
 from ..config import GEMMA4_31B, AttentionGeometry
-from ..fp8 import dequantize_rows_bf16
 from ..layout import KvFormat
-from ..pool import BlockTable, PagedKvLayout, PagedKvPool, check_block_table
-from ..validate import FoldKvInputError
+from ..pool import BlockTable, PagedKvLayout, PagedKvPool
 from . import registry, resolve
 from .tl import compile_program, require_tilelang
 
@@ -60,7 +58,7 @@ def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.F
     return compile_program(main)
 
 
-# --- the host plan and the launcher ---------------------------------------------------------------------------------
+# --- the host plan and the launch -----------------------------------------------------------------------------------
 def page_plan(layout: PagedKvLayout, table: BlockTable) -> tuple[torch.Tensor, BlockTable]:
     """(src [N] int32: the pool page of each page to convert, request by request, in each request's page order;
     the block table onto the converted pages: page_ids [B, max_pages] int32 with request r's pages at
@@ -79,45 +77,9 @@ def page_plan(layout: PagedKvLayout, table: BlockTable) -> tuple[torch.Tensor, B
             BlockTable(torch.from_numpy(compact), seq_lens.clone()))
 
 
-def _bf16_layout(pool: PagedKvPool, num_pages: int) -> PagedKvLayout:
+def bf16_layout(pool: PagedKvPool, num_pages: int) -> PagedKvLayout:
+    """The layout of the gather's output: `num_pages` bf16 folded pages of `pool`'s geometry and page size."""
     return PagedKvLayout(pool.geometry, KvFormat.FOLDED, pool.layout.page_size, num_pages, torch.bfloat16)
-
-
-def _check(pool: PagedKvPool, table: BlockTable) -> None:
-    from .decode import check_decode_pool
-
-    if not isinstance(pool, PagedKvPool) or not pool.layout.quantized:
-        raise FoldKvInputError("the dequantizing page gather reads an FP8 (e4m3) folded pool")
-    check_decode_pool(pool, op="the page gather")  # rows and scales as the layout says
-    check_block_table(pool.layout, table)
-
-
-def bf16_pages_reference(pool: PagedKvPool, table: BlockTable) -> tuple[PagedKvPool, BlockTable]:
-    """The torch definition of `bf16_pages`, on the pool's device: the same pages and table, each converted page
-    `foldkv.fp8.dequantize_rows_bf16(data[page], scales[page])`."""
-    _check(pool, table)
-    src, compact = page_plan(pool.layout, table)
-    src = src.to(pool.device).long()
-    out = dequantize_rows_bf16(pool.data[src], pool.scales[src])
-    return PagedKvPool(_bf16_layout(pool, int(src.numel())), data=out), compact.to(pool.device)
-
-
-def bf16_pages(pool: PagedKvPool, table: BlockTable, *, backend: str = "jit",
-               kernels: Mapping[str, Callable] | None = None) -> tuple[PagedKvPool, BlockTable]:
-    """The pages of an FP8 folded pool that `table`'s requests cover, converted by the kernel into a new bf16 folded
-    pool [N, 4, page, 640] of just those pages (N = sum of ceil(seq_len / page)), with a block table onto it (int32,
-    on the pool's device, seq_lens as given). pool: FP8 folded, with its scales, on CUDA; table: BlockTable, any
-    device. The kernel comes from `resolve.kernel` with the pool's page size ("jit" or "aot"), or from
-    `kernels={"dequant_pages_folded_fp8": callable}`. Bad input raises FoldKvInputError before anything is launched;
-    the FP8 pool is only read."""
-    resolve.check_backend(backend)
-    resolve.check_kernels((NAME,), kernels)
-    _check(pool, table)
-    if pool.device.type != "cuda":
-        raise FoldKvInputError(f"the page gather runs on CUDA; the pool is on {pool.device}")
-    (kernel,) = resolve.launch_kernels((NAME,), pool.geometry, {NAME: kernel_params(pool)}, backend, kernels)
-    src, compact = page_plan(pool.layout, table)
-    return convert_pages(pool, src.to(pool.device), kernel), compact.to(pool.device)
 
 
 def kernel_params(pool: PagedKvPool) -> dict:
@@ -129,7 +91,7 @@ def convert_pages(pool: PagedKvPool, src: torch.Tensor, kernel: Callable) -> Pag
     """One launch of `kernel` (the gather, resolved): the bf16 folded pool of pages `src` ([N] int32 on the pool's
     device, from `page_plan`) of `pool`, for a caller that has checked both (the prefill launcher). Allocates the
     scratch pool and launches; no host synchronisation."""
-    lay = _bf16_layout(pool, int(src.numel()))
+    lay = bf16_layout(pool, int(src.numel()))
     out = torch.empty(lay.shape, dtype=torch.bfloat16, device=pool.device)
     kernel(pool.data, pool.scales, src, out)
     return PagedKvPool(lay, data=out)

@@ -13,16 +13,15 @@ Kernel arguments, in order (S, G and B dynamic; grids (G, Hq) and (B, Hq)):
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which use closure values
 
-import math
-
 from ..config import AttentionGeometry
 from . import registry
+from .cuda_checks import check_in_place_merge
+from .macros import LN2
 from .registry import hands_out
 from .tl import compile_program, require_tilelang
 
 MERGE_THREADS = registry.get("merge_groups").params["threads"]
 UNROLL = 8  # partials loaded per round trip
-LN2 = math.log(2.0)
 
 
 def _cols_per_thread(geom: AttentionGeometry, threads: int) -> int:
@@ -161,8 +160,6 @@ def build_merge_groups(geom: AttentionGeometry, *, threads: int = MERGE_THREADS,
     """Compile the level-one merge and run the emitted-source barrier check on it (raises if it fails)."""
     kernel = compile_program(merge_groups_program(geom, threads=threads, barrier=barrier))
     if check:
-        from .cuda_checks import check_in_place_merge
-
         check_in_place_merge("merge_groups", kernel.get_kernel_source())
     return kernel
 

@@ -13,7 +13,7 @@ from ..layout import KvFormat
 from ..pool import BlockTable, PagedKvPool, check_block_table
 from ..validate import FoldKvInputError, check_tensor
 from . import dequant_pages, resolve
-from .decode import check_decode_pool, check_pool_dtype, check_query_out_lse, pool_operands
+from .decode import check_decode_pool, check_query_out_lse, pool_operands
 
 TOKENS_PER_TILE = 8  # query tokens per CTA: 8 tokens x 8 heads of one KV group = 64 MMA rows
 
@@ -67,12 +67,10 @@ def tile_plan(q_lens: torch.Tensor, tokens_per_tile: int = TOKENS_PER_TILE) -> t
     return q_start.int(), tile_req.int(), tile_tok.int()
 
 
-def _check(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: torch.Tensor, out, lse, params,
-           kv_dtype) -> tuple[int, BlockTable]:
-    """Every refusal, before any launch (the device last, so the CPU tests reach the rest). Returns the query rows and
-    the table on the host."""
-    check_pool_dtype(pool, kv_dtype, op="prefill")
-    check_decode_pool(pool, op="prefill")  # bf16 or FP8 rows, and an FP8 pool's scales, as its layout says
+def _check(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: torch.Tensor, out, lse,
+           params) -> tuple[int, BlockTable]:
+    """The refusals after the pool's and the kernels', before any launch (the device last, so the CPU tests reach the
+    rest). Returns the query rows and the table on the host."""
     if pool.layout.page_size % params["block_N"]:
         raise FoldKvInputError(
             f"page_size {pool.layout.page_size} is not a multiple of the kernel's key tile of {params['block_N']}"
@@ -104,12 +102,11 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
     `launch_names(pool, fp8_rows)`: callable} replaces that kernel.
     """
     resolve.check_backend(backend)
-    if not isinstance(pool, PagedKvPool):
-        raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
+    check_decode_pool(pool, op="prefill", kv_dtype=kv_dtype)  # rows and an FP8 pool's scales as its layout says
     names = launch_names(pool, fp8_rows)
     resolve.check_kernels(names, kernels)
     p = kernel_params(pool, params, fp8_rows)[names[-1]]
-    total, table = _check(pool, query, table, q_lens, out, lse, p, kv_dtype)  # the table now on the host
+    total, table = _check(pool, query, table, q_lens, out, lse, p)  # the table now on the host
     geom, dev = pool.geometry, pool.device
     *gather, kernel = resolve_kernels(pool, backend=backend, params=params, fp8_rows=fp8_rows, kernels=kernels)
     # Everything is planned on the host before the first launch and reaches the device in one asynchronous copy:

@@ -20,8 +20,8 @@ from typing import Any
 
 from ..config import GEMMA4_31B, AttentionGeometry
 from ..layout import KvFormat, row_width
-from . import macros, producer_guard
-from . import registry
+from . import macros, producer_guard, registry
+from .cuda_checks import check_e4m3_conversion
 from .decode_partial import FP8_PANEL, Run, fp8_row_macro
 from .registry import hands_out
 from .tl import compile_program, prim_func, require_tilelang
@@ -41,13 +41,6 @@ def check_geometry(geom: AttentionGeometry, fmt: KvFormat) -> None:
         raise NotImplementedError(
             f"prefill_split is generated for head_dim 512, GQA 8; got {geom.head_dim}, {geom.group_size}"
         )
-
-
-@dataclass(frozen=True)
-class Windows:
-    """The two shared key tiles of a key block: the score window and the value window of its rows."""
-    score: Any
-    value: Any
 
 
 @dataclass(frozen=True)
@@ -77,38 +70,22 @@ class Accumulator:
     col: int
 
 
-def windows_macro(block_N: int, D: int, dtype: str):
-    """Allocate a split row's two window tiles, under the names the emitted CUDA uses."""
-    import tilelang.language as T
-
-    @T.macro
-    def split_windows():
-        K_shared = T.alloc_shared([block_N, D], dtype)  # row[0:512]
-        V_shared = T.alloc_shared([block_N, D], dtype)  # row[512:1024]
-        return Windows(K_shared, V_shared)
-
-    return split_windows
-
-
 def key_block_macro(geom: AttentionGeometry, fmt: KvFormat, block_M: int, block_N: int, fp8: bool = False):
-    """The query tiles and a key block's tiles (allocated under the names the emitted CUDA uses), as a macro: for a
-    split pool the query [block_M, D] and the row's two windows; for a bf16 folded pool the row read once (K_rot =
-    row[0:128], V_win = row[128:640]) with the query's rotary part in registers; for an FP8 folded pool the query in
-    its rotated and unrotated parts, the row's e4m3 panels as stored, their bf16 conversions (K_rot, V_unrot, V_rot)
-    and the tokens' scales."""
+    """The query tiles and a key block's tiles of `fmt` rows (allocated under the names the emitted CUDA uses), as a
+    macro; `fp8`: an FP8 folded row's e4m3 panels as stored, their bf16 conversions and the tokens' scales."""
     import tilelang.language as T
 
     D, R = geom.head_dim, geom.rotary_width
     U = D - R
     dtype = "bfloat16"
-    windows = windows_macro(block_N, D, dtype)
 
     @T.macro
     def window_block():
         Q_shared = T.alloc_shared([block_M, D], dtype)  # score-window order
-        win = windows()
-        return KeyBlock(query=(Run(Q_shared, 0, D),), row=(Run(win.score, 0, D), Run(win.value, D, D + D)),
-                        scores=(ScoreGemm(Q_shared, win.score),), values=(win.value,))
+        K_shared = T.alloc_shared([block_N, D], dtype)  # row[0:512]
+        V_shared = T.alloc_shared([block_N, D], dtype)  # row[512:1024]
+        return KeyBlock(query=(Run(Q_shared, 0, D),), row=(Run(K_shared, 0, D), Run(V_shared, D, D + D)),
+                        scores=(ScoreGemm(Q_shared, K_shared),), values=(V_shared,))
 
     @T.macro
     def folded_row_block():
@@ -349,13 +326,7 @@ def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.F
 def build_fp8(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.FOLDED, **tiling):
     """Compile (JIT) the prefill kernel over an FP8 folded pool with its registered params, overridden by `tiling`."""
     fmt = KvFormat.parse(fmt)
-
-    def prefill_fp8(page_size, block_N, num_stages, threads):
-        return prefill_program(geom, fmt, page_size=page_size, block_N=block_N, num_stages=num_stages,
-                               threads=threads, fp8=True)
-
-    kernel = compile_program(prefill_fp8(**{**registry.get(f"prefill_{fmt.value}_fp8").params, **tiling}))
-    from .cuda_checks import check_e4m3_conversion
-
+    kernel = compile_program(prefill_program(geom, fmt, **{**registry.get(f"prefill_{fmt.value}_fp8").params, **tiling},
+                                             fp8=True))
     check_e4m3_conversion(f"prefill_{fmt.value}_fp8", kernel.get_kernel_source(), macros.CONVERT_BARRIER_ID)
     return kernel

@@ -79,9 +79,8 @@ class DecodeWorkspace:
         # level-one groups: a request of k chunks has ceil(k / merge_group) <= 1 + (k - 1) // merge_group of them
         self.num_groups = max_batch + (num_chunks - 1) // merge_group
         c, g, b = num_chunks, self.num_groups, max_batch
-        # the packed plan: [chunk_req | chunk_start | chunk_len (+1 scratch) | group_first | group_count |
-        #                   req_group_first | req_group_count | last_slot | merge_first | merge_count], each segment
-        #                   128-byte aligned
+        # the packed plan: these arrays in this order in one buffer, each 128-byte aligned (chunk_len's extra entry:
+        # the padding requests' scratch)
         sizes = {"chunk_req": c, "chunk_start": c, "chunk_len": c + 1, "group_first": g, "group_count": g,
                  "req_group_first": b, "req_group_count": b, "last_slot": b, "merge_first": c, "merge_count": c}
         self._offsets, at = {}, 0
@@ -198,8 +197,7 @@ class DecodeWorkspace:
     # -- the step --------------------------------------------------------------------------------------------------
     def check_pool(self, pool: PagedKvPool) -> None:
         """Refuse a pool the workspace was not made for (host-side checks only; no device read)."""
-        if not isinstance(pool, PagedKvPool):
-            raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
+        check_decode_pool(pool)
         lay = pool.layout
         if (lay.geometry, lay.format, lay.page_size, lay.dtype) != (self.layout.geometry, self.layout.format,
                                                                     self.layout.page_size, self.layout.dtype):
@@ -209,7 +207,6 @@ class DecodeWorkspace:
         if pool.device != self.device and not (pool.device.type == self.device.type
                                                and self.device.index in (None, pool.device.index)):
             raise FoldKvInputError(f"the pool is on {pool.device}, the workspace on {self.device}")
-        check_decode_pool(pool)
         if self.device.type != "cuda":
             raise FoldKvInputError(f"the workspace is on {self.device}; decode runs on a CUDA device")
 

@@ -237,11 +237,11 @@ def attended_rows(inputs: GateInputs, fp8_rows: str | None) -> tuple[PagedKvPool
     """(pool, table, p_scaled): what the float64 reference of a kernel arm reads. A bf16 pool, or an FP8 pool read by
     the decode or by the prefill's "in_kernel" rows, is read as stored (an FP8 pool's rows dequantized exactly; the
     kernel rounds P x scale to bf16: `compare(p_scaled=True)`); a prefill over an FP8 pool with "gather" rows attends
-    over those rows rounded to bf16 (`dequant_pages.bf16_pages_reference`, the rows the kernel reads), and then the
+    over those rows rounded to bf16 (`page_gather.bf16_pages_reference`, the rows the kernel reads), and then the
     bf16 bound is the whole bound."""
     quantized = inputs.pool.layout.quantized
     if quantized and inputs.q_lens is not None and fp8_rows == "gather":
-        from ...kernels.dequant_pages import bf16_pages_reference
+        from ..page_gather import bf16_pages_reference
 
         return (*bf16_pages_reference(inputs.pool, inputs.table), False)
     return inputs.pool, inputs.table, quantized
