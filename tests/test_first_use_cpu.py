@@ -12,7 +12,9 @@
   `Tensor.is_cuda` made True and each kernel's launch recorded (no kernel runs: its outputs are filled). Red twins: a
   warm-up that skips one kernel (gelu_mul), one that reads q/k/v's head rows as a packed copy (another
   specialisation), one of merged GEMMs where the chunk runs them split, and one of two passes where the chunk norms
-  and rotates q and k in one (`StepOptions.fuse_prefill_norm_rope`), are caught.
+  and rotates q and k in one (`StepOptions.fuse_prefill_norm_rope`), and one whose LM head leaves out the model's
+  softcap (its tanh's module, loaded at the first launch, cost a fresh process's first prompt ~0.1-0.2 s), are
+  caught.
 - The TileLang prefill program bakes no length: every dim of its arguments that depends on the prompt (queries,
   pages, batch, tiles) is a dynamic variable, so one kernel serves every length. Red twin: a program with a static
   query count is caught by the same check.
@@ -184,6 +186,13 @@ def traced(monkeypatch):
         return linear(x, weight, bias)
 
     monkeypatch.setattr(torch.nn.functional, "linear", recorded_linear)
+    tanh = torch.tanh
+
+    def recorded_tanh(x):  # the LM head's softcap (its kernel's module is loaded at its first launch)
+        log.add(("torch.tanh", x.dtype))
+        return tanh(x)
+
+    monkeypatch.setattr(torch, "tanh", recorded_tanh)
 
     def recorded_window(query, key, value, *, window, scale):  # FlashAttention's window: recorded, not run on the CPU
         log.add(("window_attention", key.shape[2] > query.shape[2]))  # a first chunk's keys, or a later one's
@@ -274,7 +283,7 @@ def test_the_warm_up_launches_what_a_prefill_chunk_launches(bf16_step, traced, m
     chunks = _chunk_launches(model, step, log, (13, 32, 7), **options)  # odd, a multiple of 16, a chunk at an offset
     names = {key[0] for key in chunks}
     assert {"rms_norm_rows", "gelu_mul_rows", "norm_add_rows", "global_query_rows", "global_row_store",
-            "F.linear"} <= names, names
+            "F.linear", "torch.tanh"} <= names, names
     # q's and k's norm and RoPE: one pass, or the norm and then rope_rows
     assert {"q_norm_rope_rows", "rope_rows"} & names == {"q_norm_rope_rows" if fuse_prefill_norm_rope else "rope_rows"}
     merged = _merged_gemms(model)
@@ -311,6 +320,10 @@ def test_a_warm_up_that_skips_a_kernel_or_takes_another_specialisation_is_caught
     split = _chunk_launches(model, step, log, (13,), merge_prefill=False)
     missing = split - _warm_launches(step, pool, log, rows=24, merge_prefill=True)
     assert {key[0] for key in missing} == {"F.linear", "rms_norm_rows"}
+    with monkeypatch.context() as m:  # red twin 5: the warm-up's LM head without the model's softcap
+        m.setattr(StepForward, "_logits", lambda self, h: self.lm_head(h))
+        missing = chunks - _warm_launches(step, pool, log, rows=24)
+    assert {key[0] for key in missing} == {"torch.tanh"}
     # red twin 4: a warm-up of the two passes where the chunk normed and rotated q and k in one
     one_pass = _chunk_launches(model, step, log, (13,), fuse_prefill_norm_rope=True)
     missing = one_pass - _warm_launches(step, pool, log, rows=24, fuse_prefill_norm_rope=False)

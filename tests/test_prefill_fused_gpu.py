@@ -54,7 +54,7 @@ def test_fused_prefill_within_the_neutral_figure(tmp_path_factory, monkeypatch, 
     print(f"tokens equal: {torch.equal(tokens, base_tokens)}; prefill logit gap {gap:.3g} (bound {bound:.3g})")
     monkeypatch.undo()
     norm = fused_step_ops.rms_norm  # red twin: a fused norm with another epsilon is outside the bound
-    monkeypatch.setattr("foldkv.fused_step.rms_norm", lambda x, w, eps: norm(x, w, eps + 0.5))
+    monkeypatch.setattr("foldkv.fused_step.rms_norm", lambda x, w, eps, **place: norm(x, w, eps + 0.5, **place))
     _, twin = _prefill(model, ids, mask)
     assert (twin - base).abs().max().item() > bound
 

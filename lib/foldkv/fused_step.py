@@ -402,10 +402,12 @@ class StepForward:
             h = h[:, -logits_to_keep:] if logits_to_keep else h
         else:
             h = h[:, logits_to_keep]
+        return compat.causal_lm_output(self._logits(h), cache)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head over final-normed rows, softcapped as the model's own head is."""
         logits = self.lm_head(h)
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return compat.causal_lm_output(logits, cache)
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 
     def _feed_forward(self, i, out, parts, h, second, merged) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i after its attention (o_proj's output, partials): residuals, norms and MLP; (h, second(h) or h)."""
@@ -477,7 +479,7 @@ class StepForward:
         """Launch once each kernel a prefill chunk launches, so a process's first prompt loads none inside its time
         to first token: one pass of each distinct layer body over random rows at each of `warm_row_counts(rows)`
         (a sliding layer's FlashAttention window as a first and as a later chunk; a global layer's store into a
-        one-page scratch pool), then the final norm and LM head. Returns the layer bodies run (0 on the CPU)."""
+        one-page scratch pool), then the final norm and the softcapped LM head. Returns the layer bodies run (0 on the CPU)."""
         w = self.text.embed_tokens.weight
         n = w.shape[-1]
         if not w.is_cuda or rows < 2:  # (a one-token forward is no prefill of the step's)
@@ -520,7 +522,8 @@ class StepForward:
                                                               dtype=w.dtype))
                 second = None if last or not in_force().tail_next_norm else self.layers[i + 1].input_layernorm
                 self._feed_forward(i, out, parts, h, second, merged)
-            self.lm_head(self._norm(self.text.norm, h)[:, -1:])
+            self._logits(self._norm(self.text.norm, h)[:, -1:])  # the softcap's tanh too: CUDA loads its module
+            # lazily at the first launch, ~0.1-0.2 s, which would fall inside the first prompt
         return bodies
 
     @staticmethod
