@@ -226,8 +226,7 @@ def chrome_trace_events(trace: dict) -> tuple[list[KernelEvent], list[HostRange]
     brings back): each "kernel" event with the start and thread of the runtime or driver call that launched it (same
     correlation id; none found: it goes by its name), and the "user_annotation" ranges of the prefill scopes."""
     events = trace["traceEvents"]
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    launches = _launch_calls(events)
     ranges = [HostRange(e["name"], e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events
               if e.get("cat") == "user_annotation" and e.get("ph") == "X" and (e["name"] in SCOPES or e["name"] == CHUNK)]
     kernels = []
@@ -247,15 +246,22 @@ def slow_launches(trace: dict, top: int = 20, within: str | None = None) -> list
     launched no kernel (copies, syncs) are not counted; with `within`, only calls inside a user annotation of that
     name (`torch.profiler.record_function`)."""
     events = trace["traceEvents"]
-    kernels = {e["args"]["correlation"]: e["name"] for e in events
-               if e.get("cat") == "kernel" and "correlation" in e.get("args", {})}
+    launches = _launch_calls(events)
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in events
              if within is not None and e.get("cat") == "user_annotation" and e.get("name") == within]
-    out = [{"call": e["name"], "us": float(e["dur"]), "kernel": kernels[e["args"]["correlation"]]} for e in events
-           if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("ph") == "X"
-           and e.get("args", {}).get("correlation") in kernels
-           and (within is None or any(a <= e["ts"] <= b for a, b in spans))]
+    out = []
+    for e in events:
+        call = launches.get(e.get("args", {}).get("correlation")) if e.get("cat") == "kernel" else None
+        if call is not None and call.get("ph") == "X" and (
+                within is None or any(a <= call["ts"] <= b for a, b in spans)):
+            out.append({"call": call["name"], "us": float(call["dur"]), "kernel": e["name"]})
     return sorted(out, key=lambda x: -x["us"])[:top]
+
+
+def _launch_calls(events: list[dict]) -> dict:
+    """A chrome trace's runtime and driver calls by correlation id: the call that launched the kernel of that id."""
+    return {e["args"]["correlation"]: e for e in events
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
 
 
 __all__ = ["COMPONENTS", "Breakdown", "HostRange", "KernelEvent", "NAME_RULES", "SCOPE_COMPONENT", "breakdown",
