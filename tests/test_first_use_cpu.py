@@ -15,6 +15,12 @@
   and rotates q and k in one (`StepOptions.fuse_prefill_norm_rope`), and one whose LM head leaves out the model's
   softcap (its tanh's module, loaded at the first launch, cost a fresh process's first prompt ~0.1-0.2 s), are
   caught.
+- The cache's creation on CUDA also runs one generate() of a two-token prompt through it and empties it again
+  (`FoldKvCache.warm_generate`): every (op, dtypes) that a first prompt's generate() runs outside the model's modules
+  (position ids, special tokens, the min-length processor's mask, the token's pick, the stopping checks) is run by
+  it, recorded with a dispatch mode (their kernels' modules, loaded at a first launch, cost a fresh process's first
+  prompt +28% on the H100 after the softcap's was warmed). Red twin: a warm-up of the forward alone is caught. The
+  cache after it is as new and no random number was drawn.
 - The TileLang prefill program bakes no length: every dim of its arguments that depends on the prompt (queries,
   pages, batch, tiles) is a dynamic variable, so one kernel serves every length. Red twin: a program with a static
   query count is caught by the same check.
@@ -392,3 +398,100 @@ def test_uploaded_arrays_start_16_byte_aligned(itemsize):
     assert not misaligned(upload_starts(sizes, itemsize), sizes)
     packed = [sum(sizes[:i]) for i in range(len(sizes) + 1)]  # red twin: the arrays end to end
     assert misaligned(packed, sizes)
+
+
+# --- generate()'s own first launches ------------------------------------------------------------------------------
+# What generate() runs around the model's forward (position ids, special tokens, the processors, the token's pick, the
+# stopping checks), by (op, dtypes), recorded outside every nn.Module call. A CUDA kernel's module is loaded at its
+# first launch in a process (~0.1 s of the first prompt on the H100 before the warm-up), so the cache's warm-up
+# (`FoldKvCache.warm_generate`, run at its creation on CUDA) must run each of them once.
+
+def _generate_ops(run) -> set:
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            in_module = any(f.name in ("_call_impl", "_wrapped_call_impl") and f.filename.endswith("module.py")
+                            for f in traceback.extract_stack())
+            if not in_module:
+                dtypes = tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+                self.seen.add((func.overloadpacket.__name__, dtypes))
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        run()
+    return ops.seen
+
+
+def _first_prompt(model, cache, ids=None):
+    from foldkv.lab.model import cache_keyword
+
+    ids = _prompt(model) if ids is None else ids
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, min_new_tokens=1,
+                          do_sample=False, **{cache_keyword(model): cache})
+
+
+def _prompt(model):
+    return torch.randint(3, model.config.get_text_config().vocab_size, (1, 13),
+                         generator=torch.Generator().manual_seed(7))
+
+
+def _fresh(model, max_tokens=32):
+    from foldkv.hf import FoldKvCache
+
+    return FoldKvCache(model, max_batch=1, max_tokens=max_tokens, attention="reference", decode_step="static")
+
+
+def test_the_warm_up_runs_generates_own_first_launches(model):
+    cache, ids = _fresh(model), _prompt(model)
+    first = _generate_ops(lambda: _first_prompt(model, cache, ids))
+    cache = _fresh(model)
+    warm = _generate_ops(lambda: cache.warm_generate(model))
+    assert {"argmax", "masked_fill", "where"} <= {op for op, _ in first}  # pick, position ids, min-length processor
+    assert first - warm == set(), f"generate()'s first prompt launches what the warm-up does not: {first - warm}"
+
+
+def test_a_warm_up_without_generate_is_caught(model):
+    """Red twin: a warm-up of the forward alone (the step's, or the model called on the prompt) leaves generate()'s
+    own launches to the first prompt."""
+    cache, ids = _fresh(model), _prompt(model)
+    first = _generate_ops(lambda: _first_prompt(model, cache, ids))
+    cache = _fresh(model)
+    ids = torch.tensor([cache.WARM_PROMPT])
+    forward_only = _generate_ops(lambda: model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                               **{cache.cache_keyword: cache}))
+    missing = {op for op, _ in first - forward_only}
+    assert {"argmax", "where"} <= missing
+
+
+def test_the_warm_up_leaves_the_cache_as_new_and_draws_nothing(model):
+    cache, fresh = _fresh(model), _fresh(model)
+    rng = torch.get_rng_state()
+    assert cache.warm_generate(model) is True
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert cache.get_seq_length() == 0 and cache.batch is None and not cache.decode_step.started
+    assert all(n == 0 for n in cache.decode_step.loop_steps.values())
+    for layer in cache.global_layers:
+        assert torch.isnan(layer.pool.data).all()  # poisoned again
+    assert torch.equal(_first_prompt(model, cache), _first_prompt(model, fresh))
+
+
+def test_no_room_no_warm_up(model):
+    cache = _fresh(model, max_tokens=2)  # two prompt tokens and one new one do not fit
+    assert cache.warm_generate(model) is False
+    assert cache.get_seq_length() == 0
+
+
+def test_the_cache_warms_generate_at_creation_on_cuda_only(model, monkeypatch):
+    from foldkv.hf import FoldKvCache
+
+    calls = []
+    monkeypatch.setattr(FoldKvCache, "warm_generate", lambda self, m: calls.append(m) or True)
+    _fresh(model)
+    assert calls == []  # off CUDA: nothing is loaded lazily, and the CPU tests stay quick

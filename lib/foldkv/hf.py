@@ -466,6 +466,8 @@ class FoldKvCache(Cache):
             self.decode_step = self.step_class(self, decode_step)  # its options: the cache's step_options
             install(model)
             self.decode_step.warm_prefill(model)  # the first prompt's first launches, done here (CUDA kernels only)
+            if on_cuda:
+                self.warm_generate(model)
 
     @property
     def global_layers(self) -> list[FoldKvLayer]:
@@ -521,6 +523,26 @@ class FoldKvCache(Cache):
 
     def _sliding_layer(self) -> DynamicSlidingWindowLayer:
         return ScratchSlidingLayer(self.sliding_window, self.sliding_scratch)
+
+    WARM_PROMPT = (3, 4)  # the warm-up's prompt: two tokens (a prefill; one would be a decode step, the graph's capture)
+
+    def warm_generate(self, model: nn.Module) -> bool:
+        """One generate() through this cache, a prompt of two tokens and one new token under the model's own generation
+        config (and `min_new_tokens`, whose processor masks the scores), then `reset`: what generate() launches around
+        the forward (position ids, special tokens, the processors' masks, the token's pick, the stopping checks) and
+        the global layers' prefill attention are launched here, not inside the first request's time to first token.
+        CUDA loads a kernel's module at its first launch, ~0.1 s of a fresh process's first prompt otherwise (vLLM's
+        start-up runs a dummy sampling step for the same reason). The random states are restored: the warm-up draws
+        nothing a caller's seed would see. False where it does not run: no generate(), or no room for three tokens."""
+        room = len(self.WARM_PROMPT) + max(1, self.max_new_tokens or 0) <= self.max_tokens
+        if not (room and callable(getattr(model, "generate", None))):
+            return False
+        ids = torch.tensor([self.WARM_PROMPT], device=self.device)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, min_new_tokens=1,
+                           **{self.cache_keyword: self})
+        self.reset()
+        return True
 
     def reset(self) -> None:
         """Empty the cache for another generate() (as `StaticCache.reset()`): global layers keep their pages, sliding
