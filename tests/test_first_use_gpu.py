@@ -3,7 +3,8 @@ its prefill (`DecodeStep.warm_prefill`), so a chunked prefill (chunks of 300, 30
 right after it finds every glue kernel of `foldkv.fused_step_kernels` already in Triton's per-kernel cache
 (`JITFunction.device_caches`: a specialisation enters it when it is compiled or loaded from the disk cache in this
 process). Each case is a fresh Python process (what "first use" means); the synthetic Gemma 4 in bf16. Red twin: a
-cache whose warm-up does nothing shows the first prompt loading kernels.
+cache whose warm-ups do nothing (`DecodeStep.warm_prefill`, and `FoldKvCache.warm_generate`, whose two-token prompt
+launches the glue kernels too) shows the first prompt loading kernels.
 
 Reproduce: FOLDKV_REQUIRE_GPU=1 pytest tests/test_first_use_gpu.py
 """
@@ -30,8 +31,9 @@ from foldkv.hf import FoldKvCache
 from foldkv.lab.model import cache_keyword, load_model
 
 ckpt, warm = sys.argv[1], sys.argv[2] == "warm"
-if not warm:  # the red twin: a cache whose warm-up does nothing
+if not warm:  # the red twin: a cache whose warm-ups do nothing (the step's, and the generate() through it)
     hf_graph.DecodeStep.warm_prefill = lambda self, model: 0
+    FoldKvCache.warm_generate = lambda self, model: False
 
 
 def loaded():

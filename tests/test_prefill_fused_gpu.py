@@ -20,11 +20,14 @@ from conftest import left_padded_batch, synthetic_gpu_models
 pytestmark = pytest.mark.gpu
 
 
-def _prefill(model, ids, mask, chunk=300):
+def _prefill(model, ids, mask, chunk=300, calls=None):
+    """(the new tokens, the prefill's logits); `calls` emptied once the cache is made (its warm-up prefills too)."""
     from foldkv import hf
     from foldkv.lab.model import cache_keyword
 
     cache = hf.FoldKvCache(model, max_batch=ids.shape[0], max_tokens=ids.shape[1] + 4)
+    if calls is not None:
+        calls.clear()
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, do_sample=False,
                          prefill_chunk_size=chunk, output_logits=True, return_dict_in_generate=True,
                          **{cache_keyword(model): cache})
@@ -43,7 +46,7 @@ def test_fused_prefill_within_the_neutral_figure(tmp_path_factory, monkeypatch, 
     calls = []
     prefill = hf_graph.DecodeStep.prefill
     monkeypatch.setattr(hf_graph.DecodeStep, "prefill", lambda self, f, kw: calls.append(1) or prefill(self, f, kw))
-    tokens, logits = _prefill(model, ids, mask)
+    tokens, logits = _prefill(model, ids, mask, calls=calls)
     assert len(calls) == -(-ids.shape[1] // 300)  # every chunk of the prompt through the fused kernels
     with using(StepOptions(fuse_prefill=False)):  # transformers' modules: what served before
         base_tokens, base = _prefill(model, ids, mask)

@@ -242,6 +242,8 @@ def check_peer_verdicts(fn) -> None:
             row("foldkv-split", 4096, ttft_s=1.1), row("flashinfer", 4096, ttft_s=1.05),
             row("foldkv-folded", 131072, status="does not fit: OutOfMemoryError"), row("foldkv-fp8", 131072, ttft_s=5),
             row("foldkv-split", 131072, ttft_s=6.0), row("flashinfer", 131072, status="does not fit: OutOfMemoryError"),
+            row("foldkv-folded", 32768, ttft_s=4.0), row("foldkv-split", 32768, ttft_s=4.2),
+            row("flashinfer", 32768, status="failed: AttributeError: x"),  # an error compares nothing
             row("sdpa", 4096, ttft_s=0.5)]  # not a peer of this target
     got = {t["target"]: t["met"] for t in fn(rows)}
     assert got == {"foldkv-folded TTFT <= foldkv-split's at 4,096 x 1": True,
@@ -251,7 +253,9 @@ def check_peer_verdicts(fn) -> None:
                    "foldkv-folded TTFT <= foldkv-split's at 131,072 x 1": False,
                    "foldkv-folded TTFT <= flashinfer's at 131,072 x 1": False,
                    "foldkv-fp8 TTFT <= foldkv-split's at 131,072 x 1": True,
-                   "foldkv-fp8 TTFT <= flashinfer's at 131,072 x 1 (flashinfer: does not fit)": True}, got
+                   "foldkv-fp8 TTFT <= flashinfer's at 131,072 x 1 (flashinfer: does not fit)": True,
+                   "foldkv-folded TTFT <= foldkv-split's at 32,768 x 1": True,
+                   "foldkv-folded TTFT <= flashinfer's at 32,768 x 1 (flashinfer: failed)": False}, got
 
 
 def test_peer_verdicts():
@@ -264,6 +268,15 @@ def test_peer_verdict_red_twin_a_folded_arm_that_did_not_fit_passes():
 
     with pytest.raises(AssertionError):
         check_peer_verdicts(lenient)
+
+
+def test_peer_verdict_red_twin_a_failed_peer_is_beaten():
+    def any_status(rows):  # every peer that did not run counted as beaten (the rule before): an error too
+        return [{**t, "met": True} if t["value"] is None and t["target"].endswith(")") else t
+                for t in ttft.peer_targets(rows)]
+
+    with pytest.raises(AssertionError):
+        check_peer_verdicts(any_status)
 
 
 def test_first_use_e2e_and_memory_verdicts():
@@ -440,3 +453,38 @@ def test_against_record_explains_only_the_rule_changes():
     assert ttft.RULE_CHANGES["end-to-end alone"]["earlier"](two[0]) is None
     text = ttft.side_by_side_markdown(side, "from x")
     assert text.startswith("**3 of 3 targets met as recorded; under today's rules 1 met, 1 not met, 1 cannot be told")
+
+
+def _h100_run():
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "papermill_runs",
+                        "h100-20261206", "07_time_to_first_token.record.json")
+    res = json.load(open(path))["results"]
+    rows = (res["ttft_31b"]["rows"], res["first_use_31b"]["rows"], res["e2e_31b"]["rows"],
+            res["prefill_memory_31b"]["rows"])
+    return rows, res["ttft_targets"]
+
+
+def test_a_failed_peer_recorded_as_met_is_the_changed_rule():
+    """papermill_runs/h100-20261206 (FlashInfer's arm failed there) recorded its FlashInfer verdicts as met; today's
+    rule says not met, and `against_record` explains exactly those by the "failed peer" change."""
+    rows, recorded = _h100_run()
+    now = ttft.targets(*rows)
+    as_recorded, side = ttft.against_record(now, recorded, rows[1])
+    assert as_recorded == recorded
+    changed = [s for s in side if s["rule"]]
+    assert len(changed) == 8 and all("(flashinfer: failed)" in s["target"] and s["met_recorded"] and
+                                     s["met_now"] is False for s in changed)
+    assert all(s["rule"] == ttft.RULE_CHANGES["failed peer"]["short"] for s in changed)
+
+
+def test_a_failed_peer_rule_change_red_twin_explains_nothing_else():
+    rows, recorded = _h100_run()
+    now = ttft.targets(*rows)
+    bad = list(recorded)
+    i = next(i for i, t in enumerate(bad) if "foldkv-split's at 32,768 x 1" in t["target"])
+    bad[i] = {**bad[i], "met": not bad[i]["met"]}  # a verdict no rule change gives
+    as_recorded, _ = ttft.against_record(now, bad, rows[1])
+    assert as_recorded != bad and as_recorded[i] == now[i]

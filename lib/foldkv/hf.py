@@ -375,6 +375,8 @@ class FoldKvCache(Cache):
     decode_step: "graph" (the default with kernel attention: the whole forward as one CUDA graph, `foldkv.hf_graph`),
         "static" (the same fixed-address step eagerly, any device) or "eager" (transformers' forward layer by layer).
     step_options: the decode step's `StepOptions`; None: those in force here (`step_options.using`).
+    On CUDA the creation runs one short generate() through the cache (`warm_generate`): a subclass sets what its
+    attention needs before calling `super().__init__`.
     """
 
     step_class = DecodeStep  # the decode step's class (a subclass may serve the global layers another way)

@@ -90,12 +90,12 @@ class FlashInferCache(FoldKvCache):
         if KvFormat.parse(kwargs.get("kv_format", "split")) is not KvFormat.SPLIT:
             raise ValueError("FlashInfer's pool is the split pool (K and V in head order)")
         kwargs["kv_format"] = KvFormat.SPLIT
-        super().__init__(model, **kwargs)
         text = text_model_of(model)
         scales = {float(text.layers[i].self_attn.scaling) for i in global_layer_indices(text)}
         if scales != {1.0}:  # FlashInfer is planned with sm_scale 1.0, Gemma 4's (its q_norm replaces the scale)
             raise ValueError(f"the global layers' attention scaling is {sorted(scales)}; this arm plans sm_scale 1.0")
-        self._fi_prefill: tuple | None = None
+        self._fi_prefill: tuple | None = None  # before the base's creation, whose warm-up prefills through it
+        super().__init__(model, **kwargs)
 
     def resolve_prefill_kernels(self, pool) -> None:
         pass  # the prefill is FlashInfer's: foldkv's prefill kernels are never launched

@@ -265,7 +265,8 @@ def floor_targets(rows: Sequence[dict]) -> list[dict]:
 
 def peer_targets(rows: Sequence[dict]) -> list[dict]:
     """foldkv folded and FP8 folded TTFT <= each peer's (`PEER_ARMS`) at every cell both have. A peer that does not
-    fit where the folded arm ran is beaten; a folded arm that did not run where the peer did is not met."""
+    fit where the folded arm ran is beaten; a peer that failed is not (nothing was compared: not met), nor is a
+    folded arm that did not run where the peer did."""
     cells = {(r["arm"], r["prompt_tokens"], r["batch"]): r for r in rows}
     out = []
     for r in rows:
@@ -279,7 +280,8 @@ def peer_targets(rows: Sequence[dict]) -> list[dict]:
             if r["status"] != "ran":
                 out.append(_target(text, None, False))
             elif p["status"] != "ran":
-                out.append(_target(text + f" ({peer}: {p['status'].split(':')[0]})", None, True))
+                beaten = p["status"].startswith(DOES_NOT_FIT)
+                out.append(_target(text + f" ({peer}: {p['status'].split(':')[0]})", None, beaten))
             else:
                 out.append(_target(text, r["ttft_s"] / p["ttft_s"], r["ttft_s"] <= p["ttft_s"]))
     return out
@@ -344,6 +346,13 @@ RULE_CHANGES: dict[str, dict] = {
         "earlier": lambda t: ({"target": t["target"][:-len(E2E_ALONE)] + " (no other arm ran)", "value": None,
                                "met": True}
                               if t["target"].endswith(E2E_ALONE) and t["value"] is None and not t["met"] else None),
+    },
+    "failed peer": {
+        "short": "a peer that failed: met then, not met now",
+        "what": "a peer verdict where the peer failed (an error, not an out of memory) was met under the earlier rule "
+                "and is not met now (nothing was compared)",
+        "earlier": lambda t: ({**t, "met": True} if t["value"] is None and not t["met"]
+                              and t["target"].endswith(": failed)") else None),
     },
 }
 ONE_STEADY_CALL = {
