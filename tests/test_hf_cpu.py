@@ -319,6 +319,32 @@ def test_import_foldkv_does_not_import_transformers():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def _rows_read_back(monkeypatch) -> list:
+    """Each FP8 finiteness check (a host read of the rows: on CUDA it waits for the stream) recorded."""
+    from foldkv import fp8, prep
+
+    reads, own = [], fp8.check_finite_rows
+    monkeypatch.setattr(prep, "check_finite_rows", lambda rows: reads.append(rows.shape) or own(rows))
+    return reads
+
+
+@pytest.mark.parametrize("decode_step", ["eager", "static"])
+def test_an_fp8_forward_stores_its_rows_without_reading_them_back(models, batch, monkeypatch, decode_step):
+    """generate() on an FP8 FoldKvCache: no global layer's store reads its rows back to the host (the prefill's
+    stores and the eager decode's: the model's own activations; a host read at every global layer would drain the
+    stream there, ~24 ms a 4,096-token chunk of the 31B on the H100). Red twin: a store that checks them does."""
+    from foldkv import global_step
+
+    reads = _rows_read_back(monkeypatch)
+    tokens, logits = _run(models["foldkv"], batch, _cache(models["foldkv"], dtype=torch.float8_e4m3fn,
+                                                          decode_step=decode_step))
+    assert reads == [] and bool(torch.isfinite(logits).all())
+    own = global_step.fold_and_store
+    monkeypatch.setattr(global_step, "fold_and_store", lambda *a, **kw: own(*a, **{**kw, "check_finite": True}))
+    _run(models["foldkv"], batch, _cache(models["foldkv"], dtype=torch.float8_e4m3fn, decode_step=decode_step))
+    assert reads, "the red twin's checking store read nothing back"
+
+
 @pytest.mark.parametrize("fmt,dtype", [("folded", torch.bfloat16), ("split", torch.bfloat16),
                                        ("folded", torch.float8_e4m3fn)], ids=["folded", "split", "folded-fp8"])
 def test_kernel_path_hands_the_launchers_what_they_accept(models, batch, fmt, dtype):

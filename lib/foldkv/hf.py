@@ -346,8 +346,11 @@ class FoldKvLayer(CacheLayerMixin):
             q, k, v = (x.index_select(0, idx[0]) for x in (q, k, v))
         # the sequences with tokens in this forward (a chunk of a chunked prefill may hold none of a short prompt's)
         active = [r for r in range(b) if counts[r]]
+        # The rows are the model's own activations, not a caller's: an FP8 pool's finiteness check (a host read of
+        # the rows, which drains the stream at every global layer) is left out, as the decode step leaves it out; a
+        # non-finite row is stored as NaN and shows in the logits, as it does in a bf16 pool.
         folded = global_step.fold_and_store(pool, pages, offsets, q, k, v, module.k_norm.weight,
-                                            out=c.decode_query(counts))  # [N, Hq, D] the format's form
+                                            out=c.decode_query(counts), check_finite=False)  # [N, Hq, D] the format's
         self.host_table.seq_lens.copy_(table.seq_lens)
         self.lengths[:b] = new_lens
         table = BlockTable(self.host_table.page_ids[active], self.host_table.seq_lens[active].clone())
