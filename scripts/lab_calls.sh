@@ -56,8 +56,8 @@
 #   PART=runtime_check  after a change of the runtime's host code: the kernels built side by side first (jit_build_all,
 #                 JIT_S), the GPU tests of what changed (RC_TESTS), then a fresh process's first prompts under the
 #                 profiler (`prefill_probe.py first --launches`: the longest launch calls of each prompt and the kernel
-#                 each launched) and the served TTFT at 4K and 32K (folded, 3 rounds; RC_CELLS: other ARM:PROMPT cells,
-#                 their arms rotated) (~8-9 min)
+#                 each launched) and the served TTFT at 4K and 32K (folded, 3 rounds; RC_CELLS: more ARM:PROMPT cells,
+#                 the arms rotated) (~8-9 min)
 # (The 31B step's runs 22-25 were measured at 9f9ef77: papermill_runs/h200-20261205-s27.)
 # Prepare on the CPU machine first: scripts/prepare_device_run.sh (carry .devsite build/aot build/checkout.json).
 #
@@ -259,7 +259,7 @@ if [ "$PART" = runtime_check ]; then  # one TileLang cache: built side by side f
   timeout ${FIRST_S:-60} python3 bench/prefill_probe.py --out "$OUTD/first" first --launches --cells $N:4096 $N:4096 \
     > "$OUTD/rc_first.log" 2>&1
   echo "first rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "^ +[0-9]+:|^ +[0-9.]+ ms" "$OUTD/rc_first.log"
-  timeout ${AB_S:-100} $P ttft --rounds 3 --cells ${RC_CELLS:-$N:32768 $N:4096} > "$OUTD/rc_ttft.log" 2>&1
+  timeout ${AB_S:-100} $P ttft --rounds 3 --cells $N:32768 $N:4096 ${RC_CELLS:-} > "$OUTD/rc_ttft.log" 2>&1
   echo "ttft rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round|matmul" "$OUTD/rc_ttft.log"
   (cd "$OUTD" && tar -czf runtime_check.tgz rc_*.log prefill_*.json first 2>/dev/null)
 fi
