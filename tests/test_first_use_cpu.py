@@ -482,6 +482,33 @@ def test_the_warm_up_leaves_the_cache_as_new_and_draws_nothing(model):
     assert torch.equal(_first_prompt(model, cache), _first_prompt(model, fresh))
 
 
+def test_a_sampling_config_warm_up_draws_nothing(model, monkeypatch):
+    """Under a generation config that samples (as Gemma's published ones do), the warm-up's token is drawn and the
+    random state put back: a caller's seed gives the same draws after the cache's creation as before it."""
+    import copy
+
+    config = copy.deepcopy(model.generation_config)
+    config.do_sample, config.top_k, config.top_p, config.temperature = True, 0, 1.0, 1.0
+    monkeypatch.setattr(model, "generation_config", config)
+    torch.manual_seed(5)
+    want = torch.rand(4)
+    torch.manual_seed(5)
+    cache = _fresh(model)
+    draws = []
+    own = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda *a, **k: draws.append(1) or own(*a, **k))
+    assert cache.warm_generate(model) is True
+    assert draws, "the warm-up did not sample: this case tests nothing"
+    assert torch.equal(torch.rand(4), want)
+    # red twin: a warm-up that keeps the random state it drew from moves the caller's draws
+    import contextlib
+
+    monkeypatch.setattr(torch.random, "fork_rng", lambda *a, **k: contextlib.nullcontext())
+    torch.manual_seed(5)
+    cache.warm_generate(model)
+    assert not torch.equal(torch.rand(4), want)
+
+
 def test_no_room_no_warm_up(model):
     cache = _fresh(model, max_tokens=2)  # two prompt tokens and one new one do not fit
     assert cache.warm_generate(model) is False
