@@ -181,12 +181,13 @@ def head_column_of(geom: AttentionGeometry, fmt: KvFormat):
 def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_N: int = 64,
                     num_stages: int = 1, threads: int = 256, reduce_batch: int = 1,
                     max_slack_log2: float | None = None, fp8: bool = False, key_block=None, softmax=None,
-                    rescale=None):
+                    rescale=None, mask=None):
     """The TileLang prim_func of the prefill for one geometry, page format and tiling; `fp8`: over an FP8 folded pool.
     `reduce_batch`, `max_slack_log2`: the softmax's (`macros.online_softmax_macro`); with a slack the output rescale
     is `lazy_rescale_macro`'s, otherwise inline (as a macro it would rename the emitted CUDA's reduction workspaces).
     A version's hook points (None: the library's): `key_block` (`key_block_macro`'s signature), `softmax`
-    (`macros.online_softmax_macro`'s) and `rescale` (a macro (accumulators, rescale))."""
+    (`macros.online_softmax_macro`'s), `rescale` (a macro (accumulators, rescale)) and `mask` (a macro (scores, keep,
+    tile, first position): the tile's causal mask; the CTA's rows are at that position or later)."""
     fmt = KvFormat.parse(fmt)
     check_geometry(geom, fmt)
     require_tilelang()
@@ -267,7 +268,11 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
                 if block.token_scale is not None:  # a token's row is its e4m3 values times its scale
                     for i, j in T.Parallel(block_M, block_N):
                         acc_s[i, j] *= block.token_scale[j]
-                mask_scores(acc_s, lambda i, j: k * block_N + j <= pos0 + T.min(tok0 + i // G, q_len - 1))
+                if mask is None:
+                    mask_scores(acc_s, lambda i, j: k * block_N + j <= pos0 + T.min(tok0 + i // G, q_len - 1))
+                else:  # a version's: the CTA's rows are at pos0 + tok0 or later
+                    mask(acc_s, lambda i, j: k * block_N + j <= pos0 + T.min(tok0 + i // G, q_len - 1), k,
+                         pos0 + tok0)
                 # P.V over scaled rows: the scale goes on P's column (keys past the sequence: 0, whatever it holds)
                 key_weight = None if block.token_scale is None else (
                     lambda j: T.if_then_else(k * block_N + j < n_kv, block.token_scale[j], 0.0))
