@@ -509,6 +509,24 @@ def test_a_sampling_config_warm_up_draws_nothing(model, monkeypatch):
     assert not torch.equal(torch.rand(4), want)
 
 
+def test_a_beam_config_warm_up_runs_one_sequence(model, monkeypatch):
+    """A model whose generation config asks for beams and several sequences: the warm-up runs one sequence (a cache of
+    one holds it) instead of refusing the cache's creation."""
+    import copy
+
+    config = copy.deepcopy(model.generation_config)
+    config.num_beams, config.num_return_sequences = 2, 2
+    monkeypatch.setattr(model, "generation_config", config)
+    cache = _fresh(model)
+    assert cache.max_batch == 1 and cache.warm_generate(model) is True
+    assert cache.get_seq_length() == 0
+    # red twin: the config's own beams and sequences are four rows, past the cache's one
+    ids = torch.tensor([cache.WARM_PROMPT])
+    with pytest.raises(Exception, match="max_batch=1"):
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
+                       **{cache.cache_keyword: cache})
+
+
 def test_no_room_no_warm_up(model):
     cache = _fresh(model, max_tokens=2)  # two prompt tokens and one new one do not fit
     assert cache.warm_generate(model) is False

@@ -533,7 +533,8 @@ class FoldKvCache(Cache):
 
     def warm_generate(self, model: nn.Module) -> bool:
         """One generate() through this cache, a prompt of two tokens and one new token under the model's own generation
-        config (and `min_new_tokens`, whose processor masks the scores), then `reset`: what generate() launches around
+        config (and `min_new_tokens`, whose processor masks the scores; one beam, one sequence: the cache may hold one
+        only), then `reset`: what generate() launches around
         the forward (position ids, special tokens, the processors' masks, the token's pick, the stopping checks) and
         the global layers' prefill attention are launched here, not inside the first request's time to first token.
         CUDA loads a kernel's module at its first launch, ~0.1 s of a fresh process's first prompt otherwise (vLLM's
@@ -545,7 +546,7 @@ class FoldKvCache(Cache):
         ids = torch.tensor([self.WARM_PROMPT], device=self.device)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), torch.no_grad():
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, min_new_tokens=1,
-                           **{self.cache_keyword: self})
+                           num_beams=1, num_return_sequences=1, **{self.cache_keyword: self})  # one sequence
         self.reset()
         return True
 
