@@ -456,12 +456,10 @@ def test_against_record_explains_only_the_rule_changes():
 
 
 def _h100_run():
-    import json
-    import os
+    from foldkv.lab.bench.results import RUNS_DIR
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "papermill_runs",
-                        "h100-20261206", "07_time_to_first_token.record.json")
-    res = json.load(open(path))["results"]
+    with open(os.path.join(ROOT, RUNS_DIR, "h100-20261206", "07_time_to_first_token.record.json")) as fh:
+        res = json.load(fh)["results"]
     rows = (res["ttft_31b"]["rows"], res["first_use_31b"]["rows"], res["e2e_31b"]["rows"],
             res["prefill_memory_31b"]["rows"])
     return rows, res["ttft_targets"]

@@ -348,9 +348,10 @@ class FoldKvLayer(CacheLayerMixin):
         active = [r for r in range(b) if counts[r]]
         # The rows are the model's own activations, not a caller's: an FP8 pool's finiteness check (a host read of
         # the rows, which drains the stream at every global layer) is left out, as the decode step leaves it out; a
-        # non-finite row is stored as NaN and shows in the logits, as it does in a bf16 pool.
+        # non-finite row is stored as NaN and shows in the logits, as it does in a bf16 pool. folded: [N, Hq, D], the
+        # format's form.
         folded = global_step.fold_and_store(pool, pages, offsets, q, k, v, module.k_norm.weight,
-                                            out=c.decode_query(counts), check_finite=False)  # [N, Hq, D] the format's
+                                            out=c.decode_query(counts), check_finite=False)
         self.host_table.seq_lens.copy_(table.seq_lens)
         self.lengths[:b] = new_lens
         table = BlockTable(self.host_table.page_ids[active], self.host_table.seq_lens[active].clone())
@@ -534,9 +535,9 @@ class FoldKvCache(Cache):
     def warm_generate(self, model: nn.Module) -> bool:
         """One generate() through this cache, a prompt of two tokens and one new token under the model's own generation
         config (and `min_new_tokens`, whose processor masks the scores; one beam, one sequence: the cache may hold one
-        only), then `reset`: what generate() launches around
-        the forward (position ids, special tokens, the processors' masks, the token's pick, the stopping checks) and
-        the global layers' prefill attention are launched here, not inside the first request's time to first token.
+        only), then `reset`: what generate() launches around the forward (position ids, special tokens, the
+        processors' masks, the token's pick, the stopping checks) and the global layers' prefill attention are
+        launched here, not inside the first request's time to first token.
         CUDA loads a kernel's module at its first launch, ~0.1 s of a fresh process's first prompt otherwise (vLLM's
         start-up runs a dummy sampling step for the same reason). The random states are restored: the warm-up draws
         nothing a caller's seed would see. False where it does not run: no generate(), or no room for three tokens."""

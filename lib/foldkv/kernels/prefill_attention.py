@@ -157,6 +157,20 @@ def lazy_rescale_macro():
     return rescale_outputs
 
 
+def every_tile_mask_macro():
+    """The library's causal mask of a key tile, the `mask` hook's signature (scores, keep, the tile k, the CTA's first
+    row position): `macros.mask_scores_macro` on every tile."""
+    import tilelang.language as T
+
+    mask_scores = macros.mask_scores_macro()
+
+    @T.macro
+    def mask(scores, keep, k, first_pos):
+        mask_scores(scores, keep)
+
+    return mask
+
+
 def head_column_of(geom: AttentionGeometry, fmt: KvFormat):
     """Value-window position d -> head column, as a TIR expression (the identity for split)."""
     import tilelang.language as T
@@ -186,8 +200,8 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
     `reduce_batch`, `max_slack_log2`: the softmax's (`macros.online_softmax_macro`); with a slack the output rescale
     is `lazy_rescale_macro`'s, otherwise inline (as a macro it would rename the emitted CUDA's reduction workspaces).
     A version's hook points (None: the library's): `key_block` (`key_block_macro`'s signature), `softmax`
-    (`macros.online_softmax_macro`'s), `rescale` (a macro (accumulators, rescale)) and `mask` (a macro (scores, keep,
-    tile, first position): the tile's causal mask; the CTA's rows are at that position or later)."""
+    (`macros.online_softmax_macro`'s), `rescale` (a macro (accumulators, rescale)) and `mask` (`every_tile_mask_macro`'s
+    signature: the tile's causal mask, told the tile and the CTA's first row position)."""
     fmt = KvFormat.parse(fmt)
     check_geometry(geom, fmt)
     require_tilelang()
@@ -211,7 +225,7 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
                                                             max_slack_log2=max_slack_log2)
     if rescale is None and max_slack_log2 is not None:
         rescale = lazy_rescale_macro()
-    mask_scores = macros.mask_scores_macro()
+    mask_tile = mask or every_tile_mask_macro()
     zero_rows = macros.zero_rows_macro()
 
     @T.macro
@@ -268,11 +282,9 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
                 if block.token_scale is not None:  # a token's row is its e4m3 values times its scale
                     for i, j in T.Parallel(block_M, block_N):
                         acc_s[i, j] *= block.token_scale[j]
-                if mask is None:
-                    mask_scores(acc_s, lambda i, j: k * block_N + j <= pos0 + T.min(tok0 + i // G, q_len - 1))
-                else:  # a version's: the CTA's rows are at pos0 + tok0 or later
-                    mask(acc_s, lambda i, j: k * block_N + j <= pos0 + T.min(tok0 + i // G, q_len - 1), k,
-                         pos0 + tok0)
+                # the CTA's rows are at pos0 + tok0 or later (rows past the chunk repeat its last token)
+                mask_tile(acc_s, lambda i, j: k * block_N + j <= pos0 + T.min(tok0 + i // G, q_len - 1), k,
+                          pos0 + tok0)
                 # P.V over scaled rows: the scale goes on P's column (keys past the sequence: 0, whatever it holds)
                 key_weight = None if block.token_scale is None else (
                     lambda j: T.if_then_else(k * block_N + j < n_kv, block.token_scale[j], 0.0))
