@@ -58,8 +58,6 @@ VERSIONS = {
        for f in ("split", "folded")},
     "prefill_shared_tiles": lambda g: _version("prefill_shared_tiles").build(
         g, **_library("resolve").kernel_params("prefill_folded")),
-    "prefill_folded_diagonal_mask": lambda g: _version("prefill_folded_diagonal_mask").build(
-        g, **_library("resolve").kernel_params("prefill_folded")),
     **{f"fused_ll_{f}": lambda g, f=f: _version("decode_fused_ll").build(g, f) for f in ("split", "folded")},
     **{f"fused_ll_folded_{p}": lambda g, p=p: _version("decode_fused_ll").build(g, "folded", p)
        for p in ("inline", "no_wait")},

@@ -157,16 +157,21 @@ def lazy_rescale_macro():
     return rescale_outputs
 
 
-def every_tile_mask_macro():
+def causal_mask_macro(block_N: int):
     """The library's causal mask of a key tile, the `mask` hook's signature (scores, keep, the tile k, the CTA's first
-    row position): `macros.mask_scores_macro` on every tile."""
+    row position): `macros.mask_scores_macro` on the tiles that cross the CTA's diagonal only. A CTA's rows sit at
+    first_pos or later (rows past the chunk repeat its last token), so a tile whose last key is at or before first_pos
+    keeps every score, and keys past the sequence are never in one: the mask is the identity there. A CTA walks every
+    key tile up to its rows (~500 at 32K of context) and one or two cross its diagonal; the per-score compare and
+    select sit between Q.K and the softmax with the tensor cores idle, ~5% of the kernel on every tile."""
     import tilelang.language as T
 
     mask_scores = macros.mask_scores_macro()
 
     @T.macro
-    def mask(scores, keep, k, first_pos):
-        mask_scores(scores, keep)
+    def mask(scores, keep, k, first_pos):  # k: the key tile (the loop's own name, which TileLang would rename)
+        if (k + 1) * block_N - 1 > first_pos:
+            mask_scores(scores, keep)
 
     return mask
 
@@ -200,7 +205,7 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
     `reduce_batch`, `max_slack_log2`: the softmax's (`macros.online_softmax_macro`); with a slack the output rescale
     is `lazy_rescale_macro`'s, otherwise inline (as a macro it would rename the emitted CUDA's reduction workspaces).
     A version's hook points (None: the library's): `key_block` (`key_block_macro`'s signature), `softmax`
-    (`macros.online_softmax_macro`'s), `rescale` (a macro (accumulators, rescale)) and `mask` (`every_tile_mask_macro`'s
+    (`macros.online_softmax_macro`'s), `rescale` (a macro (accumulators, rescale)) and `mask` (`causal_mask_macro`'s
     signature: the tile's causal mask, told the tile and the CTA's first row position)."""
     fmt = KvFormat.parse(fmt)
     check_geometry(geom, fmt)
@@ -225,7 +230,7 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
                                                             max_slack_log2=max_slack_log2)
     if rescale is None and max_slack_log2 is not None:
         rescale = lazy_rescale_macro()
-    mask_tile = mask or every_tile_mask_macro()
+    mask_tile = mask or causal_mask_macro(block_N)
     zero_rows = macros.zero_rows_macro()
 
     @T.macro
