@@ -154,31 +154,42 @@ def query_kernel_check(geom, fmt, batch: int, want: torch.Tensor, write) -> tupl
 def row_store_check(geom, fmt, batch: int, device: str, seed: int, reference, store,
                     page_size: int = 16) -> tuple[bool, bool]:
     """A kernel storing a global layer's step rows: `reference(pool, pages, offsets)` and `store(pool, pages, offsets)`
-    each into a fresh bf16 pool of 2 * batch + 3 pages of random rows whose step slots (a distinct page a sequence, an
-    offset below page_size - 1) are poisoned with NaN. Asserts the reference wrote every slot. Returns (the store's
-    pool equal to the reference's: the slots hold the rows and no other row changed; equal with the rows stored one
-    offset off: the red twin, False for a right store)."""
+    each into a fresh pool (fmt "folded", "split", or "fp8": a folded FP8 pool, its scales checked with its rows) of
+    2 * batch + 3 pages of random rows whose step slots (a distinct page a sequence, an offset below page_size - 1)
+    are poisoned with NaN. Asserts the reference wrote every slot. Returns (the store's pool equal to the reference's,
+    bit for bit: the slots hold the rows and no other row changed; equal with the rows stored one offset off: the red
+    twin, False for a right store)."""
+    from foldkv.fp8 import FP8_DTYPE
     from foldkv.pool import PagedKvLayout, PagedKvPool
 
+    kv_format, dtype = ("folded", FP8_DTYPE) if fmt == "fp8" else (fmt, torch.bfloat16)
     pages = 2 * batch + 3
     g = torch.Generator().manual_seed(seed)
     at_pages = torch.randperm(pages, generator=g)[:batch].to(device)
     at_offsets = torch.randint(0, page_size - 1, (batch,), generator=g).to(device)
 
     def pool():
-        p = PagedKvPool(PagedKvLayout(geom, fmt, page_size=page_size, num_pages=pages), device=device)
+        p = PagedKvPool(PagedKvLayout(geom, kv_format, page_size=page_size, num_pages=pages, dtype=dtype),
+                        device=device)
         p.data.copy_(torch.randn(p.data.shape, generator=torch.Generator().manual_seed(seed + 1)).to(p.data.dtype))
         p.data[at_pages, :, at_offsets, :] = float("nan")
+        if p.scales is not None:
+            p.scales.copy_(torch.rand(p.scales.shape, generator=torch.Generator().manual_seed(seed + 2)) + 0.5)
+            p.scales[at_pages, :, at_offsets] = float("nan")
         return p
+
+    def parts(p):  # what a store writes, as bits (e4m3 has no torch.equal of its own)
+        return [t.view(torch.uint8) if t.dtype == FP8_DTYPE else t for t in (p.data, p.scales) if t is not None]
 
     want = pool()
     reference(want, at_pages, at_offsets)
-    assert bool(torch.isfinite(want.data).all()), "the reference left a step slot unwritten"
+    assert all(bool(torch.isfinite(t.float()).all()) for t in (want.data, want.scales) if t is not None), \
+        "the reference left a step slot unwritten"
 
     def run(offsets):
         p = pool()
         store(p, at_pages, offsets)
-        return torch.equal(p.data, want.data)
+        return all(torch.equal(a, b) for a, b in zip(parts(p), parts(want)))
 
     return run(at_offsets), run(at_offsets + 1)
 

@@ -26,6 +26,7 @@ from conftest import (attention_norms, graph_generate, query_kernel_check, requi
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 FORMATS = ["folded", "split"]
+ROW_FORMATS = FORMATS + ["fp8"]  # fp8: a folded FP8 pool (the row kernels quantize; the query is folded's)
 
 
 def _triton():
@@ -71,7 +72,7 @@ def test_query_is_norm_rope_then_query_into(batch, fmt, pdl, monkeypatch):
 
 
 @pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "plain"])
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ROW_FORMATS)
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_row_is_norms_rope_then_row_into_pool(batch, fmt, pdl, monkeypatch):
     _triton()
@@ -101,10 +102,13 @@ def synthetic_model(tmp_path_factory):
 
 
 def _generate(model, fmt, options=None):
-    return graph_generate(model, LENGTHS, NEW, kv_format=fmt, step_options=options)
+    from foldkv.fp8 import FP8_DTYPE
+
+    fmt, dtype = ("folded", FP8_DTYPE) if fmt == "fp8" else (fmt, None)
+    return graph_generate(model, LENGTHS, NEW, kv_format=fmt, dtype=dtype, step_options=options)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ROW_FORMATS)
 def test_the_step_with_the_global_prologue(synthetic_model, fmt, monkeypatch):
     _triton()
     from foldkv import fused_step as fs, global_step as gst

@@ -42,8 +42,19 @@ def test_the_pools_the_kernels_describe(fmt):
     assert gs.describe_pool(_pool(fmt)) is None
     why = gs.describe_pool(_pool(fmt, torch.float32))
     assert why is not None and "float32" in why
-    fp8 = gs.describe_pool(_pool("folded", FP8_DTYPE))
-    assert fp8 is not None and "FP8" in fp8 and "quantized" in fp8
+    assert gs.describe_pool(_pool("folded", FP8_DTYPE)) is None  # the row kernels quantize
+    twin = gs.describe_pool(_unpacked_scales())
+    assert twin is not None and "scales" in twin
+
+
+def _unpacked_scales():
+    """An FP8 pool whose scales are a transposed view: the shape the kernels index, not their strides."""
+    from foldkv.fp8 import FP8_DTYPE
+
+    pool = _pool("folded", FP8_DTYPE)
+    pool.scales = torch.empty(tuple(reversed(pool.scales.shape))).permute(2, 1, 0)
+    assert pool.scales.shape == pool.layout.scale_shape and not pool.scales.is_contiguous()
+    return pool
 
 
 def test_the_column_maps():
@@ -106,13 +117,11 @@ def _other_decode_step():
 
 def _edit(call, what):
     """The described call with one thing it must not describe (the red twins)."""
-    from foldkv.fp8 import FP8_DTYPE
-
     step, layer, module, q, k, v = call
     if what == "no workspace":
         step.ws = None
-    elif what == "fp8 pool":
-        layer.pool = _pool("folded", FP8_DTYPE)
+    elif what == "fp8 scales unpacked":
+        layer.pool = _unpacked_scales()
     elif what == "float32 pool":
         layer.pool = _pool("folded", torch.float32)
     elif what == "float16 query":
@@ -128,7 +137,7 @@ def _edit(call, what):
     return step, layer, module, q, k, v
 
 
-TWINS = {"no workspace": "no foldkv DecodeWorkspace", "fp8 pool": "FP8", "float32 pool": "float32 pool",
+TWINS = {"no workspace": "no foldkv DecodeWorkspace", "fp8 scales unpacked": "scales", "float32 pool": "float32 pool",
          "float16 query": "dtypes", "one head short": "shapes", "workspace too short": "query out",
          "int32 pages": "pages", "k_norm weight too long": "k_norm weight"}
 
@@ -292,7 +301,7 @@ def test_fold_and_store_is_the_torch_definition_with_its_destination(fmt):
     assert torch.equal(gs.fold_and_store(pool, pages, offsets, q, k, v, w * 2), got) == (fmt == "split")
 
 
-GENERIC_TWINS = {"fp8 pool": "FP8", "float16 query": "dtypes", "one head short": "shapes",
+GENERIC_TWINS = {"fp8 scales unpacked": "scales", "float16 query": "dtypes", "one head short": "shapes",
                  "out too short": "query out", "int32 offsets": "offsets", "cuda off": "fuse_global is off"}
 
 
@@ -301,15 +310,14 @@ def test_kernel_refusal_of_a_fold_and_store_says_why(what):
     """A prefill's call (N tokens, a new query or a destination): described up to "not CUDA"; each thing the kernels
     do not describe answers its own reason."""
     from foldkv import global_step as gs
-    from foldkv.fp8 import FP8_DTYPE
     from foldkv.step_options import StepOptions, using
 
     pool, pages, offsets, q, k, v, w = _fold_inputs()
     out = torch.zeros(q.shape, dtype=BF16)
     assert gs.kernel_refusal(pool, q, k, v, w, pages, offsets, out) == "not CUDA"
     options = StepOptions()
-    if what == "fp8 pool":
-        pool = _pool("folded", FP8_DTYPE)
+    if what == "fp8 scales unpacked":
+        pool = _unpacked_scales()
     elif what == "float16 query":
         q = q.to(torch.float16)
     elif what == "one head short":
@@ -323,6 +331,35 @@ def test_kernel_refusal_of_a_fold_and_store_says_why(what):
     with using(options):
         why = gs.kernel_refusal(pool, q, k, v, w, pages, offsets, out)
     assert why is not None and why != "not CUDA" and GENERIC_TWINS[what] in why, why
+
+
+@pytest.mark.parametrize("check_finite", [False, True])
+def test_an_fp8_fold_and_store_takes_the_kernels_unless_its_rows_are_checked(check_finite, monkeypatch):
+    """An FP8 pool is the kernels' (they quantize): a described call launches them, but one that asks for the
+    finiteness check (a host read the kernels do not make) takes the torch definition, which refuses a NaN row and
+    writes nothing. Red twin: the unchecked call, the same NaN row, goes to the kernels."""
+    from foldkv import global_step as gs
+    from foldkv.fp8 import FP8_DTYPE
+    from foldkv.validate import FoldKvInputError
+
+    pool, pages, offsets, q, k, v, w = _fold_inputs()
+    pool = _pool("folded", FP8_DTYPE)
+    pool.data.view(torch.uint8).fill_(0x7F)  # e4m3's NaN
+    pool.scales.fill_(float("inf"))
+    k[1, 2, 7] = float("nan")
+    launched = []
+    monkeypatch.setattr(gs, "kernel_refusal", lambda *a: None)  # described, as on CUDA
+    monkeypatch.setattr(gs, "query_into", lambda *a: launched.append("query"))
+    monkeypatch.setattr(gs, "row_into_pool", lambda *a: launched.append("row"))
+    before = (pool.data.view(torch.uint8).clone(), pool.scales.clone())
+    if check_finite:
+        with pytest.raises(FoldKvInputError, match="finite"):
+            gs.fold_and_store(pool, pages, offsets, q, k, v, w, check_finite=True)
+        assert not launched
+        assert torch.equal(pool.data.view(torch.uint8), before[0]) and torch.equal(pool.scales, before[1])
+    else:
+        gs.fold_and_store(pool, pages, offsets, q, k, v, w, check_finite=False)
+        assert launched == ["query", "row"]
 
 
 def test_every_global_layer_of_an_eager_cpu_generate_folds_and_stores_through_the_one_path(tmp_path, monkeypatch):

@@ -6,10 +6,11 @@ Bounds, from where each op rounds:
   once to bf16, RNE) and moves of bf16 values otherwise: bitwise `fold_query` copied into the workspace's query; rows
   past the batch are not written.
 - `row_into_pool` (global_row_store): moves of bf16 values: bitwise `store_rows(rows_from_key_value(...))` over the
-  whole pool (the step's slots poisoned first, so an unwritten slot or a write elsewhere shows).
-- the whole step (tiny synthetic Gemma 4, graph mode, batch 1 and 8): the decode after them is the same `ws.step`, so
-  the greedy tokens and logits are torch.equal with fuse_global on and off; an FP8 pool takes the torch path (every
-  route says FP8, no kernel launched).
+  whole pool (the step's slots poisoned first, so an unwritten slot or a write elsewhere shows); an FP8 pool's rows
+  quantized with `quantize_rows`' correctly rounded divisions and e4m3 rounding (cvt.rn): bitwise, values and scales.
+- the whole step (tiny synthetic Gemma 4, graph mode, batch 1 and 8; bf16 pools of both formats and an FP8 one): the
+  decode after them is the same `ws.step`, so the greedy tokens and logits are torch.equal with fuse_global on and
+  off.
 Red twins: the query's rotated halves swapped in the column map; the row stored one offset off (a kernel test and the
 whole step).
 
@@ -31,6 +32,7 @@ from conftest import (left_padded_batch, query_kernel_check, require_hopper, req
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 FORMATS = ["folded", "split"]
+ROW_FORMATS = FORMATS + ["fp8"]  # fp8: a folded FP8 pool (the row kernels quantize; the query is folded's)
 
 
 def _library():
@@ -88,7 +90,7 @@ def test_query_kernel_is_fold_query(batch, fmt):
         assert not torch.equal(want[..., r:], q[:, :, 0][..., score[r:].long()])
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ROW_FORMATS)
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_row_kernel_is_rows_from_key_value_then_store_rows(batch, fmt):
     gst = _library()
@@ -119,10 +121,12 @@ def synthetic_model(tmp_path_factory):
     return synthetic_gpu_models(tmp_path_factory, "foldkv", needs=("triton",))["foldkv"]
 
 
-def _generate(model, fmt, batch, dtype=None, decode_step="graph", options=None):
+def _generate(model, fmt, batch, decode_step="graph", options=None):
+    from foldkv.fp8 import FP8_DTYPE
     from foldkv.hf import FoldKvCache
     from foldkv.lab.model import cache_keyword
 
+    fmt, dtype = ("folded", FP8_DTYPE) if fmt == "fp8" else (fmt, None)
     lengths = LENGTHS[batch]
     ids, mask = left_padded_batch(lengths, model.config.vocab_size, seed=7)
     cache = FoldKvCache(model, max_batch=len(lengths), max_tokens=max(lengths) + NEW, scatter_seed=3,
@@ -143,10 +147,11 @@ def _spied(monkeypatch, gst):
 
 
 @pytest.mark.parametrize("batch", sorted(LENGTHS))
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ROW_FORMATS)
 def test_the_step_with_and_without_the_global_kernels(synthetic_model, fmt, batch, monkeypatch):
     """DecodeStep.attend's two kernels: the fused step's global forward (tests/test_global_prologue_gpu.py) is off,
-    so every global layer runs transformers' forward into attend."""
+    so every global layer runs transformers' forward into attend (an FP8 pool's too: its rows quantized by the row
+    kernel, bitwise the torch definition's)."""
     gst = _library()
     unfused = StepOptions(fuse_global_prologue=False)
     routes, rows = _spied(monkeypatch, gst)
@@ -166,14 +171,3 @@ def test_the_step_with_and_without_the_global_kernels(synthetic_model, fmt, batc
         geom, pool, k, v, pages, torch.remainder(offsets + 1, pool.layout.page_size)))
     twin = _generate(synthetic_model, fmt, batch, options=unfused)
     assert not torch.equal(twin[1], kernels[1]), "rows stored one offset off changed nothing"
-
-
-def test_an_fp8_pool_takes_the_torch_path(synthetic_model, monkeypatch):
-    gst = _library()
-    from foldkv.fp8 import FP8_DTYPE
-
-    routes, rows = _spied(monkeypatch, gst)
-    fused = _generate(synthetic_model, "folded", 8, dtype=FP8_DTYPE)
-    assert not rows and routes and all(r is not None and "FP8" in r for r in routes), set(routes)
-    plain = _generate(synthetic_model, "folded", 8, dtype=FP8_DTYPE, options=StepOptions(fuse_global=False))
-    assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])

@@ -9,10 +9,11 @@ the H200's Triton from scripts/install.sh), so a launch that passes a wrong stri
 name, or a formula that left torch's rounding points fails in CI.
 
 Triton's interpreter is chosen when a kernel is defined (`TRITON_INTERPRET=1` at import), so the kernels run in a
-child pytest of this file (`test_the_kernels_in_the_interpreter`); in this process the others skip. Two things the
+child pytest of this file (`test_the_kernels_in_the_interpreter`); in this process the others skip. Three things the
 interpreter of Triton 3.6 (the H200's) does otherwise than the GPU are put right in the child, so that the statements
-are the GPU's (`_as_on_the_gpu`): it multiplies bf16 tiles as their uint16 bits (tl.dot), and it converts float32 to
-bf16 by truncation where the GPU's `cvt.rn` rounds to nearest even (`.to(tl.bfloat16)`). Its `range` over a runtime
+are the GPU's (`_as_on_the_gpu`): it multiplies bf16 tiles as their uint16 bits (tl.dot), it converts float32 to
+bf16 by truncation where the GPU's `cvt.rn` rounds to nearest even (`.to(tl.bfloat16)`), and its float32 -> e4m3
+conversion drops the rounding's carry into the exponent (124.3 becomes 64; the GPU's `cvt.rn.satfinite`: 128). Its `range` over a runtime
 bound needs NumPy < 2.4 (scripts/install.sh pins it with Triton on a CPU torch).
 
 Bounds, from where each op rounds:
@@ -20,7 +21,8 @@ Bounds, from where each op rounds:
   so the kernel's and torch's float32 values are the same and the bf16 results bitwise; a second norm over a rounded
   residual (not on the grid) is held against the same formula over the kernel's own h: the two float32 sums differ by
   at most n 2^-24 of the sum, far below bf16's half ulp, so at most one rounding moves: <= ulp(ref).
-- RoPE, the row moves and the fold: the same float32 products and roundings as torch: bitwise.
+- RoPE, the row moves and the fold: the same float32 products and roundings as torch: bitwise; an FP8 pool's row
+  quantized with `foldkv.fp8.quantize_rows`' correctly rounded divisions (div_rn): bitwise.
 - GELU x up and the softmax: exp in the interpreter (numpy) and in torch differ by float32 ulps, which can move one
   bf16 rounding: GELU <= (ulp(act) + |g| 2^-23) |up| + ulp(ref) (`_gelu_within`), the softmax <= ulp(ref).
 - the one-launch ring attention: query and K on a grid where every float32 sum is exact, so its scores are torch's;
@@ -58,9 +60,10 @@ BF16 = torch.bfloat16
 
 
 def _as_on_the_gpu() -> None:
-    """The interpreter's bf16 dot and float32 -> bf16 conversion made the GPU's (module docstring): bf16 operands
-    converted exactly to float32 before the float32 matmul (the tensor cores' exact products), and a float32 value
-    converted to bf16 rounded to nearest even (torch's conversion, which is cvt.rn's)."""
+    """The interpreter's bf16 dot and float32 -> bf16 and -> e4m3 conversions made the GPU's (module docstring): bf16
+    operands converted exactly to float32 before the float32 matmul (the tensor cores' exact products), and a float32
+    value converted to bf16 or to e4m3 rounded to nearest even (torch's conversions, which are cvt.rn's; an e4m3
+    conversion's value is clamped to +-448 before it by every caller, so satfinite never acts)."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter as ti
@@ -81,10 +84,18 @@ def _as_on_the_gpu() -> None:
             return ti.TensorHandle(rne.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
         return cast(self, src, dst_type)
 
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            rne = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.float8_e4m3fn)
+            return ti.TensorHandle(rne.view(torch.uint8).numpy(), dst_type.scalar)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
     dot, cast = ti.InterpreterBuilder.create_dot, ti.InterpreterBuilder.cast_impl
+    fp_to_fp = ti.InterpreterBuilder.create_fp_to_fp
     # (create_fp_trunc calls cast_impl)
     ti.InterpreterBuilder.create_dot, ti.InterpreterBuilder.cast_impl = create_dot, cast_impl
-    _INTERPRETER_OWN.update(dot=dot, cast=cast)
+    ti.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+    _INTERPRETER_OWN.update(dot=dot, cast=cast, fp_to_fp=fp_to_fp)
 
 
 _INTERPRETER_OWN: dict = {}  # the interpreter's own create_dot and cast_impl (the shim's red twin)
@@ -254,25 +265,30 @@ def test_the_interpreter_converts_and_multiplies_as_the_gpu(monkeypatch):
     from triton.runtime import interpreter as ti
 
     @triton.jit
-    def convert_and_dot(x_ptr, y_ptr, a_ptr, b_ptr, c_ptr, N: tl.constexpr):
+    def convert_and_dot(x_ptr, y_ptr, e_ptr, a_ptr, b_ptr, c_ptr, N: tl.constexpr):
         i = tl.arange(0, N)
         tl.store(y_ptr + i, tl.load(x_ptr + i).to(tl.bfloat16))
+        tl.store(e_ptr + i, (tl.load(x_ptr + i) * 10.0).to(tl.float8e4nv))
         a = tl.load(a_ptr + i[:, None] * N + i[None, :])
         b = tl.load(b_ptr + i[:, None] * N + i[None, :])
         tl.store(c_ptr + i[:, None] * N + i[None, :], tl.dot(a, b))
 
     x = torch.randn(16, generator=_gen(1)) * 3
+    x[0] = 12.43  # x 10 = 124.3: e4m3's nearest is 128, a carry into the exponent
     a, b = _randn((16, 16), seed=2), _randn((16, 16), seed=3)
 
     def run():
-        y, c = torch.empty(16, dtype=BF16), torch.empty(16, 16)
-        convert_and_dot[(1,)](x, y, a, b, c, N=16)
-        return torch.equal(y, x.to(BF16)), bool(((c.double() - a.double() @ b.double()).abs() < 1e-4).all())
+        y, e, c = torch.empty(16, dtype=BF16), torch.empty(16, dtype=torch.float8_e4m3fn), torch.empty(16, 16)
+        convert_and_dot[(1,)](x, y, e, a, b, c, N=16)
+        e4m3 = (x * 10).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return (torch.equal(y, x.to(BF16)), torch.equal(e.view(torch.uint8), e4m3.view(torch.uint8)),
+                bool(((c.double() - a.double() @ b.double()).abs() < 1e-4).all()))
 
-    assert run() == (True, True)
+    assert run() == (True, True, True)
     monkeypatch.setattr(ti.InterpreterBuilder, "cast_impl", _INTERPRETER_OWN["cast"])
     monkeypatch.setattr(ti.InterpreterBuilder, "create_dot", _INTERPRETER_OWN["dot"])
-    assert run() == (False, False), "the interpreter's own conversion and dot matched the GPU's"
+    monkeypatch.setattr(ti.InterpreterBuilder, "create_fp_to_fp", _INTERPRETER_OWN["fp_to_fp"])
+    assert run() == (False, False, False), "the interpreter's own conversions and dot matched the GPU's"
 
 
 # --- inputs ---------------------------------------------------------------------------------------------------------
@@ -693,7 +709,7 @@ def test_global_query_is_fold_query(batch, fmt):
 
 
 @inside
-@pytest.mark.parametrize("fmt", ["folded", "split"])
+@pytest.mark.parametrize("fmt", ["folded", "split", "fp8"])  # fp8: a folded FP8 pool, its rows quantized
 @pytest.mark.parametrize("batch", [1, 3])
 def test_global_row_is_rows_from_key_value_then_store_rows(batch, fmt):
     from foldkv import global_step as gst
@@ -781,7 +797,7 @@ def test_the_fused_global_query_is_the_norm_rope_then_the_query_kernel(batch, fm
 
 
 @inside
-@pytest.mark.parametrize("fmt", ["folded", "split"])
+@pytest.mark.parametrize("fmt", ["folded", "split", "fp8"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_the_fused_global_row_is_the_norms_rope_then_the_row_kernel(batch, fmt):
     from foldkv import global_step as gst

@@ -235,6 +235,21 @@ if triton is not None:
 
     # --- a global layer's decode step after its norms and RoPE: the format's query and the page row ---------------
     @triton.jit
+    def _store_row(pool_ptr, scales_ptr, slot, x, j, keep, WIDTH: tl.constexpr, QUANTIZED: tl.constexpr):
+        """A page row's values x [BLOCK] (columns j, those past WIDTH masked off by keep) at pool row `slot` (pool
+        [.., WIDTH] packed), in the pool's dtype. QUANTIZED (an FP8 pool): `foldkv.fp8.quantize_rows`' arithmetic, the
+        row's float32 scale at scales[slot]: scale = amax / 448 (1 for a row of zeros), x / scale clamped to +-448,
+        then e4m3 to nearest (cvt.rn); both divisions correctly rounded (div_rn), as torch's tensor divisions are."""
+        out_ty = pool_ptr.dtype.element_ty
+        if QUANTIZED:
+            x = x.to(tl.float32)
+            amax = tl.max(tl.where(keep, tl.abs(x), 0.0), axis=0)
+            scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+            x = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+            tl.store(scales_ptr + slot, scale)
+        tl.store(pool_ptr + slot * WIDTH + j, x.to(out_ty), mask=keep)
+
+    @triton.jit
     def global_query_rows(q_ptr, w_ptr, cols_ptr, out_ptr, heads, q_sb, q_sh, q_sd, D: tl.constexpr,
                           BLOCK: tl.constexpr, FOLD_FROM: tl.constexpr, FOLDED: tl.constexpr):
         """Row (b, h) = program_id(0) of the format's query into out [rows, D] packed: column j holds the head
@@ -254,12 +269,14 @@ if triton is not None:
         tl.store(out_ptr + row * D + j, _rounded(x, out_ty).to(out_ty), mask=keep)
 
     @triton.jit
-    def global_row_store(k_ptr, v_ptr, cols_ptr, pages_ptr, offsets_ptr, pool_ptr, heads, page_size, k_sb, k_sh,
-                         k_sd, v_sb, v_sh, v_sd, WIDTH: tl.constexpr, BLOCK: tl.constexpr, KEY_COLS: tl.constexpr):
+    def global_row_store(k_ptr, v_ptr, cols_ptr, pages_ptr, offsets_ptr, pool_ptr, scales_ptr, heads, page_size,
+                         k_sb, k_sh, k_sd, v_sb, v_sh, v_sd, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
+                         KEY_COLS: tl.constexpr, QUANTIZED: tl.constexpr):
         """Row (b, h) = program_id(0): column j < KEY_COLS is key[b, h, 0, cols[j]], the others value[b, h, 0,
-        cols[j]] (key/value [B, heads, 1, D] strided, the pool's dtype: moved, not converted), stored at
+        cols[j]] (key/value [B, heads, 1, D] strided; a bf16 pool's dtype: moved, not converted), stored at
         pool[pages[b], h, offsets[b], j] (pool [pages, heads, page_size, WIDTH] packed; pages/offsets int64 read on
-        the device). Nothing else is written."""
+        the device); QUANTIZED, as e4m3 with its scale at scales[pages[b], h, offsets[b]] (`_store_row`). Nothing
+        else is written."""
         row = tl.program_id(0).to(tl.int64)
         b = row // heads
         h = row % heads
@@ -272,7 +289,7 @@ if triton is not None:
         x = tl.where(is_key, kx, vx)
         page = tl.load(pages_ptr + b).to(tl.int64)
         offset = tl.load(offsets_ptr + b).to(tl.int64)
-        tl.store(pool_ptr + ((page * heads + h) * page_size + offset) * WIDTH + j, x, mask=keep)
+        _store_row(pool_ptr, scales_ptr, (page * heads + h) * page_size + offset, x, j, keep, WIDTH, QUANTIZED)
 
     # --- a global layer's decode step from its projections' outputs: the norms and RoPE inside the two kernels above
     @triton.jit
@@ -296,12 +313,13 @@ if triton is not None:
         tl.store(out_ptr + row * D + j, _rounded(x, out_ty).to(out_ty))
 
     @triton.jit
-    def global_row_prologue(k_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, cols_ptr, pages_ptr, offsets_ptr, pool_ptr, heads,
-                            page_size, k_stride, v_stride, n, eps_k, eps_v, D: tl.constexpr, WIDTH: tl.constexpr,
-                            BLOCK: tl.constexpr, KEY_COLS: tl.constexpr, GDC: tl.constexpr = False):
+    def global_row_prologue(k_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, cols_ptr, pages_ptr, offsets_ptr, pool_ptr,
+                            scales_ptr, heads, page_size, k_stride, v_stride, n, eps_k, eps_v, D: tl.constexpr,
+                            WIDTH: tl.constexpr, BLOCK: tl.constexpr, KEY_COLS: tl.constexpr, QUANTIZED: tl.constexpr,
+                            GDC: tl.constexpr = False):
         """Row (b, h): column j < KEY_COLS is RoPE(k_norm(k))[cols[j]], the others v_norm(v)[cols[j]] (no weight), each
         rounded to the model's dtype (cos's), stored at pool[pages[b], h, offsets[b], j] (`global_row_store`'s
-        addressing); nothing else is written."""
+        addressing; QUANTIZED, as e4m3 with its scale, `_store_row`); nothing else is written."""
         _chain(GDC)
         model_ty = cos_ptr.dtype.element_ty
         row = tl.program_id(0).to(tl.int64)
@@ -319,5 +337,4 @@ if triton is not None:
         x = tl.where(j < KEY_COLS, key, value)
         page = tl.load(pages_ptr + b).to(tl.int64)
         offset = tl.load(offsets_ptr + b).to(tl.int64)
-        out_ty = pool_ptr.dtype.element_ty
-        tl.store(pool_ptr + ((page * heads + h) * page_size + offset) * WIDTH + j, x.to(out_ty), mask=keep)
+        _store_row(pool_ptr, scales_ptr, (page * heads + h) * page_size + offset, x, j, keep, WIDTH, QUANTIZED)

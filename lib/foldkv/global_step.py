@@ -65,16 +65,17 @@ def query_into(geom: Any, fmt: KvFormat | str, query: torch.Tensor, k_norm_weigh
 def row_into_pool(geom: Any, pool: Any, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
                   offsets: torch.Tensor) -> None:
     """key/value [B, Hkv, 1, D] (normed, RoPE'd key; normed value; any strides) -> one row per (b, h) at
-    pool.data[pages[b], h, offsets[b]] (pages/offsets int64 on the device): bitwise `prep.store_rows` of
-    `prep.rows_from_key_value` for a bf16 pool."""
+    pool.data[pages[b], h, offsets[b]] (pages/offsets int64 on the device; an FP8 pool's scale at the same place of
+    pool.scales): bitwise `prep.store_rows` of `prep.rows_from_key_value` (unchecked: no finiteness check)."""
     b, hkv, _, _ = key.shape
     _, row, _, key_cols = column_maps(geom, pool.format, key.device)
     width = pool.layout.row_width
     block = _block(width)
-    _kernels().global_row_store[(b * hkv,)](key, value, row, pages, offsets, pool.data, hkv, pool.layout.page_size,
-                                            key.stride(0), key.stride(1), key.stride(3), value.stride(0),
-                                            value.stride(1), value.stride(3), WIDTH=width, BLOCK=block,
-                                            KEY_COLS=key_cols, num_warps=_warps(block))
+    _kernels().global_row_store[(b * hkv,)](key, value, row, pages, offsets, pool.data, _scales(pool), hkv,
+                                            pool.layout.page_size, key.stride(0), key.stride(1), key.stride(3),
+                                            value.stride(0), value.stride(1), value.stride(3), WIDTH=width,
+                                            BLOCK=block, KEY_COLS=key_cols, QUANTIZED=pool.layout.quantized,
+                                            num_warps=_warps(block))
 
 
 def query_from_projection(geom: Any, fmt: KvFormat | str, q: torch.Tensor, attn: torch.nn.Module,
@@ -103,22 +104,27 @@ def row_from_projection(geom: Any, pool: Any, k: torch.Tensor, v: torch.Tensor, 
     _, row, _, key_cols = column_maps(geom, pool.format, k.device)
     width = pool.layout.row_width
     _kernels().global_row_prologue[(b * hkv,)](
-        k, v, attn.k_norm.weight, cos, sin, row, pages, offsets, pool.data, hkv, pool.layout.page_size, ks, vs, d,
-        norm_eps(attn.k_norm), norm_eps(attn.v_norm), D=d, WIDTH=width, BLOCK=_block(width), KEY_COLS=key_cols,
-        num_warps=_warps(d), **_pdl(k))
+        k, v, attn.k_norm.weight, cos, sin, row, pages, offsets, pool.data, _scales(pool), hkv, pool.layout.page_size,
+        ks, vs, d, norm_eps(attn.k_norm), norm_eps(attn.v_norm), D=d, WIDTH=width, BLOCK=_block(width),
+        KEY_COLS=key_cols, QUANTIZED=pool.layout.quantized, num_warps=_warps(d), **_pdl(k))
 
 
 def describe_pool(pool: Any) -> str | None:
-    """Why the kernels do not describe this pool (None: they do)."""
+    """Why the kernels do not describe this pool (None: they do): a bf16 pool, or an FP8 one (the row kernels
+    quantize as `foldkv.fp8.quantize_rows` does), packed."""
     lay = pool.layout
-    if lay.quantized:
-        return (f"an FP8 pool ({lay.dtype}): its rows are quantized with a per-row scale (store_rows' quantize_rows),"
-                " which global_row_store does not do")
-    if lay.dtype != BF16:
-        return f"a {lay.dtype} pool: the kernels store bf16 rows"
+    if lay.dtype != BF16 and not lay.quantized:
+        return f"a {lay.dtype} pool: the kernels store bf16 rows or quantize them to FP8"
     if not pool.data.is_contiguous():
         return "the pool's data is not packed [pages, Hkv, page_size, row_width]"
+    if lay.quantized and not pool.scales.is_contiguous():
+        return "the FP8 pool's scales are not packed [pages, Hkv, page_size]"
     return None
+
+
+def _scales(pool: Any) -> torch.Tensor:
+    """What the row kernels take as the scales' pointer: an FP8 pool's scales (a bf16 pool's data, never written)."""
+    return pool.scales if pool.layout.quantized else pool.data
 
 
 def kernel_refusal(pool: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -161,7 +167,10 @@ def fold_and_store(pool: Any, pages: torch.Tensor, offsets: torch.Tensor, query:
                    value: torch.Tensor, k_norm_weight: torch.Tensor, *, out: torch.Tensor | None = None,
                    check_finite: bool = True, kernels: bool | None = None) -> torch.Tensor:
     """`foldkv.prep.fold_and_store`, bitwise: the two kernels when they describe the call (`kernel_refusal`;
-    kernels=True / False: the caller's `global_route` has answered), else the torch definition."""
+    kernels=True / False: the caller's `global_route` has answered), else the torch definition. An FP8 pool's
+    finiteness check (`check_finite`, a host read) is the torch definition's: asked for, the kernels are not used."""
+    if check_finite and pool.layout.quantized:
+        kernels = False
     if kernels is None:
         kernels = kernel_refusal(pool, query, key, value, k_norm_weight, pages, offsets, out) is None
     if not kernels:
