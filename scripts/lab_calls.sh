@@ -58,7 +58,8 @@
 #                 JIT_S), the GPU tests of what changed (RC_TESTS), then a fresh process's first prompts under the
 #                 profiler (`prefill_probe.py first --launches`: the longest launch calls of each prompt and the kernel
 #                 each launched) and the served TTFT at 4K and 32K (folded, 3 rounds; RC_CELLS: more ARM:PROMPT cells,
-#                 the arms rotated) (~8-9 min)
+#                 the arms rotated; RC_ROUNDS rounds, 3) and, with RC_LONG cells, those once each, without the untimed
+#                 call (LONG_S) (~8-9 min)
 # (The 31B step's runs 22-25 were measured at 9f9ef77: papermill_runs/h200-20261205-s27.)
 # Prepare on the CPU machine first: scripts/prepare_device_run.sh (carry .devsite build/aot build/checkout.json).
 #
@@ -260,7 +261,13 @@ if [ "$PART" = runtime_check ]; then  # one TileLang cache: built side by side f
   timeout ${FIRST_S:-60} python3 bench/prefill_probe.py --out "$OUTD/first" first --launches --cells $N:4096 $N:4096 \
     > "$OUTD/rc_first.log" 2>&1
   echo "first rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "^ +[0-9]+:|^ +[0-9.]+ ms" "$OUTD/rc_first.log"
-  timeout ${AB_S:-100} $P ttft --rounds 3 --cells $N:32768 $N:4096 ${RC_CELLS:-} > "$OUTD/rc_ttft.log" 2>&1
+  timeout ${AB_S:-100} $P ttft --rounds ${RC_ROUNDS:-3} --cells $N:32768 $N:4096 ${RC_CELLS:-} > "$OUTD/rc_ttft.log" 2>&1
   echo "ttft rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round|matmul" "$OUTD/rc_ttft.log"
-  (cd "$OUTD" && tar -czf runtime_check.tgz rc_*.log prefill_*.json first 2>/dev/null)
+  if [ -n "${RC_LONG:-}" ]; then  # long prompts: one round, no untimed call (first use is paid at cache creation)
+    mkdir -p "$OUTD/long"
+    timeout ${LONG_S:-150} python3 bench/prefill_probe.py --out "$OUTD/long" ttft --rounds 1 --no-untimed \
+      --cells $RC_LONG > "$OUTD/rc_long.log" 2>&1
+    echo "long rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round|matmul" "$OUTD/rc_long.log"
+  fi
+  (cd "$OUTD" && tar -czf runtime_check.tgz rc_*.log prefill_*.json first long 2>/dev/null)
 fi
