@@ -29,7 +29,8 @@
 #                 4,100 tokens, twice) (~5-6 min)
 #   PART=ttft_ab  the served prefill at this commit against the commit whose lib/ and bench/ are carried in .before/
 #                 (`git archive <rev> lib bench | tar -x -C .before`): time to first token of 32,768 and 4,100 tokens
-#                 (folded, 3 rounds, each side in its own process; this side also 32,768 with `sliding_scratch` on), first use in a fresh process (4,096 and 4,100 twice,
+#                 (folded, 3 rounds, each side in its own process; this side also 32,768 with `sliding_scratch` on;
+#                 AB_TTFT_CELLS and AB_ROUNDS: other cells, as the same cells on both sides), first use in a fresh process (4,096 and 4,100 twice,
 #                 then new lengths), the 16K profile by component, then the GPU tests of the prefill's path
 #                 (bench/PREFILL_NOTES.md "Prediction: a prefill without host syncs...") (~8-9 min)
 #   PART=prefill_kernels  the global prefill's versions (two stages, batched reductions, lazy rescale, the mask on the
@@ -170,8 +171,8 @@ if [ "$PART" = ttft_ab ]; then  # one TileLang cache: the first process builds t
     if [ $side = before ]; then PP="$PWD/$BEFORE/lib:${PYTHONPATH#$PWD/lib:}"; B=$BEFORE/bench; else PP=$PYTHONPATH; B=bench; fi
     mkdir -p "$OUTD/$side"
     S=""; [ $side = after ] && S="$N:32768@sliding_scratch=1"  # this commit's option, in the same rotation
-    PYTHONPATH=$PP timeout ${AB_S:-130} python3 $B/prefill_probe.py --out "$OUTD/$side" ttft --rounds 3 \
-      --cells $N:32768 $S $N:4100 > "$OUTD/ttft_ab_$side.log" 2>&1
+    PYTHONPATH=$PP timeout ${AB_S:-130} python3 $B/prefill_probe.py --out "$OUTD/$side" ttft --rounds ${AB_ROUNDS:-3} \
+      --cells ${AB_TTFT_CELLS:-$N:32768 $S $N:4100} > "$OUTD/ttft_ab_$side.log" 2>&1
     echo "$side rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round|matmul" "$OUTD/ttft_ab_$side.log"
   done
   timeout ${FIRST_S:-60} python3 bench/prefill_probe.py --out "$OUTD" first --cells $N:4096 $N:4100 $N:4096 $N:4100 \
