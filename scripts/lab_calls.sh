@@ -33,8 +33,7 @@
 #                 AB_TTFT_CELLS and AB_ROUNDS: other cells, as the same cells on both sides), first use in a fresh process (4,096 and 4,100 twice,
 #                 then new lengths), the 16K profile by component, then the GPU tests of the prefill's path
 #                 (bench/PREFILL_NOTES.md "Prediction: a prefill without host syncs...") (~8-9 min)
-#   PART=prefill_kernels  the global prefill's versions (two stages, batched reductions, lazy rescale, the mask on the
-#                 diagonal tiles only) against the
+#   PART=prefill_kernels  the global prefill's versions (two stages, batched reductions, lazy rescale) against the
 #                 library's folded and split prefill: checked against float64, then a 4,096-query chunk over 8K and 32K
 #                 against the in-run matmul rate (bench/prefill_kernel_probe.py; bench/PREFILL_NOTES.md) (~3-4 min)
 #   PART=multiwave  the folded decode partial of multi-wave plans against split's and their plain reads, with the

@@ -151,10 +151,21 @@ def query_kernel_check(geom, fmt, batch: int, want: torch.Tensor, write) -> tupl
     return run(None), run(swapped)
 
 
+ROW_FORMATS = ("folded", "split", "fp8")  # the pools a global row kernel stores into; fp8: a folded FP8 pool
+
+
+def pool_kind(fmt: str) -> tuple[str, torch.dtype | None]:
+    """A ROW_FORMATS name -> (kv_format, dtype): "fp8" is the folded format in float8_e4m3fn (the row kernels quantize,
+    the query is folded's); the others their format in the default dtype (None)."""
+    from foldkv.fp8 import FP8_DTYPE
+
+    return ("folded", FP8_DTYPE) if fmt == "fp8" else (fmt, None)
+
+
 def row_store_check(geom, fmt, batch: int, device: str, seed: int, reference, store,
                     page_size: int = 16) -> tuple[bool, bool]:
     """A kernel storing a global layer's step rows: `reference(pool, pages, offsets)` and `store(pool, pages, offsets)`
-    each into a fresh pool (fmt "folded", "split", or "fp8": a folded FP8 pool, its scales checked with its rows) of
+    each into a fresh pool (fmt one of ROW_FORMATS, `pool_kind`; an FP8 pool's scales checked with its rows) of
     2 * batch + 3 pages of random rows whose step slots (a distinct page a sequence, an offset below page_size - 1)
     are poisoned with NaN. Asserts the reference wrote every slot. Returns (the store's pool equal to the reference's,
     bit for bit: the slots hold the rows and no other row changed; equal with the rows stored one offset off: the red
@@ -162,15 +173,15 @@ def row_store_check(geom, fmt, batch: int, device: str, seed: int, reference, st
     from foldkv.fp8 import FP8_DTYPE
     from foldkv.pool import PagedKvLayout, PagedKvPool
 
-    kv_format, dtype = ("folded", FP8_DTYPE) if fmt == "fp8" else (fmt, torch.bfloat16)
+    kv_format, dtype = pool_kind(fmt)
     pages = 2 * batch + 3
     g = torch.Generator().manual_seed(seed)
     at_pages = torch.randperm(pages, generator=g)[:batch].to(device)
     at_offsets = torch.randint(0, page_size - 1, (batch,), generator=g).to(device)
 
     def pool():
-        p = PagedKvPool(PagedKvLayout(geom, kv_format, page_size=page_size, num_pages=pages, dtype=dtype),
-                        device=device)
+        p = PagedKvPool(PagedKvLayout(geom, kv_format, page_size=page_size, num_pages=pages,
+                                      dtype=dtype or torch.bfloat16), device=device)
         p.data.copy_(torch.randn(p.data.shape, generator=torch.Generator().manual_seed(seed + 1)).to(p.data.dtype))
         p.data[at_pages, :, at_offsets, :] = float("nan")
         if p.scales is not None:

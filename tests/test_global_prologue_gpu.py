@@ -20,13 +20,12 @@ import torch
 
 from foldkv.step_options import StepOptions, using
 
-from conftest import (attention_norms, graph_generate, query_kernel_check, require_module, row_store_check,
-                      synthetic_gpu_models)
+from conftest import (ROW_FORMATS, attention_norms, graph_generate, pool_kind, query_kernel_check,
+                      require_module, row_store_check, synthetic_gpu_models)
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 FORMATS = ["folded", "split"]
-ROW_FORMATS = FORMATS + ["fp8"]  # fp8: a folded FP8 pool (the row kernels quantize; the query is folded's)
 
 
 def _triton():
@@ -102,9 +101,7 @@ def synthetic_model(tmp_path_factory):
 
 
 def _generate(model, fmt, options=None):
-    from foldkv.fp8 import FP8_DTYPE
-
-    fmt, dtype = ("folded", FP8_DTYPE) if fmt == "fp8" else (fmt, None)
+    fmt, dtype = pool_kind(fmt)
     return graph_generate(model, LENGTHS, NEW, kv_format=fmt, dtype=dtype, step_options=options)
 
 

@@ -26,13 +26,12 @@ import torch
 
 from foldkv.step_options import StepOptions
 
-from conftest import (left_padded_batch, query_kernel_check, require_hopper, require_module, row_store_check,
-                      synthetic_gpu_models)
+from conftest import (ROW_FORMATS, left_padded_batch, pool_kind, query_kernel_check, require_hopper,
+                      require_module, row_store_check, synthetic_gpu_models)
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 FORMATS = ["folded", "split"]
-ROW_FORMATS = FORMATS + ["fp8"]  # fp8: a folded FP8 pool (the row kernels quantize; the query is folded's)
 
 
 def _library():
@@ -122,11 +121,10 @@ def synthetic_model(tmp_path_factory):
 
 
 def _generate(model, fmt, batch, decode_step="graph", options=None):
-    from foldkv.fp8 import FP8_DTYPE
     from foldkv.hf import FoldKvCache
     from foldkv.lab.model import cache_keyword
 
-    fmt, dtype = ("folded", FP8_DTYPE) if fmt == "fp8" else (fmt, None)
+    fmt, dtype = pool_kind(fmt)
     lengths = LENGTHS[batch]
     ids, mask = left_padded_batch(lengths, model.config.vocab_size, seed=7)
     cache = FoldKvCache(model, max_batch=len(lengths), max_tokens=max(lengths) + NEW, scatter_seed=3,

@@ -49,8 +49,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (GREEDY_PICK_CASES, NormStub, attention_norms, query_kernel_check, require_module,
-                      row_store_check)
+from conftest import (GREEDY_PICK_CASES, ROW_FORMATS, NormStub, attention_norms, query_kernel_check,
+                      require_module, row_store_check)
 
 INSIDE = os.environ.get("TRITON_INTERPRET") == "1"
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's child process "
@@ -709,7 +709,7 @@ def test_global_query_is_fold_query(batch, fmt):
 
 
 @inside
-@pytest.mark.parametrize("fmt", ["folded", "split", "fp8"])  # fp8: a folded FP8 pool, its rows quantized
+@pytest.mark.parametrize("fmt", ROW_FORMATS)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_global_row_is_rows_from_key_value_then_store_rows(batch, fmt):
     from foldkv import global_step as gst
@@ -797,7 +797,7 @@ def test_the_fused_global_query_is_the_norm_rope_then_the_query_kernel(batch, fm
 
 
 @inside
-@pytest.mark.parametrize("fmt", ["folded", "split", "fp8"])
+@pytest.mark.parametrize("fmt", ROW_FORMATS)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_the_fused_global_row_is_the_norms_rope_then_the_row_kernel(batch, fmt):
     from foldkv import global_step as gst
