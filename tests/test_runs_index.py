@@ -12,6 +12,7 @@ import os
 import re
 import json
 import shutil
+import subprocess
 
 import pytest
 
@@ -24,8 +25,20 @@ OLDER_HEADING = "## Older runs still cited"
 
 
 def _folders(root: str) -> set[str]:
+    """The run folders under `root` the index is for: the committed ones. A folder git ignores is a local run's (the
+    batch on a machine without CUDA writes papermill_runs/cpu-<date>/, .gitignore's), not one to index."""
     runs = os.path.join(root, results.RUNS_DIR)
-    return {d for d in os.listdir(runs) if os.path.isdir(os.path.join(runs, d)) and not d.startswith((".", "_"))}
+    found = {d for d in os.listdir(runs) if os.path.isdir(os.path.join(runs, d)) and not d.startswith((".", "_"))}
+    return found - _ignored(root, found)
+
+
+def _ignored(root: str, names: set[str]) -> set[str]:
+    """Those of the run folders `names` that git ignores under `root` (none where `root` is not a git checkout)."""
+    if not names or not os.path.exists(os.path.join(root, ".git")):
+        return set()
+    paths = "\n".join(f"{results.RUNS_DIR}/{n}/" for n in sorted(names))
+    out = subprocess.run(["git", "-C", root, "check-ignore", "--stdin"], input=paths, capture_output=True, text=True)
+    return {os.path.basename(p.rstrip("/")) for p in out.stdout.split()}
 
 
 def index_problems(root: str) -> list[str]:
@@ -83,6 +96,20 @@ def test_red_twins_a_row_without_a_folder_and_a_folder_without_a_row(tmp_path):
     shutil.rmtree(os.path.join(root, results.RUNS_DIR, gone))
     assert index_problems(root) == [f"rows without a folder: {[gone]}"]
     os.makedirs(os.path.join(root, results.RUNS_DIR, gone))
+    os.makedirs(os.path.join(root, results.RUNS_DIR, "h200-20990101"))
+    assert index_problems(root) == ["folders without a row: ['h200-20990101']"]
+
+
+def test_a_local_run_folder_is_not_a_committed_run(tmp_path):
+    """The batch's own run on a machine without CUDA (papermill_runs/cpu-<date>/, which git ignores) beside the
+    committed runs: the index holds, so the two README commands run in turn on one clone. Red twin: without the
+    repo's .gitignore the same folder is a folder without a row."""
+    root = _copy(tmp_path)
+    subprocess.run(["git", "init", "-q", root], check=True)
+    os.makedirs(os.path.join(root, results.RUNS_DIR, "cpu-20990101"))
+    assert index_problems(root) == ["folders without a row: ['cpu-20990101']"]  # the red twin: no .gitignore yet
+    shutil.copy(os.path.join(ROOT, ".gitignore"), os.path.join(root, ".gitignore"))
+    assert index_problems(root) == []
     os.makedirs(os.path.join(root, results.RUNS_DIR, "h200-20990101"))
     assert index_problems(root) == ["folders without a row: ['h200-20990101']"]
 
