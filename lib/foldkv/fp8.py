@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .moved import moved
+from .validate import FoldKvInputError
 
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_DTYPE = torch.float32
@@ -41,8 +42,6 @@ def dequantize_rows_bf16(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def check_finite_rows(rows: torch.Tensor) -> None:
     """Refuse (FoldKvInputError) rows with a NaN or Inf, or past float32's range: an FP8 row's scale must be finite."""
-    from .validate import FoldKvInputError
-
     x = rows.to(torch.float32)
     bad = ~torch.isfinite(x)
     if bool(bad.any()):

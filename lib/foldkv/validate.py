@@ -12,9 +12,8 @@ class FoldKvInputError(ValueError):
 
 
 def check_device(device: torch.device | str) -> torch.device:
-    """`device` as a torch.device, refused (FoldKvInputError) when this torch cannot reach it. Every foldkv entry point
-    that puts tensors on a caller's device goes through here, so a CPU-only torch answers in foldkv's words rather
-    than with torch's bare "Torch not compiled with CUDA enabled" AssertionError from deep inside an allocation."""
+    """`device` as a torch.device, refused (FoldKvInputError) when this torch cannot reach it; every entry point that
+    puts tensors on a caller's device asks here, so a CPU-only torch answers in foldkv's words, not an assertion."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
@@ -45,11 +44,9 @@ def check_tensor(name: str, t: torch.Tensor, *, dtype: torch.dtype | Sequence[to
         allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
         if t.dtype not in allowed:
             raise FoldKvInputError(f"{name} has dtype {t.dtype}; expected {' or '.join(map(str, allowed))}")
-    if device is not None and torch.device(device) != t.device:
-        want = torch.device(device)
-        same = want.type == t.device.type and (want.index is None or want.index == t.device.index)
-        if not same:
-            raise FoldKvInputError(f"{name} is on {t.device}; expected {want}")
+    want = None if device is None else torch.device(device)
+    if want is not None and (want.type != t.device.type or want.index not in (None, t.device.index)):
+        raise FoldKvInputError(f"{name} is on {t.device}; expected {want}")
     if shape is not None:
         if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
             pretty = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
@@ -64,5 +61,4 @@ def check_index_range(name: str, t: torch.Tensor, low: int, high: int) -> None:
         return
     lo, hi = int(t.min()), int(t.max())
     if lo < low or hi >= high:
-        bad = lo if lo < low else hi
-        raise FoldKvInputError(f"{name} holds {bad}, outside [{low}, {high})")
+        raise FoldKvInputError(f"{name} holds {lo if lo < low else hi}, outside [{low}, {high})")
