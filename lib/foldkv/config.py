@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 
@@ -70,18 +69,14 @@ class AttentionGeometry:
                               " whole KV heads with their query groups (a rank count dividing the KV heads)")
         if ranks == 1:
             return self
-        return dataclasses.replace(self, num_q_heads=self.num_q_heads // ranks,
-                                   num_kv_heads=self.num_kv_heads // ranks, name=f"{self.name}-tp{ranks}")
+        return replace(self, num_q_heads=self.num_q_heads // ranks, num_kv_heads=self.num_kv_heads // ranks,
+                       name=f"{self.name}-tp{ranks}")
 
 
 GEMMA4_31B = AttentionGeometry()
 
 # the 31B, and one rank of it under tensor parallelism over 2 ranks (16 query heads over 2 KV heads)
 PRESETS: dict[str, AttentionGeometry] = {"gemma-4-31b": GEMMA4_31B, "gemma-4-31b-tp2": GEMMA4_31B.per_rank(2)}
-
-
-def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
-    return cfg["text_config"] if isinstance(cfg.get("text_config"), Mapping) else cfg
 
 
 def _global_head_shape(tc: Mapping[str, Any], source: str) -> tuple[int, int]:
@@ -113,7 +108,7 @@ def geometry_from_config(config: str | os.PathLike | Mapping[str, Any], name: st
         with open(path) as fh:
             raw = json.load(fh)
         source = name or os.path.basename(os.path.dirname(os.path.abspath(path))) or path
-    tc = _text_config(raw)
+    tc = raw["text_config"] if isinstance(raw.get("text_config"), Mapping) else raw
 
     if not tc.get("attention_k_eq_v", False):
         raise ConfigError(
