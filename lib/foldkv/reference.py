@@ -27,15 +27,6 @@ def check_pool_format(pool: PagedKvPool, fmt: KvFormat | str | None, dtype: torc
     check_pool_storage(pool)
 
 
-def _query_lens(table: BlockTable, q_lens: torch.Tensor | None) -> torch.Tensor:
-    if q_lens is None:
-        return torch.ones(table.batch, dtype=torch.long)
-    q_lens = q_lens.to("cpu", torch.long)
-    if q_lens.shape != (table.batch,) or bool((q_lens < 1).any()) or bool((q_lens > table.seq_lens.cpu()).any()):
-        raise FoldKvInputError("q_lens must be [batch] with 1 <= q_len <= seq_len for every request")
-    return q_lens
-
-
 def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: BlockTable,
                               q_lens: torch.Tensor | None = None, *, fmt: KvFormat | str | None = None,
                               dtype: torch.dtype | None = None, query_block: int | None = None, device: torch.device | str | None = None,
@@ -51,7 +42,9 @@ def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: Blo
     check_pool_format(pool, fmt, dtype)
     geom, fmt = pool.geometry, pool.format
     check_block_table(pool.layout, table)
-    q_lens = _query_lens(table, q_lens)
+    q_lens = torch.ones(table.batch, dtype=torch.long) if q_lens is None else q_lens.to("cpu", torch.long)
+    if q_lens.shape != (table.batch,) or bool((q_lens < 1).any()) or bool((q_lens > table.seq_lens.cpu()).any()):
+        raise FoldKvInputError("q_lens must be [batch] with 1 <= q_len <= seq_len for every request")
     check_tensor("query", query, dtype=(torch.float64, torch.float32, torch.bfloat16, torch.float16),
                  shape=(int(q_lens.sum()), geom.num_q_heads, geom.head_dim))
     dev = torch.device(device) if device is not None else pool.device
