@@ -4,6 +4,8 @@ into the query and the store of rows, in float32 (float64 for float64 inputs) ro
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .config import AttentionGeometry
@@ -13,20 +15,13 @@ from .pool import BlockTable, PagedKvPool, check_pool_storage
 from .validate import check_index_range, check_tensor
 from .moved import moved
 
-_COLUMNS: dict[tuple, torch.Tensor] = {}
-
-
-def _columns_on(kind: str, geom: AttentionGeometry, fmt: KvFormat, device: torch.device) -> torch.Tensor:
-    """A column map (rotated, unrotated or value window) on `device`, made once (a graph capture may not copy from
-    the host)."""
-    key = (kind, geom, fmt, device)
-    cols = _COLUMNS.get(key)
-    if cols is None:
-        make = {"rot": rotated_columns, "unrot": unrotated_columns}.get(kind)
-        cols = _COLUMNS[key] = (make(geom) if make else value_window_columns(geom, fmt)).to(device)
-    return cols
-
 FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@functools.cache
+def _columns_on(device: torch.device, make, *args) -> torch.Tensor:
+    """The column map `make(*args)` on `device`, made once: a graph capture may not copy from the host."""
+    return make(*args).to(device)
 
 
 def rope_inv_freq(geom: AttentionGeometry, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -108,7 +103,7 @@ def fold_query(geom: AttentionGeometry, fmt: KvFormat | str, q_rope: torch.Tenso
     if fmt is KvFormat.SPLIT:
         return q_rope.to(out_dtype)
     dev = q_rope.device
-    rot, unrot = _columns_on("rot", geom, fmt, dev), _columns_on("unrot", geom, fmt, dev)
+    rot, unrot = _columns_on(dev, rotated_columns, geom), _columns_on(dev, unrotated_columns, geom)
     w_unrot = k_norm_weight.to(q_rope.dtype)[unrot]  # [D - R]
     return torch.cat([q_rope[..., rot], q_rope[..., unrot] * w_unrot], dim=-1).to(out_dtype)  # [T, Hq, D]
 
@@ -129,7 +124,7 @@ def rows_from_key_value(geom: AttentionGeometry, fmt: KvFormat | str, key: torch
     if fmt is KvFormat.SPLIT:
         return torch.cat([key, value], dim=-1).to(out_dtype)
     dev = key.device
-    rot, value_cols = _columns_on("rot", geom, fmt, dev), _columns_on("value", geom, fmt, dev)
+    rot, value_cols = _columns_on(dev, rotated_columns, geom), _columns_on(dev, value_window_columns, geom, fmt)
     return torch.cat([key[..., rot], value[..., value_cols]], dim=-1).to(out_dtype)
 
 
@@ -146,13 +141,10 @@ def prep_rows_and_query(geom: AttentionGeometry, fmt: KvFormat | str, q: torch.T
 
 def prep_and_store(pool: PagedKvPool, table: BlockTable, request: torch.Tensor, positions: torch.Tensor,
                    q: torch.Tensor, kv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor) -> torch.Tensor:
-    """Prep T tokens (token i of batch entry request[i] at positions[i], below that request's seq_len), store their
-    rows in the pool and return the query [T, Hq, D] in the pool's form (pool.layout.query_dtype).
-
-    request, positions: [T] int32/int64, any device. q [T, Hq, D], kv [T, Hkv, D]: the raw projections (k_eq_v: V
-    comes from kv too); q_norm_weight, k_norm_weight [D]: all float, on the pool's device. Everything is checked
-    before the first write (FoldKvInputError): on a refusal the pool is unchanged.
-    """
+    """Prep T tokens (token i of request request[i] at positions[i], below its seq_len), store their rows and return
+    the query [T, Hq, D] (pool.layout.query_dtype). request, positions [T] int32/int64, any device; the raw q
+    [T, Hq, D] and kv [T, Hkv, D] (k_eq_v: V comes from kv too), norm weights [D]: float, on the pool's device.
+    Everything is checked before the first write (FoldKvInputError): a refusal leaves the pool unchanged."""
     geom = pool.geometry
     pages, offsets = check_prep_and_store(pool, table, request, positions, q, kv, q_norm_weight, k_norm_weight)
     positions = positions.to(q.device)
@@ -192,8 +184,7 @@ def store_rows(pool: PagedKvPool, pages: torch.Tensor, offsets: torch.Tensor, ro
                check_finite: bool = True) -> None:
     """Write rows [T, Hkv, row_width] (pool.layout.row_dtype) at (pages, offsets) [T]; an FP8 pool's are quantized
     here. check_finite: refuse non-finite FP8 rows first (a host read; a graph capture passes False)."""
-    dev = pool.device
-    pages, offsets = pages.to(dev), offsets.to(dev)
+    pages, offsets = pages.to(pool.device), offsets.to(pool.device)
     if not pool.layout.quantized:
         pool.data[pages, :, offsets, :] = rows
         return
