@@ -1,12 +1,10 @@
 """AOT build: every registered kernel variant -> its emitted CUDA source, the cubin nvcc compiles from it with the
 JIT's flags, and one manifest.json saying how to launch each cubin without TileLang.
 
-While the build runs, TileLang's device-compile callback is `device_compiles_through_aot`: it runs `nvcc_command` on
-the exact code TileLang hands to nvcc, so the same bytes are the JIT kernel's cubin and the AOT file. Every pass config
-is mapped to its nvcc flag, known to act only before code generation, or refused; tests/test_aot_cpu.py holds
-`nvcc_command` to TileLang's own (0.1.15, `tilelang.contrib.nvcc.compile_cuda`). The launch (grid, block, shared
-memory, argument order, TMA descriptors) is read from the kernel's IR by TileLang's NVRTC-wrapper parser (`extract`).
-"""
+While the build runs, TileLang's nvcc is the build's (`device_compiles_through_aot`), so the same bytes are the JIT
+kernel's cubin and the AOT file; tests/test_aot_cpu.py holds `nvcc_command` to TileLang's own (0.1.15,
+`tilelang.contrib.nvcc.compile_cuda`). The launch (grid, block, shared memory, argument order, TMA descriptors) is read
+from the kernel's IR by TileLang's NVRTC-wrapper parser (`extract`)."""
 
 from __future__ import annotations
 
@@ -91,14 +89,8 @@ def classify_pass_configs(pass_configs: dict) -> tuple[dict, dict]:
 
 def _device_compile_flag_tokens(value: Any) -> list[str]:
     """TL_DEVICE_COMPILE_FLAGS as TileLang splits it (each string shlex-split)."""
-    if not value:
-        return []
-    if isinstance(value, str):
-        return shlex.split(value)
-    tokens: list[str] = []
-    for flag in value:
-        tokens.extend(shlex.split(flag) if isinstance(flag, str) else [str(flag)])
-    return tokens
+    flags = [value] if isinstance(value, str) else value or []
+    return [t for flag in flags for t in (shlex.split(flag) if isinstance(flag, str) else [str(flag)])]
 
 
 def nvcc_options(pass_configs: dict, *, template_dir: str, cutlass_dir: str) -> list[str]:
@@ -163,9 +155,8 @@ def extract(jit_kernel) -> tuple[str, dict, dict]:
     classify_pass_configs(pass_configs)
 
     out_idx = list(getattr(jit_kernel.adapter, "result_idx", None) or [])
-    func = jit_kernel.prim_func
     func, _ = prepare_tvm_ffi_callee_allocated_outputs(
-        func, out_idx or None,
+        jit_kernel.prim_func, out_idx or None,
         supports_callee_allocated_outputs=jit_kernel.execution_backend_spec.supports_callee_allocated_outputs,
     )
     # Host IR (TMA descriptor arguments, which host values feed which kernel parameter) comes from a re-lowering.
@@ -468,9 +459,7 @@ def build(
     fill_tilelang_cache: bool = False,
 ) -> dict:
     """Generate, check and compile every variant (default: all registered ones) into `out_dir`; return the manifest.
-
-    Nothing is written for a build that fails: files go to a staging folder that replaces `out_dir` at the end.
-    """
+    Nothing is written for a build that fails: files go to a staging folder that replaces `out_dir` at the end."""
     from .. import __version__ as foldkv_version
     from ..kernels.tl import target as tl_target
 
@@ -518,11 +507,10 @@ def build(
                 if jit_options != options:
                     raise AotBuildError(f"{v.name}: the JIT compile saw nvcc options {jit_options}, the kernel's pass"
                                         f" configs give {options}")
-                base = v.name
-                if not re.fullmatch(r"[A-Za-z0-9_.-]+", base):
-                    raise AotBuildError(f"variant name {base!r} is not a safe file name")
+                if not re.fullmatch(r"[A-Za-z0-9_.-]+", v.name):
+                    raise AotBuildError(f"variant name {v.name!r} is not a safe file name")
                 for suffix, data in ((".cu", src_bytes), (".cubin", cubin)):
-                    with open(os.path.join(stage, base + suffix), "wb") as fh:
+                    with open(os.path.join(stage, v.name + suffix), "wb") as fh:
                         fh.write(data)
                 _, lowering = classify_pass_configs(pass_configs)
                 entries.append({
@@ -532,8 +520,8 @@ def build(
                     "in_place_merge": bool(v.in_place_merge),
                     "barrier_checked": bool(v.in_place_merge),
                     "variant_params": json_value(v.params),
-                    "source": base + ".cu",
-                    "cubin": base + ".cubin",
+                    "source": v.name + ".cu",
+                    "cubin": v.name + ".cubin",
                     "source_sha256": sha256_bytes(src_bytes),
                     "cubin_sha256": sha256_bytes(cubin),
                     "pass_configs": json_value(pass_configs),

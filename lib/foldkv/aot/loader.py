@@ -1,8 +1,7 @@
 """Launch AOT cubins through the CUDA driver API (cuda-python, imported on first load; never TileLang): `AotBuild`, a
 verified build folder, and `AotKernel`, a manifest entry callable like the JIT kernel of its variant (the same
 arguments, checked as TileLang's host code checks them, launched on torch's current stream); `check_build_matches`
-refuses a build made for another geometry, arch, format or page size (no GPU needed).
-"""
+refuses a build made for another geometry, arch, format or page size (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -72,9 +71,8 @@ def check_build_matches(
         fmt = KvFormat.parse(fmt).value
         if fmt not in (manifest.get("formats") or []):
             problems.append(f"format {fmt!r} not built (the build has {manifest.get('formats')})")
-        for k in entries:
-            if kernel is not None and k.get("format") not in (None, fmt):
-                problems.append(f"kernel {k['name']} is for format {k.get('format')!r}, the pool is {fmt!r}")
+        problems += [f"kernel {k['name']} is for format {k.get('format')!r}, the pool is {fmt!r}" for k in entries
+                     if kernel is not None and k.get("format") not in (None, fmt)]
     if capability is not None:
         arch = manifest.get("arch", "")
         try:
@@ -106,8 +104,6 @@ def eval_size(expr: str | int, env: dict[str, int]) -> int:
         return expr
 
     def ev(n):
-        if isinstance(n, ast.Expression):
-            return ev(n.body)
         if isinstance(n, ast.Constant) and isinstance(n.value, (int, bool)):
             return int(n.value)
         if isinstance(n, ast.Name):
@@ -131,7 +127,7 @@ def eval_size(expr: str | int, env: dict[str, int]) -> int:
         tree = ast.parse(str(expr), mode="eval")
     except SyntaxError as exc:
         raise AotVerifyError(f"size expression {expr!r} does not parse: {exc}") from None
-    return int(ev(tree))
+    return int(ev(tree.body))
 
 
 # --- cuda-python ---------------------------------------------------------------------------------------------------

@@ -1,6 +1,5 @@
 """Check an AOT build folder against its manifest (what every file must be, what the loader needs of each launch,
-the emitted-source checks run again); needs neither TileLang nor a GPU nor cuda-python.
-"""
+the emitted-source checks run again); needs neither TileLang nor a GPU nor cuda-python."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ def _cubin_problem(path: str) -> str | None:
         head = fh.read(20)
     if len(head) < 20 or head[:4] != ELF_MAGIC:
         return "is not an ELF image"
-    little = head[5] == 1
-    machine = int.from_bytes(head[18:20], "little" if little else "big")
+    machine = int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")  # EI_DATA: 1 little-endian
     if machine != EM_CUDA:
         return f"is an ELF for machine {machine}, not CUDA ({EM_CUDA})"
     return None
@@ -63,10 +61,7 @@ def _cubin_problem(path: str) -> str | None:
 
 def manifest_problems(manifest: dict) -> list[str]:
     """Structural problems of a manifest (missing fields, bad names); [] when it is well formed."""
-    problems = []
-    for key in _REQUIRED_TOP:
-        if key not in manifest:
-            problems.append(f"manifest lacks {key!r}")
+    problems = [f"manifest lacks {key!r}" for key in _REQUIRED_TOP if key not in manifest]
     if manifest.get("manifest_version") != MANIFEST_VERSION:
         problems.append(f"manifest_version {manifest.get('manifest_version')!r}, this foldkv reads {MANIFEST_VERSION}")
     kernels = manifest.get("kernels")
@@ -79,17 +74,13 @@ def manifest_problems(manifest: dict) -> list[str]:
         if name in names:
             problems.append(f"kernel {name!r} listed twice")
         names.add(name)
-        for key in _REQUIRED_KERNEL:
-            if key not in k:
-                problems.append(f"{name}: lacks {key!r}")
+        problems += [f"{name}: lacks {key!r}" for key in _REQUIRED_KERNEL if key not in k]
         for key in ("source", "cubin"):
             f = k.get(key, "")
             if not isinstance(f, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", f) or f.startswith("."):
                 problems.append(f"{name}: {key} {f!r} is not a plain file name in the build folder")
         for ln in k.get("launches", []):
-            for key in _REQUIRED_LAUNCH:
-                if key not in ln:
-                    problems.append(f"{name}: a launch lacks {key!r}")
+            problems += [f"{name}: a launch lacks {key!r}" for key in _REQUIRED_LAUNCH if key not in ln]
             if ln.get("cluster_dims") or ln.get("pdl"):
                 problems.append(f"{name}: {ln.get('symbol')} needs a cluster or a programmatic dependent launch, which"
                                 " the loader does not make")
@@ -124,10 +115,8 @@ def file_problems(build_dir: str | os.PathLike, manifest: dict) -> list[str]:
                 bad = _cubin_problem(path)
                 if bad:
                     problems.append(f"{name}: {fname} {bad}")
-    for fname in sorted(os.listdir(build_dir)):
-        if fname not in listed:
-            problems.append(f"{fname} is in the build folder but not in the manifest")
-    return problems
+    return problems + [f"{fname} is in the build folder but not in the manifest"
+                       for fname in sorted(os.listdir(build_dir)) if fname not in listed]
 
 
 def merge_barrier_problems(name: str, source: str, symbols) -> list[str]:
