@@ -4,8 +4,7 @@ a kernel's correctness rests on: the in-place merges (`check_in_place_merge`), t
 
 The in-place rule: every store into, and every read of, a buffer the kernel both reads and stores (a non-const pointer
 parameter) are separated in source order by a `__syncthreads();` at the top level of the body (brace depth 1, so every
-thread reaches it). The rule reads the body as straight-line code, which the merges are (their loops hold reads only).
-"""
+thread reaches it). The rule reads the body as straight-line code, which the merges are (their loops hold reads only)."""
 
 from __future__ import annotations
 
@@ -58,12 +57,8 @@ def kernel_definition(source: str, kernel: str) -> tuple[str, str]:
 
 
 def _mutable_pointer_params(params: str) -> list[str]:
-    names = []
-    for p in params.split(","):
-        p = p.strip()
-        if "*" in p and not re.search(r"\bconst\b", p):
-            names.append(re.findall(r"[A-Za-z_]\w*", p)[-1])
-    return names
+    return [re.findall(r"[A-Za-z_]\w*", p)[-1] for p in params.split(",")
+            if "*" in p and not re.search(r"\bconst\b", p)]
 
 
 def _accesses(body: str, name: str) -> tuple[list[int], list[int]]:
@@ -87,23 +82,16 @@ def _accesses(body: str, name: str) -> tuple[list[int], list[int]]:
     return reads, stores
 
 
-def _depth_at(body: str, pos: int) -> int:
-    return body.count("{", 0, pos) - body.count("}", 0, pos)
-
-
 def check_in_place_merge(kernel: str, source: str) -> BarrierReport:
     """Raise BarrierCheckError (naming `kernel`) unless every store to an in-place buffer of `kernel` is separated
     from every read of that buffer by an unconditional `__syncthreads()`; return what was found otherwise."""
     params, body = kernel_definition(source, kernel)
-    accesses = {}
-    for name in _mutable_pointer_params(params):
-        r, s = _accesses(body, name)
-        if r and s:
-            accesses[name] = (r, s)
+    found = {name: _accesses(body, name) for name in _mutable_pointer_params(params)}
+    accesses = {name: (r, s) for name, (r, s) in found.items() if r and s}
     if not accesses:
         raise BarrierCheckError(f"{kernel}: registered as an in-place merge but no buffer is both read and stored")
     barriers = [m.start() for m in re.finditer(re.escape(_SYNC), body)]
-    unconditional = [b for b in barriers if _depth_at(body, b) == 1]
+    unconditional = [b for b in barriers if body.count("{", 0, b) - body.count("}", 0, b) == 1]  # brace depth 1
     pairs = 0
     for name, (reads, stores) in accesses.items():
         for s in stores:
@@ -130,7 +118,6 @@ class ConversionCheckError(RuntimeError):
     """An FP8 kernel whose e4m3 conversion calls do not carry the barriers the tiles they write need."""
 
 
-_CONVERT_CALL = re.compile(r"\bfoldkv_e4m3x8_to_bf16\(\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,")
 _OTHER_BARRIERS = (re.compile(r"__sync_thread_partial\(\s*(\d+)"), re.compile(r"bar\.(?:sync|arrive)\s+(\d+)"),
                    re.compile(r"named_barrier_arrive\(\s*(\d+)"), re.compile(r"NamedBarrier<[^>]*>::sync<(\d+)>"))
 
@@ -143,15 +130,15 @@ def _tilelang_barrier_ids(body: str) -> set[int]:
     return taken
 
 
-def check_e4m3_conversion(kernel: str, source: str, barrier_id: int, calls: tuple[str, ...] = ()) -> dict:
+def check_e4m3_conversion(kernel: str, source: str, barrier_id: int,
+                          calls: tuple[str, ...] = ("foldkv_e4m3x8_to_bf16",)) -> dict:
     """Raise ConversionCheckError (naming `kernel`) unless its e4m3 -> bf16 calls (or the opaque shared-memory writers
     named in `calls`, whose first four arguments are the same) carry the tile's barriers: exactly one call opens a
     tile and exactly one closes it, all on named barrier `barrier_id`, which no barrier TileLang placed uses, over
     the consumer threads (the launch's less the producer warpgroup)."""
     _, body = kernel_definition(source, kernel)
-    patterns = [_CONVERT_CALL] if not calls else [
-        re.compile(rf"\b{re.escape(name)}\(\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,") for name in calls]
-    calls = [tuple(int(g) for g in m.groups()) for pattern in patterns for m in pattern.finditer(body)]
+    calls = [tuple(int(g) for g in m.groups()) for name in calls
+             for m in re.finditer(rf"\b{re.escape(name)}\(\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,", body)]
     if not calls:
         raise ConversionCheckError(f"{kernel}: no e4m3 conversion call in the emitted source")
     firsts, lasts = sum(c[0] for c in calls), sum(c[1] for c in calls)

@@ -1,8 +1,7 @@
 """Keep the producer loop of TileLang's warp-specialised kernels in the one warp that issues its copies: a rewrite of
 the emitted CUDA (`guard_producer_loops`) and its check (`check_producer_guard`); why: kernels/DECODE_SCHEDULE.md, "The
 producer warpgroup". A kernel opts in by carrying `MARK` in its imported source (`imported_source`): every other
-TileLang kernel of the process is left alone, and a kernel cached before the rewrite existed has another cache key.
-"""
+TileLang kernel of the process is left alone, and a kernel cached before the rewrite existed has another cache key."""
 
 from __future__ import annotations
 
@@ -44,16 +43,11 @@ def imported_source(*sources: str | None) -> str:
     return "\n".join([MARK, *[s.rstrip("\n") for s in sources if s]]) + "\n"
 
 
-def _block_end(text: str, open_brace: int) -> int:
-    """Offset of the '}' that closes the '{' at `open_brace`."""
-    return _match(text, open_brace, "{", "}") - 1
-
-
 def _producer_branches(source: str):
-    """(threads, body start, body end) of every producer branch: the body is what follows the register dealloc."""
-    found = []
-    for m in PRODUCER_BRANCH.finditer(source):
-        found.append((int(m.group(1)), m.end(), _block_end(source, m.start() + m.group(0).index("{"))))
+    """(threads, body start, body end) of every producer branch: the body is what follows the register dealloc, up
+    to the '}' that closes the branch."""
+    found = [(int(m.group(1)), m.end(), _match(source, m.start() + m.group(0).index("{"), "{", "}") - 1)
+             for m in PRODUCER_BRANCH.finditer(source)]
     if len(found) != source.count("tl::warpgroup_reg_dealloc<"):
         raise ProducerGuardError("a register dealloc outside the producer branch this guard knows (threadIdx.x < P,"
                                  " then the dealloc): TileLang's warp specialisation changed; see producer_guard.py")
@@ -106,7 +100,7 @@ def check_producer_guard(kernel: str, source: str) -> dict:
                                      " on its barriers; producer_guard.py). Built without the mark, or with TileLang's"
                                      f" {POSTPROC} replaced after foldkv installed its own?")
         guard_brace = start + body.index(GUARD) + GUARD.index("{")
-        if source[_block_end(source, guard_brace) + 1:end].strip():
+        if source[_match(source, guard_brace, "{", "}"):end].strip():
             raise ProducerGuardError(f"{kernel}: producer code after the guarded loop")
     return {"producer_branches": len(branches)}
 
