@@ -1,6 +1,5 @@
 """Command line: `python -m foldkv aot build --arch sm_90a --out DIR` and `python -m foldkv aot verify DIR`. Misuse
-exits 2 the argparse way before anything is generated; a build or verify that fails says why and exits 1.
-"""
+exits 2 the argparse way before anything is generated; a build or verify that fails says why and exits 1."""
 
 from __future__ import annotations
 

@@ -16,8 +16,7 @@ from .moved import moved
 # without them (the device call's 64 MiB cap: scripts/device_tree.sh holds them back) and still match its stamp.
 PROVENANCE_IGNORED_DIRS = ("papermill_runs/", "bench/decode_runs/", "bench/fp8_runs/")
 MAX_DIRTY_PATHS = 20
-# A copy of the checkout without .git (the device machine gets the working tree only) takes its commit from this file,
-# written in the checkout beforehand (`foldkv.lab.checkout_stamp`, by scripts/prepare_device_run.sh).
+# written in the checkout before a device call (`foldkv.lab.checkout_stamp`); `checkout_state` says when it is read
 CHECKOUT_STAMP = os.path.join("build", "checkout.json")
 
 
@@ -63,10 +62,8 @@ def checkout_state(repo: str | os.PathLike | None = None) -> dict:
             next(fields, None)
         if not entry[3:].startswith(PROVENANCE_IGNORED_DIRS):
             paths.append(entry[3:])
-    state["dirty"] = bool(paths)
-    state["dirty_paths"] = sorted(paths)[:MAX_DIRTY_PATHS]
-    state["dirty_paths_total"] = len(paths)
-    if paths:  # a tree copied beside an older .git (the device machine's copy) reads as dirty against that HEAD
+    state.update(dirty=bool(paths), dirty_paths=sorted(paths)[:MAX_DIRTY_PATHS], dirty_paths_total=len(paths))
+    if paths:
         stamped = _stamp_state(root, f"git here says HEAD {state['git_commit'][:12]} with {len(paths)} changed files",
                                same_only=True)
         if stamped is not None and stamped["git_commit"] != state["git_commit"]:

@@ -104,7 +104,6 @@ if len(_BY_NAME) != len(VARIANTS):
 
 
 def all_variants() -> list[KernelVariant]:
-    """Every variant, in the order above."""
     return list(VARIANTS)
 
 
@@ -129,7 +128,7 @@ def note_kernel(name: str, backend: str, source_sha256: str, **details: Any) -> 
 
 def kernels_handed_out() -> list[dict]:
     """Every kernel noted so far, sorted by name and backend (copies)."""
-    return [dict(e) for _, e in sorted(_HANDED_OUT.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2]))]
+    return [dict(_HANDED_OUT[key]) for key in sorted(_HANDED_OUT)]
 
 
 def json_value(v: Any) -> Any:

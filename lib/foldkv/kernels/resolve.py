@@ -90,7 +90,6 @@ def launch_kernels(names: tuple[str, ...], geometry: AttentionGeometry, params: 
 
 
 def clear_cache() -> None:
-    """Forget every kernel resolved so far (the next `kernel` call builds or loads again)."""
     _CACHE.clear()
 
 

@@ -1,6 +1,5 @@
 """The one place TileLang is imported and configured: its version, the target and pass configs JIT and AOT share, and
-the rewrite of the emitted CUDA every warp-specialised foldkv kernel gets (`producer_guard.install`).
-"""
+the rewrite of the emitted CUDA every warp-specialised foldkv kernel gets (`producer_guard.install`)."""
 
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ def require_tilelang():
 
 def target(arch: str = DEFAULT_ARCH):
     """The CUDA target for an arch such as 'sm_90a'; explicit so that generation works without a GPU."""
-    tilelang = require_tilelang()
+    require_tilelang()
     from tvm.target import Target
 
     return Target({"kind": "cuda", "arch": arch})
