@@ -1,7 +1,6 @@
-"""The decode step's own forward (`StepForward`): a Gemma 4 causal LM's layers computed by foldkv's loop over the
-model's modules and weights, in transformers' order and rounding points (its forward stays the oracle), the step's
-elementwise work as a few Triton kernels on CUDA and the modules' own formulas elsewhere. A model it does not
-describe (`refusal`) runs its own forward.
+"""The decode step's own forward (`StepForward`): a Gemma 4 causal LM's layers over the model's modules and weights,
+in transformers' order and rounding points (its forward stays the oracle); Triton kernels on CUDA, the modules' own
+formulas elsewhere. A model it does not describe (`refusal`) runs its own forward.
 """
 
 from __future__ import annotations
@@ -27,9 +26,8 @@ from .validate import FoldKvInputError
 
 
 # --- projections that read one input: one GEMV over their weights merged, else graph branches ----------------------
-# Projections that read the same input read their weights as one matrix laid out by `merge_projections`: fewer
-# launches and a larger GEMV nearer the read roof (bench/MODEL_DECODE_NOTES.md). The modules' weights become views
-# of it, so no memory is added and every other forward computes what it did.
+# (why: `StepOptions.merge`, bench/MODEL_DECODE_NOTES.md). The modules' weights become views of the merged tensor
+# (`merge_projections`): no memory added, and every other forward computes what it did.
 _MERGED = "_foldkv_merged"  # attribute of an attention module / MLP: (merged weight, names, row counts)
 
 
@@ -59,11 +57,8 @@ def _merge(owner: nn.Module, names: tuple[str, ...]) -> bool:
     ws = [lin.weight for lin in linears]
     with torch.no_grad():
         merged = torch.cat([w.detach() for w in ws])
-        start = 0
-        for lin, w in zip(linears, ws):
-            rows = w.shape[0]
-            lin.weight = nn.Parameter(merged[start:start + rows], requires_grad=w.requires_grad)
-            start += rows
+        for lin, w, view in zip(linears, ws, merged.split([w.shape[0] for w in ws])):
+            lin.weight = nn.Parameter(view, requires_grad=w.requires_grad)
     setattr(owner, _MERGED, (merged, names, tuple(w.shape[0] for w in ws)))
     del ws, linears, lin, w  # the old weights' last references
     if merged.is_cuda:  # the old weights' blocks go back to the driver: a model of 60 layers never holds two copies
@@ -120,10 +115,6 @@ def split_projections(model: nn.Module) -> int:
 def merged_groups(model: nn.Module) -> int:
     """How many of `model`'s projection groups are merged and still read through their merged tensor."""
     return sum(_merged_weight(m) is not None for m in model.modules())
-
-
-# --- projections that read one input, as graph branches ------------------------------------------------------------
-# Unmerged projections of one input run on side streams: under capture, graph branches whose tails overlap.
 
 
 @functools.lru_cache(maxsize=None)
@@ -286,7 +277,6 @@ class _Group:
         return [first] + [join(b) for b in rest]
 
 
-# the forward's keywords the step's forward serves (any other one must be absent, None or False)
 _KEYWORDS = frozenset(("input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
                        "logits_to_keep", "return_dict", "cache_position"))
 
@@ -302,11 +292,6 @@ def warm_row_counts(rows: int, hidden: int) -> tuple[int, ...]:
     15 when the hidden width is no multiple of 16 (norm_add's rows x hidden then takes another specialisation)."""
     counts = (rows, rows // 2 + 1, SHORT_ROWS) + ((15,) if hidden % 16 else ())
     return tuple(sorted({t for t in counts if 2 <= t <= rows}, reverse=True))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class StepForward:
@@ -343,7 +328,7 @@ class StepForward:
                 and d % 2 == 0 and d & (d - 1) == 0):  # (a table of one row for a batch broadcasts: torch's)
             return rope(x, cos, sin, **place)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-        return (x * cos) + (_rotate_half(x) * sin)
+        return (x * cos) + (torch.cat((-x[..., d // 2:], x[..., :d // 2]), dim=-1) * sin)  # rotate_half(x) * sin
 
     def _norm_rope(self, norm: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    fused: bool, **place) -> torch.Tensor:
@@ -398,10 +383,7 @@ class StepForward:
             h, normed = self._feed_forward(i, out, parts, h, second, merged)
             normed = normed if second is not None else None
         h = self._norm(self.text.norm, h)
-        if isinstance(logits_to_keep, int):
-            h = h[:, -logits_to_keep:] if logits_to_keep else h
-        else:
-            h = h[:, logits_to_keep]
+        h = h[:, -logits_to_keep:] if isinstance(logits_to_keep, int) else h[:, logits_to_keep]  # 0: h[:, 0:], all
         return compat.causal_lm_output(self._logits(h), cache)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -464,9 +446,8 @@ class StepForward:
 
     @staticmethod
     def _chunk_places(cache: Any, attn: nn.Module, k: torch.Tensor, v: torch.Tensor, d: int) -> tuple[dict, dict]:
-        """A prefill's sliding layer under `StepOptions.sliding_scratch`: the `out=` of its K and V rows, the places
-        its cache layer hands out in the sliding layers' scratch (`chunk_rows`, foldkv.sliding_cache), which its
-        `update` then finds filled; else ({}, {}): tensors of their own."""
+        """The `out=` of a prefill's sliding-layer K and V rows under `StepOptions.sliding_scratch`: the places its
+        cache layer's `chunk_rows` hands out (foldkv.sliding_cache), which `update` then finds filled; else ({}, {})."""
         layers = getattr(cache, "layers", ())
         layer = layers[attn.layer_idx] if attn.is_sliding and attn.layer_idx < len(layers) else None
         if layer is None or not in_force().sliding_scratch or not hasattr(layer, "chunk_rows") or k.shape != v.shape:
@@ -477,9 +458,9 @@ class StepForward:
     @torch.no_grad()
     def warm_prefill(self, pool: Any, rows: int = WARM_ROWS) -> int:
         """Launch once each kernel a prefill chunk launches, so a process's first prompt loads none inside its time
-        to first token: one pass of each distinct layer body over random rows at each of `warm_row_counts(rows)`
-        (a sliding layer's FlashAttention window as a first and as a later chunk; a global layer's store into a
-        one-page scratch pool), then the final norm and the softcapped LM head. Returns the layer bodies run (0 on the CPU)."""
+        to first token: each distinct layer body once over random rows at each of `warm_row_counts(rows)` (a sliding
+        layer's window as a first and a later chunk; a global layer's store into a one-page scratch pool), then the
+        final norm and the softcapped LM head. Returns the layer bodies run (0 on the CPU)."""
         w = self.text.embed_tokens.weight
         n = w.shape[-1]
         if not w.is_cuda or rows < 2:  # (a one-token forward is no prefill of the step's)
