@@ -38,8 +38,7 @@ def _warps(block: int) -> int:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.is_contiguous() else rows.contiguous()
+    return x.reshape(-1, x.shape[-1]).contiguous()
 
 
 def _destination(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -48,10 +47,10 @@ def _destination(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.T
     dtype and device; else FoldKvInputError, before anything is launched."""
     if out is None:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
-    if (not out.is_contiguous() or out.numel() != torch.Size(shape).numel() or out.dtype != like.dtype
-            or out.device != like.device):
-        raise FoldKvInputError(f"out {tuple(out.shape)} {out.dtype} on {out.device} (strides {out.stride()}): expected"
-                               f" a packed tensor of {torch.Size(shape).numel()} {like.dtype} elements on {like.device}")
+    numel = torch.Size(shape).numel()
+    if not out.is_contiguous() or out.numel() != numel or out.dtype != like.dtype or out.device != like.device:
+        raise FoldKvInputError(f"out {tuple(out.shape)} {out.dtype} on {out.device} (strides {out.stride()}):"
+                               f" expected a packed tensor of {numel} {like.dtype} elements on {like.device}")
     return out.view(shape)
 
 
@@ -64,9 +63,8 @@ def _packed_rows(x: torch.Tensor) -> tuple[int, int] | None:
     if x.dim() < 2 or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
         return None
     lead = [(size, stride) for size, stride in zip(x.shape[:-2], x.stride()[:-2]) if size != 1]
-    for (_, outer), (size, inner) in zip(lead, lead[1:]):
-        if outer != inner * size:
-            return None
+    if any(outer != inner * size for (_, outer), (size, inner) in zip(lead, lead[1:])):
+        return None
     return x.shape[-2], (lead[-1][1] if lead else 0)
 
 
@@ -168,11 +166,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
 
 def _row_view(x: torch.Tensor) -> torch.Tensor:
     """x [..., n] as [rows, n] with its last dim contiguous (a view where the rows have one stride, else a copy)."""
-    n = x.shape[-1]
-    try:
-        rows = x.view(-1, n)
-    except RuntimeError:
-        rows = x.reshape(-1, n)
+    rows = x.reshape(-1, x.shape[-1])  # (reshape: view's strides wherever a view exists)
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
@@ -228,8 +222,7 @@ def head_dim_refusal(d: int) -> str | None:
 
 
 def _check_head_dim(d: int) -> None:
-    why = head_dim_refusal(d)
-    if why is not None:
+    if (why := head_dim_refusal(d)) is not None:
         raise FoldKvInputError(why)
 
 
