@@ -1,7 +1,6 @@
 """A global layer's fold and store as two Triton kernels (`fold_and_store`: `query_into`, `row_into_pool`), bitwise
-the torch definition `foldkv.prep.fold_and_store`, which every call the kernels do not describe takes
-(`kernel_refusal`, `global_route`); inside the step's own forward, the same two kernels with the model's norms and
-RoPE folded in (`query_from_projection`, `row_from_projection`), both PDL links.
+`foldkv.prep.fold_and_store`, which every call they do not describe takes (`kernel_refusal`, `global_route`); inside
+the step's own forward, the same two with the model's norms and RoPE folded in (`*_from_projection`: PDL links).
 """
 
 from __future__ import annotations
@@ -134,8 +133,7 @@ def kernel_refusal(pool: Any, query: torch.Tensor, key: torch.Tensor, value: tor
     and Triton asked last: on the CPU a call the kernels describe answers "not CUDA")."""
     if not in_force().fuse_global:
         return "StepOptions.fuse_global is off"
-    why = describe_pool(pool)
-    if why:
+    if why := describe_pool(pool):
         return why
     geom = pool.geometry
     n = query.shape[0]
