@@ -39,9 +39,8 @@ def rotated_columns(geom: AttentionGeometry) -> torch.Tensor:
 
 def unrotated_columns(geom: AttentionGeometry) -> torch.Tensor:
     """Head columns RoPE leaves as they are (zero frequency), ascending: there K == V * w_k exactly. [D - R] int64."""
-    mask = torch.ones(geom.head_dim, dtype=torch.bool)
-    mask[rotated_columns(geom)] = False
-    return torch.nonzero(mask).flatten()
+    half, pairs = geom.head_dim // 2, geom.rotary_pairs
+    return torch.cat([torch.arange(pairs, half), torch.arange(half + pairs, geom.head_dim)])
 
 
 def row_width(geom: AttentionGeometry, fmt: KvFormat | str) -> int:
@@ -63,16 +62,14 @@ def value_window(geom: AttentionGeometry, fmt: KvFormat | str) -> slice:
 
 
 def value_window_columns(geom: AttentionGeometry, fmt: KvFormat | str) -> torch.Tensor:
-    """Head column held at each position of the value window (identity for split; unrot then rot for folded):
-    [D] int64."""
+    """Head column at each position of the value window (identity for split; unrot then rot for folded): [D] int64."""
     if KvFormat.parse(fmt) is KvFormat.SPLIT:
         return torch.arange(geom.head_dim)
     return torch.cat([unrotated_columns(geom), rotated_columns(geom)])
 
 
 def score_window_columns(geom: AttentionGeometry, fmt: KvFormat | str) -> torch.Tensor:
-    """Head column held at each position of the score window (identity for split; rot then unrot for folded):
-    [D] int64."""
+    """Head column at each position of the score window (identity for split; rot then unrot for folded): [D] int64."""
     if KvFormat.parse(fmt) is KvFormat.SPLIT:
         return torch.arange(geom.head_dim)
     return torch.cat([rotated_columns(geom), unrotated_columns(geom)])
