@@ -328,8 +328,7 @@ class PagedKvPool:
         freed = []
         for r in rows:
             pages = grant.rows[r]
-            if pages:
-                table.page_ids[r, :len(pages)] = grant.pad_value
+            table.page_ids[r, :len(pages)] = grant.pad_value
             for p in pages:
                 self._holder[p] = None
             freed += pages
@@ -347,8 +346,7 @@ class PagedKvPool:
 
     def _give(self, table: BlockTable, request: int, n: int) -> list[int]:
         """Pop `n` free pages onto the end of `request`'s row (checked by the caller)."""
-        grant = self._grants[table.allocation.table]
-        row = grant.rows[request]
+        row = self._grants[table.allocation.table].rows[request]
         pages = [self._free.pop() for _ in range(n)]
         table.page_ids[request, len(row):len(row) + n] = torch.tensor(pages, dtype=torch.int32)
         holder = PageHolder(table.allocation, request)
@@ -423,18 +421,15 @@ class PagedKvPool:
     def gather(self, table: BlockTable, request: int) -> torch.Tensor:
         """Rows of one request in token order: [seq_len, num_kv_heads, row_width], a copy in the pool's dtype on its
         device (an FP8 pool's e4m3 values, without their scales: `gather_values` applies them)."""
-        n = int(table.seq_lens[request])
         pages = table.pages_of(request, self.layout.page_size).to(self.device, torch.long)
-        rows = self.data[pages].permute(0, 2, 1, 3).reshape(-1, self.geometry.num_kv_heads, self.layout.row_width)
-        return rows[:n]
+        return self.data[pages].transpose(1, 2).flatten(0, 1)[:int(table.seq_lens[request])]
 
     def gather_scales(self, table: BlockTable, request: int) -> torch.Tensor:
         """An FP8 pool's scales of one request in token order: [seq_len, num_kv_heads] float32 on its device."""
         if not self.layout.quantized:
             raise FoldKvInputError(f"a {self.layout.dtype} pool has no scales")
-        n = int(table.seq_lens[request])
         pages = table.pages_of(request, self.layout.page_size).to(self.device, torch.long)
-        return self.scales[pages].permute(0, 2, 1).reshape(-1, self.geometry.num_kv_heads)[:n]
+        return self.scales[pages].transpose(1, 2).flatten(0, 1)[:int(table.seq_lens[request])]
 
     def gather_values(self, table: BlockTable, request: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """The values one request's rows stand for (an FP8 pool's dequantized), in token order, in `dtype`."""
