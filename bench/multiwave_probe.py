@@ -478,7 +478,7 @@ CAMP_PERIOD = 5 * 16 * KB  # hypothesis C's address period: 5 HBM stacks (the H1
 
 def page_tile_bytes(lay: PagedKvLayout) -> int:
     """Bytes of one (page, KV head) tile of a pool: page_size rows x row_width elements."""
-    return lay.page_size * lay.row_width * lay.element_bytes
+    return lay.page_size * lay.row_width * lay.dtype.itemsize
 
 
 class TileLayout(NamedTuple):

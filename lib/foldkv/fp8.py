@@ -12,9 +12,8 @@ from .moved import moved
 from .validate import FoldKvInputError
 
 FP8_DTYPE = torch.float8_e4m3fn
-SCALE_DTYPE = torch.float32
+SCALE_DTYPE = torch.float32  # one scale per token x KV head
 E4M3_MAX = 448.0
-SCALE_BYTES = 4  # one float32 scale per token x KV head
 
 
 def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

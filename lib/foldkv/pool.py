@@ -12,7 +12,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .config import GEMMA4_31B, AttentionGeometry
-from .fp8 import FP8_DTYPE, SCALE_BYTES, SCALE_DTYPE, dequantize_rows
+from .fp8 import FP8_DTYPE, SCALE_DTYPE, dequantize_rows
 from .layout import KvFormat, row_width
 from .validate import FoldKvInputError, check_device, check_index_range, check_tensor
 
@@ -70,13 +70,9 @@ class PagedKvLayout:
         return row_width(self.geometry, self.format)
 
     @property
-    def element_bytes(self) -> int:
-        return self.dtype.itemsize
-
-    @property
     def bytes_per_token_head(self) -> int:
         """Bytes one token occupies per KV head: its row, and its scale in an FP8 pool."""
-        return self.row_width * self.element_bytes + (SCALE_BYTES if self.quantized else 0)
+        return self.row_width * self.dtype.itemsize + (SCALE_DTYPE.itemsize if self.quantized else 0)
 
     @property
     def bytes_per_token(self) -> int:

@@ -203,7 +203,7 @@ def long_walk(fmt: KvFormat | str = KvFormat.FOLDED, *, steps: int = WALK_STEPS,
     sched = WalkScheduler(pool, max_batch=max_batch, max_len=max_len, seed=seed)
     geom, page = lay.geometry, lay.page_size
     # rows are moved as their bits (int16 / uint8 views: indexing works on every stored dtype)
-    bits = torch.uint8 if lay.element_bytes == 1 else torch.int16
+    bits = torch.uint8 if lay.dtype.itemsize == 1 else torch.int16
     data_bits, truth_bits = pool.data.view(bits), truth.view(bits)
     nan_bits = int(torch.full((1,), float("nan"), dtype=dtype).view(bits)[0])
 
