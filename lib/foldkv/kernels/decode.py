@@ -24,9 +24,8 @@ DEFAULT_FP8_MATH = "tensor_cores"  # an FP8 pool's default partial (a bf16 pool'
 
 
 def parse_fp8_math(fp8_math: str | None, quantized: bool) -> str:
-    """`fp8_math` checked once at the public boundary (DEVELOPERS.md's contract): None -> DEFAULT_FP8_MATH over an FP8
-    pool (`quantized`), "exact" over a bf16 one (a no-op there); anything else not in FP8_MATH, or "tensor_cores" on
-    a bf16 pool, raises FoldKvInputError."""
+    """`fp8_math` checked at the public boundary: None -> DEFAULT_FP8_MATH over an FP8 pool (`quantized`), "exact"
+    over a bf16 one; refused when not in FP8_MATH, or "tensor_cores" on a bf16 pool."""
     if fp8_math is None:
         return DEFAULT_FP8_MATH if quantized else "exact"
     if not isinstance(fp8_math, str) or fp8_math not in FP8_MATH:
@@ -58,8 +57,7 @@ def replaceable_kernels(fmt: KvFormat | str, quantized: bool = False, fp8_math: 
 
 
 def partial_wave(layout, device, fp8_math: str | None = None) -> int:
-    """CTAs of the decode partial that run at once on `device` (the SMs times the partial's registered `ctas_per_sm`):
-    the wave the plan balances (`plan_decode(num_sms=...)`)."""
+    """CTAs of the decode partial that run at once on `device` (SMs x its `ctas_per_sm`): the wave the plan balances."""
     name = partial_kernel_name(layout.format, layout.quantized, fp8_math)
     return device_sms(device) * int(resolve.kernel_params(name).get("ctas_per_sm", 1))
 
@@ -67,10 +65,9 @@ def partial_wave(layout, device, fp8_math: str | None = None) -> int:
 def use_fused(plan_fused: bool, fmt: KvFormat | str, quantized: bool, fused: bool | None,
               kernels: Mapping[str, Callable] | None) -> bool:
     """Whether a step launches the fused kernel: `fused` None (auto) when the plan is one wave and `kernels=` replaces
-    none of the three-launch kernels (an experiment's partial runs in the step it was written for); True asks for it
-    (refused unless the plan is one wave of bf16 rows); False: the three launches."""
-    # FP8 rows take the three launches: the fused tail is written for one CTA an SM of bf16 rows, and its one-wave
-    # test counts SMs, not the 2 x SMs CTA slots the tensor-core partial fills (`partial_wave`)
+    none of the three launches (an experiment's partial runs in the step it was written for); True asks for it
+    (refused off a one-wave plan of bf16 rows). FP8 rows take three launches: the fused tail is written for one CTA
+    an SM of bf16 rows, and its one-wave test counts SMs, not the tensor-core partial's 2 x SMs slots."""
     plan_fused = plan_fused and not quantized
     if fused is None:
         return plan_fused and not set(kernels or ()) & set(kernel_names(fmt, quantized))
@@ -86,8 +83,8 @@ def pool_operands(pool: PagedKvPool) -> tuple[torch.Tensor, ...]:
 
 
 def check_decode_pool(pool: PagedKvPool, op: str = "decode", kv_dtype: torch.dtype | None = None) -> None:
-    """Refuse a pool the `op` kernels (decode's and prefill's) cannot read: not a PagedKvPool, not storing `kv_dtype`
-    (when given), not bf16 or e4m3, or whose tensors are not what its layout says (`check_pool_storage`)."""
+    """Refuse a pool the `op` kernels cannot read: not a PagedKvPool, not storing `kv_dtype` (when given) or bf16 or
+    e4m3, or whose tensors are not what its layout says."""
     if not isinstance(pool, PagedKvPool):
         raise FoldKvInputError(f"pool must be a PagedKvPool, got {type(pool).__name__}")
     if kv_dtype is not None and kv_dtype != pool.layout.dtype:
@@ -99,8 +96,7 @@ def check_decode_pool(pool: PagedKvPool, op: str = "decode", kv_dtype: torch.dty
 
 def check_query_out_lse(query: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None, rows: int, geom,
                         device: torch.device) -> None:
-    """Refuse a query, or a given out / lse, that is not bf16 [rows, Hq, D] (lse: float32 [rows, Hq]), contiguous,
-    on `device`."""
+    """Refuse a query or given out / lse not contiguous on `device`, bf16 [rows, Hq, D] (lse: float32 [rows, Hq])."""
     shape = (rows, geom.num_q_heads, geom.head_dim)
     check_tensor("query", query, dtype=torch.bfloat16, device=device, shape=shape, contiguous=True)
     if out is not None:
@@ -138,10 +134,8 @@ def _check_inputs(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, pla
             raise FoldKvInputError(f"plan must be a DecodePlan from plan_decode, got {type(plan).__name__}")
         if plan.layout.format is not pool.format or plan.layout.page_size != lay.page_size \
                 or plan.layout.geometry != geom:
-            raise FoldKvInputError(
-                f"plan was made for {plan.layout.format.value} pages of {plan.layout.page_size}, the pool holds"
-                f" {pool.format.value} pages of {lay.page_size}"
-            )
+            raise FoldKvInputError(f"plan was made for {plan.layout.format.value} pages of {plan.layout.page_size},"
+                                   f" the pool holds {pool.format.value} pages of {lay.page_size}")
         if plan.batch != batch:
             raise FoldKvInputError(f"plan covers {plan.batch} requests, the block table {batch}")
         if plan.device != dev and not (plan.device.type == dev.type and plan.device.index in (None, dev.index)):
@@ -161,13 +155,11 @@ def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: D
            kv_format: KvFormat | str | None = None, kv_dtype: torch.dtype | None = None, check: bool = True,
            kernels: Mapping[str, Callable] | None = None,
            fused: bool | None = None, fp8_math: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention of one query per request against the paged pool, in the pool's format (the contracts of
-    DEVELOPERS.md: pool, BlockTable, query in the format's form; returns (out, lse), written into `out` / `lse` when
-    given). 1 <= B <= plan.MAX_BATCH requests of 1 to plan.MAX_LEN tokens; `kv_dtype`, when given, must be the
-    pool's. plan: from plan_decode for these lengths (made here when None). `check=False` skips only the checks that
-    read device memory back to the host, for a CUDA-graph capture of a step checked once outside it. kernels:
-    {name of `replaceable_kernels`: callable} replacing that kernel. fused: None (auto, `use_fused`), True or False.
-    """
+    """Decode attention of one query per request against the paged pool (DEVELOPERS.md's contracts); returns (out,
+    lse), written into `out` / `lse` when given. 1 to plan.MAX_BATCH requests of 1 to plan.MAX_LEN tokens. plan: from
+    plan_decode for these lengths (made here when None). `check=False` skips only the checks that read device memory,
+    for a CUDA-graph capture of a step checked outside it. kernels: {name of `replaceable_kernels`: callable}.
+    fused: None (auto), True or False (`use_fused`)."""
     fp8_math = _check_inputs(pool, query, table, plan, out, lse, kv_format, kv_dtype, read_table=check,
                              backend=backend, kernels=kernels, fused=fused, fp8_math=fp8_math)
     geom = pool.geometry
@@ -188,9 +180,8 @@ def decode(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, *, plan: D
 def launch_step(pool: PagedKvPool, query: torch.Tensor, page_ids: torch.Tensor, plan, out: torch.Tensor,
                 lse: torch.Tensor, *, fused: bool | None, backend: str, kernels: Mapping[str, Callable] | None,
                 fp8_math: str | None = None) -> None:
-    """Launch one decode step on checked inputs: the fused kernel or the three, as `use_fused` says. `plan` is a
-    DecodePlan or a DecodeWorkspace (the step's tensors under the kernels' argument names; the partial writes slots
-    [0, num_chunks): a workspace's scratch slot past them is level one's)."""
+    """Launch one decode step on checked inputs, fused or not (`use_fused`). `plan`: a DecodePlan or DecodeWorkspace
+    (tensors under the kernels' argument names; a workspace's scratch slot past num_chunks is level one's)."""
     geom, c = pool.geometry, plan.num_chunks
     if use_fused(plan.fused, pool.format, pool.layout.quantized, fused, kernels):
         (step,) = resolve.launch_kernels(kernel_names(pool.format, fused=True), geom, backend=backend, kernels=kernels)

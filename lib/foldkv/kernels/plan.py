@@ -1,10 +1,8 @@
-"""The host-built decode plan: a batch's pages cut into chunks (`balanced_chunk_pages`: kernels/DECODE_SCHEDULE.md
-says why this model), each chunk's slot, and the slots' groups for the two-level merge, as device tensors made before
-launch (so the step does no host work and can be captured in a CUDA graph).
+"""The host-built decode plan (kernels/DECODE_SCHEDULE.md): a batch's pages cut into chunks, each chunk's slot and
+the slots' groups for the two-level merge, as device tensors made before launch (so the step can be graph-captured).
 
-Chunk c writes slot c; a request's chunks are consecutive (requests need not be in order: level two finds a request's
-groups through req_group_first); a merge group is a run of at most `merge_group` of them, merged by level one into its
-first slot.
+Chunk c writes slot c; a request's chunks are consecutive (requests in any order: level two finds a request's groups
+through req_group_first); a merge group is a run of at most `merge_group` of them, merged into its first slot.
 """
 
 from __future__ import annotations
@@ -23,16 +21,14 @@ MAX_BATCH = 256
 MAX_LEN = 262_144
 DEFAULT_MERGE_GROUP = 8
 DEFAULT_SMS = 132  # H200: the plan off a CUDA device (CPU plans in tests), and the SMs foldkv.gemv's grids cover
-# A CTA's fixed cost in page reads: about 1.5 us of prologue and pipeline fill, and its partial (8 heads x 513 floats,
-# 16 KB) written once and read by the merges, against a page tile of 82 KB (folded) streamed at one SM's share of the
-# read roof (~2.4 us on the H200).
+# A CTA's fixed cost in page reads: ~1.5 us of prologue and pipeline fill and its 16 KB partial written and merged,
+# against a folded page tile of 82 KB at one SM's share of the read roof (~2.4 us on the H200).
 PIECE_OVERHEAD_PAGES = 1.0
 
 
 @dataclass
 class DecodePlan:
-    """A decode step's chunking, slots and merge groups (host lists for inspection, device int32 tensors for the
-    kernels) and its float32 workspace of partials."""
+    """A decode step's chunks, slots and merge groups (host lists, device int32 tensors) and its partials."""
 
     layout: PagedKvLayout
     seq_lens: tuple[int, ...]
@@ -53,10 +49,6 @@ class DecodePlan:
     def num_chunks(self) -> int:
         return len(self.chunks)
 
-    @property
-    def num_groups(self) -> int:
-        return len(self.groups)
-
     def __getattr__(self, name: str) -> torch.Tensor:  # plan.chunk_req, plan.part_o, ...
         tensors = self.__dict__.get("tensors", {})
         if name in tensors:
@@ -66,8 +58,8 @@ class DecodePlan:
 
 def check_lens(seq_lens, *, max_batch: int = MAX_BATCH, max_len: int = MAX_LEN, holder: str = "decode",
                host_only: bool = False) -> np.ndarray:
-    """seq_lens (ints, a numpy array or an integer tensor) as a 1-D int64 numpy array of 1 to `max_batch` lengths of 1
-    to `max_len` tokens, else FoldKvInputError (naming `holder`); `host_only`: refuse a device tensor."""
+    """seq_lens (ints, numpy or an integer tensor) as a 1-D int64 array of 1 to `max_batch` lengths of 1 to `max_len`
+    tokens, else FoldKvInputError naming `holder`; `host_only`: refuse a device tensor."""
     if isinstance(seq_lens, torch.Tensor):
         if seq_lens.device.type != "cpu" and host_only:
             raise FoldKvInputError("seq_lens must be on the host (a list, a numpy array or a CPU tensor): reading"
@@ -117,8 +109,8 @@ def one_wave_cap(pages: Sequence[int], hkv: int, num_sms: int) -> int | None:
 
 
 def balanced_chunk_pages(layout: PagedKvLayout, lens: Sequence[int], num_sms: int) -> int:
-    """The piece cap P (pages) with the shortest `estimated_step`. Candidates: the smallest cap that fits one wave, and
-    a geometric ladder (x3/4) from the longest request down to one page; ties go to the larger."""
+    """The piece cap (pages) with the shortest `estimated_step` of: the smallest that fits one wave, and a ladder
+    (x3/4) from the longest request down to one page; ties go to the larger."""
     pages = [layout.pages_for(n) for n in lens]
     hkv = layout.geometry.num_kv_heads
     caps = {max(pages)}
@@ -133,9 +125,8 @@ def balanced_chunk_pages(layout: PagedKvLayout, lens: Sequence[int], num_sms: in
 
 
 def smallest_cap(pages: np.ndarray, num_chunks: int) -> int:
-    """The smallest piece cap P (pages) with sum(ceil(pages / P)) <= num_chunks >= len(pages), for requests of `pages`
-    pages (int64). Searched from a lower bound (requests no longer than the bound take one piece each, the others
-    share what is left) 64 caps at a time, so it costs a few array operations of host time."""
+    """The smallest piece cap P with sum(ceil(pages / P)) <= num_chunks >= len(pages) (int64 `pages`), searched from
+    a lower bound 64 caps at a time: a few array operations of host time."""
     total, batch = int(pages.sum()), len(pages)
     cap = max(-(-total // num_chunks), 1)
     for _ in range(3):  # sum(max(1, pages / P)) <= num_chunks at the smallest feasible P: a lower bound on it
@@ -152,10 +143,9 @@ def smallest_cap(pages: np.ndarray, num_chunks: int) -> int:
 
 
 def fixed_count_pieces(pages: np.ndarray, num_chunks: int) -> np.ndarray:
-    """Pieces per request (int64, 1 <= pieces <= pages) when the batch (requests of `pages` pages, int64) is cut into
-    exactly `num_chunks` >= len(pages) chunks with the longest piece as short as whole pages allow: `smallest_cap`,
-    then the chunks left over go one each to the requests with the longest pieces. When the batch has fewer pages
-    than chunks every page is a piece (the caller pads the rest)."""
+    """Pieces per request (int64, 1 <= pieces <= pages) cutting the batch into exactly `num_chunks` >= len(pages)
+    chunks, the longest piece as short as whole pages allow: `smallest_cap`, then the spare chunks one each to the
+    longest pieces. A batch of fewer pages than chunks: every page a piece (the caller pads the rest)."""
     if int(pages.sum()) <= num_chunks:
         return pages.copy()
     cap = smallest_cap(pages, num_chunks)
@@ -176,11 +166,9 @@ PLAN_ARRAYS = ("chunk_req", "chunk_start", "chunk_len", "group_first", "group_co
 
 def chunk_layout(lens: np.ndarray, pieces: np.ndarray, *, page: int, merge_group: int,
                  fixed_pages: int | None = None) -> dict[str, np.ndarray]:
-    """The slots and merge groups of requests of `lens` tokens cut into `pieces` chunks each (1 <= pieces <= pages),
-    as int64 arrays named as the kernels' arguments (PLAN_ARRAYS). `fixed_pages` given, every chunk of a request but
-    its last holds that many pages, requests in order; otherwise pages are cut as evenly as whole pages allow and
-    requests laid out largest pieces first (ties in request order). `merge_first` / `merge_count`: each chunk's
-    request's first slot and chunk count (the fused step's tail)."""
+    """The slots and merge groups of requests of `lens` tokens cut into `pieces` chunks each, as int64 arrays named
+    as the kernels' arguments (PLAN_ARRAYS). `fixed_pages`: every chunk but a request's last holds that many pages,
+    requests in order; else pages cut as evenly as whole pages allow, largest pieces first (ties in request order)."""
     pages = -(-lens // page)
     if fixed_pages is not None:
         order = np.arange(len(lens))
@@ -215,20 +203,18 @@ def chunk_layout(lens: np.ndarray, pieces: np.ndarray, *, page: int, merge_group
 
 
 def device_sms(device: torch.device) -> int:
-    """The SMs of a CUDA `device` (DEFAULT_SMS off CUDA): the CTAs of the decode partial that run at once."""
+    """The SMs of a CUDA `device` (DEFAULT_SMS off CUDA)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
 
 
 def plan_decode(layout: PagedKvLayout, seq_lens, *, device, chunk_tokens: int | None = None,
                 merge_group: int | None = None, num_sms: int | None = None) -> DecodePlan:
-    """Cut each request into chunks, group them for the merge and put the plan's tensors and workspace on `device`:
-    byte-balanced pieces for `num_sms` (default the device's SMs), or fixed chunks of `chunk_tokens` (a multiple of
-    the page size) in request order."""
+    """The plan on `device`: byte-balanced pieces for `num_sms` (default the device's SMs), or fixed chunks of
+    `chunk_tokens` (a multiple of the page size) in request order."""
     lens = check_lens(seq_lens).tolist()
     device = check_device(device)
     page = layout.page_size
-    if num_sms is None:
-        num_sms = device_sms(device)
+    num_sms = device_sms(device) if num_sms is None else num_sms
     if chunk_tokens is not None:
         chunk_tokens = int(chunk_tokens)
         if chunk_tokens < page or chunk_tokens % page:

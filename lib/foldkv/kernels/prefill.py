@@ -1,7 +1,6 @@
-"""The paged causal prefill launcher: its checks, the tile plan, and the launch of the kernel for the pool. An FP8 pool
-is read by `fp8_rows` (DEVELOPERS.md): "gather", the default, since the prefill is compute-bound and "in_kernel"
-converts each key block once per query tile that reads it, on the warpgroups that run the gemms.
-"""
+"""The paged causal prefill launcher: its checks, the tile plan and the launch. An FP8 pool is read as `fp8_rows`
+says: "gather", the default, since the prefill is compute-bound and "in_kernel" converts each key block once per
+query tile that reads it, on the warpgroups that run the gemms."""
 
 from __future__ import annotations
 
@@ -38,8 +37,8 @@ def launch_names(pool: PagedKvPool, fp8_rows: str = "gather") -> tuple[str, ...]
 
 
 def kernel_params(pool: PagedKvPool, params: dict | None = None, fp8_rows: str = "gather") -> dict[str, dict]:
-    """{name: its params} of every kernel `prefill` launches for `pool`, in order: the prefill's registered ones
-    overridden by `params`, the page size always the pool's; the gather's own."""
+    """{name: params} of the kernels `prefill` launches for `pool`: the prefill's registered ones overridden by
+    `params`, the page size always the pool's; the gather's own."""
     names = launch_names(pool, fp8_rows)
     name = names[-1]
     p = resolve.kernel_params(name, {**(params or {}), "page_size": pool.layout.page_size})
@@ -48,14 +47,14 @@ def kernel_params(pool: PagedKvPool, params: dict | None = None, fp8_rows: str =
 
 def resolve_kernels(pool: PagedKvPool, *, backend: str = "jit", params: dict | None = None, fp8_rows: str = "gather",
                     kernels: Mapping[str, Callable] | None = None) -> tuple[Callable, ...]:
-    """The kernels `prefill` launches for `pool`, in order, resolved now (seconds on first use in a process: a
-    FoldKvCache calls it at creation, so its first prompt does not pay for it)."""
+    """The kernels `prefill` launches for `pool`, resolved now (seconds on first use: a FoldKvCache calls it at
+    creation, so its first prompt does not pay for it)."""
     per_kernel = kernel_params(pool, params, fp8_rows)
     return resolve.launch_kernels(tuple(per_kernel), pool.geometry, per_kernel, backend, kernels)
 
 
-# --- plan --------------------------------------------------------------------------------------------------------
-def tile_plan(q_lens: torch.Tensor, tokens_per_tile: int = TOKENS_PER_TILE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tile_plan(q_lens: torch.Tensor,
+              tokens_per_tile: int = TOKENS_PER_TILE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_start [B], tile_req [NT], tile_tok [NT]) int32 on the CPU: request r's queries start at row q_start[r] of
     the query; tile t covers tokens tile_tok[t] .. +tokens_per_tile of request tile_req[t]."""
     q_lens = q_lens.to("cpu", torch.int64)
@@ -69,21 +68,18 @@ def tile_plan(q_lens: torch.Tensor, tokens_per_tile: int = TOKENS_PER_TILE) -> t
 
 def _check(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: torch.Tensor, out, lse,
            params) -> tuple[int, BlockTable]:
-    """The refusals after the pool's and the kernels', before any launch (the device last, so the CPU tests reach the
-    rest). Returns the query rows and the table on the host."""
+    """The refusals after the pool's and the kernels' (the device last, so the CPU tests reach the rest). Returns the
+    query rows and the table on the host."""
     if pool.layout.page_size % params["block_N"]:
-        raise FoldKvInputError(
-            f"page_size {pool.layout.page_size} is not a multiple of the kernel's key tile of {params['block_N']}"
-        )
+        raise FoldKvInputError(f"page_size {pool.layout.page_size} is not a multiple of the kernel's key tile of"
+                               f" {params['block_N']}")
     table = check_block_table(pool.layout, table)  # on the host: a device table read back once, here
     check_tensor("q_lens", q_lens, dtype=(torch.int32, torch.int64), shape=(table.batch,))
     ql = q_lens.cpu()
     if bool((ql < 1).any()) or bool((ql > table.seq_lens).any()):
         r = int(torch.nonzero((ql < 1) | (ql > table.seq_lens))[0])
-        raise FoldKvInputError(
-            f"q_lens[{r}] = {int(ql[r])} must be in 1..seq_len = {int(table.seq_lens[r])} (queries are the request's"
-            " last positions)"
-        )
+        raise FoldKvInputError(f"q_lens[{r}] = {int(ql[r])} must be in 1..seq_len = {int(table.seq_lens[r])}"
+                               " (queries are the request's last positions)")
     total = int(ql.sum())
     check_query_out_lse(query, out, lse, total, pool.geometry, pool.device)
     if pool.device.type != "cuda":
@@ -95,12 +91,10 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, backend: str = "jit",
             params: dict | None = None, kernels: Mapping[str, Callable] | None = None,
             kv_dtype: torch.dtype | None = None, fp8_rows: str = "gather") -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal paged prefill for a ragged batch (the contracts of DEVELOPERS.md): request r's q_lens[r] queries (1 to
+    """Causal paged prefill for a ragged batch (DEVELOPERS.md's contracts): request r's q_lens[r] queries (1 to
     seq_lens[r]; [B] int32/int64, any device) are its last positions, their rows of `query` ([sum(q_lens), Hq, D])
-    request by request; the table may be on any device. Returns (out, lse), written into `out` / `lse` when given.
-    `params` overrides the prefill's tuning constants (the page size is always the pool's); kernels: {name of
-    `launch_names(pool, fp8_rows)`: callable} replaces that kernel.
-    """
+    request by request. Returns (out, lse), written into `out` / `lse` when given. `params` overrides the prefill's
+    tuning constants; kernels: {name of `launch_names(pool, fp8_rows)`: callable}."""
     resolve.check_backend(backend)
     check_decode_pool(pool, op="prefill", kv_dtype=kv_dtype)  # rows and an FP8 pool's scales as its layout says
     names = launch_names(pool, fp8_rows)
@@ -109,9 +103,8 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
     total, table = _check(pool, query, table, q_lens, out, lse, p)  # the table now on the host
     geom, dev = pool.geometry, pool.device
     *gather, kernel = resolve_kernels(pool, backend=backend, params=params, fp8_rows=fp8_rows, kernels=kernels)
-    # Everything is planned on the host before the first launch and reaches the device in one asynchronous copy:
-    # a copy from pageable memory waits for the stream, so one between the gather and the prefill would leave the GPU
-    # idle for the host work after it.
+    # All planned on the host before the first launch, one asynchronous copy: a copy from pageable memory waits for
+    # the stream, so one between the gather and the prefill would leave the GPU idle for the host work after it.
     if gather:  # its covered pages as bf16 rows, once each (checked above: nothing refuses now)
         src, table = dequant_pages.page_plan(pool.layout, table)
     q_start, tile_req, tile_tok = tile_plan(q_lens)
@@ -121,20 +114,17 @@ def prefill(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: t
         out = torch.empty((total, geom.num_q_heads, geom.head_dim), dtype=torch.bfloat16, device=dev)
     if lse is None:
         lse = torch.empty((total, geom.num_q_heads), dtype=torch.float32, device=dev)
-    operands = pool_operands(pool)
-    if gather:
-        operands = (dequant_pages.convert_pages(pool, gather_src[0], gather[0]).data,)
+    operands = (dequant_pages.convert_pages(pool, gather_src[0], gather[0]).data,) if gather else pool_operands(pool)
     kernel(query, *operands, page_ids, seq_lens, q_start, q_lens, tile_req, tile_tok, out, lse)
     return out, lse
 
 
-UPLOAD_ALIGN = 16  # bytes: where each uploaded array starts, as a tensor of its own would (Triton specialises a kernel
-# on whether each pointer is 16-byte aligned: an array at an odd place in the buffer would take another build)
+UPLOAD_ALIGN = 16  # bytes, as a tensor of its own (Triton specialises a kernel on 16-byte aligned pointers)
 
 
 def upload_starts(sizes: list[int], itemsize: int) -> list[int]:
-    """Where arrays of `sizes` elements start in `upload`'s one buffer (elements; the last entry its length), each
-    at a multiple of UPLOAD_ALIGN bytes."""
+    """Where arrays of `sizes` elements start in `upload`'s buffer, at multiples of UPLOAD_ALIGN bytes (elements;
+    the last entry its length)."""
     step = max(1, UPLOAD_ALIGN // itemsize)
     starts, at = [], 0
     for n in sizes:
@@ -144,9 +134,8 @@ def upload_starts(sizes: list[int], itemsize: int) -> list[int]:
 
 
 def upload(device: torch.device, *arrays: torch.Tensor, dtype: torch.dtype = torch.int32) -> list[torch.Tensor]:
-    """Integer tensors as `dtype` views of one buffer on `device`, in the order given, each 16-byte aligned
-    (`upload_starts`), through one pinned host buffer and one asynchronous copy (no wait for the stream); to a device
-    other than CUDA, plain copies."""
+    """Integer tensors as `dtype` views of one buffer on `device`, each 16-byte aligned, through one pinned host
+    buffer and one asynchronous copy (no wait for the stream); off CUDA, plain copies."""
     if torch.device(device).type != "cuda":
         return [a.to(device, dtype) for a in arrays]
     flat = [a.reshape(-1).to("cpu", dtype) for a in arrays]

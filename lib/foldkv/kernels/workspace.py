@@ -7,8 +7,7 @@ batch and length, so that one CUDA graph captured over `step` serves every later
     graph = ws.capture(pool)                      # once; then per step: graph.replay(), ws.advance() or ws.plan(...)
     out, lse = ws.output()                        # [batch, Hq, D] bf16 head order, [batch, Hq] f32 natural log
 
-Why one graph serves every step (fixed grids, padding no kernel needs to know of, `plan` and `advance` without an
-allocation or a wait): kernels/DECODE_SCHEDULE.md, "One graph for every step".
+Why one graph serves every step: kernels/DECODE_SCHEDULE.md, "One graph for every step".
 """
 
 from __future__ import annotations
@@ -38,15 +37,10 @@ def default_num_chunks(max_batch: int, num_sms: int, num_kv_heads: int) -> int:
     return wave * -(-(CHUNKS_PER_REQUEST * max_batch + 1) // wave)
 
 
-def _segment(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
 class DecodeWorkspace:
     """Fixed-address tensors of decode steps for up to `max_batch` requests of up to `max_len` tokens on pools of
-    `layout`. num_chunks: the partial's grid (>= max_batch; default `default_num_chunks`); merge_group: slots per
-    level-one group; fp8_math: `decode.parse_fp8_math`, fixed for the workspace and its graph; num_sms (default
-    `decode.partial_wave`) sizes the waves."""
+    `layout`. num_chunks: the partial's grid (>= max_batch); merge_group: slots per level-one group; fp8_math: fixed
+    for the workspace and its graph; num_sms (default `decode.partial_wave`) sizes the waves."""
 
     def __init__(self, layout: PagedKvLayout, *, max_batch: int, max_len: int, device: torch.device | str,
                  num_chunks: int | None = None, merge_group: int = DEFAULT_MERGE_GROUP, num_sms: int | None = None,
@@ -63,14 +57,13 @@ class DecodeWorkspace:
         if merge_group < 1:
             raise FoldKvInputError(f"merge_group={merge_group} must be >= 1")
         geom = layout.geometry
-        if num_sms is None:
-            num_sms = partial_wave(layout, device, self.fp8_math)
+        num_sms = partial_wave(layout, device, self.fp8_math) if num_sms is None else num_sms
         if num_chunks is None:
             num_chunks = default_num_chunks(max_batch, num_sms, geom.num_kv_heads)
         num_chunks = int(num_chunks)
         if num_chunks < max_batch:
-            raise FoldKvInputError(f"num_chunks={num_chunks} is below max_batch={max_batch}: every request needs a"
-                                   f" chunk")
+            raise FoldKvInputError(f"num_chunks={num_chunks} is below max_batch={max_batch}: every request needs"
+                                   " a chunk")
         self.layout, self.device, self.merge_group = layout, device, merge_group
         self.max_batch, self.max_len, self.num_chunks = max_batch, max_len, num_chunks
         self.max_pages = layout.pages_for(max_len)
@@ -79,14 +72,13 @@ class DecodeWorkspace:
         # level-one groups: a request of k chunks has ceil(k / merge_group) <= 1 + (k - 1) // merge_group of them
         self.num_groups = max_batch + (num_chunks - 1) // merge_group
         c, g, b = num_chunks, self.num_groups, max_batch
-        # the packed plan: these arrays in this order in one buffer, each 128-byte aligned (chunk_len's extra entry:
-        # the padding requests' scratch)
+        # the packed plan, one buffer (chunk_len's extra entry: the padding requests' scratch)
         sizes = {"chunk_req": c, "chunk_start": c, "chunk_len": c + 1, "group_first": g, "group_count": g,
                  "req_group_first": b, "req_group_count": b, "last_slot": b, "merge_first": c, "merge_count": c}
         self._offsets, at = {}, 0
         for name, n in sizes.items():
             self._offsets[name] = (at, n)
-            at += _segment(n)
+            at += -(-n // _ALIGN) * _ALIGN
         i32 = dict(dtype=torch.int32, device=device)
         self._plan_dev = torch.zeros(at, **i32)
         pinned = device.type == "cuda"
@@ -133,9 +125,9 @@ class DecodeWorkspace:
 
     # -- planning --------------------------------------------------------------------------------------------------
     def plan(self, seq_lens: Sequence[int] | np.ndarray | torch.Tensor, page_ids: torch.Tensor | None = None) -> None:
-        """Plan a step for requests of `seq_lens` tokens (host ints) and copy the plan to the device asynchronously;
-        `page_ids` [batch, pages] int32 on the workspace's device (pages >= the longest request's, <= max_pages),
-        when given, is copied into `page_ids` on the current stream. Refusals write nothing."""
+        """Plan a step for requests of `seq_lens` tokens (host ints), copied to the device asynchronously; `page_ids`
+        [batch, pages] int32 on the workspace's device, when given, is copied into `page_ids` on the current stream.
+        Refusals write nothing."""
         lens = check_lens(seq_lens, max_batch=self.max_batch, max_len=self.max_len, holder="this workspace",
                           host_only=True)
         page = self.layout.page_size
@@ -147,13 +139,10 @@ class DecodeWorkspace:
             if not int(pages.max()) <= page_ids.shape[1] <= self.max_pages:
                 raise FoldKvInputError(f"page_ids holds {page_ids.shape[1]} pages per request: the lengths need"
                                        f" {int(pages.max())}, the workspace holds {self.max_pages}")
-        if self.one_wave:  # as the eager plan in one wave: chunks of one cap in request order (measured faster)
-            cap = smallest_cap(pages, self.num_chunks)
-            pieces = -(-pages // cap)
-            arrays = chunk_layout(lens, pieces, page=page, merge_group=self.merge_group, fixed_pages=cap)
-        else:
-            pieces = fixed_count_pieces(pages, self.num_chunks)
-            arrays = chunk_layout(lens, pieces, page=page, merge_group=self.merge_group)
+        # one wave: as the eager plan, chunks of one cap in request order (measured faster)
+        cap = smallest_cap(pages, self.num_chunks) if self.one_wave else None
+        pieces = fixed_count_pieces(pages, self.num_chunks) if cap is None else -(-pages // cap)
+        arrays = chunk_layout(lens, pieces, page=page, merge_group=self.merge_group, fixed_pages=cap)
         used, batch = len(arrays["chunk_req"]), len(lens)
 
         slot = self._next
@@ -184,9 +173,9 @@ class DecodeWorkspace:
         self._lens, self._advanced, self._longest, self.chunks_used = lens, 0, int(lens.max()), used
 
     def advance(self) -> None:
-        """Every request one token longer: one device operation on the current stream (no host planning, no sync;
-        the pieces stay as planned, so plan again when a request joins or leaves, or every few dozen steps). The new
-        tokens' rows must be in the pool, and their pages in `page_ids`, before the next step."""
+        """Every request one token longer: one device operation, no host planning, no sync (the pieces stay as
+        planned: plan again when a request joins or leaves, or every few dozen steps). The new tokens' rows and pages
+        must be in the pool and `page_ids` before the next step."""
         if not self.batch:
             raise FoldKvInputError("advance() before plan(): the workspace holds no batch")
         if self._longest + self._advanced >= self.max_len:
@@ -213,7 +202,7 @@ class DecodeWorkspace:
     def step(self, pool: PagedKvPool, *, backend: str = "jit", kernels: Mapping[str, Callable] | None = None,
              check: bool = True, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch a decode step over the workspace's plan, queries and block table (capturable: no allocation, no
-        host sync; `fused` as `decode.use_fused` takes it). Returns `output()`."""
+        host sync). Returns `output()`."""
         if check:
             self.check_pool(pool)
             resolve.check_backend(backend)
@@ -239,8 +228,8 @@ class DecodeWorkspace:
 
 def capture_after_warmup(run: Callable[[], Any], device: torch.device,
                          warmup: int = 1) -> tuple[torch.cuda.CUDAGraph, Any, Any]:
-    """`run()` `warmup` times on a side stream of `device`, then captured there into a new CUDA graph
-    (`capture_graph`). Returns (the graph, the last warm-up's output or None, the captured call's output)."""
+    """`run()` `warmup` times on a side stream of `device`, then captured there. Returns (the graph, the last warm-up's
+    output or None, the captured call's output)."""
     stream = torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream(device))
     warm = None
@@ -274,10 +263,9 @@ def capture_graph(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream | None 
 
 
 def end_generator_capture(device: torch.device | int | None = None) -> None:
-    """After a failed capture: torch's `CUDAGraph.capture_end` raises on an invalidated capture before it takes the
-    CUDA random generators out of capture mode, and every later random op on that device then raises ("Offset
-    increment outside graph capture encountered unexpectedly"). One small capture that ends cleanly runs their
-    epilogue. Best effort: a device that cannot capture any more keeps the error it has."""
+    """After a failed capture: torch's `CUDAGraph.capture_end` raises before it takes the CUDA random generators out
+    of capture mode, and every later random op on that device raises ("Offset increment outside graph capture
+    encountered unexpectedly"); one small clean capture runs their epilogue. Best effort."""
     try:
         with torch.cuda.device(device):
             side = torch.cuda.Stream()
