@@ -4,7 +4,8 @@ a kernel's correctness rests on: the in-place merges (`check_in_place_merge`), t
 
 The in-place rule: every store into, and every read of, a buffer the kernel both reads and stores (a non-const pointer
 parameter) are separated in source order by a `__syncthreads();` at the top level of the body (brace depth 1, so every
-thread reaches it). The rule reads the body as straight-line code, which the merges are (their loops hold reads only)."""
+thread reaches it). The rule reads the body as straight-line code, which the merges are (their loops hold reads only).
+"""
 
 from __future__ import annotations
 
