@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from foldkv.window_attention import window_mask
+from foldkv.lab.window_reference import window_mask
 
 
 def timed(fn, device) -> float:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from foldkv import window_attention as wa
+from foldkv.lab import window_reference as wr
 
 transformers = pytest.importorskip("transformers")
 from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function  # noqa: E402
@@ -34,9 +35,9 @@ def _transformers_band(q_length: int, cached: int, window: int) -> torch.Tensor:
 @pytest.mark.parametrize("q_length", [1, 63, 65, 1000])
 def test_band_is_transformers_mask(q_length, cached, window):
     want = _transformers_band(q_length, cached, window)
-    got = wa.window_mask(q_length, want.shape[1], window)
+    got = wr.window_mask(q_length, want.shape[1], window)
     assert torch.equal(got, want)
-    wider = wa.window_mask(q_length, want.shape[1], window + 1)  # red twin: one key more a query
+    wider = wr.window_mask(q_length, want.shape[1], window + 1)  # red twin: one key more a query
     assert not torch.equal(wider, want) or want.shape[1] <= window
 
 
@@ -54,10 +55,10 @@ def test_reference_is_transformers_sdpa(q_length, cached, window):
         num_key_value_groups, is_causal, training = 2, True, False
 
     want, _ = sdpa_attention_forward(Module(), q, k, v, mask, scaling=0.5)
-    got = wa.window_attention_reference(q, k, v, window=window, scale=0.5)
+    got = wr.window_attention_reference(q, k, v, window=window, scale=0.5)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     narrower = min(window, kv) - 1  # red twin: a band one key narrower than the keys each query can reach
-    off = wa.window_attention_reference(q, k, v, window=narrower, scale=0.5)
+    off = wr.window_attention_reference(q, k, v, window=narrower, scale=0.5)
     assert not torch.allclose(off, want, rtol=1e-12, atol=1e-12)
 
 

@@ -18,6 +18,7 @@ import torch
 
 from conftest import require_cuda, ring_output_bound, synthetic_gpu_models
 from foldkv import window_attention as wa
+from foldkv.lab import window_reference as wr
 
 pytestmark = pytest.mark.gpu
 
@@ -26,11 +27,11 @@ def _check(q, k, v, window, scale, against_window):
     out = wa.window_attention(q, k, v, window=window, scale=scale)  # [B, T, H, D]
     assert out.shape == (q.shape[0], q.shape[2], q.shape[1], q.shape[3]) and out.dtype == q.dtype
     assert bool(torch.isfinite(out).all())
-    ref = wa.window_attention_reference(q, k, v, window=against_window, scale=scale)  # [B, T, H, D] float64
+    ref = wr.window_attention_reference(q, k, v, window=against_window, scale=scale)  # [B, T, H, D] float64
     rep = q.shape[1] // k.shape[1]
     kk, vv = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
     s = (q.double() @ kk.transpose(-1, -2)) * scale
-    s = s.masked_fill(~wa.window_mask(q.shape[2], k.shape[2], against_window, q.device), float("-inf"))
+    s = s.masked_fill(~wr.window_mask(q.shape[2], k.shape[2], against_window, q.device), float("-inf"))
     p = torch.softmax(s, -1)  # [B, H, T, S]
     score_err = scale * q.shape[-1] * 2 * 2.0 ** -24 * (q.double().abs() @ kk.abs().transpose(-1, -2)).amax()
     bound = ring_output_bound(p, vv, ref.transpose(1, 2), extra=2 * score_err).transpose(1, 2)

@@ -134,7 +134,7 @@ def test_a_row_whose_first_tiles_miss_its_band():
     (queries 128-191) starts at tile 0 (query 128's band: keys 29-128), which holds no key of its rows from 164 on
     (their bands start at 65 and later). The emulated loop equals the float64 band; red twin: the library prefill's
     -inf start gives NaN there."""
-    from foldkv import window_attention as wa
+    from foldkv.lab import window_reference as wa
 
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(n, 16, generator=g) for n in (200, 200, 200))

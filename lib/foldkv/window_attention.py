@@ -1,22 +1,16 @@
 """A sliding layer's prefill without a mask: torch's FlashAttention-2 with its own window (`window_size_left =
 window - 1`, causal to the last key), so no [T, S] mask is built, only the band's key tiles are computed and nothing
 is set up per prompt length (sdpa over transformers' mask does all three). `refusal` says what it cannot serve (the
-caller then takes the masked path); `window_mask` and `window_attention_reference` are what it is held to.
+caller then takes the masked path); it is held to `foldkv.lab.window_reference`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .moved import moved
+
 MAX_HEAD_DIM = 256  # FlashAttention-2's largest head size
-
-
-def window_mask(q_length: int, kv_length: int, window: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[q_length, kv_length] bool: query i (at key position kv_length - q_length + i) sees key j when
-    pos - window < j <= pos, transformers' `sliding_window_overlay` over its causal mask."""
-    pos = torch.arange(q_length, device=device)[:, None] + (kv_length - q_length)
-    j = torch.arange(kv_length, device=device)[None, :]
-    return (j <= pos) & (j > pos - window)
 
 
 def refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, window: int | None,
@@ -52,15 +46,8 @@ def window_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         window_size_left=window - 1, window_size_right=0)[0]
 
 
-def window_attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, window: int,
-                               scale: float) -> torch.Tensor:
-    """`window_attention` in float64 on any device, through the explicit band: the definition the kernel is held to."""
-    q, k, v = (t.double() for t in (query, key, value))
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    s = s.masked_fill(~window_mask(q.shape[2], k.shape[2], window, q.device), float("-inf"))
-    return (torch.softmax(s, -1) @ v).transpose(1, 2)
+__getattr__ = moved(__name__, {n: f"foldkv.lab.window_reference.{n} (only tests and probes read it)"
+                               for n in ("window_mask", "window_attention_reference")})
 
 
-__all__ = ["MAX_HEAD_DIM", "window_mask", "refusal", "window_attention", "window_attention_reference"]
+__all__ = ["MAX_HEAD_DIM", "refusal", "window_attention"]
