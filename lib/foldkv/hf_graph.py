@@ -84,9 +84,8 @@ class DecodeStep:
         return dataclasses.replace(self.options, pdl=False)
 
     def warm_prefill(self, model: Any) -> int:
-        """At the cache's creation, the first launches a process's first prefill would otherwise pay inside its time
-        to first token (`StepForward.warm_prefill`). Returns the layer bodies run (0: no fused prefill here, or no
-        memory for one chunk's activations)."""
+        """At the cache's creation, the first launches a first prefill would pay inside its TTFT
+        (`StepForward.warm_prefill`). Returns the layer bodies run (0: no fused prefill, or no memory for a chunk)."""
         c = self.cache
         if not (self.options.fuse_prefill and c.attention == "kernel" and c.device.type == "cuda"):
             return 0
@@ -101,8 +100,8 @@ class DecodeStep:
             return 0
 
     def step_forward(self, model: Any, device: torch.device) -> fused_step.StepForward | None:
-        """The step's own forward over `model`, built once (on CUDA with `StepOptions.merge`, the projections merged
-        first); None when `fused_step.refusal` says the model's own forward runs (`forward_refusal` keeps why)."""
+        """The step's own forward over `model`, built once (projections merged first on CUDA under `options.merge`);
+        None when `fused_step.refusal` says the model's own forward runs (`forward_refusal` keeps why)."""
         if getattr(self, "_forward_of", (None,))[0] is not model:
             self.forward_refusal = None if model is None else fused_step.refusal(model)
             built = None
@@ -372,14 +371,6 @@ class DecodeStep:
             return self._workspace_decode(layer, b).to(query.dtype).view(b, 1, hq, d)
         return self._global_decode(layer, folded).to(query.dtype).view(b, 1, hq, d)
 
-    def report(self) -> dict:
-        """Host seconds per step (median and max over the replays), the capture's time, the steps run and issued."""
-        replays = sorted(self.host_s[1:])
-        mid = replays[len(replays) // 2] if replays else None
-        return {"mode": self.mode, "steps": self.steps, "capture_s": self.capture_s,
-                "host_s_median": mid, "host_s_max": replays[-1] if replays else None,
-                "loop_steps": dict(self.loop_steps)}
-
 
 def used_cache_error(columns: int) -> FoldKvInputError:
     """The refusal of a new prompt on a FoldKvCache that still holds an earlier generate()'s tokens."""
@@ -387,11 +378,8 @@ def used_cache_error(columns: int) -> FoldKvInputError:
                             " generate(); call cache.reset() or make a new one")
 
 
-_MOVED = {"ring_attention": "foldkv.ring.ring_attention", "install": "foldkv.hf_loop.install",
-          "cache_keyword": "foldkv.transformers_compat.cache_keyword"}
-
-
-__getattr__ = moved(__name__, _MOVED)
+__getattr__ = moved(__name__, {"ring_attention": "foldkv.ring.ring_attention", "install": "foldkv.hf_loop.install",
+                               "cache_keyword": "foldkv.transformers_compat.cache_keyword"})
 
 
 __all__ = ["DecodeStep", "RingMask", "STEP_MODES", "REPLAN_STEPS", "used_cache_error"]
