@@ -1,19 +1,16 @@
 """A FoldKvCache's sliding layers: transformers' `DynamicSlidingWindowLayer` whose prefill chunk is assembled in one
-scratch the cache's sliding layers share (`SlidingScratch`), instead of the new [kept window | chunk] tensor
-transformers' `torch.cat` makes a layer a chunk and holds alive through its window's view until the layer's next chunk
-(on the 31B, 8.4 GB moved and 4.2 GB held a 4,096-token chunk; bench/PREFILL_NOTES.md).
+scratch the cache's sliding layers share (`SlidingScratch`), instead of the [kept window | chunk] tensor transformers'
+`torch.cat` makes a layer a chunk and holds alive through its window's view (on the 31B, 8.4 GB moved and 4.2 GB held
+a 4,096-token chunk; bench/PREFILL_NOTES.md).
 
-The scratch is one K and one V tensor per cache, token-major [B, W - 1 + C, H, D] (C the longest chunk seen; what
-FlashAttention reads and the step's kernels write), used by each sliding layer in turn: one stream, so a layer's
-attention has read it before the next layer writes it. A chunk of T tokens lands in rows [W - 1, W - 1 + T) (written
-there by the step's kernels through `chunk_rows` at batch 1, `placed`; else copied by `update`), the kept window
-(n <= W - 1 rows) is copied into rows [W - 1 - n, W - 1), `update` returns rows [W - 1 - n, W - 1 + T) as
-[B, H, n + T, D] views, and the last min(W - 1, n + T) rows are copied into the layer's own new window.
-`update` takes the scratch only for placed rows or under `StepOptions.sliding_scratch`; everything else (the model's
-own forward, a decode step's eager update, `record_past`, a held window wider than W - 1) is transformers' update.
-The returned states are the scratch's until the next sliding layer's update: only a forward that runs each layer's
-attention before the next layer's update may take this path (the step's own forward; transformers' forwards do).
-Imported by the transformers adapter (`foldkv.hf`) only.
+The scratch is token-major [B, W - 1 + C, H, D] (C the longest chunk seen; what FlashAttention reads and the step's
+kernels write): a chunk of T tokens lands in rows [W - 1, W - 1 + T) (written there by the step's kernels through
+`chunk_rows` at batch 1, `placed`; else copied by `update`), the kept window (n <= W - 1 rows) just before it;
+`update` returns rows [W - 1 - n, W - 1 + T) as [B, H, n + T, D] views and copies the last min(W - 1, n + T) rows
+into the layer's own new window. Those states are the scratch's until the next sliding layer's update (one stream):
+only a forward that runs each layer's attention before the next layer's update may take this path (the step's own
+forward and transformers' do). Everything else (no placed rows and no `StepOptions.sliding_scratch`, `record_past`, a
+held window wider than W - 1) is transformers' update.
 """
 
 from __future__ import annotations
@@ -25,9 +22,8 @@ from .step_options import in_force
 
 
 class SlidingScratch:
-    """The one K and V scratch of a cache's sliding layers (module docstring): token-major [B, W - 1 + C, H, D],
-    made at the first chunk that needs it and made anew (larger) when a longer chunk or another batch, head count,
-    dtype or device comes; kept for the cache's life (its `reset` too: the next prompt's chunks reuse it)."""
+    """The one K and V scratch of a cache's sliding layers (module docstring), made anew (larger) when a longer chunk
+    or another batch, head count, dtype or device comes; kept for the cache's life (the next prompt's chunks too)."""
 
     def __init__(self, window: int):
         self.window = int(window)
@@ -70,9 +66,8 @@ def _is_view_of(rows: torch.Tensor, place: torch.Tensor) -> bool:
 
 
 class ScratchSlidingLayer(DynamicSlidingWindowLayer):
-    """transformers' DynamicSlidingWindowLayer whose prefill chunks go through its cache's `SlidingScratch` (module
-    docstring). `placed` counts the chunks whose rows the step's kernels wrote into the scratch, `copied` those
-    `update` copied there (each K and V pair once)."""
+    """A sliding layer whose prefill chunks go through its cache's `SlidingScratch` (module docstring). `placed` and
+    `copied` count the chunks whose rows the step's kernels wrote into the scratch and those `update` copied there."""
 
     def __init__(self, sliding_window: int, scratch: SlidingScratch, **kwargs):
         super().__init__(sliding_window=sliding_window, **kwargs)
@@ -83,19 +78,17 @@ class ScratchSlidingLayer(DynamicSlidingWindowLayer):
         self.copied = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """transformers' initialisation without its copy of the window size to the device: `.to(device)` from pageable
-        memory waits for the stream, so each sliding layer's first update of a prompt drained the GPU's queue (50
-        waits in a 31B prompt's first chunk, the GPU idle through each layer's host work). A fill on the device
-        instead; the empty keys and values are transformers' own (an empty copy moves nothing)."""
+        """transformers' initialisation with the window size filled on the device, not copied there: `.to(device)`
+        from pageable memory waits for the stream, so each sliding layer's first update of a prompt drained the GPU's
+        queue (50 waits in a 31B prompt's first chunk). The empty keys and values are transformers' own."""
         DynamicLayer.lazy_initialization(self, key_states, value_states)
         self._sliding_window_tensor = torch.full((), self.sliding_window, dtype=torch.long, device=self.device)
 
     def chunk_rows(self, batch: int, tokens: int, heads: int, head_dim: int, dtype: torch.dtype,
                    device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Where the step's forward writes this layer's next chunk's K and V rows ([B, T, H, D] packed, then handed
-        to `update` as [B, H, T, D] transposes of them), or (None, None) where no packed place exists (a batch > 1:
-        the scratch's rows of one sequence are not next to the next sequence's) and the rows go to `update` as they
-        are."""
+        """Where the step's forward writes this layer's next chunk's K and V rows ([B, T, H, D] packed, handed to
+        `update` as their [B, H, T, D] transposes); (None, None) where no packed place exists (a batch > 1: one
+        sequence's scratch rows are not next to the next one's), and the rows go to `update` as they are."""
         if batch != 1 or tokens < 1 or not self._takes_window():
             return None, None
         return self.scratch.chunk(batch, tokens, heads, head_dim, dtype, device)
@@ -156,8 +149,7 @@ class ScratchSlidingLayer(DynamicSlidingWindowLayer):
                 sv[:, at].clone(memory_format=torch.contiguous_format).transpose(1, 2))
 
     def reset(self) -> None:
-        """Holds nothing: the window dropped (not zeroed in place), the count zero, initialised again at the next
-        update."""
+        """Holds nothing: the window dropped (not zeroed in place), initialised again at the next update."""
         self.keys = self.values = None
         self.is_initialized = False
         self.cumulative_length = 0
