@@ -346,10 +346,9 @@ class FoldKvLayer(CacheLayerMixin):
             q, k, v = (x.index_select(0, idx[0]) for x in (q, k, v))
         # the sequences with tokens in this forward (a chunk of a chunked prefill may hold none of a short prompt's)
         active = [r for r in range(b) if counts[r]]
-        # The rows are the model's own activations, not a caller's: an FP8 pool's finiteness check (a host read of
-        # the rows, which drains the stream at every global layer) is left out, as the decode step leaves it out; a
-        # non-finite row is stored as NaN and shows in the logits, as it does in a bf16 pool. folded: [N, Hq, D], the
-        # format's form.
+        # The model's own activations: no FP8 finiteness check (its host read drains the stream at every global
+        # layer; the decode step leaves it out too): a non-finite row is stored as NaN and shows in the logits, as in
+        # a bf16 pool. folded: [N, Hq, D], the format's form.
         folded = global_step.fold_and_store(pool, pages, offsets, q, k, v, module.k_norm.weight,
                                             out=c.decode_query(counts), check_finite=False)
         self.host_table.seq_lens.copy_(table.seq_lens)
@@ -439,7 +438,6 @@ class FoldKvCache(Cache):
         if decode_step == "graph" and self.attention != "kernel":
             raise FoldKvInputError("decode_step='graph' captures the kernels' decode (attention='kernel' on CUDA);"
                                    " decode_step='static' runs the same step on any device")
-        self.decode_step_mode = decode_step
         self.step_options = in_force() if step_options is None else step_options
         if not isinstance(self.step_options, StepOptions):
             raise FoldKvInputError(f"step_options={step_options!r}: expected a foldkv.step_options.StepOptions")
@@ -533,14 +531,12 @@ class FoldKvCache(Cache):
     WARM_PROMPT = (3, 4)  # the warm-up's prompt: two tokens (a prefill; one would be a decode step, the graph's capture)
 
     def warm_generate(self, model: nn.Module) -> bool:
-        """One generate() through this cache, a prompt of two tokens and one new token under the model's own generation
-        config (and `min_new_tokens`, whose processor masks the scores; one beam, one sequence: the cache may hold one
-        only), then `reset`: what generate() launches around the forward (position ids, special tokens, the
-        processors' masks, the token's pick, the stopping checks) and the global layers' prefill attention are
-        launched here, not inside the first request's time to first token.
-        CUDA loads a kernel's module at its first launch, ~0.1 s of a fresh process's first prompt otherwise (vLLM's
-        start-up runs a dummy sampling step for the same reason). The random states are restored: the warm-up draws
-        nothing a caller's seed would see. False where it does not run: no generate(), or no room for three tokens."""
+        """One generate() of a two-token prompt and one new token through this cache under the model's generation
+        config (`min_new_tokens` too, whose processor masks the scores; one beam and one sequence, all the cache may
+        hold), then `reset`: CUDA loads a kernel's module at its first launch (~0.1 s of a fresh process's first
+        prompt; vLLM's start-up runs a dummy sampling step too), so generate()'s own launches and the global layers'
+        prefill attention are loaded here, not in the first request's TTFT. The random states are restored (a
+        caller's seed sees no draw). False where it does not run: no generate(), or no room for three tokens."""
         room = len(self.WARM_PROMPT) + max(1, self.max_new_tokens or 0) <= self.max_tokens
         if not (room and callable(getattr(model, "generate", None))):
             return False
