@@ -21,7 +21,6 @@ from .masks import SLIDING_IMPLEMENTATION, RingMask
 from .moved import moved
 from .pool import PagedKvPool
 from .step_options import StepOptions, in_force
-from .transformers_compat import has_forward_hooks
 from .validate import FoldKvInputError
 
 
@@ -36,7 +35,7 @@ def foreign_projection(lin: nn.Module) -> bool:
     that is not a plain tensor (a DTensor shard, a quantised weight), a forward replaced on the instance, or hooks."""
     w = getattr(lin, "weight", None)
     return ((isinstance(w, torch.Tensor) and type(w.data) is not torch.Tensor) or "forward" in lin.__dict__
-            or has_forward_hooks(lin))
+            or compat.has_forward_hooks(lin))
 
 
 def _mergeable(linears: list[nn.Module]) -> bool:
@@ -47,8 +46,7 @@ def _mergeable(linears: list[nn.Module]) -> bool:
 
 
 def _merge(owner: nn.Module, names: tuple[str, ...]) -> bool:
-    """Lay owner's `names` projections' weights out as row blocks of one new tensor whose views they become. False
-    (nothing changed) when they are not plain bias-free Linears of one dtype, device and input width."""
+    """Owner's `names` weights as row-block views of one new tensor; False (nothing changed) unless `_mergeable`."""
     if _merged_weight(owner) is not None:
         return True
     linears = [getattr(owner, n, None) for n in names]
@@ -228,11 +226,10 @@ def refusal(model: nn.Module) -> str | None:
     if not _rms_norm_module(getattr(text, "norm", None)) or not hasattr(text, "rotary_emb"):
         return "the text model has no Gemma 4 final norm or rotary embedding"
     for i, layer in enumerate(text.layers):
-        why = _layer_refusal(layer)
-        if why is not None:
+        if (why := _layer_refusal(layer)) is not None:
             return f"layer {i}: {why}"
     own = [text, text.norm] + [m for layer in text.layers for m in layer.modules() if not isinstance(m, nn.Linear)]
-    if has_forward_hooks(*own, global_hooks=True) or any("forward" in vars(m) for m in own):
+    if compat.has_forward_hooks(*own, global_hooks=True) or any("forward" in vars(m) for m in own):
         return "forward hooks, or another library's forward, on a module whose forward the step computes itself"
     return None
 
@@ -299,8 +296,7 @@ class StepForward:
     `prefill` for a prompt's forward. The one who builds it asks `refusal(model)` first."""
 
     def __init__(self, model: nn.Module, options: StepOptions):
-        why = refusal(model)
-        if why is not None:
+        if (why := refusal(model)) is not None:
             raise FoldKvInputError(f"the step's forward does not describe this model: {why}")
         self.model, self.text = model, text_model(model)
         self.placeholders = _placeholder_ids(model, self.text)  # a multimodal model's: embedded as the pad token
@@ -541,9 +537,8 @@ class StepForward:
         return layer if why is None else why
 
 
-_MOVED = {name: f"pass StepOptions({field}=...) (foldkv.step_options) where the step is made" for name, field in (
-    ("FUSE_SLIDING", "fuse_sliding"), ("FUSE_GLOBAL_PROLOGUE", "fuse_global_prologue"), ("MERGE", "merge"),
-    ("BRANCHES", "branches"), ("TAIL_SUMS", "tail_sums"), ("TAIL_NEXT_NORM", "tail_next_norm"))}
+_MOVED = {name: f"pass StepOptions({name.lower()}=...) (foldkv.step_options) where the step is made" for name in (
+    "FUSE_SLIDING", "FUSE_GLOBAL_PROLOGUE", "MERGE", "BRANCHES", "TAIL_SUMS", "TAIL_NEXT_NORM")}
 _MOVED["merged_linear"] = "the step reads a merged group through fused_step._Group (tests/conftest.merged_linear)"
 _MOVED["fused_step"] = ("the decode step runs its own forward: foldkv.fused_step.StepForward(model, options), built by"
                         " foldkv.hf_graph.DecodeStep")

@@ -1,6 +1,5 @@
-"""The Triton kernels of `foldkv.fused_step_ops` and `foldkv.global_step` (defined where Triton is installed). Each
-takes a constexpr GDC: launched with PDL it lets its dependents launch at its top and waits (`_chain`) before its
-first load, so its outputs are bitwise the plain launch's."""
+"""The Triton kernels of `foldkv.fused_step_ops` and `foldkv.global_step` (defined where Triton is installed); a PDL
+link takes a constexpr GDC (`_chain`), its outputs bitwise the plain launch's."""
 
 try:
     import triton

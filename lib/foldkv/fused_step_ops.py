@@ -42,9 +42,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _destination(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """Where an op writes its packed output of `shape` in like's dtype and on its device: a new tensor, or `out` (a
-    caller's place: a sliding cache's scratch rows) viewed as `shape` when it is packed and of that many elements,
-    dtype and device; else FoldKvInputError, before anything is launched."""
+    """An op's packed output of `shape` in like's dtype and device: a new tensor, or `out` (a caller's place: a sliding
+    cache's scratch rows) viewed as `shape`; FoldKvInputError, before any launch, where `out` is not such a place."""
     if out is None:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     numel = torch.Size(shape).numel()

@@ -19,8 +19,7 @@ TC_BLOCK_N = 64  # weight rows a program: wgmma's m64 for one warpgroup
 TC_BLOCK_K = 128  # weight columns a pipeline stage: 16 KB of weight at 64 rows
 TC_STAGES = 4  # Triton's num_stages: three tiles in flight a program, ~100 KB: two programs an SM
 TC_PREFETCH = 1  # weight tiles loaded before the wait
-SMS = DEFAULT_SMS  # the H200's SMs, `kernels.plan`'s count: a grid covers at least this many programs (split-K
-# where row tiles cannot)
+SMS = DEFAULT_SMS  # the H200's SMs (`kernels.plan`): a grid covers at least this many programs, split-K if need be
 MIN_SPLIT_TILES = 4  # a K split keeps at least this many BLOCK_K tiles (the pipeline fills)
 REDUCE_BLOCK = 1024  # split_sum's elements a program
 
@@ -169,8 +168,7 @@ def rows_refusal(rows: int, max_rows: int, x_dtype: torch.dtype, w_dtype: torch.
 def shape_refusal(rows: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype, w_contiguous: bool,
                   has_bias: bool) -> str | None:
     """The part of `refusal` that reads no device."""
-    why = rows_refusal(rows, MAX_ROWS, x_dtype, w_dtype, w_contiguous, has_bias)
-    if why is not None:
+    if (why := rows_refusal(rows, MAX_ROWS, x_dtype, w_dtype, w_contiguous, has_bias)) is not None:
         return why
     if tc_config(n, k, rows) is None:
         return f"no tile for a [{n}, {k}] weight"
@@ -190,9 +188,8 @@ def tensor_refusal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         return "not a projection's shapes"
     n, k = weight.shape
-    why = shape_refusal_of(x.numel() // max(k, 1), n, k, x.dtype, weight.dtype, weight.is_contiguous(),
-                           bias is not None)
-    if why is not None:
+    if (why := shape_refusal_of(x.numel() // max(k, 1), n, k, x.dtype, weight.dtype, weight.is_contiguous(),
+                                bias is not None)) is not None:
         return why
     if x.device.type != "cuda" or weight.device != x.device:
         return "not on CUDA"
@@ -232,10 +229,9 @@ def _route(x, weight, bias, out, summed: bool) -> tuple[torch.Tensor, torch.Tens
 
 
 def pdl_kw(t: torch.Tensor) -> dict:
-    """The keywords fused_step's kernels launch with: {GDC: True, launch_pdl: True} when the options in force ask for
-    PDL, Triton has grid dependency control and `t` is on CUDA; else none (the plain build). PDL is a chain property:
-    every PDL kernel waits before it reads what a kernel of the step wrote and before it stores, and Triton compiles
-    PDL and plain launches as separate binaries, so the constexpr GDC and the launch option always go together."""
+    """fused_step's kernels' launch keywords: {GDC: True, launch_pdl: True} when the options in force ask for PDL,
+    Triton has grid dependency control and `t` is on CUDA; else {} (the plain build). The constexpr GDC (the kernel's
+    wait, a separate binary) and the launch option always go together: a PDL launch without the wait would race."""
     if in_force().pdl and HAS_GDC and t.is_cuda:
         return dict(GDC=True, launch_pdl=True)
     return {}
@@ -250,6 +246,5 @@ _MOVED = {"operand_refusal": "foldkv.gemv.rows_refusal (its first reasons)",
 __getattr__ = moved(__name__, _MOVED)
 
 
-__all__ = ["MAX_ROWS", "HAS_GDC", "tc_config", "tc_launch", "rows_refusal",
-           "shape_refusal", "refusal",
+__all__ = ["MAX_ROWS", "HAS_GDC", "tc_config", "tc_launch", "rows_refusal", "shape_refusal", "refusal",
            "tensor_refusal", "linear", "linear_unsummed", "sum_partials", "pdl_kw"]
