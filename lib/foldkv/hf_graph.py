@@ -28,15 +28,12 @@ class DecodeStep:
     """The fixed-address decode step of one FoldKvCache. `takes` says whether a forward is one of its steps; calling
     it runs (or replays) the step and returns the forward's output."""
 
-    def __init__(self, cache: Any, mode: str, options: StepOptions | None = None):
+    def __init__(self, cache: Any, mode: str):
         if mode not in ("graph", "static"):
             raise FoldKvInputError(f"decode_step={mode!r}: a DecodeStep runs 'graph' or 'static'")
-        if options is None:
-            options = getattr(cache, "step_options", None) or StepOptions()
-        if not isinstance(options, StepOptions):
-            raise FoldKvInputError(f"options={options!r}: a DecodeStep takes a foldkv StepOptions")
         self.cache, self.mode = cache, mode
-        self.options = options  # what the step fuses, merges, overlaps (in force while its forward runs)
+        # what the step fuses, merges, overlaps (in force while its forward runs): the cache's, which it checked
+        self.options = getattr(cache, "step_options", None) or StepOptions()
         self.started = False
         self.steps = 0  # decode steps run through this object
         # the steps foldkv.hf_loop's decoding loop issued on this step: thin (after the capture), through transformers'

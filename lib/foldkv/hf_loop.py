@@ -26,9 +26,8 @@ def covers(model: torch.nn.Module, generation_config: Any, synced_gpus: bool, st
 
 
 def applies(model: torch.nn.Module, kwargs: dict) -> bool:
-    """Whether generate(**kwargs) should get this loop as its decoding method: the cache has a decode step, the
-    caller set no `custom_generate`, passes nothing transformers hands only to its own methods (an assistant, a
-    tokenizer), and the generation config generate() will use is `covers`'."""
+    """Whether generate(**kwargs) gets this loop as its decoding method: no `custom_generate` of the caller's, nothing
+    transformers hands only to its own methods (an assistant, a tokenizer), and `covers` on generate()'s config."""
     cache = compat.cache_of(kwargs)
     if (kwargs.get("custom_generate") is not None
             or not isinstance(getattr(cache, "decode_step", None), DecodeStep)

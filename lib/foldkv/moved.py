@@ -7,9 +7,6 @@ from typing import Callable, Mapping
 
 
 def moved(module: str, where: Mapping[str, str]) -> Callable[[str], object]:
-    """A module-level `__getattr__` for `module`: `where[name]` says where a moved name went; any other missing name
-    raises Python's usual AttributeError."""
-
     def __getattr__(name: str):
         if name in where:
             raise AttributeError(f"{module}.{name} moved: {where[name]}")
