@@ -133,8 +133,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
 
 def norm_rope_refusal(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor,
                       sin: torch.Tensor) -> str | None:
-    """Why `norm_rope` does not take these (None: it does): x [B, T, H, D] head rows of one token stride, D a power
-    of two >= 16, a weight [D], cos/sin [B, T, D] in x's dtype."""
+    """Why `norm_rope` does not take these (None: it does); each reason names what it takes."""
     if x.dim() != 4:
         return f"head rows [B, T, H, D] expected, got {tuple(x.shape)}"
     b, t, h, d = x.shape
@@ -201,8 +200,7 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype)
 
 
 def _head_rows(x: torch.Tensor, heads: int, d: int, name: str) -> int:
-    """The row stride of x [B, 1, heads * d] (a projection's output or a column slice of a merged one), whose last
-    dim is contiguous. Raises FoldKvInputError otherwise."""
+    """x [B, 1, heads * d]'s row stride (a projection's output or a merged one's columns; its last dim contiguous)."""
     if x.dim() != 3 or x.shape[1] != 1 or x.shape[2] != heads * d or x.stride(2) != 1:
         raise FoldKvInputError(f"{name}: expected [B, 1, {heads} * {d}] with its last dim contiguous, got"
                                f" {tuple(x.shape)} strides {x.stride()}")
