@@ -1,8 +1,6 @@
 """The dequantizing page gather: an FP8 folded pool's pages, as a batch's requests cover them, rounded to bf16 rows
-(`foldkv.fp8.dequantize_rows_bf16`) in a scratch pool the bf16 prefill reads (the prefill's default over an FP8 pool:
-prefill.py says why). `page_plan` plans on the host which pages (request r's first ceil(seq_len / page), in request
-order; a page two requests share is converted twice), `convert_pages` launches (the gather alone and its torch
-definition: `foldkv.lab.page_gather`).
+(`foldkv.fp8.dequantize_rows_bf16`) in a scratch pool the bf16 prefill reads (prefill.py says why). `page_plan` plans
+on the host, `convert_pages` launches (the gather alone and its torch definition: `foldkv.lab.page_gather`).
 
 Kernel arguments, in order (the AOT loader relies on it): Pool [P, 4, page, 640] float8_e4m3, PoolScales [P, 4, page]
 float32, SrcPages [N] int32, Out [N, 4, page, 640] bf16 (written). Grid (N, 4 KV heads): block (n, h) writes Out[n, h]
@@ -48,9 +46,8 @@ def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.F
         Out: T.Tensor([N, HKV, page_size, W], "bfloat16"),
     ):
         with T.Kernel(N, HKV, threads=threads) as (bn, bh):
-            # the launcher checked every page id against the pool before the launch; the clamp (never taken) gives
-            # TileLang a page index it can bound, and then it vectorizes: the row moves in 8-byte loads and 16-byte
-            # stores, global memory to global memory (no shared-memory pass); without it, one byte per load
+            # the launcher checked the page ids; the clamp (never taken) gives TileLang a page index it can bound,
+            # and then it vectorizes (8-byte loads, 16-byte stores; without it, one byte per load)
             src = T.max(T.min(SrcPages[bn], NP - 1), 0)
             for t, c in T.Parallel(page_size, W):  # e4m3 -> float32 is exact; one rounded product, then bf16
                 Out[bn, bh, t, c] = T.cast(T.cast(Pool[src, bh, t, c], f32) * PoolScales[src, bh, t], "bfloat16")
@@ -58,13 +55,10 @@ def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.F
     return compile_program(main)
 
 
-# --- the host plan and the launch -----------------------------------------------------------------------------------
 def page_plan(layout: PagedKvLayout, table: BlockTable) -> tuple[torch.Tensor, BlockTable]:
-    """(src [N] int32: the pool page of each page to convert, request by request, in each request's page order;
-    the block table onto the converted pages: page_ids [B, max_pages] int32 with request r's pages at
-    offset_r .. offset_r + n_r - 1 and 0 in its padding entries, seq_lens as given), both on the CPU, for a table
-    checked against `layout`. Host work only (a handful of numpy operations, tens of microseconds; a device-resident
-    table is copied to the host first), so that the prefill launcher can plan everything before its first launch."""
+    """(src [N] int32: the pool page of each page to convert, request r's first ceil(seq_len / page) in order, a
+    shared page converted once per request; the block table onto the converted pages, 0 in its padding), both on the
+    CPU, for a checked table. Host work only (tens of microseconds): the prefill plans all before its first launch."""
     ids = table.page_ids.cpu().numpy()
     seq_lens = table.seq_lens.cpu().to(torch.int32)
     n = (seq_lens.numpy().astype(np.int64) + layout.page_size - 1) // layout.page_size  # [B] pages each request covers
@@ -88,9 +82,8 @@ def kernel_params(pool: PagedKvPool) -> dict:
 
 
 def convert_pages(pool: PagedKvPool, src: torch.Tensor, kernel: Callable) -> PagedKvPool:
-    """One launch of `kernel` (the gather, resolved): the bf16 folded pool of pages `src` ([N] int32 on the pool's
-    device, from `page_plan`) of `pool`, for a caller that has checked both (the prefill launcher). Allocates the
-    scratch pool and launches; no host synchronisation."""
+    """One launch of `kernel` (the gather): the bf16 folded pool of pages `src` (from `page_plan`, on the pool's
+    device) of `pool`, both checked by the caller; no host synchronisation."""
     lay = bf16_layout(pool, int(src.numel()))
     out = torch.empty(lay.shape, dtype=torch.bfloat16, device=pool.device)
     kernel(pool.data, pool.scales, src, out)

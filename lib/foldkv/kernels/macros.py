@@ -17,17 +17,13 @@ LN2 = math.log(2.0)
 
 def online_softmax_macro(key_dim: int, *, scale: float = LOG2E, fold_scale: bool = False, reduce_batch: int = 1,
                          max_slack_log2: float | None = None):
-    """One key tile of the online softmax, in the exp2 domain: `scores` [rows, cols] holds one tile's scores with the
-    keys along `key_dim` (0: token-major S^T, the decode partial; 1: S, the prefill); the running max and
-    denominator (one per query) are updated, `rescale` gets the output accumulator's factor, and the probabilities
-    go to `p_shared` (None: left in `scores`), each key's times `key_weight(key)` when given (the denominators stay
-    those of the unweighted probabilities).
+    """One key tile of the online softmax in the exp2 domain, keys along `key_dim` of `scores` (0: S^T, the decode
+    partial; 1: S, the prefill): the running max and denominator are updated, `rescale` gets the output's factor and
+    the probabilities go to `p_shared` (None: left in `scores`), times `key_weight(key)` when given (after the sums).
 
-    fold_scale: exp2(s * scale - max * scale) (one FMA per score) instead of exp2((s - max) * scale).
-    reduce_batch: a thread's queries each cross-thread reduction carries at once (one barrier chain for all; it must
-    divide the queries a thread holds). max_slack_log2: the running max stands until the tile's passes it by more
-    than this, so `rescale` is exactly 1 on most tiles (PREFILL_SCHEDULE.md, "The lazy max"); None: the plain
-    online softmax."""
+    fold_scale: exp2(s * scale - max * scale), one FMA per score. reduce_batch: a thread's queries each cross-thread
+    reduction carries at once (one barrier chain). max_slack_log2: the running max stands until the tile's passes it
+    by more than this, so `rescale` is exactly 1 on most tiles (PREFILL_SCHEDULE.md, "The lazy max")."""
     import tilelang.language as T
 
     slack = None if max_slack_log2 is None else max_slack_log2 / scale  # in score units
@@ -62,10 +58,8 @@ def online_softmax_macro(key_dim: int, *, scale: float = LOG2E, fold_scale: bool
 
 
 def share_sm_registers_macro(ctas_per_sm: int, consumer_threads: int):
-    """Inside a warp-specialised T.Kernel (one producer warpgroup, `consumer_threads` consumer threads): let
-    `ctas_per_sm` CTAs share an SM's 65,536 registers (`__launch_bounds__`' second argument; the producer warpgroup
-    keeps 24 registers a thread after setmaxnreg, the consumers share the rest, at most 240). Call it only when
-    ctas_per_sm > 1 (one CTA: TileLang's own register split)."""
+    """In a warp-specialised T.Kernel: let `ctas_per_sm` (> 1) CTAs share an SM's 65,536 registers, the producer
+    warpgroup keeping 24 a thread after setmaxnreg, the `consumer_threads` the rest (at most 240)."""
     import tilelang.language as T
 
     per_thread = 65536 // ctas_per_sm // (consumer_threads + 128)
@@ -81,8 +75,7 @@ def share_sm_registers_macro(ctas_per_sm: int, consumer_threads: int):
 
 
 def tile_page(page_ids, req, tok, page_size: int):
-    """(page, offset in it) of token `tok` of request `req` through its block table row: expressions for a kernel's
-    tile loads (the FP8 tensor-core partial's)."""
+    """(page, offset in it) of token `tok` of request `req`: expressions for a kernel's tile loads."""
     return page_ids[req, tok // page_size], tok % page_size
 
 
@@ -100,9 +93,8 @@ def mask_scores_macro():
 
 
 def zero_rows_macro():
-    """Rows of a shared key tile whose `keep(row)` is false become 0. The slots of a page past the sequence hold
-    arbitrary bits and a probability of 0 times NaN is NaN, so the value tile's tail rows are cleared before P.V.
-    It is a read-modify-write (not a plain store) so that the warp-specialised pipeline waits for the tile's TMA."""
+    """Rows of a shared key tile whose `keep(row)` is false become 0: slots past the sequence hold arbitrary bits and
+    0 x NaN is NaN in P.V. A read-modify-write, so that the warp-specialised pipeline waits for the tile's TMA."""
     import tilelang.language as T
 
     @T.macro
@@ -115,10 +107,9 @@ def zero_rows_macro():
 
 
 def load_group_query_macro(group: int, block_h: int):
-    """Decode: the KV head's `group` query heads into padded [block_h, cols] shared tiles, one TMA copy per query
-    piece (`pieces`: (tile, first column) pairs covering the score window). The copy takes block_h rows, so rows >=
-    group are the next KV head's queries (zero past the last head): their scores and outputs are never stored, and
-    one TMA lets the producer's first pool load start without waiting for the query."""
+    """Decode: the KV head's `group` query heads into padded [block_h, cols] shared tiles, one TMA copy per piece
+    of the score window. Rows >= group are the next KV head's (never stored): one TMA of block_h rows lets the
+    producer's first pool load start without waiting for the query."""
     import tilelang.language as T
 
     @T.macro
@@ -129,12 +120,10 @@ def load_group_query_macro(group: int, block_h: int):
     return load_query
 
 
-# e4m3 -> bf16 by integer ops and one bf16x2 multiply, 8 values per call (why not TileLang's element conversion:
-# DECODE_SCHEDULE.md). A byte s.eeee.mmm placed as bf16 bits s.0000eeee.mmm0000 is exactly the value times 2^-120
-# for every finite code, normal or subnormal (an e4m3 subnormal lands on a bf16 subnormal, whose spacing 2^-133 is
-# 2^-120 times e4m3's 2^-9); the multiply by 2^120 (bits 0x7B80) is exact and keeps subnormal inputs (PTX mul.bf16x2
-# has no flush-to-zero). The NaN codes (0x7F, 0xFF) would come out as +-480: a pool never holds them (foldkv.fp8
-# clamps to +-448 and refuses non-finite rows).
+# e4m3 -> bf16 by integer ops and one bf16x2 multiply, 8 values a call (DECODE_SCHEDULE.md says why). A byte
+# s.eeee.mmm as bf16 bits s.0000eeee.mmm0000 is exactly the value times 2^-120 for every finite code (a subnormal lands
+# on a bf16 subnormal); the multiply by 2^120 is exact (mul.bf16x2 has no flush-to-zero). The NaN codes would come out
+# as +-480: a pool never holds them (foldkv.fp8 clamps to +-448 and refuses non-finite rows).
 E4M3_TO_BF16_FN = "foldkv_e4m3x8_to_bf16"
 E4M3_TO_BF16_SOURCE = r"""
 // (inserted before the kernel's includes: plain CUDA types and PTX only)
@@ -179,17 +168,13 @@ __device__ __forceinline__ void foldkv_e4m3x8_to_bf16(int first, int last, int b
 """
 
 
-# The hand-off of a fused decode's tail merge (decode_partial.merge_tail, the served tail): the CTAs of one request and
-# KV head (its chunks, all resident at once: the plan is one wave) each write their partial, count themselves in, and
-# wait until every member has; then each merges a slice of the request's columns from every member's partial. One
-# counter per (request, KV head) carries it: each member adds its share of TAIL_STEP (the first member TAIL_STEP -
-# (members - 1), each other 1), so a launch adds exactly TAIL_STEP whatever its members and the counter is a multiple
-# of TAIL_STEP between launches (mod 2^32: no reset, no flag). A member's atomic returns the count before it; the
-# members are all in when the counter reaches the next multiple, which the last arrival learns from its own atomic and
-# the others by polling. The leader's acquire, then the barrier, orders every consumer thread's reads of the partials
-# (CUTLASS's semaphore pattern). A member that waits 2^22 polls (seconds, against at most ~10 ms for the longest
-# chunk: a plan that was not one wave, or another kernel holding the SMs for good) traps instead of hanging the
-# device.
+# The hand-off of the fused decode's tail (decode_partial.merge_tail): the CTAs of one request and KV head (all
+# resident: the plan is one wave) each write their partial, count themselves in on one counter, and wait until every
+# member has. The first member adds TAIL_STEP - (members - 1), each other 1, so a launch adds exactly TAIL_STEP and the
+# counter is a multiple of it between launches (mod 2^32: no reset, no flag); all are in at the next multiple, which
+# the last arrival learns from its atomic and the others by polling. The leader's acquire, then the barrier, orders
+# the consumers' reads (CUTLASS's semaphore pattern). 2^22 polls (seconds, against ~10 ms for the longest chunk: a plan
+# not one wave, or another kernel holding the SMs) trap instead of hanging the device.
 TAIL_STEP = 1 << 20  # > TAIL_MAX_MEMBERS, and a power of two: its multiples stay multiples modulo 2^32
 TAIL_HAND_OFF_FN = "foldkv_tail_hand_off"
 TAIL_SOURCE = r"""
@@ -223,29 +208,24 @@ __device__ __forceinline__ void foldkv_tail_hand_off(const int* counters, int pa
 """ % {"step": TAIL_STEP}
 
 
-# its named barrier over the consumer threads (not the conversion's: an FP8 kernel has both)
+# Named barriers over the consumer threads only, ids nothing else uses (0 is __syncthreads, TileLang's pipelines use
+# low ids): the tail's, and the conversion's (E4M3_TO_BF16_SOURCE; an FP8 kernel has both)
 TAIL_BARRIER_ID = 8
-
-
-# The named barrier of the conversion (E4M3_TO_BF16_SOURCE): 0 is __syncthreads and TileLang's pipelines use low ids;
-# the barrier is over the converting (consumer) threads only, so it must be one nothing else uses.
 CONVERT_BARRIER_ID = 7
 
 
 @dataclass(frozen=True)
 class Convert:
-    """An FP8 row's loaded e4m3 panel and the bf16 tile (from column `col`) it is converted into. A dataclass, not a
-    tuple of buffers: a loop bound to buffers would rename them after its variables, in an order TileLang does not
-    fix, and the emitted CUDA would differ from build to build."""
+    """An e4m3 panel and the bf16 tile (from column `col`) it is converted into. Not a tuple: a loop bound to buffers
+    would rename them after its variables, in no fixed order."""
     stored: Any
     tile: Any
     col: int
 
 
 def convert_e4m3_macro(rows: int, cols: int, threads: int):
-    """A tile's e4m3 shared panels into their bf16 shared tiles, exactly, by `threads` threads (the macro takes the
-    tile's Converts in load order); the first and the last panel's calls carry the barriers TileLang would otherwise
-    place (DECODE_SCHEDULE.md, "Release and barriers")."""
+    """A tile's Converts (in load order), exactly, by `threads` threads; the first and the last panel's calls carry
+    the barriers TileLang would otherwise place (DECODE_SCHEDULE.md, "Release and barriers")."""
     import tilelang.language as T
 
     runs_per_row = cols // 8

@@ -1,14 +1,8 @@
 """The two-level merge of split-KV decode partials (kernels/DECODE_SCHEDULE.md): level one (`merge_groups`) merges each
-group into its first slot, in place (an unconditional `__syncthreads()` between every thread's reads and thread 0's
-LSE store, checked on the emitted CUDA by `cuda_checks.check_in_place_merge`); level two (`merge_final`) merges each
-request's group slots into the output, in head order with a natural-log LSE. Merging partials (o_i normalised, lse_i
-base 2): m = max lse_i, w_i = 2^(lse_i - m), o = sum w_i o_i / sum w_i, lse = log2(sum w_i) + m; UNROLL partials a
-round trip, since a merge is a chain of memory latencies.
-
-Kernel arguments, in order (S, G and B dynamic; grids (G, Hq) and (B, Hq)):
-    merge_groups(part_o [S, Hq, D] f32, part_lse [S, Hq] f32, group_first [G] i32, group_count [G] i32)
-    merge_final(part_o [S, Hq, D] f32, part_lse [S, Hq] f32, group_first [G] i32, req_group_first [B] i32,
-                req_group_count [B] i32, value_head_column [D] i32, out [B, Hq, D] bf16, lse [B, Hq] f32)
+group into its first slot, in place (a `__syncthreads()` between the reads and the store, checked on the emitted CUDA
+by `cuda_checks.check_in_place_merge`); level two (`merge_final`) merges each request's group slots into the output,
+in head order with a natural-log LSE. With o_i normalised and lse_i base 2: m = max lse_i, w_i = 2^(lse_i - m),
+o = sum w_i o_i / sum w_i, lse = log2(sum w_i) + m. Kernel arguments: the prim_funcs' (grids (G, Hq), (B, Hq)).
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which use closure values
@@ -21,7 +15,7 @@ from .registry import hands_out
 from .tl import compile_program, require_tilelang
 
 MERGE_THREADS = registry.get("merge_groups").params["threads"]
-UNROLL = 8  # partials loaded per round trip
+UNROLL = 8  # partials loaded per round trip: a merge is a chain of memory latencies
 
 
 def _cols_per_thread(geom: AttentionGeometry, threads: int) -> int:
@@ -31,8 +25,8 @@ def _cols_per_thread(geom: AttentionGeometry, threads: int) -> int:
 
 
 def merge_groups_program(geom: AttentionGeometry, *, threads: int = MERGE_THREADS, barrier: bool = True):
-    """The TileLang prim_func of the in-place level-one merge. `barrier=False` drops the `__syncthreads()` between
-    the group's reads and the store: a deliberately broken kernel, for the barrier check's red test only."""
+    """The TileLang prim_func of the in-place level-one merge. `barrier=False` drops the `__syncthreads()`: a broken
+    kernel, for the barrier check's red test only."""
     require_tilelang()
     import tilelang.language as T
 
@@ -72,11 +66,9 @@ def merge_groups_program(geom: AttentionGeometry, *, threads: int = MERGE_THREAD
 
 
 def _merge_partials_macro(vec: int, *, via_group_first: bool, per_trip: int = UNROLL):
-    """Online merge of `count` partials, `per_trip` at a time: the loads of a block are independent (predicated past
-    `count`), so a block costs one round trip to memory instead of `per_trip` dependent ones. Member i is slot first + i
-    (level one: a group's members), or slot group_first[first + i] (level two: `first` is the request's first group;
-    the index is clamped to the last group so that no load past the request's groups is issued). Leaves (running max,
-    weight sum) in `state` and the unnormalised columns in `acc`."""
+    """Online merge of `count` partials, `per_trip` independent (predicated) loads a round trip. Member i is slot
+    first + i (level one), or group_first[first + i] (level two, clamped to the request's last group so that no load
+    past it is issued). Leaves (running max, weight sum) in `state` and the unnormalised columns in `acc`."""
     import tilelang.language as T
 
     f32 = "float32"
@@ -116,8 +108,7 @@ def _merge_partials_macro(vec: int, *, via_group_first: bool, per_trip: int = UN
 
 
 def merge_final_program(geom: AttentionGeometry, *, threads: int = MERGE_THREADS, unroll: int = UNROLL):
-    """The TileLang prim_func of the level-two merge into the output (head order, natural-log LSE), loading `unroll`
-    group slots per round trip."""
+    """The TileLang prim_func of the level-two merge, `unroll` group slots per round trip."""
     require_tilelang()
     import tilelang.language as T
 
@@ -125,7 +116,7 @@ def merge_final_program(geom: AttentionGeometry, *, threads: int = MERGE_THREADS
     vec = _cols_per_thread(geom, threads)
     num_slots, num_groups, batch = T.dynamic("num_slots"), T.dynamic("num_groups"), T.dynamic("batch")
     f32, i32, bf16 = "float32", "int32", "bfloat16"
-    merge_slots = _merge_partials_macro(vec, via_group_first=True, per_trip=unroll)  # the online merge of level one
+    merge_slots = _merge_partials_macro(vec, via_group_first=True, per_trip=unroll)
 
     @T.prim_func
     def merge_final(

@@ -26,27 +26,22 @@ from .decode_partial import FP8_PANEL, Run, fp8_row_macro
 from .registry import hands_out
 from .tl import compile_program, prim_func, require_tilelang
 
-# The registered tuning constants of the bf16 folded prefill (the AOT build compiles the same); prefill_split has its
-# own (one stage of its two 1,024-column windows, the plain softmax).
+# The registered tuning constants of the bf16 folded prefill (prefill_split has its own)
 DEFAULTS = dict(registry.get("prefill_folded").params)
 
 
 def check_geometry(geom: AttentionGeometry, fmt: KvFormat) -> None:
     if fmt is KvFormat.FOLDED and (geom.head_dim, geom.rotary_width, geom.group_size) != (512, 128, 8):
-        raise NotImplementedError(
-            f"prefill_folded is generated for head_dim 512, rotary width 128, GQA 8; got {geom.head_dim},"
-            f" {geom.rotary_width}, {geom.group_size}"
-        )
+        raise NotImplementedError(f"prefill_folded is generated for head_dim 512, rotary width 128, GQA 8; got"
+                                  f" {geom.head_dim}, {geom.rotary_width}, {geom.group_size}")
     if (geom.head_dim, geom.group_size) != (512, 8):
-        raise NotImplementedError(
-            f"prefill_split is generated for head_dim 512, GQA 8; got {geom.head_dim}, {geom.group_size}"
-        )
+        raise NotImplementedError(f"prefill_split is generated for head_dim 512, GQA 8; got {geom.head_dim},"
+                                  f" {geom.group_size}")
 
 
 @dataclass(frozen=True)
 class ScoreGemm:
-    """One gemm of the score window: S [M, N] += query key^T. A dataclass, not a tuple of buffers: a loop bound to
-    buffers would rename them after its variables and change the emitted CUDA."""
+    """S [M, N] += query key^T (not a tuple: a loop bound to buffers would rename them after its variables)."""
     query: Any
     key: Any
 
@@ -71,8 +66,8 @@ class Accumulator:
 
 
 def key_block_macro(geom: AttentionGeometry, fmt: KvFormat, block_M: int, block_N: int, fp8: bool = False):
-    """The query tiles and a key block's tiles of `fmt` rows (allocated under the names the emitted CUDA uses), as a
-    macro; `fp8`: an FP8 folded row's e4m3 panels as stored, their bf16 conversions and the tokens' scales."""
+    """A macro allocating the query's and a key block's tiles of `fmt` rows (under the emitted CUDA's names) and
+    returning the KeyBlock; `fp8`: an FP8 folded row (`fp8_row_macro`)."""
     import tilelang.language as T
 
     D, R = geom.head_dim, geom.rotary_width
@@ -98,7 +93,7 @@ def key_block_macro(geom: AttentionGeometry, fmt: KvFormat, block_M: int, block_
         return KeyBlock(query=(Run(q_rot, 0, R), Run(q_unrot, R, D)), row=(Run(K_rot, 0, R), Run(V_win, R, R + D)),
                         scores=(ScoreGemm(q_rot, K_rot), ScoreGemm(q_unrot, V_win[:, 0:U])), values=(V_win,))
 
-    fp8_row = fp8_row_macro(geom, block_N)  # the decode partial's FP8 row tiles
+    fp8_row = fp8_row_macro(geom, block_N)
 
     @T.macro
     def folded_fp8_block():
@@ -117,7 +112,7 @@ def key_block_macro(geom: AttentionGeometry, fmt: KvFormat, block_M: int, block_
 
 
 def accumulators_macro(block_M: int, D: int, fp8: bool = False):
-    """The output accumulators (float32 fragments, value-window order), one per value tile of the key block."""
+    """The float32 output accumulators (value-window order), one per value tile of the key block."""
     import tilelang.language as T
 
     accum = "float32"
@@ -158,12 +153,10 @@ def lazy_rescale_macro():
 
 
 def causal_mask_macro(block_N: int):
-    """The library's causal mask of a key tile, the `mask` hook's signature (scores, keep, the tile k, the CTA's first
-    row position): `macros.mask_scores_macro` on the tiles that cross the CTA's diagonal only. A CTA's rows sit at
-    first_pos or later (rows past the chunk repeat its last token), so a tile whose last key is at or before first_pos
-    keeps every score, and keys past the sequence are never in one: the mask is the identity there. A CTA walks every
-    key tile up to its rows (~500 at 32K of context) and one or two cross its diagonal; the per-score compare and
-    select sit between Q.K and the softmax with the tensor cores idle, ~5% of the kernel on every tile."""
+    """The causal mask (scores, keep, the tile k, the CTA's first row position): `macros.mask_scores_macro` only on
+    the tiles that cross the CTA's diagonal. Its rows sit at first_pos or later, so a tile whose last key is at or
+    before first_pos keeps every score (and holds no key past the sequence). Of ~500 tiles a CTA walks at 32K, one or
+    two cross the diagonal; the per-score select, with the tensor cores idle, was ~5% of the kernel on every tile."""
     import tilelang.language as T
 
     mask_scores = macros.mask_scores_macro()
@@ -201,12 +194,11 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
                     num_stages: int = 1, threads: int = 256, reduce_batch: int = 1,
                     max_slack_log2: float | None = None, fp8: bool = False, key_block=None, softmax=None,
                     rescale=None, mask=None):
-    """The TileLang prim_func of the prefill for one geometry, page format and tiling; `fp8`: over an FP8 folded pool.
-    `reduce_batch`, `max_slack_log2`: the softmax's (`macros.online_softmax_macro`); with a slack the output rescale
-    is `lazy_rescale_macro`'s, otherwise inline (as a macro it would rename the emitted CUDA's reduction workspaces).
-    A version's hook points (None: the library's): `key_block` (`key_block_macro`'s signature), `softmax`
-    (`macros.online_softmax_macro`'s), `rescale` (a macro (accumulators, rescale)) and `mask` (`causal_mask_macro`'s
-    signature: the tile's causal mask, told the tile and the CTA's first row position)."""
+    """The TileLang prim_func of the prefill; `fp8`: over an FP8 folded pool. `reduce_batch`, `max_slack_log2`: the
+    softmax's; with a slack the output rescale is `lazy_rescale_macro`'s, otherwise inline (as a macro it would rename
+    the emitted CUDA's reduction workspaces). A version's hook points (None: the library's): `key_block`, `softmax`,
+    `mask` (the signatures of `key_block_macro`, `macros.online_softmax_macro`, `causal_mask_macro`) and `rescale`
+    (a macro (accumulators, rescale))."""
     fmt = KvFormat.parse(fmt)
     check_geometry(geom, fmt)
     require_tilelang()
@@ -320,11 +312,8 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
         "Pool": T.Tensor([NP, HKV, page_size, W], "float8_e4m3" if fp8 else dtype),
         **({"Scales": T.Tensor([NP, HKV, page_size], accum)} if fp8 else {}),  # an FP8 row's scale per token
         "PageIds": T.Tensor([B, MP], "int32"),
-        "SeqLens": T.Tensor([B], "int32"),
-        "QStart": T.Tensor([B], "int32"),
-        "QLens": T.Tensor([B], "int32"),
-        "TileReq": T.Tensor([NT], "int32"),
-        "TileTok": T.Tensor([NT], "int32"),
+        **{name: T.Tensor([B], "int32") for name in ("SeqLens", "QStart", "QLens")},
+        **{name: T.Tensor([NT], "int32") for name in ("TileReq", "TileTok")},
         "Out": T.Tensor([Tq, HQ, D], dtype),
         "Lse": T.Tensor([Tq, HQ], accum),
     }
@@ -337,8 +326,7 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
 def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.FOLDED, *, page_size: int = 64,
           block_N: int = 64, num_stages: int = 1, threads: int = 256, reduce_batch: int = 1,
           max_slack_log2: float | None = None):
-    """Compile (JIT) the prefill kernel for `geom` and `fmt` over a bf16 pool (the registry's params: the served
-    tiling)."""
+    """Compile (JIT) the prefill kernel for `geom` and `fmt` over a bf16 pool."""
     return compile_program(prefill_program(geom, KvFormat.parse(fmt), page_size=page_size, block_N=block_N,
                                            num_stages=num_stages, threads=threads, reduce_batch=reduce_batch,
                                            max_slack_log2=max_slack_log2))
