@@ -5,15 +5,8 @@ A format is its tiles and which window feeds which gemm (`format_parts_macro`). 
 and O^T = V^T P^T, so the MMA's M is a tile's 64 tokens and Hopper's wgmma applies (M >= 64), N = the 8 query heads
 padded to 16; the softmax reduces over dim 0.
 
-Kernel arguments, in order (what a backend's callable takes; B, P, MP, C dynamic, grid (C, Hkv)):
-    decode_partial_<format>(query [B, Hq, D] bf16 (the format's form), pool [P, Hkv, page, W] bf16,
-                            page_ids [B, MP] i32, chunk_req [C] i32, chunk_start [C] i32 (a multiple of the page
-                            size), chunk_len [C] i32 (>= 1), part_o [C, Hq, D] f32 (value-window order),
-                            part_lse [C, Hq] f32 (base 2))
-    decode_fused_<format>(query, pool, page_ids, chunk_req, chunk_start, chunk_len, merge_first [C] i32,
-                          merge_count [C] i32, part_o, part_lse, counters [B, Hkv] i32, value_head_column [D] i32,
-                          out [B, Hq, D] bf16, lse [B, Hq] f32)
-    decode_partial_folded_fp8(query, pool [P, Hkv, page, W] e4m3, scales [P, Hkv, page] f32, page_ids, ...)
+Kernel arguments, in order (what a backend's callable takes; grid (C, Hkv)): `partial_inputs` (an FP8 pool's scales
+after the pool), then `partial_args` (decode_partial_<format>[_fp8]) or `merge_tail`'s (decode_fused_<format>).
 """
 
 # no `from __future__ import annotations`: TileLang's T.macro reads the macros' own source and closures
@@ -30,14 +23,12 @@ from .merge import _merge_partials_macro
 from .registry import hands_out
 from .tl import compile_program, prim_func, require_tilelang
 
-# the fused tail (tail_merge): a request-head of at most TAIL_FEW_MEMBERS chunks merges 4 columns a thread, 8 members
-# a round trip; more, 2 columns a thread and TAIL_MAX_MEMBERS a round trip (one wave of the H200's 132 SMs holds at most
-# 132 / 4 KV heads = 33 chunks of a request; more SMs, more chunks: a second round trip)
+# the fused tail merges 4 columns a thread, 8 members a round trip, for up to TAIL_FEW_MEMBERS members, else 2 and
+# TAIL_MAX_MEMBERS (one wave of the H200's 132 SMs holds 132 / 4 KV heads = 33 chunks of a request)
 TAIL_FEW_MEMBERS, TAIL_MAX_MEMBERS = 8, 33
 PRODUCER_THREADS = 128  # TileLang's warp specialisation: the producer warpgroup is threads [0, 128), consumers after
 FP8_PANEL = 128  # columns of an FP8 row loaded per shared tile: 128 bytes, the widest TMA box with 128-byte swizzle
-# An experiment's L2 prefetch (decode_partial_program's `prefetch_tiles`): one bulk prefetch of a contiguous range
-# (cp.async.bulk.prefetch.L2, sm_90; 16-byte aligned, a multiple of 16 bytes), issued by one consumer thread.
+# An experiment's L2 prefetch (`prefetch_tiles`): one bulk prefetch of a contiguous 16-byte aligned range (sm_90)
 L2_PREFETCH_SOURCE = r"""
 __device__ __forceinline__ void foldkv_prefetch_l2(const void* base, long long element, int bytes) {
   if ((threadIdx.x & 127) == 0) {  // bf16 elements: 2 bytes each
@@ -60,17 +51,16 @@ class Run:
 
 @dataclass(frozen=True)
 class Gemm:
-    """One gemm of a window: `row_tile` against the query piece (scores) or into the accumulator (values); an
-    accumulator holds output columns [col, col + rows)."""
+    """`row_tile` against the query piece (scores) or into the accumulator (values: output columns from `col`)."""
     row_tile: Any
     other: Any
     col: int = 0
 
 
 @dataclass(frozen=True)
-class Fp8Row:
-    """An FP8 folded row's tiles for one block of tokens: the e4m3 panels as loaded (Runs), their bf16 conversions,
-    the Converts between them and the tokens' scales."""
+class FoldedRow:
+    """A folded row's tiles for a block of tokens: as loaded (Runs), the gemms' bf16 tiles, an FP8 row's Converts and
+    scales."""
     row: tuple
     k_rot: Any
     v_unrot: Any
@@ -80,8 +70,7 @@ class Fp8Row:
 
 
 def fp8_row_macro(geom: AttentionGeometry, block_n: int):
-    """An FP8 folded row's tiles for `block_n` tokens as a macro returning an Fp8Row (the decode partial's and the
-    prefill's)."""
+    """A macro returning the FoldedRow of an FP8 row's `block_n` tokens (the decode partial's and the prefill's)."""
     import tilelang.language as T
     from tvm.script.ir_builder import IRBuilder
 
@@ -90,9 +79,7 @@ def fp8_row_macro(geom: AttentionGeometry, block_n: int):
 
     @T.macro
     def fp8_row():
-        # the stored row in panels of FP8_PANEL columns (128 B: one TMA box each, not one per token row)
-        # each named (TileLang names a buffer only when it is assigned to a variable; nameless ones get suffixes in no
-        # fixed order, and the emitted CUDA would differ from build to build)
+        # one TMA box a panel, each named: TileLang would give nameless buffers suffixes in no fixed order
         stored = [IRBuilder.name(f"stored_{p}", T.alloc_shared((block_n, FP8_PANEL), "float8_e4m3"))
                   for p in range((d + rot) // FP8_PANEL)]
         k_rot = T.alloc_shared((block_n, rot), "bfloat16")  # the row's windows in bf16 (exact: 3 fraction bits)
@@ -102,8 +89,8 @@ def fp8_row_macro(geom: AttentionGeometry, block_n: int):
         windows = ((k_rot, 0), (v_unrot, rot), (v_rot, d))  # (bf16 tile, first row column)
         convert = tuple(Convert(stored[p], tile, p * FP8_PANEL - lo) for p in range(len(stored))
                         for tile, lo in windows if lo <= p * FP8_PANEL < lo + tile.shape[1])
-        return Fp8Row(row=tuple(Run(t, p * FP8_PANEL, (p + 1) * FP8_PANEL) for p, t in enumerate(stored)),
-                      k_rot=k_rot, v_unrot=v_unrot, v_rot=v_rot, convert=convert, scale=scale_s)
+        return FoldedRow(row=tuple(Run(t, p * FP8_PANEL, (p + 1) * FP8_PANEL) for p, t in enumerate(stored)),
+                         k_rot=k_rot, v_unrot=v_unrot, v_rot=v_rot, convert=convert, scale=scale_s)
 
     return fp8_row
 
@@ -119,8 +106,8 @@ class FormatParts:
 
 
 def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, block_h: int, fp8: bool = False):
-    """The format's tiles (allocated under the names the emitted CUDA uses) and its windows, as a macro; `fp8`: the
-    FP8 folded row (foldkv.fp8), whose e4m3 tiles are loaded as stored and converted to bf16 tiles for the gemms."""
+    """A macro allocating the format's tiles (under the emitted CUDA's names) and returning its FormatParts; `fp8`:
+    the FP8 folded row, whose e4m3 panels are converted to the gemms' bf16 tiles."""
     import tilelang.language as T
 
     d, rot = geom.head_dim, geom.rotary_width
@@ -137,26 +124,20 @@ def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, blo
                            scores=(Gemm(k_s, q_s),), values=(Gemm(v_s, acc_o),))
 
     @T.macro
-    def folded_parts():
-        q_rot = T.alloc_shared((block_h, rot), bf16)  # [16, R]   rows >= 8: see macros.load_group_query_macro
-        q_unrot = T.alloc_shared((block_h, unrot), bf16)  # [16, D-R]
+    def bf16_row():
         k_rot = T.alloc_shared((block_n, rot), bf16)  # [N, R]   row[0:R]
         v_unrot = T.alloc_shared((block_n, unrot), bf16)  # [N, D-R] row[R:D]: a key column and a value column
         v_rot = T.alloc_shared((block_n, rot), bf16)  # [N, R]   row[D:D+R]
-        acc_o_unrot = T.alloc_fragment((unrot, block_h), f32)  # O^T [D-R, 16]
-        acc_o_rot = T.alloc_fragment((rot, block_h), f32)  # O^T [R, 16]
-        return FormatParts(query=(Run(q_rot, 0, rot), Run(q_unrot, rot, d)),
-                           row=(Run(k_rot, 0, rot), Run(v_unrot, rot, d), Run(v_rot, d, d + rot)),
-                           scores=(Gemm(k_rot, q_rot), Gemm(v_unrot, q_unrot)),
-                           values=(Gemm(v_unrot, acc_o_unrot), Gemm(v_rot, acc_o_rot, unrot)))
+        return FoldedRow(row=(Run(k_rot, 0, rot), Run(v_unrot, rot, d), Run(v_rot, d, d + rot)), k_rot=k_rot,
+                         v_unrot=v_unrot, v_rot=v_rot, convert=(), scale=None)
 
-    fp8_row = fp8_row_macro(geom, block_n)
+    folded_row = fp8_row_macro(geom, block_n) if fp8 else bf16_row
 
     @T.macro
-    def folded_fp8_parts():
+    def folded_parts():
         q_rot = T.alloc_shared((block_h, rot), bf16)  # [16, R]   rows >= 8: see macros.load_group_query_macro
         q_unrot = T.alloc_shared((block_h, unrot), bf16)  # [16, D-R]
-        row = fp8_row()  # its tiles used as row.<name>: bound to another name, a buffer would be renamed after it
+        row = folded_row()  # its tiles used as row.<name>: bound to another name, a buffer would be renamed after it
         acc_o_unrot = T.alloc_fragment((unrot, block_h), f32)  # O^T [D-R, 16]
         acc_o_rot = T.alloc_fragment((rot, block_h), f32)  # O^T [R, 16]
         return FormatParts(query=(Run(q_rot, 0, rot), Run(q_unrot, rot, d)), row=row.row,
@@ -164,17 +145,14 @@ def format_parts_macro(geom: AttentionGeometry, fmt: KvFormat, block_n: int, blo
                            values=(Gemm(row.v_unrot, acc_o_unrot), Gemm(row.v_rot, acc_o_rot, unrot)),
                            convert=row.convert, token_scale=row.scale)
 
-    if fp8:
-        if fmt is not KvFormat.FOLDED:
-            raise ValueError("FP8 rows are folded only (foldkv.pool.PagedKvLayout refuses an FP8 split pool)")
-        return folded_fp8_parts
+    if fp8 and fmt is not KvFormat.FOLDED:
+        raise ValueError("FP8 rows are folded only (foldkv.pool.PagedKvLayout refuses an FP8 split pool)")
     return {KvFormat.SPLIT: split_parts, KvFormat.FOLDED: folded_parts}[fmt]
 
 
 @dataclass(frozen=True)
 class TailContext:
-    """What a fused tail is built for: the geometry, the consumer threads and the kernel's dynamic dims (batch, chunk
-    slots) its arguments' shapes use."""
+    """What a fused tail is built for: the geometry, the consumer threads, the dynamic batch and chunk slots."""
     geom: AttentionGeometry
     threads: int
     batch: Any
@@ -183,32 +161,24 @@ class TailContext:
 
 @dataclass(frozen=True)
 class FusedTail:
-    """A fused step's tail: how the chunks (members) of a request-head of several hand their partials to each other
-    and merge them into `out` / `lse` (a request-head of one chunk writes its output from the epilogue, whatever the
-    tail). Its hook points into decode_partial_program, each called with the kernel's own names (a buffer passed
-    under another name would be renamed after it, and the emitted CUDA would change):
-        args     the kernel's arguments after chunk_len (name -> T.Tensor); `merge_first`, `merge_count`,
-                 `value_head_column`, `out` and `lse` are read by the kernel itself (`tail_args`)
-        partial  which of them the partial goes to: (its output, its base-2 LSE, or None: the output carries it)
-        source   the device code the kernel imports
-        scratch  float32 words of shared memory the tail needs, allocated before the loop as `scratch` (0: none)
-        store    T.macro(part_o, c, kvh, j, out, i, denom, head_max, members): one element of a member's partial,
-                 in place of the partial's own store (None: the partial's)
-        finish   T.macro(tail, part_o, part_lse, scratch, req, kvh, c, members, at): after the epilogue, in a
-                 CTA whose request-head has members > 1 (`tail`: the arguments by name; `at["first"]`: the
-                 request-head's first slot, in a dict because a macro argument would be copied into a new variable)
-    The library serves `merge_tail`; the tails that lost build through these hooks in bench/versions/."""
-    args: dict
+    """How the chunks (members) of a request-head of several merge their partials into `out` / `lse` (one chunk
+    writes its output from the epilogue): the served `merge_tail`, or a version's in bench/versions/. Its hooks are
+    called with the kernel's own names (a buffer passed under another name would be renamed after it)."""
+    args: dict  # the kernel's arguments after chunk_len (name -> T.Tensor; `tail_args`)
+    # T.macro(tail, part_o, part_lse, scratch, req, kvh, c, members, at), after the epilogue when members > 1: `tail`
+    # the arguments by name, `at["first"]` the first slot (a macro argument would be copied into a new variable)
     finish: Any
-    source: str = ""
-    partial: tuple = ("part_o", "part_lse")
-    scratch: int = 0
+    source: str = ""  # the device code the kernel imports
+    partial: tuple = ("part_o", "part_lse")  # the arguments the partial goes to (LSE None: the output carries it)
+    scratch: int = 0  # float32 words of shared memory allocated before the loop as `scratch`
+    # T.macro(part_o, c, kvh, j, out, i, denom, head_max, members): one element of a member's partial (None: the
+    # partial's own store)
     store: Any = None
 
 
 def tail_args(ctx: TailContext, partial: dict) -> dict:
-    """A fused kernel's arguments after chunk_len: the plan's merge slots, `partial` (name -> T.Tensor: where the
-    members leave their partials), then the value-window map and the outputs."""
+    """A fused kernel's arguments after chunk_len: the merge slots, `partial` (where members leave their partials),
+    the value-window map and the outputs."""
     import tilelang.language as T
 
     hq, d = ctx.geom.num_q_heads, ctx.geom.head_dim
@@ -223,7 +193,7 @@ def tail_args(ctx: TailContext, partial: dict) -> dict:
 
 
 def partial_inputs(ctx: TailContext, num_pages, max_pages, page_size: int, width: int, fp8: bool) -> dict:
-    """A partial's arguments up to chunk_len (the module docstring's); over an FP8 pool its scales after the pool."""
+    """A partial's arguments up to chunk_len; over an FP8 pool its scales after the pool."""
     import tilelang.language as T
 
     hq, hkv, d, i32 = ctx.geom.num_q_heads, ctx.geom.num_kv_heads, ctx.geom.head_dim, "int32"
@@ -248,8 +218,7 @@ def partial_args(ctx: TailContext) -> dict:
 
 
 def hand_off_macro(ctx: TailContext):
-    """The atomic hand-off (macros.TAIL_SOURCE): every member counts itself in on its request-head's counter and
-    waits until all have, so that each may then read every member's partial."""
+    """The atomic hand-off (macros.TAIL_SOURCE): each member waits until all have stored their partials."""
     import tilelang.language as T
 
     hkv, threads = ctx.geom.num_kv_heads, ctx.threads
@@ -263,9 +232,8 @@ def hand_off_macro(ctx: TailContext):
 
 
 def tail_slice_macro(tc: TailContext):
-    """A member's slice of its request-head's group x D columns merged from every member's partial (part_o,
-    part_lse) into out / lse: `vec` columns a thread, `trip` members a round trip (`merge_members`: merge.py's
-    online merge built for them)."""
+    """A member's slice of its request-head's group x D columns merged from every member's partial into out / lse:
+    `vec` columns a thread, `trip` members a round trip (`merge_members`: merge.py's online merge built for them)."""
     import tilelang.language as T
 
     group, d, threads = tc.geom.group_size, tc.geom.head_dim, tc.threads
@@ -297,12 +265,11 @@ def tail_slice_macro(tc: TailContext):
 
 
 def merge_tail(ctx: TailContext, *, hand_off: bool = True) -> FusedTail:
-    """The served tail: the atomic hand-off (`hand_off_macro`), then each member merges its slice from every member's
-    partial (`tail_slice_macro`). `hand_off=False` leaves the hand-off out: the hand-off check's red twin."""
+    """The served tail: the hand-off, then each member's slice (`tail_slice_macro`). `hand_off=False` leaves the
+    hand-off out: the hand-off check's red twin."""
     import tilelang.language as T
 
-    hq, d = ctx.geom.num_q_heads, ctx.geom.head_dim
-    counters = T.Tensor((ctx.batch, ctx.geom.num_kv_heads), "int32")  # [B, Hkv] a multiple of TAIL_STEP between launches
+    counters = T.Tensor((ctx.batch, ctx.geom.num_kv_heads), "int32")  # [B, Hkv] multiples of TAIL_STEP
     hand_off_ = hand_off_macro(ctx)
     tail_slice = tail_slice_macro(ctx)
     (few_vec, few_trip), (many_vec, many_trip) = (4, TAIL_FEW_MEMBERS), (2, TAIL_MAX_MEMBERS)
@@ -326,12 +293,11 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                            num_stages: int = 1, threads: int = 128, block_h: int = 16, fp8: bool = False,
                            e4m3_convert: str = "bits", reduce_batch: int = 1, ctas_per_sm: int = 1,
                            tail_merge: bool = False, tail=None, prefetch_tiles: int = 0):
-    """The TileLang prim_func of the partial kernel for one geometry, page format and tiling. `fp8`: over an FP8
-    folded pool, its e4m3 panels converted by `macros.convert_e4m3_macro` ("bits") or TileLang's conversion ("cvt");
-    `reduce_batch`: the softmax's queries per cross-warp reduction, at most the queries a consumer thread holds;
-    `ctas_per_sm`: CTAs each SM must hold at once (`__launch_bounds__`); `tail_merge`: the fused step, its tail
+    """The TileLang prim_func of the partial kernel. `fp8`: over an FP8 folded pool, converted by
+    `macros.convert_e4m3_macro` ("bits") or TileLang's conversion ("cvt"); `reduce_batch`: the softmax's queries per
+    cross-warp reduction; `ctas_per_sm`: CTAs an SM holds at once; `tail_merge`: the fused step, its tail
     `tail(TailContext) -> FusedTail` (default `merge_tail`); `prefetch_tiles` > 0: an experiment's L2 prefetch of the
-    page tile that many ahead (0 emits nothing)."""
+    page tile that many ahead."""
     require_tilelang()
     import tilelang.language as T
     from tvm.script.ir_builder import IRBuilder
@@ -340,14 +306,12 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     hkv, group = geom.num_kv_heads, geom.group_size
     width = row_width(geom, fmt)
     assert page_size % block_n == 0 and block_h >= group
-    batch, num_pages, max_pages, num_chunks = (T.dynamic(n) for n in ("batch", "num_pages", "max_pages",
-                                                                       "num_chunks"))
+    batch, num_pages, max_pages, num_chunks = T.dynamic("batch, num_pages, max_pages, num_chunks")
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     scale = macros.LOG2E
     format_parts = format_parts_macro(geom, fmt, block_n, block_h, fp8=fp8)
     load_query = macros.load_group_query_macro(group, block_h)
-    # wgmma's accumulator layout gives a consumer thread a quarter of its warpgroup's query columns (of S^T's 16: all
-    # with one consumer warpgroup, 8 each with two)
+    # wgmma's accumulator layout gives a consumer thread a quarter of its warpgroup's query columns
     thread_queries = block_h // 4 // (threads // 128)
     if reduce_batch < 1 or thread_queries % reduce_batch:
         raise ValueError(f"reduce_batch={reduce_batch} must divide the {thread_queries} queries a consumer thread"
@@ -364,6 +328,10 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
         raise ValueError("tail_merge: bf16 pools and one CTA per SM only")
     ctx = TailContext(geom, threads, batch, num_chunks)
     fused = (tail or merge_tail)(ctx) if tail_merge else None
+    # two consumer warpgroups: each takes half of S^T's 16 query columns, and half of O^T's rows
+    split_heads = threads > 128
+    score_policy = T.GemmWarpPolicy.FullCol if split_heads else T.GemmWarpPolicy.Square
+    value_policy = T.GemmWarpPolicy.FullRow if split_heads else T.GemmWarpPolicy.Square
 
     @T.macro
     def partial(query, pool, scales, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse, tail=None):
@@ -381,11 +349,8 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
             rescale = T.alloc_fragment((block_h,), f32)
             head_sum = T.alloc_fragment((block_h,), f32)
             denom = T.alloc_fragment((block_h,), f32)
-            # two consumer warpgroups split S's columns but each holds every column of O: the per-query factors
-            # reach O through shared memory
-            # (kept in a dict, not bound to new variables: a buffer bound to another name would be renamed after
-            # it, and the one-warpgroup kernels' emitted CUDA would change)
-            split_heads = threads > 128
+            # two consumer warpgroups each hold every column of O: the per-query factors reach O through shared
+            # memory (in a dict: a buffer bound to another name would be renamed after it)
             for_o = {"rescale": rescale, "denom": denom}
             if split_heads:
                 for name in for_o:
@@ -420,11 +385,8 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                     for conv in parts.convert:
                         T.copy(conv.stored, conv.tile[:, conv.col:conv.col + FP8_PANEL])
                 T.clear(acc_s)
-                for score in parts.scores:
-                    if split_heads:  # two consumer warpgroups: each takes half of the 16 query columns
-                        T.gemm(score.row_tile, score.other, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-                    else:
-                        T.gemm(score.row_tile, score.other, acc_s, transpose_B=True)  # S^T [N, 16] += K Q^T
+                for score in parts.scores:  # S^T [N, 16] += K Q^T
+                    T.gemm(score.row_tile, score.other, acc_s, transpose_B=True, policy=score_policy)
                 if parts.token_scale is not None:  # a token's row is its e4m3 values times its scale
                     for i, j in T.Parallel(block_n, block_h):
                         acc_s[i, j] *= parts.token_scale[i]
@@ -441,11 +403,8 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                 if (k + 1) * block_n > n_tok:
                     for out in parts.values:
                         zero_rows(out.row_tile, lambda i: k * block_n + i < n_tok)
-                for out in parts.values:
-                    if split_heads:  # two consumer warpgroups: each takes half of the output rows
-                        T.gemm(out.row_tile, p_shared, out.other, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
-                    else:
-                        T.gemm(out.row_tile, p_shared, out.other, transpose_A=True)  # O^T [cols, 16] += V^T P^T
+                for out in parts.values:  # O^T [cols, 16] += V^T P^T
+                    T.gemm(out.row_tile, p_shared, out.other, transpose_A=True, policy=value_policy)
 
             if split_heads:
                 T.copy(denom, for_o["denom"])
@@ -498,9 +457,8 @@ def build_decode_partial(geom: AttentionGeometry, fmt: KvFormat | str, **tiling)
 @hands_out("decode_fused_{fmt}")
 def build_decode_fused(geom: AttentionGeometry, fmt: KvFormat | str, *, tail_hand_off: bool = True, tail=None,
                        **tiling):
-    """Compile (JIT) the fused step of a one-wave plan with the format's partial DEFAULTS, overridden by `tiling`,
-    and check its hand-off on the emitted CUDA (`cuda_checks.check_tail_hand_off`). `tail_hand_off=False`: the
-    check's red twin; `tail`: a version's tail in place of `merge_tail`."""
+    """Compile (JIT) the fused step with the format's DEFAULTS, overridden by `tiling`, and check its hand-off on
+    the emitted CUDA. `tail_hand_off=False`: the check's red twin; `tail`: a version's tail for `merge_tail`."""
     fmt = KvFormat.parse(fmt)
     cfg = {**DEFAULTS[fmt], **tiling}
     kernel = compile_program(decode_partial_program(

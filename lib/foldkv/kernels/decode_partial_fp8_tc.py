@@ -1,9 +1,7 @@
 """The FP8 folded decode partial on FP8 tensor cores (`fp8_math="tensor_cores"`, the FP8 pool's default): both gemms
-in e4m3 wgmma, the value window transposed by the consumer, the query and P in two e4m3 parts (kernels/
-DECODE_SCHEDULE.md, "The tensor-core FP8 partial"). Only the served configuration is here; bench/versions/
-decode_partial_fp8_mma.py holds this program with the probe's other options.
-
-Kernel arguments: those of the exact FP8 partial (decode_partial.py's docstring).
+in e4m3 wgmma, the value window transposed by the consumer, the query and P in two e4m3 parts (DECODE_SCHEDULE.md,
+"The tensor-core FP8 partial"). Only the served configuration; the probe's other options are in bench/versions/
+decode_partial_fp8_mma.py. Kernel arguments: the exact FP8 partial's (decode_partial.py).
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
@@ -93,19 +91,16 @@ __device__ __forceinline__ float foldkv_max_scale64(const float* scale, int vali
 
 
 def transpose_panel_macro(block_n: int, threads: int):
-    """One e4m3 panel [block_n, 128] of the value window into V^T's rows d0..d0+127 (V^T [512, block_n], the K-major
-    operand FP8 wgmma needs): each consumer thread one 4-token x 16-column block (T.Parallel(block_n / 4, 8): a
-    quarter-warp reads one token row's 128 bytes); `first` waits on the named barrier before its stores (the previous
-    tile's value gemm reads V^T), `last` fences and waits after them (DEVICE_SOURCE). `tokens_left()`: the tile's
-    tokens in the chunk (past it: 0 in V^T)."""
+    """One e4m3 panel [block_n, 128] of the value window into V^T's rows d0..d0+127 (the K-major operand FP8 wgmma
+    needs): each consumer thread one 4-token x 16-column block, a quarter-warp one token row's 128 bytes; `first` /
+    `last` carry the barriers (DEVICE_SOURCE). `tokens_left()`: the tile's tokens in the chunk (past it: 0 in V^T)."""
     import tilelang.language as T
 
     tok_blocks, col_blocks = block_n // 4, FP8_PANEL // 16
     assert tok_blocks * col_blocks == threads
 
-    # a panel is reached through its list (`panels[n]`): a buffer passed as a macro argument, or bound to a loop
-    # variable, would be renamed after it, all panels under one name, and TileLang would then number them in an
-    # order that changes from process to process
+    # a panel is reached through its list (`panels[n]`): passed as a macro argument or bound to a loop variable, all
+    # panels would be renamed after it, then numbered in an order that changes from process to process
     @T.macro
     def transpose_panel(panels, n, v_t, d0, first, last, tokens_left):
         for i, j in T.Parallel(tok_blocks, col_blocks):
@@ -117,8 +112,7 @@ def transpose_panel_macro(block_n: int, threads: int):
 
 
 def transpose_values_macro(block_n: int, threads: int):
-    """The value window's e4m3 panels (a list of [block_n, 128] shared tiles, in column order) into V^T [512, block_n]
-    by `transpose_panel_macro`, the first and the last panel's calls carrying the barriers."""
+    """The value window's e4m3 panels (a list, in column order) into V^T [512, block_n] by `transpose_panel_macro`."""
     import tilelang.language as T
 
     transpose_panel = transpose_panel_macro(block_n, threads)
@@ -131,33 +125,16 @@ def transpose_values_macro(block_n: int, threads: int):
     return transpose_values
 
 
-def hi_part(x):
-    """The e4m3 hi part of a float32 expression x (x ~ hi + lo / TWO_PART_LO)."""
-    import tilelang.language as T
-
-    return T.cast(x, "float8_e4m3")
-
-
-def lo_part(x):
-    """The e4m3 lo part of a float32 expression x: e4m3(TWO_PART_LO (x - hi))."""
-    import tilelang.language as T
-
-    return T.cast((x - T.cast(T.cast(x, "float8_e4m3"), "float32")) * TWO_PART_LO, "float8_e4m3")
-
-
 @dataclass(frozen=True)
 class Rounding:
-    """How the query and P go to the FP8 tensor cores, four steps of `decode_partial_fp8_tc_program` (each a T.macro,
-    called with the kernel's own buffers; a version brings its own through the probe's hooks):
-        cols        columns of the running output and softmax state (the 8 query heads when rows 8-15 of wgmma's N
-                    carry the lo parts; 16 when they carry nothing the kernel keeps)
+    """How the query and P go to the FP8 tensor cores: four T.macros called with the kernel's own buffers (a version
+    brings its own through the probe's hooks):
+        cols        columns of the running output and softmax state (8 when rows 8-15 of wgmma's N carry lo parts)
         query       (q_s, q8, q_part, q_gain, q_inv, amax): the bf16 query rows [16, D] into the e4m3 panels q8
-        scores      (acc_s, s_lo, scores, scale_s, q_inv, tile_gain, tile_inv, valid): S^T [N, 16] from the gemm
-                    into `scores` [N, cols] float32 (the row's and query's scales applied), and the tile's P gain and
-                    its inverse (`valid`: the tile's tokens in the chunk)
+        scores      (acc_s, s_lo, scores, scale_s, q_inv, tile_gain, tile_inv, valid): S^T [N, 16] into `scores`
+                    [N, cols] float32, scales applied, and the tile's P gain and inverse (`valid`: tokens in the chunk)
         p_store     (scores, p8): P [N, cols] (times the gain) into P^T [16, N] e4m3
-        accumulate  (acc_o, acc_o_tile, o_lo, rescale, tile_inv): the tile's O^T [D, 16] into the running O [D, cols]
-                    in float32"""
+        accumulate  (acc_o, acc_o_tile, o_lo, rescale, tile_inv): the tile's O^T [D, 16] into the running O"""
     cols: int
     query: Any
     scores: Any
@@ -175,6 +152,12 @@ def two_part_rounding(geom: AttentionGeometry, block_n: int, block_h: int) -> Ro
         raise ValueError(f"two e4m3 parts in wgmma's N: 2 x {group} query heads must be block_h={block_h}")
     unlo = 1.0 / TWO_PART_LO
     q_chunk = d // 16  # query elements each of 16 threads scans per head for its largest |q|
+
+    def hi_part(x):  # the e4m3 hi part of a float32 expression x (x ~ hi + lo / TWO_PART_LO)
+        return T.cast(x, "float8_e4m3")
+
+    def lo_part(x):  # its lo part: e4m3(TWO_PART_LO (x - hi))
+        return T.cast((x - T.cast(T.cast(x, "float8_e4m3"), "float32")) * TWO_PART_LO, "float8_e4m3")
 
     @T.macro
     def query(q_s, q8, q_part, q_gain, q_inv, amax):
@@ -223,10 +206,8 @@ def two_part_rounding(geom: AttentionGeometry, block_n: int, block_h: int) -> Ro
 
 def decode_partial_fp8_tc_program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64,
                                   num_stages: int = 1, block_h: int = 16, reduce_batch: int = 4, ctas_per_sm: int = 2):
-    """The TileLang prim_func of the FP8 tensor-core partial for one geometry and tiling (DECODE_SCHEDULE.md): the
-    value window transposed by `transpose_values_macro`, the query and P rounded by `two_part_rounding`;
-    `reduce_batch`: the softmax's queries per cross-warp reduction (macros.online_softmax_macro); `ctas_per_sm`: CTAs
-    each SM holds at once (macros.share_sm_registers_macro)."""
+    """The TileLang prim_func of the FP8 tensor-core partial: V^T by `transpose_values_macro`, the query and P by
+    `two_part_rounding`; `reduce_batch`, `ctas_per_sm` as in decode_partial_program."""
     require_tilelang()
     import tilelang.language as T
     from tvm.script.ir_builder import IRBuilder
@@ -237,8 +218,7 @@ def decode_partial_fp8_tc_program(geom: AttentionGeometry, *, page_size: int = 6
     if page_size % block_n or d % FP8_PANEL or width % FP8_PANEL or block_h < group:
         raise ValueError(f"the FP8 tensor-core partial is written for {FP8_PANEL}-column panels, pages of whole tiles"
                          f" and block_h >= the {group} query heads of a KV head")
-    batch, num_pages, max_pages, num_chunks = (T.dynamic(n) for n in ("batch", "num_pages", "max_pages",
-                                                                       "num_chunks"))
+    batch, num_pages, max_pages, num_chunks = T.dynamic("batch, num_pages, max_pages, num_chunks")
     bf16, f32, e4m3 = "bfloat16", "float32", "float8_e4m3"
     panels, score_panels = width // FP8_PANEL, d // FP8_PANEL  # 5 and 4: scores row[0:D], values row[R:D+R]
     online_softmax = macros.online_softmax_macro(key_dim=0, reduce_batch=reduce_batch)
@@ -321,9 +301,8 @@ def decode_partial_fp8_tc_program(geom: AttentionGeometry, *, page_size: int = 6
 
 @hands_out("decode_partial_{fmt}_fp8_tc")
 def build(geom: AttentionGeometry, fmt: KvFormat | str = KvFormat.FOLDED, **tiling):
-    """Compile (JIT) the FP8 tensor-core partial with its registered params, overridden by `tiling`; the probe's
-    options other than the served ones (`SERVED`) are refused here (they build in bench/versions/). Its emitted CUDA
-    is checked for the transpose's barriers before it is handed out."""
+    """Compile (JIT) the FP8 tensor-core partial with its registered params, overridden by `tiling` (options other
+    than `SERVED` are refused) and check the transpose's barriers on its emitted CUDA."""
     if KvFormat.parse(fmt) is not KvFormat.FOLDED:
         raise ValueError("FP8 rows are folded only (foldkv.pool.PagedKvLayout refuses an FP8 split pool)")
     cfg = {**registry.get(NAME).params, **tiling}
