@@ -98,10 +98,10 @@ def test_tensor_core_decode_aot_bit_identical_to_jit(aot_build, cuda_device, len
         (int((bits(jo) != bits(ao)).sum()), int((bits(jl) != bits(al)).sum()))
 
 
-@pytest.mark.parametrize("step", ["model-graph", "layer-graphs", "eager"])
+@pytest.mark.parametrize("step", list(STEPS))  # test_hf_gpu's decode paths (each layer's own graph is gone)
 def test_fp8_cache_decodes_on_tensor_cores(gpu_models, batch, step):  # noqa: F811
     """FoldKvCache(dtype=float8_e4m3fn, fp8_math="tensor_cores") through generate(): every decode path (the model's
-    graph, each layer's workspace graph, the eager launcher) launches the tensor-core partial and no poisoned row is
+    graph, the eager launcher) launches the tensor-core partial and no poisoned row is
     read (finite logits); its gap to the float64 reference over the FP8 pool is printed beside the exact partial's
     (the accuracy itself is held by the kernel gates above)."""
     from foldkv.hf import FoldKvCache
