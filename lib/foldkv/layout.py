@@ -39,8 +39,9 @@ def rotated_columns(geom: AttentionGeometry) -> torch.Tensor:
 
 def unrotated_columns(geom: AttentionGeometry) -> torch.Tensor:
     """Head columns RoPE leaves as they are (zero frequency), ascending: there K == V * w_k exactly. [D - R] int64."""
-    half, pairs = geom.head_dim // 2, geom.rotary_pairs
-    return torch.cat([torch.arange(pairs, half), torch.arange(half + pairs, geom.head_dim)])
+    mask = torch.ones(geom.head_dim, dtype=torch.bool)
+    mask[rotated_columns(geom)] = False
+    return torch.nonzero(mask).flatten()
 
 
 def row_width(geom: AttentionGeometry, fmt: KvFormat | str) -> int:
