@@ -29,7 +29,7 @@ step by design (one's softmax beside the other's gemms: the tensor cores see bot
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
 
 from foldkv.config import GEMMA4_31B, AttentionGeometry
-from foldkv.kernels import macros
+from foldkv.kernels import macros, producer_guard
 from foldkv.kernels.prefill_attention import check_geometry, head_column_of
 from foldkv.kernels.tl import pass_configs, prim_func, require_tilelang, target
 from foldkv.layout import KvFormat, row_width
@@ -58,7 +58,7 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
     NEG = -T.infinity(accum)
 
     @T.macro
-    def consumer(w, Q_shared, KV, m_shared, l_shared, bar_ready, bar_free, bar_stats, bar_p, acc_s, acc_o, m, m_prev,
+    def consumer(w, Q_shared, KV, m_shared, l_shared, mbarrier, acc_s, acc_o, m, m_prev,
                  m_peer, alpha, l, l_tile, moved, Out, Lse, req, tok0, q_len, q_base, pos0, n_kv, num_blocks, by):
         # warpgroup w: tiles 2i + w, output columns [w * H, (w + 1) * H) of the value window (row[128 + w * H ...])
         T.set_max_nreg(CONSUMER_REGS, 1)
@@ -68,7 +68,7 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
         first_pos = pos0 + tok0
         for i in T.serial(T.ceildiv(num_blocks, 2)):
             k = 2 * i + w
-            T.barrier_wait(bar_ready[w], i & 1)
+            T.barrier_wait(mbarrier[1 + w], i & 1)
             if k < num_blocks:
                 T.gemm(Q_shared, KV[w, :, 0:D], acc_s, transpose_B=True, clear_accum=True)
                 if (k + 1) * block_N - 1 > first_pos:  # a tile crossing the diagonal (or past the sequence)
@@ -84,8 +84,8 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
             T.copy(m, m_prev)
             T.reduce_max(acc_s, m, dim=1, clear=False)
             T.copy(m, m_shared[w, :])
-            T.barrier_arrive(bar_stats[w])
-            T.barrier_wait(bar_stats[1 - w], i & 1)
+            T.barrier_arrive(mbarrier[5 + w])
+            T.barrier_wait(mbarrier[6 - w], i & 1)
             T.copy(m_shared[1 - w, :], m_peer)
             for r in T.Parallel(block_M):
                 m[r] = T.max(m[r], m_peer[r])
@@ -107,18 +107,18 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
             # P of this tile over its K_rot's first 64 columns (only this warpgroup's Q.K read them), for both P.Vs
             T.copy(acc_s, KV[w, :, 0:block_N])
             T.fence_proxy_async()
-            T.barrier_arrive(bar_p[w])
+            T.barrier_arrive(mbarrier[7 + w])
             if k < num_blocks:
                 T.gemm(KV[w, :, 0:block_N], KV[w, :, R + w * H:R + (w + 1) * H], acc_o)
-            T.barrier_wait(bar_p[1 - w], i & 1)
+            T.barrier_wait(mbarrier[8 - w], i & 1)
             if 2 * i + 1 - w < num_blocks:
                 T.gemm(KV[1 - w, :, 0:block_N], KV[1 - w, :, R + w * H:R + (w + 1) * H], acc_o)
-            T.barrier_arrive(bar_free[0])
-            T.barrier_arrive(bar_free[1])
+            T.barrier_arrive(mbarrier[3])
+            T.barrier_arrive(mbarrier[4])
         # the denominator: this warpgroup's tiles' sum plus the other's, on the same max
         T.copy(l, l_shared[w, :])
-        T.barrier_arrive(bar_stats[w])
-        T.barrier_wait(bar_stats[1 - w], T.ceildiv(num_blocks, 2) & 1)
+        T.barrier_arrive(mbarrier[5 + w])
+        T.barrier_wait(mbarrier[6 - w], T.ceildiv(num_blocks, 2) & 1)
         T.copy(l_shared[1 - w, :], l_tile)
         for r in T.Parallel(block_M):
             l[r] += l_tile[r]
@@ -133,6 +133,7 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
     @T.macro
     def attention(Q, Pool, PageIds, SeqLens, QStart, QLens, TileReq, TileTok, Out, Lse):
         with T.Kernel(NT, HKV, threads=384) as (bx, by):
+            T.import_source(producer_guard.imported_source())  # the producer loop in the warp that issues the TMA
             Q_shared = T.alloc_shared([block_M, D], dtype)  # score-window order
             KV = T.alloc_shared([2, block_N, W], dtype)  # two stages of the row; P over each stage's [:, 0:64]
             m_shared = T.alloc_shared([2, block_M], accum)
@@ -155,12 +156,10 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
             l_tile_1 = T.alloc_fragment([block_M], accum)
             moved_0 = T.alloc_local([1], "int32")
             moved_1 = T.alloc_local([1], "int32")
-            bar_q = T.alloc_barrier(arrive_count=384)
-            bar_ready = T.alloc_barrier(arrive_count=[1, 1])  # the producer's elected thread, and the TMA's bytes
-            bar_free = T.alloc_barrier(arrive_count=[256, 256])
-            bar_stats = T.alloc_barrier(arrive_count=[128, 128])
-            bar_p = T.alloc_barrier(arrive_count=[128, 128])
-
+            # one array, as TileLang's own warp specialisation names it (producer_guard reads its waits by that name):
+            # [0] the query, [1, 2] stage s loaded (the producer's elected thread and the TMA's bytes), [3, 4] stage s
+            # free (both consumers), [5, 6] warpgroup w's row max or sum written, [7, 8] warpgroup w's P written
+            mbarrier = T.alloc_barrier(arrive_count=[384, 1, 1, 256, 256, 128, 128, 128, 128])
             req = TileReq[bx]
             tok0 = TileTok[bx]
             n_kv = SeqLens[req]
@@ -173,27 +172,27 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
             # row r = (token tok0 + r // G, head by * G + r % G); tokens past the chunk repeat its last token
             for r, d in T.Parallel(block_M, D):
                 Q_shared[r, d] = Q[q_base + T.min(tok0 + r // G, q_len - 1), by * G + r % G, d]
-            T.barrier_arrive(bar_q)
-            T.barrier_wait(bar_q, 0)
+            T.barrier_arrive(mbarrier[0])
+            T.barrier_wait(mbarrier[0], 0)
 
-            if tx >= 256:
+            if tx < 128:  # the producer warpgroup first, as TileLang's warp specialisation places it
                 T.set_max_nreg(PRODUCER_REGS, 0)
                 for i in T.serial(T.ceildiv(num_blocks, 2)):
                     for s in T.unroll(2, explicit=True):
                         k = 2 * i + s
-                        T.barrier_wait(bar_free[s], (i & 1) ^ 1)
+                        T.barrier_wait(mbarrier[3 + s], (i & 1) ^ 1)
                         if k < num_blocks:
                             page = PageIds[req, (k * block_N) // page_size]
                             off = (k * block_N) % page_size
-                            T.tma_copy(Pool[page, by, off:off + block_N, 0:W], KV[s, :, :], barrier=bar_ready[s])
+                            T.tma_copy(Pool[page, by, off:off + block_N, 0:W], KV[s, :, :], barrier=mbarrier[1 + s])
                         if T.shuffle_elect(128):  # the thread that set the barrier's expected bytes, after it
-                            T.barrier_arrive(bar_ready[s])
-            elif tx < 128:
-                consumer(0, Q_shared, KV, m_shared, l_shared, bar_ready, bar_free, bar_stats, bar_p, acc_s_0, acc_o_0,
+                            T.barrier_arrive(mbarrier[1 + s])
+            elif tx < 256:
+                consumer(0, Q_shared, KV, m_shared, l_shared, mbarrier, acc_s_0, acc_o_0,
                          m_0, m_prev_0, m_peer_0, alpha_0, l_0, l_tile_0, moved_0, Out, Lse, req, tok0, q_len, q_base,
                          pos0, n_kv, num_blocks, by)
             else:
-                consumer(1, Q_shared, KV, m_shared, l_shared, bar_ready, bar_free, bar_stats, bar_p, acc_s_1, acc_o_1,
+                consumer(1, Q_shared, KV, m_shared, l_shared, mbarrier, acc_s_1, acc_o_1,
                          m_1, m_prev_1, m_peer_1, alpha_1, l_1, l_tile_1, moved_1, Out, Lse, req, tok0, q_len, q_base,
                          pos0, n_kv, num_blocks, by)
 
