@@ -171,6 +171,34 @@ def causal_mask_macro(block_N: int):
     return mask
 
 
+@dataclass(frozen=True)
+class TileCoords:
+    """What a prefill CTA reads of its tile's request: tokens tok0.. of request req, whose n_kv keys end with its q_len
+    queries (at rows q_base.. of the query), the first of them at causal position pos0."""
+    req: Any
+    tok0: Any
+    n_kv: Any
+    q_len: Any
+    q_base: Any
+    pos0: Any
+
+
+def tile_coords_macro():
+    import tilelang.language as T
+
+    @T.macro
+    def tile_coords(TileReq, TileTok, SeqLens, QLens, QStart, bx):
+        req = TileReq[bx]
+        tok0 = TileTok[bx]
+        n_kv = SeqLens[req]
+        q_len = QLens[req]
+        q_base = QStart[req]
+        pos0 = n_kv - q_len  # causal position of the chunk's first query (bottom-right aligned)
+        return TileCoords(req, tok0, n_kv, q_len, q_base, pos0)
+
+    return tile_coords
+
+
 def head_column_of(geom: AttentionGeometry, fmt: KvFormat):
     """Value-window position d -> head column, as a TIR expression (the identity for split)."""
     import tilelang.language as T
@@ -226,6 +254,7 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
         rescale = lazy_rescale_macro()
     mask_tile = mask or causal_mask_macro(block_N)
     zero_rows = macros.zero_rows_macro()
+    tile_coords = tile_coords_macro()
 
     @T.macro
     def load_query(Q, pieces, q_base, tok0, q_len, kv_head):
@@ -249,12 +278,8 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
             row_sum = T.alloc_fragment([block_M], accum)
             l = T.alloc_fragment([block_M], accum)
 
-            req = TileReq[bx]
-            tok0 = TileTok[bx]
-            n_kv = SeqLens[req]
-            q_len = QLens[req]
-            q_base = QStart[req]
-            pos0 = n_kv - q_len  # causal position of the chunk's first query (bottom-right aligned)
+            c = tile_coords(TileReq, TileTok, SeqLens, QLens, QStart, bx)
+            req, tok0, n_kv, q_len, q_base, pos0 = c.req, c.tok0, c.n_kv, c.q_len, c.q_base, c.pos0
 
             load_query(Q, block.query, q_base, tok0, q_len, by)
             for out in outs:

@@ -9,7 +9,7 @@ kernels/PREFILL_SCHEDULE.md, "The bf16 folded prefill".
 from ..config import GEMMA4_31B, AttentionGeometry
 from ..layout import KvFormat, row_width
 from . import macros, producer_guard
-from .prefill_attention import check_geometry, head_column_of
+from .prefill_attention import check_geometry, head_column_of, tile_coords_macro
 from .registry import hands_out
 from .tl import compile_program, prim_func, require_tilelang
 
@@ -37,12 +37,22 @@ def prefill_folded_program(geom: AttentionGeometry, *, page_size: int = 64, bloc
     head_column = head_column_of(geom, KvFormat.FOLDED)
     Tq, NP, B, MP, NT = T.dynamic("Tq, NP, B, MP, NT")
     NEG = -T.infinity(accum)
+    tile_coords = tile_coords_macro()
 
     @T.macro
-    def consumer(w, Q_shared, KV, m_shared, l_shared, mbarrier, acc_s, acc_o, m, m_prev,
-                 m_peer, alpha, l, l_tile, moved, Out, Lse, req, tok0, q_len, q_base, pos0, n_kv, num_blocks, by):
+    def consumer(w, Q_shared, KV, m_shared, l_shared, mbarrier, c, num_blocks, Out, Lse, by):
         # warpgroup w: tiles 2i + w, output columns [w * H, (w + 1) * H) of the value window (row[128 + w * H ...])
         T.set_max_nreg(CONSUMER_REGS, 1)
+        acc_s = T.alloc_fragment([block_M, block_N], accum)
+        acc_o = T.alloc_fragment([block_M, H], accum)
+        m = T.alloc_fragment([block_M], accum)  # the running max, the same in both warpgroups
+        m_prev = T.alloc_fragment([block_M], accum)
+        m_peer = T.alloc_fragment([block_M], accum)
+        alpha = T.alloc_fragment([block_M], accum)
+        l = T.alloc_fragment([block_M], accum)  # this warpgroup's tiles' share of the denominator
+        l_tile = T.alloc_fragment([block_M], accum)
+        moved = T.alloc_local([1], "int32")
+        tok0, q_len, q_base, pos0, n_kv = c.tok0, c.q_len, c.q_base, c.pos0, c.n_kv
         T.fill(acc_o, 0)
         T.fill(l, 0)
         T.fill(m, NEG)
@@ -119,35 +129,13 @@ def prefill_folded_program(geom: AttentionGeometry, *, page_size: int = 64, bloc
             KV = T.alloc_shared([2, block_N, W], dtype)  # two stages of the row; P over each stage's [:, 0:64]
             m_shared = T.alloc_shared([2, block_M], accum)
             l_shared = T.alloc_shared([2, block_M], accum)
-            acc_s_0 = T.alloc_fragment([block_M, block_N], accum)
-            acc_s_1 = T.alloc_fragment([block_M, block_N], accum)
-            acc_o_0 = T.alloc_fragment([block_M, H], accum)
-            acc_o_1 = T.alloc_fragment([block_M, H], accum)
-            m_0 = T.alloc_fragment([block_M], accum)
-            m_prev_0 = T.alloc_fragment([block_M], accum)
-            m_peer_0 = T.alloc_fragment([block_M], accum)
-            alpha_0 = T.alloc_fragment([block_M], accum)
-            l_0 = T.alloc_fragment([block_M], accum)
-            l_tile_0 = T.alloc_fragment([block_M], accum)
-            m_1 = T.alloc_fragment([block_M], accum)
-            m_prev_1 = T.alloc_fragment([block_M], accum)
-            m_peer_1 = T.alloc_fragment([block_M], accum)
-            alpha_1 = T.alloc_fragment([block_M], accum)
-            l_1 = T.alloc_fragment([block_M], accum)
-            l_tile_1 = T.alloc_fragment([block_M], accum)
-            moved_0 = T.alloc_local([1], "int32")
-            moved_1 = T.alloc_local([1], "int32")
             # one array, as TileLang's own warp specialisation names it (producer_guard reads its waits by that name):
             # [0] the query, [1, 2] stage s loaded (the producer's elected thread and the TMA's bytes), [3, 4] stage s
             # free (both consumers), [5, 6] warpgroup w's row max or sum written, [7, 8] warpgroup w's P written
             mbarrier = T.alloc_barrier(arrive_count=[384, 1, 1, 256, 256, 128, 128, 128, 128])
-            req = TileReq[bx]
-            tok0 = TileTok[bx]
-            n_kv = SeqLens[req]
-            q_len = QLens[req]
-            q_base = QStart[req]
-            pos0 = n_kv - q_len  # causal position of the chunk's first query (bottom-right aligned)
-            num_blocks = T.ceildiv(pos0 + T.min(tok0 + TOK, q_len), block_N)
+            c = tile_coords(TileReq, TileTok, SeqLens, QLens, QStart, bx)
+            req, tok0, q_len, q_base = c.req, c.tok0, c.q_len, c.q_base
+            num_blocks = T.ceildiv(c.pos0 + T.min(tok0 + TOK, q_len), block_N)
             tx = T.get_thread_binding()
 
             # row r = (token tok0 + r // G, head by * G + r % G); tokens past the chunk repeat its last token
@@ -169,13 +157,9 @@ def prefill_folded_program(geom: AttentionGeometry, *, page_size: int = 64, bloc
                         if T.shuffle_elect(128):  # the thread that set the barrier's expected bytes, after it
                             T.barrier_arrive(mbarrier[1 + s])
             elif tx < 256:
-                consumer(0, Q_shared, KV, m_shared, l_shared, mbarrier, acc_s_0, acc_o_0,
-                         m_0, m_prev_0, m_peer_0, alpha_0, l_0, l_tile_0, moved_0, Out, Lse, req, tok0, q_len, q_base,
-                         pos0, n_kv, num_blocks, by)
+                consumer(0, Q_shared, KV, m_shared, l_shared, mbarrier, c, num_blocks, Out, Lse, by)
             else:
-                consumer(1, Q_shared, KV, m_shared, l_shared, mbarrier, acc_s_1, acc_o_1,
-                         m_1, m_prev_1, m_peer_1, alpha_1, l_1, l_tile_1, moved_1, Out, Lse, req, tok0, q_len, q_base,
-                         pos0, n_kv, num_blocks, by)
+                consumer(1, Q_shared, KV, m_shared, l_shared, mbarrier, c, num_blocks, Out, Lse, by)
 
     args = {
         "Q": T.Tensor([Tq, HQ, D], dtype),
