@@ -50,6 +50,7 @@ ARMS = {
     "two_stages": ("folded", "prefill_folded_two_stages"),
     "two_stages_batched": ("folded", "prefill_folded_two_stages_batched"),
     "lazy_rescale": ("folded", "prefill_folded_lazy_rescale"),
+    "seesaw": ("folded", "prefill_folded_seesaw"),
 }
 
 

@@ -4,8 +4,6 @@ the refusals that need no GPU (every check runs before the device check), over b
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 from conftest import bench_version, require_tilelang
@@ -42,13 +40,12 @@ def test_registry_holds_every_variant():
     for fmt in FORMATS:
         assert names[variant_name(fmt)].family == "prefill" and names[variant_name(fmt)].format is fmt
     folded, split = names["prefill_folded"].params, names["prefill_split"].params
-    # the bf16 folded prefill is the seesaw (prefill_folded.py: its own schedule, the lazy max its one choice); split is
-    # prefill_attention's program with one stage and the plain softmax (the builder's defaults)
-    assert folded == {"page_size": 64, "block_N": 64, "max_slack_log2": 8.0}
-    assert names["prefill_folded"].build_function().hands_out == "prefill_{fmt}"
-    assert names["prefill_folded"].builder.endswith("prefill_folded:build")
-    assert split == {"page_size": 64, "block_N": 64, "num_stages": 1, "threads": 256}
-    assert names["prefill_split"].builder.endswith("prefill_attention:build")
+    assert folded == prefill_attention.DEFAULTS
+    # the bf16 folded row's baked schedule: two stages, both rows of a thread a reduction, the lazy max; split keeps
+    # the plain one (the builder's defaults), so its registered params are the tiling alone
+    assert (folded["num_stages"], folded["reduce_batch"], folded["max_slack_log2"]) == (2, 2, 8.0)
+    assert split == {k: v for k, v in folded.items() if k in split} | {"num_stages": 1}
+    assert set(folded) - set(split) == {"reduce_batch", "max_slack_log2"}
     fp8 = names[variant_name(KvFormat.FOLDED, quantized=True)]
     assert fp8.name == "prefill_folded_fp8" and fp8.family == "prefill" and fp8.format is KvFormat.FOLDED
     assert set(fp8.params) == set(split) and fp8.params["block_N"] == 64
@@ -89,13 +86,10 @@ def test_generated_kernel(generated):
     elif name.startswith("prefill"):
         assert params == PREFILL_ARGS  # the order prefill() passes and an AOT backend must follow
         assert "wgmma" in src and "tma_load" in src, "expected Hopper wgmma + TMA loads"
-        # the seesaw (PREFILL_SCHEDULE.md): two consumer warpgroups, each a whole 64 x 64 score tile (m64n64) and
-        # half the output columns (m64n256), each its rescale under the lazy max's flag; split (the red twin) has one
-        # consumer branch splitting every tile
-        seesaw = (src.count("tl::warpgroup_reg_alloc<") == 2 and src.count("DataType::kFloat32, 64, 64, 16") == 2
-                  and src.count("DataType::kFloat32, 64, 256, 16") == 4
-                  and len(re.findall(r"if \(moved(_1)?\[0\] != 0\)", src)) == 2)
-        assert seesaw == (name == "prefill_folded"), name
+        # the bf16 folded row (PREFILL_SCHEDULE.md): q_rot as an RS wgmma's registers, the rescale under the lazy
+        # max's flag; split (the red twin) has neither
+        folded_row = "wgmma_rs<tl::DataType::kBFloat16" in src and "if (moved[0] != 0)" in src
+        assert folded_row == (name == "prefill_folded"), name
     else:
         assert params == PREP_ARGS
         assert "__fmul_rn" in src and "__fadd_rn" in src, "RoPE must keep torch's rounding order (no FMA)"
