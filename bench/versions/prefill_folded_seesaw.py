@@ -22,6 +22,12 @@ step by design (one's softmax beside the other's gemms: the tensor cores see bot
     Keys past the sequence in the last real tile: their value rows zeroed by the tile's owner before it hands P over
     (0 x NaN is NaN in P.V).
 
+Outcome (H100, bench/prefill_runs/h100_20261206_seesaw.tgz, a 4,096-query chunk at 8K / 32K of context): 0.993x /
+0.951x the two-stage row (3.80 / 17.27 ms against 3.78 / 16.43 ms; 59.3% of the matmul rate at 32K), predicted
+1.10-1.25x at 32K: lost. The hostile gate and the 44 GPU prefill tests passed with it as the library's kernel. Likely
+cause (not profiled): a pair holds both 80 KiB stages until its last P.V, so the producer cannot load the next pair
+while this one computes; the two-stage row prefetches a tile ahead (bench/PREFILL_NOTES.md, "Outcome: the seesaw").
+
     python bench/versions/prefill_folded_seesaw.py      # build here (sm_90a), print the CUDA size and ptxas resources
     python bench/prefill_kernel_probe.py --out $OUT      # on the device: gate, then time against the library
 """
