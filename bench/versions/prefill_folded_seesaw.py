@@ -36,7 +36,8 @@ while this one computes; the two-stage row prefetches a tile ahead (bench/PREFIL
 
 from foldkv.config import GEMMA4_31B, AttentionGeometry
 from foldkv.kernels import macros, producer_guard
-from foldkv.kernels.prefill_attention import check_geometry, head_column_of, tile_coords_macro
+from foldkv.kernels.prefill_attention import (Accumulator, causal_mask_macro, check_geometry, head_column_of,
+                                              lazy_rescale_macro, tile_coords_macro)
 from foldkv.kernels.tl import pass_configs, prim_func, require_tilelang, target
 from foldkv.layout import KvFormat, row_width
 
@@ -66,9 +67,12 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
     Tq, NP, B, MP, NT = T.dynamic("Tq, NP, B, MP, NT")
     NEG = -T.infinity(accum)
     tile_coords = tile_coords_macro()
+    mask_tile = causal_mask_macro(block_N)
+    rescale_outputs = lazy_rescale_macro() if slack is not None else None
 
     @T.macro
-    def consumer(w, Q_shared, KV, m_shared, l_shared, mbarrier, c, num_blocks, Out, Lse, by):
+    def consumer(w, Q_shared, KV, m_shared, l_shared, mbarrier, tok0, n_kv, q_len, q_base, pos0, num_blocks, Out, Lse,
+                 by):
         # warpgroup w: tiles 2i + w, output columns [w * H, (w + 1) * H) of the value window (row[128 + w * H ...])
         T.set_max_nreg(CONSUMER_REGS, 1)
         acc_s = T.alloc_fragment([block_M, block_N], accum)
@@ -79,8 +83,6 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
         alpha = T.alloc_fragment([block_M], accum)
         l = T.alloc_fragment([block_M], accum)  # this warpgroup's tiles' share of the denominator
         l_tile = T.alloc_fragment([block_M], accum)
-        moved = T.alloc_local([1], "int32")
-        tok0, q_len, q_base, pos0, n_kv = c.tok0, c.q_len, c.q_base, c.pos0, c.n_kv
         T.fill(acc_o, 0)
         T.fill(l, 0)
         T.fill(m, NEG)
@@ -90,11 +92,9 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
             T.barrier_wait(mbarrier[1 + w], i & 1)
             if k < num_blocks:
                 T.gemm(Q_shared, KV[w, :, 0:D], acc_s, transpose_B=True, clear_accum=True)
-                if (k + 1) * block_N - 1 > first_pos:  # a tile crossing the diagonal (or past the sequence)
-                    for r, j in T.Parallel(block_M, block_N):
-                        acc_s[r, j] = T.if_then_else(
-                            k * block_N + j <= pos0 + T.min(tok0 + r // G, q_len - 1), acc_s[r, j], NEG)
-                if (k + 1) * block_N > n_kv:  # value rows past the sequence hold arbitrary bits
+                mask_tile(acc_s, lambda r, j: k * block_N + j <= pos0 + T.min(tok0 + r // G, q_len - 1), k, first_pos)
+                if (k + 1) * block_N > n_kv:  # value rows past the sequence hold arbitrary bits (macros.zero_rows_macro's
+                    # rule on the stage's value columns, a region of the buffer, which that macro does not take)
                     for j, d in T.Parallel(block_N, D):
                         KV[w, j, R + d] = T.if_then_else(k * block_N + j < n_kv, KV[w, j, R + d], T.cast(0, dtype))
             else:
@@ -116,13 +116,11 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
             T.reduce_sum(acc_s, l_tile, dim=1)
             for r in T.Parallel(block_M):
                 l[r] = l[r] * alpha[r] + l_tile[r]
-            moved[0] = 0
-            for r in T.Parallel(block_M):
-                if alpha[r] != T.float32(1):
-                    moved[0] = 1
-            if moved[0] != 0:
+            if rescale_outputs is None:
                 for r, d in T.Parallel(block_M, H):
                     acc_o[r, d] *= alpha[r]
+            else:
+                rescale_outputs((Accumulator(acc_o, None, 0),), alpha)
             # P of this tile over its K_rot's first 64 columns (only this warpgroup's Q.K read them), for both P.Vs
             T.copy(acc_s, KV[w, :, 0:block_N])
             T.fence_proxy_async()
@@ -161,9 +159,8 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
             # [0] the query, [1, 2] stage s loaded (the producer's elected thread and the TMA's bytes), [3, 4] stage s
             # free (both consumers), [5, 6] warpgroup w's row max or sum written, [7, 8] warpgroup w's P written
             mbarrier = T.alloc_barrier(arrive_count=[384, 1, 1, 256, 256, 128, 128, 128, 128])
-            c = tile_coords(TileReq, TileTok, SeqLens, QLens, QStart, bx)
-            req, tok0, q_len, q_base = c.req, c.tok0, c.q_len, c.q_base
-            num_blocks = T.ceildiv(c.pos0 + T.min(tok0 + TOK, q_len), block_N)
+            req, tok0, n_kv, q_len, q_base, pos0 = tile_coords(TileReq, TileTok, SeqLens, QLens, QStart, bx)
+            num_blocks = T.ceildiv(pos0 + T.min(tok0 + TOK, q_len), block_N)
             tx = T.get_thread_binding()
 
             # row r = (token tok0 + r // G, head by * G + r % G); tokens past the chunk repeat its last token
@@ -185,9 +182,11 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
                         if T.shuffle_elect(128):  # the thread that set the barrier's expected bytes, after it
                             T.barrier_arrive(mbarrier[1 + s])
             elif tx < 256:
-                consumer(0, Q_shared, KV, m_shared, l_shared, mbarrier, c, num_blocks, Out, Lse, by)
+                consumer(0, Q_shared, KV, m_shared, l_shared, mbarrier, tok0, n_kv, q_len, q_base, pos0, num_blocks,
+                         Out, Lse, by)
             else:
-                consumer(1, Q_shared, KV, m_shared, l_shared, mbarrier, c, num_blocks, Out, Lse, by)
+                consumer(1, Q_shared, KV, m_shared, l_shared, mbarrier, tok0, n_kv, q_len, q_base, pos0, num_blocks,
+                         Out, Lse, by)
 
     args = {
         "Q": T.Tensor([Tq, HQ, D], dtype),

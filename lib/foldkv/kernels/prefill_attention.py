@@ -169,19 +169,9 @@ def causal_mask_macro(block_N: int):
     return mask
 
 
-@dataclass(frozen=True)
-class TileCoords:
-    """What a prefill CTA reads of its tile's request: tokens tok0.. of request req, whose n_kv keys end with its q_len
-    queries (at rows q_base.. of the query), the first of them at causal position pos0."""
-    req: Any
-    tok0: Any
-    n_kv: Any
-    q_len: Any
-    q_base: Any
-    pos0: Any
-
-
 def tile_coords_macro():
+    """(req, tok0, n_kv, q_len, q_base, pos0) of a CTA's tile: tokens tok0.. of request req, whose n_kv keys end with
+    its q_len queries (rows q_base.. of the query), the first of them at causal position pos0."""
     import tilelang.language as T
 
     @T.macro
@@ -191,8 +181,8 @@ def tile_coords_macro():
         n_kv = SeqLens[req]
         q_len = QLens[req]
         q_base = QStart[req]
-        pos0 = n_kv - q_len  # causal position of the chunk's first query (bottom-right aligned)
-        return TileCoords(req, tok0, n_kv, q_len, q_base, pos0)
+        pos0 = n_kv - q_len  # bottom-right aligned
+        return req, tok0, n_kv, q_len, q_base, pos0
 
     return tile_coords
 
@@ -276,8 +266,7 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
             row_sum = T.alloc_fragment([block_M], accum)
             l = T.alloc_fragment([block_M], accum)
 
-            c = tile_coords(TileReq, TileTok, SeqLens, QLens, QStart, bx)
-            req, tok0, n_kv, q_len, q_base, pos0 = c.req, c.tok0, c.n_kv, c.q_len, c.q_base, c.pos0
+            req, tok0, n_kv, q_len, q_base, pos0 = tile_coords(TileReq, TileTok, SeqLens, QLens, QStart, bx)
 
             load_query(Q, block.query, q_base, tok0, q_len, by)
             for out in outs:
