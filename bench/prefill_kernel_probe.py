@@ -51,7 +51,7 @@ ARMS = {
     "two_stages_batched": ("folded", "prefill_folded_two_stages_batched"),
     "lazy_rescale": ("folded", "prefill_folded_lazy_rescale"),
     "seesaw": ("folded", "prefill_folded_seesaw"),
-    "seesaw_halves": ("folded", "prefill_folded_seesaw_halves"),
+    "seesaw_async": ("folded", "prefill_folded_seesaw_async"),
 }
 
 

@@ -1000,3 +1000,34 @@ def test_fp8_harness_has_the_32_token_tensor_core_arms():
     host = "".join(f"  (((TVMFFIAny*)stack_ffi_any)[{i}].v_int64) = ((int64_t){n});\n"
                    for i, n in enumerate([4, 256, 1, 1, 91648]))
     assert t32.smem_bytes(host) == 91648 <= t32.SMEM_LIMIT_2CTA
+
+
+def test_serve_version_builds_the_registered_variant_from_the_version(monkeypatch):
+    """bench/serve_version.py (the lab's A/B of a kernel version through the runtime): after `serve`, resolving the
+    registered variant builds the version's kernel with the registered params; red twin: without it, the library's
+    builder is called."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from foldkv.kernels import registry
+
+    monkeypatch.setattr(registry, "_BY_NAME", dict(registry._BY_NAME))  # the swap ends with the test
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "bench"))
+    spec = importlib.util.spec_from_file_location("serve_version", root / "bench" / "serve_version.py")
+    serve_version = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_version)
+    version = importlib.import_module("versions.prefill_folded_seesaw")
+    calls = []
+    monkeypatch.setattr(version, "build", lambda geom, **params: calls.append(("version", params)) or "version kernel")
+    library = registry.get("prefill_folded")
+    monkeypatch.setattr(importlib.import_module("foldkv.kernels.prefill_folded"), "build",
+                        lambda geom, **params: calls.append(("library", params)) or "library kernel")
+    assert registry.get("prefill_folded").build(GEMMA4_31B) == "library kernel"  # red twin: not served
+    serve_version.serve("prefill_folded", "prefill_folded_seesaw")
+    served = registry.get("prefill_folded")
+    assert served.params == library.params and served.format is library.format
+    assert served.build(GEMMA4_31B) == "version kernel"
+    assert calls[-1] == ("version", {**library.params, "fmt": library.format})
+    assert "versions.prefill_folded_seesaw" in sys.modules

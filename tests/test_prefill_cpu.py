@@ -40,12 +40,13 @@ def test_registry_holds_every_variant():
     for fmt in FORMATS:
         assert names[variant_name(fmt)].family == "prefill" and names[variant_name(fmt)].format is fmt
     folded, split = names["prefill_folded"].params, names["prefill_split"].params
-    assert folded == prefill_attention.DEFAULTS
-    # the bf16 folded row's baked schedule: two stages, both rows of a thread a reduction, the lazy max; split keeps
-    # the plain one (the builder's defaults), so its registered params are the tiling alone
-    assert (folded["num_stages"], folded["reduce_batch"], folded["max_slack_log2"]) == (2, 2, 8.0)
-    assert split == {k: v for k, v in folded.items() if k in split} | {"num_stages": 1}
-    assert set(folded) - set(split) == {"reduce_batch", "max_slack_log2"}
+    # the bf16 folded prefill is the seesaw with released halves (prefill_folded.py: its own schedule, the lazy max its
+    # one choice); split is prefill_attention's program with one stage and the plain softmax (the builder's defaults)
+    assert folded == {"page_size": 64, "block_N": 64, "max_slack_log2": 8.0}
+    assert names["prefill_folded"].build_function().hands_out == "prefill_{fmt}"
+    assert names["prefill_folded"].builder.endswith("prefill_folded:build")
+    assert split == {"page_size": 64, "block_N": 64, "num_stages": 1, "threads": 256}
+    assert names["prefill_split"].builder.endswith("prefill_attention:build")
     fp8 = names[variant_name(KvFormat.FOLDED, quantized=True)]
     assert fp8.name == "prefill_folded_fp8" and fp8.family == "prefill" and fp8.format is KvFormat.FOLDED
     assert set(fp8.params) == set(split) and fp8.params["block_N"] == 64
@@ -86,10 +87,14 @@ def test_generated_kernel(generated):
     elif name.startswith("prefill"):
         assert params == PREFILL_ARGS  # the order prefill() passes and an AOT backend must follow
         assert "wgmma" in src and "tma_load" in src, "expected Hopper wgmma + TMA loads"
-        # the bf16 folded row (PREFILL_SCHEDULE.md): q_rot as an RS wgmma's registers, the rescale under the lazy
-        # max's flag; split (the red twin) has neither
-        folded_row = "wgmma_rs<tl::DataType::kBFloat16" in src and "if (moved[0] != 0)" in src
-        assert folded_row == (name == "prefill_folded"), name
+        # the seesaw (PREFILL_SCHEDULE.md): two consumer warpgroups, each a whole 64 x 64 score tile (m64n64: three
+        # gemms in warpgroup 0, two in warpgroup 1) and half the output columns (m64n256, warpgroup 0's own P from
+        # registers), three rescales under the lazy max's flag; split (the red twin) has one consumer branch
+        # splitting every tile
+        seesaw = (src.count("tl::warpgroup_reg_alloc<") == 2 and src.count("DataType::kFloat32, 64, 64, 16") == 5
+                  and src.count("DataType::kFloat32, 64, 256, 16") == 4 and src.count("tl::wgmma_rs<") == 1
+                  and all(f"if (moved{s}[0] != 0)" in src for s in ("", "_1", "_2")))
+        assert seesaw == (name == "prefill_folded"), name
     else:
         assert params == PREP_ARGS
         assert "__fmul_rn" in src and "__fadd_rn" in src, "RoPE must keep torch's rounding order (no FMA)"

@@ -1,5 +1,6 @@
-"""The paged causal prefill kernel for either page format (bf16 rows, or an FP8 folded pool's e4m3 rows converted
-exactly to bf16 tiles): one CTA = 8 query tokens x the 8 query heads of one KV group, streaming the request's pages
+"""The paged causal prefill kernel of a split pool and of an FP8 folded pool read in-kernel (its e4m3 rows converted
+exactly to bf16 tiles), and the two-stage folded row the bench versions build on (a bf16 folded pool's served prefill
+is prefill_folded.py's): one CTA = 8 query tokens x the 8 query heads of one KV group, streaming the request's pages
 in `block_N`-key tiles; the folded accumulator is in value-window order, put back in head order by the epilogue's
 store addressing (`head_column_of`). Why each choice: kernels/PREFILL_SCHEDULE.md.
 
@@ -26,8 +27,9 @@ from .decode_partial import FP8_PANEL, Run, fp8_row_macro
 from .registry import hands_out
 from .tl import compile_program, prim_func, require_tilelang
 
-# The registered tuning constants of the bf16 folded prefill (prefill_split has its own)
-DEFAULTS = dict(registry.get("prefill_folded").params)
+# This program's bf16 folded row (two stages, both rows of a thread a reduction, the lazy max): the folded versions in
+# bench/versions/ build on it; the library's folded prefill is prefill_folded.py's seesaw
+DEFAULTS = dict(page_size=64, block_N=64, num_stages=2, threads=256, reduce_batch=2, max_slack_log2=8.0)
 
 
 def check_geometry(geom: AttentionGeometry, fmt: KvFormat) -> None:

@@ -68,11 +68,9 @@ _DECODE_PARTIAL_FP8_TC = dict(page_size=64, block_n=64, num_stages=1, block_h=16
                               transpose="t4x16", precise=True)
 _MERGE = dict(threads=128)
 # Split prefill: its two 1,024-column windows (128 KiB) and the query (64 KiB) leave room for one stage. bf16 folded
-# prefill: two stages of the row, reduce_batch 2, the lazy max (max_slack_log2): kernels/PREFILL_SCHEDULE.md says why.
-_PREFILL = {
-    KvFormat.SPLIT: dict(page_size=64, block_N=64, num_stages=1, threads=256),
-    KvFormat.FOLDED: dict(page_size=64, block_N=64, num_stages=2, threads=256, reduce_batch=2, max_slack_log2=8.0),
-}
+# prefill: the seesaw with released halves and the lazy max (max_slack_log2): kernels/PREFILL_SCHEDULE.md.
+_PREFILL_SPLIT = dict(page_size=64, block_N=64, num_stages=1, threads=256)
+_PREFILL_FOLDED = dict(page_size=64, block_N=64, max_slack_log2=8.0)
 # FP8 folded prefill: one stage of the row's five e4m3 panels (40 KiB) and its scales, the bf16 tiles the gemms read
 # (80 KiB), the query (64 KiB) and P (8 KiB): 192.25 KiB of the 227 KiB; two stages of panels would take 232.5 KiB.
 _PREFILL_FP8 = dict(page_size=64, block_N=64, num_stages=1, threads=256)
@@ -91,8 +89,8 @@ VARIANTS: tuple[KernelVariant, ...] = (
     KernelVariant("merge_groups", "merge_groups", None, _K + "merge:build_merge_groups", dict(_MERGE),
                   in_place_merge=True),
     KernelVariant("merge_final", "merge_final", None, _K + "merge:build_merge_final", dict(_MERGE)),
-    *(KernelVariant(f"prefill_{f.value}", "prefill", f, _K + "prefill_attention:build", dict(_PREFILL[f]))
-      for f in KvFormat),
+    KernelVariant("prefill_split", "prefill", KvFormat.SPLIT, _K + "prefill_attention:build", dict(_PREFILL_SPLIT)),
+    KernelVariant("prefill_folded", "prefill", KvFormat.FOLDED, _K + "prefill_folded:build", dict(_PREFILL_FOLDED)),
     KernelVariant("prefill_folded_fp8", "prefill", KvFormat.FOLDED, _K + "prefill_attention:build_fp8",
                   dict(_PREFILL_FP8)),
     KernelVariant("dequant_pages_folded_fp8", "dequant_pages", KvFormat.FOLDED, _K + "dequant_pages:build",

@@ -1,4 +1,4 @@
-"""bench/versions/prefill_folded_seesaw_halves.py without a GPU: its softmax schedule emulated on the CPU (warpgroup 0
+"""The bf16 folded prefill (kernels/prefill_folded.py, the seesaw with released halves) without a GPU: its softmax schedule emulated on the CPU (warpgroup 0
 takes m0 from its own tile, warpgroup 1 m1 = max(m0, its tile), warpgroup 0 rescales P0 and its half of the output
 by exp2(m0 - m1); the lazy max on both sides; an odd tile count leaves warpgroup 1's last tile empty) against float64
 softmax attention; the kernel generated for sm_90a (each part of a stage loaded on its own barrier with its bytes, in
@@ -22,7 +22,9 @@ SLACK = 8.0 / C  # max_slack_log2 8 in score units
 
 
 def version():
-    return bench_version("prefill_folded_seesaw_halves")
+    from foldkv.kernels import prefill_folded
+
+    return prefill_folded
 
 
 def lazy(m, base, slack):
@@ -142,7 +144,7 @@ def test_each_part_loads_on_its_barrier_in_release_order(source):
 
 
 def test_generated_kernel(source):
-    assert producer_guard.check_producer_guard("prefill_folded_seesaw_halves", source) == {"producer_branches": 1}
+    assert producer_guard.check_producer_guard("prefill_folded", source) == {"producer_branches": 1}
     assert re.search(r"__launch_bounds__\(384, 1\)", source)
     assert source.count("tl::wgmma_rs<") == 1  # warpgroup 0's P0.V0 from registers; every other gemm from shared
     assert "warpgroup_reg_dealloc<40>" in source and "warpgroup_reg_alloc<232>" in source

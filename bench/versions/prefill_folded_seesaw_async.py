@@ -1,32 +1,13 @@
-"""The folded prefill with FlashMLA's seesaw as FlashMLA's sparse prefill runs it (csrc/sm90/prefill/sparse/phase1.cuh):
-each stage released in parts as its readers finish, and the row max handed one way. Same arguments and outputs as the
-library's prefill_folded.
+"""The library's folded prefill (kernels/prefill_folded.py, the seesaw with released halves) with its P.Vs left in
+flight, as FlashMLA's sparse prefill leaves them: warpgroup 0 issues P0.V0 and, while it runs, waits for m1 and
+rescales and stores P0 for warpgroup 1 (the library waits for P0.V0 first); warpgroup 1 issues P1.V1 and P0.V0 back to
+back (`T.wgmma_gemm`, no wait between) and releases each stage part as its gemm retires (`T.wait_wgmma(1)`, then 0).
+Everything else is the library's program. Same arguments and outputs.
 
-What it changes against prefill_folded_seesaw.py (lost at 0.951x the two-stage row at 32K; bench/PREFILL_NOTES.md,
-"Outcome: the seesaw"):
-  1. The stages are released in parts, so the next pair's loads start inside this pair. Stage s holds tile 2i + s,
-     whose Q.K warpgroup s runs (its owner). Its row splits by reader:
-       X_s = the owner's value half (row[128:384] for stage 0, row[384:640] for stage 1): read by the owner's Q.K and
-             its first P.V, released right after that P.V;
-       Y_s = the rest (K_rot, whose first 64 columns then carry P_s, and the other half): released by the other
-             warpgroup after its P.V with P_s.
-     The producer loads X0, X1, Y0, Y1 (FlashMLA's V0L, V1R, V0R, V1L), each as soon as it is released, and an owner's
-     Q.K starts on its X part while its Y part may still be loading. The seesaw version released both stages only
-     after a pair's last P.V, so the next pair's 160 KiB waited behind it.
-  2. The row max goes one way a pair (FlashMLA's): warpgroup 0 takes m0 from its own tile and hands it over before its
-     softmax; warpgroup 1 takes m1 = max(m0, its tile) and hands it back. Warpgroup 0 runs P0.V0 on m0 without
-     waiting, then rescales P0 (for warpgroup 1) and its output by exp2(m0 - m1). The seesaw version exchanged both
-     maxima both ways before either softmax, which held the warpgroups in step (both softmaxes at once, the tensor
-     cores idle through them).
-  The lazy max stays (each move decided once: by warpgroup 0 against the last pair's max, by warpgroup 1 against m0),
-  so exp2(m0 - m1) and the rescales are exactly 1 on most pairs. Owners zero their last real tile's value rows past
-  the sequence before handing P over (0 x NaN is NaN in P.V), as the seesaw version does.
-  Shared memory as the seesaw version: query 64 KiB, two stages of the row 160 KiB, the max / sum exchange 1 KiB.
+Prediction (bench/PREFILL_NOTES.md, "Prediction: the P.Vs left in flight"), then the outcome when it has run.
 
-Prediction (bench/PREFILL_NOTES.md, "Prediction: the seesaw with released halves"), then the outcome when it has run.
-
-    python bench/versions/prefill_folded_seesaw_halves.py   # build here (sm_90a), print the CUDA size
-    python bench/prefill_kernel_probe.py --arms library_folded seesaw_halves --out $OUT   # on the device
+    python bench/versions/prefill_folded_seesaw_async.py      # build here (sm_90a), print the CUDA size
+    python bench/prefill_kernel_probe.py --arms library_folded seesaw_async --out $OUT   # on the device
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
@@ -35,7 +16,7 @@ from foldkv.config import GEMMA4_31B, AttentionGeometry
 from foldkv.kernels import macros, producer_guard
 from foldkv.kernels.prefill_attention import (Accumulator, causal_mask_macro, check_geometry, head_column_of,
                                               lazy_rescale_macro, tile_coords_macro)
-from foldkv.kernels.tl import pass_configs, prim_func, require_tilelang, target
+from foldkv.kernels.tl import compile_program, prim_func, require_tilelang
 from foldkv.layout import KvFormat, row_width
 
 CONSUMER_REGS, PRODUCER_REGS = 232, 40  # 2 x 128 x 232 + 128 x 40 = 64,512 of an SM's 65,536
@@ -46,10 +27,8 @@ ARRIVALS = [384, 1, 1, 1, 1, 128, 128, 128, 128, 128, 128, 128, 128]
 X0, X1, Y0, Y1 = 0, 1, 2, 3
 
 
-def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, max_slack_log2: float | None = 8.0,
-            **_library_tiling):
-    """The TileLang prim_func (the library prefill's arguments, in its order; the library's stages, threads and
-    reduce_batch do not apply to this schedule)."""
+def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, max_slack_log2: float | None = 8.0):
+    """The TileLang prim_func (prefill_attention's arguments, in its order)."""
     check_geometry(geom, KvFormat.FOLDED)
     require_tilelang()
     import tilelang.language as T
@@ -168,9 +147,8 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
             softmax_rows(acc_s, m, m_prev, alpha, l, l_tile)
             rescale(acc_o, alpha)
             T.copy(acc_s, acc_p)
-            T.gemm(acc_p, KV[0, :, R:R + H], acc_o)  # P0 on m0, from registers
-            T.barrier_arrive(mbarrier[FREE + X0])
-            # m1 back: P0 (for warpgroup 1), the output and the denominator onto it
+            T.wgmma_gemm(acc_p, KV[0, :, R:R + H], acc_o)  # P0 on m0, from registers, left in flight
+            # m1 back: P0 (for warpgroup 1), the output and the denominator onto it, beside P0.V0
             T.barrier_wait(mbarrier[MAX + 1], i & 1)
             T.copy(m_shared[1, :], m_peer)
             for r in T.Parallel(block_M):
@@ -182,6 +160,10 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
             T.copy(acc_s, KV[0, :, 0:block_N])  # over K_rot's first 64 columns, which only this Q.K read
             T.fence_proxy_async()
             T.barrier_arrive(mbarrier[P_READY + 0])
+            T.wait_wgmma(0)
+            T.warpgroup_fence_operand(acc_o, num_regs=H // 2)  # a thread's 128 registers of the 64 x 256 tile
+            T.warpgroup_fence_operand(acc_p, num_regs=block_N // 4)  # its 16 (32 bf16 of P)
+            T.barrier_arrive(mbarrier[FREE + X0])
             rescale(acc_o, alpha)
             T.barrier_wait(mbarrier[P_READY + 1], i & 1)
             if 2 * i + 1 < num_blocks:
@@ -223,10 +205,13 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
             T.barrier_arrive(mbarrier[P_READY + 1])
             rescale(acc_o, alpha)
             if 2 * i + 1 < num_blocks:
-                T.gemm(KV[1, :, 0:block_N], KV[1, :, R + H:W], acc_o)
-            T.barrier_arrive(mbarrier[FREE + X1])
+                T.wgmma_gemm(KV[1, :, 0:block_N], KV[1, :, R + H:W], acc_o)
             T.barrier_wait(mbarrier[P_READY + 0], i & 1)
-            T.gemm(KV[0, :, 0:block_N], KV[0, :, R + H:W], acc_o)  # P0, already on m1
+            T.wgmma_gemm(KV[0, :, 0:block_N], KV[0, :, R + H:W], acc_o)  # P0, already on m1, behind P1.V1
+            T.wait_wgmma(1)
+            T.barrier_arrive(mbarrier[FREE + X1])
+            T.wait_wgmma(0)
+            T.warpgroup_fence_operand(acc_o, num_regs=H // 2)  # a thread's 128 registers of the 64 x 256 tile
             T.barrier_arrive(mbarrier[FREE + Y0])
         epilogue(1, acc_o, m, l, l_tile, l_shared, mbarrier, num_blocks, tok0, q_len, q_base, Out, Lse, by)
 
@@ -298,17 +283,15 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
     return prim_func("main", args, lambda b: attention(*(b[n] for n in args)))
 
 
-def build(geom: AttentionGeometry = GEMMA4_31B, *, arch: str | None = None, page_size: int = 64, block_N: int = 64,
+def build(geom: AttentionGeometry = GEMMA4_31B, *, page_size: int = 64, block_N: int = 64,
           max_slack_log2: float | None = 8.0, **_library_tiling):
-    """Compile the folded prefill with the released halves (the library's other tiling params do not apply)."""
-    tilelang = require_tilelang()
-    prog = program(geom, page_size=page_size, block_N=block_N, max_slack_log2=max_slack_log2)
-    return tilelang.compile(prog, target=target(arch) if arch else target(), pass_configs=pass_configs())
+    """Compile the version with the library prefill's params."""
+    return compile_program(program(geom, page_size=page_size, block_N=block_N, max_slack_log2=max_slack_log2))
 
 
 def main():
     kernel = build(GEMMA4_31B)
-    print(f"prefill_folded seesaw with released halves: {len(kernel.get_kernel_source())} chars of CUDA")
+    print(f"prefill_folded with the P.Vs in flight: {len(kernel.get_kernel_source())} chars of CUDA")
 
 
 if __name__ == "__main__":
