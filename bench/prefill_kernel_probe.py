@@ -50,7 +50,6 @@ ARMS = {
     "two_stages": ("folded", "prefill_folded_two_stages"),
     "two_stages_batched": ("folded", "prefill_folded_two_stages_batched"),
     "lazy_rescale": ("folded", "prefill_folded_lazy_rescale"),
-    "seesaw": ("folded", "prefill_folded_seesaw"),
     "seesaw_async": ("folded", "prefill_folded_seesaw_async"),
 }
 

@@ -1018,16 +1018,16 @@ def test_serve_version_builds_the_registered_variant_from_the_version(monkeypatc
     spec = importlib.util.spec_from_file_location("serve_version", root / "bench" / "serve_version.py")
     serve_version = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(serve_version)
-    version = importlib.import_module("versions.prefill_folded_seesaw")
+    version = importlib.import_module("versions.prefill_folded_seesaw_async")
     calls = []
     monkeypatch.setattr(version, "build", lambda geom, **params: calls.append(("version", params)) or "version kernel")
     library = registry.get("prefill_folded")
     monkeypatch.setattr(importlib.import_module("foldkv.kernels.prefill_folded"), "build",
                         lambda geom, **params: calls.append(("library", params)) or "library kernel")
     assert registry.get("prefill_folded").build(GEMMA4_31B) == "library kernel"  # red twin: not served
-    serve_version.serve("prefill_folded", "prefill_folded_seesaw")
+    serve_version.serve("prefill_folded", "prefill_folded_seesaw_async")
     served = registry.get("prefill_folded")
     assert served.params == library.params and served.format is library.format
     assert served.build(GEMMA4_31B) == "version kernel"
     assert calls[-1] == ("version", {**library.params, "fmt": library.format})
-    assert "versions.prefill_folded_seesaw" in sys.modules
+    assert "versions.prefill_folded_seesaw_async" in sys.modules

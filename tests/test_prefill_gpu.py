@@ -149,8 +149,7 @@ def test_fp8_prefill_with_two_scales_swapped_fails(cuda_device, fp8_rows):
 
 
 FOLDED_VERSIONS = ("prefill_shared_tiles", "prefill_folded_two_stages", "prefill_folded_two_stages_batched",
-                   "prefill_folded_lazy_rescale", "prefill_folded_seesaw",
-                   "prefill_folded_seesaw_async")  # bench/versions/ for prefill_folded
+                   "prefill_folded_lazy_rescale", "prefill_folded_seesaw_async")  # bench/versions/ for prefill_folded
 
 
 @pytest.mark.parametrize("case", ["mid_page_chunk", "ragged_batch"])

@@ -2,7 +2,7 @@
 flight, as FlashMLA's sparse prefill leaves them: warpgroup 0 issues P0.V0 and, while it runs, waits for m1 and
 rescales and stores P0 for warpgroup 1 (the library waits for P0.V0 first); warpgroup 1 issues P1.V1 and P0.V0 back to
 back (`T.wgmma_gemm`, no wait between) and releases each stage part as its gemm retires (`T.wait_wgmma(1)`, then 0).
-Everything else is the library's program. Same arguments and outputs.
+Everything else is the library's program (its `values` hook point). Same arguments and outputs.
 
 Prediction (bench/PREFILL_NOTES.md, "Prediction: the P.Vs left in flight"), then the outcome when it has run.
 
@@ -13,274 +13,48 @@ Prediction (bench/PREFILL_NOTES.md, "Prediction: the P.Vs left in flight"), then
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
 
 from foldkv.config import GEMMA4_31B, AttentionGeometry
-from foldkv.kernels import macros, producer_guard
-from foldkv.kernels.prefill_attention import (Accumulator, causal_mask_macro, check_geometry, head_column_of,
-                                              lazy_rescale_macro, tile_coords_macro)
-from foldkv.kernels.tl import compile_program, prim_func, require_tilelang
+from foldkv.kernels import prefill_folded
+from foldkv.kernels.prefill_folded import FREE, P_READY, X0, X1, Y0, ValueSchedule
+from foldkv.kernels.tl import compile_program
 from foldkv.layout import KvFormat, row_width
 
-CONSUMER_REGS, PRODUCER_REGS = 232, 40  # 2 x 128 x 232 + 128 x 40 = 64,512 of an SM's 65,536
-# mbarrier indices: the query; stage parts loaded (X0, X1, Y0, Y1) and released (same order); warpgroup w's row max
-# (or, after the loop, its row sum) written; warpgroup w's P written
-QUERY, LOADED, FREE, MAX, P_READY = 0, 1, 5, 9, 11
-ARRIVALS = [384, 1, 1, 1, 1, 128, 128, 128, 128, 128, 128, 128, 128]
-X0, X1, Y0, Y1 = 0, 1, 2, 3
 
-
-def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, max_slack_log2: float | None = 8.0):
-    """The TileLang prim_func (prefill_attention's arguments, in its order)."""
-    check_geometry(geom, KvFormat.FOLDED)
-    require_tilelang()
+def in_flight_values(geom: AttentionGeometry, block_N: int) -> ValueSchedule:
+    """The P.Vs issued with `T.wgmma_gemm` and retired with `T.wait_wgmma`, the accumulators fenced after each wait
+    (a thread's 128 output registers, warpgroup 0's 16 of P) so that nvcc reads none of them early."""
     import tilelang.language as T
 
-    if block_N != 64 or page_size % block_N:
-        raise ValueError(f"the seesaw prefill takes 64-key tiles within a page; got block_N {block_N}, page {page_size}")
-    D, R = geom.head_dim, geom.rotary_width
-    HQ, HKV, G = geom.num_q_heads, geom.num_kv_heads, geom.group_size
-    W = row_width(geom, KvFormat.FOLDED)  # 640 = K_rot 128 | V_unrot 384 | V_rot 128
-    H = D // 2  # output columns a warpgroup keeps: value window [w * H, (w + 1) * H) = row[R + w * H, R + (w + 1) * H)
-    block_M = 64
-    TOK = block_M // G
-    dtype, accum = "bfloat16", "float32"
-    scale = macros.LOG2E
-    slack = None if max_slack_log2 is None else max_slack_log2 / scale
-    head_column = head_column_of(geom, KvFormat.FOLDED)
-    Tq, NP, B, MP, NT = T.dynamic("Tq, NP, B, MP, NT")
-    NEG = -T.infinity(accum)
-    tile_coords = tile_coords_macro()
-    mask_tile = causal_mask_macro(block_N)
-    rescale_outputs = lazy_rescale_macro() if slack is not None else None
+    R, H = geom.rotary_width, geom.head_dim // 2
+    W = row_width(geom, KvFormat.FOLDED)
 
     @T.macro
-    def rescale(acc_o, factor):
-        if rescale_outputs is None:
-            for r, d in T.Parallel(block_M, H):
-                acc_o[r, d] *= factor[r]
-        else:
-            rescale_outputs((Accumulator(acc_o, None, 0),), factor)
+    def own(acc_p, KV, acc_o, mbarrier):
+        T.wgmma_gemm(acc_p, KV[0, :, R:R + H], acc_o)  # P0 on m0, from registers, left in flight
 
     @T.macro
-    def scores(w, Q_shared, KV, acc_s, mbarrier, i, k, num_blocks, n_kv, q_len, pos0, tok0):
-        # S = Q.K of tile k in stage w over the score window row[0:512], the owner's value half first (X_w), then
-        # the rest once it has landed (Y_w); a tile past the CTA's last causal key: all scores masked
-        T.barrier_wait(mbarrier[LOADED + w], i & 1)
-        if k < num_blocks:
-            if w == 0:  # X0 = row[128:384]
-                T.gemm(Q_shared[:, R:R + H], KV[0, :, R:R + H], acc_s, transpose_B=True, clear_accum=True)
-            else:  # X1 = row[384:640], whose first 128 columns are the score window's last
-                T.gemm(Q_shared[:, R + H:D], KV[1, :, R + H:D], acc_s, transpose_B=True, clear_accum=True)
-        T.barrier_wait(mbarrier[LOADED + 2 + w], i & 1)
-        if k < num_blocks:
-            if w == 0:  # Y0 = row[0:128] and row[384:640]
-                T.gemm(Q_shared[:, 0:R], KV[0, :, 0:R], acc_s, transpose_B=True)
-                T.gemm(Q_shared[:, R + H:D], KV[0, :, R + H:D], acc_s, transpose_B=True)
-            else:  # Y1 = row[0:384]
-                T.gemm(Q_shared[:, 0:R + H], KV[1, :, 0:R + H], acc_s, transpose_B=True)
-            mask_tile(acc_s, lambda r, j: k * block_N + j <= pos0 + T.min(tok0 + r // G, q_len - 1), k, pos0 + tok0)
-            if (k + 1) * block_N > n_kv:  # value rows past the sequence hold arbitrary bits (macros.zero_rows_macro's
-                # rule on the stage's value columns, a region of the buffer, which that macro does not take)
-                for j, d in T.Parallel(block_N, D):
-                    KV[w, j, R + d] = T.if_then_else(k * block_N + j < n_kv, KV[w, j, R + d], T.cast(0, dtype))
-        else:
-            T.fill(acc_s, NEG)
+    def own_retired(acc_o, acc_p, mbarrier):
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(acc_o, num_regs=H // 2)
+        T.warpgroup_fence_operand(acc_p, num_regs=block_N // 4)
+        T.barrier_arrive(mbarrier[FREE + X0])
 
     @T.macro
-    def softmax_rows(acc_s, m, m_prev, alpha, l, l_tile):
-        # P = exp2 of the scores on the max m, the denominator moved from m_prev to m
-        for r in T.Parallel(block_M):
-            alpha[r] = T.exp2((m_prev[r] - m[r]) * scale)
-        for r, j in T.Parallel(block_M, block_N):
-            acc_s[r, j] = T.exp2(acc_s[r, j] * scale - m[r] * scale)
-        T.reduce_sum(acc_s, l_tile, dim=1)
-        for r in T.Parallel(block_M):
-            l[r] = l[r] * alpha[r] + l_tile[r]
+    def pair(KV, acc_o, mbarrier, i, num_blocks):
+        if 2 * i + 1 < num_blocks:
+            T.wgmma_gemm(KV[1, :, 0:block_N], KV[1, :, R + H:W], acc_o)
+        T.barrier_wait(mbarrier[P_READY + 0], i & 1)
+        T.wgmma_gemm(KV[0, :, 0:block_N], KV[0, :, R + H:W], acc_o)  # P0, already on m1, behind P1.V1
+        T.wait_wgmma(1)
+        T.barrier_arrive(mbarrier[FREE + X1])
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(acc_o, num_regs=H // 2)
+        T.barrier_arrive(mbarrier[FREE + Y0])
 
-    @T.macro
-    def lazy_max(m, base):
-        # the lazy max: m moves from base only past the slack (P <= 2^8); the one decision both warpgroups then use
-        if slack is not None:
-            for r in T.Parallel(block_M):
-                m[r] = T.if_then_else(m[r] - base[r] > slack, m[r], base[r])
+    return ValueSchedule(own, own_retired, pair)
 
-    @T.macro
-    def epilogue(w, acc_o, m, l, l_tile, l_shared, mbarrier, num_blocks, tok0, q_len, q_base, Out, Lse, by):
-        # the denominator: this warpgroup's tiles' sum plus the other's, on the same max
-        T.copy(l, l_shared[w, :])
-        T.barrier_arrive(mbarrier[MAX + w])
-        T.barrier_wait(mbarrier[MAX + 1 - w], T.ceildiv(num_blocks, 2) & 1)
-        T.copy(l_shared[1 - w, :], l_tile)
-        for r in T.Parallel(block_M):
-            l[r] += l_tile[r]
-        for r, d in T.Parallel(block_M, H):
-            if tok0 + r // G < q_len:
-                Out[q_base + tok0 + r // G, by * G + r % G, head_column(w * H + d)] = acc_o[r, d] / l[r]
-        if w == 0:
-            for r in T.Parallel(block_M):
-                if tok0 + r // G < q_len:
-                    Lse[q_base + tok0 + r // G, by * G + r % G] = m[r] + T.log2(l[r]) * macros.LN2
 
-    @T.macro
-    def consumer0(Q_shared, KV, m_shared, l_shared, mbarrier, tok0, n_kv, q_len, q_base, pos0, num_blocks, Out, Lse,
-                  by):
-        # warpgroup 0: tiles 2i (stage 0), output columns value window [0, H) = row[R:R + H]
-        T.set_max_nreg(CONSUMER_REGS, 1)
-        acc_s = T.alloc_fragment([block_M, block_N], accum)
-        acc_p = T.alloc_fragment([block_M, block_N], dtype)
-        acc_o = T.alloc_fragment([block_M, H], accum)
-        m = T.alloc_fragment([block_M], accum)
-        m_prev = T.alloc_fragment([block_M], accum)
-        m_peer = T.alloc_fragment([block_M], accum)
-        alpha = T.alloc_fragment([block_M], accum)
-        l = T.alloc_fragment([block_M], accum)
-        l_tile = T.alloc_fragment([block_M], accum)
-        T.fill(acc_o, 0)
-        T.fill(l, 0)
-        T.fill(m, NEG)
-        for i in T.serial(T.ceildiv(num_blocks, 2)):
-            scores(0, Q_shared, KV, acc_s, mbarrier, i, 2 * i, num_blocks, n_kv, q_len, pos0, tok0)
-            # m0 from this tile alone, handed over before the softmax
-            T.copy(m, m_prev)
-            T.reduce_max(acc_s, m, dim=1, clear=False)
-            lazy_max(m, m_prev)
-            T.copy(m, m_shared[0, :])
-            T.barrier_arrive(mbarrier[MAX + 0])
-            softmax_rows(acc_s, m, m_prev, alpha, l, l_tile)
-            rescale(acc_o, alpha)
-            T.copy(acc_s, acc_p)
-            T.wgmma_gemm(acc_p, KV[0, :, R:R + H], acc_o)  # P0 on m0, from registers, left in flight
-            # m1 back: P0 (for warpgroup 1), the output and the denominator onto it, beside P0.V0
-            T.barrier_wait(mbarrier[MAX + 1], i & 1)
-            T.copy(m_shared[1, :], m_peer)
-            for r in T.Parallel(block_M):
-                alpha[r] = T.exp2((m[r] - m_peer[r]) * scale)
-                m[r] = m_peer[r]
-                l[r] *= alpha[r]
-            for r, j in T.Parallel(block_M, block_N):
-                acc_s[r, j] *= alpha[r]
-            T.copy(acc_s, KV[0, :, 0:block_N])  # over K_rot's first 64 columns, which only this Q.K read
-            T.fence_proxy_async()
-            T.barrier_arrive(mbarrier[P_READY + 0])
-            T.wait_wgmma(0)
-            T.warpgroup_fence_operand(acc_o, num_regs=H // 2)  # a thread's 128 registers of the 64 x 256 tile
-            T.warpgroup_fence_operand(acc_p, num_regs=block_N // 4)  # its 16 (32 bf16 of P)
-            T.barrier_arrive(mbarrier[FREE + X0])
-            rescale(acc_o, alpha)
-            T.barrier_wait(mbarrier[P_READY + 1], i & 1)
-            if 2 * i + 1 < num_blocks:
-                T.gemm(KV[1, :, 0:block_N], KV[1, :, R:R + H], acc_o)
-            T.barrier_arrive(mbarrier[FREE + Y1])
-        epilogue(0, acc_o, m, l, l_tile, l_shared, mbarrier, num_blocks, tok0, q_len, q_base, Out, Lse, by)
-
-    @T.macro
-    def consumer1(Q_shared, KV, m_shared, l_shared, mbarrier, tok0, n_kv, q_len, q_base, pos0, num_blocks, Out, Lse,
-                  by):
-        # warpgroup 1: tiles 2i + 1 (stage 1), output columns value window [H, D) = row[R + H:W]
-        T.set_max_nreg(CONSUMER_REGS, 1)
-        acc_s = T.alloc_fragment([block_M, block_N], accum)
-        acc_o = T.alloc_fragment([block_M, H], accum)
-        m = T.alloc_fragment([block_M], accum)
-        m_prev = T.alloc_fragment([block_M], accum)
-        m_peer = T.alloc_fragment([block_M], accum)
-        alpha = T.alloc_fragment([block_M], accum)
-        l = T.alloc_fragment([block_M], accum)
-        l_tile = T.alloc_fragment([block_M], accum)
-        T.fill(acc_o, 0)
-        T.fill(l, 0)
-        T.fill(m, NEG)
-        for i in T.serial(T.ceildiv(num_blocks, 2)):
-            scores(1, Q_shared, KV, acc_s, mbarrier, i, 2 * i + 1, num_blocks, n_kv, q_len, pos0, tok0)
-            # m1 = max(m0, this tile), decided against m0, handed back
-            T.copy(m, m_prev)
-            T.reduce_max(acc_s, m, dim=1, clear=True)
-            T.barrier_wait(mbarrier[MAX + 0], i & 1)
-            T.copy(m_shared[0, :], m_peer)
-            for r in T.Parallel(block_M):
-                m[r] = T.max(m[r], m_peer[r])
-            lazy_max(m, m_peer)
-            T.copy(m, m_shared[1, :])
-            T.barrier_arrive(mbarrier[MAX + 1])
-            softmax_rows(acc_s, m, m_prev, alpha, l, l_tile)
-            T.copy(acc_s, KV[1, :, 0:block_N])  # P1 over K_rot's first 64 columns, for both P.Vs
-            T.fence_proxy_async()
-            T.barrier_arrive(mbarrier[P_READY + 1])
-            rescale(acc_o, alpha)
-            if 2 * i + 1 < num_blocks:
-                T.wgmma_gemm(KV[1, :, 0:block_N], KV[1, :, R + H:W], acc_o)
-            T.barrier_wait(mbarrier[P_READY + 0], i & 1)
-            T.wgmma_gemm(KV[0, :, 0:block_N], KV[0, :, R + H:W], acc_o)  # P0, already on m1, behind P1.V1
-            T.wait_wgmma(1)
-            T.barrier_arrive(mbarrier[FREE + X1])
-            T.wait_wgmma(0)
-            T.warpgroup_fence_operand(acc_o, num_regs=H // 2)  # a thread's 128 registers of the 64 x 256 tile
-            T.barrier_arrive(mbarrier[FREE + Y0])
-        epilogue(1, acc_o, m, l, l_tile, l_shared, mbarrier, num_blocks, tok0, q_len, q_base, Out, Lse, by)
-
-    @T.macro
-    def load_part(Pool, KV, mbarrier, part, i, tile, num_blocks, PageIds, req, by):
-        # one released part of a stage, by TMA onto its mbarrier (a tile past the last: the arrival alone)
-        T.barrier_wait(mbarrier[FREE + part], (i & 1) ^ 1)
-        s = part % 2
-        if tile < num_blocks:
-            page = PageIds[req, (tile * block_N) // page_size]
-            off = (tile * block_N) % page_size
-            if part == X0:
-                T.tma_copy(Pool[page, by, off:off + block_N, R:R + H], KV[0, :, R:R + H], barrier=mbarrier[LOADED + part])
-            elif part == X1:
-                T.tma_copy(Pool[page, by, off:off + block_N, R + H:W], KV[1, :, R + H:W],
-                           barrier=mbarrier[LOADED + part])
-            elif part == Y0:
-                T.tma_copy(Pool[page, by, off:off + block_N, 0:R], KV[0, :, 0:R], barrier=mbarrier[LOADED + part])
-                T.tma_copy(Pool[page, by, off:off + block_N, R + H:W], KV[0, :, R + H:W],
-                           barrier=mbarrier[LOADED + part])
-            else:
-                T.tma_copy(Pool[page, by, off:off + block_N, 0:R + H], KV[s, :, 0:R + H], barrier=mbarrier[LOADED + part])
-        if T.shuffle_elect(128):  # the thread that set the barrier's expected bytes, after it
-            T.barrier_arrive(mbarrier[LOADED + part])
-
-    @T.macro
-    def attention(Q, Pool, PageIds, SeqLens, QStart, QLens, TileReq, TileTok, Out, Lse):
-        with T.Kernel(NT, HKV, threads=384) as (bx, by):
-            T.import_source(producer_guard.imported_source())  # the producer loop in the warp that issues the TMA
-            Q_shared = T.alloc_shared([block_M, D], dtype)  # score-window order
-            KV = T.alloc_shared([2, block_N, W], dtype)  # two stages of the row; P over each stage's [:, 0:64]
-            m_shared = T.alloc_shared([2, block_M], accum)
-            l_shared = T.alloc_shared([2, block_M], accum)
-            mbarrier = T.alloc_barrier(arrive_count=ARRIVALS)
-            req, tok0, n_kv, q_len, q_base, pos0 = tile_coords(TileReq, TileTok, SeqLens, QLens, QStart, bx)
-            num_blocks = T.ceildiv(pos0 + T.min(tok0 + TOK, q_len), block_N)
-            tx = T.get_thread_binding()
-
-            # row r = (token tok0 + r // G, head by * G + r % G); tokens past the chunk repeat its last token
-            for r, d in T.Parallel(block_M, D):
-                Q_shared[r, d] = Q[q_base + T.min(tok0 + r // G, q_len - 1), by * G + r % G, d]
-            T.barrier_arrive(mbarrier[QUERY])
-            T.barrier_wait(mbarrier[QUERY], 0)
-
-            if tx < 128:  # the producer warpgroup first, as TileLang's warp specialisation places it
-                T.set_max_nreg(PRODUCER_REGS, 0)
-                for i in T.serial(T.ceildiv(num_blocks, 2)):
-                    # in the order the parts are released: FlashMLA's V0L, V1R, V0R, V1L
-                    load_part(Pool, KV, mbarrier, X0, i, 2 * i, num_blocks, PageIds, req, by)
-                    load_part(Pool, KV, mbarrier, X1, i, 2 * i + 1, num_blocks, PageIds, req, by)
-                    load_part(Pool, KV, mbarrier, Y0, i, 2 * i, num_blocks, PageIds, req, by)
-                    load_part(Pool, KV, mbarrier, Y1, i, 2 * i + 1, num_blocks, PageIds, req, by)
-            elif tx < 256:
-                consumer0(Q_shared, KV, m_shared, l_shared, mbarrier, tok0, n_kv, q_len, q_base, pos0, num_blocks,
-                          Out, Lse, by)
-            else:
-                consumer1(Q_shared, KV, m_shared, l_shared, mbarrier, tok0, n_kv, q_len, q_base, pos0, num_blocks,
-                          Out, Lse, by)
-
-    args = {
-        "Q": T.Tensor([Tq, HQ, D], dtype),
-        "Pool": T.Tensor([NP, HKV, page_size, W], dtype),
-        "PageIds": T.Tensor([B, MP], "int32"),
-        **{name: T.Tensor([B], "int32") for name in ("SeqLens", "QStart", "QLens")},
-        **{name: T.Tensor([NT], "int32") for name in ("TileReq", "TileTok")},
-        "Out": T.Tensor([Tq, HQ, D], dtype),
-        "Lse": T.Tensor([Tq, HQ], accum),
-    }
-    return prim_func("main", args, lambda b: attention(*(b[n] for n in args)))
+def program(geom: AttentionGeometry, **params):
+    return prefill_folded.program(geom, **params, values=in_flight_values)
 
 
 def build(geom: AttentionGeometry = GEMMA4_31B, *, page_size: int = 64, block_N: int = 64,

@@ -12,6 +12,9 @@ pair's loads start inside this one. Why each choice, and what it replaced: kerne
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
 from ..config import GEMMA4_31B, AttentionGeometry
 from ..layout import KvFormat, row_width
 from . import macros, producer_guard
@@ -28,8 +31,44 @@ ARRIVALS = [384, 1, 1, 1, 1, 128, 128, 128, 128, 128, 128, 128, 128]
 X0, X1, Y0, Y1 = 0, 1, 2, 3
 
 
-def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, max_slack_log2: float | None = 8.0):
-    """The TileLang prim_func (prefill_attention's arguments, in its order)."""
+@dataclass(frozen=True)
+class ValueSchedule:
+    """How the consumers issue their P.Vs and release the stage parts those read (a version's hook point; the
+    library's waits for each gemm): `own(acc_p, KV, acc_o, mbarrier)`, warpgroup 0's P0.V0 from registers, before its
+    wait for m1; `own_retired(acc_o, acc_p, mbarrier)` or None, after P0's store; `pair(KV, acc_o, mbarrier, i,
+    num_blocks)`, warpgroup 1's P1.V1 and P0.V0 (after P0 is written) and the releases of X1 and Y0."""
+    own: Any
+    own_retired: Any
+    pair: Any
+
+
+def waited_values(geom: AttentionGeometry, block_N: int) -> ValueSchedule:
+    """The library's: every gemm waited for, each part released after its last gemm."""
+    import tilelang.language as T
+
+    R, H = geom.rotary_width, geom.head_dim // 2
+    W = row_width(geom, KvFormat.FOLDED)
+
+    @T.macro
+    def own(acc_p, KV, acc_o, mbarrier):
+        T.gemm(acc_p, KV[0, :, R:R + H], acc_o)  # P0 on m0, from registers
+        T.barrier_arrive(mbarrier[FREE + X0])
+
+    @T.macro
+    def pair(KV, acc_o, mbarrier, i, num_blocks):
+        if 2 * i + 1 < num_blocks:
+            T.gemm(KV[1, :, 0:block_N], KV[1, :, R + H:W], acc_o)
+        T.barrier_arrive(mbarrier[FREE + X1])
+        T.barrier_wait(mbarrier[P_READY + 0], i & 1)
+        T.gemm(KV[0, :, 0:block_N], KV[0, :, R + H:W], acc_o)  # P0, already on m1
+        T.barrier_arrive(mbarrier[FREE + Y0])
+
+    return ValueSchedule(own, None, pair)
+
+
+def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, max_slack_log2: float | None = 8.0,
+            values: Callable[[AttentionGeometry, int], ValueSchedule] = waited_values):
+    """The TileLang prim_func (prefill_attention's arguments, in its order); `values`: the P.Vs' schedule."""
     check_geometry(geom, KvFormat.FOLDED)
     require_tilelang()
     import tilelang.language as T
@@ -51,6 +90,7 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
     tile_coords = tile_coords_macro()
     mask_tile = causal_mask_macro(block_N)
     rescale_outputs = lazy_rescale_macro() if slack is not None else None
+    value_gemms = values(geom, block_N)
 
     @T.macro
     def rescale(acc_o, factor):
@@ -121,12 +161,11 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
                     Lse[q_base + tok0 + r // G, by * G + r % G] = m[r] + T.log2(l[r]) * macros.LN2
 
     @T.macro
-    def consumer0(Q_shared, KV, m_shared, l_shared, mbarrier, tok0, n_kv, q_len, q_base, pos0, num_blocks, Out, Lse,
-                  by):
-        # warpgroup 0: tiles 2i (stage 0), output columns value window [0, H) = row[R:R + H]
+    def consumer_state(with_p):
+        # a consumer's registers (232 of them): S, (warpgroup 0) P in bf16, its half of the output, the row max and sum
         T.set_max_nreg(CONSUMER_REGS, 1)
         acc_s = T.alloc_fragment([block_M, block_N], accum)
-        acc_p = T.alloc_fragment([block_M, block_N], dtype)
+        acc_p = T.alloc_fragment([block_M, block_N], dtype) if with_p else None
         acc_o = T.alloc_fragment([block_M, H], accum)
         m = T.alloc_fragment([block_M], accum)
         m_prev = T.alloc_fragment([block_M], accum)
@@ -137,6 +176,13 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
         T.fill(acc_o, 0)
         T.fill(l, 0)
         T.fill(m, NEG)
+        return acc_s, acc_p, acc_o, m, m_prev, m_peer, alpha, l, l_tile
+
+    @T.macro
+    def consumer0(Q_shared, KV, m_shared, l_shared, mbarrier, tok0, n_kv, q_len, q_base, pos0, num_blocks, Out, Lse,
+                  by):
+        # warpgroup 0: tiles 2i (stage 0), output columns value window [0, H) = row[R:R + H]
+        acc_s, acc_p, acc_o, m, m_prev, m_peer, alpha, l, l_tile = consumer_state(True)
         for i in T.serial(T.ceildiv(num_blocks, 2)):
             scores(0, Q_shared, KV, acc_s, mbarrier, i, 2 * i, num_blocks, n_kv, q_len, pos0, tok0)
             # m0 from this tile alone, handed over before the softmax
@@ -148,8 +194,7 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
             softmax_rows(acc_s, m, m_prev, alpha, l, l_tile)
             rescale(acc_o, alpha)
             T.copy(acc_s, acc_p)
-            T.gemm(acc_p, KV[0, :, R:R + H], acc_o)  # P0 on m0, from registers
-            T.barrier_arrive(mbarrier[FREE + X0])
+            value_gemms.own(acc_p, KV, acc_o, mbarrier)
             # m1 back: P0 (for warpgroup 1), the output and the denominator onto it
             T.barrier_wait(mbarrier[MAX + 1], i & 1)
             T.copy(m_shared[1, :], m_peer)
@@ -162,6 +207,8 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
             T.copy(acc_s, KV[0, :, 0:block_N])  # over K_rot's first 64 columns, which only this Q.K read
             T.fence_proxy_async()
             T.barrier_arrive(mbarrier[P_READY + 0])
+            if value_gemms.own_retired is not None:
+                value_gemms.own_retired(acc_o, acc_p, mbarrier)
             rescale(acc_o, alpha)
             T.barrier_wait(mbarrier[P_READY + 1], i & 1)
             if 2 * i + 1 < num_blocks:
@@ -173,18 +220,7 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
     def consumer1(Q_shared, KV, m_shared, l_shared, mbarrier, tok0, n_kv, q_len, q_base, pos0, num_blocks, Out, Lse,
                   by):
         # warpgroup 1: tiles 2i + 1 (stage 1), output columns value window [H, D) = row[R + H:W]
-        T.set_max_nreg(CONSUMER_REGS, 1)
-        acc_s = T.alloc_fragment([block_M, block_N], accum)
-        acc_o = T.alloc_fragment([block_M, H], accum)
-        m = T.alloc_fragment([block_M], accum)
-        m_prev = T.alloc_fragment([block_M], accum)
-        m_peer = T.alloc_fragment([block_M], accum)
-        alpha = T.alloc_fragment([block_M], accum)
-        l = T.alloc_fragment([block_M], accum)
-        l_tile = T.alloc_fragment([block_M], accum)
-        T.fill(acc_o, 0)
-        T.fill(l, 0)
-        T.fill(m, NEG)
+        acc_s, _, acc_o, m, m_prev, m_peer, alpha, l, l_tile = consumer_state(False)
         for i in T.serial(T.ceildiv(num_blocks, 2)):
             scores(1, Q_shared, KV, acc_s, mbarrier, i, 2 * i + 1, num_blocks, n_kv, q_len, pos0, tok0)
             # m1 = max(m0, this tile), decided against m0, handed back
@@ -202,12 +238,7 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
             T.fence_proxy_async()
             T.barrier_arrive(mbarrier[P_READY + 1])
             rescale(acc_o, alpha)
-            if 2 * i + 1 < num_blocks:
-                T.gemm(KV[1, :, 0:block_N], KV[1, :, R + H:W], acc_o)
-            T.barrier_arrive(mbarrier[FREE + X1])
-            T.barrier_wait(mbarrier[P_READY + 0], i & 1)
-            T.gemm(KV[0, :, 0:block_N], KV[0, :, R + H:W], acc_o)  # P0, already on m1
-            T.barrier_arrive(mbarrier[FREE + Y0])
+            value_gemms.pair(KV, acc_o, mbarrier, i, num_blocks)
         epilogue(1, acc_o, m, l, l_tile, l_shared, mbarrier, num_blocks, tok0, q_len, q_base, Out, Lse, by)
 
     @T.macro
