@@ -60,6 +60,11 @@
 #                 each launched) and the served TTFT at 4K and 32K (folded, 3 rounds; RC_CELLS: more ARM:PROMPT cells,
 #                 the arms rotated; RC_ROUNDS rounds, 3) and, with RC_LONG cells, those once each, without the untimed
 #                 call (LONG_S) (~8-9 min)
+#   PART=prefill_version  a folded prefill version of bench/versions/ (VERSION, default prefill_folded_seesaw_async;
+#                 its probe arm PV_ARM, default seesaw_async) against the library: the kernel probe's gate and its two
+#                 cells, then TTFT through generate() at 32K and 128K (PV_CELLS) with the version served
+#                 (bench/serve_version.py) and without it, each its own process, then the GPU prefill and hf tests with
+#                 it served (the wrapper prints each build, -s) (~7-9 min on the H200)
 # (The 31B step's runs 22-25 were measured at 9f9ef77: papermill_runs/h200-20261205-s27.)
 # Prepare on the CPU machine first: scripts/prepare_device_run.sh (carry .devsite build/aot build/checkout.json).
 #
@@ -270,4 +275,23 @@ if [ "$PART" = runtime_check ]; then  # one TileLang cache: built side by side f
     echo "long rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round|matmul" "$OUTD/rc_long.log"
   fi
   (cd "$OUTD" && tar -czf runtime_check.tgz rc_*.log prefill_*.json first long 2>/dev/null)
+fi
+
+if [ "$PART" = prefill_version ]; then  # one TileLang cache: the probe builds both kernels, the rest load them
+  V=${VERSION:-prefill_folded_seesaw_async}
+  timeout ${PK_S:-120} python3 bench/prefill_kernel_probe.py --out "$OUTD" --arms library_folded ${PV_ARM:-seesaw_async} \
+    > "$OUTD/prefill_version_probe.log" 2>&1
+  echo "probe rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "gate|prefill_4096|matmul" "$OUTD/prefill_version_probe.log" | grep -v INFO
+  for side in version library; do
+    mkdir -p "$OUTD/$side"; W=""; [ $side = version ] && W="bench/serve_version.py prefill_folded=$V --"
+    timeout ${AB_S:-200} python3 $W bench/prefill_probe.py --out "$OUTD/$side" ttft --rounds ${AB_ROUNDS:-2} \
+      --cells ${PV_CELLS:-foldkv-folded:32768 foldkv-folded:131072} > "$OUTD/prefill_version_ttft_$side.log" 2>&1
+    echo "$side rc=$? at $(( $(date +%s) - t0 )) s"; grep -E "round|matmul|serve_version" "$OUTD/prefill_version_ttft_$side.log"
+  done
+  PM=$(python3 -c "import os, pytest; print(os.path.join(os.path.dirname(pytest.__file__), '__main__.py'))")
+  FOLDKV_REQUIRE_GPU=1 timeout ${TESTS_S:-200} python3 bench/serve_version.py prefill_folded=$V -- $PM -q -s -ra \
+    --tb=short -p no:cacheprovider tests/test_prefill_gpu.py tests/test_prefill_fused_gpu.py tests/test_hf_gpu.py \
+    -k "not bench_version" > "$OUTD/prefill_version_pytest.log" 2>&1
+  echo "pytest rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/prefill_version_pytest.log"); builds served:" \
+    "$(grep -c '\[serve_version\]' "$OUTD/prefill_version_pytest.log")"
 fi

@@ -486,3 +486,23 @@ def test_a_failed_peer_rule_change_red_twin_explains_nothing_else():
     bad[i] = {**bad[i], "met": not bad[i]["met"]}  # a verdict no rule change gives
     as_recorded, _ = ttft.against_record(now, bad, rows[1])
     assert as_recorded != bad and as_recorded[i] == now[i]
+
+
+def test_token_gaps_find_a_periodic_wait():
+    """`model_decode.token_gaps` (the end-to-end row's decode, gap by gap): 1,024 tokens at 17.7 ms with a 60 ms wait
+    every 64th token show 15 spikes at multiples of 64 and the median of the steady steps; red twin: the same total
+    spread evenly over every gap shows none, though its mean is the same."""
+    from foldkv.lab import model_decode as md
+
+    gaps = [17.7 + (60.0 if i % 64 == 0 else 0.0) for i in range(1, 1024)]
+    stamps = [0.0]
+    for g in gaps:
+        stamps.append(stamps[-1] + g / 1e3)
+    got = md.token_gaps(stamps)
+    assert got["spikes"] == 15 and abs(got["median_ms"] - 17.7) < 1e-9 and abs(got["max_ms"] - 77.7) < 1e-9
+    assert all(i % 64 == 0 for i, _ in got["largest"])
+    even = [0.0]
+    for _ in gaps:
+        even.append(even[-1] + sum(gaps) / len(gaps) / 1e3)
+    assert md.token_gaps(even)["spikes"] == 0
+    assert md.token_gaps([0.0]) is None

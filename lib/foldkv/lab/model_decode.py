@@ -303,14 +303,28 @@ def measure_decode(model: nn.Module, arm_name: str, *, context: int, batch: int,
 PROMPT_RANGE = "foldkv.prompt"  # `measure_prefill`'s generate() in a profile
 
 
+def token_gaps(stamps: Sequence[float], spike: float = 2.0, largest: int = 5) -> dict | None:
+    """The decode's gaps between generated tokens (ms; None with fewer than two stamps): median, p90, max, how many
+    exceed `spike` x the median, and the `largest` gaps as (index of the token it ends at, ms). Where a slow decode's
+    time goes: a periodic host wait shows as spikes at its period, a slower step as a higher median."""
+    if len(stamps) < 2:
+        return None
+    gaps = sorted(((1e3 * (b - a), i + 1) for i, (a, b) in enumerate(zip(stamps, stamps[1:]))), reverse=True)
+    ms = sorted(g for g, _ in gaps)
+    median = ms[len(ms) // 2] if len(ms) % 2 else (ms[len(ms) // 2 - 1] + ms[len(ms) // 2]) / 2
+    return {"median_ms": median, "p90_ms": ms[min(len(ms) - 1, int(0.9 * len(ms)))], "max_ms": ms[-1],
+            "spikes": sum(g > spike * median for g in ms), "spike_factor": spike,
+            "largest": [(i, g) for g, i in gaps[:largest]]}
+
+
 @torch.no_grad()
 def measure_prefill(model: nn.Module, arm_name: str, *, prompt_tokens: int, new_tokens: int, prefill_chunk: int,
                     seed: int = 0, batch: int = 1) -> dict:
     """`batch` real random prompts of `prompt_tokens` tokens through `arm_name`, prefilled in chunks of
     `prefill_chunk` (generate()'s prefill_chunk_size), `new_tokens` greedy tokens after: TTFT (the call to the first
-    token), the call to the last token (`generate_s`), peak memory by component, the first sequence's tokens, and the
-    cache's creation (`cache_s`, outside TTFT: what a FoldKvCache does ahead, its prefill's kernels resolved and warmed,
-    is paid there)."""
+    token), the call to the last token (`generate_s`), the decode's gaps between tokens (`token_gaps`), peak memory by
+    component, the first sequence's tokens, and the cache's creation (`cache_s`, outside TTFT: what a FoldKvCache does
+    ahead, its prefill's kernels resolved and warmed, is paid there)."""
     from .gemma31b import weight_bytes
 
     arm = model_arm(arm_name)
@@ -336,7 +350,7 @@ def measure_prefill(model: nn.Module, arm_name: str, *, prompt_tokens: int, new_
     del cache
     return {"arm": arm_name, "status": "ran", "prompt_tokens": prompt_tokens, "batch": batch,
             "new_tokens": new_tokens, "ttft_s": stamps[0] - t0, "generate_s": stamps[-1] - t0, "peak_bytes": peak,
-            "memory": memory, "tokens": out[0, prompt_tokens:].cpu().tolist(), "cache_s": cache_s}
+            "token_gaps": token_gaps(stamps), "memory": memory, "tokens": out[0, prompt_tokens:].cpu().tolist(), "cache_s": cache_s}
 
 
 @torch.no_grad()

@@ -225,6 +225,9 @@ def e2e_rows(model, arms: Sequence[str], *, prompt_tokens: int, new_tokens: int,
             r["e2e_s"] = r["generate_s"]
             r["decode_s"] = r["generate_s"] - r["ttft_s"]
             r["decode_ms_per_token"] = 1e3 * r["decode_s"] / (new_tokens - 1)
+            gaps = r.get("token_gaps")
+            if gaps:  # where the decode's time goes: its steady step and its spikes (model_decode.token_gaps)
+                r["gap_median_ms"], r["gap_spikes"] = gaps["median_ms"], gaps["spikes"]
     return rows
 
 
@@ -451,9 +454,10 @@ def e2e_table(rows: Sequence[dict]) -> str:
 
     return markdown_table(rows, {"arm": "arm", "prompt_tokens": "prompt", "new_tokens": "new tokens",
                                  "ttft_s": "TTFT s", "decode_s": "decode s", "decode_ms_per_token": "ms / token",
+                                 "gap_median_ms": "median gap ms", "gap_spikes": "gaps > 2x median",
                                  "e2e_s": "end-to-end s", "status": "status"},
                           {"prompt_tokens": ",d", "new_tokens": ",d", "ttft_s": ".2f", "decode_s": ".2f",
-                           "decode_ms_per_token": ".2f", "e2e_s": ".2f"})
+                           "decode_ms_per_token": ".2f", "gap_median_ms": ".2f", "e2e_s": ".2f"})
 
 
 def plot_ttft_over_floor(rows: Sequence[dict], path: str | None = None):
