@@ -37,23 +37,26 @@ def _redraw(notebook: str, tmp_path, root: str | None = None) -> RecordRedraw:
     return RecordRedraw(RunRecord(notebook, tmp_path / "out"), cuda=False, root=root)
 
 
-def _altered_copy(tmp_path, notebook: str, name: str, edit) -> str:
-    """A root holding the index and `notebook`'s run of record with `edit` applied to file `name`, and the index's
-    sha256 updated to the edited bytes: the index check passes, so only what derives from the numbers can catch it."""
+def _altered_copy(tmp_path, notebook: str, name: str | None, edit, row: str | None = None) -> str:
+    """A root holding the index and `notebook`'s run of record (or the run of the index `row` given in its place) with
+    `edit` applied to file `name` (None: no edit), and the index's sha256 updated to the edited bytes: the index check
+    passes, so only what derives from the numbers can catch it."""
     root = tmp_path / "repo"
-    run = results.run_of_record(notebook)
+    text = open(os.path.join(ROOT, results.RUNS_INDEX)).read()
+    recorded = next(line for line in text.splitlines() if line.startswith(f"| {notebook} |"))
+    row = row or recorded
+    run = row.split("|")[2].strip()
     folder = root / results.RUNS_DIR / run
     folder.mkdir(parents=True)
     for n in results.redrawn_files(notebook):
         shutil.copy(os.path.join(ROOT, results.RUNS_DIR, run, n), folder / n)
-    doc = json.loads((folder / name).read_text())
-    edit(doc)
-    (folder / name).write_text(json.dumps(doc, indent=1))
-    text = open(os.path.join(ROOT, results.RUNS_INDEX)).read()
-    row = next(line for line in text.splitlines() if line.startswith(f"| {notebook} |"))
+    if name is not None:
+        doc = json.loads((folder / name).read_text())
+        edit(doc)
+        (folder / name).write_text(json.dumps(doc, indent=1))
     digest = row.split("|")[4].strip()
     new = results.files_digest(str(folder), results.redrawn_files(notebook))[:results.DIGEST_CHARS]
-    (root / results.RUNS_INDEX).write_text(text.replace(row, row.replace(digest, new)))
+    (root / results.RUNS_INDEX).write_text(text.replace(recorded, row.replace(digest, new)))
     return str(root)
 
 
@@ -273,7 +276,9 @@ def _ttft_redrawn(redraw):
     return again, side, floors_held, held
 
 
-def test_ttft_redrawn_with_floors_and_targets_computed_again_and_rule_changes_shown(tmp_path, agg):
+def test_ttft_redrawn_with_floors_and_targets_computed_again(tmp_path, agg):
+    """Notebook 07's run of record redrawn: every floor and target computed again from its rows equals the recorded
+    one, and no rule has changed since it ran (each verdict shown once, as recorded)."""
     from foldkv.lab import ttft
     from foldkv.lab.palette import colour_clashes
 
@@ -285,7 +290,30 @@ def test_ttft_redrawn_with_floors_and_targets_computed_again_and_rule_changes_sh
     assert all(redraw.record.sections[s] == f"redrawn from {run}" for s in (*TTFT_SECTIONS, "ttft_targets"))
     assert rows == rec["ttft_31b"]["rows"], "every end-to-end prompt has its TTFT cell in this record: nothing added"
     assert redraw.record.results["ttft_targets"]["ttft_targets"] == rec["ttft_targets"]
-    # the two rules changed since the run, each named where it applies, the verdict shown both ways
+    assert all(s["rule"] == "" and s["met_now"] == s["met_recorded"] for s in side)
+    text = ttft.side_by_side_markdown(side, redraw.label)
+    assert text.startswith("**29 of 35 targets met as recorded; under today's rules 29 met, 6 not met, 0 cannot be"
+                           f" told from the run's data** (from the run of record {run}, commit ")
+    assert "*Rule changed since the run:*" not in text
+    assert redraw.caption("ttft_31b").startswith(f"**Redrawn from the run of record {run}, commit ")
+    fig = redraw.mark(ttft.plot_ttft_over_floor(rows), "ttft_31b")
+    assert _labelled(fig, run) and colour_clashes(fig) == {}
+
+
+# notebook 07's first H200 run, recorded under the rules before the two changes `ttft.RULE_CHANGES` names
+EARLIER_TTFT_RUN = ("| 07_time_to_first_token | h200-20261205 | 95a2626 | 28be3f247c3fb763 | the first H200 run, before"
+                    " today's rules |")
+
+
+def test_ttft_rule_changes_shown_for_an_earlier_run(tmp_path):
+    """A run recorded under the earlier rules (h200-20261205, in the index's place): its two changed rules each named
+    where they apply and the verdict shown both ways, the rest as recorded."""
+    from foldkv.lab import ttft
+
+    root = _altered_copy(tmp_path, "07_time_to_first_token", None, None, row=EARLIER_TTFT_RUN)
+    redraw = _redraw("07_time_to_first_token", tmp_path, root)
+    rows, side, floors_held, held = _ttft_redrawn(redraw)
+    assert floors_held and held, redraw.record.sections
     e2e = next(s for s in side if "end-to-end lowest" in s["target"])
     assert (e2e["met_recorded"], e2e["met_now"]) == (True, False) and e2e["rule"] == ttft.RULE_CHANGES[
         "end-to-end alone"]["short"]
@@ -295,21 +323,20 @@ def test_ttft_redrawn_with_floors_and_targets_computed_again_and_rule_changes_sh
     assert all(s["rule"] == "" and s["met_now"] == s["met_recorded"] for s in side if s not in first and s is not e2e)
     text = ttft.side_by_side_markdown(side, redraw.label)
     assert text.startswith("**22 of 35 targets met as recorded; under today's rules 13 met, 12 not met, 10 cannot be"
-                           f" told from the run's data** (from the run of record {run}, commit ")
+                           " told from the run's data** (from the run of record h200-20261205, commit ")
     assert text.count("*Rule changed since the run:*") == 2
-    assert redraw.caption("ttft_31b").startswith(f"**Redrawn from the run of record {run}, commit ")
-    fig = redraw.mark(ttft.plot_ttft_over_floor(rows), "ttft_31b")
-    assert _labelled(fig, run) and colour_clashes(fig) == {}
 
 
-def _set_folded_4k(ttft_s=None, over=None):
+def _set_folded_4k(ttft_s=None, with_ratio=False):
+    """An edit of the record's folded 4K TTFT to `ttft_s`, its TTFT / floor left as recorded or (`with_ratio`) made
+    consistent with the recorded floor."""
     def edit(doc):
         row = doc["results"]["ttft_31b"]["rows"][0]
         assert (row["arm"], row["prompt_tokens"], row["batch"]) == ("foldkv-folded", 4096, 1)
         if ttft_s is not None:
             row["ttft_s"] = ttft_s
-        if over is not None:
-            row["ttft_over_floor"] = over
+        if with_ratio:
+            row["ttft_over_floor"] = ttft_s / row["floor_s"]
     return edit
 
 
@@ -325,17 +352,18 @@ def test_red_twin_a_ttft_changed_in_the_record_fails_its_floor(tmp_path):
 
 def test_red_twin_a_ttft_changed_with_its_ratio_fails_the_targets(tmp_path):
     root = _altered_copy(tmp_path, "07_time_to_first_token", "07_time_to_first_token.record.json",
-                         _set_folded_4k(ttft_s=0.45, over=0.45 / 0.3239741211079199))  # within 1.6: now met
+                         _set_folded_4k(ttft_s=0.6, with_ratio=True))  # past 1.6: not met now, met as recorded
     redraw = _redraw("07_time_to_first_token", tmp_path, root)
     _, _, floors_held, held = _ttft_redrawn(redraw)
     said = redraw.record.sections["ttft_targets"]
     assert floors_held and not held and said.startswith("failed: the targets computed from the numbers"), said
-    assert "[0].met: True here, False recorded" in said
+    assert "[0].met: False here, True recorded" in said
 
 
 def test_red_twin_a_recorded_verdict_no_rule_change_explains_is_refused(tmp_path):
     """The rule changes excuse exactly the earlier rule's verdict: a floor verdict flipped in the record, or the
-    end-to-end verdict recorded with a value the earlier rule never gave, fails the targets."""
+    end-to-end verdict recorded with a value the earlier rule never gave, fails the targets (in the earlier run, which
+    the rule changes apply to)."""
     def flip_floor(doc):
         doc["results"]["ttft_targets"][0]["met"] = True
 
@@ -345,7 +373,8 @@ def test_red_twin_a_recorded_verdict_no_rule_change_explains_is_refused(tmp_path
 
     for name, edit, where in (("floor", flip_floor, "[0].met: False here, True recorded"),
                               ("e2e", e2e_value, "[30].met: False here, True recorded")):
-        root = _altered_copy(tmp_path / name, "07_time_to_first_token", "07_time_to_first_token.record.json", edit)
+        root = _altered_copy(tmp_path / name, "07_time_to_first_token", "07_time_to_first_token.record.json", edit,
+                             row=EARLIER_TTFT_RUN)
         redraw = _redraw("07_time_to_first_token", tmp_path / name, root)
         *_, held = _ttft_redrawn(redraw)
         said = redraw.record.sections["ttft_targets"]

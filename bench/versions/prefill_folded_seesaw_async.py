@@ -53,8 +53,11 @@ def in_flight_values(geom: AttentionGeometry, block_N: int) -> ValueSchedule:
     return ValueSchedule(own, own_retired, pair)
 
 
-def program(geom: AttentionGeometry, **params):
-    return prefill_folded.program(geom, **params, values=in_flight_values)
+def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, max_slack_log2: float | None = 8.0,
+            **_library_tiling):
+    """The library's program with `in_flight_values` (the library prefill's other tiling params do not apply)."""
+    return prefill_folded.program(geom, page_size=page_size, block_N=block_N, max_slack_log2=max_slack_log2,
+                                  values=in_flight_values)
 
 
 def build(geom: AttentionGeometry = GEMMA4_31B, *, page_size: int = 64, block_N: int = 64,
