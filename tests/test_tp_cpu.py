@@ -146,3 +146,41 @@ def test_tp2_preset_is_one_rank_of_the_31b():
     geom = PRESETS["gemma-4-31b-tp2"]
     assert (geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.group_size) == (16, 2, 512, 8)
     assert geom.rotary_pairs == GEMMA4_31B.rotary_pairs and geom.name == "gemma-4-31b-tp2"
+
+
+def test_a_rank_killed_by_a_signal_is_run_again_once(monkeypatch, tmp_path):
+    """`tp_generate.launch`: a run whose rank died of a signal (torchrun's failure report) runs again, once, and the
+    result says so; red twins: a rank's Python error is not run again, and a second death raises with the ranks'
+    own output last."""
+    import json
+    import subprocess
+
+    from foldkv.lab import tp_generate
+
+    died = ("Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : -6 (pid: 7)\n"
+            "  traceback : Signal 6 (SIGABRT) received by PID 7\n")
+    out = tmp_path / "tp.json"
+
+    def runs(*results):
+        calls = []
+
+        def fake(cmd, **kw):
+            rc, stderr = results[len(calls)]
+            calls.append(cmd)
+            if rc == 0:
+                out.write_text(json.dumps({"formats": {}}))
+            return subprocess.CompletedProcess(cmd, rc, stdout="", stderr=stderr)
+        monkeypatch.setattr(subprocess, "run", fake)
+        return calls
+
+    calls = runs((1, died), (0, ""))
+    got = tp_generate.launch("ck", out, ranks=2)
+    assert len(calls) == 2 and got["launch_retries"] == ["rank 1 died of SIGABRT"]
+    calls = runs((1, "[rank1]: ValueError: tokens differ\n"), (0, ""))
+    with pytest.raises(RuntimeError, match="ValueError: tokens differ"):
+        tp_generate.launch("ck", out, ranks=2)
+    assert len(calls) == 1
+    calls = runs((1, "[rank1]: something\n" + died), (1, "[rank1]: something\n" + died))
+    with pytest.raises(RuntimeError, match=r"the ranks' output:\n\[rank1\]: something$"):
+        tp_generate.launch("ck", out, ranks=2)
+    assert len(calls) == 2

@@ -28,10 +28,12 @@ PROMPTS: tuple[tuple[int, ...], ...] = ((0, 0, 0, 5, 6, 7, 8, 9), (3, 4, 5, 6, 7
 
 
 def launch(checkpoint: str, out: str | os.PathLike, *, ranks: int, args: Sequence[str] = (),
-           timeout: float = 600) -> dict[str, Any]:
+           timeout: float = 600, signal_retries: int = 1) -> dict[str, Any]:
     """This module on the CPU in a subprocess (plain for one rank, under torchrun with gloo for more; CUDA hidden) over
-    `checkpoint`, writing `out`; returns what rank 0 wrote. Raises RuntimeError with the run's output tail if it
-    fails."""
+    `checkpoint`, writing `out`; returns what rank 0 wrote, with `launch_retries`: the runs before it that a rank's
+    death by a signal ended (each said in a line). Such a run (on a loaded 2-core machine gloo's ranks have died of
+    SIGABRT) is run again up to `signal_retries` times; any other failure, or a death past them, raises RuntimeError
+    with the ranks' own output last (where a notebook's one-line tail shows it)."""
     import subprocess
     import sys
 
@@ -41,12 +43,28 @@ def launch(checkpoint: str, out: str | os.PathLike, *, ranks: int, args: Sequenc
     cmd = run + ["-m", "foldkv.lab.tp_generate", checkpoint, "--out", os.fspath(out), *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([lib, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                           f"{proc.stderr[-6000:]}")
+    retries = []
+    while True:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode == 0:
+            break
+        died = _signal_death(proc.stderr)
+        if died and len(retries) < signal_retries:
+            retries.append(died)
+            continue
+        ranks_said = "\n".join(ln for ln in proc.stderr.splitlines() if ln.startswith("[rank"))[-3000:]
+        raise RuntimeError(f"{' '.join(cmd)} failed (rc {proc.returncode}; earlier runs: {retries or 'none'}):\n"
+                           f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}\nthe ranks' output:\n{ranks_said}")
     with open(out) as f:
-        return json.load(f)
+        return {**json.load(f), "launch_retries": retries}
+
+
+def _signal_death(stderr: str) -> str | None:
+    """torchrun's line for a rank that a signal ended ("rank 1 ... Signal 6 (SIGABRT) received"), else None."""
+    import re
+
+    found = re.search(r"rank\s*:\s*(\d+).*?Signal (\d+) \((SIG\w+)\) received", stderr, re.S)
+    return f"rank {found.group(1)} died of {found.group(3)}" if found else None
 
 
 def world() -> tuple[int, int]:
