@@ -2,7 +2,8 @@
 what the script times through the runtime (generate(), the decode step) runs the version. The lab's A/B of a kernel
 before it becomes the library's: the same script without this wrapper is the other arm.
 
-    python bench/serve_version.py prefill_folded=prefill_folded_seesaw_async -- bench/prefill_probe.py --out $OUT ttft ...
+    python bench/serve_version.py prefill_folded=prefill_folded_seesaw_async -- \
+        bench/prefill_probe.py --out $OUT ttft ...
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""The bf16 folded prefill (kernels/prefill_folded.py, the seesaw with released halves) without a GPU: its softmax schedule emulated on the CPU (warpgroup 0
-takes m0 from its own tile, warpgroup 1 m1 = max(m0, its tile), warpgroup 0 rescales P0 and its half of the output
-by exp2(m0 - m1); the lazy max on both sides; an odd tile count leaves warpgroup 1's last tile empty) against float64
-softmax attention; the kernel generated for sm_90a (each part of a stage loaded on its own barrier with its bytes, in
-release order; the producer loop in one warp; warpgroup 0's P.V from registers). Red twins: warpgroup 0 not rescaling
-P0 onto m1 misses the reference; the two-stage row's stage-wide loads fail the part check."""
+"""The bf16 folded prefill (kernels/prefill_folded.py, the seesaw with released halves) without a GPU: its softmax
+schedule emulated on the CPU (warpgroup 0 takes m0 from its own tile, warpgroup 1 m1 = max(m0, its tile), warpgroup 0
+rescales P0 and its half of the output by exp2(m0 - m1); the lazy max on both sides; an odd tile count leaves
+warpgroup 1's last tile empty) against float64 softmax attention; the kernel generated for sm_90a (each part of a
+stage loaded on its own barrier with its bytes, in release order; the producer loop in one warp; warpgroup 0's P.V
+from registers). Red twins: warpgroup 0 not rescaling P0 onto m1 misses the reference; the source with a part waiting
+on another's release, or a box short of its bytes, fails the part check."""
 
 from __future__ import annotations
 
@@ -136,7 +137,8 @@ def test_each_part_loads_on_its_barrier_in_release_order(source):
     v = version()
     kib = 1024
     want = ([v.FREE + p for p in (v.X0, v.X1, v.Y0, v.Y1)],
-            {v.LOADED + v.X0: 32 * kib, v.LOADED + v.X1: 32 * kib, v.LOADED + v.Y0: 48 * kib, v.LOADED + v.Y1: 48 * kib})
+            {v.LOADED + v.X0: 32 * kib, v.LOADED + v.X1: 32 * kib, v.LOADED + v.Y0: 48 * kib,
+             v.LOADED + v.Y1: 48 * kib})
     assert producer_loads(source) == want
     assert len(v.ARRIVALS) == v.P_READY + 2
     y0_wait = f"mbarrier[{v.FREE + v.Y0}].wait"

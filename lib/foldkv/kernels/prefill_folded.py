@@ -31,6 +31,14 @@ ARRIVALS = [384, 1, 1, 1, 1, 128, 128, 128, 128, 128, 128, 128, 128]
 X0, X1, Y0, Y1 = 0, 1, 2, 3
 
 
+def part_columns(geom: AttentionGeometry, part: int) -> tuple[tuple[int, int], ...]:
+    """The row's column runs of a stage part (its stage: part % 2), in load order: X_s the owner's value half (X0 =
+    row[128:384], X1 = row[384:640]), Y_s the rest (Y0 = K_rot and row[384:640], Y1 = row[0:384])."""
+    R, H = geom.rotary_width, geom.head_dim // 2
+    W = row_width(geom, KvFormat.FOLDED)
+    return {X0: ((R, R + H),), X1: ((R + H, W),), Y0: ((0, R), (R + H, W)), Y1: ((0, R + H),)}[part]
+
+
 @dataclass(frozen=True)
 class ValueSchedule:
     """How the consumers issue their P.Vs and release the stage parts those read (a version's hook point; the
@@ -74,7 +82,8 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
     import tilelang.language as T
 
     if block_N != 64 or page_size % block_N:
-        raise ValueError(f"the seesaw prefill takes 64-key tiles within a page; got block_N {block_N}, page {page_size}")
+        raise ValueError(f"the seesaw prefill takes 64-key tiles within a page; got block_N {block_N},"
+                         f" page {page_size}")
     D, R = geom.head_dim, geom.rotary_width
     HQ, HKV, G = geom.num_q_heads, geom.num_kv_heads, geom.group_size
     W = row_width(geom, KvFormat.FOLDED)  # 640 = K_rot 128 | V_unrot 384 | V_rot 128
@@ -92,6 +101,10 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
     rescale_outputs = lazy_rescale_macro() if slack is not None else None
     value_gemms = values(geom, block_N)
 
+    def score_runs(part):
+        # a part's columns inside the score window row[0:512] (X0 and X1 are one run each)
+        return tuple((lo, min(hi, D)) for lo, hi in part_columns(geom, part) if lo < D)
+
     @T.macro
     def rescale(acc_o, factor):
         if rescale_outputs is None:
@@ -106,17 +119,12 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
         # the rest once it has landed (Y_w); a tile past the CTA's last causal key: all scores masked
         T.barrier_wait(mbarrier[LOADED + w], i & 1)
         if k < num_blocks:
-            if w == 0:  # X0 = row[128:384]
-                T.gemm(Q_shared[:, R:R + H], KV[0, :, R:R + H], acc_s, transpose_B=True, clear_accum=True)
-            else:  # X1 = row[384:640], whose first 128 columns are the score window's last
-                T.gemm(Q_shared[:, R + H:D], KV[1, :, R + H:D], acc_s, transpose_B=True, clear_accum=True)
+            for lo, hi in score_runs(w):
+                T.gemm(Q_shared[:, lo:hi], KV[w, :, lo:hi], acc_s, transpose_B=True, clear_accum=True)
         T.barrier_wait(mbarrier[LOADED + 2 + w], i & 1)
         if k < num_blocks:
-            if w == 0:  # Y0 = row[0:128] and row[384:640]
-                T.gemm(Q_shared[:, 0:R], KV[0, :, 0:R], acc_s, transpose_B=True)
-                T.gemm(Q_shared[:, R + H:D], KV[0, :, R + H:D], acc_s, transpose_B=True)
-            else:  # Y1 = row[0:384]
-                T.gemm(Q_shared[:, 0:R + H], KV[1, :, 0:R + H], acc_s, transpose_B=True)
+            for lo, hi in score_runs(2 + w):
+                T.gemm(Q_shared[:, lo:hi], KV[w, :, lo:hi], acc_s, transpose_B=True)
             mask_tile(acc_s, lambda r, j: k * block_N + j <= pos0 + T.min(tok0 + r // G, q_len - 1), k, pos0 + tok0)
             if (k + 1) * block_N > n_kv:  # value rows past the sequence hold arbitrary bits (macros.zero_rows_macro's
                 # rule on the stage's value columns, a region of the buffer, which that macro does not take)
@@ -245,21 +253,12 @@ def program(geom: AttentionGeometry, *, page_size: int = 64, block_N: int = 64, 
     def load_part(Pool, KV, mbarrier, part, i, tile, num_blocks, PageIds, req, by):
         # one released part of a stage, by TMA onto its mbarrier (a tile past the last: the arrival alone)
         T.barrier_wait(mbarrier[FREE + part], (i & 1) ^ 1)
-        s = part % 2
         if tile < num_blocks:
             page = PageIds[req, (tile * block_N) // page_size]
             off = (tile * block_N) % page_size
-            if part == X0:
-                T.tma_copy(Pool[page, by, off:off + block_N, R:R + H], KV[0, :, R:R + H], barrier=mbarrier[LOADED + part])
-            elif part == X1:
-                T.tma_copy(Pool[page, by, off:off + block_N, R + H:W], KV[1, :, R + H:W],
+            for lo, hi in part_columns(geom, part):
+                T.tma_copy(Pool[page, by, off:off + block_N, lo:hi], KV[part % 2, :, lo:hi],
                            barrier=mbarrier[LOADED + part])
-            elif part == Y0:
-                T.tma_copy(Pool[page, by, off:off + block_N, 0:R], KV[0, :, 0:R], barrier=mbarrier[LOADED + part])
-                T.tma_copy(Pool[page, by, off:off + block_N, R + H:W], KV[0, :, R + H:W],
-                           barrier=mbarrier[LOADED + part])
-            else:
-                T.tma_copy(Pool[page, by, off:off + block_N, 0:R + H], KV[s, :, 0:R + H], barrier=mbarrier[LOADED + part])
         if T.shuffle_elect(128):  # the thread that set the barrier's expected bytes, after it
             T.barrier_arrive(mbarrier[LOADED + part])
 

@@ -309,12 +309,14 @@ def token_gaps(stamps: Sequence[float], spike: float = 2.0, largest: int = 5) ->
     time goes: a periodic host wait shows as spikes at its period, a slower step as a higher median."""
     if len(stamps) < 2:
         return None
-    gaps = sorted(((1e3 * (b - a), i + 1) for i, (a, b) in enumerate(zip(stamps, stamps[1:]))), reverse=True)
-    ms = sorted(g for g, _ in gaps)
-    median = ms[len(ms) // 2] if len(ms) % 2 else (ms[len(ms) // 2 - 1] + ms[len(ms) // 2]) / 2
-    return {"median_ms": median, "p90_ms": ms[min(len(ms) - 1, int(0.9 * len(ms)))], "max_ms": ms[-1],
-            "spikes": sum(g > spike * median for g in ms), "spike_factor": spike,
-            "largest": [(i, g) for g, i in gaps[:largest]]}
+    from .bench.stats import summarize
+
+    gaps = [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])]  # gaps[i] ends at token i + 1
+    s = summarize(gaps)
+    ranked = sorted(range(len(gaps)), key=lambda i: -gaps[i])[:largest]
+    return {"median_ms": s["median"], "p90_ms": s["p90"], "max_ms": s["max"],
+            "spikes": sum(g > spike * s["median"] for g in gaps), "spike_factor": spike,
+            "largest": [(i + 1, gaps[i]) for i in ranked]}
 
 
 @torch.no_grad()
@@ -350,7 +352,8 @@ def measure_prefill(model: nn.Module, arm_name: str, *, prompt_tokens: int, new_
     del cache
     return {"arm": arm_name, "status": "ran", "prompt_tokens": prompt_tokens, "batch": batch,
             "new_tokens": new_tokens, "ttft_s": stamps[0] - t0, "generate_s": stamps[-1] - t0, "peak_bytes": peak,
-            "token_gaps": token_gaps(stamps), "memory": memory, "tokens": out[0, prompt_tokens:].cpu().tolist(), "cache_s": cache_s}
+            "token_gaps": token_gaps(stamps), "memory": memory, "tokens": out[0, prompt_tokens:].cpu().tolist(),
+            "cache_s": cache_s}
 
 
 @torch.no_grad()
