@@ -186,19 +186,71 @@ def test_first_use_refuses_a_length_not_new(lengths, seen):
     assert fake.calls == [], "something ran before the refusal"
 
 
-def test_e2e_rows():
-    fake = FakeMeasure()
-    rows = ttft.e2e_rows(None, ARMS[:3], prompt_tokens=1024, new_tokens=11, prefill_chunk=256, measure=fake, log=quiet)
-    assert len(fake.calls) == 6  # the untimed warm-up of each arm, then one timed
+class FakeDecode:
+    """measure_prefill's stand-in with a decode: `new_tokens` stamps, a prompt of TTFT_S, each step STEP_MS[arm],
+    and an arm's first decode step in the process FIRST_STEP_MS more (its kernels loaded, its graph captured)."""
+
+    TTFT_S, FIRST_STEP_MS = 1.0, 3400.0
+    STEP_MS = {"foldkv-folded": 17.7, "foldkv-fp8": 17.8, "foldkv-split": 18.7}
+
+    def __init__(self, new_tokens: int):
+        self.new_tokens, self.calls, self.decoded = new_tokens, [], set()
+
+    def __call__(self, *, arm_name, prompt_tokens, batch, seed):
+        from foldkv.lab import model_decode as md
+
+        self.calls.append((arm_name, prompt_tokens, self.new_tokens))
+        stamps = [self.TTFT_S]
+        for _ in range(self.new_tokens - 1):
+            first = arm_name not in self.decoded
+            self.decoded.add(arm_name)
+            stamps.append(stamps[-1] + (self.STEP_MS[arm_name] + (self.FIRST_STEP_MS if first else 0.0)) / 1e3)
+        return {"arm": arm_name, "status": "ran", "prompt_tokens": prompt_tokens, "batch": batch,
+                "new_tokens": self.new_tokens, "ttft_s": stamps[0], "generate_s": stamps[-1],
+                "token_gaps": md.token_gaps(stamps), "peak_bytes": 1, "memory": {"peak": 1}}
+
+
+def check_e2e_steady(rows) -> None:
+    """Every arm's decode per token within 1% of its step: no first decode step inside a timed decode."""
     for r in rows:
-        assert r["decode_s"] == pytest.approx(2.0) and r["e2e_s"] == pytest.approx(r["ttft_s"] + 2.0)
-        assert r["decode_ms_per_token"] == pytest.approx(200.0)
+        assert r["decode_ms_per_token"] == pytest.approx(FakeDecode.STEP_MS[r["arm"]], rel=0.01), r
+        assert r["gap_median_ms"] == pytest.approx(FakeDecode.STEP_MS[r["arm"]]), r
+
+
+def test_e2e_rows():
+    """Each arm decodes `E2E_WARMUP_TOKENS` untimed first: its timed decode is the steady step, its first decode
+    step is recorded apart, and the row carries the decode's gaps."""
+    arms = list(FakeDecode.STEP_MS)
+    timed, warm = FakeDecode(1024), FakeDecode(ttft.E2E_WARMUP_TOKENS)
+    warm.decoded = timed.decoded  # one process: what the warm-up decoded is decoded for the timed call too
+    rows = ttft.e2e_rows(None, arms, prompt_tokens=131072, new_tokens=1024, prefill_chunk=4096, measure=timed,
+                         warmup_measure=warm, log=quiet)
+    assert [c[0] for c in warm.calls] == arms and [c[0] for c in timed.calls] == arms
+    check_e2e_steady(rows)
+    for r in rows:
+        assert r["first_decode_step_ms"] == pytest.approx(FakeDecode.FIRST_STEP_MS + FakeDecode.STEP_MS[r["arm"]])
+        assert r["e2e_s"] == pytest.approx(r["ttft_s"] + r["decode_s"]) and r["gap_spikes"] == 0
     fake = FakeMeasure()
     ttft.e2e_rows(None, ARMS[:3], prompt_tokens=1024, new_tokens=11, prefill_chunk=256, warmup=None,
                   measure=fake, log=quiet)
     assert len(fake.calls) == 3
     with pytest.raises(ValueError, match="needs a decode"):
         ttft.e2e_rows(None, ARMS[:1], prompt_tokens=1024, new_tokens=1, prefill_chunk=256, measure=fake)
+
+
+def test_e2e_rows_red_twin_a_warmup_without_decode():
+    """Red twin: warmed up as a TTFT cell is (one new token, no decode), each arm's timed decode carries its first
+    decode step, 3.4 ms a token here (the record h200-20261206's folded row, the first arm: 21.7 ms a token against
+    notebook 05's 17.7 ms TPOT)."""
+    arms = list(FakeDecode.STEP_MS)
+    timed, warm = FakeDecode(1024), FakeDecode(1)
+    warm.decoded = timed.decoded
+    rows = ttft.e2e_rows(None, arms, prompt_tokens=131072, new_tokens=1024, prefill_chunk=4096, measure=timed,
+                         warmup_measure=warm, log=quiet)
+    with pytest.raises(AssertionError):
+        check_e2e_steady(rows)
+    assert rows[0]["decode_ms_per_token"] == pytest.approx(17.7 + 3400.0 / 1023)
+    assert "first_decode_step_ms" not in rows[0]
 
 
 # --- verdicts on made-up rows ---------------------------------------------------------------------------------------

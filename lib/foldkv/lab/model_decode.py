@@ -304,8 +304,8 @@ PROMPT_RANGE = "foldkv.prompt"  # `measure_prefill`'s generate() in a profile
 
 
 def token_gaps(stamps: Sequence[float], spike: float = 2.0, largest: int = 5) -> dict | None:
-    """The decode's gaps between generated tokens (ms; None with fewer than two stamps): median, p90, max, how many
-    exceed `spike` x the median, and the `largest` gaps as (index of the token it ends at, ms). Where a slow decode's
+    """The decode's gaps between generated tokens (ms; None with fewer than two stamps): median, p90, max, the first
+    (the first decode step: a captured step's capture), how many exceed `spike` x the median, and the `largest` gaps as (index of the token it ends at, ms). Where a slow decode's
     time goes: a periodic host wait shows as spikes at its period, a slower step as a higher median."""
     if len(stamps) < 2:
         return None
@@ -314,7 +314,7 @@ def token_gaps(stamps: Sequence[float], spike: float = 2.0, largest: int = 5) ->
     gaps = [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])]  # gaps[i] ends at token i + 1
     s = summarize(gaps)
     ranked = sorted(range(len(gaps)), key=lambda i: -gaps[i])[:largest]
-    return {"median_ms": s["median"], "p90_ms": s["p90"], "max_ms": s["max"],
+    return {"median_ms": s["median"], "p90_ms": s["p90"], "max_ms": s["max"], "first_ms": gaps[0],
             "spikes": sum(g > spike * s["median"] for g in gaps), "spike_factor": spike,
             "largest": [(i + 1, gaps[i]) for i in ranked]}
 

@@ -15,7 +15,9 @@ cache, prefilled in chunks, timed from the call to the first token (one new toke
 - `first_use_rows`: prompts of lengths this process has not run, each timed at its first call and again (steady):
   first / steady per prompt, within `FIRST_USE_LIMIT`.
 - `e2e_rows`: one long prompt plus many new tokens a sequence: TTFT, the call to the last token, the decode between.
-  Its TTFT is that prompt's TTFT cell (`with_e2e_ttft`): a long prompt is prefilled once, not once a section.
+  Its TTFT is that prompt's TTFT cell (`with_e2e_ttft`): a long prompt is prefilled once, not once a section. Each
+  arm decodes a few tokens untimed first (`E2E_WARMUP_TOKENS`): its first decode step in the process is recorded
+  apart (`first_decode_step_ms`).
 - `prefill_memory_rows`: the peak of a long prefill by component at each batch (`model_decode.measure_prefill_tail`:
   the last chunk over a nearly full cache is the prefill's peak).
 - `targets`: the verdicts, computed from the rows (`floor_targets`, `peer_targets`, `first_use_targets`,
@@ -44,6 +46,9 @@ BOUNDED_ARM = "foldkv-folded"  # the arm held to FLOOR_BOUNDS and to the lowest 
 MEMORY_BASE_ARM = "foldkv-split"  # foldkv's prefill peak is held to this arm's at the same cell
 DOES_NOT_FIT = "does not fit"
 WARMUP_CELL = (256, 1)  # each arm's untimed first call: a short prompt (one chunk), batch 1
+# the end to end's warm-up decodes (a TTFT cell's warm-up does not): the arm's first decode step in the process (its
+# kernels loaded, its graph captured) is paid there, not inside the timed decode of the arm that happens to run first
+E2E_WARMUP_TOKENS = 8
 
 Cell = tuple[int, int]  # (prompt tokens, batch)
 
@@ -83,19 +88,22 @@ def _median(values: Sequence[float]) -> float | None:
 
 
 def timed_cells(measure: Callable[..., dict], arms: Sequence[str], cells: Sequence[Cell], *, rounds: int,
-                seed: int = 0, warmup: Cell | None = WARMUP_CELL, log: Callable[[str], None] = print) -> list[dict]:
+                seed: int = 0, warmup: Cell | None = WARMUP_CELL, warmup_measure: Callable[..., dict] | None = None,
+                log: Callable[[str], None] = print) -> list[dict]:
     """`measure(arm_name=, prompt_tokens=, batch=, seed=)` (a row with "status", "ttft_s", and "generate_s" where it
-    has it) at every (cell, arm): one untimed call of each arm at `warmup` first (None: the caller ran every arm in
-    this process already), then `schedule`'s rounds, each round's prompts drawn anew; a (cell, arm) that did not run
-    in a round (out of memory, failed) is not called again. One row per (cell, arm), in cell then arm order: the
-    medians over rounds, each round's TTFT, the arm's warm-up time, the last round's peak memory."""
+    has it) at every (cell, arm): one untimed call of each arm at `warmup` first (through `warmup_measure`, default
+    `measure`; None: the caller ran every arm in this process already), then `schedule`'s rounds, each round's prompts
+    drawn anew; a (cell, arm) that did not run in a round (out of memory, failed) is not called again. One row per
+    (cell, arm), in cell then arm order: the medians over rounds, each round's TTFT, the arm's warm-up time (and its
+    decode's gaps where it decoded), the last round's peak memory and decode gaps."""
     if not arms or not cells or rounds < 1:
         raise ValueError(f"arms={list(arms)}, cells={list(cells)}, rounds={rounds}: need arms, cells and rounds >= 1")
     runs: dict[tuple[Cell, str], list[dict]] = {(c, a): [] for c in cells for a in arms}
     warm: dict[str, dict] = {}
     if warmup is not None:
         for arm in arms:
-            warm[arm] = _call(measure, log, arm_name=arm, prompt_tokens=warmup[0], batch=warmup[1], seed=seed)
+            warm[arm] = _call(warmup_measure or measure, log, arm_name=arm, prompt_tokens=warmup[0],
+                              batch=warmup[1], seed=seed)
     for r, cell, arm in schedule(arms, cells, rounds):
         done = runs[cell, arm]
         if any(x["status"] != "ran" for x in done) or warm.get(arm, {}).get("status", "ran") != "ran":
@@ -113,10 +121,13 @@ def timed_cells(measure: Callable[..., dict], arms: Sequence[str], cells: Sequen
                                    "ttft_rounds_s": [x["ttft_s"] for x in ran],
                                    "ttft_s": _median([x["ttft_s"] for x in ran]),
                                    "warmup_s": pre.get("ttft_s") if pre else None}
+            if pre and pre.get("token_gaps"):
+                row["warmup_token_gaps"] = pre["token_gaps"]
             if ran and all("generate_s" in x for x in ran):
                 row["generate_s"] = _median([x["generate_s"] for x in ran])
             if ran:
-                row.update({k: ran[-1][k] for k in ("peak_bytes", "memory", "tokens", "new_tokens") if k in ran[-1]})
+                row.update({k: ran[-1][k] for k in ("peak_bytes", "memory", "tokens", "new_tokens", "token_gaps")
+                            if k in ran[-1]})
             rows.append(row)
     return rows
 
@@ -211,14 +222,18 @@ def first_use_rows(model, arms: Sequence[str], lengths: Sequence[int], *, prefil
 
 def e2e_rows(model, arms: Sequence[str], *, prompt_tokens: int, new_tokens: int, prefill_chunk: int, seed: int = 0,
              warmup: Cell | None = WARMUP_CELL, measure: Callable[..., dict] | None = None,
-             log: Callable[[str], None] = print) -> list[dict]:
+             warmup_measure: Callable[..., dict] | None = None, log: Callable[[str], None] = print) -> list[dict]:
     """One prompt of `prompt_tokens` plus `new_tokens` greedy tokens (batch 1) per arm, once each after the arm's
-    untimed warm-up (`timed_cells`'s `warmup`; None: every arm ran in this process already): TTFT, end-to-end (the
-    call to the last token), the decode between them and its time per token."""
+    untimed warm-up at `warmup` with `E2E_WARMUP_TOKENS` new tokens (None: every arm decoded in this process
+    already): TTFT, end-to-end (the call to the last token), the decode between them, its time per token and its
+    gaps, and the warm-up's first decode step (what the first decode in a process costs, kept out of the timed
+    decode). `measure` / `warmup_measure` replace `measure_prefill` (the CPU tests' fakes)."""
     if new_tokens < 2:
         raise ValueError(f"new_tokens={new_tokens}: the end-to-end row needs a decode (>= 2 new tokens)")
+    warmup_measure = warmup_measure or measure or _prefill(model, E2E_WARMUP_TOKENS, prefill_chunk)
     measure = measure or _prefill(model, new_tokens, prefill_chunk)
-    rows = timed_cells(measure, arms, [(prompt_tokens, 1)], rounds=1, seed=seed, warmup=warmup, log=log)
+    rows = timed_cells(measure, arms, [(prompt_tokens, 1)], rounds=1, seed=seed, warmup=warmup,
+                       warmup_measure=warmup_measure, log=log)
     for r in rows:
         r["new_tokens"] = new_tokens
         if r["status"] == "ran":
@@ -228,6 +243,9 @@ def e2e_rows(model, arms: Sequence[str], *, prompt_tokens: int, new_tokens: int,
             gaps = r.get("token_gaps")
             if gaps:  # where the decode's time goes: its steady step and its spikes (model_decode.token_gaps)
                 r["gap_median_ms"], r["gap_spikes"] = gaps["median_ms"], gaps["spikes"]
+        warm_gaps = r.get("warmup_token_gaps")
+        if warm_gaps:
+            r["first_decode_step_ms"] = warm_gaps["first_ms"]
     return rows
 
 
@@ -455,9 +473,11 @@ def e2e_table(rows: Sequence[dict]) -> str:
     return markdown_table(rows, {"arm": "arm", "prompt_tokens": "prompt", "new_tokens": "new tokens",
                                  "ttft_s": "TTFT s", "decode_s": "decode s", "decode_ms_per_token": "ms / token",
                                  "gap_median_ms": "median gap ms", "gap_spikes": "gaps > 2x median",
-                                 "e2e_s": "end-to-end s", "status": "status"},
+                                 "e2e_s": "end-to-end s", "first_decode_step_ms": "warm-up's first decode step ms",
+                                 "status": "status"},
                           {"prompt_tokens": ",d", "new_tokens": ",d", "ttft_s": ".2f", "decode_s": ".2f",
-                           "decode_ms_per_token": ".2f", "gap_median_ms": ".2f", "e2e_s": ".2f"})
+                           "decode_ms_per_token": ".2f", "gap_median_ms": ".2f", "e2e_s": ".2f",
+                           "first_decode_step_ms": ".1f"})
 
 
 def plot_ttft_over_floor(rows: Sequence[dict], path: str | None = None):
