@@ -408,7 +408,11 @@ def test_notebook_cells_on_fake_measurements(tmp_path, monkeypatch):
     tiny = Gemma4ForCausalLM(_text_config(cfg, "eager"))
     steady = FakeMeasure()
 
+    decoded = []  # (arm, prompt tokens) of each call that decodes (more than one new token)
+
     def prefill(model, arm_name, *, prompt_tokens, new_tokens, prefill_chunk, seed=0, batch=1):
+        if new_tokens > 1:
+            decoded.append((arm_name, prompt_tokens, new_tokens))
         r = steady(arm_name=arm_name, prompt_tokens=prompt_tokens, batch=batch, seed=seed)
         return {**r, "new_tokens": new_tokens, "tokens": [1] * new_tokens}
 
@@ -450,7 +454,11 @@ def test_notebook_cells_on_fake_measurements(tmp_path, monkeypatch):
     with open(tmp_path / "07_time_to_first_token.json") as fh:
         written = json.load(fh)
     assert [r["arm"] for r in written["e2e"]] == ARMS[:2] and len(written["ttft"]) == len(rows)
-    assert len(steady.calls) == 3 + 2 * 3 * 2 + 2 * (1 + ttft.FIRST_USE_STEADY_CALLS) + 2, "warm-ups, rounds, first use, end to end: no call more"
+    assert len(steady.calls) == 3 + 2 * 3 * 2 + 2 * (1 + ttft.FIRST_USE_STEADY_CALLS) + 2 + 2, \
+        "warm-ups, rounds, first use, the end to end's warm-ups and calls: no call more"
+    warm = ttft.WARMUP_CELL[0]
+    assert decoded == [(a, warm, ttft.E2E_WARMUP_TOKENS) for a in ARMS[:2]] + [(a, 1024, 4) for a in ARMS[:2]], \
+        "each end-to-end arm decodes untimed before its timed call; nothing else decodes"
     assert sum(1 for c in steady.calls if c[1] == 1024) == 2, "the long prompt runs once an arm, in its end-to-end call"
 
 
