@@ -459,14 +459,15 @@ def fp8_tc_launch(kernel=None):
 
 
 def two_launch_prologue(attn, q, k, v, cos, sin, ring_k, ring_v, slot):
-    """A sliding layer's prologue as the library's two launches, `q_norm_rope` then `kv_to_ring` (what
+    """A sliding layer's prologue as two launches, the library's `q_norm_rope` then step_twins' `kv_to_ring` (what
     `fused_step_ops.sliding_prologue` does in one, bitwise): the query rows returned, the rings' slot written."""
     from foldkv import fused_step_ops as ops
+    from step_twins import kv_to_ring
 
     d = ring_k.shape[-1]
     out = ops.q_norm_rope(q, attn.q_norm.weight, ops.norm_eps(attn.q_norm), cos, sin, q.shape[-1] // d)
-    ops.kv_to_ring(k, v, attn.k_norm.weight, ops.norm_eps(attn.k_norm), ops.norm_eps(attn.v_norm), cos, sin, ring_k,
-                   ring_v, slot)
+    kv_to_ring(k, v, attn.k_norm.weight, ops.norm_eps(attn.k_norm), ops.norm_eps(attn.v_norm), cos, sin, ring_k, ring_v,
+               slot)
     return out
 
 

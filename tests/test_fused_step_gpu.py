@@ -84,7 +84,7 @@ def test_rms_norm_red_twin_wrong_eps():
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_residual_tails_match_the_layer(batch):
-    from foldkv.fused_step import norm_add_norm, norm_add_scale
+    from step_twins import norm_add_norm, norm_add_scale
 
     post, pre = _norm(5376, True, 1), _norm(5376, True, 2)
     x, res = _input((batch, 1, 5376), 10 + batch), _input((batch, 1, 5376), 20 + batch, spread=0.5)

@@ -1,5 +1,5 @@
-"""The fused sliding-layer prologue of foldkv.fused_step (`q_norm_rope`, `kv_to_ring`; fuse_sliding) on the GPU:
-each kernel against what it replaces, then the whole step with the switch on and off.
+"""The fused sliding-layer prologue of foldkv.fused_step (`q_norm_rope`, tests/step_twins.py's `kv_to_ring`;
+fuse_sliding) on the GPU: each kernel against what it replaces, then the whole step with the switch on and off.
 
 Bounds, from where each op rounds:
 - q_norm_rope / kv_to_ring: the same per-element formulas and the same row reduction as `rms_norm` then `rope`
@@ -72,6 +72,8 @@ def test_q_norm_rope_is_the_norm_then_rope(batch, geometry):
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_kv_to_ring_writes_the_slot_only(batch, geometry):
+    from step_twins import kv_to_ring
+
     from foldkv import fused_step as fs
 
     hq, hkv, d, window = GEOMETRIES[geometry]
@@ -89,7 +91,7 @@ def test_kv_to_ring_writes_the_slot_only(batch, geometry):
         rk[:, :, slot_at], rv[:, :, slot_at] = float("nan"), float("nan")  # the slot to write: poisoned
         before_k, before_v = rk.clone(), rv.clone()
         slot = torch.tensor([slot_written], dtype=torch.long, device="cuda")
-        fs.kv_to_ring(k, v, w, 1e-6, 1e-6, cos, sin, rk, rv, slot)
+        kv_to_ring(k, v, w, 1e-6, 1e-6, cos, sin, rk, rv, slot)
         others = torch.ones(window, dtype=torch.bool, device="cuda")
         others[slot_at] = False
         unchanged = torch.equal(rk[:, :, others], before_k[:, :, others]) and torch.equal(rv[:, :, others],

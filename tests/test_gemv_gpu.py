@@ -140,6 +140,7 @@ def _gen(seed):
 
 def _ops():
     """Each fused_step op on random inputs of the 31B's shapes at batch 1 (bf16): name -> zero-argument call."""
+    import step_twins as twins
     from foldkv import fused_step as fs
 
     require_module("transformers")
@@ -166,13 +167,13 @@ def _ops():
     def ring():
         rk = torch.zeros(1, 16, 1024, 256, dtype=BF16, device="cuda")
         rv = torch.zeros_like(rk)
-        fs.kv_to_ring(k, v, w, 1e-6, 1e-6, cos, sin, rk, rv, torch.tensor([37], device="cuda"))
+        twins.kv_to_ring(k, v, w, 1e-6, 1e-6, cos, sin, rk, rv, torch.tensor([37], device="cuda"))
         return torch.cat([rk, rv])
 
     return {"rms_norm": lambda: fs.rms_norm(x, norm.weight, 1e-6),
             "rms_norm_heads": lambda: fs.rms_norm(heads, None, 1e-6),
-            "norm_add_norm": lambda: torch.cat(fs.norm_add_norm(x, res, norm, norm)),
-            "norm_add_scale": lambda: fs.norm_add_scale(x, res, norm, scalar),
+            "norm_add_norm": lambda: torch.cat(twins.norm_add_norm(x, res, norm, norm)),
+            "norm_add_scale": lambda: twins.norm_add_scale(x, res, norm, scalar),
             "rope": lambda: fs.rope(heads, cos, sin),
             "gelu_mul": lambda: fs.gelu_mul(gate, up),
             "masked_softmax": lambda: fs.masked_softmax(scores, mask, BF16),

@@ -358,23 +358,24 @@ def test_rms_norm(rows, view, weighted):
 @pytest.mark.parametrize("tail", ["norm_add_norm", "norm_add_scale"])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_norm_add(rows, tail):
-    ops = _ops()
+    import step_twins as twins
+
     n = 96
     x, res = _grid((rows, 1, n), seed=10 + rows), _randn((rows, 1, n), seed=20 + rows)
     first, second = NormStub(n, 1, 1e-6), NormStub(n, 2, 1e-5)
     scalar = torch.tensor([0.75], dtype=BF16)
     h_want = res + _norm_ref(x, first.weight, 1e-6)  # torch's bf16 add: one rounding
     if tail == "norm_add_norm":
-        h, y = ops.norm_add_norm(x, res, first, second)
+        h, y = twins.norm_add_norm(x, res, first, second)
         assert torch.equal(h, h_want)
         y_ref = _norm_ref(h, second.weight, 1e-5)  # the formula over the kernel's own h (not on the grid)
         assert bool(((y.double() - y_ref.double()).abs() <= _ulp(y_ref)).all())
-        _, twin = ops.norm_add_norm(x, res, first, first)  # red twin: the first norm's weight in the second
+        _, twin = twins.norm_add_norm(x, res, first, first)  # red twin: the first norm's weight in the second
         assert not bool(((twin.double() - y_ref.double()).abs() <= _ulp(y_ref)).all())
     else:
-        h = ops.norm_add_scale(x, res, first, scalar)
+        h = twins.norm_add_scale(x, res, first, scalar)
         assert torch.equal(h, h_want * scalar)
-        assert not torch.equal(ops.norm_add_scale(x, res, second, scalar), h_want * scalar), "red twin: other norm"
+        assert not torch.equal(twins.norm_add_scale(x, res, second, scalar), h_want * scalar), "red twin: other norm"
 
 
 @inside
@@ -623,7 +624,8 @@ def test_q_norm_rope(batch):
 @pytest.mark.parametrize("slot", [0, 5, 15])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_kv_to_ring_writes_the_slot_and_nothing_else(batch, slot):
-    ops = _ops()
+    import step_twins as twins
+
     hq, hkv, d, window = 4, 2, 64, 16
     _, k, v, cos, sin = _prologue_inputs(batch, hq, hkv, d, seed=60)
     w = _weight(d, 61)
@@ -633,7 +635,7 @@ def test_kv_to_ring_writes_the_slot_and_nothing_else(batch, slot):
     def run(at):
         ring_k = torch.full((batch, hkv, window, d), float("nan"), dtype=BF16)
         ring_v = torch.full_like(ring_k, float("nan"))
-        ops.kv_to_ring(k, v, w, 1e-6, 1e-5, cos, sin, ring_k, ring_v, torch.tensor([at]))
+        twins.kv_to_ring(k, v, w, 1e-6, 1e-5, cos, sin, ring_k, ring_v, torch.tensor([at]))
         return ring_k, ring_v
 
     ring_k, ring_v = run(slot)

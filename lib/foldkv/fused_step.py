@@ -14,9 +14,8 @@ from torch import nn
 
 from . import gemv, global_step, ring, window_attention
 from . import transformers_compat as compat
-from .fused_step_ops import (_norm_add, gelu_mul, head_dim_refusal, kv_to_ring, masked_softmax,  # noqa: F401
-                             norm_add_norm, norm_add_scale, norm_eps, norm_rope, norm_rope_refusal, q_norm_rope,
-                             rms_norm, rope, sliding_prologue)  # (public: __all__)
+from .fused_step_ops import (_norm_add, gelu_mul, head_dim_refusal, masked_softmax, norm_eps,  # noqa: F401
+                             norm_rope, norm_rope_refusal, q_norm_rope, rms_norm, rope, sliding_prologue)  # (__all__)
 from .masks import SLIDING_IMPLEMENTATION, RingMask
 from .moved import moved
 from .pool import PagedKvPool
@@ -542,6 +541,8 @@ _MOVED = {name: f"pass StepOptions({name.lower()}=...) (foldkv.step_options) whe
 _MOVED["merged_linear"] = "the step reads a merged group through fused_step._Group (tests/conftest.merged_linear)"
 _MOVED["fused_step"] = ("the decode step runs its own forward: foldkv.fused_step.StepForward(model, options), built by"
                         " foldkv.hf_graph.DecodeStep")
+_MOVED.update({name: "only tests launch it: tests/step_twins.py" for name in ("norm_add_norm", "norm_add_scale",
+                                                                               "kv_to_ring")})
 
 
 __getattr__ = moved(__name__, _MOVED)
@@ -549,5 +550,5 @@ __getattr__ = moved(__name__, _MOVED)
 
 __all__ = ["StepForward", "refusal", "text_model", "norm_eps", "fork", "join", "side_streams",
            "branched_attention_modules", "merge_projections", "split_projections", "merged_groups", "mlp_modules",
-           "rms_norm", "rope", "gelu_mul", "norm_add_norm", "norm_add_scale", "masked_softmax", "q_norm_rope",
-           "norm_rope", "kv_to_ring", "sliding_prologue", "foreign_projection", "StepOptions"]
+           "rms_norm", "rope", "gelu_mul", "masked_softmax", "q_norm_rope", "norm_rope", "sliding_prologue",
+           "foreign_projection", "StepOptions"]

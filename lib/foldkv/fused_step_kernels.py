@@ -207,23 +207,13 @@ if triton is not None:
         _q_row(tl.program_id(0).to(tl.int64), x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, heads, x_stride, n, eps, D)
 
     @triton.jit
-    def kv_norm_rope_ring(k_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, ring_k_ptr, ring_v_ptr, slot_ptr, heads, k_stride,
-                          v_stride, window, n, eps_k, eps_v, D: tl.constexpr,
-                          GDC: tl.constexpr = False):
-        """KV head row r = (b, h): RoPE(k_norm(k)) into ring_k[b, h, slot] and v_norm(v) (no weight) into
-        ring_v[b, h, slot]; rings [B, heads, window, D] packed, slot read from the device (slot_ptr[0], int64)."""
-        _chain(GDC)
-        _kv_row(tl.program_id(0).to(tl.int64), k_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, ring_k_ptr, ring_v_ptr,
-                slot_ptr, heads, k_stride, v_stride, window, n, eps_k, eps_v, D)
-
-    @triton.jit
     def sliding_prologue_rows(x_ptr, q_w_ptr, q_cos_ptr, q_sin_ptr, y_ptr, q_heads, x_stride, q_n, q_eps,
                               k_ptr, v_ptr, k_w_ptr, k_cos_ptr, k_sin_ptr, ring_k_ptr, ring_v_ptr, slot_ptr, kv_heads,
                               k_stride, v_stride, window, kv_n, eps_k, eps_v, q_rows, D: tl.constexpr,
                               GDC: tl.constexpr = False):
         """A sliding layer's prologue in one launch: program r < q_rows is query row r (`q_norm_rope_rows`' body),
-        the others KV row r - q_rows (`kv_norm_rope_ring`'s): the two row kinds run side by side, not one kernel
-        after the other."""
+        the others KV row r - q_rows (`_kv_row`): the two row kinds run side by side, not one kernel after the
+        other."""
         _chain(GDC)
         row = tl.program_id(0).to(tl.int64)
         if row < q_rows:

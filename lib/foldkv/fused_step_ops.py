@@ -19,7 +19,7 @@ def _kernels() -> dict:
         from . import fused_step_kernels as k
 
         _KERNELS = dict(rms_norm=k.rms_norm_rows, norm_add=k.norm_add_rows, rope=k.rope_rows, gelu_mul=k.gelu_mul_rows,
-                        softmax=k.masked_softmax_rows, q_norm_rope=k.q_norm_rope_rows, kv_ring=k.kv_norm_rope_ring,
+                        softmax=k.masked_softmax_rows, q_norm_rope=k.q_norm_rope_rows,
                         sliding_prologue=k.sliding_prologue_rows)
     return _KERNELS
 
@@ -90,17 +90,6 @@ def _norm_args(norm: nn.Module | None) -> tuple:
     if norm is None:
         return None, 1e-6, False
     return (norm.weight if norm.with_scale else None), norm_eps(norm), bool(norm.with_scale)
-
-
-def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, first: nn.Module,
-                  second: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, y): h = residual + first(x), y = second(h), each rounded to x's dtype where the modules round."""
-    return _norm_add(x, residual, first, second, None)
-
-
-def norm_add_scale(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, scalar: torch.Tensor) -> torch.Tensor:
-    """(residual + norm(x)) * scalar ([1] tensor), each rounded to x's dtype where torch rounds."""
-    return _norm_add(x, residual, norm, None, scalar)[0]
 
 
 def _norm_add(x, residual, first, second, scalar, parts=None):
@@ -246,7 +235,8 @@ def q_norm_rope(q: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Te
 def kv_rows_args(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps: float, v_eps: float,
                  cos: torch.Tensor, sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
                  slot: torch.Tensor) -> tuple[int, tuple, int]:
-    """`kv_to_ring`'s checks (FoldKvInputError) and its kernel's arguments: (rows B * Hkv, the row args, d)."""
+    """The KV rows' checks (FoldKvInputError) and arguments (rows B * Hkv, the row args, d): RoPE(k_norm(k)) and
+    v_norm(v) (k, v [B, 1, Hkv * d] read in place) into rings [B, Hkv, W, d] at slot ([1] int64, read on the device)."""
     b, hkv, w, d = ring_k.shape
     _check_head_dim(d)
     ks, vs = _head_rows(k, hkv, d, "k"), _head_rows(v, hkv, d, "v")
@@ -263,20 +253,11 @@ def kv_rows_args(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps
                      float(v_eps)), d
 
 
-def kv_to_ring(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, k_eps: float, v_eps: float,
-               cos: torch.Tensor, sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
-               slot: torch.Tensor) -> None:
-    """k, v [B, 1, Hkv * d] (read in place): RoPE(k_norm(k)) into ring_k[:, :, slot] and v_norm(v) into
-    ring_v[:, :, slot] (rings [B, Hkv, W, d] packed, slot [1] int64 read on the device), with `q_norm_rope`'s
-    formulas: what update_sliding stores after the modules' norms and RoPE."""
-    rows, args, d = kv_rows_args(k, v, k_weight, k_eps, v_eps, cos, sin, ring_k, ring_v, slot)
-    _kernels()["kv_ring"][(rows,)](*args, D=d, num_warps=_warps(d), **_pdl(k))
-
-
 def sliding_prologue(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """A sliding layer's decode step before its ring attention, from its projections' outputs q, k, v [B, 1, H * d]:
-    `q_norm_rope` (returned, [B, Hq, d]) and `kv_to_ring` in one launch, bitwise theirs; both checks run first."""
+    `q_norm_rope` (returned, [B, Hq, d]) and the KV rows into the rings (`kv_rows_args`) in one launch, bitwise the
+    two launches (tests/step_twins.py's `kv_to_ring` after `q_norm_rope`); both checks run first."""
     d = ring_k.shape[-1]
     out, q_args, dq = q_rows_args(q, attn.q_norm.weight, norm_eps(attn.q_norm), cos, sin, q.shape[-1] // d)
     kv_rows, kv_args, dk = kv_rows_args(k, v, attn.k_norm.weight, norm_eps(attn.k_norm), norm_eps(attn.v_norm), cos,
