@@ -112,14 +112,17 @@ def merge(seq_len: int = 40002, chunk_tokens: int = 1024, merge_group: int = 8):
 
 
 def prefill(fmt: KvFormat | str = KvFormat.FOLDED, context: int = 16384, chunk: int = 2048, **tiling):
-    """Build with the defaults (or `tiling`); on a GPU, check one chunk at the end of `context` against the float64
-    reference and time it."""
-    from foldkv.kernels import prefill_attention, registry
+    """The served prefill of `fmt`'s bf16 pool (its registered variant: split's prefill_attention, folded's
+    prefill_folded) with its registered params (or `tiling`); on a GPU, check one chunk at the end of `context` against
+    the float64 reference and time it."""
+    from foldkv.kernels import registry
     from foldkv.kernels.prefill import prefill as launch
+    from foldkv.kernels.prefill import variant_name
 
     fmt = KvFormat.parse(fmt)
-    cfg = {**registry.get(f"prefill_{fmt.value}").params, **tiling}
-    kernel = prefill_attention.build(GEMMA4_31B, fmt, **cfg)
+    variant = registry.get(variant_name(fmt))
+    cfg = variant.arguments(tiling)
+    kernel = variant.build(GEMMA4_31B, **tiling)
     if not built_on_device(f"prefill_{fmt.value} {cfg}", kernel):
         return kernel
     geom, dev = GEMMA4_31B, torch.device("cuda")

@@ -15,7 +15,6 @@ FLOPs counted: 4 * C * (K - C/2) * 32 * 512 (causal chunk of C queries ending at
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import re
@@ -101,15 +100,20 @@ def time_prep(device, chunk: int, rounds: int = 20) -> dict:
 
 def resources() -> None:
     """Registers / shared memory / spills of every prefill tiling and the prep kernels, from ptxas on this machine."""
-    from foldkv.kernels import prefill_attention
+    from foldkv.kernels import registry
+    from foldkv.kernels.prefill import variant_name
     from foldkv.kernels.tl import require_tilelang
+
+    def served(fmt: KvFormat):  # the registered kernel; a tag's param it does not take (folded's num_stages) is not its
+        variant = registry.get(variant_name(fmt))
+        return lambda geom, **params: variant.build(geom, **{k: v for k, v in params.items() if k in variant.params})
 
     tl_dir = os.path.dirname(require_tilelang().__file__)
     kernels = []
     for fmt in (KvFormat.FOLDED, KvFormat.SPLIT):
         for tag in DEFAULT_TILINGS[fmt.value]:
             params, version = parse_tiling(tag)
-            build = VERSIONS[version] if version else functools.partial(prefill_attention.build, fmt=fmt)
+            build = VERSIONS[version] if version else served(fmt)
             kernels.append((f"prefill_{fmt.value}_{tag}", build(GEOM, **params)))
     for fmt in KvFormat:
         kernels.append((f"prep_{fmt.value}", prep_fused.build(GEOM, fmt)))

@@ -104,8 +104,9 @@ def test_prefill_program_bakes_no_length(fmt):
     require_tilelang()
     from foldkv.config import GEMMA4_31B
     from foldkv.kernels.prefill_attention import prefill_program
+    from foldkv.kernels.prefill_folded import program
 
-    assert length_dims(prefill_program(GEMMA4_31B, fmt)) == PROMPT_DIMS
+    assert length_dims(program(GEMMA4_31B) if fmt == "folded" else prefill_program(GEMMA4_31B, fmt)) == PROMPT_DIMS
 
 
 def test_a_static_length_is_caught():

@@ -84,13 +84,15 @@ def as_comparable(sig: dict) -> dict:
 def test_versions_take_the_library_prefill_arguments(probe):
     require_tilelang()
     from foldkv import GEMMA4_31B
-    from foldkv.kernels.prefill_attention import DEFAULTS, prefill_program
+    from foldkv.kernels import prefill_folded
+    from foldkv.kernels.prefill_attention import prefill_program
+    from foldkv.kernels.resolve import kernel_params
 
-    library = {fmt: as_comparable(signature(prefill_program(GEMMA4_31B, fmt, **DEFAULTS)))
-               for fmt in ("folded", "split")}
+    library = {"folded": as_comparable(signature(prefill_folded.program(GEMMA4_31B))),
+               "split": as_comparable(signature(prefill_program(GEMMA4_31B, "split")))}
     versions = [(fmt, v) for fmt, v in probe.ARMS.values() if v]
-    for fmt, version in versions:
-        got = as_comparable(signature(bench_version(version).program(GEMMA4_31B, **DEFAULTS)))
+    for fmt, version in versions:  # built as the probe builds them: the registered params passed through
+        got = as_comparable(signature(bench_version(version).program(GEMMA4_31B, **kernel_params(f"prefill_{fmt}"))))
         assert list(got) == list(library[fmt]) and got == library[fmt], version
     assert library["split"] != library["folded"]  # red twin: the split pool's rows are 1,024 wide, the folded 640
 

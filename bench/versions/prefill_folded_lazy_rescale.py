@@ -28,14 +28,15 @@ Outcome (H100, bench/prefill_runs/h100_20261205_prefill_kernels.tgz, a 4,096-que
 case (rel 1.99e-3, max|err| 2.52e-2; the library 1.69e-3 / 1.55e-2). The winner: it is now the library's
 prefill_folded (registered num_stages=2, reduce_batch=2, max_slack_log2=8.0): the lazy max is
 `macros.online_softmax_macro(max_slack_log2=...)`, the skipped rescale `prefill_attention.lazy_rescale_macro`. This
-file builds the library's folded program with its registered softmax, pinned, as the record of the step.
+file builds the two-stage row (`prefill_folded_two_stages.program`) with that softmax, pinned, as the record of the
+step.
 
     python bench/versions/prefill_folded_lazy_rescale.py      # build here (sm_90a), print the CUDA size
     python bench/prefill_kernel_probe.py --out $OUT            # on the device: gate, then time against the library
 """
 
 from foldkv.config import GEMMA4_31B, AttentionGeometry
-from foldkv.kernels.prefill_attention import check_geometry, prefill_program
+from foldkv.kernels.prefill_attention import check_geometry
 from foldkv.kernels.tl import pass_configs, require_tilelang, target
 from foldkv.layout import KvFormat
 
@@ -48,7 +49,7 @@ SOFTMAX = dict(reduce_batch=batched.REDUCE_BATCH, max_slack_log2=MAX_SLACK_LOG2)
 
 def program(geom: AttentionGeometry = GEMMA4_31B, **tiling):
     """The TileLang prim_func: the two-stage row, batched reductions, lazy rescale (the library prefill's arguments)."""
-    return prefill_program(geom, KvFormat.FOLDED, **two_stages.tiling_of(SOFTMAX, tiling))
+    return two_stages.program(geom, SOFTMAX, **tiling)
 
 
 def build(geom: AttentionGeometry = GEMMA4_31B, *, arch: str | None = None, **tiling):

@@ -29,21 +29,51 @@ chain first, `prefill_folded_overlap.py`), or a gain at 8K but not at 32K (the s
 Outcome (H100, bench/prefill_runs/h100_20261205_prefill_kernels.tgz, a 4,096-query chunk at 8K / 32K of context):
 1.063x / 1.033x the two-window library (4.51 / 19.82 ms: 47.9% / 54.5% of the in-run matmul rate), so ~50.9% /
 56.3%; gate passed. Far below the 60-72% predicted: the L2 bytes were not what held the two-window kernel back, the
-consumer's serial tile is (its two successors took the rest). Its row key block is now the library's
-(`prefill_attention.key_block_macro`, the bf16 folded block); this file builds it with the plain softmax (one row a
-reduction, the max moved every tile), the step it measured.
+consumer's serial tile is (its two successors took the rest). Its row key block was the library's bf16 folded block
+until prefill_folded.py's seesaw replaced it; it is this file's `key_block` again, through the library program's
+hook points (with its successors' softmax and rescale: `program(softmax=...)`); built here with the plain softmax (one
+row a reduction, the max moved every tile), the step it measured.
 
     python bench/versions/prefill_folded_two_stages.py      # build here (sm_90a), print the CUDA size
     python bench/prefill_kernel_probe.py --out $OUT          # on the device: gate, then time against the library
 """
 
 from foldkv.config import GEMMA4_31B, AttentionGeometry
-from foldkv.kernels.prefill_attention import DEFAULTS, check_geometry, prefill_program
+from foldkv.kernels import macros
+from foldkv.kernels.decode_partial import Run
+from foldkv.kernels.prefill_attention import (KeyBlock, ScoreGemm, check_geometry, lazy_rescale_macro,
+                                              prefill_program)
 from foldkv.kernels.tl import pass_configs, require_tilelang, target
 from foldkv.layout import KvFormat
 
 NUM_STAGES = 2  # two 80 KiB stages: 216 KiB with the query's 48 KiB and P's 8 KiB (module docstring)
 SOFTMAX = dict(reduce_batch=1, max_slack_log2=None)  # this step's softmax: the library's before its two successors
+# the row's tiling when it was the library's folded prefill (two stages, both rows of a thread a reduction, the lazy
+# max): what the harnesses' params are laid over
+DEFAULTS = dict(page_size=64, block_N=64, num_stages=2, threads=256, reduce_batch=2, max_slack_log2=8.0)
+
+
+def key_block(geom: AttentionGeometry, fmt: KvFormat, block_M: int, block_N: int, fp8: bool = False):
+    """The folded row's key block (`prefill_program`'s `key_block` hook): K_rot = row[0:128], V_win = row[128:640],
+    q_rot in registers (module docstring)."""
+    import tilelang.language as T
+
+    D, R = geom.head_dim, geom.rotary_width
+    U = D - R
+    dtype = "bfloat16"
+
+    @T.macro
+    def folded_row_block():
+        # q_rot in registers is what makes two stages of the row fit (PREFILL_SCHEDULE.md); it is replicated in both
+        # consumer warpgroups, as the FullCol split of S needs: 32 registers a thread
+        q_rot = T.alloc_fragment([block_M, R], dtype)  # score window [0, R): the A operand of an RS wgmma
+        q_unrot = T.alloc_shared([block_M, U], dtype)  # score window [R, D): q_unrot * w_k
+        K_rot = T.alloc_shared([block_N, R], dtype)  # row[0:128]
+        V_win = T.alloc_shared([block_N, D], dtype)  # row[128:640] = [V_unrot | V_rot]
+        return KeyBlock(query=(Run(q_rot, 0, R), Run(q_unrot, R, D)), row=(Run(K_rot, 0, R), Run(V_win, R, R + D)),
+                        scores=(ScoreGemm(q_rot, K_rot), ScoreGemm(q_unrot, V_win[:, 0:U])), values=(V_win,))
+
+    return folded_row_block
 
 
 def tiling_of(softmax: dict, params: dict) -> dict:
@@ -52,10 +82,16 @@ def tiling_of(softmax: dict, params: dict) -> dict:
     return {**DEFAULTS, **params, **softmax, "num_stages": max(params.get("num_stages", 1), NUM_STAGES)}
 
 
-def program(geom: AttentionGeometry = GEMMA4_31B, **tiling):
-    """The TileLang prim_func: the library's folded program (the library prefill's arguments) with this step's
-    softmax and at least two stages, whatever the registered tiling says."""
-    return prefill_program(geom, KvFormat.FOLDED, **tiling_of(SOFTMAX, tiling))
+def program(geom: AttentionGeometry = GEMMA4_31B, softmax: dict = SOFTMAX, **tiling):
+    """The TileLang prim_func: the library's program (the library prefill's arguments) with this row and a step's
+    `softmax` (reduce_batch, max_slack_log2: with a slack, the rescale `lazy_rescale_macro`'s) and at least two
+    stages, whatever the registered tiling says."""
+    cfg = tiling_of(softmax, tiling)
+    reduce_batch, slack = cfg.pop("reduce_batch"), cfg.pop("max_slack_log2")
+    return prefill_program(geom, KvFormat.FOLDED, **cfg, key_block=key_block,
+                           softmax=macros.online_softmax_macro(key_dim=1, fold_scale=True, reduce_batch=reduce_batch,
+                                                               max_slack_log2=slack),
+                           rescale=None if slack is None else lazy_rescale_macro())
 
 
 def build(geom: AttentionGeometry = GEMMA4_31B, *, arch: str | None = None, **tiling):

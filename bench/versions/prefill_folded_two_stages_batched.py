@@ -16,15 +16,16 @@ thread a tile), not its reductions.
 
 Outcome (H100, bench/prefill_runs/h100_20261205_prefill_kernels.tgz, a 4,096-query chunk at 8K / 32K of context):
 1.101x / 1.082x the two-window library (4.51 / 19.82 ms), i.e. 1.036x / 1.047x `prefill_folded_two_stages.py`: within
-the 2-6% predicted; gate passed. Batched reductions are now the library's (`reduce_batch`, registered 2 for
-prefill_folded); this file builds the library's folded program with them and the max moved every tile.
+the 2-6% predicted; gate passed. Batched reductions are the library's softmax option
+(`macros.online_softmax_macro(reduce_batch=)`); this file builds the two-stage row (`prefill_folded_two_stages.program`)
+with them and the max moved every tile.
 
     python bench/versions/prefill_folded_two_stages_batched.py   # build here (sm_90a), print the CUDA size
     python bench/prefill_kernel_probe.py --out $OUT               # on the device: gate, then time against the library
 """
 
 from foldkv.config import GEMMA4_31B, AttentionGeometry
-from foldkv.kernels.prefill_attention import check_geometry, prefill_program
+from foldkv.kernels.prefill_attention import check_geometry
 from foldkv.kernels.tl import pass_configs, require_tilelang, target
 from foldkv.layout import KvFormat
 
@@ -36,7 +37,7 @@ SOFTMAX = dict(reduce_batch=REDUCE_BATCH, max_slack_log2=None)  # this step's so
 
 def program(geom: AttentionGeometry = GEMMA4_31B, **tiling):
     """The TileLang prim_func: the two-stage version's with REDUCE_BATCH (the library prefill's arguments)."""
-    return prefill_program(geom, KvFormat.FOLDED, **two_stages.tiling_of(SOFTMAX, tiling))
+    return two_stages.program(geom, SOFTMAX, **tiling)
 
 
 def build(geom: AttentionGeometry = GEMMA4_31B, *, arch: str | None = None, **tiling):

@@ -22,7 +22,7 @@ HBM and runs at split's speed. Not tried: two stages at block_N 48, or splitting
 
 from foldkv.config import GEMMA4_31B, AttentionGeometry
 from foldkv.kernels import macros, producer_guard
-from foldkv.kernels.prefill_attention import DEFAULTS, check_geometry, head_column_of
+from foldkv.kernels.prefill_attention import check_geometry, head_column_of
 from foldkv.kernels.tl import pass_configs, require_tilelang, target
 from foldkv.layout import KvFormat, row_width
 
@@ -131,9 +131,8 @@ def build(geom: AttentionGeometry = GEMMA4_31B, *, page_size: int = 64, block_N:
 
 
 def main():
-    kernel = build(GEMMA4_31B, **DEFAULTS)
-    print(f"prefill_folded shared tiles {dict(DEFAULTS, num_stages=NUM_STAGES)}: {len(kernel.get_kernel_source())}"
-          " chars of CUDA")
+    kernel = build(GEMMA4_31B)
+    print(f"prefill_folded shared tiles (num_stages {NUM_STAGES}): {len(kernel.get_kernel_source())} chars of CUDA")
 
 
 if __name__ == "__main__":

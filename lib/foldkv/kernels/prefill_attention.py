@@ -1,8 +1,8 @@
 """The paged causal prefill kernel of a split pool and of an FP8 folded pool read in-kernel (its e4m3 rows converted
-exactly to bf16 tiles), and the two-stage folded row the bench versions build on (a bf16 folded pool's served prefill
-is prefill_folded.py's): one CTA = 8 query tokens x the 8 query heads of one KV group, streaming the request's pages
-in `block_N`-key tiles; the folded accumulator is in value-window order, put back in head order by the epilogue's
-store addressing (`head_column_of`). Why each choice: kernels/PREFILL_SCHEDULE.md.
+exactly to bf16 tiles; a bf16 folded pool's is prefill_folded.py's): one CTA = 8 query tokens x the 8 query heads of
+one KV group, streaming the request's pages in `block_N`-key tiles; the folded accumulator is in value-window order,
+put back in head order by the epilogue's store addressing (`head_column_of`). Why each choice:
+kernels/PREFILL_SCHEDULE.md.
 
 Kernel arguments, in order (the AOT loader relies on it):
   Q       [Tq, 32, 512] bf16   query in the format's form, request r's rows at q_start[r]..q_start[r]+q_len[r]
@@ -26,10 +26,6 @@ from .cuda_checks import check_e4m3_conversion
 from .decode_partial import FP8_PANEL, Run, fp8_row_macro
 from .registry import hands_out
 from .tl import compile_program, prim_func, require_tilelang
-
-# This program's bf16 folded row (two stages, both rows of a thread a reduction, the lazy max): the folded versions in
-# bench/versions/ build on it; the library's folded prefill is prefill_folded.py's seesaw
-DEFAULTS = dict(page_size=64, block_N=64, num_stages=2, threads=256, reduce_batch=2, max_slack_log2=8.0)
 
 
 def check_geometry(geom: AttentionGeometry, fmt: KvFormat) -> None:
@@ -69,7 +65,8 @@ class Accumulator:
 
 def key_block_macro(geom: AttentionGeometry, fmt: KvFormat, block_M: int, block_N: int, fp8: bool = False):
     """A macro allocating the query's and a key block's tiles of `fmt` rows (under the emitted CUDA's names) and
-    returning the KeyBlock; `fp8`: an FP8 folded row (`fp8_row_macro`)."""
+    returning the KeyBlock: split's two windows, or (`fp8`) an FP8 folded row (`fp8_row_macro`). A bf16 folded row's
+    block is a version's (`key_block`: bench/versions/prefill_folded_two_stages.py)."""
     import tilelang.language as T
 
     D, R = geom.head_dim, geom.rotary_width
@@ -84,17 +81,6 @@ def key_block_macro(geom: AttentionGeometry, fmt: KvFormat, block_M: int, block_
         return KeyBlock(query=(Run(Q_shared, 0, D),), row=(Run(K_shared, 0, D), Run(V_shared, D, D + D)),
                         scores=(ScoreGemm(Q_shared, K_shared),), values=(V_shared,))
 
-    @T.macro
-    def folded_row_block():
-        # q_rot in registers is what makes two stages of the row fit (PREFILL_SCHEDULE.md); it is replicated in both
-        # consumer warpgroups, as the FullCol split of S needs: 32 registers a thread
-        q_rot = T.alloc_fragment([block_M, R], dtype)  # score window [0, R): the A operand of an RS wgmma
-        q_unrot = T.alloc_shared([block_M, U], dtype)  # score window [R, D): q_unrot * w_k
-        K_rot = T.alloc_shared([block_N, R], dtype)  # row[0:128]
-        V_win = T.alloc_shared([block_N, D], dtype)  # row[128:640] = [V_unrot | V_rot]
-        return KeyBlock(query=(Run(q_rot, 0, R), Run(q_unrot, R, D)), row=(Run(K_rot, 0, R), Run(V_win, R, R + D)),
-                        scores=(ScoreGemm(q_rot, K_rot), ScoreGemm(q_unrot, V_win[:, 0:U])), values=(V_win,))
-
     fp8_row = fp8_row_macro(geom, block_N)
 
     @T.macro
@@ -106,11 +92,11 @@ def key_block_macro(geom: AttentionGeometry, fmt: KvFormat, block_M: int, block_
                         scores=(ScoreGemm(q_rot, row.k_rot), ScoreGemm(q_unrot, row.v_unrot)),
                         values=(row.v_unrot, row.v_rot), convert=row.convert, token_scale=row.scale)
 
-    if fp8:
-        if fmt is not KvFormat.FOLDED:
-            raise ValueError("FP8 rows are folded only (foldkv.pool.PagedKvLayout refuses an FP8 split pool)")
-        return folded_fp8_block
-    return window_block if fmt is KvFormat.SPLIT else folded_row_block
+    if fp8 and fmt is not KvFormat.FOLDED:
+        raise ValueError("FP8 rows are folded only (foldkv.pool.PagedKvLayout refuses an FP8 split pool)")
+    if not fp8 and fmt is not KvFormat.SPLIT:
+        raise ValueError("a bf16 folded row's prefill is prefill_folded.py's (a version brings its own key_block)")
+    return folded_fp8_block if fp8 else window_block
 
 
 def accumulators_macro(block_M: int, D: int, fp8: bool = False):
@@ -211,14 +197,12 @@ def head_column_of(geom: AttentionGeometry, fmt: KvFormat):
 
 
 def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_N: int = 64,
-                    num_stages: int = 1, threads: int = 256, reduce_batch: int = 1,
-                    max_slack_log2: float | None = None, fp8: bool = False, key_block=None, softmax=None,
+                    num_stages: int = 1, threads: int = 256, fp8: bool = False, key_block=None, softmax=None,
                     rescale=None, mask=None):
-    """The TileLang prim_func of the prefill; `fp8`: over an FP8 folded pool. `reduce_batch`, `max_slack_log2`: the
-    softmax's; with a slack the output rescale is `lazy_rescale_macro`'s, otherwise inline (as a macro it would rename
-    the emitted CUDA's reduction workspaces). A version's hook points (None: the library's): `key_block`, `softmax`,
-    `mask` (the signatures of `key_block_macro`, `macros.online_softmax_macro`, `causal_mask_macro`) and `rescale`
-    (a macro (accumulators, rescale))."""
+    """The TileLang prim_func of the prefill; `fp8`: over an FP8 folded pool. A version's hook points (None: the
+    library's): `key_block`, `softmax`, `mask` (the signatures of `key_block_macro`, `macros.online_softmax_macro`,
+    `causal_mask_macro`) and `rescale` (a macro (accumulators, rescale), e.g. `lazy_rescale_macro`; the library's is
+    inline: as a macro it would rename the emitted CUDA's reduction workspaces)."""
     fmt = KvFormat.parse(fmt)
     check_geometry(geom, fmt)
     require_tilelang()
@@ -238,10 +222,7 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
     key_block = (key_block or key_block_macro)(geom, fmt, block_M, block_N, fp8=fp8)
     accumulators = accumulators_macro(block_M, D, fp8=fp8)
     convert_e4m3 = macros.convert_e4m3_macro(block_N, FP8_PANEL, threads)  # by every consumer thread
-    online_softmax = softmax or macros.online_softmax_macro(key_dim=1, fold_scale=True, reduce_batch=reduce_batch,
-                                                            max_slack_log2=max_slack_log2)
-    if rescale is None and max_slack_log2 is not None:
-        rescale = lazy_rescale_macro()
+    online_softmax = softmax or macros.online_softmax_macro(key_dim=1, fold_scale=True)
     mask_tile = mask or causal_mask_macro(block_N)
     zero_rows = macros.zero_rows_macro()
     tile_coords = tile_coords_macro()
@@ -339,13 +320,11 @@ def prefill_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: 
 
 
 @hands_out("prefill_{fmt}")
-def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.FOLDED, *, page_size: int = 64,
-          block_N: int = 64, num_stages: int = 1, threads: int = 256, reduce_batch: int = 1,
-          max_slack_log2: float | None = None):
-    """Compile (JIT) the prefill kernel for `geom` and `fmt` over a bf16 pool."""
+def build(geom: AttentionGeometry = GEMMA4_31B, fmt: KvFormat | str = KvFormat.SPLIT, *, page_size: int = 64,
+          block_N: int = 64, num_stages: int = 1, threads: int = 256):
+    """Compile (JIT) the prefill kernel for `geom` over a bf16 split pool (`fmt`: split; folded is prefill_folded's)."""
     return compile_program(prefill_program(geom, KvFormat.parse(fmt), page_size=page_size, block_N=block_N,
-                                           num_stages=num_stages, threads=threads, reduce_batch=reduce_batch,
-                                           max_slack_log2=max_slack_log2))
+                                           num_stages=num_stages, threads=threads))
 
 
 @hands_out("prefill_{fmt}_fp8")
