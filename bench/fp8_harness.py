@@ -29,8 +29,9 @@ from foldkv.lab.report import environment
 from foldkv.provenance import provenance
 from foldkv.pool import BlockTable, PagedKvLayout
 from versions import (decode_fused_ll, decode_fused_ll_compact, decode_fused_smem_tail,  # bench/versions/
-                      decode_fused_tail_paths, decode_partial_fp8_mma, decode_partial_fp8_probe, decode_partial_fp8_rs,
-                      decode_partial_fp8_tc_t32, decode_partial_fp8_tc_vrot, decode_partial_fp8_tc_ws)
+                      decode_fused_tail_paths, decode_partial_fp8_cvt, decode_partial_fp8_mma, decode_partial_fp8_probe,
+                      decode_partial_fp8_rs, decode_partial_fp8_tc_t32, decode_partial_fp8_tc_vrot,
+                      decode_partial_fp8_tc_ws, decode_partial_two_ctas)
 
 
 def partial_variant(name: str, what: str, build: Callable[[], object], fp8: bool = True,
@@ -52,7 +53,7 @@ G = GEMMA4_31B
 # (TileLang's element conversion through the conversion unit) and two consumer warpgroups (each converts half of
 # each panel; S's query columns and O's rows split between them)
 VARIANTS = [partial_variant("fp8_cvt", "FP8 partial, TileLang's element conversion (run 1)",
-                            lambda: build_decode_partial_fp8(G, KvFormat.FOLDED, e4m3_convert="cvt")),
+                            lambda: decode_partial_fp8_cvt.build(G)),
             partial_variant("fp8_t256", "FP8 partial, integer conversion, two consumer warpgroups",
                             lambda: build_decode_partial_fp8(G, KvFormat.FOLDED, threads=256))]
 # run 5: both gemms with A from registers, converted there (bench/versions/decode_partial_fp8_rs.py)
@@ -82,8 +83,8 @@ BATCHED = [partial_variant("folded_rb4", "bf16 folded partial, batched softmax r
 # thread; the consumer warpgroup 232 after setmaxnreg): two tiles' chains and loads in flight per SM, planned for one
 # wave of 132 or of 264 CTAs
 TWO_CTAS = [partial_variant(f"folded_2cta_w{w}", f"bf16 folded partial, two CTAs per SM, plan for {w} CTAs a wave",
-                            lambda: build_decode_partial(G, KvFormat.FOLDED, num_stages=1, ctas_per_sm=2,
-                                                         reduce_batch=4), fp8=False, plan_kw={"num_sms": w})
+                            lambda: decode_partial_two_ctas.build(G, KvFormat.FOLDED, reduce_batch=4), fp8=False,
+                            plan_kw={"num_sms": w})
             for w in (132, 264)]
 # runs 12-13: both gemms on FP8 tensor cores, no conversion (bench/versions/decode_partial_fp8_mma.py): V^T left
 # unwritten (probe: the chain without a transpose) or transposed by the consumer (16 x 4 blocks, run 12; 4 x 16

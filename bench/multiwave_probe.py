@@ -15,8 +15,9 @@ Cells:
   <batch>         the other five ragged batches of several waves (BATCH_SHAPES, drawn from --seed)
 Arms (VARIANTS): the library's folded and split decode (eager plan) and the graph workspace; the folded partial alone
 (no merges); the folded decode cut at 4x the plan's cap (a quarter of the CTAs, the same largest-first layout); the
-folded partial at two CTAs an SM (one stage each, planned for 2 x SMs; run 11's `folded_2cta_w264`); the folded
-partial prefetching the page tile 2 or 3 tiles ahead into L2 (`prefetch_tiles`, off in the library); the plain read
+folded partial at two CTAs an SM (one stage each, planned for 2 x SMs; run 11's `folded_2cta_w264`,
+bench/versions/decode_partial_two_ctas.py); the folded partial prefetching the page tile 2 or 3 tiles ahead into L2
+(bench/versions/decode_partial_l2_prefetch.py); the plain read
 of each format's bytes; and a paged read (Triton, no attention) of exactly the page tiles the eager plan's chunks
 read, in their chunks, from the scattered table and from the same pages in order.
 
@@ -242,10 +243,9 @@ KERNELS = {
     "merge_final": ("foldkv.kernels.registry:get", {}),
     "decode_fused_folded": ("foldkv.kernels.registry:get", {}),
     "decode_fused_split": ("foldkv.kernels.registry:get", {}),
-    "folded_2cta": ("foldkv.kernels.decode_partial:build_decode_partial",
-                    dict(fmt="folded", num_stages=1, ctas_per_sm=2)),
-    **{f"folded_prefetch{d}": ("foldkv.kernels.decode_partial:build_decode_partial",
-                               dict(fmt="folded", prefetch_tiles=d)) for d in PREFETCH_TILES},
+    "folded_2cta": ("versions.decode_partial_two_ctas:build", dict(fmt="folded")),  # bench/versions/
+    **{f"folded_prefetch{d}": ("versions.decode_partial_l2_prefetch:build", dict(fmt="folded", distance=d))
+       for d in PREFETCH_TILES},
 }
 
 

@@ -80,11 +80,11 @@ VERSIONS = {
        for suffix, n in (("", 112), ("_r96", 96))},
     **{f"prep_fused_{f}": lambda g, f=f: _version("prep_fused").build(g, f) for f in ("split", "folded")},
     "prep_fused_folded_fp8": lambda g: _version("prep_fused").build_fp8(g, "folded"),
-    "fp8_cvt": lambda g: _library("decode_partial").build_decode_partial_fp8(g, "folded", e4m3_convert="cvt"),
+    "fp8_cvt": lambda g: _version("decode_partial_fp8_cvt").build(g),
     "fp8_t256": lambda g: _library("decode_partial").build_decode_partial_fp8(g, "folded", threads=256),
     "folded_t256": lambda g: _library("decode_partial").build_decode_partial(g, "folded", threads=256, reduce_batch=2),
-    "folded_2cta": lambda g: _library("decode_partial").build_decode_partial(g, "folded", num_stages=1, ctas_per_sm=2,
-                                                                               reduce_batch=4),
+    "folded_2cta": lambda g: _version("decode_partial_two_ctas").build(g, "folded", reduce_batch=4),
+    **{f"l2_prefetch{d}": lambda g, d=d: _version("decode_partial_l2_prefetch").build(g, "folded", d) for d in (2, 3)},
     # the sliding layers' window (its own geometry, the 31B's sliding layers: not g's)
     **{f"window_tilelang{suffix}": lambda g, s=s: _version("window_attention_tilelang").build(max_slack_log2=s)
        for suffix, s in (("", None), ("_lazy", 8.0))},

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import require_tilelang
+from conftest import bench_version, require_tilelang
 
 import foldkv
 from foldkv import BlockTable, FoldKvInputError, KvFormat, PagedKvLayout, PagedKvPool
@@ -100,17 +100,19 @@ def test_kernel_argument_order_matches_launcher(fmt):
 
 
 def test_prefetch_keeps_the_arguments_and_is_refused_off_bf16_page_tiles():
-    """The partial's L2 prefetch (an experiment's param, off by default) takes no argument of its own, and is refused
-    where a tile is not one page of bf16 rows (its prefetch is a whole page tile)."""
+    """The L2 prefetch version (bench/versions/decode_partial_l2_prefetch.py: the partial's `loaded` and `source` hook
+    points) takes no argument of its own, and is refused where a tile is not one page of bf16 rows (its prefetch is a
+    whole page tile)."""
     require_tilelang()
     from foldkv.kernels.decode_partial import decode_partial_program
 
+    prefetch = bench_version("decode_partial_l2_prefetch")
     names = lambda f: [f.buffer_map[p].name for p in f.params]  # noqa: E731
-    assert names(decode_partial_program(GEOM, KvFormat.FOLDED, prefetch_tiles=2)) == [
+    assert names(prefetch.program(GEOM, KvFormat.FOLDED, 2)) == [
         "query", "pool", "page_ids", "chunk_req", "chunk_start", "chunk_len", "part_o", "part_lse"]
     for bad in (dict(fp8=True), dict(page_size=128)):
-        with pytest.raises(ValueError, match="prefetch_tiles"):
-            decode_partial_program(GEOM, KvFormat.FOLDED, prefetch_tiles=2, **bad)
+        with pytest.raises(ValueError, match="L2 prefetch"):
+            prefetch.program(GEOM, KvFormat.FOLDED, 2, **bad)
     decode_partial_program(GEOM, KvFormat.FOLDED, page_size=128)  # red twin: the same tiling, no prefetch, builds
 
 

@@ -516,11 +516,9 @@ def program(geom: AttentionGeometry, *, page_size=64, block_n=64, num_stages=2, 
 @functools.lru_cache(maxsize=None)
 def build(geom: AttentionGeometry, **params):
     """Compile (the library's decode_partial_folded_fp8 argument list) with the registered params overridden by
-    `params` (e4m3_convert, the library's conversion switch, has no meaning here and is refused)."""
+    `params`."""
     tilelang = require_tilelang()
     cfg = {**DEFAULTS, **params}
-    if cfg.pop("e4m3_convert", "bits") != "bits":
-        raise ValueError("decode_partial_fp8_rs converts in registers only")
     return tilelang.compile(program(geom, **cfg), target=target(), pass_configs=pass_configs())
 
 

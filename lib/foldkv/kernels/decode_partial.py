@@ -28,15 +28,6 @@ from .tl import compile_program, prim_func, require_tilelang
 TAIL_FEW_MEMBERS, TAIL_MAX_MEMBERS = 8, 33
 PRODUCER_THREADS = 128  # TileLang's warp specialisation: the producer warpgroup is threads [0, 128), consumers after
 FP8_PANEL = 128  # columns of an FP8 row loaded per shared tile: 128 bytes, the widest TMA box with 128-byte swizzle
-# An experiment's L2 prefetch (`prefetch_tiles`): one bulk prefetch of a contiguous 16-byte aligned range (sm_90)
-L2_PREFETCH_SOURCE = r"""
-__device__ __forceinline__ void foldkv_prefetch_l2(const void* base, long long element, int bytes) {
-  if ((threadIdx.x & 127) == 0) {  // bf16 elements: 2 bytes each
-    const char* src = reinterpret_cast<const char*>(base) + 2 * element;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" : : "l"(src), "r"(bytes) : "memory");
-  }
-}
-"""
 # The registered tiling of each format (registry.py says why these).
 DEFAULTS = {fmt: dict(registry.get(f"decode_partial_{fmt.value}").params) for fmt in KvFormat}
 
@@ -291,13 +282,14 @@ def merge_tail(ctx: TailContext, *, hand_off: bool = True) -> FusedTail:
 
 def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page_size: int = 64, block_n: int = 64,
                            num_stages: int = 1, threads: int = 128, block_h: int = 16, fp8: bool = False,
-                           e4m3_convert: str = "bits", reduce_batch: int = 1, ctas_per_sm: int = 1,
-                           tail_merge: bool = False, tail=None, prefetch_tiles: int = 0):
-    """The TileLang prim_func of the partial kernel. `fp8`: over an FP8 folded pool, converted by
-    `macros.convert_e4m3_macro` ("bits") or TileLang's conversion ("cvt"); `reduce_batch`: the softmax's queries per
-    cross-warp reduction; `ctas_per_sm`: CTAs an SM holds at once; `tail_merge`: the fused step, its tail
-    `tail(TailContext) -> FusedTail` (default `merge_tail`); `prefetch_tiles` > 0: an experiment's L2 prefetch of the
-    page tile that many ahead."""
+                           reduce_batch: int = 1, tail_merge: bool = False, tail=None, convert=None, prologue=None,
+                           loaded=None, source=None):
+    """The TileLang prim_func of the partial kernel. `fp8`: over an FP8 folded pool, its rows converted exactly
+    (`macros.convert_e4m3_macro`); `reduce_batch`: the softmax's queries per cross-warp reduction; `tail_merge`: the
+    fused step, its tail `tail(TailContext) -> FusedTail` (default `merge_tail`). A version's hook points (None: the
+    library's, or none), called with the kernel's own names: `convert(convert)` an FP8 tile's conversion,
+    `prologue()` first in the kernel, `loaded(pool, page_ids, req, kvh, tok, k, n_tok)` after a tile's copies, and
+    `source` the device code they import."""
     require_tilelang()
     import tilelang.language as T
     from tvm.script.ir_builder import IRBuilder
@@ -319,13 +311,9 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     online_softmax = macros.online_softmax_macro(key_dim=0, reduce_batch=reduce_batch)
     mask_scores = macros.mask_scores_macro()
     zero_rows = macros.zero_rows_macro()
-    convert_e4m3 = macros.convert_e4m3_macro(block_n, FP8_PANEL, threads)
-    share_sm_registers = macros.share_sm_registers_macro(ctas_per_sm, threads) if ctas_per_sm > 1 else None
-    assert e4m3_convert in ("bits", "cvt")
-    if prefetch_tiles and (fp8 or page_size != block_n):
-        raise ValueError("prefetch_tiles: bf16 rows and one page a tile only")
-    if tail_merge and (fp8 or ctas_per_sm > 1):
-        raise ValueError("tail_merge: bf16 pools and one CTA per SM only")
+    convert_e4m3 = convert or macros.convert_e4m3_macro(block_n, FP8_PANEL, threads)
+    if tail_merge and fp8:
+        raise ValueError("tail_merge: bf16 pools only")
     ctx = TailContext(geom, threads, batch, num_chunks)
     fused = (tail or merge_tail)(ctx) if tail_merge else None
     # two consumer warpgroups: each takes half of S^T's 16 query columns, and half of O^T's rows
@@ -337,10 +325,10 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
     def partial(query, pool, scales, page_ids, chunk_req, chunk_start, chunk_len, part_o, part_lse, tail=None):
         with T.Kernel(num_chunks, hkv, threads=threads) as (c, kvh):
             T.import_source(producer_guard.imported_source(
-                macros.E4M3_TO_BF16_SOURCE if fp8 and e4m3_convert == "bits" else None,
-                fused.source if tail_merge else None, L2_PREFETCH_SOURCE if prefetch_tiles else None))
-            if ctas_per_sm > 1:
-                share_sm_registers()
+                macros.E4M3_TO_BF16_SOURCE if fp8 and convert is None else None,
+                fused.source if tail_merge else None, source))
+            if prologue is not None:
+                prologue()
             parts = format_parts()
             p_shared = T.alloc_shared((block_n, block_h), bf16)  # P^T [N, 16], the B operand of O^T += V^T P^T
             acc_s = T.alloc_fragment((block_n, block_h), f32)  # S^T [N, 16] scores, then probabilities
@@ -374,16 +362,9 @@ def decode_partial_program(geom: AttentionGeometry, fmt: KvFormat | str, *, page
                     T.copy(pool[page, kvh, off:off + block_n, run.lo:run.hi], run.tile)
                 if parts.token_scale is not None:
                     T.copy(scales[page, kvh, off:off + block_n], parts.token_scale)
-                if prefetch_tiles:  # the page tile prefetch_tiles ahead, whole (page_size x width, contiguous)
-                    if (k + prefetch_tiles) * block_n < n_tok:
-                        ahead = page_ids[req, (tok + prefetch_tiles * block_n) // page_size]
-                        T.call_extern("handle", "foldkv_prefetch_l2", pool.data,
-                                      (T.cast(ahead, "int64") * hkv + kvh) * (page_size * width), page_size * width * 2)
-                if e4m3_convert == "bits":  # e4m3 -> bf16 is exact
-                    convert_e4m3(parts.convert)
-                else:
-                    for conv in parts.convert:
-                        T.copy(conv.stored, conv.tile[:, conv.col:conv.col + FP8_PANEL])
+                if loaded is not None:
+                    loaded(pool, page_ids, req, kvh, tok, k, n_tok)
+                convert_e4m3(parts.convert)  # e4m3 -> bf16 is exact
                 T.clear(acc_s)
                 for score in parts.scores:  # S^T [N, 16] += K Q^T
                     T.gemm(score.row_tile, score.other, acc_s, transpose_B=True, policy=score_policy)
@@ -473,7 +454,5 @@ def build_decode_partial_fp8(geom: AttentionGeometry, fmt: KvFormat | str, **til
     fmt = KvFormat.parse(fmt)
     cfg = {**registry.get(f"decode_partial_{fmt.value}_fp8").params, **tiling}
     kernel = compile_program(decode_partial_program(geom, fmt, **cfg, fp8=True))
-    if cfg.get("e4m3_convert", "bits") == "bits":
-        check_e4m3_conversion(f"decode_partial_{fmt.value}_fp8", kernel.get_kernel_source(),
-                              macros.CONVERT_BARRIER_ID)
+    check_e4m3_conversion(f"decode_partial_{fmt.value}_fp8", kernel.get_kernel_source(), macros.CONVERT_BARRIER_ID)
     return kernel

@@ -207,7 +207,8 @@ def two_part_rounding(geom: AttentionGeometry, block_n: int, block_h: int) -> Ro
 def decode_partial_fp8_tc_program(geom: AttentionGeometry, *, page_size: int = 64, block_n: int = 64,
                                   num_stages: int = 1, block_h: int = 16, reduce_batch: int = 4, ctas_per_sm: int = 2):
     """The TileLang prim_func of the FP8 tensor-core partial: V^T by `transpose_values_macro`, the query and P by
-    `two_part_rounding`; `reduce_batch`, `ctas_per_sm` as in decode_partial_program."""
+    `two_part_rounding`; `reduce_batch` as in decode_partial_program; `ctas_per_sm`: CTAs an SM holds at once
+    (`macros.share_sm_registers_macro`)."""
     require_tilelang()
     import tilelang.language as T
     from tvm.script.ir_builder import IRBuilder
