@@ -175,7 +175,7 @@ class BlockTileLang:  # any TileLang / TVM import in this process is an error
 sys.meta_path.insert(0, BlockTileLang())
 import torch
 import foldkv
-from foldkv import KvFormat, paged_attention_reference
+from foldkv import KvFormat
 from foldkv.lab import gates
 from foldkv.kernels.decode import decode
 fmt = KvFormat(sys.argv[1])
@@ -183,7 +183,7 @@ inp = gates.make_inputs(gates.Case("cold", (1000, 77, 4097)), fmt, "cuda", seed=
 out_buf, lse_buf = gates.poisoned_outputs(3, inp.pool.geometry, inp.pool.device, pad_rows=0)
 out, lse = decode(inp.pool, inp.query, inp.table, out=out_buf, lse=lse_buf, backend="aot")
 torch.cuda.synchronize()
-ref, ref_lse, pv_abs = paged_attention_reference(inp.pool, inp.query, inp.table, None, abs_weighted=True)
+ref, ref_lse, pv_abs = gates.reference_with_scales(inp.pool, inp.query, inp.table)
 res = gates.compare(out, ref, pv_abs)
 res["lse_max_abs"] = float((lse.double() - ref_lse).abs().max())
 res["tilelang_imported"] = any(m.split('.')[0] in ('tilelang', 'tvm') for m in sys.modules)

@@ -112,8 +112,8 @@ def test_agree_allows_one_rounding_each_side_and_no_more():
 
 
 def _lse_bound_of(inputs):
-    _, ref_lse, s_abs_p, s_abs_max = fk.paged_attention_reference(inputs.pool, inputs.query, inputs.table,
-                                                                  inputs.q_lens, score_abs=True)
+    _, ref_lse, s_abs_p, s_abs_max = gates.reference_with_scales(inputs.pool, inputs.query, inputs.table, inputs.q_lens,
+                                                                 abs_weighted=False, score_abs=True)
     keys = gates.row_key_counts(inputs.table, inputs.q_lens)
     return gates.lse_bound(s_abs_p, s_abs_max, ref_lse, keys, inputs.pool.geometry.head_dim)
 

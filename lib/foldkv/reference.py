@@ -30,14 +30,14 @@ def check_pool_format(pool: PagedKvPool, fmt: KvFormat | str | None, dtype: torc
 def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: BlockTable,
                               q_lens: torch.Tensor | None = None, *, fmt: KvFormat | str | None = None,
                               dtype: torch.dtype | None = None, query_block: int | None = None, device: torch.device | str | None = None,
-                              abs_weighted: bool = False, score_abs: bool = False) -> tuple[torch.Tensor, ...]:
+                              per_block=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of queries against a paged pool of either format, in float64 on `device` (default: the pool's).
 
     query [sum(q_lens), Hq, D] in the pool format's form (what prep_and_store returns); request r's q_lens[r] queries
     (default 1) are its last positions, bottom-right causal. Returns (out [Tq, Hq, D] head order, lse [Tq, Hq]
     natural log). `fmt` / `dtype`: the query's format and the stored dtype the caller reads (another is refused).
-    `abs_weighted` also returns P @ |V| [Tq, Hq, D]; `score_abs` then score_abs_p = sum_j p_j sum_d |q_d k_jd| and
-    score_abs_max = max_j sum_d |q_d k_jd| [Tq, Hq]: the scales of a kernel's rounding errors (`gates.lse_bound`).
+    `per_block(rows, qb, keys, vals, probs, mask)`: each query block's float64 work, handed over as computed (the lab's
+    gates derive a kernel's rounding scales from it: `lab.gates.checks.reference_with_scales`).
     """
     check_pool_format(pool, fmt, dtype)
     geom, fmt = pool.geometry, pool.format
@@ -52,9 +52,6 @@ def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: Blo
     to_head = value_window_to_head(geom, fmt).to(dev)
     out = torch.empty(query.shape, dtype=torch.float64, device=dev)
     lse = torch.empty(query.shape[:2], dtype=torch.float64, device=dev)
-    pv_abs = torch.empty(query.shape, dtype=torch.float64, device=dev) if abs_weighted else None
-    s_abs_p = torch.empty(query.shape[:2], dtype=torch.float64, device=dev) if score_abs else None
-    s_abs_max = torch.empty(query.shape[:2], dtype=torch.float64, device=dev) if score_abs else None
     hkv = geom.num_kv_heads
     start = 0
     for r in range(table.batch):
@@ -74,16 +71,11 @@ def paged_attention_reference(pool: PagedKvPool, query: torch.Tensor, table: Blo
             probs = torch.exp(scores - lse_b[..., None])  # [Hkv, g, b, n]
             o = torch.einsum("hgqk,khd->qhgd", probs, vals).reshape(b1 - b0, hkv * g, -1)  # [b, Hq, D] window order
             out[start + b0:start + b1] = o[..., to_head]
-            if abs_weighted:
-                oa = torch.einsum("hgqk,khd->qhgd", probs, vals.abs()).reshape(b1 - b0, hkv * g, -1)  # [b, Hq, D]
-                pv_abs[start + b0:start + b1] = oa[..., to_head]
             lse[start + b0:start + b1] = lse_b.reshape(hkv * g, b1 - b0).transpose(0, 1)
-            if score_abs:
-                sa = torch.einsum("qhgd,khd->hgqk", qb.abs(), keys.abs()).masked_fill(mask, 0.0)  # [Hkv, g, b, n]
-                s_abs_p[start + b0:start + b1] = (probs * sa).sum(-1).reshape(hkv * g, b1 - b0).transpose(0, 1)
-                s_abs_max[start + b0:start + b1] = sa.amax(-1).reshape(hkv * g, b1 - b0).transpose(0, 1)
+            if per_block is not None:
+                per_block(slice(start + b0, start + b1), qb, keys, vals, probs, mask)
         start += m
-    return (out, lse) + ((pv_abs,) if abs_weighted else ()) + ((s_abs_p, s_abs_max) if score_abs else ())
+    return out, lse
 
 
 __getattr__ = moved(__name__, {"dense_attention_reference": "foldkv.lab.gates.fold (only the fold's gate and tests)"})

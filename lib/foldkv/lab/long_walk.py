@@ -186,8 +186,7 @@ def long_walk(fmt: KvFormat | str = KvFormat.FOLDED, *, steps: int = WALK_STEPS,
     "advances", "memory_first", "memory_end", "seconds" (the loop), "check_seconds" (its checks), ...}."""
     from ..kernels.decode import decode
     from ..kernels.workspace import DecodeWorkspace
-    from ..reference import paged_attention_reference
-    from .gates import OUT_POISON, bits as _bits, compare, compare_lse, decode_extra, lse_bound
+    from .gates import OUT_POISON, bits as _bits, compare, compare_lse, decode_extra, lse_bound, reference_with_scales
 
     fmt, device = KvFormat.parse(fmt), torch.device(device)
     lay = PagedKvLayout(format=fmt, page_size=64, num_pages=walk_pool_pages(max_batch, max_len), dtype=dtype)
@@ -247,8 +246,7 @@ def long_walk(fmt: KvFormat | str = KvFormat.FOLDED, *, steps: int = WALK_STEPS,
             now = BlockTable(sched.batch_page_ids().to(device), torch.tensor(lens, dtype=torch.int32, device=device))
             query = ws.query[:len(lens)].clone()
             d_out, d_lse = decode(pool, query, now, backend=backend)
-            ref, ref_lse, pv_abs, s_abs_p, s_abs_max = paged_attention_reference(
-                pool, query, now, None, abs_weighted=True, score_abs=True)
+            ref, ref_lse, pv_abs, s_abs_p, s_abs_max = reference_with_scales(pool, query, now, score_abs=True)
             extra_out, extra_lse = decode_extra(pool, query, now, ws.fp8_math)  # the partial's own terms
             bound = extra_lse + lse_bound(s_abs_p, s_abs_max, ref_lse, torch.tensor(lens), geom.head_dim)
             row = {"step": step, "batch": len(lens), "max_len": max(lens), "chunks_used": ws.chunks_used,

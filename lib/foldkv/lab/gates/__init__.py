@@ -28,6 +28,7 @@ from .inputs import (POISON_PAGE_IDS, OUT_POISON, Case, decode_cases, prefill_ca
                      make_inputs, poisoned_outputs, bits, fill_sequences, write_tokens)
 from .checks import (P_ROUNDING, P_SCALED_ROUNDING, ABS_TOL, REL_TOL, FRO_TOL, LSE_ROUNDING, LSE_MMA_K, LSE_TILE_MAX,
                      LSE_TILE_MIN, LSE_MERGE_LEVELS, LSE_APPROX, bf16_ulp, compare, agree, lse_bound, row_key_counts,
+                     reference_with_scales,
                      compare_lse, run_case, summary_row, decode_arm, prefill_arm, attended_rows, arm_for,
                      replay_workspace, graph_arm, decode_fp8_math, decode_extra)
 from .fold import (dense_attention_reference, unrounded_truth, FOLD_CASE_RATIO, FOLD_MEAN_RATIO, folded_vs_split,

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from ...layout import KvFormat
+from ...layout import KvFormat, value_window_to_head
 from ...pool import BlockTable, PagedKvPool
 from ...reference import paged_attention_reference
 from .inputs import OUT_POISON, Case, GateInputs, bits, poisoned_outputs
@@ -106,6 +106,28 @@ def agree(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, pv_abs: torch.Ten
             "b_vs_ref": cb["max_abs"], "passed": both_ok and bool((diff <= 2 * bound).all())}
 
 
+def reference_with_scales(pool: PagedKvPool, query: torch.Tensor, table: BlockTable, q_lens: torch.Tensor | None = None,
+                          *, abs_weighted: bool = True, score_abs: bool = False) -> tuple[torch.Tensor, ...]:
+    """`paged_attention_reference`'s (out, lse), then the scales of a kernel's rounding errors from the same float64
+    probabilities: `abs_weighted` P @ |V| [Tq, Hq, D] (head order); `score_abs` score_abs_p = sum_j p_j sum_d
+    |q_d k_jd| and score_abs_max = max_j sum_d |q_d k_jd| [Tq, Hq] (`lse_bound`)."""
+    to_head = value_window_to_head(pool.geometry, pool.format).to(pool.device)
+    pv_abs = torch.empty(query.shape, dtype=torch.float64, device=pool.device)
+    s_abs_p, s_abs_max = (torch.empty(query.shape[:2], dtype=torch.float64, device=pool.device) for _ in range(2))
+
+    def per_block(rows, qb, keys, vals, probs, mask):  # probs [Hkv, g, b, n]
+        hq, b = probs.shape[0] * probs.shape[1], probs.shape[2]
+        if abs_weighted:
+            pv_abs[rows] = torch.einsum("hgqk,khd->qhgd", probs, vals.abs()).reshape(b, hq, -1)[..., to_head]
+        if score_abs:
+            sa = torch.einsum("qhgd,khd->hgqk", qb.abs(), keys.abs()).masked_fill(mask, 0.0)  # [Hkv, g, b, n]
+            s_abs_p[rows] = (probs * sa).sum(-1).reshape(hq, b).transpose(0, 1)
+            s_abs_max[rows] = sa.amax(-1).reshape(hq, b).transpose(0, 1)
+
+    out, lse = paged_attention_reference(pool, query, table, q_lens, per_block=per_block)
+    return (out, lse) + ((pv_abs,) if abs_weighted else ()) + ((s_abs_p, s_abs_max) if score_abs else ())
+
+
 def lse_bound(score_abs_p: torch.Tensor, score_abs_max: torch.Tensor, lse_ref: torch.Tensor, n_keys: torch.Tensor,
               head_dim: int) -> torch.Tensor:
     """The derived bound [Tq, Hq] on |kernel LSE - reference LSE| (natural log) for each row, from the reference's
@@ -171,8 +193,8 @@ def run_case(inputs: GateInputs, launch: Callable, pad_rows: int = 3,
     out, lse = launch(inputs, out_buf[:tokens], lse_buf[:tokens])
     torch.cuda.synchronize() if inputs.pool.device.type == "cuda" else None
     ref_pool, ref_table, p_scaled = attended_rows(inputs, getattr(launch, "fp8_rows", "gather"))
-    ref, ref_lse, pv_abs, s_abs_p, s_abs_max = paged_attention_reference(
-        ref_pool, inputs.query, ref_table, inputs.q_lens, abs_weighted=True, score_abs=True)
+    ref, ref_lse, pv_abs, s_abs_p, s_abs_max = reference_with_scales(ref_pool, inputs.query, ref_table, inputs.q_lens,
+                                                                     score_abs=True)
     del ref_pool
     if extra is not None:
         extra_out, extra_lse = extra(inputs)

@@ -13,7 +13,7 @@ from ...layout import KvFormat, value_window_columns
 from ...pool import BlockTable, PagedKvLayout, PagedKvPool
 from ...reference import paged_attention_reference
 from .checks import (ABS_TOL, P_ROUNDING, REL_TOL, bf16_ulp, compare, decode_arm, decode_extra, decode_fp8_math,
-                     prefill_arm, run_case, summary_row)
+                     prefill_arm, reference_with_scales, run_case, summary_row)
 from .inputs import Case, fill_sequences, make_inputs
 from .sections import gpu_section
 
@@ -272,7 +272,7 @@ def needle(length: int, position: int, *, seed: int = 0, device: torch.device | 
             pool.scales[page, :, off] = pool.scales[p2, :, o2]
     out, _ = decode(pool, query, table, backend=backend, fp8_math=fp8_math)
     torch.cuda.synchronize(device)
-    ref, _, pv_abs = paged_attention_reference(pool, query, table, abs_weighted=True)
+    ref, _, pv_abs = reference_with_scales(pool, query, table)
     extra, _ = decode_extra(pool, query, table, fp8_math)  # the partial's own terms (None: exact or bf16)
     kernel = compare(out, ref, pv_abs, p_scaled=lay.quantized, extra=extra)
 

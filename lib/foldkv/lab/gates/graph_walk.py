@@ -9,8 +9,7 @@ import torch
 from ...config import GEMMA4_31B, AttentionGeometry
 from ...layout import KvFormat
 from ...pool import BlockTable
-from ...reference import paged_attention_reference
-from .checks import compare, compare_lse, decode_extra, lse_bound
+from .checks import compare, compare_lse, decode_extra, lse_bound, reference_with_scales
 from .geometry import gate_geometry
 from .inputs import OUT_POISON, Case, bits, make_inputs, require_parsed
 from .sections import gpu_section
@@ -82,8 +81,7 @@ def graph_walk(fmt: KvFormat, seq_lens=WALK_LENGTHS, *, steps: int = WALK_STEPS,
             "all_written": bool(torch.isfinite(out).all() and torch.isfinite(lse).all())}
         if step % check_every == 0 or step == steps - 1:
             now = BlockTable(table.page_ids, torch.tensor(lens, dtype=torch.int32, device=device))
-            ref, ref_lse, pv_abs, s_abs_p, s_abs_max = paged_attention_reference(
-                pool, query, now, None, abs_weighted=True, score_abs=True)
+            ref, ref_lse, pv_abs, s_abs_p, s_abs_max = reference_with_scales(pool, query, now, score_abs=True)
             extra_out, extra_lse = decode_extra(pool, query, now, graph_ws.fp8_math)  # the partial's own terms
             row.update(compare(out, ref, pv_abs, p_scaled=pool.layout.quantized, extra=extra_out))
             row.update(compare_lse(lse, ref_lse,

@@ -10,9 +10,9 @@ import torch
 
 from ...config import GEMMA4_31B, AttentionGeometry
 from ...layout import KvFormat
-from ...reference import paged_attention_reference
 from ..palette import Styles, legend_beside
-from .checks import ABS_TOL, FRO_TOL, REL_TOL, agree, arm_for, decode_arm, prefill_arm, run_case, summary_row
+from .checks import (ABS_TOL, FRO_TOL, REL_TOL, agree, arm_for, decode_arm, prefill_arm, reference_with_scales,
+                     run_case, summary_row)
 from .fold import FOLD_CASE_RATIO, FOLD_MEAN_RATIO, folded_vs_split, folded_vs_split_overall, unrounded_truth
 from .geometry import gate_geometry
 from .inputs import Case, GateInputs, make_inputs, poisoned_outputs
@@ -143,7 +143,7 @@ def last_row_gate(formats, seed: int, record, geom: AttentionGeometry | str = GE
         dec = GateInputs(Case("last-row-decode", case.seq_lens), inputs.format, inputs.pool, inputs.table,
                          inputs.query[last].contiguous(), None)
         out_d, _ = decode_arm("jit")(dec, *poisoned_outputs(2, geom, "cuda", pad_rows=0))
-        ref, _, pv_abs = paged_attention_reference(dec.pool, dec.query, dec.table, None, abs_weighted=True)
+        ref, _, pv_abs = reference_with_scales(dec.pool, dec.query, dec.table)
         rows.append({"format": fmt.value, **agree(out_p[last], out_d, ref, pv_abs)})
     record.ran("prefill_last_row_vs_decode", rows=rows, passed=all(r["passed"] for r in rows))
     return rows
