@@ -120,10 +120,9 @@ def load_group_query_macro(group: int, block_h: int):
     return load_query
 
 
-# e4m3 -> bf16 by integer ops and one bf16x2 multiply, 8 values a call (DECODE_SCHEDULE.md says why). A byte
-# s.eeee.mmm as bf16 bits s.0000eeee.mmm0000 is exactly the value times 2^-120 for every finite code (a subnormal lands
-# on a bf16 subnormal); the multiply by 2^120 is exact (mul.bf16x2 has no flush-to-zero). The NaN codes would come out
-# as +-480: a pool never holds them (foldkv.fp8 clamps to +-448 and refuses non-finite rows).
+# e4m3 -> bf16 by integer ops and one bf16x2 multiply, 8 values a call (DECODE_SCHEDULE.md, "The exact FP8 partial"):
+# exact for every finite code, subnormals too (mul.bf16x2 has no flush-to-zero); the NaN codes would come out as +-480,
+# which a pool never holds (foldkv.fp8 clamps to +-448 and refuses non-finite rows).
 E4M3_TO_BF16_FN = "foldkv_e4m3x8_to_bf16"
 E4M3_TO_BF16_SOURCE = r"""
 // (inserted before the kernel's includes: plain CUDA types and PTX only)
@@ -168,13 +167,8 @@ __device__ __forceinline__ void foldkv_e4m3x8_to_bf16(int first, int last, int b
 """
 
 
-# The hand-off of the fused decode's tail (decode_partial.merge_tail): the CTAs of one request and KV head (all
-# resident: the plan is one wave) each write their partial, count themselves in on one counter, and wait until every
-# member has. The first member adds TAIL_STEP - (members - 1), each other 1, so a launch adds exactly TAIL_STEP and the
-# counter is a multiple of it between launches (mod 2^32: no reset, no flag); all are in at the next multiple, which
-# the last arrival learns from its atomic and the others by polling. The leader's acquire, then the barrier, orders
-# the consumers' reads (CUTLASS's semaphore pattern). 2^22 polls (seconds, against ~10 ms for the longest chunk: a plan
-# not one wave, or another kernel holding the SMs) trap instead of hanging the device.
+# The hand-off of the fused decode's tail (decode_partial.merge_tail; its count, poll and trap: DECODE_SCHEDULE.md, "The
+# fused step"): the leader's acquire, then the barrier, orders the consumers' reads (CUTLASS's semaphore pattern).
 TAIL_STEP = 1 << 20  # > TAIL_MAX_MEMBERS, and a power of two: its multiples stay multiples modulo 2^32
 TAIL_HAND_OFF_FN = "foldkv_tail_hand_off"
 TAIL_SOURCE = r"""
