@@ -33,9 +33,9 @@ from foldkv.kernels import decode_partial, merge
 from foldkv.lab import byte_floor
 from foldkv.lab.bench import (ArmImpl, ArmSpec, AttentionCase, generated_arm, measure_read_roof, run_cell,
                               stream_read_arm)
+from foldkv.lab.checkout_stamp import provenance
 from foldkv.lab.jsonsafe import jsonable
 from foldkv.lab.report import environment
-from foldkv.provenance import provenance
 from versions import decode_partial_head_major, decode_partial_query_all_threads  # bench/versions/
 
 GEOM = foldkv.GEMMA4_31B

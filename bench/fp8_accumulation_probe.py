@@ -35,9 +35,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args(argv)
     from foldkv.lab.arms import ArmUnavailable
+    from foldkv.lab.checkout_stamp import provenance
     from foldkv.lab.jsonsafe import jsonable
     from foldkv.lab.report import environment
-    from foldkv.provenance import provenance
 
     t0 = time.perf_counter()
     try:

@@ -24,9 +24,9 @@ from foldkv.fp8 import FP8_DTYPE
 from foldkv.kernels.decode import decode
 from foldkv.kernels.plan import plan_decode
 from foldkv.lab import gates
+from foldkv.lab.checkout_stamp import provenance
 from foldkv.lab.gates import effective_query  # the two-part query the MMA versions' scores see
 from foldkv.lab.jsonsafe import jsonable
-from foldkv.provenance import provenance
 from foldkv.reference import paged_attention_reference
 from versions import decode_partial_fp8_mma  # bench/versions/
 

@@ -24,9 +24,9 @@ from foldkv.kernels.decode import partial_kernel_name
 from foldkv.kernels.decode_partial import build_decode_partial, build_decode_partial_fp8
 from foldkv.lab.bench import ArmSpec, AttentionCase, generated_arm, measure_read_roof, run_cell
 from foldkv.lab.bench.case import serving_cases
+from foldkv.lab.checkout_stamp import provenance
 from foldkv.lab.jsonsafe import jsonable
 from foldkv.lab.report import environment
-from foldkv.provenance import provenance
 from foldkv.pool import BlockTable, PagedKvLayout
 from versions import (decode_fused_ll, decode_fused_ll_compact, decode_fused_smem_tail,  # bench/versions/
                       decode_fused_tail_paths, decode_partial_fp8_cvt, decode_partial_fp8_mma, decode_partial_fp8_probe,

@@ -722,8 +722,8 @@ def run_tile_sweep(args, log) -> int:
     """The sweep on the device: the read roof, then one cell of every layout and the denominator, interleaved round
     by round (`run_cell`), the JSON written at the end."""
     from foldkv.lab.bench import measure_read_roof
+    from foldkv.lab.checkout_stamp import provenance
     from foldkv.lab.report import environment
-    from foldkv.provenance import provenance
 
     device = torch.device("cuda")
     nbytes = sweep_buffer_bytes()
@@ -871,8 +871,8 @@ def main(argv=None) -> int:
     out_json = os.path.join(args.out, "multiwave_probe.json") if args.out else None
     device = torch.device("cuda")
     from foldkv.lab.bench import measure_read_roof
+    from foldkv.lab.checkout_stamp import provenance
     from foldkv.lab.report import environment
-    from foldkv.provenance import provenance
 
     record: dict = {"facts": device_facts(device), "seed": args.seed, "plans": plan_rows(
         plans, plan_mod.device_sms(device)), "cells": []}

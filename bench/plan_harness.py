@@ -37,9 +37,9 @@ from foldkv.lab.bench import (DRAWN_SHAPES, AttentionCase, ArmSpec, draw_batches
                               measure_read_roof, plan_host_times, run_cell)
 from foldkv.lab.bench.arms import READ_FOLDED
 from foldkv.lab.bench.case import serving_cases
+from foldkv.lab.checkout_stamp import provenance
 from foldkv.lab.jsonsafe import jsonable
 from foldkv.lab.report import environment
-from foldkv.provenance import provenance
 
 from versions import plan_one_wave  # bench/versions/
 

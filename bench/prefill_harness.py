@@ -27,9 +27,9 @@ import torch
 import foldkv
 from foldkv import KvFormat
 from foldkv.lab.bench import ArmSpec, AttentionCase, generated_arm, measure_matmul_roof, run_cell, summarize
+from foldkv.lab.checkout_stamp import provenance
 from foldkv.lab.jsonsafe import jsonable
 from foldkv.lab.report import environment
-from foldkv.provenance import provenance
 from versions import prefill_shared_tiles, prep_fused  # bench/versions/
 
 GEOM = foldkv.GEMMA4_31B

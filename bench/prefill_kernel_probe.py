@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     roof_tflops = sum(r["square_8192"] for r in roof) / len(roof)  # the rate the issue's floor is taken at
     result["matmul_roof"] = {"runs": roof, "tflops": roof_tflops}
     result["rates"] = rates(result["cell_results"], roof_tflops)
-    from foldkv.provenance import provenance
+    from foldkv.lab.checkout_stamp import provenance
 
     result["provenance"] = provenance()
     save()

@@ -108,7 +108,7 @@ def cases(batches, device) -> dict:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     from foldkv.lab.bench import measure_read_roof, run_cell
-    from foldkv.provenance import provenance
+    from foldkv.lab.checkout_stamp import provenance
 
     dev = torch.device("cuda")
     todo = cases(args.batches, dev)

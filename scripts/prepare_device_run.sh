@@ -33,6 +33,6 @@ fi
 "$PY" -m foldkv aot verify build/aot
 "$PY" -m foldkv aot build --arch sm_90a --geometry gemma-4-31b-tp2 --out build/aot-tp2
 "$PY" -m foldkv aot verify build/aot-tp2
-# the device gets the working tree without .git: this stamp names the commit there (foldkv.provenance.checkout_state)
+# the device gets the working tree without .git: this stamp names the commit there (foldkv.lab.checkout_stamp)
 "$PY" -c "from foldkv.lab.checkout_stamp import write_checkout_stamp; print('stamped', write_checkout_stamp())"
 du -sh .devsite build/aot build/aot-tp2 $([ "$SHARED" = 1 ] && echo .tilelang_cache)

@@ -1,6 +1,6 @@
-"""Provenance of every record (`foldkv.provenance.provenance`): the commit and dirty flag of the checkout, on temporary
-git repositories (clean, dirty, dirty only under papermill_runs/, not a checkout), and each record writer stamping
-it at save time. The kernel hashes it lists are tested with real kernels in test_aot_cpu.py."""
+"""Provenance of every record (`foldkv.lab.checkout_stamp.provenance`): the commit and dirty flag of the checkout, on
+temporary git repositories (clean, dirty, dirty only under papermill_runs/, not a checkout), and each record writer
+stamping it at save time. The kernel hashes it lists are tested with real kernels in test_aot_cpu.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 from foldkv import provenance
+from foldkv.lab import checkout_stamp
 from foldkv.lab.checkout_stamp import write_checkout_stamp
 from foldkv.kernels import registry
 from foldkv.lab.report import RunRecord
@@ -87,9 +88,10 @@ def test_copy_without_git_takes_the_commit_from_the_stamp(tmp_path, repo):
     """The device machine gets the working tree without .git: the stamp written beforehand names the commit."""
     write_checkout_stamp(repo)
     copy = _copy_without_git(repo, tmp_path / "copy")
-    state = provenance.checkout_state(copy)
+    state = checkout_stamp.checkout_state(copy)
     assert state["git_commit"] == git(repo, "rev-parse", "HEAD") and state["dirty"] is False, state
     assert "hash the same" in state["git_reason"]
+    assert provenance.checkout_state(copy)["git_commit"] is None  # git's alone (an AOT manifest's): no stamp read
 
 
 def test_copy_changed_after_the_stamp_says_dirty(tmp_path, repo):
@@ -97,7 +99,7 @@ def test_copy_changed_after_the_stamp_says_dirty(tmp_path, repo):
     write_checkout_stamp(repo)
     copy = _copy_without_git(repo, tmp_path / "copy")
     (copy / "lib" / "code.py").write_text("x = 3\n")
-    state = provenance.checkout_state(copy)
+    state = checkout_stamp.checkout_state(copy)
     assert state["git_commit"] == git(repo, "rev-parse", "HEAD") and state["dirty"] is True, state
     assert "DIFFER" in state["git_reason"]
 
@@ -115,12 +117,12 @@ def test_copy_beside_a_stale_git_takes_the_commit_from_the_stamp(tmp_path, repo)
     shutil.rmtree(stale / "lib")
     shutil.copytree(repo / "lib", stale / "lib")
     shutil.copytree(repo / "build", stale / "build")
-    state = provenance.checkout_state(stale)
+    state = checkout_stamp.checkout_state(stale)
     assert state["git_commit"] == git(repo, "rev-parse", "HEAD") != git(stale, "rev-parse", "HEAD"), state
     assert state["dirty"] is False and "git here says HEAD" in state["git_reason"], state
     # red twin: one more edit in the copy, and the stale HEAD plus its changed files is what is reported
     (stale / "lib" / "code.py").write_text("x = 6\n")
-    state = provenance.checkout_state(stale)
+    state = checkout_stamp.checkout_state(stale)
     assert state["git_commit"] == git(stale, "rev-parse", "HEAD") and state["dirty"] is True, state
 
 
@@ -137,14 +139,14 @@ def test_copy_without_its_run_folders_matches_the_stamp(tmp_path, repo):
     trimmed = _copy_without_git(repo, tmp_path / "trimmed")
     shutil.rmtree(trimmed / "bench" / "decode_runs")
     shutil.rmtree(trimmed / "papermill_runs")
-    state = provenance.checkout_state(trimmed)
+    state = checkout_stamp.checkout_state(trimmed)
     assert state["git_commit"] == git(repo, "rev-parse", "HEAD") and state["dirty"] is False, state
     (trimmed / "lib" / "code.py").unlink()
-    assert provenance.checkout_state(trimmed)["dirty"] is True
+    assert checkout_stamp.checkout_state(trimmed)["dirty"] is True
 
 
 def test_copy_without_git_or_stamp_names_no_commit(tmp_path, repo):
-    state = provenance.checkout_state(_copy_without_git(repo, tmp_path / "copy"))
+    state = checkout_stamp.checkout_state(_copy_without_git(repo, tmp_path / "copy"))
     assert state["git_commit"] is None and state["dirty"] is None
 
 

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from ..provenance import provenance
+from .checkout_stamp import provenance
 from .jsonsafe import jsonable
 
 NOT_RUN_NO_CUDA = "not run: no CUDA device"

@@ -14,8 +14,9 @@ import subprocess
 
 import torch
 
-from foldkv.provenance import checkout_root, provenance
+from foldkv.provenance import checkout_root
 
+from ..checkout_stamp import provenance
 from ..jsonsafe import jsonable
 
 SCHEMA = "foldkv.bench/1"

@@ -15,9 +15,9 @@ from typing import Any, Sequence
 
 import torch
 
-from ...provenance import provenance
 from ...validate import check_device
 from ..arms import ArmUnavailable
+from ..checkout_stamp import provenance
 from ..jsonsafe import jsonable
 from ..model import MODEL_ARMS, ArmSettings, check_arm_available, foldkv_implementation, load_model, single_pass, walk
 from ..synthetic import describe_checkpoint, make_synthetic_checkpoint
