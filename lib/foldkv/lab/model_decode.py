@@ -305,8 +305,9 @@ PROMPT_RANGE = "foldkv.prompt"  # `measure_prefill`'s generate() in a profile
 
 def token_gaps(stamps: Sequence[float], spike: float = 2.0, largest: int = 5) -> dict | None:
     """The decode's gaps between generated tokens (ms; None with fewer than two stamps): median, p90, max, the first
-    (the first decode step: a captured step's capture), how many exceed `spike` x the median, and the `largest` gaps as (index of the token it ends at, ms). Where a slow decode's
-    time goes: a periodic host wait shows as spikes at its period, a slower step as a higher median."""
+    (the first decode step: a captured step's capture), how many exceed `spike` x the median, and the `largest` gaps
+    as (index of the token it ends at, ms). Where a slow decode's time goes: a periodic host wait shows as spikes at
+    its period, a slower step as a higher median."""
     if len(stamps) < 2:
         return None
     from .bench.stats import summarize
