@@ -114,9 +114,11 @@ def test_spec_covers_the_parameters_cell_and_its_defaults_pass(notebook):
                             "largest_context": "0"},
      {"decode_contexts": [32768, 131072], "arms": ["foldkv-folded"], "ranks": 4, "largest_context": 0}),
     ("07_time_to_first_token", {"ttft_cells": "4096:1,131072:4", "ttft_rounds": "2", "first_use_lengths": "4099, 4101",
+                                "ttft_cell_rounds": '{"131072:4": 3}',
                                 "e2e_prompt": "0", "prefill_memory_batches": "1,4", "e2e_arms": "foldkv-folded,sdpa",
                                 "ttft_arms": '["foldkv-folded", "sdpa"]'},
      {"ttft_cells": ["4096:1", "131072:4"], "ttft_rounds": 2, "first_use_lengths": [4099, 4101], "e2e_prompt": 0,
+      "ttft_cell_rounds": {"131072:4": 3},
       "prefill_memory_batches": [1, 4], "e2e_arms": ["foldkv-folded", "sdpa"], "ttft_arms": ["foldkv-folded", "sdpa"]}),
 ])
 def test_read_parameters_reads_text_overrides(notebook, overrides, want):
@@ -176,6 +178,9 @@ MAX = GEMMA4_31B.max_position  # 262,144
     ("07_time_to_first_token", {"ttft_cells": "4096:0"}, "ttft_cells: cell '4096:0': context and batch must be positive"),
     ("07_time_to_first_token", {"ttft_cells": f"{MAX + 1}:1"}, f"ttft_cells: '{MAX + 1}:1': {MAX + 1} is past the model's"),
     ("07_time_to_first_token", {"ttft_rounds": "0"}, "ttft_rounds: 0 is not positive"),
+    ("07_time_to_first_token", {"ttft_cell_rounds": '{"4096:2": 5}'}, "ttft_cell_rounds: '4096:2' is not one of ttft_cells"),
+    ("07_time_to_first_token", {"ttft_cell_rounds": '{"4096:1": 0}'}, "ttft_cell_rounds: '4096:1': 0 is not a positive"),
+    ("07_time_to_first_token", {"ttft_cells": "32768:1"}, "ttft_cell_rounds: '4096:1' is not one of ttft_cells"),
     ("07_time_to_first_token", {"ttft_arms": "foldkv-folded,eager"}, "ttft_arms: unknown value 'eager'"),
     ("07_time_to_first_token", {"first_use_lengths": "4099,4099"}, "first_use_lengths: [4099] not new to the process"),
     ("07_time_to_first_token", {"first_use_lengths": "4096,4099"}, "first_use_lengths: [4096] not new to the process"),

@@ -87,6 +87,41 @@ def test_rotation_red_twin_never_rotates():
         check_rotation(never)
 
 
+def check_cell_rounds(schedule_fn) -> None:
+    """A cell with rounds of its own gets that many (every one rotated), the others `rounds`; no call more."""
+    arms, cells = ["a", "b", "c"], [(4096, 1), (32768, 4)]
+    got = schedule_fn(arms, cells, {(4096, 1): 5, (32768, 4): 1})
+    for cell, n in ((4096, 1), 5), ((32768, 4), 1):
+        mine = [(r, a) for r, c, a in got if c == cell]
+        assert len(mine) == n * len(arms), (cell, mine)
+        for r in range(n):
+            assert [a for rr, a in mine if rr == r] == arms[r % 3:] + arms[:r % 3], (cell, r, mine)
+
+
+def test_a_cell_with_rounds_of_its_own():
+    check_cell_rounds(ttft.schedule)
+    rows = ttft.timed_cells(FakeMeasure(), ARMS, [(4096, 1), (32768, 4)], rounds={(4096, 1): 3, (32768, 4): 1},
+                            log=quiet)
+    assert {(r["prompt_tokens"], r["rounds_run"]) for r in rows} == {(4096, 3), (32768, 1)}
+
+
+def test_cell_rounds_red_twin_every_cell_the_most_rounds():
+    def most(arms, cells, rounds):
+        return ttft.schedule(arms, cells, max(rounds.values()))
+
+    with pytest.raises(AssertionError):
+        check_cell_rounds(most)
+
+
+@pytest.mark.parametrize("rounds", [0, {(4096, 1): 2}, {(4096, 1): 2, (32768, 4): 0},
+                                    {(4096, 1): 2, (32768, 4): 1, (512, 1): 1}])
+def test_bad_rounds_are_refused_before_any_call(rounds):
+    fake = FakeMeasure()
+    with pytest.raises(ValueError, match="need a count >= 1 for each cell"):
+        ttft.timed_cells(fake, ARMS, [(4096, 1), (32768, 4)], rounds=rounds, log=quiet)
+    assert fake.calls == []
+
+
 def test_timed_calls_follow_the_schedule():
     fake = FakeMeasure()
     cells = [(4096, 1), (32768, 4)]
@@ -428,7 +463,7 @@ def test_notebook_cells_on_fake_measurements(tmp_path, monkeypatch):
 
     record = RunRecord("07_time_to_first_token", tmp_path)
     ns = dict(model31=tiny, record=record, redraw=RecordRedraw(record, cuda=True), out_dir=str(tmp_path), seed=0, prefill_chunk=256, os=os, json=json,
-              ttft_cells=["256:1", "512:2"], ttft_arms=ARMS[:3], ttft_rounds=2,
+              ttft_cells=["256:1", "512:2"], ttft_arms=ARMS[:3], ttft_rounds=2, ttft_cell_rounds={"256:1": 3},
               first_use_lengths=[259, 261], first_use_arms=["foldkv-folded"], e2e_prompt=1024, e2e_new_tokens=4,
               e2e_arms=ARMS[:2],
               prefill_memory_context=1024, prefill_memory_batches=[1, 2],
@@ -454,7 +489,8 @@ def test_notebook_cells_on_fake_measurements(tmp_path, monkeypatch):
     with open(tmp_path / "07_time_to_first_token.json") as fh:
         written = json.load(fh)
     assert [r["arm"] for r in written["e2e"]] == ARMS[:2] and len(written["ttft"]) == len(rows)
-    assert len(steady.calls) == 3 + 2 * 3 * 2 + 2 * (1 + ttft.FIRST_USE_STEADY_CALLS) + 2 + 2, \
+    assert {(r["prompt_tokens"], r["rounds_run"]) for r in rows if "from" not in r} == {(256, 3), (512, 2)}
+    assert len(steady.calls) == 3 + (3 + 2) * 3 + 2 * (1 + ttft.FIRST_USE_STEADY_CALLS) + 2 + 2, \
         "warm-ups, rounds, first use, the end to end's warm-ups and calls: no call more"
     warm = ttft.WARMUP_CELL[0]
     assert decoded == [(a, warm, ttft.E2E_WARMUP_TOKENS) for a in ARMS[:2]] + [(a, 1024, 4) for a in ARMS[:2]], \

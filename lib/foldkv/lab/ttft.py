@@ -7,9 +7,10 @@ cache, prefilled in chunks, timed from the call to the first token (one new toke
   (`WARMUP_CELL`): what a process pays once per arm (kernel builds, compiles, the pool's first allocation) is paid
   there and recorded as the arm's `warmup_s`, apart from the steady state. The library keeps no per-length state
   (kernels are built per arm, not per prompt length; `first_use_rows` measures that claim), so the cells need no
-  first call of their own. Then `rounds` rounds, the arms in rotated order (round r starts at arm r mod n, so no
-  arm always runs first or after the same arm), the median over rounds. A cell that runs out of memory "does not
-  fit" (its later rounds are skipped). The floor: the prompt's FLOPs from the model's own shapes
+  first call of their own. Then `rounds` rounds (a cell may have its own count: a 4K prompt's 0.4 s takes five where a
+  128K prompt takes one), the arms in rotated order (round r starts at arm r mod n, so no arm always runs first or
+  after the same arm), the median over rounds. A cell that runs out of memory "does not fit" (its later rounds are
+  skipped). The floor: the prompt's FLOPs from the model's own shapes
   (`prefill_floor.prefill_flops`) at the dense bf16 matmul rate measured in the same process
   (`bench.roofs.measure_matmul_roof`); each cell's TTFT / floor.
 - `first_use_rows`: prompts of lengths this process has not run, each timed at its first call and again (steady):
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import statistics
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from . import model_decode as md
 from .prefill_floor import floor_seconds, model_shapes, prefill_flops
@@ -64,9 +65,22 @@ def rotated(arms: Sequence[str], round_: int) -> list[str]:
     return list(arms[k:]) + list(arms[:k])
 
 
-def schedule(arms: Sequence[str], cells: Sequence[Cell], rounds: int) -> list[tuple[int, Cell, str]]:
-    """The timed calls in order: (round, cell, arm), each round every cell with the arms rotated (`rotated`)."""
-    return [(r, cell, arm) for r in range(rounds) for cell in cells for arm in rotated(arms, r)]
+def cell_rounds(cells: Sequence[Cell], rounds: int | Mapping[Cell, int]) -> dict[Cell, int]:
+    """Each cell's timed rounds: `rounds` for every cell, or a mapping that names each cell's own (refused: a cell it
+    does not name, a cell that is not one of `cells`, a count below one)."""
+    per = dict(rounds) if isinstance(rounds, Mapping) else {cell: rounds for cell in cells}
+    if set(per) != set(cells) or any(not isinstance(n, int) or n < 1 for n in per.values()):
+        raise ValueError(f"rounds={rounds!r} for cells {list(cells)}: need a count >= 1 for each cell, and no other")
+    return per
+
+
+def schedule(arms: Sequence[str], cells: Sequence[Cell],
+             rounds: int | Mapping[Cell, int]) -> list[tuple[int, Cell, str]]:
+    """The timed calls in order: (round, cell, arm), each round every cell that has that many rounds
+    (`cell_rounds`), with the arms rotated (`rotated`)."""
+    per = cell_rounds(cells, rounds)
+    return [(r, cell, arm) for r in range(max(per.values())) for cell in cells if r < per[cell]
+            for arm in rotated(arms, r)]
 
 
 def _status(row: dict) -> str:
@@ -87,7 +101,8 @@ def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def timed_cells(measure: Callable[..., dict], arms: Sequence[str], cells: Sequence[Cell], *, rounds: int,
+def timed_cells(measure: Callable[..., dict], arms: Sequence[str], cells: Sequence[Cell], *,
+                rounds: int | Mapping[Cell, int],
                 seed: int = 0, warmup: Cell | None = WARMUP_CELL, warmup_measure: Callable[..., dict] | None = None,
                 log: Callable[[str], None] = print) -> list[dict]:
     """`measure(arm_name=, prompt_tokens=, batch=, seed=)` (a row with "status", "ttft_s", and "generate_s" where it
@@ -96,15 +111,16 @@ def timed_cells(measure: Callable[..., dict], arms: Sequence[str], cells: Sequen
     drawn anew; a (cell, arm) that did not run in a round (out of memory, failed) is not called again. One row per
     (cell, arm), in cell then arm order: the medians over rounds, each round's TTFT, the arm's warm-up time (and its
     decode's gaps where it decoded), the last round's peak memory and decode gaps."""
-    if not arms or not cells or rounds < 1:
-        raise ValueError(f"arms={list(arms)}, cells={list(cells)}, rounds={rounds}: need arms, cells and rounds >= 1")
+    if not arms or not cells:
+        raise ValueError(f"arms={list(arms)}, cells={list(cells)}: need arms and cells")
+    calls = schedule(arms, cells, rounds)  # refuses a bad `rounds` before any call
     runs: dict[tuple[Cell, str], list[dict]] = {(c, a): [] for c in cells for a in arms}
     warm: dict[str, dict] = {}
     if warmup is not None:
         for arm in arms:
             warm[arm] = _call(warmup_measure or measure, log, arm_name=arm, prompt_tokens=warmup[0],
                               batch=warmup[1], seed=seed)
-    for r, cell, arm in schedule(arms, cells, rounds):
+    for r, cell, arm in calls:
         done = runs[cell, arm]
         if any(x["status"] != "ran" for x in done) or warm.get(arm, {}).get("status", "ran") != "ran":
             continue  # did not fit (or failed) before: the next rounds would say the same
@@ -170,7 +186,8 @@ def _prefill(model, new_tokens: int, prefill_chunk: int) -> Callable[..., dict]:
     return functools.partial(md.measure_prefill, model, new_tokens=new_tokens, prefill_chunk=prefill_chunk)
 
 
-def ttft_cells(model, arms: Sequence[str], cells: Sequence[Cell], *, rounds: int, prefill_chunk: int, seed: int = 0,
+def ttft_cells(model, arms: Sequence[str], cells: Sequence[Cell], *, rounds: int | Mapping[Cell, int],
+               prefill_chunk: int, seed: int = 0,
                warmup: Cell | None = WARMUP_CELL, matmul_tflops: float | None = None,
                measure: Callable[..., dict] | None = None, log: Callable[[str], None] = print) -> dict:
     """TTFT at every (cell, arm) (module docstring) with its floor: {"matmul": the rate's measurement, "rows"}.
