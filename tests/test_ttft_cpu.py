@@ -153,6 +153,15 @@ def test_one_untimed_warmup_an_arm_precedes_the_rounds():
     assert seeds == {1, 2}, "each round draws its own prompts"
 
 
+def test_a_one_token_cell_carries_no_empty_gaps():
+    """measure_prefill's one-token call has token_gaps None: the row has no such key (not a null column)."""
+    def one_token(**cell):
+        return {**FakeMeasure()(**cell), "token_gaps": None, "new_tokens": 1}
+
+    [row] = ttft.timed_cells(one_token, ARMS[:1], [(4096, 1)], rounds=1, warmup=None, log=quiet)
+    assert "token_gaps" not in row and row["new_tokens"] == 1
+
+
 def test_untimed_warmup_red_twin_a_median_that_keeps_it():
     rows = ttft.timed_cells(FakeMeasure(), ARMS, [(4096, 1)], rounds=1, warmup=None, log=quiet)
     with pytest.raises(AssertionError):

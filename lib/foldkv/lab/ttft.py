@@ -143,7 +143,7 @@ def timed_cells(measure: Callable[..., dict], arms: Sequence[str], cells: Sequen
                 row["generate_s"] = _median([x["generate_s"] for x in ran])
             if ran:
                 row.update({k: ran[-1][k] for k in ("peak_bytes", "memory", "tokens", "new_tokens", "token_gaps")
-                            if k in ran[-1]})
+                            if ran[-1].get(k) is not None})  # a one-token call has no gaps: no column
             rows.append(row)
     return rows
 
