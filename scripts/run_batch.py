@@ -36,8 +36,7 @@ SMOKE_PARAMETERS: dict[str, dict] = {
            "prefill_tail_chunk": 256,
            "compile_prompt": 0},
     "06": {},
-    "07": {"ttft_cells": ["512:1", "512:2"], "ttft_rounds": 2, "ttft_cell_rounds": {"512:1": 3},
-           "first_use_lengths": [259, 261], "e2e_prompt": 512,
+    "07": {"ttft_cells": ["512:1:3", "512:2"], "ttft_rounds": 2, "first_use_lengths": [259, 261], "e2e_prompt": 512,
            "e2e_new_tokens": 4, "prefill_memory_context": 1024, "prefill_memory_batches": [1, 2], "prefill_chunk": 256},
 }
 

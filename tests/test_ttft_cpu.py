@@ -113,6 +113,19 @@ def test_cell_rounds_red_twin_every_cell_the_most_rounds():
         check_cell_rounds(most)
 
 
+def test_a_cell_names_its_own_rounds():
+    cells, rounds = ttft.parse_cells(["4096:1:5", "32768:4"], 2)
+    assert cells == [(4096, 1), (32768, 4)] and rounds == {(4096, 1): 5, (32768, 4): 2}
+
+
+@pytest.mark.parametrize("text", ["4096:1:0", "4096:1:x", "4096:1:-2", "4096:1:5:1", "4096"])
+def test_a_bad_cell_is_refused(text):
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match=f"cell '{text}'"):
+        ttft.parse_cells([text], 1)
+
+
 @pytest.mark.parametrize("rounds", [0, {(4096, 1): 2}, {(4096, 1): 2, (32768, 4): 0},
                                     {(4096, 1): 2, (32768, 4): 1, (512, 1): 1}])
 def test_bad_rounds_are_refused_before_any_call(rounds):
@@ -472,7 +485,7 @@ def test_notebook_cells_on_fake_measurements(tmp_path, monkeypatch):
 
     record = RunRecord("07_time_to_first_token", tmp_path)
     ns = dict(model31=tiny, record=record, redraw=RecordRedraw(record, cuda=True), out_dir=str(tmp_path), seed=0, prefill_chunk=256, os=os, json=json,
-              ttft_cells=["256:1", "512:2"], ttft_arms=ARMS[:3], ttft_rounds=2, ttft_cell_rounds={"256:1": 3},
+              ttft_cells=["256:1:3", "512:2"], ttft_arms=ARMS[:3], ttft_rounds=2,
               first_use_lengths=[259, 261], first_use_arms=["foldkv-folded"], e2e_prompt=1024, e2e_new_tokens=4,
               e2e_arms=ARMS[:2],
               prefill_memory_context=1024, prefill_memory_batches=[1, 2],

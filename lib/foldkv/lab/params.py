@@ -378,7 +378,6 @@ SPECS: dict[str, dict[str, Param]] = {
         "ttft_cells": Param("list", "str", nonempty=True),
         "ttft_arms": Param("list", "str", choices=_model_arms, nonempty=True),
         "ttft_rounds": Param("int", positive=True),
-        "ttft_cell_rounds": Param("dict"),
         "first_use_lengths": Param("list", "int", positive=True, tokens=True),
         "first_use_arms": Param("list", "str", choices=_model_arms, nonempty=True),
         "e2e_prompt": Param("int", at_least=0, tokens=True),
@@ -454,29 +453,22 @@ def _cross_06(values: dict, geom: AttentionGeometry) -> None:
 
 
 def _cross_07(values: dict, geom: AttentionGeometry) -> None:
-    """ttft_cells read as PROMPT:BATCH within the model's positions; ttft_cell_rounds naming some of them, each a
-    positive count; first_use_lengths new to the notebook's process: distinct, and none a prompt length the sections
-    before it prefill (each arm's warm-up, ttft_cells, e2e_prompt)."""
+    """ttft_cells read as PROMPT:BATCH[:ROUNDS] within the model's positions; first_use_lengths new to the notebook's
+    process: distinct, and none a prompt length the sections before it prefill (each arm's warm-up, ttft_cells,
+    e2e_prompt)."""
     import argparse
 
-    from .model_decode import parse_cell
-    from .ttft import WARMUP_CELL
+    from .ttft import WARMUP_CELL, parse_cells
 
-    prompts = []
-    for text in values["ttft_cells"]:
-        try:
-            prompt, _ = parse_cell(text)
-        except argparse.ArgumentTypeError as exc:
-            raise ParameterError(f"ttft_cells: {exc} (here PROMPT:BATCH)") from None
+    try:
+        cells, _ = parse_cells(values["ttft_cells"], values["ttft_rounds"])
+    except argparse.ArgumentTypeError as exc:
+        raise ParameterError(f"ttft_cells: {exc} (here PROMPT:BATCH or PROMPT:BATCH:ROUNDS)") from None
+    prompts = [prompt for prompt, _ in cells]
+    for text, prompt in zip(values["ttft_cells"], prompts):
         if prompt > geom.max_position:
             raise ParameterError(f"ttft_cells: {text!r}: {prompt} is past the model's max_position {geom.max_position}"
                                  f" ({geom.name})")
-        prompts.append(prompt)
-    for text, n in values["ttft_cell_rounds"].items():
-        if text not in values["ttft_cells"]:
-            raise ParameterError(f"ttft_cell_rounds: {text!r} is not one of ttft_cells {values['ttft_cells']}")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ParameterError(f"ttft_cell_rounds: {text!r}: {n!r} is not a positive whole number of rounds")
     lengths = values["first_use_lengths"]
     run_before = {WARMUP_CELL[0]} | set(prompts) | {values["e2e_prompt"]}
     repeated = sorted({n for n in lengths if lengths.count(n) > 1} | (set(lengths) & run_before))

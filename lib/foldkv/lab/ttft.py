@@ -7,8 +7,8 @@ cache, prefilled in chunks, timed from the call to the first token (one new toke
   (`WARMUP_CELL`): what a process pays once per arm (kernel builds, compiles, the pool's first allocation) is paid
   there and recorded as the arm's `warmup_s`, apart from the steady state. The library keeps no per-length state
   (kernels are built per arm, not per prompt length; `first_use_rows` measures that claim), so the cells need no
-  first call of their own. Then `rounds` rounds (a cell may have its own count: a 4K prompt's 0.4 s takes five where a
-  128K prompt takes one), the arms in rotated order (round r starts at arm r mod n, so no arm always runs first or
+  first call of their own. Then `rounds` rounds (a cell may have its own count, "PROMPT:BATCH:ROUNDS": a 4K prompt's
+  0.4 s takes five where a 32K x 4 prompt's 16 s takes one), the arms in rotated order (round r starts at arm r mod n, so no arm always runs first or
   after the same arm), the median over rounds. A cell that runs out of memory "does not fit" (its later rounds are
   skipped). The floor: the prompt's FLOPs from the model's own shapes
   (`prefill_floor.prefill_flops`) at the dense bf16 matmul rate measured in the same process
@@ -63,6 +63,28 @@ def rotated(arms: Sequence[str], round_: int) -> list[str]:
     """The arms in round `round_`'s order: starting at arm round_ mod n, in the given cyclic order."""
     k = round_ % len(arms)
     return list(arms[k:]) + list(arms[:k])
+
+
+def parse_cells(texts: Sequence[str], rounds: int) -> tuple[list[Cell], dict[Cell, int]]:
+    """Notebook 07's `ttft_cells`, each "PROMPT:BATCH" or "PROMPT:BATCH:ROUNDS" (a cell's own count of timed rounds;
+    else `rounds`) -> (the cells, each cell's rounds). Raises argparse.ArgumentTypeError naming the cell."""
+    import argparse
+
+    cells, per = [], {}
+    for text in texts:
+        head, sep, own = text.rpartition(":") if text.count(":") == 2 else (text, "", "")
+        cell = md.parse_cell(head)
+        try:
+            n = int(own) if sep else rounds
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"cell {text!r}: its rounds must be a positive whole number")
+        if cell in per:
+            raise argparse.ArgumentTypeError(f"cell {text!r}: {head} is given twice")
+        cells.append(cell)
+        per[cell] = n
+    return cells, per
 
 
 def cell_rounds(cells: Sequence[Cell], rounds: int | Mapping[Cell, int]) -> dict[Cell, int]:
@@ -533,4 +555,4 @@ __all__ = ["BOUNDED_ARM", "DOES_NOT_FIT", "E2E_ALONE", "E2E_CALL", "ONE_STEADY_C
            "FIRST_USE_STEADY_CALLS", "PEER_ARMS", "WARMUP_CELL", "e2e_rows", "e2e_table", "e2e_targets", "first_use_rows", "first_use_table",
            "first_use_targets", "floor_bound", "floor_targets", "memory_targets", "peer_targets",
            "plot_ttft_over_floor", "prefill_memory_rows", "rotated", "schedule", "targets", "timed_cells",
-           "ttft_cells", "ttft_table", "with_floor"]
+           "ttft_cells", "ttft_table", "with_floor", "parse_cells"]
