@@ -43,7 +43,8 @@ t0=$(date +%s)
 J=${JIT_S:-120}; A=${PHASE_A_S:-450}; B=${PHASE_B_S:-450}  # the GPU suite ~450 s; notebook 04 ~380 s with its drawn
 # cells on a fresh machine, FlashInfer's JIT modules built in its first section (s20: 330 s stopped it in its prefill)
 BATCH="python3 scripts/run_batch.py --tag $TAG --no-progress --log-output"  # cell output in each batch_*.log
-[ -n "${BATCH_PARAMS:-}" ] && BATCH="$BATCH --params $BATCH_PARAMS"  # JSON {"07": {...}}: a run shorter than the defaults (no spaces)
+# BATCH_PARAMS: run_batch's --params, JSON without spaces ({"07":{...}}): a run shorter than the defaults
+[ -n "${BATCH_PARAMS:-}" ] && BATCH="$BATCH --params $BATCH_PARAMS"
 
 timeout $J python3 scripts/jit_build_all.py --record "$FOLDKV_JIT_BUILD_RECORD" > "$OUTD/jit_build.log" 2>&1
 echo "jit build rc=$? at $(( $(date +%s) - t0 )) s: $(tail -1 "$OUTD/jit_build.log")"

@@ -495,6 +495,8 @@ def test_notebook_cells_on_fake_measurements(tmp_path, monkeypatch):
     from foldkv.lab.jsonsafe import jsonable
 
     ns.update(plt=plt, jsonable=jsonable)
+    # the intro's FLOPs cell parses ttft_cells (before the measuring sections run)
+    ns["ttft_cell_list"], ns["ttft_cell_rounds"] = ttft.parse_cells(ns["ttft_cells"], ns["ttft_rounds"])
     for source in _ttft_cells_of_the_notebook():
         exec(source, ns)
     sections = ("ttft_31b", "first_use_31b", "e2e_31b", "prefill_memory_31b")

@@ -8,9 +8,9 @@ cache, prefilled in chunks, timed from the call to the first token (one new toke
   there and recorded as the arm's `warmup_s`, apart from the steady state. The library keeps no per-length state
   (kernels are built per arm, not per prompt length; `first_use_rows` measures that claim), so the cells need no
   first call of their own. Then `rounds` rounds (a cell may have its own count, "PROMPT:BATCH:ROUNDS": a 4K prompt's
-  0.4 s takes five where a 32K x 4 prompt's 16 s takes one), the arms in rotated order (round r starts at arm r mod n, so no arm always runs first or
-  after the same arm), the median over rounds. A cell that runs out of memory "does not fit" (its later rounds are
-  skipped). The floor: the prompt's FLOPs from the model's own shapes
+  0.4 s takes five where a 32K x 4 prompt's 16 s takes one), the arms in rotated order (round r starts at arm r mod
+  n, so no arm always runs first or after the same arm), the median over rounds. A cell that runs out of memory "does
+  not fit" (its later rounds are skipped). The floor: the prompt's FLOPs from the model's own shapes
   (`prefill_floor.prefill_flops`) at the dense bf16 matmul rate measured in the same process
   (`bench.roofs.measure_matmul_roof`); each cell's TTFT / floor.
 - `first_use_rows`: prompts of lengths this process has not run, each timed at its first call and again (steady):
@@ -553,6 +553,6 @@ def plot_ttft_over_floor(rows: Sequence[dict], path: str | None = None):
 __all__ = ["BOUNDED_ARM", "DOES_NOT_FIT", "E2E_ALONE", "E2E_CALL", "ONE_STEADY_CALL", "RULE_CHANGES", "against_record",
            "side_by_side_markdown", "steady_calls", "with_e2e_ttft", "FIRST_USE_LIMIT", "FLOOR_BOUNDS", "FOLDED_ARMS", "MEMORY_BASE_ARM",
            "FIRST_USE_STEADY_CALLS", "PEER_ARMS", "WARMUP_CELL", "e2e_rows", "e2e_table", "e2e_targets", "first_use_rows", "first_use_table",
-           "first_use_targets", "floor_bound", "floor_targets", "memory_targets", "peer_targets",
+           "first_use_targets", "floor_bound", "floor_targets", "memory_targets", "parse_cells", "peer_targets",
            "plot_ttft_over_floor", "prefill_memory_rows", "rotated", "schedule", "targets", "timed_cells",
-           "ttft_cells", "ttft_table", "with_floor", "parse_cells"]
+           "ttft_cells", "ttft_table", "with_floor"]
